@@ -1,0 +1,463 @@
+"""DLPack exchange: export polyhal memory as DLPack capsules and import other libraries' capsules.
+
+Pure Python over ``ctypes``: the structs follow ``dlpack.h`` v1.0 and capsules are made and read
+through the CPython C API. Producers get versioned (``"dltensor_versioned"``, DLPack 1.x) or legacy
+(``"dltensor"``) capsules; consumers accept both, as the Array API standard (2023.12) asks.
+
+Ownership: :func:`export_capsule` keeps ``owner`` alive in a registry until the consumer calls the
+deleter, or until the capsule is garbage collected without being consumed. :func:`from_capsule`
+marks a capsule used and returns an :class:`ImportedTensor` whose :meth:`~ImportedTensor.release`
+calls the producer's deleter once; keep the ImportedTensor alive while the memory is in use.
+
+Known limitation of doing this without a compiled extension: our deleter and capsule destructor
+are ``ctypes`` callbacks, and a ``ctypes`` callback that runs while an exception is pending cannot
+hand that exception back. C consumers do call deleters with an error pending: numpy frees the
+temporary in ``np.from_dlpack(t) + "x"`` after setting the TypeError, and drops the capsule after
+setting its error when it rejects a device. The memory is still released, but the caller sees
+``SystemError: error return without exception set`` and the real error is printed to stderr as
+"Exception ignored on calling ctypes callback function". A C deleter that saves and restores the
+error (the DLPack spec's example) is the fix, should that ever matter.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from polyhal.errors import DLPackError
+
+__all__ = [
+    "DLPACK_VERSION", "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED",
+    "DLDeviceType", "ImportedTensor", "export_capsule", "from_capsule", "request_capsule",
+    "dlpack_dtype", "numpy_dtype",
+]
+
+#: The (major, minor) DLPack version this module produces and the newest major it reads.
+DLPACK_VERSION = (1, 0)
+DLPACK_FLAG_BITMASK_READ_ONLY = 1
+DLPACK_FLAG_BITMASK_IS_COPIED = 2
+
+
+class DLDeviceType(enum.IntEnum):
+    """DLPack's ``DLDeviceType`` codes."""
+
+    CPU = 1
+    CUDA = 2
+    CUDA_HOST = 3
+    OPENCL = 4
+    VULKAN = 7
+    METAL = 8
+    VPI = 9
+    ROCM = 10
+    ROCM_HOST = 11
+    EXT_DEV = 12
+    CUDA_MANAGED = 13
+    ONE_API = 14
+
+
+# ---------------------------------------------------------------- dlpack.h v1.0 structs
+
+class DLDevice(ctypes.Structure):
+    """``DLDevice``: device type and ordinal."""
+
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    """``DLDataType``: type code, bits per lane, lanes."""
+
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    """``DLTensor``: the borrowed view of the memory."""
+
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("device", DLDevice),
+        ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType),
+        ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)),
+        ("byte_offset", ctypes.c_uint64),
+    ]
+
+
+# One prototype serves both struct kinds: the argument is just the struct's address.
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class DLManagedTensor(ctypes.Structure):
+    """Legacy (pre-1.0) ``DLManagedTensor``, carried in a ``"dltensor"`` capsule."""
+
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+
+
+class DLPackVersion(ctypes.Structure):
+    """``DLPackVersion``: ABI major and minor."""
+
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    """``DLManagedTensorVersioned`` (DLPack 1.x), carried in a ``"dltensor_versioned"`` capsule."""
+
+    _fields_ = [
+        ("version", DLPackVersion),
+        ("manager_ctx", ctypes.c_void_p),
+        ("deleter", _Deleter),
+        ("flags", ctypes.c_uint64),
+        ("dl_tensor", DLTensor),
+    ]
+
+
+# ---------------------------------------------------------------- CPython capsule API
+
+def _capi(name: str, restype: Any, *argtypes: Any) -> Any:
+    # Private prototypes: setting argtypes on ctypes.pythonapi.X would change it for everyone.
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((name, ctypes.pythonapi))
+
+
+_CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+_capsule_new = _capi("PyCapsule_New", ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+                     _CapsuleDestructor)
+_capsule_get_name = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
+_capsule_get_pointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object,
+                             ctypes.c_char_p)
+_capsule_set_name = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+_py_incref = _capi("Py_IncRef", None, ctypes.py_object)
+_err_occurred = _capi("PyErr_Occurred", ctypes.c_void_p)  # raises whatever exception is pending
+# In the destructor the capsule is being deallocated, so it is passed as a raw address (a
+# py_object argument would resurrect it).
+_raw_is_valid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
+_raw_get_pointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+
+# Capsules keep a bare ``const char*`` to their name, so these must outlive every capsule.
+_NAME_VERSIONED = b"dltensor_versioned"
+_NAME_LEGACY = b"dltensor"
+_USED_VERSIONED = b"used_dltensor_versioned"
+_USED_LEGACY = b"used_dltensor"
+
+_records: dict[int, tuple] = {}  # manager_ctx id -> (owner, managed struct, shape, strides)
+_records_lock = threading.Lock()
+_consume_lock = threading.Lock()
+_ids = itertools.count(1)
+
+
+def _make_callbacks(records: dict, lock: threading.Lock) -> tuple:
+    # Everything the callbacks use is bound here rather than looked up as a module global,
+    # because C consumers may call them during interpreter shutdown after globals are cleared.
+    read_ptr = ctypes.c_void_p.from_address
+    ctx_versioned = DLManagedTensorVersioned.manager_ctx.offset
+    ctx_legacy = DLManagedTensor.manager_ctx.offset
+    names = ((_NAME_VERSIONED, ctx_versioned), (_NAME_LEGACY, ctx_legacy))
+    is_valid, get_pointer, err_occurred = _raw_is_valid, _raw_get_pointer, _err_occurred
+
+    def release(managed_ptr: int, ctx_offset: int) -> None:
+        with lock:
+            record = records.pop(read_ptr(managed_ptr + ctx_offset).value, None)
+        del record  # drops the owner outside the lock: its finaliser may export again
+
+    def guarded(work: Any, *args: Any) -> None:
+        # With an exception pending, every C call made here would fail. Probing with a
+        # PYFUNCTYPE call takes the pending exception out of the thread state so the memory
+        # can still be freed; it is raised again at the end, which ctypes reports as
+        # "Exception ignored" because it cannot hand it back to the C caller.
+        pending = None
+        try:
+            err_occurred()
+        except BaseException as exc:  # noqa: BLE001
+            pending = exc
+        try:
+            work(*args)
+        except BaseException:  # noqa: BLE001 - an exception cannot cross into the C caller
+            pass
+        if pending is not None:
+            raise pending
+
+    def free_unconsumed(capsule_ptr: int) -> None:
+        for name, ctx_offset in names:
+            if is_valid(capsule_ptr, name):  # still unconsumed: nobody else will free it
+                release(get_pointer(capsule_ptr, name), ctx_offset)
+                return
+
+    def deleter_versioned(managed_ptr: int) -> None:
+        guarded(release, managed_ptr, ctx_versioned)
+
+    def deleter_legacy(managed_ptr: int) -> None:
+        guarded(release, managed_ptr, ctx_legacy)
+
+    def capsule_destructor(capsule_ptr: int) -> None:
+        guarded(free_unconsumed, capsule_ptr)
+
+    return (_Deleter(deleter_versioned), _Deleter(deleter_legacy),
+            _CapsuleDestructor(capsule_destructor))
+
+
+_DELETER_VERSIONED, _DELETER_LEGACY, _CAPSULE_DESTRUCTOR = _make_callbacks(_records, _records_lock)
+# Leak one reference to each so they are never freed: capsules and consumers hold raw pointers
+# to the names and callback thunks, possibly until after this module is torn down.
+for _immortal in (_NAME_VERSIONED, _NAME_LEGACY, _USED_VERSIONED, _USED_LEGACY,
+                  _DELETER_VERSIONED, _DELETER_LEGACY, _CAPSULE_DESTRUCTOR):
+    _py_incref(_immortal)
+_PROBE = ctypes.c_int(0)
+_CAPSULE_TYPE = type(_capsule_new(ctypes.addressof(_PROBE), None, _CapsuleDestructor()))
+
+
+# ---------------------------------------------------------------- dtypes
+
+_INT, _UINT, _FLOAT, _BFLOAT, _COMPLEX, _BOOL = 0, 1, 2, 4, 5, 6
+_KIND_CODES = {"i": _INT, "u": _UINT, "f": _FLOAT, "c": _COMPLEX, "b": _BOOL}
+_NUMPY_TYPES = {
+    (_INT, 8): np.int8, (_INT, 16): np.int16, (_INT, 32): np.int32, (_INT, 64): np.int64,
+    (_UINT, 8): np.uint8, (_UINT, 16): np.uint16, (_UINT, 32): np.uint32, (_UINT, 64): np.uint64,
+    (_FLOAT, 16): np.float16, (_FLOAT, 32): np.float32, (_FLOAT, 64): np.float64,
+    (_COMPLEX, 64): np.complex64, (_COMPLEX, 128): np.complex128, (_BOOL, 8): np.bool_,
+}
+
+
+def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
+    """DLPack ``(code, bits, lanes)`` of a numpy dtype; raise DLPackError if DLPack has none."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise DLPackError(f"{dtype!r} is not a numpy dtype; pass e.g. numpy.dtype('float32')") from exc
+    if dt.name == "bfloat16":  # ml_dtypes' bfloat16, if the user has it
+        return (_BFLOAT, 16, 1)
+    code = _KIND_CODES.get(dt.kind)
+    if code is None or (code, dt.itemsize * 8) not in _NUMPY_TYPES:
+        raise DLPackError(
+            f"element type {dt} has no DLPack equivalent; use bool, (u)int8-64, float16/32/64 "
+            "or complex64/128 (convert with astype first)")
+    if not dt.isnative:
+        raise DLPackError(f"element type {dt.str} is not in native byte order, which DLPack "
+                          "requires; convert with astype(dtype.newbyteorder('='))")
+    return (code, dt.itemsize * 8, 1)
+
+
+def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype:
+    """numpy dtype of a DLPack ``(code, bits, lanes)``; raise DLPackError if numpy has none."""
+    if lanes != 1:
+        raise DLPackError(f"DLPack vector types (lanes={lanes}) are not supported; "
+                          "export the data with lanes=1 and a trailing dimension instead")
+    if code == _BFLOAT and bits == 16:
+        try:
+            import ml_dtypes  # optional: numpy itself has no bfloat16
+        except ImportError:
+            raise DLPackError("bfloat16 DLPack tensors need the 'ml_dtypes' package; install it "
+                              "or convert to float32 on the producer side") from None
+        return np.dtype(ml_dtypes.bfloat16)
+    try:
+        return np.dtype(_NUMPY_TYPES[(code, bits)])
+    except KeyError:
+        raise DLPackError(f"DLPack element type (code={code}, bits={bits}) is not supported; "
+                          "convert to bool, (u)int8-64, float16/32/64 or complex64/128 "
+                          "on the producer side") from None
+
+
+# ---------------------------------------------------------------- export
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(extent, 1)
+    return tuple(reversed(strides))
+
+
+def _device(device: tuple[int, int]) -> tuple[int, int]:
+    try:
+        dev_type, dev_id = device
+        return DLDeviceType(int(dev_type)), int(dev_id)
+    except (TypeError, ValueError) as exc:
+        raise DLPackError(f"device {device!r} is not a (DLDeviceType, device_id) pair of a known "
+                          f"type; known types: {[t.name for t in DLDeviceType]}") from exc
+
+
+def export_capsule(*, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+                   dtype: Any, device: tuple[int, int], owner: object, readonly: bool = False,
+                   byte_offset: int = 0, versioned: bool = True, copied: bool = False) -> Any:
+    """Wrap memory in a DLPack capsule, keeping ``owner`` alive until the consumer is done.
+
+    ``strides`` are in elements (None means row-major; the capsule always carries explicit
+    strides, since some consumers mishandle NULL). ``versioned=True`` makes a DLPack 1.0
+    ``"dltensor_versioned"`` capsule with the read-only / is-copied flags; ``versioned=False`` a
+    legacy ``"dltensor"`` capsule. A legacy capsule cannot mark memory read-only, so
+    ``readonly=True, versioned=False`` raises DLPackError (the Array API asks producers to refuse
+    what they cannot honour); ``copied`` is dropped for legacy capsules, which cannot say it.
+    """
+    code, bits, lanes = dlpack_dtype(dtype)
+    dev_type, dev_id = _device(device)
+    shape = tuple(int(n) for n in shape)
+    if any(n < 0 for n in shape):
+        raise DLPackError(f"shape {shape} has a negative extent")
+    strides = _row_major(shape) if strides is None else tuple(int(s) for s in strides)
+    if len(strides) != len(shape):
+        raise DLPackError(f"strides {strides} do not match shape {shape}: need one per dimension")
+    if data_ptr < 0 or byte_offset < 0:
+        raise DLPackError(f"data_ptr ({data_ptr}) and byte_offset ({byte_offset}) must be >= 0")
+    if readonly and not versioned:
+        raise DLPackError("cannot export read-only memory in a legacy (unversioned) DLPack capsule, "
+                          "which has no read-only flag; the consumer should ask with "
+                          "max_version=(1, 0), or export a writable copy")
+    ndim = len(shape)
+    shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
+    strides_arr = (ctypes.c_int64 * max(ndim, 1))(*strides)
+    rid = next(_ids)
+    if versioned:
+        managed: Any = DLManagedTensorVersioned()
+        managed.version = DLPackVersion(*DLPACK_VERSION)
+        managed.flags = ((DLPACK_FLAG_BITMASK_READ_ONLY if readonly else 0)
+                         | (DLPACK_FLAG_BITMASK_IS_COPIED if copied else 0))
+        managed.deleter, name = _DELETER_VERSIONED, _NAME_VERSIONED
+    else:
+        managed = DLManagedTensor()
+        managed.deleter, name = _DELETER_LEGACY, _NAME_LEGACY
+    managed.manager_ctx = rid
+    t = managed.dl_tensor
+    t.data = data_ptr or None
+    t.device = DLDevice(dev_type, dev_id)
+    t.ndim = ndim
+    t.dtype = DLDataType(code, bits, lanes)
+    t.shape = ctypes.cast(shape_arr, ctypes.POINTER(ctypes.c_int64))
+    t.strides = ctypes.cast(strides_arr, ctypes.POINTER(ctypes.c_int64))
+    t.byte_offset = byte_offset
+    with _records_lock:
+        _records[rid] = (owner, managed, shape_arr, strides_arr)
+    try:
+        return _capsule_new(ctypes.addressof(managed), name, _CAPSULE_DESTRUCTOR)
+    except BaseException:
+        with _records_lock:
+            _records.pop(rid, None)
+        raise
+
+
+# ---------------------------------------------------------------- import
+
+def _call_deleter(deleter_ptr: int, managed_ptr: int) -> None:
+    _Deleter(deleter_ptr)(managed_ptr)
+
+
+@dataclass(eq=False)
+class ImportedTensor:
+    """A consumed DLPack tensor: a borrowed view of memory owned by the producer.
+
+    ``data_ptr`` already includes the producer's byte offset and ``strides`` are in elements.
+    The memory stays valid until :meth:`release` is called or this object is garbage collected.
+    """
+
+    data_ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: np.dtype
+    device: tuple[int, int]
+    readonly: bool
+    #: The producer says it made a copy for this export (DLPack 1.x flag; False for legacy).
+    copied: bool = False
+    _finalizer: Any = field(default=None, repr=False)
+
+    @property
+    def released(self) -> bool:
+        """True once the producer's deleter has been called."""
+        return self._finalizer is None or not self._finalizer.alive
+
+    def release(self) -> None:
+        """Call the producer's deleter; later calls do nothing."""
+        if self._finalizer is not None:
+            self._finalizer()
+
+
+def from_capsule(capsule: Any) -> ImportedTensor:
+    """Consume a ``"dltensor_versioned"`` or ``"dltensor"`` capsule and describe its memory.
+
+    The capsule is renamed ``"used_..."`` so the producer's destructor leaves the memory alone;
+    from then on the returned tensor is responsible for calling the deleter.
+    """
+    if type(capsule) is not _CAPSULE_TYPE:
+        raise DLPackError(f"expected a DLPack capsule, got {type(capsule).__name__}; "
+                          "pass the result of obj.__dlpack__() (or use request_capsule)")
+    with _consume_lock:  # check-and-rename must be atomic, or two consumers could both win
+        name = _capsule_get_name(capsule)
+        if name == _NAME_VERSIONED:
+            managed_ptr = _capsule_get_pointer(capsule, name)
+            managed: Any = DLManagedTensorVersioned.from_address(managed_ptr)
+            major, minor = managed.version.major, managed.version.minor
+            if major > DLPACK_VERSION[0]:
+                raise DLPackError(
+                    f"DLPack capsule has ABI version {major}.{minor}, but polyhal reads only "
+                    f"{DLPACK_VERSION[0]}.x; ask the producer for max_version={DLPACK_VERSION} "
+                    "(request_capsule does) or upgrade polyhal")
+            flags, used = managed.flags, _USED_VERSIONED
+            ctx_type = DLManagedTensorVersioned
+        elif name == _NAME_LEGACY:
+            managed_ptr = _capsule_get_pointer(capsule, name)
+            managed = DLManagedTensor.from_address(managed_ptr)
+            flags, used, ctx_type = 0, _USED_LEGACY, DLManagedTensor
+        elif name in (_USED_VERSIONED, _USED_LEGACY):
+            raise DLPackError("this capsule was already consumed; DLPack capsules can be consumed "
+                              "once: call __dlpack__() again for a new one")
+        else:
+            raise DLPackError(f"capsule named {name!r} is not a DLPack tensor; expected "
+                              "'dltensor_versioned' or 'dltensor'")
+        # Read everything before renaming: on error the capsule stays unconsumed and its own
+        # destructor frees the tensor.
+        t = managed.dl_tensor
+        if t.ndim < 0 or (t.ndim > 0 and not t.shape):
+            raise DLPackError(f"malformed DLPack tensor: ndim={t.ndim} with shape pointer "
+                              f"{'set' if t.shape else 'NULL'}")
+        dtype = numpy_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
+        shape = tuple(t.shape[i] for i in range(t.ndim))
+        strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _row_major(shape)
+        dev_type = t.device.device_type
+        device = (DLDeviceType(dev_type) if dev_type in DLDeviceType._value2member_map_
+                  else dev_type, t.device.device_id)
+        deleter_ptr = ctypes.c_void_p.from_address(managed_ptr + ctx_type.deleter.offset).value
+        data_ptr = (t.data or 0) + t.byte_offset
+        if _capsule_set_name(capsule, used) != 0:
+            raise DLPackError("could not mark the DLPack capsule as used")
+    imported = ImportedTensor(
+        data_ptr=data_ptr, shape=shape, strides=strides, dtype=dtype, device=device,
+        readonly=bool(flags & DLPACK_FLAG_BITMASK_READ_ONLY),
+        copied=bool(flags & DLPACK_FLAG_BITMASK_IS_COPIED))
+    if deleter_ptr:  # DLPack allows a NULL deleter when there is nothing to free
+        imported._finalizer = weakref.finalize(imported, _call_deleter, deleter_ptr, managed_ptr)
+    return imported
+
+
+def request_capsule(obj: Any, *, max_version: tuple[int, int] | None = DLPACK_VERSION,
+                    dl_device: tuple[int, int] | None = None, copy: bool | None = None,
+                    stream: Any = None) -> Any:
+    """Ask ``obj`` for a DLPack capsule with the Array API 2023.12 ``__dlpack__`` keywords.
+
+    Producers that predate those keywords raise TypeError; then the legacy call
+    (``__dlpack__(stream=stream)``, or no arguments) is tried, but only when neither
+    ``dl_device`` nor ``copy`` was requested, since a legacy producer cannot honour them.
+    """
+    dlpack = getattr(obj, "__dlpack__", None)
+    if dlpack is None:
+        raise DLPackError(f"{type(obj).__name__} does not support DLPack (no __dlpack__ method); "
+                          "convert it to a numpy array or another DLPack producer first")
+    kwargs: dict[str, Any] = {}
+    if max_version is not None:
+        kwargs["max_version"] = tuple(max_version)
+    if dl_device is not None:
+        kwargs["dl_device"] = tuple(dl_device)
+    if copy is not None:
+        kwargs["copy"] = copy
+    if kwargs:
+        try:
+            return dlpack(stream=stream, **kwargs)
+        except TypeError as exc:
+            if dl_device is not None or copy is not None:
+                raise DLPackError(
+                    f"{type(obj).__name__}.__dlpack__ does not accept the Array API 2023.12 "
+                    f"keywords (dl_device={dl_device!r}, copy={copy!r}): {exc}; upgrade the "
+                    "producer or do not ask for a device or copy") from exc
+    return dlpack(stream=stream) if stream is not None else dlpack()

@@ -1,0 +1,53 @@
+"""Every error polyhal raises.
+
+All derive from :class:`PolyhalError`, so ``except polyhal.PolyhalError`` catches any of them;
+each also derives from the builtin a Python user would expect (``ValueError`` for bad arguments,
+``MemoryError`` for out-of-memory, ``LookupError`` for unknown names). Messages say what was wrong
+and what to do next.
+"""
+
+from __future__ import annotations
+
+
+class PolyhalError(Exception):
+    """Base class of every polyhal error."""
+
+
+class PluginError(PolyhalError):
+    """A plugin failed to load, declared an incompatible API, or broke the hook contract."""
+
+
+class DeviceNotFoundError(PolyhalError, LookupError):
+    """A device name that no loaded plugin registered."""
+
+
+class IncompatibleBufferError(PolyhalError, ValueError):
+    """A memory type, usage or size that the allocator cannot serve."""
+
+
+class OutOfMemoryError(PolyhalError, MemoryError):
+    """An allocation the device could not satisfy; the message names device, request and use."""
+
+
+class MappingError(PolyhalError, ValueError):
+    """Mapping a buffer that is not host-visible, or a mapping used wrongly."""
+
+
+class ShapeError(PolyhalError, ValueError):
+    """Operand shapes that do not fit the op."""
+
+
+class DTypeError(PolyhalError, TypeError):
+    """Operand element types that do not fit the op."""
+
+
+class ProgramError(PolyhalError, ValueError):
+    """A malformed program: unknown op, value from another program, missing input, ..."""
+
+
+class KernelNotFoundError(PolyhalError, LookupError):
+    """No candidate device offers a kernel for an op."""
+
+
+class DLPackError(PolyhalError, BufferError):
+    """A DLPack exchange that cannot be done (consumed capsule, unsupported device, copy refused)."""

@@ -1,0 +1,1 @@
+"""HAL types: memory vocabulary, records, allocators, buffers, devices and tensors."""

@@ -1,0 +1,112 @@
+"""Devices: what a backend implements so that the core can allocate, move data and dispatch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
+
+from polyhal.errors import KernelNotFoundError
+from polyhal.hal.allocator import Allocator
+from polyhal.hal.flags import MemoryAccess
+from polyhal.hal.records import DeviceSpec
+
+if TYPE_CHECKING:
+    from polyhal.dlpack import ImportedTensor
+    from polyhal.hal.buffer import Buffer
+    from polyhal.hal.tensor import Tensor
+    from polyhal.ir.types import TensorType
+
+#: A prepared kernel: called with the native views of the inputs, then of the outputs.
+Executable = Callable[..., None]
+
+
+class Device:
+    """A created device: its allocator, its kernels and its data movement.
+
+    A backend subclasses this and implements the methods marked "backend". The core never
+    calls a backend's native API itself, so every backend is found in the same place: its
+    ``device.py`` (this class), ``allocator.py`` and ``kernels.py``.
+    """
+
+    #: DLPack device type of this device's device-local memory (see polyhal.dlpack.DLDeviceType).
+    dlpack_device_type: int = 1
+
+    def __init__(self, spec: DeviceSpec, allocator: Allocator | None = None) -> None:
+        self.spec = spec
+        self.allocator: Allocator = allocator  # type: ignore[assignment]
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def ordinal(self) -> int:
+        """The device's index within its backend (used as the DLPack device id)."""
+        return int(self.spec.limits.get("ordinal", 0))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    # -- kernels (backend) ---------------------------------------------------------------------
+
+    #: Names of the ops this device has kernels for.
+    kernel_names: frozenset[str] = frozenset()
+
+    def prepare(self, op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
+                out_types: tuple["TensorType", ...]) -> Executable:
+        """Compile/bind the kernel for one op instance; the result is the plan's hot path."""
+        raise KernelNotFoundError(f"{self.name} has no kernel for op {op!r}")
+
+    def view(self, tensor: "Tensor") -> Any:
+        """The native object kernels take for ``tensor`` (numpy view, pyopencl array, cupy array)."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Wait until all work queued on the device has finished."""
+
+    # -- data movement (backend) -----------------------------------------------------------------
+
+    def _map(self, buffer: "Buffer", offset: int, length: int, access: MemoryAccess) -> np.ndarray:
+        """Host view (uint8) of a host-visible buffer's bytes; valid until the buffer is released."""
+        raise NotImplementedError
+
+    def write(self, buffer: "Buffer", offset: int, host: np.ndarray) -> None:
+        """Copy the bytes of contiguous ``host`` into ``buffer`` at ``offset`` (host to device)."""
+        raise NotImplementedError
+
+    def read(self, buffer: "Buffer", offset: int, host: np.ndarray) -> None:
+        """Fill contiguous ``host`` from ``buffer`` at ``offset`` (device to host); waits for it."""
+        raise NotImplementedError
+
+    def copy(self, src: "Buffer", src_offset: int, dst: "Buffer", dst_offset: int, nbytes: int) -> None:
+        """Copy bytes between two buffers of this device (queue-ordered)."""
+        raise NotImplementedError
+
+    # -- DLPack (backend) ----------------------------------------------------------------------
+
+    def dlpack_device(self, buffer: "Buffer") -> tuple[int, int]:
+        """The DLPack (device type, id) of ``buffer``: the kind decides (host, managed, device)."""
+        return (self.dlpack_device_type, self.ordinal)
+
+    def buffer_address(self, buffer: "Buffer") -> int:
+        """The address DLPack exports for ``buffer`` (a device pointer, or a host pointer)."""
+        raise NotImplementedError
+
+    def _export_sync(self, buffer: "Buffer", stream: Any) -> None:
+        """Order pending work on ``buffer`` before a consumer on ``stream`` reads it (DLPack's
+        ``stream`` argument). Backends without asynchronous queues need nothing."""
+
+    def import_dlpack(self, imported: "ImportedTensor") -> "Buffer":
+        """Wrap memory described by a consumed DLPack capsule as an EXTERNAL buffer (no copy)."""
+        raise NotImplementedError
+
+    # -- native array movement (used by plan transfer steps) -----------------------------------
+
+    def download(self, native: Any, host: np.ndarray) -> None:
+        """Copy a native array of this device into the contiguous numpy array ``host``."""
+        raise NotImplementedError
+
+    def upload(self, host: np.ndarray, native: Any) -> None:
+        """Copy contiguous numpy ``host`` into a native array of this device."""
+        raise NotImplementedError

@@ -1,0 +1,73 @@
+"""Frozen records that plugins hand to the core through hooks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
+
+if TYPE_CHECKING:
+    from polyhal.hal.device import Device
+
+#: Queue affinity meaning "any queue of the device" (IREE's IREE_HAL_QUEUE_AFFINITY_ANY).
+ANY_QUEUE = -1
+
+
+@dataclass(frozen=True)
+class Heap:
+    """One kind of memory an allocator serves (IREE's ``iree_hal_allocator_memory_heap_t``).
+
+    ``memory_type`` is what the memory *is* (an allocation asking for a subset of these bits is
+    served from here); ``allowed_usage`` the usages it supports; ``max_allocation_size`` the
+    largest single allocation in bytes; ``kind`` the :class:`BufferKind` of its buffers.
+    """
+
+    memory_type: MemoryType
+    allowed_usage: BufferUsage
+    max_allocation_size: int
+    kind: BufferKind = BufferKind.DEVICE
+    #: Minimum alignment in bytes of every buffer from this heap.
+    alignment: int = 64
+
+    def serves(self, memory_type: MemoryType, usage: BufferUsage) -> bool:
+        """True when a request for ``memory_type`` / ``usage`` can come from this heap."""
+        wanted = MemoryType(memory_type) & ~MemoryType.OPTIMAL
+        return (self.memory_type & wanted) == wanted and (self.allowed_usage & usage) == usage
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device as a plugin registers it: cheap to make, describes without creating anything.
+
+    The core ranks devices by ``rank`` (higher first; ties broken by backend then name) and calls
+    ``factory(spec)`` on first use to create the :class:`~polyhal.hal.device.Device` (contexts,
+    queues). ``name`` is unique across all plugins, conventionally ``"<backend>:<index>"``.
+    """
+
+    name: str
+    backend: str
+    rank: int
+    factory: Callable[["DeviceSpec"], "Device"] = field(compare=False, repr=False)
+    #: Memory heaps the device's allocator serves.
+    heaps: tuple[Heap, ...] = ()
+    #: Bytes of workgroup (shared / ``__local``) memory per workgroup; 0 if none.
+    workgroup_bytes: int = 0
+    #: Free-form capability tags, e.g. ``{"fp16", "svm", "cuda-graphs"}``.
+    capabilities: frozenset[str] = frozenset()
+    #: Device limits for display and planning (max workgroup size, global memory, ...).
+    limits: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    #: DLPack (device type, id) pairs whose memory this device can import without a copy.
+    dlpack_devices: frozenset[tuple[int, int]] = frozenset()
+    description: str = ""
+    #: Name of the plugin that registered it; filled in by the registry.
+    plugin: str = ""
+
+    def __hash__(self) -> int:
+        # Names are unique (the registry enforces it); hashing the name keeps memo keys cheap.
+        return hash(self.name)
+
+    @property
+    def memory_types(self) -> tuple[MemoryType, ...]:
+        """The memory types of the device's heaps, in order."""
+        return tuple(h.memory_type for h in self.heaps)

@@ -1,0 +1,208 @@
+"""Tensors: a typed, shaped view of a buffer on a device, exchanged through DLPack."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from polyhal import dlpack
+from polyhal.errors import DLPackError
+from polyhal.hal.flags import BufferUsage, MemoryAccess, MemoryType
+from polyhal.ir.types import TensorType, as_dtype, as_shape
+
+if TYPE_CHECKING:
+    from polyhal.hal.buffer import Buffer
+    from polyhal.hal.device import Device
+
+_CPU = (int(dlpack.DLDeviceType.CPU), 0)
+
+
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of the dense row-major layout of ``shape``."""
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+class Tensor:
+    """A tensor on a device: a :class:`TensorType` over a :class:`~polyhal.hal.buffer.Buffer`.
+
+    ``strides`` are in elements (DLPack's convention); ``offset`` is in bytes. Tensors made by
+    polyhal are dense row-major; imported ones may be strided.
+    """
+
+    __slots__ = ("buffer", "type", "offset", "strides", "readonly", "_native", "__weakref__")
+
+    def __init__(self, buffer: "Buffer", type: TensorType, offset: int = 0,
+                 strides: tuple[int, ...] | None = None, readonly: bool = False) -> None:
+        self.buffer = buffer
+        self.type = type
+        self.offset = offset
+        self.strides = row_major_strides(type.shape) if strides is None else tuple(strides)
+        self.readonly = readonly
+        self._native = None
+
+    # -- properties ------------------------------------------------------------------------------
+
+    shape = property(lambda self: self.type.shape, doc="Dimensions.")
+    dtype = property(lambda self: self.type.dtype, doc="Element type (numpy dtype).")
+    encoding = property(lambda self: self.type.encoding, doc="Layout encoding, None if dense.")
+    device = property(lambda self: self.buffer.device, doc="The device holding the memory.")
+    ndim = property(lambda self: len(self.type.shape))
+    size = property(lambda self: self.type.size)
+    nbytes = property(lambda self: self.type.nbytes)
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.strides == row_major_strides(self.shape) or self.size <= 1
+
+    @property
+    def native(self) -> Any:
+        """The backend's own array object over this tensor's memory (cached)."""
+        if self._native is None:
+            self._native = self.buffer.device.view(self)
+        return self._native
+
+    def __repr__(self) -> str:
+        return f"<Tensor {self.type} on {self.device.name}>"
+
+    def release(self) -> None:
+        """Release the underlying buffer now (views of it become invalid)."""
+        self._native = None
+        self.buffer.release()
+
+    # -- host access -----------------------------------------------------------------------------
+
+    def numpy(self, copy: bool | None = None) -> np.ndarray:
+        """A numpy array of the contents: a zero-copy view where the memory is host-addressable and
+        ``copy`` is not True, else a copy (refused when ``copy`` is False)."""
+        if self.buffer.host_visible and copy is not True and self.device.dlpack_device(self.buffer) == _CPU:
+            return self._host_view()
+        if copy is False:
+            raise DLPackError(
+                f"{self} is not host-addressable, so a numpy view would need a copy; call "
+                "tensor.numpy() (copy allowed) or allocate it HOST_VISIBLE"
+            )
+        out = np.empty(self.shape, self.dtype)
+        if self.is_contiguous:
+            self.device.read(self.buffer, self.offset, out)
+        else:
+            raise DLPackError(f"copying a strided device tensor to the host is not supported: {self}")
+        return out
+
+    def _host_view(self) -> np.ndarray:
+        access = MemoryAccess.READ if self.readonly else MemoryAccess.READ | MemoryAccess.WRITE
+        raw = self.buffer.map(access)
+        item = self.dtype.itemsize
+        extent = sum((d - 1) * s for d, s in zip(self.shape, self.strides) if d > 0) + 1 if self.size else 0
+        flat = raw[self.offset: self.offset + extent * item].view(self.dtype)
+        return np.lib.stride_tricks.as_strided(
+            flat, self.shape, tuple(s * item for s in self.strides), writeable=not self.readonly)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        arr = self.numpy(copy=copy)
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    # -- DLPack ----------------------------------------------------------------------------------
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        dev_type, dev_id = self.device.dlpack_device(self.buffer)
+        return (dlpack.DLDeviceType(dev_type), dev_id)
+
+    def __dlpack__(self, *, stream: Any = None, max_version: tuple[int, int] | None = None,
+                   dl_device: tuple[int, int] | None = None, copy: bool | None = None) -> Any:
+        """Export as a DLPack capsule (Array API 2023.12).
+
+        ``max_version`` of 1.x or more gives a versioned capsule, else a legacy one. ``dl_device``
+        may ask for the CPU: a host-addressable buffer is exported as is, anything else is copied
+        to the host when ``copy`` is not False and refused otherwise. ``copy=True`` always copies.
+        ``stream`` is the consumer's stream; backends with streams order the export against it.
+        """
+        versioned = max_version is not None and max_version[0] >= 1
+        here = tuple(int(v) for v in self.device.dlpack_device(self.buffer))
+        want = here if dl_device is None else (int(dl_device[0]), int(dl_device[1]))
+        if want != here and want != _CPU:
+            raise DLPackError(f"{self} cannot be exported to DLPack device {want}; it lives on {here}")
+        host_ok = self.buffer.host_visible and want == _CPU
+        if copy is True or (want != here and not host_ok):
+            if copy is False:
+                raise DLPackError(
+                    f"{self} lives on DLPack device {here}; exporting it to the CPU needs a copy, "
+                    "which copy=False forbids. Pass copy=None/True, or call tensor.numpy()")
+            host = np.array(self.numpy(copy=True), copy=False)
+            return dlpack.export_capsule(
+                data_ptr=host.ctypes.data, shape=host.shape, strides=None, dtype=host.dtype,
+                device=_CPU, owner=host, readonly=False, versioned=versioned, copied=True)
+        self.device._export_sync(self.buffer, stream)
+        if want == _CPU and here != _CPU:
+            view = self._host_view()
+            return dlpack.export_capsule(
+                data_ptr=view.ctypes.data, shape=view.shape,
+                strides=tuple(s // self.dtype.itemsize for s in view.strides), dtype=self.dtype,
+                device=_CPU, owner=(self, view), readonly=self.readonly, versioned=versioned)
+        return dlpack.export_capsule(
+            data_ptr=self.device.buffer_address(self.buffer), shape=self.shape, strides=self.strides,
+            dtype=self.dtype, device=here, owner=self, readonly=self.readonly,
+            byte_offset=self.offset, versioned=versioned)
+
+
+# -- constructors ----------------------------------------------------------------------------------
+
+def _device(device: "Device | str | None") -> "Device":
+    from polyhal.registry import get_device
+
+    return get_device(device)
+
+
+def empty(shape: Any, dtype: Any = "float32", device: "Device | str | None" = None,
+          memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
+          usage: BufferUsage = BufferUsage.DEFAULT) -> Tensor:
+    """An uninitialised dense tensor on ``device`` (default: the highest-ranked device)."""
+    ttype = TensorType(as_shape(shape), as_dtype(dtype))
+    dev = _device(device)
+    # A tensor with no elements still gets a minimal buffer so that it has an address.
+    buf = dev.allocator.allocate(max(ttype.nbytes, 1), memory_type, usage)
+    return Tensor(buf, ttype)
+
+
+def asarray(obj: Any, dtype: Any = None, device: "Device | str | None" = None,
+            memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL) -> Tensor:
+    """A new tensor on ``device`` holding a copy of ``obj`` (anything numpy accepts)."""
+    host = np.ascontiguousarray(obj, dtype=dtype)
+    if host.dtype == np.float64 and dtype is None and not isinstance(obj, np.ndarray):
+        host = host.astype(np.float32)  # Python floats become float32, the runtime's default
+    t = empty(host.shape, host.dtype, device, memory_type)
+    if host.nbytes:
+        t.device.write(t.buffer, 0, host)
+    return t
+
+
+def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | None = None) -> Tensor:
+    """Import any DLPack producer (numpy, cupy, torch, jax, a polyhal tensor) without copying.
+
+    The memory stays owned by the producer (an EXTERNAL buffer) and is released when the tensor
+    is. With ``device`` naming a device other than where the data lives, the data is copied there
+    unless ``copy`` is False.
+    """
+    from polyhal.registry import default_registry
+
+    capsule = obj if type(obj).__name__ == "PyCapsule" else dlpack.request_capsule(obj, copy=True if copy else None)
+    imported = dlpack.from_capsule(capsule)
+    try:
+        owner = default_registry().device_for_dlpack(imported.device)
+        buf = owner.import_dlpack(imported)
+    except BaseException:
+        imported.release()
+        raise
+    ttype = TensorType(imported.shape, imported.dtype)
+    tensor = Tensor(buf, ttype, strides=imported.strides, readonly=imported.readonly)
+    if device is not None:
+        target = _device(device)
+        if target is not owner:
+            if copy is False:
+                raise DLPackError(f"data lives on {owner.name}; moving it to {target.name} needs a copy")
+            return asarray(tensor.numpy(), device=target)
+    return tensor

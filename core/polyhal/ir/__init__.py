@@ -1,0 +1,1 @@
+"""Program IR: tensor types, affinities, values, ops and the builder."""

@@ -1,0 +1,156 @@
+"""Program IR: values with tensor types, and ops (dispatches, transfers) over them.
+
+Programs are built with :class:`ProgramBuilder` (or a front end such as ONNX), then compiled
+into a :class:`~polyhal.plan.Plan` by :func:`polyhal.compile`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from polyhal.errors import ProgramError
+from polyhal.ir.types import Affinity, TensorType, as_dtype, as_shape
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Value:
+    """An SSA value: produced once (by an op, or as a program input), used by any number of ops."""
+
+    type: TensorType
+    name: str
+    program_id: int
+    id: int = field(default_factory=lambda: next(_ids))
+
+    def __repr__(self) -> str:
+        return f"%{self.name}: {self.type}"
+
+
+@dataclass(eq=False)
+class Op:
+    """One op of a program.
+
+    ``kind`` is ``"dispatch"`` (run kernel ``name`` on one device) or ``"transfer"`` (copy a
+    value to another device; inserted by placement). ``attrs`` are canonical (hashable).
+    ``affinity`` is where the program allows it to run (None: any compile-time device).
+    ``device`` is filled in by placement.
+    """
+
+    kind: str
+    name: str
+    inputs: tuple[Value, ...]
+    outputs: tuple[Value, ...]
+    attrs: tuple = ()
+    affinity: Affinity | None = None
+    device: str | None = None
+
+    @property
+    def attr_dict(self) -> dict[str, Any]:
+        return dict(self.attrs)
+
+    def __str__(self) -> str:
+        outs = ", ".join(f"%{v.name}" for v in self.outputs)
+        ins = ", ".join(f"%{v.name}" for v in self.inputs)
+        attrs = "".join(f" {k}={v!r}" for k, v in self.attrs)
+        where = f" @{self.device}" if self.device else (f" @{self.affinity}" if self.affinity else "")
+        types = ", ".join(str(v.type) for v in self.outputs)
+        return f"{outs} = {self.kind}.{self.name}({ins}){attrs}{where} : {types}"
+
+
+@dataclass(eq=False)
+class Program:
+    """A straight-line tensor program: inputs, ops in execution order, outputs."""
+
+    name: str
+    inputs: list[Value]
+    ops: list[Op]
+    outputs: list[Value]
+
+    def __str__(self) -> str:
+        head = ", ".join(repr(v) for v in self.inputs)
+        body = "\n".join(f"  {op}" for op in self.ops)
+        tail = ", ".join(f"%{v.name}" for v in self.outputs)
+        return f"program @{self.name}({head}) {{\n{body}\n  return {tail}\n}}"
+
+
+class ProgramBuilder:
+    """Builds a :class:`Program` op by op, checking shapes and element types as it goes.
+
+    Example::
+
+        b = ProgramBuilder("axpy")
+        x = b.input("x", (16,), "float32")
+        y = b.input("y", (16,), "float32")
+        b.output(b.add(b.mul(x, x), y))
+        program = b.build()
+
+    Every op of :mod:`polyhal.ops` is a method (``b.matmul(a, w)``); :meth:`op` is the general
+    form and takes ``affinity=`` (a device name or :func:`~polyhal.ir.types.Optimal`).
+    """
+
+    def __init__(self, name: str = "main") -> None:
+        self.name = name
+        self._id = next(_ids)
+        self._inputs: list[Value] = []
+        self._ops: list[Op] = []
+        self._outputs: list[Value] = []
+        self._names: set[str] = set()
+
+    def _fresh(self, base: str) -> str:
+        name, n = base, 0
+        while name in self._names:
+            n += 1
+            name = f"{base}{n}"
+        self._names.add(name)
+        return name
+
+    def input(self, name: str, shape: Any, dtype: Any = "float32") -> Value:
+        """Declare a program input of a static shape and element type."""
+        if name in self._names:
+            raise ProgramError(f"program {self.name!r} already has a value named {name!r}")
+        self._names.add(name)
+        value = Value(TensorType(as_shape(shape), as_dtype(dtype)), name, self._id)
+        self._inputs.append(value)
+        return value
+
+    def op(self, name: str, *inputs: Value, affinity: Affinity | str | None = None,
+           **attrs: Any) -> Value | tuple[Value, ...]:
+        """Append a dispatch of op ``name``; returns its result (a tuple if it has several)."""
+        from polyhal.ops import canonical_attrs, infer_types
+
+        for i, v in enumerate(inputs):
+            if not isinstance(v, Value):
+                raise ProgramError(f"{name}: operand {i} is {type(v).__name__}, not a value of this program; "
+                                   "declare data with builder.input()")
+            if v.program_id != self._id:
+                raise ProgramError(f"{name}: operand {i} (%{v.name}) belongs to another program")
+        out_types = infer_types(name, tuple(v.type for v in inputs), attrs)
+        if isinstance(affinity, str):
+            affinity = Affinity((affinity,))
+        outs = tuple(Value(t, self._fresh(name), self._id) for t in out_types)
+        self._ops.append(Op("dispatch", name, tuple(inputs), outs, canonical_attrs(attrs), affinity))
+        return outs[0] if len(outs) == 1 else outs
+
+    def __getattr__(self, name: str) -> Any:
+        from polyhal.ops import OPS
+
+        if name in OPS:
+            return lambda *inputs, **attrs: self.op(name, *inputs, **attrs)
+        raise AttributeError(f"ProgramBuilder has no attribute or op {name!r}")
+
+    def output(self, *values: Value) -> None:
+        """Mark values as program results, in order."""
+        for v in values:
+            if not isinstance(v, Value) or v.program_id != self._id:
+                raise ProgramError(f"output {v!r} is not a value of program {self.name!r}")
+        self._outputs.extend(values)
+
+    def build(self) -> Program:
+        """The finished program (the builder may keep being used for another)."""
+        if not self._outputs:
+            raise ProgramError(f"program {self.name!r} has no outputs; call builder.output(...)")
+        return Program(self.name, list(self._inputs), list(self._ops), list(self._outputs))
+

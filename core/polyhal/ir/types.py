@@ -1,0 +1,109 @@
+"""Types of values in a program: tensor types and affinities."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from polyhal.errors import DTypeError, ShapeError
+
+#: Element types a program may use (numpy names). bool is one byte, as in numpy and DLPack.
+SUPPORTED_DTYPES = frozenset(
+    np.dtype(n)
+    for n in (
+        "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+        "float16", "float32", "float64",
+    )
+)
+
+
+def as_dtype(dtype: Any) -> np.dtype:
+    """Normalise ``dtype`` (a numpy dtype, type or name) and check polyhal supports it."""
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise DTypeError(f"{dtype!r} is not an element type; use a numpy dtype such as 'float32'") from exc
+    if dt not in SUPPORTED_DTYPES:
+        raise DTypeError(
+            f"element type {dt} is not supported; supported: {sorted(str(d) for d in SUPPORTED_DTYPES)}"
+        )
+    return dt
+
+
+def as_shape(shape: Any) -> tuple[int, ...]:
+    """Normalise ``shape`` to a tuple of non-negative ints."""
+    if isinstance(shape, (int, np.integer)):
+        shape = (shape,)
+    try:
+        dims = tuple(int(d) for d in shape)
+    except TypeError as exc:
+        raise ShapeError(f"shape {shape!r} is not a sequence of ints") from exc
+    if any(d < 0 for d in dims):
+        raise ShapeError(f"shape {dims} has a negative dimension")
+    return dims
+
+
+@dataclass(frozen=True)
+class TensorType:
+    """The static type of a tensor value: shape, element type and an optional encoding.
+
+    The encoding (an immutable, hashable attribute, see the encodings issue) says how the
+    logical tensor is laid out in memory; ``None`` means the dense row-major layout.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    encoding: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", as_shape(self.shape))
+        object.__setattr__(self, "dtype", as_dtype(self.dtype))
+
+    @property
+    def rank(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the dense row-major layout."""
+        return self.size * self.dtype.itemsize
+
+    def __str__(self) -> str:
+        dims = "x".join(str(d) for d in self.shape)
+        enc = f", {self.encoding}" if self.encoding is not None else ""
+        return f"tensor<{dims}{'x' if dims else ''}{self.dtype}{enc}>"
+
+
+@dataclass(frozen=True)
+class Affinity:
+    """Where an op or allocation may live: one device, or ``Optimal`` among several.
+
+    ``devices`` are device names in the program's order of preference; ``queue_affinity`` is a
+    bitmask of queues (-1: any queue). With several devices, the ``select_allocator`` policy
+    decides (IREE's ``#hal.device.optimal<[...]>``).
+    """
+
+    devices: tuple[str, ...]
+    queue_affinity: int = -1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.devices, str):
+            object.__setattr__(self, "devices", (self.devices,))
+        if not self.devices:
+            raise ValueError("an affinity needs at least one device name")
+
+    def __str__(self) -> str:
+        return self.devices[0] if len(self.devices) == 1 else f"Optimal({', '.join(self.devices)})"
+
+
+def Optimal(*devices: str, queue_affinity: int = -1) -> Affinity:
+    """``Optimal("cuda:0", "cpu:0")``: an affinity over several devices; the policy picks one."""
+    return Affinity(tuple(devices), queue_affinity)

@@ -1,0 +1,1 @@
+"""Compiler passes that turn a Program into what a Plan runs (placement, ...)."""

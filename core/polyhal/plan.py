@@ -1,0 +1,207 @@
+"""Compiling a program into a plan, and running plans.
+
+A :class:`Plan` holds bound kernels (one prepared executable per dispatch), the buffers of its
+intermediates and the allocation decisions made while compiling. Running it calls no hook: the
+hot path binds the inputs, then loops over prepared steps that read and write a slot table.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from polyhal.errors import DTypeError, ProgramError, ShapeError
+from polyhal.hal.device import Device
+from polyhal.hal.tensor import Tensor, empty
+from polyhal.ir.program import Program, Value
+from polyhal.passes.placement import Placement, place
+from polyhal.policy import AllocatorSelector
+from polyhal.registry import Registry, default_registry
+
+_selectors: dict[int, AllocatorSelector] = {}
+
+
+def selector_for(registry: Registry) -> AllocatorSelector:
+    """The memoizing allocator selector of a registry (one per registry)."""
+    sel = _selectors.get(id(registry))
+    if sel is None or sel.registry is not registry:
+        sel = _selectors[id(registry)] = AllocatorSelector(registry)
+    return sel
+
+
+def compile(program: Program, devices: Sequence[str] | str | None = None, *,
+            registry: Registry | None = None) -> "Plan":
+    """Place ``program`` on ``devices`` (default: the best-ranked device) and bind its kernels.
+
+    ``devices`` is the candidate list for ops without an affinity of their own; with several,
+    the ``select_allocator`` policy chooses among them (memoized).
+    """
+    registry = registry or default_registry()
+    if isinstance(devices, str):
+        devices = (devices,)
+    if not devices:
+        devices = (registry.get_device(None).name,)
+    placement = place(program, registry, selector_for(registry), tuple(devices))
+    return Plan(placement, registry)
+
+
+class Plan:
+    """A compiled program, ready to run many times.
+
+    Call it with the inputs (positionally or by name; numpy arrays or polyhal tensors); it
+    returns the outputs as polyhal tensors (a tuple when there are several). Pass ``out=`` to
+    write into tensors you own instead of fresh ones. A plan is not re-entrant: concurrent
+    calls are serialised.
+    """
+
+    def __init__(self, placement: Placement, registry: Registry) -> None:
+        self.placement = placement
+        self.program = program = placement.program
+        self.registry = registry
+        self._lock = threading.Lock()
+        slot_of: dict[int, int] = {}
+        for v in program.inputs:
+            slot_of[v.id] = len(slot_of)
+        for op in program.ops:
+            for v in op.outputs:
+                slot_of[v.id] = len(slot_of)
+        self._slots: list[Any] = [None] * len(slot_of)
+        dev = lambda v: registry.get_device(placement.value_device[v.id])  # noqa: E731
+        self._input_devices = [dev(v) for v in program.inputs]
+        self._input_slots = [slot_of[v.id] for v in program.inputs]
+        self._output_slots = [slot_of[v.id] for v in program.outputs]
+        self._output_devices = [dev(v) for v in program.outputs]
+        output_ids = {v.id for v in program.outputs}
+        # Intermediates are allocated once, here; outputs are fresh per run (or given by out=).
+        self.intermediates: list[Tensor] = []
+        for op in program.ops:
+            for v in op.outputs:
+                if v.id not in output_ids:
+                    t = empty(v.type.shape, v.type.dtype, dev(v))
+                    self.intermediates.append(t)
+                    self._slots[slot_of[v.id]] = t.native
+        self._steps: list[Callable[[], None]] = [self._step(op, slot_of, dev) for op in program.ops]
+        self.dispatch_count = sum(op.kind == "dispatch" for op in program.ops)
+
+    def _step(self, op, slot_of: dict[int, int], dev) -> Callable[[], None]:
+        slots = self._slots
+        ins = [slot_of[v.id] for v in op.inputs]
+        outs = [slot_of[v.id] for v in op.outputs]
+        if op.kind == "transfer":
+            return _transfer_step(dev(op.inputs[0]), dev(op.outputs[0]), slots, ins[0], outs[0], op.outputs[0])
+        device = dev(op.outputs[0])
+        fn = device.prepare(op.name, dict(op.attrs), tuple(v.type for v in op.inputs),
+                            tuple(v.type for v in op.outputs))
+        # Specialised closures for the common arities keep the per-step cost to one call.
+        if len(ins) == 1 and len(outs) == 1:
+            a, o = ins[0], outs[0]
+            return lambda: fn(slots[a], slots[o])
+        if len(ins) == 2 and len(outs) == 1:
+            a, b, o = ins[0], ins[1], outs[0]
+            return lambda: fn(slots[a], slots[b], slots[o])
+        idx = ins + outs
+        return lambda: fn(*[slots[i] for i in idx])
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, out: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
+        inputs = self._gather_inputs(args, kwargs)
+        with self._lock:
+            slots = self._slots
+            keep = []  # staging tensors must live until the steps ran
+            for value, slot, device, x in zip(self.program.inputs, self._input_slots, self._input_devices, inputs):
+                slots[slot] = _bind_input(value, device, x, keep)
+            results = self._bind_outputs(out)
+            for step in self._steps:
+                step()
+            for i in self._input_slots:
+                slots[i] = None  # do not keep the caller's arrays alive
+        return results[0] if len(results) == 1 else tuple(results)
+
+    run = __call__
+
+    def _gather_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
+        names = [v.name for v in self.program.inputs]
+        if len(args) > len(names):
+            raise ProgramError(f"plan {self.program.name!r} takes {len(names)} inputs {names}, got {len(args)}")
+        values = list(args) + [None] * (len(names) - len(args))
+        for k, x in kwargs.items():
+            if k not in names:
+                raise ProgramError(f"plan {self.program.name!r} has no input {k!r}; inputs: {names}")
+            values[names.index(k)] = x
+        missing = [n for n, x in zip(names, values) if x is None]
+        if missing:
+            raise ProgramError(f"plan {self.program.name!r} is missing inputs {missing}")
+        return values
+
+    def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
+        values = self.program.outputs
+        if out is None:
+            tensors = [empty(v.type.shape, v.type.dtype, d) for v, d in zip(values, self._output_devices)]
+        else:
+            tensors = list(out) if isinstance(out, (list, tuple)) else [out]
+            if len(tensors) != len(values):
+                raise ProgramError(f"out= needs {len(values)} tensors, got {len(tensors)}")
+            for v, t, d in zip(values, tensors, self._output_devices):
+                if not isinstance(t, Tensor) or t.shape != v.type.shape or t.dtype != v.type.dtype \
+                        or t.device is not d or not t.is_contiguous:
+                    raise ShapeError(f"out= tensor for %{v.name} must be a contiguous {v.type} on {d.name}, got {t!r}")
+        slots = self._slots
+        # A program output that is also an input (or duplicated) is copied by a transfer-free path.
+        for slot, t in zip(self._output_slots, tensors):
+            slots[slot] = t.native
+        return tensors
+
+    # -- introspection -----------------------------------------------------------------------------
+
+    def explain(self) -> str:
+        """Placement, transfers and allocation decisions of this plan, as text."""
+        lines = [f"plan @{self.program.name}: {self.dispatch_count} dispatches, "
+                 f"{self.placement.transfers} transfers, {len(self.intermediates)} intermediate buffers "
+                 f"({sum(t.buffer.nbytes for t in self.intermediates)} B)"]
+        for op, candidates, d in self.placement.decisions:
+            lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}; "
+                         f"select_allocator by {d.plugin!r}, index {d.index})")
+        for op in self.program.ops:
+            if op.kind == "transfer":
+                lines.append(f"  transfer %{op.inputs[0].name} -> {op.device}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return str(self.program)
+
+
+def _bind_input(value: Value, device: Device, x: Any, keep: list) -> Any:
+    """The native object for one input: zero-copy where the data already sits on ``device``."""
+    t = value.type
+    if isinstance(x, Tensor):
+        if x.shape != t.shape or x.dtype != t.dtype:
+            raise ShapeError(f"input %{value.name} expects {t}, got {x.type}")
+        if x.device is device and x.is_contiguous:
+            return x.native
+        x = x.numpy()
+    arr = np.asarray(x)
+    if arr.dtype != t.dtype:
+        raise DTypeError(f"input %{value.name} expects {t.dtype}, got {arr.dtype}; cast it with .astype('{t.dtype}')")
+    if arr.shape != t.shape:
+        raise ShapeError(f"input %{value.name} expects shape {t.shape}, got {arr.shape}")
+    if device.dlpack_device_type == 1:  # host memory: numpy arrays are used in place
+        return arr
+    staged = empty(t.shape, t.dtype, device)
+    keep.append(staged)
+    device.upload(np.ascontiguousarray(arr), staged.native)
+    return staged.native
+
+
+def _transfer_step(src: Device, dst: Device, slots: list, a: int, b: int, value: Value) -> Callable[[], None]:
+    if src.dlpack_device_type == 1 and dst.dlpack_device_type == 1:
+        return lambda: np.copyto(slots[b], slots[a])
+    staging = np.empty(value.type.shape, value.type.dtype)
+
+    def step() -> None:
+        src.download(slots[a], staging)
+        dst.upload(staging, slots[b])
+
+    return step

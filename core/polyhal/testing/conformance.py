@@ -1,0 +1,201 @@
+"""The conformance suite: the contract every polyhal device must meet, run once per device.
+
+Run it on every discovered device (ours and a third party's) with::
+
+    pytest --pyargs polyhal.testing.conformance [--polyhal-backend=NAME] [--polyhal-device=NAME]
+
+Each test takes ``device_name`` (parametrized by :mod:`polyhal.testing.plugin`), so a failure
+names the device. Tests that need a capability the device lacks skip and say which.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import polyhal
+from polyhal.hal.flags import BufferCompatibility, BufferUsage, MemoryAccess, MemoryType
+from polyhal.ops import OPS
+
+#: Requests some devices cannot serve; used to check refusal is clean.
+_PROBES = [
+    (MemoryType.DEVICE_LOCAL, BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE),
+    (MemoryType.HOST_LOCAL | MemoryType.DEVICE_LOCAL, BufferUsage.DEFAULT),
+    (MemoryType.HOST_CACHED | MemoryType.DEVICE_LOCAL, BufferUsage.DEFAULT),
+    (MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE, BufferUsage.DEFAULT | BufferUsage.MAPPING),
+]
+
+
+@pytest.fixture
+def device(device_name: str) -> polyhal.Device:
+    return polyhal.get_device(device_name)
+
+
+def _fresh_rng() -> tuple[np.random.Generator, int]:
+    seed = int.from_bytes(os.urandom(4), "little")
+    return np.random.default_rng(seed), seed
+
+
+def _live(device: polyhal.Device) -> tuple[int, int]:
+    s = device.allocator.statistics
+    return s.live_bytes, s.live_count
+
+
+# -- allocator contract ----------------------------------------------------------------------------
+
+def test_allocate_map_free_every_heap(device):
+    before = _live(device)
+    for heap in device.allocator.heaps:
+        compat = device.allocator.query_buffer_compatibility(heap.memory_type, BufferUsage.DEFAULT, 4096)
+        assert compat & BufferCompatibility.ALLOCATABLE, f"{device.name}: heap {heap.memory_type.describe()}"
+        buf = device.allocator.allocate(4096, heap.memory_type, BufferUsage.DEFAULT)
+        assert buf.memory_type & heap.memory_type == heap.memory_type  # more bits allowed, never fewer
+        assert buf.nbytes == 4096 and buf.kind == heap.kind
+        if heap.memory_type & MemoryType.HOST_VISIBLE:
+            data = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+            m = buf.map(MemoryAccess.WRITE)
+            m[:] = data
+            del m
+            assert np.array_equal(buf.map(MemoryAccess.READ), data)
+        buf.release()
+        buf.release()  # idempotent
+    assert _live(device) == before
+
+
+def test_optimal_and_accounting(device):
+    before = _live(device)
+    a = device.allocator
+    bufs = [a.allocate(1000 + i, MemoryType.OPTIMAL, BufferUsage.DEFAULT) for i in range(4)]
+    assert a.statistics.live_bytes - before[0] == sum(1000 + i for i in range(4))
+    assert a.statistics.peak_bytes >= a.statistics.live_bytes
+    del bufs  # garbage collection returns memory too
+    assert _live(device) == before
+
+
+def test_write_read_roundtrip(device):
+    rng, seed = _fresh_rng()
+    host = rng.standard_normal(1000).astype(np.float32)
+    t = polyhal.asarray(host, device=device)
+    assert np.array_equal(t.numpy(), host), f"seed {seed}"
+    t.release()
+
+
+@pytest.mark.parametrize("nbytes", [0, -1, 1 << 62, 1.5, True])
+def test_bad_sizes_are_refused(device, nbytes):
+    before = _live(device)
+    with pytest.raises(polyhal.IncompatibleBufferError):
+        device.allocator.allocate(nbytes, MemoryType.OPTIMAL, BufferUsage.DEFAULT)
+    assert _live(device) == before
+
+
+def test_unservable_requests_are_refused(device):
+    a = device.allocator
+    refused = [(mt, u) for mt, u in _PROBES if not a.query_buffer_compatibility(mt, u)]
+    if not refused:
+        pytest.skip(f"{device.name} serves every probed memory type and usage")
+    before = _live(device)
+    for mt, usage in refused:
+        with pytest.raises(polyhal.IncompatibleBufferError, match="serves"):
+            a.allocate(256, mt, usage)
+    assert _live(device) == before
+
+
+def test_mapping_device_only_memory_is_refused(device):
+    heaps = [h for h in device.allocator.heaps if not h.memory_type & MemoryType.HOST_VISIBLE]
+    if not heaps:
+        pytest.skip(f"every heap of {device.name} is host-visible")
+    with device.allocator.allocate(256, heaps[0].memory_type) as buf, pytest.raises(polyhal.MappingError):
+        buf.map()
+
+
+# -- DLPack ----------------------------------------------------------------------------------------
+
+def test_dlpack_roundtrip_every_heap(device):
+    rng, seed = _fresh_rng()
+    for heap in device.allocator.heaps:
+        host = rng.standard_normal((3, 5)).astype(np.float32)
+        t = polyhal.asarray(host, device=device, memory_type=heap.memory_type)
+        dev_type, dev_id = t.__dlpack_device__()
+        back = polyhal.from_dlpack(t)
+        assert back.device is device
+        assert device.buffer_address(back.buffer) == device.buffer_address(t.buffer)  # zero copy
+        assert np.array_equal(back.numpy(), host), f"seed {seed}"
+        if dev_type == 1:
+            view = np.from_dlpack(t)
+            assert view.ctypes.data == device.buffer_address(t.buffer)
+            assert np.array_equal(view, host)
+        else:
+            host_copy = np.from_dlpack(t, device="cpu") if hasattr(np, "from_dlpack") else None
+            assert host_copy is None or np.array_equal(host_copy, host)
+        back.release()
+        t.release()
+
+
+def test_dlpack_capsule_consumed_twice(device):
+    from polyhal import dlpack
+
+    t = polyhal.asarray(np.ones(4, np.float32), device=device)
+    capsule = t.__dlpack__(max_version=(1, 0))
+    first = polyhal.from_dlpack(capsule)
+    with pytest.raises(polyhal.DLPackError, match="consumed"):
+        dlpack.from_capsule(capsule)
+    first.release()
+    t.release()
+
+
+# -- kernels ---------------------------------------------------------------------------------------
+
+def _op_names():
+    return sorted(OPS)
+
+
+@pytest.mark.parametrize("op", _op_names())
+def test_kernel_matches_reference(device, op):
+    if op not in device.kernel_names:
+        pytest.skip(f"{device.name} has no kernel for {op}")
+    opdef = OPS[op]
+    rng, seed = _fresh_rng()
+    inputs, attrs = opdef.sample(rng)
+    b = polyhal.ProgramBuilder(op)
+    args = [b.input(f"x{i}", x.shape, x.dtype) for i, x in enumerate(inputs)]
+    res = b.op(op, *args, **attrs)
+    b.output(*(res if isinstance(res, tuple) else (res,)))
+    plan = polyhal.compile(b.build(), device.name)
+    got = plan(*inputs)
+    got = got if isinstance(got, tuple) else (got,)
+    want = opdef.reference(*inputs, **attrs)
+    rtol, atol = opdef.tolerance
+    for g, w in zip(got, want):
+        g = g.numpy()
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{op} on {device.name}: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"{op} on {device.name}, seed {seed}")
+
+
+def test_plan_runs_repeatedly_and_balances(device):
+    rng, seed = _fresh_rng()
+    before = _live(device)
+    b = polyhal.ProgramBuilder("chain")
+    x, y = b.input("x", (8, 16)), b.input("y", (16,))
+    b.output(b.relu(b.mul(b.add(x, y), x)))
+    plan = polyhal.compile(b.build(), device.name)
+    for _ in range(3):
+        xs, ys = rng.standard_normal((8, 16), np.float32), rng.standard_normal(16, np.float32)
+        np.testing.assert_allclose(plan(x=xs, y=ys).numpy(), np.maximum((xs + ys) * xs, 0), rtol=1e-6,
+                                   err_msg=f"seed {seed}")
+    del plan
+    assert _live(device) == before
+
+
+def test_plan_input_errors(device):
+    b = polyhal.ProgramBuilder("add")
+    x, y = b.input("x", (4,)), b.input("y", (4,))
+    b.output(b.add(x, y))
+    plan = polyhal.compile(b.build(), device.name)
+    with pytest.raises(polyhal.DTypeError, match="astype"):
+        plan(np.ones(4, np.float64), np.ones(4, np.float32))
+    with pytest.raises(polyhal.ShapeError):
+        plan(np.ones(5, np.float32), np.ones(4, np.float32))
+    with pytest.raises(polyhal.ProgramError, match="missing"):
+        plan(np.ones(4, np.float32))

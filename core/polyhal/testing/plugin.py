@@ -1,0 +1,44 @@
+"""pytest plugin of the conformance suite: options and per-device parametrization.
+
+Kept import-light (polyhal is imported only when a test asks for a device), because pytest
+loads it in every session once polyhal is installed.
+
+A backend author runs the suite on their devices with::
+
+    pytest --pyargs polyhal.testing.conformance --polyhal-backend=mydev
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("polyhal", "polyhal conformance suite")
+    group.addoption("--polyhal-backend", action="append", default=[], metavar="NAME",
+                    help="run device tests only on devices of this backend (repeatable)")
+    group.addoption("--polyhal-device", action="append", default=[], metavar="NAME",
+                    help="run device tests only on this device (repeatable)")
+
+
+def selected_devices(config: pytest.Config) -> list[str]:
+    """Names of the devices the conformance suite runs on, from discovery and the options."""
+    import polyhal
+
+    backends = config.getoption("polyhal_backend")
+    names = config.getoption("polyhal_device")
+    specs = polyhal.devices()
+    known = {s.name for s in specs}
+    for n in names:
+        if n not in known:
+            raise pytest.UsageError(f"--polyhal-device={n}: unknown device; discovered: {sorted(known)}")
+    return [s.name for s in specs
+            if (not backends or s.backend in backends) and (not names or s.name in names)]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device_name" in metafunc.fixturenames:
+        names = selected_devices(metafunc.config)
+        if not names:
+            pytest.fail("polyhal discovered no device to test; run `polyhal devices` to see why", pytrace=False)
+        metafunc.parametrize("device_name", names, ids=names)

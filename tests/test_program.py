@@ -1,0 +1,100 @@
+"""Program builder, compile and plans on the CPU device."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyhal
+
+
+def test_builder_checks_shapes_and_dtypes():
+    b = polyhal.ProgramBuilder("bad")
+    x, y = b.input("x", (3, 4)), b.input("y", (5,))
+    with pytest.raises(polyhal.ShapeError, match="broadcast"):
+        b.add(x, y)
+    z = b.input("z", (3, 4), "int32")
+    with pytest.raises(polyhal.DTypeError, match="cast"):
+        b.add(x, z)
+    with pytest.raises(polyhal.ShapeError):
+        b.matmul(x, x)
+    with pytest.raises(polyhal.ProgramError, match="unknown op"):
+        b.op("frobnicate", x)
+    with pytest.raises(polyhal.ProgramError, match="already has a value"):
+        b.input("x", (1,))
+    with pytest.raises(polyhal.ProgramError, match="no outputs"):
+        b.build()
+
+
+def test_values_of_another_program_are_rejected():
+    a, b = polyhal.ProgramBuilder("a"), polyhal.ProgramBuilder("b")
+    x = a.input("x", (2,))
+    with pytest.raises(polyhal.ProgramError, match="another program"):
+        b.neg(x)
+    with pytest.raises(polyhal.ProgramError, match="not a value"):
+        b.neg(np.ones(2))
+
+
+def test_program_prints_as_ir():
+    b = polyhal.ProgramBuilder("p")
+    x = b.input("x", (2, 3))
+    b.output(b.transpose(x, perm=(1, 0)))
+    text = str(b.build())
+    assert "program @p" in text and "dispatch.transpose" in text and "tensor<3x2xfloat32>" in text
+
+
+def test_multi_output_and_out_argument():
+    rng = np.random.default_rng()
+    b = polyhal.ProgramBuilder("topk")
+    x = b.input("x", (4, 10))
+    vals, idx = b.topk(x, k=3)
+    b.output(vals, idx)
+    plan = polyhal.compile(b.build())
+    xs = rng.standard_normal((4, 10)).astype(np.float32)
+    v, i = plan(xs)
+    np.testing.assert_array_equal(np.take_along_axis(xs, i.numpy(), -1), v.numpy())
+    out_v, out_i = polyhal.empty((4, 3), "float32"), polyhal.empty((4, 3), "int64")
+    res = plan(xs, out=(out_v, out_i))
+    assert res[0] is out_v and np.array_equal(out_i.numpy(), i.numpy())
+    with pytest.raises(polyhal.ShapeError, match="out="):
+        plan(xs, out=(polyhal.empty((4, 4), "float32"), out_i))
+
+
+def test_plan_reuses_intermediates_and_balances_accounting():
+    dev = polyhal.get_device("cpu:0")
+    before = dev.allocator.statistics.live_bytes
+    b = polyhal.ProgramBuilder("mlp")
+    x, w = b.input("x", (8, 32)), b.input("w", (32, 32))
+    b.output(b.softmax(b.relu(b.matmul(x, w))))
+    plan = polyhal.compile(b.build())
+    assert len(plan.intermediates) == 2
+    rng = np.random.default_rng()
+    xs, ws = rng.standard_normal((8, 32), np.float32), rng.standard_normal((32, 32), np.float32)
+    r1 = plan(xs, ws).numpy().copy()
+    r2 = plan(x=xs, w=ws).numpy()
+    np.testing.assert_array_equal(r1, r2)
+    e = np.exp(np.maximum(xs @ ws, 0) - np.maximum(xs @ ws, 0).max(-1, keepdims=True))
+    np.testing.assert_allclose(r1, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
+    del plan, r2
+    assert dev.allocator.statistics.live_bytes == before
+
+
+def test_inputs_on_device_are_not_copied():
+    b = polyhal.ProgramBuilder("id")
+    x = b.input("x", (16,))
+    b.output(b.relu(x))
+    plan = polyhal.compile(b.build())
+    t = polyhal.asarray(np.arange(-8, 8, dtype=np.float32))
+    assert np.array_equal(plan(t).numpy(), np.maximum(np.arange(-8, 8), 0))
+
+
+def test_eager_ops_cache_plans():
+    from polyhal import eager
+
+    a = polyhal.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    r = eager.add(a, a)
+    assert np.array_equal(r.numpy(), 2 * np.arange(6).reshape(2, 3))
+    n = len(eager._cache)
+    eager.add(a, a)
+    assert len(eager._cache) == n
+    assert np.array_equal(polyhal.run_op("reduce_sum", a, axes=(1,)).numpy(), [3, 12])

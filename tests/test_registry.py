@@ -1,0 +1,149 @@
+"""Registry: discovery through entry points, failures recorded, ranking, lazy creation."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import polyhal
+from polyhal.cli import main as cli_main
+
+
+def test_cpu_backend_is_discovered(fresh_registry):
+    reg = fresh_registry()
+    names = [s.name for s in reg.device_specs()]
+    assert "cpu:0" in names
+    spec = next(s for s in reg.device_specs() if s.name == "cpu:0")
+    assert spec.plugin == "cpu" and spec.backend == "cpu"
+
+
+def test_devices_are_created_lazily(fresh_registry, install_plugin, good_backend):
+    module = install_plugin("lazy", good_backend("lazy:0", "lazy"))
+    reg = fresh_registry()
+    assert "lazy:0" in [s.name for s in reg.device_specs()]
+    assert sys.modules[module].created == []  # listing created nothing
+    dev = reg.get_device("lazy:0")
+    assert sys.modules[module].created == ["lazy:0"]
+    assert reg.get_device("lazy:0") is dev  # created once
+
+
+def test_rank_orders_devices_and_ties_are_deterministic(fresh_registry, install_plugin, good_backend):
+    install_plugin("hi", good_backend("hi:0", "hi", rank=50))
+    install_plugin("tie", good_backend("tie:0", "tie", rank=0))
+    reg = fresh_registry()
+    names = [s.name for s in reg.device_specs()]
+    assert names.index("hi:0") < names.index("cpu:0") < names.index("tie:0")  # rank, then backend name
+    assert reg.get_device().name == "hi:0"
+
+
+def test_plugin_that_raises_on_import_is_skipped(fresh_registry, install_plugin):
+    install_plugin("boom", "raise RuntimeError('driver exploded')\n")
+    reg = fresh_registry()
+    assert "cpu:0" in [s.name for s in reg.device_specs()]
+    [failure] = [f for f in reg.failures if f.plugin == "boom"]
+    assert "driver exploded" in failure.reason
+
+
+def test_incompatible_api_version_is_skipped(fresh_registry, install_plugin):
+    install_plugin("old", "POLYHAL_API_VERSION = 0\n")
+    reg = fresh_registry()
+    [failure] = [f for f in reg.failures if f.plugin == "old"]
+    assert "POLYHAL_API_VERSION=0" in failure.reason and "upgrade" in failure.reason
+
+
+def test_plugin_raising_inside_hook_is_skipped(fresh_registry, install_plugin):
+    install_plugin("hookboom", """
+        import polyhal
+        POLYHAL_API_VERSION = polyhal.API_VERSION
+        @polyhal.hookimpl
+        def register_devices():
+            raise OSError("no such device node")
+    """)
+    reg = fresh_registry()
+    assert "cpu:0" in [s.name for s in reg.device_specs()]
+    assert any(f.plugin == "hookboom" and "no such device node" in f.reason for f in reg.failures)
+
+
+def test_duplicate_device_names_name_both_plugins(fresh_registry, install_plugin, good_backend):
+    install_plugin("dup", good_backend("cpu:0", "dup"))
+    reg = fresh_registry()
+    [failure] = [f for f in reg.failures if f.plugin == "dup"]
+    assert "'cpu'" in failure.reason and "'dup'" in failure.reason
+    assert [s.plugin for s in reg.device_specs() if s.name == "cpu:0"] == ["cpu"]
+
+
+def test_invalid_spec_is_reported(fresh_registry, install_plugin):
+    install_plugin("badspec", """
+        import polyhal
+        POLYHAL_API_VERSION = polyhal.API_VERSION
+        @polyhal.hookimpl
+        def register_devices():
+            return [{"name": "x"}]
+    """)
+    reg = fresh_registry()
+    assert any(f.plugin == "badspec" and "instead of polyhal.DeviceSpec" in f.reason for f in reg.failures)
+
+
+def test_backends_env_filters_and_orders(fresh_registry, install_plugin, good_backend):
+    install_plugin("other", good_backend("other:0", "other", rank=-5))
+    reg = fresh_registry(POLYHAL_BACKENDS="other,cpu")
+    assert [s.name for s in reg.device_specs()][:2] == ["other:0", "cpu:0"]  # preference beats rank
+    reg = fresh_registry(POLYHAL_BACKENDS="cpu")
+    assert [s.backend for s in reg.device_specs()] == ["cpu"]
+
+
+def test_named_backend_that_fails_is_loud(fresh_registry, install_plugin):
+    install_plugin("named", "raise ImportError('libfoo.so missing')\n")
+    with pytest.raises(polyhal.PluginError, match="libfoo.so missing"):
+        fresh_registry(POLYHAL_BACKENDS="named")
+    with pytest.raises(polyhal.PluginError, match="not installed"):
+        fresh_registry(POLYHAL_BACKENDS="nosuchbackend")
+
+
+def test_disable_autoload_and_register_in_code(fresh_registry):
+    reg = fresh_registry(POLYHAL_DISABLE_AUTOLOAD="1")
+    assert reg.device_specs() == []
+    import polyhal_cpu.plugin
+
+    gen = reg.generation
+    reg.register(polyhal_cpu.plugin, name="cpu")
+    assert reg.generation > gen
+    assert [s.name for s in reg.device_specs()] == ["cpu:0"]
+
+
+def test_register_in_code_checks_api_version(fresh_registry):
+    reg = fresh_registry(POLYHAL_DISABLE_AUTOLOAD="1")
+
+    class Old:
+        POLYHAL_API_VERSION = 99
+
+    with pytest.raises(polyhal.PluginError, match="99"):
+        reg.register(Old(), name="old")
+
+
+def test_unknown_device_lists_available(fresh_registry):
+    reg = fresh_registry()
+    with pytest.raises(polyhal.DeviceNotFoundError, match="cpu:0"):
+        reg.get_device("tpu:7")
+
+
+def test_cli_devices_shows_devices_and_failures(fresh_registry, install_plugin, capsys):
+    install_plugin("clifail", "raise RuntimeError('cannot open /dev/foo')\n")
+    fresh_registry()
+    assert cli_main(["devices"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu:0" in out and "clifail" in out and "cannot open /dev/foo" in out
+    assert cli_main(["devices", "--json"]) == 0
+    import json
+
+    data = json.loads(capsys.readouterr().out)
+    assert data["devices"][0]["device"] == "cpu:0"
+    assert any(f["plugin"] == "clifail" for f in data["failed_plugins"])
+
+
+def test_cli_plugins_lists_hooks(fresh_registry, capsys):
+    fresh_registry()
+    assert cli_main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    assert "cpu: register_devices" in out and "polyhal.policies.first: select_allocator" in out
