@@ -16,7 +16,7 @@ temporary in ``np.from_dlpack(t) + "x"`` after setting the TypeError, and drops 
 setting its error when it rejects a device. The memory is still released, but the caller sees
 ``SystemError: error return without exception set`` and the real error is printed to stderr as
 "Exception ignored on calling ctypes callback function". A C deleter that saves and restores the
-error (the DLPack spec's example) is the fix, should that ever matter.
+error (as in the DLPack spec's example) would remove this, should it ever matter.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from polyhal.errors import DLPackError
 
 __all__ = [
     "DLPACK_VERSION", "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED",
-    "DLDeviceType", "ImportedTensor", "export_capsule", "from_capsule", "request_capsule",
-    "dlpack_dtype", "numpy_dtype",
+    "DLDeviceType", "ImportedTensor", "dlpack_dtype", "export_capsule", "from_capsule",
+    "numpy_dtype", "request_capsule",
 ]
 
-#: The (major, minor) DLPack version this module produces and the newest major it reads.
+#: The (major, minor) DLPack version this module produces; it reads any 1.x.
 DLPACK_VERSION = (1, 0)
 DLPACK_FLAG_BITMASK_READ_ONLY = 1
 DLPACK_FLAG_BITMASK_IS_COPIED = 2
@@ -77,16 +77,12 @@ class DLDataType(ctypes.Structure):
 
 
 class DLTensor(ctypes.Structure):
-    """``DLTensor``: the borrowed view of the memory."""
+    """``DLTensor``: the described memory."""
 
     _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
+        ("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+        ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+        ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64),
     ]
 
 
@@ -110,11 +106,8 @@ class DLManagedTensorVersioned(ctypes.Structure):
     """``DLManagedTensorVersioned`` (DLPack 1.x), carried in a ``"dltensor_versioned"`` capsule."""
 
     _fields_ = [
-        ("version", DLPackVersion),
-        ("manager_ctx", ctypes.c_void_p),
-        ("deleter", _Deleter),
-        ("flags", ctypes.c_uint64),
-        ("dl_tensor", DLTensor),
+        ("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter),
+        ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor),
     ]
 
 
@@ -132,18 +125,15 @@ _capsule_get_name = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object
 _capsule_get_pointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object,
                              ctypes.c_char_p)
 _capsule_set_name = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
-_py_incref = _capi("Py_IncRef", None, ctypes.py_object)
-_err_occurred = _capi("PyErr_Occurred", ctypes.c_void_p)  # raises whatever exception is pending
-# In the destructor the capsule is being deallocated, so it is passed as a raw address (a
-# py_object argument would resurrect it).
+# A capsule being destroyed is passed by address: a py_object argument would resurrect it.
 _raw_is_valid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)
 _raw_get_pointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)
+_err_occurred = _capi("PyErr_Occurred", ctypes.c_void_p)  # raises whatever exception is pending
+_py_incref = _capi("Py_IncRef", None, ctypes.py_object)
 
 # Capsules keep a bare ``const char*`` to their name, so these must outlive every capsule.
-_NAME_VERSIONED = b"dltensor_versioned"
-_NAME_LEGACY = b"dltensor"
-_USED_VERSIONED = b"used_dltensor_versioned"
-_USED_LEGACY = b"used_dltensor"
+_NAME_VERSIONED, _USED_VERSIONED = b"dltensor_versioned", b"used_dltensor_versioned"
+_NAME_LEGACY, _USED_LEGACY = b"dltensor", b"used_dltensor"
 
 _records: dict[int, tuple] = {}  # manager_ctx id -> (owner, managed struct, shape, strides)
 _records_lock = threading.Lock()
@@ -152,8 +142,8 @@ _ids = itertools.count(1)
 
 
 def _make_callbacks(records: dict, lock: threading.Lock) -> tuple:
-    # Everything the callbacks use is bound here rather than looked up as a module global,
-    # because C consumers may call them during interpreter shutdown after globals are cleared.
+    # What the callbacks use is bound here, not looked up as module globals, because C
+    # consumers may call them during interpreter shutdown, after module globals are cleared.
     read_ptr = ctypes.c_void_p.from_address
     ctx_versioned = DLManagedTensorVersioned.manager_ctx.offset
     ctx_legacy = DLManagedTensor.manager_ctx.offset
@@ -165,11 +155,16 @@ def _make_callbacks(records: dict, lock: threading.Lock) -> tuple:
             record = records.pop(read_ptr(managed_ptr + ctx_offset).value, None)
         del record  # drops the owner outside the lock: its finaliser may export again
 
+    def free_unconsumed(capsule_ptr: int) -> None:
+        for name, ctx_offset in names:
+            if is_valid(capsule_ptr, name):  # unconsumed, so nobody else will call the deleter
+                release(get_pointer(capsule_ptr, name), ctx_offset)
+                return
+
     def guarded(work: Any, *args: Any) -> None:
-        # With an exception pending, every C call made here would fail. Probing with a
-        # PYFUNCTYPE call takes the pending exception out of the thread state so the memory
-        # can still be freed; it is raised again at the end, which ctypes reports as
-        # "Exception ignored" because it cannot hand it back to the C caller.
+        # With an exception pending every C call here would fail, so take it out first (a
+        # PYFUNCTYPE call raises it), free the memory, then raise it again for ctypes to report
+        # as "ignored": a callback has no way to hand it back to its C caller.
         pending = None
         try:
             err_occurred()
@@ -177,33 +172,19 @@ def _make_callbacks(records: dict, lock: threading.Lock) -> tuple:
             pending = exc
         try:
             work(*args)
-        except BaseException:  # noqa: BLE001 - an exception cannot cross into the C caller
+        except BaseException:  # noqa: BLE001 - nothing useful can be raised into C
             pass
         if pending is not None:
             raise pending
 
-    def free_unconsumed(capsule_ptr: int) -> None:
-        for name, ctx_offset in names:
-            if is_valid(capsule_ptr, name):  # still unconsumed: nobody else will free it
-                release(get_pointer(capsule_ptr, name), ctx_offset)
-                return
-
-    def deleter_versioned(managed_ptr: int) -> None:
-        guarded(release, managed_ptr, ctx_versioned)
-
-    def deleter_legacy(managed_ptr: int) -> None:
-        guarded(release, managed_ptr, ctx_legacy)
-
-    def capsule_destructor(capsule_ptr: int) -> None:
-        guarded(free_unconsumed, capsule_ptr)
-
-    return (_Deleter(deleter_versioned), _Deleter(deleter_legacy),
-            _CapsuleDestructor(capsule_destructor))
+    return (_Deleter(lambda ptr: guarded(release, ptr, ctx_versioned)),
+            _Deleter(lambda ptr: guarded(release, ptr, ctx_legacy)),
+            _CapsuleDestructor(lambda ptr: guarded(free_unconsumed, ptr)))
 
 
 _DELETER_VERSIONED, _DELETER_LEGACY, _CAPSULE_DESTRUCTOR = _make_callbacks(_records, _records_lock)
-# Leak one reference to each so they are never freed: capsules and consumers hold raw pointers
-# to the names and callback thunks, possibly until after this module is torn down.
+# One leaked reference each makes these immortal: capsules and consumers keep raw pointers to
+# the names and callback thunks, possibly until after this module is torn down.
 for _immortal in (_NAME_VERSIONED, _NAME_LEGACY, _USED_VERSIONED, _USED_LEGACY,
                   _DELETER_VERSIONED, _DELETER_LEGACY, _CAPSULE_DESTRUCTOR):
     _py_incref(_immortal)
@@ -221,6 +202,7 @@ _NUMPY_TYPES = {
     (_FLOAT, 16): np.float16, (_FLOAT, 32): np.float32, (_FLOAT, 64): np.float64,
     (_COMPLEX, 64): np.complex64, (_COMPLEX, 128): np.complex128, (_BOOL, 8): np.bool_,
 }
+_SUPPORTED = "bool, (u)int8-64, float16/32/64 or complex64/128"
 
 
 def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
@@ -228,14 +210,14 @@ def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:
-        raise DLPackError(f"{dtype!r} is not a numpy dtype; pass e.g. numpy.dtype('float32')") from exc
+        raise DLPackError(f"{dtype!r} is not a numpy dtype; pass e.g. numpy.dtype('float32')"
+                          ) from exc
     if dt.name == "bfloat16":  # ml_dtypes' bfloat16, if the user has it
         return (_BFLOAT, 16, 1)
     code = _KIND_CODES.get(dt.kind)
     if code is None or (code, dt.itemsize * 8) not in _NUMPY_TYPES:
-        raise DLPackError(
-            f"element type {dt} has no DLPack equivalent; use bool, (u)int8-64, float16/32/64 "
-            "or complex64/128 (convert with astype first)")
+        raise DLPackError(f"element type {dt} has no DLPack equivalent; convert to {_SUPPORTED} "
+                          "first (astype)")
     if not dt.isnative:
         raise DLPackError(f"element type {dt.str} is not in native byte order, which DLPack "
                           "requires; convert with astype(dtype.newbyteorder('='))")
@@ -245,21 +227,19 @@ def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
 def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype:
     """numpy dtype of a DLPack ``(code, bits, lanes)``; raise DLPackError if numpy has none."""
     if lanes != 1:
-        raise DLPackError(f"DLPack vector types (lanes={lanes}) are not supported; "
-                          "export the data with lanes=1 and a trailing dimension instead")
-    if code == _BFLOAT and bits == 16:
+        raise DLPackError(f"DLPack vector types (lanes={lanes}) are not supported; have the "
+                          "producer export lanes=1 with a trailing dimension instead")
+    if (code, bits) == (_BFLOAT, 16):
         try:
             import ml_dtypes  # optional: numpy itself has no bfloat16
         except ImportError:
             raise DLPackError("bfloat16 DLPack tensors need the 'ml_dtypes' package; install it "
                               "or convert to float32 on the producer side") from None
         return np.dtype(ml_dtypes.bfloat16)
-    try:
-        return np.dtype(_NUMPY_TYPES[(code, bits)])
-    except KeyError:
+    if (code, bits) not in _NUMPY_TYPES:
         raise DLPackError(f"DLPack element type (code={code}, bits={bits}) is not supported; "
-                          "convert to bool, (u)int8-64, float16/32/64 or complex64/128 "
-                          "on the producer side") from None
+                          f"convert to {_SUPPORTED} on the producer side")
+    return np.dtype(_NUMPY_TYPES[(code, bits)])
 
 
 # ---------------------------------------------------------------- export
@@ -270,15 +250,6 @@ def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(extent, 1)
     return tuple(reversed(strides))
-
-
-def _device(device: tuple[int, int]) -> tuple[int, int]:
-    try:
-        dev_type, dev_id = device
-        return DLDeviceType(int(dev_type)), int(dev_id)
-    except (TypeError, ValueError) as exc:
-        raise DLPackError(f"device {device!r} is not a (DLDeviceType, device_id) pair of a known "
-                          f"type; known types: {[t.name for t in DLDeviceType]}") from exc
 
 
 def export_capsule(*, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
@@ -294,23 +265,26 @@ def export_capsule(*, data_ptr: int, shape: tuple[int, ...], strides: tuple[int,
     what they cannot honour); ``copied`` is dropped for legacy capsules, which cannot say it.
     """
     code, bits, lanes = dlpack_dtype(dtype)
-    dev_type, dev_id = _device(device)
+    try:
+        dev_type, dev_id = DLDeviceType(int(device[0])), int(device[1])
+    except (TypeError, ValueError, IndexError) as exc:
+        raise DLPackError(f"device {device!r} is not a (DLDeviceType, device_id) pair; known "
+                          f"types: {', '.join(t.name for t in DLDeviceType)}") from exc
     shape = tuple(int(n) for n in shape)
     if any(n < 0 for n in shape):
         raise DLPackError(f"shape {shape} has a negative extent")
     strides = _row_major(shape) if strides is None else tuple(int(s) for s in strides)
     if len(strides) != len(shape):
-        raise DLPackError(f"strides {strides} do not match shape {shape}: need one per dimension")
+        raise DLPackError(f"strides {strides} do not match shape {shape}: give one per dimension")
     if data_ptr < 0 or byte_offset < 0:
         raise DLPackError(f"data_ptr ({data_ptr}) and byte_offset ({byte_offset}) must be >= 0")
     if readonly and not versioned:
-        raise DLPackError("cannot export read-only memory in a legacy (unversioned) DLPack capsule, "
-                          "which has no read-only flag; the consumer should ask with "
+        raise DLPackError("cannot export read-only memory in a legacy (unversioned) DLPack "
+                          "capsule, which has no read-only flag; the consumer should ask with "
                           "max_version=(1, 0), or export a writable copy")
     ndim = len(shape)
     shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
     strides_arr = (ctypes.c_int64 * max(ndim, 1))(*strides)
-    rid = next(_ids)
     if versioned:
         managed: Any = DLManagedTensorVersioned()
         managed.version = DLPackVersion(*DLPACK_VERSION)
@@ -320,7 +294,7 @@ def export_capsule(*, data_ptr: int, shape: tuple[int, ...], strides: tuple[int,
     else:
         managed = DLManagedTensor()
         managed.deleter, name = _DELETER_LEGACY, _NAME_LEGACY
-    managed.manager_ctx = rid
+    rid = managed.manager_ctx = next(_ids)
     t = managed.dl_tensor
     t.data = data_ptr or None
     t.device = DLDevice(dev_type, dev_id)
@@ -347,10 +321,12 @@ def _call_deleter(deleter_ptr: int, managed_ptr: int) -> None:
 
 @dataclass(eq=False)
 class ImportedTensor:
-    """A consumed DLPack tensor: a borrowed view of memory owned by the producer.
+    """A consumed DLPack tensor: a borrowed view of memory the producer owns.
 
-    ``data_ptr`` already includes the producer's byte offset and ``strides`` are in elements.
-    The memory stays valid until :meth:`release` is called or this object is garbage collected.
+    ``data_ptr`` already includes the producer's byte offset; ``strides`` are in elements;
+    ``device`` is ``(DLDeviceType or int, device_id)``; ``copied`` is the producer's IS_COPIED
+    flag (always False for legacy capsules). The memory stays valid until :meth:`release` is
+    called or this object is garbage collected.
     """
 
     data_ptr: int
@@ -359,13 +335,12 @@ class ImportedTensor:
     dtype: np.dtype
     device: tuple[int, int]
     readonly: bool
-    #: The producer says it made a copy for this export (DLPack 1.x flag; False for legacy).
     copied: bool = False
-    _finalizer: Any = field(default=None, repr=False)
+    _finalizer: Any = field(default=None, init=False, repr=False)
 
     @property
     def released(self) -> bool:
-        """True once the producer's deleter has been called."""
+        """True once the producer's deleter has been called (or if there is none)."""
         return self._finalizer is None or not self._finalizer.alive
 
     def release(self) -> None:
@@ -395,36 +370,36 @@ def from_capsule(capsule: Any) -> ImportedTensor:
                     f"{DLPACK_VERSION[0]}.x; ask the producer for max_version={DLPACK_VERSION} "
                     "(request_capsule does) or upgrade polyhal")
             flags, used = managed.flags, _USED_VERSIONED
-            ctx_type = DLManagedTensorVersioned
         elif name == _NAME_LEGACY:
             managed_ptr = _capsule_get_pointer(capsule, name)
             managed = DLManagedTensor.from_address(managed_ptr)
-            flags, used, ctx_type = 0, _USED_LEGACY, DLManagedTensor
+            flags, used = 0, _USED_LEGACY
         elif name in (_USED_VERSIONED, _USED_LEGACY):
             raise DLPackError("this capsule was already consumed; DLPack capsules can be consumed "
                               "once: call __dlpack__() again for a new one")
         else:
             raise DLPackError(f"capsule named {name!r} is not a DLPack tensor; expected "
                               "'dltensor_versioned' or 'dltensor'")
-        # Read everything before renaming: on error the capsule stays unconsumed and its own
-        # destructor frees the tensor.
+        # Read everything before renaming: on error the capsule stays unconsumed and the
+        # producer's destructor frees it.
         t = managed.dl_tensor
         if t.ndim < 0 or (t.ndim > 0 and not t.shape):
-            raise DLPackError(f"malformed DLPack tensor: ndim={t.ndim} with shape pointer "
-                              f"{'set' if t.shape else 'NULL'}")
+            raise DLPackError(f"malformed DLPack tensor: ndim={t.ndim}, shape pointer "
+                              f"{'set' if t.shape else 'NULL'}; the producer is broken")
         dtype = numpy_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
         shape = tuple(t.shape[i] for i in range(t.ndim))
         strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _row_major(shape)
         dev_type = t.device.device_type
-        device = (DLDeviceType(dev_type) if dev_type in DLDeviceType._value2member_map_
-                  else dev_type, t.device.device_id)
-        deleter_ptr = ctypes.c_void_p.from_address(managed_ptr + ctx_type.deleter.offset).value
+        if dev_type in DLDeviceType._value2member_map_:
+            dev_type = DLDeviceType(dev_type)
+        deleter_ptr = ctypes.c_void_p.from_address(
+            managed_ptr + type(managed).deleter.offset).value
         data_ptr = (t.data or 0) + t.byte_offset
         if _capsule_set_name(capsule, used) != 0:
             raise DLPackError("could not mark the DLPack capsule as used")
     imported = ImportedTensor(
-        data_ptr=data_ptr, shape=shape, strides=strides, dtype=dtype, device=device,
-        readonly=bool(flags & DLPACK_FLAG_BITMASK_READ_ONLY),
+        data_ptr=data_ptr, shape=shape, strides=strides, dtype=dtype,
+        device=(dev_type, t.device.device_id), readonly=bool(flags & DLPACK_FLAG_BITMASK_READ_ONLY),
         copied=bool(flags & DLPACK_FLAG_BITMASK_IS_COPIED))
     if deleter_ptr:  # DLPack allows a NULL deleter when there is nothing to free
         imported._finalizer = weakref.finalize(imported, _call_deleter, deleter_ptr, managed_ptr)
@@ -436,9 +411,10 @@ def request_capsule(obj: Any, *, max_version: tuple[int, int] | None = DLPACK_VE
                     stream: Any = None) -> Any:
     """Ask ``obj`` for a DLPack capsule with the Array API 2023.12 ``__dlpack__`` keywords.
 
-    Producers that predate those keywords raise TypeError; then the legacy call
-    (``__dlpack__(stream=stream)``, or no arguments) is tried, but only when neither
-    ``dl_device`` nor ``copy`` was requested, since a legacy producer cannot honour them.
+    ``max_version`` and ``stream`` are always passed (``max_version=None`` asks for a legacy
+    capsule); ``dl_device`` and ``copy`` only when set. A producer that predates the keywords
+    raises TypeError; then the legacy call (``__dlpack__(stream=stream)``, or no arguments) is
+    tried, unless ``dl_device`` or ``copy`` was asked for, which a legacy producer cannot honour.
     """
     dlpack = getattr(obj, "__dlpack__", None)
     if dlpack is None:
@@ -459,5 +435,5 @@ def request_capsule(obj: Any, *, max_version: tuple[int, int] | None = DLPACK_VE
                 raise DLPackError(
                     f"{type(obj).__name__}.__dlpack__ does not accept the Array API 2023.12 "
                     f"keywords (dl_device={dl_device!r}, copy={copy!r}): {exc}; upgrade the "
-                    "producer or do not ask for a device or copy") from exc
+                    "producer, or do not ask for a device or a copy") from exc
     return dlpack(stream=stream) if stream is not None else dlpack()

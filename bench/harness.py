@@ -1,0 +1,98 @@
+"""Benchmark harness: timing, the side-by-side table, and results under bench/results/.
+
+Each benchmark module ``bench/<name>.py`` defines ``run(args) -> list[Row]``; run one with
+``python -m bench <name>`` (see ``python -m bench --help``). Every row carries polyhal's figure
+and the anchor's from the same run, and their ratio (polyhal / anchor: below 1 is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+@dataclass
+class Row:
+    """One comparison: what was measured, polyhal's and the anchor's median, and the target."""
+
+    case: str
+    unit: str
+    polyhal: float
+    anchor: float
+    anchor_name: str
+    target: str = ""
+    met: bool | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.polyhal / self.anchor if self.anchor else float("nan")
+
+
+def median_time(fn: Callable[[], object], *, repeat: int = 30, number: int = 1, warmup: int = 3,
+                sync: Callable[[], object] | None = None) -> float:
+    """Median seconds per call of ``fn`` over ``repeat`` samples of ``number`` calls each."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    samples = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        if sync:
+            sync()
+        samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(samples)
+
+
+def machine() -> dict:
+    """Which machine the figures come from."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    info = {"host": platform.node(), "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version()}
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:
+        pass
+    gpu = os.environ.get("POLYHAL_BENCH_GPU")
+    if gpu:
+        info["gpu"] = gpu
+    return info
+
+
+def report(name: str, rows: list[Row], suffix: str = "") -> str:
+    """Print the table and write ``bench/results/<name><suffix>.json`` and ``.md``."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    m = machine()
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    header = "| case | polyhal | anchor | ratio | target | met |\n|---|---|---|---|---|---|\n"
+    body = "".join(
+        f"| {r.case} | {r.polyhal:.4g} {r.unit} | {r.anchor:.4g} {r.unit} ({r.anchor_name}) | {r.ratio:.3f} "
+        f"| {r.target} | {'' if r.met is None else ('yes' if r.met else 'NO')} |\n"
+        for r in rows)
+    machine_line = ", ".join(f"{k}: {v}" for k, v in m.items())
+    md = f"# {name}\n\nMachine: {machine_line}. Run: {stamp}.\n\n{header}{body}"
+    (RESULTS / f"{name}{suffix}.md").write_text(md)
+    (RESULTS / f"{name}{suffix}.json").write_text(json.dumps(
+        {"benchmark": name, "machine": m, "time": stamp,
+         "rows": [dict(asdict(r), ratio=r.ratio) for r in rows]}, indent=2))
+    print(md)
+    return md
