@@ -55,7 +55,7 @@ class Registry:
     def __init__(self, *, autoload: bool | None = None) -> None:
         self.pm = pluggy.PluginManager("polyhal")
         self.pm.add_hookspecs(hookspecs)
-        self.failures: list[PluginFailure] = []
+        self._failures: list[PluginFailure] = []
         self.generation = 0
         self._lock = threading.RLock()
         self._specs: list[DeviceSpec] | None = None
@@ -114,8 +114,14 @@ class Registry:
                 f"plugin {name!r} declares POLYHAL_API_VERSION={declared!r}, but this polyhal implements "
                 f"API version {hookspecs.API_VERSION}; upgrade the plugin (or polyhal) so that they match")
 
+    @property
+    def failures(self) -> list[PluginFailure]:
+        """Plugins skipped at load time or while registering devices, with the reason."""
+        self.device_specs()  # device registration failures are found when devices are listed
+        return list(self._failures)
+
     def _fail(self, plugin: str, reason: str) -> None:
-        self.failures.append(PluginFailure(plugin, reason))
+        self._failures.append(PluginFailure(plugin, reason))
 
     def register(self, plugin: Any, name: str | None = None) -> str:
         """Register a plugin object or module in code; returns its name.
@@ -155,9 +161,9 @@ class Registry:
             return list(self._specs)
 
     def _collect_specs(self) -> list[DeviceSpec]:
-        self.failures = [f for f in self.failures if not f.reason.startswith("register_devices")]
+        self._failures = [f for f in self._failures if not f.reason.startswith("register_devices")]
         by_name: dict[str, DeviceSpec] = {}
-        for impl in reversed(self.pm.hook.register_devices.get_hookimpls()):
+        for impl in self.pm.hook.register_devices.get_hookimpls():  # registration order
             try:
                 specs = list(impl.function() or ())
             except Exception as exc:

@@ -1,0 +1,32 @@
+"""The core op set: type inference, numpy references and random samples, shared by every backend.
+
+Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
+
+* :mod:`~polyhal.ops.elementwise`: add sub mul div pow maximum minimum, equal not_equal less
+  less_equal greater greater_equal, neg abs exp log sqrt tanh relu sigmoid erf gelu, where, cast
+* :mod:`~polyhal.ops.linalg`: matmul, gemm
+* :mod:`~polyhal.ops.reduction`: reduce_sum reduce_mean reduce_max reduce_min, argmax, softmax,
+  layer_norm
+* :mod:`~polyhal.ops.shape`: transpose, reshape, concat, slice, gather
+* :mod:`~polyhal.ops.sorting`: sort, argsort, topk (stable; nan order documented there)
+
+Usage::
+
+    from polyhal.ops import OPS, get_op, infer_types
+    (out,) = infer_types("add", [TensorType((3, 4), "float32"), TensorType((4,), "float32")], {})
+"""
+
+from __future__ import annotations
+
+from polyhal.ops._base import (
+    OPS, REQUIRED, OpDef, canonical_attrs, get_op, infer_types, resolve_attrs,
+)
+
+# Importing the families registers their ops in OPS.
+from polyhal.ops import elementwise, linalg, reduction, shape, sorting  # noqa: E402,F401  isort: skip
+from polyhal.ops.shape import normalize_slice  # noqa: E402
+
+__all__ = [
+    "OPS", "OpDef", "REQUIRED", "canonical_attrs", "get_op", "infer_types", "normalize_slice",
+    "resolve_attrs",
+]

@@ -1,0 +1,547 @@
+"""The CPU backend's kernels: a numpy implementation of every op of :mod:`polyhal.ops`.
+
+:func:`prepare` does everything that depends only on the op, its attributes and the operand
+types -- parsing attributes, normalising axes, choosing a code path, building constants -- and
+returns a small closure, the hot path of a compiled plan. The closure is called as
+``fn(*inputs, *outputs)`` and writes its results into ``outputs``:
+
+* inputs are numpy arrays of the prepared shapes and dtypes (any strides);
+* outputs are preallocated with the exact shape and dtype and are C-contiguous (possibly
+  aligned views into a larger allocation); they must not alias the inputs, because multi-pass
+  kernels (softmax, gelu, ...) read inputs after they started writing outputs;
+* the return value is meaningless;
+* closures keep no state between calls (scratch arrays are allocated per call), so one
+  prepared kernel may run on several threads at once.
+
+The closures call ufuncs with ``out=`` and reduce into the outputs, so numpy creates no
+full-size temporaries where it can avoid them; matmul goes through ``np.matmul(out=)`` and so
+runs at BLAS speed. Kernels are independent of the ops' reference functions, which are the
+oracle they are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+from numpy.polynomial import chebyshev
+
+from polyhal.errors import KernelNotFoundError
+from polyhal.ir.types import TensorType
+from polyhal.ops import normalize_slice, resolve_attrs
+
+__all__ = ["KERNEL_NAMES", "prepare", "erf"]
+
+Kernel = Callable[..., None]
+Types = tuple[TensorType, ...]
+Builder = Callable[[str, dict, Types, Types], Kernel]
+
+_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+
+_BUILDERS: dict[str, Builder] = {}
+
+
+def prepare(op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types) -> Kernel:
+    """Return ``fn(*inputs, *outputs)`` computing ``op`` into ``outputs`` (see the module doc).
+
+    ``in_types``/``out_types`` are the operand and result types the program inferred; they are
+    trusted (prepare does not re-validate them). Raises KernelNotFoundError for an op, or a
+    tensor encoding, that this backend does not implement.
+    """
+    builder = _BUILDERS.get(op)
+    if builder is None:
+        raise KernelNotFoundError(f"cpu: no kernel for op {op!r}; the cpu backend offers "
+                                  f"{', '.join(sorted(_BUILDERS))}")
+    encoded = [t for t in (*in_types, *out_types) if t.encoding is not None]
+    if encoded:
+        raise KernelNotFoundError(f"cpu: no kernel for {op!r} on encoded tensor {encoded[0]}; "
+                                  f"cpu kernels take dense row-major tensors only")
+    in_types, out_types = tuple(in_types), tuple(out_types)
+    if all(t.size == 0 for t in out_types):
+        return _noop  # nothing to write (and numpy refuses some reductions of nothing)
+    return builder(op, resolve_attrs(op, attrs), in_types, out_types)
+
+
+def _noop(*arrays: np.ndarray) -> None:
+    pass
+
+
+def _kernels(*names: str) -> Callable[[Builder], Builder]:
+    """Register the decorated builder for ops ``names``."""
+    def register(builder: Builder) -> Builder:
+        for name in names:
+            _BUILDERS[name] = builder
+        return builder
+    return register
+
+
+def _float16_via_float32(builder: Builder) -> Builder:
+    """Run float16 ops as float32 on upcast copies and round the results once.
+
+    numpy's float16 loops round after every pass, which multi-pass kernels would compound
+    (and float16 matmul has no BLAS). Kernels that are one ufunc call do not need this.
+    """
+    def build(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+        if all(t.dtype != _F16 for t in (*ins, *outs)):
+            return builder(op, attrs, ins, outs)
+
+        def up(types: Types) -> Types:
+            return tuple(TensorType(t.shape, _F32 if t.dtype == _F16 else t.dtype) for t in types)
+
+        inner = builder(op, attrs, up(ins), up(outs))
+        n = len(ins)
+        in_half = [t.dtype == _F16 for t in ins]
+        out_half = [(t.shape if t.dtype == _F16 else None) for t in outs]
+
+        def kernel(*arrays: np.ndarray) -> None:
+            args = [a.astype(_F32) if h else a for a, h in zip(arrays, in_half)]
+            results = [o if s is None else np.empty(s, _F32) for o, s in zip(arrays[n:], out_half)]
+            inner(*args, *results)
+            for o, r, s in zip(arrays[n:], results, out_half):
+                if s is not None:
+                    np.copyto(o, r, casting="same_kind")
+        return kernel
+    return build
+
+
+def _const(value: float, dtype: np.dtype) -> np.ndarray:
+    # A 0-d array of the operand type: no promotion, and cheaper per call than a Python float.
+    return np.asarray(value, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------------------- erf
+#
+# numpy has no erf and scipy is not a dependency, so:
+#  * float32 (and float16, via float32): the clamped rational approximation
+#    erf(x) ~= x * P(x^2) / Q(x^2) on [-4, 4] used by XLA and Eigen for single precision
+#    (erf(+-4) rounds to +-1 in float32). Evaluated in float32; the max abs error against
+#    math.erf is ~4.5e-7 (a few float32 ulps of 1) and the relative error near 0 is ~2e-7.
+#  * float64: |x| < 1: the Maclaurin series x * sum_n c_n x^(2n), exact coefficients, 20 terms
+#    (the first omitted term is < 1e-19); |x| >= 1: erf = 1 - exp(-x^2) * erfcx(x), with erfcx
+#    (= exp(x^2) erfc(x), smooth and entire) interpolated on [1, 6] by Chebyshev polynomials
+#    of degree 28, computed once at import from math.erfc; beyond 6, erf is 1 in float64.
+#    Max abs error ~1e-15.
+
+_ERF32_P = tuple(map(np.float32, (
+    -2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
+    -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)))
+_ERF32_Q = tuple(map(np.float32, (
+    -1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
+    -1.42647390514189e-02)))
+
+_ERF64_SERIES = tuple(  # highest power first, for Horner
+    2.0 / math.sqrt(math.pi) * (-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in reversed(range(20))
+)
+_ERFCX_LO, _ERFCX_HI = 1.0, 6.0
+_ERFCX_CHEB = chebyshev.chebinterpolate(
+    lambda u: np.array([math.erfc(x) * math.exp(x * x)
+                        for x in (_ERFCX_HI + _ERFCX_LO) / 2 + (_ERFCX_HI - _ERFCX_LO) / 2 * u]),
+    28,
+)
+
+
+def _horner(z: np.ndarray, coeffs: tuple, acc: np.ndarray) -> np.ndarray:
+    """acc = polynomial(z), coefficients highest power first; no temporaries."""
+    np.multiply(z, coeffs[0], out=acc)
+    np.add(acc, coeffs[1], out=acc)
+    for c in coeffs[2:]:
+        np.multiply(acc, z, out=acc)
+        np.add(acc, c, out=acc)
+    return acc
+
+
+_ERF32_CLAMP = (np.float32(-4.0), np.float32(4.0))
+
+
+def _erf_f32(x: np.ndarray, out: np.ndarray) -> None:
+    # Explicit out=: without it numpy returns scalars, not arrays, for 0-d operands.
+    t = np.clip(x, *_ERF32_CLAMP, out=np.empty(x.shape, _F32))  # nan stays nan; +-inf -> +-1
+    z = np.multiply(t, t, out=np.empty(x.shape, _F32))
+    _horner(z, _ERF32_P, out)
+    np.multiply(out, t, out=out)
+    np.divide(out, _horner(z, _ERF32_Q, t), out=out)  # t is free again: reuse it for Q
+
+
+def _erf_f64(x: np.ndarray, out: np.ndarray) -> None:
+    small = np.abs(x) < 1.0  # nan lands in the large branch, where it propagates
+    xs = x[small]
+    out[small] = xs * _horner(xs * xs, _ERF64_SERIES, np.empty_like(xs))
+    large = ~small
+    if large.any():
+        xl = x[large]
+        a = np.minimum(np.abs(xl), _ERFCX_HI)
+        u = (a - (_ERFCX_HI + _ERFCX_LO) / 2) / ((_ERFCX_HI - _ERFCX_LO) / 2)
+        out[large] = np.copysign(1.0 - np.exp(-a * a) * chebyshev.chebval(u, _ERFCX_CHEB), xl)
+
+
+def erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Vectorised error function of a float array (the kernel of op ``erf``), into ``out``.
+
+    ``out`` may be ``x`` itself. float32/float16 results are within 5e-7 of the exact value,
+    float64 results within ~1e-15. nan gives nan, +-inf gives +-1.
+    """
+    x = np.asarray(x)
+    if out is None:
+        out = np.empty_like(x)
+    if x.dtype == _F64:
+        _erf_f64(x, out)
+    elif x.dtype == _F32:
+        _erf_f32(x, out)
+    else:
+        tmp = x.astype(_F32)
+        _erf_f32(tmp, tmp)
+        np.copyto(out, tmp, casting="same_kind")
+    return out
+
+
+# ---------------------------------------------------------------------------------- elementwise
+
+_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": np.power,
+    "maximum": np.maximum, "minimum": np.minimum,
+    "equal": np.equal, "not_equal": np.not_equal, "less": np.less, "less_equal": np.less_equal,
+    "greater": np.greater, "greater_equal": np.greater_equal,
+}
+_UNARY = {"neg": np.negative, "abs": np.absolute, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+          "tanh": np.tanh}
+
+
+@_kernels(*_BINARY)
+def _binary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    ufunc = _BINARY[op]
+
+    def kernel(x, y, out):
+        ufunc(x, y, out=out)
+    return kernel
+
+
+@_kernels(*_UNARY)
+def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    ufunc = _UNARY[op]
+
+    def kernel(x, out):
+        ufunc(x, out=out)
+    return kernel
+
+
+@_kernels("relu")
+def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    zero, maximum = _const(0, ins[0].dtype), np.maximum
+
+    def kernel(x, out):
+        maximum(x, zero, out=out)
+    return kernel
+
+
+@_kernels("sigmoid")
+@_float16_via_float32
+def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    dtype = ins[0].dtype
+    # exp(-x) is capped below overflow (no warning): sigmoid there is < 1e-38 (float32) or
+    # < 1e-307 (float64) and 1 / (1 + cap) gives it to within that.
+    cap, one = _const(88.0 if dtype == _F32 else 709.0, dtype), _const(1.0, dtype)
+
+    def kernel(x, out):
+        np.negative(x, out=out)
+        np.minimum(out, cap, out=out)
+        np.exp(out, out=out)
+        np.add(out, one, out=out)
+        np.reciprocal(out, out=out)
+    return kernel
+
+
+@_kernels("erf")
+@_float16_via_float32
+def _erf(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    return _erf_f64 if ins[0].dtype == _F64 else _erf_f32
+
+
+@_kernels("gelu")
+@_float16_via_float32
+def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    dtype = ins[0].dtype
+    erf_ = _erf_f64 if dtype == _F64 else _erf_f32
+    half = _const(0.5, dtype)
+    if attrs["approximate"] == "tanh":
+        c = math.sqrt(2.0 / math.pi)
+        c0, c3 = _const(c, dtype), _const(c * 0.044715, dtype)
+
+        def kernel(x, out):  # x/2 * (1 + tanh(c * (x + 0.044715 x^3)))
+            np.multiply(x, x, out=out)
+            np.multiply(out, c3, out=out)
+            np.add(out, c0, out=out)
+            np.multiply(out, x, out=out)
+            np.tanh(out, out=out)
+            np.multiply(out, half, out=out)
+            np.add(out, half, out=out)
+            np.multiply(out, x, out=out)
+        return kernel
+
+    inv_sqrt2 = _const(1.0 / math.sqrt(2.0), dtype)
+
+    def kernel(x, out):  # x/2 * (1 + erf(x / sqrt(2)))
+        np.multiply(x, inv_sqrt2, out=out)
+        erf_(out, out)
+        np.multiply(out, half, out=out)
+        np.add(out, half, out=out)
+        np.multiply(out, x, out=out)
+    return kernel
+
+
+@_kernels("where")
+def _where(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    copyto = np.copyto
+
+    def kernel(cond, x, y, out):
+        copyto(out, y)
+        copyto(out, x, where=cond)
+    return kernel
+
+
+@_kernels("cast")
+def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    copyto = np.copyto
+
+    def kernel(x, out):
+        copyto(out, x, casting="unsafe")
+    return kernel
+
+
+# --------------------------------------------------------------------------------------- linalg
+
+@_kernels("matmul")
+@_float16_via_float32
+def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    matmul = np.matmul
+
+    def kernel(a, b, out):
+        matmul(a, b, out=out)
+    return kernel
+
+
+@_kernels("gemm")
+@_float16_via_float32
+def _gemm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    dtype = ins[0].dtype
+    trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
+    alpha, beta = float(attrs["alpha"]), float(attrs["beta"])
+    alpha_c, beta_c = _const(alpha, dtype), _const(beta, dtype)
+    has_c = len(ins) == 3
+
+    def kernel(a, b, *rest):
+        out = rest[-1]
+        np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        if alpha != 1.0:
+            np.multiply(out, alpha_c, out=out)
+        if has_c:
+            # beta * C is a temporary of C's size (usually a bias row), not of the result's.
+            np.add(out, rest[0] if beta == 1.0 else np.multiply(rest[0], beta_c), out=out)
+    return kernel
+
+
+# ----------------------------------------------------------------------------------- reductions
+
+def _axes(attrs_axes: Any, rank: int) -> tuple[int, ...] | None:
+    if attrs_axes is None:
+        return None
+    axes = [attrs_axes] if isinstance(attrs_axes, (int, np.integer)) else attrs_axes
+    return tuple(sorted(int(a) % rank for a in axes))
+
+
+_REDUCE = {"reduce_sum": np.add.reduce, "reduce_max": np.maximum.reduce,
+           "reduce_min": np.minimum.reduce}
+
+
+@_kernels("reduce_max", "reduce_min")
+def _reduce(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    reduce, axes, keepdims = _REDUCE[op], _axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
+
+    def kernel(x, out):
+        reduce(x, axis=axes, out=out, keepdims=keepdims)
+    return kernel
+
+
+# Sums go through float32 for float16: numpy would accumulate float16 sums in float16.
+_kernels("reduce_sum")(_float16_via_float32(_reduce))
+
+
+@_kernels("reduce_mean")
+@_float16_via_float32
+def _reduce_mean(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    x_type = ins[0]
+    axes, keepdims = _axes(attrs["axes"], x_type.rank), bool(attrs["keepdims"])
+    count = _const(math.prod(x_type.shape[a] for a in (range(x_type.rank) if axes is None else axes)),
+                   x_type.dtype)
+    reduce = np.add.reduce
+
+    def kernel(x, out):
+        reduce(x, axis=axes, out=out, keepdims=keepdims)
+        np.divide(out, count, out=out)
+    return kernel
+
+
+@_kernels("argmax")
+def _argmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    axis, keepdims, argmax = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"]), np.argmax
+
+    def kernel(x, out):
+        argmax(x, axis=axis, out=out, keepdims=keepdims)
+    return kernel
+
+
+@_kernels("softmax")
+@_float16_via_float32
+def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    axis = int(attrs["axis"]) % ins[0].rank
+
+    def kernel(x, out):
+        # Temporaries are the reduced (keepdims) shape only.
+        np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True), out=out)
+        np.exp(out, out=out)
+        np.divide(out, np.add.reduce(out, axis=axis, keepdims=True), out=out)
+    return kernel
+
+
+@_kernels("layer_norm")
+@_float16_via_float32
+def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    x_type = ins[0]
+    axis = int(attrs["axis"]) % x_type.rank
+    # Work on 2-D (rows, normalised elements) views: the normalised dims are trailing and
+    # contiguous, so every step is a row-wise reduction or a broadcast over rows.
+    rows, cols = math.prod(x_type.shape[:axis]), math.prod(x_type.shape[axis:])
+    dtype = x_type.dtype
+    n, eps = _const(cols, dtype), _const(float(attrs["epsilon"]), dtype)
+
+    def kernel(x, scale, bias, out):
+        x2, o2 = x.reshape(rows, cols), out.reshape(rows, cols)
+        mean = np.add.reduce(x2, axis=1, keepdims=True)
+        np.divide(mean, n, out=mean)
+        np.subtract(x2, mean, out=o2)
+        std = np.vecdot(o2, o2).reshape(rows, 1)  # row sums of squares, no full-size temporary
+        np.divide(std, n, out=std)
+        np.add(std, eps, out=std)
+        np.sqrt(std, out=std)
+        np.divide(o2, std, out=o2)
+        np.multiply(o2, scale.reshape(cols), out=o2)
+        np.add(o2, bias.reshape(cols), out=o2)
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------- shape
+
+@_kernels("transpose")
+def _transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    rank = ins[0].rank
+    perm = tuple(reversed(range(rank))) if attrs["perm"] is None else tuple(int(p) for p in attrs["perm"])
+    copyto = np.copyto
+
+    def kernel(x, out):
+        copyto(out, x.transpose(perm))
+    return kernel
+
+
+@_kernels("reshape")
+def _reshape(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    shape, copyto = outs[0].shape, np.copyto
+
+    def kernel(x, out):
+        copyto(out, x.reshape(shape))  # a view when x is contiguous: one copy in all
+    return kernel
+
+
+@_kernels("concat")
+def _concat(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    n, axis, concatenate = len(ins), int(attrs["axis"]) % ins[0].rank, np.concatenate
+
+    def kernel(*arrays):
+        concatenate(arrays[:n], axis=axis, out=arrays[n])
+    return kernel
+
+
+@_kernels("slice")
+def _slice(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    index = normalize_slice(ins[0].shape, attrs["starts"], attrs["ends"], attrs["axes"], attrs["steps"])
+    copyto = np.copyto
+
+    def kernel(x, out):
+        copyto(out, x[index])
+    return kernel
+
+
+@_kernels("gather")
+def _gather(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    axis, take = int(attrs["axis"]) % ins[0].rank, np.take
+
+    def kernel(data, indices, out):
+        # mode="raise": an index outside [-dim, dim) raises IndexError instead of reading garbage.
+        take(data, indices, axis=axis, out=out, mode="raise")
+    return kernel
+
+
+# -------------------------------------------------------------------------------------- sorting
+#
+# Order (see polyhal.ops.sorting): stable; nan last ascending and first descending; ties keep
+# input order in both directions. numpy's stable sort gives the ascending order. The descending
+# order is the ascending stable order of the *reversed* lane, reversed back: reversing twice
+# restores the input order among ties, and puts the nans (last ascending) first.
+
+def _descending_order(x: np.ndarray, axis: int, last: int) -> np.ndarray:
+    """Indices (a reversed view) of the stable descending order of ``x`` along ``axis``;
+    ``last`` is the lane length - 1."""
+    flipped = np.argsort(np.flip(x, axis), axis=axis, kind="stable")
+    np.subtract(last, flipped, out=flipped)  # index in the flipped lane -> index in x
+    return np.flip(flipped, axis)
+
+
+@_kernels("sort")
+def _sort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    axis = int(attrs["axis"]) % ins[0].rank
+    if attrs["descending"]:
+        def kernel(x, out):
+            np.copyto(out, np.flip(np.sort(np.flip(x, axis), axis=axis, kind="stable"), axis))
+        return kernel
+
+    def kernel(x, out):
+        np.copyto(out, x)
+        out.sort(axis=axis, kind="stable")  # in place: no temporary
+    return kernel
+
+
+@_kernels("argsort")
+def _argsort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    axis = int(attrs["axis"]) % ins[0].rank
+    if attrs["descending"]:
+        last = ins[0].shape[axis] - 1
+
+        def kernel(x, out):
+            np.copyto(out, _descending_order(x, axis, last))
+        return kernel
+
+    def kernel(x, out):
+        np.copyto(out, np.argsort(x, axis=axis, kind="stable"))
+    return kernel
+
+
+@_kernels("topk")
+def _topk(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    # A full stable sort, then the first k: argpartition would be faster for small k but does
+    # not honour the tie rule at the cut.
+    x_type = ins[0]
+    axis, k = int(attrs["axis"]) % x_type.rank, int(attrs["k"])
+    largest, in_order = bool(attrs["largest"]), bool(attrs["sorted"])
+    first_k = (slice(None),) * axis + (slice(0, k),)
+    last = x_type.shape[axis] - 1
+
+    def kernel(x, values, indices):
+        order = _descending_order(x, axis, last) if largest else np.argsort(x, axis=axis, kind="stable")
+        top = order[first_k]
+        np.copyto(indices, top if in_order else np.sort(top, axis=axis))
+        np.copyto(values, np.take_along_axis(x, indices, axis=axis))
+    return kernel
+
+
+#: Every op this backend implements.
+KERNEL_NAMES: frozenset[str] = frozenset(_BUILDERS)
