@@ -132,3 +132,18 @@ def test_optimal_affinity_places_ops_through_the_policy(two_cpus):
     xs = np.random.default_rng().standard_normal(4).astype(np.float32)
     np.testing.assert_allclose(plan(xs).numpy(), -np.exp(xs), rtol=1e-6)
     assert plan(xs).device.name == "cpu:0"
+
+
+def test_allocation_site_resolves_once_and_after_changes(two_cpus):
+    sel = AllocatorSelector(two_cpus)
+    site = sel.site(_cands(two_cpus), MemoryType.DEVICE_LOCAL, BufferUsage.DEFAULT)
+    assert site.decision.device_name == "cpu:0" and sel.misses == 1
+    assert site.decision is site.decision and sel.misses == 1
+
+    class Last:
+        @polyhal.hookimpl
+        def select_allocator(self, candidates, memory_type, buffer_usage, flags):
+            return len(candidates) - 1
+
+    two_cpus.register(Last(), name="last")
+    assert site.decision.device_name == "cpu:1" and sel.misses == 2

@@ -1,8 +1,8 @@
 """Memoized allocator selection over affinity sets (IREE's MemoizeDeviceSelection, at run time).
 
 The ``select_allocator`` hook sees candidates, memory type, usage and flags but never the size,
-so one decision per distinct key is computed and then reused. Decisions are invalidated when
-the registry changes (a plugin registered or unregistered).
+so one decision per distinct key is computed and then reused. Decisions are dropped when the
+registry changes (a plugin registered or unregistered).
 """
 
 from __future__ import annotations
@@ -43,29 +43,38 @@ class AllocatorSelector:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self._memo: dict[tuple, AllocatorDecision] = {}
-        self._generation = registry.generation
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
+        #: Increases whenever decisions are dropped, so that allocation sites re-resolve.
+        self.epoch = 0
+        registry.on_change(self.clear)
+
+    def clear(self) -> None:
+        """Forget every decision (the registry calls this when plugins change)."""
+        with self._lock:
+            self._memo.clear()
+            self.epoch += 1
+
+    def site(self, candidates: Sequence[tuple[DeviceSpec, int]], memory_type: MemoryType,
+             buffer_usage: BufferUsage = BufferUsage.DEFAULT, flags: int = 0) -> "AllocationSite":
+        """An allocation site with constant inputs: its decision is resolved once and then read
+        as an attribute (IREE's MemoizeDeviceSelection), until plugins change."""
+        return AllocationSite(self, (tuple(candidates), memory_type, buffer_usage, flags))
 
     def select(self, candidates: Sequence[tuple[DeviceSpec, int]], memory_type: MemoryType,
                buffer_usage: BufferUsage = BufferUsage.DEFAULT, flags: int = 0) -> AllocatorDecision:
-        """The decision for this key: from the memo, or computed once (thread-safe)."""
-        key = (candidates, memory_type, buffer_usage, flags)
-        if self._generation == self.registry.generation:
-            found = self._memo.get(key)
-            if found is not None:
-                self.hits += 1
-                return found
-        with self._lock:
-            if self._generation != self.registry.generation:
-                self._memo.clear()
-                self._generation = self.registry.generation
+        """The decision for this key: from the memo (one dict lookup), or computed once."""
+        found = self._memo.get((candidates, memory_type, buffer_usage, flags))
+        if found is not None:
+            self.hits += 1
+            return found
+        with self._lock:  # compute once even when several threads miss together
+            key = (tuple(candidates), memory_type, buffer_usage, flags)
             found = self._memo.get(key)
             if found is None:
                 self.misses += 1
-                found = self._compute(tuple(candidates), memory_type, buffer_usage, flags)
-                self._memo[key] = found
+                found = self._memo[key] = self._compute(key[0], memory_type, buffer_usage, flags)
             else:
                 self.hits += 1
             return found
@@ -101,3 +110,27 @@ class AllocatorSelector:
     def decisions(self) -> list[tuple[tuple, AllocatorDecision]]:
         """Every memoized (key, decision), for explain."""
         return list(self._memo.items())
+
+
+class AllocationSite:
+    """A place that allocates with constant (candidates, memory type, usage, flags).
+
+    ``site.decision`` is the memoized decision: a compare and an attribute read while the
+    registry is unchanged, a fresh (memoized) selection after it changed.
+    """
+
+    __slots__ = ("selector", "key", "_epoch", "_decision")
+
+    def __init__(self, selector: AllocatorSelector, key: tuple) -> None:
+        self.selector = selector
+        self.key = key
+        self._epoch = -1
+        self._decision: AllocatorDecision | None = None
+
+    @property
+    def decision(self) -> AllocatorDecision:
+        if self._epoch == self.selector.epoch:
+            return self._decision  # type: ignore[return-value]
+        self._epoch = self.selector.epoch
+        self._decision = self.selector.select(*self.key)
+        return self._decision

@@ -60,6 +60,7 @@ class Registry:
         self._lock = threading.RLock()
         self._specs: list[DeviceSpec] | None = None
         self._devices: dict[str, Device] = {}
+        self._listeners: list[Any] = []
         self._preference = _env_list("POLYHAL_BACKENDS")
         # Built-in policies are ordinary plugins, registered first so that they run last.
         from polyhal.policies import builtin_plugins
@@ -147,9 +148,15 @@ class Registry:
             self.pm.unregister(plugin, name=name)
             self._changed()
 
+    def on_change(self, callback: Any) -> None:
+        """Call ``callback()`` whenever a plugin is registered or unregistered (caches drop)."""
+        self._listeners.append(callback)
+
     def _changed(self) -> None:
         self.generation += 1
         self._specs = None
+        for callback in self._listeners:
+            callback()
 
     # -- devices -----------------------------------------------------------------------------------
 

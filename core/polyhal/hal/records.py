@@ -36,13 +36,16 @@ class Heap:
         return (self.memory_type & wanted) == wanted and (self.allowed_usage & usage) == usage
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DeviceSpec:
     """A device as a plugin registers it: cheap to make, describes without creating anything.
 
     The core ranks devices by ``rank`` (higher first; ties broken by backend then name) and calls
     ``factory(spec)`` on first use to create the :class:`~polyhal.hal.device.Device` (contexts,
     queues). ``name`` is unique across all plugins, conventionally ``"<backend>:<index>"``.
+
+    Records compare and hash by identity: the registry makes exactly one per device, and identity
+    hashing keeps memoized policy keys cheap (a C-level hash, no Python call).
     """
 
     name: str
@@ -62,10 +65,6 @@ class DeviceSpec:
     description: str = ""
     #: Name of the plugin that registered it; filled in by the registry.
     plugin: str = ""
-
-    def __hash__(self) -> int:
-        # Names are unique (the registry enforces it); hashing the name keeps memo keys cheap.
-        return hash(self.name)
 
     @property
     def memory_types(self) -> tuple[MemoryType, ...]:
