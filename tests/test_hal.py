@@ -28,7 +28,7 @@ def test_cpu_heap_is_host_local_and_device_local():
 
 
 def test_buffer_repr_and_release():
-    dev = polyhal.get_device()
+    dev = polyhal.get_device("cpu:0")
     buf = dev.allocator.allocate(10)
     assert "live" in repr(buf)
     buf.release()
@@ -38,7 +38,7 @@ def test_buffer_repr_and_release():
 
 
 def test_read_only_mapping():
-    dev = polyhal.get_device()
+    dev = polyhal.get_device("cpu:0")
     with dev.allocator.allocate(8) as buf:
         view = buf.map(MemoryAccess.READ)
         with pytest.raises(ValueError):
@@ -48,7 +48,7 @@ def test_read_only_mapping():
 
 
 def test_numpy_view_is_zero_copy():
-    t = polyhal.asarray(np.arange(10, dtype=np.int32))
+    t = polyhal.asarray(np.arange(10, dtype=np.int32), device="cpu:0")
     v = t.numpy()
     v[0] = 42
     assert t.numpy()[0] == 42
@@ -78,7 +78,7 @@ def test_read_only_flag_is_honoured():
 
 
 def test_export_to_numpy_legacy_and_versioned():
-    t = polyhal.asarray(np.arange(5, dtype=np.float64))
+    t = polyhal.asarray(np.arange(5, dtype=np.float64), device="cpu:0")
     legacy = t.__dlpack__()  # no max_version: an old consumer gets an unversioned capsule
     assert "dltensor" in repr(legacy) and "versioned" not in repr(legacy)
     legacy_view = np.from_dlpack(type("P", (), {"__dlpack__": lambda s, **k: t.__dlpack__(),

@@ -13,7 +13,7 @@ from polyhal.policy import AllocatorSelector
 
 @pytest.fixture
 def two_cpus(fresh_registry):
-    return fresh_registry(POLYHAL_CPU_DEVICES="2")
+    return fresh_registry(POLYHAL_CPU_DEVICES="2", POLYHAL_BACKENDS="cpu")
 
 
 def _cands(reg):

@@ -49,15 +49,15 @@ def test_multi_output_and_out_argument():
     x = b.input("x", (4, 10))
     vals, idx = b.topk(x, k=3)
     b.output(vals, idx)
-    plan = polyhal.compile(b.build())
+    plan = polyhal.compile(b.build(), "cpu:0")
     xs = rng.standard_normal((4, 10)).astype(np.float32)
     v, i = plan(xs)
     np.testing.assert_array_equal(np.take_along_axis(xs, i.numpy(), -1), v.numpy())
-    out_v, out_i = polyhal.empty((4, 3), "float32"), polyhal.empty((4, 3), "int64")
+    out_v, out_i = polyhal.empty((4, 3), "float32", "cpu:0"), polyhal.empty((4, 3), "int64", "cpu:0")
     res = plan(xs, out=(out_v, out_i))
     assert res[0] is out_v and np.array_equal(out_i.numpy(), i.numpy())
     with pytest.raises(polyhal.ShapeError, match="out="):
-        plan(xs, out=(polyhal.empty((4, 4), "float32"), out_i))
+        plan(xs, out=(polyhal.empty((4, 4), "float32", "cpu:0"), out_i))
 
 
 def test_plan_reuses_intermediates_and_balances_accounting():
@@ -66,7 +66,7 @@ def test_plan_reuses_intermediates_and_balances_accounting():
     b = polyhal.ProgramBuilder("mlp")
     x, w = b.input("x", (8, 32)), b.input("w", (32, 32))
     b.output(b.softmax(b.relu(b.matmul(x, w))))
-    plan = polyhal.compile(b.build())
+    plan = polyhal.compile(b.build(), "cpu:0")
     assert len(plan.intermediates) == 2
     rng = np.random.default_rng()
     xs, ws = rng.standard_normal((8, 32), np.float32), rng.standard_normal((32, 32), np.float32)
@@ -83,15 +83,15 @@ def test_inputs_on_device_are_not_copied():
     b = polyhal.ProgramBuilder("id")
     x = b.input("x", (16,))
     b.output(b.relu(x))
-    plan = polyhal.compile(b.build())
-    t = polyhal.asarray(np.arange(-8, 8, dtype=np.float32))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    t = polyhal.asarray(np.arange(-8, 8, dtype=np.float32), device="cpu:0")
     assert np.array_equal(plan(t).numpy(), np.maximum(np.arange(-8, 8), 0))
 
 
 def test_eager_ops_cache_plans():
     from polyhal import eager
 
-    a = polyhal.asarray(np.arange(6, dtype=np.float32).reshape(2, 3))
+    a = polyhal.asarray(np.arange(6, dtype=np.float32).reshape(2, 3), device="cpu:0")
     r = eager.add(a, a)
     assert np.array_equal(r.numpy(), 2 * np.arange(6).reshape(2, 3))
     n = len(eager._cache)

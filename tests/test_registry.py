@@ -138,7 +138,7 @@ def test_cli_devices_shows_devices_and_failures(fresh_registry, install_plugin, 
     import json
 
     data = json.loads(capsys.readouterr().out)
-    assert data["devices"][0]["device"] == "cpu:0"
+    assert "cpu:0" in [d["device"] for d in data["devices"]]
     assert any(f["plugin"] == "clifail" for f in data["failed_plugins"])
 
 

@@ -33,16 +33,21 @@ def selector_for(registry: Registry) -> AllocatorSelector:
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
             registry: Registry | None = None) -> "Plan":
-    """Place ``program`` on ``devices`` (default: the best-ranked device) and bind its kernels.
+    """Place ``program`` on ``devices`` and bind its kernels.
 
-    ``devices`` is the candidate list for ops without an affinity of their own; with several,
-    the ``select_allocator`` policy chooses among them (memoized).
+    ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
+    every device, best-ranked first). Each op's candidates are those of the list that have its
+    kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
+    takes the first, so an op runs on the best device that can run it and values are moved
+    between devices where needed.
     """
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
     if not devices:
-        devices = (registry.get_device(None).name,)
+        devices = tuple(s.name for s in registry.device_specs())
+        if not devices:
+            registry.get_device(None)  # raises the "no device" error with its advice
     placement = place(program, registry, selector_for(registry), tuple(devices))
     return Plan(placement, registry)
 

@@ -92,8 +92,9 @@ def infer_types(name: str, input_types: Sequence[TensorType], attrs: Mapping[str
 def resolve_attrs(name: str, attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``attrs`` with op ``name``'s defaults filled in; unknown or missing attributes raise
     ProgramError. Values are returned as given (inference validates them)."""
+    op = get_op(name)
     try:
-        return _resolve(get_op(name).defaults, attrs or {})
+        return _resolve(op.defaults, attrs or {})
     except ProgramError as exc:
         raise ProgramError(f"{name}: {exc}") from None
 
@@ -155,7 +156,8 @@ def define(
         try:
             n = len(input_types)
             if n < lo or (hi is not None and n > hi):
-                want = f"{lo}" if lo == hi else f"{lo} or more" if hi is None else f"{lo} to {hi}"
+                want = (f"{lo}" if lo == hi else f"{lo} or more" if hi is None
+                        else f"{lo} or {hi}" if hi == lo + 1 else f"{lo} to {hi}")
                 raise ProgramError(f"expects {want} input{'s' * (want != '1')}, got {n}")
             for i, t in enumerate(input_types):
                 if not isinstance(t, TensorType):
@@ -201,17 +203,26 @@ SIGNED = FLOAT | SIGNED_INT
 ANY = frozenset(SUPPORTED_DTYPES)
 INDEX = frozenset(np.dtype(n) for n in ("int32", "int64"))
 
-_FAMILY_NAMES = {FLOAT: "a float type", NUMERIC: "a numeric (non-bool) type",
-                 SIGNED: "a float or signed integer type", INDEX: "int32 or int64"}
+
+def _listed(types: frozenset) -> str:
+    return ", ".join(sorted(map(str, types)))
+
+
+#: How messages describe the families (others are listed type by type).
+_FAMILY_NAMES = {
+    FLOAT: f"a float type ({_listed(FLOAT)})",
+    NUMERIC: "a numeric (non-bool) type",
+    SIGNED: f"a float or signed integer type ({_listed(SIGNED)})",
+    INDEX: "int32 or int64",
+}
 
 
 def check_dtype(t: TensorType, allowed: frozenset, operand: str | int = 0) -> None:
     """Raise DTypeError unless ``t``'s element type is in ``allowed``."""
     if t.dtype not in allowed:
-        want = _FAMILY_NAMES.get(allowed) or ", ".join(sorted(map(str, allowed)))
+        want = _FAMILY_NAMES.get(allowed) or _listed(allowed)
         hint = "; insert a 'cast'" if allowed != INDEX else ""
-        raise DTypeError(f"{_operand(operand)} has element type {t.dtype}, expected {want}"
-                         f" ({', '.join(sorted(map(str, allowed)))}){hint}")
+        raise DTypeError(f"{_operand(operand)} has element type {t.dtype}, expected {want}{hint}")
 
 
 def check_same_dtype(*ts: TensorType, first: int = 0) -> np.dtype:

@@ -45,9 +45,10 @@ _ARITHMETIC: dict[str, tuple[Callable, frozenset, str, str]] = {
 }
 
 #: Comparisons accept every type and produce bool; nan compares unequal to everything.
-_COMPARISONS: dict[str, Callable] = {
-    "equal": np.equal, "not_equal": np.not_equal, "less": np.less,
-    "less_equal": np.less_equal, "greater": np.greater, "greater_equal": np.greater_equal,
+_COMPARISONS: dict[str, tuple[Callable, str]] = {
+    "equal": (np.equal, "=="), "not_equal": (np.not_equal, "!="), "less": (np.less, "<"),
+    "less_equal": (np.less_equal, "<="), "greater": (np.greater, ">"),
+    "greater_equal": (np.greater_equal, ">="),
 }
 
 
@@ -78,9 +79,9 @@ def _define_binary(name: str, fn: Callable, allowed: frozenset, sampler: str, do
 
 for _name, (_fn, _allowed, _sampler, _doc) in _ARITHMETIC.items():
     _define_binary(_name, _fn, _allowed, _sampler, _doc, None)
-for _name, _fn in _COMPARISONS.items():
-    _define_binary(_name, _fn, ANY, "ties", f"x {_name.replace('_', ' ')} y, elementwise; bool result.",
-                   np.dtype(bool))
+for _name, (_fn, _symbol) in _COMPARISONS.items():
+    _define_binary(_name, _fn, ANY, "ties", f"x {_symbol} y, elementwise, as bool; "
+                   f"{'true' if _symbol == '!=' else 'false'} where either operand is nan.", np.dtype(bool))
 
 
 # ---------------------------------------------------------------------------------------- unary
@@ -124,8 +125,9 @@ def _define_unary(name: str, fn: Callable, allowed: frozenset, rng_range, doc: s
     def sample(rng: np.random.Generator):
         return [nonzero(rng, pick(rng, _UNARY_SHAPES), lo, hi, positive=positive)], {}
 
-    kinds = "float types only" if allowed == FLOAT else "numeric types"
-    define(name, infer=infer, reference=reference, sample=sample, arity=1, doc=f"{doc} ({kinds}).")
+    kinds = {FLOAT: "float types", SIGNED: "float and signed integer types",
+             NUMERIC: "numeric (non-bool) types"}[allowed]
+    define(name, infer=infer, reference=reference, sample=sample, arity=1, doc=f"{doc} Accepts {kinds}.")
 
 
 for _name, (_fn, _allowed, _range, _doc) in _UNARY.items():

@@ -80,10 +80,18 @@ def _infer_gemm(a: TensorType, b: TensorType, c: TensorType | None = None, *,
         raise ShapeError(
             f"inner dimensions do not match: A{'^T' * bool(trans_a)} is ({m},{ka}) but "
             f"B{'^T' * bool(trans_b)} is ({kb},{n})")
-    if c is not None and (c.rank > 2 or broadcast(c.shape, (m, n)) != (m, n)):
+    if c is not None and not _broadcasts_to(c.shape, (m, n)):
         raise ShapeError(f"C has shape {fmt_shape(c.shape)}, which does not broadcast to the "
                          f"result shape ({m},{n})")
     return (TensorType((m, n), dtype),)
+
+
+def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
+    """Whether ``shape`` broadcasts one way (without growing) to ``target``."""
+    try:
+        return broadcast(shape, target) == target
+    except ShapeError:
+        return False
 
 
 def _ref_gemm(a, b, c=None, *, alpha=1.0, beta=1.0, trans_a=False, trans_b=False):

@@ -70,7 +70,8 @@ def _ref_reshape(x, *, shape):
 def _sample_reshape(rng: np.random.Generator):
     x = nonzero(rng, random_shape(rng, 0, 4))
     n = x.size
-    targets = [(n,), (-1,), (1, n), (n, 1, -1), tuple(reversed(x.shape)), (x.shape[0], -1) if x.ndim else (1,)]
+    targets = [(n,), (-1,), (1, n), (n, 1, -1), tuple(reversed(x.shape)),
+               (x.shape[0], -1) if x.ndim else (1,)]
     return [x], {"shape": list(pick(rng, targets))}
 
 
@@ -90,7 +91,8 @@ def _infer_concat(*xs: TensorType, axis):
         raise ShapeError("operand 0 is 0-d; concat needs operands of rank >= 1")
     axis = normalize_axis(axis, first.rank)
     for i, t in enumerate(xs[1:], 1):
-        if t.rank != first.rank or any(d != e for j, (d, e) in enumerate(zip(t.shape, first.shape)) if j != axis):
+        others_differ = any(d != e for j, (d, e) in enumerate(zip(t.shape, first.shape)) if j != axis)
+        if t.rank != first.rank or others_differ:
             raise ShapeError(f"operand {i} has shape {fmt_shape(t.shape)} but operand 0 has shape "
                              f"{fmt_shape(first.shape)}; they may differ only in axis {axis}")
     shape = list(first.shape)

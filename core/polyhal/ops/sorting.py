@@ -122,7 +122,8 @@ def _infer_topk(x: TensorType, *, k, axis, largest, sorted):
     bool_attr(sorted, "sorted")
     k = int_attr(k, "k")
     if not 0 <= k <= x.shape[axis]:
-        raise ProgramError(f"k={k} is out of range for axis {axis} of size {x.shape[axis]} (0..{x.shape[axis]})")
+        raise ProgramError(f"k={k} is out of range for axis {axis} of size {x.shape[axis]} "
+                           f"(0..{x.shape[axis]})")
     shape = x.shape[:axis] + (k,) + x.shape[axis + 1:]
     return TensorType(shape, x.dtype), TensorType(shape, np.int64)
 

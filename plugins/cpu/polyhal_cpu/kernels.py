@@ -107,6 +107,26 @@ def _float16_via_float32(builder: Builder) -> Builder:
     return build
 
 
+#: Elements per piece for multi-pass elementwise kernels (32K float64 scratch = 256 KiB).
+_CHUNK = 32768
+
+
+def _chunked(kernel: Callable[[np.ndarray, np.ndarray], None]) -> Callable[[np.ndarray, np.ndarray], None]:
+    """Run a unary elementwise ``kernel(x, out)`` over cache-sized pieces of large arrays.
+
+    erf and gelu make ~30 passes over their data; on pieces that fit in L2 the later passes hit
+    cache instead of memory, which makes them 2-3x faster on large tensors.
+    """
+    def run(x: np.ndarray, out: np.ndarray) -> None:
+        if out.size <= _CHUNK or not out.flags.c_contiguous:
+            kernel(x, out)
+            return
+        flat_x, flat_out = x.reshape(-1), out.reshape(-1)  # a view of out: it is contiguous
+        for start in range(0, flat_out.size, _CHUNK):
+            kernel(flat_x[start:start + _CHUNK], flat_out[start:start + _CHUNK])
+    return run
+
+
 def _const(value: float, dtype: np.dtype) -> np.ndarray:
     # A 0-d array of the operand type: no promotion, and cheaper per call than a Python float.
     return np.asarray(value, dtype=dtype)
@@ -142,11 +162,11 @@ def _erfcx_monomials() -> tuple[float, ...]:
     """Monomial coefficients (highest first) in u = (x - 3.5) / 2.5 of the Chebyshev
     interpolant of erfcx on [1, 6].
 
-    Coefficients come from a 64-point discrete cosine sum (exact orthogonality, cos computed
-    directly) rather than numpy's chebinterpolate, whose Vandermonde recurrence loses ~1e-14
-    at this degree. exp(x^2) at a node uses the exact square of x (a double's square needs two
-    doubles), since exp amplifies the rounding of x*x by x^2. The monomial form is safe here:
-    its coefficients stay below 0.2 in magnitude on [-1, 1].
+    Coefficients come from a 64-point discrete cosine sum (exact discrete orthogonality, cos
+    computed directly) rather than numpy's chebinterpolate, whose interpolant reproduced its
+    own node values only to ~3e-14 at this degree. exp(x^2) at a node uses the exact square
+    of x (a double's square needs two doubles), since exp amplifies the rounding of x*x by
+    x^2. The monomial form is safe here: its coefficients stay below 0.2 in magnitude.
     """
     n = 64
     theta = np.pi * (np.arange(n) + 0.5) / n
@@ -209,9 +229,12 @@ def erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """
     x = np.asarray(x)
     if out is None:
-        out = np.empty_like(x)
-    (_erf_double if x.dtype == _F64 else _erf_single)(x, out)
+        out = np.empty(x.shape, x.dtype)
+    (_erf_double_chunked if x.dtype == _F64 else _erf_single_chunked)(x, out)
     return out
+
+
+_erf_single_chunked, _erf_double_chunked = _chunked(_erf_single), _chunked(_erf_double)
 
 
 # ---------------------------------------------------------------------------------- elementwise
@@ -267,12 +290,12 @@ def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         np.exp(out, out=out)
         np.add(out, one, out=out)
         np.reciprocal(out, out=out)
-    return kernel
+    return _chunked(kernel)
 
 
 @_kernels("erf")
 def _erf(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    return _erf_double if ins[0].dtype == _F64 else _erf_single
+    return _erf_double_chunked if ins[0].dtype == _F64 else _erf_single_chunked
 
 
 @_kernels("gelu")
@@ -294,7 +317,7 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
             np.multiply(out, half, out=out)
             np.add(out, half, out=out)
             np.multiply(out, x, out=out)
-        return kernel
+        return _chunked(kernel)
 
     inv_sqrt2 = _const(1.0 / math.sqrt(2.0), dtype)
 
@@ -304,7 +327,7 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         np.multiply(out, half, out=out)
         np.add(out, half, out=out)
         np.multiply(out, x, out=out)
-    return kernel
+    return _chunked(kernel)
 
 
 @_kernels("where")
@@ -421,6 +444,11 @@ def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
+# Row-wise dot products without a full-size temporary: np.vecdot (numpy >= 2, BLAS dot) where
+# available, einsum on numpy 1.x.
+_row_dot = getattr(np, "vecdot", None) or (lambda a, b: np.einsum("ij,ij->i", a, b))
+
+
 @_kernels("layer_norm")
 @_float16_via_float32
 def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
@@ -437,7 +465,7 @@ def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         mean = np.add.reduce(x2, axis=1, keepdims=True)
         np.divide(mean, n, out=mean)
         np.subtract(x2, mean, out=o2)
-        std = np.vecdot(o2, o2).reshape(rows, 1)  # row sums of squares, no full-size temporary
+        std = _row_dot(o2, o2).reshape(rows, 1)  # row sums of squares, no full-size temporary
         np.divide(std, n, out=std)
         np.add(std, eps, out=std)
         np.sqrt(std, out=std)

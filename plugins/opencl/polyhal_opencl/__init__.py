@@ -1,0 +1,10 @@
+"""polyhal-opencl: the OpenCL backend of polyhal, on pyopencl.
+
+Modules, in the same places as the CPU backend's: ``plugin`` (the hooks: one device per OpenCL
+device), ``device`` (CLDevice), ``allocator`` (CLAllocator and its caching pool), ``kernels``
+(the op set: ``prepare`` and ``KERNEL_NAMES``). Behind ``kernels``: ``ops/`` generates OpenCL C
+per op family (mirroring ``polyhal.ops``), ``codegen`` holds what the generators share (element
+types, index math, launch recipes), ``program`` builds and caches programs (memory and disk),
+``cl/*.cl`` are the hand-written kernels (tiled matmul, bitonic sort) and ``errors`` turns
+OpenCL status codes into polyhal errors.
+"""

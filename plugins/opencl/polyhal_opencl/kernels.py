@@ -1,0 +1,117 @@
+"""The op set on OpenCL: ``KERNEL_NAMES`` and ``prepare``.
+
+``prepare`` asks the op family's generator (``polyhal_opencl/ops``) for a
+:class:`~polyhal_opencl.codegen.Recipe`, builds its source through the device's program cache,
+makes one ``cl.Kernel`` per launch, sets every argument that does not change between calls
+(scratch buffers, scalars), allocates scratch, and returns a closure over all of it. The
+closure is a plan's hot path: it sets the operands' buffers and offsets and enqueues, nothing
+more. It never waits for the device; the in-order queue orders everything.
+
+Kernels take the native arrays of dense row-major tensors (what plans pass): the
+``pyopencl.array.Array`` views made by :meth:`CLDevice.view`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping
+
+import numpy as np
+
+from polyhal.errors import KernelNotFoundError
+from polyhal.hal.flags import MemoryType
+from polyhal.ops import resolve_attrs
+
+from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
+from polyhal_opencl.errors import check
+from polyhal_opencl.ops import elementwise, linalg, reduction, shape, sorting
+
+if TYPE_CHECKING:
+    from polyhal.ir.types import TensorType
+
+    from polyhal_opencl.device import CLDevice
+
+#: op name -> generator(op, attrs, in_types, out_types, traits) -> Recipe.
+GENERATORS: dict[str, Callable[..., Recipe]] = {
+    **elementwise.GENERATORS, **linalg.GENERATORS, **reduction.GENERATORS, **shape.GENERATORS,
+    **sorting.GENERATORS,
+}
+
+#: Every op this backend has a kernel for (all of polyhal.ops; float64 needs cl_khr_fp64).
+KERNEL_NAMES = frozenset(GENERATORS)
+
+
+def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
+             out_types: tuple["TensorType", ...], traits: DeviceTraits) -> Recipe:
+    """The recipe (source, launches, scratch) for one op instance; no device needed."""
+    gen = GENERATORS.get(op)
+    if gen is None:
+        raise KernelNotFoundError(f"{traits.name} (OpenCL) has no kernel for op {op!r}; it has {sorted(GENERATORS)}")
+    return gen(op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types), traits)
+
+
+def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
+            out_types: tuple["TensorType", ...], traits: DeviceTraits | None = None) -> Callable[..., None]:
+    """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``.
+
+    ``traits`` overrides the device's (tests use it to force e.g. the global sort path).
+    """
+    traits = traits or device.traits
+    recipe = generate(op, attrs, in_types, out_types, traits)
+    itemsizes = [t.dtype.itemsize for t in (*in_types, *out_types)]
+    program = device.programs.get(recipe.source, traits.build_options()) if recipe.source else None
+    # Scratch lives as long as the closure (the plan step) does, then returns to the allocator.
+    scratch = [device.allocator.allocate(n, MemoryType.DEVICE_LOCAL) for n in recipe.scratch]
+    steps = [_bind_launch(device, program, s, scratch, itemsizes) if isinstance(s, Launch)
+             else _bind_copy(device, s) for s in recipe.steps]
+    what = f"running {op} on {device.name}"
+
+    def run(*arrays: Any) -> None:
+        with check(what):
+            for step in steps:
+                step(arrays)
+
+    run.recipe = recipe  # for inspection and tests
+    run.scratch = scratch
+    return run
+
+
+def _bind_launch(device: "CLDevice", program: Any, launch: Launch, scratch: list, itemsizes: list[int]):
+    import pyopencl as cl
+
+    with check(f"creating kernel {launch.kernel} on {device.name}"):
+        kernel = cl.Kernel(program, launch.kernel)
+    n_buf = len(launch.args)
+    operand_slots = []  # (parameter index, operand index, itemsize)
+    for i, arg in enumerate(launch.args):
+        if arg.scratch:
+            kernel.set_arg(2 * i, scratch[arg.index].native)
+            kernel.set_arg(2 * i + 1, np.uint64(0))
+        else:
+            operand_slots.append((2 * i, arg.index, itemsizes[arg.index]))
+    for j, value in enumerate(launch.scalars):
+        kernel.set_arg(2 * n_buf + j, np.int64(value))
+    queue, gsize, lsize = device.queue, launch.gsize, launch.lsize
+    enqueue, set_arg, u64 = cl.enqueue_nd_range_kernel, kernel.set_arg, np.uint64
+
+    def step(arrays: tuple) -> None:
+        for p, k, item in operand_slots:
+            a = arrays[k]
+            set_arg(p, a.base_data)
+            set_arg(p + 1, u64(a.offset // item))
+        enqueue(queue, kernel, gsize, lsize)
+
+    return step
+
+
+def _bind_copy(device: "CLDevice", copy: Copy):
+    import pyopencl as cl
+
+    queue, src, dst, nbytes = device.queue, copy.src, copy.dst, copy.nbytes
+
+    def step(arrays: tuple) -> None:
+        if nbytes:
+            a, b = arrays[src], arrays[dst]
+            cl.enqueue_copy(queue, b.base_data, a.base_data, byte_count=nbytes,
+                            src_offset=a.offset, dst_offset=b.offset)
+
+    return step
