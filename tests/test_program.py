@@ -98,3 +98,23 @@ def test_eager_ops_cache_plans():
     eager.add(a, a)
     assert len(eager._cache) == n
     assert np.array_equal(polyhal.run_op("reduce_sum", a, axes=(1,)).numpy(), [3, 12])
+
+
+def test_running_a_plan_calls_no_hook():
+    reg = polyhal.default_registry()
+    b = polyhal.ProgramBuilder("nohooks")
+    x = b.input("x", (32,))
+    b.output(b.exp(b.neg(x)))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    from polyhal.plan import selector_for
+
+    sel = selector_for(reg)
+    lookups = (sel.hits, sel.misses)
+    calls = []
+    undo = reg.pm.add_hookcall_monitoring(lambda name, impls, kw: calls.append(name), lambda *a: None)
+    try:
+        for _ in range(10):
+            plan(np.ones(32, np.float32))
+    finally:
+        undo()
+    assert calls == [] and (sel.hits, sel.misses) == lookups  # no hook, not even a memo lookup

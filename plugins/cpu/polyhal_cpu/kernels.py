@@ -33,7 +33,7 @@ from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_slice, resolve_attrs
 
-__all__ = ["KERNEL_NAMES", "prepare", "erf"]
+__all__ = ["KERNEL_NAMES", "prepare", "erf", "register_kernels"]
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
@@ -69,8 +69,8 @@ def _noop(*arrays: np.ndarray) -> None:
     pass
 
 
-def _kernels(*names: str) -> Callable[[Builder], Builder]:
-    """Register the decorated builder for ops ``names``."""
+def register_kernels(*names: str) -> Callable[[Builder], Builder]:
+    """Register the decorated builder for ops ``names`` (topic modules of this plugin use it)."""
     def register(builder: Builder) -> Builder:
         for name in names:
             _BUILDERS[name] = builder
@@ -249,7 +249,7 @@ _UNARY = {"neg": np.negative, "abs": np.absolute, "exp": np.exp, "log": np.log, 
           "tanh": np.tanh}
 
 
-@_kernels(*_BINARY)
+@register_kernels(*_BINARY)
 def _binary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     ufunc = _BINARY[op]
 
@@ -258,7 +258,7 @@ def _binary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels(*_UNARY)
+@register_kernels(*_UNARY)
 def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     ufunc = _UNARY[op]
 
@@ -267,7 +267,7 @@ def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("relu")
+@register_kernels("relu")
 def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     zero, maximum = _const(0, ins[0].dtype), np.maximum
 
@@ -276,7 +276,7 @@ def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("sigmoid")
+@register_kernels("sigmoid")
 @_float16_via_float32
 def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -293,12 +293,12 @@ def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return _chunked(kernel)
 
 
-@_kernels("erf")
+@register_kernels("erf")
 def _erf(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return _erf_double_chunked if ins[0].dtype == _F64 else _erf_single_chunked
 
 
-@_kernels("gelu")
+@register_kernels("gelu")
 @_float16_via_float32
 def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -330,7 +330,7 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return _chunked(kernel)
 
 
-@_kernels("where")
+@register_kernels("where")
 def _where(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     copyto = np.copyto
 
@@ -340,7 +340,7 @@ def _where(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("cast")
+@register_kernels("cast")
 def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     copyto = np.copyto
 
@@ -351,7 +351,7 @@ def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # --------------------------------------------------------------------------------------- linalg
 
-@_kernels("matmul")
+@register_kernels("matmul")
 @_float16_via_float32
 def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     matmul = np.matmul
@@ -361,7 +361,7 @@ def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("gemm")
+@register_kernels("gemm")
 @_float16_via_float32
 def _gemm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -394,7 +394,7 @@ _REDUCE = {"reduce_sum": np.add.reduce, "reduce_max": np.maximum.reduce,
            "reduce_min": np.minimum.reduce}
 
 
-@_kernels("reduce_max", "reduce_min")
+@register_kernels("reduce_max", "reduce_min")
 def _reduce(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     reduce, axes, keepdims = _REDUCE[op], _axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
 
@@ -404,10 +404,10 @@ def _reduce(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 # Sums go through float32 for float16: numpy would accumulate float16 sums in float16.
-_kernels("reduce_sum")(_float16_via_float32(_reduce))
+register_kernels("reduce_sum")(_float16_via_float32(_reduce))
 
 
-@_kernels("reduce_mean")
+@register_kernels("reduce_mean")
 @_float16_via_float32
 def _reduce_mean(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type = ins[0]
@@ -422,7 +422,7 @@ def _reduce_mean(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("argmax")
+@register_kernels("argmax")
 def _argmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis, keepdims, argmax = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"]), np.argmax
 
@@ -431,7 +431,7 @@ def _argmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("softmax")
+@register_kernels("softmax")
 @_float16_via_float32
 def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
@@ -449,7 +449,7 @@ def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 _row_dot = getattr(np, "vecdot", None) or (lambda a, b: np.einsum("ij,ij->i", a, b))
 
 
-@_kernels("layer_norm")
+@register_kernels("layer_norm")
 @_float16_via_float32
 def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type = ins[0]
@@ -477,7 +477,7 @@ def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # ---------------------------------------------------------------------------------------- shape
 
-@_kernels("transpose")
+@register_kernels("transpose")
 def _transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     rank = ins[0].rank
     perm = tuple(reversed(range(rank))) if attrs["perm"] is None else tuple(int(p) for p in attrs["perm"])
@@ -488,7 +488,7 @@ def _transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("reshape")
+@register_kernels("reshape")
 def _reshape(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     shape, copyto = outs[0].shape, np.copyto
 
@@ -497,7 +497,7 @@ def _reshape(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("concat")
+@register_kernels("concat")
 def _concat(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     n, axis, concatenate = len(ins), int(attrs["axis"]) % ins[0].rank, np.concatenate
 
@@ -506,7 +506,7 @@ def _concat(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("slice")
+@register_kernels("slice")
 def _slice(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     index = normalize_slice(ins[0].shape, attrs["starts"], attrs["ends"], attrs["axes"], attrs["steps"])
     copyto = np.copyto
@@ -516,7 +516,7 @@ def _slice(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("gather")
+@register_kernels("gather")
 def _gather(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis, take = int(attrs["axis"]) % ins[0].rank, np.take
 
@@ -541,7 +541,7 @@ def _descending_order(x: np.ndarray, axis: int, last: int) -> np.ndarray:
     return np.flip(flipped, axis)
 
 
-@_kernels("sort")
+@register_kernels("sort")
 def _sort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     if attrs["descending"]:
@@ -555,7 +555,7 @@ def _sort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("argsort")
+@register_kernels("argsort")
 def _argsort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     if attrs["descending"]:
@@ -570,7 +570,7 @@ def _argsort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@_kernels("topk")
+@register_kernels("topk")
 def _topk(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     # A full stable sort, then the first k: argpartition would be faster for small k but does
     # not honour the tie rule at the cut.
@@ -587,6 +587,9 @@ def _topk(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         np.copyto(values, np.take_along_axis(x, indices, axis=axis))
     return kernel
 
+
+# Topic modules register further kernels through register_kernels; import them before the
+# set of names is frozen. (None yet.)
 
 #: Every op this backend implements.
 KERNEL_NAMES: frozenset[str] = frozenset(_BUILDERS)
