@@ -244,7 +244,8 @@ def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype:
 
 # ---------------------------------------------------------------- export
 
-def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of the dense row-major layout of ``shape``."""
     strides, step = [], 1
     for extent in reversed(shape):
         strides.append(step)
@@ -273,7 +274,7 @@ def export_capsule(*, data_ptr: int, shape: tuple[int, ...], strides: tuple[int,
     shape = tuple(int(n) for n in shape)
     if any(n < 0 for n in shape):
         raise DLPackError(f"shape {shape} has a negative extent")
-    strides = _row_major(shape) if strides is None else tuple(int(s) for s in strides)
+    strides = row_major_strides(shape) if strides is None else tuple(int(s) for s in strides)
     if len(strides) != len(shape):
         raise DLPackError(f"strides {strides} do not match shape {shape}: give one per dimension")
     if data_ptr < 0 or byte_offset < 0:
@@ -388,7 +389,7 @@ def from_capsule(capsule: Any) -> ImportedTensor:
                               f"{'set' if t.shape else 'NULL'}; the producer is broken")
         dtype = numpy_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
         shape = tuple(t.shape[i] for i in range(t.ndim))
-        strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else _row_major(shape)
+        strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else row_major_strides(shape)
         dev_type = t.device.device_type
         if dev_type in DLDeviceType._value2member_map_:
             dev_type = DLDeviceType(dev_type)

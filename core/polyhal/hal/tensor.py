@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyhal import dlpack
+from polyhal.dlpack import row_major_strides
 from polyhal.errors import DLPackError
 from polyhal.hal.flags import BufferUsage, MemoryAccess, MemoryType
 from polyhal.ir.types import TensorType, as_dtype, as_shape
@@ -16,15 +17,6 @@ if TYPE_CHECKING:
     from polyhal.hal.device import Device
 
 _CPU = (int(dlpack.DLDeviceType.CPU), 0)
-
-
-def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Element strides of the dense row-major layout of ``shape``."""
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 class Tensor:
