@@ -35,7 +35,9 @@ def infer1(name, *types, **attrs) -> TensorType:
 # ----------------------------------------------------------------------------------- registry
 
 def test_op_set_is_complete():
-    assert set(OPS) == EXPECTED_OPS
+    # The core op set; families added since (ONNX's wider set, detection, data tiling) are
+    # tested by their own tests and by the per-op tests below.
+    assert EXPECTED_OPS <= set(OPS)
 
 
 @pytest.mark.parametrize("name", OP_NAMES)
@@ -76,8 +78,8 @@ def test_samples_differ_between_seeds():
 
 
 def test_unknown_op_lists_known_ops():
-    with pytest.raises(ProgramError, match=r"unknown op 'ad'.*did you mean 'add'.*known ops: abs, add"):
-        get_op("ad")
+    with pytest.raises(ProgramError, match=r"unknown op 'matmull'.*did you mean 'matmul'.*known ops: abs, "):
+        get_op("matmull")
     with pytest.raises(ProgramError, match="unknown op 'nope'"):
         infer_types("nope", [T(2)], {})
 

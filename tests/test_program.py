@@ -118,3 +118,16 @@ def test_running_a_plan_calls_no_hook():
     finally:
         undo()
     assert calls == [] and (sel.hits, sel.misses) == lookups  # no hook, not even a memo lookup
+
+
+def test_outputs_that_alias_inputs_or_each_other_are_copies():
+    b = polyhal.ProgramBuilder("alias")
+    x = b.input("x", (5,))
+    r = b.relu(x)
+    b.output(r, x, r)
+    plan = polyhal.compile(b.build(), "cpu:0")
+    xs = np.random.default_rng().standard_normal(5).astype(np.float32)
+    r1, x1, r2 = plan(xs)
+    assert np.array_equal(x1.numpy(), xs)
+    assert np.array_equal(r1.numpy(), np.maximum(xs, 0)) and np.array_equal(r2.numpy(), r1.numpy())
+    assert r1.buffer is not r2.buffer

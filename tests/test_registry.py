@@ -146,4 +146,6 @@ def test_cli_plugins_lists_hooks(fresh_registry, capsys):
     fresh_registry()
     assert cli_main(["plugins"]) == 0
     out = capsys.readouterr().out
-    assert "cpu: register_devices" in out and "polyhal.policies.first: select_allocator" in out
+    cpu_line = next(line for line in out.splitlines() if line.startswith("cpu: "))
+    assert "register_devices" in cpu_line and "estimate_cost" in cpu_line
+    assert "polyhal.policies.first: select_allocator" in out

@@ -1,4 +1,5 @@
-"""The ``polyhal`` command: ``devices``, ``plugins`` and ``demo`` (the CPU quick start)."""
+"""The ``polyhal`` command: ``devices``, ``plugins``, ``demo`` (the CPU quick start) and ``explain``
+(every allocation decision, the plugin that made it and why)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import sys
 from typing import Any, Sequence
 
+from polyhal.explain import add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain
 from polyhal.registry import Registry, default_registry, iter_plugins
 
 
@@ -72,6 +74,7 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
 
     import polyhal
 
+    apply_policy_arguments(args, registry)
     rng = np.random.default_rng(0)
     n, d, h = args.batch, 256, 512
     b = polyhal.ProgramBuilder("mlp_block")
@@ -81,7 +84,7 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     y = b.matmul(b.gelu(b.matmul(x, w1)), w2)
     b.output(b.softmax(b.layer_norm(b.add(y, x), gamma, beta), axis=-1))
     program = b.build()
-    plan = polyhal.compile(program, args.device)
+    plan = polyhal.compile(program, args.device, data_tiling=args.data_tiling)
     feeds = {"x": rng.standard_normal((n, d), np.float32), "w1": rng.standard_normal((d, h), np.float32) / 16,
              "w2": rng.standard_normal((h, d), np.float32) / 22, "gamma": rng.random(d, np.float32) + 0.5,
              "beta": rng.standard_normal(d).astype(np.float32)}
@@ -101,9 +104,20 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     err = float(np.max(np.abs(out - ref)))
     print(program)
     print(plan.explain())
+    if args.explain:
+        from polyhal.policy import selector_for
+
+        print(selector_for(registry).explain())
     print(f"ran on {plan.placement.value_device[program.outputs[0].id]}: {dt * 1e3:.3f} ms per run, "
           f"max |error| vs float64 numpy = {err:.2e}")
     return 0 if err < 1e-4 else 1
+
+
+def _cmd_run(args: argparse.Namespace, registry: Registry) -> int:
+    """``polyhal run MODEL.onnx`` (imports onnx only now, not when the CLI starts)."""
+    from polyhal.frontends.onnx.run import cmd_run
+
+    return cmd_run(args, registry)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -115,13 +129,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("plugins", help="list loaded plugins and the hooks each implements")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p = sub.add_parser("demo", help="compile and run a small MLP block and check it against numpy")
-    p.add_argument("--device", default=None, help="device name (default: the best-ranked device)")
+    p.add_argument("--device", action="append", default=None,
+                   help="device name; repeat it for a --device list (default: every device, best first)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeat", type=int, default=20)
+    add_policy_arguments(p)
+    p.add_argument("--explain", action="store_true", help="also list every allocation decision and why")
+    p.add_argument("--data-tiling", action="store_true",
+                   help="wrap matmul operands in encodings (packed on the CPU; folded on devices without data tiling)")
+    add_explain_parser(sub)
+    p = sub.add_parser("run", help="run an ONNX model (random or .npy/.npz inputs) and print outputs and timings")
+    from polyhal.frontends.onnx.run import add_arguments as add_run_arguments  # imports no onnx
+
+    add_run_arguments(p)
     args = parser.parse_args(argv)
     try:
         registry = default_registry()
-        return {"devices": cmd_devices, "plugins": cmd_plugins, "demo": cmd_demo}[args.command](args, registry)
+        return {"devices": cmd_devices, "plugins": cmd_plugins, "demo": cmd_demo,
+                "explain": cmd_explain, "run": _cmd_run}[args.command](args, registry)
     except Exception as exc:  # a CLI prints the error, not a traceback
         from polyhal.errors import PolyhalError
 

@@ -14,25 +14,16 @@ import numpy as np
 
 from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.hal.device import Device
-from polyhal.hal.tensor import Tensor, empty
+from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
+from polyhal.passes.bufferize import bufferize
 from polyhal.passes.placement import Placement, place
-from polyhal.policy import AllocatorSelector
+from polyhal.policy import AllocatorSelector, selector_for  # noqa: F401  (selector_for: re-exported)
 from polyhal.registry import Registry, default_registry
-
-_selectors: dict[int, AllocatorSelector] = {}
-
-
-def selector_for(registry: Registry) -> AllocatorSelector:
-    """The memoizing allocator selector of a registry (one per registry)."""
-    sel = _selectors.get(id(registry))
-    if sel is None or sel.registry is not registry:
-        sel = _selectors[id(registry)] = AllocatorSelector(registry)
-    return sel
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
-            registry: Registry | None = None) -> "Plan":
+            registry: Registry | None = None, data_tiling: bool = False) -> "Plan":
     """Place ``program`` on ``devices`` and bind its kernels.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
@@ -40,8 +31,19 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
     takes the first, so an op runs on the best device that can run it and values are moved
     between devices where needed.
+
+    ``data_tiling=True`` wraps matmul operands and results in encodings first
+    (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every
+    encoding on its device and folds or materializes the encode ops
+    (:mod:`polyhal.passes.materialize_encoding`).
     """
+    from polyhal.passes.materialize_encoding import materialize_encodings
+
     registry = registry or default_registry()
+    if data_tiling:
+        from polyhal.passes.data_tiling import set_encodings
+
+        program = set_encodings(program)
     if isinstance(devices, str):
         devices = (devices,)
     if not devices:
@@ -49,6 +51,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
         if not devices:
             registry.get_device(None)  # raises the "no device" error with its advice
     placement = place(program, registry, selector_for(registry), tuple(devices))
+    placement = materialize_encodings(placement, registry)
     return Plan(placement, registry)
 
 
@@ -67,38 +70,65 @@ class Plan:
         self.registry = registry
         self._lock = threading.Lock()
         slot_of: dict[int, int] = {}
-        for v in program.inputs:
+        for v in [*program.inputs, *(c for c, _ in program.constants)]:
             slot_of[v.id] = len(slot_of)
         for op in program.ops:
             for v in op.outputs:
                 slot_of[v.id] = len(slot_of)
         self._slots: list[Any] = [None] * len(slot_of)
         dev = lambda v: registry.get_device(placement.value_device[v.id])  # noqa: E731
+        # Constants are bound once, here: in place on host devices (they are read-only), one
+        # upload elsewhere.
+        self.constants: list[Tensor] = []
+        for v, data in program.constants:
+            device = dev(v)
+            if device.dlpack_device_type == 1:
+                self._slots[slot_of[v.id]] = data
+            else:
+                t = asarray(data, data.dtype, device)
+                self.constants.append(t)
+                self._slots[slot_of[v.id]] = t.native
         self._input_devices = [dev(v) for v in program.inputs]
         self._input_slots = [slot_of[v.id] for v in program.inputs]
         self._output_slots = [slot_of[v.id] for v in program.outputs]
         self._output_devices = [dev(v) for v in program.outputs]
         output_ids = {v.id for v in program.outputs}
-        # Intermediates are allocated once, here; outputs are fresh per run (or given by out=).
+        # Intermediates and global kernel scratch live in arenas that bufferize planned (bytes
+        # reused where lifetimes do not overlap), allocated once, here; outputs are fresh per run
+        # (or given by out=), in the memory type bufferize chose for a host reader.
+        self.buffer_plan = bufferize(placement, registry)
+        self._buffers = self.buffer_plan.materialize(registry, selector_for(registry))
+        self._output_memory = [self.buffer_plan.output_memory[v.id] for v in program.outputs]
         self.intermediates: list[Tensor] = []
         for op in program.ops:
             for v in op.outputs:
                 if v.id not in output_ids:
-                    t = empty(v.type.shape, v.type.dtype, dev(v))
+                    t = self._buffers.values[v.id]
                     self.intermediates.append(t)
                     self._slots[slot_of[v.id]] = t.native
-        self._steps: list[Callable[[], None]] = [self._step(op, slot_of, dev) for op in program.ops]
+        self._steps: list[Callable[[], None]] = [
+            self._step(op, slot_of, dev, self._buffers.scratch.get(i)) for i, op in enumerate(program.ops)]
         self.dispatch_count = sum(op.kind == "dispatch" for op in program.ops)
+        # Replay hook: a device may turn the whole step list into one replayable unit (CUDA: a
+        # graph captured once, inputs and outputs rebound per call); only for a plan that lives
+        # entirely on that one device. ``None`` (the default) keeps the plain step loop.
+        self.replay: Callable[[], None] | None = None
+        homes = {op.device for op in program.ops} | {placement.value_device[v.id]
+                                                      for v in (*program.inputs, *program.outputs)}
+        if len(homes) == 1 and not placement.transfers and None not in homes:
+            self.replay = registry.get_device(homes.pop()).record(
+                tuple(self._steps), self._slots, tuple(self._input_slots), tuple(self._output_slots))
 
-    def _step(self, op, slot_of: dict[int, int], dev) -> Callable[[], None]:
+    def _step(self, op, slot_of: dict[int, int], dev, scratch=None) -> Callable[[], None]:
         slots = self._slots
         ins = [slot_of[v.id] for v in op.inputs]
         outs = [slot_of[v.id] for v in op.outputs]
         if op.kind == "transfer":
             return _transfer_step(dev(op.inputs[0]), dev(op.outputs[0]), slots, ins[0], outs[0], op.outputs[0])
         device = dev(op.outputs[0])
+        extra = {"scratch": scratch} if scratch else {}  # only kernels that declared scratch get one
         fn = device.prepare(op.name, dict(op.attrs), tuple(v.type for v in op.inputs),
-                            tuple(v.type for v in op.outputs))
+                            tuple(v.type for v in op.outputs), **extra)
         # Specialised closures for the common arities keep the per-step cost to one call.
         if len(ins) == 1 and len(outs) == 1:
             a, o = ins[0], outs[0]
@@ -119,8 +149,11 @@ class Plan:
             for value, slot, device, x in zip(self.program.inputs, self._input_slots, self._input_devices, inputs):
                 slots[slot] = _bind_input(value, device, x, keep)
             results = self._bind_outputs(out)
-            for step in self._steps:
-                step()
+            if self.replay is not None:
+                self.replay()
+            else:
+                for step in self._steps:
+                    step()
             for i in self._input_slots:
                 slots[i] = None  # do not keep the caller's arrays alive
         return results[0] if len(results) == 1 else tuple(results)
@@ -144,7 +177,8 @@ class Plan:
     def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
         values = self.program.outputs
         if out is None:
-            tensors = [empty(v.type.shape, v.type.dtype, d) for v, d in zip(values, self._output_devices)]
+            tensors = [empty(v.type.shape, v.type.dtype, d, mt)
+                       for v, d, mt in zip(values, self._output_devices, self._output_memory)]
         else:
             tensors = list(out) if isinstance(out, (list, tuple)) else [out]
             if len(tensors) != len(values):
@@ -165,13 +199,16 @@ class Plan:
         """Placement, transfers and allocation decisions of this plan, as text."""
         lines = [f"plan @{self.program.name}: {self.dispatch_count} dispatches, "
                  f"{self.placement.transfers} transfers, {len(self.intermediates)} intermediate buffers "
-                 f"({sum(t.buffer.nbytes for t in self.intermediates)} B)"]
+                 f"(planned peak {self.buffer_plan.peak_bytes} B, unplanned {self.buffer_plan.unplanned_bytes} B)"]
         for op, candidates, d in self.placement.decisions:
             lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}; "
-                         f"select_allocator by {d.plugin!r}, index {d.index})")
+                         f"select_allocator by {d.plugin!r}, index {d.index}: {d.reason})")
         for op in self.program.ops:
             if op.kind == "transfer":
                 lines.append(f"  transfer %{op.inputs[0].name} -> {op.device}")
+        if getattr(self.placement, "encodings", None) is not None:
+            lines.extend(self.placement.encodings.explain_lines())
+        lines.extend("  " + line for line in self.buffer_plan.explain().splitlines())  # bufferize's decisions
         return "\n".join(lines)
 
     def __str__(self) -> str:

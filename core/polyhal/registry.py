@@ -238,6 +238,9 @@ class Registry:
                     raise PluginError(
                         f"plugin {spec.plugin!r} could not create device {spec.name!r}: "
                         f"{type(exc).__name__}: {exc}. Set POLYHAL_BACKENDS to skip this backend") from exc
+                from polyhal.hal.adaptors import apply_allocator_hooks
+
+                apply_allocator_hooks(self, dev)  # plugins may wrap the allocator (wrap_allocator hook)
                 self._devices[spec.name] = dev
             return dev
 

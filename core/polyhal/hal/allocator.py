@@ -122,6 +122,8 @@ class Allocator:
             )
         try:
             native = self._allocate(heap, nbytes)
+        except OutOfMemoryError:
+            raise  # already says device, request and use (an adaptor's limit, a pool's upstream)
         except MemoryError as exc:
             raise OutOfMemoryError(
                 f"out of memory on {self.device.name}: could not allocate {nbytes} bytes of "

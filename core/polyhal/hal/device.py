@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from polyhal.hal.records import DeviceSpec
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
     from polyhal.hal.buffer import Buffer
+    from polyhal.hal.scratch import ScratchRequest
     from polyhal.hal.tensor import Tensor
     from polyhal.ir.types import TensorType
 
@@ -55,8 +56,24 @@ class Device:
 
     def prepare(self, op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
                 out_types: tuple["TensorType", ...]) -> Executable:
-        """Compile/bind the kernel for one op instance; the result is the plan's hot path."""
+        """Compile/bind the kernel for one op instance; the result is the plan's hot path.
+
+        When :meth:`scratch` declared scratch for the instance, the plan passes one more keyword
+        argument, ``scratch=`` a :class:`~polyhal.hal.scratch.ScratchBinding`: where each scratch
+        was placed (private, workgroup or global memory) and the global buffers, allocated by the
+        runtime. The kernel uses those and allocates nothing.
+        """
         raise KernelNotFoundError(f"{self.name} has no kernel for op {op!r}")
+
+    def scratch(self, op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
+                out_types: tuple["TensorType", ...]) -> Sequence["ScratchRequest"]:
+        """The scratch the kernel(s) of one op instance need, as evaluated
+        :class:`~polyhal.hal.scratch.ScratchRequest` records (backend; default: none).
+
+        Called at plan-compile time by the bufferize pass, which places each request in a memory
+        space (the ``select_memory_space`` hook) and passes the result to :meth:`prepare`.
+        """
+        return ()
 
     def view(self, tensor: "Tensor") -> Any:
         """The native object kernels take for ``tensor`` (numpy view, pyopencl array, cupy array)."""
@@ -64,6 +81,20 @@ class Device:
 
     def synchronize(self) -> None:
         """Wait until all work queued on the device has finished."""
+
+    def record(self, steps: Sequence[Callable[[], None]], slots: list, input_slots: Sequence[int],
+               output_slots: Sequence[int]) -> Callable[[], None] | None:
+        """Plan replay hook (backend): return a callable that runs ``steps`` (a compiled plan's
+        prepared steps, which read and write ``slots``) as one replayable unit, or ``None`` to
+        keep the plain step loop (the default).
+
+        Called once when a plan that lives entirely on this device is built; the plan then calls
+        the result on every run, after binding the run's inputs and outputs into
+        ``slots[input_slots]`` and ``slots[output_slots]`` (the other slots never change). A
+        backend with command buffers or graphs captures the steps once and rebinds the inputs
+        and outputs on replay (CUDA: :mod:`polyhal_cuda.graphs`).
+        """
+        return None
 
     # -- data movement (backend) -----------------------------------------------------------------
 
@@ -92,6 +123,18 @@ class Device:
     def buffer_address(self, buffer: "Buffer") -> int:
         """The address DLPack exports for ``buffer`` (a device pointer, or a host pointer)."""
         raise NotImplementedError
+
+    def dlpack_alias(self, buffer: "Buffer", dl_device: tuple[int, int]) -> bool:
+        """Whether ``buffer`` may also be exported, without a copy, as memory of DLPack device
+        ``dl_device`` (e.g. CUDA managed or pinned memory as plain CUDA memory, for consumers
+        that read only kDLCUDA). The CPU needs no alias: host-visible memory maps. Default: no."""
+        return False
+
+    def dlpack_consumer_stream(self) -> Any:
+        """The ``stream`` this device passes to a producer's ``__dlpack__`` when it imports
+        (Array API: the consumer's stream, which the producer orders its work before); ``None``
+        for devices without streams."""
+        return None
 
     def _export_sync(self, buffer: "Buffer", stream: Any) -> None:
         """Order pending work on ``buffer`` before a consumer on ``stream`` reads it (DLPack's

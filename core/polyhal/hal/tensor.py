@@ -117,6 +117,13 @@ class Tensor:
         here = tuple(int(v) for v in self.device.dlpack_device(self.buffer))
         want = here if dl_device is None else (int(dl_device[0]), int(dl_device[1]))
         if want != here and want != _CPU:
+            if copy is not True and self.device.dlpack_alias(self.buffer, want):
+                # The same memory, reachable as ``want`` (CUDA managed/pinned memory as kDLCUDA).
+                self.device._export_sync(self.buffer, stream)
+                return dlpack.export_capsule(
+                    data_ptr=self.device.buffer_address(self.buffer), shape=self.shape, strides=self.strides,
+                    dtype=self.dtype, device=want, owner=self, readonly=self.readonly,
+                    byte_offset=self.offset, versioned=versioned)
             raise DLPackError(f"{self} cannot be exported to DLPack device {want}; it lives on {here}")
         host_ok = self.buffer.host_visible and want == _CPU
         if copy is True or (want != here and not host_ok):
@@ -172,6 +179,19 @@ def asarray(obj: Any, dtype: Any = None, device: "Device | str | None" = None,
     return t
 
 
+def _consumer_stream(obj: Any) -> Any:
+    """The stream of the device that will import ``obj`` (Array API: the consumer passes its
+    stream so that the producer orders its pending work before it); None for host memory."""
+    from polyhal.registry import default_registry
+
+    try:
+        dl_device = obj.__dlpack_device__()
+        owner = default_registry().device_for_dlpack((int(dl_device[0]), int(dl_device[1])))
+    except Exception:  # noqa: BLE001 - no __dlpack_device__, or nobody imports it: the import reports it
+        return None
+    return owner.dlpack_consumer_stream()
+
+
 def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | None = None) -> Tensor:
     """Import any DLPack producer (numpy, cupy, torch, jax, a polyhal tensor) without copying.
 
@@ -181,7 +201,8 @@ def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | 
     """
     from polyhal.registry import default_registry
 
-    capsule = obj if type(obj).__name__ == "PyCapsule" else dlpack.request_capsule(obj, copy=True if copy else None)
+    capsule = obj if type(obj).__name__ == "PyCapsule" else dlpack.request_capsule(
+        obj, copy=True if copy else None, stream=_consumer_stream(obj))
     imported = dlpack.from_capsule(capsule)
     try:
         owner = default_registry().device_for_dlpack(imported.device)

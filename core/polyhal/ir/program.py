@@ -10,6 +10,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from polyhal.errors import ProgramError
 from polyhal.ir.types import Affinity, TensorType, as_dtype, as_shape
 
@@ -33,8 +35,11 @@ class Value:
 class Op:
     """One op of a program.
 
-    ``kind`` is ``"dispatch"`` (run kernel ``name`` on one device) or ``"transfer"`` (copy a
-    value to another device; inserted by placement). ``attrs`` are canonical (hashable).
+    ``kind`` is ``"dispatch"`` (run kernel ``name`` on one device), ``"transfer"`` (copy a
+    value to another device; inserted by placement) or ``"encode"`` (IREE's
+    ``flow.tensor.encode``: the same value from its operand's encoding to its result's, either
+    may be None; it folds away or becomes pack/unpack dispatches in MaterializeEncoding).
+    ``attrs`` are canonical (hashable).
     ``affinity`` is where the program allows it to run (None: any compile-time device).
     ``device`` is filled in by placement.
     """
@@ -62,16 +67,23 @@ class Op:
 
 @dataclass(eq=False)
 class Program:
-    """A straight-line tensor program: inputs, ops in execution order, outputs."""
+    """A straight-line tensor program: inputs, ops in execution order, outputs.
+
+    ``constants`` are values whose data is part of the program (weights, folded tables), as
+    ``(value, array)`` pairs: a plan uploads each once, to every device that uses it, when it
+    is compiled, so a run binds only the inputs.
+    """
 
     name: str
     inputs: list[Value]
     ops: list[Op]
     outputs: list[Value]
+    constants: list[tuple[Value, np.ndarray]] = field(default_factory=list)
 
     def __str__(self) -> str:
         head = ", ".join(repr(v) for v in self.inputs)
-        body = "\n".join(f"  {op}" for op in self.ops)
+        body = "\n".join([f"  %{v.name} = constant : {v.type}" for v, _ in self.constants]
+                         + [f"  {op}" for op in self.ops])
         tail = ", ".join(f"%{v.name}" for v in self.outputs)
         return f"program @{self.name}({head}) {{\n{body}\n  return {tail}\n}}"
 
@@ -97,6 +109,7 @@ class ProgramBuilder:
         self._inputs: list[Value] = []
         self._ops: list[Op] = []
         self._outputs: list[Value] = []
+        self._constants: list[tuple[Value, np.ndarray]] = []
         self._names: set[str] = set()
 
     def _fresh(self, base: str) -> str:
@@ -114,6 +127,14 @@ class ProgramBuilder:
         self._names.add(name)
         value = Value(TensorType(as_shape(shape), as_dtype(dtype)), name, self._id)
         self._inputs.append(value)
+        return value
+
+    def constant(self, data: Any, name: str = "const", dtype: Any = None) -> Value:
+        """A value holding ``data`` (copied, read-only), part of the program like a weight."""
+        arr = np.array(data, dtype=dtype, copy=True)
+        arr.flags.writeable = False
+        value = Value(TensorType(as_shape(arr.shape), as_dtype(arr.dtype)), self._fresh(name), self._id)
+        self._constants.append((value, arr))
         return value
 
     def op(self, name: str, *inputs: Value, affinity: Affinity | str | None = None,
@@ -134,6 +155,22 @@ class ProgramBuilder:
         self._ops.append(Op("dispatch", name, tuple(inputs), outs, canonical_attrs(attrs), affinity))
         return outs[0] if len(outs) == 1 else outs
 
+    def encode(self, value: Value, encoding: Any) -> Value:
+        """The same tensor with ``encoding`` (a :class:`polyhal.ir.encoding.Encoding`, or None
+        to drop it): set_encoding and unset_encoding are both this op. See
+        :mod:`polyhal.ir.encoding`."""
+        from polyhal.ir.encoding import Encoding
+
+        if not isinstance(value, Value) or value.program_id != self._id:
+            raise ProgramError(f"encode: {value!r} is not a value of program {self.name!r}")
+        if encoding is not None:
+            if not isinstance(encoding, Encoding):
+                raise ProgramError(f"encode: {encoding!r} is not a polyhal.ir.encoding.Encoding (or None)")
+            encoding.check_type(TensorType(value.type.shape, value.type.dtype))
+        out = Value(TensorType(value.type.shape, value.type.dtype, encoding), self._fresh("encode"), self._id)
+        self._ops.append(Op("encode", "encode", (value,), (out,)))
+        return out
+
     def __getattr__(self, name: str) -> Any:
         from polyhal.ops import OPS
 
@@ -152,5 +189,6 @@ class ProgramBuilder:
         """The finished program (the builder may keep being used for another)."""
         if not self._outputs:
             raise ProgramError(f"program {self.name!r} has no outputs; call builder.output(...)")
-        return Program(self.name, list(self._inputs), list(self._ops), list(self._outputs))
+        return Program(self.name, list(self._inputs), list(self._ops), list(self._outputs),
+                       list(self._constants))
 

@@ -9,6 +9,14 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
   layer_norm
 * :mod:`~polyhal.ops.shape`: transpose, reshape, concat, slice, gather
 * :mod:`~polyhal.ops.sorting`: sort, argsort, topk (stable; nan order documented there)
+* :mod:`~polyhal.ops.detection`: non_max_suppression (ONNX's; a padded output plus a count)
+* :mod:`~polyhal.ops.data_tiling`: pack, unpack, mmt4d (what encodings materialize into)
+* :mod:`~polyhal.ops.mathfn`: sin cos tan asin acos atan sinh cosh asinh acosh atanh, floor ceil
+  round, sign, reciprocal, isnan isinf, mod, identity
+* :mod:`~polyhal.ops.logical`: logical_not/and/or/xor, bitwise_not/and/or/xor, bit_shift
+* :mod:`~polyhal.ops.indexing`: expand, pad, gather_elements, gather_nd, scatter_elements,
+  scatter_nd, cumsum, argmin, reduce_prod, einsum
+* :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool
 
 Usage::
 
@@ -24,6 +32,9 @@ from polyhal.ops._base import (
 
 # Importing the families registers their ops in OPS.
 from polyhal.ops import elementwise, linalg, reduction, shape, sorting  # noqa: E402,F401  isort: skip
+from polyhal.ops import data_tiling  # noqa: E402,F401  isort: skip
+from polyhal.ops import detection  # noqa: E402,F401  isort: skip
+from polyhal.ops import indexing, logical, mathfn, nn  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [

@@ -589,7 +589,16 @@ def _topk(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 # Topic modules register further kernels through register_kernels; import them before the
-# set of names is frozen. (None yet.)
+# set of names is frozen.
+from polyhal_cpu import encoding  # noqa: E402  (pack, unpack, mmt4d)
+
+for _names, _builder, _via_f32 in encoding.KERNELS:
+    register_kernels(*_names)(_float16_via_float32(_builder) if _via_f32 else _builder)
+from polyhal_cpu import indexing_kernels, math_kernels, nn_kernels  # noqa: E402,F401  (ONNX's wider op set)
+from polyhal_cpu import detection  # noqa: E402  (non_max_suppression, with planned scratch)
+
+for _names, _builder in detection.KERNELS:
+    register_kernels(*_names)(_builder)
 
 #: Every op this backend implements.
 KERNEL_NAMES: frozenset[str] = frozenset(_BUILDERS)

@@ -2,6 +2,11 @@
 
 Several logical CPU devices share the host's memory and cores; they exist so that multi-device
 placement and every device policy can be exercised on a machine without accelerators.
+
+Data tiling (:mod:`polyhal_cpu.encoding`): ``POLYHAL_CPU_DATA_TILING`` is ``all`` (default),
+``none``, or a comma-separated list of the CPU devices that tile (``cpu:0``); the others resolve
+every encoding to the identity layout. ``POLYHAL_CPU_DATA_TILE`` bounds the tile size (default
+128).
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ import polyhal
 from polyhal.hal.records import DeviceSpec
 
 from polyhal_cpu.allocator import host_heap
+from polyhal_cpu.cost import estimate_cost, link_bandwidth  # noqa: F401  (hooks of the cost policy)
 from polyhal_cpu.device import CPUDevice
+from polyhal_cpu.encoding import DEFAULT_TILE
+from polyhal_cpu.encoding import resolve_encoding  # noqa: F401  (hook: the data-tiling resolver)
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -28,15 +36,42 @@ def _device_count() -> int:
     return n
 
 
+def _data_tiling(names: list[str]) -> tuple[set[str], int]:
+    """The CPU devices that tile (POLYHAL_CPU_DATA_TILING), and the tile bound."""
+    raw = os.environ.get("POLYHAL_CPU_DATA_TILING", "all").strip()
+    if raw.lower() in ("all", "1", "yes", "true"):
+        tiled = set(names)
+    elif raw.lower() in ("none", "0", "no", "false", ""):
+        tiled = set()
+    else:
+        tiled = {n.strip() for n in raw.split(",") if n.strip()}
+        unknown = sorted(tiled - set(names))
+        if unknown:
+            raise polyhal.PluginError(f"POLYHAL_CPU_DATA_TILING names {unknown}, which are not CPU devices "
+                                      f"({names}); use all, none or a list such as cpu:0")
+    raw_tile = os.environ.get("POLYHAL_CPU_DATA_TILE", str(DEFAULT_TILE))
+    try:
+        tile = int(raw_tile)
+    except ValueError:
+        tile = 0
+    if tile < 1:
+        raise polyhal.PluginError(f"POLYHAL_CPU_DATA_TILE={raw_tile!r} is not a positive integer; set it to e.g. 128")
+    return tiled, tile
+
+
 @polyhal.hookimpl
 def register_devices():
     """One DeviceSpec per logical CPU device; creating the device is deferred to first use."""
     heap = host_heap()
+    names = [f"cpu:{i}" for i in range(_device_count())]
+    tiled, tile = _data_tiling(names)
     return [
         DeviceSpec(
             name=f"cpu:{i}", backend="cpu", rank=0, factory=CPUDevice, heaps=(heap,),
-            workgroup_bytes=0, capabilities=frozenset({"host", "fp16", "fp64"}),
-            limits={"ordinal": i, "cores": os.cpu_count() or 1, "max_allocation_bytes": heap.max_allocation_size},
+            workgroup_bytes=0,
+            capabilities=frozenset({"host", "fp16", "fp64"} | ({"data-tiling"} if f"cpu:{i}" in tiled else set())),
+            limits={"ordinal": i, "cores": os.cpu_count() or 1, "max_allocation_bytes": heap.max_allocation_size,
+                    "data_tile": tile},
             dlpack_devices=frozenset({(1, 0)}) if i == 0 else frozenset(),
             description=f"numpy on the host CPU ({os.cpu_count()} cores)",
         )

@@ -205,20 +205,19 @@ class CLAllocator(Allocator):
     # -- pool and mappings ----------------------------------------------------------------------
 
     def _really_release(self, native: Any) -> None:
-        # Dropping our reference to the mapping lets pyopencl unmap it once no user view of it
-        # is left (each view keeps its mapping, and the mapping its cl_mem, alive).
+        # Dropping our references (and the mapping's) releases the cl_mem at once, unless a
+        # stale view still holds it: a pyopencl array or mapped numpy view of a released
+        # tensor then keeps the memory alive instead of pointing at freed memory, which an
+        # explicit cl.Buffer.release() would do (and any later touch would crash the process).
         self._maps.pop(native.int_ptr, None)
-        try:
-            native.release()
-        except Exception:  # noqa: BLE001 - _free must not raise; the context may be gone at exit
-            pass
 
     def trim(self) -> int:
         """Release every cached buffer to the driver; returns the bytes released."""
         natives = self.pool.drain()
+        released = sum(n.size for n in natives)
         for native in natives:
             self._really_release(native)
-        return sum(n.size for n in natives) if natives else 0
+        return released
 
     def close(self) -> None:
         """Trim and stop caching: buffers freed from now on go straight back to the driver."""

@@ -179,6 +179,14 @@ def bits_ctype(dtype: Any) -> CType:
     return CType(dt, b, b, b, "u")
 
 
+def bits_literal(value: Any, dtype: Any) -> str:
+    """``value`` converted to ``dtype`` (numpy's astype), as a literal of its bits type."""
+    dt = np.dtype(dtype)
+    raw = int(np.asarray(value).astype(dt).reshape(1).view(f"u{dt.itemsize}")[0])
+    b = _BITS[dt.itemsize]
+    return f"(({b}){raw}{'ul' if dt.itemsize == 8 else 'u'})"
+
+
 def header(*types: CType, fp64: bool = False) -> str:
     """The pragmas a source needs for the types it uses (``fp64``: it uses double otherwise)."""
     if fp64 or any(t.needs_fp64 for t in types):
@@ -353,6 +361,34 @@ def strided_kernel(name: str, shape: Sequence[int], views: Sequence[tuple[str, C
         + f"  const size_t gid = get_global_id(0);\n  if (gid >= {total}) return;\n"
         + offsets_code("gid", cshape, cstrides, list(offs.values()), idx)
         + body(offs) + "\n}\n"
+    )
+
+
+def coords_code(linear: str, shape: Sequence[int], idx: str, prefix: str = "c") -> str:
+    """C statements declaring ``idx c0 .. c{r-1}``: the coordinates of the row-major ``linear``
+    index over ``shape`` (for kernels whose index math is per dim, e.g. padding or windows)."""
+    if not shape:
+        return ""
+    lines = [f"  {idx} {prefix}rest_ = ({idx})({linear});\n"]
+    for d in range(len(shape) - 1, 0, -1):
+        lines.append(f"  const {idx} {prefix}{d} = {prefix}rest_ % {shape[d]}; {prefix}rest_ /= {shape[d]};\n")
+    lines.append(f"  const {idx} {prefix}0 = {prefix}rest_;\n")
+    return "".join(lines)
+
+
+def coord_kernel(name: str, shape: Sequence[int], params: Sequence[tuple[str, str, bool]],
+                 body: Callable[[str], str], extent: int = 0) -> str:
+    """One kernel over the elements of ``shape``: ``body(idx)`` is C code that sees ``gid`` and
+    the coordinates ``c0..c{r-1}``, of the C index type ``idx`` (int or long, by ``extent``, a
+    bound on the element offsets the body computes). ``params`` are ``(name, store type,
+    read-only)`` buffers."""
+    total = math.prod(shape)
+    idx = index_type(max(total, extent))
+    return (
+        f"__kernel void {name}({', '.join(param(n, t, c) for n, t, c in params)}) {{\n"
+        + prologue(*params)
+        + f"  const size_t gid = get_global_id(0);\n  if (gid >= {total}) return;\n"
+        + coords_code("gid", shape, idx) + body(idx) + "\n}\n"
     )
 
 

@@ -173,8 +173,7 @@ class CLDevice(Device):
 
         def release(*_: Any) -> None:
             if native is not owner.native:
-                allocator.forget_mapping(native)
-                native.release()
+                allocator.forget_mapping(native)  # the sub-buffer goes with its last reference
             imported.release()
 
         return Buffer(self.allocator, owner.heap, extent, native, memory_type=owner.memory_type,

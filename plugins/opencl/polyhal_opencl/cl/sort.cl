@@ -1,9 +1,7 @@
 // Stable sorting of rows (sort, argsort, topk) in the order polyhal.ops.sorting defines:
 // ascending puts nan last, descending puts nan first, ties keep input order in both directions.
 //
-// Stability comes from the comparator, not the algorithm: elements are (key, index) pairs and
-// equal keys compare by index, so the order is total and any correct sorting network (bitonic,
-// which is not stable by itself) produces the stable order.
+// Stability comes from the comparator, not the algorithm (see bitonic.cl, prepended to this file).
 //
 // Two paths, chosen per instance by polyhal_opencl/ops/sorting.py:
 //   sort_rows    a row of N <= NP elements fits in __local memory: one work-group loads it,
@@ -23,45 +21,10 @@
 // ISNAN(v), VBITS (unsigned type of the element width), HAS_VALUES, HAS_INDICES, and the
 // parameter macros X_PARAM, X_PROLOGUE, OUT_KERNEL_PARAMS, OUT_PROLOGUE, OUT_PARAMS, OUT_ARGS.
 
-#define PAD INT_MAX
-
 // Element offset of the start of row r in x (rows are the lanes along the sorted axis).
 inline long row_x(long r) { return (r / INNER) * ((long)N * INNER) + r % INNER; }
 // ... and in the outputs, whose axis has K entries.
 inline long row_out(long r) { return (r / INNER) * ((long)K * INNER) + r % INNER; }
-
-// Does (a, ia) come before (b, ib)? Padding (index PAD) comes after everything.
-inline int before(KEY_T a, int ia, KEY_T b, int ib, int by_index) {
-  if (ia == PAD) return 0;
-  if (ib == PAD) return 1;
-  if (by_index) return ia < ib;
-  const int na = ISNAN(a), nb = ISNAN(b);
-  if (na != nb) return DESC ? na : nb;
-  if (!na && a != b) return DESC ? a > b : a < b;
-  return ia < ib;
-}
-
-// Bitonic sort of keys[0, size) / idx[0, size) in local memory by the work-group; size is a
-// power of two. Each work-item handles compare-exchanges t = lid, lid + WG, ...
-inline void bitonic(__local KEY_T* keys, __local int* idx, int size, int by_index) {
-  const int lid = get_local_id(0);
-  for (int k = 2; k <= size; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      for (int t = lid; t < size / 2; t += WG) {
-        const int i = 2 * t - (t & (j - 1));  // lower element of the pair: bit j of i is clear
-        const int l = i + j;
-        const int up = (i & k) == 0;
-        const int swap = up ? before(keys[l], idx[l], keys[i], idx[i], by_index)
-                            : before(keys[i], idx[i], keys[l], idx[l], by_index);
-        if (swap) {
-          const KEY_T tk = keys[i]; keys[i] = keys[l]; keys[l] = tk;
-          const int ti = idx[i]; idx[i] = idx[l]; idx[l] = ti;
-        }
-      }
-      barrier(CLK_LOCAL_MEM_FENCE);
-    }
-  }
-}
 
 // Write result p (index i of row r) to the outputs.
 inline void emit_one(__global const VBITS* xv, OUT_PARAMS, long r, int p, int i) {

@@ -1,5 +1,6 @@
-"""Elementwise kernels: binary arithmetic and comparisons (broadcasting), unary math, gelu, where
-and cast, from one table of C expressions and one strided-kernel generator."""
+"""Elementwise kernels: binary arithmetic and comparisons (broadcasting), unary math, gelu, where,
+cast and identity, from tables of C expressions and one strided-kernel generator (``map_kernel``,
+which :mod:`.mathfn` and :mod:`.logical` use with their own tables)."""
 
 from __future__ import annotations
 
@@ -78,9 +79,10 @@ UNARY: dict[str, Expr] = {
 }
 
 
-def _map_kernel(name: str, out: TensorType, out_t: CType, ins: list[tuple[TensorType, CType]],
-                expr: Callable[[list[str]], str], traits: DeviceTraits) -> Recipe:
-    """out = expr(inputs) elementwise, inputs broadcast to ``out``'s shape."""
+def map_kernel(name: str, out: TensorType, out_t: CType, ins: list[tuple[TensorType, CType]],
+               expr: Callable[[list[str]], str], traits: DeviceTraits, preamble: str = "") -> Recipe:
+    """out = expr(inputs) elementwise, inputs broadcast to ``out``'s shape; ``preamble`` is C
+    code (helper functions) placed before the kernel."""
     name = f"{name}_kernel"  # op names such as abs and exp are OpenCL builtins
     views = [(f"x{i}", t, broadcast_strides(tt.shape, out.shape), True) for i, (tt, t) in enumerate(ins)]
     views.append(("y", out_t, broadcast_strides(out.shape, out.shape), False))
@@ -91,26 +93,32 @@ def _map_kernel(name: str, out: TensorType, out_t: CType, ins: list[tuple[Tensor
                         for i, (_, t) in enumerate(ins))
         return loads + "  " + out_t.store_stmt("y", o["y"], expr([f"v{i}" for i in range(len(ins))]))
 
-    src = header(out_t, *(t for _, t in ins)) + strided_kernel(name, out.shape, views, body)
+    src = header(out_t, *(t for _, t in ins)) + preamble + strided_kernel(name, out.shape, views, body)
     ins_args, outs_args = operands(len(ins), 1)
     return Recipe(src, linear_launch(name, out.size, ins_args + outs_args, traits))
 
 
-def binary(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
-    """Arithmetic and comparisons; operands share one type (the core's inference checks it)."""
-    t = ctype(in_types[0].dtype, traits, op)
-    out_t = ctype(out_types[0].dtype, traits, op)
-    fn = BINARY[op]
-    return _map_kernel(op, out_types[0], out_t, [(in_types[0], t), (in_types[1], t)],
-                       lambda v: fn(v[0], v[1], t), traits)
+def binary_generator(table: Mapping[str, Expr], preambles: Mapping[str, Callable[[CType], str]] | None = None):
+    """A generator for the binary ops of ``table`` (name -> ``expr(a, b, t, **attrs)``); operands
+    share one type (the core's inference checks it). ``preambles`` gives helper C functions."""
+    def generate(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
+        t = ctype(in_types[0].dtype, traits, op)
+        out_t = ctype(out_types[0].dtype, traits, op)
+        fn, pre = table[op], (preambles or {}).get(op)
+        return map_kernel(op, out_types[0], out_t, [(in_types[0], t), (in_types[1], t)],
+                          lambda v: fn(v[0], v[1], t, **attrs), traits, pre(t) if pre else "")
+    return generate
 
 
-def unary(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
-    """Unary math (and gelu, whose ``approximate`` attribute picks the formula)."""
-    t = ctype(in_types[0].dtype, traits, op)
-    fn = UNARY[op]
-    kw = {"approximate": attrs["approximate"]} if op == "gelu" else {}
-    return _map_kernel(op, out_types[0], t, [(in_types[0], t)], lambda v: fn(v[0], t, **kw), traits)
+def unary_generator(table: Mapping[str, Expr]):
+    """A generator for the unary ops of ``table`` (name -> ``expr(x, t, **attrs)``); the result
+    has the operand's type unless the core infers another (bool for isnan)."""
+    def generate(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
+        t = ctype(in_types[0].dtype, traits, op)
+        out_t = ctype(out_types[0].dtype, traits, op)
+        fn = table[op]
+        return map_kernel(op, out_types[0], out_t, [(in_types[0], t)], lambda v: fn(v[0], t, **attrs), traits)
+    return generate
 
 
 def cast(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
@@ -120,16 +128,23 @@ def cast(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceT
     dst_t = ctype(out_types[0].dtype, traits, op)
     if src_t.dtype == dst_t.dtype:  # identity: move bits
         src_t = dst_t = bits_ctype(src_t.dtype)
-    return _map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)], lambda v: v[0], traits)
+    return map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)], lambda v: v[0], traits)
 
 
 def where(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
     """where(cond, x, y): a select on raw bits, so it works for every type (float64 without fp64)."""
     cond = ctype(in_types[0].dtype, traits, op)
     data = bits_ctype(out_types[0].dtype)
-    return _map_kernel(op, out_types[0], data, [(in_types[0], cond), (in_types[1], data), (in_types[2], data)],
-                       lambda v: f"({v[0]} ? {v[1]} : {v[2]})", traits)
+    return map_kernel(op, out_types[0], data, [(in_types[0], cond), (in_types[1], data), (in_types[2], data)],
+                      lambda v: f"({v[0]} ? {v[1]} : {v[2]})", traits)
+
+
+def identity(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
+    """A copy of the bits, any element type."""
+    t = bits_ctype(in_types[0].dtype)
+    return map_kernel(op, out_types[0], t, [(in_types[0], t)], lambda v: v[0], traits)
 
 
 #: op name -> generator, for kernels.py's table.
-GENERATORS = {**{n: binary for n in BINARY}, **{n: unary for n in UNARY}, "cast": cast, "where": where}
+GENERATORS = {**dict.fromkeys(BINARY, binary_generator(BINARY)), **dict.fromkeys(UNARY, unary_generator(UNARY)),
+              "cast": cast, "where": where, "identity": identity}

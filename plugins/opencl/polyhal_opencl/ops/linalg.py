@@ -64,7 +64,6 @@ def _launch(source: str, ts: int, m: int, n: int, batch: int, nargs: int) -> Rec
 def matmul(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
     """numpy.matmul: 1-D operands become a row (a) or a column (b); batch dims broadcast."""
     a, b = in_types
-    y = out_types[0]
     t = ctype(a.dtype, traits, op)
     a2 = a.shape if a.rank > 1 else (1,) + a.shape
     b2 = b.shape if b.rank > 1 else b.shape + (1,)

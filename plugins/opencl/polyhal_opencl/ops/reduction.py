@@ -1,5 +1,5 @@
-"""Reductions (reduce_sum/mean/max/min, argmax) from one table of folds, and the row
-normalisations softmax and layer_norm.
+"""Reductions (reduce_sum/mean/max/min/prod, argmax, argmin) from one table of folds, and the
+row normalisations softmax and layer_norm.
 
 A reduction maps each output element (the kept dims) to a lane (the reduced dims, any set of
 axes). Two strategies, chosen per instance: a *serial* kernel (one work-item folds a whole lane:
@@ -49,12 +49,13 @@ def _nan_extremum(t: CType, op: str, identity: str) -> Fold:
     return Fold(f"{t.compute} v;", f"a.v = {identity};", take.format(x="v"), take.format(x="b.v"), "a.v")
 
 
-def _argmax(t: CType) -> Fold:
-    """(value, index) pairs: larger value wins; nan is largest; ties (and nans) keep the lower
+def _arg_extremum(t: CType, cmp: str) -> Fold:
+    """argmax (``cmp`` ">") / argmin ("<"): (value, index) pairs; the better value wins, nan
+    beats every number (numpy: nan is both the max and the min), ties (and nans) keep the lower
     index; i < 0 marks an empty accumulator. Merging compares indices, so order is irrelevant."""
     nan = "(isnan({v}) ? 1 : 0)" if t.is_float else "0"
     better = (  # is (v1, i1) better than a?
-        "(a.i < 0 || (({n1}) != ({n2}) ? ({n1}) : (({n1}) || {v1} == a.v) ? {i1} < a.i : {v1} > a.v))")
+        "(a.i < 0 || (({n1}) != ({n2}) ? ({n1}) : (({n1}) || {v1} == a.v) ? {i1} < a.i : {v1} %s a.v))" % cmp)
     cond = lambda v1, i1: better.format(  # noqa: E731
         v1=v1, i1=i1, n1=nan.format(v=v1), n2=nan.format(v="a.v"))
     return Fold(f"{t.compute} v; long i;", f"a.v = {t.lowest()}; a.i = -1;",
@@ -63,21 +64,23 @@ def _argmax(t: CType) -> Fold:
 
 
 def _fold(op: str, t: CType, traits: DeviceTraits, lane: int) -> Fold:
+    acc = accumulator(t, traits)
     if op in ("reduce_sum", "reduce_mean"):
-        acc = accumulator(t, traits)
         result = f"(a.v / ({acc}){max(lane, 1)})" if op == "reduce_mean" else "a.v"
         return Fold(f"{acc} v;", f"a.v = ({acc})0;", f"a.v += ({acc})v;", "a.v += b.v;", result)
+    if op == "reduce_prod":
+        return Fold(f"{acc} v;", f"a.v = ({acc})1;", f"a.v *= ({acc})v;", "a.v *= b.v;", "a.v")
     if op == "reduce_max":
         return _nan_extremum(t, ">", t.lowest())
     if op == "reduce_min":
         return _nan_extremum(t, "<", t.highest())
-    return _argmax(t)
+    return _arg_extremum(t, ">" if op == "argmax" else "<")
 
 
 def reduce(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
-    """reduce_* over ``axes`` and argmax over ``axis``: one output per lane."""
+    """reduce_* over ``axes`` and argmax/argmin over ``axis``: one output per lane."""
     x, y = in_types[0], out_types[0]
-    axes = normalize_axes(attrs["axes"], x.rank) if op != "argmax" else (int(attrs["axis"]) % x.rank,)
+    axes = (int(attrs["axis"]) % x.rank,) if op in ("argmax", "argmin") else normalize_axes(attrs["axes"], x.rank)
     t, out_t = ctype(x.dtype, traits, op), ctype(y.dtype, traits, op)
     strides = dense_strides(x.shape)
     kept = [i for i in range(x.rank) if i not in axes]
@@ -199,6 +202,7 @@ def layer_norm(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: D
 
 
 GENERATORS = {
-    "reduce_sum": reduce, "reduce_mean": reduce, "reduce_max": reduce, "reduce_min": reduce,
-    "argmax": reduce, "softmax": softmax, "layer_norm": layer_norm,
+    **dict.fromkeys(("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin"),
+                    reduce),
+    "softmax": softmax, "layer_norm": layer_norm,
 }

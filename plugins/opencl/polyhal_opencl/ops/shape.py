@@ -13,7 +13,7 @@ from polyhal_opencl.codegen import (
 )
 
 
-def _copy_kernel(name: str, shape, src_strides, dst_strides, t, src_base: int = 0, dst_base: int = 0,
+def copy_kernel(name: str, shape, src_strides, dst_strides, t, src_base: int = 0, dst_base: int = 0,
                  extent: int = 0) -> str:
     """dst[view] = src[view]: both views over ``shape``, with constant element base offsets;
     ``extent`` bounds every element offset (it picks 32- or 64-bit index math)."""
@@ -32,7 +32,7 @@ def transpose(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: De
     perm = tuple(reversed(range(x.rank))) if perm is None else tuple(int(p) % max(x.rank, 1) for p in perm)
     src = dense_strides(x.shape)
     t = bits_ctype(x.dtype)
-    source = _copy_kernel("transpose", y.shape, [src[p] for p in perm], dense_strides(y.shape), t)
+    source = copy_kernel("transpose", y.shape, [src[p] for p in perm], dense_strides(y.shape), t)
     return Recipe(source, linear_launch("transpose", y.size, [Arg(0), Arg(1)], traits))
 
 
@@ -50,7 +50,7 @@ def slice_(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
     ranges = [sl.indices(d) for sl, d in zip(slices, x.shape)]  # (start, stop, step) per dim
     base = sum(r[0] * s for r, s in zip(ranges, src)) if y.size else 0
     strides = [s * r[2] for s, r in zip(src, ranges)]
-    source = _copy_kernel("slice", y.shape, strides, dense_strides(y.shape), bits_ctype(x.dtype),
+    source = copy_kernel("slice", y.shape, strides, dense_strides(y.shape), bits_ctype(x.dtype),
                           src_base=base, extent=x.size)
     return Recipe(source, linear_launch("slice", y.size, [Arg(0), Arg(1)], traits))
 
@@ -64,7 +64,7 @@ def concat(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
     source, steps, start = "", [], 0
     for i, x in enumerate(in_types):
         name = f"concat{i}"
-        source += _copy_kernel(name, x.shape, dense_strides(x.shape), dst, t, dst_base=start * dst[axis],
+        source += copy_kernel(name, x.shape, dense_strides(x.shape), dst, t, dst_base=start * dst[axis],
                                extent=y.size)
         steps += linear_launch(name, x.size, [Arg(i), Arg(len(in_types))], traits)
         start += x.shape[axis]
@@ -85,13 +85,15 @@ def gather(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
     idx_view = [0] * axis + list(i_str) + [0] * (data.rank - axis - 1)
     t, it = bits_ctype(data.dtype), ctype(idx.dtype, traits, op)
     views = [("x", t, data_view, True), ("ind", it, idx_view, True), ("y", t, dense_strides(y.shape), False)]
-
-    def body(o: dict[str, str]) -> str:
-        return (f"  long j = (long)ind[{o['ind']}];\n  if (j < 0) j += {dim};\n"
-                f"  y[{o['y']}] = (j >= 0 && j < {dim}) ? x[{o['x']} + j * {d_str[axis]}] : ({t.store})0;")
-
-    source = strided_kernel("gather", y.shape, views, body, extent=data.size)
+    source = strided_kernel("gather", y.shape, views, lambda o: gather_body(o, t, dim, d_str[axis]), extent=data.size)
     return Recipe(source, linear_launch("gather", y.size, [Arg(0), Arg(1), Arg(2)], traits))
+
+
+def gather_body(o: dict[str, str], t, dim: int, stride: int) -> str:
+    """y = x[j * stride] for the index j read at ``ind`` (negative counts from the end of a dim
+    of ``dim``; out of range gives 0): the body shared by gather and gather_elements."""
+    return (f"  long j = (long)ind[{o['ind']}];\n  if (j < 0) j += {dim};\n"
+            f"  y[{o['y']}] = (j >= 0 && j < {dim}) ? x[{o['x']} + j * {stride}] : ({t.store})0;")
 
 
 GENERATORS = {"transpose": transpose, "reshape": reshape, "slice": slice_, "concat": concat, "gather": gather}

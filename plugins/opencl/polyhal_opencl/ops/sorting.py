@@ -1,4 +1,4 @@
-"""sort, argsort and topk on ``cl/sort.cl``: a bitonic sort in local memory per row where the
+"""sort, argsort and topk on ``cl/bitonic.cl`` and ``cl/sort.cl``: a bitonic sort in local memory per row where the
 row fits, else local tile sorts plus global merge passes through two scratch index buffers."""
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _source(x, t, *, n: int, inner: int, k: int, np_: int, wg: int, desc: bool,
         + "#define OUT_PROLOGUE " + " ".join(f"__global {ty}* {nm} = {nm}_base + {nm}_off;" for nm, ty in outs) + "\n"
         + "#define OUT_PARAMS " + ", ".join(f"__global {ty}* {nm}" for nm, ty in outs) + "\n"
         + "#define OUT_ARGS " + ", ".join(nm for nm, _ in outs) + "\n"
-        + cl_source("sort.cl")
+        + cl_source("bitonic.cl") + cl_source("sort.cl")
     )
 
 

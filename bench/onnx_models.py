@@ -1,0 +1,91 @@
+"""The example ONNX models (examples/*.onnx) on polyhal against onnxruntime's CPU provider.
+
+Both run the same model file with the same inputs in one process on this machine, timed
+interleaved (so clock and thermal drift hit both alike); the outputs are compared before timing.
+Targets (the ONNX front-end issue): the MLP and the transformer block within 1.5x of
+onnxruntime's CPU time. The detection post-process (TopK + NonMaxSuppression) is reported
+without a target.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.harness import Row, median_time
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+#: model file, {symbolic dim: size}, target ratio (None: report only)
+CASES = [
+    ("mlp.onnx", {"batch": 256}, 1.5),
+    ("transformer_block.onnx", {"batch": 1, "seq": 256}, 1.5),
+    ("detection_postprocess.onnx", {}, None),
+]
+
+
+def _inputs(session, dims: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else dims[d] for d in i.shape]
+        if i.name == "boxes":  # well-formed boxes: corners (y1, x1) and (y1 + h, x1 + w)
+            corner = rng.random(shape[:-1] + [2]).astype(np.float32)
+            size = (rng.random(shape[:-1] + [2]) * 0.2).astype(np.float32)
+            feeds[i.name] = np.concatenate([corner, corner + size], axis=-1)
+        elif i.name == "scores":
+            feeds[i.name] = rng.random(shape).astype(np.float32)
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+def run(args) -> list[Row]:
+    import onnxruntime as ort
+
+    import polyhal.onnx
+
+    rng = np.random.default_rng(0)
+    device = args.device or "cpu:0"
+    rows = []
+    reps = 5 if args.quick else 25
+    for file, dims, target in CASES:
+        path = EXAMPLES / file
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        feeds = _inputs(session, dims, rng)
+        t0 = time.perf_counter()
+        program = polyhal.onnx.load(path, shapes={k: v.shape for k, v in feeds.items()})
+        plan = program.compile(device)
+        t_compile = time.perf_counter() - t0
+        ours = program.execute(plan, feeds)
+        theirs = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+        for name, want in theirs.items():
+            got = ours[name]
+            assert got.shape == want.shape, f"{file} {name}: {got.shape} vs onnxruntime's {want.shape}"
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=f"{file} {name}")
+
+        def run_ours():
+            program.execute(plan, feeds)
+
+        def run_theirs():
+            session.run(None, feeds)
+
+        # Interleaved samples; each sample is the median of a short burst.
+        number = 20 if "detection" not in file else 5
+        tp, to = [], []
+        for _ in range(reps):
+            tp.append(median_time(run_ours, repeat=3, number=number, warmup=1))
+            to.append(median_time(run_theirs, repeat=3, number=number, warmup=1))
+        t_ours, t_theirs = statistics.median(tp), statistics.median(to)
+        shape = ", ".join(f"{k}={v}" for k, v in dims.items())
+        rows.append(Row(
+            f"{file.removesuffix('.onnx')} ({shape or 'static shapes'}) on {device}", "ms", t_ours * 1e3,
+            t_theirs * 1e3, f"onnxruntime {ort.__version__} CPU",
+            f"<= {target}x" if target else "", None if target is None else t_ours <= target * t_theirs,
+            {"ops": len(program.ops), "nodes": program.node_count, "compile_ms": t_compile * 1e3,
+             "ort_threads": options.intra_op_num_threads}))
+    return rows

@@ -1,0 +1,163 @@
+"""Explaining allocation decisions: the API behind ``polyhal.policy.explain()``, ``polyhal explain``
+and ``polyhal demo --explain``.
+
+Every decision the selector computed is listed with its candidates, the memory type and usage
+asked for, the chosen device, the plugin that chose it and the reason that plugin recorded
+(``polyhal.policy.record_reason``), the candidates excluded because they cannot serve the memory
+type, and the order the out-of-memory fallback would try.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+from polyhal.hal.flags import BufferUsage, MemoryType
+from polyhal.policies.context import BUILTIN_POLICIES, configure_policy, policy_config
+
+if TYPE_CHECKING:
+    from polyhal.policy import AllocatorDecision, AllocatorSelector
+    from polyhal.registry import Registry
+
+
+def decision_record(d: "AllocatorDecision") -> dict[str, Any]:
+    """One decision as plain data (for ``--json`` and tests)."""
+    return {
+        "candidates": [spec.name for spec, _ in d.candidates],
+        "queue_affinities": [q for _, q in d.candidates],
+        "memory_type": MemoryType(d.memory_type).describe(),
+        "buffer_usage": BufferUsage(d.buffer_usage).describe(),
+        "flags": d.flags,
+        "devices": list(d.devices) if "devices" in d.depends_on else None,
+        "op": str(d.workload) if d.workload is not None and "workload" in d.depends_on else None,
+        "chosen": d.device_name,
+        "index": d.index,
+        "plugin": d.plugin,
+        "policy": d.policy,
+        "reason": d.reason,
+        "excluded": [{"device": n, "why": why} for n, why in d.excluded],
+        "fallbacks": [spec.name for spec, _ in d.fallbacks],
+        "depends_on": list(d.depends_on),
+    }
+
+
+def explain_records(selector: "AllocatorSelector") -> dict[str, Any]:
+    """The selector's configuration, counters, decisions and out-of-memory fallbacks as data."""
+    cfg = policy_config(selector.registry)
+    return {
+        "policy": cfg.policy,
+        "lead_allocator": cfg.lead_allocator,
+        "oom_fallback": cfg.oom_fallback,
+        "hits": selector.hits,
+        "misses": selector.misses,
+        "decisions": [decision_record(d) for d in selector.computed()],
+        "oom_fallbacks": [{"chosen": e.decision.device_name, "allocated_on": e.device, "nbytes": e.nbytes,
+                           "errors": list(e.errors)} for e in selector.oom_events],
+    }
+
+
+def format_decisions(selector: "AllocatorSelector") -> str:
+    """Every decision of ``selector`` as text (``AllocatorSelector.explain``)."""
+    data = explain_records(selector)
+    head = f"device policy {data['policy']!r}"
+    if data["policy"] == "lead":
+        head += f" (lead allocator {data['lead_allocator'] or 0})"
+    head += (f"; out-of-memory fallback {'on' if data['oom_fallback'] else 'off'}; "
+             f"{len(data['decisions'])} decisions computed, {data['misses']} hook rounds, {data['hits']} memo hits")
+    lines = [head]
+    for i, r in enumerate(data["decisions"]):
+        what = r["op"] or "any allocation"
+        lines.append(f"  [{i}] {what}: {r['memory_type']} for {r['buffer_usage']} among "
+                     f"[{', '.join(r['candidates'])}] -> {r['chosen']}")
+        lines.append(f"      by {r['plugin']}: {r['reason']}")
+        if r["devices"] is not None:
+            lines.append(f"      read the --device list {r['devices']}")
+        for ex in r["excluded"]:
+            lines.append(f"      excluded {ex['device']}: {ex['why']}")
+        if r["fallbacks"]:
+            lines.append(f"      if {r['chosen']} is out of memory: "
+                         + (" then ".join(r["fallbacks"]) if data["oom_fallback"] else "error (fallback off)"))
+    for e in data["oom_fallbacks"]:
+        lines.append(f"  out of memory on {e['chosen']}: {e['nbytes']} B allocated on {e['allocated_on']} instead")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------------
+
+def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--policy``, ``--device-lead-allocator``, ``--oom-fallback`` (override the environment)."""
+    parser.add_argument("--policy", choices=sorted(BUILTIN_POLICIES), default=None,
+                        help="built-in device policy (default: POLYHAL_POLICY, else first)")
+    parser.add_argument("--device-lead-allocator", type=int, default=None, metavar="N",
+                        help="lead policy: the Nth --device allocates shared buffers (POLYHAL_DEVICE_LEAD_ALLOCATOR)")
+    parser.add_argument("--oom-fallback", action="store_true", default=None,
+                        help="when the chosen device is out of memory, try the other candidates (POLYHAL_OOM_FALLBACK)")
+
+
+def apply_policy_arguments(args: argparse.Namespace, registry: "Registry") -> None:
+    """Configure the registry's policy from the arguments that were given."""
+    kwargs: dict[str, Any] = {}
+    if getattr(args, "policy", None):
+        kwargs["policy"] = args.policy
+    if getattr(args, "device_lead_allocator", None) is not None:
+        kwargs["lead_allocator"] = args.device_lead_allocator
+    if getattr(args, "oom_fallback", None):
+        kwargs["oom_fallback"] = True
+    if kwargs:
+        configure_policy(registry, **kwargs)
+
+
+def demo_program(batch: int = 64):
+    """The MLP block of ``polyhal demo`` (matmul, gelu, matmul, add, layer_norm, softmax)."""
+    import polyhal
+
+    n, d, h = batch, 256, 512
+    b = polyhal.ProgramBuilder("mlp_block")
+    x = b.input("x", (n, d))
+    w1, w2 = b.input("w1", (d, h)), b.input("w2", (h, d))
+    gamma, beta = b.input("gamma", (d,)), b.input("beta", (d,))
+    y = b.matmul(b.gelu(b.matmul(x, w1)), w2)
+    b.output(b.softmax(b.layer_norm(b.add(y, x), gamma, beta), axis=-1))
+    return b.build()
+
+
+def cmd_explain(args: argparse.Namespace, registry: "Registry") -> int:
+    """Compile the demo program over ``--device`` (default: every device) with the chosen policy and
+    print its placement and every allocation decision, with the plugin that made it and why."""
+    import polyhal
+    from polyhal.policies.cost import measure_link
+    from polyhal.policy import selector_for
+
+    apply_policy_arguments(args, registry)
+    devices = args.device or [s.name for s in registry.device_specs()]
+    if args.measure_links:
+        for src in devices:
+            for dst in devices:
+                if src != dst:
+                    measure_link(registry, src, dst)
+    plan = polyhal.compile(demo_program(args.batch), devices, registry=registry)
+    selector = selector_for(registry)
+    if args.json:
+        json.dump({"devices": list(devices), "placement": plan.explain().splitlines(),
+                   **explain_records(selector)}, sys.stdout, indent=2)
+        print()
+        return 0
+    print(f"--device list: {', '.join(devices)}")
+    print(plan.explain())
+    print(selector.explain())
+    return 0
+
+
+def add_explain_parser(sub: Any) -> None:
+    """The ``polyhal explain`` subcommand."""
+    p = sub.add_parser("explain", help="compile the demo program and explain every allocation decision")
+    p.add_argument("--device", action="append", default=None,
+                   help="a device of the --device list, in order (repeat it; default: every device)")
+    add_policy_arguments(p)
+    p.add_argument("--measure-links", action="store_true", help="measure link bandwidths for the cost policy first")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="machine-readable output")

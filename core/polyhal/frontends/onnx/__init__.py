@@ -1,0 +1,34 @@
+"""The ONNX front end: import ONNX models as polyhal programs, run them, test them.
+
+* :func:`load` (also ``polyhal.onnx.load``): a model file, bytes or ModelProto in, an
+  :class:`OnnxProgram` out (a :class:`~polyhal.ir.program.Program`; compile it and call the
+  plan with the model's inputs by name);
+* :mod:`~polyhal.frontends.onnx.backend`: an ``onnx.backend.base.Backend`` over polyhal
+  devices (``PolyhalBackend.prepare(model, "cpu:0").run(inputs)``);
+* :mod:`~polyhal.frontends.onnx.node_tests`: ONNX's own node tests on every device
+  (``python -m polyhal.frontends.onnx.node_tests``);
+* ``polyhal run MODEL.onnx`` (:mod:`~polyhal.frontends.onnx.run`): the command line.
+
+Importing this package imports ``onnx``; ``import polyhal`` does not.
+"""
+
+from polyhal.frontends.onnx.errors import (
+    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxUnsupportedError, StrictPlacementError,
+)
+from polyhal.frontends.onnx.importer import (
+    MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, OnnxProgram, load, read_model,
+)
+
+
+def supported_ops() -> list[str]:
+    """ONNX op types (default domain) with a converter; ops ONNX defines as functions of these
+    are supported too, by expansion."""
+    from polyhal.frontends.onnx.converters import CONVERTERS
+
+    return sorted(op for domain, op in CONVERTERS if domain == "")
+
+
+__all__ = [
+    "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError", "OnnxModelError", "OnnxProgram",
+    "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
+]

@@ -1,0 +1,41 @@
+"""Errors of the ONNX front end. All derive from :class:`~polyhal.errors.PolyhalError`."""
+
+from __future__ import annotations
+
+from polyhal.errors import PolyhalError, ProgramError
+
+
+class OnnxError(PolyhalError):
+    """Base class of the ONNX front end's errors."""
+
+
+class OnnxModelError(OnnxError, ValueError):
+    """The model is malformed: not ONNX at all, truncated, inconsistent (a node reads a value
+    nothing defines, declared shapes contradict the data, ...)."""
+
+
+class OnnxUnsupportedError(OnnxError, NotImplementedError):
+    """A valid model that polyhal cannot run: an op, element type, opset or feature it lacks."""
+
+
+class OnnxInputError(OnnxError, ValueError):
+    """Inputs given to a model that do not fit it: missing, extra, wrong shape or element type."""
+
+
+class NeedsValue(OnnxUnsupportedError):
+    """An operand that decides a shape (Reshape's shape, TopK's k, Slice's starts, ...) comes
+    from graph inputs whose values are not known at import time.
+
+    polyhal programs have static shapes, so such inputs must be fixed: pass their values to
+    :func:`polyhal.onnx.load` with ``values=`` (``polyhal run`` does this for inputs read from
+    files; the ONNX backend does it per run). ``inputs`` names them.
+    """
+
+    def __init__(self, message: str, inputs: frozenset[str] = frozenset()) -> None:
+        super().__init__(message)
+        self.inputs = frozenset(inputs)
+
+
+class StrictPlacementError(OnnxUnsupportedError, ProgramError):
+    """``strict=True`` (``polyhal run --strict``): a node's op has no kernel on the requested
+    devices, and polyhal was told not to run it elsewhere."""

@@ -1,0 +1,687 @@
+"""The ONNX importer: a ModelProto in, an :class:`OnnxProgram` (a polyhal Program) out.
+
+What it does, in order:
+
+1. reads the model (path, bytes, file object or ModelProto) and refuses what is not one:
+   undecodable or truncated bytes, no graph, no default-domain opset;
+2. checks the opset against :data:`SUPPORTED_OPSETS`, runs ONNX's checker and its strict shape
+   inference (so a model whose declared shapes contradict its data is refused up front);
+3. walks the graph in order, converting each node with the converter registered for its op
+   (:mod:`polyhal.frontends.onnx.converters`), or, for ops ONNX defines as a function of
+   other ops, by expanding that function body; an op with neither is unsupported;
+4. folds at import time every op whose operands are all known (initializers, ``Constant``,
+   ``Shape`` of a static shape, ...) by running the op's numpy reference, so shape subgraphs
+   disappear and what remains is the model's real data flow;
+5. checks every result against the type ONNX declared or inferred for it.
+
+polyhal programs have static shapes. Inputs with symbolic dims take their shape from
+``shapes=`` (or ``default_dim``); operands that decide a shape (Reshape's ``shape``, TopK's
+``k``, ...) must be known at import time, and when they come from graph inputs those inputs
+must be given values with ``values=`` (:class:`NeedsValue` names them).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import helper, numpy_helper
+
+from polyhal.errors import PolyhalError
+from polyhal.frontends.onnx.errors import (
+    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxUnsupportedError,
+    StrictPlacementError,
+)
+from polyhal.ir.program import Program, ProgramBuilder, Value
+from polyhal.ir.types import SUPPORTED_DTYPES, TensorType
+from polyhal.ops import OPS, infer_types
+
+#: The default-domain opsets the importer accepts (ONNX 1.23's opset 28 is the newest it was
+#: tested against; opset 7 is where numpy-style broadcasting became ONNX's rule for every op).
+MIN_OPSET, MAX_OPSET = 7, 28
+SUPPORTED_OPSETS = range(MIN_OPSET, MAX_OPSET + 1)
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+#: Largest tensor (elements) an op may produce by folding: above it the op runs on a device.
+FOLD_LIMIT = 1 << 22
+
+Val = Any  # np.ndarray (known at import time) or Value (computed when the plan runs)
+
+
+# ------------------------------------------------------------------------------------- types
+
+def np_dtype(elem_type: int, what: str) -> np.dtype:
+    """The numpy dtype of ONNX element type ``elem_type``; OnnxUnsupportedError naming
+    ``what`` for those polyhal lacks (string, bfloat16, float8, int4, complex, ...)."""
+    try:
+        name = onnx.TensorProto.DataType.Name(elem_type)
+    except ValueError:
+        raise OnnxModelError(f"{what} has element type {elem_type}, which is not an ONNX type") from None
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        raise OnnxModelError(f"{what} has no element type")
+    try:
+        dt = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+    except Exception:  # noqa: BLE001  (onnx raises several types for unmapped ones)
+        dt = None
+    if dt is None or dt not in SUPPORTED_DTYPES or name in ("BFLOAT16",) or name.startswith(("FLOAT8", "FLOAT4")):
+        supported = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
+        raise OnnxUnsupportedError(f"{what} has element type {name}, which polyhal does not support "
+                                   f"(supported: {supported})")
+    return dt
+
+
+def onnx_elem_type(dtype: np.dtype) -> int:
+    """The ONNX element type of numpy ``dtype``."""
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def _declared(type_proto: onnx.TypeProto) -> tuple[int | None, tuple | None]:
+    """(elem_type, dims) of a tensor TypeProto; a dim is an int or None (symbolic/unknown);
+    dims is None when the rank is unknown. Non-tensor types give (None, None)."""
+    if type_proto.WhichOneof("value") != "tensor_type":
+        return None, None
+    tt = type_proto.tensor_type
+    elem = tt.elem_type or None
+    if not tt.HasField("shape"):
+        return elem, None
+    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+    return elem, dims
+
+
+def _fmt_declared(elem: int | None, dims: tuple | None, type_proto: onnx.TypeProto | None = None) -> str:
+    name = onnx.TensorProto.DataType.Name(elem).lower() if elem else "?"
+    if dims is None:
+        return f"{name}[...]"
+    syms = []
+    if type_proto is not None and type_proto.WhichOneof("value") == "tensor_type":
+        syms = [d.dim_param or "?" for d in type_proto.tensor_type.shape.dim]
+    text = [str(d) if d is not None else (syms[i] if i < len(syms) else "?") for i, d in enumerate(dims)]
+    return f"{name}[{','.join(text)}]"
+
+
+# ------------------------------------------------------------------------------- the program
+
+@dataclass(eq=False)
+class OnnxProgram(Program):
+    """A polyhal :class:`~polyhal.ir.program.Program` imported from an ONNX model.
+
+    Compile it with :meth:`compile` (or :func:`polyhal.compile`) and call the plan with the
+    model's inputs by name. Besides the program it keeps what explain needs: which ONNX node
+    each op came from (``origins``, by result value id), which nodes were folded away at
+    import time (``folded``), and which graph inputs were fixed to values (``frozen``).
+    """
+
+    source: str = ""
+    opset: int = 0
+    output_names: list[str] = field(default_factory=list)
+    declared_inputs: dict[str, str] = field(default_factory=dict)
+    origins: dict[int, str] = field(default_factory=dict)
+    folded: list[str] = field(default_factory=list)
+    frozen: dict[str, np.ndarray] = field(default_factory=dict)
+    node_count: int = 0
+    #: ONNX output index -> index of the program output holding its run-time length (outputs
+    #: such as NonMaxSuppression's are computed padded to a static bound, plus a count).
+    trims: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def input_names(self) -> list[str]:
+        """Names of the inputs a run takes (graph inputs not fixed at import), in order."""
+        return [v.name for v in self.inputs]
+
+    def origin(self, op) -> str:
+        """The ONNX node an op of this program (or of its placed form) came from."""
+        for v in op.outputs:
+            if v.id in self.origins:
+                return self.origins[v.id]
+        return "(import)"
+
+    def compile(self, devices: Sequence[str] | str | None = None, *, strict: bool = False,
+                registry=None, **options: Any):
+        """Compile for ``devices`` (ordered; default every device, best first).
+
+        Ops that none of ``devices`` has a kernel for run on another device that has one, with
+        transfers inserted (heterogeneous placement); ``strict=True`` refuses that instead,
+        with a :class:`StrictPlacementError` naming the node, its op and the devices lacking it.
+        ``options`` go to :func:`polyhal.compile` (e.g. ``data_tiling=True``).
+        """
+        import polyhal
+        from polyhal.registry import default_registry
+
+        registry = registry or default_registry()
+        if isinstance(devices, str):
+            devices = (devices,)
+        every = [s.name for s in registry.device_specs()]
+        requested = tuple(devices) if devices else tuple(every)
+        for name in requested:
+            registry.get_device(name)  # unknown names fail here, listing the devices
+        missing = []
+        for op in self.ops:
+            if op.affinity is None and not any(op.name in registry.get_device(d).kernel_names for d in requested):
+                missing.append(op)
+        if missing and strict:
+            lines = [f"node {self.origin(op)}: op {op.name!r}" for op in missing[:10]]
+            more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
+            elsewhere = sorted({d for op in missing for d in every
+                                if d not in requested and op.name in registry.get_device(d).kernel_names})
+            hint = (f"; without --strict they would run on {', '.join(elsewhere)}" if elsewhere
+                    else "; no installed device has them")
+            raise StrictPlacementError(
+                f"{self.source}: {len(missing)} op(s) have no kernel on {', '.join(requested)} "
+                f"(strict placement): " + "; ".join(lines) + more + hint)
+        order = requested + tuple(d for d in every if d not in requested) if missing else requested
+        return polyhal.compile(self, order, registry=registry, **options)
+
+    def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """``feeds`` as numpy arrays, after checking names, element types and shapes against
+        the program's inputs (OnnxInputError naming the input and what the model declares)."""
+        names = self.input_names
+        extra = [k for k in feeds if k not in names]
+        for k in list(extra):
+            if k in self.frozen:
+                if not np.array_equal(np.asarray(feeds[k]), self.frozen[k]):
+                    raise OnnxInputError(
+                        f"{self.source}: input {k!r} was fixed to a value when the model was loaded (it "
+                        f"decides a shape); load the model again with this value")
+                extra.remove(k)
+        if extra:
+            raise OnnxInputError(f"{self.source}: the model has no input {extra[0]!r}; its inputs are "
+                                 f"{self._listing()}")
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise OnnxInputError(f"{self.source}: missing input {missing[0]!r} "
+                                 f"({self.declared_inputs.get(missing[0], '')}); its inputs are {self._listing()}")
+        out = {}
+        for v in self.inputs:
+            x = feeds[v.name]
+            arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
+            if arr.dtype != v.type.dtype:
+                raise OnnxInputError(f"{self.source}: input {v.name!r} must be {v.type.dtype} "
+                                     f"(declared {self.declared_inputs.get(v.name)}), got {arr.dtype}")
+            if arr.shape != v.type.shape:
+                raise OnnxInputError(f"{self.source}: input {v.name!r} must have shape {v.type.shape} "
+                                     f"(declared {self.declared_inputs.get(v.name)}), got {arr.shape}")
+            out[v.name] = arr
+        return out
+
+    def _listing(self) -> str:
+        return ", ".join(f"{n} ({self.declared_inputs.get(n, '')})" for n in self.input_names) or "(none)"
+
+    def run(self, feeds: Mapping[str, Any], devices: Sequence[str] | str | None = None, *,
+            strict: bool = False) -> dict[str, np.ndarray]:
+        """Compile, run once on ``feeds`` and return {output name: numpy array}."""
+        return self.execute(self.compile(devices, strict=strict), self.check_feeds(feeds))
+
+    def execute(self, plan, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run ``plan`` (compiled from this program) on ``feeds`` and return the ONNX outputs by
+        name, as numpy arrays: outputs of run-time length are cut to it (see ``trims``)."""
+        outs = plan(**{n: feeds[n] for n in self.input_names})
+        arrays = [t.numpy() for t in (outs if isinstance(outs, tuple) else (outs,))]
+        result = {}
+        for i, name in enumerate(self.output_names):
+            a = arrays[i]
+            if i in self.trims:
+                a = a[: int(arrays[self.trims[i]])]
+            result[name] = a
+        return result
+
+    def explain(self, plan=None) -> str:
+        """Where every ONNX node's ops run (after compiling: ``plan``), what was folded at import
+        time and which inputs were fixed, followed by the plan's own explanation."""
+        lines = [f"model {self.source}: opset {self.opset}, {self.node_count} nodes -> "
+                 f"{len(self.ops)} ops, {len(self.constants)} constants "
+                 f"({sum(a.nbytes for _, a in self.constants)} B), {len(self.folded)} nodes folded at import"]
+        for name, value in self.frozen.items():
+            lines.append(f"  input {name!r} fixed at import to {value.dtype}{list(value.shape)} (it decides a shape)")
+        ops = plan.program.ops if plan is not None else self.ops
+        by_node: dict[str, list] = collections.defaultdict(list)
+        for op in ops:
+            if op.kind == "dispatch":
+                by_node[self.origin(op)].append(op)
+        lines.append("ops by node:")
+        for label, node_ops in by_node.items():
+            where = collections.Counter(op.device or "(not placed)" for op in node_ops)
+            placed = ", ".join(f"{d}" for d in where)
+            lines.append(f"  {label}: {', '.join(op.name for op in node_ops)} -> {placed}")
+        if plan is not None:
+            transfers = [op for op in ops if op.kind == "transfer"]
+            if transfers:
+                lines.append("transfers:")
+                for op in transfers:
+                    src = plan.placement.value_device.get(op.inputs[0].id, "?")
+                    lines.append(f"  %{op.inputs[0].name} {op.inputs[0].type}: {src} -> {op.device}")
+        if self.folded:
+            shown = ", ".join(self.folded[:20]) + (f" (+{len(self.folded) - 20} more)" if len(self.folded) > 20 else "")
+            lines.append(f"folded at import: {shown}")
+        if plan is not None:
+            lines.append(plan.explain())
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------- reading
+
+def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
+    """The ModelProto of ``model`` (path, bytes, file object or ModelProto) and a name for
+    messages; OnnxModelError when it is not a readable ONNX model."""
+    base_dir = None
+    if isinstance(model, onnx.ModelProto):
+        return model, model.graph.name or "<model>"
+    if isinstance(model, (bytes, bytearray, memoryview)):
+        data, source = bytes(model), "<bytes>"
+    elif hasattr(model, "read"):
+        data, source = model.read(), getattr(model, "name", "<file>")
+        if isinstance(data, str):
+            raise OnnxModelError(f"{source}: opened in text mode; open ONNX models with 'rb'")
+    else:
+        try:
+            path = os.fspath(model)
+        except TypeError:
+            raise OnnxModelError(f"cannot read a model from {type(model).__name__}; give a path, bytes "
+                                 "or an onnx.ModelProto") from None
+        source = str(path)
+        if not os.path.isfile(path):
+            raise OnnxModelError(f"{source}: no such file")
+        with open(path, "rb") as f:
+            data = f.read()
+        base_dir = os.path.dirname(os.path.abspath(path))
+    if not data:
+        raise OnnxModelError(f"{source}: empty file, not an ONNX model")
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise OnnxModelError(f"{source}: not an ONNX model, or a truncated one ({len(data)} bytes do not "
+                             f"decode as onnx.ModelProto: {exc})") from None
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        what = "no graph" if not proto.HasField("graph") else "no IR version"
+        raise OnnxModelError(f"{source}: not an ONNX model ({len(data)} bytes decode, but with {what}); "
+                             "is the file truncated, or another format?")
+    if base_dir is not None and _has_external_data(proto):
+        try:
+            from onnx.external_data_helper import load_external_data_for_model
+
+            load_external_data_for_model(proto, base_dir)
+        except (OSError, ValueError) as exc:
+            raise OnnxModelError(f"{source}: cannot load external tensor data: {exc}") from None
+    return proto, source
+
+
+def _has_external_data(model: onnx.ModelProto) -> bool:
+    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+
+
+def default_opset(model: onnx.ModelProto, source: str) -> int:
+    """The model's default-domain opset, checked against :data:`SUPPORTED_OPSETS`."""
+    if not model.opset_import:
+        raise OnnxModelError(f"{source}: the model imports no opset (opset_import is empty); is it truncated?")
+    versions = [o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS]
+    if not versions:  # only other domains (ai.onnx.ml, ...): their ops say whether they run
+        return MAX_OPSET
+    opset = max(versions)
+    if opset > MAX_OPSET:
+        raise OnnxUnsupportedError(f"{source}: opset {opset} is newer than polyhal supports "
+                                   f"(opsets {MIN_OPSET} to {MAX_OPSET}); convert the model with "
+                                   f"onnx.version_converter.convert_version(model, {MAX_OPSET})")
+    if opset < MIN_OPSET:
+        raise OnnxUnsupportedError(f"{source}: opset {opset} is older than polyhal supports "
+                                   f"(opsets {MIN_OPSET} to {MAX_OPSET}); convert the model with "
+                                   f"onnx.version_converter.convert_version(model, {MIN_OPSET})")
+    return opset
+
+
+def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+    """ONNX's checker, then strict shape inference; returns the model with inferred value_info."""
+    try:
+        onnx.checker.check_model(model)
+    except (onnx.checker.ValidationError, ValueError) as exc:
+        raise OnnxModelError(f"{source}: the ONNX checker rejects the model: {_first_line(exc)}") from None
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
+        # Strict inference also fails on valid models (ONNX's own function bodies trip it, e.g.
+        # MeanVarianceNormalization's); the importer checks every result against what is
+        # declared anyway, so a real contradiction is still caught, naming its node.
+        pass
+    try:
+        return onnx.shape_inference.infer_shapes(model, data_prop=True)
+    except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
+        return model
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+# ------------------------------------------------------------------------------------ load
+
+def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
+         values: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
+         default_dim: int | None = None, name: str | None = None, validate: bool = True,
+         source: str | None = None) -> OnnxProgram:
+    """Import an ONNX model as a polyhal program.
+
+    Args:
+        model: a path, the model's bytes, a binary file object or an ``onnx.ModelProto``.
+        shapes: ``{input: shape}`` for inputs whose declared shape has symbolic dims (a given
+            shape must agree with the dims the model fixes).
+        values: ``{input: array}``: graph inputs to fix to these values at import time (they
+            are then not inputs of the program). Needed for inputs that decide shapes.
+        dims: ``{symbol: size}`` for symbolic dims by name (``{"batch": 8}``), for every input
+            that uses them.
+        default_dim: the size of symbolic dims not given otherwise (default: refuse them).
+        name: the program's name (default: the graph's).
+        validate: run ONNX's checker and strict shape inference first.
+        source: what messages call the model (default: its path, or its graph's name).
+
+    Raises:
+        OnnxModelError: not a model, truncated, or inconsistent.
+        OnnxUnsupportedError: an opset, op, element type or feature polyhal lacks
+            (:class:`NeedsValue` when inputs must be given ``values``).
+        OnnxInputError: ``shapes`` / ``values`` that do not fit the model.
+    """
+    proto, read_as = read_model(model)
+    source = source or read_as
+    opset = default_opset(proto, source)
+    checked = _validate(proto, source) if validate else proto
+    return _Importer(checked, source, opset, shapes or {}, values or {}, dims or {}, default_dim, name).run()
+
+
+class _Importer:
+    def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name):
+        self.model = model
+        self.source = source
+        self.opset = opset
+        self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
+        self.values = dict(values)
+        self.dims = {str(k): int(v) for k, v in dims.items()}
+        self.default_dim = default_dim
+        graph = model.graph
+        self.builder = ProgramBuilder(name or graph.name or "onnx")
+        self.opsets = {o.domain or "": o.version for o in model.opset_import}
+        self.opsets[""] = opset
+        self.functions = {(f.domain, f.name): f for f in model.functions}
+        self.deps: dict[int, frozenset[str]] = {}
+        self.origins: dict[int, str] = {}
+        self.folded: list[str] = []
+        self._const_values: dict[int, tuple[np.ndarray, Value]] = {}
+        self._renamed: set[int] = set()
+        self.declared: dict[str, onnx.TypeProto] = {}
+        for vi in list(graph.value_info) + list(graph.output):
+            self.declared[vi.name] = vi.type
+        self.node_count = 0
+
+    # -- values ----------------------------------------------------------------------------
+
+    def type_of(self, v: Val) -> TensorType:
+        if isinstance(v, Value):
+            return v.type
+        return TensorType(v.shape, v.dtype)
+
+    def as_value(self, v: Val) -> Value:
+        """A program value for ``v``: constants become program constants (one per array)."""
+        if isinstance(v, Value):
+            return v
+        found = self._const_values.get(id(v))
+        if found is not None and found[0] is v:
+            return found[1]
+        value = self.builder.constant(v, "const")
+        self.deps[value.id] = frozenset()
+        self._const_values[id(v)] = (v, value)
+        return value
+
+    def emit(self, label: str, op: str, inputs: Sequence[Val], attrs: Mapping[str, Any]) -> Any:
+        """Op ``op`` on ``inputs``: folded to arrays when every input is known, else a dispatch."""
+        types = tuple(self.type_of(v) for v in inputs)
+        out_types = infer_types(op, types, attrs)
+        if all(isinstance(v, np.ndarray) for v in inputs) and all(t.size <= FOLD_LIMIT for t in out_types):
+            with np.errstate(all="ignore"):
+                outs = OPS[op].reference(*inputs, **attrs)
+            outs = tuple(np.array(o, dtype=t.dtype, order="C").reshape(t.shape)
+                         for o, t in zip(outs, out_types))
+            return outs[0] if len(outs) == 1 else outs
+        values = [self.as_value(v) for v in inputs]
+        result = self.builder.op(op, *values, **attrs)
+        results = result if isinstance(result, tuple) else (result,)
+        deps = frozenset().union(*(self.deps.get(v.id, frozenset()) for v in values)) if values else frozenset()
+        for r in results:
+            self.deps[r.id] = deps
+            self.origins[r.id] = label
+        return result
+
+    # -- the graph -------------------------------------------------------------------------
+
+    def run(self) -> OnnxProgram:
+        graph = self.model.graph
+        env: dict[str, Val] = {}
+        for t in graph.initializer:
+            env[t.name] = self._initializer(t)
+        for t in graph.sparse_initializer:
+            env[t.values.name] = _Unsupported(f"sparse initializer {t.values.name!r}")
+        declared_inputs = {}
+        graph_inputs = [i for i in graph.input if i.name not in env or i.name in self.values]
+        known = {i.name for i in graph.input}
+        for k in list(self.shapes) + list(self.values):
+            if k not in known:
+                raise OnnxInputError(f"{self.source}: the model has no input {k!r}; its inputs are "
+                                     f"{[i.name for i in graph_inputs]}")
+        for vi in graph.input:
+            elem, dims = _declared(vi.type)
+            if vi.name in env and vi.name not in self.values:
+                self._check_initializer_decl(vi, env[vi.name])
+                continue
+            declared_inputs[vi.name] = _fmt_declared(elem, dims, vi.type)
+            env[vi.name] = self._graph_input(vi, elem, dims)
+        self._walk(graph.node, env, self.opsets, "")
+        outputs, names, counts = [], [], []
+        trims: dict[int, int] = {}
+        seen: set[int] = set()
+
+        def result(v: Val, name: str) -> Value:
+            # A plan returns results of dispatches: an output that is a constant, an input or
+            # another output is copied by an identity op.
+            if not isinstance(v, Value) or v.id in seen or v.id not in self.origins:
+                v = self.emit(f"output {name!r}", "identity", [self.as_value(v)], {})
+            seen.add(v.id)
+            return v
+
+        for vi in graph.output:
+            if vi.name not in env:
+                raise OnnxModelError(f"{self.source}: graph output {vi.name!r} is not produced by any node, "
+                                     "input or initializer")
+            v = env[vi.name]
+            if isinstance(v, _Unsupported):
+                raise OnnxUnsupportedError(f"{self.source}: graph output {vi.name!r}: {v.reason}")
+            if isinstance(v, Dynamic):
+                trims[len(outputs)] = len(counts)
+                counts.append(result(v.count, vi.name + ":count"))
+                v = v.padded
+            outputs.append(result(v, vi.name))
+            names.append(vi.name)
+        trims = {i: len(outputs) + c for i, c in trims.items()}
+        self.builder.output(*outputs, *counts)
+        base = self.builder.build()
+        frozen = {k: env[k] for k in self.values if isinstance(env.get(k), np.ndarray)}
+        return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
+                           source=self.source, opset=self.opset, output_names=names,
+                           declared_inputs=declared_inputs, origins=self.origins, folded=self.folded,
+                           frozen=frozen, node_count=self.node_count, trims=trims)
+
+    def _initializer(self, t: onnx.TensorProto) -> Val:
+        """An initializer as a read-only array (an unsupported element type is reported when
+        the initializer is used, so unused ones do no harm)."""
+        try:
+            return self._initializer_value(t, f"initializer {t.name!r}")
+        except OnnxUnsupportedError as exc:
+            return _Unsupported(str(exc))
+
+    def _initializer_value(self, t: onnx.TensorProto, what: str) -> np.ndarray:
+        dtype = np_dtype(t.data_type, what)
+        if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
+            raise OnnxModelError(f"{self.source}: {what} keeps its data in an external file; load the model "
+                                 "from its path so that the file can be found")
+        try:
+            arr = numpy_helper.to_array(t)
+        except Exception as exc:  # noqa: BLE001  (malformed tensors raise anything)
+            raise OnnxModelError(f"{self.source}: {what} is malformed: {_first_line(exc)}") from None
+        if tuple(arr.shape) != tuple(t.dims):
+            raise OnnxModelError(f"{self.source}: {what} declares dims {list(t.dims)} but holds {arr.size} elements")
+        arr = np.array(arr, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
+        arr.flags.writeable = False
+        return arr
+
+    def _check_initializer_decl(self, vi: onnx.ValueInfoProto, arr: Val) -> None:
+        if not isinstance(arr, np.ndarray):
+            return
+        elem, dims = _declared(vi.type)
+        if dims is not None and (len(dims) != arr.ndim or any(d is not None and d != s for d, s in zip(dims, arr.shape))):
+            raise OnnxModelError(f"{self.source}: input {vi.name!r} is declared {_fmt_declared(elem, dims, vi.type)} "
+                                 f"but its initializer has shape {list(arr.shape)}")
+
+    def _graph_input(self, vi: onnx.ValueInfoProto, elem: int | None, dims: tuple | None) -> Val:
+        what = f"input {vi.name!r}"
+        if vi.type.WhichOneof("value") != "tensor_type":
+            kind = vi.type.WhichOneof("value") or "untyped"
+            raise OnnxUnsupportedError(f"{self.source}: {what} is a {kind.replace('_type', '')}, not a tensor; "
+                                       "polyhal runs tensor models only")
+        dtype = np_dtype(elem or 0, f"{self.source}: {what}")
+        decl = _fmt_declared(elem, dims, vi.type)
+        if vi.name in self.values:
+            arr = np.asarray(self.values[vi.name])
+            if arr.dtype != dtype:
+                raise OnnxInputError(f"{self.source}: {what} is declared {decl} but its value has element type {arr.dtype}")
+            self._check_shape(what, decl, dims, arr.shape)
+            arr = np.array(arr, order="C")
+            arr.flags.writeable = False
+            return arr
+        if vi.name in self.shapes:
+            shape = self.shapes[vi.name]
+            self._check_shape(what, decl, dims, shape)
+        elif dims is None:
+            raise OnnxInputError(f"{self.source}: {what} ({decl}) declares no shape; give one "
+                                 f"(load(..., shapes={{{vi.name!r}: (...)}}) or polyhal run --input)")
+        elif any(d is None for d in dims):
+            symbols = [d.dim_param for d in vi.type.tensor_type.shape.dim]
+            shape = tuple(self.dims.get(sym, self.default_dim) if d is None else d for d, sym in zip(dims, symbols))
+            if any(d is None for d in shape):
+                raise OnnxInputError(f"{self.source}: {what} has symbolic dims ({decl}); give their sizes "
+                                     f"(load(..., dims={{'name': size}}) or shapes={{{vi.name!r}: (...)}}; "
+                                     "polyhal run --dim NAME=SIZE, --shape or --input)")
+        else:
+            shape = dims
+        value = self.builder.input(vi.name, shape, dtype)
+        self.deps[value.id] = frozenset([vi.name])
+        return value
+
+    def _check_shape(self, what: str, decl: str, dims: tuple | None, shape: tuple) -> None:
+        if dims is None:
+            return
+        if len(dims) != len(shape) or any(d is not None and d != s for d, s in zip(dims, shape)):
+            raise OnnxInputError(f"{self.source}: {what} is declared {decl}, which shape {tuple(shape)} does not fit")
+
+    def _walk(self, nodes: Iterable[onnx.NodeProto], env: dict, opsets: Mapping[str, int], prefix: str,
+              check_declared: bool = True) -> None:
+        """Convert ``nodes`` in order into ``env``. Function bodies and subgraphs are walked with
+        a ``prefix`` for their labels and without the graph's declared types (their names are
+        their own)."""
+        from polyhal.frontends.onnx.converters import convert_node
+
+        for index, node in enumerate(nodes):
+            self.node_count += 1 if not prefix else 0
+            label = _label(node, index, prefix)
+            try:
+                outs = convert_node(self, node, env, opsets, label)
+            except NeedsValue:
+                raise
+            except OnnxError as exc:
+                raise _with_context(exc, self.source, label) from None
+            except PolyhalError as exc:  # a shape or type error from an op's inference
+                raise _with_context(exc, self.source, label) from None
+            except RecursionError:
+                raise OnnxModelError(f"{self.source}: node {label}: functions or subgraphs nest too deeply") from None
+            except Exception as exc:  # noqa: BLE001  (a model the converters did not foresee)
+                raise OnnxModelError(f"{self.source}: node {label}: cannot convert it "
+                                     f"({type(exc).__name__}: {_first_line(exc)})") from exc
+            produced = 0
+            for name, v in zip(node.output, outs):
+                if not name:
+                    continue
+                if v is None:
+                    raise OnnxUnsupportedError(f"{self.source}: node {label}: output {name!r} is not supported")
+                if check_declared:
+                    self._check_declared(name, v, label)
+                if isinstance(v, Value) and self.origins.get(v.id) == label and v.id not in self._renamed:
+                    # Values carry the model's names, so that explain and errors read like the model.
+                    v.name = self.builder._fresh(name)
+                    self._renamed.add(v.id)
+                env[name] = v
+                produced += 1
+            for name in node.output[len(outs):]:
+                if name:
+                    raise OnnxUnsupportedError(f"{self.source}: node {label}: output {name!r} is not supported")
+            if produced and all(isinstance(v, np.ndarray) for n, v in zip(node.output, outs) if n):
+                self.folded.append(label)
+
+    def _check_declared(self, name: str, v: Val, label: str) -> None:
+        tp = self.declared.get(name)
+        if tp is None or isinstance(v, _Unsupported):
+            return
+        elem, dims = _declared(tp)
+        if isinstance(v, Dynamic):  # only the element type and the static dims are known
+            v, dims = v.padded, None if dims is None else (None,) + dims[1:]
+        t = self.type_of(v)
+        if elem:
+            try:
+                want = np_dtype(elem, name)
+            except OnnxError:
+                want = None
+            if want is not None and want != t.dtype:
+                raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
+                                     f"{_fmt_declared(elem, dims, tp)} but computes {t.dtype}")
+        if dims is not None and (len(dims) != t.rank or any(d is not None and d != s for d, s in zip(dims, t.shape))):
+            raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
+                                 f"{_fmt_declared(elem, dims, tp)} but the data gives shape {list(t.shape)} "
+                                 "(declared shapes contradict the data)")
+
+
+class Dynamic:
+    """A value whose first dim is known only at run time: ``padded`` (the value padded to a
+    static bound) and ``count`` (an int64 scalar, the real length). Only a model output may be
+    one; the plan returns both and :meth:`OnnxProgram.execute` cuts."""
+
+    def __init__(self, padded: Value, count: Value, what: str) -> None:
+        self.padded, self.count, self.what = padded, count, what
+
+
+class _Unsupported:
+    """Stands in the environment for a value polyhal cannot hold (raised when it is used)."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _label(node: onnx.NodeProto, index: int, prefix: str) -> str:
+    name = node.name or (f"#{index}" + (f" -> {node.output[0]}" if node.output and node.output[0] else ""))
+    return f"{prefix}{name!s} ({node.op_type})" if node.name else f"{prefix}{name} ({node.op_type})"
+
+
+def _with_context(exc: PolyhalError, source: str, label: str) -> PolyhalError:
+    """``exc`` with its message prefixed by the model and node (same class and attributes)."""
+    text = str(exc)
+    if label not in text:
+        text = f"node {label}: {text}"
+    if not text.startswith(source):
+        text = f"{source}: {text}"
+    exc.args = (text,)
+    return exc
+
+
+__all__ = [
+    "FOLD_LIMIT", "MAX_OPSET", "MIN_OPSET", "SUPPORTED_OPSETS", "OnnxProgram", "load", "np_dtype",
+    "onnx_elem_type", "read_model",
+]
+

@@ -1,0 +1,356 @@
+"""Tensor encodings and the layouts they resolve to (IREE's ``#iree_encoding.encoding`` and its
+``SerializableAttr`` / ``LayoutResolverAttr`` interfaces).
+
+An **encoding** is a device-independent hint attached to a tensor type: "this value is the LHS
+of a 256x512x1024 float32 matmul". It says nothing about memory. A program carries encodings
+from the data-tiling pass (:mod:`polyhal.passes.data_tiling`) or from ``builder.encode``.
+
+A **layout** is what one device's resolver (the ``resolve_encoding`` hook) makes of an encoding
+for one tensor type: the concrete arrangement of the bytes. :class:`IdentityLayout` is the
+dense row-major layout (what a backend without data tiling uses for every encoding);
+:class:`PackedLayout` is a tiled layout (IREE's ``MaterializeEncodingInfo``: inner tiles, their
+positions, the order of the outer dims), the one the CPU backend uses for matmul operands.
+
+The :class:`Layout` interface is what :mod:`polyhal.passes.materialize_encoding` asks:
+``is_identity_layout()``, ``is_same_layout(other)``, the storage size in bytes, and the pack /
+unpack dispatches that move a value between the dense layout and this one.
+
+Encodings and layouts are immutable and hashable (frozen dataclasses), so they can key caches
+and live inside :class:`~polyhal.ir.types.TensorType`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+from polyhal.errors import DTypeError, ProgramError, ShapeError
+from polyhal.ir.types import SUPPORTED_DTYPES, TensorType, as_dtype
+
+__all__ = [
+    "Encoding", "MatmulEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout", "IdentityLayout",
+    "PackedLayout", "packed_shape", "dense_type",
+]
+
+# ------------------------------------------------------------------------------------------------
+# Encodings
+# ------------------------------------------------------------------------------------------------
+
+#: Operand roles of a contraction (IREE's ``operand_index``: 0 LHS, 1 RHS, 2 RESULT).
+LHS, RHS, RESULT = 0, 1, 2
+ROLE_NAMES = ("LHS", "RHS", "RESULT")
+
+
+class Encoding(ABC):
+    """Base class of encoding attributes. Subclasses are frozen dataclasses (immutable, hashable).
+
+    A resolver that does not know an encoding class returns ``None`` for it, and the value falls
+    back to the identity layout on that device (explain says so).
+    """
+
+    @abstractmethod
+    def check_type(self, tensor_type: TensorType) -> None:
+        """Raise DTypeError / ShapeError unless this encoding can describe ``tensor_type``."""
+
+    def describe(self) -> str:
+        """Short text for explain and printed programs."""
+        return str(self)
+
+
+#: Element types a matmul encoding can describe: numbers (a bool matmul is not a contraction
+#: any backend tiles).
+_MATMUL_ELEMENT_TYPES = frozenset(d for d in SUPPORTED_DTYPES if d.kind in "iuf")
+
+
+@dataclass(frozen=True)
+class MatmulEncoding(Encoding):
+    """The encoding of one operand (or the result) of a 2-D matmul ``C[M,N] = A[M,K] @ B[K,N]``.
+
+    IREE's ``#iree_encoding.encoding<operand_index, op_type = matmul, element_types,
+    iteration_sizes>``.
+
+    Attributes:
+        operand_index: :data:`LHS` (0), :data:`RHS` (1) or :data:`RESULT` (2).
+        element_types: numpy names of the LHS, RHS and result element types.
+        iteration_sizes: the op's ``(M, N, K)``: shape hints a resolver may use to choose tiles
+            (``None`` for a size that is not known).
+        op_type: ``"matmul"``.
+    """
+
+    operand_index: int
+    element_types: tuple[str, str, str]
+    iteration_sizes: tuple[int | None, int | None, int | None]
+    op_type: str = "matmul"
+
+    def __post_init__(self) -> None:
+        if self.operand_index not in (LHS, RHS, RESULT) or isinstance(self.operand_index, bool):
+            raise ProgramError(f"matmul encoding: operand_index must be 0 (LHS), 1 (RHS) or 2 (RESULT), "
+                               f"got {self.operand_index!r}")
+        types = tuple(self.element_types)
+        if len(types) != 3:
+            raise ProgramError(f"matmul encoding: element_types needs 3 types (LHS, RHS, RESULT), got {types!r}")
+        names = []
+        for t in types:
+            try:
+                dt = as_dtype(t)
+            except DTypeError as exc:
+                raise DTypeError(f"matmul encoding cannot describe element type {t!r}: {exc}") from None
+            if dt not in _MATMUL_ELEMENT_TYPES:
+                raise DTypeError(
+                    f"matmul encoding cannot describe element type {dt}; it describes "
+                    f"{', '.join(sorted(map(str, _MATMUL_ELEMENT_TYPES)))} (insert a 'cast' first)")
+            names.append(str(dt))
+        object.__setattr__(self, "element_types", tuple(names))
+        sizes = tuple(self.iteration_sizes)
+        if len(sizes) != 3 or not all(s is None or (isinstance(s, (int, np.integer)) and not isinstance(s, bool)
+                                                     and s >= 0) for s in sizes):
+            raise ProgramError(f"matmul encoding: iteration_sizes must be (M, N, K), each a size >= 0 or "
+                               f"None, got {self.iteration_sizes!r}")
+        object.__setattr__(self, "iteration_sizes", tuple(None if s is None else int(s) for s in sizes))
+        if self.op_type != "matmul":
+            raise ProgramError(f"matmul encoding: op_type must be 'matmul', got {self.op_type!r}")
+
+    @classmethod
+    def for_matmul(cls, a: TensorType, b: TensorType, c: TensorType) -> tuple["MatmulEncoding", ...]:
+        """The LHS, RHS and RESULT encodings of ``c = a @ b`` (2-D operands)."""
+        (m, k), (_, n) = a.shape, b.shape
+        types = (str(a.dtype), str(b.dtype), str(c.dtype))
+        return tuple(cls(role, types, (m, n, k)) for role in (LHS, RHS, RESULT))
+
+    @property
+    def role(self) -> str:
+        """``"LHS"``, ``"RHS"`` or ``"RESULT"``."""
+        return ROLE_NAMES[self.operand_index]
+
+    def check_type(self, tensor_type: TensorType) -> None:
+        want = self.element_types[self.operand_index]
+        if str(tensor_type.dtype) != want:
+            raise DTypeError(f"a {self.describe()} tensor has element type {want}, not {tensor_type.dtype}")
+        if tensor_type.rank != 2:
+            raise ShapeError(f"a {self.describe()} tensor is 2-D, got shape {tensor_type.shape}")
+        m, n, k = self.iteration_sizes
+        expect = ((m, k), (k, n), (m, n))[self.operand_index]
+        for got, hint in zip(tensor_type.shape, expect):
+            if hint is not None and got != hint:
+                raise ShapeError(f"a {self.describe()} tensor has shape "
+                                 f"{tuple('?' if h is None else h for h in expect)}, got {tensor_type.shape}")
+
+    def describe(self) -> str:
+        m, n, k = ("?" if s is None else s for s in self.iteration_sizes)
+        return f"matmul.{self.role}<{'x'.join(self.element_types)}, MxNxK={m}x{n}x{k}>"
+
+    def __str__(self) -> str:
+        return f"#encoding<{self.describe()}>"
+
+
+def dense_type(t: TensorType) -> TensorType:
+    """``t`` without its encoding."""
+    return t if t.encoding is None else TensorType(t.shape, t.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------------
+
+class Layout(ABC):
+    """A concrete memory layout of one tensor type on one device (what a resolver returns).
+
+    ``tensor_type`` is the logical (dense, unencoded) type the layout was resolved for.
+    Materialization only ever asks the questions below, so a backend may return its own
+    subclass; it then also provides kernels for the ops its ``pack_op``/``unpack_op`` name.
+    """
+
+    tensor_type: TensorType
+
+    @abstractmethod
+    def is_identity_layout(self) -> bool:
+        """True when the bytes are the dense row-major layout (IREE's ``isIdentityLayout``):
+        encode ops to or from it cost nothing on this device."""
+
+    @abstractmethod
+    def is_same_layout(self, other: "Layout") -> bool:
+        """True when a value in this layout can be used as is where ``other`` is expected
+        (IREE's ``isSameLayout``): the encode op between them folds. Must be symmetric."""
+
+    @property
+    def storage_type(self) -> TensorType:
+        """The dense type of the memory holding a value in this layout (what kernels see)."""
+        return dense_type(self.tensor_type)
+
+    def storage_size_in_bytes(self) -> int:
+        """Bytes of storage (IREE's ``calculateStorageSizeInBytes``); padding included."""
+        return self.storage_type.nbytes
+
+    def pack_op(self) -> tuple[str, Mapping[str, Any]] | None:
+        """``(op name, attrs)`` of the dispatch that turns a dense value into this layout, or
+        None for the identity layout."""
+        return None
+
+    def unpack_op(self) -> tuple[str, Mapping[str, Any]] | None:
+        """``(op name, attrs)`` of the dispatch that turns a value in this layout back into the
+        dense layout, or None for the identity layout."""
+        return None
+
+    def pack(self, array: np.ndarray) -> np.ndarray:
+        """The storage of dense ``array`` in this layout (numpy, for tests and users)."""
+        return np.array(array, dtype=self.tensor_type.dtype)
+
+    def unpack(self, storage: np.ndarray) -> np.ndarray:
+        """The dense array held by ``storage`` (numpy, for tests and users)."""
+        return np.array(storage, dtype=self.tensor_type.dtype)
+
+    def materialize_dispatch(self, op: str, attrs: Mapping[str, Any], in_layouts: tuple["Layout", ...],
+                             out_layouts: tuple["Layout", ...]) -> tuple[str, Mapping[str, Any]] | None:
+        """An op computing ``op`` directly on the storage of these layouts (IREE's
+        MaterializeEncoding patterns, e.g. matmul on packed operands -> ``mmt4d``), or None
+        when materialization must unpack the operands and pack the results around ``op``.
+
+        Asked of the first non-identity layout among the results, then among the operands.
+        """
+        return None
+
+    def describe(self) -> str:
+        """Short text for explain."""
+        return "identity" if self.is_identity_layout() else type(self).__name__
+
+
+@dataclass(frozen=True)
+class IdentityLayout(Layout):
+    """The dense row-major layout: what the identity resolver returns for every encoding."""
+
+    tensor_type: TensorType
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensor_type", dense_type(self.tensor_type))
+
+    def is_identity_layout(self) -> bool:
+        return True
+
+    def is_same_layout(self, other: Layout) -> bool:
+        # Every identity layout of the same logical type is the same bytes.
+        return isinstance(other, Layout) and other.is_identity_layout() and \
+            other.tensor_type.shape == self.tensor_type.shape and other.tensor_type.dtype == self.tensor_type.dtype
+
+    def describe(self) -> str:
+        return "identity"
+
+
+def packed_shape(shape: tuple[int, ...], inner_dims_pos: tuple[int, ...], inner_tiles: tuple[int, ...],
+                 outer_dims_perm: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """Shape of ``pack`` (IREE's ``linalg.pack``) of a tensor of ``shape``: the outer dims (a tiled
+    dim ``d`` becomes ``ceil(d / tile)``), permuted by ``outer_dims_perm``, then the tiles."""
+    outer = list(shape)
+    for pos, tile in zip(inner_dims_pos, inner_tiles):
+        outer[pos] = -(-shape[pos] // tile)
+    perm = outer_dims_perm or tuple(range(len(shape)))
+    return tuple(outer[p] for p in perm) + tuple(inner_tiles)
+
+
+@dataclass(frozen=True)
+class PackedLayout(Layout):
+    """A tiled layout (IREE's ``MaterializeEncodingInfo``): dims ``inner_dims_pos`` are cut into
+    tiles of ``inner_tiles`` (the last one padded with ``padding_value``), the outer dims are
+    ordered by ``outer_dims_perm``, and each tile is stored contiguously after them.
+
+    A matmul ``C = A @ B`` in the mmt4d arrangement: A ``(M,K)`` packs to ``(M1,K1,M0,K0)``
+    (``inner_dims_pos=(0,1)``), B ``(K,N)`` to ``(N1,K1,N0,K0)`` (``inner_dims_pos=(1,0)``,
+    ``outer_dims_perm=(1,0)``: transposed tiles), C ``(M,N)`` to ``(M1,N1,M0,N0)``. When the
+    tiles of C are those of the next matmul's A, C is used as is: no unpack and no pack between
+    consecutive matmuls.
+
+    ``resolver`` names who chose the tiles (for explain); it takes no part in comparisons.
+    """
+
+    tensor_type: TensorType
+    inner_dims_pos: tuple[int, ...]
+    inner_tiles: tuple[int, ...]
+    outer_dims_perm: tuple[int, ...] | None = None
+    padding_value: float = 0.0
+    resolver: str = ""
+
+    def __post_init__(self) -> None:
+        t = dense_type(self.tensor_type)
+        object.__setattr__(self, "tensor_type", t)
+        object.__setattr__(self, "inner_dims_pos", tuple(int(p) for p in self.inner_dims_pos))
+        object.__setattr__(self, "inner_tiles", tuple(int(s) for s in self.inner_tiles))
+        perm = None if self.outer_dims_perm is None else tuple(int(p) for p in self.outer_dims_perm)
+        if perm == tuple(range(t.rank)):
+            perm = None  # one spelling for the identity permutation, so equal layouts compare equal
+        object.__setattr__(self, "outer_dims_perm", perm)
+        from polyhal.ops.data_tiling import check_pack_attrs
+
+        check_pack_attrs(t.shape, self.inner_dims_pos, self.inner_tiles, self.outer_dims_perm)
+
+    def _key(self) -> tuple:
+        return (self.tensor_type.shape, self.tensor_type.dtype, self.inner_dims_pos, self.inner_tiles,
+                self.outer_dims_perm, self.padding_value)
+
+    def is_identity_layout(self) -> bool:
+        return not self.inner_tiles and self.outer_dims_perm is None
+
+    def is_same_layout(self, other: Layout) -> bool:
+        if self.is_identity_layout():
+            return isinstance(other, Layout) and other.is_identity_layout() and \
+                other.tensor_type.shape == self.tensor_type.shape and other.tensor_type.dtype == self.tensor_type.dtype
+        return isinstance(other, PackedLayout) and self._key() == other._key()
+
+    @property
+    def storage_type(self) -> TensorType:
+        t = self.tensor_type
+        return TensorType(packed_shape(t.shape, self.inner_dims_pos, self.inner_tiles, self.outer_dims_perm), t.dtype)
+
+    def _attrs(self) -> dict[str, Any]:
+        return {"inner_dims_pos": self.inner_dims_pos, "inner_tiles": self.inner_tiles,
+                "outer_dims_perm": self.outer_dims_perm, "padding_value": self.padding_value}
+
+    def pack_op(self):
+        return None if self.is_identity_layout() else ("pack", self._attrs())
+
+    def unpack_op(self):
+        if self.is_identity_layout():
+            return None
+        attrs = self._attrs()
+        del attrs["padding_value"]
+        return ("unpack", {**attrs, "dest_shape": self.tensor_type.shape})
+
+    def pack(self, array: np.ndarray) -> np.ndarray:
+        from polyhal.ops import OPS
+
+        return OPS["pack"].reference(np.asarray(array, self.tensor_type.dtype), **self._attrs())[0]
+
+    def unpack(self, storage: np.ndarray) -> np.ndarray:
+        from polyhal.ops import OPS
+
+        name, attrs = self.unpack_op()
+        return OPS[name].reference(np.asarray(storage, self.tensor_type.dtype), **attrs)[0]
+
+    def materialize_dispatch(self, op, attrs, in_layouts, out_layouts):
+        # matmul on packed LHS (M1,K1,M0,K0), RHS (N1,K1,N0,K0) into RESULT (M1,N1,M0,N0) is
+        # mmt4d; any other combination is left to unpack/pack around the op.
+        if op != "matmul" or len(in_layouts) != 2 or len(out_layouts) != 1:
+            return None
+        lhs, rhs, res = (*in_layouts, *out_layouts)
+        if not all(isinstance(x, PackedLayout) and x.padding_value == 0 for x in (lhs, rhs, res)):
+            return None
+        if not (lhs.tensor_type.rank == rhs.tensor_type.rank == 2 and
+                (lhs.inner_dims_pos, lhs.outer_dims_perm) == ((0, 1), None) and
+                (rhs.inner_dims_pos, rhs.outer_dims_perm) == ((1, 0), (1, 0)) and
+                (res.inner_dims_pos, res.outer_dims_perm) == ((0, 1), None)):
+            return None
+        (m1, k1, m0, k0), (n1, k1b, n0, k0b) = lhs.storage_type.shape, rhs.storage_type.shape
+        if (k1, k0) != (k1b, k0b) or res.storage_type.shape != (m1, n1, m0, n0):
+            return None
+        return ("mmt4d", {})
+
+    def describe(self) -> str:
+        if self.is_identity_layout():
+            return "identity"
+        tiles = "x".join(map(str, self.inner_tiles))
+        who = f"{self.resolver} " if self.resolver else ""
+        return f"{who}packed<tiles {tiles} on dims {list(self.inner_dims_pos)}" + \
+            (f", outer {list(self.outer_dims_perm)}" if self.outer_dims_perm else "") + \
+            f" -> {'x'.join(map(str, self.storage_type.shape))}>"
+

@@ -1,0 +1,296 @@
+"""Convolution and pooling over N-d (N >= 1) spatial dims, layout (batch, channels, spatial...).
+
+Attributes follow ONNX with padding made explicit (front ends resolve ``auto_pad``):
+``strides`` and ``dilations`` have one entry per spatial dim, ``pads`` two (all begins, then all
+ends). The references loop over output positions in float64; they are the oracle, not fast.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from polyhal.errors import ProgramError, ShapeError
+from polyhal.ir.types import TensorType
+from polyhal.ops._base import (
+    FLOAT, NUMERIC, bool_attr, check_dtype, check_same_dtype, define, fmt_shape, int_attr, int_list_attr,
+    narrow, nonzero, pick, wide,
+)
+
+
+def _spatial(name: str, value, n: int, default: int | None = None, count: int = 1) -> tuple[int, ...]:
+    if value is None and default is not None:
+        return (default,) * (n * count)
+    vals = int_list_attr(value, name)
+    if len(vals) != n * count:
+        raise ProgramError(f"attribute {name!r} needs {n * count} entries for {n} spatial dims, got {len(vals)}")
+    return vals
+
+
+def _window_attrs(rank: int, strides, pads, dilations):
+    n = rank - 2
+    if n < 1:
+        raise ShapeError(f"operand 0 has rank {rank}; expected (batch, channels, spatial...) of rank >= 3")
+    s = _spatial("strides", strides, n, 1)
+    p = _spatial("pads", pads, n, 0, 2)
+    d = _spatial("dilations", dilations, n, 1)
+    if any(v < 1 for v in s + d) or any(v < 0 for v in p):
+        raise ProgramError(f"strides {list(s)} and dilations {list(d)} must be >= 1 and pads {list(p)} >= 0")
+    return s, p, d
+
+
+def _out_size(size: int, k: int, s: int, pb: int, pe: int, d: int, ceil_mode: bool = False) -> int:
+    span = (k - 1) * d + 1
+    room = size + pb + pe - span
+    if room < 0:
+        raise ShapeError(f"the window (kernel {k}, dilation {d}) spans {span} elements, more than the "
+                         f"padded input ({size + pb + pe})")
+    out = (-(-room // s) if ceil_mode else room // s) + 1
+    if ceil_mode and (out - 1) * s >= size + pb:
+        out -= 1  # the last window would start in the end padding: drop it (as ONNX and PyTorch)
+    return out
+
+
+# ----------------------------------------------------------------------------------------- conv
+
+def _infer_conv(x: TensorType, w: TensorType, b: TensorType | None = None, *, strides, pads, dilations, group):
+    operands = (x, w) if b is None else (x, w, b)
+    dtype = check_same_dtype(*operands)
+    check_dtype(x, FLOAT)
+    s, p, d = _window_attrs(x.rank, strides, pads, dilations)
+    g = int_attr(group, "group")
+    if w.rank != x.rank:
+        raise ShapeError(f"weights {fmt_shape(w.shape)} must have the input's rank {x.rank}")
+    n_, c = x.shape[:2]
+    m = w.shape[0]
+    if g < 1 or c % g or m % g or w.shape[1] * g != c:
+        raise ShapeError(f"input channels {c}, output channels {m} and weight shape {fmt_shape(w.shape)} do "
+                         f"not fit group={g} (weights must be (M, C/group, k...))")
+    if b is not None and b.shape != (m,):
+        raise ShapeError(f"bias has shape {fmt_shape(b.shape)}, expected ({m},)")
+    n = x.rank - 2
+    out = tuple(_out_size(x.shape[2 + i], w.shape[2 + i], s[i], p[i], p[i + n], d[i]) for i in range(n))
+    return (TensorType((n_, m) + out, dtype),)
+
+
+def _ref_conv(x, w, b=None, *, strides=None, pads=None, dilations=None, group=1):
+    n = x.ndim - 2
+    s, p, d = _window_attrs(x.ndim, strides, pads, dilations)
+    xw = np.pad(wide(x), [(0, 0), (0, 0)] + [(p[i], p[i + n]) for i in range(n)])
+    ww = wide(w)
+    (out_type,) = _infer_conv(TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype),
+                              None if b is None else TensorType(b.shape, b.dtype),
+                              strides=strides, pads=pads, dilations=dilations, group=group)
+    out = np.zeros(out_type.shape)
+    m, cg = w.shape[0], w.shape[1]
+    mg = m // group
+    for pos in itertools.product(*(range(o) for o in out_type.shape[2:])):
+        window = tuple(slice(pos[i] * s[i], pos[i] * s[i] + (w.shape[2 + i] - 1) * d[i] + 1, d[i]) for i in range(n))
+        for g in range(group):
+            patch = xw[(slice(None), slice(g * cg, (g + 1) * cg)) + window]  # (N, cg, k...)
+            out[(slice(None), slice(g * mg, (g + 1) * mg)) + pos] = np.tensordot(
+                patch, ww[g * mg:(g + 1) * mg], axes=(list(range(1, n + 2)), list(range(1, n + 2))))
+    if b is not None:
+        out += wide(b).reshape((m,) + (1,) * n)
+    return (narrow(out, x.dtype),)
+
+
+def _sample_conv(rng: np.random.Generator):
+    n = int(pick(rng, [1, 2, 2, 3]))
+    g = int(pick(rng, [1, 1, 2]))
+    c, m = g * int(rng.integers(1, 3)), g * int(rng.integers(1, 3))
+    k = tuple(int(v) for v in rng.integers(1, 4, size=n))
+    d = tuple(int(v) for v in rng.integers(1, 3, size=n))
+    size = tuple(max(int(v), (ki - 1) * di + 1) for v, ki, di in
+                 zip(rng.integers(4, 8 if n < 3 else 6, size=n), k, d))
+    x = nonzero(rng, (int(rng.integers(1, 3)), c) + size)
+    w = nonzero(rng, (m, c // g) + k)
+    attrs = {"strides": [int(v) for v in rng.integers(1, 3, size=n)], "pads": [int(v) for v in rng.integers(0, 2, size=2 * n)],
+             "dilations": list(d), "group": g}
+    return ([x, w, nonzero(rng, (m,))] if rng.random() < 0.6 else [x, w]), attrs
+
+
+define("conv", infer=_infer_conv, reference=_ref_conv, sample=_sample_conv, arity=(2, 3),
+       tolerance=(1e-4, 1e-5), doc="""
+    N-d convolution (cross-correlation, as ONNX Conv): x (N, C, spatial...), w (M, C/group,
+    k...), optional bias (M,); explicit ``pads`` [begins..., ends...], ``strides``,
+    ``dilations`` and ``group``. Float types.
+""")
+
+
+# ------------------------------------------------------------------------------- conv_transpose
+
+def _infer_conv_transpose(x: TensorType, w: TensorType, b: TensorType | None = None, *, strides, pads,
+                          dilations, group, output_padding):
+    operands = (x, w) if b is None else (x, w, b)
+    dtype = check_same_dtype(*operands)
+    check_dtype(x, FLOAT)
+    s, p, d = _window_attrs(x.rank, strides, pads, dilations)
+    n = x.rank - 2
+    op = _spatial("output_padding", output_padding, n, 0)
+    g = int_attr(group, "group")
+    if w.rank != x.rank:
+        raise ShapeError(f"weights {fmt_shape(w.shape)} must have the input's rank {x.rank}")
+    c = x.shape[1]
+    if g < 1 or c % g or w.shape[0] != c:
+        raise ShapeError(f"input channels {c} and weight shape {fmt_shape(w.shape)} do not fit group={g} "
+                         "(weights must be (C, M/group, k...))")
+    m = w.shape[1] * g
+    if b is not None and b.shape != (m,):
+        raise ShapeError(f"bias has shape {fmt_shape(b.shape)}, expected ({m},)")
+    out = []
+    for i in range(n):
+        size = s[i] * (x.shape[2 + i] - 1) + op[i] + (w.shape[2 + i] - 1) * d[i] + 1 - p[i] - p[i + n]
+        if size < 0:
+            raise ShapeError(f"pads {list(p)} remove more than the output of spatial dim {i}")
+        out.append(size)
+    return (TensorType((x.shape[0], m) + tuple(out), dtype),)
+
+
+def _ref_conv_transpose(x, w, b=None, *, strides=None, pads=None, dilations=None, group=1, output_padding=None):
+    n = x.ndim - 2
+    s, p, d = _window_attrs(x.ndim, strides, pads, dilations)
+    op = _spatial("output_padding", output_padding, n, 0)
+    c, mg = w.shape[0], w.shape[1]
+    cg = c // group
+    full_shape = [s[i] * (x.shape[2 + i] - 1) + op[i] + (w.shape[2 + i] - 1) * d[i] + 1 for i in range(n)]
+    full = np.zeros((x.shape[0], mg * group) + tuple(full_shape))
+    xw, ww = wide(x), wide(w)
+    for pos in itertools.product(*(range(v) for v in x.shape[2:])):
+        for g in range(group):
+            vals = xw[(slice(None), slice(g * cg, (g + 1) * cg)) + pos]  # (N, cg)
+            contrib = np.tensordot(vals, ww[g * cg:(g + 1) * cg], axes=([1], [0]))  # (N, mg, k...)
+            window = tuple(slice(pos[i] * s[i], pos[i] * s[i] + (w.shape[2 + i] - 1) * d[i] + 1, d[i]) for i in range(n))
+            full[(slice(None), slice(g * mg, (g + 1) * mg)) + window] += contrib
+    crop = tuple(slice(p[i], full_shape[i] - p[i + n]) for i in range(n))
+    out = full[(slice(None), slice(None)) + crop]
+    if b is not None:
+        out = out + wide(b).reshape((-1,) + (1,) * n)
+    return (narrow(out, x.dtype),)
+
+
+def _sample_conv_transpose(rng: np.random.Generator):
+    n = int(pick(rng, [1, 2, 2]))
+    g = int(pick(rng, [1, 1, 2]))
+    c, mg = g * int(rng.integers(1, 3)), int(rng.integers(1, 3))
+    k = tuple(int(v) for v in rng.integers(1, 4, size=n))
+    x = nonzero(rng, (int(rng.integers(1, 3)), c) + tuple(int(v) for v in rng.integers(2, 5, size=n)))
+    w = nonzero(rng, (c, mg) + k)
+    s = [int(v) for v in rng.integers(1, 3, size=n)]
+    attrs = {"strides": s, "pads": [int(v) for v in rng.integers(0, 2, size=2 * n)],
+             "dilations": [int(v) for v in rng.integers(1, 3, size=n)], "group": g,
+             "output_padding": [int(rng.integers(0, v)) for v in s]}
+    return ([x, w, nonzero(rng, (mg * g,))] if rng.random() < 0.5 else [x, w]), attrs
+
+
+define("conv_transpose", infer=_infer_conv_transpose, reference=_ref_conv_transpose, sample=_sample_conv_transpose,
+       arity=(2, 3), tolerance=(1e-4, 1e-5), doc="""
+    N-d transposed convolution (ONNX ConvTranspose): x (N, C, spatial...), w (C, M/group, k...),
+    optional bias (M,). Output dim i is strides[i] * (in - 1) + output_padding[i] +
+    (k - 1) * dilations[i] + 1 - pads_begin[i] - pads_end[i]. Float types.
+""")
+
+
+# -------------------------------------------------------------------------------------- pooling
+
+def _infer_pool(kind: str):
+    def infer(x: TensorType, *, kernel_shape, strides, pads, dilations, ceil_mode, **extra):
+        check_dtype(x, NUMERIC if kind == "max" else FLOAT)
+        s, p, d = _window_attrs(x.rank, strides, pads, dilations)
+        n = x.rank - 2
+        k = _spatial("kernel_shape", kernel_shape, n)
+        if any(v < 1 for v in k):
+            raise ProgramError(f"kernel_shape {list(k)} must be >= 1")
+        if kind == "lp" and int_attr(extra["p"], "p") < 1:
+            raise ProgramError(f"attribute 'p' must be >= 1, got {extra['p']}")
+        for i in range(n):
+            if p[i] >= (k[i] - 1) * d[i] + 1 or p[i + n] >= (k[i] - 1) * d[i] + 1:
+                raise ShapeError(f"pads {list(p)} must be smaller than the window along every dim")
+        ceil_mode = bool_attr(ceil_mode, "ceil_mode")
+        out = tuple(_out_size(x.shape[2 + i], k[i], s[i], p[i], p[i + n], d[i], ceil_mode) for i in range(n))
+        return (TensorType(x.shape[:2] + out, x.dtype),)
+    return infer
+
+
+def _ref_pool(kind: str):
+    def reference(x, *, kernel_shape, strides=None, pads=None, dilations=None, ceil_mode=False,
+                  count_include_pad=False, p=2):
+        n = x.ndim - 2
+        s, pd, d = _window_attrs(x.ndim, strides, pads, dilations)
+        k = _spatial("kernel_shape", kernel_shape, n)
+        (out_type,) = _infer_pool(kind)(TensorType(x.shape, x.dtype), kernel_shape=kernel_shape, strides=strides,
+                                        pads=pads, dilations=dilations, ceil_mode=ceil_mode, p=p)
+        w = wide(x)
+        out = np.zeros(out_type.shape, dtype=np.float64 if x.dtype.kind == "f" else x.dtype)
+        for pos in itertools.product(*(range(o) for o in out_type.shape[2:])):
+            idx, inside = [], 1
+            for i in range(n):
+                taps = [pos[i] * s[i] - pd[i] + j * d[i] for j in range(k[i])]
+                valid = [t for t in taps if 0 <= t < x.shape[2 + i]]
+                idx.append(valid)
+                if count_include_pad:
+                    inside *= sum(1 for t in taps if -pd[i] <= t < x.shape[2 + i] + pd[i + n])
+            window = w[np.ix_(range(x.shape[0]), range(x.shape[1]), *idx)].reshape(x.shape[0], x.shape[1], -1)
+            if kind == "max":
+                out[(slice(None), slice(None)) + pos] = window.max(axis=-1)
+            elif kind == "avg":
+                count = inside if count_include_pad else window.shape[-1]
+                out[(slice(None), slice(None)) + pos] = window.sum(axis=-1) / count
+            else:
+                out[(slice(None), slice(None)) + pos] = (np.abs(window) ** p).sum(axis=-1) ** (1.0 / p)
+        return (narrow(out, x.dtype),)
+    return reference
+
+
+def _sample_pool(kind: str):
+    def sample(rng: np.random.Generator):
+        n = int(pick(rng, [1, 2, 2, 3]))
+        k = [int(v) for v in rng.integers(1, 4, size=n)]
+        d = [int(v) for v in rng.integers(1, 3, size=n)] if rng.random() < 0.3 else [1] * n
+        pads = [int(rng.integers(0, min(2, (k[i % n] - 1) * d[i % n] + 1))) for i in range(2 * n)]
+        size = tuple(max(int(v), (ki - 1) * di + 1) for v, ki, di in
+                     zip(rng.integers(4, 8 if n < 3 else 6, size=n), k, d))
+        x = nonzero(rng, (int(rng.integers(1, 3)), int(rng.integers(1, 4))) + size)
+        attrs = {"kernel_shape": k, "strides": [int(v) for v in rng.integers(1, 3, size=n)], "pads": pads,
+                 "dilations": d, "ceil_mode": bool(rng.integers(2))}
+        if kind == "avg":
+            attrs["count_include_pad"] = bool(rng.integers(2))
+        if kind == "lp":
+            attrs["p"] = int(pick(rng, [1, 2, 3]))
+        return [x], attrs
+    return sample
+
+
+def _define_pool(kind: str, doc: str) -> None:
+    infer = _infer_pool(kind)
+    ref = _ref_pool(kind)
+    # The keyword-only parameters of the registered reference declare each op's attributes.
+    if kind == "max":
+        def reference(x, *, kernel_shape, strides=None, pads=None, dilations=None, ceil_mode=False):
+            return ref(x, kernel_shape=kernel_shape, strides=strides, pads=pads, dilations=dilations,
+                       ceil_mode=ceil_mode)
+    elif kind == "avg":
+        def reference(x, *, kernel_shape, strides=None, pads=None, dilations=None, ceil_mode=False,
+                      count_include_pad=False):
+            return ref(x, kernel_shape=kernel_shape, strides=strides, pads=pads, dilations=dilations,
+                       ceil_mode=ceil_mode, count_include_pad=count_include_pad)
+    else:
+        def reference(x, *, kernel_shape, strides=None, pads=None, dilations=None, ceil_mode=False, p=2):
+            return ref(x, kernel_shape=kernel_shape, strides=strides, pads=pads, dilations=dilations,
+                       ceil_mode=ceil_mode, p=p)
+    define(f"{kind}_pool", infer=infer, reference=reference, sample=_sample_pool(kind), arity=1,
+           tolerance=(1e-5, 1e-6), doc=doc)
+
+
+_POOL_DOC = """over windows of ``kernel_shape`` (per spatial dim) with ``strides``, ``pads``
+    [begins..., ends...] (each smaller than the window) and ``dilations``; ``ceil_mode`` rounds
+    the output size up (a last window that would start in the end padding is dropped)."""
+
+_define_pool("max", f"Max {_POOL_DOC} Padding never wins. Numeric types.")
+_define_pool("avg", f"Mean {_POOL_DOC} The divisor counts the window's elements inside the input, or, with "
+                    "``count_include_pad``, inside the padded input too. Float types.")
+_define_pool("lp", f"(sum |x|^p)^(1/p) {_POOL_DOC} Float types.")
+
+_ = math

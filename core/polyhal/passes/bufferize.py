@@ -1,0 +1,365 @@
+"""Bufferization: memory spaces for kernel scratch, and a buffer plan for intermediates.
+
+Runs after placement, at plan-compile time, and decides every byte a plan will touch:
+
+1. **Scratch placement.** For each dispatch, the device states what its kernel needs
+   (:meth:`~polyhal.hal.device.Device.scratch`: :class:`~polyhal.hal.scratch.ScratchRequest`
+   records). Each request goes to the ``select_memory_space`` hook with the limits the kernel
+   has left; the answer is validated (the kernel must have code for that space and it must
+   fit) and recorded as a :class:`~polyhal.hal.scratch.ScratchAssignment`. A scratch that fits
+   no space is a :class:`~polyhal.hal.scratch.ScratchError` naming kernel, size and limits.
+2. **Memory types.** Every intermediate gets the memory type and usage its producer and
+   consumers need (device-local storage for dispatches; transfer source/target for copies).
+   Program outputs, which the host reads, are host-visible where the device has host-visible
+   device memory (unified memory: a CPU OpenCL device, an integrated GPU), since a mapping is
+   cheaper there than a copy; elsewhere they stay device-local and are copied on read.
+3. **Buffer planning.** Intermediates and global scratch are given offsets in one arena per
+   (device, memory type), so that two buffers share bytes only when their lifetimes (first
+   and last op that touch them) do not overlap: greedy by size, largest first, each at the
+   lowest offset that conflicts with no live buffer already placed (TFLite's and IREE's
+   "greedy by size" planner). An op's outputs never share memory with its inputs or its
+   scratch, because they are live at the same op. The arenas are allocated once, when the plan
+   is built, through ``select_allocator``; the peak is the sum of their sizes, reported beside
+   the unplanned peak (one buffer per intermediate and per global scratch, which is what a plan
+   without this pass allocates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from polyhal.errors import PluginError
+from polyhal.hal.flags import BufferUsage, MemoryType
+from polyhal.hal.scratch import (
+    MemoryLimits, MemorySpace, Problem, ScratchAssignment, ScratchBinding, ScratchError, ScratchRequest,
+)
+
+if TYPE_CHECKING:
+    from polyhal.hal.buffer import Buffer
+    from polyhal.hal.records import DeviceSpec
+    from polyhal.hal.tensor import Tensor
+    from polyhal.ir.program import Op, Value
+    from polyhal.passes.placement import Placement
+    from polyhal.registry import Registry
+
+__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "bufferize", "place_scratch", "plan_offsets"]
+
+#: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
+VALUE_ALIGNMENT = 256
+#: Byte alignment of global scratch inside an arena: OpenCL sub-buffers need origins aligned to
+#: CL_DEVICE_MEM_BASE_ADDR_ALIGN, at most a page on any driver we know.
+SCRATCH_ALIGNMENT = 4096
+
+_INTERMEDIATE = MemoryType.DEVICE_LOCAL
+_HOST_READ = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
+
+
+@dataclass
+class PlannedBuffer:
+    """One intermediate value or global scratch: where it lives and when.
+
+    ``first``/``last`` are the indices of the first and last op that touch it (inclusive);
+    ``offset`` its byte offset in arena ``arena``.
+    """
+
+    name: str
+    device: str
+    nbytes: int
+    first: int
+    last: int
+    memory_type: MemoryType
+    usage: BufferUsage
+    value: "Value | None" = None
+    scratch: ScratchAssignment | None = None
+    op_index: int = -1
+    alignment: int = VALUE_ALIGNMENT
+    arena: int = -1
+    offset: int = -1
+
+    def overlaps(self, other: "PlannedBuffer") -> bool:
+        """Whether the two are live at a common op."""
+        return self.first <= other.last and other.first <= self.last
+
+
+@dataclass
+class Arena:
+    """One allocation of a plan: a device, a memory type, a usage and a size."""
+
+    device: str
+    memory_type: MemoryType
+    usage: BufferUsage
+    nbytes: int = 0
+
+
+@dataclass
+class BufferPlan:
+    """What bufferize decided; :meth:`materialize` allocates it, :meth:`explain` shows it."""
+
+    #: op index -> the assignments of that op's scratch.
+    scratch: dict[int, tuple[ScratchAssignment, ...]] = field(default_factory=dict)
+    buffers: list[PlannedBuffer] = field(default_factory=list)
+    arenas: list[Arena] = field(default_factory=list)
+    #: program output value id -> the memory type its fresh tensors are allocated with.
+    output_memory: dict[int, MemoryType] = field(default_factory=dict)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Bytes the plan allocates for intermediates and global scratch (all arenas)."""
+        return sum(a.nbytes for a in self.arenas)
+
+    @property
+    def unplanned_bytes(self) -> int:
+        """Bytes without buffer planning: one buffer per intermediate and per global scratch."""
+        return sum(b.nbytes for b in self.buffers)
+
+    def explain(self) -> str:
+        """Scratch placements, arenas, and each buffer's offset, memory type and lifetime."""
+        lines = [f"buffers: {len(self.buffers)} planned into {len(self.arenas)} arena(s), peak "
+                 f"{self.peak_bytes} B (unplanned {self.unplanned_bytes} B)"]
+        for i, a in enumerate(self.arenas):
+            lines.append(f"  arena {i}: {a.device} {a.memory_type.describe()} {a.nbytes} B "
+                         f"(usage {a.usage.describe()})")
+        for b in sorted(self.buffers, key=lambda b: (b.arena, b.offset)):
+            what = "scratch" if b.scratch is not None else "value"
+            lines.append(f"    +{b.offset} {b.nbytes} B {what} {b.name} live ops {b.first}..{b.last} "
+                         f"({b.usage.describe()})")
+        for vid, mt in self.output_memory.items():
+            if mt & MemoryType.HOST_VISIBLE:
+                lines.append(f"  output value #{vid}: {mt.describe()} (host reads it without a copy)")
+        if self.scratch:
+            lines.append("scratch:")
+            for i, assigned in sorted(self.scratch.items()):
+                for a in assigned:
+                    lines.append(f"  op {i}: {a}")
+        return "\n".join(lines)
+
+    # -- allocation --------------------------------------------------------------------------------
+
+    def materialize(self, registry: "Registry", selector: Any) -> "Materialized":
+        """Allocate the arenas (through ``select_allocator``) and make every planned view."""
+        from polyhal.hal.tensor import Tensor
+        from polyhal.ir.types import TensorType
+
+        specs = {s.name: s for s in registry.device_specs()}
+        arenas = [_allocate(registry, selector, specs, a) for a in self.arenas]
+        values: dict[int, Tensor] = {}
+        bindings: dict[int, dict[tuple[str, str], Any]] = {}
+        for b in self.buffers:
+            buf = arenas[b.arena]
+            if b.value is not None:
+                values[b.value.id] = Tensor(buf, b.value.type, offset=b.offset)
+            else:
+                view = Tensor(buf, TensorType((b.nbytes,), "uint8"), offset=b.offset)
+                key = (b.scratch.request.kernel.name, b.scratch.request.name)
+                bindings.setdefault(b.op_index, {})[key] = view.native
+        scratch = {}
+        for i, assigned in self.scratch.items():
+            placed = tuple(_with_offset(a, self.buffers, i) for a in assigned)
+            scratch[i] = ScratchBinding(placed, bindings.get(i, {}))
+        return Materialized(arenas, values, scratch)
+
+
+@dataclass
+class Materialized:
+    """The allocated arenas, a tensor per planned intermediate (by value id) and the scratch
+    binding of each op that has scratch (by op index)."""
+
+    arenas: list["Buffer"]
+    values: dict[int, "Tensor"]
+    scratch: dict[int, ScratchBinding]
+
+
+def _with_offset(a: ScratchAssignment, buffers: list[PlannedBuffer], op_index: int) -> ScratchAssignment:
+    for b in buffers:
+        if b.scratch is a and b.op_index == op_index:
+            return ScratchAssignment(a.request, a.space, a.nbytes, a.limit, a.plugin, b.offset)
+    return a
+
+
+def _allocate(registry: "Registry", selector: Any, specs: dict, arena: Arena) -> "Buffer":
+    spec = specs.get(arena.device) or registry.get_device(arena.device).spec
+    site = selector.site(((spec, -1),), arena.memory_type, arena.usage)
+    alloc = getattr(site, "allocate", None)
+    if alloc is not None:
+        return alloc(max(arena.nbytes, 1))
+    device = registry.get_device(site.decision.device_name)
+    return device.allocator.allocate(max(arena.nbytes, 1), arena.memory_type, arena.usage)
+
+
+# -- the pass ------------------------------------------------------------------------------------------
+
+def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
+    """Place every scratch and plan every intermediate of a placed program (see the module doc)."""
+    program = placement.program
+    ops = program.ops
+    plan = BufferPlan()
+    device_of = placement.value_device
+    output_ids = {v.id for v in program.outputs}
+    host_read = _host_read_memory(registry)
+
+    # 1. scratch
+    for i, op in enumerate(ops):
+        if op.kind != "dispatch":
+            continue
+        device = registry.get_device(op.device)
+        requests = tuple(device.scratch(op.name, dict(op.attrs), tuple(v.type for v in op.inputs),
+                                        tuple(v.type for v in op.outputs)) or ())
+        if requests:
+            plan.scratch[i] = place_scratch(registry, device.spec, requests)
+
+    # 2. lifetimes and memory types of intermediates
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    usage: dict[int, BufferUsage] = {}
+    values: dict[int, "Value"] = {}
+    for i, op in enumerate(ops):
+        for v in op.inputs:
+            if v.id in first:
+                last[v.id] = i
+                usage[v.id] |= (BufferUsage.TRANSFER_SOURCE if op.kind == "transfer"
+                                else BufferUsage.DISPATCH_STORAGE_READ)
+        for v in op.outputs:
+            if v.id in output_ids:
+                continue
+            first[v.id] = last[v.id] = i
+            values[v.id] = v
+            usage[v.id] = (BufferUsage.TRANSFER_TARGET if op.kind == "transfer"
+                           else BufferUsage.DISPATCH_STORAGE_WRITE)
+    for vid, v in values.items():
+        plan.buffers.append(PlannedBuffer(
+            f"%{v.name}", device_of[vid], max(v.type.nbytes, 1), first[vid], last[vid], _INTERMEDIATE,
+            usage[vid], value=v))
+    for i, assigned in plan.scratch.items():
+        for a in assigned:
+            if a.space is MemorySpace.GLOBAL:
+                plan.buffers.append(PlannedBuffer(
+                    f"{a.request.kernel.name}.{a.request.name}", ops[i].device, max(a.nbytes, 1), i, i,
+                    _INTERMEDIATE, BufferUsage.DISPATCH_STORAGE, scratch=a, op_index=i,
+                    alignment=max(SCRATCH_ALIGNMENT, a.request.alignment)))
+    for v in program.outputs:
+        plan.output_memory[v.id] = host_read(device_of.get(v.id))
+
+    # 3. offsets, one arena per (device, memory type)
+    groups: dict[tuple[str, MemoryType], list[PlannedBuffer]] = {}
+    for b in plan.buffers:
+        groups.setdefault((b.device, b.memory_type), []).append(b)
+    for (device, mt), members in groups.items():
+        size = plan_offsets(members)
+        arena_usage = BufferUsage.DEFAULT
+        for b in members:
+            arena_usage |= b.usage
+        for b in members:
+            b.arena = len(plan.arenas)
+        plan.arenas.append(Arena(device, mt, arena_usage, size))
+    return plan
+
+
+def plan_offsets(buffers: list[PlannedBuffer]) -> int:
+    """Give each buffer an offset so that buffers live at a common op never overlap; returns the
+    arena size. Greedy by size: largest first, each at the lowest aligned gap among the
+    conflicting buffers already placed."""
+    placed: list[PlannedBuffer] = []
+    size = 0
+    for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first, b.name)):
+        conflicts = sorted((p for p in placed if p.overlaps(b)), key=lambda p: p.offset)
+        offset = 0
+        for p in conflicts:
+            if offset + b.nbytes <= p.offset:
+                break  # fits in the gap before p
+            offset = max(offset, _align(p.offset + p.nbytes, b.alignment))
+        b.offset = offset
+        placed.append(b)
+        size = max(size, offset + b.nbytes)
+    return size
+
+
+def _align(n: int, alignment: int) -> int:
+    return -(-n // alignment) * alignment
+
+
+def _host_read_memory(registry: "Registry"):
+    """memory type of program outputs on a device: host-visible where that is device memory too."""
+    cache: dict[str | None, MemoryType] = {}
+
+    def memory(device_name: str | None) -> MemoryType:
+        if device_name not in cache:
+            mt = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL
+            if device_name is not None:
+                device = registry.get_device(device_name)
+                # Only where host-visible memory *is* the device's memory (capability
+                # "unified-memory"): a discrete GPU's managed memory would migrate pages on every
+                # kernel write, far dearer than the copy on read.
+                if device.dlpack_device_type != 1 and "unified-memory" in device.spec.capabilities and any(
+                        h.serves(_HOST_READ, BufferUsage.DEFAULT) for h in device.spec.heaps):
+                    mt = _HOST_READ
+            cache[device_name] = mt
+        return cache[device_name]
+
+    return memory
+
+
+def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[ScratchRequest, ...]
+                  ) -> tuple[ScratchAssignment, ...]:
+    """Ask ``select_memory_space`` for each request, in order, with the limits its kernel has
+    left; validate and return the assignments. Raises ScratchError when one fits nowhere."""
+    limits_of = MemoryLimits.of(spec)
+    left: dict[str, MemoryLimits] = {}
+    out = []
+    impls = list(reversed(registry.pm.hook.select_memory_space.get_hookimpls()))
+    for req in requests:
+        limits = left.get(req.kernel.name, limits_of)
+        space, plugin = None, ""
+        for impl in impls:  # pluggy's firstresult order, by hand so that the deciding plugin is known
+            try:
+                result = impl.function(device=spec, kernel=req.kernel, scratch=req, limits=limits)
+            except ScratchError:
+                raise
+            except Exception as exc:
+                raise PluginError(f"plugin {impl.plugin_name!r} raised in select_memory_space for "
+                                  f"{req.kernel} scratch {req.name!r}: {type(exc).__name__}: {exc}") from exc
+            if result is None:
+                continue
+            try:
+                space = MemorySpace(result)
+            except ValueError:
+                raise PluginError(f"plugin {impl.plugin_name!r} returned {result!r} from select_memory_space; "
+                                  f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
+                                  "or None") from None
+            plugin = impl.plugin_name
+            break
+        if space is None:
+            raise ScratchError(_nowhere(spec, req, limits))
+        if not req.allows(space):
+            raise ScratchError(
+                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the "
+                f"kernel allows only {[s.value for s in req.spaces if req.allows(s)]}"
+                + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
+        nbytes, limit = req.nbytes(space), limits.limit(space)
+        if nbytes > limit:
+            raise ScratchError(
+                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: "
+                f"{nbytes} B exceeds the {limit} B left there on {spec.name}")
+        out.append(ScratchAssignment(req, space, nbytes, limit, plugin))
+        left[req.kernel.name] = limits.minus(space, nbytes)
+    return tuple(out)
+
+
+def _nowhere(spec: "DeviceSpec", req: ScratchRequest, limits: MemoryLimits) -> str:
+    tried = []
+    for s in req.spaces:
+        if s is MemorySpace.PRIVATE and not req.allows(s):
+            tried.append("private: not allowed for shared data")
+            continue
+        unit = {MemorySpace.PRIVATE: "B/thread", MemorySpace.WORKGROUP: "B/workgroup",
+                MemorySpace.GLOBAL: "B"}[s]
+        tried.append(f"{s}: needs {req.nbytes(s)} {unit}, limit {limits.limit(s)} {unit}")
+    return (f"scratch {req.name!r} of {req.kernel} fits no memory space on {spec.name}: "
+            + "; ".join(tried)
+            + ". Use a smaller problem (split the tensor), another device, or a memory-space policy "
+              "with a kernel variant that allows more spaces")
+
+
+def problem_of(op: "Op") -> Problem:
+    """The :class:`~polyhal.hal.scratch.Problem` of a dispatch op."""
+    return Problem(op.name, dict(op.attrs), tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs))

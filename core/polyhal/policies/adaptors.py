@@ -1,0 +1,28 @@
+"""Allocator adaptors chosen from the environment, as a built-in ``wrap_allocator`` plugin.
+
+``POLYHAL_ALLOCATOR="pool,limit=512MiB,stats,log=/tmp/alloc.csv"`` wraps the allocator of every
+device created afterwards, innermost first (here: a caching pool over the device's allocator, a
+limit over the pool, statistics over that, logging outermost). Names are those of
+:func:`polyhal.hal.adaptors.parse_adaptor_spec`. Unset, the hook leaves allocators alone.
+"""
+
+from __future__ import annotations
+
+import os
+
+from polyhal.hookspecs import API_VERSION, hookimpl
+
+POLYHAL_API_VERSION = API_VERSION
+
+
+@hookimpl
+def wrap_allocator(device, memory_type, allocator):
+    """Stack the adaptors named in ``POLYHAL_ALLOCATOR`` (None when it is unset)."""
+    spec = os.environ.get("POLYHAL_ALLOCATOR", "").strip()
+    if not spec:
+        return None
+    from polyhal.hal.adaptors import parse_adaptor_spec
+
+    for make in parse_adaptor_spec(spec):
+        allocator = make(allocator)
+    return allocator

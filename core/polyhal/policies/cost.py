@@ -1,0 +1,176 @@
+"""The ``cost`` policy: the candidate with the lowest estimated time allocates (and so runs the op).
+
+For each candidate device the estimate is
+
+    kernel time on that device  +  for each operand living elsewhere: latency + bytes / link bandwidth
+
+* **Kernel time** comes from the devices themselves: the ``estimate_cost`` hook (a backend answers
+  for its own devices; a user plugin may override any). Where no plugin answers, a roofline from
+  ``DeviceSpec.limits`` (``memory_bandwidth`` B/s, ``peak_flops``, ``launch_latency`` s) with
+  conservative defaults.
+* **Link bandwidth** between two devices is, in order: measured (:func:`measure_link`), declared
+  by a plugin (``link_bandwidth`` hook), declared in ``limits["link_bandwidth"]`` (the smaller of
+  the two ends), or :data:`DEFAULT_LINK_BANDWIDTH`.
+
+A plain allocation (no op) costs the same everywhere, so the highest rank wins, then the earlier
+candidate. Decisions are memoized per op signature and operand placement (the policy reads the
+``workload``), never per run.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from polyhal.errors import PluginError
+from polyhal.hookspecs import API_VERSION, hookimpl
+from polyhal.policies.context import Workload, current
+
+if TYPE_CHECKING:
+    from polyhal.hal.records import DeviceSpec
+    from polyhal.registry import Registry
+
+POLYHAL_API_VERSION = API_VERSION
+NAME = "cost"
+
+#: Defaults of the roofline used when no plugin estimates a device (a modest CPU core's worth).
+DEFAULT_MEMORY_BANDWIDTH = 10e9
+DEFAULT_PEAK_FLOPS = 20e9
+DEFAULT_LAUNCH_LATENCY = 5e-6
+#: Bytes per second between two devices when nothing better is known (PCIe 3 x8-ish).
+DEFAULT_LINK_BANDWIDTH = 6e9
+DEFAULT_LINK_LATENCY = 10e-6
+
+_measured: "weakref.WeakKeyDictionary[Registry, dict[tuple[str, str], float]]" = weakref.WeakKeyDictionary()
+_measured_lock = threading.Lock()
+
+
+def _first_answer(registry: "Registry", hook: str, **kwargs: Any) -> tuple[Any, str | None]:
+    """pluggy's firstresult order, by hand, so that the plugin that answered is known."""
+    for impl in reversed(getattr(registry.pm.hook, hook).get_hookimpls()):
+        try:
+            value = impl.function(**kwargs)
+        except Exception as exc:
+            raise PluginError(f"plugin {impl.plugin_name!r} raised in {hook}: {type(exc).__name__}: {exc}") from exc
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+            raise PluginError(f"plugin {impl.plugin_name!r} returned {value!r} from {hook}; it must return a "
+                              "number >= 0 (math.inf for 'cannot'), or None to defer")
+        return float(value), impl.plugin_name
+    return None, None
+
+
+def kernel_time(registry: "Registry", spec: "DeviceSpec", workload: Workload) -> tuple[float, str]:
+    """Estimated seconds of ``workload`` on ``spec``'s device, and who estimated it."""
+    value, plugin = _first_answer(registry, "estimate_cost", device_spec=spec, workload=workload)
+    if value is not None:
+        return value, f"{plugin}'s estimate_cost"
+    limits = spec.limits
+    bandwidth = float(limits.get("memory_bandwidth") or DEFAULT_MEMORY_BANDWIDTH)
+    peak = float(limits.get("peak_flops") or DEFAULT_PEAK_FLOPS)
+    latency = float(limits.get("launch_latency", DEFAULT_LAUNCH_LATENCY))
+    moved = workload.input_bytes + workload.output_bytes
+    return latency + max(moved / bandwidth, workload.flops / peak), "the roofline of DeviceSpec.limits"
+
+
+def link_bandwidth(registry: "Registry", src: "DeviceSpec", dst: "DeviceSpec") -> tuple[float, str]:
+    """Bytes per second from ``src`` to ``dst``: measured, else declared, else the default."""
+    measured = _measured.get(registry, {}).get((src.name, dst.name))
+    if measured is not None:
+        return measured, "measured"
+    value, plugin = _first_answer(registry, "link_bandwidth", src=src, dst=dst)
+    if value is not None:
+        if value == 0:
+            raise PluginError(f"plugin {plugin!r} declared a link bandwidth of 0 from {src.name} to {dst.name}; "
+                              "return math.inf for free links and a positive number otherwise")
+        return value, f"declared by {plugin}"
+    declared = [float(s.limits["link_bandwidth"]) for s in (src, dst) if s.limits.get("link_bandwidth")]
+    if declared:
+        return min(declared), "declared in DeviceSpec.limits"
+    return DEFAULT_LINK_BANDWIDTH, "default"
+
+
+def measure_link(registry: "Registry", src: str, dst: str, nbytes: int = 4 << 20, repeat: int = 3) -> float:
+    """Time copying ``nbytes`` from device ``src`` to ``dst`` through the host (as a plan's transfer
+    does); remember the best of ``repeat`` as the link's bandwidth (B/s) for the cost policy and
+    drop the registry's memoized decisions. Returns the bandwidth."""
+    import numpy as np
+
+    from polyhal.hal.tensor import empty
+
+    s_dev, d_dev = registry.get_device(src), registry.get_device(dst)
+    a, b = empty((nbytes,), "uint8", s_dev), empty((nbytes,), "uint8", d_dev)
+    staging = np.empty(nbytes, np.uint8)
+    best = math.inf
+    for _ in range(max(1, repeat)):
+        t0 = time.perf_counter()
+        s_dev.download(a.native, staging)
+        d_dev.upload(staging, b.native)
+        d_dev.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    a.release()
+    b.release()
+    bandwidth = nbytes / best if best > 0 else math.inf
+    with _measured_lock:
+        _measured.setdefault(registry, {})[(src, dst)] = bandwidth
+    registry._changed()
+    return bandwidth
+
+
+def measured_links(registry: "Registry") -> dict[tuple[str, str], float]:
+    """The link bandwidths measured so far for ``registry`` ((src, dst) -> B/s)."""
+    return dict(_measured.get(registry, {}))
+
+
+def estimate(registry: "Registry", spec: "DeviceSpec", workload: Workload | None,
+             specs: dict[str, "DeviceSpec"]) -> tuple[float, str]:
+    """(seconds, explanation) of running ``workload`` on ``spec``'s device, moves included."""
+    if workload is None:
+        return 0.0, "no op"
+    total, why = kernel_time(registry, spec, workload)
+    parts = [f"kernel {_fmt_s(total)} by {why}"]
+    for src, nbytes in workload.bytes_from(spec.name).items():
+        src_spec = specs.get(src)
+        if src_spec is None:
+            continue
+        bandwidth, how = link_bandwidth(registry, src_spec, spec)
+        latency = float(spec.limits.get("link_latency", DEFAULT_LINK_LATENCY))
+        t = latency + nbytes / bandwidth
+        total += t
+        parts.append(f"{_fmt_s(t)} moving {nbytes} B from {src} at {bandwidth / 1e9:.3g} GB/s ({how})")
+    return total, " + ".join(parts)
+
+
+def _fmt_s(seconds: float) -> str:
+    if math.isinf(seconds):
+        return "inf"
+    return f"{seconds * 1e6:.3g} µs" if seconds < 1e-3 else f"{seconds * 1e3:.3g} ms"
+
+
+@hookimpl
+def select_allocator(candidates, memory_type, buffer_usage, flags):
+    """The candidate of lowest estimated time; ties to the higher rank, then the earlier candidate."""
+    sel = current()
+    if sel is None or sel.policy != NAME:
+        return None
+    registry = sel.registry
+    workload = sel.workload
+    specs = {s.name: s for s in registry.device_specs()}
+    specs.update({spec.name: spec for spec, _ in candidates})
+    costs = [estimate(registry, spec, workload, specs) for spec, _ in candidates]
+    order = sorted(range(len(candidates)), key=lambda i: (costs[i][0], -candidates[i][0].rank, i))
+    best = order[0]
+    if workload is None:
+        sel.because(f"cost: a plain allocation costs the same everywhere; highest rank, then first "
+                    f"({candidates[best][0].name})", order)
+        return best
+    if math.isinf(costs[best][0]):
+        sel.because(f"cost: every candidate estimated {workload.op} as impossible (inf); first candidate", order)
+        return 0
+    ranked = "; ".join(f"{candidates[i][0].name} {_fmt_s(costs[i][0])} = {costs[i][1]}" for i in order[:4])
+    sel.because(f"cost of {workload.op}: {ranked}", order)
+    return best

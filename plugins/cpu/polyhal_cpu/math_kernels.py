@@ -1,0 +1,81 @@
+"""CPU kernels of :mod:`polyhal.ops.mathfn` and :mod:`polyhal.ops.logical`: one numpy ufunc
+each, called with ``out=`` (the contract of :mod:`polyhal_cpu.kernels`)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polyhal_cpu.kernels import Kernel, Types, register_kernels
+
+_UNARY = {
+    "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan,
+    "sinh": np.sinh, "cosh": np.cosh, "asinh": np.arcsinh, "acosh": np.arccosh, "atanh": np.arctanh,
+    "floor": np.floor, "ceil": np.ceil, "round": np.round, "reciprocal": np.reciprocal, "sign": np.sign,
+    "isnan": np.isnan, "isinf": np.isinf, "logical_not": np.logical_not, "bitwise_not": np.invert,
+}
+_BINARY = {
+    "logical_and": np.logical_and, "logical_or": np.logical_or, "logical_xor": np.logical_xor,
+    "bitwise_and": np.bitwise_and, "bitwise_or": np.bitwise_or, "bitwise_xor": np.bitwise_xor,
+}
+
+
+@register_kernels(*_UNARY)
+def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    ufunc = _UNARY[op]
+
+    def kernel(x, out):
+        # Outside their domains (asin(2), acosh(0), ...) these give nan, as the references do.
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            ufunc(x, out=out)
+    return kernel
+
+
+@register_kernels(*_BINARY)
+def _binary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    ufunc = _BINARY[op]
+
+    def kernel(x, y, out):
+        ufunc(x, y, out=out)
+    return kernel
+
+
+@register_kernels("mod")
+def _mod(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    ufunc = np.fmod if attrs["fmod"] else np.mod
+
+    def kernel(x, y, out):
+        with np.errstate(divide="ignore", invalid="ignore"):  # integer x % 0 is 0 in numpy
+            ufunc(x, y, out=out)
+    return kernel
+
+
+@register_kernels("bit_shift")
+def _bit_shift(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    dtype = outs[0].dtype
+    bits = dtype.itemsize * 8
+    left = attrs["direction"] == "left"
+    unsigned = np.dtype(f"u{dtype.itemsize}")
+    signed = dtype.kind == "i"
+
+    def kernel(x, y, out):
+        outside = (y < 0) | (y >= bits) if signed else y >= bits
+        safe = np.where(outside, 0, y).astype(unsigned if left else dtype)
+        if left:  # through the unsigned type: bits past the top drop, no overflow
+            np.copyto(out, np.left_shift(x.astype(unsigned), safe), casting="unsafe")
+            np.copyto(out, 0, where=outside)
+        else:
+            np.right_shift(x, safe, out=out)  # arithmetic for signed types
+            if signed:
+                np.copyto(out, np.where(x < 0, -1, 0).astype(dtype), where=outside)
+            else:
+                np.copyto(out, 0, where=outside)
+    return kernel
+
+
+@register_kernels("identity")
+def _identity(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    copyto = np.copyto
+
+    def kernel(x, out):
+        copyto(out, x)
+    return kernel

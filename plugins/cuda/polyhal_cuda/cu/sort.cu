@@ -1,0 +1,362 @@
+// Stable sorting for sort, argsort and topk (polyhal.ops.sorting's order), and the argsort that
+// non-maximum suppression needs.
+//
+// Every element type is sorted as an unsigned key K of its width (u8/u16/u32/u64) made from its
+// raw bits by to_key(): ascending unsigned order of keys is the op's ascending order (floats:
+// the sign-magnitude flip; every nan made one canonical nan above +inf; optionally -0.0 made
+// +0.0 so that the two zeros tie), and descending is the ascending order of ~key. Ties keep
+// their input order in both directions because every path is stable (bitonic networks compare
+// (key, index) pairs; the radix sort is LSD, stable by construction).
+//
+// Lanes: the op sorts along one axis of an (OUTER, N, INNER) view; lane r = (o, i) holds the
+// N elements x[(o * N + j) * INNER + i], j < N.
+//
+// Two paths, chosen by the host (polyhal_cuda/sorting.py) with their scratch placed by the
+// bufferization policy:
+//  * sort_rows: one block per lane, a bitonic network over (key, index) pairs held in a scratch
+//    of P = next_pow2(N) pairs -- in shared memory when it fits (dynamic shared memory), else a
+//    per-block slice of a global scratch buffer (same code, another base pointer);
+//  * radix_*: an LSD radix sort over all lanes at once, 8 bits per pass, reduce-then-scan:
+//    radix_upsweep (per-tile digit counts), radix_scan (exclusive offsets, one block per
+//    digit), radix_scatter (stable tile-local ranking with warp match, staged through shared
+//    memory for coalesced writes). Lanes are kept apart by extra passes over the lane number
+//    (payload / N), the most significant digits. Scratch: two key and two payload buffers
+//    (ping-pong), the histogram and the per-pass digit totals -- always global.
+
+#define SORT_BLOCK 256
+#define RADIX 256
+
+// Flags of the kernels below.
+#define F_DESC 1         // descending order
+#define F_CANON_ZERO 2   // -0.0 sorts as +0.0 (ties with it)
+#define F_VALUES 4       // write the values output
+#define F_INDICES 8      // write the (int64) indices output
+#define F_INDEX_ORDER 16 // topk sorted=False: the selected k come out in increasing index order
+
+template <typename K> __device__ __forceinline__ K sign_bit() { return (K)((K)1 << (sizeof(K) * 8 - 1)); }
+
+template <typename K> struct FloatBits;
+template <> struct FloatBits<u16> { static constexpr u16 EXP = 0x7c00u, MAN = 0x03ffu, QNAN = 0x7e00u; };
+template <> struct FloatBits<u32> { static constexpr u32 EXP = 0x7f800000u, MAN = 0x007fffffu, QNAN = 0x7fc00000u; };
+template <> struct FloatBits<u64> {
+    static constexpr u64 EXP = 0x7ff0000000000000ull, MAN = 0x000fffffffffffffull, QNAN = 0x7ff8000000000000ull;
+};
+template <> struct FloatBits<u8> { static constexpr u8 EXP = 0, MAN = 0, QNAN = 0; };  // never used
+
+// KIND: 0 unsigned or bool, 1 signed integer, 2 float.
+template <typename K, int KIND> __device__ __forceinline__ K to_key(K bits, int flags) {
+    if (KIND == 1) {
+        bits = (K)(bits ^ sign_bit<K>());
+    } else if (KIND == 2) {
+        const K sb = sign_bit<K>();
+        if ((K)(bits & FloatBits<K>::EXP) == FloatBits<K>::EXP && (K)(bits & FloatBits<K>::MAN) != 0)
+            bits = FloatBits<K>::QNAN;
+        else if ((flags & F_CANON_ZERO) && bits == sb)
+            bits = 0;
+        bits = (bits & sb) ? (K)~bits : (K)(bits | sb);
+    }
+    if (flags & F_DESC) bits = (K)~bits;
+    return bits;
+}
+
+template <typename K, int KIND> __device__ __forceinline__ K from_key(K key, int flags) {
+    if (flags & F_DESC) key = (K)~key;
+    if (KIND == 1) return (K)(key ^ sign_bit<K>());
+    if (KIND == 2) {
+        const K sb = sign_bit<K>();
+        return (key & sb) ? (K)(key ^ sb) : (K)~key;
+    }
+    return key;
+}
+
+__device__ __forceinline__ i64 lane_base(i64 r, i64 n, i64 inner) {
+    return (r / inner) * n * inner + (r % inner);
+}
+
+// ------------------------------------------------------------------------------- bitonic path
+
+// Bitonic sort of p (a power of two) (key, index) pairs in ks/is, ascending by (key, index).
+template <typename K> __device__ void bitonic(K* ks, u32* is, u32 p) {
+    for (u32 k = 2; k <= p; k <<= 1) {
+        for (u32 j = k >> 1; j > 0; j >>= 1) {
+            for (u32 t = threadIdx.x; t < (p >> 1); t += blockDim.x) {
+                const u32 i = ((t & ~(j - 1)) << 1) | (t & (j - 1));
+                const u32 l = i + j;
+                const bool up = (i & k) == 0;
+                const K a = ks[i], b = ks[l];
+                const u32 ia = is[i], ib = is[l];
+                const bool gt = (a > b) || (a == b && ia > ib);
+                if (gt == up) { ks[i] = b; ks[l] = a; is[i] = ib; is[l] = ia; }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+// One block per lane. scratch: nullptr -> dynamic shared memory, else a global buffer with
+// one (p * (4 + sizeof(K)))-byte slice per block. Outputs have the (OUTER, kout, INNER) layout.
+template <typename K, int KIND>
+__global__ void sort_rows(const K* __restrict__ x, K* __restrict__ values, i64* __restrict__ indices,
+                          i64 lanes, i64 n, i64 inner, i64 kout, u32 p, u32 kp, int flags,
+                          unsigned char* __restrict__ scratch) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const i64 r = blockIdx.x;
+    if (r >= lanes) return;
+    unsigned char* base = scratch ? scratch + (size_t)r * p * (4 + sizeof(K)) : smem;
+    u32* is = (u32*)base;  // indices first: 4-byte aligned; keys follow at 4p (8-aligned, p even)
+    K* ks = (K*)(base + 4 * (size_t)p);
+    const i64 src = lane_base(r, n, inner);
+    for (u32 j = threadIdx.x; j < p; j += blockDim.x) {
+        if (j < n) { ks[j] = to_key<K, KIND>(x[src + (i64)j * inner], flags); is[j] = j; }
+        else { ks[j] = (K)~(K)0; is[j] = 0xffffffffu; }
+    }
+    __syncthreads();
+    bitonic<K>(ks, is, p);
+    if (flags & F_INDEX_ORDER) {
+        // The first kout of the order, re-sorted by index: equal keys, so (key, index) order
+        // is index order; the rest of the kp-prefix is padding.
+        for (u32 j = threadIdx.x; j < kp; j += blockDim.x) {
+            if (j < kout) ks[j] = 0; else { ks[j] = (K)~(K)0; is[j] = 0xffffffffu; }
+        }
+        __syncthreads();
+        bitonic<K>(ks, is, kp);
+    }
+    const i64 dst = lane_base(r, kout, inner);
+    for (u32 j = threadIdx.x; j < kout; j += blockDim.x) {
+        const u32 s = is[j];
+        if (flags & F_VALUES) values[dst + (i64)j * inner] = x[src + (i64)s * inner];
+        if (flags & F_INDICES) indices[dst + (i64)j * inner] = (i64)s;
+    }
+}
+
+// --------------------------------------------------------------------------------- radix path
+
+// keys[f] = key of element j of lane r (f = r * n + j); payload[f] = f when payload is given.
+template <typename K, int KIND>
+__global__ void radix_make_keys(const K* __restrict__ x, K* __restrict__ keys, u32* __restrict__ payload,
+                                i64 total, i64 n, i64 inner, int flags) {
+    for (i64 f = (i64)blockIdx.x * blockDim.x + threadIdx.x; f < total; f += (i64)gridDim.x * blockDim.x) {
+        const i64 r = f / n, j = f - r * n;
+        keys[f] = to_key<K, KIND>(x[lane_base(r, n, inner) + j * inner], flags);
+        if (payload) payload[f] = (u32)f;
+    }
+}
+
+template <typename K> struct RadixTile { static constexpr int ITEMS = sizeof(K) >= 8 ? 8 : 16; };
+
+template <typename K, bool ROW>
+__device__ __forceinline__ u32 digit_of(K key, u32 pay, int shift, u32 n) {
+    if (ROW) return ((pay / n) >> shift) & (RADIX - 1);
+    return (u32)(key >> shift) & (RADIX - 1);
+}
+
+// Per-tile digit counts: hist[d * tiles + t]; totals[d] += count (totals zeroed by the host).
+template <typename K, bool ROW>
+__global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict__ payload, u32 total, u32 n,
+                              int shift, u32* __restrict__ hist, u32* __restrict__ totals, u32 tiles) {
+    constexpr u32 TILE = SORT_BLOCK * RadixTile<K>::ITEMS;
+    __shared__ u32 cnt[RADIX];
+    for (u32 d = threadIdx.x; d < RADIX; d += blockDim.x) cnt[d] = 0;
+    __syncthreads();
+    const u32 t = blockIdx.x;
+    const u32 begin = t * TILE;
+    const u32 end = min(total, begin + TILE);
+    for (u32 e = begin + threadIdx.x; e < end; e += blockDim.x) {
+        const u32 d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, n);
+        atomicAdd(&cnt[d], 1u);
+    }
+    __syncthreads();
+    for (u32 d = threadIdx.x; d < RADIX; d += blockDim.x) {
+        const u32 c = cnt[d];
+        hist[(size_t)d * tiles + t] = c;
+        if (c) atomicAdd(&totals[d], c);
+    }
+}
+
+// Exclusive offsets: hist[d * tiles + t] becomes (sum of totals[d' < d]) + (sum of hist[d][t' < t]).
+// One block (1024 threads) per digit.
+__global__ void radix_scan(u32* __restrict__ hist, const u32* __restrict__ totals, u32 tiles) {
+    __shared__ u32 sh[32];
+    __shared__ u32 carry;
+    const u32 d = blockIdx.x;
+    const int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    u32 v = threadIdx.x < d ? totals[threadIdx.x] : 0u;  // d < 256 <= blockDim.x
+    v = warp_sum(v);
+    if (lane == 0) sh[wid] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 s = 0;
+        for (int w = 0; w < nw; ++w) s += sh[w];
+        carry = s;
+    }
+    __syncthreads();
+    u32* row = hist + (size_t)d * tiles;
+    for (u32 base = 0; base < tiles; base += blockDim.x) {
+        const u32 i = base + threadIdx.x;
+        const u32 x = i < tiles ? row[i] : 0u;
+        // inclusive warp scan
+        u32 s = x;
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(FULL_MASK, s, o);
+            if (lane >= o) s += y;
+        }
+        __syncthreads();  // sh reuse
+        if (lane == 31) sh[wid] = s;
+        __syncthreads();
+        if (wid == 0) {
+            u32 w = lane < nw ? sh[lane] : 0u;
+            u32 ws = w;
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 y = __shfl_up_sync(FULL_MASK, ws, o);
+                if (lane >= o) ws += y;
+            }
+            if (lane < nw) sh[lane] = ws - w;  // exclusive prefix of warp sums
+        }
+        __syncthreads();
+        const u32 c = carry;
+        if (i < tiles) row[i] = c + sh[wid] + s - x;
+        __syncthreads();
+        if (threadIdx.x == blockDim.x - 1) carry = c + sh[wid] + s;
+        __syncthreads();
+    }
+}
+
+// Stable scatter of one tile by digit. Warp w of the block owns elements
+// [tile_begin + w * 32 * ITEMS, ...) in rounds of 32 (lane order = input order); ranks within a
+// round come from __match_any_sync, and per-warp digit counters carry them across rounds.
+template <typename K, bool ROW, bool PAY>
+__global__ void __launch_bounds__(SORT_BLOCK)
+radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, K* __restrict__ kout, u32* __restrict__ pout,
+              u32 total, u32 n, int shift, const u32* __restrict__ hist, u32 tiles) {
+    constexpr int ITEMS = RadixTile<K>::ITEMS;
+    constexpr int WARPS = SORT_BLOCK / 32;
+    constexpr u32 TILE = SORT_BLOCK * ITEMS;
+    __shared__ u32 wcnt[WARPS][RADIX];
+    __shared__ u32 tstart[RADIX];
+    __shared__ u32 goff[RADIX];
+    __shared__ u32 wsum[WARPS];
+    __shared__ K skeys[TILE];
+    __shared__ u32 spay[PAY ? TILE : 1];
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    const u32 t = blockIdx.x;
+    const u32 tile_begin = t * TILE;
+    const u32 count = min(total - tile_begin, TILE);
+    for (u32 i = threadIdx.x; i < WARPS * RADIX; i += SORT_BLOCK) (&wcnt[0][0])[i] = 0;
+    for (u32 d = threadIdx.x; d < RADIX; d += SORT_BLOCK) goff[d] = hist[(size_t)d * tiles + t];
+    __syncthreads();
+
+    const u32 lt_mask = (1u << lane) - 1u;
+    K key[ITEMS];
+    u32 pay[ITEMS];
+    u32 rank[ITEMS];
+    u32 dig[ITEMS];
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+        const u32 local = (u32)w * 32u * ITEMS + (u32)r * 32u + (u32)lane;
+        const bool valid = local < count;
+        u32 d = RADIX;  // invalid lanes group together and count nowhere
+        key[r] = 0;
+        pay[r] = 0;
+        if (valid) {
+            key[r] = kin[tile_begin + local];
+            if (PAY) pay[r] = pin[tile_begin + local];
+            d = digit_of<K, ROW>(key[r], pay[r], shift, n);
+        }
+        const u32 peers = __match_any_sync(FULL_MASK, d);
+        const u32 leader = __ffs(peers) - 1;
+        u32 pre = 0;
+        if (valid) pre = wcnt[w][d];
+        __syncwarp();
+        if (valid && (u32)lane == leader) wcnt[w][d] = pre + __popc(peers);
+        __syncwarp();
+        rank[r] = pre + __popc(peers & lt_mask);
+        dig[r] = d;
+    }
+    __syncthreads();
+    // Per digit: exclusive prefix over warps, and the tile's count of the digit.
+    u32 tile_cnt = 0;
+    if (threadIdx.x < RADIX) {
+        const u32 d = threadIdx.x;
+        u32 run = 0;
+#pragma unroll
+        for (int ww = 0; ww < WARPS; ++ww) { const u32 c = wcnt[ww][d]; wcnt[ww][d] = run; run += c; }
+        tile_cnt = run;
+    }
+    // Exclusive scan of the tile's digit counts (RADIX == SORT_BLOCK threads, one digit each).
+    u32 s = tile_cnt;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, s, o);
+        if (lane >= o) s += y;
+    }
+    if (lane == 31) wsum[w] = s;
+    __syncthreads();
+    if (threadIdx.x < RADIX) {
+        u32 before = 0;
+        for (int ww = 0; ww < w; ++ww) before += wsum[ww];
+        tstart[threadIdx.x] = before + s - tile_cnt;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+        const u32 d = dig[r];
+        if (d < RADIX) {
+            const u32 pos = tstart[d] + wcnt[w][d] + rank[r];
+            skeys[pos] = key[r];
+            if (PAY) spay[pos] = pay[r];
+        }
+    }
+    __syncthreads();
+    // Coalesced write-out: consecutive threads take consecutive (digit-sorted) tile positions.
+    for (u32 i = threadIdx.x; i < count; i += SORT_BLOCK) {
+        const K k = skeys[i];
+        const u32 p = PAY ? spay[i] : 0u;
+        const u32 d = digit_of<K, ROW>(k, p, shift, n);
+        const u32 g = goff[d] + (i - tstart[d]);
+        kout[g] = k;
+        if (PAY) pout[g] = p;
+    }
+}
+
+// Outputs from the sorted keys/payload of all lanes (lane r's order at [r * n, r * n + n)):
+// the first kout of each lane. Values come from x through the payload (exact bits) or, without
+// a payload, from the keys themselves.
+template <typename K, int KIND>
+__global__ void radix_emit(const K* __restrict__ keys, const u32* __restrict__ payload, const K* __restrict__ x,
+                           K* __restrict__ values, i64* __restrict__ indices, i64 lanes, i64 n, i64 inner,
+                           i64 kout, int flags) {
+    const i64 total = lanes * kout;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
+        const i64 r = q / kout, p = q - r * kout;
+        const i64 s = r * n + p;
+        const i64 dst = lane_base(r, kout, inner) + p * inner;
+        i64 j = 0;
+        if (payload) j = (i64)payload[s] - r * n;
+        if (flags & F_VALUES) values[dst] = payload ? x[lane_base(r, n, inner) + j * inner] : from_key<K, KIND>(keys[s], flags);
+        if (flags & F_INDICES) indices[dst] = j;
+    }
+}
+
+// topk(sorted=False), radix path: the flat indices of each lane's first kout, as u32 keys of a
+// second sort (flat index order is (lane, index) order).
+__global__ void radix_take_prefix(const u32* __restrict__ payload, u32* __restrict__ out, i64 lanes, i64 n, i64 kout) {
+    const i64 total = lanes * kout;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
+        const i64 r = q / kout, p = q - r * kout;
+        out[q] = payload[r * n + p];
+    }
+}
+
+// Outputs of topk(sorted=False) from the re-sorted flat indices.
+template <typename K>
+__global__ void radix_emit_flat(const u32* __restrict__ flat, const K* __restrict__ x, K* __restrict__ values,
+                                i64* __restrict__ indices, i64 lanes, i64 n, i64 inner, i64 kout, int flags) {
+    const i64 total = lanes * kout;
+    for (i64 q = (i64)blockIdx.x * blockDim.x + threadIdx.x; q < total; q += (i64)gridDim.x * blockDim.x) {
+        const i64 r = q / kout, p = q - r * kout;
+        const i64 j = (i64)flat[q] - r * n;
+        const i64 dst = lane_base(r, kout, inner) + p * inner;
+        if (flags & F_VALUES) values[dst] = x[lane_base(r, n, inner) + j * inner];
+        if (flags & F_INDICES) indices[dst] = j;
+    }
+}

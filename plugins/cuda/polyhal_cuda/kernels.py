@@ -1,0 +1,580 @@
+"""The op set on CUDA: ``KERNEL_NAMES``, ``scratch`` and ``prepare``.
+
+:func:`prepare` does everything that depends only on the op, its attributes and the operand
+types (parsing attributes, choosing a code path, compiling CUDA C, precomputing index maps,
+placing scratch) and returns a closure, the plan's hot path, called as ``fn(*inputs,
+*outputs)`` with ``cupy.ndarray`` operands; results are written into the outputs (``out=``
+everywhere, no result arrays are returned). Closures run on the device's stream (the device
+makes it current) and never synchronise with the host, so a plan's steps can be captured into
+a CUDA graph — except the few marked ``capturable = False`` (host fallbacks), which make the
+plan stay eager.
+
+Families and how they run:
+
+* elementwise (arithmetic, comparisons, logical, bitwise, math): cupy ufuncs with ``out=`` (one
+  broadcasting kernel each), and ``cupy.ElementwiseKernel`` CUDA C for what numpy has no ufunc
+  for or where the op's semantics differ from cupy's (relu, sigmoid, erf, gelu, sign, where,
+  mod, bit_shift);
+* matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
+* reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
+* softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
+* data movement: cupy copies; ops that are pure gathers with a static pattern (pad, pack,
+  unpack, expand) use an *index map* computed once at prepare time by running the op's own
+  numpy reference on an iota tensor, then one gather kernel per run;
+* gather/scatter families: cupy fancy indexing and ``cupyx`` scatter kernels;
+* sort, argsort, topk (:mod:`.sorting`) and non_max_suppression (:mod:`.nms`): CUDA C with
+  declared scratch (shared memory when it fits, global scratch otherwise).
+
+An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
+this backend) still runs, through :func:`_host_fallback` (download, the op's numpy reference,
+upload): correct, slow, never captured. :data:`HOST_FALLBACK` names them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from polyhal.errors import KernelNotFoundError
+from polyhal.ir.types import TensorType
+from polyhal.ops import OPS, normalize_slice, resolve_attrs
+
+if TYPE_CHECKING:
+    from polyhal_cuda.device import CUDADevice
+
+Kernel = Callable[..., None]
+Types = tuple[TensorType, ...]
+Builder = Callable[["CUDADevice", str, dict, Types, Types, Any], Kernel]
+
+_BUILDERS: dict[str, Builder] = {}
+#: op -> scratch declarer (ops with scratch: sorting, NMS).
+_SCRATCH: dict[str, Callable[..., Sequence[Any]]] = {}
+
+
+def register(*names: str) -> Callable[[Builder], Builder]:
+    """Register the decorated builder for ``names``; builders take
+    ``(device, op, attrs, in_types, out_types, scratch_binding)``."""
+    def deco(builder: Builder) -> Builder:
+        for n in names:
+            _BUILDERS[n] = builder
+        return builder
+    return deco
+
+
+def scratch(device: "CUDADevice", op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types):
+    """The scratch requests of one op instance (core ``Device.scratch``); empty for most ops."""
+    declarer = _SCRATCH.get(op)
+    if declarer is None or any(t.size == 0 for t in (*in_types, *out_types)):
+        return ()
+    return tuple(declarer(device, op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types)))
+
+
+def prepare(device: "CUDADevice", op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types,
+            binding: Any = None) -> Kernel:
+    """``fn(*inputs, *outputs)`` computing ``op`` on ``device`` (see the module docstring)."""
+    if op not in OPS:
+        raise KernelNotFoundError(f"cuda: unknown op {op!r}")
+    encoded = [t for t in (*in_types, *out_types) if t.encoding is not None]
+    if encoded:
+        raise KernelNotFoundError(f"cuda: no kernel for {op!r} on encoded tensor {encoded[0]}; cuda kernels "
+                                  "take dense row-major tensors (its encodings resolve to identity layouts)")
+    in_types, out_types = tuple(in_types), tuple(out_types)
+    if all(t.size == 0 for t in out_types):
+        return _noop
+    resolved = resolve_attrs(op, attrs)
+    builder = _BUILDERS.get(op)
+    if builder is None:
+        return _host_fallback(op, resolved, in_types, out_types)
+    return builder(device, op, resolved, in_types, out_types, binding)
+
+
+def _noop(*arrays: Any) -> None:
+    pass
+
+
+_noop.capturable = True  # type: ignore[attr-defined]
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _host_fallback(op: str, attrs: dict, in_types: Types, out_types: Types) -> Kernel:
+    cp = _cupy()
+    reference, n = OPS[op].reference, len(in_types)
+
+    def kernel(*arrays: Any) -> None:
+        ins = [cp.asnumpy(a) for a in arrays[:n]]
+        for o, r in zip(arrays[n:], reference(*ins, **attrs)):
+            o.set(np.ascontiguousarray(np.asarray(r).astype(o.dtype, copy=False)))
+
+    kernel.capturable = False  # type: ignore[attr-defined]
+    kernel.kernel_name = f"host-fallback({op})"  # type: ignore[attr-defined]
+    return kernel
+
+
+# ------------------------------------------------------------------------------------ elementwise
+
+#: op -> cupy ufunc name (the same semantics as the op's numpy reference, out= supported).
+UFUNCS = {
+    "add": "add", "sub": "subtract", "mul": "multiply", "div": "true_divide", "pow": "power",
+    "maximum": "maximum", "minimum": "minimum", "equal": "equal", "not_equal": "not_equal",
+    "less": "less", "less_equal": "less_equal", "greater": "greater", "greater_equal": "greater_equal",
+    "logical_and": "logical_and", "logical_or": "logical_or", "logical_xor": "logical_xor",
+    "bitwise_and": "bitwise_and", "bitwise_or": "bitwise_or", "bitwise_xor": "bitwise_xor",
+    "neg": "negative", "abs": "absolute", "exp": "exp", "log": "log", "sqrt": "sqrt", "tanh": "tanh",
+    "sin": "sin", "cos": "cos", "tan": "tan", "asin": "arcsin", "acos": "arccos", "atan": "arctan",
+    "sinh": "sinh", "cosh": "cosh", "asinh": "arcsinh", "acosh": "arccosh", "atanh": "arctanh",
+    "floor": "floor", "ceil": "ceil", "round": "rint", "reciprocal": "reciprocal", "isnan": "isnan",
+    "isinf": "isinf", "logical_not": "logical_not", "bitwise_not": "invert",
+}
+
+
+def _ufunc_kernel(ufunc: Any, nin: int) -> Kernel:
+    if nin == 1:
+        def k1(x, out):
+            ufunc(x, out=out)
+        return k1
+
+    def k2(x, y, out):
+        ufunc(x, y, out=out)
+    return k2
+
+
+@register(*UFUNCS)
+def _ufunc(device, op, attrs, ins, outs, binding) -> Kernel:
+    kernel = _ufunc_kernel(getattr(_cupy(), UFUNCS[op]), len(ins))
+    kernel.kernel_name = f"cupy.{UFUNCS[op]}"  # type: ignore[attr-defined]
+    return kernel
+
+
+# Float math in the operand type's compute type: float for float16/float32, double for float64.
+_PREAMBLE = """
+template <typename T> struct polyhal_ct { typedef float type; };
+template <> struct polyhal_ct<double> { typedef double type; };
+"""
+
+_EW_SOURCES: dict[str, tuple[str, str, str]] = {
+    "relu": ("T x", "T y", "y = x < (T)0 ? (T)0 : x"),  # nan < 0 is false: nan stays nan
+    "sign": ("T x", "T y", "y = x > (T)0 ? (T)1 : (x < (T)0 ? (T)(-1) : x)"),  # 0 and nan stay
+    "sigmoid": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
+                "y = (T)((C)1 / ((C)1 + exp(-v)))"),
+    "erf": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; y = (T)erf((C)x)"),
+    "gelu_none": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
+                  "y = (T)((C)0.5 * v * ((C)1 + erf(v * (C)0.70710678118654752440)))"),
+    "gelu_tanh": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
+                  "y = (T)((C)0.5 * v * ((C)1 + tanh((C)0.79788456080286535588 * (v + (C)0.044715 * v * v * v))))"),
+    "where": ("bool c, T x, T y", "T z", "z = c ? x : y"),
+    "shl": ("T x, T y", "T z", "z = (y >= (T)(sizeof(T) * 8)) ? (T)0 : (T)(x << y)"),
+    "shr": ("T x, T y", "T z", "z = (y >= (T)(sizeof(T) * 8)) ? (T)0 : (T)(x >> y)"),
+    # C's % truncates (sign of x); division by zero gives 0, and x % -1 is 0 (INT_MIN % -1 traps).
+    "fmod_int": ("T x, T y", "T z", "z = (y == (T)0 || y == (T)(-1)) ? (T)0 : (T)(x % y)"),
+    "mod_int": ("T x, T y", "T z", "T r = (y == (T)0 || y == (T)(-1)) ? (T)0 : (T)(x % y); "
+                "if (r != (T)0 && ((r < (T)0) != (y < (T)0))) r = (T)(r + y); z = r"),
+    "fmod_float": ("T x, T y", "T z", "typedef typename polyhal_ct<T>::type C; z = (T)fmod((C)x, (C)y)"),
+}
+_EW_CACHE: dict[str, Any] = {}
+
+
+def elementwise_kernel(key: str) -> Any:
+    """The cupy ``ElementwiseKernel`` of :data:`_EW_SOURCES` entry ``key`` (made once)."""
+    k = _EW_CACHE.get(key)
+    if k is None:
+        ins, outs, code = _EW_SOURCES[key]
+        k = _EW_CACHE[key] = _cupy().ElementwiseKernel(ins, outs, code, f"polyhal_{key}", preamble=_PREAMBLE)
+    return k
+
+
+def _ew(key: str, nin: int) -> Kernel:
+    ek = elementwise_kernel(key)
+    if nin == 1:
+        def k1(x, out):
+            ek(x, out)
+        kernel = k1
+    elif nin == 2:
+        def k2(x, y, out):
+            ek(x, y, out)
+        kernel = k2
+    else:
+        def k3(c, x, y, out):
+            ek(c, x, y, out)
+        kernel = k3
+    kernel.kernel_name = f"polyhal_{key}"  # type: ignore[attr-defined]
+    return kernel
+
+
+@register("relu", "sign", "sigmoid", "erf")
+def _simple_ew(device, op, attrs, ins, outs, binding) -> Kernel:
+    return _ew(op, 1)
+
+
+@register("gelu")
+def _gelu(device, op, attrs, ins, outs, binding) -> Kernel:
+    return _ew("gelu_tanh" if attrs["approximate"] == "tanh" else "gelu_none", 1)
+
+
+@register("where")
+def _where(device, op, attrs, ins, outs, binding) -> Kernel:
+    return _ew("where", 3)
+
+
+@register("bit_shift")
+def _bit_shift(device, op, attrs, ins, outs, binding) -> Kernel:
+    return _ew("shl" if attrs["direction"] == "left" else "shr", 2)
+
+
+@register("mod")
+def _mod(device, op, attrs, ins, outs, binding) -> Kernel:
+    if ins[0].dtype.kind == "f":
+        return _ew("fmod_float", 2)
+    return _ew("fmod_int" if attrs["fmod"] else "mod_int", 2)
+
+
+@register("cast", "identity")
+def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
+    copyto = _cupy().copyto
+
+    def kernel(x, out):
+        copyto(out, x, casting="unsafe")  # numpy's astype: floats truncate, nonzero is True
+    return kernel
+
+
+# ----------------------------------------------------------------------------------------- linalg
+
+@register("matmul")
+def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
+    matmul = _cupy().matmul
+
+    def kernel(a, b, out):
+        matmul(a, b, out=out)  # cuBLAS (cupy picks gemm / strided batched gemm)
+    kernel.kernel_name = "cublas gemm (cupy.matmul)"  # type: ignore[attr-defined]
+    return kernel
+
+
+@register("gemm")
+def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
+    alpha, beta = float(attrs["alpha"]), float(attrs["beta"])
+    dtype = outs[0].dtype
+    alpha_c, beta_c = dtype.type(alpha), dtype.type(beta)
+    has_c = len(ins) == 3
+
+    def kernel(a, b, *rest):
+        out = rest[-1]
+        cp.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
+        if alpha != 1.0:
+            cp.multiply(out, alpha_c, out=out)
+        if has_c:
+            cp.add(out, rest[0] if beta == 1.0 else cp.multiply(rest[0], beta_c), out=out)
+    return kernel
+
+
+@register("einsum", "mmt4d")
+def _einsum(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    equation = attrs["equation"] if op == "einsum" else "mkac,nkbc->mnab"
+
+    def kernel(*arrays):
+        cp.copyto(arrays[-1], cp.einsum(equation, *arrays[:-1]), casting="unsafe")
+    return kernel
+
+
+# ------------------------------------------------------------------------------------- reductions
+
+def _axes(attrs_axes: Any, rank: int) -> tuple[int, ...] | None:
+    if attrs_axes is None:
+        return None
+    axes = [attrs_axes] if isinstance(attrs_axes, (int, np.integer)) else attrs_axes
+    return tuple(sorted(int(a) % rank for a in axes))
+
+
+_REDUCERS = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "amax", "reduce_min": "amin",
+             "reduce_prod": "prod"}
+
+
+@register(*_REDUCERS)
+def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    axes, keepdims = _axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
+    if axes == ():  # reduces nothing: the operand itself
+        copyto = cp.copyto
+
+        def ident(x, out):
+            copyto(out, x)
+        return ident
+    fn = getattr(cp, _REDUCERS[op])
+    kw: dict[str, Any] = {}
+    if op in ("reduce_sum", "reduce_prod") and ins[0].dtype.kind in "iub":
+        kw["dtype"] = ins[0].dtype  # integer sums and products wrap in the operand type
+
+    def kernel(x, out):
+        fn(x, axis=axes, out=out, keepdims=keepdims, **kw)
+    return kernel
+
+
+@register("argmax", "argmin")
+def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    fn = cp.argmax if op == "argmax" else cp.argmin
+    axis, keepdims = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"])
+    shape = outs[0].shape
+
+    def kernel(x, out):
+        cp.copyto(out, fn(x, axis=axis).reshape(shape), casting="unsafe")
+    return kernel
+
+
+@register("cumsum")
+def _cumsum(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    axis = int(attrs["axis"]) % ins[0].rank
+    exclusive, reverse = bool(attrs["exclusive"]), bool(attrs["reverse"])
+    wide = np.float64 if ins[0].dtype.kind == "f" else ins[0].dtype  # as the reference (float64)
+
+    def kernel(x, out):
+        w = cp.flip(x, axis) if reverse else x
+        y = cp.cumsum(w, axis=axis, dtype=wide)
+        if exclusive:
+            y -= w
+        cp.copyto(out, cp.flip(y, axis) if reverse else y, casting="unsafe")
+    return kernel
+
+
+@register("softmax", "layer_norm")
+def _rowwise(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import rowwise
+
+    return rowwise.prepare(device, op, attrs, ins, outs)
+
+
+# ----------------------------------------------------------------------------------------- shape
+
+@register("transpose")
+def _transpose(device, op, attrs, ins, outs, binding) -> Kernel:
+    copyto = _cupy().copyto
+    rank = ins[0].rank
+    perm = tuple(reversed(range(rank))) if attrs["perm"] is None else tuple(int(p) for p in attrs["perm"])
+
+    def kernel(x, out):
+        copyto(out, x.transpose(perm))
+    return kernel
+
+
+@register("reshape")
+def _reshape(device, op, attrs, ins, outs, binding) -> Kernel:
+    copyto, shape = _cupy().copyto, outs[0].shape
+
+    def kernel(x, out):
+        copyto(out, x.reshape(shape))
+    return kernel
+
+
+@register("concat")
+def _concat(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    n, axis = len(ins), int(attrs["axis"]) % ins[0].rank
+
+    def kernel(*arrays):
+        cp.concatenate(arrays[:n], axis=axis, out=arrays[n])
+    return kernel
+
+
+@register("slice")
+def _slice(device, op, attrs, ins, outs, binding) -> Kernel:
+    copyto = _cupy().copyto
+    index = normalize_slice(ins[0].shape, attrs["starts"], attrs["ends"], attrs["axes"], attrs["steps"])
+
+    def kernel(x, out):
+        copyto(out, x[index])
+    return kernel
+
+
+@register("gather")
+def _gather(device, op, attrs, ins, outs, binding) -> Kernel:
+    take = _cupy().take
+    axis = int(attrs["axis"]) % ins[0].rank
+
+    def kernel(data, indices, out):
+        # cupy wraps indices into range (negative ones count from the end, as the op says); an
+        # index outside [-dim, dim) is not checked, which would need a device-to-host sync.
+        take(data, indices, axis=axis, out=out)
+    return kernel
+
+
+@register("expand")
+def _expand(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    shape = outs[0].shape
+
+    def kernel(x, out):
+        cp.copyto(out, cp.broadcast_to(x, shape))
+    return kernel
+
+
+def _index_map(op: str, attrs: dict, in_types: Types, pad_attr: str | None) -> np.ndarray:
+    """The flat source index of every output element of a pure data-movement op (-1 where the op
+    writes padding), found by running the op's numpy reference on iota inputs."""
+    iotas, base = [], 0
+    for t in in_types:
+        iotas.append(np.arange(base, base + t.size, dtype=np.int64).reshape(t.shape))
+        base += t.size
+    a = dict(attrs)
+    if pad_attr is not None:
+        a[pad_attr] = -1
+    (out,) = OPS[op].reference(*iotas, **a)
+    return np.ascontiguousarray(out, dtype=np.int64).reshape(-1)
+
+
+@register("pad", "pack", "unpack")
+def _gather_map(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    pad_attr = {"pad": "value", "pack": "padding_value"}.get(op)
+    if op == "pad" and attrs["mode"] != "constant":
+        pad_attr = None
+    mapping = _index_map(op, attrs, ins, pad_attr)
+    has_pad = bool((mapping < 0).any())
+    dtype = outs[0].dtype
+    fill = np.asarray(attrs[pad_attr] if pad_attr else 0).astype(dtype)
+    with device.activate():
+        dmap = cp.asarray(np.where(mapping < 0, 0, mapping))
+        dvalid = cp.asarray(mapping >= 0) if has_pad else None
+        dfill = cp.asarray(fill)
+    where = elementwise_kernel("where")
+
+    def kernel(x, out):
+        flat = out.reshape(-1)
+        if has_pad:
+            where(dvalid, x.reshape(-1)[dmap], dfill, flat)
+        else:
+            cp.take(x.reshape(-1), dmap, out=flat)
+    kernel.index_map = mapping  # type: ignore[attr-defined]
+    return kernel
+
+
+@register("gather_elements")
+def _gather_elements(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    axis = int(attrs["axis"]) % ins[0].rank
+    dim = ins[0].shape[axis]
+
+    def kernel(data, indices, out):
+        idx = cp.where(indices < 0, indices + dim, indices)
+        cp.copyto(out, cp.take_along_axis(data, idx, axis=axis))
+    return kernel
+
+
+@register("gather_nd")
+def _gather_nd(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    data_t, idx_t = ins
+    b = int(attrs["batch_dims"])
+    k = idx_t.shape[-1]
+    batch = math.prod(data_t.shape[:b])
+    dims = np.array(data_t.shape[b:b + k], dtype=np.int64)
+    with device.activate():
+        ddims = cp.asarray(dims)
+        bidx = cp.arange(batch, dtype=np.int64)[:, None]
+    out_shape = outs[0].shape
+
+    def kernel(data, indices, out):
+        d = data.reshape((batch,) + data_t.shape[b:])
+        pos = indices.reshape(batch, -1, k).astype(np.int64)
+        pos = cp.where(pos < 0, pos + ddims, pos)
+        got = d[(bidx,) + tuple(pos[..., j] for j in range(k))]
+        cp.copyto(out, got.reshape(out_shape))
+    return kernel
+
+
+def _scatter_apply(cp: Any, out: Any, where: tuple, updates: Any, reduction: str) -> bool:
+    """Apply a scatter on the device; False when ``reduction`` has no device kernel here."""
+    import cupyx
+
+    if reduction == "none":
+        out[where] = updates
+    elif reduction == "add":
+        cupyx.scatter_add(out, where, updates)
+    elif reduction == "max":
+        cupyx.scatter_max(out, where, updates)
+    elif reduction == "min":
+        cupyx.scatter_min(out, where, updates)
+    else:
+        return False
+    return True
+
+
+@register("scatter_elements", "scatter_nd")
+def _scatter(device, op, attrs, ins, outs, binding) -> Kernel:
+    cp = _cupy()
+    reduction = attrs["reduction"]
+    if reduction == "mul":  # cupyx has no scatter_multiply: keep numpy's semantics on the host
+        return _host_fallback(op, attrs, ins, outs)
+    data_t, idx_t = ins[0], ins[1]
+    if op == "scatter_elements":
+        axis = int(attrs["axis"]) % data_t.rank
+        dim = data_t.shape[axis]
+        with device.activate():
+            grid = [cp.arange(n).reshape([n if i == j else 1 for j in range(idx_t.rank)])
+                    for i, n in enumerate(idx_t.shape)]
+
+        def kernel(data, indices, updates, out):
+            cp.copyto(out, data)
+            g = list(grid)
+            g[axis] = cp.where(indices < 0, indices + dim, indices)
+            g = [cp.broadcast_to(a, idx_t.shape) for a in g]
+            _scatter_apply(cp, out, tuple(g), updates, reduction)
+        return kernel
+
+    k = idx_t.shape[-1]
+    with device.activate():
+        ddims = cp.asarray(np.array(data_t.shape[:k], dtype=np.int64))
+
+    def kernel_nd(data, indices, updates, out):
+        cp.copyto(out, data)
+        pos = indices.reshape(-1, k).astype(np.int64)
+        pos = cp.where(pos < 0, pos + ddims, pos)
+        ups = updates.reshape((pos.shape[0],) + data_t.shape[k:])
+        _scatter_apply(cp, out, tuple(pos[:, j] for j in range(k)), ups, reduction)
+    return kernel_nd
+
+
+# ---------------------------------------------------------------------------- sorting, detection
+
+@register("sort", "argsort", "topk")
+def _sorting(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import sorting
+
+    return sorting.prepare(device, op, attrs, ins, outs, binding)
+
+
+@register("non_max_suppression")
+def _nms(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import nms
+
+    return nms.prepare_op(device, attrs, ins, outs, binding)
+
+
+def _declare_sorting(device, op, attrs, ins, outs):
+    from polyhal_cuda import sorting
+
+    return sorting.scratch_requests(device, op, attrs, ins, outs)
+
+
+def _declare_nms(device, op, attrs, ins, outs):
+    from polyhal_cuda import nms
+
+    return nms.scratch_requests(device, attrs, ins, outs)
+
+
+for _op in ("sort", "argsort", "topk"):
+    _SCRATCH[_op] = _declare_sorting
+_SCRATCH["non_max_suppression"] = _declare_nms
+
+#: Ops that run through the host fallback (no CUDA kernel yet), at import time.
+HOST_FALLBACK: frozenset[str] = frozenset(OPS) - frozenset(_BUILDERS)
+#: Every op this backend runs: all of polyhal.ops (a few through the host fallback).
+KERNEL_NAMES: frozenset[str] = frozenset(OPS)

@@ -1,0 +1,167 @@
+"""The CUDA backend's hooks: one device, ``cuda:<n>``, per NVIDIA GPU that CUDA enumerates.
+
+Enumeration calls only ``cudaGetDeviceCount`` and ``cudaGetDeviceProperties`` (through
+cupy's runtime bindings), which create no CUDA context: a context, a stream and pools are made
+when the core first uses a device (its spec's factory). ``n`` is the CUDA device ordinal, so
+``CUDA_VISIBLE_DEVICES`` renumbers devices exactly as it does for cupy and torch.
+
+Rank (higher is preferred): 200, above OpenCL GPUs (100) and the numpy CPU (0), because on the
+same GPU this backend runs the op set through cuBLAS, cupy's kernels and its own CUDA C, and
+replays plans as CUDA graphs. ``POLYHAL_CUDA_RANK`` overrides it (one integer for every GPU).
+
+``POLYHAL_CUDA_POOL`` picks where device-local buffers come from (a policy choice, see
+:mod:`polyhal_cuda.allocator`): ``caching`` (default; cupy's caching pool, buffers of kind
+DEVICE) or ``async`` (CUDA's stream-ordered pool, ``cudaMallocFromPoolAsync``, kind ASYNC).
+
+Without cupy, without a driver, or without a GPU, no device is registered and
+:func:`report_unavailable` says why; nothing raises (the plugin installs everywhere).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import polyhal
+from polyhal.hal.records import DeviceSpec
+
+POLYHAL_API_VERSION = polyhal.API_VERSION
+
+#: Default rank of every CUDA GPU (see the module docstring).
+DEFAULT_RANK = 200
+#: DLPack device types (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
+DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 2, 3, 13
+POOLS = ("caching", "async")
+INSTALL_HINT = ("install cupy for your CUDA driver: pip install 'polyhal-cuda[cuda13]' "
+                "(or [cuda12]), i.e. cupy-cuda13x / cupy-cuda12x")
+
+
+@dataclass(frozen=True)
+class Enumeration:
+    """What one look at the CUDA devices found: device specs, and why any are missing."""
+
+    specs: tuple[DeviceSpec, ...]
+    reasons: tuple[str, ...]
+
+
+def _rank() -> int:
+    raw = os.environ.get("POLYHAL_CUDA_RANK", "").strip()
+    if not raw:
+        return DEFAULT_RANK
+    try:
+        return int(raw)
+    except ValueError:
+        raise polyhal.PluginError(f"POLYHAL_CUDA_RANK={raw!r} is not an integer") from None
+
+
+def pool_kind() -> str:
+    """``POLYHAL_CUDA_POOL``: ``caching`` (default) or ``async``."""
+    raw = os.environ.get("POLYHAL_CUDA_POOL", "caching").strip().lower() or "caching"
+    if raw not in POOLS:
+        raise polyhal.PluginError(f"POLYHAL_CUDA_POOL={raw!r}; use one of {POOLS}")
+    return raw
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)
+
+
+def limits(props: dict, ordinal: int, extra: dict) -> dict[str, Any]:
+    """Device limits shown by ``polyhal devices`` and used when sizing kernels and scratch."""
+    return {
+        "ordinal": ordinal,
+        "device": _text(props.get("name", "")).strip(),
+        "compute_capability": f"{props.get('major', 0)}.{props.get('minor', 0)}",
+        "multiprocessors": int(props.get("multiProcessorCount", 0)),
+        "global_mem_bytes": int(props.get("totalGlobalMem", 0)),
+        "l2_cache_bytes": int(props.get("l2CacheSize", 0)),
+        "shared_mem_per_block": int(props.get("sharedMemPerBlock", 0)),
+        "shared_mem_per_block_optin": int(props.get("sharedMemPerBlockOptin", 0) or props.get("sharedMemPerBlock", 0)),
+        "shared_mem_per_multiprocessor": int(props.get("sharedMemPerMultiprocessor", 0)),
+        "registers_per_block": int(props.get("regsPerBlock", 0)),
+        "registers_per_multiprocessor": int(props.get("regsPerMultiprocessor", 0)),
+        "max_threads_per_block": int(props.get("maxThreadsPerBlock", 1024)),
+        "warp_size": int(props.get("warpSize", 32)),
+        "managed_memory": bool(props.get("managedMemory", 0)),
+        "concurrent_managed_access": bool(props.get("concurrentManagedAccess", 0)),
+        "can_map_host_memory": bool(props.get("canMapHostMemory", 1)),
+        "pci_bus_id": f"{int(props.get('pciDomainID', 0)):04x}:{int(props.get('pciBusID', 0)):02x}:"
+                      f"{int(props.get('pciDeviceID', 0)):02x}",
+        **extra,
+    }
+
+
+def _create(spec: DeviceSpec):
+    # Imported here: the device module pulls in kernels and cupy, which enumeration avoids.
+    from polyhal_cuda.device import CUDADevice
+
+    return CUDADevice(spec)
+
+
+@functools.lru_cache(maxsize=8)
+def _enumerate(pool: str, rank: int) -> Enumeration:
+    try:
+        import cupy  # noqa: F401
+        from cupy.cuda import runtime
+    except ImportError as exc:
+        return Enumeration((), (f"cupy is not installed ({exc}); {INSTALL_HINT}",))
+    except Exception as exc:  # noqa: BLE001 - a broken cupy install must not break polyhal
+        return Enumeration((), (f"cupy cannot be imported ({type(exc).__name__}: {exc}); {INSTALL_HINT}",))
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - no driver, no device, driver too old
+        return Enumeration((), (f"CUDA reports no usable GPU ({type(exc).__name__}: {exc}); install the NVIDIA "
+                                "driver, check CUDA_VISIBLE_DEVICES, or match cupy's CUDA version to the driver",))
+    if count == 0:
+        return Enumeration((), ("CUDA found no GPU (cudaGetDeviceCount returned 0); check CUDA_VISIBLE_DEVICES",))
+    from polyhal_cuda.allocator import heaps_for
+
+    specs, reasons = [], []
+    for ordinal in range(count):
+        try:
+            props = runtime.getDeviceProperties(ordinal)
+            try:  # cudaDevAttrMemoryPoolsSupported
+                async_ok = bool(runtime.deviceGetAttribute(115, ordinal))
+            except Exception:  # noqa: BLE001
+                async_ok = False
+        except Exception as exc:  # noqa: BLE001
+            reasons.append(f"cuda:{ordinal}: cudaGetDeviceProperties failed ({type(exc).__name__}: {exc})")
+            continue
+        lim = limits(props, ordinal, {"pool": pool if async_ok else "caching", "async_pool_supported": async_ok})
+        caps = {"gpu", "cuda", "fp16", "fp64", "cuda-graphs", f"sm_{props.get('major', 0)}{props.get('minor', 0)}"}
+        if lim["managed_memory"]:
+            caps.add("managed-memory")
+        if async_ok:
+            caps.add("async-pool")
+        specs.append(DeviceSpec(
+            name=f"cuda:{ordinal}", backend="cuda", rank=rank, factory=_create,
+            # A block may use up to the opt-in maximum of shared memory (kernels opt in as needed).
+            heaps=heaps_for(lim, lim["pool"]), workgroup_bytes=lim["shared_mem_per_block_optin"],
+            capabilities=frozenset(caps), limits=lim,
+            dlpack_devices=frozenset({(DL_CUDA, ordinal), (DL_CUDA_MANAGED, ordinal), (DL_CUDA_HOST, ordinal)}),
+            description=(f"{lim['device']} (CUDA, sm_{props.get('major', 0)}{props.get('minor', 0)}, "
+                         f"{lim['multiprocessors']} SMs, {lim['global_mem_bytes'] / 2**30:.0f} GiB)"),
+        ))
+        if pool == "async" and not async_ok:
+            reasons.append(f"cuda:{ordinal}: POLYHAL_CUDA_POOL=async, but the device has no stream-ordered "
+                           "memory pools; using the caching pool")
+    return Enumeration(tuple(specs), tuple(reasons))
+
+
+def enumerate_devices() -> Enumeration:
+    """Look at every CUDA device (cached per configuration); never raises for a missing driver."""
+    return _enumerate(pool_kind(), _rank())
+
+
+@polyhal.hookimpl
+def register_devices():
+    """One DeviceSpec per CUDA GPU; its context, stream and pools are made on first use."""
+    return list(enumerate_devices().specs)
+
+
+@polyhal.hookimpl
+def report_unavailable():
+    """Why fewer CUDA devices than expected were registered (no cupy, no driver, no GPU)."""
+    return list(enumerate_devices().reasons)
