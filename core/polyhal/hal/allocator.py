@@ -68,11 +68,24 @@ class Allocator:
         self.heaps = tuple(heaps)
         self.statistics = AllocatorStatistics({h.memory_type: HeapStatistics() for h in self.heaps})
         self._lock = threading.Lock()
+        self._heap_memo: dict[tuple[int, int], Heap | None] = {}
 
     # -- queries -----------------------------------------------------------------------------
 
     def select_heap(self, memory_type: MemoryType, usage: BufferUsage = BufferUsage.DEFAULT) -> Heap | None:
-        """The heap a request is served from, or None. OPTIMAL prefers the device-local heap."""
+        """The heap a request is served from, or None. OPTIMAL prefers the device-local heap.
+
+        Memoized per (memory type, usage): flag-enum arithmetic is slow in Python, and every
+        allocation (plan outputs included) asks this.
+        """
+        key = (int(memory_type), int(usage))
+        try:
+            return self._heap_memo[key]
+        except KeyError:
+            heap = self._heap_memo[key] = self._select_heap(memory_type, usage)
+            return heap
+
+    def _select_heap(self, memory_type: MemoryType, usage: BufferUsage) -> Heap | None:
         memory_type = MemoryType(memory_type)
         usage = BufferUsage(usage) & ~BufferUsage.MAPPING_OPTIONAL
         fits = [h for h in self.heaps if h.serves(memory_type, usage)]

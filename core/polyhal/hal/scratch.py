@@ -150,7 +150,8 @@ class ScratchDecl:
     """A kernel's statement of one scratch need.
 
     ``per_workgroup`` and ``per_thread`` are byte counts, or functions ``f(problem,
-    workgroup_size) -> bytes``. ``shared`` says that threads of a workgroup read each other's
+    workgroup_size) -> bytes``; ``per_launch`` is a buffer the whole launch shares (global
+    memory only: an intermediate between the kernels of one op, a bitmask). ``shared`` says that threads of a workgroup read each other's
     part (so it cannot be private, and needs barriers where it is not global). ``spaces`` are the
     spaces the kernel has code for, in its order of preference (default: every space allowed by
     ``shared``, fastest first). ``purpose`` is one line for ``Plan.explain()``.
@@ -163,6 +164,7 @@ class ScratchDecl:
     spaces: tuple[MemorySpace, ...] = ()
     alignment: int = 16
     purpose: str = ""
+    per_launch: Size = 0
 
     def request(self, problem: Problem, kernel: KernelInfo) -> "ScratchRequest":
         """This declaration evaluated for ``problem`` launched as ``kernel``."""
@@ -172,7 +174,7 @@ class ScratchDecl:
 
         spaces = tuple(MemorySpace(s) for s in self.spaces) or ALL_SPACES
         return ScratchRequest(kernel, self.name, self.shared, size(self.per_workgroup), size(self.per_thread),
-                              spaces, self.alignment, self.purpose)
+                              spaces, self.alignment, self.purpose, size(self.per_launch))
 
 
 @dataclass(frozen=True)
@@ -187,9 +189,10 @@ class ScratchRequest:
     spaces: tuple[MemorySpace, ...] = ALL_SPACES
     alignment: int = 16
     purpose: str = ""
+    bytes_per_launch: int = 0
 
     def __post_init__(self) -> None:
-        if self.bytes_per_workgroup < 0 or self.bytes_per_thread < 0:
+        if self.bytes_per_workgroup < 0 or self.bytes_per_thread < 0 or self.bytes_per_launch < 0:
             raise ScratchError(f"{self.kernel}: scratch {self.name!r} declares a negative size")
 
     def allows(self, space: MemorySpace) -> bool:
@@ -198,6 +201,8 @@ class ScratchRequest:
         space = MemorySpace(space)
         if space not in self.spaces:
             return False
+        if self.bytes_per_launch and space is not MemorySpace.GLOBAL:
+            return False  # shared by every workgroup of the launch: only global memory is
         if space is MemorySpace.PRIVATE:
             return not self.shared and self.bytes_per_workgroup == 0
         return True
@@ -215,7 +220,7 @@ class ScratchRequest:
             return self.bytes_per_thread
         if space is MemorySpace.WORKGROUP:
             return self.workgroup_total
-        return self.workgroup_total * max(self.kernel.workgroups, 1)
+        return self.workgroup_total * max(self.kernel.workgroups, 1) + self.bytes_per_launch
 
     def describe(self) -> str:
         parts = []
@@ -223,6 +228,8 @@ class ScratchRequest:
             parts.append(f"{self.bytes_per_workgroup} B/workgroup")
         if self.bytes_per_thread:
             parts.append(f"{self.bytes_per_thread} B/thread")
+        if self.bytes_per_launch:
+            parts.append(f"{self.bytes_per_launch} B/launch")
         return f"{self.name} ({', '.join(parts) or '0 B'}{', shared' if self.shared else ''})"
 
 

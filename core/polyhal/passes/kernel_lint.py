@@ -15,9 +15,11 @@ source must not allocate at all. :func:`lint` rejects, outside comments and stri
     an array declared in a function body whose extent is not a compile-time constant (C99
     VLAs; an extent naming a variable or a parameter);
 ``unbounded-array``
-    an array declared with an empty extent (``extern __shared__ float s[];``, CUDA's dynamic
-    shared memory, sized at launch instead of planned), and ``__local`` pointer parameters of
-    an OpenCL ``__kernel`` (local memory sized by the host at launch, likewise unplanned).
+    an array declared with an empty extent, other than the two forms of *launch-sized*
+    workgroup memory: CUDA's ``extern __shared__ T s[];`` and an OpenCL ``__kernel``'s
+    ``__local T*`` parameter. Those are allowed because their size is an argument of the launch,
+    which the backend takes from the plan's :class:`~polyhal.hal.scratch.ScratchBinding` (a
+    WORKGROUP placement); :func:`scan` lists them with ``dynamic=True``.
 
 An extent is constant when it is made of integer literals, operators, ``sizeof`` and macros:
 ``#define``\\ s of the source itself, evaluated (``__local int idx[NP]`` with ``#define NP 1024``
@@ -79,6 +81,8 @@ class ArrayDecl:
     nbytes: int | None
     line: int
     function: str
+    #: Launch-sized workgroup memory (``extern __shared__``, a ``__local`` kernel parameter).
+    dynamic: bool = False
 
 
 # -- lexing -----------------------------------------------------------------------------------------
@@ -153,6 +157,10 @@ _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.BitXor: operator.xor}
 
 
+_CMPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+         ast.Eq: operator.eq, ast.NotEq: operator.ne}
+
+
 class _Open(Exception):
     """An extent that is constant but not known here (a template macro without a value)."""
 
@@ -181,14 +189,61 @@ def _type_bytes(t: str, defines: dict[str, str], typedefs: dict[str, str], depth
     return None
 
 
+def _closing(text: str) -> int:
+    """Index of the parenthesis closing ``text[0]`` (an opening one), or -1."""
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return i
+    return -1
+
+
+def _split_ternary(text: str) -> tuple[str, str, str] | None:
+    """``cond ? a : b`` at the top level of ``text`` (parentheses respected), or None."""
+    depth, q = 0, -1
+    for i, ch in enumerate(text):
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch == "?" and depth == 0 and q < 0:
+            q = i
+    if q < 0:
+        return None
+    depth, nested = 0, 0
+    for i in range(q + 1, len(text)):
+        ch = text[i]
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif depth == 0 and ch == "?":
+            nested += 1
+        elif depth == 0 and ch == ":":
+            if nested == 0:
+                return text[:q], text[q + 1:i], text[i + 1:]
+            nested -= 1
+    return None
+
+
 def _eval_extent(expr: str, defines: dict[str, str], depth: int = 0) -> int:
     """The value of a constant extent; raises _Variable (names a variable) or _Open (a template
     macro with no value here)."""
     if depth > 32:
         raise _Open(expr)
+    expr = expr.strip()
+    while expr.startswith("(") and _closing(expr) == len(expr) - 1:
+        expr = expr[1:-1].strip()  # (e) -> e, so that a parenthesised ternary is seen
+    parts = _split_ternary(expr)
+    if parts is not None:
+        cond, yes, no = parts
+        return _eval_extent(yes if _eval_extent(cond, defines, depth + 1) else no, defines, depth + 1)
     text = re.sub(r"\b(\d+)[uUlL]+\b", r"\1", expr.strip())
     text = re.sub(r"\bsizeof\s*\(([^()]*)\)", lambda m: "SIZEOF_" + re.sub(r"\W", "_", m.group(1).strip()), text)
     text = text.replace("/", "//").replace("////", "//").replace("&&", " and ").replace("||", " or ")
+    text = re.sub(r"!(?!=)", " not ", text).strip()
     try:
         tree = ast.parse(text, mode="eval")
     except SyntaxError:
@@ -204,6 +259,13 @@ def _eval_extent(expr: str, defines: dict[str, str], depth: int = 0) -> int:
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd, ast.Invert)):
             v = ev(node.operand)
             return -v if isinstance(node.op, ast.USub) else (~v if isinstance(node.op, ast.Invert) else v)
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            return int(not ev(node.operand))
+        if isinstance(node, ast.BoolOp):
+            vals = [ev(v) for v in node.values]
+            return int(all(vals)) if isinstance(node.op, ast.And) else int(any(vals))
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and type(node.ops[0]) in _CMPS:
+            return int(_CMPS[type(node.ops[0])](ev(node.left), ev(node.comparators[0])))
         if isinstance(node, ast.Name):
             name = node.id
             if name.startswith("SIZEOF_"):
@@ -227,6 +289,7 @@ _NEW = re.compile(r"(?:\bnew\s*\(|\bnew\s+[A-Za-z_(]|::\s*new\b)")
 _KERNEL = re.compile(r"(?:__kernel|\bkernel)\s+(?:__attribute__\s*\(\(.*?\)\)\s*)?void\s+(\w+)\s*\(([^)]*)\)", re.S)
 _FUNC = re.compile(r"\b([A-Za-z_]\w*)\s*\([^;{}]*\)\s*\{")
 _DECL_HEAD = re.compile(r"^\s*((?:[A-Za-z_]\w*\s*\*?\s+)+?)([A-Za-z_]\w*\s*(?:\[[^\]]*\]\s*)+.*)$", re.S)
+_ATTRS = re.compile(r"\b(?:__align__|alignas|_Alignas|__attribute__)\s*\((?:[^()]|\([^()]*\))*\)")
 _DECLARATOR = re.compile(r"^\s*\**\s*([A-Za-z_]\w*)\s*((?:\[[^\]]*\]\s*)+)")
 
 
@@ -317,15 +380,15 @@ def scan(source: str, name: str = "<source>", language: str = "opencl",
         find("alloca", m.start(), f"{m.group(1)}() is a stack allocation sized at run time; declare a scratch")
     for m in _NEW.finditer(code):
         find("new-expression", m.start(), "operator new allocates inside a kernel; declare a scratch")
+    arrays: list[ArrayDecl] = []
     if language == "opencl":
         for m in _KERNEL.finditer(code):
             for param in _split_top(m.group(2)):
                 if re.search(r"\b(__local|local)\b", param) and "*" in param:
-                    find("unbounded-array", m.start(2) + m.group(2).find(param.strip()),
-                         f"__kernel {m.group(1)} takes __local memory sized by the host at launch "
-                         f"({param.strip()}); declare a fixed-size __local array so that the planner sizes it")
-
-    arrays: list[ArrayDecl] = []
+                    pname = re.findall(r"[A-Za-z_]\w*", param)[-1]
+                    ptype = [w for w in re.findall(r"[A-Za-z_]\w*", param)[:-1] if w not in _QUALIFIERS]
+                    arrays.append(ArrayDecl(pname, "workgroup", ptype[-1] if ptype else "", (), None, None,
+                                            _line_of(code, m.start(2)), m.group(1), dynamic=True))
     spans = _function_spans(code)
     # File scope too (CUDA allows __shared__ arrays there), with function bodies blanked out.
     top = list(code)
@@ -346,6 +409,7 @@ def scan(source: str, name: str = "<source>", language: str = "opencl",
 
 def _declarations(stmt: str, stmt_pos: int, fname: str, table: dict[str, str], typedefs: dict[str, str],
                   code: str, find, arrays: list[ArrayDecl]) -> None:
+    stmt = _ATTRS.sub(" ", stmt)
     # A for-loop header may declare too: keep the part after the last '('.
     head_cut = stmt.rfind("(") if stmt.lstrip().startswith(("for", "if", "while")) else -1
     part = stmt[head_cut + 1:] if head_cut >= 0 else stmt
@@ -353,6 +417,8 @@ def _declarations(stmt: str, stmt_pos: int, fname: str, table: dict[str, str], t
     if not m:
         return
     all_words = m.group(1).replace("*", " ").split()
+    if not all_words:
+        return
     # The type is the last word; qualifiers may precede it. Anything before those belongs to an
     # earlier statement without a semicolon (a template macro such as X_PROLOGUE).
     words = all_words[-1:]
@@ -363,7 +429,7 @@ def _declarations(stmt: str, stmt_pos: int, fname: str, table: dict[str, str], t
     elem_type = words[-1]
     if elem_type in _NOT_TYPES or elem_type in _QUALIFIERS:
         return
-    ws = set(words)
+    ws = set(all_words)
     space = ("workgroup" if ws & {"__local", "local", "__shared__"} else
              "constant" if ws & {"__constant", "constant", "__constant__"} else "private")
     is_extern = "extern" in ws
@@ -377,9 +443,12 @@ def _declarations(stmt: str, stmt_pos: int, fname: str, table: dict[str, str], t
         extents = tuple(e.strip() for e in re.findall(r"\[([^\]]*)\]", ext_text))
         where = base + m.group(2).find(decl.strip()) if decl.strip() else base
         if any(e == "" for e in extents):
-            what = "extern __shared__" if is_extern else "an empty extent"
-            find("unbounded-array", where, f"array {aname!r} has {what}: its size is set at launch, not "
-                 "planned; give it a constant extent (a scratch declaration sizes it)")
+            if is_extern and space == "workgroup":  # CUDA dynamic shared memory: sized by the launch
+                arrays.append(ArrayDecl(aname, space, elem_type, extents, None, None, _line_of(code, where),
+                                        fname, dynamic=True))
+                continue
+            find("unbounded-array", where, f"array {aname!r} has an empty extent: nothing bounds it; give it "
+                 "a constant extent (a scratch declaration sizes it)")
             continue
         elements: int | None = 1
         for e in extents:

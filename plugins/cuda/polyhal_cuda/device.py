@@ -107,7 +107,10 @@ class CUDADevice(Device):
             self.stream = cupy.cuda.Stream(non_blocking=False)
             self._export_event = cupy.cuda.Event(disable_timing=True)
         self._scope = _Activation(ordinal, self.stream)
-        self.allocator = CUDAAllocator(self, spec.heaps)
+        #: The device's own allocator; ``allocator`` may later be wrapped by adaptors
+        #: (``wrap_allocator`` hook), so pool-level operations go through this one.
+        self.cuda_allocator = CUDAAllocator(self, spec.heaps)
+        self.allocator = self.cuda_allocator
         self.stager = Stager(self)
         self.modules: dict[Any, Any] = {}
         self._modules_lock = threading.Lock()
@@ -120,7 +123,7 @@ class CUDADevice(Device):
         """Finish queued work, free staging buffers and give cached memory back to CUDA."""
         self.synchronize()
         self.stager.close()
-        self.allocator.trim()
+        self.cuda_allocator.trim()
 
     # -- kernels ---------------------------------------------------------------------------------
 
@@ -192,20 +195,9 @@ class CUDADevice(Device):
                output_slots: Sequence[int]) -> Callable[[], None]:
         """Replay hook of the core's plans: run the steps eagerly once, then as a CUDA graph
         captured once and replayed with inputs and outputs rebound (see :mod:`.graphs`)."""
-        from polyhal_cuda.graphs import GraphReplay, worth_capturing
+        from polyhal_cuda.graphs import GraphReplay
 
-        replay = GraphReplay(self, steps, slots, input_slots, output_slots)
-        capture = replay._capture
-
-        def decide() -> bool:
-            io = sum(slots[i].nbytes for i in (*replay.input_slots, *replay.output_slots) if slots[i] is not None)
-            if not worth_capturing(len(replay.steps), io):
-                replay._disable("not worth a graph: few steps or large inputs/outputs (POLYHAL_CUDA_GRAPHS=1 forces)")
-                return False
-            return capture()
-
-        replay._capture = decide  # type: ignore[method-assign]
-        return replay
+        return GraphReplay(self, steps, slots, input_slots, output_slots)
 
     # -- data movement ---------------------------------------------------------------------------
 
@@ -319,7 +311,8 @@ class CUDADevice(Device):
             except Exception:  # noqa: BLE001 - attribute queries are advisory
                 pass
         memory_type = {BufferKind.HOST: PINNED_MEMORY, BufferKind.MANAGED: MANAGED_MEMORY}.get(kind, MemoryType.DEVICE_LOCAL)
-        heap = next((h for h in self.allocator.heaps if h.memory_type == memory_type), self.allocator.heaps[0])
+        alloc = self.cuda_allocator
+        heap = next((h for h in alloc.heaps if h.memory_type == memory_type), alloc.heaps[0])
         native = CUDAMemory(imported.data_ptr, extent, kind, imported, self.ordinal)
-        return Buffer(self.allocator, heap, extent, native, memory_type=memory_type, kind=BufferKind.EXTERNAL,
+        return Buffer(alloc, heap, extent, native, memory_type=memory_type, kind=BufferKind.EXTERNAL,
                       on_release=lambda *_: imported.release())

@@ -101,7 +101,7 @@ class GraphReplay:
     def __call__(self) -> None:
         if self.graph is None:
             self.calls += 1
-            if self._disabled or self.calls < 2 or not self._capture():
+            if self._disabled or self.calls < 2 or not self._try_capture():
                 for step in self.steps:
                     step()
                 return
@@ -127,6 +127,14 @@ class GraphReplay:
 
     # -- capture -----------------------------------------------------------------------------------
 
+    def _try_capture(self) -> bool:
+        slots = self.slots
+        io = sum(slots[i].nbytes for i in (*self.input_slots, *self.output_slots) if slots[i] is not None)
+        if not worth_capturing(len(self.steps), io):
+            self._disable("not worth a graph: few steps or large inputs/outputs (POLYHAL_CUDA_GRAPHS=1 forces)")
+            return False
+        return self._capture()
+
     def _capture(self) -> bool:
         import cupy
 
@@ -135,7 +143,7 @@ class GraphReplay:
         if any(not getattr(a, "flags", None) or not a.flags.c_contiguous for a in bound.values()):
             self._disable("a bound input or output is not contiguous")
             return False
-        keep = _KeepAllocator(dev.allocator.pool)
+        keep = _KeepAllocator(dev.cuda_allocator.pool)
         try:
             with dev.activate():
                 own = {i: self._owned_like(a) for i, a in bound.items()}
@@ -169,7 +177,7 @@ class GraphReplay:
     def _owned_like(self, a: Any) -> Any:
         import cupy
 
-        mp = self.device.allocator.pool.malloc(max(a.nbytes, 1))
+        mp = self.device.cuda_allocator.pool.malloc(max(a.nbytes, 1))
         self._owned.append(mp)
         return cupy.ndarray(a.shape, a.dtype, mp)
 

@@ -156,6 +156,8 @@ def _ufunc(device, op, attrs, ins, outs, binding) -> Kernel:
 _PREAMBLE = """
 template <typename T> struct polyhal_ct { typedef float type; };
 template <> struct polyhal_ct<double> { typedef double type; };
+// y == -1 for signed types only (x % -1 is 0; INT_MIN % -1 traps)
+template <typename T> __device__ bool polyhal_minus_one(T y) { return (T)(-1) < (T)0 && y == (T)(-1); }
 """
 
 _EW_SOURCES: dict[str, tuple[str, str, str]] = {
@@ -172,8 +174,8 @@ _EW_SOURCES: dict[str, tuple[str, str, str]] = {
     "shl": ("T x, T y", "T z", "z = (y >= (T)(sizeof(T) * 8)) ? (T)0 : (T)(x << y)"),
     "shr": ("T x, T y", "T z", "z = (y >= (T)(sizeof(T) * 8)) ? (T)0 : (T)(x >> y)"),
     # C's % truncates (sign of x); division by zero gives 0, and x % -1 is 0 (INT_MIN % -1 traps).
-    "fmod_int": ("T x, T y", "T z", "z = (y == (T)0 || y == (T)(-1)) ? (T)0 : (T)(x % y)"),
-    "mod_int": ("T x, T y", "T z", "T r = (y == (T)0 || y == (T)(-1)) ? (T)0 : (T)(x % y); "
+    "fmod_int": ("T x, T y", "T z", "z = (y == (T)0 || polyhal_minus_one(y)) ? (T)0 : (T)(x % y)"),
+    "mod_int": ("T x, T y", "T z", "T r = (y == (T)0 || polyhal_minus_one(y)) ? (T)0 : (T)(x % y); "
                 "if (r != (T)0 && ((r < (T)0) != (y < (T)0))) r = (T)(r + y); z = r"),
     "fmod_float": ("T x, T y", "T z", "typedef typename polyhal_ct<T>::type C; z = (T)fmod((C)x, (C)y)"),
 }

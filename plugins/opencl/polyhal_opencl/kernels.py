@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
-from polyhal.hal.flags import MemoryType
 from polyhal.ops import resolve_attrs
 
 from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
@@ -38,6 +37,12 @@ GENERATORS: dict[str, Callable[..., Recipe]] = {
     **reduction.GENERATORS, **shape.GENERATORS, **sorting.GENERATORS, **indexing.GENERATORS,
     **nn.GENERATORS, **data_tiling.GENERATORS, **detection.GENERATORS,
 }
+# Kernels written for the bufferize pass replace the generators above for their ops: generated
+# here with the placements the core's default rule gives; plans generate them for the placements
+# the select_memory_space policy chose (polyhal_opencl.scratch).
+from polyhal_opencl.ops import planned_generators  # noqa: E402
+
+GENERATORS.update(planned_generators.GENERATORS)
 
 #: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
 KERNEL_NAMES = frozenset(GENERATORS)
@@ -53,19 +58,26 @@ def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ..
 
 
 def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
-            out_types: tuple["TensorType", ...], traits: DeviceTraits | None = None) -> Callable[..., None]:
+            out_types: tuple["TensorType", ...], traits: DeviceTraits | None = None,
+            scratch: Any = None) -> Callable[..., None]:
     """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``.
 
     ``traits`` overrides the device's (tests use it to force e.g. the global sort path).
+    ``scratch`` is the plan's :class:`~polyhal.hal.scratch.ScratchBinding` (see
+    :mod:`polyhal_opencl.scratch`): the recipe is generated for its memory spaces and its global
+    scratch comes from the plan's arena.
     """
+    from polyhal_opencl import scratch as planned
+
     traits = traits or device.traits
-    recipe = generate(op, attrs, in_types, out_types, traits)
+    recipe = planned.generate(device, op, attrs, in_types, out_types, traits, scratch)
     itemsizes = [t.dtype.itemsize for t in (*in_types, *out_types)]
     # Empty tensors give recipes without launches; their sources would divide by zero extents.
     launches = any(isinstance(s, Launch) for s in recipe.steps)
     program = device.programs.get(recipe.source, traits.build_options()) if launches else None
-    # Scratch lives as long as the closure (the plan step) does, then returns to the allocator.
-    scratch = [device.allocator.allocate(n, MemoryType.DEVICE_LOCAL) for n in recipe.scratch]
+    # Global scratch: slices of the plan's arena, or (prepared without a plan) allocated here, once,
+    # living as long as the closure; never allocated by a kernel.
+    scratch = planned.buffers(device, recipe, scratch)
     steps = [_bind_launch(device, program, s, scratch, itemsizes) if isinstance(s, Launch)
              else _bind_copy(device, s) for s in recipe.steps]
     what = f"running {op} on {device.name}"

@@ -13,7 +13,7 @@ Importing this package imports ``onnx``; ``import polyhal`` does not.
 """
 
 from polyhal.frontends.onnx.errors import (
-    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxUnsupportedError, StrictPlacementError,
+    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError, StrictPlacementError,
 )
 from polyhal.frontends.onnx.importer import (
     MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, OnnxProgram, load, read_model,
@@ -29,6 +29,6 @@ def supported_ops() -> list[str]:
 
 
 __all__ = [
-    "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError", "OnnxModelError", "OnnxProgram",
+    "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError", "OnnxModelError", "OnnxRunError", "OnnxProgram",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

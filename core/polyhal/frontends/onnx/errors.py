@@ -22,6 +22,11 @@ class OnnxInputError(OnnxError, ValueError):
     """Inputs given to a model that do not fit it: missing, extra, wrong shape or element type."""
 
 
+class OnnxRunError(OnnxError, RuntimeError):
+    """Running an imported model failed in a kernel (for example an index out of range in the
+    data); the kernel's own exception is chained."""
+
+
 class NeedsValue(OnnxUnsupportedError):
     """An operand that decides a shape (Reshape's shape, TopK's k, Slice's starts, ...) comes
     from graph inputs whose values are not known at import time.

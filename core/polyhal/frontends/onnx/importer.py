@@ -34,7 +34,7 @@ from onnx import helper, numpy_helper
 
 from polyhal.errors import PolyhalError
 from polyhal.frontends.onnx.errors import (
-    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxUnsupportedError,
+    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError,
 )
 from polyhal.ir.program import Program, ProgramBuilder, Value
@@ -94,7 +94,10 @@ def _declared(type_proto: onnx.TypeProto) -> tuple[int | None, tuple | None]:
 
 
 def _fmt_declared(elem: int | None, dims: tuple | None, type_proto: onnx.TypeProto | None = None) -> str:
-    name = onnx.TensorProto.DataType.Name(elem).lower() if elem else "?"
+    try:
+        name = onnx.TensorProto.DataType.Name(elem).lower() if elem else "?"
+    except ValueError:
+        name = f"type{elem}"
     if dims is None:
         return f"{name}[...]"
     syms = []
@@ -174,7 +177,13 @@ class OnnxProgram(Program):
                 f"{self.source}: {len(missing)} op(s) have no kernel on {', '.join(requested)} "
                 f"(strict placement): " + "; ".join(lines) + more + hint)
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
-        return polyhal.compile(self, order, registry=registry, **options)
+        try:
+            return polyhal.compile(self, order, registry=registry, **options)
+        except PolyhalError:
+            raise
+        except Exception as exc:  # a kernel that cannot be prepared for these operands
+            raise OnnxRunError(f"{self.source}: compiling the model failed: {type(exc).__name__}: "
+                               f"{_first_line(exc)}") from exc
 
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``feeds`` as numpy arrays, after checking names, element types and shapes against
@@ -219,7 +228,13 @@ class OnnxProgram(Program):
     def execute(self, plan, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run ``plan`` (compiled from this program) on ``feeds`` and return the ONNX outputs by
         name, as numpy arrays: outputs of run-time length are cut to it (see ``trims``)."""
-        outs = plan(**{n: feeds[n] for n in self.input_names})
+        try:
+            outs = plan(**{n: feeds[n] for n in self.input_names})
+        except PolyhalError:
+            raise
+        except Exception as exc:  # a kernel's own error (an index out of range in the data, ...)
+            raise OnnxRunError(f"{self.source}: running the model failed: {type(exc).__name__}: "
+                               f"{_first_line(exc)}") from exc
         arrays = [t.numpy() for t in (outs if isinstance(outs, tuple) else (outs,))]
         result = {}
         for i, name in enumerate(self.output_names):
@@ -388,7 +403,15 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     source = source or read_as
     opset = default_opset(proto, source)
     checked = _validate(proto, source) if validate else proto
-    return _Importer(checked, source, opset, shapes or {}, values or {}, dims or {}, default_dim, name).run()
+    importer = _Importer(checked, source, opset, shapes or {}, values or {}, dims or {}, default_dim, name)
+    try:
+        return importer.run()
+    except PolyhalError:
+        raise
+    except RecursionError:
+        raise OnnxModelError(f"{source}: the graph nests too deeply") from None
+    except Exception as exc:  # noqa: BLE001  (a malformed model the checks above did not foresee)
+        raise OnnxModelError(f"{source}: malformed model ({type(exc).__name__}: {_first_line(exc)})") from exc
 
 
 class _Importer:

@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and summarise the timings")
     p.add_argument("--output", "-o", default=None, metavar="DIR", help="write each output to DIR/NAME.npy")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of text")
-    p.add_argument("--print-limit", type=int, default=8, metavar="N",
-                   help="elements shown at each end of printed outputs (default 8)")
+    p.add_argument("--print-limit", type=int, default=3, metavar="N",
+                   help="elements shown at each end of printed outputs (default 3)")
 
 
 # ------------------------------------------------------------------------------------ inputs

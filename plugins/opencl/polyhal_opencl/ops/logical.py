@@ -8,9 +8,15 @@ from polyhal_opencl.ops.elementwise import Expr, binary_generator, unary_generat
 
 
 def _shift(a: str, b: str, t: CType, direction: str = "left") -> str:
-    # C leaves shifts by the width or more undefined; polyhal defines them as 0.
-    op = "<<" if direction == "left" else ">>"
-    return f"(({b}) >= {t.dtype.itemsize * 8} ? ({t.compute})0 : ({t.compute})({a} {op} {b}))"
+    """ONNX BitShift as polyhal defines it: left shifts wrap (done unsigned), right shifts of
+    signed values are arithmetic, and a count outside [0, bits) gives the sign fill alone (C
+    leaves such shifts undefined)."""
+    c, bits = t.compute, t.dtype.itemsize * 8
+    outside = f"({b} < 0 || {b} >= {bits})" if t.kind == "i" else f"({b} >= {bits})"
+    if direction == "left":
+        return f"({outside} ? ({c})0 : ({c})(({t.unsigned}){a} << {b}))"
+    fill = f"({a} < 0 ? ({c})-1 : ({c})0)" if t.kind == "i" else f"({c})0"
+    return f"({outside} ? {fill} : ({c})({a} >> {b}))"
 
 
 BINARY: dict[str, Expr] = {

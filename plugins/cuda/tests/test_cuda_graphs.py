@@ -1,0 +1,106 @@
+"""Plans on the GPU: CUDA-graph capture and replay with inputs and outputs rebound (GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyhal
+
+
+def _chain(n: int, steps: int):
+    b = polyhal.ProgramBuilder("chain")
+    x, y = b.input("x", (n,)), b.input("y", (n,))
+    v = x
+    for i in range(steps):
+        v = b.add(v, y) if i % 2 == 0 else b.mul(v, y)
+    b.output(v)
+    return b.build()
+
+
+def _ref(x, y, steps):
+    v = x.astype(np.float64)
+    for i in range(steps):
+        v = v + y if i % 2 == 0 else v * y
+    return v
+
+
+def test_plan_is_captured_once_and_replayed(cuda, rng):
+    plan = polyhal.compile(_chain(16, 20), cuda.name)
+    replay = plan.replay
+    assert replay is not None and replay.mode == "eager"
+    for i in range(5):
+        x, y = rng.standard_normal(16).astype(np.float32), rng.uniform(0.5, 1.5, 16).astype(np.float32)
+        np.testing.assert_allclose(plan(x, y).numpy(), _ref(x, y, 20), rtol=1e-4, err_msg=f"call {i}")
+    assert replay.mode == "graph" and replay.replays == 4
+    graph = replay.graph
+    plan(x, y)
+    assert replay.graph is graph  # never re-captured
+
+
+def test_replay_rebinds_device_tensors_and_out(cuda, rng):
+    plan = polyhal.compile(_chain(1000, 6), cuda.name)
+    out = polyhal.empty((1000,), "float32", cuda)
+    for _ in range(4):
+        x = polyhal.asarray(rng.standard_normal(1000).astype(np.float32), device=cuda)
+        y = polyhal.asarray(rng.uniform(0.5, 1.5, 1000).astype(np.float32), device=cuda)
+        plan(x, y, out=out)
+        np.testing.assert_allclose(out.numpy(), _ref(x.numpy(), y.numpy(), 6), rtol=1e-4)
+    assert plan.replay.mode == "graph"
+
+
+def test_sort_and_reductions_capture(cuda, rng):
+    b = polyhal.ProgramBuilder("mix")
+    x = b.input("x", (64, 300))
+    s = b.sort(x, axis=1)
+    t = b.op("topk", x, k=5, axis=1)
+    b.output(b.reduce_sum(s, axes=[1]), t[1], b.softmax(x, axis=-1))
+    plan = polyhal.compile(b.build(), cuda.name)
+    for _ in range(3):
+        xs = rng.standard_normal((64, 300)).astype(np.float32)
+        total, idx, sm = plan(xs)
+        np.testing.assert_allclose(total.numpy(), np.sort(xs, 1).sum(1), rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(idx.numpy(), np.argsort(-xs, 1, kind="stable")[:, :5])
+        e = np.exp(xs - xs.max(1, keepdims=True))
+        np.testing.assert_allclose(sm.numpy(), e / e.sum(1, keepdims=True), rtol=1e-5, atol=1e-6)
+    assert plan.replay.mode == "graph", plan.replay.reason
+
+
+def test_uncapturable_step_stays_eager_with_a_reason(cuda, rng, monkeypatch):
+    from polyhal_cuda import kernels
+
+    # A step that synchronises with the host cannot be captured: the replay stays eager, right.
+    monkeypatch.setitem(kernels._BUILDERS, "neg", lambda d, op, a, i, o, b: kernels._host_fallback(op, a, i, o))
+    b = polyhal.ProgramBuilder("host")
+    x = b.input("x", (8,))
+    b.output(b.add(b.neg(x), x))
+    plan = polyhal.compile(b.build(), cuda.name)
+    for _ in range(3):
+        xs = rng.standard_normal(8).astype(np.float32)
+        np.testing.assert_allclose(plan(xs).numpy(), np.zeros(8), atol=1e-6)
+    assert plan.replay.mode.startswith("eager (capture failed"), plan.replay.mode
+
+
+def test_graphs_can_be_turned_off(cuda, rng, monkeypatch):
+    monkeypatch.setenv("POLYHAL_CUDA_GRAPHS", "0")
+    plan = polyhal.compile(_chain(16, 4), cuda.name)
+    for _ in range(3):
+        plan(np.ones(16, np.float32), np.ones(16, np.float32))
+    assert plan.replay.mode.startswith("eager (not worth")
+
+
+def test_demo_mlp_block_on_gpu(cuda):
+    from polyhal import cli
+
+    assert cli.main(["demo", "--device", cuda.name, "--repeat", "5"]) == 0
+
+
+def test_scratch_is_planned_by_bufferize(cuda):
+    b = polyhal.ProgramBuilder("sorts")
+    x = b.input("x", (2, 1 << 18))
+    b.output(b.op("argsort", x, axis=1, descending=True))
+    plan = polyhal.compile(b.build(), cuda.name)
+    text = plan.explain()
+    assert "radix_sort.keys" in text and "global" in text
+    xs = np.random.default_rng(0).standard_normal((2, 1 << 18)).astype(np.float32)
+    np.testing.assert_array_equal(plan(xs).numpy(), np.argsort(-xs, 1, kind="stable"))

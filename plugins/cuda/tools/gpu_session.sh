@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine: install, CUDA plugin tests, conformance suite, benchmarks.
+# Logs and result files go to $OUT (one tarball, results.tgz); a short summary is printed last.
+# Usage: bash plugins/cuda/tools/gpu_session.sh [tests] [conformance] [bench] [opencl]  (default: all but opencl)
+set -u
+export PYTHONUNBUFFERED=1
+# cupy's compiled-kernel cache: carried between calls (name .cupy_cache in carry) to skip NVRTC
+export CUPY_CACHE_DIR=$PWD/.cupy_cache; mkdir -p "$CUPY_CACHE_DIR"
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/logs"
+PHASES=${*:-tests conformance bench}
+SUMMARY="$OUT/logs/summary.txt"; : > "$SUMMARY"
+note() { echo "$*" | tee -a "$SUMMARY"; }
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/logs/gpu.txt" 2>&1
+export POLYHAL_BENCH_GPU="$(head -1 "$OUT/logs/gpu.txt")"
+note "gpu: $POLYHAL_BENCH_GPU; $(python3 --version 2>&1); cupy $(python3 -c 'import cupy; print(cupy.__version__)' 2>&1)"
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda > "$OUT/logs/install.txt" 2>&1 \
+  || { note "editable install failed: see install.txt"; export PYTHONPATH=$PWD/core:$PWD/plugins/cpu:$PWD/plugins/cuda; }
+polyhal devices > "$OUT/logs/devices.txt" 2>&1; cat "$OUT/logs/devices.txt" | head -8
+
+run() {  # name timeout command...
+  local name=$1 t=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$t" "$@" > "$OUT/logs/$name.txt" 2>&1; local rc=$?
+  note "$name: rc=$rc ($(( $(date +%s) - t0 )) s) $(grep -E '^(=+ )?[0-9]+ (passed|failed)|passed|failed' "$OUT/logs/$name.txt" | tail -1)"
+}
+for phase in $PHASES; do
+  case $phase in
+    tests) run cuda_tests "${T_TESTS:-240}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=90 plugins/cuda/tests ${TEST_ARGS:-} ;;
+    conformance) run conformance_cuda "${T_CONF:-120}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-backend=cuda ;;
+    bench) run bench_cuda "${T_BENCH:-200}" python3 -m bench cuda_plan cuda_matmul cuda_sort cuda_nms cuda_transfer --suffix -h100 ${BENCH_ARGS:-} ;;
+    bench_*) run "$phase" "${T_BENCH:-120}" python3 -m bench "cuda_${phase#bench_}" --suffix -h100 ${BENCH_ARGS:-} ;;
+    opencl)
+      mkdir -p .vendors && echo libnvidia-opencl.so.1 > .vendors/nvidia.icd && export OCL_ICD_VENDORS=$PWD/.vendors
+      python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:${PYTHONPATH:-}
+      python3 -m pip install -q --no-deps --no-build-isolation -e plugins/opencl >> "$OUT/logs/install.txt" 2>&1
+      run conformance_opencl 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_conformance.py --polyhal-backend=opencl
+      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" 200 python3 -m bench "$(basename "$b" .py)" --suffix -h100; done ;;
+  esac
+done
+tar czf "$OUT/results.tgz" -C "$OUT" logs -C "$PWD" bench/results 2>/dev/null
+tar czf "$OUT/cupy_cache.tgz" -C "$PWD" .cupy_cache 2>/dev/null
+echo "===== summary"; cat "$SUMMARY"
+for f in "$OUT"/logs/*.txt; do case $f in *summary*|*install*|*gpu*) ;; *) echo "--- $(basename $f) (tail)"; grep -E "FAILED|ERROR|Error|error:|^\| " "$f" | head -40;; esac; done
