@@ -48,7 +48,21 @@ def run(args) -> list[Row]:
         t_cupy = gpu_time(lambda: cp.sort(cx), number=10, repeat=reps)
         rows.append(Row("sort 16M float32", "ms", t_plan * 1e3, t_cupy * 1e3, "cupy.sort", "<= 1.2x",
                         t_plan <= 1.2 * t_cupy, {"kernel_only_ms": t_kernel * 1e3,
-                                                 "path": kernel.inner.plan.path}))
+                                                 "path": kernel.inner.plan.path, "radix": kernel.inner.plan.impl}))
+        # the same sort through the other radix implementation, for comparison
+        from polyhal_cuda import sorting
+
+        other = "onesweep" if sorting.RADIX_IMPL == "classic" else "classic"
+        old_impl, sorting.RADIX_IMPL = sorting.RADIX_IMPL, other
+        try:
+            alt = dev.prepare("sort", {"axis": 0}, (tt,), (tt,))
+        finally:
+            sorting.RADIX_IMPL = old_impl
+        alt(xn, on)
+        assert bool((on == cp.sort(cx)).all()), f"{other} sort differs from cupy.sort"
+        t_alt = gpu_time(lambda: alt(xn, on), number=10, repeat=reps)
+        rows.append(Row(f"sort 16M float32, {other} radix, kernels only", "ms", t_alt * 1e3, t_cupy * 1e3,
+                        "cupy.sort"))
         # argsort of 16M
         iout = polyhal.empty((n,), "int64", dev)
         aplan = _plan(dev, "argsort", (n,), axis=0)

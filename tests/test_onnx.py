@@ -108,6 +108,23 @@ def test_values_fix_shape_inputs_and_backend_learns_them():
         np.testing.assert_array_equal(y, x.reshape(shape))
 
 
+def test_matmul_and_bias_add_fuse_into_linear():
+    w = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "w")
+    b = numpy_helper.from_array(np.array([1, 2, 3, 4], np.float32), "b")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+             helper.make_node("Add", ["h", "b"], ["y"], name="bias")]
+    m = model_of(nodes, [vi("x", [2, 5, 3])], [vi("y", [2, 5, 4])], [w, b])
+    program = ponnx.load(m)
+    plan = program.compile("cpu:0")
+    assert [op.name for op in plan.program.ops] == ["linear"]
+    assert "mm (MatMul) + bias (Add): linear -> cpu:0" in program.explain(plan)
+    x = np.random.default_rng(0).standard_normal((2, 5, 3)).astype(np.float32)
+    want = x @ numpy_helper.to_array(w) + numpy_helper.to_array(b)
+    np.testing.assert_allclose(program.execute(plan, {"x": x})["y"], want, rtol=1e-6)
+    unfused = program.compile("cpu:0", fuse=False)
+    assert [op.name for op in unfused.program.ops] == ["matmul", "add"]
+
+
 def test_function_ops_are_expanded():
     # MeanVarianceNormalization has no converter: ONNX's function body runs instead.
     m = model_of([helper.make_node("MeanVarianceNormalization", ["x"], ["y"], name="mvn")],
@@ -327,7 +344,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 _TARGETS = _fuzz_targets()
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 @given(which=st.integers(0, len(_TARGETS) - 1), cuts=st.lists(st.tuples(st.floats(0, 1), st.integers(0, 255)),
                                                                min_size=1, max_size=6),
        truncate=st.one_of(st.none(), st.floats(0, 1)))
@@ -345,7 +362,7 @@ def test_fuzz_mutated_bytes(which, cuts, truncate):
 _MUTATIONS = ["op_type", "attr_int", "dim", "elem_type", "drop_input", "rename_input", "swap_nodes", "drop_init"]
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 @given(which=st.integers(0, 1), steps=st.lists(st.tuples(st.sampled_from(_MUTATIONS), st.integers(0, 10**6)),
                                                 min_size=1, max_size=4))
 def test_fuzz_mutated_models(which, steps):

@@ -12,10 +12,11 @@ pytest.importorskip("onnx")
 
 from polyhal.frontends.onnx import node_tests  # noqa: E402
 
-#: Passes on cpu:0 when this floor was set: 1398 of 1884 (onnxruntime passes ~1525 with a plain
+#: Passes on cpu:0 when this floor was set: 1528 of 1884 (onnxruntime passes ~1525 with a plain
 #: wrapper). The issue's target is 600; the floor sits below today's count to catch regressions.
-PASS_FLOOR = 1350
-#: Wrong results / errors allowed (today: the two float16 attention cases, 1 half-ulp off).
+PASS_FLOOR = 1450
+#: Wrong results / errors allowed (today 4: two float16 attention cases a half-ulp off, and two
+#: inverse DFTs whose expected near-zero values carry float32 rounding noise above atol).
 FAIL_CEILING = 10
 
 

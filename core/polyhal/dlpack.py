@@ -324,7 +324,9 @@ def _call_deleter(deleter_ptr: int, managed_ptr: int) -> None:
 class ImportedTensor:
     """A consumed DLPack tensor: a borrowed view of memory the producer owns.
 
-    ``data_ptr`` already includes the producer's byte offset; ``strides`` are in elements;
+    ``data_ptr`` already includes the producer's byte offset, which is also kept in
+    ``byte_offset`` for handles that are not addresses (OpenCL's ``cl_mem``: the handle is
+    ``data_ptr - byte_offset``); ``strides`` are in elements;
     ``device`` is ``(DLDeviceType or int, device_id)``; ``copied`` is the producer's IS_COPIED
     flag (always False for legacy capsules). The memory stays valid until :meth:`release` is
     called or this object is garbage collected.
@@ -337,6 +339,7 @@ class ImportedTensor:
     device: tuple[int, int]
     readonly: bool
     copied: bool = False
+    byte_offset: int = 0
     _finalizer: Any = field(default=None, init=False, repr=False)
 
     @property
@@ -401,7 +404,7 @@ def from_capsule(capsule: Any) -> ImportedTensor:
     imported = ImportedTensor(
         data_ptr=data_ptr, shape=shape, strides=strides, dtype=dtype,
         device=(dev_type, t.device.device_id), readonly=bool(flags & DLPACK_FLAG_BITMASK_READ_ONLY),
-        copied=bool(flags & DLPACK_FLAG_BITMASK_IS_COPIED))
+        copied=bool(flags & DLPACK_FLAG_BITMASK_IS_COPIED), byte_offset=int(t.byte_offset))
     if deleter_ptr:  # DLPack allows a NULL deleter when there is nothing to free
         imported._finalizer = weakref.finalize(imported, _call_deleter, deleter_ptr, managed_ptr)
     return imported

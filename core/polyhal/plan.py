@@ -69,6 +69,7 @@ class Plan:
         self.program = program = placement.program
         self.registry = registry
         self._lock = threading.Lock()
+        self._staging: dict[int, Tensor] = {}  # per input value: upload buffer on a non-host device
         slot_of: dict[int, int] = {}
         for v in [*program.inputs, *(c for c, _ in program.constants)]:
             slot_of[v.id] = len(slot_of)
@@ -145,9 +146,9 @@ class Plan:
         inputs = self._gather_inputs(args, kwargs)
         with self._lock:
             slots = self._slots
-            keep = []  # staging tensors must live until the steps ran
+            staging = self._staging
             for value, slot, device, x in zip(self.program.inputs, self._input_slots, self._input_devices, inputs):
-                slots[slot] = _bind_input(value, device, x, keep)
+                slots[slot] = _bind_input(value, device, x, staging)
             results = self._bind_outputs(out)
             if self.replay is not None:
                 self.replay()
@@ -215,8 +216,10 @@ class Plan:
         return str(self.program)
 
 
-def _bind_input(value: Value, device: Device, x: Any, keep: list) -> Any:
-    """The native object for one input: zero-copy where the data already sits on ``device``."""
+def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]) -> Any:
+    """The native object for one input: zero-copy where the data already sits on ``device``,
+    else uploaded into the plan's staging tensor for that input (made on first need, reused by
+    later runs: runs are serialised and uploads are queue-ordered before the kernels)."""
     t = value.type
     if isinstance(x, Tensor):
         if x.shape != t.shape or x.dtype != t.dtype:
@@ -231,8 +234,9 @@ def _bind_input(value: Value, device: Device, x: Any, keep: list) -> Any:
         raise ShapeError(f"input %{value.name} expects shape {t.shape}, got {arr.shape}")
     if device.dlpack_device_type == 1:  # host memory: numpy arrays are used in place
         return arr
-    staged = empty(t.shape, t.dtype, device)
-    keep.append(staged)
+    staged = staging.get(value.id)
+    if staged is None:
+        staged = staging[value.id] = empty(t.shape, t.dtype, device)
     device.upload(np.ascontiguousarray(arr), staged.native)
     return staged.native
 

@@ -201,6 +201,10 @@ def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | 
     """
     from polyhal.registry import default_registry
 
+    if isinstance(obj, Tensor) and copy is not True and (device is None or _device(device) is obj.device):
+        # Our own tensor: share its buffer directly (the DLPack device type alone cannot say
+        # which of several devices with host-visible memory owns it).
+        return Tensor(obj.buffer, obj.type, obj.offset, obj.strides, obj.readonly)
     capsule = obj if type(obj).__name__ == "PyCapsule" else dlpack.request_capsule(
         obj, copy=True if copy else None, stream=_consumer_stream(obj))
     imported = dlpack.from_capsule(capsule)

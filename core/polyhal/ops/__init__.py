@@ -12,11 +12,11 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
 * :mod:`~polyhal.ops.detection`: non_max_suppression (ONNX's; a padded output plus a count)
 * :mod:`~polyhal.ops.data_tiling`: pack, unpack, mmt4d (what encodings materialize into)
 * :mod:`~polyhal.ops.mathfn`: sin cos tan asin acos atan sinh cosh asinh acosh atanh, floor ceil
-  round, sign, reciprocal, isnan isinf, mod, identity
+  round, sign, reciprocal, isnan isinf, mod, identity, bitcast
 * :mod:`~polyhal.ops.logical`: logical_not/and/or/xor, bitwise_not/and/or/xor, bit_shift
 * :mod:`~polyhal.ops.indexing`: expand, pad, gather_elements, gather_nd, scatter_elements,
-  scatter_nd, cumsum, argmin, reduce_prod, einsum
-* :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool
+  scatter_nd, cumsum, cumprod, argmin, reduce_prod, einsum
+* :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear
 
 Usage::
 

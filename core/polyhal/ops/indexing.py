@@ -1,6 +1,6 @@
 """Indexing and data movement beyond :mod:`polyhal.ops.shape`: expand, pad, gather_elements,
-gather_nd, scatter_elements, scatter_nd; and scans/reductions it lacked: cumsum, argmin,
-reduce_prod; and einsum.
+gather_nd, scatter_elements, scatter_nd; and scans/reductions it lacked: cumsum, cumprod,
+argmin, reduce_prod; and einsum.
 
 Index operands are int32 or int64 and may be negative (counted from the end of their axis);
 indices out of range are an error at run time (kernels decide how to report it).
@@ -13,7 +13,7 @@ import numpy as np
 from polyhal.errors import ProgramError, ShapeError
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import (
-    ANY, INDEX, NUMERIC, bool_attr, broadcast, check_dtype, check_same_dtype, define, fmt_shape,
+    INDEX, NUMERIC, bool_attr, broadcast, check_dtype, check_same_dtype, define, fmt_shape,
     int_attr, int_list_attr, narrow, nonzero, normalize_axes, normalize_axis, pick, prod, random_shape,
     wide, with_ties,
 )
@@ -313,42 +313,55 @@ define("scatter_nd", infer=_infer_scatter_nd, reference=_ref_scatter_nd, sample=
 """)
 
 
-# --------------------------------------------------------------------------------------- cumsum
+# ------------------------------------------------------------------------------ cumsum / cumprod
 
-def _infer_cumsum(x: TensorType, *, axis, exclusive, reverse):
+def _infer_scan(x: TensorType, *, axis, exclusive, reverse):
     check_dtype(x, NUMERIC)
     if x.rank == 0:
-        raise ShapeError("cumsum needs rank >= 1")
+        raise ShapeError("a running sum or product needs rank >= 1")
     normalize_axis(axis, x.rank)
     bool_attr(exclusive, "exclusive")
     bool_attr(reverse, "reverse")
     return (TensorType(x.shape, x.dtype),)
 
 
-def _ref_cumsum(x, *, axis, exclusive=False, reverse=False):
-    w = wide(x)
-    axis = axis % x.ndim
-    if reverse:
-        w = np.flip(w, axis)
-    y = np.cumsum(w, axis=axis)
-    if exclusive:
-        y = y - w
-    if reverse:
-        y = np.flip(y, axis)
-    return (narrow(y, x.dtype),)
+def _scan_reference(fn, identity: float):
+    def reference(x, *, axis, exclusive=False, reverse=False):
+        w = wide(x)
+        axis = axis % x.ndim
+        if reverse:
+            w = np.flip(w, axis)
+        y = fn(w, axis=axis)
+        if exclusive:  # shift by one, the identity first
+            y = np.concatenate([np.full_like(np.take(y, [0], axis=axis), identity),
+                                np.take(y, np.arange(y.shape[axis] - 1), axis=axis)], axis=axis)
+        if reverse:
+            y = np.flip(y, axis)
+        return (narrow(y, x.dtype),)
+    return reference
 
 
-def _sample_cumsum(rng: np.random.Generator):
-    x = nonzero(rng, pick(rng, [random_shape(rng), (64,), (8, 64)]))
-    return [x], {"axis": int(rng.integers(-x.ndim, x.ndim)), "exclusive": bool(rng.integers(2)),
-                 "reverse": bool(rng.integers(2))}
+def _scan_sample(lo: float, hi: float):
+    def sample(rng: np.random.Generator):
+        shape = pick(rng, [random_shape(rng), (64,), (8, 64)])
+        if rng.random() < 0.2:
+            x = rng.integers(1, 4, size=shape).astype(pick(rng, [np.int32, np.int64]))
+        else:
+            x = nonzero(rng, shape, lo, hi)
+        return [x], {"axis": int(rng.integers(-x.ndim, x.ndim)), "exclusive": bool(rng.integers(2)),
+                     "reverse": bool(rng.integers(2))}
+    return sample
 
 
-define("cumsum", infer=_infer_cumsum, reference=_ref_cumsum, sample=_sample_cumsum, arity=1,
-       tolerance=(1e-4, 1e-5), doc="""
-    Running sum along ``axis``; ``exclusive`` leaves each element out of its own sum, ``reverse``
-    sums from the end. Numeric types.
-""")
+_SCAN_DOC = """along ``axis``; ``exclusive`` leaves each element out of its own {what}, ``reverse`` runs
+    from the end. Numeric types ({wrap})."""
+
+define("cumsum", infer=_infer_scan, reference=_scan_reference(np.cumsum, 0.0), sample=_scan_sample(0.5, 2.0),
+       arity=1, tolerance=(1e-4, 1e-5),
+       doc="Running sum " + _SCAN_DOC.format(what="sum", wrap="integer sums wrap around"))
+define("cumprod", infer=_infer_scan, reference=_scan_reference(np.cumprod, 1.0), sample=_scan_sample(0.8, 1.25),
+       arity=1, tolerance=(1e-4, 1e-5),
+       doc="Running product " + _SCAN_DOC.format(what="product", wrap="integer products wrap around"))
 
 
 # --------------------------------------------------------------------------------------- argmin
@@ -485,4 +498,3 @@ define("einsum", infer=_infer_einsum, reference=_ref_einsum, sample=_sample_eins
     without it the output is the labels used once, sorted). Numeric operands of one type.
 """)
 
-_ = ANY

@@ -11,11 +11,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from polyhal.errors import ProgramError
-from polyhal.ir.types import TensorType
+from polyhal.errors import DTypeError, ProgramError
+from polyhal.ir.types import TensorType, as_dtype
 from polyhal.ops._base import (
-    ANY, FLOAT, NUMERIC, SIGNED, SIGNED_INT, bool_attr, broadcast, check_dtype, check_same_dtype,
-    define, narrow, nonzero, pick, wide,
+    FLOAT, NUMERIC, bool_attr, broadcast, check_dtype, check_same_dtype, define, narrow, nonzero,
+    pick, wide,
 )
 
 _SHAPES = [(4, 5), (3, 4, 5), (64,), (), (2, 3, 1, 4), (32, 64)]
@@ -163,4 +163,38 @@ define("identity", infer=_infer_identity, reference=lambda x: (np.array(x, copy=
     program output that is also an input or a constant.
 """)
 
-_ = (ANY, SIGNED, SIGNED_INT)
+
+# -------------------------------------------------------------------------------------- bitcast
+
+def _infer_bitcast(x: TensorType, *, dtype):
+    target = as_dtype(dtype)
+    if target.itemsize != x.dtype.itemsize:
+        raise DTypeError(f"cannot reinterpret {x.dtype} ({x.dtype.itemsize * 8} bits) as {target} "
+                         f"({target.itemsize * 8} bits): the widths must match")
+    return (TensorType(x.shape, target),)
+
+
+def _ref_bitcast(x, *, dtype):
+    return (np.ascontiguousarray(x).view(as_dtype(dtype)).reshape(np.shape(x)),)
+
+
+_BITCAST_PAIRS = [("int32", "float32"), ("float32", "int32"), ("uint8", "int8"), ("int64", "float64"),
+                  ("float64", "uint64"), ("int16", "float16"), ("uint32", "int32")]
+
+
+def _sample_bitcast(rng: np.random.Generator):
+    src, dst = pick(rng, _BITCAST_PAIRS)
+    shape = pick(rng, _SHAPES)
+    if np.dtype(src).kind == "f":
+        x = nonzero(rng, shape, dtype=src)
+    else:  # bit patterns of ordinary floats, so that the result is finite and comparable
+        x = nonzero(rng, shape, dtype=f"f{np.dtype(src).itemsize}").view(src) if np.dtype(src).itemsize > 1 \
+            else rng.integers(-100, 100, size=shape).astype(src)
+    return [x], {"dtype": dst}
+
+
+define("bitcast", infer=_infer_bitcast, reference=_ref_bitcast, sample=_sample_bitcast, arity=1,
+       tolerance=(0.0, 0.0), doc="""
+    The same bits read as element type ``dtype`` of the same width (ONNX BitCast; little endian,
+    as every polyhal device). Unlike cast, no value is converted.
+""")

@@ -1,4 +1,5 @@
-"""Convolution and pooling over N-d (N >= 1) spatial dims, layout (batch, channels, spatial...).
+"""Convolution and pooling over N-d (N >= 1) spatial dims, layout (batch, channels, spatial...),
+and ``linear`` (a matmul with a bias).
 
 Attributes follow ONNX with padding made explicit (front ends resolve ``auto_pad``):
 ``strides`` and ``dilations`` have one entry per spatial dim, ``pads`` two (all begins, then all
@@ -8,7 +9,6 @@ ends). The references loop over output positions in float64; they are the oracle
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
@@ -293,4 +293,36 @@ _define_pool("avg", f"Mean {_POOL_DOC} The divisor counts the window's elements 
                     "``count_include_pad``, inside the padded input too. Float types.")
 _define_pool("lp", f"(sum |x|^p)^(1/p) {_POOL_DOC} Float types.")
 
-_ = math
+
+# --------------------------------------------------------------------------------------- linear
+
+def _infer_linear(x: TensorType, w: TensorType, b: TensorType):
+    dtype = check_same_dtype(x, w, b)
+    check_dtype(x, NUMERIC)
+    if x.rank < 1 or w.rank != 2:
+        raise ShapeError(f"linear needs x of rank >= 1 and 2-D weights, got {fmt_shape(x.shape)} and "
+                         f"{fmt_shape(w.shape)}")
+    if x.shape[-1] != w.shape[0]:
+        raise ShapeError(f"inner dimensions do not match: x {fmt_shape(x.shape)} (K={x.shape[-1]}) but w "
+                         f"{fmt_shape(w.shape)} (K={w.shape[0]})")
+    if b.shape not in ((w.shape[1],), (), (1,)):
+        raise ShapeError(f"bias has shape {fmt_shape(b.shape)}, expected ({w.shape[1]},) or a scalar")
+    return (TensorType(x.shape[:-1] + (w.shape[1],), dtype),)
+
+
+def _ref_linear(x, w, b):
+    return (narrow(np.matmul(wide(x), wide(w)) + wide(b), x.dtype),)
+
+
+def _sample_linear(rng: np.random.Generator):
+    lead = pick(rng, [(4,), (2, 3), (), (1, 5, 2), (64,)])
+    k, n = (int(v) for v in rng.integers(1, 33, size=2))
+    b_shape = pick(rng, [(n,), (n,), ()])
+    return [nonzero(rng, lead + (k,)), nonzero(rng, (k, n)), nonzero(rng, b_shape)], {}
+
+
+define("linear", infer=_infer_linear, reference=_ref_linear, sample=_sample_linear, arity=3,
+       tolerance=(1e-4, 1e-5), doc="""
+    x @ w + b: x of any rank >= 1 (leading dims are batch), w 2-D (K, N), b of shape (N,) or a
+    scalar. What a MatMul followed by a bias Add becomes (one pass over the result, not two).
+""")

@@ -47,8 +47,9 @@ __all__ = ["Arena", "BufferPlan", "PlannedBuffer", "bufferize", "place_scratch",
 
 #: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
 VALUE_ALIGNMENT = 256
-#: Byte alignment of global scratch inside an arena: OpenCL sub-buffers need origins aligned to
-#: CL_DEVICE_MEM_BASE_ADDR_ALIGN, at most a page on any driver we know.
+#: Byte alignment of global scratch inside an arena, unless the device declares its own
+#: (``DeviceSpec.limits["scratch_alignment"]``; OpenCL sub-buffers need origins aligned to
+#: CL_DEVICE_MEM_BASE_ADDR_ALIGN, at most a page on any driver we know).
 SCRATCH_ALIGNMENT = 4096
 
 _INTERMEDIATE = MemoryType.DEVICE_LOCAL
@@ -236,7 +237,7 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
                 plan.buffers.append(PlannedBuffer(
                     f"{a.request.kernel.name}.{a.request.name}", ops[i].device, max(a.nbytes, 1), i, i,
                     _INTERMEDIATE, BufferUsage.DISPATCH_STORAGE, scratch=a, op_index=i,
-                    alignment=max(SCRATCH_ALIGNMENT, a.request.alignment)))
+                    alignment=max(_scratch_alignment(registry, ops[i].device), a.request.alignment, VALUE_ALIGNMENT)))
     for v in program.outputs:
         plan.output_memory[v.id] = host_read(device_of.get(v.id))
 
@@ -252,7 +253,17 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
         for b in members:
             b.arena = len(plan.arenas)
         plan.arenas.append(Arena(device, mt, arena_usage, size))
+    # Record where each global scratch landed (its arena offset) in the assignments themselves.
+    for b in plan.buffers:
+        if b.scratch is not None:
+            placed = _with_offset(b.scratch, plan.buffers, b.op_index)
+            plan.scratch[b.op_index] = tuple(placed if a is b.scratch else a for a in plan.scratch[b.op_index])
+            b.scratch = placed
     return plan
+
+
+def _scratch_alignment(registry: "Registry", device: str) -> int:
+    return int(registry.get_device(device).spec.limits.get("scratch_alignment", SCRATCH_ALIGNMENT))
 
 
 def plan_offsets(buffers: list[PlannedBuffer]) -> int:

@@ -44,7 +44,7 @@ from polyhal.errors import ProgramError
 __all__ = ["ArrayDecl", "Finding", "KernelLintError", "check", "lint", "lint_file", "scan", "shipped_sources"]
 
 #: File suffixes of kernel sources, and their language.
-SUFFIXES = {".cl": "opencl", ".cu": "cuda", ".cuh": "cuda"}
+SUFFIXES = {".cl": "opencl", ".cu": "cuda", ".cuh": "cuda", ".hip": "cuda"}  # HIP C++ is CUDA C++
 
 
 class KernelLintError(ProgramError):

@@ -1,5 +1,5 @@
 """CPU kernels of :mod:`polyhal.ops.indexing`: expand, pad, gather/scatter by elements and by
-index tuples, cumsum, argmin, reduce_prod and einsum.
+index tuples, cumsum, cumprod, argmin, reduce_prod and einsum.
 
 Index operands may be negative (counted from the end); indices are normalised once per call.
 Out-of-range indices raise IndexError (numpy's fancy indexing checks them).
@@ -128,24 +128,25 @@ def _scatter_nd(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("cumsum")
+@register_kernels("cumsum", "cumprod")
 @_float16_via_float32
-def _cumsum(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+def _scan(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     exclusive, reverse = bool(attrs["exclusive"]), bool(attrs["reverse"])
     n = ins[0].shape[axis]
     head = (slice(None),) * axis
+    fn, identity = (np.cumsum, 0) if op == "cumsum" else (np.cumprod, 1)
 
     def kernel(x, out):
         src = np.flip(x, axis) if reverse else x
         dst = np.flip(out, axis) if reverse else out  # a view: writing it writes out
         if not exclusive:
-            np.cumsum(src, axis=axis, out=dst)
+            fn(src, axis=axis, out=dst)
             return
-        # Shift by one instead of subtracting x, which would round differently.
+        # Shift by one instead of undoing each element (x - x, or / x), which would round.
         if n > 1:
-            np.cumsum(src[head + (slice(0, n - 1),)], axis=axis, out=dst[head + (slice(1, n),)])
-        dst[head + (slice(0, 1),)] = 0
+            fn(src[head + (slice(0, n - 1),)], axis=axis, out=dst[head + (slice(1, n),)])
+        dst[head + (slice(0, 1),)] = identity
     return kernel
 
 

@@ -32,6 +32,7 @@ from numpy.polynomial import chebyshev
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_slice, resolve_attrs
+from polyhal_cpu.parallel import parallel
 
 __all__ = ["KERNEL_NAMES", "prepare", "erf", "register_kernels"]
 
@@ -277,6 +278,7 @@ def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 @register_kernels("sigmoid")
+@parallel()
 @_float16_via_float32
 def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -294,11 +296,13 @@ def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 @register_kernels("erf")
+@parallel()
 def _erf(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return _erf_double_chunked if ins[0].dtype == _F64 else _erf_single_chunked
 
 
 @register_kernels("gelu")
+@parallel()
 @_float16_via_float32
 def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -355,6 +359,19 @@ def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 @_float16_via_float32
 def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     matmul = np.matmul
+    a_type, b_type = ins
+    if a_type.rank > 2 and b_type.rank == 2:
+        # (batch..., M, K) @ (K, N) is one (batch*M, K) @ (K, N) GEMM: numpy would call BLAS
+        # once per batch element instead (many small GEMMs, each with its own overhead).
+        rows = math.prod(a_type.shape[:-1])
+        a2, o2 = (rows, a_type.shape[-1]), (rows, b_type.shape[-1])
+
+        def collapsed(a, b, out):
+            if a.flags.c_contiguous:
+                matmul(a.reshape(a2), b, out=out.reshape(o2))  # views: out is C-contiguous
+            else:
+                matmul(a, b, out=out)
+        return collapsed
 
     def kernel(a, b, out):
         matmul(a, b, out=out)
@@ -432,6 +449,7 @@ def _argmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 @register_kernels("softmax")
+@parallel(lambda attrs, ins: (int(attrs["axis"]),))  # rows on several cores
 @_float16_via_float32
 def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
@@ -450,6 +468,8 @@ _row_dot = getattr(np, "vecdot", None) or (lambda a, b: np.einsum("ij,ij->i", a,
 
 
 @register_kernels("layer_norm")
+@parallel(lambda attrs, ins: range(int(attrs["axis"]) % ins[0].rank, ins[0].rank),  # rows on several cores
+          lambda attrs, ins: (True, False, False))  # scale and bias are whole
 @_float16_via_float32
 def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type = ins[0]

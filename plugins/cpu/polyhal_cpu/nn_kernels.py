@@ -1,13 +1,11 @@
 """CPU kernels of :mod:`polyhal.ops.nn`: convolution by im2col + BLAS, transposed convolution
-by scattering one kernel tap at a time, and pooling by combining one tap at a time.
+by scattering one kernel tap at a time, pooling by combining one tap at a time, and linear.
 
 Everything that depends only on shapes and attributes (padding, window views, the divisors of
 average pooling) is computed in ``prepare``.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -170,4 +168,21 @@ def _avg_lp_pool(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-_ = math
+@register_kernels("linear")
+@_float16_via_float32
+def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    x_type, w_type, _ = ins
+    rows = 1
+    for d in x_type.shape[:-1]:
+        rows *= d
+    x2, o2 = (rows, w_type.shape[0]), (rows, w_type.shape[1])
+    matmul, add = np.matmul, np.add
+
+    def kernel(x, w, b, out):
+        # One GEMM over all leading dims (views: out is C-contiguous), then the bias in place.
+        if x.ndim != 2 and x.flags.c_contiguous:
+            matmul(x.reshape(x2), w, out=out.reshape(o2))
+        else:
+            matmul(x, w, out=out)
+        add(out, b, out=out)
+    return kernel

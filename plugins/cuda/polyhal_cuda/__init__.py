@@ -4,7 +4,7 @@ Modules, as in every backend: ``plugin`` (the hooks; enumeration creates no CUDA
 ``device`` (CUDADevice: stream, DLPack, transfers, CUDA-graph replay of plans), ``allocator``
 (CUDAAllocator: caching or stream-ordered device memory, managed, pinned, imported), ``kernels``
 (the op set), and the CUDA C kernels with their host code: ``sorting`` (sort, argsort, top-k),
-``nms`` (non-maximum suppression), ``rowwise`` (softmax, layer norm). ``scratch`` says where a
+``suppression`` (non-maximum suppression: the ONNX op and :func:`nms`), ``rowwise`` (softmax, layer norm). ``scratch`` says where a
 kernel's scratch lives (shared memory when it fits, global scratch otherwise), ``transfer``
 moves pageable host memory through pinned staging buffers, ``graphs`` captures and replays
 plans, ``errors`` turns CUDA failures into polyhal errors.
@@ -20,7 +20,7 @@ __all__ = ["nms"]
 
 
 def nms(boxes: Any, scores: Any, iou_threshold: float, *, device: Any = None) -> Any:
-    """Greedy non-maximum suppression on a GPU (see :func:`polyhal_cuda.nms.nms`)."""
-    from polyhal_cuda.nms import nms as _nms
+    """Greedy non-maximum suppression on a GPU (see :func:`polyhal_cuda.suppression.nms`)."""
+    from polyhal_cuda.suppression import nms as _nms
 
     return _nms(boxes, scores, iou_threshold, device=device)

@@ -18,11 +18,12 @@ Families and how they run:
 * matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
 * reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
+* conv, conv_transpose, pools (:mod:`.nn`): im2col-style index maps plus cuBLAS;
 * data movement: cupy copies; ops that are pure gathers with a static pattern (pad, pack,
   unpack, expand) use an *index map* computed once at prepare time by running the op's own
   numpy reference on an iota tensor, then one gather kernel per run;
 * gather/scatter families: cupy fancy indexing and ``cupyx`` scatter kernels;
-* sort, argsort, topk (:mod:`.sorting`) and non_max_suppression (:mod:`.nms`): CUDA C with
+* sort, argsort, topk (:mod:`.sorting`) and non_max_suppression (:mod:`.suppression`): CUDA C with
   declared scratch (shared memory when it fits, global scratch otherwise).
 
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
@@ -110,7 +111,7 @@ def _host_fallback(op: str, attrs: dict, in_types: Types, out_types: Types) -> K
     def kernel(*arrays: Any) -> None:
         ins = [cp.asnumpy(a) for a in arrays[:n]]
         for o, r in zip(arrays[n:], reference(*ins, **attrs)):
-            o.set(np.ascontiguousarray(np.asarray(r).astype(o.dtype, copy=False)))
+            o.set(np.require(np.asarray(r).astype(o.dtype, copy=False).reshape(o.shape), requirements="C"))
 
     kernel.capturable = False  # type: ignore[attr-defined]
     kernel.kernel_name = f"host-fallback({op})"  # type: ignore[attr-defined]
@@ -171,8 +172,13 @@ _EW_SOURCES: dict[str, tuple[str, str, str]] = {
     "gelu_tanh": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
                   "y = (T)((C)0.5 * v * ((C)1 + tanh((C)0.79788456080286535588 * (v + (C)0.044715 * v * v * v))))"),
     "where": ("bool c, T x, T y", "T z", "z = c ? x : y"),
-    "shl": ("T x, T y", "T z", "z = (y >= (T)(sizeof(T) * 8)) ? (T)0 : (T)(x << y)"),
-    "shr": ("T x, T y", "T z", "z = (y >= (T)(sizeof(T) * 8)) ? (T)0 : (T)(x >> y)"),
+    # Shifts by a negative amount or by the width or more are defined (polyhal.ops.logical):
+    # left gives 0; right gives the sign fill (-1 for negative signed x, else 0). Left shifts
+    # run in 64-bit unsigned arithmetic so that signed values wrap instead of overflowing.
+    "shl": ("T x, T y", "T z", "z = (y < (T)0 || y >= (T)(sizeof(T) * 8)) ? (T)0 "
+            ": (T)((unsigned long long)x << (unsigned int)y)"),
+    "shr": ("T x, T y", "T z", "z = (y < (T)0 || y >= (T)(sizeof(T) * 8)) ? (x < (T)0 ? (T)(-1) : (T)0) "
+            ": (T)(x >> (unsigned int)y)"),
     # C's % truncates (sign of x); division by zero gives 0, and x % -1 is 0 (INT_MIN % -1 traps).
     "fmod_int": ("T x, T y", "T z", "z = (y == (T)0 || polyhal_minus_one(y)) ? (T)0 : (T)(x % y)"),
     "mod_int": ("T x, T y", "T z", "T r = (y == (T)0 || polyhal_minus_one(y)) ? (T)0 : (T)(x % y); "
@@ -249,6 +255,12 @@ def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
 
 @register("matmul")
 def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import blas
+
+    direct = blas.prepare_matmul(device, ins[0], ins[1], outs[0])
+    if direct is not None:  # cuBLAS called directly: capturable into a CUDA graph
+        direct.kernel_name = "cublasGemmStridedBatchedEx"  # type: ignore[attr-defined]
+        return direct
     matmul = _cupy().matmul
 
     def kernel(a, b, out):
@@ -265,6 +277,19 @@ def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
     dtype = outs[0].dtype
     alpha_c, beta_c = dtype.type(alpha), dtype.type(beta)
     has_c = len(ins) == 3
+    from polyhal_cuda import blas
+
+    direct = blas.prepare_gemm(device, ins[0], ins[1], outs[0], trans_a, trans_b, alpha, beta if has_c else 0.0)
+    if direct is not None:
+        copyto = cp.copyto
+
+        def gemm(a, b, *rest):
+            out = rest[-1]
+            if has_c:
+                copyto(out, rest[0])  # C broadcast into the result; cuBLAS adds beta * it
+            direct(a, b, out)
+        gemm.kernel_name = "cublasGemmStridedBatchedEx"  # type: ignore[attr-defined]
+        return gemm
 
     def kernel(a, b, *rest):
         out = rest[-1]
@@ -314,6 +339,15 @@ def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
     if op in ("reduce_sum", "reduce_prod") and ins[0].dtype.kind in "iub":
         kw["dtype"] = ins[0].dtype  # integer sums and products wrap in the operand type
 
+    if op in ("reduce_max", "reduce_min"):
+        # cupy's CUB path for amax/amin with out= fails a dtype check under numpy 2.5: reduce
+        # into a temporary and copy (one small extra kernel).
+        copyto = cp.copyto
+
+        def extremum(x, out):
+            copyto(out, fn(x, axis=axes, keepdims=keepdims))
+        return extremum
+
     def kernel(x, out):
         fn(x, axis=axes, out=out, keepdims=keepdims, **kw)
     return kernel
@@ -331,19 +365,58 @@ def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("cumsum")
-def _cumsum(device, op, attrs, ins, outs, binding) -> Kernel:
+@register("cumsum", "cumprod")
+def _cumulative(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     axis = int(attrs["axis"]) % ins[0].rank
     exclusive, reverse = bool(attrs["exclusive"]), bool(attrs["reverse"])
     wide = np.float64 if ins[0].dtype.kind == "f" else ins[0].dtype  # as the reference (float64)
+    fn = cp.cumsum if op == "cumsum" else cp.cumprod
+    identity = 0 if op == "cumsum" else 1
+    n = ins[0].shape[axis]
+    head = tuple(slice(None) if i != axis else slice(0, 1) for i in range(ins[0].rank))
+    body = tuple(slice(None) if i != axis else slice(0, n - 1) for i in range(ins[0].rank))
 
     def kernel(x, out):
         w = cp.flip(x, axis) if reverse else x
-        y = cp.cumsum(w, axis=axis, dtype=wide)
-        if exclusive:
-            y -= w
+        y = fn(w, axis=axis, dtype=wide)
+        if exclusive:  # shift by one along the axis, the identity first
+            y = cp.concatenate([cp.full_like(y[head], identity), y[body]], axis=axis)
         cp.copyto(out, cp.flip(y, axis) if reverse else y, casting="unsafe")
+    return kernel
+
+
+@register("linear")
+def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import blas
+
+    cp = _cupy()
+    x_t, w_t, b_t = ins
+    k, n = w_t.shape
+    m = x_t.size // k if k else 0
+    flat_x, flat_out = TensorType((m, k), x_t.dtype), TensorType((m, n), outs[0].dtype)
+    direct = blas.prepare_gemm(device, flat_x, w_t, flat_out, False, False, 1.0, 1.0) if m else None
+    copyto = cp.copyto
+
+    if direct is not None:
+        def linear(x, w, b, out):
+            o2 = out.reshape(m, n)
+            copyto(o2, b)  # the bias, broadcast; cuBLAS adds x @ w to it
+            direct(x.reshape(m, k), w, o2)
+        linear.kernel_name = "cublasGemmStridedBatchedEx (linear)"  # type: ignore[attr-defined]
+        return linear
+
+    def linear_cupy(x, w, b, out):
+        copyto(out, cp.matmul(x, w) + b, casting="unsafe")
+    return linear_cupy
+
+
+@register("bitcast")
+def _bitcast(device, op, attrs, ins, outs, binding) -> Kernel:
+    copyto, src = _cupy().copyto, ins[0].dtype
+
+    def kernel(x, out):
+        copyto(out.view(src), x)  # the same bytes, no conversion
     return kernel
 
 
@@ -464,9 +537,15 @@ def _gather_elements(device, op, attrs, ins, outs, binding) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     dim = ins[0].shape[axis]
 
+    idx_shape = ins[1].shape
+    with device.activate():
+        grid = [cp.arange(n).reshape([n if i == j else 1 for j in range(len(idx_shape))])
+                for i, n in enumerate(idx_shape)]
+
     def kernel(data, indices, out):
-        idx = cp.where(indices < 0, indices + dim, indices)
-        cp.copyto(out, cp.take_along_axis(data, idx, axis=axis))
+        g = list(grid)
+        g[axis] = cp.where(indices < 0, indices + dim, indices)
+        cp.copyto(out, data[tuple(g)])
     return kernel
 
 
@@ -492,10 +571,20 @@ def _gather_nd(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
+_SCATTER_TYPES = frozenset(np.dtype(t) for t in (np.int32, np.int64, np.uint32, np.uint64, np.float32, np.float64))
+
+
 def _scatter_apply(cp: Any, out: Any, where: tuple, updates: Any, reduction: str) -> bool:
     """Apply a scatter on the device; False when ``reduction`` has no device kernel here."""
     import cupyx
 
+    if reduction != "none" and out.dtype not in _SCATTER_TYPES:
+        # cupyx's atomics exist for 32/64-bit types: reduce in a wide copy, round once.
+        wide = np.float64 if out.dtype.kind == "f" else np.int64 if out.dtype.kind == "i" else np.uint64
+        tmp = out.astype(wide)
+        ok = _scatter_apply(cp, tmp, where, updates.astype(wide), reduction)
+        cp.copyto(out, tmp, casting="unsafe")
+        return ok
     if reduction == "none":
         out[where] = updates
     elif reduction == "add":
@@ -544,6 +633,29 @@ def _scatter(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel_nd
 
 
+# -------------------------------------------------------------------------------- conv, pooling
+
+@register("conv")
+def _conv(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import nn
+
+    return nn.prepare_conv(device, attrs, ins, outs)
+
+
+@register("conv_transpose")
+def _conv_transpose(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import nn
+
+    return nn.prepare_conv_transpose(device, attrs, ins, outs)
+
+
+@register("max_pool", "avg_pool", "lp_pool")
+def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
+    from polyhal_cuda import nn
+
+    return nn.prepare_pool(device, op, attrs, ins, outs)
+
+
 # ---------------------------------------------------------------------------- sorting, detection
 
 @register("sort", "argsort", "topk")
@@ -555,9 +667,9 @@ def _sorting(device, op, attrs, ins, outs, binding) -> Kernel:
 
 @register("non_max_suppression")
 def _nms(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import nms
+    from polyhal_cuda import suppression
 
-    return nms.prepare_op(device, attrs, ins, outs, binding)
+    return suppression.prepare_op(device, attrs, ins, outs, binding)
 
 
 def _declare_sorting(device, op, attrs, ins, outs):
@@ -567,9 +679,9 @@ def _declare_sorting(device, op, attrs, ins, outs):
 
 
 def _declare_nms(device, op, attrs, ins, outs):
-    from polyhal_cuda import nms
+    from polyhal_cuda import suppression
 
-    return nms.scratch_requests(device, attrs, ins, outs)
+    return suppression.scratch_requests(device, attrs, ins, outs)
 
 
 for _op in ("sort", "argsort", "topk"):

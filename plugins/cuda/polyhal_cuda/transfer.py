@@ -11,7 +11,12 @@ staging is ours and overlapped:
   large copies), because one CPU core cannot memcpy as fast as the bus moves data.
 
 Transfers of at most :data:`SMALL` bytes skip the staging (its fixed cost would dominate) and
-call ``cudaMemcpyAsync`` on the pageable memory directly. Copies are ordered on the device's
+call ``cudaMemcpyAsync`` on the pageable memory directly.
+
+``POLYHAL_CUDA_TRANSFER=parallel`` picks another strategy for large copies: the copy is split
+over several threads, each calling ``cudaMemcpyAsync`` on the pageable memory on its own stream,
+so that the driver's own staging runs on several cores at once (ordered after, and before, the
+device's stream through events). Copies are ordered on the device's
 stream, so they follow the kernels queued before them. ``h2d`` returns once the host array may
 be reused (the last chunk is in a staging buffer); ``d2h`` returns once the data is in place.
 """
@@ -31,11 +36,15 @@ if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice
 
 #: Bytes per staging buffer (two are used).
-CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 32 << 20))
+CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 64 << 20))
 #: Copies up to this size go straight through cudaMemcpyAsync.
 SMALL = 4 << 20
 #: Host threads that fill or drain a staging buffer.
-THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+THREADS = int(os.environ.get("POLYHAL_CUDA_STAGING_THREADS", max(1, min(16, os.cpu_count() or 2))))
+
+#: Large-copy strategy: "staged" (our pinned double buffers) or "parallel" (driver copies on
+#: several threads and streams).
+STRATEGY = os.environ.get("POLYHAL_CUDA_TRANSFER", "staged")
 
 _H2D, _D2H, _DEFAULT = 1, 2, 4  # cudaMemcpyKind
 
@@ -109,6 +118,8 @@ class Stager:
                 # reuse its array at once.
                 runtime.memcpyAsync(dst_ptr, flat.ctypes.data, n, _DEFAULT, stream.ptr)
             return
+        if STRATEGY == "parallel":
+            return self._parallel(dst_ptr, flat.ctypes.data, n, _H2D)
         with self._lock, check(f"copying {n} bytes to {self.device.name} through pinned staging"):
             self._ensure()
             bufs, events = self._buffers, self._events
@@ -134,6 +145,8 @@ class Stager:
                 runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, stream.ptr)
                 stream.synchronize()
             return
+        if STRATEGY == "parallel":
+            return self._parallel(flat.ctypes.data, src_ptr, n, _D2H)
         with self._lock, check(f"copying {n} bytes from {self.device.name} through pinned staging"):
             self._ensure()
             bufs, events = self._buffers, self._events
@@ -153,3 +166,41 @@ class Stager:
                 _parallel_copy(self._pool, flat[start:start + size], bufs[i & 1][:size])
                 if i + 2 < len(starts):
                     issue(i + 2)
+
+    # -- the "parallel" strategy -------------------------------------------------------------
+
+    def _parallel(self, dst: int, src: int, n: int, kind: int) -> None:
+        """``n`` bytes split over THREADS driver copies on THREADS streams, ordered after the
+        device stream's work and (for host-to-device) before its later work."""
+        import cupy
+        from cupy.cuda import runtime
+
+        with self._lock, check(f"copying {n} bytes {'to' if kind == _H2D else 'from'} {self.device.name} "
+                               "with parallel driver copies"):
+            if not getattr(self, "_streams", None):
+                with self.device.activate():
+                    self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(THREADS)]
+                    self._pevents = [cupy.cuda.Event(disable_timing=True) for _ in range(THREADS + 1)]
+                self._ppool = ThreadPoolExecutor(THREADS, thread_name_prefix=f"polyhal-{self.device.name}-copy")
+            streams, events, ordinal = self._streams, self._pevents, self.device.ordinal
+            events[-1].record(self.device.stream)
+            for st in streams:
+                st.wait_event(events[-1])
+            step = -(-n // len(streams))
+            step = -(-step // 4096) * 4096
+
+            def piece(i: int) -> None:
+                off = i * step
+                size = min(step, n - off)
+                if size > 0:
+                    runtime.setDevice(ordinal)
+                    runtime.memcpyAsync(dst + off, src + off, size, kind, streams[i].ptr)
+                    if kind == _D2H:
+                        streams[i].synchronize()
+
+            for f in [self._ppool.submit(piece, i) for i in range(len(streams))]:
+                f.result()
+            if kind == _H2D:
+                for st, ev in zip(streams, events):
+                    ev.record(st)
+                    self.device.stream.wait_event(ev)

@@ -50,9 +50,14 @@ def torch_cuda(cuda):
     return torch
 
 
+class SeededGenerator(np.random.Generator):
+    """A numpy Generator that remembers its seed (``seed_value``), for failure messages."""
+
+
 @pytest.fixture
 def rng():
+    """Fresh random data for every test; the seed is in ``rng.seed_value``."""
     seed = int.from_bytes(os.urandom(4), "little")
-    r = np.random.default_rng(seed)
-    r.seed_value = seed  # type: ignore[attr-defined]
+    r = SeededGenerator(np.random.PCG64(seed))
+    r.seed_value = seed
     return r

@@ -99,12 +99,14 @@ def _values(rng, shape, dtype):
     return rng.integers(max(info.min, -3), min(info.max, 3), size=shape, dtype=dtype, endpoint=True)
 
 
-@pytest.fixture(params=["auto", "rows", "radix"])
+@pytest.fixture(params=["auto", "rows", "radix", "classic"])
 def sort_path(request):
-    old = sorting.FORCE_PATH
-    sorting.FORCE_PATH = None if request.param == "auto" else request.param
+    """Every sort path: the automatic choice, bitonic rows, onesweep radix, classic radix."""
+    old, old_impl = sorting.FORCE_PATH, sorting.RADIX_IMPL
+    sorting.FORCE_PATH = {"auto": None, "classic": "radix"}.get(request.param, request.param)
+    sorting.RADIX_IMPL = "classic" if request.param == "classic" else "onesweep"
     yield request.param
-    sorting.FORCE_PATH = old
+    sorting.FORCE_PATH, sorting.RADIX_IMPL = old, old_impl
 
 
 @pytest.mark.parametrize("dtype", SORT_DTYPES, ids=lambda d: np.dtype(d).name)
@@ -122,13 +124,26 @@ def test_sort_argsort_topk_every_type_both_paths(cuda, rng, sort_path, dtype):
                           seed=rng.seed_value)
 
 
-def test_large_sorts_match_numpy(cuda, rng, cp):
-    for n in (1 << 16, (1 << 20) + 7):
+@pytest.mark.parametrize("impl", ["onesweep", "classic"])
+def test_large_sorts_match_numpy(cuda, rng, cp, impl, monkeypatch):
+    monkeypatch.setattr(sorting, "RADIX_IMPL", impl)
+    for n in (1 << 16, (1 << 20) + 7, 3 << 22):
         x = rng.standard_normal(n).astype(np.float32)
         (got,) = run(cuda, "sort", [x], {"axis": 0, "descending": False})
         np.testing.assert_array_equal(got, np.sort(x, kind="stable"))
         (idx,) = run(cuda, "argsort", [x], {"axis": 0, "descending": True})
         np.testing.assert_array_equal(idx, np.argsort(-x, kind="stable"))
+    t = TensorType((1 << 20,), np.float32)
+    fn = cuda.prepare("sort", {"axis": 0, "descending": False}, (t,), (t,))
+    with cuda.activate():
+        x = cp.random.standard_normal(1 << 20, dtype=cp.float32)
+        out = cp.empty_like(x)
+    fn(x, out)
+    cuda.synchronize()
+    assert bool((out == cp.sort(x)).all())
+    if impl == "onesweep":  # no look-back ever gave up
+        err = cp.ndarray((1,), cp.uint32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(fn.inner.error_flag, 4, fn), 0))
+        assert int(err[0]) == 0
     x = rng.integers(0, 50, size=(64, 3000)).astype(np.float32)  # many ties, lanes on the radix path
     old = sorting.FORCE_PATH
     sorting.FORCE_PATH = "radix"

@@ -28,14 +28,14 @@ for phase in $PHASES; do
   case $phase in
     tests) run cuda_tests "${T_TESTS:-240}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=90 plugins/cuda/tests ${TEST_ARGS:-} ;;
     conformance) run conformance_cuda "${T_CONF:-120}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-backend=cuda ;;
-    bench) run bench_cuda "${T_BENCH:-200}" python3 -m bench cuda_plan cuda_matmul cuda_sort cuda_nms cuda_transfer --suffix -h100 ${BENCH_ARGS:-} ;;
-    bench_*) run "$phase" "${T_BENCH:-120}" python3 -m bench "cuda_${phase#bench_}" --suffix -h100 ${BENCH_ARGS:-} ;;
+    bench) run bench_cuda "${T_BENCH:-200}" python3 -m bench cuda_plan cuda_matmul cuda_sort cuda_nms cuda_transfer --suffix=-h100 ${BENCH_ARGS:-} ;;
+    bench_*) run "$phase" "${T_BENCH:-120}" python3 -m bench "cuda_${phase#bench_}" --suffix=-h100 ${BENCH_ARGS:-} ;;
     opencl)
       mkdir -p .vendors && echo libnvidia-opencl.so.1 > .vendors/nvidia.icd && export OCL_ICD_VENDORS=$PWD/.vendors
       python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:${PYTHONPATH:-}
       python3 -m pip install -q --no-deps --no-build-isolation -e plugins/opencl >> "$OUT/logs/install.txt" 2>&1
       run conformance_opencl 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_conformance.py --polyhal-backend=opencl
-      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" 200 python3 -m bench "$(basename "$b" .py)" --suffix -h100; done ;;
+      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" 200 python3 -m bench "$(basename "$b" .py)" --suffix=-h100; done ;;
   esac
 done
 tar czf "$OUT/results.tgz" -C "$OUT" logs -C "$PWD" bench/results 2>/dev/null

@@ -21,9 +21,13 @@ def expressions() -> dict[str, list[str]]:
     for k in KEYS:
         for kind in (0, 1, 2):
             sort += [f"sort_rows<{k}, {kind}>", f"radix_make_keys<{k}, {kind}>", f"radix_emit<{k}, {kind}>"]
-        sort += [f"radix_upsweep<{k}, false>", f"radix_upsweep<{k}, true>", f"radix_scatter<{k}, false, false>",
-                 f"radix_scatter<{k}, false, true>", f"radix_scatter<{k}, true, true>", f"radix_emit_flat<{k}>"]
-    sort += ["radix_scan", "radix_take_prefix"]
+            sort += [f"radix_histogram<{k}, {kind}>"] + [f"radix_onesweep<{k}, {kind}, {r}, {p}>"
+                                                         for r, p in (("false", "false"), ("false", "true"), ("true", "true"))]
+            sort += [f"radix_upsweep<{k}, {kind}, false>", f"radix_upsweep<{k}, {kind}, true>",
+                     f"radix_scatter<{k}, {kind}, false, false>", f"radix_scatter<{k}, {kind}, false, true>",
+                     f"radix_scatter<{k}, {kind}, true, true>"]
+        sort += [f"radix_emit_flat<{k}>"]
+    sort += ["radix_scan", "radix_take_prefix", "radix_prefix"]
     return {"sort.cu": sort, "nms.cu": ["nms_boxes", "nms_mask", "nms_reduce", "nms_write"],
             "rowwise.cu": [f"{k}<{t}>" for k in ("softmax_rows", "layer_norm_rows") for t in ("float", "double")]}
 

@@ -5,6 +5,7 @@ device), ``device`` (CLDevice), ``allocator`` (CLAllocator and its caching pool)
 (the op set: ``prepare`` and ``KERNEL_NAMES``). Behind ``kernels``: ``ops/`` generates OpenCL C
 per op family (mirroring ``polyhal.ops``), ``codegen`` holds what the generators share (element
 types, index math, launch recipes), ``program`` builds and caches programs (memory and disk),
-``cl/*.cl`` are the hand-written kernels (tiled matmul, bitonic sort) and ``errors`` turns
-OpenCL status codes into polyhal errors.
+``cl/*.cl`` are the hand-written kernels (tiled matmul, bitonic sort, NMS), ``scratch`` places
+kernel scratch through the core's bufferize pass, and ``errors`` turns OpenCL status codes into
+polyhal errors. README.md has the memory model and the environment variables.
 """

@@ -39,6 +39,11 @@ class DeviceTraits:
     correctly_rounded_div_sqrt: bool = False
     #: The largest row a single work-group sorts in local memory (rows above use the global merge sort).
     max_local_sort: int = 4096
+    #: A CPU device (PoCL, Intel's CPU runtime): a work-item looping over contiguous memory is
+    #: cache-friendly there, and work-group barriers are costly, so lane-per-work-item kernels win
+    #: whenever there are enough lanes to fill the cores.
+    is_cpu: bool = False
+    compute_units: int = 1
 
     @classmethod
     def from_cl(cls, cl_device: Any) -> "DeviceTraits":
@@ -52,7 +57,9 @@ class DeviceTraits:
             rounded = False
         return cls(name=cl_device.name.strip(), fp64="cl_khr_fp64" in ext,
                    max_work_group_size=int(cl_device.max_work_group_size),
-                   local_mem_size=int(cl_device.local_mem_size), correctly_rounded_div_sqrt=rounded)
+                   local_mem_size=int(cl_device.local_mem_size), correctly_rounded_div_sqrt=rounded,
+                   is_cpu=bool(cl_device.type & cl.device_type.CPU),
+                   compute_units=int(cl_device.max_compute_units))
 
     def build_options(self) -> str:
         """Compiler options for every program: OpenCL C 1.2 (what the generators write), and
@@ -62,6 +69,11 @@ class DeviceTraits:
         if self.correctly_rounded_div_sqrt:
             opts.append("-cl-fp32-correctly-rounded-divide-sqrt")
         return " ".join(opts)
+
+    def lane_per_work_item(self, lanes: int, lane: int) -> bool:
+        """Whether ``lanes`` independent lanes of ``lane`` elements each should get one work-item
+        each (rather than one work-group each): short lanes, or many lanes on a CPU device."""
+        return lane <= 16 or (self.is_cpu and lanes >= 4 * self.compute_units)
 
     def work_group(self, want: int) -> int:
         """The power-of-two work-group size closest to ``want`` (at least 1) the device allows."""

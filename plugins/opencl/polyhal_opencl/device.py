@@ -70,8 +70,14 @@ class CLDevice(Device):
 
     # -- kernels ---------------------------------------------------------------------------------
 
-    def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        return kernels.prepare(self, op, attrs, in_types, out_types)
+    def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch=None):
+        return kernels.prepare(self, op, attrs, in_types, out_types, scratch=scratch)
+
+    def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
+        """The scratch of the op's kernels, for the bufferize pass (see polyhal_opencl.scratch)."""
+        from polyhal_opencl import scratch
+
+        return scratch.requests(self, op, attrs, in_types, out_types)
 
     def view(self, tensor) -> Any:
         """A ``pyopencl.array.Array`` over the tensor's bytes (buffer, byte offset, strides)."""

@@ -116,6 +116,11 @@ def limits(cl_device: Any, ordinal: int) -> dict[str, Any]:
         "local_mem_size": cl_device.local_mem_size,
         "global_mem_size": cl_device.global_mem_size,
         "max_mem_alloc_size": cl_device.max_mem_alloc_size,
+        # Per work-item private memory the bufferize pass may place scratch in (OpenCL has no
+        # query for it): a CPU device's stack holds kilobytes, a GPU's registers far less.
+        "private_bytes": 16384 if device_kind(cl_device) == "cpu" else 512,
+        # Sub-buffers (global scratch slices of a plan's arena) need origins aligned to this.
+        "scratch_alignment": max(int(cl_device.mem_base_addr_align) // 8, 256),
     }
 
 

@@ -113,15 +113,18 @@ class PolyhalBackend(Backend):
 
     @classmethod
     def is_compatible(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> bool:
+        """Always True: what polyhal cannot run is reported when the model is prepared or run."""
         return True
 
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> PolyhalRep:
+        """A rep of ``model`` on ``device`` (``strict=False`` lets ops run on other devices)."""
         super().prepare(model, device, **kwargs)
         return PolyhalRep(model, device, strict=kwargs.get("strict", True))
 
     @classmethod
     def run_model(cls, model: onnx.ModelProto, inputs: Any, device: str = "CPU", **kwargs: Any) -> tuple:
+        """Prepare ``model`` and run it once on ``inputs``."""
         return cls.prepare(model, device, **kwargs).run(inputs)
 
     @classmethod
@@ -140,6 +143,7 @@ class PolyhalBackend(Backend):
 
     @classmethod
     def supports_device(cls, device: str) -> bool:
+        """Whether ``device`` (a polyhal name, or "CPU"/"CUDA") names an installed device."""
         import polyhal
 
         name = resolve_device(device)

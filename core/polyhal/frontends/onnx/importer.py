@@ -144,13 +144,15 @@ class OnnxProgram(Program):
         return "(import)"
 
     def compile(self, devices: Sequence[str] | str | None = None, *, strict: bool = False,
-                registry=None, **options: Any):
+                registry=None, fuse: bool = True, **options: Any):
         """Compile for ``devices`` (ordered; default every device, best first).
 
         Ops that none of ``devices`` has a kernel for run on another device that has one, with
         transfers inserted (heterogeneous placement); ``strict=True`` refuses that instead,
         with a :class:`StrictPlacementError` naming the node, its op and the devices lacking it.
-        ``options`` go to :func:`polyhal.compile` (e.g. ``data_tiling=True``).
+        ``fuse`` fuses each MatMul with the bias Add after it into one ``linear`` op when the
+        first device of the list that has matmul has linear too. ``options`` go to :func:`polyhal.compile` (e.g.
+        ``data_tiling=True``).
         """
         import polyhal
         from polyhal.registry import default_registry
@@ -177,8 +179,19 @@ class OnnxProgram(Program):
                 f"{self.source}: {len(missing)} op(s) have no kernel on {', '.join(requested)} "
                 f"(strict placement): " + "; ".join(lines) + more + hint)
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
+        program: Program = self
+        # Fuse where the device that would run the matmul (the first that has it) has linear too.
+        lead = next((d for d in requested if "matmul" in registry.get_device(d).kernel_names), None)
+        if fuse and lead is not None and "linear" in registry.get_device(lead).kernel_names:
+            from polyhal.passes.fuse_linear import fuse_linear
+
+            program, pairs = fuse_linear(self)
+            for mm, add in pairs:  # explain names both nodes as the origin of the fused op
+                first, second = self.origins.get(mm.outputs[0].id), self.origins.get(add.outputs[0].id)
+                if first and second and first != second:
+                    self.origins[add.outputs[0].id] = f"{first} + {second}"
         try:
-            return polyhal.compile(self, order, registry=registry, **options)
+            return polyhal.compile(program, order, registry=registry, **options)
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel that cannot be prepared for these operands

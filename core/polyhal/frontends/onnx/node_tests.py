@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     devices = args.device or [s.name for s in polyhal.devices()]
     results = run(devices, args.pattern, progress=True)
-    text = report(results, None if args.output == "-" else Path(args.output))
+    report(results, None if args.output == "-" else Path(args.output))
     for d, t in summarize(results).items():
         print(f"{d}: {t['pass']} pass, {t['fail']} fail, {t['unsupported']} unsupported of {sum(t.values())}")
     if args.show_failures:
@@ -238,7 +238,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"FAIL {r.name} on {r.device}: {r.reason}")
     if args.output != "-":
         print(f"report: {args.output}")
-    _ = text
     return 0
 
 

@@ -115,6 +115,8 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
     __shared__ int nrows;
     __shared__ long long count;
     __shared__ int done;
+    __shared__ unsigned long long partial[1024];  // row-group partial words (blockDim <= 1024)
+    __shared__ unsigned long long diag[NMS_WORD];
     const long long p = blockIdx.x;
     unsigned long long* removed = removed_global ? removed_global + p * (long long)words : removed_shared;
     const unsigned long long* pm = mask + p * (long long)n * words;
@@ -147,10 +149,17 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
             long long c = count;
             const long long room = max_out - c;
             int taken = 0;
-            for (int i = 0; i < m; ++i) {
-                const unsigned long long di = __shfl_sync(FULL_MASK, i < 32 ? d0 : d1, i & 31);
-                if (!((rem >> i) & 1ull) && taken < room) { kept |= 1ull << i; rem |= di; ++taken; }
+            // The 64 diagonal words go through shared memory so that the walk below, fully
+            // unrolled, can load them ahead: its only dependency chain is the removed bits.
+            diag[lane] = d0;
+            diag[lane + 32] = d1;
+            __syncwarp();
+#pragma unroll
+            for (int i = 0; i < NMS_WORD; ++i) {
+                const unsigned long long di = diag[i];
+                if (i < m && !((rem >> i) & 1ull) && taken < room) { kept |= 1ull << i; rem |= di; ++taken; }
             }
+            __syncwarp();
             // prefetch the next diagonal block
             if (b + 1 < words) {
                 const int nb = (b + 1) * NMS_WORD;
@@ -176,18 +185,35 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
         __syncthreads();
         const int nr = nrows;
         if (nr > 0 && !done) {
-            for (int w = b + 1 + threadIdx.x; w < words; w += blockDim.x) {
+            // OR the kept rows' masks into the later words. Threads are split into R row
+            // groups per word (R = blockDim / later words, so that short tails keep every
+            // thread busy): thread (g, w) ORs rows g, g + R, ... of word w (consecutive threads
+            // take consecutive words: coalesced), four loads in flight; the groups' partial
+            // words are then merged through shared memory. No atomics.
+            const int nw = words - (b + 1);
+            const int R = nw > 0 ? max(1, min((int)blockDim.x / nw, nr)) : 1;
+            for (int idx = threadIdx.x; idx < nw * R; idx += blockDim.x) {
+                const int g = idx / nw, w = b + 1 + (idx - g * nw);
                 unsigned long long acc = 0;
-                int r = 0;
-                for (; r + 4 <= nr; r += 4) {
+                int r = g;
+                for (; r + 3 * R < nr; r += 4 * R) {
                     const unsigned long long m0 = pm[(long long)rows[r] * words + w];
-                    const unsigned long long m1 = pm[(long long)rows[r + 1] * words + w];
-                    const unsigned long long m2 = pm[(long long)rows[r + 2] * words + w];
-                    const unsigned long long m3 = pm[(long long)rows[r + 3] * words + w];
+                    const unsigned long long m1 = pm[(long long)rows[r + R] * words + w];
+                    const unsigned long long m2 = pm[(long long)rows[r + 2 * R] * words + w];
+                    const unsigned long long m3 = pm[(long long)rows[r + 3 * R] * words + w];
                     acc |= m0 | m1 | m2 | m3;
                 }
-                for (; r < nr; ++r) acc |= pm[(long long)rows[r] * words + w];
-                removed[w] |= acc;
+                for (; r < nr; r += R) acc |= pm[(long long)rows[r] * words + w];
+                if (R == 1) removed[w] |= acc;  // one owner per word
+                else partial[idx] = acc;        // nw * R <= blockDim: one (g, w) per thread
+            }
+            if (R > 1) {
+                __syncthreads();
+                for (int i = threadIdx.x; i < nw; i += blockDim.x) {
+                    unsigned long long acc = 0;
+                    for (int g = 0; g < R; ++g) acc |= partial[g * nw + i];
+                    removed[b + 1 + i] |= acc;
+                }
             }
         }
         __syncthreads();

@@ -73,6 +73,14 @@ __device__ __forceinline__ i64 lane_base(i64 r, i64 n, i64 inner) {
     return (r / inner) * n * inner + (r % inner);
 }
 
+// The key of flat element e (lane e / n, index e % n) read from the operand itself.
+template <typename K, int KIND>
+__device__ __forceinline__ K source_key(const K* __restrict__ x, u32 e, i64 n, i64 inner, int flags) {
+    if (inner == 1) return to_key<K, KIND>(x[e], flags);
+    const i64 r = (i64)e / n, j = (i64)e - r * n;
+    return to_key<K, KIND>(x[lane_base(r, n, inner) + j * inner], flags);
+}
+
 // ------------------------------------------------------------------------------- bitonic path
 
 // Bitonic sort of p (a power of two) (key, index) pairs in ks/is, ascending by (key, index).
@@ -151,9 +159,13 @@ __device__ __forceinline__ u32 digit_of(K key, u32 pay, int shift, u32 n) {
 }
 
 // Per-tile digit counts: hist[d * tiles + t]; totals[d] += count (totals zeroed by the host).
-template <typename K, bool ROW>
-__global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict__ payload, u32 total, u32 n,
-                              int shift, u32* __restrict__ hist, u32* __restrict__ totals, u32 tiles) {
+// Pass 0 reads the operand x0 itself (keys made on the fly, payload = element index). Equal
+// digits of a warp are counted with one shared atomic (warp match), so that skewed digits
+// (the exponent byte of floats) do not serialise on a few counters.
+template <typename K, int KIND, bool ROW>
+__global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict__ payload, const K* __restrict__ x0,
+                              u32 total, i64 n, i64 inner, int shift, int flags, u32* __restrict__ hist,
+                              u32* __restrict__ totals, u32 tiles) {
     constexpr u32 TILE = SORT_BLOCK * RadixTile<K>::ITEMS;
     __shared__ u32 cnt[RADIX];
     for (u32 d = threadIdx.x; d < RADIX; d += blockDim.x) cnt[d] = 0;
@@ -161,9 +173,16 @@ __global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict_
     const u32 t = blockIdx.x;
     const u32 begin = t * TILE;
     const u32 end = min(total, begin + TILE);
-    for (u32 e = begin + threadIdx.x; e < end; e += blockDim.x) {
-        const u32 d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, n);
-        atomicAdd(&cnt[d], 1u);
+    const u32 lt = (1u << (threadIdx.x & 31)) - 1u;
+    for (u32 base = begin; base < end; base += blockDim.x) {
+        const u32 e = base + threadIdx.x;
+        u32 d = RADIX;
+        if (e < end) {
+            if (x0) d = digit_of<K, ROW>(source_key<K, KIND>(x0, e, n, inner, flags), e, shift, (u32)n);
+            else d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, (u32)n);
+        }
+        const u32 peers = __match_any_sync(FULL_MASK, d);
+        if (d < RADIX && (peers & lt) == 0) atomicAdd(&cnt[d], __popc(peers));
     }
     __syncthreads();
     for (u32 d = threadIdx.x; d < RADIX; d += blockDim.x) {
@@ -224,10 +243,14 @@ __global__ void radix_scan(u32* __restrict__ hist, const u32* __restrict__ total
 // Stable scatter of one tile by digit. Warp w of the block owns elements
 // [tile_begin + w * 32 * ITEMS, ...) in rounds of 32 (lane order = input order); ranks within a
 // round come from __match_any_sync, and per-warp digit counters carry them across rounds.
-template <typename K, bool ROW, bool PAY>
+// Pass 0 reads the operand x0 (as radix_upsweep); the last pass may write the outputs
+// (values: from_key, or xv[payload]; indices: payload - lane * n) instead of kout/pout.
+template <typename K, int KIND, bool ROW, bool PAY>
 __global__ void __launch_bounds__(SORT_BLOCK)
-radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, K* __restrict__ kout, u32* __restrict__ pout,
-              u32 total, u32 n, int shift, const u32* __restrict__ hist, u32 tiles) {
+radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, const K* __restrict__ x0,
+              K* __restrict__ kout, u32* __restrict__ pout, K* __restrict__ values, i64* __restrict__ indices,
+              const K* __restrict__ xv, u32 total, i64 n, i64 inner, int shift, int flags,
+              const u32* __restrict__ hist, u32 tiles) {
     constexpr int ITEMS = RadixTile<K>::ITEMS;
     constexpr int WARPS = SORT_BLOCK / 32;
     constexpr u32 TILE = SORT_BLOCK * ITEMS;
@@ -259,9 +282,10 @@ radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, K* __restr
         key[r] = 0;
         pay[r] = 0;
         if (valid) {
-            key[r] = kin[tile_begin + local];
-            if (PAY) pay[r] = pin[tile_begin + local];
-            d = digit_of<K, ROW>(key[r], pay[r], shift, n);
+            const u32 e = tile_begin + local;
+            if (x0) { key[r] = source_key<K, KIND>(x0, e, n, inner, flags); pay[r] = e; }
+            else { key[r] = kin[e]; if (PAY) pay[r] = pin[e]; }
+            d = digit_of<K, ROW>(key[r], pay[r], shift, (u32)n);
         }
         const u32 peers = __match_any_sync(FULL_MASK, d);
         const u32 leader = __ffs(peers) - 1;
@@ -308,13 +332,19 @@ radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, K* __restr
     }
     __syncthreads();
     // Coalesced write-out: consecutive threads take consecutive (digit-sorted) tile positions.
+    const bool final_out = values != nullptr || indices != nullptr;
     for (u32 i = threadIdx.x; i < count; i += SORT_BLOCK) {
         const K k = skeys[i];
         const u32 p = PAY ? spay[i] : 0u;
-        const u32 d = digit_of<K, ROW>(k, p, shift, n);
+        const u32 d = digit_of<K, ROW>(k, p, shift, (u32)n);
         const u32 g = goff[d] + (i - tstart[d]);
-        kout[g] = k;
-        if (PAY) pout[g] = p;
+        if (final_out) {
+            if (values) values[g] = PAY ? xv[p] : from_key<K, KIND>(k, flags);
+            if (indices) indices[g] = (i64)p - ((i64)g / n) * n;
+        } else {
+            kout[g] = k;
+            if (PAY) pout[g] = p;
+        }
     }
 }
 
@@ -358,5 +388,202 @@ __global__ void radix_emit_flat(const u32* __restrict__ flat, const K* __restric
         const i64 dst = lane_base(r, kout, inner) + p * inner;
         if (flags & F_VALUES) values[dst] = x[lane_base(r, n, inner) + j * inner];
         if (flags & F_INDICES) indices[dst] = j;
+    }
+}
+
+// ------------------------------------------------------------------------ onesweep radix path
+//
+// One kernel per pass (Merrill & Adinets' "onesweep"): the global digit counts of every pass
+// come from one histogram kernel up front (radix_histogram + radix_prefix), and each pass
+// finds its tiles' offsets by decoupled look-back instead of an upsweep and a scan. Tiles are
+// numbered in the order blocks start (an atomic counter), so a block only waits for tiles
+// whose blocks already run: no deadlock. A tile publishes, per digit, one word: 2 flag bits
+// (1 = its own count, 2 = the inclusive prefix through it) and a 30-bit count.
+// The first pass reads the operand itself (keys made on the fly, payload = element index) and,
+// when lanes are contiguous and every element is output, the last pass writes the outputs.
+
+#define ST_AGG 1u
+#define ST_PREFIX 2u
+#define ST_COUNT_MASK 0x3fffffffu
+#define SPIN_LIMIT (1u << 24)
+
+__device__ __forceinline__ u32 ld_volatile(const u32* p) { return *(const volatile u32*)p; }
+__device__ __forceinline__ void st_volatile(u32* p, u32 v) { *(volatile u32*)p = v; }
+
+
+// Digit counts of every pass at once: hist[p * 256 + d]. Key passes first, then lane passes
+// (digits of e / n). Reads the operand (keys made on the fly).
+template <typename K, int KIND>
+__global__ void radix_histogram(const K* __restrict__ x, u32 total, i64 n, i64 inner, int flags,
+                                int key_passes, int lane_passes, u32* __restrict__ hist) {
+    __shared__ u32 cnt[12][RADIX];
+    const int passes = key_passes + lane_passes;
+    for (int i = threadIdx.x; i < passes * RADIX; i += blockDim.x) (&cnt[0][0])[i] = 0;
+    __syncthreads();
+    const u32 lt = (1u << (threadIdx.x & 31)) - 1u;
+    for (u32 base = blockIdx.x * blockDim.x; base < total; base += gridDim.x * blockDim.x) {
+        const u32 e = base + threadIdx.x;
+        const bool valid = e < total;
+        const K key = valid ? source_key<K, KIND>(x, e, n, inner, flags) : (K)0;
+        const u32 lane = valid ? (u32)((i64)e / n) : 0u;
+        for (int p = 0; p < passes; ++p) {
+            u32 d = RADIX;
+            if (valid) d = p < key_passes ? (u32)(key >> (8 * p)) & (RADIX - 1) : (lane >> (8 * (p - key_passes))) & (RADIX - 1);
+            const u32 peers = __match_any_sync(FULL_MASK, d);
+            if (valid && (peers & lt) == 0) atomicAdd(&cnt[p][d], __popc(peers));  // one add per group
+        }
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < passes * RADIX; i += blockDim.x) {
+        const u32 c = (&cnt[0][0])[i];
+        if (c) atomicAdd(&hist[i], c);
+    }
+}
+
+// Exclusive prefix of each pass's digit counts, in place. One block of RADIX threads.
+__global__ void radix_prefix(u32* __restrict__ hist, int passes) {
+    __shared__ u32 wsum[RADIX / 32];
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    for (int p = 0; p < passes; ++p) {
+        const u32 x = hist[p * RADIX + threadIdx.x];
+        u32 s = x;
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(FULL_MASK, s, o);
+            if (lane >= o) s += y;
+        }
+        if (lane == 31) wsum[w] = s;
+        __syncthreads();
+        u32 before = 0;
+        for (int ww = 0; ww < w; ++ww) before += wsum[ww];
+        hist[p * RADIX + threadIdx.x] = before + s - x;
+        __syncthreads();
+    }
+}
+
+// One pass. Inputs: kin/pin, or (pass 0) the operand x0 with payload = element index. Outputs:
+// kout/pout, or (last pass, when fused) values (from_key, or xv[payload] with a payload) and
+// indices (payload - lane * n). goff: this pass's exclusive digit offsets; status: tiles * 256
+// words, zeroed; counter: the tile counter, zeroed; error: set if a look-back gave up.
+template <typename K, int KIND, bool ROW, bool PAY>
+__global__ void __launch_bounds__(SORT_BLOCK)
+radix_onesweep(const K* __restrict__ kin, const u32* __restrict__ pin, const K* __restrict__ x0,
+               K* __restrict__ kout, u32* __restrict__ pout, K* __restrict__ values, i64* __restrict__ indices,
+               const K* __restrict__ xv, u32 total, i64 n, i64 inner, int shift, int flags,
+               const u32* __restrict__ goff, u32* __restrict__ status, u32* __restrict__ counter,
+               u32* __restrict__ error) {
+    constexpr int ITEMS = RadixTile<K>::ITEMS;
+    constexpr int WARPS = SORT_BLOCK / 32;
+    constexpr u32 TILE = SORT_BLOCK * ITEMS;
+    __shared__ u32 wcnt[WARPS][RADIX];
+    __shared__ u32 tstart[RADIX];
+    __shared__ u32 gpos[RADIX];
+    __shared__ u32 wsum[WARPS];
+    __shared__ u32 tile_id;
+    __shared__ K skeys[TILE];
+    __shared__ u32 spay[PAY ? TILE : 1];
+
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+    if (threadIdx.x == 0) tile_id = atomicAdd(counter, 1u);
+    for (u32 i = threadIdx.x; i < WARPS * RADIX; i += SORT_BLOCK) (&wcnt[0][0])[i] = 0;
+    __syncthreads();
+    const u32 t = tile_id;
+    const u32 tile_begin = t * TILE;
+    const u32 count = min(total - tile_begin, TILE);
+    const u32 lt_mask = (1u << lane) - 1u;
+    K key[ITEMS];
+    u32 pay[ITEMS];
+    u32 rank[ITEMS];
+    u32 dig[ITEMS];
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+        const u32 local = (u32)w * 32u * ITEMS + (u32)r * 32u + (u32)lane;
+        const bool valid = local < count;
+        u32 d = RADIX;
+        key[r] = 0;
+        pay[r] = 0;
+        if (valid) {
+            const u32 e = tile_begin + local;
+            if (x0) { key[r] = source_key<K, KIND>(x0, e, n, inner, flags); pay[r] = e; }
+            else { key[r] = kin[e]; if (PAY) pay[r] = pin[e]; }
+            d = digit_of<K, ROW>(key[r], pay[r], shift, (u32)n);
+        }
+        const u32 peers = __match_any_sync(FULL_MASK, d);
+        const u32 leader = __ffs(peers) - 1;
+        u32 pre = 0;
+        if (valid) pre = wcnt[w][d];
+        __syncwarp();
+        if (valid && (u32)lane == leader) wcnt[w][d] = pre + __popc(peers);
+        __syncwarp();
+        rank[r] = pre + __popc(peers & lt_mask);
+        dig[r] = d;
+    }
+    __syncthreads();
+    const u32 d = threadIdx.x;  // SORT_BLOCK == RADIX: one digit per thread
+    u32 run = 0;
+#pragma unroll
+    for (int ww = 0; ww < WARPS; ++ww) { const u32 c = wcnt[ww][d]; wcnt[ww][d] = run; run += c; }
+    const u32 tile_cnt = run;
+    // Publish this tile's count at once; the look-back for the earlier tiles' prefix comes after
+    // the shared-memory scatter, when the predecessors have had time to publish theirs.
+    u32* my = status + (size_t)t * RADIX + d;
+    st_volatile(my, ((t == 0 ? ST_PREFIX : ST_AGG) << 30) | tile_cnt);
+    // Exclusive scan of the tile's digit counts: where each digit's run starts in the tile.
+    u32 s = tile_cnt;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(FULL_MASK, s, o);
+        if (lane >= o) s += y;
+    }
+    if (lane == 31) wsum[w] = s;
+    __syncthreads();
+    {
+        u32 before = 0;
+        for (int ww = 0; ww < w; ++ww) before += wsum[ww];
+        tstart[d] = before + s - tile_cnt;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+        const u32 dd = dig[r];
+        if (dd < RADIX) {
+            const u32 pos = tstart[dd] + wcnt[w][dd] + rank[r];
+            skeys[pos] = key[r];
+            if (PAY) spay[pos] = pay[r];
+        }
+    }
+    if (t == 0) {
+        gpos[d] = goff[d];
+    } else {
+        u32 excl = 0;
+        int look = (int)t - 1;
+        u32 spins = 0;
+        while (look >= 0) {
+            const u32 v = ld_volatile(status + (size_t)look * RADIX + d);
+            const u32 f = v >> 30;
+            if (f == 0) {
+                if (++spins > SPIN_LIMIT) { atomicExch(error, 1u); break; }
+                __nanosleep(32);
+                continue;
+            }
+            excl += v & ST_COUNT_MASK;
+            if (f == ST_PREFIX) break;
+            --look;
+        }
+        st_volatile(my, (ST_PREFIX << 30) | (excl + tile_cnt));
+        gpos[d] = goff[d] + excl;
+    }
+    __syncthreads();
+    const bool final_out = values != nullptr || indices != nullptr;
+    for (u32 i = threadIdx.x; i < count; i += SORT_BLOCK) {
+        const K k = skeys[i];
+        const u32 p = PAY ? spay[i] : 0u;
+        const u32 dd = digit_of<K, ROW>(k, p, shift, (u32)n);
+        const u32 g = gpos[dd] + (i - tstart[dd]);
+        if (final_out) {
+            if (values) values[g] = PAY ? xv[p] : from_key<K, KIND>(k, flags);
+            if (indices) indices[g] = (i64)p - ((i64)g / n) * n;
+        } else {
+            kout[g] = k;
+            if (PAY) pout[g] = p;
+        }
     }
 }

@@ -22,8 +22,8 @@
 // contraction off so that no multiply-add is fused, so the selection matches bit for bit.
 //
 // #defines: NB, NC, N (boxes), NP (power of two >= N), W, LIMIT (max per row), BOUND (rows of
-// the output), CENTER, IOU_T (float literal), HAS_SCORE_T, SCORE_T, WG (work-items of prep and
-// reduce), SORT_SPACE / COLS_SPACE / REMOVED_SPACE (1: __local, 2: global scratch).
+// the output), CENTER, IOU_T (float literal), HAS_SCORE_T, SCORE_T, WG (work-items of prep),
+// WGR (of reduce), SORT_SPACE / COLS_SPACE / REMOVED_SPACE (1: __local, 2: global scratch).
 #pragma OPENCL FP_CONTRACT OFF
 
 #define ROWS (NB * NC)
@@ -173,7 +173,7 @@ void nms_mask(__global const float4* sboxes_base, const ulong sboxes_off, __glob
 #define REMOVED_PARAMS
 #endif
 
-__kernel __attribute__((reqd_work_group_size(WG, 1, 1)))
+__kernel __attribute__((reqd_work_group_size(WGR, 1, 1)))
 void nms_reduce(__global const int* order_base, const ulong order_off, __global const int* counts_base,
                 const ulong counts_off, __global const ulong* mask_base, const ulong mask_off,
                 __global int* sel_base, const ulong sel_off, __global int* nsel_base,
@@ -190,7 +190,7 @@ void nms_reduce(__global const int* order_base, const ulong order_off, __global 
   __global ulong* removed = removed_base + removed_off;
 #define RM_FENCE CLK_GLOBAL_MEM_FENCE
 #endif
-  for (int w = lid; w < W; w += WG) removed[w] = 0;
+  for (int w = lid; w < W; w += WGR) removed[w] = 0;
   barrier(RM_FENCE);
   int kept = 0;  // every work-item makes the same decisions, so each keeps the same count
   for (int i = 0; i < cnt && kept < LIMIT; i++) {
@@ -199,7 +199,7 @@ void nms_reduce(__global const int* order_base, const ulong order_off, __global 
     if (!gone) {
       if (lid == 0) sel[kept] = order[i];
       kept++;
-      for (int w = (i >> 6) + lid; w < W; w += WG) removed[w] |= mask[(long)i * W + w];
+      for (int w = (i >> 6) + lid; w < W; w += WGR) removed[w] |= mask[(long)i * W + w];
     }
     barrier(RM_FENCE);  // the OR is complete before the next candidate is read
   }

@@ -4,8 +4,9 @@
 // row r0 + l), so every compare-exchange of a bitonic network is one vector min/max (or a
 // vector select, with indices) and no lane ever waits for another: no barriers, no divergence.
 // Rows are loaded 16 elements at a time (one vload16 per row) and turned into lane vectors by a
-// 16x16 transpose in registers; stages whose partner distance j is below 16 run on 16 vectors
-// held in registers, larger ones in passes over the tile, three stages per pass.
+// 16x16 transpose in registers. Stages run on groups of vectors held in registers: the stages
+// j < 16 on blocks of 16 (or of 32 with the stage j = 16), larger ones in passes over the tile
+// that do up to four stages each (16 vectors a group), so the tile is streamed fewer times.
 //
 // Order (polyhal.ops.sorting): keys are the bits of x made to sort as unsigned integers (floats:
 // sign flipped, negatives inverted), with -0.0 keyed as +0.0 and every nan as one canonical nan
@@ -148,6 +149,24 @@ inline void network(TSPACE VT* tk, TSPACE VT* ti, int size) {
   for (int i0 = 0; i0 < size; i0 += 16) block16(tk, ti, i0, 16, 1);
   for (int k = 32; k <= size; k <<= 1) {
     int j = k >> 1;
+    for (; j >= 128; j >>= 4) {  // four stages (j .. j/8) per pass: 16 entries per group, in registers
+      const int q = j >> 3;
+      for (int b0 = 0; b0 < size; b0 += 2 * j) {
+        const int up = (b0 & k) == 0;
+        for (int i = b0; i < b0 + q; i++) {
+          VT a[16], x[16];
+          #pragma unroll
+          for (int m = 0; m < 16; m++) { a[m] = tk[i + m * q]; IDX(x[m] = ti[i + m * q]); }
+          #pragma unroll
+          for (int d = 8; d > 0; d >>= 1) {
+            #pragma unroll
+            for (int m = 0; m < 16; m++) if (!(m & d)) CE(a[m], x[m], a[m + d], x[m + d], up)
+          }
+          #pragma unroll
+          for (int m = 0; m < 16; m++) { tk[i + m * q] = a[m]; IDX(ti[i + m * q] = x[m]); }
+        }
+      }
+    }
     for (; j >= 64; j >>= 3) {  // three stages (j, j/2, j/4) per pass: 8 entries per group
       const int q = j >> 2;
       for (int b0 = 0; b0 < size; b0 += 2 * j) {
@@ -181,6 +200,22 @@ inline void network(TSPACE VT* tk, TSPACE VT* ti, int size) {
         }
       }
     }
+    if (j == 16) {  // stage 16 and stages 8..1 on 32 entries in registers
+      for (int i0 = 0; i0 < size; i0 += 32) {
+        const int up = (i0 & k) == 0;
+        VT a[32], x[32];
+        #pragma unroll
+        for (int m = 0; m < 32; m++) { a[m] = tk[i0 + m]; IDX(x[m] = ti[i0 + m]); }
+        #pragma unroll
+        for (int d = 16; d > 0; d >>= 1) {
+          #pragma unroll
+          for (int m = 0; m < 32; m++) if (!(m & d)) CE(a[m], x[m], a[m + d], x[m + d], up)
+        }
+        #pragma unroll
+        for (int m = 0; m < 32; m++) { tk[i0 + m] = a[m]; IDX(ti[i0 + m] = x[m]); }
+      }
+      continue;
+    }
     for (; j >= 16; j >>= 1) {  // one stage j = 16
       for (int b0 = 0; b0 < size; b0 += 2 * j) {
         const int up = (b0 & k) == 0;
@@ -197,7 +232,7 @@ inline void network(TSPACE VT* tk, TSPACE VT* ti, int size) {
   }
 }
 
-__kernel void sort_lanes(__global const uint* x_base, const ulong x_off, OUT_KERNEL_PARAMS TILE_PARAMS) {
+__kernel void sort_lanes(__global const uint* x_base, const ulong x_off OUT_KERNEL_PARAMS TILE_PARAMS) {
   __global const uint* x = x_base + x_off;
   OUT_PROLOGUE
 #if TILE_SPACE == 1

@@ -1,5 +1,5 @@
 """Indexing kernels (mirrors :mod:`polyhal.ops.indexing`): expand, pad, gather_elements,
-gather_nd, scatter_elements, scatter_nd, cumsum and einsum. argmin and reduce_prod are folds of
+gather_nd, scatter_elements, scatter_nd, cumsum, cumprod and einsum. argmin and reduce_prod are folds of
 :mod:`.reduction`.
 
 Out-of-range indices read 0 (gathers) or are skipped (scatters): a kernel cannot raise, and
@@ -162,29 +162,32 @@ def scatter_nd(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: D
     return Recipe(src, linear_launch("scatter_nd", y.size, [Arg(i) for i in range(4)], traits))
 
 
-def cumsum(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
-    """A running sum per lane along ``axis``, one work-item per lane (accumulating as the
-    reductions do: double for floats where available, wrapping for integers)."""
+def scan(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
+    """cumsum / cumprod: a running sum or product per lane along ``axis``, one work-item per
+    lane, accumulating as the reductions do (double for floats where available, wrapping for
+    integers); ``exclusive`` writes before folding, so the first result is the identity."""
     x = in_types[0]
     t = ctype(x.dtype, traits, op)
     axis = int(attrs["axis"]) % x.rank
     n, inner = x.shape[axis], math.prod(x.shape[axis + 1:])
     lanes = x.size // n if n else 0
     acc = accumulator(t, traits)
+    sym, identity = ("+", 0) if op == "cumsum" else ("*", 1)
     pos = f"({n - 1} - j)" if attrs["reverse"] else "j"
-    step = (f"{t.store_stmt('y', 'e', 'acc')} acc += ({acc})v;" if attrs["exclusive"]
-            else f"acc += ({acc})v; {t.store_stmt('y', 'e', 'acc')}")
+    fold = f"acc {sym}= ({acc})v;"
+    step = (f"{t.store_stmt('y', 'e', 'acc')} {fold}" if attrs["exclusive"]
+            else f"{fold} {t.store_stmt('y', 'e', 'acc')}")
     idx = index_type(x.size)
 
     def body(_: str) -> str:
         return (f"  const {idx} base = ({idx})(gid / {inner}) * {n * inner} + ({idx})(gid % {inner});\n"
-                f"  {acc} acc = 0;\n  for ({idx} j = 0; j < {n}; ++j) {{\n"
+                f"  {acc} acc = ({acc}){identity};\n  for ({idx} j = 0; j < {n}; ++j) {{\n"
                 f"    const {idx} e = base + {pos} * {inner};\n    const {t.compute} v = {t.load('x', 'e')};\n"
                 f"    {step}\n  }}")
 
     params = [("x", t.store, True), ("y", t.store, False)]
-    src = header(t, fp64=acc == "double") + coord_kernel("cumsum", (lanes,), params, body, extent=x.size)
-    return Recipe(src, linear_launch("cumsum", lanes, [Arg(0), Arg(1)], traits))
+    src = header(t, fp64=acc == "double") + coord_kernel(op, (lanes,), params, body, extent=x.size)
+    return Recipe(src, linear_launch(op, lanes, [Arg(0), Arg(1)], traits))
 
 
 # ------------------------------------------------------------------------------------- einsum
@@ -256,5 +259,6 @@ def einsum(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
 
 GENERATORS = {
     "expand": expand, "pad": pad, "gather_elements": gather_elements, "gather_nd": gather_nd,
-    "scatter_elements": scatter_elements, "scatter_nd": scatter_nd, "cumsum": cumsum, "einsum": einsum,
+    "scatter_elements": scatter_elements, "scatter_nd": scatter_nd, "cumsum": scan, "cumprod": scan,
+    "einsum": einsum,
 }

@@ -1,5 +1,5 @@
-"""matmul (numpy semantics, batched with broadcasting) and gemm (ONNX), both on the tiled
-``cl/matmul.cl`` kernel. pyclblast is not used: PyPI has only its source, which needs the
+"""matmul (numpy semantics, batched with broadcasting), gemm (ONNX) and linear (x @ w + b), all
+on the tiled, register-blocked ``cl/matmul.cl`` kernel. pyclblast is not used: PyPI has only its source, which needs the
 CLBlast C library installed, so the tiled kernel is the one path everywhere."""
 
 from __future__ import annotations
@@ -16,11 +16,18 @@ from polyhal_opencl.codegen import (
 
 
 def tile_edge(traits: DeviceTraits) -> int:
-    """The largest power-of-two tile edge whose square fits in a work-group (at most 16)."""
+    """The largest power-of-two work-group edge whose square fits in a work-group (at most 16)."""
     ts = 16
     while ts > 1 and ts * ts > traits.max_work_group_size:
         ts //= 2
     return ts
+
+
+def register_tile(m: int, n: int, ts: int) -> int:
+    """Outputs per work-item per dim: 4 once the product fills 4x4-register blocks, less for
+    small products, whose blocks would be mostly padding."""
+    edge = min(m, n)
+    return 4 if edge >= 4 * ts else 2 if edge >= 2 * ts else 1
 
 
 def _batch_strides(shape: tuple[int, ...], batch: tuple[int, ...]) -> tuple[int, ...]:
@@ -36,12 +43,13 @@ def _product(t: CType, out: CType, *, m: int, n: int, k: int, batch: tuple[int, 
              a_strides: tuple[int, int], b_strides: tuple[int, int], a_batch, b_batch,
              result: str, c: CType | None, traits: DeviceTraits) -> tuple[str, int]:
     ts = tile_edge(traits)
+    rt = register_tile(m, n, ts)
     bshape, (abs_, bbs) = collapse(batch, [a_batch, b_batch])
     acc = t.unsigned if t.kind in "iu" else t.compute  # unsigned: integer products wrap as numpy's
     names = [("a", t.store, True), ("b", t.store, True)] + ([("c", c.store, True)] if c else []) + [("y", out.store, False)]
     source = (
         header(t, out)
-        + defines(TS=ts, M=m, N=n, K=k, SAM=a_strides[0], SAK=a_strides[1], SBK=b_strides[0],
+        + defines(TS=ts, RT=rt, TK=16, M=m, N=n, K=k, SAM=a_strides[0], SAK=a_strides[1], SBK=b_strides[0],
                   SBN=b_strides[1], CT=t.compute, ACC=acc)
         + f"#define LOAD_A(i) {t.load('a', 'i')}\n#define LOAD_B(i) {t.load('b', 'i')}\n"
         + f"#define MUL(x, y) (({acc})(x) * ({acc})(y))\n"
@@ -51,13 +59,13 @@ def _product(t: CType, out: CType, *, m: int, n: int, k: int, batch: tuple[int, 
         + f"#define RESULT {result}\n"
         + cl_source("matmul.cl")
     )
-    return source, ts
+    return source, ts, rt
 
 
-def _launch(source: str, ts: int, m: int, n: int, batch: int, nargs: int) -> Recipe:
+def _launch(source: str, ts: int, rt: int, m: int, n: int, batch: int, nargs: int) -> Recipe:
     if m * n * batch == 0:
         return Recipe("")
-    gsize = (round_up(n, ts), round_up(m, ts), batch)
+    gsize = (round_up(n, ts * rt) // rt, round_up(m, ts * rt) // rt, batch)
     return Recipe(source, [Launch("matmul", gsize, (ts, ts, 1), tuple(Arg(i) for i in range(nargs)))])
 
 
@@ -70,11 +78,11 @@ def matmul(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
     batch = broadcast(a2[:-2], b2[:-2])
     (m, k), n = a2[-2:], b2[-1]
     sa, sb = dense_strides(a2), dense_strides(b2)
-    source, ts = _product(t, t, m=m, n=n, k=k, batch=batch, a_strides=(sa[-2], sa[-1]),
-                          b_strides=(sb[-2], sb[-1]), a_batch=_batch_strides(a2, batch),
-                          b_batch=_batch_strides(b2, batch), result=t.store_stmt("y", "yo", "acc"),
-                          c=None, traits=traits)
-    return _launch(source, ts, m, n, math.prod(batch), 3)
+    source, ts, rt = _product(t, t, m=m, n=n, k=k, batch=batch, a_strides=(sa[-2], sa[-1]),
+                              b_strides=(sb[-2], sb[-1]), a_batch=_batch_strides(a2, batch),
+                              b_batch=_batch_strides(b2, batch), result=t.store_stmt("y", "yo", "v"),
+                              c=None, traits=traits)
+    return _launch(source, ts, rt, m, n, math.prod(batch), 3)
 
 
 def gemm(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
@@ -87,14 +95,28 @@ def gemm(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceT
     sa, sb = dense_strides(a.shape), dense_strides(b.shape)
     a_strides = (sa[1], sa[0]) if attrs["trans_a"] else (sa[0], sa[1])
     b_strides = (sb[1], sb[0]) if attrs["trans_b"] else (sb[0], sb[1])
-    value = f"{t.lit(float(attrs['alpha']))} * acc"
+    value = f"{t.lit(float(attrs['alpha']))} * v"
     if c is not None:
         scm, scn = broadcast_strides(c.shape, (m, n))
         value += f" + {t.lit(float(attrs['beta']))} * {t.load('c', f'(long)m * {scm} + (long)n * {scn}')}"
-    source, ts = _product(t, t, m=m, n=n, k=k, batch=(), a_strides=a_strides, b_strides=b_strides,
-                          a_batch=(), b_batch=(), result=t.store_stmt("y", "yo", value),
-                          c=t if c is not None else None, traits=traits)
-    return _launch(source, ts, m, n, 1, len(in_types) + 1)
+    source, ts, rt = _product(t, t, m=m, n=n, k=k, batch=(), a_strides=a_strides, b_strides=b_strides,
+                              a_batch=(), b_batch=(), result=t.store_stmt("y", "yo", value),
+                              c=t if c is not None else None, traits=traits)
+    return _launch(source, ts, rt, m, n, 1, len(in_types) + 1)
 
 
-GENERATORS = {"matmul": matmul, "gemm": gemm}
+def linear(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
+    """x @ w + b with the leading dims of x flattened into M (x is dense): the bias is added as
+    each result is stored, so the result is written once."""
+    x, w, b = in_types
+    t = ctype(x.dtype, traits, op)
+    k, n = w.shape
+    m = x.size // k if k else math.prod(x.shape[:-1])
+    bias = t.load("c", f"(long)n * {1 if b.shape == (n,) and n > 1 else 0}")
+    source, ts, rt = _product(t, t, m=m, n=n, k=k, batch=(), a_strides=(k, 1), b_strides=(n, 1),
+                              a_batch=(), b_batch=(), result=t.store_stmt("y", "yo", f"v + {bias}"),
+                              c=t, traits=traits)
+    return _launch(source, ts, rt, m, n, 1, 4)
+
+
+GENERATORS = {"matmul": matmul, "gemm": gemm, "linear": linear}

@@ -1,11 +1,13 @@
 """More elementwise math (mirrors :mod:`polyhal.ops.mathfn`): trigonometric and hyperbolic
 functions, rounding, sign, reciprocal, isnan/isinf and mod, as tables of C expressions for
-:mod:`.elementwise`'s generators. ``identity`` lives with the elementwise copies."""
+:mod:`.elementwise`'s generators; bitcast is a byte copy. ``identity`` lives with the
+elementwise copies."""
 
 from __future__ import annotations
 
 from polyhal_opencl.codegen import CType
 from polyhal_opencl.ops.elementwise import Expr, binary_generator, unary_generator
+from polyhal_opencl.ops.shape import byte_copy
 
 
 def _call(fn: str) -> Expr:
@@ -54,4 +56,4 @@ def _mod_helpers(t: CType) -> str:
 BINARY: dict[str, Expr] = {"mod": _mod}
 
 GENERATORS = {**dict.fromkeys(UNARY, unary_generator(UNARY)),
-              "mod": binary_generator(BINARY, {"mod": _mod_helpers})}
+              "mod": binary_generator(BINARY, {"mod": _mod_helpers}), "bitcast": byte_copy}

@@ -101,7 +101,7 @@ def generate(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Dev
     sort_sp = MemorySpace(spaces[("nms_prep", "keys")])
     cols_sp = MemorySpace(spaces[("nms_mask", "cols")])
     rm_sp = MemorySpace(spaces[("nms_reduce", "removed")])
-    src = base + defines(WG=s["wg"], SORT_SPACE=_CODE[sort_sp], COLS_SPACE=_CODE[cols_sp],
+    src = base + defines(WG=s["wg"], WGR=s["wgr"], SORT_SPACE=_CODE[sort_sp], COLS_SPACE=_CODE[cols_sp],
                          REMOVED_SPACE=_CODE[rm_sp]) + cl_source("nms_bitmask.cl")
     names = list(_GLOBALS)
     sizes = [s["rows"] * s["n"] * 4, s["rows"] * s["n"] * 16, s["rows"] * 4, s["n"] * s["w"] * 8,

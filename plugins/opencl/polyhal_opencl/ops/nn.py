@@ -3,6 +3,7 @@
 Direct kernels: one work-item per output element loops over its window, with every extent,
 stride, pad and dilation a literal, so the compiler unrolls what it likes. No im2col buffer, so
 nothing to allocate; a tiled variant through local memory is the obvious next step for speed.
+``linear`` (x @ w + b) is a matmul and lives in :mod:`.linalg`.
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 row normalisations softmax and layer_norm.
 
 A reduction maps each output element (the kept dims) to a lane (the reduced dims, any set of
-axes). Two strategies, chosen per instance: a *serial* kernel (one work-item folds a whole lane:
-short lanes, where a work-group would idle) and a *group* kernel (one work-group per lane:
-work-items fold interleaved elements, then a tree in local memory merges their accumulators).
+axes). Two strategies, chosen per instance by ``DeviceTraits.lane_per_work_item``: a *serial*
+kernel (one work-item folds a whole lane: short lanes, where a work-group would idle, and many
+lanes on a CPU device) and a *group* kernel (one work-group per lane: work-items fold
+interleaved elements, then a tree in local memory merges their accumulators). softmax and
+layer_norm choose the same way (a group of one work-item is the serial form).
 """
 
 from __future__ import annotations
@@ -19,10 +21,6 @@ from polyhal_opencl.codegen import (
     Arg, CType, DeviceTraits, Launch, Recipe, accumulator, collapse, ctype, dense_strides,
     group_reduce_fn, header, index_type, offsets_code, param, prologue, round_up,
 )
-
-#: Lanes up to this long are folded by one work-item (the serial strategy).
-SERIAL_LANE = 16
-
 
 @dataclass(frozen=True)
 class Fold:
@@ -91,7 +89,7 @@ def reduce(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
         return Recipe("")
     fold = _fold(op, t, traits, lane)
     idx = index_type(x.size)
-    serial = lane <= SERIAL_LANE
+    serial = traits.lane_per_work_item(lanes, lane)
     wg = traits.work_group(min(lanes, 64) if serial else lane)
     acc_fp64 = "double" in fold.fields
     src = header(t, out_t, fp64=acc_fp64) + (
@@ -131,11 +129,13 @@ def reduce(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devic
 
 # ------------------------------------------------------------------------- softmax, layer_norm
 
-def _row_kernel(name: str, t: CType, traits: DeviceTraits, lane: int, extra: tuple[str, ...], body: str) -> tuple[str, int]:
+def _row_kernel(name: str, t: CType, traits: DeviceTraits, lanes: int, lane: int, extra: tuple[str, ...],
+                body: str) -> tuple[str, int]:
     """A kernel with one work-group per lane: ``body`` sees ``lid``, the group size ``WG``,
     ``group_sum`` and ``group_max`` (over the accumulator type ``acc``), and the buffers
-    ``x``, ``y`` and ``extra`` (read-only inputs of type ``t``)."""
-    wg = traits.work_group(lane)
+    ``x``, ``y`` and ``extra`` (read-only inputs of type ``t``). Where one work-item per lane is
+    better (see the module docstring) the group has one work-item."""
+    wg = 1 if traits.lane_per_work_item(lanes, lane) else traits.work_group(lane)
     acc = accumulator(t, traits)
     params = [param("x", t.store, True)] + [param(e, t.store, True) for e in extra] + [param("y", t.store)]
     src = header(t, fp64=acc == "double") + (
@@ -159,19 +159,20 @@ def softmax(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: Devi
     lanes = math.prod(x.shape) // max(lane, 1)
     if lanes == 0 or lane == 0:
         return Recipe("")
-    load = t.load("x", "e")
+    load, c = t.load("x", "e"), t.compute
+    # exp in the compute type (a double exp costs several times a float one), sums in acc.
     body = (
         f"  const long base = (o / {inner}) * {lane * inner} + o % {inner};\n"
         f"  acc m = -INFINITY;\n"
         f"  for (int j = lid; j < {lane}; j += WG) {{ const long e = base + (long)j * {inner}; acc v = (acc){load};"
         f" if (!isnan(m) && (isnan(v) || v > m)) m = v; }}\n"
-        "  m = group_max(m, scratch);\n  acc s = 0;\n"
-        f"  for (int j = lid; j < {lane}; j += WG) {{ const long e = base + (long)j * {inner}; s += exp((acc){load} - m); }}\n"
-        "  s = group_sum(s, scratch);\n"
+        f"  const {c} mx = ({c})group_max(m, scratch);\n  acc s = 0;\n"
+        f"  for (int j = lid; j < {lane}; j += WG) {{ const long e = base + (long)j * {inner}; s += (acc)exp({load} - mx); }}\n"
+        f"  const {c} inv = ({c})((acc)1 / group_sum(s, scratch));\n"
         f"  for (int j = lid; j < {lane}; j += WG) {{ const long e = base + (long)j * {inner};"
-        f" {t.store_stmt('y', 'e', f'exp((acc){load} - m) / s')} }}\n"
+        f" {t.store_stmt('y', 'e', f'exp({load} - mx) * inv')} }}\n"
     )
-    src, wg = _row_kernel("softmax", t, traits, lane, (), body)
+    src, wg = _row_kernel("softmax", t, traits, lanes, lane, (), body)
     return Recipe(src, [Launch("softmax", (lanes * wg,), (wg,), (Arg(0), Arg(1)))])
 
 
@@ -197,7 +198,7 @@ def layer_norm(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: D
         f"    const acc v = ((acc){load} - mean) * inv * (acc){t.load('scale', 'j')} + (acc){t.load('bias', 'j')};\n"
         f"    {t.store_stmt('y', 'base + j', 'v')}\n  }}\n"
     )
-    src, wg = _row_kernel("layer_norm", t, traits, lane, ("scale", "bias"), body)
+    src, wg = _row_kernel("layer_norm", t, traits, lanes, lane, ("scale", "bias"), body)
     return Recipe(src, [Launch("layer_norm", (lanes * wg,), (wg,), (Arg(0), Arg(1), Arg(2), Arg(3)))])
 
 

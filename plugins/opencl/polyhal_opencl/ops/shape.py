@@ -36,8 +36,9 @@ def transpose(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: De
     return Recipe(source, linear_launch("transpose", y.size, [Arg(0), Arg(1)], traits))
 
 
-def reshape(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
-    """Same bytes, new shape: one queue-ordered buffer copy (plans give every value its buffer)."""
+def byte_copy(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
+    """Same bytes, new type (reshape: new shape; bitcast: new element type of the same width):
+    one queue-ordered buffer copy, as plans give every value its own buffer."""
     return Recipe("", [Copy(0, 1, out_types[0].nbytes)])
 
 
@@ -96,4 +97,4 @@ def gather_body(o: dict[str, str], t, dim: int, stride: int) -> str:
             f"  y[{o['y']}] = (j >= 0 && j < {dim}) ? x[{o['x']} + j * {stride}] : ({t.store})0;")
 
 
-GENERATORS = {"transpose": transpose, "reshape": reshape, "slice": slice_, "concat": concat, "gather": gather}
+GENERATORS = {"transpose": transpose, "reshape": byte_copy, "slice": slice_, "concat": concat, "gather": gather}

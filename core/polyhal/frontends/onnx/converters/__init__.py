@@ -24,7 +24,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxModelError, OnnxUnsupportedError
 from polyhal.ir.program import Value
@@ -102,6 +102,7 @@ class NodeContext:
         return self.env.get(self.node.input[i]) if self.has(i) else None
 
     def inputs(self) -> list:
+        """Every input (None for omitted optional ones)."""
         return [self.input(i) for i in range(len(self.node.input))]
 
     def const(self, i: int, what: str = "") -> np.ndarray | None:
@@ -150,6 +151,7 @@ class NodeContext:
         return value
 
     def has_attr(self, name: str) -> bool:
+        """Whether attribute ``name`` is set on the node."""
         a = self._attrs.get(name)
         return a is not None and not a.ref_attr_name
 
@@ -157,6 +159,7 @@ class NodeContext:
 
     @property
     def num_outputs(self) -> int:
+        """Outputs the node declares (named or empty)."""
         return len(self.node.output)
 
     def wants(self, k: int) -> bool:
@@ -170,15 +173,19 @@ class NodeContext:
         return self.importer.emit(self.label, name, inputs, attrs)
 
     def type(self, v: Any) -> TensorType:
+        """The tensor type of ``v`` (an array or a program value)."""
         return self.importer.type_of(v)
 
     def shape(self, v: Any) -> tuple[int, ...]:
+        """The static shape of ``v``."""
         return self.importer.type_of(v).shape
 
     def dtype(self, v: Any) -> np.dtype:
+        """The element type of ``v``."""
         return self.importer.type_of(v).dtype
 
     def rank(self, v: Any) -> int:
+        """The rank of ``v``."""
         return len(self.importer.type_of(v).shape)
 
     @staticmethod
@@ -306,8 +313,7 @@ def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onn
 
 # Importing the families registers their converters.
 from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
-    elementwise, tensor, reduce, nn, misc,
+    elementwise, tensor, reduce, nn, misc, resize, control, rnn, signal,
 )
 
 __all__ = ["CONVERTERS", "Decline", "NodeContext", "convert_node", "converter"]
-_ = numpy_helper

@@ -161,6 +161,12 @@ def _cast(ctx: NodeContext) -> list:
     return [cast(ctx, x, to) if ctx.dtype(x) != to else ctx.op("identity", x)]
 
 
+@converter("BitCast")
+def _bitcast(ctx: NodeContext) -> list:
+    to = np_dtype(int(ctx.attr("to")), "BitCast's target type")
+    return [ctx.op("bitcast", ctx.input(0), dtype=str(to))]
+
+
 @converter("CastLike")
 def _cast_like(ctx: NodeContext) -> list:
     x, like = ctx.input(0), ctx.input(1)

@@ -8,13 +8,11 @@ multiply-add per element.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.converters.elementwise import cast
-from polyhal.frontends.onnx.converters.tensor import ints, norm_axis, reshape
+from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 
 
@@ -290,4 +288,22 @@ def _lp_norm(ctx: NodeContext) -> list:
     return [ctx.op("div", x, safe)]
 
 
-_ = (math, ints)
+@converter("LRN")
+def _lrn(ctx: NodeContext) -> list:
+    """x / (bias + alpha / size * sum of x^2 over ``size`` neighbouring channels) ** beta."""
+    x = ctx.input(0)
+    size = int(ctx.attr("size"))
+    alpha, beta, bias = float(ctx.attr("alpha", 1e-4)), float(ctx.attr("beta", 0.75)), float(ctx.attr("bias", 1.0))
+    dt, rank = ctx.dtype(x), ctx.rank(x)
+    c = ctx.shape(x)[1]
+    sq = ctx.op("mul", x, x)
+    before, after = (size - 1) // 2, size - 1 - (size - 1) // 2
+    pads = [0] * (2 * rank)
+    pads[1], pads[1 + rank] = before, after
+    padded = ctx.op("pad", sq, pads=pads, mode="constant", value=0.0)
+    total = None
+    for k in range(size):
+        window = ctx.op("slice", padded, starts=[k], ends=[k + c], axes=[1], steps=[1])
+        total = window if total is None else ctx.op("add", total, window)
+    scale = ctx.op("add", ctx.op("mul", total, ctx.scalar(alpha / size, dt)), ctx.scalar(bias, dt))
+    return [ctx.op("div", x, ctx.op("pow", scale, ctx.scalar(beta, dt)))]

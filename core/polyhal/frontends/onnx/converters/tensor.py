@@ -387,12 +387,12 @@ def _one_hot(ctx: NodeContext) -> list:
     return [ctx.op("where", hot, on, off)]
 
 
-@converter("CumSum")
+@converter("CumSum", "CumProd")
 def _cumsum(ctx: NodeContext) -> list:
     x = ctx.input(0)
     axis = int(np.asarray(ctx.const(1, "the axis")).reshape(-1)[0])
-    return [ctx.op("cumsum", x, axis=axis, exclusive=bool(ctx.attr("exclusive", 0)),
-                   reverse=bool(ctx.attr("reverse", 0)))]
+    return [ctx.op("cumsum" if ctx.op_type == "CumSum" else "cumprod", x, axis=axis,
+                   exclusive=bool(ctx.attr("exclusive", 0)), reverse=bool(ctx.attr("reverse", 0)))]
 
 
 @converter("TopK")

@@ -141,6 +141,16 @@ class _Pipeline:
         launch(self.k_mask, "nms_mask", (g.words, g.words, g.problems), (64,), self.mask_args)
         launch(self.k_reduce, "nms_reduce", (g.problems,), self.reduce_block, self.reduce_args, self.reduce_smem)
 
+    def counts_host(self, device: "CUDADevice") -> int:
+        """The first problem's kept count, read back (waits for the device's stream)."""
+        from cupy.cuda import runtime
+
+        if not hasattr(self, "_count_host"):
+            self._count_host = np.zeros(1, np.int64)
+        runtime.memcpyAsync(self._count_host.ctypes.data, self.counts.data.ptr, 8, 2, device.stream.ptr)
+        device.stream.synchronize()
+        return int(self._count_host[0])
+
     def write(self, selected: Any, num_selected: Any) -> None:
         """ONNX's padded output rows and count."""
         from cupy.cuda import runtime
@@ -182,6 +192,7 @@ def prepare_op(device: "CUDADevice", attrs: dict, ins, outs, binding: Any = None
 
 _cache: dict[tuple, _Pipeline] = {}
 _cache_lock = threading.Lock()
+_devices: dict[Any, Any] = {}
 
 
 def nms(boxes: Any, scores: Any, iou_threshold: float, *, device: Any = None) -> Any:
@@ -198,28 +209,39 @@ def nms(boxes: Any, scores: Any, iou_threshold: float, *, device: Any = None) ->
 
     import polyhal
 
-    dev = polyhal.get_device(device) if device is not None else next(
-        polyhal.get_device(s.name) for s in polyhal.devices() if s.backend == "cuda")
+    dev = _devices.get(device)
+    if dev is None:
+        dev = _devices[device] = polyhal.get_device(device) if device is not None else next(
+            polyhal.get_device(s.name) for s in polyhal.devices() if s.backend == "cuda")
     with dev.activate():
-        b = _as_cupy(boxes).astype(np.float32, copy=False)
-        s = _as_cupy(scores).astype(np.float32, copy=False)
+        b = _as_cupy(boxes)
+        s = _as_cupy(scores)
+        if b.dtype != np.float32 or not b.flags.c_contiguous:
+            b = cp.ascontiguousarray(b, dtype=np.float32)
+        if s.dtype != np.float32 or not s.flags.c_contiguous:
+            s = cp.ascontiguousarray(s, dtype=np.float32)
         n = int(s.shape[0])
         if b.shape != (n, 4):
             raise ValueError(f"boxes must be (N, 4) with N = len(scores) = {n}, got {tuple(b.shape)}")
         if n == 0:
             return cp.empty(0, np.int64)
         key = (dev.name, n, float(iou_threshold))
-        with _cache_lock:
-            pipe = _cache.get(key)
-            if pipe is None:
-                g = _Geometry(1, 1, n, n)
-                ins = (TensorType((1, n, 4), np.float32), g.scores_type)
-                outs = (TensorType((n, 3), np.int64), TensorType((), np.int64))
-                pipe = _cache[key] = _Pipeline(dev, g, MODE_TORCHVISION, float(iou_threshold), None,
-                                               _requests(dev, g, {}, ins, outs), None)
-        pipe.run(cp.ascontiguousarray(b), cp.ascontiguousarray(s).reshape(1, 1, n))
-        count = int(pipe.counts[0].get(stream=dev.stream))
+        pipe = _cache.get(key) or _pipeline(dev, key, n, float(iou_threshold))
+        pipe.run(b, s.reshape(1, 1, n))
+        count = int(pipe.counts_host(dev))
         return pipe.keep[0, :count].copy()
+
+
+def _pipeline(dev: Any, key: tuple, n: int, iou_threshold: float) -> _Pipeline:
+    with _cache_lock:
+        pipe = _cache.get(key)
+        if pipe is None:
+            g = _Geometry(1, 1, n, n)
+            ins = (TensorType((1, n, 4), np.float32), g.scores_type)
+            outs = (TensorType((n, 3), np.int64), TensorType((), np.int64))
+            pipe = _cache[key] = _Pipeline(dev, g, MODE_TORCHVISION, iou_threshold, None,
+                                           _requests(dev, g, {}, ins, outs), None)
+        return pipe
 
 
 def _as_cupy(x: Any) -> Any:

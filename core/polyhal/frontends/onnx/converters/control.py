@@ -1,0 +1,127 @@
+"""Control flow with a static iteration count, unrolled: Scan, Loop (and If, in tensor.py).
+
+polyhal programs are straight-line, so a loop becomes its body repeated once per iteration.
+That needs the count at import time: a Scan iterates over a static axis; a Loop needs its trip
+count and every iteration's condition to fold to constants (they usually depend only on the
+iteration number, or on inputs fixed with ``values=``). :data:`MAX_UNROLL` bounds the copies.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+
+from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
+from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+
+#: Most iterations a loop is unrolled to.
+MAX_UNROLL = 4096
+
+
+def _run_body(ctx: NodeContext, body: onnx.GraphProto, bound: list, tag: str) -> list:
+    """Convert ``body`` once with its inputs bound to ``bound``; its outputs."""
+    if len(bound) != len(body.input):
+        raise OnnxModelError(f"the body takes {len(body.input)} inputs, the node gives it {len(bound)}")
+    env = collections.ChainMap({}, dict(ctx.env))
+    for t in body.initializer:
+        env[t.name] = ctx.importer._initializer(t)
+    for vi, v in zip(body.input, bound):
+        env[vi.name] = v
+    ctx.importer._walk(body.node, env, ctx.opsets, f"{ctx.label}/{tag}/", check_declared=False)
+    missing = [o.name for o in body.output if o.name not in env]
+    if missing:
+        raise OnnxModelError(f"the body's output {missing[0]!r} is not computed")
+    return [env[o.name] for o in body.output]
+
+
+def _take(ctx: NodeContext, x, axis: int, index: int):
+    """``x[..., index, ...]`` along ``axis``, the axis removed."""
+    shape = ctx.shape(x)
+    piece = ctx.op("slice", x, starts=[index], ends=[index + 1], axes=[axis], steps=[1])
+    return reshape(ctx, piece, shape[:axis] + shape[axis + 1:])
+
+
+def _stack(ctx: NodeContext, pieces: list, axis: int):
+    """The pieces (all of one shape) stacked along a new ``axis``."""
+    shape = ctx.shape(pieces[0])
+    grown = [reshape(ctx, p, shape[:axis] + (1,) + shape[axis:]) for p in pieces]
+    return grown[0] if len(grown) == 1 else ctx.op("concat", *grown, axis=axis)
+
+
+@converter("Scan")
+def _scan(ctx: NodeContext) -> list:
+    if ctx.opset < 9:
+        raise OnnxUnsupportedError("Scan before opset 9 (with a batch axis and sequence_lens)")
+    body = ctx.attr("body")
+    m = int(ctx.attr("num_scan_inputs"))
+    values = ctx.inputs()
+    n = len(values) - m
+    if n < 0:
+        raise OnnxModelError(f"num_scan_inputs={m} exceeds the {len(values)} inputs")
+    states, scans = values[:n], values[n:]
+    in_axes = [int(a) for a in ctx.attr("scan_input_axes", [0] * m)]
+    in_dirs = [int(d) for d in ctx.attr("scan_input_directions", [0] * m)]
+    k = len(body.output) - n
+    out_axes = [int(a) for a in ctx.attr("scan_output_axes", [0] * k)]
+    out_dirs = [int(d) for d in ctx.attr("scan_output_directions", [0] * k)]
+    in_axes = [norm_axis(a, ctx.rank(x), "scan_input_axes entry") for a, x in zip(in_axes, scans)]
+    lengths = {ctx.shape(x)[a] for x, a in zip(scans, in_axes)}
+    if len(lengths) != 1:
+        raise OnnxModelError(f"the scan inputs have different lengths along their scan axes: {sorted(lengths)}")
+    steps = lengths.pop()
+    if steps > MAX_UNROLL:
+        raise OnnxUnsupportedError(f"Scan over {steps} steps (polyhal unrolls at most {MAX_UNROLL})")
+    if steps == 0:
+        raise OnnxUnsupportedError("Scan over an empty sequence")
+    collected: list[list] = [[] for _ in range(k)]
+    for t in range(steps):
+        slices = [_take(ctx, x, a, steps - 1 - t if d else t) for x, a, d in zip(scans, in_axes, in_dirs)]
+        outs = _run_body(ctx, body, list(states) + slices, f"step{t}")
+        states = outs[:n]
+        for j in range(k):
+            collected[j].append(outs[n + j])
+    results = list(states)
+    for j in range(k):
+        pieces = collected[j][::-1] if out_dirs[j] else collected[j]
+        rank = ctx.rank(pieces[0]) + 1
+        results.append(_stack(ctx, pieces, norm_axis(out_axes[j], rank, "scan_output_axes entry")))
+    return results
+
+
+@converter("Loop")
+def _loop(ctx: NodeContext) -> list:
+    body = ctx.attr("body")
+    trip = ctx.const(0, "the trip count") if ctx.has(0) else None
+    cond = ctx.const(1, "the condition") if ctx.has(1) else None
+    carried = [ctx.input(i) for i in range(2, ctx.num_inputs)]
+    limit = MAX_UNROLL + 1 if trip is None else int(np.asarray(trip).reshape(-1)[0])
+    going = True if cond is None else bool(np.asarray(cond).reshape(-1)[0])
+    if trip is None and cond is None:
+        raise OnnxUnsupportedError("Loop without a trip count or a condition (it would not end)")
+    k = len(body.output) - 1 - len(carried)
+    if k < 0:
+        raise OnnxModelError("the Loop body has fewer outputs than loop-carried values")
+    collected: list[list] = [[] for _ in range(k)]
+    i = 0
+    while going and i < limit:
+        if i >= MAX_UNROLL:
+            raise OnnxUnsupportedError(f"Loop of more than {MAX_UNROLL} iterations (polyhal unrolls loops)")
+        outs = _run_body(ctx, body, [np.array(i, np.int64), np.array(going)] + carried, f"iter{i}")
+        cond_out = outs[0]
+        if not isinstance(cond_out, np.ndarray):
+            raise OnnxUnsupportedError("Loop whose condition is computed from run-time data; polyhal unrolls "
+                                       "loops, so the condition must be known when the model is loaded")
+        going = bool(np.asarray(cond_out).reshape(-1)[0])
+        carried = outs[1:1 + len(carried)]
+        for j in range(k):
+            collected[j].append(outs[1 + len(carried) + j])
+        i += 1
+    results = list(carried)
+    for j in range(k):
+        if not collected[j]:
+            raise OnnxUnsupportedError("Loop that runs no iteration but has scan outputs (their shape is unknown)")
+        results.append(_stack(ctx, collected[j], 0))
+    return results

@@ -1,0 +1,163 @@
+"""cuBLAS called directly (ctypes), so that matrix products can be captured into CUDA graphs.
+
+cupy's cuBLAS bindings set the handle's stream before every call and refuse to while a stream
+is being captured, so a plan with a ``cupy.matmul`` step could not be replayed as a graph. This
+module keeps one cuBLAS handle per device, bound once to the device's stream and given a
+workspace from the device's pool (so that cuBLAS allocates nothing during capture), and calls
+``cublasGemmStridedBatchedEx`` itself. Numerics are cupy's: float32 computes in float32 (no
+TF32), float16 accumulates in float32, float64 in float64.
+
+Products it does not cover (integer types, partial batch broadcasting, non-contiguous
+operands) go through ``cupy.matmul`` as before; such plans run eagerly.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from polyhal_cuda.errors import CUDAError
+
+if TYPE_CHECKING:
+    from polyhal_cuda.device import CUDADevice
+
+OP_N, OP_T = 0, 1
+_DATA = {np.dtype(np.float16): 2, np.dtype(np.float32): 0, np.dtype(np.float64): 1}  # cudaDataType
+_COMPUTE = {np.dtype(np.float16): 68, np.dtype(np.float32): 68, np.dtype(np.float64): 70}  # cublasComputeType_t
+_SCALAR = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
+GEMM_DEFAULT = -1
+WORKSPACE = 32 << 20
+
+_lib: Any = None
+_lib_lock = threading.Lock()
+
+
+def _library() -> Any:
+    """libcublas as cupy loaded it (found in this process's mappings), with prototypes."""
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+
+        path = None
+        try:
+            with open("/proc/self/maps") as maps:
+                for line in maps:
+                    if "libcublas.so" in line and "libcublasLt" not in line:
+                        path = line.split()[-1]
+                        break
+        except OSError:
+            pass
+        lib = ctypes.CDLL(path or "libcublas.so")
+        vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmStridedBatchedEx.argtypes = [
+            vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll, i, i, i]
+        for fn in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
+                   lib.cublasGemmStridedBatchedEx):
+            fn.restype = ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def _check(status: int, what: str) -> None:
+    if status != 0:
+        raise CUDAError(f"cuBLAS {what} failed with status {status}", status=status)
+
+
+class Blas:
+    """One cuBLAS handle of a device, bound to its stream (see the module docstring)."""
+
+    def __init__(self, device: "CUDADevice") -> None:
+        lib = _library()
+        self.lib = lib
+        self.handle = ctypes.c_void_p()
+        with device.activate():
+            _check(lib.cublasCreate_v2(ctypes.byref(self.handle)), "create")
+            _check(lib.cublasSetStream_v2(self.handle, ctypes.c_void_p(device.stream.ptr)), "set stream")
+            self._workspace = device.cuda_allocator.pool.malloc(WORKSPACE)
+            _check(lib.cublasSetWorkspace_v2(self.handle, ctypes.c_void_p(self._workspace.ptr), WORKSPACE),
+                   "set workspace")
+
+
+def blas_for(device: "CUDADevice") -> Blas | None:
+    """The device's :class:`Blas` (made once), or None when libcublas cannot be called directly."""
+    b = getattr(device, "_blas", None)
+    if b is None:
+        try:
+            b = Blas(device)
+        except Exception:  # noqa: BLE001 - fall back to cupy.matmul
+            b = False
+        device._blas = b
+    return b or None
+
+
+def _batch(shape: tuple, out_batch: tuple, per: int) -> int | None:
+    """Batch stride of an operand: its matrix size when its batch dims equal the output's, 0 when
+    it has none (or all ones), None for partial broadcasting."""
+    if math.prod(shape) == 1 or not shape:
+        return 0
+    if tuple(shape) == tuple(out_batch):
+        return per
+    return None
+
+
+def prepare_matmul(device: "CUDADevice", a_t, b_t, out_t):
+    """A capturable ``fn(a, b, out)`` for numpy-style matmul, or None when not covered."""
+    dtype = out_t.dtype
+    if dtype not in _DATA or a_t.dtype != dtype or b_t.dtype != dtype:
+        return None
+    a_shape = a_t.shape if a_t.rank > 1 else (1,) + a_t.shape
+    b_shape = b_t.shape if b_t.rank > 1 else b_t.shape + (1,)
+    m, k = a_shape[-2:]
+    n = b_shape[-1]
+    out_batch = tuple(np.broadcast_shapes(a_shape[:-2], b_shape[:-2]))
+    sa, sb = _batch(a_shape[:-2], out_batch, m * k), _batch(b_shape[:-2], out_batch, k * n)
+    if sa is None or sb is None or 0 in (m, n, k):
+        return None
+    return _gemm_call(device, dtype, m, n, k, False, False, sa, sb, math.prod(out_batch), 1.0, 0.0)
+
+
+def prepare_gemm(device: "CUDADevice", a_t, b_t, out_t, trans_a: bool, trans_b: bool, alpha: float, beta: float):
+    """``fn(a, b, out)``: out = alpha * op(a) @ op(b) + beta * out (out holds C, or beta is 0)."""
+    dtype = out_t.dtype
+    if dtype not in _DATA:
+        return None
+    m, n = out_t.shape
+    k = a_t.shape[0] if trans_a else a_t.shape[1]
+    if 0 in (m, n, k):
+        return None
+    return _gemm_call(device, dtype, m, n, k, trans_a, trans_b, 0, 0, 1, alpha, beta)
+
+
+def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, batch, alpha, beta):
+    blas = blas_for(device)
+    if blas is None:
+        return None
+    lib, handle = blas.lib, blas.handle
+    scalar = _SCALAR[dtype]
+    consts = np.array([alpha, beta], scalar)  # host pointers, read when the call is made or captured
+    pa, pb = consts.ctypes.data, consts.ctypes.data + consts.itemsize
+    dt, ct = _DATA[dtype], _COMPUTE[dtype]
+    # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's "A" is our B.
+    op_b, ld_b = (OP_T, k) if trans_b else (OP_N, n)
+    op_a, ld_a = (OP_T, m) if trans_a else (OP_N, k)
+    gemm = lib.cublasGemmStridedBatchedEx
+
+    def run(a, b, out):
+        if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
+            raise CUDAError("cuBLAS path needs contiguous operands")
+        status = gemm(handle, op_b, op_a, n, m, k, pa, b.data.ptr, dt, ld_b, stride_b, a.data.ptr, dt, ld_a,
+                      stride_a, pb, out.data.ptr, dt, n, m * n, batch, ct, GEMM_DEFAULT)
+        if status != 0:
+            raise CUDAError(f"cublasGemmStridedBatchedEx failed with status {status}", status=status)
+
+    run.consts = consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
+    return run

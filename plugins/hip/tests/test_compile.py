@@ -1,0 +1,158 @@
+"""Kernels compiled for real with hiprtc (Debian's ROCm 5.2 in CI) for several AMD GPU
+architectures, to AMD GPU code objects -- each architecture in its own process, because the
+compiler of some ROCm versions aborts the process for an architecture it does not know.
+
+Every kernel source is compiled: polyhal-cuda's ``rowwise.cu``, ``sort.cu`` (the whole file, with
+the bitonic instance HIP launches),
+``nms.cu`` behind ``compat.h``, and polyhal-hip's ``elementwise.hip`` (an instance built from
+an expression and one from a polyhal-cuda snippet), ``reduce.hip`` and ``matmul.hip``. The
+architectures are ``POLYHAL_HIP_TEST_ARCHS`` (default ``gfx90a,gfx908,gfx1030``: CDNA2,
+CDNA1 wave64 and RDNA2 wave32). With ``POLYHAL_HIP_TEST_COMPILE=all`` every bitonic instance
+(every key width and kind) is compiled too; CI compiles the representative set.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from polyhal.errors import KernelNotFoundError
+from polyhal_hip import compiler, kernels
+from polyhal_hip.errors import HipCompileError
+from polyhal_hip.runtime import CompileResult, Runtime
+
+ARCHS = [a.strip() for a in os.environ.get("POLYHAL_HIP_TEST_ARCHS", "gfx90a,gfx908,gfx1030").split(",") if a.strip()]
+ALL = os.environ.get("POLYHAL_HIP_TEST_COMPILE", "") == "all"
+F16, F32, F64, I64 = (np.dtype(t) for t in ("float16", "float32", "float64", "int64"))
+
+
+def representative_sources() -> list[tuple[str, str, tuple[str, ...]]]:
+    """(label, source text, name expressions) of every kernel source, one instance each."""
+    out = [
+        ("rowwise.cu (polyhal-cuda)", compiler.source("rowwise.cu"), tuple(kernels._ROW_EXPRS)),
+        ("sort.cu (polyhal-cuda)", compiler.source("sort.cu"), ("sort_rows<unsigned int, 2>",)),
+        ("nms.cu (polyhal-cuda)", compiler.source("nms.cu"), ()),
+        ("elementwise.hip add", kernels.elementwise_source(2, [F32, F32], F32, "(CO)a + (CO)b"), ()),
+        ("elementwise.hip gelu_tanh float16 (polyhal-cuda snippet)",
+         kernels.elementwise_source(1, [F16], F16, body=kernels.snippet_body("gelu_tanh")), ()),
+        ("reduce.hip reduce_max int64", kernels.reduce_source("reduce_max", I64), ()),
+        ("matmul.hip float16", kernels.matmul_source(F16), ()),
+    ]
+    if ALL:
+        from polyhal_cuda.sorting import _KEY_CTYPE
+
+        exprs = tuple(f"sort_rows<{ctype}, {kind}>" for ctype in _KEY_CTYPE.values() for kind in (0, 1, 2))
+        out.append(("sort.cu, every key width and kind", compiler.source("sort.cu"), exprs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled_by_arch():
+    """Every architecture's compile of the representative sources, one child process per
+    architecture, two at a time (CI has two cores); started on first use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    sources = representative_sources()
+    jobs = [(text, label, exprs) for label, text, exprs in sources]
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures = {arch: pool.submit(compiler.compile_many_isolated, jobs, arch) for arch in ARCHS}
+    yield sources, futures
+    pool.shutdown(wait=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_source_compiles(real_compiler, compiled_by_arch, arch):
+    sources, futures = compiled_by_arch
+    results = futures[arch].result()
+    failures = [f"{label}: {r}" for (label, _t, _e), r in zip(sources, results) if isinstance(r, Exception)]
+    assert not failures, "\n\n".join(failures)
+    for (label, _text, exprs), result in zip(sources, results):
+        assert compiler.is_code_object(result.code), label
+        assert compiler.code_object_arch(result.code) == arch, f"{label}: code object for {compiler.code_object_arch(result.code)}"
+        for e in exprs:
+            lowered = result.lowered[e]
+            assert lowered.startswith("_Z") and lowered.encode() + b"\0" in result.code, f"{label}: {e} -> {lowered}"
+        if not exprs:
+            assert b"polyhal_" in result.code or b"nms_" in result.code
+
+
+def test_unknown_architecture_aborts_only_the_child(real_compiler):
+    """ROCm 5.2's hiprtc aborts the process for gfx942; the isolated compile reports it."""
+    from polyhal_hip.runtime import version_tuple
+
+    if version_tuple(real_compiler.runtime_version())[0] != 5:
+        pytest.skip("the abort is a ROCm 5.x behaviour")
+    with pytest.raises(HipCompileError, match=r"aborted \(signal") as info:
+        compiler.compile_isolated(compiler.source("rowwise.cu"), "rowwise.cu", "gfx942", kernels._ROW_EXPRS[:1])
+    assert info.value.arch == "gfx942"
+
+
+def test_a_kernel_that_fails_to_compile_raises_with_the_log(real_compiler):
+    text = compiler.wrap('extern "C" __global__ void broken(float* x) { x[0] = not_declared_anywhere; }')
+    with pytest.raises(HipCompileError) as info:
+        real_compiler.compile(text, "broken.hip", compiler.options_for("gfx90a"))
+    exc = info.value
+    assert "not_declared_anywhere" in exc.log and "undeclared identifier" in exc.log
+    assert "compiler log" in str(exc) and "broken.hip" in str(exc) and exc.arch == "gfx90a"
+    assert isinstance(exc, KernelNotFoundError)  # to the core: a kernel the device does not have
+
+
+class CountingRuntime(Runtime):
+    """Compiles nothing: returns a fake code object and counts calls (cache tests)."""
+
+    def __init__(self, version: int = 60241133) -> None:
+        self.version, self.count = version, 0
+
+    def runtime_version(self) -> int:
+        return self.version
+
+    def compile(self, source, name, options, expressions=()):
+        self.count += 1
+        return CompileResult(b"\x7fELF" + source.encode(), {e: f"_Z{e}" for e in expressions}, "")
+
+
+def test_cache_by_source_options_arch_and_runtime_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYHAL_HIP_CACHE_DIR", str(tmp_path))
+    rt = CountingRuntime()
+    c = compiler.Compiler(rt)
+    a = c.compile("k1", "k.hip", "gfx90a", ("f<int>",))
+    assert c.compile("k1", "k.hip", "gfx90a", ("f<int>",)) is a and rt.count == 1
+    c.compile("k2", "k.hip", "gfx90a")
+    c.compile("k1", "k.hip", "gfx1030", ("f<int>",))
+    c.compile("k1", "k.hip", "gfx90a", ("f<int>",), extra_options=("-O1",))
+    assert rt.count == 4
+    # a new process (new Compiler) loads the code objects from disk
+    rt2 = CountingRuntime()
+    again = compiler.Compiler(rt2).compile("k1", "k.hip", "gfx90a", ("f<int>",))
+    assert rt2.count == 0 and again.code == a.code and again.lowered == a.lowered
+    # another runtime version compiles again
+    rt3 = CountingRuntime(version=60300000)
+    compiler.Compiler(rt3).compile("k1", "k.hip", "gfx90a", ("f<int>",))
+    assert rt3.count == 1
+
+
+def test_failed_compiles_are_not_cached(monkeypatch, tmp_path):
+    monkeypatch.setenv("POLYHAL_HIP_CACHE_DIR", str(tmp_path))
+
+    class Failing(CountingRuntime):
+        def compile(self, source, name, options, expressions=()):
+            self.count += 1
+            raise HipCompileError("no", log="error: no")
+
+    rt = Failing()
+    c = compiler.Compiler(rt)
+    for _ in range(2):
+        with pytest.raises(HipCompileError):
+            c.compile("bad", "bad.hip", "gfx90a")
+    assert rt.count == 2 and not list(tmp_path.iterdir())
+
+
+def test_cache_key_parts():
+    base = compiler.cache_key("src", ("-O3",), "gfx90a", 50221153, ())
+    assert base != compiler.cache_key("src2", ("-O3",), "gfx90a", 50221153, ())
+    assert base != compiler.cache_key("src", ("-O2",), "gfx90a", 50221153, ())
+    assert base != compiler.cache_key("src", ("-O3",), "gfx908", 50221153, ())
+    assert base != compiler.cache_key("src", ("-O3",), "gfx90a", 60241133, ())
+    assert base == compiler.cache_key("src", ("-O3",), "gfx90a", 50221153, ())

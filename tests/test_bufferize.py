@@ -1,0 +1,248 @@
+"""The bufferize pass: memory spaces of kernel scratch (select_memory_space) and buffer planning."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyhal
+from polyhal.hal.flags import BufferUsage, MemoryType
+from polyhal.hal.records import DeviceSpec, Heap
+from polyhal.hal.scratch import (
+    KernelInfo, MemoryLimits, MemorySpace, Problem, ScratchDecl, ScratchError, ScratchRequest,
+)
+from polyhal.passes.bufferize import PlannedBuffer, place_scratch, plan_offsets
+from polyhal.registry import Registry
+
+HEAP = Heap(MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE, BufferUsage.DEFAULT, 1 << 20)
+
+
+def spec(workgroup=1024, private=64, name="fake:0") -> DeviceSpec:
+    return DeviceSpec(name=name, backend="fake", rank=0, factory=lambda s: None, heaps=(HEAP,),
+                      workgroup_bytes=workgroup, limits={"private_bytes": private})
+
+
+def request(name="s", *, shared=True, wg_bytes=0, thread_bytes=0, wg=32, groups=4, spaces=(), launch=0,
+            kernel="k") -> ScratchRequest:
+    k = KernelInfo(kernel, "op", wg, groups)
+    return ScratchDecl(name, shared, wg_bytes, thread_bytes, tuple(spaces), per_launch=launch).request(
+        Problem("op", {}, (), ()), k)
+
+
+@pytest.fixture
+def registry():
+    return Registry(autoload=False)
+
+
+# -- declarations ----------------------------------------------------------------------------------
+
+def test_declaration_sizes_are_functions_of_problem_and_workgroup():
+    decl = ScratchDecl("tile", shared=True, per_workgroup=lambda p, wg: wg * p.in_types[0].size * 4)
+    problem = Problem("sort", {}, (polyhal.TensorType((8,), "float32"),), ())
+    req = decl.request(problem, KernelInfo("sort_rows", "sort", 16, 3))
+    assert req.bytes_per_workgroup == 16 * 8 * 4
+    assert req.nbytes(MemorySpace.WORKGROUP) == 512 and req.nbytes(MemorySpace.GLOBAL) == 3 * 512
+    assert not req.allows(MemorySpace.PRIVATE)  # shared data is never private
+
+
+def test_limits_of_a_spec():
+    lim = MemoryLimits.of(spec(2048, 100))
+    assert (lim.private_bytes, lim.workgroup_bytes, lim.global_bytes) == (100, 2048, 1 << 20)
+    assert lim.minus(MemorySpace.WORKGROUP, 48).workgroup_bytes == 2000
+
+
+# -- the default policy --------------------------------------------------------------------------
+
+def test_default_policy_fastest_space_that_fits(registry):
+    small = request("a", shared=False, thread_bytes=16)
+    shared = request("b", wg_bytes=512)
+    big = request("c", wg_bytes=4096)
+    placed = place_scratch(registry, spec(), (small, shared, big))
+    assert [a.space for a in placed] == [MemorySpace.PRIVATE, MemorySpace.WORKGROUP, MemorySpace.GLOBAL]
+    assert placed[2].nbytes == 4 * 4096 and placed[2].plugin == "polyhal.policies.memory_space"
+
+
+def test_workgroup_memory_is_shared_by_a_kernels_scratches(registry):
+    a, b = request("a", wg_bytes=700), request("b", wg_bytes=700)  # 1400 > 1024 together
+    placed = place_scratch(registry, spec(), (a, b))
+    assert [p.space for p in placed] == [MemorySpace.WORKGROUP, MemorySpace.GLOBAL]
+    other = request("c", wg_bytes=700, kernel="k2")  # another kernel starts afresh
+    assert place_scratch(registry, spec(), (a, other))[1].space is MemorySpace.WORKGROUP
+
+
+def test_private_data_too_big_for_registers_goes_to_workgroup_memory(registry):
+    r = request("p", shared=False, thread_bytes=128, wg=4)  # 128 B > 64 B private, 512 B per group
+    (a,) = place_scratch(registry, spec(), (r,))
+    assert a.space is MemorySpace.WORKGROUP and a.nbytes == 512
+
+
+def test_per_launch_scratch_is_global_only(registry):
+    (a,) = place_scratch(registry, spec(), (request("mask", launch=100),))
+    assert a.space is MemorySpace.GLOBAL and a.nbytes == 100
+
+
+def test_scratch_that_fits_nowhere_names_kernel_size_and_limit(registry):
+    r = request("tile", wg_bytes=1 << 20, groups=8, spaces=(MemorySpace.WORKGROUP, MemorySpace.GLOBAL))
+    with pytest.raises(ScratchError) as info:
+        place_scratch(registry, spec(), (r,))
+    msg = str(info.value)
+    assert "'tile'" in msg and "kernel 'k'" in msg and "fake:0" in msg
+    assert "needs 1048576 B/workgroup, limit 1024" in msg and f"needs {8 << 20} B, limit {1 << 20}" in msg
+
+
+# -- policy plugins --------------------------------------------------------------------------------
+
+class ForceGlobal:
+    @polyhal.hookimpl
+    def select_memory_space(self, device, kernel, scratch, limits):
+        return MemorySpace.GLOBAL if scratch.allows(MemorySpace.GLOBAL) else None
+
+
+def test_a_policy_plugin_overrides_the_default(registry):
+    registry.register(ForceGlobal(), name="force-global")
+    (a,) = place_scratch(registry, spec(), (request("b", wg_bytes=16),))
+    assert a.space is MemorySpace.GLOBAL and a.plugin == "force-global"
+    # It defers where the kernel has no global code: the default answers.
+    (b,) = place_scratch(registry, spec(), (request("c", wg_bytes=16, spaces=(MemorySpace.WORKGROUP,)),))
+    assert b.space is MemorySpace.WORKGROUP and b.plugin == "polyhal.policies.memory_space"
+
+
+@pytest.mark.parametrize("answer, match", [
+    ("private", "shared data cannot be private"),
+    ("somewhere", "must return a MemorySpace"),
+    ("workgroup", "exceeds the 1024 B left"),
+])
+def test_bad_policy_answers_are_errors(registry, answer, match):
+    class Bad:
+        @polyhal.hookimpl
+        def select_memory_space(self, device, kernel, scratch, limits):
+            return answer
+
+    registry.register(Bad(), name="bad")
+    with pytest.raises(polyhal.PolyhalError, match=match):
+        place_scratch(registry, spec(), (request("s", wg_bytes=4096),))
+
+
+# -- plans -----------------------------------------------------------------------------------------
+
+def _nms_program(n=64):
+    b = polyhal.ProgramBuilder("nms")
+    bx, sc = b.input("boxes", (1, n, 4)), b.input("scores", (1, 1, n))
+    b.output(*b.non_max_suppression(bx, sc, max_output_boxes_per_class=n, iou_threshold=0.5))
+    return b.build()
+
+
+def test_plan_records_and_explains_scratch():
+    plan = polyhal.compile(_nms_program(), "cpu:0")
+    ((assigned,),) = plan.buffer_plan.scratch.values()
+    assert assigned.space is MemorySpace.GLOBAL and assigned.request.kernel.op == "non_max_suppression"
+    text = plan.explain()
+    assert "scratch:" in text and "cpu_non_max_suppression.boxes: global" in text and "peak" in text
+
+
+def test_scratch_too_big_for_the_device_is_a_compile_time_error():
+    from polyhal_cpu.allocator import host_heap
+    from polyhal_cpu.device import CPUDevice
+
+    class Tiny:
+        @polyhal.hookimpl
+        def register_devices(self):
+            return [DeviceSpec(name="tiny:0", backend="tiny", rank=0, factory=CPUDevice, heaps=(host_heap(),),
+                               limits={"global_scratch_bytes": 1000})]
+
+    reg = Registry(autoload=False)
+    reg.register(Tiny(), name="tiny")
+    with pytest.raises(ScratchError, match=r"'boxes' of cpu kernel 'cpu_non_max_suppression'.*limit 1000 B"):
+        polyhal.compile(_nms_program(1000), "tiny:0", registry=reg)
+
+
+def test_plan_offsets_never_overlap_live_buffers():
+    rng = np.random.default_rng(0)
+    bufs = []
+    for i in range(40):
+        first = int(rng.integers(0, 20))
+        bufs.append(PlannedBuffer(f"b{i}", "d", int(rng.integers(1, 5000)), first, first + int(rng.integers(0, 5)),
+                                  MemoryType.DEVICE_LOCAL, BufferUsage.DEFAULT))
+    size = plan_offsets(bufs)
+    for a in bufs:
+        assert a.offset % 256 == 0 and a.offset + a.nbytes <= size
+        for b in bufs:
+            if a is not b and a.overlaps(b):
+                assert a.offset + a.nbytes <= b.offset or b.offset + b.nbytes <= a.offset, (a, b)
+    assert size < sum(b.nbytes for b in bufs)
+
+
+def _chain(n_ops=20, shape=(64, 64)):
+    b = polyhal.ProgramBuilder("chain")
+    x, y = b.input("x", shape), b.input("y", shape)
+    v = x
+    for i in range(n_ops):
+        v = b.add(v, y) if i % 2 else b.mul(v, y)
+    b.output(v)
+    return b.build()
+
+
+def test_chain_peak_is_at_most_half_of_unplanned_and_results_are_right():
+    plan = polyhal.compile(_chain(), "cpu:0")
+    bp = plan.buffer_plan
+    assert len(plan.intermediates) == 19
+    assert bp.peak_bytes <= bp.unplanned_bytes / 2
+    assert bp.peak_bytes == 2 * 64 * 64 * 4  # ping-pong between two buffers
+    rng = np.random.default_rng(1)
+    xs, ys = rng.uniform(0.5, 1.5, (64, 64)).astype(np.float32), rng.uniform(0.5, 1.5, (64, 64)).astype(np.float32)
+    want = xs.copy()
+    for i in range(20):
+        want = want + ys if i % 2 else want * ys
+    np.testing.assert_allclose(plan(xs, ys).numpy(), want, rtol=1e-5)
+
+
+def test_an_op_never_writes_over_its_own_inputs():
+    # relu(a) + a: the add reads a and relu(a); neither may share memory with the add's result.
+    b = polyhal.ProgramBuilder("diamond")
+    x = b.input("x", (256,))
+    a = b.exp(x)
+    r = b.relu(b.neg(a))
+    s = b.add(a, r)
+    b.output(b.mul(s, s))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    xs = np.linspace(-1, 1, 256, dtype=np.float32)
+    e = np.exp(xs)
+    np.testing.assert_allclose(plan(xs).numpy(), (e + np.maximum(-e, 0)) ** 2, rtol=1e-6)
+    by = {bf.name: bf for bf in plan.buffer_plan.buffers}
+    for name in by:
+        for other in by:
+            if name != other and by[name].overlaps(by[other]):
+                lo, hi = sorted((by[name], by[other]), key=lambda q: q.offset)
+                assert lo.offset + lo.nbytes <= hi.offset
+
+
+def test_memory_types_and_usage_follow_producers_and_consumers():
+    plan = polyhal.compile(_chain(3, (8,)), "cpu:0")
+    for bf in plan.buffer_plan.buffers:
+        assert bf.memory_type & MemoryType.DEVICE_LOCAL == MemoryType.DEVICE_LOCAL
+        assert bf.usage & BufferUsage.DISPATCH_STORAGE_WRITE and bf.usage & BufferUsage.DISPATCH_STORAGE_READ
+    # Host outputs of a host device: the default request (host memory is device memory there).
+    (mt,) = plan.buffer_plan.output_memory.values()
+    assert mt & MemoryType.DEVICE_LOCAL
+
+
+def test_outputs_of_a_unified_memory_opencl_device_are_host_visible():
+    names = [s.name for s in polyhal.devices() if s.backend == "opencl"]
+    if not names:
+        pytest.skip("no OpenCL device")
+    dev = polyhal.get_device(names[0])
+    if not any(h.serves(MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE, BufferUsage.DEFAULT) for h in dev.spec.heaps):
+        pytest.skip(f"{dev.name} has no host-visible device memory")
+    plan = polyhal.compile(_chain(3, (8,)), dev.name)
+    out = plan(np.ones(8, np.float32), np.ones(8, np.float32))
+    assert out.buffer.host_visible
+    np.testing.assert_allclose(out.numpy(), [2.0] * 8)
+
+
+def test_plans_balance_the_allocator():
+    dev = polyhal.get_device("cpu:0")
+    before = dev.allocator.statistics.live_bytes
+    plan = polyhal.compile(_nms_program(), "cpu:0")
+    assert dev.allocator.statistics.live_bytes > before  # the arena
+    del plan
+    assert dev.allocator.statistics.live_bytes == before
