@@ -240,12 +240,31 @@ class Scratch:
 
 # ---------------------------------------------------------------------------------------- kernels
 
+def _b(v: bool) -> str:
+    return "true" if v else "false"
+
+
+#: (lane pass, first pass) of the upsweeps, and (lane pass, payload, first, last) of the
+#: scatters that the classic path launches (lane passes are never first).
+_UPSWEEPS = [(False, True), (False, False), (True, False)]
+_SCATTERS = [(row, pay, first, last) for row, pay in ((False, False), (False, True), (True, True))
+             for first in (False, True) for last in (False, True) if not (row and first)]
+
+
+def _upsweep_name(k: str, kind: int, row: bool, first: bool) -> str:
+    return f"radix_upsweep<{k}, {kind}, {_b(row)}, {_b(first)}>"
+
+
+def _scatter_name(k: str, kind: int, row: bool, pay: bool, first: bool, last: bool) -> str:
+    return f"radix_scatter<{k}, {kind}, {_b(row)}, {_b(pay)}, {_b(first)}, {_b(last)}>"
+
+
 def _expressions(plan: SortPlan) -> list[str]:
     k, kind = plan.ctype, _kind(plan.dtype)
     return [f"sort_rows<{k}, {kind}>", f"radix_make_keys<{k}, {kind}>", f"radix_emit<{k}, {kind}>",
-            f"radix_upsweep<{k}, {kind}, false>", f"radix_upsweep<{k}, {kind}, true>",
-            f"radix_scatter<{k}, {kind}, false, false>", f"radix_scatter<{k}, {kind}, false, true>",
-            f"radix_scatter<{k}, {kind}, true, true>", f"radix_emit_flat<{k}>",
+            *(_upsweep_name(k, kind, row, first) for row, first in _UPSWEEPS),
+            *(_scatter_name(k, kind, row, pay, first, last) for row, pay, first, last in _SCATTERS),
+            f"radix_emit_flat<{k}>",
             "radix_scan", "radix_take_prefix", f"radix_histogram<{k}, {kind}>", "radix_prefix",
             f"radix_onesweep<{k}, {kind}, false, false>", f"radix_onesweep<{k}, {kind}, false, true>",
             f"radix_onesweep<{k}, {kind}, true, true>"]
@@ -310,8 +329,10 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     exprs = _expressions(plan)
     k, kind = plan.ctype, _kind(plan.dtype)
     get = lambda e: function(device, "sort.cu", exprs, e)  # noqa: E731
-    hist_k, prefix_k, emit = get(exprs[11]), get("radix_prefix"), get(exprs[2])
-    sweep = {(False, False): get(exprs[13]), (False, True): get(exprs[14]), (True, True): get(exprs[15])}
+    hist_name = f"radix_histogram<{k}, {kind}>"
+    hist_k, prefix_k, emit = get(hist_name), get("radix_prefix"), get(exprs[2])
+    sweep = {(r, p_): get(f"radix_onesweep<{k}, {kind}, {_b(r)}, {_b(p_)}>")
+             for r, p_ in ((False, False), (False, True), (True, True))}
     sms = int(device.spec.limits.get("multiprocessors", 1))
     total, ks, pay = plan.total, plan.key_bytes, plan.payload
     passes = len(plan.passes)
@@ -336,7 +357,7 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     def run(x, *outs):
         values, indices = _outputs(plan, outs)
         runtime.memsetAsync(aux, 0, aux_bytes, stream.ptr)
-        launch(hist_k, exprs[11], g_hist, (BLOCK,), (x, np.uint32(total), n_, inner_, flags_, np.int32(key_passes),
+        launch(hist_k, hist_name, g_hist, (BLOCK,), (x, np.uint32(total), n_, inner_, flags_, np.int32(key_passes),
                                                       np.int32(passes - key_passes), np.uint64(hist)))
         launch(prefix_k, "radix_prefix", (1,), (256,), (np.uint64(hist), np.int32(passes)))
         cur = 0
@@ -375,8 +396,6 @@ def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     k, kind = plan.ctype, _kind(plan.dtype)
     get = lambda e: function(device, "sort.cu", exprs, e)  # noqa: E731
     emit = get(exprs[2])
-    upsweep = {False: get(exprs[3]), True: get(exprs[4])}
-    scatter = {(False, False): get(exprs[5]), (False, True): get(exprs[6]), (True, True): get(exprs[7])}
     scan = get("radix_scan")
     sms = int(device.spec.limits.get("multiprocessors", 1))
     total, ks, pay = plan.total, plan.key_bytes, plan.payload
@@ -392,8 +411,13 @@ def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     fused = plan.fused_output
     launch, stream = device.launch, device.stream
     second = _second_sort(device, plan, scratch, None) if plan.flags & F_INDEX_ORDER else None
-    up_names = {lane: f"radix_upsweep<{k}, {kind}, {str(lane).lower()}>" for lane in (False, True)}
-    sc_names = {key: f"radix_scatter<{k}, {kind}, {str(key[0]).lower()}, {str(key[1]).lower()}>" for key in scatter}
+    fused_last = fused
+    launches = []  # (upsweep name, scatter name) per pass, fixed at prepare time
+    for i, (shift, lane_pass) in enumerate(plan.passes):
+        first, last = i == 0, i == passes - 1
+        launches.append((_upsweep_name(k, kind, lane_pass, first),
+                         _scatter_name(k, kind, lane_pass, pay, first, last and fused_last)))
+    kernels_ = {name: get(name) for pair in launches for name in pair}
 
     def run(x, *outs):
         values, indices = _outputs(plan, outs)
@@ -401,14 +425,14 @@ def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
         cur = 0  # pass p reads keys[1 - cur] (pass 0: x) and writes keys[cur]
         for i, (shift, lane_pass) in enumerate(plan.passes):
             first, last = i == 0, i == passes - 1
+            up_name, sc_name = launches[i]
             src_k, src_p, src_x = (_NULL, _NULL, x) if first else (keys[1 - cur], pays[1 - cur], _NULL)
             tot = np.uint64(totals + 256 * 4 * i)
-            launch(upsweep[lane_pass], up_names[lane_pass], (plan.tiles,), (BLOCK,),
+            launch(kernels_[up_name], up_name, (plan.tiles,), (BLOCK,),
                    (src_k, src_p, src_x, u_total, n_, inner_, np.int32(shift), flags_, hist, tot, tiles))
             launch(scan, "radix_scan", (256,), (1024,), (hist, tot, tiles))
             out_v, out_i = (values, indices) if last and fused else (_NULL, _NULL)
-            key = (lane_pass, pay)
-            launch(scatter[key], sc_names[key], (plan.tiles,), (BLOCK,),
+            launch(kernels_[sc_name], sc_name, (plan.tiles,), (BLOCK,),
                    (src_k, src_p, src_x, keys[cur], pays[cur], out_v, out_i, x, u_total, n_, inner_,
                     np.int32(shift), flags_, hist, tiles))
             cur = 1 - cur
@@ -433,8 +457,10 @@ def _second_sort(device: "CUDADevice", plan: SortPlan, scratch: Scratch, _unused
     u32 = _expressions(SortPlan("sort", "radix", np.dtype(np.uint32), 1, 1, 1, 1, 0))
     take = function(device, "sort.cu", exprs, "radix_take_prefix")
     emit_flat = function(device, "sort.cu", exprs, f"radix_emit_flat<{plan.ctype}>")
-    up = function(device, "sort.cu", u32, "radix_upsweep<unsigned int, 0, false>")
-    sc = function(device, "sort.cu", u32, "radix_scatter<unsigned int, 0, false, false>")
+    up_name = _upsweep_name("unsigned int", 0, False, False)
+    sc_name = _scatter_name("unsigned int", 0, False, False, False, False)
+    up = function(device, "sort.cu", u32, up_name)
+    sc = function(device, "sort.cu", u32, sc_name)
     scan = function(device, "sort.cu", u32, "radix_scan")
     sms = int(device.spec.limits.get("multiprocessors", 1))
     m = plan.lanes * plan.kout
@@ -451,11 +477,11 @@ def _second_sort(device: "CUDADevice", plan: SortPlan, scratch: Scratch, _unused
         cur = 0
         for i in range(plan.passes2):
             tot = np.uint64(totals + 256 * 4 * i)
-            launch(up, "radix_upsweep<unsigned int, 0, false>", (plan.tiles2,), (BLOCK,),
+            launch(up, up_name, (plan.tiles2,), (BLOCK,),
                    (flat[cur], _NULL, _NULL, np.uint32(m), np.int64(1), np.int64(1), np.int32(8 * i), np.int32(0),
                     hist, tot, tiles))
             launch(scan, "radix_scan", (256,), (1024,), (hist, tot, tiles))
-            launch(sc, "radix_scatter<unsigned int, 0, false, false>", (plan.tiles2,), (BLOCK,),
+            launch(sc, sc_name, (plan.tiles2,), (BLOCK,),
                    (flat[cur], _NULL, _NULL, flat[1 - cur], _NULL, _NULL, _NULL, _NULL, np.uint32(m), np.int64(1),
                     np.int64(1), np.int32(8 * i), np.int32(0), hist, tiles))
             cur = 1 - cur

@@ -35,10 +35,13 @@ def test_roundtrip_through_polyhal(cuda, rng, kind):
     host = rng.standard_normal((7, 5)).astype(np.float32)
     t = _tensor(cuda, kind, host)
     assert t.__dlpack_device__() == (_expected_type(kind), cuda.ordinal)
-    back = polyhal.from_dlpack(t)
-    assert back.device is cuda and back.buffer.kind is BufferKind.EXTERNAL
-    assert back.buffer.native.ptr == t.buffer.native.ptr
+    back = polyhal.from_dlpack(t)  # the core shares a polyhal tensor's buffer directly
+    assert back.device is cuda and back.buffer.native.ptr == t.buffer.native.ptr
     assert np.array_equal(back.numpy(), host)
+    through = polyhal.from_dlpack(t.__dlpack__(max_version=(1, 0)))  # a real capsule: imported
+    assert through.device is cuda and through.buffer.kind is BufferKind.EXTERNAL
+    assert through.buffer.native.ptr == t.buffer.native.ptr and through.buffer.native.kind is t.buffer.native.kind
+    assert np.array_equal(through.numpy(), host)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -23,9 +23,10 @@ def expressions() -> dict[str, list[str]]:
             sort += [f"sort_rows<{k}, {kind}>", f"radix_make_keys<{k}, {kind}>", f"radix_emit<{k}, {kind}>"]
             sort += [f"radix_histogram<{k}, {kind}>"] + [f"radix_onesweep<{k}, {kind}, {r}, {p}>"
                                                          for r, p in (("false", "false"), ("false", "true"), ("true", "true"))]
-            sort += [f"radix_upsweep<{k}, {kind}, false>", f"radix_upsweep<{k}, {kind}, true>",
-                     f"radix_scatter<{k}, {kind}, false, false>", f"radix_scatter<{k}, {kind}, false, true>",
-                     f"radix_scatter<{k}, {kind}, true, true>"]
+            from polyhal_cuda.sorting import _SCATTERS, _UPSWEEPS, _scatter_name, _upsweep_name
+
+            sort += [_upsweep_name(k, kind, r, f) for r, f in _UPSWEEPS]
+            sort += [_scatter_name(k, kind, r, p, f, la) for r, p, f, la in _SCATTERS]
         sort += [f"radix_emit_flat<{k}>"]
     sort += ["radix_scan", "radix_take_prefix", "radix_prefix"]
     return {"sort.cu": sort, "nms.cu": ["nms_boxes", "nms_mask", "nms_reduce", "nms_write"],

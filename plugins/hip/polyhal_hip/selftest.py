@@ -30,6 +30,10 @@ from typing import Any, Callable
 import numpy as np
 
 
+class SkipCheck(Exception):
+    """A check that cannot run here (the message says why)."""
+
+
 def _check(report: list, name: str, fn: Callable[[], Any]) -> None:
     start = time.perf_counter()
     entry: dict[str, Any] = {"name": name}
@@ -38,13 +42,15 @@ def _check(report: list, name: str, fn: Callable[[], Any]) -> None:
         entry["status"] = "pass"
         if detail:
             entry["detail"] = detail
-    except Exception as exc:  # noqa: BLE001 - every outcome goes into the report
-        if type(exc).__name__ == "Skipped":
+    except BaseException as exc:  # noqa: BLE001 - every outcome goes into the report
+        if isinstance(exc, SkipCheck) or type(exc).__name__ == "Skipped":  # ours, or pytest.skip in the suite
             entry["status"], entry["detail"] = "skip", str(exc)
-        else:
+        elif isinstance(exc, Exception):
             entry["status"] = "fail"
             entry["detail"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()[-4000:]
+        else:
+            raise  # KeyboardInterrupt, SystemExit
     entry["seconds"] = round(time.perf_counter() - start, 4)
     report.append(entry)
 
@@ -104,13 +110,9 @@ def _buffer_checks(device: Any, checks: list) -> None:
         try:
             import torch
         except ImportError:
-            from _pytest.outcomes import Skipped
-
-            raise Skipped("torch is not installed")
+            raise SkipCheck("torch is not installed") from None
         if not getattr(torch.version, "hip", None):
-            from _pytest.outcomes import Skipped
-
-            raise Skipped(f"torch {torch.__version__} is not a ROCm build")
+            raise SkipCheck(f"torch {torch.__version__} is not a ROCm build")
         t = polyhal.asarray(np.arange(8, dtype=np.float32), device=device)
         tt = torch.from_dlpack(t)
         assert tt.device.type == "cuda" and tt.data_ptr() == device.buffer_address(t.buffer)

@@ -39,7 +39,8 @@ def real_runtime_reason() -> str:
         rt = HipPythonRuntime()
         rt.runtime_version()
     except Exception as exc:  # noqa: BLE001
-        return f"ROCm runtime or hip-python missing ({type(exc).__name__}: {exc}); {INSTALL}"
+        first = str(exc).split(";")[0].split(" (")[0]
+        return f"ROCm runtime or hip-python missing ({type(exc).__name__}: {first}); to test: {INSTALL}"
     return ""
 
 
@@ -59,7 +60,7 @@ def compiler_reason() -> str:
     try:
         _real().compiler_version()
     except Exception as exc:  # noqa: BLE001
-        return f"hiprtc cannot be loaded ({type(exc).__name__}: {exc}); {INSTALL}"
+        return f"hiprtc cannot be loaded ({type(exc).__name__}: {str(exc)[:200]}); to test: {INSTALL}"
     return ""
 
 

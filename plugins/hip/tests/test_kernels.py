@@ -191,14 +191,20 @@ def test_topk_unsorted_asks_the_kernel_for_index_order(fake, fake_device, needs_
     assert flags & 16 and flags & 1 and flags & 8  # index order, descending, indices
 
 
-def test_nms_pipeline(fake, fake_device, needs_compiler, rng):
-    program, inputs, attrs, in_types, out_types = _program("non_max_suppression", rng)
-    plan = polyhal.compile(program, fake_device.name)
-    assert "nms_reduce.removed: workgroup" in plan.explain()
+def test_nms_pipeline(fake, fake_device, needs_compiler):
+    b = polyhal.ProgramBuilder("nms")
+    boxes, scores = b.input("boxes", (2, 300, 4)), b.input("scores", (2, 3, 300))
+    res = b.op("non_max_suppression", boxes, scores, max_output_boxes_per_class=20, iou_threshold=0.5)
+    b.output(*(res if isinstance(res, tuple) else (res,)))
+    plan = polyhal.compile(b.build(), fake_device.name)
+    explain = plan.explain()
+    assert "nms_reduce.removed: workgroup" in explain and "nms_pipeline.mask: global" in explain
     start = len(fake.launches)
-    plan(*inputs)
+    plan(np.zeros((2, 300, 4), np.float32), np.zeros((2, 3, 300), np.float32))
     names = _launch_names(fake, start)
     assert "sort_rows" in names[0] and names[1:] == ["nms_boxes", "nms_mask", "nms_reduce", "nms_write"]
+    mask = fake.launches[start + 2]
+    assert mask.grid == (5, 5, 6) and mask.block == (64,)  # ceil(300 / 64) words, 2 x 3 problems
 
 
 # -- errors --------------------------------------------------------------------------------------------
@@ -226,3 +232,34 @@ def test_module_lookup_errors(fake, fake_device, needs_compiler):
         fake_device.function(text, "copy.hip", "no_such_kernel")
     with pytest.raises(HipError, match="hipErrorInvalidImage"):
         fake.module_load_data(b"not a code object")
+
+
+def _generated_sources():
+    f16, f32, f64, i32, i64 = (np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+    for op, expr in kernels._BINARY_EXPR.items():
+        yield f"ew-{op}", kernels.elementwise_source(2, [f32, f32], f32, expr)
+    for op, expr in kernels._FLOAT_UNARY.items():
+        yield f"ew-{op}", kernels.elementwise_source(1, [f16], f16, expr)
+    for key in kernels._CUDA_SNIPPETS:
+        ins = len(kernels.cuda_snippet(key)[0].split(","))
+        dt = f32 if key in ("relu", "sign", "sigmoid", "erf", "gelu_none", "gelu_tanh", "fmod_float") else i32
+        yield f"ew-{key}", kernels.elementwise_source(ins, [np.dtype(bool)] + [dt] * (ins - 1) if key == "where"
+                                                      else [dt] * ins, dt, body=kernels.snippet_body(key))
+    for op in ("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod"):
+        for dt in (f16, f32, f64, i64):
+            text = kernels.reduce_source(op, dt)
+            if text is not None:
+                yield f"{op}-{dt}", text
+    for dt in (f16, f32, f64, i32, i64):
+        yield f"matmul-{dt}", kernels.matmul_source(dt)
+
+
+def test_every_generated_hip_source_is_clean():
+    """No kernel allocates (the core's kernel lint, as for OpenCL and CUDA sources)."""
+    from polyhal.passes.kernel_lint import lint
+
+    names = []
+    for name, source in _generated_sources():
+        assert lint(source, name, "cuda") == [], name
+        names.append(name)
+    assert len(names) > 50

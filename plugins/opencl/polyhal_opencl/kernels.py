@@ -23,7 +23,7 @@ from polyhal.ops import resolve_attrs
 from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
 from polyhal_opencl.errors import check
 from polyhal_opencl.ops import (
-    data_tiling, detection, elementwise, indexing, linalg, logical, mathfn, nn, reduction, shape, sorting,
+    data_tiling, elementwise, indexing, linalg, logical, mathfn, nn, reduction, shape, sorting,
 )
 
 if TYPE_CHECKING:
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 GENERATORS: dict[str, Callable[..., Recipe]] = {
     **elementwise.GENERATORS, **mathfn.GENERATORS, **logical.GENERATORS, **linalg.GENERATORS,
     **reduction.GENERATORS, **shape.GENERATORS, **sorting.GENERATORS, **indexing.GENERATORS,
-    **nn.GENERATORS, **data_tiling.GENERATORS, **detection.GENERATORS,
+    **nn.GENERATORS, **data_tiling.GENERATORS,
 }
 # Kernels written for the bufferize pass replace the generators above for their ops: generated
 # here with the placements the core's default rule gives; plans generate them for the placements

@@ -116,7 +116,6 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
     __shared__ long long count;
     __shared__ int done;
     __shared__ unsigned long long partial[1024];  // row-group partial words (blockDim <= 1024)
-    __shared__ unsigned long long diag[NMS_WORD];
     const long long p = blockIdx.x;
     unsigned long long* removed = removed_global ? removed_global + p * (long long)words : removed_shared;
     const unsigned long long* pm = mask + p * (long long)n * words;
@@ -149,17 +148,10 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
             long long c = count;
             const long long room = max_out - c;
             int taken = 0;
-            // The 64 diagonal words go through shared memory so that the walk below, fully
-            // unrolled, can load them ahead: its only dependency chain is the removed bits.
-            diag[lane] = d0;
-            diag[lane + 32] = d1;
-            __syncwarp();
-#pragma unroll
-            for (int i = 0; i < NMS_WORD; ++i) {
-                const unsigned long long di = diag[i];
-                if (i < m && !((rem >> i) & 1ull) && taken < room) { kept |= 1ull << i; rem |= di; ++taken; }
+            for (int i = 0; i < m; ++i) {
+                const unsigned long long di = __shfl_sync(FULL_MASK, i < 32 ? d0 : d1, i & 31);
+                if (!((rem >> i) & 1ull) && taken < room) { kept |= 1ull << i; rem |= di; ++taken; }
             }
-            __syncwarp();
             // prefetch the next diagonal block
             if (b + 1 < words) {
                 const int nb = (b + 1) * NMS_WORD;

@@ -159,10 +159,8 @@ __device__ __forceinline__ u32 digit_of(K key, u32 pay, int shift, u32 n) {
 }
 
 // Per-tile digit counts: hist[d * tiles + t]; totals[d] += count (totals zeroed by the host).
-// Pass 0 reads the operand x0 itself (keys made on the fly, payload = element index). Equal
-// digits of a warp are counted with one shared atomic (warp match), so that skewed digits
-// (the exponent byte of floats) do not serialise on a few counters.
-template <typename K, int KIND, bool ROW>
+// FIRST: the first pass reads the operand x0 itself (keys made on the fly, payload = index).
+template <typename K, int KIND, bool ROW, bool FIRST>
 __global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict__ payload, const K* __restrict__ x0,
                               u32 total, i64 n, i64 inner, int shift, int flags, u32* __restrict__ hist,
                               u32* __restrict__ totals, u32 tiles) {
@@ -173,16 +171,11 @@ __global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict_
     const u32 t = blockIdx.x;
     const u32 begin = t * TILE;
     const u32 end = min(total, begin + TILE);
-    const u32 lt = (1u << (threadIdx.x & 31)) - 1u;
-    for (u32 base = begin; base < end; base += blockDim.x) {
-        const u32 e = base + threadIdx.x;
-        u32 d = RADIX;
-        if (e < end) {
-            if (x0) d = digit_of<K, ROW>(source_key<K, KIND>(x0, e, n, inner, flags), e, shift, (u32)n);
-            else d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, (u32)n);
-        }
-        const u32 peers = __match_any_sync(FULL_MASK, d);
-        if (d < RADIX && (peers & lt) == 0) atomicAdd(&cnt[d], __popc(peers));
+    for (u32 e = begin + threadIdx.x; e < end; e += blockDim.x) {
+        u32 d;
+        if (FIRST) d = digit_of<K, ROW>(source_key<K, KIND>(x0, e, n, inner, flags), e, shift, (u32)n);
+        else d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, (u32)n);
+        atomicAdd(&cnt[d], 1u);
     }
     __syncthreads();
     for (u32 d = threadIdx.x; d < RADIX; d += blockDim.x) {
@@ -243,9 +236,10 @@ __global__ void radix_scan(u32* __restrict__ hist, const u32* __restrict__ total
 // Stable scatter of one tile by digit. Warp w of the block owns elements
 // [tile_begin + w * 32 * ITEMS, ...) in rounds of 32 (lane order = input order); ranks within a
 // round come from __match_any_sync, and per-warp digit counters carry them across rounds.
-// Pass 0 reads the operand x0 (as radix_upsweep); the last pass may write the outputs
-// (values: from_key, or xv[payload]; indices: payload - lane * n) instead of kout/pout.
-template <typename K, int KIND, bool ROW, bool PAY>
+// FIRST: pass 0 reads the operand x0 (as radix_upsweep). LAST: the last pass writes the
+// outputs (values: from_key, or xv[payload]; indices: payload - lane * n) instead of kout/pout.
+// (Template flags, not run-time ones: the hot loop keeps its registers.)
+template <typename K, int KIND, bool ROW, bool PAY, bool FIRST, bool LAST>
 __global__ void __launch_bounds__(SORT_BLOCK)
 radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, const K* __restrict__ x0,
               K* __restrict__ kout, u32* __restrict__ pout, K* __restrict__ values, i64* __restrict__ indices,
@@ -283,7 +277,7 @@ radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, const K* _
         pay[r] = 0;
         if (valid) {
             const u32 e = tile_begin + local;
-            if (x0) { key[r] = source_key<K, KIND>(x0, e, n, inner, flags); pay[r] = e; }
+            if (FIRST) { key[r] = source_key<K, KIND>(x0, e, n, inner, flags); pay[r] = e; }
             else { key[r] = kin[e]; if (PAY) pay[r] = pin[e]; }
             d = digit_of<K, ROW>(key[r], pay[r], shift, (u32)n);
         }
@@ -332,13 +326,12 @@ radix_scatter(const K* __restrict__ kin, const u32* __restrict__ pin, const K* _
     }
     __syncthreads();
     // Coalesced write-out: consecutive threads take consecutive (digit-sorted) tile positions.
-    const bool final_out = values != nullptr || indices != nullptr;
     for (u32 i = threadIdx.x; i < count; i += SORT_BLOCK) {
         const K k = skeys[i];
         const u32 p = PAY ? spay[i] : 0u;
         const u32 d = digit_of<K, ROW>(k, p, shift, (u32)n);
         const u32 g = goff[d] + (i - tstart[d]);
-        if (final_out) {
+        if (LAST) {
             if (values) values[g] = PAY ? xv[p] : from_key<K, KIND>(k, flags);
             if (indices) indices[g] = (i64)p - ((i64)g / n) * n;
         } else {
