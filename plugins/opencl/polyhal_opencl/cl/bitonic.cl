@@ -1,7 +1,7 @@
 // Bitonic sorting of (key, index) pairs in __local memory by one work-group, in a total order:
 // ascending (DESC 0) puts nan last, descending (DESC 1) puts nan first, equal keys compare by
 // index, and padding entries (index PAD) come after everything. A total order makes the
-// (unstable) bitonic network produce the stable order. Shared by sort.cl and the sort step of nms_bitmask.cl.
+// (unstable) bitonic network produce the stable order. Used by sort.cl.
 //
 // #defines expected: KEY_T (key type), DESC, ISNAN(v), WG (work-group size).
 
