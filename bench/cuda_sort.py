@@ -63,6 +63,17 @@ def run(args) -> list[Row]:
         t_alt = gpu_time(lambda: alt(xn, on), number=10, repeat=reps)
         rows.append(Row(f"sort 16M float32, {other} radix, kernels only", "ms", t_alt * 1e3, t_cupy * 1e3,
                         "cupy.sort"))
+        # the classic radix without warp-aggregated digit counting, for comparison
+        old_agg, sorting.AGGREGATE = sorting.AGGREGATE, not sorting.AGGREGATE
+        try:
+            flip = dev.prepare("sort", {"axis": 0}, (tt,), (tt,))
+        finally:
+            sorting.AGGREGATE = old_agg
+        flip(xn, on)
+        assert bool((on == cp.sort(cx)).all()), "sort differs from cupy.sort"
+        t_flip = gpu_time(lambda: flip(xn, on), number=10, repeat=reps)
+        rows.append(Row(f"sort 16M float32, classic radix with digit-count aggregation "
+                        f"{'off' if old_agg else 'on'}, kernels only", "ms", t_flip * 1e3, t_cupy * 1e3, "cupy.sort"))
         # argsort of 16M
         iout = polyhal.empty((n,), "int64", dev)
         aplan = _plan(dev, "argsort", (n,), axis=0)

@@ -9,6 +9,7 @@ without a target.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from pathlib import Path
@@ -50,7 +51,7 @@ def run(args) -> list[Row]:
     rng = np.random.default_rng(0)
     device = args.device or "cpu:0"
     rows = []
-    reps = 5 if args.quick else 25
+    reps = 5 if args.quick else 60
     for file, dims, target in CASES:
         path = EXAMPLES / file
         options = ort.SessionOptions()
@@ -74,18 +75,26 @@ def run(args) -> list[Row]:
         def run_theirs():
             session.run(None, feeds)
 
-        # Interleaved samples; each sample is the median of a short burst.
-        number = 20 if "detection" not in file else 5
+        # Alternating blocks, so that drift and load from other processes hit both alike; each
+        # sample is the median of a short burst. onnxruntime's pool threads spin for a while
+        # after a run (its default), which would steal the cores of a polyhal run right after
+        # it, so each block starts after a short pause. The machine may be shared: minima are
+        # reported too (noise only ever adds time); the medians are the figures.
+        number = 10 if "detection" not in file else 5
         tp, to = [], []
-        for _ in range(reps):
-            tp.append(median_time(run_ours, repeat=3, number=number, warmup=1))
-            to.append(median_time(run_theirs, repeat=3, number=number, warmup=1))
+        for _ in range(reps // 6 or 1):
+            for fn, samples in ((run_ours, tp), (run_theirs, to)):
+                time.sleep(0.05)
+                for _ in range(6):
+                    samples.append(median_time(fn, repeat=3, number=number, warmup=1))
         t_ours, t_theirs = statistics.median(tp), statistics.median(to)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
         shape = ", ".join(f"{k}={v}" for k, v in dims.items())
         rows.append(Row(
             f"{file.removesuffix('.onnx')} ({shape or 'static shapes'}) on {device}", "ms", t_ours * 1e3,
             t_theirs * 1e3, f"onnxruntime {ort.__version__} CPU",
             f"<= {target}x" if target else "", None if target is None else t_ours <= target * t_theirs,
-            {"ops": len(program.ops), "nodes": program.node_count, "compile_ms": t_compile * 1e3,
-             "ort_threads": options.intra_op_num_threads}))
+            {"ops": len(plan.program.ops), "nodes": program.node_count, "compile_ms": t_compile * 1e3,
+             "min_ms_polyhal": min(tp) * 1e3, "min_ms_onnxruntime": min(to) * 1e3,
+             "min_ratio": min(tp) / min(to), "load_average": load}))
     return rows

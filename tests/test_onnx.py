@@ -123,6 +123,16 @@ def test_matmul_and_bias_add_fuse_into_linear():
     np.testing.assert_allclose(program.execute(plan, {"x": x})["y"], want, rtol=1e-6)
     unfused = program.compile("cpu:0", fuse=False)
     assert [op.name for op in unfused.program.ops] == ["matmul", "add"]
+    # A scalar scaling of a product moves onto the smaller operand (attention's 1/sqrt(d)).
+    s = numpy_helper.from_array(np.array(0.25, np.float32), "s")
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["p"], name="qk"),
+             helper.make_node("Mul", ["p", "s"], ["y"], name="scale")]
+    m = model_of(nodes, [vi("q", [8, 2]), vi("k", [2, 8])], [vi("y", [8, 8])], [s])
+    program = ponnx.load(m)
+    plan = program.compile("cpu:0")
+    assert [op.name for op in plan.program.ops] == ["mul", "matmul"]
+    q, k = np.arange(16, dtype=np.float32).reshape(8, 2), np.ones((2, 8), np.float32)
+    np.testing.assert_allclose(program.execute(plan, {"q": q, "k": k})["y"], q @ k * 0.25)
 
 
 def test_function_ops_are_expanded():

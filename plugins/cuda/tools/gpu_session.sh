@@ -34,11 +34,13 @@ for phase in $PHASES; do
       mkdir -p .vendors && echo libnvidia-opencl.so.1 > .vendors/nvidia.icd && export OCL_ICD_VENDORS=$PWD/.vendors
       python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:${PYTHONPATH:-}
       python3 -m pip install -q --no-deps --no-build-isolation -e plugins/opencl >> "$OUT/logs/install.txt" 2>&1
-      run conformance_opencl 240 python3 -m pytest -q -ra -p no:cacheprovider tests/test_conformance.py --polyhal-backend=opencl
-      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" 200 python3 -m bench "$(basename "$b" .py)" --suffix=-h100; done ;;
+      polyhal devices > "$OUT/logs/devices_opencl.txt" 2>&1
+      run conformance_opencl "${T_OCL:-150}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-backend=opencl
+      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" "${T_OCLB:-90}" python3 -m bench "$(basename "$b" .py)" --suffix=-h100; done ;;
   esac
 done
-tar czf "$OUT/results.tgz" -C "$OUT" logs -C "$PWD" bench/results 2>/dev/null
-tar czf "$OUT/cupy_cache.tgz" -C "$PWD" .cupy_cache 2>/dev/null
 echo "===== summary"; cat "$SUMMARY"
 for f in "$OUT"/logs/*.txt; do case $f in *summary*|*install*|*gpu*) ;; *) echo "--- $(basename $f) (tail)"; grep -E "FAILED|ERROR|Error|error:|^\| " "$f" | head -40;; esac; done
+# Everything comes back in (at most) two files: the logs and results, and cupy's kernel cache.
+tar czf "$OUT/results.tgz" -C "$OUT" logs -C "$PWD" bench/results 2>/dev/null && rm -rf "$OUT/logs"
+[ -n "${NOCACHE:-}" ] || tar czf "$OUT/cupy_cache.tgz" -C "$PWD" .cupy_cache 2>/dev/null

@@ -25,7 +25,7 @@ def expressions() -> dict[str, list[str]]:
                                                          for r, p in (("false", "false"), ("false", "true"), ("true", "true"))]
             from polyhal_cuda.sorting import _SCATTERS, _UPSWEEPS, _scatter_name, _upsweep_name
 
-            sort += [_upsweep_name(k, kind, r, f) for r, f in _UPSWEEPS]
+            sort += [_upsweep_name(k, kind, r, f, a) for r, f in _UPSWEEPS for a in (False, True)]
             sort += [_scatter_name(k, kind, r, p, f, la) for r, p, f, la in _SCATTERS]
         sort += [f"radix_emit_flat<{k}>"]
     sort += ["radix_scan", "radix_take_prefix", "radix_prefix"]

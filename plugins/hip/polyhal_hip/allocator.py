@@ -137,8 +137,9 @@ class HIPAllocator(Allocator):
 
     # -- public ------------------------------------------------------------------------------------
 
-    def select_heap(self, memory_type: MemoryType, usage: BufferUsage = BufferUsage.DEFAULT) -> Heap | None:
-        heap = super().select_heap(memory_type, usage)
+    def _select_heap(self, memory_type: MemoryType, usage: BufferUsage) -> Heap | None:
+        # (the core memoizes select_heap per memory type and usage; this is what it memoizes)
+        heap = super()._select_heap(memory_type, usage)
         if heap is None and MemoryType(memory_type) & _DEVICE_HOST_VISIBLE == _DEVICE_HOST_VISIBLE:
             # IREE's HIP driver: without concurrent managed access, device-local host-visible
             # requests are served by coherent pinned host memory.

@@ -6,6 +6,14 @@ on HIP behind ``hip/compat.h`` (CUDA's 32-thread warp intrinsics as width-32 HIP
 Every source is ``compat.h`` + polyhal-cuda's ``common.cuh`` + the file, as one string: hiprtc
 gets no include path.
 
+Where: hiprtc runs in a child process by default (``POLYHAL_HIP_COMPILE=process``; one worker
+per process, started on the first compile, kept for the next): the comgr library under hiprtc
+carries its own LLVM, which aborts the process when another LLVM is already loaded -- PoCL's,
+for one, as soon as polyhal's OpenCL backend has run -- and ROCm 5.x's hiprtc aborts for an
+architecture it does not know. A child that dies becomes a :class:`HipCompileError` saying how,
+and the next compile starts a new one. ``POLYHAL_HIP_COMPILE=inprocess`` compiles in this
+process (no worker; for a process that loads no other LLVM).
+
 Cache: a compile is keyed by (source text, options, architecture, runtime version, name
 expressions) -- in memory for the process, and on disk under ``POLYHAL_HIP_CACHE_DIR``
 (default ``~/.cache/polyhal/hip``; ``off`` disables it), so a later process loads the code
@@ -28,7 +36,7 @@ import sys
 import threading
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
@@ -116,10 +124,19 @@ class Compiler:
             hit = self._memory.get(key) or self._load(key)
             if hit is None:
                 self.compiles += 1
-                hit = self.runtime.compile(text, name, options, expressions)
+                hit = self._backend().compile(text, name, options, expressions)
                 self._store(key, hit)
             self._memory[key] = hit
             return hit
+
+    def _backend(self):
+        """Who compiles: the worker process for the real runtime (unless
+        ``POLYHAL_HIP_COMPILE=inprocess``); a stand-in runtime compiles as it likes."""
+        from polyhal_hip.runtime import HipPythonRuntime
+
+        if isinstance(self.runtime, HipPythonRuntime) and compile_mode() == "process":
+            return worker()
+        return self.runtime
 
     def _paths(self, key: str) -> tuple[Path, Path] | None:
         base = cache_dir()
@@ -160,6 +177,118 @@ def compiler_for(runtime: Runtime) -> Compiler:
     if c is None or c.runtime is not runtime:
         c = _compilers[id(runtime)] = Compiler(runtime)
     return c
+
+
+# -- the compile worker ------------------------------------------------------------------------------
+
+def compile_mode() -> str:
+    """``POLYHAL_HIP_COMPILE``: ``process`` (default: a worker process) or ``inprocess``."""
+    raw = os.environ.get("POLYHAL_HIP_COMPILE", "process").strip().lower() or "process"
+    if raw not in ("process", "inprocess"):
+        raise HipCompileError(f"POLYHAL_HIP_COMPILE={raw!r}; use process (default) or inprocess")
+    return raw
+
+
+class CompileWorker:
+    """A child process that compiles with hiprtc, one request at a time (JSON lines over pipes).
+    Has the runtime facade's ``compile`` signature."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._stderr: Any = None
+        self._lock = threading.Lock()
+        self.started = 0
+
+    def _ensure(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            import tempfile
+
+            self._stderr = tempfile.TemporaryFile(mode="w+")
+            self._proc = subprocess.Popen([sys.executable, "-m", "polyhal_hip.compiler", "--serve"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                          text=True, bufsize=1)
+            self.started += 1
+        return self._proc
+
+    def compile(self, source: str, name: str, options: Sequence[str], expressions: Sequence[str] = ()) -> CompileResult:
+        import base64
+
+        arch = next((o.split("=", 1)[1] for o in options if o.startswith("--offload-arch=")), "")
+        with self._lock:
+            proc = self._ensure()
+            line = ""
+            try:
+                proc.stdin.write(json.dumps({"text": source, "name": name, "options": list(options),
+                                             "expressions": list(expressions)}) + "\n")
+                proc.stdin.flush()
+                line = proc.stdout.readline()
+            except (BrokenPipeError, OSError):
+                line = ""
+            if not line:
+                code = proc.wait()
+                self._stderr.seek(0)
+                err = self._stderr.read()[-2000:]
+                self._proc = None
+                how = f"signal {-code}" if code < 0 else f"exit status {code}"
+                raise HipCompileError(
+                    f"the hiprtc worker died ({how}) compiling {name} for {arch or 'the default architecture'}: the "
+                    f"compiler may not know the architecture, or another LLVM in the process clashed. stderr:\n{err}",
+                    log=err, arch=arch)
+        reply = json.loads(line)
+        if not reply.get("ok"):
+            raise HipCompileError(reply.get("message", "compile failed"), log=reply.get("log", ""), arch=arch)
+        return CompileResult(base64.b64decode(reply["code"]), reply.get("lowered", {}), reply.get("log", ""))
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=10)
+            except Exception:  # noqa: BLE001 - at exit
+                proc.kill()
+
+
+_worker: CompileWorker | None = None
+_worker_lock = threading.Lock()
+
+
+def worker() -> CompileWorker:
+    """The process-wide compile worker (started on its first compile, closed at exit)."""
+    global _worker
+    if _worker is None:
+        with _worker_lock:
+            if _worker is None:
+                import atexit
+
+                _worker = CompileWorker()
+                atexit.register(_worker.close)
+    return _worker
+
+
+def _serve() -> int:
+    """The worker's loop: one JSON request per line in, one JSON reply per line out."""
+    import base64
+
+    from polyhal_hip.runtime import HipPythonRuntime
+
+    rt = None
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        try:
+            rt = rt or HipPythonRuntime()
+            result = rt.compile(req["text"], req["name"], req["options"], req["expressions"])
+            reply = {"ok": True, "code": base64.b64encode(result.code).decode(), "lowered": result.lowered,
+                     "log": result.log}
+        except HipCompileError as exc:
+            reply = {"ok": False, "message": str(exc), "log": exc.log}
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            reply = {"ok": False, "message": f"{type(exc).__name__}: {exc}", "log": ""}
+        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.flush()
+    return 0
 
 
 # -- isolated compiles ------------------------------------------------------------------------------
@@ -256,4 +385,4 @@ def is_code_object(code: bytes) -> bool:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(_serve() if sys.argv[1:] == ["--serve"] else _main())

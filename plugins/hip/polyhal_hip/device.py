@@ -189,7 +189,6 @@ class HIPDevice(Device):
 
     def view(self, tensor) -> HipArray:
         native: HipMemory = tensor.buffer.native
-        item = tensor.dtype.itemsize
         return HipArray(native.ptr + tensor.offset, tensor.shape, tensor.dtype, tensor.strides, native)
 
     def synchronize(self) -> None:

@@ -98,8 +98,9 @@ def use_runtime():
 
 
 class SessionCompiler:
-    """The real hiprtc, memoized for the whole test session: every FakeHipRuntime compiles
-    through it, so a kernel several tests prepare is compiled once."""
+    """The real hiprtc (in polyhal-hip's compile worker process: this test process may hold
+    PoCL's LLVM, which clashes with comgr's), memoized for the whole test session: every
+    FakeHipRuntime compiles through it, so a kernel several tests prepare is compiled once."""
 
     def __init__(self, real) -> None:
         self.real, self.results, self.count = real, {}, 0
@@ -111,13 +112,14 @@ class SessionCompiler:
             self.results[key] = self.real.compile(source, name, options, expressions)
         return self.results[key]
 
-    def compiler_version(self):
-        return self.real.compiler_version()
-
 
 @functools.lru_cache(maxsize=1)
 def session_compiler():
-    return SessionCompiler(_real())
+    from polyhal_hip.compiler import worker
+
+    compiler = SessionCompiler(worker())
+    compiler.compiler_version = _real().compiler_version  # type: ignore[method-assign]
+    return compiler
 
 
 @pytest.fixture
@@ -168,7 +170,8 @@ def hip():
     specs = [s for s in polyhal.devices() if s.backend == "hip" and "fake-runtime" not in s.capabilities]
     if not specs:
         reasons = polyhal.default_registry().unavailable_reasons().get("hip", [])
-        pytest.skip("no AMD GPU: " + ("; ".join(reasons) or "the hip plugin registered none"))
+        first = reasons[0].split(": no AMD GPU is visible")[0][:160] if reasons else "it registered none"
+        pytest.skip(f"needs an AMD GPU; polyhal-hip says: {first} (`polyhal devices` says more)")
     return polyhal.get_device(specs[0].name)
 
 

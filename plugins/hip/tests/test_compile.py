@@ -92,11 +92,43 @@ def test_unknown_architecture_aborts_only_the_child(real_compiler):
 def test_a_kernel_that_fails_to_compile_raises_with_the_log(real_compiler):
     text = compiler.wrap('extern "C" __global__ void broken(float* x) { x[0] = not_declared_anywhere; }')
     with pytest.raises(HipCompileError) as info:
-        real_compiler.compile(text, "broken.hip", compiler.options_for("gfx90a"))
+        compiler.worker().compile(text, "broken.hip", compiler.options_for("gfx90a"))
     exc = info.value
     assert "not_declared_anywhere" in exc.log and "undeclared identifier" in exc.log
     assert "compiler log" in str(exc) and "broken.hip" in str(exc) and exc.arch == "gfx90a"
     assert isinstance(exc, KernelNotFoundError)  # to the core: a kernel the device does not have
+
+
+def test_the_worker_survives_what_kills_hiprtc(real_compiler):
+    """The default compile worker: a compiler abort (ROCm 5.2, gfx942) kills the child only,
+    the error says so, and the next compile starts a new worker."""
+    from polyhal_hip.runtime import version_tuple
+
+    w = compiler.CompileWorker()
+    try:
+        good = w.compile(compiler.source("rowwise.cu"), "rowwise.cu", compiler.options_for("gfx90a"),
+                         kernels._ROW_EXPRS[:1])
+        assert compiler.code_object_arch(good.code) == "gfx90a" and w.started == 1
+        if version_tuple(real_compiler.runtime_version())[0] == 5:
+            with pytest.raises(HipCompileError, match="worker died") as info:
+                w.compile(compiler.source("rowwise.cu"), "rowwise.cu", compiler.options_for("gfx942"))
+            assert info.value.arch == "gfx942"
+            again = w.compile(compiler.source("rowwise.cu"), "rowwise.cu", compiler.options_for("gfx1030"),
+                              kernels._ROW_EXPRS[:1])
+            assert compiler.code_object_arch(again.code) == "gfx1030" and w.started == 2
+    finally:
+        w.close()
+
+
+def test_the_real_runtime_compiles_through_the_worker(real_compiler, monkeypatch, tmp_path):
+    monkeypatch.setenv("POLYHAL_HIP_CACHE_DIR", "off")
+    c = compiler.Compiler(real_compiler)
+    assert c._backend() is compiler.worker()
+    monkeypatch.setenv("POLYHAL_HIP_COMPILE", "inprocess")
+    assert c._backend() is real_compiler
+    monkeypatch.setenv("POLYHAL_HIP_COMPILE", "threads")
+    with pytest.raises(HipCompileError, match="POLYHAL_HIP_COMPILE"):
+        c._backend()
 
 
 class CountingRuntime(Runtime):

@@ -207,3 +207,48 @@ def test_facade_maps_dlsym_and_dlopen_failures():
     assert isinstance(exc, HipSymbolNotFound) and exc.symbol == "hipFooR0600" and "version 5.2" in str(exc)
     exc = rt._loader_error(RuntimeError("failed to dlopen 'b'libamdhip64.so'': no such file"), "hipMalloc")
     assert isinstance(exc, HipRuntimeMissing) and "libamdhip64-dev" in str(exc)
+
+
+def test_every_facade_call_reaches_the_runtime(real_runtime):
+    """Each facade method marshals its arguments through the bindings into libamdhip64, which
+    answers (here: no device) -- no TypeError, no crash. In a child process: a runtime given
+    null handles must not take the test process down if it misbehaves."""
+    if _gpus(real_runtime):
+        pytest.skip("this machine has an AMD GPU (the selftest exercises these for real)")
+    proc = _run("""
+        import ctypes, json
+        import numpy as np
+        from polyhal_hip import runtime as hip
+        from polyhal_hip.errors import HipError
+        rt = hip.HipPythonRuntime()
+        host = np.zeros(64, np.uint8)
+        calls = {
+            "malloc": (64,), "free": (0,), "malloc_async": (64, None), "malloc_from_pool_async": (64, None, None),
+            "free_async": (0, None), "default_mem_pool": (0,), "mem_pool_trim_to": (None, 0),
+            "host_malloc": (64, hip.HOST_MALLOC_MAPPED | hip.HOST_MALLOC_NON_COHERENT), "host_free": (0,),
+            "host_get_device_pointer": (host.ctypes.data,), "host_register": (host.ctypes.data, 64, hip.HOST_REGISTER_MAPPED),
+            "host_unregister": (host.ctypes.data,), "malloc_managed": (64,), "mem_prefetch_async": (0, 64, 0, None),
+            "memcpy_async": (host.ctypes.data, host.ctypes.data, 64, hip.MEMCPY_DEFAULT, None),
+            "memset_async": (host.ctypes.data, 0, 64, None), "stream_create": (), "stream_synchronize": (None,),
+            "stream_wait_event": (0, None), "event_create": (), "event_record": (None, None),
+            "event_synchronize": (None,), "module_load_data": (b"\\x7fELF",), "module_get_function": (None, "k"),
+            "launch": (None, (1,), (64,), 0, None, bytes(16)), "mem_get_info": (), "set_device": (0,),
+            "get_device": (), "pointer_kind": (host.ctypes.data,),
+        }
+        out = {}
+        for name, args in calls.items():
+            try:
+                value = getattr(rt, name)(*args)
+                out[name] = ["returned", repr(value)]
+            except HipError as exc:
+                out[name] = ["HipError", exc.status_name or type(exc).__name__]
+            except Exception as exc:
+                out[name] = ["other", f"{type(exc).__name__}: {exc}"]
+        print(json.dumps(out))
+    """)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    wrong = {k: v for k, v in out.items() if v[0] == "other"}
+    assert not wrong, wrong
+    assert out["malloc"] == ["HipError", "hipErrorInvalidDevice"]
+    assert out["launch"][0] == "HipError" and out["pointer_kind"][0] == "returned"

@@ -44,6 +44,10 @@ class DeviceTraits:
     #: whenever there are enough lanes to fill the cores.
     is_cpu: bool = False
     compute_units: int = 1
+    #: CL_DEVICE_NATIVE_VECTOR_WIDTH_FLOAT: floats per SIMD register (16 with AVX-512, 1 on GPUs).
+    vector_width: int = 1
+    #: CL_FP_FMA in CL_DEVICE_SINGLE_FP_CONFIG: fma() is a hardware instruction, not an emulation.
+    fma: bool = False
 
     @classmethod
     def from_cl(cls, cl_device: Any) -> "DeviceTraits":
@@ -52,14 +56,20 @@ class DeviceTraits:
 
         ext = cl_device.extensions.split()
         try:
-            rounded = bool(cl_device.single_fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
+            fp_config = int(cl_device.single_fp_config)
         except Exception:  # noqa: BLE001 - optional query
-            rounded = False
+            fp_config = 0
+        rounded = bool(fp_config & cl.device_fp_config.CORRECTLY_ROUNDED_DIVIDE_SQRT)
+        try:
+            vector_width = int(cl_device.native_vector_width_float)
+        except Exception:  # noqa: BLE001
+            vector_width = 1
         return cls(name=cl_device.name.strip(), fp64="cl_khr_fp64" in ext,
                    max_work_group_size=int(cl_device.max_work_group_size),
                    local_mem_size=int(cl_device.local_mem_size), correctly_rounded_div_sqrt=rounded,
                    is_cpu=bool(cl_device.type & cl.device_type.CPU),
-                   compute_units=int(cl_device.max_compute_units))
+                   compute_units=int(cl_device.max_compute_units), vector_width=max(vector_width, 1),
+                   fma=bool(fp_config & cl.device_fp_config.FMA))
 
     def build_options(self) -> str:
         """Compiler options for every program: OpenCL C 1.2 (what the generators write), and

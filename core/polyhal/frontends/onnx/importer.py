@@ -185,11 +185,13 @@ class OnnxProgram(Program):
         if fuse and lead is not None and "linear" in registry.get_device(lead).kernel_names:
             from polyhal.passes.fuse_linear import fuse_linear
 
-            program, pairs = fuse_linear(self)
-            for mm, add in pairs:  # explain names both nodes as the origin of the fused op
-                first, second = self.origins.get(mm.outputs[0].id), self.origins.get(add.outputs[0].id)
-                if first and second and first != second:
-                    self.origins[add.outputs[0].id] = f"{first} + {second}"
+            program, changes = fuse_linear(self)
+            for first_op, second_op, new_ops in changes:  # explain names both nodes as the origin
+                first, second = self.origins.get(first_op.outputs[0].id), self.origins.get(second_op.outputs[0].id)
+                label = f"{first} + {second}" if first and second and first != second else (second or first)
+                for op in new_ops:
+                    for v in op.outputs:
+                        self.origins[v.id] = label
         try:
             return polyhal.compile(program, order, registry=registry, **options)
         except PolyhalError:

@@ -202,9 +202,12 @@ def report(results: list[CaseResult], output: Path | None = DEFAULT_OUTPUT) -> s
         output = Path(output)
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text(text)
+        # Compact: totals, per-op counts, and the cases that did not pass (with why).
         output.with_suffix(".json").write_text(json.dumps(
             {"totals": {d: dict(totals[d]) for d in devices},
-             "cases": [r.__dict__ for r in results]}, indent=1))
+             "per_op": {op: {d: dict(c) for d, c in per.items()} for op, per in sorted(by_op.items())},
+             "not_passing": [{"name": r.name, "op": r.op, "device": r.device, "status": r.status,
+                              "reason": r.reason} for r in results if r.status != "pass"]}, indent=1))
     return text
 
 

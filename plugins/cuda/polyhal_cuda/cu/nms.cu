@@ -148,6 +148,8 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
             long long c = count;
             const long long room = max_out - c;
             int taken = 0;
+            // (the shuffles do not depend on the removed bits: unrolled, they are issued ahead)
+#pragma unroll 8
             for (int i = 0; i < m; ++i) {
                 const unsigned long long di = __shfl_sync(FULL_MASK, i < 32 ? d0 : d1, i & 31);
                 if (!((rem >> i) & 1ull) && taken < room) { kept |= 1ull << i; rem |= di; ++taken; }

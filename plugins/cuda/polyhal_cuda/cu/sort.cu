@@ -160,7 +160,9 @@ __device__ __forceinline__ u32 digit_of(K key, u32 pay, int shift, u32 n) {
 
 // Per-tile digit counts: hist[d * tiles + t]; totals[d] += count (totals zeroed by the host).
 // FIRST: the first pass reads the operand x0 itself (keys made on the fly, payload = index).
-template <typename K, int KIND, bool ROW, bool FIRST>
+// AGG: equal digits of a warp are counted with one shared atomic (warp match), so that skewed
+// digits (the exponent byte of floats) do not serialise on a few counters.
+template <typename K, int KIND, bool ROW, bool FIRST, bool AGG>
 __global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict__ payload, const K* __restrict__ x0,
                               u32 total, i64 n, i64 inner, int shift, int flags, u32* __restrict__ hist,
                               u32* __restrict__ totals, u32 tiles) {
@@ -171,11 +173,20 @@ __global__ void radix_upsweep(const K* __restrict__ keys, const u32* __restrict_
     const u32 t = blockIdx.x;
     const u32 begin = t * TILE;
     const u32 end = min(total, begin + TILE);
-    for (u32 e = begin + threadIdx.x; e < end; e += blockDim.x) {
-        u32 d;
-        if (FIRST) d = digit_of<K, ROW>(source_key<K, KIND>(x0, e, n, inner, flags), e, shift, (u32)n);
-        else d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, (u32)n);
-        atomicAdd(&cnt[d], 1u);
+    const u32 lt = (1u << (threadIdx.x & 31)) - 1u;
+    for (u32 base = begin; base < end; base += blockDim.x) {
+        const u32 e = base + threadIdx.x;
+        u32 d = RADIX;
+        if (e < end) {
+            if (FIRST) d = digit_of<K, ROW>(source_key<K, KIND>(x0, e, n, inner, flags), e, shift, (u32)n);
+            else d = digit_of<K, ROW>(ROW ? (K)0 : keys[e], ROW ? payload[e] : 0u, shift, (u32)n);
+        }
+        if (AGG) {
+            const u32 peers = __match_any_sync(FULL_MASK, d);
+            if (d < RADIX && (peers & lt) == 0) atomicAdd(&cnt[d], __popc(peers));
+        } else if (d < RADIX) {
+            atomicAdd(&cnt[d], 1u);
+        }
     }
     __syncthreads();
     for (u32 d = threadIdx.x; d < RADIX; d += blockDim.x) {

@@ -1,0 +1,181 @@
+// float32 matrix product for CPU OpenCL devices (PoCL, Intel's CPU runtime): no local memory and
+// no barriers; each work-item runs a register-blocked micro-kernel on explicit vectors of VW
+// floats (the device's native SIMD width), which the compiler keeps in SIMD registers.
+//
+// OUTER (B n-contiguous or general; A any strides): a work-item computes rows [mb, mb + MB) x
+// columns [n, n + NW) of Y (NW = NV * VW), RM rows at a time: per k, NV vector loads of B and RM
+// broadcasts of A feed RM * NV vector FMAs. K is walked in blocks of KC, outermost, so the
+// KC x NW panel of B stays in L1 while the RM-row blocks stream over it; partial sums go to Y
+// itself (float, written by this work-item only) between blocks, RESULT is applied once, after
+// the last block.
+//
+// DOT (A and B both k-contiguous, e.g. x @ W^T and matrix-vector): a work-item computes an
+// RM x RN tile as RM * RN vector dot products along k, reduced horizontally at the end.
+//
+// Rows beyond M read row M - 1 and columns beyond N read column N - 1 (their results are not
+// stored), so only loads near N's edge need guards, in a separate loop.
+//
+// #defines written by polyhal_opencl/ops/linalg.py: DOT, VW, NV, RM, MB, KC (OUTER) or RM, RN
+// (DOT), FMA(a, b, c), IT (index type), PLAIN (RESULT is a plain store of v), and as in matmul.cl
+// M N K SAM SAK SBK SBN PARAMS PROLOGUE BATCH_OFFSETS RESULT.
+#define CAT_(a, b) a##b
+#define CAT(a, b) CAT_(a, b)
+#define VT CAT(float, VW)
+#define VLOAD(off, p) CAT(vload, VW)(off, p)
+#define VSTORE(v, off, p) CAT(vstore, VW)(v, off, p)
+
+#if !DOT
+#define NW (VW * NV)
+
+__kernel void matmul(PARAMS) {
+PROLOGUE
+  const int n = get_global_id(0) * NW;
+  const int mb = get_global_id(1) * MB;
+  const long bat = get_global_id(2);
+  BATCH_OFFSETS
+  __global const float* A = a + abat;
+  __global const float* B = b + bbat;
+  __global float* Y = y + bat * ((long)M * N);
+  const int full_n = n + NW <= N;
+  __global const float* bp = B + (IT)n * SBN;
+  for (int k0 = 0; k0 < K; k0 += KC) {
+    const int k1 = min(k0 + KC, K);
+    for (int m = mb; m < mb + MB && m < M; m += RM) {
+      const int full = full_n && m + RM <= M;
+      VT acc[RM][NV];
+      float t[NW];
+      if (k0 == 0) {
+        for (int r = 0; r < RM; ++r)
+          for (int v = 0; v < NV; ++v) acc[r][v] = (VT)0.0f;
+      } else {  // the partial sums of the earlier blocks
+        for (int r = 0; r < RM; ++r) {
+          if (full) {
+            for (int v = 0; v < NV; ++v) acc[r][v] = VLOAD(0, Y + (IT)(m + r) * N + n + v * VW);
+          } else {
+            for (int j = 0; j < NW; ++j) t[j] = (m + r < M && n + j < N) ? Y[(IT)(m + r) * N + n + j] : 0.0f;
+            for (int v = 0; v < NV; ++v) acc[r][v] = VLOAD(v, t);
+          }
+        }
+      }
+      if (full) {
+        __global const float* ap = A + (IT)m * SAM;
+        for (int k = k0; k < k1; ++k) {
+          VT bv[NV];
+#if SBN == 1
+#pragma unroll
+          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(0, bp + (IT)k * SBK + v * VW);
+#else
+          for (int j = 0; j < NW; ++j) t[j] = bp[(IT)k * SBK + (IT)j * SBN];
+#pragma unroll
+          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(v, t);
+#endif
+#pragma unroll
+          for (int r = 0; r < RM; ++r) {
+            const VT x = (VT)(ap[(IT)r * SAM + (IT)k * SAK]);
+#pragma unroll
+            for (int v = 0; v < NV; ++v) acc[r][v] = FMA(x, bv[v], acc[r][v]);
+          }
+        }
+      } else {
+        for (int k = k0; k < k1; ++k) {
+          VT bv[NV];
+          for (int j = 0; j < NW; ++j) t[j] = n + j < N ? bp[(IT)k * SBK + (IT)j * SBN] : 0.0f;
+#pragma unroll
+          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(v, t);
+#pragma unroll
+          for (int r = 0; r < RM; ++r) {
+            const VT x = (VT)(A[(IT)min(m + r, M - 1) * SAM + (IT)k * SAK]);
+#pragma unroll
+            for (int v = 0; v < NV; ++v) acc[r][v] = FMA(x, bv[v], acc[r][v]);
+          }
+        }
+      }
+      const int last = k1 == K;
+      for (int r = 0; r < RM; ++r) {
+        if (m + r >= M) break;
+#if PLAIN
+        if (full) {
+#else
+        if (full && !last) {
+#endif
+          for (int v = 0; v < NV; ++v) VSTORE(acc[r][v], 0, Y + (IT)(m + r) * N + n + v * VW);
+          continue;
+        }
+        for (int v = 0; v < NV; ++v) VSTORE(acc[r][v], v, t);
+        for (int j = 0; j < NW && n + j < N; ++j) {
+          if (!last) {
+            Y[(IT)(m + r) * N + n + j] = t[j];
+          } else {
+            const long yo = bat * ((long)M * N) + (IT)(m + r) * N + n + j;
+            const int row = m + r, col = n + j;
+            const float v = t[j];
+            {  // RESULT sees the element's own m and n
+              const int m = row, n = col;
+              RESULT
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+#else  // DOT
+
+__kernel void matmul(PARAMS) {
+PROLOGUE
+  const int n0 = get_global_id(0) * RN;
+  const int m0 = get_global_id(1) * RM;
+  const long bat = get_global_id(2);
+  BATCH_OFFSETS
+  __global const float* A = a + abat;
+  __global const float* B = b + bbat;
+  __global const float* ar[RM];
+  __global const float* br[RN];
+#pragma unroll
+  for (int r = 0; r < RM; ++r) ar[r] = A + (IT)min(m0 + r, M - 1) * SAM;
+#pragma unroll
+  for (int q = 0; q < RN; ++q) br[q] = B + (IT)min(n0 + q, N - 1) * SBN;
+  VT acc[RM][RN];
+#pragma unroll
+  for (int r = 0; r < RM; ++r)
+#pragma unroll
+    for (int q = 0; q < RN; ++q) acc[r][q] = (VT)0.0f;
+  int k = 0;
+  for (; k + VW <= K; k += VW) {
+    VT av[RM], bv[RN];
+#pragma unroll
+    for (int r = 0; r < RM; ++r) av[r] = VLOAD(0, ar[r] + k);
+#pragma unroll
+    for (int q = 0; q < RN; ++q) bv[q] = VLOAD(0, br[q] + k);
+#pragma unroll
+    for (int r = 0; r < RM; ++r)
+#pragma unroll
+      for (int q = 0; q < RN; ++q) acc[r][q] = FMA(av[r], bv[q], acc[r][q]);
+  }
+  float s[RM][RN];
+  float t[VW];
+  for (int r = 0; r < RM; ++r)
+    for (int q = 0; q < RN; ++q) {
+      VSTORE(acc[r][q], 0, t);
+      float sum = 0.0f;
+      for (int j = 0; j < VW; ++j) sum += t[j];
+      s[r][q] = sum;
+    }
+  for (; k < K; ++k)
+    for (int r = 0; r < RM; ++r)
+      for (int q = 0; q < RN; ++q) s[r][q] = FMA(ar[r][k], br[q][k], s[r][q]);
+  for (int r = 0; r < RM; ++r) {
+    const int m = m0 + r;
+    if (m >= M) break;
+    for (int q = 0; q < RN; ++q) {
+      const int n = n0 + q;
+      if (n >= N) break;
+      const long yo = bat * ((long)M * N) + (IT)m * N + n;
+      const float v = s[r][q];
+      RESULT
+    }
+  }
+}
+
+#endif
