@@ -4,16 +4,16 @@
 //
 // OUTER (B n-contiguous or general; A any strides): a work-item computes rows [mb, mb + MB) x
 // columns [n, n + NW) of Y (NW = NV * VW), RM rows at a time: per k, NV vector loads of B and RM
-// broadcasts of A feed RM * NV vector FMAs. K is walked in blocks of KC, outermost, so the
-// KC x NW panel of B stays in L1 while the RM-row blocks stream over it; partial sums go to Y
-// itself (float, written by this work-item only) between blocks, RESULT is applied once, after
-// the last block.
+// broadcasts of A feed RM * NV vector FMAs. K is walked in blocks of KC, outermost; each block's
+// KC x NW panel of B is first packed into local memory (contiguous, zeros past N), where it stays
+// in L1 while the RM-row blocks stream over it. Partial sums go to Y itself (float, written by
+// this work-item only) between blocks; RESULT is applied once, after the last block.
 //
 // DOT (A and B both k-contiguous, e.g. x @ W^T and matrix-vector): a work-item computes an
 // RM x RN tile as RM * RN vector dot products along k, reduced horizontally at the end.
 //
-// Rows beyond M read row M - 1 and columns beyond N read column N - 1 (their results are not
-// stored), so only loads near N's edge need guards, in a separate loop.
+// Rows beyond M read row M - 1, and DOT's columns beyond N read column N - 1: their results are
+// computed but not stored, so the inner loops have no guards.
 //
 // #defines written by polyhal_opencl/ops/linalg.py: DOT, VW, NV, RM, MB, KC (OUTER) or RM, RN
 // (DOT), FMA(a, b, c), IT (index type), PLAIN (RESULT is a plain store of v), and as in matmul.cl
@@ -38,8 +38,21 @@ PROLOGUE
   __global float* Y = y + bat * ((long)M * N);
   const int full_n = n + NW <= N;
   __global const float* bp = B + (IT)n * SBN;
+  // The KC x NW panel of B, packed k-major (work-groups are one work-item): contiguous, so it
+  // stays in L1 even where B's rows are a power-of-two apart (all in one cache set).
+  __local float pk[KC * NW];
   for (int k0 = 0; k0 < K; k0 += KC) {
-    const int k1 = min(k0 + KC, K);
+    const int kn = min(KC, K - k0);
+#if SBN == 1
+    if (full_n) {
+      for (int k = 0; k < kn; ++k)
+        for (int v = 0; v < NV; ++v) VSTORE(VLOAD(0, bp + (IT)(k0 + k) * SBK + v * VW), k * NV + v, pk);
+    } else
+#endif
+    {
+      for (int k = 0; k < kn; ++k)
+        for (int j = 0; j < NW; ++j) pk[k * NW + j] = n + j < N ? bp[(IT)(k0 + k) * SBK + (IT)j * SBN] : 0.0f;
+    }
     for (int m = mb; m < mb + MB && m < M; m += RM) {
       const int full = full_n && m + RM <= M;
       VT acc[RM][NV];
@@ -57,18 +70,12 @@ PROLOGUE
           }
         }
       }
-      if (full) {
-        __global const float* ap = A + (IT)m * SAM;
-        for (int k = k0; k < k1; ++k) {
+      if (m + RM <= M) {
+        __global const float* ap = A + (IT)m * SAM + (IT)k0 * SAK;
+        for (int k = 0; k < kn; ++k) {
           VT bv[NV];
-#if SBN == 1
 #pragma unroll
-          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(0, bp + (IT)k * SBK + v * VW);
-#else
-          for (int j = 0; j < NW; ++j) t[j] = bp[(IT)k * SBK + (IT)j * SBN];
-#pragma unroll
-          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(v, t);
-#endif
+          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(k * NV + v, pk);
 #pragma unroll
           for (int r = 0; r < RM; ++r) {
             const VT x = (VT)(ap[(IT)r * SAM + (IT)k * SAK]);
@@ -76,21 +83,20 @@ PROLOGUE
             for (int v = 0; v < NV; ++v) acc[r][v] = FMA(x, bv[v], acc[r][v]);
           }
         }
-      } else {
-        for (int k = k0; k < k1; ++k) {
+      } else {  // rows past M read row M - 1 (not stored)
+        for (int k = 0; k < kn; ++k) {
           VT bv[NV];
-          for (int j = 0; j < NW; ++j) t[j] = n + j < N ? bp[(IT)k * SBK + (IT)j * SBN] : 0.0f;
 #pragma unroll
-          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(v, t);
+          for (int v = 0; v < NV; ++v) bv[v] = VLOAD(k * NV + v, pk);
 #pragma unroll
           for (int r = 0; r < RM; ++r) {
-            const VT x = (VT)(A[(IT)min(m + r, M - 1) * SAM + (IT)k * SAK]);
+            const VT x = (VT)(A[(IT)min(m + r, M - 1) * SAM + (IT)(k0 + k) * SAK]);
 #pragma unroll
             for (int v = 0; v < NV; ++v) acc[r][v] = FMA(x, bv[v], acc[r][v]);
           }
         }
       }
-      const int last = k1 == K;
+      const int last = k0 + kn == K;
       for (int r = 0; r < RM; ++r) {
         if (m + r >= M) break;
 #if PLAIN

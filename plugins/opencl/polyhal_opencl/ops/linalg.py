@@ -156,7 +156,7 @@ def _product(t: CType, out: CType, *, m: int, n: int, k: int, batch: tuple[int, 
             cols = -(-n // (vw * nv))
             while q > 1 and cols * -(-m // (rm * q)) * nbatch < 4 * traits.compute_units:
                 q //= 2
-            kc = k if k <= 384 else 256
+            kc = k if k <= 192 else 128  # the packed KC x NW panel of B: at most 24 KiB, in L1
             source = (common + defines(DOT=0, VW=vw, NV=nv, RM=rm, MB=rm * q, KC=kc, IT=it, PLAIN=plain)
                       + f"#define FMA(a, b, c) {fma}\n" + cl_source("sgemm_cpu.cl"))
             gsize = (cols, -(-m // (rm * q)), nbatch)
