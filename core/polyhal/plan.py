@@ -100,6 +100,9 @@ class Plan:
         self.buffer_plan = bufferize(placement, registry)
         self._buffers = self.buffer_plan.materialize(registry, selector_for(registry))
         self._output_memory = [self.buffer_plan.output_memory[v.id] for v in program.outputs]
+        # What a run allocates for each output (what tensor.empty would, resolved once).
+        self._output_alloc = [(d, max(v.type.nbytes, 1), mt, v.type)
+                              for v, d, mt in zip(program.outputs, self._output_devices, self._output_memory)]
         self.intermediates: list[Tensor] = []
         for op in program.ops:
             for v in op.outputs:
@@ -107,9 +110,13 @@ class Plan:
                     t = self._buffers.values[v.id]
                     self.intermediates.append(t)
                     self._slots[slot_of[v.id]] = t.native
+        # An op whose result bufferize made a view of its operand's buffer (a reshape, a host
+        # transpose) has nothing to run: its slot holds the view.
+        elided = self.buffer_plan.elided_ops
         self._steps: list[Callable[[], None]] = [
-            self._step(op, slot_of, dev, self._buffers.scratch.get(i)) for i, op in enumerate(program.ops)]
-        self.dispatch_count = sum(op.kind == "dispatch" for op in program.ops)
+            self._step(op, slot_of, dev, self._buffers.scratch.get(i))
+            for i, op in enumerate(program.ops) if i not in elided]
+        self.dispatch_count = sum(op.kind == "dispatch" for i, op in enumerate(program.ops) if i not in elided)
         # Replay hook: a device may turn the whole step list into one replayable unit (CUDA: a
         # graph captured once, inputs and outputs rebound per call); only for a plan that lives
         # entirely on that one device. ``None`` (the default) keeps the plain step loop.
@@ -178,8 +185,7 @@ class Plan:
     def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
         values = self.program.outputs
         if out is None:
-            tensors = [empty(v.type.shape, v.type.dtype, d, mt)
-                       for v, d, mt in zip(values, self._output_devices, self._output_memory)]
+            tensors = [Tensor(d.allocator.allocate(nbytes, mt), ttype) for d, nbytes, mt, ttype in self._output_alloc]
         else:
             tensors = list(out) if isinstance(out, (list, tuple)) else [out]
             if len(tensors) != len(values):
@@ -198,8 +204,10 @@ class Plan:
 
     def explain(self) -> str:
         """Placement, transfers and allocation decisions of this plan, as text."""
+        views = len(self.buffer_plan.views)
         lines = [f"plan @{self.program.name}: {self.dispatch_count} dispatches, "
-                 f"{self.placement.transfers} transfers, {len(self.intermediates)} intermediate buffers "
+                 f"{self.placement.transfers} transfers, {len(self.intermediates) - views} intermediate buffers "
+                 + (f"and {views} views of them " if views else "") +
                  f"(planned peak {self.buffer_plan.peak_bytes} B, unplanned {self.buffer_plan.unplanned_bytes} B)"]
         for op, candidates, d in self.placement.decisions:
             lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}; "

@@ -33,6 +33,12 @@ class Device:
     #: DLPack device type of this device's device-local memory (see polyhal.dlpack.DLDeviceType).
     dlpack_device_type: int = 1
 
+    #: Whether this device's kernels take strided (not row-major) operands. Then the bufferize
+    #: pass makes a ``transpose`` whose operand is an intermediate a strided view of that
+    #: operand's buffer instead of a copy (its consumers read the view). Results are always
+    #: written row-major.
+    strided_views: bool = False
+
     def __init__(self, spec: DeviceSpec, allocator: Allocator | None = None) -> None:
         self.spec = spec
         self.allocator: Allocator = allocator  # type: ignore[assignment]

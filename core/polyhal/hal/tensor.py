@@ -88,6 +88,11 @@ class Tensor:
     def _host_view(self) -> np.ndarray:
         access = MemoryAccess.READ if self.readonly else MemoryAccess.READ | MemoryAccess.WRITE
         raw = self.buffer.map(access)
+        if self.is_contiguous:  # a plain view (as_strided costs several microseconds)
+            arr = raw[self.offset: self.offset + self.nbytes].view(self.dtype).reshape(self.shape)
+            if self.readonly:
+                arr.flags.writeable = False
+            return arr
         item = self.dtype.itemsize
         extent = sum((d - 1) * s for d, s in zip(self.shape, self.strides) if d > 0) + 1 if self.size else 0
         flat = raw[self.offset: self.offset + extent * item].view(self.dtype)

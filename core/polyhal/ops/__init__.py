@@ -16,7 +16,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
 * :mod:`~polyhal.ops.logical`: logical_not/and/or/xor, bitwise_not/and/or/xor, bit_shift
 * :mod:`~polyhal.ops.indexing`: expand, pad, gather_elements, gather_nd, scatter_elements,
   scatter_nd, cumsum, cumprod, argmin, reduce_prod, einsum
-* :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear
+* :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear, attention
 
 Usage::
 

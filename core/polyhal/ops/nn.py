@@ -1,5 +1,5 @@
 """Convolution and pooling over N-d (N >= 1) spatial dims, layout (batch, channels, spatial...),
-and ``linear`` (a matmul with a bias).
+``linear`` (a matmul with a bias) and ``attention`` (softmax(q k^T) v, fused).
 
 Attributes follow ONNX with padding made explicit (front ends resolve ``auto_pad``):
 ``strides`` and ``dilations`` have one entry per spatial dim, ``pads`` two (all begins, then all
@@ -15,8 +15,8 @@ import numpy as np
 from polyhal.errors import ProgramError, ShapeError
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import (
-    FLOAT, NUMERIC, bool_attr, check_dtype, check_same_dtype, define, fmt_shape, int_attr, int_list_attr,
-    narrow, nonzero, pick, wide,
+    FLOAT, NUMERIC, bool_attr, check_dtype, check_same_dtype, define, float_attr, fmt_shape, int_attr,
+    int_list_attr, narrow, nonzero, pick, wide,
 )
 
 
@@ -325,4 +325,50 @@ define("linear", infer=_infer_linear, reference=_ref_linear, sample=_sample_line
        tolerance=(1e-4, 1e-5), doc="""
     x @ w + b: x of any rank >= 1 (leading dims are batch), w 2-D (K, N), b of shape (N,) or a
     scalar. What a MatMul followed by a bias Add becomes (one pass over the result, not two).
+""")
+
+
+# ------------------------------------------------------------------------------------ attention
+
+def _infer_attention(q: TensorType, k: TensorType, v: TensorType, *, scale):
+    dtype = check_same_dtype(q, k, v)
+    check_dtype(q, FLOAT)
+    if q.rank < 2 or k.rank != q.rank or v.rank != q.rank:
+        raise ShapeError(f"q, k and v need one rank >= 2 ((batch..., L, D)), got {fmt_shape(q.shape)}, "
+                         f"{fmt_shape(k.shape)} and {fmt_shape(v.shape)}")
+    if not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        raise ShapeError(f"batch dims differ: q {fmt_shape(q.shape)}, k {fmt_shape(k.shape)}, v {fmt_shape(v.shape)} "
+                         "(they must be equal; broadcast them first)")
+    if k.shape[-1] != q.shape[-1]:
+        raise ShapeError(f"q {fmt_shape(q.shape)} and k {fmt_shape(k.shape)} differ in the last dim (D)")
+    if v.shape[-2] != k.shape[-2]:
+        raise ShapeError(f"k {fmt_shape(k.shape)} and v {fmt_shape(v.shape)} differ in the key count (dim -2)")
+    if scale is not None and not np.isfinite(float_attr(scale, "scale")):
+        raise ProgramError(f"attribute 'scale' must be finite, got {scale}")
+    return (TensorType(q.shape[:-1] + (v.shape[-1],), dtype),)
+
+
+def _ref_attention(q, k, v, *, scale=None):
+    wq, wk, wv = wide(q), wide(k), wide(v)
+    s = np.matmul(wq, np.swapaxes(wk, -1, -2)) * (1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
+    e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+    return (narrow(np.matmul(e / np.sum(e, axis=-1, keepdims=True), wv), q.dtype),)
+
+
+def _sample_attention(rng: np.random.Generator):
+    batch = pick(rng, [(), (2,), (1, 3), (2, 2)])
+    lq, lk, d, dv = (int(n) for n in rng.integers(1, 17, size=4))
+    scale = pick(rng, [None, None, 0.5, 1.0])
+    attrs = {} if scale is None else {"scale": scale}
+    return [nonzero(rng, batch + (lq, d)), nonzero(rng, batch + (lk, d)), nonzero(rng, batch + (lk, dv))], attrs
+
+
+define("attention", infer=_infer_attention, reference=_ref_attention, sample=_sample_attention, arity=3,
+       tolerance=(1e-4, 1e-5), doc="""
+    Scaled dot-product attention without a mask: softmax(scale * q @ k^T, over the keys) @ v,
+    for q (batch..., Lq, D), k (batch..., Lk, D) and v (batch..., Lk, Dv) with equal batch dims;
+    the result is (batch..., Lq, Dv). ``scale`` defaults to 1/sqrt(D). What MatMul, Softmax and
+    MatMul of a self-attention head become (polyhal.passes.fuse_attention): one op, so that a
+    kernel can normalise the (Lq, Dv) result instead of the (Lq, Lk) weights and keep only one
+    head's weights in memory at a time.
 """)

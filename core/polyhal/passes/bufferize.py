@@ -22,6 +22,17 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    is built, through ``select_allocator``; the peak is the sum of their sizes, reported beside
    the unplanned peak (one buffer per intermediate and per global scratch, which is what a plan
    without this pass allocates).
+4. **Views** (before 3, as the ops are walked). An op of :data:`VIEW_OPS` whose result is its
+   operand's bytes seen anew gets no buffer and no kernel: its result is a :class:`View` of the
+   buffer that holds the operand, whose lifetime grows to cover the view's uses (IREE folds
+   ``flow.tensor.reshape`` the same way). ``reshape`` and ``identity`` of a row-major operand
+   are row-major views on every device. ``transpose`` is a strided view on devices whose
+   kernels take strided operands (:attr:`~polyhal.hal.device.Device.strided_views`: the CPU);
+   elsewhere it stays a copy, as does a reshape of a strided view. A view needs an operand
+   whose buffer the plan owns: the result of an op of the program, not a program input, a
+   constant or a program output (those change per run or are handed to the caller), and it is
+   never itself a program output (those are fresh, row-major tensors per run): those cases
+   keep the op, which copies. The plan runs no step for an op whose result is a view.
 """
 
 from __future__ import annotations
@@ -43,7 +54,7 @@ if TYPE_CHECKING:
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
 
-__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "bufferize", "place_scratch", "plan_offsets"]
+__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch", "plan_offsets"]
 
 #: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
 VALUE_ALIGNMENT = 256
@@ -54,6 +65,11 @@ SCRATCH_ALIGNMENT = 4096
 
 _INTERMEDIATE = MemoryType.DEVICE_LOCAL
 _HOST_READ = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
+
+#: Ops whose result may be a view of the operand's bytes instead of a copy (see the module doc):
+#: "row-major" views are valid on every device and need a row-major operand; "strided" views
+#: only on devices with ``strided_views``.
+VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "transpose": "strided"}
 
 
 @dataclass
@@ -84,6 +100,19 @@ class PlannedBuffer:
 
 
 @dataclass
+class View:
+    """An intermediate that is a view of another intermediate's buffer: no bytes of its own and
+    no kernel. ``source`` owns the bytes (it is never a view itself); ``strides`` are the view's
+    element strides over them (``None``: row-major); ``op_index`` is the op it replaces."""
+
+    value: "Value"
+    source: "Value"
+    strides: tuple[int, ...] | None
+    op_index: int
+    op: str = ""
+
+
+@dataclass
 class Arena:
     """One allocation of a plan: a device, a memory type, a usage and a size."""
 
@@ -103,6 +132,13 @@ class BufferPlan:
     arenas: list[Arena] = field(default_factory=list)
     #: program output value id -> the memory type its fresh tensors are allocated with.
     output_memory: dict[int, MemoryType] = field(default_factory=dict)
+    #: intermediates that view another's buffer (in program order); their ops run no kernel.
+    views: list[View] = field(default_factory=list)
+
+    @property
+    def elided_ops(self) -> frozenset[int]:
+        """Indices of the ops whose result is a view: the plan runs no step for them."""
+        return frozenset(v.op_index for v in self.views)
 
     @property
     def peak_bytes(self) -> int:
@@ -125,6 +161,10 @@ class BufferPlan:
             what = "scratch" if b.scratch is not None else "value"
             lines.append(f"    +{b.offset} {b.nbytes} B {what} {b.name} live ops {b.first}..{b.last} "
                          f"({b.usage.describe()})")
+        for w in self.views:
+            how = "row-major" if w.strides is None else f"strides {list(w.strides)}"
+            lines.append(f"  view %{w.value.name} of %{w.source.name}'s buffer ({w.op} at op {w.op_index}, "
+                         f"{how}): no copy")
         for vid, mt in self.output_memory.items():
             if mt & MemoryType.HOST_VISIBLE:
                 lines.append(f"  output value #{vid}: {mt.describe()} (host reads it without a copy)")
@@ -154,6 +194,9 @@ class BufferPlan:
                 view = Tensor(buf, TensorType((b.nbytes,), "uint8"), offset=b.offset)
                 key = (b.scratch.request.kernel.name, b.scratch.request.name)
                 bindings.setdefault(b.op_index, {})[key] = view.native
+        for w in self.views:
+            src = values[w.source.id]
+            values[w.value.id] = Tensor(src.buffer, w.value.type, offset=src.offset, strides=w.strides)
         scratch = {}
         for i, assigned in self.scratch.items():
             placed = tuple(_with_offset(a, self.buffers, i) for a in assigned)
@@ -209,17 +252,26 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
         if requests:
             plan.scratch[i] = place_scratch(registry, device.spec, requests)
 
-    # 2. lifetimes and memory types of intermediates
+    # 2. lifetimes and memory types of intermediates; views (4) share their source's buffer
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     usage: dict[int, BufferUsage] = {}
     values: dict[int, "Value"] = {}
+    owner: dict[int, "Value"] = {}  # view value id -> the value whose buffer it views
+    strides_of: dict[int, tuple[int, ...] | None] = {}  # view value id -> its element strides
     for i, op in enumerate(ops):
         for v in op.inputs:
-            if v.id in first:
-                last[v.id] = i
-                usage[v.id] |= (BufferUsage.TRANSFER_SOURCE if op.kind == "transfer"
-                                else BufferUsage.DISPATCH_STORAGE_READ)
+            vid = owner[v.id].id if v.id in owner else v.id
+            if vid in first:
+                last[vid] = i
+                usage[vid] |= (BufferUsage.TRANSFER_SOURCE if op.kind == "transfer"
+                               else BufferUsage.DISPATCH_STORAGE_READ)
+        view = None if i in plan.scratch else _as_view(op, i, registry, values, owner, strides_of, output_ids)
+        if view is not None:
+            plan.views.append(view)
+            owner[view.value.id] = view.source
+            strides_of[view.value.id] = view.strides
+            continue
         for v in op.outputs:
             if v.id in output_ids:
                 continue
@@ -260,6 +312,46 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
             plan.scratch[b.op_index] = tuple(placed if a is b.scratch else a for a in plan.scratch[b.op_index])
             b.scratch = placed
     return plan
+
+
+def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: dict, strides_of: dict,
+             output_ids: set) -> View | None:
+    """The :class:`View` that replaces ``op``, or None when it must run (see the module doc)."""
+    kind = VIEW_OPS.get(op.name)
+    if kind is None or op.kind != "dispatch" or len(op.inputs) != 1 or len(op.outputs) != 1:
+        return None
+    (src,), (out,) = op.inputs, op.outputs
+    source = owner.get(src.id, src)
+    if (out.id in output_ids or source.id not in values or src.type.encoding is not None
+            or out.type.encoding is not None or src.type.dtype != out.type.dtype
+            or src.type.size != out.type.size):
+        return None
+    strides = strides_of.get(src.id)  # None: src is row-major over the source's bytes
+    if kind == "row-major":
+        return None if strides is not None else View(out, source, None, index, op.name)
+    from polyhal.dlpack import row_major_strides
+
+    base = strides if strides is not None else tuple(row_major_strides(src.type.shape))
+    perm = dict(op.attrs).get("perm")
+    perm = tuple(reversed(range(src.type.rank))) if perm is None else tuple(int(p) for p in perm)
+    new = tuple(base[p] for p in perm)
+    if _row_major(out.type.shape, new):
+        return View(out, source, None, index, op.name)  # it moves only dims of size 1
+    if not getattr(registry.get_device(op.device), "strided_views", False):
+        return None
+    return View(out, source, new, index, op.name)
+
+
+def _row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether element ``strides`` lay ``shape`` out row-major (dims of size 1 do not count)."""
+    expect = 1
+    for d, s in zip(reversed(shape), reversed(strides)):
+        if d == 0:
+            return True
+        if d != 1 and s != expect:
+            return False
+        expect *= d
+    return True
 
 
 def _scratch_alignment(registry: "Registry", device: str) -> int:

@@ -21,6 +21,7 @@ class CPUDevice(Device):
 
     dlpack_device_type = 1  # kDLCPU
     kernel_names = kernels.KERNEL_NAMES
+    strided_views = True  # kernels take operands of any strides (see polyhal_cpu.kernels)
 
     def __init__(self, spec: DeviceSpec) -> None:
         super().__init__(spec)

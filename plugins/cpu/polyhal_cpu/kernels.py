@@ -201,7 +201,7 @@ def _erf_single(x: np.ndarray, out: np.ndarray) -> None:
     # Explicit out= throughout: without it numpy returns scalars, not arrays, for 0-d operands.
     t = x.astype(_F64)
     np.clip(t, -4.0, 4.0, out=t)  # nan stays nan; +-inf -> +-4 -> +-1
-    z = np.multiply(t, t, out=np.empty_like(t))
+    z = np.square(t, out=np.empty_like(t))
     num = _horner(z, _ERF_P, np.empty_like(z))
     np.multiply(num, t, out=num)
     np.divide(num, _horner(z, _ERF_Q, t), out=out, casting="same_kind")  # t is free: Q goes there
@@ -313,7 +313,7 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         c0, c3 = _const(c, dtype), _const(c * 0.044715, dtype)
 
         def kernel(x, out):  # x/2 * (1 + tanh(c * (x + 0.044715 x^3)))
-            np.multiply(x, x, out=out)
+            np.square(x, out=out)  # a unary loop: twice as fast as multiply(x, x)
             np.multiply(out, c3, out=out)
             np.add(out, c0, out=out)
             np.multiply(out, x, out=out)
@@ -355,6 +355,21 @@ def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # --------------------------------------------------------------------------------------- linalg
 
+def blas_layout(a: np.ndarray) -> np.ndarray:
+    """``a``, or a row-major copy of it when its last two dims have no unit stride (a strided
+    view, e.g. a transpose the plan did not copy): numpy's matmul hands BLAS any matrix with a
+    unit stride along either dim (as is, or with BLAS's transpose flag), and falls back to its
+    own loops, many times slower, for the rest."""
+    if a.ndim < 2 or a.flags.c_contiguous:
+        return a
+    item = a.itemsize
+    (m, n), (s0, s1) = a.shape[-2:], a.strides[-2:]
+    if (s1 == item and s0 % item == 0 and s0 >= n * item) or (s0 == item and s1 % item == 0 and s1 >= m * item) \
+            or m == 1 or n == 1:
+        return a
+    return np.ascontiguousarray(a)
+
+
 @register_kernels("matmul")
 @_float16_via_float32
 def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
@@ -367,14 +382,15 @@ def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         a2, o2 = (rows, a_type.shape[-1]), (rows, b_type.shape[-1])
 
         def collapsed(a, b, out):
+            b = blas_layout(b)
             if a.flags.c_contiguous:
                 matmul(a.reshape(a2), b, out=out.reshape(o2))  # views: out is C-contiguous
             else:
-                matmul(a, b, out=out)
+                matmul(blas_layout(a), b, out=out)
         return collapsed
 
     def kernel(a, b, out):
-        matmul(a, b, out=out)
+        matmul(blas_layout(a), blas_layout(b), out=out)
     return kernel
 
 
@@ -389,6 +405,7 @@ def _gemm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
     def kernel(a, b, *rest):
         out = rest[-1]
+        a, b = blas_layout(a), blas_layout(b)
         np.matmul(a.T if trans_a else a, b.T if trans_b else b, out=out)
         if alpha != 1.0:
             np.multiply(out, alpha_c, out=out)
@@ -448,17 +465,66 @@ def _argmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
+#: Softmax shifts each block of rows by the block's maximum, over this many elements at least
+#: (see _softmax); a row whose shifted exponentials sum below _SOFTMAX_MIN_SUM is done again
+#: with its own maximum.
+_SOFTMAX_BLOCK = 8192
+_SOFTMAX_MIN_SUM = 2.0 ** -10
+#: Rows up to this length are summed by BLAS (a matrix-vector product with ones); longer ones
+#: by numpy's pairwise summation, which is then as fast and more accurate.
+_BLAS_ROW_SUM = 4096
+
+
 @register_kernels("softmax")
 @parallel(lambda attrs, ins: (int(attrs["axis"]),))  # rows on several cores
 @_float16_via_float32
 def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    axis = int(attrs["axis"]) % ins[0].rank
+    x_type = ins[0]
+    axis = int(attrs["axis"]) % x_type.rank
+    if axis != x_type.rank - 1:
+        def kernel(x, out):
+            # Temporaries are the reduced (keepdims) shape only.
+            np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True), out=out)
+            np.exp(out, out=out)
+            np.divide(out, np.add.reduce(out, axis=axis, keepdims=True), out=out)
+        return kernel
+
+    # Softmax over the last axis, on (rows, cols) views. exp(x - c) / sum(exp(x - c)) is the
+    # same for any shift c; the row's maximum is the usual one (no overflow, the largest term
+    # is 1), but numpy reduces short rows one inner loop per row, at several times the cost of
+    # a long loop. So the shift is the maximum of a block of rows (long loops for the max and
+    # for the subtraction): a row whose own maximum is d below its block's has every term
+    # scaled by exp(-d), which costs nothing in accuracy while d is small (the sum is then at
+    # least exp(-d)); rows whose sum falls below _SOFTMAX_MIN_SUM (d > ~7), or is nan (an inf
+    # or nan in the block), are done again with their own maximum. Row sums are one BLAS
+    # matrix-vector product with ones, and the division a multiplication by their inverses.
+    rows, cols = math.prod(x_type.shape[:-1]), x_type.shape[-1]
+    per = max(1, min(rows, _SOFTMAX_BLOCK // cols))  # rows per block
+    blocks, main = rows // per, rows // per * per
+    dtype = x_type.dtype
+    ones = np.ones(cols, dtype)
+    min_sum = _const(_SOFTMAX_MIN_SUM, dtype)
+    gemv = cols <= _BLAS_ROW_SUM
+    maximum, subtract, matmul, add_reduce = np.maximum.reduce, np.subtract, np.matmul, np.add.reduce
 
     def kernel(x, out):
-        # Temporaries are the reduced (keepdims) shape only.
-        np.subtract(x, np.maximum.reduce(x, axis=axis, keepdims=True), out=out)
+        x2, o2 = x.reshape(rows, cols), out.reshape(rows, cols)  # x2 is a copy if x is strided
+        xb, ob = x2[:main].reshape(blocks, per * cols), o2[:main].reshape(blocks, per * cols)
+        subtract(xb, maximum(xb, axis=1, keepdims=True), out=ob)
+        if main < rows:
+            xt, ot = x2[main:].reshape(1, -1), o2[main:].reshape(1, -1)
+            subtract(xt, maximum(xt, axis=1, keepdims=True), out=ot)
         np.exp(out, out=out)
-        np.divide(out, np.add.reduce(out, axis=axis, keepdims=True), out=out)
+        sums = matmul(o2, ones) if gemv else add_reduce(o2, axis=1)
+        redo = np.flatnonzero(~(sums >= min_sum))  # nan too
+        if redo.size:
+            xr = x2[redo]
+            subtract(xr, maximum(xr, axis=1, keepdims=True), out=xr)
+            np.exp(xr, out=xr)
+            o2[redo] = xr
+            sums[redo] = add_reduce(xr, axis=1)
+        np.reciprocal(sums, out=sums)
+        np.multiply(o2, sums.reshape(rows, 1), out=o2)
     return kernel
 
 
@@ -475,22 +541,32 @@ def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type = ins[0]
     axis = int(attrs["axis"]) % x_type.rank
     # Work on 2-D (rows, normalised elements) views: the normalised dims are trailing and
-    # contiguous, so every step is a row-wise reduction or a broadcast over rows.
+    # contiguous, so every step is a row-wise reduction or a broadcast over rows. Row means are
+    # a BLAS matrix-vector product with 1/n (numpy reduces short rows one loop per row, several
+    # times slower); the squares' sums are row dot products; rows are scaled by the inverse
+    # deviation (a multiplication, not a division).
     rows, cols = math.prod(x_type.shape[:axis]), math.prod(x_type.shape[axis:])
     dtype = x_type.dtype
-    n, eps = _const(cols, dtype), _const(float(attrs["epsilon"]), dtype)
+    inv_n, eps = _const(1.0 / cols, dtype), _const(float(attrs["epsilon"]), dtype)
+    weights = np.full(cols, 1.0 / cols, dtype)
+    gemv = cols <= _BLAS_ROW_SUM
+    matmul, multiply = np.matmul, np.multiply
 
     def kernel(x, scale, bias, out):
         x2, o2 = x.reshape(rows, cols), out.reshape(rows, cols)
-        mean = np.add.reduce(x2, axis=1, keepdims=True)
-        np.divide(mean, n, out=mean)
-        np.subtract(x2, mean, out=o2)
-        std = _row_dot(o2, o2).reshape(rows, 1)  # row sums of squares, no full-size temporary
-        np.divide(std, n, out=std)
-        np.add(std, eps, out=std)
-        np.sqrt(std, out=std)
-        np.divide(o2, std, out=o2)
-        np.multiply(o2, scale.reshape(cols), out=o2)
+        if gemv:
+            mean = matmul(x2, weights)
+        else:
+            mean = np.add.reduce(x2, axis=1)
+            multiply(mean, inv_n, out=mean)
+        np.subtract(x2, mean.reshape(rows, 1), out=o2)
+        var = _row_dot(o2, o2)  # row sums of squares, no full-size temporary
+        multiply(var, inv_n, out=var)
+        np.add(var, eps, out=var)
+        np.sqrt(var, out=var)
+        np.reciprocal(var, out=var)
+        multiply(o2, var.reshape(rows, 1), out=o2)
+        multiply(o2, scale.reshape(cols), out=o2)
         np.add(o2, bias.reshape(cols), out=o2)
     return kernel
 
@@ -510,10 +586,10 @@ def _transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 @register_kernels("reshape")
 def _reshape(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    shape, copyto = outs[0].shape, np.copyto
+    shape, copyto = ins[0].shape, np.copyto
 
     def kernel(x, out):
-        copyto(out, x.reshape(shape))  # a view when x is contiguous: one copy in all
+        copyto(out.reshape(shape), x)  # out is contiguous, so this is a view: one copy, even of a strided x
     return kernel
 
 

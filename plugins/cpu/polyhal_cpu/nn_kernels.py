@@ -1,5 +1,6 @@
 """CPU kernels of :mod:`polyhal.ops.nn`: convolution by im2col + BLAS, transposed convolution
-by scattering one kernel tap at a time, pooling by combining one tap at a time, and linear.
+by scattering one kernel tap at a time, pooling by combining one tap at a time, linear, and
+attention (one head at a time; see the notes above its kernel).
 
 Everything that depends only on shapes and attributes (padding, window views, the divisors of
 average pooling) is computed in ``prepare``.
@@ -7,10 +8,12 @@ average pooling) is computed in ``prepare``.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
-from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, register_kernels
+from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, blas_layout, register_kernels
 
 
 def _attrs(attrs: dict, n: int):
@@ -181,8 +184,85 @@ def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     def kernel(x, w, b, out):
         # One GEMM over all leading dims (views: out is C-contiguous), then the bias in place.
         if x.ndim != 2 and x.flags.c_contiguous:
-            matmul(x.reshape(x2), w, out=out.reshape(o2))
+            matmul(x.reshape(x2), blas_layout(w), out=out.reshape(o2))
         else:
-            matmul(x, w, out=out)
+            matmul(blas_layout(x), blas_layout(w), out=out)
         add(out, b, out=out)
+    return kernel
+
+
+# ------------------------------------------------------------------------------------ attention
+#
+# softmax(scale q k^T) v one head at a time, through one (Lq, Lk) buffer:
+#  * the scores come out of the GEMM in log2 units (q is scaled by scale * log2(e)), so the
+#    exponentials are exp2, which numpy computes ~1.7x faster than exp, and no pass over the
+#    scores scales them;
+#  * softmax is shift-invariant, and the shift only has to keep exp2 finite and the row sums
+#    away from underflow. When the head's largest score lies in [0, maxexp/2] the scores are
+#    used as they are (no pass); otherwise the head's maximum is subtracted. A row whose sum
+#    then falls below 2**-10 (its own maximum is far below the shift), or is not finite, is
+#    computed again on its own with its own maximum;
+#  * exp2 of scores below 2**minexp (subnormal results, or underflow to 0, e.g. -inf from a
+#    mask) runs 10-300x slower in numpy, so when the head's smallest score is below that the
+#    scores are clamped to it first (a weight of at most 2**-116 relative to the row's sum
+#    instead of 0);
+#  * the weights are never normalised: the row sums (a BLAS matrix-vector product with ones)
+#    divide the (Lq, Dv) result of the second GEMM instead of the (Lq, Lk) weights.
+
+_LOG2E = 1.4426950408889634
+_MIN_ROW_SUM = 2.0 ** -10
+
+
+@register_kernels("attention")
+@_float16_via_float32
+def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    q_type, k_type, v_type = ins
+    dtype = q_type.dtype
+    lq, d = q_type.shape[-2:]
+    lk, dv = v_type.shape[-2:]
+    heads = math.prod(q_type.shape[:-2])
+    scale = 1.0 / math.sqrt(d) if attrs["scale"] is None else float(attrs["scale"])
+    factor = np.asarray(scale * _LOG2E, dtype)
+    info = np.finfo(dtype)
+    floor, top = float(info.minexp), float(info.maxexp // 2)  # float32: -126, 64
+    floor_c, min_sum = np.asarray(floor, dtype), np.asarray(_MIN_ROW_SUM, dtype)
+    ones = np.ones(lk, dtype)
+    gemv = lk <= 4096  # longer rows: numpy's pairwise sum (as fast, more accurate)
+    matmul, multiply, subtract, exp2 = np.matmul, np.multiply, np.subtract, np.exp2
+    maximum, hi_of, lo_of, add_reduce = np.maximum, np.maximum.reduce, np.minimum.reduce, np.add.reduce
+
+    def row_sums(s):
+        return matmul(s, ones) if gemv else add_reduce(s, axis=1)
+
+    def kernel(q, k, v, out):
+        qs = multiply(q.reshape(heads, lq, d), factor)  # scaled copy: scores in log2 units
+        k3, v3, o3 = k.reshape(heads, lk, d), v.reshape(heads, lk, dv), out.reshape(heads, lq, dv)
+        s = np.empty((lq, lk), dtype)
+        for h in range(heads):
+            kh = blas_layout(k3[h])
+            matmul(qs[h], kh.T, out=s)
+            hi = float(hi_of(s, axis=None))
+            if math.isfinite(hi):
+                shift = 0.0 if 0.0 <= hi <= top else hi
+                if shift:
+                    subtract(s, np.asarray(shift, dtype), out=s)
+                if float(lo_of(s, axis=None)) < floor:
+                    maximum(s, floor_c, out=s)
+                exp2(s, out=s)
+                sums = row_sums(s)
+                redo = np.flatnonzero(~(sums >= min_sum))  # nan too
+            else:  # an inf or nan among the scores: every row on its own
+                sums = np.empty(lq, dtype)
+                redo = np.arange(lq)
+            if redo.size:
+                r = matmul(qs[h][redo], kh.T)
+                subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
+                maximum(r, floor_c, out=r)
+                exp2(r, out=r)
+                s[redo] = r
+                sums[redo] = add_reduce(r, axis=1)
+            oh = o3[h]
+            matmul(s, blas_layout(v3[h]), out=oh)
+            np.reciprocal(sums, out=sums)
+            multiply(oh, sums.reshape(lq, 1), out=oh)
     return kernel

@@ -4,12 +4,15 @@ Modules, as in every backend: ``plugin`` (the hooks; enumeration creates no CUDA
 ``device`` (CUDADevice: stream, DLPack, transfers, CUDA-graph replay of plans), ``allocator``
 (CUDAAllocator: caching or stream-ordered device memory, managed, pinned, imported), ``kernels``
 (the op set), and the CUDA C kernels with their host code: ``sorting`` (sort, argsort, top-k),
-``suppression`` (non-maximum suppression: the ONNX op and :func:`nms`), ``rowwise`` (softmax, layer norm). ``scratch`` says where a
-kernel's scratch lives (shared memory when it fits, global scratch otherwise), ``transfer``
-moves pageable host memory through pinned staging buffers, ``graphs`` captures and replays
-plans, ``errors`` turns CUDA failures into polyhal errors.
+``suppression`` (non-maximum suppression: the ONNX op and :func:`nms`), ``rowwise`` (softmax,
+layer norm). ``portable`` is the backend-neutral half of those kernels' host code -- plans,
+scratch declarations (shared memory when it fits, global scratch otherwise), launches -- and of
+the allocator and plugin, shared with polyhal-hip, which compiles the same CUDA C for AMD GPUs.
+``transfer`` moves pageable host memory through pinned staging buffers, ``graphs`` captures and
+replays plans, ``errors`` turns CUDA failures into polyhal errors.
 
-Importing this package does not import cupy; :func:`nms` and friends do, when called.
+Importing this package (``portable`` included) does not import cupy; :func:`nms` and friends
+do, when called.
 """
 
 from __future__ import annotations

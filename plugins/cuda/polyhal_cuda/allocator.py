@@ -18,6 +18,16 @@ Heaps (what :func:`heaps_for` registers), in the order the core prefers them:
     Pinned host memory (``cudaHostAlloc``, portable and mapped): the host maps it, kernels
     read it over PCIe/NVLink at the same address (unified addressing).
 
+Why cupy's pool and not the core's :class:`~polyhal.hal.adaptors.CachingPoolAdaptor`: cupy's
+pool sub-allocates -- it splits large chunks into blocks and merges them again when they are
+freed, best fit by size bin -- so one ``cudaMalloc`` serves many sizes and a freed 1 GiB block can
+serve a 256 MiB request; the core's adaptor cannot split (a native handle is opaque to it) and
+caches whole blocks per 512-byte size class, which holds more memory for the varied sizes of a
+plan's buffers. cupy's pool also keeps its free lists per stream (reuse is ordered by the stream
+without events) and allocates in compiled code. The core's adaptors still stack on top
+(``POLYHAL_ALLOCATOR=pool,stats,...`` or the ``wrap_allocator`` hook) for limits, statistics or
+logging.
+
 Buffers imported through DLPack are kind EXTERNAL and are never freed by polyhal (see
 :meth:`polyhal_cuda.device.CUDADevice.import_dlpack`).
 
@@ -27,44 +37,24 @@ object that owns the memory; freeing drops that owner (the pool or CUDA takes it
 
 from __future__ import annotations
 
-import os
-import threading
 from typing import TYPE_CHECKING, Any
 
 from polyhal.errors import IncompatibleBufferError
-from polyhal.hal.allocator import Allocator
-from polyhal.hal.buffer import Buffer
-from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
+from polyhal.hal.flags import BufferKind, MemoryType
 from polyhal.hal.records import Heap
 
 from polyhal_cuda.errors import OUT_OF_MEMORY_STATUS, check
+from polyhal_cuda.portable.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
+                                          GPUAllocator, host_memory_bytes)
 
 if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice
 
-#: Alignment of every buffer (cupy's pool rounds to 512 B; CUDA allocations are 256-aligned).
-ALIGNMENT = 256
+__all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "MANAGED_RESERVE", "PINNED_MEMORY",
+           "CUDAAllocator", "CUDAMemory", "heaps_for"]
+
 #: Managed allocations leave at least this much device memory free (CUDA's own needs).
 MANAGED_RESERVE = 256 << 20
-
-_IMAGE = BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE
-_MAPPING = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
-            | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
-_ALL = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
-#: Device memory: everything but images (kernels take pointers) and mapping.
-DEVICE_USAGE = _ALL & ~_IMAGE & ~_MAPPING
-#: Host-visible memory (managed, pinned): device usages plus mapping.
-HOST_USAGE = DEVICE_USAGE | _MAPPING
-
-MANAGED_MEMORY = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE | MemoryType.HOST_COHERENT
-PINNED_MEMORY = MemoryType.HOST_LOCAL | MemoryType.DEVICE_VISIBLE
-
-
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
 
 
 def heaps_for(limits: dict, pool: str) -> tuple[Heap, ...]:
@@ -75,7 +65,7 @@ def heaps_for(limits: dict, pool: str) -> tuple[Heap, ...]:
     if limits.get("managed_memory", True):
         heaps.append(Heap(MANAGED_MEMORY, HOST_USAGE, total, BufferKind.MANAGED, ALIGNMENT))
     if limits.get("can_map_host_memory", True):
-        heaps.append(Heap(PINNED_MEMORY, HOST_USAGE, _host_memory(), BufferKind.HOST, ALIGNMENT))
+        heaps.append(Heap(PINNED_MEMORY, HOST_USAGE, host_memory_bytes(), BufferKind.HOST, ALIGNMENT))
     return tuple(heaps)
 
 
@@ -93,8 +83,14 @@ class CUDAMemory:
         return f"<CUDAMemory {self.kind.value} {self.nbytes} B at {self.ptr:#x} on cuda:{self.device_id}>"
 
 
-class CUDAAllocator(Allocator):
-    """Allocations of every memory type for one :class:`~polyhal_cuda.device.CUDADevice`."""
+class CUDAAllocator(GPUAllocator):
+    """Allocations of every memory type for one :class:`~polyhal_cuda.device.CUDADevice`;
+    ``allocate(..., kind=BufferKind.ASYNC)`` (or DEVICE) picks the pool of a device-local buffer
+    regardless of ``POLYHAL_CUDA_POOL`` (:class:`~polyhal_cuda.portable.memory.GPUAllocator`)."""
+
+    async_pool_limit = "async_pool_supported"
+    no_async_pool = "{device} has no stream-ordered memory pool (CUDA 11.2+ on a supported platform); allocate " \
+                    "kind=DEVICE instead"
 
     def __init__(self, device: "CUDADevice", heaps: tuple[Heap, ...]) -> None:
         import cupy
@@ -103,33 +99,8 @@ class CUDAAllocator(Allocator):
         self.device: "CUDADevice" = device
         #: cupy's caching pool, private to this allocator (cupy's own default pool is untouched).
         self.pool = cupy.cuda.MemoryPool()
-        self._requested = threading.local()
 
     # -- public ------------------------------------------------------------------------------------
-
-    def allocate(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
-                 usage: BufferUsage = BufferUsage.DEFAULT, *, kind: BufferKind | None = None) -> Buffer:
-        """As :meth:`polyhal.Allocator.allocate`; ``kind`` (DEVICE or ASYNC) picks the pool of a
-        device-local buffer regardless of ``POLYHAL_CUDA_POOL``."""
-        if kind is None:
-            return super().allocate(nbytes, memory_type, usage)
-        if kind not in (BufferKind.DEVICE, BufferKind.ASYNC):
-            raise IncompatibleBufferError(f"kind={kind} can be asked for only as DEVICE or ASYNC (device-local "
-                                          "memory); other kinds follow from the memory type")
-        heap = self.select_heap(memory_type, usage)
-        if heap is not None and heap.memory_type & MemoryType.HOST_VISIBLE:
-            raise IncompatibleBufferError(f"kind={kind.value} is device-local memory, but memory type "
-                                          f"{MemoryType(memory_type).describe()} selects {heap.memory_type.describe()}")
-        if kind is BufferKind.ASYNC and not self.device.spec.limits.get("async_pool_supported", False):
-            raise IncompatibleBufferError(f"{self.device.name} has no stream-ordered memory pool (CUDA 11.2+ on a "
-                                          "supported platform); allocate kind=DEVICE instead")
-        self._requested.kind = kind
-        try:
-            buf = super().allocate(nbytes, memory_type, usage)
-        finally:
-            self._requested.kind = None
-        buf.kind = kind
-        return buf
 
     def trim(self) -> None:
         """Give every cached block back to CUDA (caching pool and stream-ordered pool)."""
@@ -155,7 +126,7 @@ class CUDAAllocator(Allocator):
     # -- backend interface ---------------------------------------------------------------------
 
     def _allocate(self, heap: Heap, nbytes: int) -> CUDAMemory:
-        kind = getattr(self._requested, "kind", None) or heap.kind
+        kind = self.requested_kind(heap)
         dev = self.device
         with dev.activate():
             try:

@@ -45,6 +45,7 @@ from polyhal.hal.records import DeviceSpec
 from polyhal_cuda import kernels
 from polyhal_cuda.allocator import MANAGED_MEMORY, PINNED_MEMORY, CUDAAllocator, CUDAMemory
 from polyhal_cuda.errors import check, translate
+from polyhal_cuda.portable.memory import import_extent
 from polyhal_cuda.transfer import Stager
 
 if TYPE_CHECKING:
@@ -128,7 +129,7 @@ class CUDADevice(Device):
     # -- kernels ---------------------------------------------------------------------------------
 
     def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        """Scratch requests of one op instance (sort, top-k and NMS declare some; see :mod:`.scratch`)."""
+        """Scratch requests of one op instance (sort, top-k and NMS declare some; see :mod:`.portable.scratch`)."""
         return kernels.scratch(self, op, attrs, in_types, out_types)
 
     def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch: Any = None
@@ -290,13 +291,7 @@ class CUDADevice(Device):
         if dev_type != DL_CUDA_HOST and dev_id != self.ordinal:
             raise DLPackError(f"DLPack tensor lives on CUDA device {dev_id}, not on {self.name} (ordinal "
                               f"{self.ordinal}); import it on cuda:{dev_id} or copy it")
-        item = imported.dtype.itemsize
-        extent = 0
-        if all(d > 0 for d in imported.shape):
-            if any(s < 0 for s in imported.strides):
-                raise DLPackError(f"{self.name} cannot import a tensor with negative strides "
-                                  f"{imported.strides}; make it contiguous first (e.g. .copy())")
-            extent = (sum((d - 1) * s for d, s in zip(imported.shape, imported.strides)) + 1) * item
+        extent = import_extent(imported, self.name)
         kind = {DL_CUDA_HOST: BufferKind.HOST, DL_CUDA_MANAGED: BufferKind.MANAGED}.get(dev_type, BufferKind.DEVICE)
         if imported.data_ptr:
             try:

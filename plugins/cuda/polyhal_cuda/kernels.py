@@ -27,75 +27,30 @@ Families and how they run:
   declared scratch (shared memory when it fits, global scratch otherwise).
 
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
-this backend) still runs, through :func:`_host_fallback` (download, the op's numpy reference,
+this backend) still runs, through :func:`host_fallback` (download, the op's numpy reference,
 upload): correct, slow, never captured. :data:`HOST_FALLBACK` names them.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
-from polyhal.ops import OPS, normalize_slice, resolve_attrs
+from polyhal.ops import OPS, normalize_slice
+
+from polyhal_cuda import sorting, suppression
+from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
+from polyhal_cuda.portable import optable
+from polyhal_cuda.portable.optable import OpTable
 
 if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
-Builder = Callable[["CUDADevice", str, dict, Types, Types, Any], Kernel]
-
-_BUILDERS: dict[str, Builder] = {}
-#: op -> scratch declarer (ops with scratch: sorting, NMS).
-_SCRATCH: dict[str, Callable[..., Sequence[Any]]] = {}
-
-
-def register(*names: str) -> Callable[[Builder], Builder]:
-    """Register the decorated builder for ``names``; builders take
-    ``(device, op, attrs, in_types, out_types, scratch_binding)``."""
-    def deco(builder: Builder) -> Builder:
-        for n in names:
-            _BUILDERS[n] = builder
-        return builder
-    return deco
-
-
-def scratch(device: "CUDADevice", op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types):
-    """The scratch requests of one op instance (core ``Device.scratch``); empty for most ops."""
-    declarer = _SCRATCH.get(op)
-    if declarer is None or any(t.size == 0 for t in (*in_types, *out_types)):
-        return ()
-    return tuple(declarer(device, op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types)))
-
-
-def prepare(device: "CUDADevice", op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types,
-            binding: Any = None) -> Kernel:
-    """``fn(*inputs, *outputs)`` computing ``op`` on ``device`` (see the module docstring)."""
-    if op not in OPS:
-        raise KernelNotFoundError(f"cuda: unknown op {op!r}")
-    encoded = [t for t in (*in_types, *out_types) if t.encoding is not None]
-    if encoded:
-        raise KernelNotFoundError(f"cuda: no kernel for {op!r} on encoded tensor {encoded[0]}; cuda kernels "
-                                  "take dense row-major tensors (its encodings resolve to identity layouts)")
-    in_types, out_types = tuple(in_types), tuple(out_types)
-    if all(t.size == 0 for t in out_types):
-        return _noop
-    resolved = resolve_attrs(op, attrs)
-    builder = _BUILDERS.get(op)
-    if builder is None:
-        return _host_fallback(op, resolved, in_types, out_types)
-    return builder(device, op, resolved, in_types, out_types, binding)
-
-
-def _noop(*arrays: Any) -> None:
-    pass
-
-
-_noop.capturable = True  # type: ignore[attr-defined]
 
 
 def _cupy():
@@ -104,18 +59,26 @@ def _cupy():
     return cupy
 
 
-def _host_fallback(op: str, attrs: dict, in_types: Types, out_types: Types) -> Kernel:
+def host_fallback(device: "CUDADevice", op: str, attrs: dict, in_types: Types, out_types: Types) -> Kernel:
+    """Download the inputs, run the op's numpy reference, upload the outputs (synchronous, so
+    never captured into a CUDA graph)."""
     cp = _cupy()
-    reference, n = OPS[op].reference, len(in_types)
 
-    def kernel(*arrays: Any) -> None:
-        ins = [cp.asnumpy(a) for a in arrays[:n]]
-        for o, r in zip(arrays[n:], reference(*ins, **attrs)):
-            o.set(np.require(np.asarray(r).astype(o.dtype, copy=False).reshape(o.shape), requirements="C"))
+    def upload(result: np.ndarray, out: Any) -> None:
+        out.set(np.require(result.reshape(out.shape), requirements="C"))
 
-    kernel.capturable = False  # type: ignore[attr-defined]
-    kernel.kernel_name = f"host-fallback({op})"  # type: ignore[attr-defined]
-    return kernel
+    return optable.host_fallback(op, attrs, in_types, lambda a, t: cp.asnumpy(a), upload)
+
+
+#: The op set: builders take ``(device, op, attrs, in_types, out_types, scratch_binding)``.
+OP_TABLE = OpTable("cuda", host_fallback)
+register = OP_TABLE.register
+#: ``scratch(device, op, attrs, in_types, out_types)``: the scratch requests of one op instance
+#: (the core's ``Device.scratch``); empty for most ops.
+scratch = OP_TABLE.scratch
+#: ``prepare(device, op, attrs, in_types, out_types, binding=None)``: ``fn(*inputs, *outputs)``
+#: computing ``op`` on ``device`` (see the module docstring).
+prepare = OP_TABLE.prepare
 
 
 # ------------------------------------------------------------------------------------ elementwise
@@ -153,47 +116,16 @@ def _ufunc(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-# Float math in the operand type's compute type: float for float16/float32, double for float64.
-_PREAMBLE = """
-template <typename T> struct polyhal_ct { typedef float type; };
-template <> struct polyhal_ct<double> { typedef double type; };
-// y == -1 for signed types only (x % -1 is 0; INT_MIN % -1 traps)
-template <typename T> __device__ bool polyhal_minus_one(T y) { return (T)(-1) < (T)0 && y == (T)(-1); }
-"""
-
-_EW_SOURCES: dict[str, tuple[str, str, str]] = {
-    "relu": ("T x", "T y", "y = x < (T)0 ? (T)0 : x"),  # nan < 0 is false: nan stays nan
-    "sign": ("T x", "T y", "y = x > (T)0 ? (T)1 : (x < (T)0 ? (T)(-1) : x)"),  # 0 and nan stay
-    "sigmoid": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
-                "y = (T)((C)1 / ((C)1 + exp(-v)))"),
-    "erf": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; y = (T)erf((C)x)"),
-    "gelu_none": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
-                  "y = (T)((C)0.5 * v * ((C)1 + erf(v * (C)0.70710678118654752440)))"),
-    "gelu_tanh": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
-                  "y = (T)((C)0.5 * v * ((C)1 + tanh((C)0.79788456080286535588 * (v + (C)0.044715 * v * v * v))))"),
-    "where": ("bool c, T x, T y", "T z", "z = c ? x : y"),
-    # Shifts by a negative amount or by the width or more are defined (polyhal.ops.logical):
-    # left gives 0; right gives the sign fill (-1 for negative signed x, else 0). Left shifts
-    # run in 64-bit unsigned arithmetic so that signed values wrap instead of overflowing.
-    "shl": ("T x, T y", "T z", "z = (y < (T)0 || y >= (T)(sizeof(T) * 8)) ? (T)0 "
-            ": (T)((unsigned long long)x << (unsigned int)y)"),
-    "shr": ("T x, T y", "T z", "z = (y < (T)0 || y >= (T)(sizeof(T) * 8)) ? (x < (T)0 ? (T)(-1) : (T)0) "
-            ": (T)(x >> (unsigned int)y)"),
-    # C's % truncates (sign of x); division by zero gives 0, and x % -1 is 0 (INT_MIN % -1 traps).
-    "fmod_int": ("T x, T y", "T z", "z = (y == (T)0 || polyhal_minus_one(y)) ? (T)0 : (T)(x % y)"),
-    "mod_int": ("T x, T y", "T z", "T r = (y == (T)0 || polyhal_minus_one(y)) ? (T)0 : (T)(x % y); "
-                "if (r != (T)0 && ((r < (T)0) != (y < (T)0))) r = (T)(r + y); z = r"),
-    "fmod_float": ("T x, T y", "T z", "typedef typename polyhal_ct<T>::type C; z = (T)fmod((C)x, (C)y)"),
-}
 _EW_CACHE: dict[str, Any] = {}
 
 
 def elementwise_kernel(key: str) -> Any:
-    """The cupy ``ElementwiseKernel`` of :data:`_EW_SOURCES` entry ``key`` (made once)."""
+    """The cupy ``ElementwiseKernel`` of snippet ``key`` (:data:`~polyhal_cuda.portable.elementwise.SNIPPETS`;
+    made once)."""
     k = _EW_CACHE.get(key)
     if k is None:
-        ins, outs, code = _EW_SOURCES[key]
-        k = _EW_CACHE[key] = _cupy().ElementwiseKernel(ins, outs, code, f"polyhal_{key}", preamble=_PREAMBLE)
+        ins, outs, code = SNIPPETS[key]
+        k = _EW_CACHE[key] = _cupy().ElementwiseKernel(ins, outs, code, f"polyhal_{key}", preamble=PREAMBLE)
     return k
 
 
@@ -215,31 +147,9 @@ def _ew(key: str, nin: int) -> Kernel:
     return kernel
 
 
-@register("relu", "sign", "sigmoid", "erf")
-def _simple_ew(device, op, attrs, ins, outs, binding) -> Kernel:
-    return _ew(op, 1)
-
-
-@register("gelu")
-def _gelu(device, op, attrs, ins, outs, binding) -> Kernel:
-    return _ew("gelu_tanh" if attrs["approximate"] == "tanh" else "gelu_none", 1)
-
-
-@register("where")
-def _where(device, op, attrs, ins, outs, binding) -> Kernel:
-    return _ew("where", 3)
-
-
-@register("bit_shift")
-def _bit_shift(device, op, attrs, ins, outs, binding) -> Kernel:
-    return _ew("shl" if attrs["direction"] == "left" else "shr", 2)
-
-
-@register("mod")
-def _mod(device, op, attrs, ins, outs, binding) -> Kernel:
-    if ins[0].dtype.kind == "f":
-        return _ew("fmod_float", 2)
-    return _ew("fmod_int" if attrs["fmod"] else "mod_int", 2)
+@register("relu", "sign", "sigmoid", "erf", "gelu", "where", "bit_shift", "mod")
+def _snippet(device, op, attrs, ins, outs, binding) -> Kernel:
+    return _ew(snippet_key(op, attrs, ins[0].dtype), len(ins))
 
 
 @register("cast", "identity")
@@ -603,7 +513,7 @@ def _scatter(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     reduction = attrs["reduction"]
     if reduction == "mul":  # cupyx has no scatter_multiply: keep numpy's semantics on the host
-        return _host_fallback(op, attrs, ins, outs)
+        return host_fallback(device, op, attrs, ins, outs)
     data_t, idx_t = ins[0], ins[1]
     if op == "scatter_elements":
         axis = int(attrs["axis"]) % data_t.rank
@@ -658,37 +568,10 @@ def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
 
 # ---------------------------------------------------------------------------- sorting, detection
 
-@register("sort", "argsort", "topk")
-def _sorting(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import sorting
-
-    return sorting.prepare(device, op, attrs, ins, outs, binding)
-
-
-@register("non_max_suppression")
-def _nms(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import suppression
-
-    return suppression.prepare_op(device, attrs, ins, outs, binding)
-
-
-def _declare_sorting(device, op, attrs, ins, outs):
-    from polyhal_cuda import sorting
-
-    return sorting.scratch_requests(device, op, attrs, ins, outs)
-
-
-def _declare_nms(device, op, attrs, ins, outs):
-    from polyhal_cuda import suppression
-
-    return suppression.scratch_requests(device, attrs, ins, outs)
-
-
-for _op in ("sort", "argsort", "topk"):
-    _SCRATCH[_op] = _declare_sorting
-_SCRATCH["non_max_suppression"] = _declare_nms
+register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
+register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
 
 #: Ops that run through the host fallback (no CUDA kernel yet), at import time.
-HOST_FALLBACK: frozenset[str] = frozenset(OPS) - frozenset(_BUILDERS)
+HOST_FALLBACK: frozenset[str] = OP_TABLE.host_fallback_ops
 #: Every op this backend runs: all of polyhal.ops (a few through the host fallback).
 KERNEL_NAMES: frozenset[str] = frozenset(OPS)

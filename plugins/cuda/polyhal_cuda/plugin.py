@@ -20,12 +20,12 @@ Without cupy, without a driver, or without a GPU, no device is registered and
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 from typing import Any
 
 import polyhal
 from polyhal.hal.records import DeviceSpec
+
+from polyhal_cuda.portable.enumeration import Enumeration, choice_from_env, rank_from_env
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -37,31 +37,13 @@ POOLS = ("caching", "async")
 INSTALL_HINT = ("install cupy for your CUDA driver: pip install 'polyhal-cuda[cuda13]' "
                 "(or [cuda12]), i.e. cupy-cuda13x / cupy-cuda12x")
 
-
-@dataclass(frozen=True)
-class Enumeration:
-    """What one look at the CUDA devices found: device specs, and why any are missing."""
-
-    specs: tuple[DeviceSpec, ...]
-    reasons: tuple[str, ...]
-
-
 def _rank() -> int:
-    raw = os.environ.get("POLYHAL_CUDA_RANK", "").strip()
-    if not raw:
-        return DEFAULT_RANK
-    try:
-        return int(raw)
-    except ValueError:
-        raise polyhal.PluginError(f"POLYHAL_CUDA_RANK={raw!r} is not an integer") from None
+    return rank_from_env("POLYHAL_CUDA_RANK", DEFAULT_RANK)
 
 
 def pool_kind() -> str:
     """``POLYHAL_CUDA_POOL``: ``caching`` (default) or ``async``."""
-    raw = os.environ.get("POLYHAL_CUDA_POOL", "caching").strip().lower() or "caching"
-    if raw not in POOLS:
-        raise polyhal.PluginError(f"POLYHAL_CUDA_POOL={raw!r}; use one of {POOLS}")
-    return raw
+    return choice_from_env("POLYHAL_CUDA_POOL", POOLS, "caching")
 
 
 def _text(value: Any) -> str:

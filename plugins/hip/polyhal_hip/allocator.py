@@ -32,6 +32,12 @@ the one exception to the core's "never fewer" rule, documented in the README); h
 requests get pinned host memory, ``HOST_CACHED`` the non-coherent kind. Any kind can also be
 named per allocation: ``allocate(n, MemoryType.DEVICE_LOCAL, kind=BufferKind.ASYNC)``.
 
+No caching pool of its own: a DEVICE buffer is one ``hipMalloc`` / ``hipFree`` (as in IREE's HIP
+driver; the free-by-kind accounting counts them), and ASYNC buffers come from HIP's
+stream-ordered pool, which caches in the driver and orders reuse on the stream. Where caching
+on the host side is wanted, it is the core's :class:`~polyhal.hal.adaptors.CachingPoolAdaptor`,
+stacked over this allocator (``POLYHAL_ALLOCATOR=pool`` or the ``wrap_allocator`` hook).
+
 An ASYNC buffer is freed exactly once: by :meth:`HIPAllocator.dealloca` (stream-ordered, like
 IREE's ``queue_dealloca``) or by its release, whichever comes first; the other does nothing.
 A free that HIP refuses never raises out of a release (the core's contract); it is recorded in
@@ -40,19 +46,18 @@ A free that HIP refuses never raises out of a release (the core's contract); it 
 
 from __future__ import annotations
 
-import os
-import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from polyhal.errors import IncompatibleBufferError
-from polyhal.hal.allocator import Allocator
 from polyhal.hal.buffer import Buffer
 from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
 from polyhal.hal.records import Heap
 
+from polyhal_cuda.portable.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
+                                          GPUAllocator, host_memory_bytes)
 from polyhal_hip import runtime as hip
 from polyhal_hip.errors import HipError
 
@@ -60,30 +65,13 @@ if TYPE_CHECKING:
     from polyhal_hip.device import HIPDevice
     from polyhal_hip.runtime import DeviceProperties
 
-ALIGNMENT = 256
+__all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "PINNED_MEMORY", "PINNED_NONCOHERENT_MEMORY",
+           "PINNED_FLAGS", "HIPAllocator", "HipMemory", "heaps_for"]
 
-_IMAGE = BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE
-_MAPPING = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
-            | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
-_ALL = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
-#: Device memory: everything but images and mapping.
-DEVICE_USAGE = _ALL & ~_IMAGE & ~_MAPPING
-#: Host-visible memory: device usages plus mapping.
-HOST_USAGE = DEVICE_USAGE | _MAPPING
-
-MANAGED_MEMORY = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE | MemoryType.HOST_COHERENT
-PINNED_MEMORY = MemoryType.HOST_LOCAL | MemoryType.DEVICE_VISIBLE
 PINNED_NONCOHERENT_MEMORY = MemoryType.HOST_VISIBLE | MemoryType.HOST_CACHED | MemoryType.DEVICE_VISIBLE
 _DEVICE_HOST_VISIBLE = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
 
 PINNED_FLAGS = hip.HOST_MALLOC_MAPPED | hip.HOST_MALLOC_PORTABLE
-
-
-def _host_memory() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 40
 
 
 def heaps_for(props: "DeviceProperties", pool: str) -> tuple[Heap, ...]:
@@ -94,7 +82,7 @@ def heaps_for(props: "DeviceProperties", pool: str) -> tuple[Heap, ...]:
     if props.managed_memory and props.concurrent_managed_access:
         heaps.append(Heap(MANAGED_MEMORY, HOST_USAGE, total, BufferKind.MANAGED, ALIGNMENT))
     if props.can_map_host_memory:
-        host = _host_memory()
+        host = host_memory_bytes()
         heaps.append(Heap(PINNED_MEMORY, HOST_USAGE, host, BufferKind.HOST, ALIGNMENT))
         heaps.append(Heap(PINNED_NONCOHERENT_MEMORY, HOST_USAGE, host, BufferKind.HOST, ALIGNMENT))
     return tuple(heaps)
@@ -121,14 +109,20 @@ class HipMemory:
         return f"<HipMemory {self.kind.value} {self.nbytes} B at {self.ptr:#x} on hip:{self.device_id}{state}>"
 
 
-class HIPAllocator(Allocator):
-    """Allocations of every HIP buffer type for one :class:`~polyhal_hip.device.HIPDevice`."""
+class HIPAllocator(GPUAllocator):
+    """Allocations of every HIP buffer type for one :class:`~polyhal_hip.device.HIPDevice`;
+    ``allocate(..., kind=BufferKind.ASYNC)`` (or DEVICE) names the HIP buffer type of a
+    device-local buffer (:class:`~polyhal_cuda.portable.memory.GPUAllocator`)."""
+
+    async_pool_limit = "memory_pools"
+    no_async_pool = ("{device} reports no stream-ordered memory pools (hipDeviceAttributeMemoryPoolsSupported "
+                     "is 0); allocate kind=DEVICE")
+    other_kinds_from = "the memory type or from import_host"
 
     def __init__(self, device: "HIPDevice", heaps: tuple[Heap, ...]) -> None:
         super().__init__(device, heaps)
         self.device: "HIPDevice" = device
         self.runtime = device.runtime
-        self._requested = threading.local()
         self._pool: Any = None
         #: (kind, address, error) of frees HIP refused (a release never raises).
         self.free_failures: list[tuple[BufferKind, int, HipError]] = []
@@ -148,30 +142,6 @@ class HIPAllocator(Allocator):
                             and (h.allowed_usage & usage) == (usage & ~BufferUsage.MAPPING_OPTIONAL)]
                 return fallback[0] if fallback else None
         return heap
-
-    def allocate(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
-                 usage: BufferUsage = BufferUsage.DEFAULT, *, kind: BufferKind | None = None) -> Buffer:
-        """As :meth:`polyhal.Allocator.allocate`; ``kind`` names the HIP buffer type of a
-        device-local buffer (DEVICE: ``hipMalloc``; ASYNC: the stream-ordered pool)."""
-        if kind is None:
-            return super().allocate(nbytes, memory_type, usage)
-        if kind not in (BufferKind.DEVICE, BufferKind.ASYNC):
-            raise IncompatibleBufferError(f"kind={kind.value} cannot be asked for; DEVICE and ASYNC can (device-local "
-                                          "memory), the other kinds follow from the memory type or from import_host")
-        heap = self.select_heap(memory_type, usage)
-        if heap is not None and heap.memory_type & MemoryType.HOST_VISIBLE:
-            raise IncompatibleBufferError(f"kind={kind.value} is device-local memory, but memory type "
-                                          f"{MemoryType(memory_type).describe()} selects {heap.memory_type.describe()}")
-        if kind is BufferKind.ASYNC and not self.device.spec.limits.get("memory_pools", False):
-            raise IncompatibleBufferError(f"{self.device.name} reports no stream-ordered memory pools "
-                                          "(hipDeviceAttributeMemoryPoolsSupported is 0); allocate kind=DEVICE")
-        self._requested.kind = kind
-        try:
-            buf = super().allocate(nbytes, memory_type, usage)
-        finally:
-            self._requested.kind = None
-        buf.kind = kind
-        return buf
 
     def dealloca(self, buffer: Buffer) -> None:
         """Free ``buffer`` now, ordered on the device's stream for ASYNC buffers
@@ -222,7 +192,7 @@ class HIPAllocator(Allocator):
     # -- backend interface -------------------------------------------------------------------------
 
     def _allocate(self, heap: Heap, nbytes: int) -> HipMemory:
-        kind = getattr(self._requested, "kind", None) or heap.kind
+        kind = self.requested_kind(heap)
         rt, dev = self.runtime, self.device
         with dev.activate():
             if kind is BufferKind.DEVICE:

@@ -40,6 +40,7 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess, MemoryType
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_cuda.portable.memory import import_extent
 from polyhal_hip import launch as _launch
 from polyhal_hip import runtime as hip
 from polyhal_hip.allocator import MANAGED_MEMORY, PINNED_MEMORY, HIPAllocator, HipMemory
@@ -325,12 +326,7 @@ class HIPDevice(Device):
         if dev_type == DL_ROCM and dev_id != self.ordinal:
             raise DLPackError(f"DLPack tensor lives on ROCm device {dev_id}, not on {self.name}; import it on "
                               f"hip:{dev_id} or copy it")
-        item = imported.dtype.itemsize
-        extent = 0
-        if all(d > 0 for d in imported.shape):
-            if any(s < 0 for s in imported.strides):
-                raise DLPackError(f"{self.name} cannot import negative strides {imported.strides}; make it contiguous")
-            extent = (sum((d - 1) * s for d, s in zip(imported.shape, imported.strides)) + 1) * item
+        extent = import_extent(imported, self.name)
         kind_name, _dev = ("unregistered", -1)
         if imported.data_ptr:
             with self.activate():

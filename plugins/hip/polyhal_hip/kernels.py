@@ -10,13 +10,15 @@ Families and how they run:
 * elementwise -- arithmetic, comparisons, logical, bitwise, math, relu/sigmoid/erf/gelu/sign,
   where, mod, bit_shift, cast/identity: one generated instance of ``hip/elementwise.hip`` per
   (op, element types): broadcasting and strided reads in one kernel. The snippets of relu,
-  sign, sigmoid, erf, gelu, where, bit_shift and mod are polyhal-cuda's (its ``_EW_SOURCES``);
+  sign, sigmoid, erf, gelu, where, bit_shift and mod are the CUDA C ones polyhal-cuda runs
+  (:mod:`polyhal_cuda.portable.elementwise`);
 * data movement -- transpose, expand, slice: the same kernel as a strided copy; reshape: a
   device-to-device copy;
 * reductions -- reduce_sum/mean/max/min/prod over any axes: ``hip/reduce.hip``, one workgroup
   per output;
 * matmul (batched, broadcasting): ``hip/matmul.hip``, 16 x 16 shared-memory tiles;
-* softmax, layer_norm (trailing axes, float32/float64): polyhal-cuda's ``cu/rowwise.cu``;
+* softmax, layer_norm (trailing axes, float32/float64): polyhal-cuda's ``cu/rowwise.cu``
+  (:mod:`polyhal_cuda.portable.rowwise`);
 * sort, argsort, topk and non_max_suppression: polyhal-cuda's ``cu/sort.cu`` and ``cu/nms.cu``,
   with their scratch declared to the bufferization pass (:mod:`polyhal_hip.sorting`);
 * everything else (gemm, einsum, conv, pooling, gather/scatter, cumsum, argmax, concat, pad,
@@ -30,15 +32,21 @@ for real by the tests, for several architectures.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
-from polyhal.ops import OPS, normalize_slice, resolve_attrs
+from polyhal.ops import OPS, normalize_slice
 
-from polyhal_hip import compiler
+from polyhal_cuda.portable import rowwise
+from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
+from polyhal_cuda.portable.launch import BLOCK, multiprocessors
+from polyhal_cuda.portable.launch import grid as launch_grid
+from polyhal_cuda.portable import optable
+from polyhal_cuda.portable.optable import OpTable
+from polyhal_hip import compiler, sorting
 from polyhal_hip.launch import dims_struct
 
 if TYPE_CHECKING:
@@ -46,11 +54,7 @@ if TYPE_CHECKING:
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
-Builder = Callable[["HIPDevice", str, dict, Types, Types, Any], Kernel]
 
-_BUILDERS: dict[str, Builder] = {}
-_SCRATCH: dict[str, Callable[..., Sequence[Any]]] = {}
-BLOCK = 256
 MAX_DIMS = 8
 
 CTYPES = {
@@ -71,67 +75,33 @@ def compute_type(dtype: Any) -> str:
     return "float" if dt == np.float16 else CTYPES[dt]
 
 
-def register(*names: str) -> Callable[[Builder], Builder]:
-    def deco(builder: Builder) -> Builder:
-        for n in names:
-            _BUILDERS[n] = builder
-        return builder
-    return deco
-
-
-def scratch(device: "HIPDevice", op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types):
-    """Scratch requests of one op instance (core ``Device.scratch``)."""
-    declarer = _SCRATCH.get(op)
-    if declarer is None or any(t.size == 0 for t in (*in_types, *out_types)):
-        return ()
-    return tuple(declarer(device, op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types)))
-
-
-def prepare(device: "HIPDevice", op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types,
-            binding: Any = None) -> Kernel:
-    """``fn(*inputs, *outputs)`` computing ``op`` on ``device`` (see the module docstring)."""
-    if op not in OPS:
-        raise KernelNotFoundError(f"hip: unknown op {op!r}")
-    encoded = [t for t in (*in_types, *out_types) if t.encoding is not None]
-    if encoded:
-        raise KernelNotFoundError(f"hip: no kernel for {op!r} on encoded tensor {encoded[0]}; hip kernels take "
-                                  "dense row-major tensors (its encodings resolve to identity layouts)")
-    in_types, out_types = tuple(in_types), tuple(out_types)
-    if all(t.size == 0 for t in out_types):
-        return _noop
-    resolved = resolve_attrs(op, attrs)
-    builder = _BUILDERS.get(op)
-    if builder is not None:
-        fn = builder(device, op, resolved, in_types, out_types, binding)
-        if fn is not None:
-            return fn
-    return host_fallback(device, op, resolved, in_types, out_types)
-
-
-def _noop(*arrays: Any) -> None:
-    pass
-
-
 def host_fallback(device: "HIPDevice", op: str, attrs: dict, in_types: Types, out_types: Types) -> Kernel:
     """Download the inputs, run the op's numpy reference, upload the outputs (synchronous)."""
-    reference, n = OPS[op].reference, len(in_types)
+    def download(array: Any, t: TensorType) -> np.ndarray:
+        host = np.empty(t.shape, t.dtype)
+        device.download(array, host)
+        return host
 
-    def kernel(*arrays: Any) -> None:
-        ins = []
-        for a, t in zip(arrays[:n], in_types):
-            host = np.empty(t.shape, t.dtype)
-            device.download(a, host)
-            ins.append(host)
-        for o, r in zip(arrays[n:], reference(*ins, **attrs)):
-            device.upload(np.ascontiguousarray(np.asarray(r).astype(o.dtype, copy=False)), o)
+    def upload(result: np.ndarray, out: Any) -> None:
+        device.upload(np.ascontiguousarray(result), out)
 
-    kernel.kernel_name = f"host-fallback({op})"  # type: ignore[attr-defined]
-    return kernel
+    return optable.host_fallback(op, attrs, in_types, download, upload)
+
+
+#: The op set: builders take ``(device, op, attrs, in_types, out_types, scratch_binding)`` and may
+#: return None (the instance runs through :func:`host_fallback`).
+OP_TABLE = OpTable("hip", host_fallback)
+register = OP_TABLE.register
+#: ``scratch(device, op, attrs, in_types, out_types)``: the scratch requests of one op instance
+#: (the core's ``Device.scratch``); empty for most ops.
+scratch = OP_TABLE.scratch
+#: ``prepare(device, op, attrs, in_types, out_types, binding=None)``: ``fn(*inputs, *outputs)``
+#: computing ``op`` on ``device`` (see the module docstring).
+prepare = OP_TABLE.prepare
 
 
 def _grid(n: int, device: "HIPDevice") -> tuple[int]:
-    cus = int(device.spec.limits.get("multiprocessors", 1)) or 1
-    return (max(1, min(-(-n // BLOCK), cus * 32)),)
+    return launch_grid(n, multiprocessors(device))
 
 
 # ------------------------------------------------------------------------------------ elementwise
@@ -156,29 +126,13 @@ _FLOAT_UNARY = {
 }
 _INT_UNARY = {"abs": "(a < (CO)0 ? (CO)(-a) : a)", "neg": "(CO)(-a)", "isnan": "false", "isinf": "false",
               "floor": "a", "ceil": "a", "round": "a"}
-#: polyhal-cuda's elementwise snippets (cupy ElementwiseKernel form) reused as BODYs.
-_CUDA_SNIPPETS = ("relu", "sign", "sigmoid", "erf", "gelu_none", "gelu_tanh", "where", "shl", "shr", "fmod_int",
-                  "mod_int", "fmod_float")
-
-
-def cuda_snippet(key: str) -> tuple[str, str, str]:
-    """polyhal-cuda's ``(inputs, outputs, code)`` for elementwise ``key``."""
-    from polyhal_cuda.kernels import _EW_SOURCES
-
-    return _EW_SOURCES[key]
-
-
-def cuda_preamble() -> str:
-    """polyhal-cuda's elementwise preamble (``polyhal_ct``, ``polyhal_minus_one``) that its snippets use."""
-    from polyhal_cuda.kernels import _PREAMBLE
-
-    return _PREAMBLE
 
 
 def snippet_body(key: str) -> str:
-    """A CUDA elementwise snippet as elementwise.hip's BODY: its parameters bound to in0..in2,
-    its output to polyhal_out (``T`` is the output type)."""
-    ins, outs, code = cuda_snippet(key)
+    """A CUDA C elementwise snippet (:data:`~polyhal_cuda.portable.elementwise.SNIPPETS`) as
+    elementwise.hip's BODY: its parameters bound to in0..in2, its output to polyhal_out (``T`` is
+    the output type)."""
+    ins, outs, code = SNIPPETS[key]
     decls = ["typedef TOUT T;"]
     for i, p in enumerate(ins.split(",")):
         typ, name = p.strip().rsplit(" ", 1)
@@ -200,7 +154,7 @@ def elementwise_source(nin: int, in_dtypes: Sequence[Any], out_dtype: Any, expr:
         lines.append(f"#define BODY {body}")
     else:
         lines.append(f"#define EXPR(a, b, c) ({expr})")
-    return compiler.wrap(cuda_preamble() + "\n".join(lines) + "\n" + compiler._read("polyhal_hip", "hip", "elementwise.hip"))
+    return compiler.wrap(PREAMBLE + "\n".join(lines) + "\n" + compiler._read("polyhal_hip", "hip", "elementwise.hip"))
 
 
 def _broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> list[int]:
@@ -275,33 +229,11 @@ def _unary(device, op, attrs, ins, outs, binding):
     return _elementwise(device, op, ins, outs, expr)
 
 
-@register("relu", "sign", "sigmoid", "erf")
-def _snippet_unary(device, op, attrs, ins, outs, binding):
+@register("relu", "sign", "sigmoid", "erf", "gelu", "where", "bit_shift", "mod")
+def _snippet(device, op, attrs, ins, outs, binding):
     if op in ("sigmoid", "erf") and not _float(outs[0].dtype):
         return None
-    return _elementwise(device, op, ins, outs, body=snippet_body(op))
-
-
-@register("gelu")
-def _gelu(device, op, attrs, ins, outs, binding):
-    key = "gelu_tanh" if attrs["approximate"] == "tanh" else "gelu_none"
-    return _elementwise(device, key, ins, outs, body=snippet_body(key))
-
-
-@register("where")
-def _where(device, op, attrs, ins, outs, binding):
-    return _elementwise(device, op, ins, outs, body=snippet_body("where"))
-
-
-@register("bit_shift")
-def _bit_shift(device, op, attrs, ins, outs, binding):
-    key = "shl" if attrs["direction"] == "left" else "shr"
-    return _elementwise(device, key, ins, outs, body=snippet_body(key))
-
-
-@register("mod")
-def _mod(device, op, attrs, ins, outs, binding):
-    key = "fmod_float" if _float(ins[0].dtype) else ("fmod_int" if attrs["fmod"] else "mod_int")
+    key = snippet_key(op, attrs, ins[0].dtype)
     return _elementwise(device, key, ins, outs, body=snippet_body(key))
 
 
@@ -473,74 +405,21 @@ def _matmul(device, op, attrs, ins, outs, binding):
 
 # --------------------------------------------------------------------------------- rowwise (CUDA C)
 
-_ROW_EXPRS = [f"{k}<{t}>" for k in ("softmax_rows", "layer_norm_rows") for t in ("float", "double")]
-
-
 @register("softmax", "layer_norm")
 def _rowwise(device, op, attrs, ins, outs, binding):
-    x = ins[0]
-    if x.dtype not in (np.dtype(np.float32), np.dtype(np.float64)) or x.size == 0:
-        return None
-    axis = int(attrs["axis"]) % x.rank
-    if op == "softmax" and axis != x.rank - 1:
-        return None
-    rows = math.prod(x.shape[:axis]) if op == "layer_norm" else math.prod(x.shape[:-1])
-    cols = math.prod(x.shape[axis:]) if op == "layer_norm" else x.shape[-1]
-    if op == "layer_norm" and (ins[1].shape != x.shape[axis:] or ins[2].shape != x.shape[axis:]):
-        return None  # broadcast scale/bias: the reference on the host
-    c = ctype(x.dtype)
-    name = f"{'softmax_rows' if op == 'softmax' else 'layer_norm_rows'}<{c}>"
-    fn = device.function(compiler.source("rowwise.cu"), "rowwise.cu", name, _ROW_EXPRS)
-    block = (max(32, min(1024, 1 << max(cols - 1, 1).bit_length())),)
-    grid = (min(rows, 65535 * 8),)
-    r, cc = np.int64(rows), np.int32(cols)
-    launch = device.launch
-    if op == "softmax":
-        def softmax(x_, out):
-            launch(fn, name, grid, block, (x_, out, r, cc))
-        softmax.kernel_name = name  # type: ignore[attr-defined]
-        return softmax
-    eps = x.dtype.type(float(attrs["epsilon"]))
-
-    def layer_norm(x_, scale, bias, out):
-        launch(fn, name, grid, block, (x_, scale, bias, out, r, cc, eps))
-    layer_norm.kernel_name = name  # type: ignore[attr-defined]
-    return layer_norm
+    row_plan = rowwise.plan(op, attrs, ins)
+    if row_plan is None:
+        return None  # softmax over another axis, float16, ...: the reference on the host
+    fn = device.function(compiler.source(rowwise.SOURCE), rowwise.SOURCE, row_plan.expression, rowwise.EXPRESSIONS)
+    return rowwise.kernel(row_plan, fn, device.launch)
 
 
 # ---------------------------------------------------------------------------- sorting, detection
 
-@register("sort", "argsort", "topk")
-def _sorting(device, op, attrs, ins, outs, binding):
-    from polyhal_hip import sorting
-
-    return sorting.prepare(device, op, attrs, ins, outs, binding)
-
-
-@register("non_max_suppression")
-def _nms(device, op, attrs, ins, outs, binding):
-    from polyhal_hip import sorting
-
-    return sorting.prepare_nms(device, attrs, ins, outs, binding)
-
-
-def _declare_sorting(device, op, attrs, ins, outs):
-    from polyhal_hip import sorting
-
-    return sorting.scratch_requests(device, op, attrs, ins, outs)
-
-
-def _declare_nms(device, op, attrs, ins, outs):
-    from polyhal_hip import sorting
-
-    return sorting.nms_scratch_requests(device, attrs, ins, outs)
-
-
-for _op in ("sort", "argsort", "topk"):
-    _SCRATCH[_op] = _declare_sorting
-_SCRATCH["non_max_suppression"] = _declare_nms
+register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
+register("non_max_suppression", scratch=sorting.nms_scratch_requests)(sorting.prepare_nms)
 
 #: Ops without a HIP kernel here: they run through :func:`host_fallback`.
-HOST_FALLBACK: frozenset[str] = frozenset(OPS) - frozenset(_BUILDERS)
+HOST_FALLBACK: frozenset[str] = OP_TABLE.host_fallback_ops
 #: Every op this backend runs (some, or some dtypes, through the host fallback).
 KERNEL_NAMES: frozenset[str] = frozenset(OPS)

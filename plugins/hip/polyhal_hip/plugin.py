@@ -22,11 +22,11 @@ device reports memory-pool support, else ``device`` and a reason).
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 
 import polyhal
 from polyhal.hal.records import DeviceSpec
+
+from polyhal_cuda.portable.enumeration import Enumeration, choice_from_env, rank_from_env
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -36,30 +36,13 @@ DL_ROCM, DL_ROCM_HOST = 10, 11
 POOLS = ("device", "async")
 
 
-@dataclass(frozen=True)
-class Enumeration:
-    """What one look at the AMD GPUs found: device specs, and why any are missing."""
-
-    specs: tuple[DeviceSpec, ...]
-    reasons: tuple[str, ...]
-
-
 def _rank() -> int:
-    raw = os.environ.get("POLYHAL_HIP_RANK", "").strip()
-    if not raw:
-        return DEFAULT_RANK
-    try:
-        return int(raw)
-    except ValueError:
-        raise polyhal.PluginError(f"POLYHAL_HIP_RANK={raw!r} is not an integer") from None
+    return rank_from_env("POLYHAL_HIP_RANK", DEFAULT_RANK)
 
 
 def pool_kind() -> str:
     """``POLYHAL_HIP_POOL``: ``device`` (default) or ``async``."""
-    raw = os.environ.get("POLYHAL_HIP_POOL", "device").strip().lower() or "device"
-    if raw not in POOLS:
-        raise polyhal.PluginError(f"POLYHAL_HIP_POOL={raw!r}; use one of {POOLS}")
-    return raw
+    return choice_from_env("POLYHAL_HIP_POOL", POOLS, "device")
 
 
 def _create(spec: DeviceSpec):

@@ -135,19 +135,6 @@ def _suite_checks(device: Any, checks: list) -> None:
                 _check(checks, f"conformance {name}[{n}]", lambda n=n: fn(device, n))
         else:
             _check(checks, f"conformance {name}", lambda fn=fn: fn(device))
-    try:
-        from polyhal_cuda import sorting
-    except ImportError:
-        return
-    for path in ("rows", "radix"):
-        def forced(path=path):
-            old, sorting.FORCE_PATH = sorting.FORCE_PATH, path
-            try:
-                for op in ("sort", "argsort", "topk"):
-                    suite.test_kernel_matches_reference(device, op)
-            finally:
-                sorting.FORCE_PATH = old
-        _check(checks, f"sort, argsort, topk on the {path} path", forced)
 
 
 def run(device_names: list[str] | None = None, quick: bool = False, runtime: Any = None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from polyhal.errors import KernelNotFoundError
+from polyhal_cuda.portable import rowwise
 from polyhal_hip import compiler, kernels
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
@@ -31,7 +32,7 @@ F16, F32, F64, I64 = (np.dtype(t) for t in ("float16", "float32", "float64", "in
 def representative_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source text, name expressions) of every kernel source, one instance each."""
     out = [
-        ("rowwise.cu (polyhal-cuda)", compiler.source("rowwise.cu"), tuple(kernels._ROW_EXPRS)),
+        ("rowwise.cu (polyhal-cuda)", compiler.source("rowwise.cu"), rowwise.EXPRESSIONS),
         ("sort.cu (polyhal-cuda)", compiler.source("sort.cu"), ("sort_rows<unsigned int, 2>",)),
         ("nms.cu (polyhal-cuda)", compiler.source("nms.cu"), ()),
         ("elementwise.hip add", kernels.elementwise_source(2, [F32, F32], F32, "(CO)a + (CO)b"), ()),
@@ -41,9 +42,9 @@ def representative_sources() -> list[tuple[str, str, tuple[str, ...]]]:
         ("matmul.hip float16", kernels.matmul_source(F16), ()),
     ]
     if ALL:
-        from polyhal_cuda.sorting import _KEY_CTYPE
+        from polyhal_cuda.portable.sorting import KEY_CTYPE
 
-        exprs = tuple(f"sort_rows<{ctype}, {kind}>" for ctype in _KEY_CTYPE.values() for kind in (0, 1, 2))
+        exprs = tuple(f"sort_rows<{ctype}, {kind}>" for ctype in KEY_CTYPE.values() for kind in (0, 1, 2))
         out.append(("sort.cu, every key width and kind", compiler.source("sort.cu"), exprs))
     return out
 
@@ -85,7 +86,7 @@ def test_unknown_architecture_aborts_only_the_child(real_compiler):
     if version_tuple(real_compiler.runtime_version())[0] != 5:
         pytest.skip("the abort is a ROCm 5.x behaviour")
     with pytest.raises(HipCompileError, match=r"aborted \(signal") as info:
-        compiler.compile_isolated(compiler.source("rowwise.cu"), "rowwise.cu", "gfx942", kernels._ROW_EXPRS[:1])
+        compiler.compile_isolated(compiler.source("rowwise.cu"), "rowwise.cu", "gfx942", rowwise.EXPRESSIONS[:1])
     assert info.value.arch == "gfx942"
 
 
@@ -107,14 +108,14 @@ def test_the_worker_survives_what_kills_hiprtc(real_compiler):
     w = compiler.CompileWorker()
     try:
         good = w.compile(compiler.source("rowwise.cu"), "rowwise.cu", compiler.options_for("gfx90a"),
-                         kernels._ROW_EXPRS[:1])
+                         rowwise.EXPRESSIONS[:1])
         assert compiler.code_object_arch(good.code) == "gfx90a" and w.started == 1
         if version_tuple(real_compiler.runtime_version())[0] == 5:
             with pytest.raises(HipCompileError, match="worker died") as info:
                 w.compile(compiler.source("rowwise.cu"), "rowwise.cu", compiler.options_for("gfx942"))
             assert info.value.arch == "gfx942"
             again = w.compile(compiler.source("rowwise.cu"), "rowwise.cu", compiler.options_for("gfx1030"),
-                              kernels._ROW_EXPRS[:1])
+                              rowwise.EXPRESSIONS[:1])
             assert compiler.code_object_arch(again.code) == "gfx1030" and w.started == 2
     finally:
         w.close()

@@ -18,6 +18,7 @@ import pytest
 
 import polyhal
 from polyhal.ops import OPS
+from polyhal_cuda.portable.elementwise import SNIPPETS
 from polyhal_hip import kernels, launch
 from polyhal_hip.device import KernelLaunchError
 from polyhal_hip.errors import HipCompileError, HipError
@@ -73,7 +74,7 @@ def _program(op, rng):
 
 @pytest.mark.parametrize("op", sorted(OPS))
 def test_every_op_prepares_and_runs_on_the_stand_in(fake, fake_device, needs_compiler, op, rng):
-    has_kernel = op in kernels._BUILDERS
+    has_kernel = op in kernels.OP_TABLE.builders
     if has_kernel and not ALL and op not in CI_OPS:
         pytest.skip("an op with HIP kernels beyond CI's one op per family; POLYHAL_HIP_TEST_OPS=all compiles it")
     program, inputs, attrs, in_types, out_types = _program(op, rng)
@@ -242,8 +243,8 @@ def _generated_sources():
         yield f"ew-{op}", kernels.elementwise_source(2, [f32, f32], f32, expr)
     for op, expr in kernels._FLOAT_UNARY.items():
         yield f"ew-{op}", kernels.elementwise_source(1, [f16], f16, expr)
-    for key in kernels._CUDA_SNIPPETS:
-        ins = len(kernels.cuda_snippet(key)[0].split(","))
+    for key, (params, _outs, _code) in SNIPPETS.items():
+        ins = len(params.split(","))
         dt = f32 if key in ("relu", "sign", "sigmoid", "erf", "gelu_none", "gelu_tanh", "fmod_float") else i32
         yield f"ew-{key}", kernels.elementwise_source(ins, [np.dtype(bool)] + [dt] * (ins - 1) if key == "where"
                                                       else [dt] * ins, dt, body=kernels.snippet_body(key))

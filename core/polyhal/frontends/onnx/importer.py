@@ -151,8 +151,9 @@ class OnnxProgram(Program):
         transfers inserted (heterogeneous placement); ``strict=True`` refuses that instead,
         with a :class:`StrictPlacementError` naming the node, its op and the devices lacking it.
         ``fuse`` fuses each MatMul with the bias Add after it into one ``linear`` op when the
-        first device of the list that has matmul has linear too. ``options`` go to :func:`polyhal.compile` (e.g.
-        ``data_tiling=True``).
+        first device of the list that has matmul has linear too, and each attention head
+        (MatMul, scaling, Softmax, MatMul) into one ``attention`` op when that device has
+        attention. ``options`` go to :func:`polyhal.compile` (e.g. ``data_tiling=True``).
         """
         import polyhal
         from polyhal.registry import default_registry
@@ -180,12 +181,23 @@ class OnnxProgram(Program):
                 f"(strict placement): " + "; ".join(lines) + more + hint)
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
         program: Program = self
-        # Fuse where the device that would run the matmul (the first that has it) has linear too.
+        # Fuse where the device that would run the matmul (the first that has it) has the fused
+        # op too (attention first: it takes the matmuls that linear would not).
         lead = next((d for d in requested if "matmul" in registry.get_device(d).kernel_names), None)
-        if fuse and lead is not None and "linear" in registry.get_device(lead).kernel_names:
+        lead_kernels = registry.get_device(lead).kernel_names if lead is not None else frozenset()
+        if fuse and "attention" in lead_kernels:
+            from polyhal.passes.fuse_attention import fuse_attention
+
+            program, fused = fuse_attention(program)
+            for old_ops, new_ops in fused:  # explain names the nodes fused as the origin
+                labels = list(dict.fromkeys(filter(None, (self.origins.get(op.outputs[0].id) for op in old_ops))))
+                for op in new_ops:
+                    for v in op.outputs:
+                        self.origins[v.id] = " + ".join(labels)
+        if fuse and "linear" in lead_kernels:
             from polyhal.passes.fuse_linear import fuse_linear
 
-            program, changes = fuse_linear(self)
+            program, changes = fuse_linear(program)
             for first_op, second_op, new_ops in changes:  # explain names both nodes as the origin
                 first, second = self.origins.get(first_op.outputs[0].id), self.origins.get(second_op.outputs[0].id)
                 label = f"{first} + {second}" if first and second and first != second else (second or first)

@@ -63,8 +63,8 @@ PROLOGUE
   BATCH_OFFSETS
   __global const float* A = a + abat;
   __global const float* B = b + bbat;
-  const int avec = A_VEC && (((a_off + abat) & 3) == 0);
-  const int bvec = B_VEC && (((b_off + bbat) & 3) == 0);
+  const int avec = A_VEC & (((a_off + abat) & 3) == 0);
+  const int bvec = B_VEC & (((b_off + bbat) & 3) == 0);
   __local float As[2][BK][LDA] __attribute__((aligned(16)));
   __local float Bs[2][BK][LDB] __attribute__((aligned(16)));
   float4 ra[LA], rb[LB];
@@ -75,8 +75,8 @@ PROLOGUE
     for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
 
 // Global -> registers: slab starting at k0.
-#define LOAD_SLAB(k0)                                                                          \
-  for (int i = 0; i < LA; ++i) {                                              \
+#define LOAD_SLAB(k0)                                                                           \
+  for (int i = 0; i < LA; ++i) {                                                                \
     A_POS(tid + i * NT, r, c);                                                                  \
     const int m = m0 + r, k = (k0) + c;                                                         \
     if (A_KMAJ) ra[i] = ld4(A + (IT)m * SAM + (IT)k * SAK, SAK,                                 \
@@ -84,7 +84,7 @@ PROLOGUE
     else ra[i] = ld4(A + (IT)m * SAM + (IT)k * SAK, SAM,                                        \
                      (EVEN_K || k < K) ? (EVEN_M ? 4 : M - m) : 0, avec);                       \
   }                                                                                             \
-  for (int i = 0; i < LB; ++i) {                                              \
+  for (int i = 0; i < LB; ++i) {                                                                \
     B_POS(tid + i * NT, r, c);                                                                  \
     if (B_NMAJ) {                                                                               \
       const int k = (k0) + r, n = n0 + c;                                                       \
@@ -99,14 +99,14 @@ PROLOGUE
 
 // Registers -> local buffer `buf` (k-major; transposed where the groups ran along k / n).
 #define STORE_SLAB(buf)                                                                         \
-  for (int i = 0; i < LA; ++i) {                                              \
+  for (int i = 0; i < LA; ++i) {                                                                \
     A_POS(tid + i * NT, r, c);                                                                  \
     if (A_KMAJ) {                                                                               \
       As[buf][c][r] = ra[i].s0; As[buf][c + 1][r] = ra[i].s1;                                   \
       As[buf][c + 2][r] = ra[i].s2; As[buf][c + 3][r] = ra[i].s3;                               \
     } else *(__local float4*)&As[buf][c][r] = ra[i];                                            \
   }                                                                                             \
-  for (int i = 0; i < LB; ++i) {                                              \
+  for (int i = 0; i < LB; ++i) {                                                                \
     B_POS(tid + i * NT, r, c);                                                                  \
     if (B_NMAJ) *(__local float4*)&Bs[buf][r][c] = rb[i];                                       \
     else {                                                                                      \

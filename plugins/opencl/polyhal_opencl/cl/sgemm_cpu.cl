@@ -1,30 +1,26 @@
-// float32 matrix product for CPU OpenCL devices (PoCL, Intel's CPU runtime): no local memory and
-// no barriers; each work-item runs a register-blocked micro-kernel on explicit vectors of VW
-// floats (the device's native SIMD width), which the compiler keeps in SIMD registers.
+// float32 matrix product for CPU OpenCL devices (PoCL, Intel's CPU runtime): work-groups of one
+// work-item, no barriers; each work-item runs a register-blocked micro-kernel on explicit vectors
+// of VW floats (the device's native SIMD width), which the compiler keeps in SIMD registers.
 //
-// OUTER (B n-contiguous or general; A any strides): a work-item computes rows [mb, mb + MB) x
-// columns [n, n + NW) of Y (NW = NV * VW), RM rows at a time: per k, NV vector loads of B and RM
-// broadcasts of A feed RM * NV vector FMAs. K is walked in blocks of KC, outermost; each block's
-// KC x NW panel of B is first packed into local memory (contiguous, zeros past N), where it stays
-// in L1 while the RM-row blocks stream over it. Partial sums go to Y itself (float, written by
-// this work-item only) between blocks; RESULT is applied once, after the last block.
+// A work-item computes rows [mb, mb + MB) x columns [n, n + NW) of Y (NW = NV * VW), RM rows at
+// a time: per k, NV vector loads of B and RM broadcasts of A feed RM * NV vector FMAs. K is
+// walked in blocks of KC, outermost; each block's KC x NW panel of B is first packed into local
+// memory (contiguous, zeros past N: this is what BLAS packing does), where it stays in L1 while
+// the RM-row blocks stream over it. Partial sums go to Y itself (float, written by this
+// work-item only) between blocks; RESULT is applied once, after the last block.
 //
-// DOT (A and B both k-contiguous, e.g. x @ W^T and matrix-vector): a work-item computes an
-// RM x RN tile as RM * RN vector dot products along k, reduced horizontally at the end.
+// Rows beyond M read row M - 1: their results are computed but not stored, so the inner loops
+// have no guards.
 //
-// Rows beyond M read row M - 1, and DOT's columns beyond N read column N - 1: their results are
-// computed but not stored, so the inner loops have no guards.
-//
-// #defines written by polyhal_opencl/ops/linalg.py: DOT, VW, NV, RM, MB, KC (OUTER) or RM, RN
-// (DOT), FMA(a, b, c), IT (index type), PLAIN (RESULT is a plain store of v), and as in matmul.cl
-// M N K SAM SAK SBK SBN PARAMS PROLOGUE BATCH_OFFSETS RESULT.
+// #defines written by polyhal_opencl/ops/linalg.py: VW, NV, RM, MB, KC, FMA(a, b, c), IT (index
+// type), PLAIN (RESULT is a plain store of v), and as in matmul.cl M N K SAM SAK SBK SBN PARAMS
+// PROLOGUE BATCH_OFFSETS RESULT. sgemm_dot.cl is the matrix-vector form.
 #define CAT_(a, b) a##b
 #define CAT(a, b) CAT_(a, b)
 #define VT CAT(float, VW)
 #define VLOAD(off, p) CAT(vload, VW)(off, p)
 #define VSTORE(v, off, p) CAT(vstore, VW)(v, off, p)
 
-#if !DOT
 #define NW (VW * NV)
 
 __kernel void matmul(PARAMS) {
@@ -99,11 +95,8 @@ PROLOGUE
       const int last = k0 + kn == K;
       for (int r = 0; r < RM; ++r) {
         if (m + r >= M) break;
-#if PLAIN
-        if (full) {
-#else
-        if (full && !last) {
-#endif
+        const int direct = PLAIN ? full : (full & !last);  // vector stores, no RESULT
+        if (direct) {
           for (int v = 0; v < NV; ++v) VSTORE(acc[r][v], 0, Y + (IT)(m + r) * N + n + v * VW);
           continue;
         }
@@ -125,63 +118,3 @@ PROLOGUE
     }
   }
 }
-
-#else  // DOT
-
-__kernel void matmul(PARAMS) {
-PROLOGUE
-  const int n0 = get_global_id(0) * RN;
-  const int m0 = get_global_id(1) * RM;
-  const long bat = get_global_id(2);
-  BATCH_OFFSETS
-  __global const float* A = a + abat;
-  __global const float* B = b + bbat;
-  __global const float* ar[RM];
-  __global const float* br[RN];
-#pragma unroll
-  for (int r = 0; r < RM; ++r) ar[r] = A + (IT)min(m0 + r, M - 1) * SAM;
-#pragma unroll
-  for (int q = 0; q < RN; ++q) br[q] = B + (IT)min(n0 + q, N - 1) * SBN;
-  VT acc[RM][RN];
-#pragma unroll
-  for (int r = 0; r < RM; ++r)
-#pragma unroll
-    for (int q = 0; q < RN; ++q) acc[r][q] = (VT)0.0f;
-  int k = 0;
-  for (; k + VW <= K; k += VW) {
-    VT av[RM], bv[RN];
-#pragma unroll
-    for (int r = 0; r < RM; ++r) av[r] = VLOAD(0, ar[r] + k);
-#pragma unroll
-    for (int q = 0; q < RN; ++q) bv[q] = VLOAD(0, br[q] + k);
-#pragma unroll
-    for (int r = 0; r < RM; ++r)
-#pragma unroll
-      for (int q = 0; q < RN; ++q) acc[r][q] = FMA(av[r], bv[q], acc[r][q]);
-  }
-  float s[RM][RN];
-  float t[VW];
-  for (int r = 0; r < RM; ++r)
-    for (int q = 0; q < RN; ++q) {
-      VSTORE(acc[r][q], 0, t);
-      float sum = 0.0f;
-      for (int j = 0; j < VW; ++j) sum += t[j];
-      s[r][q] = sum;
-    }
-  for (; k < K; ++k)
-    for (int r = 0; r < RM; ++r)
-      for (int q = 0; q < RN; ++q) s[r][q] = FMA(ar[r][k], br[q][k], s[r][q]);
-  for (int r = 0; r < RM; ++r) {
-    const int m = m0 + r;
-    if (m >= M) break;
-    for (int q = 0; q < RN; ++q) {
-      const int n = n0 + q;
-      if (n >= N) break;
-      const long yo = bat * ((long)M * N) + (IT)m * N + n;
-      const float v = s[r][q];
-      RESULT
-    }
-  }
-}
-
-#endif

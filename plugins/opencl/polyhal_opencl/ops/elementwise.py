@@ -10,8 +10,8 @@ from typing import Any, Callable, Mapping
 from polyhal.ir.types import TensorType
 
 from polyhal_opencl.codegen import (
-    CType, DeviceTraits, Recipe, bits_ctype, broadcast_strides, ctype, header, linear_launch,
-    operands, strided_kernel,
+    Arg, CType, DeviceTraits, Launch, Recipe, bits_ctype, broadcast_strides, collapse, ctype, header,
+    index_type, linear_launch, next_pow2, operands, param, prologue, strided_kernel,
 )
 
 #: An expression builder: operand C expressions and the compute type -> C expression.
@@ -79,13 +79,65 @@ UNARY: dict[str, Expr] = {
 }
 
 
+#: Elements per work-item of the contiguous kernel on CPU devices: bounds of the chunk size.
+CPU_CHUNK = (256, 16384)
+
+
+def _contiguous(out: TensorType, views: list) -> list[bool] | None:
+    """For each input view, whether it is read whole (True) or is one broadcast element (False),
+    when every operand is one of the two (no index math needed); None otherwise."""
+    shape, strides = collapse(out.shape, [v[2] for v in views])
+    if len(shape) > 1 or any(s not in ((), (0,), (1,)) for s in strides) or strides[-1] not in ((), (1,)):
+        return None
+    return [s == (1,) for s in strides[:-1]]
+
+
+def contiguous_kernel(name: str, total: int, out_t: CType, ins: list[CType], whole: list[bool],
+                      expr: Callable[[list[str]], str], traits: DeviceTraits) -> tuple[str, list[Launch]]:
+    """``y[i] = expr(x0[i], x1[i] or x1[0], ...)`` over ``total`` dense elements, no index math.
+
+    GPUs: one element per work-item (coalesced). CPU devices: a contiguous chunk of elements per
+    work-item, a plain loop the compiler vectorizes, with the broadcast operands read once;
+    chunks are sized so that every core gets several (fewer, larger work-groups cost less
+    than one work-item per element there)."""
+    params = ", ".join([param(f"x{i}", t.store, True) for i, t in enumerate(ins)] + [param("y", out_t.store)])
+    pro = prologue(*[(f"x{i}", t.store, True) for i, t in enumerate(ins)], ("y", out_t.store, False))
+    args = tuple(Arg(i) for i in range(len(ins) + 1))
+    if traits.is_cpu:
+        chunk = min(max(next_pow2(-(-total // (8 * max(traits.compute_units, 1)))), CPU_CHUNK[0]), CPU_CHUNK[1])
+        idx = index_type(total + chunk)
+        hoisted = "".join(f"  const {t.compute} v{i} = {t.load(f'x{i}', '0')};\n"
+                          for i, t in enumerate(ins) if not whole[i])
+        loads = "".join(f"    const {t.compute} v{i} = {t.load(f'x{i}', 'i')};\n"
+                        for i, t in enumerate(ins) if whole[i])
+        src = (f"__kernel void {name}({params}) {{\n{pro}"
+               f"  const {idx} s = ({idx})get_global_id(0) * {chunk};\n"
+               f"  const {idx} e = s + {chunk} < {total} ? s + {chunk} : {total};\n{hoisted}"
+               f"  for ({idx} i = s; i < e; ++i) {{\n{loads}"
+               f"    {out_t.store_stmt('y', 'i', expr([f'v{i}' for i in range(len(ins))]))}\n  }}\n}}\n")
+        return src, [Launch(name, (-(-total // chunk),), (1,), args)]
+    idx = index_type(total)
+    loads = "".join(f"  const {t.compute} v{i} = {t.load(f'x{i}', 'i' if whole[i] else '0')};\n"
+                    for i, t in enumerate(ins))
+    src = (f"__kernel void {name}({params}) {{\n{pro}"
+           f"  const size_t gid = get_global_id(0);\n  if (gid >= {total}) return;\n"
+           f"  const {idx} i = ({idx})gid;\n{loads}"
+           f"  {out_t.store_stmt('y', 'i', expr([f'v{i}' for i in range(len(ins))]))}\n}}\n")
+    return src, linear_launch(name, total, args, traits)
+
+
 def map_kernel(name: str, out: TensorType, out_t: CType, ins: list[tuple[TensorType, CType]],
                expr: Callable[[list[str]], str], traits: DeviceTraits, preamble: str = "") -> Recipe:
     """out = expr(inputs) elementwise, inputs broadcast to ``out``'s shape; ``preamble`` is C
-    code (helper functions) placed before the kernel."""
+    code (helper functions) placed before the kernel. Dense operands (and single broadcast
+    elements) get :func:`contiguous_kernel`, anything else the strided kernel."""
     name = f"{name}_kernel"  # op names such as abs and exp are OpenCL builtins
     views = [(f"x{i}", t, broadcast_strides(tt.shape, out.shape), True) for i, (tt, t) in enumerate(ins)]
     views.append(("y", out_t, broadcast_strides(out.shape, out.shape), False))
+    whole = _contiguous(out, views) if out.size else None
+    if whole is not None:
+        src, launches = contiguous_kernel(name, out.size, out_t, [t for _, t in ins], whole, expr, traits)
+        return Recipe(header(out_t, *(t for _, t in ins)) + preamble + src, launches)
 
     def body(o: dict[str, str]) -> str:
         # Loads go to locals first: expressions such as maximum's use an operand several times.

@@ -7,14 +7,15 @@ when it is prepared, from the device traits and the shapes (:func:`choose`):
   per work-item, BK 8) or 64x64 (4x4 per work-item, BK 16) blocks of 256 work-items, float4
   global loads, padded double-buffered local tiles; 128x128 once the product has enough blocks
   to give every compute unit one, 64x64 below that;
-* ``cpu_outer`` / ``cpu_dot`` (``cl/sgemm_cpu.cl``), float32 on CPU devices (PoCL): no local
-  memory, explicit SIMD vectors of the device's native width, K blocked for L1; ``cpu_dot``
-  when both operands are k-contiguous (``x @ W^T``, matrix-vector products);
+* ``cpu_outer`` / ``cpu_dot`` (``cl/sgemm_cpu.cl``, ``cl/sgemm_dot.cl``), float32 on CPU devices (PoCL): no local
+  memory but a packed panel of B, explicit SIMD vectors of the device's native width, K blocked
+  for L1; ``cpu_dot`` for matrix-vector shapes whose operands are both k-contiguous;
 * ``portable`` (``cl/matmul.cl``): every other element type, small or degenerate products,
   devices whose work-groups are too small for the GPU blocks.
 
 ``POLYHAL_OPENCL_MATMUL`` (one of the names above) forces a variant where it applies (float32,
-K > 0; the GPU variants need 256-work-item groups, ``cpu_dot`` k-contiguous operands), for
+K > 0; the GPU variants need 256-work-item groups, ``cpu_dot`` k-contiguous operands), and
+``POLYHAL_OPENCL_GPU_BLOCK=BM,BN,BK,TM,TN`` replaces the GPU variants' block shape, for
 comparisons and tuning.
 
 pyclblast is not used: PyPI has only its source, which needs the CLBlast C library installed.
@@ -78,10 +79,32 @@ class Problem:
     sb: tuple[int, int]
 
 
+def gpu_block(variant: str) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, TM, TN) of a GPU variant; ``POLYHAL_OPENCL_GPU_BLOCK=BM,BN,BK,TM,TN``
+    replaces it (for tuning on a new GPU without editing code), checked against what
+    ``cl/sgemm.cl`` can run."""
+    raw = os.environ.get("POLYHAL_OPENCL_GPU_BLOCK", "").strip()
+    if not raw:
+        return GPU_BLOCKS[variant]
+    try:
+        bm, bn, bk, tm, tn = (int(v) for v in raw.split(","))
+    except ValueError:
+        raise ValueError(f"POLYHAL_OPENCL_GPU_BLOCK={raw!r} is not five integers BM,BN,BK,TM,TN") from None
+    threads = (bm // max(tm, 1)) * (bn // max(tn, 1))
+    if (min(bm, bn, bk, tm, tn) <= 0 or tm % 4 or tn % 4 or bk % 4 or bm % tm or bn % tn
+            or (bm * bk // 4) % threads or (bn * bk // 4) % threads or bm * bk // 4 < threads
+            or bn * bk // 4 < threads):
+        raise ValueError(
+            f"POLYHAL_OPENCL_GPU_BLOCK={raw!r}: TM, TN and BK must be multiples of 4, BM and BN multiples of TM "
+            f"and TN, and each slab's float4 groups (BM*BK/4 and BN*BK/4) a multiple of the "
+            f"(BM/TM)*(BN/TN) = {threads} work-items")
+    return bm, bn, bk, tm, tn
+
+
 def _gpu_fits(traits: DeviceTraits, variant: str) -> bool:
-    bm, bn, bk, _, _ = GPU_BLOCKS[variant]
+    bm, bn, bk, tm, tn = gpu_block(variant)
     local = 2 * bk * (bm + bn + 2 * GPU_PAD) * 4
-    return traits.max_work_group_size >= 256 and traits.local_mem_size >= local
+    return traits.max_work_group_size >= (bm // tm) * (bn // tn) and traits.local_mem_size >= local
 
 
 def choose(t: CType, out: CType, p: Problem, traits: DeviceTraits) -> str:
@@ -95,7 +118,9 @@ def choose(t: CType, out: CType, p: Problem, traits: DeviceTraits) -> str:
             return "portable"
         return "cpu_outer" if forced == "cpu_dot" and not dot else forced
     if traits.is_cpu:
-        return "cpu_dot" if dot and (p.sb[1] != 1 or p.n < 8) else "cpu_outer"
+        # The outer kernel packs B, so it reads a transposed B well too; dot products win only
+        # for matrix-vector shapes, where there is no panel to reuse.
+        return "cpu_dot" if dot and min(p.m, p.n) < 8 else "cpu_outer"
     if p.m < 32 or p.n < 32:
         return "portable"
     blocks128 = -(-p.m // 128) * -(-p.n // 128) * p.nbatch
@@ -128,51 +153,60 @@ def _product(t: CType, out: CType, *, m: int, n: int, k: int, batch: tuple[int, 
     # Offsets within one matrix (batch offsets are long everywhere).
     it = index_type(m * max(abs(a_strides[0]), 1) + k * abs(a_strides[1]),
                     k * max(abs(b_strides[0]), 1) + n * abs(b_strides[1]), m * n)
+    ts = tile_edge(traits)
+    rt = register_tile(m, n, ts)
+    acc = t.unsigned if t.kind in "iu" else t.compute  # unsigned: integer products wrap as numpy's
+    portable = Recipe(
+        common
+        + defines(TS=ts, RT=rt, TK=16, CT=t.compute, ACC=acc)
+        + f"#define LOAD_A(i) {t.load('a', 'i')}\n#define LOAD_B(i) {t.load('b', 'i')}\n"
+        + f"#define MUL(x, y) (({acc})(x) * ({acc})(y))\n"
+        + cl_source("matmul.cl"),
+        [Launch("matmul", (round_up(n, ts * rt) // rt, round_up(m, ts * rt) // rt, nbatch), (ts, ts, 1), args)])
+    if variant == "portable":
+        return portable
+    recipe = _tuned(variant, common, args, t, m, n, k, nbatch, a_strides, b_strides, it, plain, traits)
+    # kernels.prepare builds the portable kernel instead should a driver's compiler reject this one.
+    recipe.fallback = portable
+    return recipe
+
+
+def _tuned(variant: str, common: str, args: tuple[Arg, ...], t: CType, m: int, n: int, k: int, nbatch: int,
+           a_strides: tuple[int, int], b_strides: tuple[int, int], it: str, plain: bool,
+           traits: DeviceTraits) -> Recipe:
+    """The recipe of a float32 variant (``gpu128``, ``gpu64``, ``cpu_outer``, ``cpu_dot``)."""
     if variant in GPU_BLOCKS:
-        bm, bn, bk, tm, tn = GPU_BLOCKS[variant]
+        bm, bn, bk, tm, tn = gpu_block(variant)
         a_kmaj, b_nmaj = a_strides[1] == 1, b_strides[1] == 1
         a_vec = a_strides[0] % 4 == 0 if a_kmaj else (a_strides[0] == 1 and a_strides[1] % 4 == 0)
-        b_vec = b_strides[0] % 4 == 0 if b_nmaj else (b_strides[1] == 1 and b_strides[0] % 4 == 0)
+        b_vec = b_strides[0] % 4 == 0 if b_nmaj else (b_strides[0] == 1 and b_strides[1] % 4 == 0)
         source = (common + defines(BM=bm, BN=bn, BK=bk, TM=tm, TN=tn, PAD=GPU_PAD, A_KMAJ=a_kmaj, B_NMAJ=b_nmaj,
                                    A_VEC=a_vec, B_VEC=b_vec, EVEN_M=m % bm == 0, EVEN_N=n % bn == 0,
                                    EVEN_K=k % bk == 0, IT=it, PLAIN=plain)
                   + cl_source("sgemm.cl"))
         gsize = (round_up(n, bn) // tn, round_up(m, bm) // tm, nbatch)
         return Recipe(source, [Launch("matmul", gsize, (bn // tn, bm // tm, 1), args)])
-    if variant in ("cpu_outer", "cpu_dot"):
-        vw = min(max(next_pow2_clamped(traits.vector_width), 4), 16)
-        fma = "fma(a, b, c)" if traits.fma else "mad(a, b, c)"
-        if variant == "cpu_dot":
-            rm = rn = 4 if vw >= 16 else 3
-            rm, rn = min(rm, m), min(rn, n)
-            source = (common + defines(DOT=1, VW=vw, RM=rm, RN=rn, IT=it, PLAIN=plain)
-                      + f"#define FMA(a, b, c) {fma}\n" + cl_source("sgemm_cpu.cl"))
-            gsize = (-(-n // rn), -(-m // rm), nbatch)
-        else:
-            nv = 2 if n > vw else 1
-            rm = min(8 if vw >= 16 else 6, m)
-            # Row blocks of up to 16 * RM rows, fewer while that leaves the cores short of work.
-            q = min(16, -(-m // rm))
-            cols = -(-n // (vw * nv))
-            while q > 1 and cols * -(-m // (rm * q)) * nbatch < 4 * traits.compute_units:
-                q //= 2
-            kc = k if k <= 192 else 128  # the packed KC x NW panel of B: at most 24 KiB, in L1
-            source = (common + defines(DOT=0, VW=vw, NV=nv, RM=rm, MB=rm * q, KC=kc, IT=it, PLAIN=plain)
-                      + f"#define FMA(a, b, c) {fma}\n" + cl_source("sgemm_cpu.cl"))
-            gsize = (cols, -(-m // (rm * q)), nbatch)
-        return Recipe(source, [Launch("matmul", gsize, (1, 1, 1), args)])
-    ts = tile_edge(traits)
-    rt = register_tile(m, n, ts)
-    acc = t.unsigned if t.kind in "iu" else t.compute  # unsigned: integer products wrap as numpy's
-    source = (
-        common
-        + defines(TS=ts, RT=rt, TK=16, CT=t.compute, ACC=acc)
-        + f"#define LOAD_A(i) {t.load('a', 'i')}\n#define LOAD_B(i) {t.load('b', 'i')}\n"
-        + f"#define MUL(x, y) (({acc})(x) * ({acc})(y))\n"
-        + cl_source("matmul.cl")
-    )
-    gsize = (round_up(n, ts * rt) // rt, round_up(m, ts * rt) // rt, nbatch)
-    return Recipe(source, [Launch("matmul", gsize, (ts, ts, 1), args)])
+    vw = min(max(next_pow2_clamped(traits.vector_width), 4), 16)
+    fma = "fma(a, b, c)" if traits.fma else "mad(a, b, c)"
+    if variant == "cpu_dot":
+        rm = rn = 4 if vw >= 16 else 3
+        rm, rn = min(rm, m), min(rn, n)
+        source = (common + defines(VW=vw, RM=rm, RN=rn, IT=it)
+                  + f"#define FMA(a, b, c) {fma}\n" + cl_source("sgemm_dot.cl"))
+        gsize = (-(-n // rn), -(-m // rm), nbatch)
+    else:
+        nv = 2 if n > vw else 1
+        rm = min(8 if vw >= 16 else 6, m)
+        # Row blocks of up to 16 * RM rows, fewer while that leaves the cores short of work.
+        q = min(16, -(-m // rm))
+        cols = -(-n // (vw * nv))
+        while q > 1 and cols * -(-m // (rm * q)) * nbatch < 4 * traits.compute_units:
+            q //= 2
+        kc = k if k <= 192 else 128  # the packed KC x NW panel of B: at most 24 KiB, in L1
+        source = (common + defines(VW=vw, NV=nv, RM=rm, MB=rm * q, KC=kc, IT=it, PLAIN=plain)
+                  + f"#define FMA(a, b, c) {fma}\n" + cl_source("sgemm_cpu.cl"))
+        gsize = (cols, -(-m // (rm * q)), nbatch)
+    return Recipe(source, [Launch("matmul", gsize, (1, 1, 1), args)])
 
 
 def next_pow2_clamped(n: int) -> int:

@@ -1,0 +1,39 @@
+"""CUDA C kernels and launch planning shared with HIP: the backend-neutral half of polyhal-cuda.
+
+polyhal-hip compiles polyhal-cuda's CUDA C (``polyhal_cuda/cu/*.cu``) unchanged behind its
+``hip/compat.h``. Everything about those kernels that does not depend on how a backend compiles
+or launches them lives here, once, with public names; both backends import it. So do the few
+pieces of device, allocator and plugin code that the two backends have in common.
+
+=====================  ===========================================================================
+module                 what
+=====================  ===========================================================================
+:mod:`.launch`         launch shapes: :data:`~.launch.BLOCK`, :func:`~.launch.grid`, the null address
+:mod:`.optable`        :class:`~.optable.OpTable`: a backend's op -> builder and scratch declarer,
+                       the checks every ``prepare`` makes (unknown op, encodings, empty outputs),
+                       and the host fallback (the op's numpy reference)
+:mod:`.elementwise`    the CUDA C elementwise snippets (relu, sigmoid, gelu, where, shifts, mod, ...)
+                       and their preamble
+:mod:`.rowwise`        ``cu/rowwise.cu`` (softmax, layer norm): when it applies, its launch
+:mod:`.scratch`        where a kernel's declared scratch went (:class:`~.scratch.Scratch`), and
+                       the dynamic shared memory a block may use
+:mod:`.sorting`        ``cu/sort.cu``: the plan of a sort / argsort / topk instance
+                       (:class:`~.sorting.SortPlan`), its scratch declarations, the bitonic
+                       ``sort_rows`` launch
+:mod:`.nms`            ``cu/nms.cu``: the geometry of a non-max-suppression instance, its scratch
+                       declarations, the pipeline of launches (:class:`~.nms.Pipeline`)
+:mod:`.memory`         allocator and DLPack commons: usage masks, memory types,
+                       ``allocate(kind=...)``, the extent of an imported tensor
+:mod:`.enumeration`    plugin commons: the enumeration record, rank and pool from the environment
+=====================  ===========================================================================
+
+What a backend brings (the contract): a *device* with ``spec`` (``limits["multiprocessors"]``,
+``workgroup_bytes``), ``allocator`` and ``launch(function, name, grid, block, args,
+shared_bytes=0)`` on its stream; kernel arguments are numpy scalars (``np.uint64`` for a device
+address) or the backend's own arrays. The backend compiles the source (cupy / NVRTC, hiprtc) and
+hands the loaded function in; this package never compiles, allocates device memory only for
+scratch used outside a plan, and names the backend (``"cuda"``, ``"hip"``) wherever it labels
+something.
+
+Importing this package imports neither cupy nor hip-python.
+"""
