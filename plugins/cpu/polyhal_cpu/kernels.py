@@ -108,23 +108,29 @@ def _float16_via_float32(builder: Builder) -> Builder:
     return build
 
 
-#: Elements per piece for multi-pass elementwise kernels (32K float64 scratch = 256 KiB).
+#: Elements per piece for multi-pass elementwise kernels with float64 scratch (erf: input,
+#: output and three float64 temporaries, ~1 MiB a piece).
 _CHUNK = 32768
+#: Elements per piece (float32; half as many float64) for those that work in place on their
+#: output (~1 MiB of input and output a piece: smaller pieces only add calls).
+_CHUNK_IN_PLACE = 131072
 
 
-def _chunked(kernel: Callable[[np.ndarray, np.ndarray], None]) -> Callable[[np.ndarray, np.ndarray], None]:
-    """Run a unary elementwise ``kernel(x, out)`` over cache-sized pieces of large arrays.
+def _chunked(kernel: Callable[[np.ndarray, np.ndarray], None], size: int = _CHUNK
+             ) -> Callable[[np.ndarray, np.ndarray], None]:
+    """Run a unary elementwise ``kernel(x, out)`` over cache-sized pieces (``size`` elements)
+    of large arrays.
 
     erf and gelu make ~30 passes over their data; on pieces that fit in L2 the later passes hit
     cache instead of memory, which makes them 2-3x faster on large tensors.
     """
     def run(x: np.ndarray, out: np.ndarray) -> None:
-        if out.size <= _CHUNK or not out.flags.c_contiguous:
+        if out.size <= size or not out.flags.c_contiguous:
             kernel(x, out)
             return
         flat_x, flat_out = x.reshape(-1), out.reshape(-1)  # a view of out: it is contiguous
-        for start in range(0, flat_out.size, _CHUNK):
-            kernel(flat_x[start:start + _CHUNK], flat_out[start:start + _CHUNK])
+        for start in range(0, flat_out.size, size):
+            kernel(flat_x[start:start + size], flat_out[start:start + size])
     return run
 
 
@@ -278,7 +284,7 @@ def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 @register_kernels("sigmoid")
-@parallel()
+@parallel(factor=4)  # ~0.5 ns an element: only large ones are worth a thread
 @_float16_via_float32
 def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -292,7 +298,7 @@ def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         np.exp(out, out=out)
         np.add(out, one, out=out)
         np.reciprocal(out, out=out)
-    return _chunked(kernel)
+    return _chunked(kernel, _CHUNK_IN_PLACE * 4 // dtype.itemsize)
 
 
 @register_kernels("erf")
@@ -302,7 +308,7 @@ def _erf(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 @register_kernels("gelu")
-@parallel()
+@parallel(factor=lambda attrs, ins: 4 if attrs["approximate"] == "tanh" else 1)  # tanh: ~1.3 ns an element, erf ~5
 @_float16_via_float32
 def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
@@ -321,7 +327,7 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
             np.multiply(out, half, out=out)
             np.add(out, half, out=out)
             np.multiply(out, x, out=out)
-        return _chunked(kernel)
+        return _chunked(kernel, _CHUNK_IN_PLACE * 4 // dtype.itemsize)
 
     inv_sqrt2 = _const(1.0 / math.sqrt(2.0), dtype)
 
@@ -476,7 +482,7 @@ _BLAS_ROW_SUM = 4096
 
 
 @register_kernels("softmax")
-@parallel(lambda attrs, ins: (int(attrs["axis"]),))  # rows on several cores
+@parallel(lambda attrs, ins: (int(attrs["axis"]),), factor=2)  # rows on several cores
 @_float16_via_float32
 def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type = ins[0]

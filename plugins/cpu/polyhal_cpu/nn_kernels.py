@@ -193,24 +193,28 @@ def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # ------------------------------------------------------------------------------------ attention
 #
-# softmax(scale q k^T) v one head at a time, through one (Lq, Lk) buffer:
-#  * the scores come out of the GEMM in log2 units (q is scaled by scale * log2(e)), so the
+# softmax(scale q k^T) v for a group of heads at a time (as many as fit _ATTENTION_GROUP score
+# elements; one head at least), through one (heads, Lq, Lk) buffer:
+#  * the scores come out of the GEMMs in log2 units (q is scaled by scale * log2(e)), so the
 #    exponentials are exp2, which numpy computes ~1.7x faster than exp, and no pass over the
 #    scores scales them;
 #  * softmax is shift-invariant, and the shift only has to keep exp2 finite and the row sums
-#    away from underflow. When the head's largest score lies in [0, maxexp/2] the scores are
-#    used as they are (no pass); otherwise the head's maximum is subtracted. A row whose sum
+#    away from underflow. When the group's largest score lies in [0, maxexp/2] the scores are
+#    used as they are (no pass); otherwise the group's maximum is subtracted. A row whose sum
 #    then falls below 2**-10 (its own maximum is far below the shift), or is not finite, is
 #    computed again on its own with its own maximum;
 #  * exp2 of scores below 2**minexp (subnormal results, or underflow to 0, e.g. -inf from a
-#    mask) runs 10-300x slower in numpy, so when the head's smallest score is below that the
-#    scores are clamped to it first (a weight of at most 2**-116 relative to the row's sum
-#    instead of 0);
+#    mask) runs 10-300x slower in numpy, so when such scores show up in every 8th row (dense
+#    regions, as masks make, cannot hide from that; a few elsewhere cost little) the scores
+#    are clamped to it first (a weight of at most 2**-116 relative to the row's sum instead
+#    of 0);
 #  * the weights are never normalised: the row sums (a BLAS matrix-vector product with ones)
 #    divide the (Lq, Dv) result of the second GEMM instead of the (Lq, Lk) weights.
 
 _LOG2E = 1.4426950408889634
 _MIN_ROW_SUM = 2.0 ** -10
+#: Score elements per group of heads (1 MiB of float32: the group's passes stay in L2).
+_ATTENTION_GROUP = 1 << 18
 
 
 @register_kernels("attention")
@@ -221,6 +225,7 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     lq, d = q_type.shape[-2:]
     lk, dv = v_type.shape[-2:]
     heads = math.prod(q_type.shape[:-2])
+    group = max(1, min(heads, _ATTENTION_GROUP // max(lq * lk, 1)))
     scale = 1.0 / math.sqrt(d) if attrs["scale"] is None else float(attrs["scale"])
     factor = np.asarray(scale * _LOG2E, dtype)
     info = np.finfo(dtype)
@@ -231,38 +236,41 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     matmul, multiply, subtract, exp2 = np.matmul, np.multiply, np.subtract, np.exp2
     maximum, hi_of, lo_of, add_reduce = np.maximum, np.maximum.reduce, np.minimum.reduce, np.add.reduce
 
-    def row_sums(s):
-        return matmul(s, ones) if gemv else add_reduce(s, axis=1)
-
     def kernel(q, k, v, out):
-        qs = multiply(q.reshape(heads, lq, d), factor)  # scaled copy: scores in log2 units
+        qs = multiply(q.reshape(heads, lq, d), factor)  # a scaled copy: scores in log2 units
         k3, v3, o3 = k.reshape(heads, lk, d), v.reshape(heads, lk, dv), out.reshape(heads, lq, dv)
-        s = np.empty((lq, lk), dtype)
-        for h in range(heads):
-            kh = blas_layout(k3[h])
-            matmul(qs[h], kh.T, out=s)
+        buf = np.empty((group, lq, lk), dtype)
+        for g0 in range(0, heads, group):
+            g1 = min(heads, g0 + group)
+            s, kg = buf[:g1 - g0], k3[g0:g1]
+            if g1 - g0 == 1:  # numpy's matmul takes BLAS's transpose flag for 2-D operands only
+                matmul(qs[g0], blas_layout(kg[0]).T, out=s[0])
+            else:
+                matmul(qs[g0:g1], kg.transpose(0, 2, 1), out=s)
             hi = float(hi_of(s, axis=None))
             if math.isfinite(hi):
                 shift = 0.0 if 0.0 <= hi <= top else hi
                 if shift:
                     subtract(s, np.asarray(shift, dtype), out=s)
-                if float(lo_of(s, axis=None)) < floor:
+                if float(lo_of(s[:, ::8], axis=None)) < floor:
                     maximum(s, floor_c, out=s)
                 exp2(s, out=s)
-                sums = row_sums(s)
-                redo = np.flatnonzero(~(sums >= min_sum))  # nan too
+                sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
+                ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM  # False for nan
             else:  # an inf or nan among the scores: every row on its own
-                sums = np.empty(lq, dtype)
-                redo = np.arange(lq)
-            if redo.size:
-                r = matmul(qs[h][redo], kh.T)
-                subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
-                maximum(r, floor_c, out=r)
-                exp2(r, out=r)
-                s[redo] = r
-                sums[redo] = add_reduce(r, axis=1)
-            oh = o3[h]
-            matmul(s, blas_layout(v3[h]), out=oh)
+                sums, ok = np.zeros((g1 - g0, lq), dtype), False
+            if not ok:
+                redo = ~(sums >= min_sum)
+                for h in np.flatnonzero(redo.any(axis=1)).tolist():
+                    rows = np.flatnonzero(redo[h])
+                    r = matmul(qs[g0 + h][rows], blas_layout(kg[h]).T)
+                    subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
+                    maximum(r, floor_c, out=r)  # nan stays nan
+                    exp2(r, out=r)
+                    s[h, rows] = r
+                    sums[h, rows] = add_reduce(r, axis=1)
+            og = o3[g0:g1]
+            matmul(s, v3[g0:g1], out=og)
             np.reciprocal(sums, out=sums)
-            multiply(oh, sums.reshape(lq, 1), out=oh)
+            multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
     return kernel

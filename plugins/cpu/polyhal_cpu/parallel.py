@@ -8,8 +8,10 @@ kernels require) and builds one kernel per piece shape; the calling thread runs 
 and the pool the others.
 
 ``POLYHAL_CPU_THREADS`` sets the number of threads (default: the CPU count; 1 disables this).
-Kernels smaller than :data:`MIN_ELEMENTS` run whole, since handing a piece to a thread costs
-~10-20 µs.
+Kernels smaller than :data:`MIN_ELEMENTS` (times the kernel's ``factor``) run whole: handing a
+piece to a thread and waiting for it costs ~30 µs, ~50-80 µs when the thread has gone idle
+(a 2-core VM), so a split pays only for work of a few hundred microseconds; kernels that
+spend little per element (tanh-GELU, sigmoid) split later than costly ones (erf).
 """
 
 from __future__ import annotations
@@ -47,19 +49,22 @@ def _executor(n: int) -> ThreadPoolExecutor:
 
 
 def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, ins: (),
-             split_inputs: Callable[[dict, tuple], tuple[bool, ...]] | None = None):
+             split_inputs: Callable[[dict, tuple], tuple[bool, ...]] | None = None,
+             factor: float | Callable[[dict, tuple], float] = 1):
     """Decorate a builder so that its kernel runs in pieces along one axis on several threads.
 
     ``fixed_axes(attrs, ins)`` are the output axes that must stay whole (a softmax's axis, a
     layer_norm's normalised axes); ``split_inputs(attrs, ins)`` says which inputs are cut like
     the output (default: those of the output's shape; others, such as a layer_norm's scale,
-    are passed whole).
+    are passed whole). Outputs smaller than ``factor`` (or ``factor(attrs, ins)``) times
+    :data:`MIN_ELEMENTS` are not split: kernels that cost little per element need more.
     """
     def wrap(builder):
         def build(op: str, attrs: dict, ins: tuple, outs: tuple):
             n = threads()
             out = outs[0]
-            if n < 2 or out.size < MIN_ELEMENTS or any(o.shape != out.shape for o in outs):
+            least = MIN_ELEMENTS * (factor(attrs, ins) if callable(factor) else factor)
+            if n < 2 or out.size < least or any(o.shape != out.shape for o in outs):
                 return builder(op, attrs, ins, outs)
             rank = out.rank
             fixed = {a % rank for a in fixed_axes(attrs, ins)} if rank else set()

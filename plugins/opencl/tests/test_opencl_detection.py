@@ -92,7 +92,7 @@ def test_nms_identical_to_onnxruntime_on_1k_boxes(device):
         [helper.make_tensor_value_info(n, t, None) for n, t in
          (("b", TensorProto.FLOAT), ("s", TensorProto.FLOAT), ("m", TensorProto.INT64), ("i", TensorProto.FLOAT))],
         [helper.make_tensor_value_info("o", TensorProto.INT64, None)])
-    sess = ort.InferenceSession(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)]).SerializeToString(),
+    sess = ort.InferenceSession(helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)], ir_version=8).SerializeToString(),
                                 providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(3)
     n = 1000

@@ -37,8 +37,10 @@ from polyhal_opencl.codegen import (
 
 #: Variant names (see the module docstring).
 VARIANTS = ("gpu128", "gpu64", "cpu_outer", "cpu_dot", "portable")
-#: GPU block configurations: (BM, BN, BK, TM, TN); 256 work-items each.
-GPU_BLOCKS = {"gpu128": (128, 128, 8, 8, 8), "gpu64": (64, 64, 16, 4, 4)}
+#: GPU block configurations: (BM, BN, BK, TM, TN); 256 work-items each. gpu128's BK of 16 came
+#: from a sweep on an H100 through NVIDIA's OpenCL (4096² float32: BK 8 gave 26 TFLOP/s, BK 16
+#: 33 TFLOP/s, cuBLAS 50; bench/results/opencl_ops-h100.md).
+GPU_BLOCKS = {"gpu128": (128, 128, 16, 8, 8), "gpu64": (64, 64, 16, 4, 4)}
 #: Local-memory padding of the GPU tiles, in floats (keeps rows 16-byte aligned).
 GPU_PAD = 4
 

@@ -1,0 +1,109 @@
+"""Views in the bufferize pass: reshapes (every device) and transposes (devices whose kernels take
+strided operands) of intermediates share their operand's buffer and run no kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyhal
+from polyhal_cpu.device import CPUDevice
+
+
+def _heads_program(seq=8, heads=2, dh=4):
+    """x -> exp -> reshape to heads -> transpose -> matmul with its own transpose -> reshape."""
+    b = polyhal.ProgramBuilder("heads")
+    x = b.input("x", (seq, heads * dh))
+    e = b.exp(x)
+    h = b.reshape(e, shape=[seq, heads, dh])
+    t = b.transpose(h, perm=[1, 0, 2])  # (heads, seq, dh): a strided view of e
+    kt = b.transpose(h, perm=[1, 2, 0])  # (heads, dh, seq)
+    s = b.matmul(t, kt)  # (heads, seq, seq)
+    back = b.transpose(b.matmul(s, t), perm=[1, 0, 2])  # (seq, heads, dh), strided
+    b.output(b.reshape(back, shape=[seq, heads * dh]))  # a program output: always a copy
+    return b.build()
+
+
+def _expected(x, heads=2, dh=4):
+    h = np.exp(x.astype(np.float64)).reshape(len(x), heads, dh)
+    t = h.transpose(1, 0, 2)
+    s = t @ h.transpose(1, 2, 0)
+    return (s @ t).transpose(1, 0, 2).reshape(len(x), heads * dh)
+
+
+def test_reshapes_and_transposes_of_intermediates_are_views_on_the_cpu():
+    plan = polyhal.compile(_heads_program(), "cpu:0")
+    bp = plan.buffer_plan
+    ops = {w.value.name: w for w in bp.views}
+    assert set(ops) == {"reshape", "transpose", "transpose1", "transpose2"}
+    assert ops["reshape"].strides is None and ops["transpose"].strides == (4, 8, 1)
+    assert all(w.source.name == "exp" for n, w in ops.items() if n != "transpose2")
+    # No kernel runs for them: exp, two matmuls and the final reshape (a program output).
+    assert plan.dispatch_count == 4 and len(plan._steps) == 4
+    # The views alias exp's buffer, whose lifetime now covers the views' uses.
+    exp = next(b for b in bp.buffers if b.name == "%exp")
+    assert exp.last >= max(w.op_index for w in bp.views if w.source.name == "exp")
+    x = np.random.default_rng(0).uniform(-1, 1, (8, 8)).astype(np.float32)
+    np.testing.assert_allclose(plan(x).numpy(), _expected(x), rtol=1e-5)
+    assert "view %transpose of %exp's buffer" in plan.explain()
+
+
+def test_buffers_sharing_memory_are_never_live_together_with_views():
+    plan = polyhal.compile(_heads_program(), "cpu:0")
+    by = {b.name: b for b in plan.buffer_plan.buffers}
+    for a in by.values():
+        for o in by.values():
+            if a is not o and a.overlaps(o):
+                lo, hi = sorted((a, o), key=lambda q: q.offset)
+                assert lo.offset + lo.nbytes <= hi.offset
+
+
+def test_transposes_stay_copies_without_strided_views(monkeypatch):
+    monkeypatch.setattr(CPUDevice, "strided_views", False)
+    plan = polyhal.compile(_heads_program(), "cpu:0")
+    views = {w.value.name for w in plan.buffer_plan.views}
+    assert views == {"reshape"}  # the row-major reshape only
+    x = np.random.default_rng(1).uniform(-1, 1, (8, 8)).astype(np.float32)
+    np.testing.assert_allclose(plan(x).numpy(), _expected(x), rtol=1e-5)
+
+
+def test_inputs_outputs_and_reshapes_of_strided_views_are_copied():
+    b = polyhal.ProgramBuilder("edges")
+    x = b.input("x", (4, 6))
+    r = b.reshape(x, shape=[6, 4])  # of a program input: copied
+    t = b.transpose(b.neg(r))  # a view
+    tr = b.reshape(t, shape=[24])  # of a strided view: copied
+    out = b.reshape(b.exp(tr), shape=[4, 6])  # a program output: copied
+    b.output(out, b.relu(tr))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    assert {w.value.name for w in plan.buffer_plan.views} == {"transpose"}
+    xs = np.arange(24, dtype=np.float32).reshape(4, 6) / 10
+    got_out, got_relu = plan(xs)
+    flat = (-xs.reshape(6, 4)).T.reshape(24)
+    np.testing.assert_allclose(got_out.numpy(), np.exp(flat).reshape(4, 6), rtol=1e-6)
+    np.testing.assert_allclose(got_relu.numpy(), np.maximum(flat, 0))
+    assert got_out.is_contiguous and got_relu.is_contiguous
+
+
+def test_a_transpose_that_moves_only_unit_dims_is_a_row_major_view(monkeypatch):
+    monkeypatch.setattr(CPUDevice, "strided_views", False)
+    b = polyhal.ProgramBuilder("unit")
+    x = b.input("x", (3, 1, 5))
+    t = b.transpose(b.neg(x), perm=[1, 0, 2])  # (1, 3, 5): the same bytes in the same order
+    b.output(b.exp(b.reshape(t, shape=[15])))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    views = {w.value.name: w.strides for w in plan.buffer_plan.views}
+    assert views == {"transpose": None, "reshape": None}
+    xs = np.linspace(-1, 1, 15, dtype=np.float32).reshape(3, 1, 5)
+    np.testing.assert_allclose(plan(xs).numpy(), np.exp(-xs.reshape(15)), rtol=1e-6)
+
+
+def test_views_on_a_device_without_host_memory():
+    names = [s.name for s in polyhal.devices() if s.backend == "opencl"]
+    if not names:
+        pytest.skip("no OpenCL device")
+    plan = polyhal.compile(_heads_program(), names[0])
+    views = {w.value.name for w in plan.buffer_plan.views}
+    assert views == {"reshape"}  # OpenCL kernels take row-major operands: transposes copy
+    x = np.random.default_rng(2).uniform(-1, 1, (8, 8)).astype(np.float32)
+    np.testing.assert_allclose(plan(x).numpy(), _expected(x), rtol=1e-4)
