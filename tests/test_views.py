@@ -107,3 +107,24 @@ def test_views_on_a_device_without_host_memory():
     assert views == {"reshape"}  # OpenCL kernels take row-major operands: transposes copy
     x = np.random.default_rng(2).uniform(-1, 1, (8, 8)).astype(np.float32)
     np.testing.assert_allclose(plan(x).numpy(), _expected(x), rtol=1e-4)
+
+
+def test_views_on_one_device_feed_transfers_to_another():
+    names = [s.name for s in polyhal.devices() if s.backend == "opencl"]
+    if not names:
+        pytest.skip("no OpenCL device")
+    from polyhal.ops import OPS
+
+    b = polyhal.ProgramBuilder("het")
+    x, y = b.input("x", (2, 8, 12)), b.input("y", (2, 8, 12))
+    e = b.exp(b.add(x, y))
+    r = b.reshape(e, shape=[2, 8, 12])  # a view of e on the OpenCL device
+    k = b.reshape(b.reshape(b.mul(b.neg(x), x), shape=[2, 12, 8]), shape=[2, 8, 12])  # views at another offset
+    b.output(b.add(b.attention(r, k, r), x))  # attention has a CPU kernel only: the views are copied over
+    plan = polyhal.compile(b.build(), [names[0], "cpu:0"])
+    assert len(plan.buffer_plan.views) == 3 and plan.placement.transfers >= 2
+    rng = np.random.default_rng(0)
+    xs, ys = (rng.uniform(-1, 1, (2, 8, 12)).astype(np.float32) for _ in range(2))
+    e_ = np.exp(xs + ys)
+    want = OPS["attention"].reference(e_, -xs * xs, e_)[0] + xs
+    np.testing.assert_allclose(plan(xs, ys).numpy(), want, rtol=1e-4, atol=1e-5)

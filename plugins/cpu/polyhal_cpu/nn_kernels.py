@@ -199,15 +199,15 @@ def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 #    exponentials are exp2, which numpy computes ~1.7x faster than exp, and no pass over the
 #    scores scales them;
 #  * softmax is shift-invariant, and the shift only has to keep exp2 finite and the row sums
-#    away from underflow. When the group's largest score lies in [0, maxexp/2] the scores are
-#    used as they are (no pass); otherwise the group's maximum is subtracted. A row whose sum
-#    then falls below 2**-10 (its own maximum is far below the shift), or is not finite, is
-#    computed again on its own with its own maximum;
-#  * exp2 of scores below 2**minexp (subnormal results, or underflow to 0, e.g. -inf from a
-#    mask) runs 10-300x slower in numpy, so when such scores show up in every 8th row (dense
-#    regions, as masks make, cannot hide from that; a few elsewhere cost little) the scores
-#    are clamped to it first (a weight of at most 2**-116 relative to the row's sum instead
-#    of 0);
+#    away from underflow. A row whose sum falls below 2**-10 (its own maximum is far below
+#    the shift) or is not finite (overflow, inf, nan) is computed again on its own with its
+#    own maximum, so any shift gives the right result and the shift is chosen from a sample,
+#    every 8th row of the group's scores: when the sample's largest score lies in
+#    [0, maxexp/2] the scores are used as they are (no pass), else its maximum is subtracted;
+#  * exp2 of scores below 2**minexp (subnormal results, or underflow to 0, e.g. of -inf)
+#    runs 10-300x slower in numpy, so when such scores show up in the sample (dense regions
+#    cannot hide from it; a few elsewhere cost little) the scores are clamped to it first (a
+#    weight of at most 2**-116 relative to the row's sum instead of 0);
 #  * the weights are never normalised: the row sums (a BLAS matrix-vector product with ones)
 #    divide the (Lq, Dv) result of the second GEMM instead of the (Lq, Lk) weights.
 
@@ -247,20 +247,21 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
                 matmul(qs[g0], blas_layout(kg[0]).T, out=s[0])
             else:
                 matmul(qs[g0:g1], kg.transpose(0, 2, 1), out=s)
-            hi = float(hi_of(s, axis=None))
+            sample = s[:, ::8]
+            hi = float(hi_of(sample, axis=None))
             if math.isfinite(hi):
                 shift = 0.0 if 0.0 <= hi <= top else hi
                 if shift:
                     subtract(s, np.asarray(shift, dtype), out=s)
-                if float(lo_of(s[:, ::8], axis=None)) < floor:
+                if float(lo_of(sample, axis=None)) < floor:
                     maximum(s, floor_c, out=s)
                 exp2(s, out=s)
                 sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
-                ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM  # False for nan
+                ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM and math.isfinite(float(hi_of(sums, axis=None)))
             else:  # an inf or nan among the scores: every row on its own
                 sums, ok = np.zeros((g1 - g0, lq), dtype), False
             if not ok:
-                redo = ~(sums >= min_sum)
+                redo = ~((sums >= min_sum) & (sums < np.inf))  # nan too
                 for h in np.flatnonzero(redo.any(axis=1)).tolist():
                     rows = np.flatnonzero(redo[h])
                     r = matmul(qs[g0 + h][rows], blas_layout(kg[h]).T)
