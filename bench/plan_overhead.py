@@ -70,7 +70,7 @@ def run(args) -> list[Row]:
     mplan = polyhal.compile(b.build(), dev.name)
     a, w = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)
     mout, nout = polyhal.empty((n, n), "float32", dev), np.empty((n, n), np.float32)
-    reps = 3 if args.quick else 15
+    reps = 3 if args.quick else 41
     # Interleave the two so that clock/thermal drift hits both alike.
     tp, tn = [], []
     for _ in range(reps):
