@@ -6,6 +6,7 @@ into a :class:`~polyhal.plan.Plan` by :func:`polyhal.compile`.
 
 from __future__ import annotations
 
+import collections
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,18 @@ class Program:
                          + [f"  {op}" for op in self.ops])
         tail = ", ".join(f"%{v.name}" for v in self.outputs)
         return f"program @{self.name}({head}) {{\n{body}\n  return {tail}\n}}"
+
+
+def uses_and_producers(program: Program) -> tuple["collections.Counter[int]", dict[int, Op]]:
+    """For rewrite passes: how many times each value id is read (outputs count as reads), and
+    the op producing each value id."""
+    uses: collections.Counter[int] = collections.Counter()
+    for op in program.ops:
+        for v in op.inputs:
+            uses[v.id] += 1
+    for v in program.outputs:
+        uses[v.id] += 1
+    return uses, {v.id: op for op in program.ops for v in op.outputs}
 
 
 class ProgramBuilder:

@@ -28,7 +28,7 @@ import dataclasses
 
 import numpy as np
 
-from polyhal.ir.program import Op, Program, Value
+from polyhal.ir.program import Op, Program, Value, uses_and_producers
 
 
 def fuse_attention(program: Program) -> tuple[Program, list[tuple[list[Op], list[Op]]]]:
@@ -38,13 +38,7 @@ def fuse_attention(program: Program) -> tuple[Program, list[tuple[list[Op], list
 
     if "attention" not in OPS:
         return program, []
-    uses: collections.Counter[int] = collections.Counter()
-    for op in program.ops:
-        for v in op.inputs:
-            uses[v.id] += 1
-    for v in program.outputs:
-        uses[v.id] += 1
-    producer = {v.id: op for op in program.ops for v in op.outputs}
+    uses, producer = uses_and_producers(program)
     consumers: dict[int, list[Op]] = collections.defaultdict(list)
     for op in program.ops:
         for v in op.inputs:

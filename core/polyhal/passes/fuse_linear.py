@@ -11,10 +11,9 @@ elements than the product. Ops with different affinities are left alone.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
-from polyhal.ir.program import Op, Program, Value
+from polyhal.ir.program import Op, Program, Value, uses_and_producers
 
 
 def fuse_linear(program: Program) -> tuple[Program, list[tuple[Op, Op, list[Op]]]]:
@@ -24,13 +23,7 @@ def fuse_linear(program: Program) -> tuple[Program, list[tuple[Op, Op, list[Op]]
 
     if "linear" not in OPS:
         return program, []
-    uses: collections.Counter[int] = collections.Counter()
-    for op in program.ops:
-        for v in op.inputs:
-            uses[v.id] += 1
-    for v in program.outputs:
-        uses[v.id] += 1
-    producer = {v.id: op for op in program.ops for v in op.outputs}
+    uses, producer = uses_and_producers(program)
     fused: dict[int, tuple[Op, Op]] = {}  # id(add op) -> (matmul, add)
     dropped: set[int] = set()
     for op in program.ops:
