@@ -12,7 +12,7 @@ import numpy as np
 import polyhal
 from bench.harness import Row, median_time
 from polyhal.hal.flags import BufferUsage, MemoryType
-from polyhal.plan import selector_for
+from polyhal.policy import selector_for
 
 CHAIN = 64  # steps per plan run, so that per-run costs (binding, fresh outputs) are amortised
 

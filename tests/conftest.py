@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 
 import polyhal
-from polyhal.registry import Registry, set_default_registry
 
 
 @pytest.fixture
@@ -32,23 +31,6 @@ def install_plugin(tmp_path, monkeypatch):
     yield install
     for m in made:
         sys.modules.pop(m, None)
-
-
-@pytest.fixture
-def fresh_registry(monkeypatch):
-    """Make a new default registry (after installing plugins) and restore the old one after."""
-    made = []
-
-    def make(**env: str) -> Registry:
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        reg = Registry()
-        made.append(set_default_registry(reg))
-        return reg
-
-    yield make
-    if made:
-        set_default_registry(made[0])
 
 
 GOOD_BACKEND = '''

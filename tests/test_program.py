@@ -106,7 +106,7 @@ def test_running_a_plan_calls_no_hook():
     x = b.input("x", (32,))
     b.output(b.exp(b.neg(x)))
     plan = polyhal.compile(b.build(), "cpu:0")
-    from polyhal.plan import selector_for
+    from polyhal.policy import selector_for
 
     sel = selector_for(reg)
     lookups = (sel.hits, sel.misses)

@@ -18,7 +18,7 @@ from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
 from polyhal.passes.bufferize import bufferize
 from polyhal.passes.placement import Placement, place
-from polyhal.policy import AllocatorSelector, selector_for  # noqa: F401  (selector_for: re-exported)
+from polyhal.policy import selector_for
 from polyhal.registry import Registry, default_registry
 
 
@@ -91,6 +91,7 @@ class Plan:
                 self._slots[slot_of[v.id]] = t.native
         self._input_devices = [dev(v) for v in program.inputs]
         self._input_slots = [slot_of[v.id] for v in program.inputs]
+        self._input_names = tuple(v.name for v in program.inputs)
         self._output_slots = [slot_of[v.id] for v in program.outputs]
         self._output_devices = [dev(v) for v in program.outputs]
         output_ids = {v.id for v in program.outputs}
@@ -168,18 +169,21 @@ class Plan:
 
     run = __call__
 
-    def _gather_inputs(self, args: tuple, kwargs: dict) -> list[Any]:
-        names = [v.name for v in self.program.inputs]
+    def _gather_inputs(self, args: tuple, kwargs: dict) -> Sequence[Any]:
+        names = self._input_names
+        if not kwargs and len(args) == len(names) and all(x is not None for x in args):
+            return args  # the common positional call builds nothing
         if len(args) > len(names):
-            raise ProgramError(f"plan {self.program.name!r} takes {len(names)} inputs {names}, got {len(args)}")
+            raise ProgramError(f"plan {self.program.name!r} takes {len(names)} inputs {list(names)}, got {len(args)}")
         values = list(args) + [None] * (len(names) - len(args))
         for k, x in kwargs.items():
             if k not in names:
-                raise ProgramError(f"plan {self.program.name!r} has no input {k!r}; inputs: {names}")
+                raise ProgramError(f"plan {self.program.name!r} has no input {k!r}; inputs: {list(names)}")
             values[names.index(k)] = x
         missing = [n for n, x in zip(names, values) if x is None]
         if missing:
-            raise ProgramError(f"plan {self.program.name!r} is missing inputs {missing}")
+            raise ProgramError(f"plan {self.program.name!r} is missing inputs {missing}; pass them by "
+                               "position or by name")
         return values
 
     def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
@@ -195,7 +199,8 @@ class Plan:
                         or t.device is not d or not t.is_contiguous:
                     raise ShapeError(f"out= tensor for %{v.name} must be a contiguous {v.type} on {d.name}, got {t!r}")
         slots = self._slots
-        # A program output that is also an input (or duplicated) is copied by a transfer-free path.
+        # Every output has a slot of its own: placement copies an output that aliases an input,
+        # a constant or another output (placement._distinct_outputs).
         for slot, t in zip(self._output_slots, tensors):
             slots[slot] = t.native
         return tensors
@@ -215,7 +220,7 @@ class Plan:
         for op in self.program.ops:
             if op.kind == "transfer":
                 lines.append(f"  transfer %{op.inputs[0].name} -> {op.device}")
-        if getattr(self.placement, "encodings", None) is not None:
+        if self.placement.encodings is not None:
             lines.extend(self.placement.encodings.explain_lines())
         lines.extend("  " + line for line in self.buffer_plan.explain().splitlines())  # bufferize's decisions
         return "\n".join(lines)

@@ -6,6 +6,9 @@ loads it in every session once polyhal is installed.
 A backend author runs the suite on their devices with::
 
     pytest --pyargs polyhal.testing.conformance --polyhal-backend=mydev
+
+It also gives every test session the ``fresh_registry`` fixture, for plugin tests that need the
+registry rebuilt under a given environment.
 """
 
 from __future__ import annotations
@@ -42,3 +45,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if not names:
             pytest.fail("polyhal discovered no device to test; run `polyhal devices` to see why", pytrace=False)
         metafunc.parametrize("device_name", names, ids=names)
+
+
+@pytest.fixture
+def fresh_registry(monkeypatch: pytest.MonkeyPatch):
+    """``make(**env)``: set environment variables, make a new default registry (so entry points
+    are discovered again under that environment) and restore the previous one afterwards."""
+    from polyhal.registry import Registry, set_default_registry
+
+    made = []
+
+    def make(**env: str) -> "Registry":
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        reg = Registry()
+        made.append(set_default_registry(reg))
+        return reg
+
+    yield make
+    if made:
+        set_default_registry(made[0])

@@ -10,28 +10,16 @@ import polyhal
 from polyhal.ir.encoding import IdentityLayout, MatmulEncoding, PackedLayout
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS
-from polyhal.registry import Registry, set_default_registry
+from polyhal.registry import Registry
 from polyhal_cpu import encoding as cpu_encoding
 from polyhal_cpu import kernels
 from polyhal_cpu.encoding import resolve_encoding, tile_size
 
 
 @pytest.fixture
-def registry(monkeypatch):
+def registry(fresh_registry):
     """A fresh default registry of the CPU backend under the given environment."""
-    made = []
-
-    def make(**env: str) -> Registry:
-        monkeypatch.setenv("POLYHAL_BACKENDS", "cpu")
-        for k, v in env.items():
-            monkeypatch.setenv(k, v)
-        reg = Registry()
-        made.append(set_default_registry(reg))
-        return reg
-
-    yield make
-    if made:
-        set_default_registry(made[0])
+    return lambda **env: fresh_registry(POLYHAL_BACKENDS="cpu", **env)
 
 
 def _spec(reg: Registry, name: str = "cpu:0"):
