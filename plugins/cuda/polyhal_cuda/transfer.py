@@ -2,23 +2,29 @@
 
 A copy from pageable (ordinary) host memory cannot be done by the GPU's copy engines directly:
 CUDA stages it through its own small pinned buffer, one chunk at a time, on the calling thread,
-which is why ``cudaMemcpy`` from a numpy array runs at about a fifth of the bus speed. Here the
-staging is ours and overlapped:
+which is why ``cudaMemcpy`` from a numpy array runs at a fraction of the bus speed. Here the
+staging is ours, striped over :data:`WORKERS` host threads:
 
-* two pinned buffers of :data:`CHUNK` bytes (double buffering): while the copy engine moves
-  chunk *i* out of (H2D) or into (D2H) one buffer, host threads fill or drain the other;
-* the host side of each chunk is copied by a small thread pool (numpy releases the GIL for
-  large copies), because one CPU core cannot memcpy as fast as the bus moves data.
+* each worker owns a stream and two pinned buffers of :data:`CHUNK` bytes (double buffering);
+  chunk *i* of a copy goes to worker ``i % WORKERS``, so every worker walks the whole array;
+* a worker fills one buffer (H2D) or drains it (D2H) with ``np.copyto`` (numpy releases the GIL)
+  while the copy engine moves the other one, so host copies and bus transfers overlap on every
+  worker at once, with no hand-off between threads;
+* the chunks are small (a few MiB) so that the staging buffers of all workers stay in the CPU's
+  last-level cache: a staged byte is then read from DRAM once (the pageable side), not three
+  times (pageable read, pinned write, DMA read), which is what capped the earlier design of two
+  64 MiB buffers filled by a thread pool at about 31 GB/s on an H100 host.
 
-Transfers of at most :data:`SMALL` bytes skip the staging (its fixed cost would dominate) and
-call ``cudaMemcpyAsync`` on the pageable memory directly.
+Copies are ordered on the device's stream: the workers' streams wait for the work queued on it
+before (an event), and for host-to-device copies the device's stream waits for the workers'
+copies after. ``h2d`` returns once the host array may be reused (every chunk has been staged);
+``d2h`` returns once the data is in place. Transfers of at most :data:`SMALL` bytes skip the
+staging (its fixed cost would dominate) and call ``cudaMemcpyAsync`` on the pageable memory.
 
 ``POLYHAL_CUDA_TRANSFER=parallel`` picks another strategy for large copies: the copy is split
-over several threads, each calling ``cudaMemcpyAsync`` on the pageable memory on its own stream,
-so that the driver's own staging runs on several cores at once (ordered after, and before, the
-device's stream through events). Copies are ordered on the device's
-stream, so they follow the kernels queued before them. ``h2d`` returns once the host array may
-be reused (the last chunk is in a staging buffer); ``d2h`` returns once the data is in place.
+over the workers, each calling ``cudaMemcpyAsync`` on the pageable memory on its own stream, so
+that the driver's own staging runs on several cores at once (kept for comparison: it measures
+near the single-thread pageable rate on an H100 host).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -35,71 +41,73 @@ from polyhal_cuda.errors import check
 if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice
 
-#: Bytes per staging buffer (two are used).
-CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 64 << 20))
+#: Bytes per staging buffer (each worker has two).
+CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 4 << 20))
 #: Copies up to this size go straight through cudaMemcpyAsync.
 SMALL = 4 << 20
-#: Host threads that fill or drain a staging buffer.
-THREADS = int(os.environ.get("POLYHAL_CUDA_STAGING_THREADS", max(1, min(16, os.cpu_count() or 2))))
+#: Host threads that stage a large copy, each with its own stream and buffers.
+WORKERS = int(os.environ.get("POLYHAL_CUDA_STAGING_THREADS", max(1, min(16, os.cpu_count() or 2))))
 
-#: Large-copy strategy: "staged" (our pinned double buffers) or "parallel" (driver copies on
-#: several threads and streams).
+#: Large-copy strategy: "staged" (our pinned buffers, striped over the workers) or "parallel"
+#: (driver copies from pageable memory on the workers' streams).
 STRATEGY = os.environ.get("POLYHAL_CUDA_TRANSFER", "staged")
 
 _H2D, _D2H, _DEFAULT = 1, 2, 4  # cudaMemcpyKind
 
 
-def _parallel_copy(pool: ThreadPoolExecutor | None, dst: np.ndarray, src: np.ndarray) -> None:
-    """``dst[:] = src`` for flat uint8 arrays, split across the pool's threads."""
-    n = dst.size
-    if pool is None or n < (1 << 20):
-        np.copyto(dst, src)
-        return
-    parts = THREADS
-    step = -(-n // parts)
-    step = -(-step // 4096) * 4096  # page-sized pieces
-    futures = [pool.submit(np.copyto, dst[i:i + step], src[i:i + step]) for i in range(0, n, step)]
-    for f in futures:
-        f.result()
+class _Worker:
+    """One staging thread's stream, two pinned buffers and their events."""
+
+    def __init__(self, chunk: int) -> None:
+        import cupy
+        from cupy.cuda import pinned_memory, runtime
+
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.owners = [pinned_memory.PinnedMemory(chunk, runtime.hostAllocPortable) for _ in range(2)]
+        self.ptrs = [m.ptr for m in self.owners]
+        self.views = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * chunk).from_address(p))
+                      for p in self.ptrs]
+        self.events = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]  # buffer b is free
+        self.done = cupy.cuda.Event(disable_timing=True)
+
+    def idle(self) -> None:
+        """Wait until the copy engine is done with both buffers."""
+        for ev in self.events:
+            ev.synchronize()
 
 
 class Stager:
-    """Double-buffered pinned staging for one device (made on the first large transfer)."""
+    """Pinned staging for one device's pageable transfers (made on the first large one)."""
 
     def __init__(self, device: "CUDADevice") -> None:
         self.device = device
         self._lock = threading.Lock()
-        self._buffers: list[np.ndarray] | None = None
-        self._owners: list = []
-        self._events: list = []
+        self._workers: list[_Worker] = []
+        self._chunk = 0
         self._pool: ThreadPoolExecutor | None = None
+        self._start = None
 
     def _ensure(self) -> None:
-        if self._buffers is not None:
+        if self._workers:
             return
         import cupy
-        from cupy.cuda import pinned_memory, runtime
 
-        flags = runtime.hostAllocPortable
-        with check(f"allocating {2 * CHUNK} bytes of pinned staging memory for {self.device.name}"):
-            owners = [pinned_memory.PinnedMemory(CHUNK, flags) for _ in range(2)]
-        self._owners = owners
-        self._buffers = [np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * CHUNK).from_address(m.ptr))
-                         for m in owners]
-        self._events = [cupy.cuda.Event(disable_timing=True) for _ in range(2)]
-        self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix=f"polyhal-{self.device.name}-stage") \
-            if THREADS > 1 else None
+        chunk, count = CHUNK, max(1, WORKERS)
+        with check(f"allocating {2 * chunk * count} bytes of pinned staging memory for {self.device.name}"), \
+                self.device.activate():
+            self._workers = [_Worker(chunk) for _ in range(count)]
+            self._start = cupy.cuda.Event(disable_timing=True)
+        self._chunk = chunk
+        self._pool = ThreadPoolExecutor(count, thread_name_prefix=f"polyhal-{self.device.name}-stage")
 
     def close(self) -> None:
-        """Finish pending copies and free the staging buffers."""
+        """Finish pending copies and free the staging buffers and threads."""
         with self._lock:
-            if self._buffers is None:
-                return
-            for ev in self._events:
-                ev.synchronize()
+            for w in self._workers:
+                w.idle()
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
-            self._buffers, self._owners, self._events, self._pool = None, [], [], None
+            self._workers, self._pool, self._chunk = [], None, 0
 
     # -- the two directions ------------------------------------------------------------------------
 
@@ -111,25 +119,24 @@ class Stager:
         n = flat.size
         if n == 0:
             return
-        stream = self.device.stream
         if n <= SMALL:
             with check(f"copying {n} bytes to {self.device.name}"):
                 # From pageable memory this returns once CUDA has taken the bytes: the caller may
                 # reuse its array at once.
-                runtime.memcpyAsync(dst_ptr, flat.ctypes.data, n, _DEFAULT, stream.ptr)
+                runtime.memcpyAsync(dst_ptr, flat.ctypes.data, n, _DEFAULT, self.device.stream.ptr)
             return
         if STRATEGY == "parallel":
-            return self._parallel(dst_ptr, flat.ctypes.data, n, _H2D)
-        with self._lock, check(f"copying {n} bytes to {self.device.name} through pinned staging"):
-            self._ensure()
-            bufs, events = self._buffers, self._events
-            for i, start in enumerate(range(0, n, CHUNK)):
-                size = min(CHUNK, n - start)
-                b = i & 1
-                events[b].synchronize()  # the copy engine is done with this buffer
-                _parallel_copy(self._pool, bufs[b][:size], flat[start:start + size])
-                runtime.memcpyAsync(dst_ptr + start, self._owners[b].ptr, size, _H2D, stream.ptr)
-                events[b].record(stream)
+            return self._striped(n, lambda w, s, size, k: runtime.memcpyAsync(
+                dst_ptr + s, flat.ctypes.data + s, size, _H2D, w.stream.ptr), _H2D, "to", chunk=-(-n // WORKERS))
+
+        def stage(w: _Worker, s: int, size: int, k: int) -> None:
+            b = k & 1
+            w.events[b].synchronize()  # the copy engine is done with this buffer
+            np.copyto(w.views[b][:size], flat[s:s + size])
+            runtime.memcpyAsync(dst_ptr + s, w.ptrs[b], size, _H2D, w.stream.ptr)
+            w.events[b].record(w.stream)
+
+        self._striped(n, stage, _H2D, "to")
 
     def d2h(self, host: np.ndarray, src_ptr: int) -> None:
         """Fill contiguous ``host`` from device address ``src_ptr``; returns when it is filled."""
@@ -139,68 +146,66 @@ class Stager:
         n = flat.size
         if n == 0:
             return
-        stream = self.device.stream
         if n <= SMALL:
             with check(f"copying {n} bytes from {self.device.name}"):
-                runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, stream.ptr)
-                stream.synchronize()
+                runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, self.device.stream.ptr)
+                self.device.stream.synchronize()
             return
         if STRATEGY == "parallel":
-            return self._parallel(flat.ctypes.data, src_ptr, n, _D2H)
-        with self._lock, check(f"copying {n} bytes from {self.device.name} through pinned staging"):
-            self._ensure()
-            bufs, events = self._buffers, self._events
-            starts = list(range(0, n, CHUNK))
+            def direct(w: _Worker, s: int, size: int, k: int) -> None:
+                runtime.memcpyAsync(flat.ctypes.data + s, src_ptr + s, size, _D2H, w.stream.ptr)
+                w.stream.synchronize()
+            return self._striped(n, direct, _D2H, "from", chunk=-(-n // WORKERS))
 
-            def issue(i: int) -> None:
-                start = starts[i]
-                size = min(CHUNK, n - start)
-                runtime.memcpyAsync(self._owners[i & 1].ptr, src_ptr + start, size, _D2H, stream.ptr)
-                events[i & 1].record(stream)
+        def issue(w: _Worker, s: int, size: int, k: int) -> None:
+            runtime.memcpyAsync(w.ptrs[k & 1], src_ptr + s, size, _D2H, w.stream.ptr)
+            w.events[k & 1].record(w.stream)
 
-            for i in range(min(2, len(starts))):
-                issue(i)
-            for i, start in enumerate(starts):
-                size = min(CHUNK, n - start)
-                events[i & 1].synchronize()
-                _parallel_copy(self._pool, flat[start:start + size], bufs[i & 1][:size])
-                if i + 2 < len(starts):
-                    issue(i + 2)
+        def drain(w: _Worker, s: int, size: int, k: int) -> None:
+            w.events[k & 1].synchronize()
+            np.copyto(flat[s:s + size], w.views[k & 1][:size])
 
-    # -- the "parallel" strategy -------------------------------------------------------------
+        self._striped(n, drain, _D2H, "from", ahead=issue)
 
-    def _parallel(self, dst: int, src: int, n: int, kind: int) -> None:
-        """``n`` bytes split over THREADS driver copies on THREADS streams, ordered after the
-        device stream's work and (for host-to-device) before its later work."""
-        import cupy
+    # -- the workers ---------------------------------------------------------------------------------
+
+    def _striped(self, n: int, step: Callable, kind: int, word: str, *, chunk: int = 0,
+                 ahead: Callable | None = None) -> None:
+        """Run ``step(worker, start, size, k)`` for every chunk of ``n`` bytes, chunk ``i`` on
+        worker ``i % WORKERS`` (its ``k``-th). With ``ahead``, ``ahead(worker, ...)`` is called
+        for chunks ``k`` and ``k + 1`` before ``step`` reaches chunk ``k`` (the D2H prefetch,
+        two buffers deep)."""
         from cupy.cuda import runtime
 
-        with self._lock, check(f"copying {n} bytes {'to' if kind == _H2D else 'from'} {self.device.name} "
-                               "with parallel driver copies"):
-            if not getattr(self, "_streams", None):
-                with self.device.activate():
-                    self._streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(THREADS)]
-                    self._pevents = [cupy.cuda.Event(disable_timing=True) for _ in range(THREADS + 1)]
-                self._ppool = ThreadPoolExecutor(THREADS, thread_name_prefix=f"polyhal-{self.device.name}-copy")
-            streams, events, ordinal = self._streams, self._pevents, self.device.ordinal
-            events[-1].record(self.device.stream)
-            for st in streams:
-                st.wait_event(events[-1])
-            step = -(-n // len(streams))
-            step = -(-step // 4096) * 4096
+        with self._lock, check(f"copying {n} bytes {word} {self.device.name} through pinned staging"):
+            self._ensure()
+            chunk = chunk or self._chunk
+            starts = list(range(0, n, chunk))
+            workers = self._workers[:len(starts)]
+            ordinal, device_stream = self.device.ordinal, self.device.stream
+            self._start.record(device_stream)
+            for w in workers:
+                w.stream.wait_event(self._start)
 
-            def piece(i: int) -> None:
-                off = i * step
-                size = min(step, n - off)
-                if size > 0:
-                    runtime.setDevice(ordinal)
-                    runtime.memcpyAsync(dst + off, src + off, size, kind, streams[i].ptr)
-                    if kind == _D2H:
-                        streams[i].synchronize()
+            def walk(j: int) -> None:
+                runtime.setDevice(ordinal)  # the current device is per thread
+                w = workers[j]
+                mine = starts[j::len(workers)]
+                sizes = [min(chunk, n - s) for s in mine]
+                if ahead is not None:
+                    for k in range(min(2, len(mine))):
+                        ahead(w, mine[k], sizes[k], k)
+                for k, s in enumerate(mine):
+                    step(w, s, sizes[k], k)
+                    if ahead is not None and k + 2 < len(mine):
+                        ahead(w, mine[k + 2], sizes[k + 2], k + 2)
 
-            for f in [self._ppool.submit(piece, i) for i in range(len(streams))]:
-                f.result()
+            futures = [self._pool.submit(walk, j) for j in range(len(workers))]
+            errors = [f.exception() for f in futures]  # every worker finishes before we go on
             if kind == _H2D:
-                for st, ev in zip(streams, events):
-                    ev.record(st)
-                    self.device.stream.wait_event(ev)
+                for w in workers:
+                    w.done.record(w.stream)
+                    device_stream.wait_event(w.done)
+            for e in errors:
+                if e is not None:
+                    raise e

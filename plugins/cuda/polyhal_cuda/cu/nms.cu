@@ -8,9 +8,10 @@
 //              layout; only words at or right of the diagonal are written and read);
 //  nms_reduce  one block per problem walks the boxes in blocks of 64: warp 0 resolves the 64
 //              boxes of a block against each other (the diagonal word, bit by bit, in
-//              registers), then every thread ORs the masks of the boxes just kept into the
-//              "removed" bits of the later words. The removed bits (W words) are the kernel's
-//              scratch: shared memory when it fits, a global slice per problem otherwise.
+//              registers) and ORs the kept boxes' masks into the next word, while the other
+//              warps OR the previous block's kept masks into the "removed" bits of the later
+//              words. The removed bits (W words) are the kernel's scratch: shared memory when
+//              it fits, a global slice per problem otherwise.
 //  nms_write   ONNX's output rows (batch, class, box), problems in order, padded with -1.
 //
 // Modes: 0 = ONNX corners [y1, x1, y2, x2] (any two diagonal corners), 1 = ONNX centers
@@ -42,7 +43,11 @@ __device__ __forceinline__ bool torchvision_suppresses(const Box a, const Box b,
     const float inter = width * height;
     const float sa = (a.x2 - a.x1) * (a.y2 - a.y1);
     const float sb = (b.x2 - b.x1) * (b.y2 - b.y1);
-    return (inter / (sa + sb - inter)) > thr;
+    const float uni = sa + sb - inter;
+    // Most pairs do not overlap: skip the division there. 0 / uni is 0 (> thr iff 0 > thr)
+    // unless uni is 0 or nan, where the quotient is nan (never > thr) -- the same answer.
+    if (inter == 0.0f) return uni != 0.0f && uni == uni && 0.0f > thr;
+    return (inter / uni) > thr;
 }
 
 // boxes: [B, N, 4] (ONNX) or [N, 4] (torchvision, B = 1); scores: [B, C, N]; order: per
@@ -104,18 +109,24 @@ extern "C" __global__ void nms_mask(const Box* __restrict__ sorted, int n, int w
 
 // One block per problem. keep[p * cap + t] = box index of the t-th selected box (t < counts[p]),
 // at most max_out of them. removed: nullptr -> dynamic shared memory of W words, else a global
-// slice of W words per problem.
+// slice of W words per problem. blockDim.x >= 64.
+//
+// The walk is sequential in blocks of 64 boxes; what is on its critical path is kept short.
+// Warp 0 resolves block b against itself (the diagonal word) and then ORs the masks of the rows
+// it kept into word b + 1 only (a warp reduction), so it can start block b + 1 after one
+// barrier. The other warps meanwhile OR the rows kept in block b - 1 into words b + 1 .. W - 1
+// (shared-memory atomics, no merge step): word b + 1 then holds every earlier block's
+// suppression by the time warp 0 reads it. One __syncthreads per block of 64 boxes.
 extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mask,
                                       const unsigned char* __restrict__ valid, const long long* __restrict__ order,
                                       int n, int words, long long max_out, long long cap,
                                       unsigned long long* __restrict__ removed_global,
                                       long long* __restrict__ keep, long long* __restrict__ counts) {
     extern __shared__ __align__(16) unsigned long long removed_shared[];
-    __shared__ int rows[NMS_WORD];
-    __shared__ int nrows;
+    __shared__ int rows[2][NMS_WORD];  // kept rows of the current / previous block
+    __shared__ int nrows[2];
     __shared__ long long count;
     __shared__ int done;
-    __shared__ unsigned long long partial[1024];  // row-group partial words (blockDim <= 1024)
     const long long p = blockIdx.x;
     unsigned long long* removed = removed_global ? removed_global + p * (long long)words : removed_shared;
     const unsigned long long* pm = mask + p * (long long)n * words;
@@ -130,22 +141,24 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
         for (int b = 0; b < m; ++b) if (!pv[base + b]) bits |= 1ull << b;
         removed[w] = bits;
     }
-    if (threadIdx.x == 0) { count = 0; done = max_out <= 0; }
+    if (threadIdx.x == 0) { count = 0; done = max_out <= 0; nrows[0] = 0; nrows[1] = 0; }
     __syncthreads();
-    // Warp 0 holds the diagonal words of the current block (lane l: rows l and l + 32), loaded
-    // one block ahead so that their latency hides behind the OR phase.
-    unsigned long long d0 = 0, d1 = 0;
+    // Warp 0: the diagonal words of the current block (lane l: rows l and l + 32), loaded one
+    // block ahead, and `extra`, the previous block's kept rows ORed at the current word.
+    unsigned long long d0 = 0, d1 = 0, extra = 0;
     if (threadIdx.x < 32) {
         if (lane < n) d0 = pm[(long long)lane * words];
         if (lane + 32 < n) d1 = pm[(long long)(lane + 32) * words];
     }
+    const int helpers = (int)blockDim.x - 32;
     for (int b = 0; b < words && !done; ++b) {
+        const int cur = b & 1, prev = cur ^ 1;
         const int base = b * NMS_WORD;
-        const int m = min(NMS_WORD, n - base);
         if (threadIdx.x < 32) {
-            unsigned long long rem = removed[b];
+            const int m = min(NMS_WORD, n - base);
+            unsigned long long rem = removed[b] | extra;
             unsigned long long kept = 0;
-            long long c = count;
+            const long long c = count;
             const long long room = max_out - c;
             int taken = 0;
             // (the shuffles do not depend on the removed bits: unrolled, they are issued ahead)
@@ -154,59 +167,56 @@ extern "C" __global__ void nms_reduce(const unsigned long long* __restrict__ mas
                 const unsigned long long di = __shfl_sync(FULL_MASK, i < 32 ? d0 : d1, i & 31);
                 if (!((rem >> i) & 1ull) && taken < room) { kept |= 1ull << i; rem |= di; ++taken; }
             }
-            // prefetch the next diagonal block
-            if (b + 1 < words) {
-                const int nb = (b + 1) * NMS_WORD;
-                d0 = (nb + lane < n) ? pm[(long long)(nb + lane) * words + b + 1] : 0ull;
-                d1 = (nb + lane + 32 < n) ? pm[(long long)(nb + lane + 32) * words + b + 1] : 0ull;
-            }
             // compact the kept rows, in order
             for (int half = 0; half < 2; ++half) {
                 const int i = lane + 32 * half;
                 if ((kept >> i) & 1ull) {
                     const int pos = __popcll(kept & ((1ull << i) - 1ull));
-                    rows[pos] = base + i;
+                    rows[cur][pos] = base + i;
                     keep[p * cap + c + pos] = po[base + i];
                 }
             }
             __syncwarp();
+            extra = 0;
+            if (b + 1 < words) {
+                // the next diagonal block, and this block's kept rows at word b + 1, loaded together
+                const int nb = (b + 1) * NMS_WORD;
+                d0 = (nb + lane < n) ? pm[(long long)(nb + lane) * words + b + 1] : 0ull;
+                d1 = (nb + lane + 32 < n) ? pm[(long long)(nb + lane + 32) * words + b + 1] : 0ull;
+                unsigned long long e = 0;
+                if (lane < taken) e = pm[(long long)rows[cur][lane] * words + b + 1];
+                if (lane + 32 < taken) e |= pm[(long long)rows[cur][lane + 32] * words + b + 1];
+                for (int o = 16; o > 0; o >>= 1) e |= __shfl_xor_sync(FULL_MASK, e, o);
+                extra = e;
+            }
             if (lane == 0) {
-                nrows = taken;
+                nrows[cur] = taken;
                 count = c + taken;
                 if (count >= max_out) done = 1;
             }
-        }
-        __syncthreads();
-        const int nr = nrows;
-        if (nr > 0 && !done) {
-            // OR the kept rows' masks into the later words. Threads are split into R row
-            // groups per word (R = blockDim / later words, so that short tails keep every
+        } else if (helpers > 0) {
+            // The previous block's kept rows into words b + 1 and later. Helpers are split into R
+            // row groups per word (R = helpers / later words, so that short tails keep every
             // thread busy): thread (g, w) ORs rows g, g + R, ... of word w (consecutive threads
-            // take consecutive words: coalesced), four loads in flight; the groups' partial
-            // words are then merged through shared memory. No atomics.
+            // take consecutive words: coalesced), four loads in flight.
+            const int nr = nrows[prev];
             const int nw = words - (b + 1);
-            const int R = nw > 0 ? max(1, min((int)blockDim.x / nw, nr)) : 1;
-            for (int idx = threadIdx.x; idx < nw * R; idx += blockDim.x) {
-                const int g = idx / nw, w = b + 1 + (idx - g * nw);
-                unsigned long long acc = 0;
-                int r = g;
-                for (; r + 3 * R < nr; r += 4 * R) {
-                    const unsigned long long m0 = pm[(long long)rows[r] * words + w];
-                    const unsigned long long m1 = pm[(long long)rows[r + R] * words + w];
-                    const unsigned long long m2 = pm[(long long)rows[r + 2 * R] * words + w];
-                    const unsigned long long m3 = pm[(long long)rows[r + 3 * R] * words + w];
-                    acc |= m0 | m1 | m2 | m3;
-                }
-                for (; r < nr; r += R) acc |= pm[(long long)rows[r] * words + w];
-                if (R == 1) removed[w] |= acc;  // one owner per word
-                else partial[idx] = acc;        // nw * R <= blockDim: one (g, w) per thread
-            }
-            if (R > 1) {
-                __syncthreads();
-                for (int i = threadIdx.x; i < nw; i += blockDim.x) {
+            if (nr > 0 && nw > 0) {
+                const int R = max(1, min(helpers / nw, nr));
+                const int* rp = rows[prev];
+                for (int idx = (int)threadIdx.x - 32; idx < nw * R; idx += helpers) {
+                    const int g = idx / nw, w = b + 1 + (idx - g * nw);
                     unsigned long long acc = 0;
-                    for (int g = 0; g < R; ++g) acc |= partial[g * nw + i];
-                    removed[b + 1 + i] |= acc;
+                    int r = g;
+                    for (; r + 3 * R < nr; r += 4 * R) {
+                        const unsigned long long m0 = pm[(long long)rp[r] * words + w];
+                        const unsigned long long m1 = pm[(long long)rp[r + R] * words + w];
+                        const unsigned long long m2 = pm[(long long)rp[r + 2 * R] * words + w];
+                        const unsigned long long m3 = pm[(long long)rp[r + 3 * R] * words + w];
+                        acc |= m0 | m1 | m2 | m3;
+                    }
+                    for (; r < nr; r += R) acc |= pm[(long long)rp[r] * words + w];
+                    if (acc) atomicOr(&removed[w], acc);
                 }
             }
         }
