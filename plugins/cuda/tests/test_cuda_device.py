@@ -85,7 +85,7 @@ def test_managed_memory_is_never_oversubscribed(cuda, cp):
 
 
 @pytest.mark.parametrize("strategy", ["staged", "parallel"])
-@pytest.mark.parametrize("nbytes", [1, 4095, 3 << 20, (64 << 20) + 12345, (130 << 20) + 7])
+@pytest.mark.parametrize("nbytes", [1, 4095, 3 << 20, (5 << 20) + 3, (64 << 20) + 12345, (130 << 20) + 7])
 def test_pageable_transfers_roundtrip(cuda, rng, nbytes, strategy, monkeypatch):
     from polyhal_cuda import transfer
 
