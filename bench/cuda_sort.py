@@ -63,12 +63,13 @@ def run(args) -> list[Row]:
         t_alt = gpu_time(lambda: alt(xn, on), number=10, repeat=reps)
         rows.append(Row(f"sort 16M float32, {other} radix, kernels only", "ms", t_alt * 1e3, t_cupy * 1e3,
                         "cupy.sort"))
-        # the classic radix without warp-aggregated digit counting, for comparison
+        # the classic radix with warp-aggregated digit counting flipped, for comparison
         old_agg, sorting.AGGREGATE = sorting.AGGREGATE, not sorting.AGGREGATE
+        old_impl, sorting.RADIX_IMPL = sorting.RADIX_IMPL, "classic"
         try:
             flip = dev.prepare("sort", {"axis": 0}, (tt,), (tt,))
         finally:
-            sorting.AGGREGATE = old_agg
+            sorting.AGGREGATE, sorting.RADIX_IMPL = old_agg, old_impl
         flip(xn, on)
         assert bool((on == cp.sort(cx)).all()), "sort differs from cupy.sort"
         t_flip = gpu_time(lambda: flip(xn, on), number=10, repeat=reps)

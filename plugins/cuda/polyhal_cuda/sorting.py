@@ -37,16 +37,33 @@ FORCE_PATH: str | None = None
 #: Off by default: plain shared-memory atomics measured faster on an H100 (16M float32 keys:
 #: 0.90 ms against 1.13 ms with aggregation; bench/results/cuda_sort-h100.md).
 AGGREGATE = os.environ.get("POLYHAL_CUDA_RADIX_AGG", "0") not in ("0", "false", "no", "")
-#: The radix implementation (``POLYHAL_CUDA_RADIX``): "classic" (default: upsweep, scan and
-#: scatter per pass) or "onesweep" (one kernel per pass, decoupled look-back; slower on an H100
-#: in our measurements, 1.5 ms against 1.0 ms for 16M float32 keys: kept for comparison).
-RADIX_IMPL = os.environ.get("POLYHAL_CUDA_RADIX", "classic")
+#: The radix implementation (``POLYHAL_CUDA_RADIX``): "onesweep" (default: one histogram kernel
+#: up front, then one kernel per pass with a decoupled look-back) or "classic" (upsweep, scan and
+#: scatter per pass; kept for comparison and as the path of sorts of 2**30 elements or more).
+#: Why onesweep, measured on an H100 (16M float32 keys, plugins/cuda/tools/sort_tune.py, per-
+#: kernel times with events; cupy.sort 0.53-0.54 ms): classic 0.89 ms (upsweep + scan + scatter
+#: ~0.21 ms a pass); the first onesweep (256 x 16-key tiles, __match_any_sync ranking) 1.52 ms;
+#: with CUB's tile (384 x 21) and early counts 0.82 ms; ranking with shared-memory atomicOr lane
+#: masks instead of __match_any_sync 0.56 ms (match.any was the bottleneck, not the look-back,
+#: which walks one tile per step and costs little); pass 0 and the histogram issuing their
+#: operand loads back to back instead of behind a per-item branch 0.50 ms; 16-byte loads in the
+#: histogram and 384 x 17 tiles (three blocks per SM) 0.44 ms, i.e. 0.83x cupy.sort. argsort
+#: (payload carried): classic 1.25 ms, onesweep 0.66 ms (cupy.argsort 0.95 ms).
+RADIX_IMPL = os.environ.get("POLYHAL_CUDA_RADIX", "onesweep")
+#: The onesweep kernel's (threads, items, match) per (key width, payload)
+#: (:data:`polyhal_cuda.portable.sorting.ONESWEEP_SHAPES`; tools/sort_tune.py tries others).
+ONESWEEP_SHAPES = dict(portable.ONESWEEP_SHAPES)
+#: Blocks per SM of onesweep's up-front histogram kernel (a grid-stride loop), and the copies
+#: of its shared counters (warps spread over them).
+HISTOGRAM_BLOCKS_PER_SM = 6
+HISTOGRAM_PARTS = 8
 
 
 def plan_sort(device: "CUDADevice", op: str, attrs: dict, x) -> SortPlan:
     """The path and parameters of one sort/argsort/topk instance on ``device``
     (:func:`polyhal_cuda.portable.sorting.plan_sort` with this module's knobs)."""
-    return portable.plan_sort(device, op, attrs, x, backend="cuda", force_path=FORCE_PATH, radix_impl=RADIX_IMPL)
+    return portable.plan_sort(device, op, attrs, x, backend="cuda", force_path=FORCE_PATH, radix_impl=RADIX_IMPL,
+                              onesweep_shapes=ONESWEEP_SHAPES)
 
 
 def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs):
@@ -81,15 +98,24 @@ def _scatter_name(k: str, kind: int, row: bool, pay: bool, first: bool, last: bo
     return f"radix_scatter<{k}, {kind}, {_b(row)}, {_b(pay)}, {_b(first)}, {_b(last)}>"
 
 
+#: (lane pass, payload) of the onesweep kernels.
+_SWEEPS = [(False, False), (False, True), (True, True)]
+
+
+def _onesweep_name(k: str, kind: int, row: bool, pay: bool, shape: tuple) -> str:
+    threads, items, match = shape
+    return f"radix_onesweep<{k}, {kind}, {_b(row)}, {_b(pay)}, {threads}, {items}, {match}>"
+
+
 def _expressions(plan: SortPlan) -> list[str]:
     k, kind = plan.ctype, plan.kind
+    shape = plan.shape or tuple(ONESWEEP_SHAPES[plan.key_bytes, plan.payload])
     return [plan.rows_expression, f"radix_make_keys<{k}, {kind}>", f"radix_emit<{k}, {kind}>",
             *(_upsweep_name(k, kind, row, first, agg) for row, first in _UPSWEEPS for agg in (False, True)),
             *(_scatter_name(k, kind, row, pay, first, last) for row, pay, first, last in _SCATTERS),
             f"radix_emit_flat<{k}>",
             "radix_scan", "radix_take_prefix", f"radix_histogram<{k}, {kind}>", "radix_prefix",
-            f"radix_onesweep<{k}, {kind}, false, false>", f"radix_onesweep<{k}, {kind}, false, true>",
-            f"radix_onesweep<{k}, {kind}, true, true>"]
+            *(_onesweep_name(k, kind, row, pay, shape) for row, pay in _SWEEPS)]
 
 
 def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any = None):
@@ -124,8 +150,9 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     get = lambda e: function(device, portable.SOURCE, exprs, e)  # noqa: E731
     hist_name = f"radix_histogram<{k}, {kind}>"
     hist_k, prefix_k, emit = get(hist_name), get("radix_prefix"), get(exprs[2])
-    sweep = {(r, p_): get(f"radix_onesweep<{k}, {kind}, {_b(r)}, {_b(p_)}>")
-             for r, p_ in ((False, False), (False, True), (True, True))}
+    names = {key: _onesweep_name(k, kind, *key, plan.shape) for key in _SWEEPS}
+    sweep = {key: get(name) for key, name in names.items()}
+    threads = plan.shape[0]
     sms = multiprocessors(device)
     total, ks, pay = plan.total, plan.key_bytes, plan.payload
     passes = len(plan.passes)
@@ -142,16 +169,16 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     launch, stream = device.launch, device.stream
     i64 = np.int64
     n_, inner_, flags_ = i64(plan.n), i64(plan.inner), np.int32(plan.flags)
-    g_hist = grid(total, sms, per_multiprocessor=16)
+    g_hist = grid(-(-total // 4), sms, per_multiprocessor=HISTOGRAM_BLOCKS_PER_SM)  # 4 keys per thread
+    parts_ = np.int32(HISTOGRAM_PARTS)
     g_out = grid(plan.lanes * plan.kout, sms)
     second = _second_sort(device, plan, scratch, None) if plan.flags & F_INDEX_ORDER else None
-    names = {key: f"radix_onesweep<{k}, {kind}, {str(key[0]).lower()}, {str(key[1]).lower()}>" for key in sweep}
 
     def run(x, *outs):
         values, indices = portable.outputs(plan.op, outs)
         runtime.memsetAsync(aux, 0, aux_bytes, stream.ptr)
         launch(hist_k, hist_name, g_hist, (BLOCK,), (x, np.uint32(total), n_, inner_, flags_, np.int32(key_passes),
-                                                      np.int32(passes - key_passes), np.uint64(hist)))
+                                                      np.int32(passes - key_passes), parts_, np.uint64(hist)))
         launch(prefix_k, "radix_prefix", (1,), (256,), (np.uint64(hist), np.int32(passes)))
         cur = 0
         for p, (shift, lane_pass) in enumerate(plan.passes):
@@ -159,7 +186,7 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
             src_x = x if p == 0 else NULL
             out_v, out_i = (values, indices) if last and fused else (NULL, NULL)
             key = (lane_pass, pay)
-            launch(sweep[key], names[key], (plan.tiles,), (BLOCK,),
+            launch(sweep[key], names[key], (plan.tiles,), (threads,),
                    (keys[1 - cur] if p else NULL, pays[1 - cur] if p else NULL, src_x,
                     keys[cur], pays[cur], out_v, out_i, x, np.uint32(total), n_, inner_, np.int32(shift), flags_,
                     np.uint64(hist + 4 * 256 * p), np.uint64(status + 4 * 256 * plan.tiles * p),

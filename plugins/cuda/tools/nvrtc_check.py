@@ -21,9 +21,13 @@ def expressions() -> dict[str, list[str]]:
     for k in KEYS:
         for kind in (0, 1, 2):
             sort += [f"sort_rows<{k}, {kind}>", f"radix_make_keys<{k}, {kind}>", f"radix_emit<{k}, {kind}>"]
-            sort += [f"radix_histogram<{k}, {kind}>"] + [f"radix_onesweep<{k}, {kind}, {r}, {p}>"
-                                                         for r, p in (("false", "false"), ("false", "true"), ("true", "true"))]
-            from polyhal_cuda.sorting import _SCATTERS, _UPSWEEPS, _scatter_name, _upsweep_name
+            from polyhal_cuda.portable.sorting import ONESWEEP_SHAPES
+            from polyhal_cuda.sorting import _SCATTERS, _SWEEPS, _UPSWEEPS, _onesweep_name, _scatter_name, _upsweep_name
+
+            sort += [f"radix_histogram<{k}, {kind}>"]
+            for r, p in _SWEEPS:  # every shape the plans use, with either ranking (m)
+                threads, items, _ = ONESWEEP_SHAPES[1 << KEYS.index(k), p]  # (key width in bytes, payload)
+                sort += [_onesweep_name(k, kind, r, p, (threads, items, m)) for m in (0, 1)]
 
             sort += [_upsweep_name(k, kind, r, f, a) for r, f in _UPSWEEPS for a in (False, True)]
             sort += [_scatter_name(k, kind, r, p, f, la) for r, p, f, la in _SCATTERS]

@@ -16,12 +16,15 @@
 //  * sort_rows: one block per lane, a bitonic network over (key, index) pairs held in a scratch
 //    of P = next_pow2(N) pairs -- in shared memory when it fits (dynamic shared memory), else a
 //    per-block slice of a global scratch buffer (same code, another base pointer);
-//  * radix_*: an LSD radix sort over all lanes at once, 8 bits per pass, reduce-then-scan:
-//    radix_upsweep (per-tile digit counts), radix_scan (exclusive offsets, one block per
-//    digit), radix_scatter (stable tile-local ranking with warp match, staged through shared
-//    memory for coalesced writes). Lanes are kept apart by extra passes over the lane number
-//    (payload / N), the most significant digits. Scratch: two key and two payload buffers
-//    (ping-pong), the histogram and the per-pass digit totals -- always global.
+//  * radix_*: an LSD radix sort over all lanes at once, 8 bits per pass, in one of two forms:
+//    "onesweep" (the default; radix_histogram + radix_prefix once, then one radix_onesweep
+//    kernel per pass with a decoupled look-back: see its section below) or the classic
+//    reduce-then-scan: per pass radix_upsweep (per-tile digit counts), radix_scan (exclusive
+//    offsets, one block per digit), radix_scatter (stable tile-local ranking with warp match,
+//    staged through shared memory for coalesced writes). Lanes are kept apart by extra passes
+//    over the lane number (payload / N), the most significant digits. Scratch: two key and two
+//    payload buffers (ping-pong), and the histograms and per-pass digit totals (classic) or the
+//    digit offsets, look-back words and tile counters (onesweep) -- always global.
 
 #define SORT_BLOCK 256
 #define RADIX 256
@@ -397,12 +400,29 @@ __global__ void radix_emit_flat(const u32* __restrict__ flat, const K* __restric
 
 // ------------------------------------------------------------------------ onesweep radix path
 //
-// One kernel per pass (Merrill & Adinets' "onesweep"): the global digit counts of every pass
-// come from one histogram kernel up front (radix_histogram + radix_prefix), and each pass
-// finds its tiles' offsets by decoupled look-back instead of an upsweep and a scan. Tiles are
-// numbered in the order blocks start (an atomic counter), so a block only waits for tiles
-// whose blocks already run: no deadlock. A tile publishes, per digit, one word: 2 flag bits
-// (1 = its own count, 2 = the inclusive prefix through it) and a 30-bit count.
+// One kernel per pass (Merrill & Adinets' "onesweep", as CUB's DeviceRadixSort does it): the
+// global digit counts of every pass come from one histogram kernel up front (radix_histogram +
+// radix_prefix), and each pass finds its tiles' offsets by decoupled look-back instead of an
+// upsweep and a scan. Tiles are numbered in the order blocks start (an atomic counter), so a
+// block only waits for tiles whose blocks already run: no deadlock. A tile publishes, per digit,
+// one word: 2 flag bits (1 = its own count, 2 = the inclusive prefix through it) and a 30-bit
+// count.
+//
+// A tile is THREADS x ITEMS keys; warp w owns ITEMS rounds of 32 consecutive keys (lane order
+// = input order within a round, rounds in order). Per tile:
+//  1. load the keys (pass 0: made from the operand; lane passes: the payload, whose lane number
+//     is the digit) and count digits into per-warp shared counters (plain shared atomics);
+//  2. publish the tile's counts at once ("early counts": successors' look-backs need not wait
+//     for this tile's ranking), scan them into the tile's digit starts, and turn the per-warp
+//     counts into each warp's first rank per digit;
+//  3. rank: per round, the lanes of equal digits found by a warp match (__match_any_sync, or
+//     MATCH=1: an atomicOr of lane bits into per-warp shared masks), their leader advancing
+//     the warp's counter by the group size with one shared atomic; the rank is the key's final
+//     position in the digit-sorted tile;
+//  4. stage the keys through shared memory in tile order while threads 0..255 look back for
+//     their digit's exclusive prefix over earlier tiles (one word per step, no sleep);
+//  5. write out coalesced (consecutive threads, consecutive positions of one digit run); then,
+//     with a payload, stage and write the payload (or, on a lane pass, the keys) the same way.
 // The first pass reads the operand itself (keys made on the fly, payload = element index) and,
 // when lanes are contiguous and every element is output, the last pass writes the outputs.
 
@@ -414,32 +434,81 @@ __global__ void radix_emit_flat(const u32* __restrict__ flat, const K* __restric
 __device__ __forceinline__ u32 ld_volatile(const u32* p) { return *(const volatile u32*)p; }
 __device__ __forceinline__ void st_volatile(u32* p, u32 v) { *(volatile u32*)p = v; }
 
-
-// Digit counts of every pass at once: hist[p * 256 + d]. Key passes first, then lane passes
-// (digits of e / n). Reads the operand (keys made on the fly).
+// Digit counts of every pass at once: hist[p * 256 + d]. Key passes first (one per key byte),
+// then lane passes (digits of e / n). Reads the operand (keys made on the fly). Plain shared
+// atomics (measured faster than warp-aggregated counting on an H100) into `parts` copies of the
+// counters: lane l counts into copy l % parts, so that lanes of one warp with equal digits (the
+// skewed top byte of floats) mostly hit different words; copies are padded by one word so that
+// a digit's words sit in different banks. Loads: 16-byte vectors where the operand is
+// contiguous and aligned and there are no lane passes, else one key at a time; several loads
+// in flight per thread either way.
+#define HIST_WORDS 8200
 template <typename K, int KIND>
-__global__ void radix_histogram(const K* __restrict__ x, u32 total, i64 n, i64 inner, int flags,
-                                int key_passes, int lane_passes, u32* __restrict__ hist) {
-    __shared__ u32 cnt[12][RADIX];
-    const int passes = key_passes + lane_passes;
-    for (int i = threadIdx.x; i < passes * RADIX; i += blockDim.x) (&cnt[0][0])[i] = 0;
+__device__ __forceinline__ void count_key(u32* mine, K key) {
+#pragma unroll
+    for (int p = 0; p < (int)sizeof(K); ++p) atomicAdd(&mine[p * RADIX + ((u32)(key >> (8 * p)) & (RADIX - 1))], 1u);
+}
+
+template <typename K, int KIND>
+__global__ void __launch_bounds__(SORT_BLOCK)
+radix_histogram(const K* __restrict__ x, u32 total, i64 n, i64 inner, int flags,
+                int key_passes, int lane_passes, int parts, u32* __restrict__ hist) {
+    __shared__ u32 cnt[HIST_WORDS];
+    const int passes = key_passes + lane_passes;  // key_passes == sizeof(K)
+    const int words = passes * RADIX;             // one copy
+    parts = max(1, min(parts, HIST_WORDS / (words + 1)));
+    for (int i = threadIdx.x; i < parts * (words + 1); i += blockDim.x) cnt[i] = 0;
     __syncthreads();
-    const u32 lt = (1u << (threadIdx.x & 31)) - 1u;
-    for (u32 base = blockIdx.x * blockDim.x; base < total; base += gridDim.x * blockDim.x) {
-        const u32 e = base + threadIdx.x;
-        const bool valid = e < total;
-        const K key = valid ? source_key<K, KIND>(x, e, n, inner, flags) : (K)0;
-        const u32 lane = valid ? (u32)((i64)e / n) : 0u;
-        for (int p = 0; p < passes; ++p) {
-            u32 d = RADIX;
-            if (valid) d = p < key_passes ? (u32)(key >> (8 * p)) & (RADIX - 1) : (lane >> (8 * (p - key_passes))) & (RADIX - 1);
-            const u32 peers = __match_any_sync(FULL_MASK, d);
-            if (valid && (peers & lt) == 0) atomicAdd(&cnt[p][d], __popc(peers));  // one add per group
+    u32* mine = cnt + ((threadIdx.x & 31) % parts) * (words + 1);
+    constexpr int U = 4;
+    const u32 tid = blockIdx.x * blockDim.x + threadIdx.x, nthreads = gridDim.x * blockDim.x;
+    if (inner == 1 && lane_passes == 0 && ((unsigned long long)x & 15) == 0) {
+        constexpr int V = 16 / sizeof(K);  // keys per vector
+        const u32 nvec = total / V;
+        const uint4* xv = (const uint4*)x;
+        for (u32 base = blockIdx.x * blockDim.x * U; base < nvec; base += nthreads * U) {
+            uint4 v[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 i = base + u * blockDim.x + threadIdx.x;
+                if (i < nvec) v[u] = xv[i];
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                if (base + u * blockDim.x + threadIdx.x < nvec) {
+                    const K* ks = (const K*)&v[u];
+#pragma unroll
+                    for (int j = 0; j < V; ++j) count_key<K, KIND>(mine, to_key<K, KIND>(ks[j], flags));
+                }
+            }
+        }
+        for (u32 e = nvec * V + tid; e < total; e += nthreads) count_key<K, KIND>(mine, to_key<K, KIND>(x[e], flags));
+    } else {
+        for (u32 base = blockIdx.x * blockDim.x * U; base < total; base += nthreads * U) {
+            K key[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 e = base + u * blockDim.x + threadIdx.x;
+                key[u] = e < total ? source_key<K, KIND>(x, e, n, inner, flags) : (K)0;
+            }
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const u32 e = base + u * blockDim.x + threadIdx.x;
+                if (e < total) {
+                    count_key<K, KIND>(mine, key[u]);
+                    if (lane_passes) {
+                        const u32 lane = (u32)((i64)e / n);
+                        for (int p = 0; p < lane_passes; ++p)
+                            atomicAdd(&mine[(key_passes + p) * RADIX + ((lane >> (8 * p)) & (RADIX - 1))], 1u);
+                    }
+                }
+            }
         }
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < passes * RADIX; i += blockDim.x) {
-        const u32 c = (&cnt[0][0])[i];
+    for (int i = threadIdx.x; i < words; i += blockDim.x) {
+        u32 c = 0;
+        for (int q = 0; q < parts; ++q) c += cnt[q * (words + 1) + i];
         if (c) atomicAdd(&hist[i], c);
     }
 }
@@ -464,74 +533,105 @@ __global__ void radix_prefix(u32* __restrict__ hist, int passes) {
     }
 }
 
+// The outputs of one element of the last pass from its payload p at sorted position g.
+template <typename K>
+__device__ __forceinline__ void emit_payload(K* __restrict__ values, i64* __restrict__ indices,
+                                             const K* __restrict__ xv, u32 p, u32 g, i64 n) {
+    if (values) values[g] = xv[p];
+    if (indices) indices[g] = (i64)p - ((i64)g / n) * n;
+}
+
 // One pass. Inputs: kin/pin, or (pass 0) the operand x0 with payload = element index. Outputs:
 // kout/pout, or (last pass, when fused) values (from_key, or xv[payload] with a payload) and
 // indices (payload - lane * n). goff: this pass's exclusive digit offsets; status: tiles * 256
 // words, zeroed; counter: the tile counter, zeroed; error: set if a look-back gave up.
-template <typename K, int KIND, bool ROW, bool PAY>
-__global__ void __launch_bounds__(SORT_BLOCK)
+// Launched with THREADS threads (THREADS >= RADIX) and ceil(total / (THREADS * ITEMS)) blocks.
+template <typename K, int KIND, bool ROW, bool PAY, int THREADS, int ITEMS, int MATCH>
+__global__ void __launch_bounds__(THREADS)
 radix_onesweep(const K* __restrict__ kin, const u32* __restrict__ pin, const K* __restrict__ x0,
                K* __restrict__ kout, u32* __restrict__ pout, K* __restrict__ values, i64* __restrict__ indices,
                const K* __restrict__ xv, u32 total, i64 n, i64 inner, int shift, int flags,
                const u32* __restrict__ goff, u32* __restrict__ status, u32* __restrict__ counter,
                u32* __restrict__ error) {
-    constexpr int ITEMS = RadixTile<K>::ITEMS;
-    constexpr int WARPS = SORT_BLOCK / 32;
-    constexpr u32 TILE = SORT_BLOCK * ITEMS;
-    __shared__ u32 wcnt[WARPS][RADIX];
-    __shared__ u32 tstart[RADIX];
-    __shared__ u32 gpos[RADIX];
-    __shared__ u32 wsum[WARPS];
+    constexpr int WARPS = THREADS / 32;
+    constexpr u32 TILE = THREADS * ITEMS;
+    constexpr u32 XBYTES = TILE * (sizeof(K) > 4 ? sizeof(K) : 4);
+    constexpr u32 RBYTES = WARPS * RADIX * 4;
+    // The staging buffer of the keys / payload, first the per-warp digit counters (ranking).
+    __shared__ __align__(16) unsigned char xbuf[XBYTES > RBYTES ? XBYTES : RBYTES];
+    __shared__ u32 gofs[RADIX];  // digit d's global position minus its start in the tile
+    __shared__ u32 masks[MATCH ? WARPS : 1][RADIX];
+    __shared__ u32 wsum[THREADS / 32];
     __shared__ u32 tile_id;
-    __shared__ K skeys[TILE];
-    __shared__ u32 spay[PAY ? TILE : 1];
+    u32 (*wofs)[RADIX] = (u32 (*)[RADIX])xbuf;
+    K* sk = (K*)xbuf;
+    u32* sp = (u32*)xbuf;
 
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     if (threadIdx.x == 0) tile_id = atomicAdd(counter, 1u);
-    for (u32 i = threadIdx.x; i < WARPS * RADIX; i += SORT_BLOCK) (&wcnt[0][0])[i] = 0;
+    for (u32 i = threadIdx.x; i < WARPS * RADIX; i += THREADS) (&wofs[0][0])[i] = 0;
+    if (MATCH)
+        for (u32 i = threadIdx.x; i < WARPS * RADIX; i += THREADS) (&masks[0][0])[i] = 0;
     __syncthreads();
     const u32 t = tile_id;
     const u32 tile_begin = t * TILE;
     const u32 count = min(total - tile_begin, TILE);
-    const u32 lt_mask = (1u << lane) - 1u;
+    const u32 wbase = (u32)w * 32u * ITEMS + (u32)lane;  // tile position of this lane's round 0
+    const bool final_out = values != nullptr || indices != nullptr;
+
+    // 1. Digit sources and per-warp counts. Padding (past the end of the last tile) counts as
+    //    digit 255 and ranks after every real key of the tile; it is never written.
+    //    The loads of a thread are issued back to back (branch-free, predicated) before any use:
+    //    behind a per-item branch they were serialised (pass 0 measured 1.8x a later pass).
     K key[ITEMS];
     u32 pay[ITEMS];
-    u32 rank[ITEMS];
     u32 dig[ITEMS];
+    if (!ROW) {
+        const K* src = x0 ? x0 : kin;
+        if (!x0 || inner == 1) {
 #pragma unroll
-    for (int r = 0; r < ITEMS; ++r) {
-        const u32 local = (u32)w * 32u * ITEMS + (u32)r * 32u + (u32)lane;
-        const bool valid = local < count;
-        u32 d = RADIX;
-        key[r] = 0;
-        pay[r] = 0;
-        if (valid) {
-            const u32 e = tile_begin + local;
-            if (x0) { key[r] = source_key<K, KIND>(x0, e, n, inner, flags); pay[r] = e; }
-            else { key[r] = kin[e]; if (PAY) pay[r] = pin[e]; }
-            d = digit_of<K, ROW>(key[r], pay[r], shift, (u32)n);
+            for (int r = 0; r < ITEMS; ++r) {
+                const u32 local = wbase + (u32)r * 32u;
+                key[r] = local < count ? src[tile_begin + local] : (K)~(K)0;
+            }
+            if (x0) {
+#pragma unroll
+                for (int r = 0; r < ITEMS; ++r)
+                    if (wbase + (u32)r * 32u < count) key[r] = to_key<K, KIND>(key[r], flags);
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < ITEMS; ++r) {
+                const u32 local = wbase + (u32)r * 32u;
+                key[r] = local < count ? source_key<K, KIND>(x0, tile_begin + local, n, inner, flags) : (K)~(K)0;
+            }
         }
-        const u32 peers = __match_any_sync(FULL_MASK, d);
-        const u32 leader = __ffs(peers) - 1;
-        u32 pre = 0;
-        if (valid) pre = wcnt[w][d];
-        __syncwarp();
-        if (valid && (u32)lane == leader) wcnt[w][d] = pre + __popc(peers);
-        __syncwarp();
-        rank[r] = pre + __popc(peers & lt_mask);
-        dig[r] = d;
-    }
-    __syncthreads();
-    const u32 d = threadIdx.x;  // SORT_BLOCK == RADIX: one digit per thread
-    u32 run = 0;
 #pragma unroll
-    for (int ww = 0; ww < WARPS; ++ww) { const u32 c = wcnt[ww][d]; wcnt[ww][d] = run; run += c; }
-    const u32 tile_cnt = run;
-    // Publish this tile's count at once; the look-back for the earlier tiles' prefix comes after
-    // the shared-memory scatter, when the predecessors have had time to publish theirs.
-    u32* my = status + (size_t)t * RADIX + d;
-    st_volatile(my, ((t == 0 ? ST_PREFIX : ST_AGG) << 30) | tile_cnt);
-    // Exclusive scan of the tile's digit counts: where each digit's run starts in the tile.
+        for (int r = 0; r < ITEMS; ++r) dig[r] = (u32)(key[r] >> shift) & (RADIX - 1);
+    } else {
+#pragma unroll
+        for (int r = 0; r < ITEMS; ++r) {
+            const u32 local = wbase + (u32)r * 32u;
+            pay[r] = local < count ? pin[tile_begin + local] : 0xffffffffu;
+        }
+#pragma unroll
+        for (int r = 0; r < ITEMS; ++r)
+            dig[r] = pay[r] != 0xffffffffu ? ((pay[r] / (u32)n) >> shift) & (RADIX - 1) : RADIX - 1;
+    }
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) atomicAdd(&wofs[w][dig[r]], 1u);
+    __syncthreads();
+
+    // 2. Early counts; the tile's digit starts; each warp's first rank per digit.
+    const u32 d = threadIdx.x;
+    u32 tile_cnt = 0;
+    if (d < RADIX) {
+        u32 run = 0;
+#pragma unroll
+        for (int ww = 0; ww < WARPS; ++ww) { const u32 c = wofs[ww][d]; wofs[ww][d] = run; run += c; }
+        tile_cnt = run;
+        st_volatile(status + (size_t)t * RADIX + d, ((t == 0 ? ST_PREFIX : ST_AGG) << 30) | tile_cnt);
+    }
     u32 s = tile_cnt;
     for (int o = 1; o < 32; o <<= 1) {
         const u32 y = __shfl_up_sync(FULL_MASK, s, o);
@@ -539,55 +639,120 @@ radix_onesweep(const K* __restrict__ kin, const u32* __restrict__ pin, const K* 
     }
     if (lane == 31) wsum[w] = s;
     __syncthreads();
-    {
-        u32 before = 0;
-        for (int ww = 0; ww < w; ++ww) before += wsum[ww];
-        tstart[d] = before + s - tile_cnt;
+    u32 tstart = 0;
+    if (d < RADIX) {
+        for (int ww = 0; ww < w; ++ww) tstart += wsum[ww];
+        tstart += s - tile_cnt;
+#pragma unroll
+        for (int ww = 0; ww < WARPS; ++ww) wofs[ww][d] += tstart;
     }
     __syncthreads();
+
+    // 3. Ranks: final positions in the digit-sorted tile.
+    u32 rank[ITEMS];
+    const u32 lanemask_le = (2u << lane) - 1u;  // lane 31: 0 - 1 = all ones
 #pragma unroll
     for (int r = 0; r < ITEMS; ++r) {
         const u32 dd = dig[r];
-        if (dd < RADIX) {
-            const u32 pos = tstart[dd] + wcnt[w][dd] + rank[r];
-            skeys[pos] = key[r];
-            if (PAY) spay[pos] = pay[r];
+        u32 peers;
+        if (MATCH) {
+            atomicOr(&masks[w][dd], 1u << lane);
+            __syncwarp();
+            peers = masks[w][dd];
+        } else {
+            peers = __match_any_sync(FULL_MASK, dd);
         }
+        const int leader = 31 - __clz(peers);
+        const u32 below = __popc(peers & lanemask_le);
+        u32 o = 0;
+        if (lane == leader) o = atomicAdd(&wofs[w][dd], below);  // below == group size here
+        o = __shfl_sync(FULL_MASK, o, leader);
+        if (MATCH) {
+            if (lane == leader) masks[w][dd] = 0;
+            __syncwarp();
+        }
+        rank[r] = o + below - 1;
     }
-    if (t == 0) {
-        gpos[d] = goff[d];
-    } else {
+    __syncthreads();  // the counters (aliasing the staging buffer) are read
+
+    // 4. Stage the digit sources in tile order; look back for this tile's global offsets.
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+        if (!ROW) sk[rank[r]] = key[r];
+        else sp[rank[r]] = pay[r];
+    }
+    if (d < RADIX) {
         u32 excl = 0;
-        int look = (int)t - 1;
-        u32 spins = 0;
-        while (look >= 0) {
-            const u32 v = ld_volatile(status + (size_t)look * RADIX + d);
-            const u32 f = v >> 30;
-            if (f == 0) {
-                if (++spins > SPIN_LIMIT) { atomicExch(error, 1u); break; }
-                __nanosleep(32);
-                continue;
+        if (t > 0) {
+            int look = (int)t - 1;
+            u32 spins = 0;
+            while (true) {
+                const u32 v = ld_volatile(status + (size_t)look * RADIX + d);
+                const u32 f = v >> 30;
+                if (f == 0) {
+                    if (++spins > SPIN_LIMIT) { atomicExch(error, 1u); break; }
+                    continue;
+                }
+                excl += v & ST_COUNT_MASK;
+                if (f == ST_PREFIX) break;
+                --look;
             }
-            excl += v & ST_COUNT_MASK;
-            if (f == ST_PREFIX) break;
-            --look;
+            st_volatile(status + (size_t)t * RADIX + d, (ST_PREFIX << 30) | (excl + tile_cnt));
         }
-        st_volatile(my, (ST_PREFIX << 30) | (excl + tile_cnt));
-        gpos[d] = goff[d] + excl;
+        gofs[d] = goff[d] + excl - tstart;
     }
     __syncthreads();
-    const bool final_out = values != nullptr || indices != nullptr;
-    for (u32 i = threadIdx.x; i < count; i += SORT_BLOCK) {
-        const K k = skeys[i];
-        const u32 p = PAY ? spay[i] : 0u;
-        const u32 dd = digit_of<K, ROW>(k, p, shift, (u32)n);
-        const u32 g = gpos[dd] + (i - tstart[dd]);
-        if (final_out) {
-            if (values) values[g] = PAY ? xv[p] : from_key<K, KIND>(k, flags);
-            if (indices) indices[g] = (i64)p - ((i64)g / n) * n;
-        } else {
-            kout[g] = k;
-            if (PAY) pout[g] = p;
+
+    // 5. Coalesced write-out.
+    u32 gpos[ITEMS];
+#pragma unroll
+    for (int r = 0; r < ITEMS; ++r) {
+        const u32 idx = threadIdx.x + (u32)r * THREADS;
+        gpos[r] = 0;
+        if (idx < count) {
+            if (!ROW) {
+                const K k = sk[idx];
+                const u32 g = gofs[(u32)(k >> shift) & (RADIX - 1)] + idx;
+                gpos[r] = g;
+                if (!final_out) kout[g] = k;
+                else if (!PAY && values) values[g] = from_key<K, KIND>(k, flags);
+            } else {
+                const u32 p = sp[idx];
+                const u32 g = gofs[((p / (u32)n) >> shift) & (RADIX - 1)] + idx;
+                gpos[r] = g;
+                if (!final_out) pout[g] = p;
+                else emit_payload<K>(values, indices, xv, p, g, n);
+            }
+        }
+    }
+    if (PAY && (!ROW || !final_out)) {
+        // The payload (key passes) or the keys (lane passes), through the same ranks.
+#pragma unroll
+        for (int r = 0; r < ITEMS; ++r) {
+            const u32 local = wbase + (u32)r * 32u;
+            const u32 e = tile_begin + local;
+            if (!ROW) pay[r] = x0 ? e : (local < count ? pin[e] : 0u);
+            else key[r] = local < count ? kin[e] : (K)0;
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < ITEMS; ++r) {
+            if (!ROW) sp[rank[r]] = pay[r];
+            else sk[rank[r]] = key[r];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int r = 0; r < ITEMS; ++r) {
+            const u32 idx = threadIdx.x + (u32)r * THREADS;
+            if (idx < count) {
+                if (!ROW) {
+                    const u32 p = sp[idx];
+                    if (!final_out) pout[gpos[r]] = p;
+                    else emit_payload<K>(values, indices, xv, p, gpos[r], n);
+                } else {
+                    kout[gpos[r]] = sk[idx];
+                }
+            }
         }
     }
 }

@@ -41,7 +41,9 @@ KEY_CTYPE = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "uns
 #: Lanes of at most this many (padded) elements always take the bitonic path.
 SMALL_LANE = 4096
 #: Sorts of at most this many elements in all take the bitonic path when a lane fits a block.
-SMALL_TOTAL = 1 << 16
+#: Past it, a few long lanes go to the radix path: one block's bitonic network over 16384 pairs
+#: took 199 us on an H100 for NMS's argsort of 10,000 scores, the radix passes 75-107 us.
+SMALL_TOTAL = 1 << 12
 #: The radix implementations (:attr:`SortPlan.impl`).
 RADIX_IMPLS = ("classic", "onesweep")
 
@@ -58,8 +60,20 @@ def next_pow2(n: int) -> int:
 
 
 def radix_tile(key_bytes: int) -> int:
-    """Keys one radix block handles per pass."""
+    """Keys one classic radix block handles per pass."""
     return BLOCK * (8 if key_bytes >= 8 else 16)
+
+
+#: The onesweep kernel's tile per (key width, payload): (threads, items per thread, match),
+#: ``match`` 0 for ``__match_any_sync`` ranking, 1 for the shared-memory atomicOr of lane bits
+#: (measured much faster on an H100). Measured there (16M float32, plugins/cuda/tools/
+#: sort_tune.py): 384 x 17 keys per tile (56 registers, three blocks per SM) sorts in 0.44 ms,
+#: x 16 0.45, x 12 0.49, x 21 (CUB's shape; 79 registers, two blocks) 0.50; argsort likewise
+#: best at x 17 (0.66 ms; x 21 needs 123 registers, one block per SM: 1.00 ms). 8-byte keys
+#: take fewer items so that a tile stays in 48 KiB of static shared memory (not tuned).
+ONESWEEP_SHAPES = {(1, False): (384, 17, 1), (2, False): (384, 17, 1), (4, False): (384, 17, 1),
+                   (8, False): (384, 11, 1), (1, True): (384, 17, 1), (2, True): (384, 17, 1),
+                   (4, True): (384, 17, 1), (8, True): (384, 11, 1)}
 
 
 @dataclass(frozen=True)
@@ -83,6 +97,7 @@ class SortPlan:
     tiles2: int = 0      # radix topk(sorted=False): the second sort
     passes2: int = 0
     impl: str = "classic"   # radix: "classic" (reduce-then-scan) or "onesweep" (one kernel per pass)
+    shape: tuple = ()       # radix onesweep: (threads, items, match) of its kernels
 
     @property
     def fused_output(self) -> bool:
@@ -123,7 +138,8 @@ class SortPlan:
 
 
 def plan_sort(device: Any, op: str, attrs: dict, x: Any, *, backend: str = "cuda", radix: bool = True,
-              force_path: str | None = None, radix_impl: str = "classic") -> SortPlan:
+              force_path: str | None = None, radix_impl: str = "classic",
+              onesweep_shapes: dict | None = None) -> SortPlan:
     """The path and parameters of one sort / argsort / topk instance (``attrs`` resolved) of
     operand type ``x`` on ``device``.
 
@@ -131,7 +147,8 @@ def plan_sort(device: Any, op: str, attrs: dict, x: Any, *, backend: str = "cuda
     fewer than 2**31 elements. Otherwise one block per lane is chosen for short lanes, for
     enough lanes to fill the GPU and for small sorts, radix for the rest; ``force_path``
     ("rows" or "radix") overrides the choice (tests), ``radix_impl`` picks the radix
-    implementation (:data:`RADIX_IMPLS`). ``backend`` names the backend in errors.
+    implementation (:data:`RADIX_IMPLS`) and ``onesweep_shapes`` its tile per (key width, payload) (default
+    :data:`ONESWEEP_SHAPES`). ``backend`` names the backend in errors.
     """
     axis = int(attrs["axis"]) % x.rank
     n = x.shape[axis]
@@ -176,14 +193,19 @@ def plan_sort(device: Any, op: str, attrs: dict, x: Any, *, backend: str = "cuda
         flags |= F_CANON_ZERO  # ties of -0.0 and +0.0 must keep index order
     lane_passes = 0 if lanes <= 1 else -(-(lanes - 1).bit_length() // 8)
     passes = tuple((8 * i, False) for i in range(ks)) + tuple((8 * i, True) for i in range(lane_passes))
-    tiles = -(-total // radix_tile(ks))
     tiles2 = passes2 = 0
     if index_order:
         tiles2 = -(-(lanes * kout) // radix_tile(4))
         passes2 = max(1, -(-max(total - 1, 1).bit_length() // 8))
     impl = radix_impl if total < 2**30 else "classic"  # look-back words carry 30-bit counts
+    shape: tuple = ()
+    if impl == "onesweep":
+        shape = tuple((onesweep_shapes or ONESWEEP_SHAPES)[ks, payload])
+        tiles = -(-total // (shape[0] * shape[1]))
+    else:
+        tiles = -(-total // radix_tile(ks))
     return SortPlan(op, "radix", x.dtype, lanes, n, inner, kout, flags, tiles=tiles, passes=passes,
-                    payload=payload, tiles2=tiles2, passes2=passes2, impl=impl)
+                    payload=payload, tiles2=tiles2, passes2=passes2, impl=impl, shape=shape)
 
 
 # --------------------------------------------------------------------------------------- scratch
