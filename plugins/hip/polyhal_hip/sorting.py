@@ -28,10 +28,10 @@ if TYPE_CHECKING:
 
 def plan_sort(device: "HIPDevice", op: str, attrs: dict, x) -> SortPlan:
     """The plan of one instance, on the bitonic path (``sort_rows``) always: its pairs go to
-    LDS when they fit and to a global slice per workgroup otherwise. polyhal-cuda's radix path
-    is not launched on HIP yet (its kernels are being reworked -- onesweep with a decoupled
-    look-back, whose inter-workgroup progress and visibility need checking on AMD hardware);
-    long lanes therefore sort in O(n log^2 n) per workgroup, correct but slower."""
+    LDS when they fit and to a global slice per workgroup otherwise. polyhal-cuda's radix paths
+    are not launched on HIP: its default, onesweep, relies on a decoupled look-back whose
+    inter-workgroup progress and memory visibility need an AMD GPU to verify, and none has been
+    available; long lanes therefore sort in O(n log^2 n) per workgroup, correct but slower."""
     return portable.plan_sort(device, op, attrs, x, backend="hip", radix=False)
 
 

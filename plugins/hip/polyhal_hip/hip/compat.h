@@ -21,8 +21,8 @@ __device__ __forceinline__ void polyhal_syncwarp() {
 }
 #define __syncwarp(...) polyhal_syncwarp()
 
-// Back-off in spin loops (polyhal-cuda's onesweep look-back; polyhal-hip launches the classic
-// radix path, but the whole source must compile): s_sleep takes a constant, ~64 cycles a unit.
+// Back-off in spin loops (polyhal-cuda's onesweep look-back; polyhal-hip launches no radix path,
+// but the whole source must compile): s_sleep takes a constant, ~64 cycles a unit.
 #define __nanosleep(ns) __builtin_amdgcn_s_sleep(1)
 
 // CUDA's __match_any_sync over a 32-thread group: the lanes whose value equals this lane's,
