@@ -136,6 +136,74 @@ def nms(dev) -> None:
             print(f"torchvision n={n}: {tt * 1e3:.3f} ms", flush=True)
 
 
+def transfer_trace(dev) -> None:
+    """The bench's 1 GiB transfers, repeated, with where the workers' time went (host copies,
+    waits for the copy engine) and the CPU's steal time, for several worker settings."""
+    import ctypes
+    import os
+    import threading
+
+    import cupy as cp
+
+    from polyhal.hal.flags import MemoryType
+    from polyhal_cuda import transfer as tr
+
+    print("affinity", sorted(os.sched_getaffinity(0)), "load", open("/proc/loadavg").read().strip(), flush=True)
+    host = np.random.default_rng(0).integers(0, 256, size=GIB, dtype=np.uint8)
+    back = np.empty_like(host)
+    back.fill(1)
+    buf = dev.allocator.allocate(GIB, MemoryType.DEVICE_LOCAL)
+    spent = {"copy": 0.0, "wait": 0.0}
+    lock = threading.Lock()
+
+    class TimedNumpy:
+        def __init__(self, memmove: bool) -> None:
+            self.memmove = memmove
+
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def copyto(self, dst, src):
+            t = time.perf_counter()
+            if self.memmove:
+                ctypes.memmove(dst.ctypes.data, src.ctypes.data, dst.nbytes)
+            else:
+                np.copyto(dst, src)
+            with lock:
+                spent["copy"] += time.perf_counter() - t
+
+    def steal():
+        f = open("/proc/stat").readline().split()
+        return int(f[8]) if len(f) > 8 else 0
+
+    for workers, chunk, memmove in [(16, 4 << 20, False), (8, 4 << 20, False), (16, 4 << 20, True),
+                                    (8, 8 << 20, False), (16, 4 << 20, False), (4, 16 << 20, True)]:
+        dev.stager.close()
+        tr.WORKERS, tr.CHUNK = workers, chunk
+        tr.np = TimedNumpy(memmove)
+        try:
+            for direction in ("h2d", "d2h"):
+                rates = []
+                spent["copy"] = 0.0
+                s0 = steal()
+                for _ in range(6):
+                    fn = (lambda: dev.write(buf, 0, host)) if direction == "h2d" else (lambda: dev.read(buf, 0, back))
+                    cp.cuda.runtime.deviceSynchronize()
+                    t = time.perf_counter()
+                    fn()
+                    cp.cuda.runtime.deviceSynchronize()
+                    rates.append(GIB / (time.perf_counter() - t) / 1e9)
+                print(f"workers={workers} chunk={chunk >> 20}MiB memmove={memmove} {direction}: GB/s "
+                      + " ".join(f"{r:.0f}" for r in rates)
+                      + f"; host copy thread-seconds per GiB {spent['copy'] / 6 * 1e3:.0f} ms"
+                      + f"; steal ticks {steal() - s0}", flush=True)
+        finally:
+            tr.np = np
+    ok = np.array_equal(back[::4097], host[::4097])
+    print("correct", ok, flush=True)
+    buf.release()
+
+
 if __name__ == "__main__":
     import polyhal
 
