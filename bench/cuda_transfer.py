@@ -37,8 +37,9 @@ def run(args) -> list[Row]:
     h2d()
     d2h()
     assert np.array_equal(back[:: 1 << 20], host[:: 1 << 20]) and np.array_equal(back[-4096:], host[-4096:])
-    # Three warm-up round trips: on a freshly started VM the first passes over new memory also
-    # pay the hypervisor's first touch (seen on the lent H100 host: 10-16 GB/s, then 40-47).
+    # Three warm-up round trips: on the lent H100 host (a VM) the first transfers of a process
+    # ran at 10-26 GB/s and later ones at 40-47 (plugins/cuda/tools/probe.py transfer_trace);
+    # the figure wanted is the steady state.
     t_h2d = gpu_time(h2d, number=1, repeat=reps, warmup=3)
     t_d2h = gpu_time(d2h, number=1, repeat=reps, warmup=3)
     with cp.cuda.Device(dev.ordinal):
