@@ -79,6 +79,53 @@ def test_plan_reuses_intermediates_and_balances_accounting():
     assert dev.allocator.statistics.live_bytes == before
 
 
+def test_run_numpy_returns_fresh_arrays_and_checks_inputs():
+    import gc
+    import weakref
+
+    b = polyhal.ProgramBuilder("two")
+    x, w = b.input("x", (4, 8)), b.input("w", (8, 3))
+    y = b.matmul(x, w)
+    b.output(b.relu(y), y)
+    plan = polyhal.compile(b.build(), "cpu:0")
+    rng = np.random.default_rng(3)
+    xs, ws = rng.standard_normal((4, 8), np.float32), rng.standard_normal((8, 3), np.float32)
+    r, p = plan.run_numpy(xs, ws)
+    assert type(r) is np.ndarray and r.flags.c_contiguous and r.flags.writeable
+    np.testing.assert_allclose(p, xs @ ws, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(r, np.maximum(p, 0))
+    r2, _ = plan.run_numpy(w=ws, x=xs)  # by name, as calling the plan
+    assert r2 is not r and not np.shares_memory(r, r2)  # fresh arrays: the caller owns each run's
+    np.testing.assert_array_equal(r2, r)
+    (t, _) = plan(xs, ws)
+    np.testing.assert_array_equal(t.numpy(), r)
+    # The same input errors as calling the plan, and the caller's inputs are not kept alive.
+    with pytest.raises(polyhal.ProgramError, match="missing inputs"):
+        plan.run_numpy(xs)
+    with pytest.raises(polyhal.ProgramError, match="no input 'z'"):
+        plan.run_numpy(xs, ws, z=xs)
+    with pytest.raises(polyhal.DTypeError):
+        plan.run_numpy(xs.astype(np.float64), ws)
+    held = rng.standard_normal((4, 8), np.float32)
+    ref = weakref.ref(held)
+    plan.run_numpy(held, ws)
+    del held
+    gc.collect()
+    assert ref() is None
+
+
+def test_run_numpy_copies_outputs_that_are_not_in_host_memory():
+    b = polyhal.ProgramBuilder("neg")
+    x = b.input("x", (6,))
+    b.output(b.neg(x))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    plan._host_outputs = None  # as for outputs on a device: through tensors, then to the host
+    xs = np.arange(6, dtype=np.float32)
+    (y,) = plan.run_numpy(xs)
+    assert type(y) is np.ndarray
+    np.testing.assert_array_equal(y, -xs)
+
+
 def test_inputs_on_device_are_not_copied():
     b = polyhal.ProgramBuilder("id")
     x = b.input("x", (16,))

@@ -60,8 +60,8 @@ class Plan:
 
     Call it with the inputs (positionally or by name; numpy arrays or polyhal tensors); it
     returns the outputs as polyhal tensors (a tuple when there are several). Pass ``out=`` to
-    write into tensors you own instead of fresh ones. A plan is not re-entrant: concurrent
-    calls are serialised.
+    write into tensors you own instead of fresh ones, or call :meth:`run_numpy` for numpy
+    arrays. A plan is not re-entrant: concurrent calls are serialised.
     """
 
     def __init__(self, placement: Placement, registry: Registry) -> None:
@@ -104,6 +104,10 @@ class Plan:
         # What a run allocates for each output (what tensor.empty would, resolved once).
         self._output_alloc = [(d, max(v.type.nbytes, 1), mt, v.type)
                               for v, d, mt in zip(program.outputs, self._output_devices, self._output_memory)]
+        # Outputs that live in host memory can be plain numpy arrays for run_numpy: (shape, dtype)
+        # per output, or None when some output lives elsewhere.
+        self._host_outputs = ([(v.type.shape, v.type.dtype) for v in program.outputs]
+                              if all(d.dlpack_device_type == 1 for d in self._output_devices) else None)
         self.intermediates: list[Tensor] = []
         for op in program.ops:
             for v in op.outputs:
@@ -153,21 +157,54 @@ class Plan:
     def __call__(self, *args: Any, out: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
         inputs = self._gather_inputs(args, kwargs)
         with self._lock:
-            slots = self._slots
-            staging = self._staging
+            results = self._run(inputs, self._bind_outputs, out)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    run = __call__
+
+    def run_numpy(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        """Run the plan (inputs as for calling it) and return every output as a numpy array,
+        in a tuple even when there is one.
+
+        Outputs that live in host memory are written straight into fresh numpy arrays, which the
+        caller owns like any array it made (the device allocator does not count them); others are
+        computed into polyhal tensors and copied to the host. This is the cheaper path for callers
+        that want numpy results (the ONNX front end's ``execute``): it skips making a buffer and
+        a tensor per output and mapping them back.
+        """
+        inputs = self._gather_inputs(args, kwargs)
+        if self._host_outputs is None:
+            with self._lock:
+                tensors = self._run(inputs, self._bind_outputs, None)
+            return tuple(t.numpy() for t in tensors)
+        with self._lock:
+            return tuple(self._run(inputs, self._bind_host_outputs, None))
+
+    def _run(self, inputs: Sequence[Any], bind_outputs: Callable[[Any], list], out: Any) -> list:
+        """Bind ``inputs``, then the outputs (``bind_outputs(out)``, whose result is returned),
+        and run the steps. The caller holds the lock."""
+        slots = self._slots
+        staging = self._staging
+        try:
             for value, slot, device, x in zip(self.program.inputs, self._input_slots, self._input_devices, inputs):
                 slots[slot] = _bind_input(value, device, x, staging)
-            results = self._bind_outputs(out)
+            results = bind_outputs(out)
             if self.replay is not None:
                 self.replay()
             else:
                 for step in self._steps:
                     step()
+        finally:
             for i in self._input_slots:
                 slots[i] = None  # do not keep the caller's arrays alive
-        return results[0] if len(results) == 1 else tuple(results)
+        return results
 
-    run = __call__
+    def _bind_host_outputs(self, out: None) -> list[np.ndarray]:
+        slots, arrays = self._slots, []
+        for slot, (shape, dtype) in zip(self._output_slots, self._host_outputs):
+            slots[slot] = a = np.empty(shape, dtype)
+            arrays.append(a)
+        return arrays
 
     def _gather_inputs(self, args: tuple, kwargs: dict) -> Sequence[Any]:
         names = self._input_names

@@ -1,5 +1,6 @@
 """Edge cases of the CPU softmax (a shift per block of rows) and attention (exp2 with a shift per
-group of heads) kernels, and of matmul operands in layouts BLAS cannot take."""
+group of heads, scores computed a block of query rows at a time) kernels, and of matmul operands
+in layouts BLAS cannot take."""
 
 from __future__ import annotations
 
@@ -101,6 +102,20 @@ def test_attention_edge_cases(case):
         _close(got, want, 2e-3, 1e-3)
     else:
         _close(got, want, 1e-4, 1e-5)
+
+
+@pytest.mark.parametrize("case", ["heads as views", "rows outside the sample", "several groups"])
+def test_attention_scores_in_blocks_of_rows(case, monkeypatch):
+    # Blocks of a few query rows for the scores' GEMM (and a shorter tail block), with the
+    # transposing copy of k in several tiles: the same results as the reference.
+    from polyhal_cpu import nn_kernels
+
+    monkeypatch.setattr(nn_kernels, "_ATTENTION_SCORE_MACS", 1)  # the fewest rows a block has: 16
+    monkeypatch.setattr(nn_kernels, "_TRANSPOSE_TILE", 3)
+    inputs, scale = _attention_cases()[case]
+    assert inputs[0].shape[-2] > 16  # several blocks (300 rows: a shorter tail block too)
+    (got,), (want,) = _run("attention", inputs, {} if scale is None else {"scale": scale})
+    _close(got, want, 1e-4, 1e-5)
 
 
 @pytest.mark.parametrize("op", ["matmul", "gemm", "linear"])

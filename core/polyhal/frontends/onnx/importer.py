@@ -256,13 +256,12 @@ class OnnxProgram(Program):
         """Run ``plan`` (compiled from this program) on ``feeds`` and return the ONNX outputs by
         name, as numpy arrays: outputs of run-time length are cut to it (see ``trims``)."""
         try:
-            outs = plan(**{n: feeds[n] for n in self.input_names})
+            arrays = plan.run_numpy(*[feeds[n] for n in self.input_names])
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel's own error (an index out of range in the data, ...)
             raise OnnxRunError(f"{self.source}: running the model failed: {type(exc).__name__}: "
                                f"{_first_line(exc)}") from exc
-        arrays = [t.numpy() for t in (outs if isinstance(outs, tuple) else (outs,))]
         result = {}
         for i, name in enumerate(self.output_names):
             a = arrays[i]
