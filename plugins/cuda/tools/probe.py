@@ -9,25 +9,21 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: bench/
+from bench.harness import median_time  # noqa: E402
 
 GIB = 1 << 30
 
 
 def _median(fn, reps=5, warm=1):
+    """Median seconds of one call, the whole device synchronised after each."""
     import cupy as cp
 
-    for _ in range(warm):
-        fn()
-    cp.cuda.runtime.deviceSynchronize()
-    ts = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        cp.cuda.runtime.deviceSynchronize()
-        ts.append(time.perf_counter() - t)
-    return float(np.median(ts))
+    return median_time(fn, repeat=reps, number=1, warmup=warm, sync=cp.cuda.runtime.deviceSynchronize)
 
 
 def transfer(dev) -> None:

@@ -13,23 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository root: bench/
+from bench.harness import median_time  # noqa: E402
+
 
 def _time(fn, sync, number=10, repeat=15, warmup=3) -> float:
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(number):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(samples)
+    """Median seconds per call (the benchmarks' own timing, the device synchronised)."""
+    return median_time(fn, repeat=repeat, number=number, warmup=warmup, sync=sync)
 
 
 def main() -> None:
