@@ -287,7 +287,7 @@ def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]
     staged = staging.get(value.id)
     if staged is None:
         staged = staging[value.id] = empty(t.shape, t.dtype, device)
-    device.upload(np.ascontiguousarray(arr), staged.native)
+    device.upload(np.asarray(arr, order="C"), staged.native)
     return staged.native
 
 

@@ -175,7 +175,7 @@ def empty(shape: Any, dtype: Any = "float32", device: "Device | str | None" = No
 def asarray(obj: Any, dtype: Any = None, device: "Device | str | None" = None,
             memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL) -> Tensor:
     """A new tensor on ``device`` holding a copy of ``obj`` (anything numpy accepts)."""
-    host = np.ascontiguousarray(obj, dtype=dtype)
+    host = np.asarray(obj, dtype=dtype, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
     if host.dtype == np.float64 and dtype is None and not isinstance(obj, np.ndarray):
         host = host.astype(np.float32)  # Python floats become float32, the runtime's default
     t = empty(host.shape, host.dtype, device, memory_type)

@@ -82,6 +82,15 @@ def test_write_read_roundtrip(device):
     t.release()
 
 
+def test_zero_d_and_empty_tensors_keep_their_shape(device):
+    # 0-d tensors are scalars of programs (ONNX constants, reductions): never made 1-d on the way.
+    for host in (np.array(2.5, np.float32), np.zeros((0, 3), np.int32), np.arange(6, dtype=np.int64).reshape(2, 3).T):
+        t = polyhal.asarray(host, device=device)
+        assert t.shape == host.shape and t.dtype == host.dtype, f"{device.name}: {t.shape} for {host.shape}"
+        np.testing.assert_array_equal(t.numpy(), host)
+        t.release()
+
+
 @pytest.mark.parametrize("nbytes", [0, -1, 1 << 62, 1.5, True])
 def test_bad_sizes_are_refused(device, nbytes):
     before = _live(device)

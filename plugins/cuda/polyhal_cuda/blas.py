@@ -137,6 +137,17 @@ def prepare_gemm(device: "CUDADevice", a_t, b_t, out_t, trans_a: bool, trans_b: 
     return _gemm_call(device, dtype, m, n, k, trans_a, trans_b, 0, 0, 1, alpha, beta)
 
 
+def prepare_batched(device: "CUDADevice", dtype: Any, m: int, n: int, k: int, batch: int, *,
+                    trans_b: bool = False, alpha: float = 1.0):
+    """``fn(a, b, out)``: out[i] = alpha * a[i] @ op(b[i]) for ``batch`` dense stacked matrices --
+    a (batch, m, k), b (batch, k, n) or with ``trans_b`` (batch, n, k), out (batch, m, n) -- or
+    None when cuBLAS cannot be called directly or the type is not covered."""
+    dtype = np.dtype(dtype)
+    if dtype not in _DATA or 0 in (m, n, k, batch):
+        return None
+    return _gemm_call(device, dtype, m, n, k, False, trans_b, m * k, k * n, batch, alpha, 0.0)
+
+
 def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, batch, alpha, beta):
     blas = blas_for(device)
     if blas is None:

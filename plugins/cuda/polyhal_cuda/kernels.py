@@ -24,7 +24,9 @@ Families and how they run:
   numpy reference on an iota tensor, then one gather kernel per run;
 * gather/scatter families: cupy fancy indexing and ``cupyx`` scatter kernels;
 * sort, argsort, topk (:mod:`.sorting`) and non_max_suppression (:mod:`.suppression`): CUDA C with
-  declared scratch (shared memory when it fits, global scratch otherwise).
+  declared scratch (shared memory when it fits, global scratch otherwise);
+* attention (:mod:`.attention`): two batched cuBLAS products around the row-wise softmax, its
+  intermediates declared as global scratch.
 
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
 this backend) still runs, through :func:`host_fallback` (download, the op's numpy reference,
@@ -41,7 +43,7 @@ import numpy as np
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_slice
 
-from polyhal_cuda import sorting, suppression
+from polyhal_cuda import attention, sorting, suppression
 from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_cuda.portable import optable
 from polyhal_cuda.portable.optable import OpTable
@@ -569,6 +571,7 @@ def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
 # ---------------------------------------------------------------------------- sorting, detection
 
 register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
+register("attention", scratch=attention.scratch_requests)(attention.prepare)
 register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
 
 #: Ops that run through the host fallback (no CUDA kernel yet), at import time.
