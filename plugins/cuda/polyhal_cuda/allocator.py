@@ -57,6 +57,16 @@ __all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "MANAGED
 MANAGED_RESERVE = 256 << 20
 
 
+def array_view(ptr: int, shape: tuple, dtype: Any, owner: Any, device_id: int) -> Any:
+    """A ``cupy.ndarray`` of ``shape`` and ``dtype`` over device memory at ``ptr`` that ``owner``
+    keeps alive (a kernel's scratch, for one): no allocation, no copy."""
+    import cupy as cp
+    import numpy as np
+
+    nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
+    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id), 0))
+
+
 def heaps_for(limits: dict, pool: str) -> tuple[Heap, ...]:
     """The heaps of a device with ``limits`` (see :func:`polyhal_cuda.plugin.limits`)."""
     total = int(limits["global_mem_bytes"]) or 1 << 30

@@ -28,6 +28,7 @@ from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
 from polyhal.ir.types import TensorType
 
 from polyhal_cuda import blas
+from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
 from polyhal_cuda.portable import rowwise
 from polyhal_cuda.portable.scratch import Scratch
@@ -68,13 +69,6 @@ def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs) -> t
     return tuple(d_.request(problem, kernel) for d_ in decls)
 
 
-def _view(ptr: int, shape: tuple, dtype: Any, owner: Any, device_id: int) -> Any:
-    import cupy as cp
-
-    nbytes = max(int(np.prod(shape)) * np.dtype(dtype).itemsize, 1)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, nbytes, owner, device_id), 0))
-
-
 def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any = None):
     """``fn(q, k, v, out)`` for one instance, or None for the fallback (see the module docstring)."""
     import cupy as cp
@@ -85,7 +79,7 @@ def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any 
     dtype = ins[0].dtype
     scale = 1.0 / math.sqrt(d) if attrs.get("scale") is None else float(attrs["scale"])
     s = Scratch(device, scratch_requests(device, op, attrs, ins, outs), binding, lambda a: a.data.ptr)
-    view = lambda name, shape: _view(int(s.ptr(name)), shape, dtype, s, device.ordinal)  # noqa: E731
+    view = lambda name, shape: array_view(int(s.ptr(name)), shape, dtype, s, device.ordinal)  # noqa: E731
     scores, probs = view("scores", (b, lq, lk)), view("probs", (b, lq, lk))
     dense = {"q": view("q", (b, lq, d)), "k": view("k", (b, lk, d)), "v": view("v", (b, lk, dv))}
     out_dense = view("out", (b, lq, dv))

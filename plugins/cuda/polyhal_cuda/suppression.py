@@ -18,6 +18,7 @@ import numpy as np
 from polyhal.ir.types import TensorType
 
 from polyhal_cuda import sorting
+from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
 from polyhal_cuda.portable import nms as portable
 from polyhal_cuda.portable.nms import Geometry
@@ -39,14 +40,6 @@ def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs) -> t
     return _requests(device, g, attrs, ins, outs)
 
 
-def _view(ptr: int, shape: tuple, dtype: Any, owner: Any, device_id: int) -> Any:
-    import cupy as cp
-
-    nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    mem = cp.cuda.UnownedMemory(ptr, max(nbytes, 1), owner, device_id)
-    return cp.ndarray(shape, dtype, cp.cuda.MemoryPointer(mem, 0))
-
-
 class _Pipeline(portable.Pipeline):
     """The pipeline of one NMS geometry on one CUDA device, with cupy views of the order, the
     kept indices and the counts."""
@@ -57,9 +50,9 @@ class _Pipeline(portable.Pipeline):
         argsort = sorting.prepare(device, "argsort", portable.ARGSORT_ATTRS, (g.scores_type,), (g.order_type,),
                                   binding)
         dev_id = device.ordinal
-        order = _view(s.ptrs["order"], (g.batches, g.classes, g.n), np.int64, s, dev_id)
-        self.keep = _view(s.ptrs["keep"], (g.problems, g.cap), np.int64, s, dev_id)
-        self.counts = _view(s.ptrs["counts"], (g.problems,), np.int64, s, dev_id)
+        order = array_view(s.ptrs["order"], (g.batches, g.classes, g.n), np.int64, s, dev_id)
+        self.keep = array_view(s.ptrs["keep"], (g.problems, g.cap), np.int64, s, dev_id)
+        self.counts = array_view(s.ptrs["counts"], (g.problems,), np.int64, s, dev_id)
         functions = [function(device, portable.SOURCE, portable.EXPRESSIONS, e) for e in portable.EXPRESSIONS]
         super().__init__(device, g, mode, iou, score_threshold, s, functions, argsort, order, _fill(device))
         if self.reduce_smem > 48 * 1024:
