@@ -50,6 +50,20 @@ def test_matches_reference_on_larger_problems(n, field):
     check(boxes, scores, max_output_boxes_per_class=n, iou_threshold=0.5, score_threshold=0.1)
 
 
+def test_small_problems_are_compared_densely_and_large_ones_through_the_index():
+    from polyhal_cpu import detection
+
+    rng = np.random.default_rng(7)
+    for n, indexed in ((100, False), (2000, True)):
+        boxes = random_boxes(rng, n, field=300.0)[0]
+        scores = rng.random(n).astype(np.float32)
+        g = detection._Geometry(boxes, 0, 0.5, np.empty(detection._PER_BOX * n + 64, np.uint8))
+        sel = detection.nms_class(g, scores, None, 0.5, n)
+        ws, wc = NMS.reference(boxes[None], scores[None, None], max_output_boxes_per_class=n, iou_threshold=0.5)
+        np.testing.assert_array_equal(sel, compact(ws, wc)[:, 2])
+        assert g.indexed is indexed, n  # the index is built only where blocks are too large to compare densely
+
+
 def _ort():
     ort = pytest.importorskip("onnxruntime")
     onnx = pytest.importorskip("onnx")
