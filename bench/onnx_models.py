@@ -76,15 +76,18 @@ def run(args) -> list[Row]:
             session.run(None, feeds)
 
         # Alternating blocks, so that drift and load from other processes hit both alike; each
-        # sample is the median of a short burst. onnxruntime's pool threads spin for a while
-        # after a run (its default), which would steal the cores of a polyhal run right after
-        # it, so each block starts after a short pause. The machine may be shared: minima are
-        # reported too (noise only ever adds time); the medians are the figures.
+        # sample is the median of a short burst. Both sides leave threads spinning after a run
+        # -- onnxruntime's pool (its default) and OpenBLAS's workers after polyhal's matmuls
+        # (2**28 cycles, ~0.1 s) -- which steal the cores of whatever runs next (measured: with
+        # a 0.05 s pause onnxruntime ran 1.59 ms after polyhal blocks, 1.08 ms after a clean
+        # start), so each block starts after a pause longer than both. The machine may be
+        # shared: minima are reported too (noise only ever adds time); the medians are the
+        # figures.
         number = 10 if "detection" not in file else 5
         tp, to = [], []
         for _ in range(reps // 6 or 1):
             for fn, samples in ((run_ours, tp), (run_theirs, to)):
-                time.sleep(0.05)
+                time.sleep(0.3)
                 for _ in range(6):
                     samples.append(median_time(fn, repeat=3, number=number, warmup=1))
         t_ours, t_theirs = statistics.median(tp), statistics.median(to)
