@@ -20,7 +20,7 @@ import numpy as np
 
 from bench.cuda_common import cuda_device, device_sync, gpu_time
 from bench.harness import Row
-from bench.onnx_models import EXAMPLES, _inputs
+from bench.onnx_models import EXAMPLES, model_inputs
 
 #: model file, {symbolic dim: size}
 CASES = [
@@ -85,7 +85,7 @@ def run(args) -> list[Row]:
     for file, dims in CASES:
         path = EXAMPLES / file
         session, provider = _ort_session(path, ort)
-        feeds = _inputs(session, dims, rng)
+        feeds = model_inputs(session, dims, rng)
         program = polyhal.onnx.load(path, shapes={k: v.shape for k, v in feeds.items()})
         plan = program.compile(dev.name)
         ours = program.execute(plan, feeds)

@@ -28,7 +28,9 @@ CASES = [
 ]
 
 
-def _inputs(session, dims: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+def model_inputs(session, dims: dict[str, int], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Random feeds for every input of ``session`` (symbolic dims from ``dims``); boxes and scores
+    well-formed for the detection model."""
     feeds = {}
     for i in session.get_inputs():
         shape = [d if isinstance(d, int) else dims[d] for d in i.shape]
@@ -57,7 +59,7 @@ def run(args) -> list[Row]:
         options = ort.SessionOptions()
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-        feeds = _inputs(session, dims, rng)
+        feeds = model_inputs(session, dims, rng)
         t0 = time.perf_counter()
         program = polyhal.onnx.load(path, shapes={k: v.shape for k, v in feeds.items()})
         plan = program.compile(device)

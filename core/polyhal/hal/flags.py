@@ -69,6 +69,17 @@ class BufferUsage(enum.IntFlag):
         )
 
 
+_IMAGE_USAGE = BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE
+_MAPPING_USAGE = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
+                  | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
+_EVERY_USAGE = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
+#: What a heap of plain buffers allows when kernels address memory by pointer: every usage but
+#: images (no backend has image kernels) and mapping -- device-local GPU memory.
+BUFFER_USAGE = _EVERY_USAGE & ~_IMAGE_USAGE & ~_MAPPING_USAGE
+#: The same plus every mapping usage: host-visible heaps (host memory, pinned, managed).
+MAPPABLE_BUFFER_USAGE = BUFFER_USAGE | _MAPPING_USAGE
+
+
 class MemoryAccess(enum.IntFlag):
     """How a mapping will be accessed."""
 

@@ -27,7 +27,7 @@ Usage::
 from __future__ import annotations
 
 from polyhal.ops._base import (
-    OPS, REQUIRED, OpDef, canonical_attrs, get_op, infer_types, resolve_attrs,
+    OPS, REQUIRED, OpDef, canonical_attrs, get_op, infer_types, normalize_axes, resolve_attrs,
 )
 
 # Importing the families registers their ops in OPS.
@@ -38,6 +38,6 @@ from polyhal.ops import indexing, logical, mathfn, nn  # noqa: E402,F401  isort:
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [
-    "OPS", "OpDef", "REQUIRED", "canonical_attrs", "get_op", "infer_types", "normalize_slice",
-    "resolve_attrs",
+    "OPS", "OpDef", "REQUIRED", "canonical_attrs", "get_op", "infer_types", "normalize_axes",
+    "normalize_slice", "resolve_attrs",
 ]

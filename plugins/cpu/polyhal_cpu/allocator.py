@@ -12,7 +12,7 @@ import os
 import numpy as np
 
 from polyhal.hal.allocator import Allocator
-from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
+from polyhal.hal.flags import MAPPABLE_BUFFER_USAGE, BufferKind, MemoryType
 from polyhal.hal.records import Heap
 
 ALIGNMENT = 64
@@ -27,9 +27,8 @@ def _physical_memory() -> int:
 
 def host_heap() -> Heap:
     """The CPU device's single heap."""
-    # Everything but image usages: the CPU backend has no image (texture) kernels.
-    usage = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
-    usage &= ~(BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE)
+    # Plain buffers, mappable: the CPU backend has no image (texture) kernels.
+    usage = MAPPABLE_BUFFER_USAGE
     return Heap(
         memory_type=MemoryType.HOST_LOCAL | MemoryType.DEVICE_LOCAL | MemoryType.HOST_CACHED,
         allowed_usage=usage, max_allocation_size=_physical_memory(), kind=BufferKind.HOST,

@@ -11,6 +11,8 @@ import math
 
 import numpy as np
 
+from polyhal.ops import normalize_axes
+
 from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, register_kernels
 
 
@@ -162,11 +164,7 @@ def _argmin(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 @register_kernels("reduce_prod")
 @_float16_via_float32
 def _reduce_prod(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    rank = ins[0].rank
-    axes = attrs["axes"]
-    if axes is not None:
-        axes = (axes,) if isinstance(axes, (int, np.integer)) else axes
-        axes = tuple(sorted(int(a) % rank for a in axes))
+    axes = normalize_axes(attrs["axes"], ins[0].rank)
     keepdims = bool(attrs["keepdims"])
 
     def kernel(x, out):

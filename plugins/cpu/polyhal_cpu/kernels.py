@@ -31,7 +31,7 @@ from numpy.polynomial import chebyshev
 
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
-from polyhal.ops import normalize_slice, resolve_attrs
+from polyhal.ops import normalize_axes, normalize_slice, resolve_attrs
 from polyhal_cpu.parallel import parallel
 
 __all__ = ["KERNEL_NAMES", "prepare", "erf", "register_kernels"]
@@ -423,20 +423,13 @@ def _gemm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # ----------------------------------------------------------------------------------- reductions
 
-def _axes(attrs_axes: Any, rank: int) -> tuple[int, ...] | None:
-    if attrs_axes is None:
-        return None
-    axes = [attrs_axes] if isinstance(attrs_axes, (int, np.integer)) else attrs_axes
-    return tuple(sorted(int(a) % rank for a in axes))
-
-
 _REDUCE = {"reduce_sum": np.add.reduce, "reduce_max": np.maximum.reduce,
            "reduce_min": np.minimum.reduce}
 
 
 @register_kernels("reduce_max", "reduce_min")
 def _reduce(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    reduce, axes, keepdims = _REDUCE[op], _axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
+    reduce, axes, keepdims = _REDUCE[op], normalize_axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
 
     def kernel(x, out):
         reduce(x, axis=axes, out=out, keepdims=keepdims)
@@ -451,9 +444,8 @@ register_kernels("reduce_sum")(_float16_via_float32(_reduce))
 @_float16_via_float32
 def _reduce_mean(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type = ins[0]
-    axes, keepdims = _axes(attrs["axes"], x_type.rank), bool(attrs["keepdims"])
-    count = _const(math.prod(x_type.shape[a] for a in (range(x_type.rank) if axes is None else axes)),
-                   x_type.dtype)
+    axes, keepdims = normalize_axes(attrs["axes"], x_type.rank), bool(attrs["keepdims"])
+    count = _const(math.prod(x_type.shape[a] for a in axes), x_type.dtype)
     reduce = np.add.reduce
 
     def kernel(x, out):

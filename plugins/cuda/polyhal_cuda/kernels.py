@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from polyhal.ir.types import TensorType
-from polyhal.ops import OPS, normalize_slice
+from polyhal.ops import OPS, normalize_axes, normalize_slice
 
 from polyhal_cuda import attention, sorting, suppression
 from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
@@ -225,13 +225,6 @@ def _einsum(device, op, attrs, ins, outs, binding) -> Kernel:
 
 # ------------------------------------------------------------------------------------- reductions
 
-def _axes(attrs_axes: Any, rank: int) -> tuple[int, ...] | None:
-    if attrs_axes is None:
-        return None
-    axes = [attrs_axes] if isinstance(attrs_axes, (int, np.integer)) else attrs_axes
-    return tuple(sorted(int(a) % rank for a in axes))
-
-
 _REDUCERS = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "amax", "reduce_min": "amin",
              "reduce_prod": "prod"}
 
@@ -239,7 +232,7 @@ _REDUCERS = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "amax", "
 @register(*_REDUCERS)
 def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
-    axes, keepdims = _axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
+    axes, keepdims = normalize_axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
     if axes == ():  # reduces nothing: the operand itself
         copyto = cp.copyto
 
@@ -269,8 +262,8 @@ def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
 def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     fn = cp.argmax if op == "argmax" else cp.argmin
-    axis, keepdims = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"])
-    shape = outs[0].shape
+    axis = int(attrs["axis"]) % ins[0].rank
+    shape = outs[0].shape  # keepdims or not: the result reshaped to the output's shape
 
     def kernel(x, out):
         cp.copyto(out, fn(x, axis=axis).reshape(shape), casting="unsafe")

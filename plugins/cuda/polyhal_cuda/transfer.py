@@ -21,10 +21,9 @@ copies after. ``h2d`` returns once the host array may be reused (every chunk has
 ``d2h`` returns once the data is in place. Transfers of at most :data:`SMALL` bytes skip the
 staging (its fixed cost would dominate) and call ``cudaMemcpyAsync`` on the pageable memory.
 
-``POLYHAL_CUDA_TRANSFER=parallel`` picks another strategy for large copies: the copy is split
-over the workers, each calling ``cudaMemcpyAsync`` on the pageable memory on its own stream, so
-that the driver's own staging runs on several cores at once (kept for comparison: it measures
-near the single-thread pageable rate on an H100 host).
+An alternative measured and dropped: splitting a copy over threads that each call
+``cudaMemcpyAsync`` on the pageable memory (the driver's own staging on several cores) ran at
+7.7 / 10.3 GB/s on the H100 host, no faster than one such call.
 """
 
 from __future__ import annotations
@@ -47,10 +46,6 @@ CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 4 << 20))
 SMALL = 4 << 20
 #: Host threads that stage a large copy, each with its own stream and buffers.
 WORKERS = int(os.environ.get("POLYHAL_CUDA_STAGING_THREADS", max(1, min(16, os.cpu_count() or 2))))
-
-#: Large-copy strategy: "staged" (our pinned buffers, striped over the workers) or "parallel"
-#: (driver copies from pageable memory on the workers' streams).
-STRATEGY = os.environ.get("POLYHAL_CUDA_TRANSFER", "staged")
 
 _H2D, _D2H, _DEFAULT = 1, 2, 4  # cudaMemcpyKind
 
@@ -125,10 +120,6 @@ class Stager:
                 # reuse its array at once.
                 runtime.memcpyAsync(dst_ptr, flat.ctypes.data, n, _DEFAULT, self.device.stream.ptr)
             return
-        if STRATEGY == "parallel":
-            return self._striped(n, lambda w, s, size, k: runtime.memcpyAsync(
-                dst_ptr + s, flat.ctypes.data + s, size, _H2D, w.stream.ptr), _H2D, "to", chunk=-(-n // WORKERS))
-
         def stage(w: _Worker, s: int, size: int, k: int) -> None:
             b = k & 1
             w.events[b].synchronize()  # the copy engine is done with this buffer
@@ -151,12 +142,6 @@ class Stager:
                 runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, self.device.stream.ptr)
                 self.device.stream.synchronize()
             return
-        if STRATEGY == "parallel":
-            def direct(w: _Worker, s: int, size: int, k: int) -> None:
-                runtime.memcpyAsync(flat.ctypes.data + s, src_ptr + s, size, _D2H, w.stream.ptr)
-                w.stream.synchronize()
-            return self._striped(n, direct, _D2H, "from", chunk=-(-n // WORKERS))
-
         def issue(w: _Worker, s: int, size: int, k: int) -> None:
             runtime.memcpyAsync(w.ptrs[k & 1], src_ptr + s, size, _D2H, w.stream.ptr)
             w.events[k & 1].record(w.stream)
@@ -169,8 +154,7 @@ class Stager:
 
     # -- the workers ---------------------------------------------------------------------------------
 
-    def _striped(self, n: int, step: Callable, kind: int, word: str, *, chunk: int = 0,
-                 ahead: Callable | None = None) -> None:
+    def _striped(self, n: int, step: Callable, kind: int, word: str, *, ahead: Callable | None = None) -> None:
         """Run ``step(worker, start, size, k)`` for every chunk of ``n`` bytes, chunk ``i`` on
         worker ``i % WORKERS`` (its ``k``-th). With ``ahead``, ``ahead(worker, ...)`` is called
         for chunks ``k`` and ``k + 1`` before ``step`` reaches chunk ``k`` (the D2H prefetch,
@@ -179,7 +163,7 @@ class Stager:
 
         with self._lock, check(f"copying {n} bytes {word} {self.device.name} through pinned staging"):
             self._ensure()
-            chunk = chunk or self._chunk
+            chunk = self._chunk
             starts = list(range(0, n, chunk))
             workers = self._workers[:len(starts)]
             ordinal, device_stream = self.device.ordinal, self.device.stream

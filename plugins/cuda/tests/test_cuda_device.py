@@ -84,12 +84,8 @@ def test_managed_memory_is_never_oversubscribed(cuda, cp):
     assert a.statistics.live_bytes == before
 
 
-@pytest.mark.parametrize("strategy", ["staged", "parallel"])
 @pytest.mark.parametrize("nbytes", [1, 4095, 3 << 20, (5 << 20) + 3, (64 << 20) + 12345, (130 << 20) + 7])
-def test_pageable_transfers_roundtrip(cuda, rng, nbytes, strategy, monkeypatch):
-    from polyhal_cuda import transfer
-
-    monkeypatch.setattr(transfer, "STRATEGY", strategy)
+def test_pageable_transfers_roundtrip(cuda, rng, nbytes):
     host = rng.integers(0, 256, size=nbytes, dtype=np.uint8)
     t = polyhal.asarray(host, device=cuda)
     back = np.empty_like(host)

@@ -38,7 +38,7 @@ import numpy as np
 
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
-from polyhal.ops import OPS, normalize_slice
+from polyhal.ops import OPS, normalize_axes, normalize_slice
 
 from polyhal_cuda.portable import rowwise
 from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
@@ -321,13 +321,6 @@ def reduce_source(op: str, dtype: Any) -> str | None:
     return compiler.wrap(head + compiler._read("polyhal_hip", "hip", "reduce.hip"))
 
 
-def _axes(attrs_axes: Any, rank: int) -> tuple[int, ...] | None:
-    if attrs_axes is None:
-        return None
-    axes = [attrs_axes] if isinstance(attrs_axes, (int, np.integer)) else attrs_axes
-    return tuple(sorted({int(a) % rank for a in axes}))
-
-
 @register("reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "reduce_prod")
 def _reduce(device, op, attrs, ins, outs, binding):
     x = ins[0]
@@ -336,9 +329,7 @@ def _reduce(device, op, attrs, ins, outs, binding):
     text = reduce_source(op, x.dtype)
     if text is None:
         return None
-    axes = _axes(attrs["axes"], x.rank)
-    if axes is None:
-        axes = tuple(range(x.rank))
+    axes = normalize_axes(attrs["axes"], x.rank)
     dense = _broadcast_strides(x.shape, x.shape)
     kept = [d for d in range(x.rank) if d not in axes]
     if len(kept) > MAX_DIMS or len(axes) > MAX_DIMS:

@@ -40,7 +40,7 @@ import numpy as np
 
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.buffer import Buffer
-from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
+from polyhal.hal.flags import BUFFER_USAGE, MAPPABLE_BUFFER_USAGE, BufferKind, BufferUsage, MemoryType
 from polyhal.hal.records import Heap
 
 from polyhal_opencl.errors import check
@@ -53,13 +53,9 @@ MIN_CLASS = 256
 #: Cached buffers kept per size class at most.
 MAX_PER_CLASS = 32
 
-_IMAGE = BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE
-_MAPPING = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
-            | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
-_ALL = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
 #: Buffers (not images: kernels take buffers), any sharing, no mapping.
-DEVICE_USAGE = _ALL & ~_IMAGE & ~_MAPPING
-HOST_USAGE = DEVICE_USAGE | _MAPPING
+DEVICE_USAGE = BUFFER_USAGE
+HOST_USAGE = MAPPABLE_BUFFER_USAGE
 
 
 def is_unified(cl_device: Any) -> bool:

@@ -17,20 +17,16 @@ from typing import Any
 from polyhal.errors import DLPackError, IncompatibleBufferError
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.buffer import Buffer
-from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
+from polyhal.hal.flags import BUFFER_USAGE, MAPPABLE_BUFFER_USAGE, BufferKind, BufferUsage, MemoryType
 from polyhal.hal.records import Heap
 
 #: Alignment of every buffer (CUDA and HIP allocations are 256-byte aligned).
 ALIGNMENT = 256
 
-_IMAGE = BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE
-_MAPPING = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
-            | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
-_ALL = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
-#: Device memory: everything but images (kernels take pointers) and mapping.
-DEVICE_USAGE = _ALL & ~_IMAGE & ~_MAPPING
+#: Device memory: plain buffers (kernels take pointers), no mapping.
+DEVICE_USAGE = BUFFER_USAGE
 #: Host-visible memory (managed, pinned): device usages plus mapping.
-HOST_USAGE = DEVICE_USAGE | _MAPPING
+HOST_USAGE = MAPPABLE_BUFFER_USAGE
 
 #: Managed (unified) memory: device-local, and the host maps it at the same address.
 MANAGED_MEMORY = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE | MemoryType.HOST_COHERENT
