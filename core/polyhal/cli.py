@@ -8,7 +8,8 @@ import json
 import sys
 from typing import Any, Sequence
 
-from polyhal.explain import add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain
+from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
+                             demo_program)
 from polyhal.registry import Registry, default_registry, iter_plugins
 
 
@@ -77,13 +78,7 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     apply_policy_arguments(args, registry)
     rng = np.random.default_rng(0)
     n, d, h = args.batch, 256, 512
-    b = polyhal.ProgramBuilder("mlp_block")
-    x = b.input("x", (n, d))
-    w1, w2 = b.input("w1", (d, h)), b.input("w2", (h, d))
-    gamma, beta = b.input("gamma", (d,)), b.input("beta", (d,))
-    y = b.matmul(b.gelu(b.matmul(x, w1)), w2)
-    b.output(b.softmax(b.layer_norm(b.add(y, x), gamma, beta), axis=-1))
-    program = b.build()
+    program = demo_program(n)  # the shared definition: d = 256, h = 512
     plan = polyhal.compile(program, args.device, data_tiling=args.data_tiling)
     feeds = {"x": rng.standard_normal((n, d), np.float32), "w1": rng.standard_normal((d, h), np.float32) / 16,
              "w2": rng.standard_normal((h, d), np.float32) / 22, "gamma": rng.random(d, np.float32) + 0.5,

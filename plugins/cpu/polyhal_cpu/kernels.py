@@ -256,13 +256,19 @@ _UNARY = {"neg": np.negative, "abs": np.absolute, "exp": np.exp, "log": np.log, 
           "tanh": np.tanh}
 
 
-@register_kernels(*_BINARY)
-def _binary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    ufunc = _BINARY[op]
+def binary_ufuncs(table: dict[str, np.ufunc]) -> Callable[..., Kernel]:
+    """The builder of the binary ops of ``table`` (op -> numpy ufunc): ``ufunc(x, y, out=out)``,
+    numpy broadcasting the operands."""
+    def build(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+        ufunc = table[op]
 
-    def kernel(x, y, out):
-        ufunc(x, y, out=out)
-    return kernel
+        def kernel(x, y, out):
+            ufunc(x, y, out=out)
+        return kernel
+    return build
+
+
+register_kernels(*_BINARY)(binary_ufuncs(_BINARY))
 
 
 @register_kernels(*_UNARY)

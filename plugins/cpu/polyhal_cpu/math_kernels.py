@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyhal_cpu.kernels import Kernel, Types, register_kernels
+from polyhal_cpu.kernels import Kernel, Types, binary_ufuncs, register_kernels
 
 _UNARY = {
     "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan,
@@ -30,13 +30,7 @@ def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels(*_BINARY)
-def _binary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    ufunc = _BINARY[op]
-
-    def kernel(x, y, out):
-        ufunc(x, y, out=out)
-    return kernel
+register_kernels(*_BINARY)(binary_ufuncs(_BINARY))
 
 
 @register_kernels("mod")
