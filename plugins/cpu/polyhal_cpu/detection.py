@@ -39,14 +39,15 @@ computations, whose sizes depend on the data.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
-from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, ScratchRequest
+from polyhal.hal.scratch import MemorySpace, Problem, ScratchDecl
+from polyhal_cpu.scratch import declare
 from polyhal.ops.detection import iou_suppresses
 
-__all__ = ["KERNELS", "SCRATCH", "build_nms", "nms_standalone", "scratch_requests"]
+__all__ = ["build_nms", "nms_class"]
 
 _F32 = np.float32
 #: Size levels of the index: larger sides in (top / 2^(l+1), top / 2^l]; the last takes the rest.
@@ -69,23 +70,9 @@ def _nms_decl(problem: Problem, _wg: int) -> int:
     return _PER_BOX * boxes.shape[1] + 64
 
 
-#: op -> (KernelInfo factory, declarations): what the CPU backend's kernels need besides their
-#: operands. The CPU has no workgroup memory (its spec declares 0 bytes), so these are global.
-SCRATCH = {
-    "non_max_suppression": [ScratchDecl(
-        "boxes", shared=True, per_workgroup=_nms_decl, spaces=(MemorySpace.GLOBAL,),
-        purpose="per-box corners, windows, x order, levels, score order and ranks of one batch")],
-}
-
-
-def scratch_requests(op: str, attrs: Mapping[str, Any], in_types, out_types) -> tuple[ScratchRequest, ...]:
-    """The evaluated scratch requests of one op instance (empty for ops without scratch)."""
-    decls = SCRATCH.get(op)
-    if not decls:
-        return ()
-    problem = Problem(op, dict(attrs), tuple(in_types), tuple(out_types))
-    kernel = KernelInfo(f"cpu_{op}", op, 1, 1, "cpu")
-    return tuple(d.request(problem, kernel) for d in decls)
+#: The kernel's one scratch: global (the CPU has no workgroup memory), sized from the problem.
+_BOXES = ScratchDecl("boxes", shared=True, per_workgroup=_nms_decl, spaces=(MemorySpace.GLOBAL,),
+                     purpose="per-box corners, windows, x order, levels, score order and ranks of one batch")
 
 
 # ----------------------------------------------------------------------------------------- index
@@ -327,6 +314,7 @@ def nms_class(g: _Geometry, scores: np.ndarray, score_threshold: float | None, i
     return np.concatenate(chosen) if chosen else np.empty(0, np.intp)
 
 
+@declare("non_max_suppression", _BOXES)
 def build_nms(op: str, attrs: dict, ins, outs, scratch) -> Any:
     """The kernel ``fn(boxes, scores, selected, num_selected)`` using the planned scratch."""
     limit = max(int(attrs["max_output_boxes_per_class"]), 0)
@@ -356,20 +344,3 @@ def build_nms(op: str, attrs: dict, ins, outs, scratch) -> Any:
         num_selected[...] = row
 
     return kernel
-
-
-def nms_standalone(op: str, attrs: dict, ins, outs):
-    """Without a plan's binding (a direct ``prepare``): the scratch is allocated here, once,
-    before any launch -- still never by the kernel."""
-    from polyhal.hal.scratch import ScratchAssignment, ScratchBinding
-
-    (req,) = scratch_requests(op, attrs, ins, outs)
-    nbytes = req.nbytes(MemorySpace.GLOBAL)
-    a = ScratchAssignment(req, MemorySpace.GLOBAL, nbytes, nbytes, "standalone")
-    binding = ScratchBinding((a,), {(req.kernel.name, req.name): np.empty(max(nbytes, 1), np.uint8)})
-    return build_nms(op, attrs, ins, outs, binding)
-
-
-#: (op names, builder) pairs that polyhal_cpu.kernels registers (this module imports nothing of
-#: the plugin, so that either may be imported first).
-KERNELS = [(("non_max_suppression",), nms_standalone)]

@@ -12,7 +12,8 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_cpu import detection, kernels
+from polyhal_cpu import kernels
+from polyhal_cpu import scratch as scratch_
 from polyhal_cpu.allocator import CPUAllocator
 
 
@@ -31,15 +32,12 @@ class CPUDevice(Device):
         return (1, 0)  # every logical CPU device shares the host's memory
 
     def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch=None):
-        if scratch:  # a kernel that declared scratch, with the plan's placement of it
-            from polyhal.ops import resolve_attrs
-
-            return detection.build_nms(op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types), scratch)
-        return kernels.prepare(op, attrs, in_types, out_types)
+        # scratch: the plan's placement of what the kernel declared (polyhal_cpu.scratch)
+        return kernels.prepare(op, attrs, in_types, out_types, scratch)
 
     def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        """What the kernel of ``op`` needs besides its operands (see polyhal_cpu.detection)."""
-        return detection.scratch_requests(op, attrs, in_types, out_types)
+        """What the kernel of ``op`` needs besides its operands (see polyhal_cpu.scratch)."""
+        return scratch_.requests(op, attrs, in_types, out_types)
 
     def view(self, tensor) -> np.ndarray:
         raw = tensor.buffer.native

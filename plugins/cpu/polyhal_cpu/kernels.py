@@ -10,8 +10,9 @@ returns a small closure, the hot path of a compiled plan. The closure is called 
   aligned views into a larger allocation); they must not alias the inputs, because multi-pass
   kernels (softmax, gelu, ...) read inputs after they started writing outputs;
 * the return value is meaningless;
-* closures keep no state between calls (scratch arrays are allocated per call), so one
-  prepared kernel may run on several threads at once.
+* closures keep no state between calls, so one prepared kernel may run on several threads at
+  once -- except kernels that declared scratch (:mod:`polyhal_cpu.scratch`: attention, NMS),
+  which work in the one buffer they were given; a plan serialises its runs.
 
 The closures call ufuncs with ``out=`` and reduce into the outputs, so numpy creates no
 full-size temporaries where it can avoid them; matmul goes through ``np.matmul(out=)`` and so
@@ -32,6 +33,7 @@ from numpy.polynomial import chebyshev
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice, resolve_attrs
+from polyhal_cpu import scratch as scratch_
 from polyhal_cpu.parallel import parallel
 
 __all__ = ["KERNEL_NAMES", "prepare", "erf", "register_kernels"]
@@ -45,12 +47,14 @@ _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float
 _BUILDERS: dict[str, Builder] = {}
 
 
-def prepare(op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types) -> Kernel:
+def prepare(op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types, scratch=None) -> Kernel:
     """Return ``fn(*inputs, *outputs)`` computing ``op`` into ``outputs`` (see the module doc).
 
     ``in_types``/``out_types`` are the operand and result types the program inferred; they are
-    trusted (prepare does not re-validate them). Raises KernelNotFoundError for an op, or a
-    tensor encoding, that this backend does not implement.
+    trusted (prepare does not re-validate them). ``scratch`` is a plan's binding of the scratch
+    the op's kernel declared (:mod:`polyhal_cpu.scratch`); without it such a kernel gets its
+    own, allocated here. Raises KernelNotFoundError for an op, or a tensor encoding, that this
+    backend does not implement.
     """
     builder = _BUILDERS.get(op)
     if builder is None:
@@ -63,6 +67,8 @@ def prepare(op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types
     in_types, out_types = tuple(in_types), tuple(out_types)
     if all(t.size == 0 for t in out_types):
         return _noop  # nothing to write (and numpy refuses some reductions of nothing)
+    if scratch:
+        return scratch_.build(op, resolve_attrs(op, attrs), in_types, out_types, scratch)
     return builder(op, resolve_attrs(op, attrs), in_types, out_types)
 
 
@@ -85,14 +91,14 @@ def _float16_via_float32(builder: Builder) -> Builder:
     numpy's float16 loops round after every pass, which multi-pass kernels would compound
     (and float16 matmul has no BLAS). Kernels that are one ufunc call do not need this.
     """
-    def build(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    def build(op: str, attrs: dict, ins: Types, outs: Types, *extra) -> Kernel:  # extra: a scratch binding
         if all(t.dtype != _F16 for t in (*ins, *outs)):
-            return builder(op, attrs, ins, outs)
+            return builder(op, attrs, ins, outs, *extra)
 
         def up(types: Types) -> Types:
             return tuple(TensorType(t.shape, _F32 if t.dtype == _F16 else t.dtype) for t in types)
 
-        inner = builder(op, attrs, up(ins), up(outs))
+        inner = builder(op, attrs, up(ins), up(outs), *extra)
         n = len(ins)
         in_half = [t.dtype == _F16 for t in ins]
         out_half = [(t.shape if t.dtype == _F16 else None) for t in outs]
@@ -697,8 +703,7 @@ for _names, _builder, _via_f32 in encoding.KERNELS:
 from polyhal_cpu import indexing_kernels, math_kernels, nn_kernels  # noqa: E402,F401  (ONNX's wider op set)
 from polyhal_cpu import detection  # noqa: E402  (non_max_suppression, with planned scratch)
 
-for _names, _builder in detection.KERNELS:
-    register_kernels(*_names)(_builder)
+register_kernels("non_max_suppression")(detection.build_nms)
 
 #: Every op this backend implements.
 KERNEL_NAMES: frozenset[str] = frozenset(_BUILDERS)

@@ -1,6 +1,7 @@
 """CPU kernels of :mod:`polyhal.ops.nn`: convolution by im2col + BLAS, transposed convolution
 by scattering one kernel tap at a time, pooling by combining one tap at a time, linear, and
-attention (one head at a time; see the notes above its kernel).
+attention (a group of heads at a time, its scores in planned scratch; see the notes above its
+kernel).
 
 Everything that depends only on shapes and attributes (padding, window views, the divisors of
 average pooling) is computed in ``prepare``.
@@ -13,7 +14,10 @@ import math
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from polyhal.hal.scratch import MemorySpace, ScratchDecl
+from polyhal_cpu import blas
 from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, blas_layout, register_kernels
+from polyhal_cpu.scratch import array as scratch_array, declare
 
 
 def _attrs(attrs: dict, n: int):
@@ -228,15 +232,30 @@ _ATTENTION_SCORE_MACS = 1 << 19
 _TRANSPOSE_TILE = 64
 
 
+def _attention_shape(ins: Types) -> tuple[int, int, int, int]:
+    """(heads per group, Lq, Lk, bytes per score element) of an attention's score block."""
+    q_type, v_type = ins[0], ins[2]
+    lq, lk = q_type.shape[-2], v_type.shape[-2]
+    group = max(1, min(math.prod(q_type.shape[:-2]), _ATTENTION_GROUP // max(lq * lk, 1)))
+    return group, lq, lk, max(q_type.dtype.itemsize, 4)  # float16 runs as float32
+
+
+def _scores_bytes(problem, _workgroup_size: int) -> int:
+    group, lq, lk, item = _attention_shape(problem.in_types)
+    return group * lq * lk * item
+
+
 @register_kernels("attention")
+@declare("attention", ScratchDecl("scores", shared=True, per_launch=_scores_bytes, spaces=(MemorySpace.GLOBAL,),
+                                  alignment=64, purpose="one group of heads' attention weights (Lq x Lk each)"))
 @_float16_via_float32
-def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+def _attention(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     q_type, k_type, v_type = ins
     dtype = q_type.dtype
     lq, d = q_type.shape[-2:]
     lk, dv = v_type.shape[-2:]
     heads = math.prod(q_type.shape[:-2])
-    group = max(1, min(heads, _ATTENTION_GROUP // max(lq * lk, 1)))
+    group = _attention_shape(ins)[0]
     block = max(1, min(lq, max(16, _ATTENTION_SCORE_MACS // max(lk * d, 1))))
     scale = 1.0 / math.sqrt(d) if attrs["scale"] is None else float(attrs["scale"])
     factor = np.asarray(scale * _LOG2E, dtype)
@@ -248,18 +267,30 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     matmul, multiply, subtract, exp2, copyto = np.matmul, np.multiply, np.subtract, np.exp2, np.copyto
     maximum, hi_of, lo_of, add_reduce = np.maximum, np.maximum.reduce, np.minimum.reduce, np.add.reduce
 
-    def kernel(q, k, v, out):
-        qs = multiply(q.reshape(heads, lq, d), factor, order="C")  # a scaled copy: scores in log2 units
-        k3, v3, o3 = k.reshape(heads, lk, d), v.reshape(heads, lk, dv), out.reshape(heads, lq, dv)
-        kt3 = np.empty((heads, d, lk), dtype)
+    batched = blas.batched_matmul(dtype)
+    alpha = float(factor)
+
+    def scores(q3, k3, s):
+        """s = factor * q3 @ k3^T: one batched BLAS call on the operands as they lie, or numpy's
+        GEMMs on a scaled copy of q and a row-major copy of k^T, a block of rows at a time."""
+        if batched is not None and batched(q3, k3.transpose(0, 2, 1), s, alpha):
+            return
+        qs = multiply(q3, factor, order="C")
+        kt = np.empty((len(k3), d, lk), dtype)
         for c0 in range(0, lk, _TRANSPOSE_TILE):
-            copyto(kt3[:, :, c0:c0 + _TRANSPOSE_TILE], k3[:, c0:c0 + _TRANSPOSE_TILE].transpose(0, 2, 1))
-        buf = np.empty((group, lq, lk), dtype)
+            copyto(kt[:, :, c0:c0 + _TRANSPOSE_TILE], k3[:, c0:c0 + _TRANSPOSE_TILE].transpose(0, 2, 1))
+        for r0 in range(0, lq, block):
+            matmul(qs[:, r0:r0 + block], kt, out=s[:, r0:r0 + block])
+
+    buf = scratch_array(scratch, "scores", dtype, (group, lq, lk))
+
+    def kernel(q, k, v, out):
+        q3, k3 = q.reshape(heads, lq, d), k.reshape(heads, lk, d)  # views where the strides allow
+        v3, o3 = v.reshape(heads, lk, dv), out.reshape(heads, lq, dv)
         for g0 in range(0, heads, group):
             g1 = min(heads, g0 + group)
-            s, qg, kg = buf[:g1 - g0], qs[g0:g1], kt3[g0:g1]
-            for r0 in range(0, lq, block):
-                matmul(qg[:, r0:r0 + block], kg, out=s[:, r0:r0 + block])
+            s = buf[:g1 - g0]
+            scores(q3[g0:g1], k3[g0:g1], s)
             sample = s[:, ::8]
             hi = float(hi_of(sample, axis=None))
             if math.isfinite(hi):
@@ -277,14 +308,16 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
                 redo = ~((sums >= min_sum) & (sums < np.inf))  # nan too
                 for h in np.flatnonzero(redo.any(axis=1)).tolist():
                     rows = np.flatnonzero(redo[h])
-                    r = matmul(qg[h][rows], kg[h])
+                    r = matmul(q3[g0 + h][rows], k3[g0 + h].T)
+                    multiply(r, factor, out=r)
                     subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
                     maximum(r, floor_c, out=r)  # nan stays nan
                     exp2(r, out=r)
                     s[h, rows] = r
                     sums[h, rows] = add_reduce(r, axis=1)
-            og = o3[g0:g1]
-            matmul(s, v3[g0:g1], out=og)
+            og, vg = o3[g0:g1], v3[g0:g1]
+            if batched is None or not batched(s, vg, og):
+                matmul(s, vg, out=og)
             np.reciprocal(sums, out=sums)
             multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
     return kernel
