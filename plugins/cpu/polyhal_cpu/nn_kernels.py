@@ -179,19 +179,23 @@ def _avg_lp_pool(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 @_float16_via_float32
 def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x_type, w_type, _ = ins
-    rows = 1
-    for d in x_type.shape[:-1]:
-        rows *= d
+    rows = math.prod(x_type.shape[:-1])
     x2, o2 = (rows, w_type.shape[0]), (rows, w_type.shape[1])
-    matmul, add = np.matmul, np.add
+    matmul, add, copyto = np.matmul, np.add, np.copyto
+    gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
 
     def kernel(x, w, b, out):
-        # One GEMM over all leading dims (views: out is C-contiguous), then the bias in place.
-        if x.ndim != 2 and x.flags.c_contiguous:
-            matmul(x.reshape(x2), blas_layout(w), out=out.reshape(o2))
-        else:
-            matmul(blas_layout(x), blas_layout(w), out=out)
-        add(out, b, out=out)
+        # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
+        # copies a strided x). With BLAS's own GEMM the bias rows go in first and the product
+        # accumulates onto them (beta = 1): no pass over the result after it, and none inside
+        # BLAS to clear it.
+        xm, o = x.reshape(x2), out.reshape(o2)
+        if gemm is not None:
+            copyto(o, b)
+            if gemm(xm, w, o, 1.0, 1.0):
+                return
+        matmul(blas_layout(xm), blas_layout(w), out=o)
+        add(o, b, out=o)
     return kernel
 
 

@@ -85,3 +85,63 @@ def test_attention_scores_are_planned_scratch():
     (req,) = scratch.requests("attention", {}, (t16, t16, t16), (t16,))
     group = nn_kernels._attention_shape((t16, t16, t16))[0]
     assert req.bytes_per_launch == group * 256 * 256 * 4
+
+
+def _gemm(dtype):
+    fn = blas.gemm(np.dtype(dtype))
+    if fn is None:
+        pytest.skip(f"numpy's BLAS is not one polyhal_cpu.blas can call for {np.dtype(dtype)}")
+    return fn
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("a_layout", ["row", "col", "heads"])
+@pytest.mark.parametrize("b_layout", ["row", "col"])
+def test_gemm_accumulates_onto_out(dtype, a_layout, b_layout):
+    gemm = _gemm(dtype)
+    rng = np.random.default_rng(3)
+    a = _operand(rng, dtype, 1, 40, 24, a_layout)[0]
+    b = _operand(rng, dtype, 1, 24, 56, b_layout)[0]
+    c = rng.standard_normal((40, 56)).astype(dtype)
+    out = c.copy()
+    assert gemm(a, b, out, 0.5, 2.0)
+    np.testing.assert_allclose(out, 0.5 * (a @ b) + 2.0 * c, rtol=1e-5, atol=1e-5)
+    assert gemm(a, b, out)  # beta 0: C's old contents do not matter, nan included
+    out[...] = np.nan
+    assert gemm(a, b, out)
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_declines_what_it_cannot_do():
+    gemm = _gemm(np.float32)
+    a = np.ones((64, 64), np.float32)
+    out = np.zeros((64, 64), np.float32)
+    assert not gemm(a[:, ::2], a[::2], out[:, :32])  # a without a unit stride
+    assert not gemm(a, a, out.T)  # a column-major result
+    assert not out.any()
+    assert blas.gemm(np.dtype(np.float32), blas.ACCUMULATE_ELEMENTS - 1) is None  # too small to pay
+    assert blas.gemm(np.dtype(np.int32)) is None
+
+
+@pytest.mark.parametrize("accumulate", [True, False], ids=["BLAS accumulates", "numpy matmul"])
+def test_linear_and_gemm_kernels_on_both_paths(monkeypatch, accumulate):
+    if not accumulate:
+        monkeypatch.setattr(blas, "gemm", lambda dtype, size=None: None)
+    elif blas.gemm(np.dtype(np.float32)) is None:
+        pytest.skip("numpy's BLAS is not one polyhal_cpu.blas can call")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((2, 128, 96)).astype(np.float32)[:, :, :64]  # strided: numpy copies it
+    w, bias = rng.standard_normal((64, 512)).astype(np.float32), rng.standard_normal(512).astype(np.float32)
+    types = tuple(TensorType(t.shape, t.dtype) for t in (x, w, bias))
+    (out_type,) = OPS["linear"].infer(types, {})
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare("linear", {}, types, (out_type,))(x, w, bias, out)
+    np.testing.assert_allclose(out, x @ w + bias, rtol=1e-4, atol=1e-4)
+
+    a, b, c = x[0], rng.standard_normal((512, 64)).astype(np.float32), rng.standard_normal((1, 512)).astype(np.float32)
+    attrs = {"trans_b": 1, "alpha": 0.5, "beta": 3.0}
+    types = tuple(TensorType(t.shape, t.dtype) for t in (a, b, c))
+    (out_type,) = OPS["gemm"].infer(types, attrs)
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare("gemm", attrs, types, (out_type,))(a, b, c, out)
+    np.testing.assert_allclose(out, 0.5 * a @ b.T + 3.0 * c, rtol=1e-4, atol=1e-4)
