@@ -33,7 +33,7 @@ from numpy.polynomial import chebyshev
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice, resolve_attrs
-from polyhal_cpu import blas
+from polyhal_cpu import blas, native
 from polyhal_cpu import scratch as scratch_
 from polyhal_cpu.parallel import parallel
 
@@ -327,6 +327,12 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     dtype = ins[0].dtype
     erf_ = _erf_double if dtype == _F64 else _erf_single
     half = _const(0.5, dtype)
+    if attrs["approximate"] == "tanh" and native.available(dtype):  # one fused pass (polyhal_cpu.native)
+        fused, contiguous = native.gelu_tanh, np.ascontiguousarray
+
+        def fused_kernel(x, out):
+            fused(contiguous(x).reshape(-1), out.reshape(-1))
+        return fused_kernel
     if attrs["approximate"] == "tanh":
         # x/2 * (1 + tanh(u)) with u = c (x + 0.044715 x^3) is x * sigmoid(2u) = x / (1 + 2^(-2u
         # log2 e)): seven passes instead of eight, exp2 instead of the dearer tanh, and no
@@ -574,6 +580,13 @@ def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     weights = np.full(cols, 1.0 / cols, dtype)
     gemv = cols <= _BLAS_ROW_SUM
     matmul, multiply = np.matmul, np.multiply
+    if native.available(dtype):  # one fused loop per row (polyhal_cpu.native): ~5x fewer passes
+        fused, contiguous, eps_f = native.layer_norm, np.ascontiguousarray, float(attrs["epsilon"])
+
+        def fused_kernel(x, scale, bias, out):
+            fused(contiguous(x).reshape(rows, cols), contiguous(scale).reshape(cols),
+                  contiguous(bias).reshape(cols), eps_f, out.reshape(rows, cols))
+        return fused_kernel
 
     def kernel(x, scale, bias, out):
         x2, o2 = x.reshape(rows, cols), out.reshape(rows, cols)

@@ -15,7 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
-from polyhal_cpu import blas
+from polyhal_cpu import blas, native
 from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, blas_layout, register_kernels
 from polyhal_cpu.scratch import array as scratch_array, declare
 
@@ -183,6 +183,8 @@ def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     x2, o2 = (rows, w_type.shape[0]), (rows, w_type.shape[1])
     matmul, add, copyto = np.matmul, np.add, np.copyto
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
+    # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
+    add_rows = native.add_rows if native.available(x_type.dtype) else None
 
     def kernel(x, w, b, out):
         # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
@@ -195,7 +197,10 @@ def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
             if gemm(xm, w, o, 1.0, 1.0):
                 return
         matmul(blas_layout(xm), blas_layout(w), out=o)
-        add(o, b, out=o)
+        if add_rows is not None and b.shape == o2[1:] and b.flags.c_contiguous:  # a (n,) bias row
+            add_rows(o, b)
+        else:
+            add(o, b, out=o)
     return kernel
 
 
@@ -273,6 +278,7 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel
 
     batched = blas.batched_matmul(dtype)
     alpha = float(factor)
+    scale_rows = native.scale_rows if native.available(dtype) else None
 
     def scores(q3, k3, s):
         """s = factor * q3 @ k3^T: one batched BLAS call on the operands as they lie, or numpy's
@@ -322,6 +328,9 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel
             og, vg = o3[g0:g1], v3[g0:g1]
             if batched is None or not batched(s, vg, og):
                 matmul(s, vg, out=og)
-            np.reciprocal(sums, out=sums)
-            multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
+            if scale_rows is not None:  # rows of (lq, dv) divided by their sums, one fused loop
+                scale_rows(og.reshape((g1 - g0) * lq, dv), np.ascontiguousarray(sums).reshape(-1))
+            else:
+                np.reciprocal(sums, out=sums)
+                multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
     return kernel

@@ -1,0 +1,106 @@
+"""The loops of :mod:`polyhal_cpu.native`, compiled by numba on first call (and cached on disk).
+
+Importing this module imports numba; :mod:`polyhal_cpu.native` does so only when a kernel asks
+for a loop. Every loop takes float32 C-contiguous arrays and releases the GIL.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["gelu_tanh", "layer_norm", "exp2_rows", "scale_rows", "add_rows"]
+
+# No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
+# "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
+_jit = njit(fastmath={"contract", "arcp", "reassoc", "nsz", "afn"}, error_model="numpy", nogil=True,
+            cache=True, boundscheck=False)
+f32, i32 = np.float32, np.int32
+
+
+@_jit
+def exp2(t):
+    """2^t in float32, in line (see polyhal_cpu.native: Cephes' polynomial, exponent bits)."""
+    t = min(max(t, f32(-127.0)), f32(128.0))
+    n = np.floor(t + f32(0.5))
+    f = t - n
+    p = f32(1.535336188319500e-4)
+    p = p * f + f32(1.339887440266574e-3)
+    p = p * f + f32(9.618437357674640e-3)
+    p = p * f + f32(5.550332471162809e-2)
+    p = p * f + f32(2.402264791363012e-1)
+    p = p * f + f32(6.931472028550421e-1)
+    p = p * f + f32(1.0)
+    bits = (i32(n) + i32(127)) << i32(23)  # numba widens the arithmetic to int64:
+    return p * i32(bits).view(np.float32)  # back to 32 bits before reinterpreting
+
+
+@_jit
+def gelu_tanh(x, out):
+    """x * sigmoid(2u) = x / (1 + 2^(-2u log2 e)), u = sqrt(2/pi) (x + 0.044715 x^3), over 1-D x."""
+    k1 = f32(-2.0 * 0.7978845608028654 * 1.4426950408889634)
+    k3 = f32(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
+    for i in range(x.size):
+        v = x[i]
+        out[i] = v / (f32(1.0) + exp2(v * (k1 + k3 * v * v)))
+
+
+@_jit
+def layer_norm(x, scale, bias, eps, out):
+    """Rows of (rows, cols) x normalised (mean 0, variance 1, then scale and bias) into out."""
+    rows, cols = x.shape
+    inv = f32(1.0) / f32(cols)
+    for r in range(rows):
+        s = f32(0.0)
+        for c in range(cols):
+            s += x[r, c]
+        mean = s * inv
+        v = f32(0.0)
+        for c in range(cols):
+            d = x[r, c] - mean
+            v += d * d
+        rstd = f32(1.0) / np.sqrt(v * inv + eps)
+        for c in range(cols):
+            out[r, c] = (x[r, c] - mean) * rstd * scale[c] + bias[c]
+
+
+@_jit
+def exp2_rows(s, sums):
+    """In place: each row of (rows, cols) s becomes 2^(s - its maximum), sums[r] its sum.
+    Returns False if some row's maximum is not finite (that row's sum is then nan)."""
+    rows, cols = s.shape
+    ok = True
+    for r in range(rows):
+        m = s[r, 0]
+        for c in range(1, cols):
+            m = max(m, s[r, c])
+        if not np.isfinite(m):
+            ok = False
+            sums[r] = f32(np.nan)
+            continue
+        t = f32(0.0)
+        for c in range(cols):
+            e = exp2(s[r, c] - m)
+            s[r, c] = e
+            t += e
+        sums[r] = t
+    return ok
+
+
+@_jit
+def scale_rows(x, factors):
+    """In place: row r of (rows, cols) x divided by factors[r]."""
+    rows, cols = x.shape
+    for r in range(rows):
+        k = f32(1.0) / factors[r]
+        for c in range(cols):
+            x[r, c] *= k
+
+
+@_jit
+def add_rows(x, row):
+    """In place: (cols,) row added to every row of (rows, cols) x."""
+    rows, cols = x.shape
+    for r in range(rows):
+        for c in range(cols):
+            x[r, c] += row[c]
