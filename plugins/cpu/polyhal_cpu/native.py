@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["available", "gelu_tanh", "layer_norm", "exp2_rows", "scale_rows", "add_rows"]
+__all__ = ["available", "gelu_tanh", "layer_norm", "exp2_rows", "exp2_shifted_rows", "scale_rows", "add_rows"]
 
 _F32 = np.dtype(np.float32)
 _loops: dict[str, Callable] | None = None
@@ -73,6 +73,11 @@ def exp2_rows(s: np.ndarray, sums: np.ndarray) -> bool:
     """Rows of (rows, cols) ``s`` to 2^(s - row max) in place, their sums into ``sums``; False
     when a row's maximum is not finite (its sum is then nan)."""
     return bool(_compiled()["exp2_rows"](s, sums))
+
+
+def exp2_shifted_rows(s: np.ndarray, shift: float, sums: np.ndarray) -> None:
+    """(rows, cols) ``s`` to 2^(s - shift) in place, each row's sum into ``sums``."""
+    _compiled()["exp2_shifted_rows"](s, np.float32(shift), sums)
 
 
 def scale_rows(x: np.ndarray, factors: np.ndarray) -> None:

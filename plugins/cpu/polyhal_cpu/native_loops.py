@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gelu_tanh", "layer_norm", "exp2_rows", "scale_rows", "add_rows"]
+__all__ = ["gelu_tanh", "layer_norm", "exp2_rows", "exp2_shifted_rows", "scale_rows", "add_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -85,6 +85,20 @@ def exp2_rows(s, sums):
             t += e
         sums[r] = t
     return ok
+
+
+@_jit
+def exp2_shifted_rows(s, shift, sums):
+    """In place: (rows, cols) s becomes 2^(s - shift), sums[r] the sum of row r. Scores far
+    below the shift give 0 (no subnormals); nan and +inf pass through to the sums."""
+    rows, cols = s.shape
+    for r in range(rows):
+        t = f32(0.0)
+        for c in range(cols):
+            e = exp2(s[r, c] - shift)
+            s[r, c] = e
+            t += e
+        sums[r] = t
 
 
 @_jit

@@ -278,7 +278,9 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel
 
     batched = blas.batched_matmul(dtype)
     alpha = float(factor)
-    scale_rows = native.scale_rows if native.available(dtype) else None
+    fused = native.available(dtype)
+    scale_rows = native.scale_rows if fused else None
+    exp2_rows = native.exp2_shifted_rows if fused else None
 
     def scores(q3, k3, s):
         """s = factor * q3 @ k3^T: one batched BLAS call on the operands as they lie, or numpy's
@@ -305,12 +307,16 @@ def _attention(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel
             hi = float(hi_of(sample, axis=None))
             if math.isfinite(hi):
                 shift = 0.0 if 0.0 <= hi <= top else hi
-                if shift:
-                    subtract(s, np.asarray(shift, dtype), out=s)
-                if float(lo_of(sample, axis=None)) < floor:
-                    maximum(s, floor_c, out=s)
-                exp2(s, out=s)
-                sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
+                if exp2_rows is not None:  # one fused pass: shift, exp2 (no subnormals), row sums
+                    sums = np.empty((g1 - g0, lq), dtype)
+                    exp2_rows(s.reshape(-1, lk), shift, sums.reshape(-1))
+                else:
+                    if shift:
+                        subtract(s, np.asarray(shift, dtype), out=s)
+                    if float(lo_of(sample, axis=None)) < floor:
+                        maximum(s, floor_c, out=s)
+                    exp2(s, out=s)
+                    sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
                 ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM and math.isfinite(float(hi_of(sums, axis=None)))
             else:  # an inf or nan among the scores: every row on its own
                 sums, ok = np.zeros((g1 - g0, lq), dtype), False
