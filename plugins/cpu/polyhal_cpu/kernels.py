@@ -290,6 +290,12 @@ def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 @register_kernels("relu")
 def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     zero, maximum = _const(0, ins[0].dtype), np.maximum
+    if native.available(ins[0].dtype):  # ~2x numpy's maximum (polyhal_cpu.native)
+        fused, contiguous = native.relu, np.ascontiguousarray
+
+        def fused_kernel(x, out):
+            fused(contiguous(x).reshape(-1), out.reshape(-1))
+        return fused_kernel
 
     def kernel(x, out):
         maximum(x, zero, out=out)
@@ -528,6 +534,12 @@ def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     # or nan in the block), are done again with their own maximum. Row sums are one BLAS
     # matrix-vector product with ones, and the division a multiplication by their inverses.
     rows, cols = math.prod(x_type.shape[:-1]), x_type.shape[-1]
+    if native.available(x_type.dtype):  # max, exp and normalisation fused per row (polyhal_cpu.native)
+        fused, contiguous = native.softmax_rows, np.ascontiguousarray
+
+        def fused_kernel(x, out):
+            fused(contiguous(x).reshape(rows, cols), out.reshape(rows, cols))
+        return fused_kernel
     per = max(1, min(rows, _SOFTMAX_BLOCK // cols))  # rows per block
     blocks, main = rows // per, rows // per * per
     dtype = x_type.dtype

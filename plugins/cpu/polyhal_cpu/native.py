@@ -29,7 +29,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["available", "gelu_tanh", "layer_norm", "exp2_rows", "exp2_shifted_rows", "scale_rows", "add_rows"]
+__all__ = ["available", "add_rows", "exp2_rows", "exp2_shifted_rows", "gelu_tanh", "layer_norm", "relu", "scale_rows",
+           "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 _loops: dict[str, Callable] | None = None
@@ -62,6 +63,16 @@ def _build() -> dict[str, Callable]:
 def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
     """tanh-approximated GELU of contiguous float32 ``x`` into ``out`` (1-D views)."""
     _compiled()["gelu_tanh"](x, out)
+
+
+def relu(x: np.ndarray, out: np.ndarray) -> None:
+    """max(x, 0) of contiguous float32 ``x`` into ``out`` (1-D views); nan stays nan."""
+    _compiled()["relu"](x, out)
+
+
+def softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
+    """Softmax of each row of (rows, cols) ``x`` into ``out``."""
+    _compiled()["softmax_rows"](x, out)
 
 
 def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gelu_tanh", "layer_norm", "exp2_rows", "exp2_shifted_rows", "scale_rows", "add_rows"]
+__all__ = ["gelu_tanh", "layer_norm", "exp2_rows", "exp2_shifted_rows", "relu", "scale_rows", "softmax_rows", "add_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -43,6 +43,36 @@ def gelu_tanh(x, out):
     for i in range(x.size):
         v = x[i]
         out[i] = v / (f32(1.0) + exp2(v * (k1 + k3 * v * v)))
+
+
+@_jit
+def relu(x, out):
+    """max(x, 0) over 1-D x; nan stays nan (as numpy's maximum)."""
+    for i in range(x.size):
+        v = x[i]
+        out[i] = v if not v < f32(0.0) else f32(0.0)
+
+
+@_jit
+def softmax_rows(x, out):
+    """Softmax of each row of (rows, cols) x into out, shifted by the row's maximum. A row with
+    a nan, or whose maximum is +-inf, gives nan where x - max is nan, as the reference does."""
+    rows, cols = x.shape
+    log2e = f32(1.4426950408889634)
+    for r in range(rows):
+        m = x[r, 0]
+        for c in range(1, cols):
+            v = x[r, c]
+            if v > m or v != v:
+                m = v
+        t = f32(0.0)
+        for c in range(cols):
+            e = exp2((x[r, c] - m) * log2e)
+            out[r, c] = e
+            t += e
+        k = f32(1.0) / t
+        for c in range(cols):
+            out[r, c] *= k
 
 
 @_jit

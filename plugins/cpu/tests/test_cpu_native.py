@@ -55,7 +55,8 @@ def test_gelu_tanh(path):
     x = x.astype(np.float32).reshape(-1, 10)[:, :5]  # strided: the kernel copies it
     (got,), (want,) = _run("gelu", [x], {"approximate": "tanh"})
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-6)
-    (nan,), _ = _run("gelu", [np.array([np.nan, -np.inf], np.float32)], {"approximate": "tanh"})
+    with np.errstate(invalid="ignore"):  # the reference warns on -inf * 0
+        (nan,), _ = _run("gelu", [np.array([np.nan, -np.inf], np.float32)], {"approximate": "tanh"})
     assert np.isnan(nan).all()  # nan stays nan; -inf * 0 is nan, as in the reference
 
 
@@ -72,7 +73,8 @@ def test_layer_norm(path, shape, axis):
 def test_layer_norm_special_values(path):
     x = np.array([[1.0, 2.0, 3.0, 4.0], [np.nan, 1.0, 2.0, 3.0], [np.inf, 1.0, 2.0, 3.0], [5.0] * 4], np.float32)
     ones, zeros = np.ones(4, np.float32), np.zeros(4, np.float32)
-    (got,), _ = _run("layer_norm", [x, ones, zeros], {"axis": -1, "epsilon": 1e-5})
+    with np.errstate(invalid="ignore"):  # the reference warns on the nan and inf rows
+        (got,), _ = _run("layer_norm", [x, ones, zeros], {"axis": -1, "epsilon": 1e-5})
     assert np.isfinite(got[0]).all() and np.isnan(got[1]).all() and np.isnan(got[2]).all()
     np.testing.assert_array_equal(got[3], zeros)  # a constant row: 0 / sqrt(eps)
 
@@ -85,3 +87,16 @@ def test_linear_bias_rows_and_attention_normalisation(path):
     q, k, v = (rng.standard_normal((2, 3, 130, 16)).astype(np.float32) for _ in range(3))
     (got,), (want,) = _run("attention", [q, k, v], {})
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_relu_and_softmax(path):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(997) * 5, [np.nan, np.inf, -np.inf]]).astype(np.float32)
+    (got,), (want,) = _run("relu", [x[::2]], {})  # strided
+    np.testing.assert_array_equal(got, want)
+    rows = (rng.standard_normal((6, 300)) * 30).astype(np.float32)
+    rows[1, 7], rows[2, 9], rows[3] = np.nan, np.inf, -np.inf  # nan, +inf, and an all -inf row
+    rows[4, :] = 1e30  # equal huge scores
+    with np.errstate(invalid="ignore"):
+        (got,), (want,) = _run("softmax", [rows], {"axis": -1})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
