@@ -3,23 +3,26 @@ pass by pass.
 
 numpy runs one loop per ufunc call over the whole operand: a tanh-GELU is seven passes over its
 data, a layer norm a dozen (several of them broadcasts, which numpy iterates one short row at a
-time), an attention's softmax five. These loops make one pass per row instead, with everything
-in registers or L1, vectorised by LLVM for the host's SIMD width -- the codegen IREE's llvm-cpu
-backend or onnxruntime's MLAS do ahead of time. Measured on a 2-core VM (AVX-512): GELU of
-256 x 512 floats 147 -> ~60 µs, layer norm of 256 x 128 ~55 -> ~15 µs.
+time), a softmax five. These loops make one pass per element or per row instead, with the row
+in registers or L1, vectorised by LLVM -- the code IREE's llvm-cpu backend or onnxruntime's MLAS
+produce ahead of time. Loops: tanh-GELU, relu, layer norm, last-axis softmax, and the pieces of
+attention and linear that numpy broadcasts slowly (exp2 with row sums, row scaling, bias rows).
+Measured on a 2-core VM (AVX-512, in a transformer block's plan): layer norm of 256 x 128
+51 -> 11 µs, GELU of 256 x 512 131 -> 62 µs, relu of 256 x 256 15 -> 8 µs; the block's plan
+1.38 -> 1.11 ms.
 
 **exp2.** LLVM vectorises a loop only if every call in it has a vector form, and numba links no
-vector math library, so ``exp2`` here is computed in line: 2^t = 2^n * 2^f with n the nearest
+vector math library, so ``exp2`` is computed in line: 2^t = 2^n * 2^f with n the nearest
 integer and f in [-1/2, 1/2], 2^f by Cephes' degree-6 polynomial (within 2 ulp in float32),
 2^n by building the float's exponent bits. t is clamped to [-127, 128] first: below, 2^t is 0
 (results under 2^-126 flush to zero, where numpy would spend 10-300x longer on subnormals);
 at 128 the exponent field is all ones, which is inf, so overflow still gives inf.
 
-**When.** float32 only (float64 keeps numpy's loops, float16 runs as float32), C-contiguous
-operands, numba importable and ``POLYHAL_CPU_NATIVE`` not ``0``. Each loop is compiled on its
-first call (~0.2-0.6 s) and cached on disk beside this file (or in numba's user-wide cache
-directory where that is read-only), so later processes load it in milliseconds. The loops
-release the GIL.
+**When.** float32 only (float64 keeps numpy's loops, float16 runs as float32), numba importable
+and ``POLYHAL_CPU_NATIVE`` not ``0``; operands are made C-contiguous first (a copy only for a
+strided one). Each loop is compiled on its first call (~0.2-0.6 s) and cached on disk beside
+its source (or in numba's user-wide cache directory where that is read-only), so later
+processes load it in milliseconds. The loops release the GIL.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["available", "add_rows", "exp2_rows", "exp2_shifted_rows", "gelu_tanh", "layer_norm", "relu", "scale_rows",
+__all__ = ["available", "add_rows", "exp2_shifted_rows", "gelu_tanh", "layer_norm", "relu", "scale_rows",
            "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
@@ -57,7 +60,28 @@ def _compiled() -> dict[str, Callable]:
 def _build() -> dict[str, Callable]:
     from polyhal_cpu import native_loops  # imports numba
 
-    return {name: getattr(native_loops, name) for name in native_loops.__all__}
+    loops = {name: getattr(native_loops, name) for name in native_loops.__all__}
+    _warm(loops)
+    return loops
+
+
+def _warm(loops: dict[str, Callable]) -> None:
+    """Compile (or load from the disk cache) every loop for the operand types kernels pass, now,
+    while a plan is being prepared, rather than inside its first run. numba types an array by
+    dtype, rank, layout and writability, so the weights a plan binds read-only (a layer norm's
+    scale and bias, a linear's bias) get their own signatures."""
+    v, m = np.zeros(4, np.float32), np.zeros((2, 4), np.float32)
+    ro = v.copy()
+    ro.flags.writeable = False
+    one = np.ones(2, np.float32)
+    loops["gelu_tanh"](v, v.copy())
+    loops["relu"](v, v.copy())
+    loops["softmax_rows"](m, m.copy())
+    for row in (v, ro):
+        loops["layer_norm"](m, row, row, np.float32(1e-5), m.copy())
+        loops["add_rows"](m.copy(), row)
+    loops["exp2_shifted_rows"](m.copy(), np.float32(0.0), one.copy())
+    loops["scale_rows"](m.copy(), one)
 
 
 def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
@@ -78,12 +102,6 @@ def softmax_rows(x: np.ndarray, out: np.ndarray) -> None:
 def layer_norm(x: np.ndarray, scale: np.ndarray, bias: np.ndarray, eps: float, out: np.ndarray) -> None:
     """Layer norm of the rows of (rows, cols) ``x`` into ``out`` with (cols,) scale and bias."""
     _compiled()["layer_norm"](x, scale, bias, np.float32(eps), out)
-
-
-def exp2_rows(s: np.ndarray, sums: np.ndarray) -> bool:
-    """Rows of (rows, cols) ``s`` to 2^(s - row max) in place, their sums into ``sums``; False
-    when a row's maximum is not finite (its sum is then nan)."""
-    return bool(_compiled()["exp2_rows"](s, sums))
 
 
 def exp2_shifted_rows(s: np.ndarray, shift: float, sums: np.ndarray) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["gelu_tanh", "layer_norm", "exp2_rows", "exp2_shifted_rows", "relu", "scale_rows", "softmax_rows", "add_rows"]
+__all__ = ["add_rows", "exp2_shifted_rows", "gelu_tanh", "layer_norm", "relu", "scale_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -92,29 +92,6 @@ def layer_norm(x, scale, bias, eps, out):
         rstd = f32(1.0) / np.sqrt(v * inv + eps)
         for c in range(cols):
             out[r, c] = (x[r, c] - mean) * rstd * scale[c] + bias[c]
-
-
-@_jit
-def exp2_rows(s, sums):
-    """In place: each row of (rows, cols) s becomes 2^(s - its maximum), sums[r] its sum.
-    Returns False if some row's maximum is not finite (that row's sum is then nan)."""
-    rows, cols = s.shape
-    ok = True
-    for r in range(rows):
-        m = s[r, 0]
-        for c in range(1, cols):
-            m = max(m, s[r, c])
-        if not np.isfinite(m):
-            ok = False
-            sums[r] = f32(np.nan)
-            continue
-        t = f32(0.0)
-        for c in range(cols):
-            e = exp2(s[r, c] - m)
-            s[r, c] = e
-            t += e
-        sums[r] = t
-    return ok
 
 
 @_jit
