@@ -28,6 +28,7 @@ that path crashed the process (OpenBLAS 0.3.31, numpy 2.4's wheel: a segmentatio
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -64,17 +65,26 @@ def _symbol(lib: ctypes.CDLL, names: tuple[str, ...]):
 
 
 def _load() -> dict:
-    """{dtype: the batched GEMM of numpy's BLAS} for the dtypes it has (found once)."""
+    """{dtype: batched GEMM, ("gemm", dtype): GEMM} of numpy's BLAS, for the dtypes it has
+    (found once; a thread that asks meanwhile gets a result of its own, the same)."""
     global _loaded
-    if _loaded is not None:
-        return _loaded
-    _loaded = {}
+    if _loaded is None:
+        _loaded = _find()
+    return _loaded
+
+
+def _find() -> dict:
+    found: dict = {}
     try:
         from threadpoolctl import ThreadpoolController
 
         libs = ThreadpoolController().select(internal_api="openblas").lib_controllers
     except Exception:  # noqa: BLE001 -- no threadpoolctl, or it cannot inspect this process
-        return _loaded
+        return found
+    # numpy's own first (numpy/ or numpy.libs/ beside it): another OpenBLAS in the process
+    # (scipy's) would work too, but with a second pool of threads.
+    home = os.path.dirname(np.__file__)
+    libs = sorted(libs, key=lambda c: not str(c.filepath).startswith(home))
     for controller in libs:
         try:
             lib = ctypes.CDLL(controller.filepath)
@@ -93,13 +103,13 @@ def _load() -> dict:
                 fn.argtypes = [enum, enum, enum, index, index, index, scalar,
                                ptr, index, index, ptr, index, index, scalar, ptr, index, index, index]
                 fn.restype = None
-                _loaded.setdefault(dtype, fn)
+                found.setdefault(dtype, fn)
             fn = _symbol(lib, _NAMES["gemm", dtype])
             if fn is not None:
                 fn.argtypes = [enum, enum, enum, index, index, index, scalar, ptr, index, ptr, index, scalar, ptr, index]
                 fn.restype = None
-                _loaded.setdefault(("gemm", dtype), fn)
-    return _loaded
+                found.setdefault(("gemm", dtype), fn)
+    return found
 
 
 def _layout(x: np.ndarray) -> tuple[int, int, int] | None:
