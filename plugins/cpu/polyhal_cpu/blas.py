@@ -6,9 +6,7 @@ in a pass of its own before accumulating. A linear layer as "C = bias (a broadca
 C += A B" skips both: 256 x 128 @ 128 x 512 with its bias took 213 µs as matmul + add and
 169 µs this way on a 2-core VM.
 
-**Strided batched GEMM** (:func:`batched_matmul`).
-
-``np.matmul`` of stacked matrices calls BLAS once per matrix, and each small product (an
+**Strided batched GEMM** (:func:`batched_matmul`). ``np.matmul`` of stacked matrices calls BLAS once per matrix, and each small product (an
 attention head: 256 x 32 @ 32 x 256) is too short for BLAS's threads to help: on a 2-core VM
 four heads' scores took 240 µs in numpy against 94 µs in one ``cblas_sgemm_batch_strided``
 call, which spreads the batch over BLAS's threads. The batched call also takes any operand

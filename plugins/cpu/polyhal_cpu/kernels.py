@@ -16,7 +16,11 @@ returns a small closure, the hot path of a compiled plan. The closure is called 
 
 The closures call ufuncs with ``out=`` and reduce into the outputs, so numpy creates no
 full-size temporaries where it can avoid them; matmul goes through ``np.matmul(out=)`` and so
-runs at BLAS speed. Kernels are independent of the ops' reference functions, which are the
+runs at BLAS speed, and through numpy's BLAS directly (:mod:`polyhal_cpu.blas`) where numpy
+has no call for the job (batched strided GEMM, accumulating onto a bias). float32 kernels that
+numpy would run as many passes (layer norm, GELU, softmax, relu) use fused loops compiled by
+numba (:mod:`polyhal_cpu.native`), numpy's passes remaining the path for other dtypes and
+machines without numba. Kernels are independent of the ops' reference functions, which are the
 oracle they are tested against.
 """
 
@@ -289,13 +293,13 @@ def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 @register_kernels("relu")
 def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-    zero, maximum = _const(0, ins[0].dtype), np.maximum
     if native.available(ins[0].dtype):  # ~2x numpy's maximum (polyhal_cpu.native)
         fused, contiguous = native.relu, np.ascontiguousarray
 
         def fused_kernel(x, out):
             fused(contiguous(x).reshape(-1), out.reshape(-1))
         return fused_kernel
+    zero, maximum = _const(0, ins[0].dtype), np.maximum
 
     def kernel(x, out):
         maximum(x, zero, out=out)
@@ -524,15 +528,6 @@ def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
             np.divide(out, np.add.reduce(out, axis=axis, keepdims=True), out=out)
         return kernel
 
-    # Softmax over the last axis, on (rows, cols) views. exp(x - c) / sum(exp(x - c)) is the
-    # same for any shift c; the row's maximum is the usual one (no overflow, the largest term
-    # is 1), but numpy reduces short rows one inner loop per row, at several times the cost of
-    # a long loop. So the shift is the maximum of a block of rows (long loops for the max and
-    # for the subtraction): a row whose own maximum is d below its block's has every term
-    # scaled by exp(-d), which costs nothing in accuracy while d is small (the sum is then at
-    # least exp(-d)); rows whose sum falls below _SOFTMAX_MIN_SUM (d > ~7), or is nan (an inf
-    # or nan in the block), are done again with their own maximum. Row sums are one BLAS
-    # matrix-vector product with ones, and the division a multiplication by their inverses.
     rows, cols = math.prod(x_type.shape[:-1]), x_type.shape[-1]
     if native.available(x_type.dtype):  # max, exp and normalisation fused per row (polyhal_cpu.native)
         fused, contiguous = native.softmax_rows, np.ascontiguousarray
@@ -540,6 +535,16 @@ def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
         def fused_kernel(x, out):
             fused(contiguous(x).reshape(rows, cols), out.reshape(rows, cols))
         return fused_kernel
+
+    # Without the fused loop, softmax over the last axis on (rows, cols) views. exp(x - c) /
+    # sum(exp(x - c)) is the same for any shift c; the row's maximum is the usual one (no overflow, the largest term
+    # is 1), but numpy reduces short rows one inner loop per row, at several times the cost of
+    # a long loop. So the shift is the maximum of a block of rows (long loops for the max and
+    # for the subtraction): a row whose own maximum is d below its block's has every term
+    # scaled by exp(-d), which costs nothing in accuracy while d is small (the sum is then at
+    # least exp(-d)); rows whose sum falls below _SOFTMAX_MIN_SUM (d > ~7), or is nan (an inf
+    # or nan in the block), are done again with their own maximum. Row sums are one BLAS
+    # matrix-vector product with ones, and the division a multiplication by their inverses.
     per = max(1, min(rows, _SOFTMAX_BLOCK // cols))  # rows per block
     blocks, main = rows // per, rows // per * per
     dtype = x_type.dtype
