@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Sequence
 
 from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
                              demo_program)
+from polyhal.errors import PolyhalError, UsageError
 from polyhal.registry import Registry, default_registry, iter_plugins
 
 
@@ -75,6 +77,8 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
 
     import polyhal
 
+    if args.repeat < 1 or args.batch < 1:
+        raise UsageError(f"--repeat and --batch must be >= 1, got --repeat {args.repeat} --batch {args.batch}")
     apply_policy_arguments(args, registry)
     rng = np.random.default_rng(0)
     n, d, h = args.batch, 256, 512
@@ -142,11 +146,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         registry = default_registry()
         return {"devices": cmd_devices, "plugins": cmd_plugins, "demo": cmd_demo,
                 "explain": cmd_explain, "run": _cmd_run}[args.command](args, registry)
-    except Exception as exc:  # a CLI prints the error, not a traceback
-        from polyhal.errors import PolyhalError
-
-        if not isinstance(exc, PolyhalError):
-            raise
+    except BrokenPipeError:
+        # The reader went away (``polyhal devices | head``): nothing more to say, and Python's
+        # final flush of stdout must not fail again (the recipe of Python's signal docs).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except PolyhalError as exc:  # a CLI prints the error, not a traceback
         print(f"polyhal: error: {exc}", file=sys.stderr)
         return 2
 

@@ -49,5 +49,18 @@ class KernelNotFoundError(PolyhalError, LookupError):
     """No candidate device offers a kernel for an op."""
 
 
+class ArithmeticDomainError(PolyhalError, ArithmeticError):
+    """A run whose data leaves an op's domain where polyhal refuses instead of giving an
+    unspecified value (an integer division by zero)."""
+
+
+class LifetimeError(PolyhalError, ValueError):
+    """A tensor used after its buffer was released, or written although it is read-only."""
+
+
 class DLPackError(PolyhalError, BufferError):
     """A DLPack exchange that cannot be done (consumed capsule, unsupported device, copy refused)."""
+
+
+class UsageError(PolyhalError, ValueError):
+    """A command-line argument or option value that cannot be used (the CLI exits 2)."""

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from polyhal.errors import DTypeError, ProgramError, ShapeError
+from polyhal.errors import DTypeError, LifetimeError, ProgramError, ShapeError
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
@@ -99,7 +99,7 @@ class Plan:
         # reused where lifetimes do not overlap), allocated once, here; outputs are fresh per run
         # (or given by out=), in the memory type bufferize chose for a host reader.
         self.buffer_plan = bufferize(placement, registry)
-        self._buffers = self.buffer_plan.materialize(registry, selector_for(registry))
+        self._buffers = self.buffer_plan.materialize(registry, selector_for(registry), program.name)
         self._output_memory = [self.buffer_plan.output_memory[v.id] for v in program.outputs]
         # What a run allocates for each output (what tensor.empty would, resolved once).
         self._output_alloc = [(d, max(v.type.nbytes, 1), mt, v.type)
@@ -235,6 +235,11 @@ class Plan:
                 if not isinstance(t, Tensor) or t.shape != v.type.shape or t.dtype != v.type.dtype \
                         or t.device is not d or not t.is_contiguous:
                     raise ShapeError(f"out= tensor for %{v.name} must be a contiguous {v.type} on {d.name}, got {t!r}")
+                if t.readonly or t.buffer.released:
+                    what = "is read-only (imported from a read-only DLPack producer)" if t.readonly else \
+                        "has been released"
+                    raise LifetimeError(f"out= tensor for %{v.name} {what}; pass a writable tensor you own, "
+                                        "e.g. polyhal.empty(...)")
         slots = self._slots
         # Every output has a slot of its own: placement copies an output that aliases an input,
         # a constant or another output (placement._distinct_outputs).
@@ -274,6 +279,9 @@ def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]
     if isinstance(x, Tensor):
         if x.shape != t.shape or x.dtype != t.dtype:
             raise ShapeError(f"input %{value.name} expects {t}, got {x.type}")
+        if x.buffer.released:  # its memory may already belong to someone else
+            raise LifetimeError(f"input %{value.name}: {x} was released (Tensor.release / Buffer.release) and "
+                                "cannot be read; keep it alive until the run, or pass a new tensor")
         if x.device is device and x.is_contiguous:
             return x.native
         x = x.numpy()

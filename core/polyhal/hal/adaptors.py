@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
 from polyhal.errors import OutOfMemoryError, PluginError
-from polyhal.hal.allocator import Allocator, AllocatorStatistics
+from polyhal.hal.allocator import Allocator, AllocatorStatistics, out_of_memory
 from polyhal.hal.buffer import Buffer
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.records import Heap
@@ -83,10 +83,7 @@ def raw_allocate(allocator: Allocator, heap: Heap, nbytes: int) -> Any:
     except OutOfMemoryError:
         raise
     except MemoryError as exc:
-        raise OutOfMemoryError(
-            f"out of memory on {allocator.device.name}: could not allocate {nbytes} bytes of "
-            f"{heap.memory_type.describe()}; in use by polyhal: {allocator.statistics}. Free buffers "
-            f"(Buffer.release), use a smaller problem or another device ({exc})") from exc
+        raise out_of_memory(allocator, heap, nbytes, exc) from exc
     allocator._account(heap, nbytes)
     return native
 
@@ -141,7 +138,12 @@ class AllocatorAdaptor(Allocator):
             self._fast[(int(memory_type), int(usage))] = (buf.heap, buf.usage)
             return buf
         heap, usage_flags = fast
-        native = self._allocate(heap, nbytes)
+        try:
+            native = self._allocate(heap, nbytes)
+        except OutOfMemoryError:
+            raise
+        except MemoryError as exc:  # a backend's own: the same error the validating path gives
+            raise out_of_memory(self, heap, nbytes, exc) from exc
         self._account(heap, nbytes)
         return Buffer(self, heap, nbytes, native, usage=usage_flags)
 
@@ -149,7 +151,12 @@ class AllocatorAdaptor(Allocator):
 
     def allocate_raw(self, heap: Heap, nbytes: int) -> Any:
         """Native memory without a Buffer (RMM's ``allocate``), accounted here."""
-        native = self._allocate(heap, nbytes)
+        try:
+            native = self._allocate(heap, nbytes)
+        except OutOfMemoryError:
+            raise
+        except MemoryError as exc:
+            raise out_of_memory(self, heap, nbytes, exc) from exc
         self._account(heap, nbytes)
         return native
 

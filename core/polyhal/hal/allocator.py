@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import operator
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -51,6 +53,11 @@ class AllocatorStatistics:
             if s.total_allocations
         ]
         return "; ".join(parts) or "nothing allocated"
+
+
+#: Every bit each flag type defines (anything else in a request is refused).
+_DEFINED_BITS = {kind: functools.reduce(operator.or_, map(int, kind.__members__.values()))
+                 for kind in (MemoryType, BufferUsage)}
 
 
 class Allocator:
@@ -118,6 +125,12 @@ class Allocator:
         """Allocate ``nbytes`` of ``memory_type`` for ``usage``; the buffer may have more bits."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise IncompatibleBufferError(f"allocation size must be an int number of bytes, got {nbytes!r}")
+        for flags, kind in ((memory_type, MemoryType), (usage, BufferUsage)):
+            undefined = int(flags) & ~_DEFINED_BITS[kind]
+            if undefined:  # a typo'd or foreign constant would otherwise be served as if it meant nothing
+                raise IncompatibleBufferError(
+                    f"{kind.__name__} {int(flags):#x} has bits {undefined:#x} that polyhal does not define; "
+                    f"build it from polyhal.{kind.__name__} members")
         heap = self.select_heap(memory_type, usage)
         if heap is None:
             raise IncompatibleBufferError(
@@ -138,11 +151,7 @@ class Allocator:
         except OutOfMemoryError:
             raise  # already says device, request and use (an adaptor's limit, a pool's upstream)
         except MemoryError as exc:
-            raise OutOfMemoryError(
-                f"out of memory on {self.device.name}: could not allocate {nbytes} bytes of "
-                f"{heap.memory_type.describe()}; in use by polyhal: {self.statistics}. Free buffers "
-                f"(Buffer.release), use a smaller problem or another device ({exc})"
-            ) from exc
+            raise out_of_memory(self, heap, nbytes, exc) from exc
         self._account(heap, nbytes)
         return Buffer(self, heap, nbytes, native, usage=BufferUsage(usage))
 
@@ -174,3 +183,11 @@ class Allocator:
     def _free(self, heap: Heap, native: Any) -> None:
         """Give the native handle back. Must not raise for a handle it made."""
         raise NotImplementedError
+
+
+def out_of_memory(allocator: Allocator, heap: Heap, nbytes: int, cause: BaseException) -> OutOfMemoryError:
+    """The error for a backend's ``MemoryError`` (``cause``) on a request of ``nbytes`` from ``heap``."""
+    return OutOfMemoryError(
+        f"out of memory on {allocator.device.name}: could not allocate {nbytes} bytes of "
+        f"{heap.memory_type.describe()}; in use by polyhal: {allocator.statistics}. Free buffers "
+        f"(Buffer.release), use a smaller problem or another device ({cause})")

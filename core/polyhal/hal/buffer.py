@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,8 @@ class Buffer:
     allocator's accounting always balances.
     """
 
-    __slots__ = ("allocator", "heap", "nbytes", "memory_type", "usage", "kind", "native", "_finalizer", "__weakref__")
+    __slots__ = ("allocator", "heap", "nbytes", "memory_type", "usage", "kind", "native", "_finalizer", "_holds",
+                 "_release_pending", "__weakref__")
 
     def __init__(
         self,
@@ -47,6 +49,8 @@ class Buffer:
         self.kind = heap.kind if kind is None else kind
         # The finalizer must not reference self; it holds what freeing needs.
         self._finalizer = weakref.finalize(self, on_release or allocator._release, heap, nbytes, native)
+        self._holds = 0  # DLPack consumers using the memory (see hold)
+        self._release_pending = False
 
     @property
     def device(self):
@@ -55,14 +59,30 @@ class Buffer:
 
     @property
     def released(self) -> bool:
-        return not self._finalizer.alive
+        """True once :meth:`release` was called (or the memory was freed): polyhal no longer uses it."""
+        return self._release_pending or not self._finalizer.alive
+
+    def hold(self, *keep: Any) -> "BufferHold":
+        """A token that keeps this buffer's memory allocated, and counted live by its allocator,
+        for as long as the token exists, even across :meth:`release` (which then only marks the
+        buffer released). DLPack exports give one to the consumer, so that memory a consumer
+        still reads is never freed under it. ``keep``: other objects the token keeps alive."""
+        return BufferHold(self, keep)
 
     @property
     def host_visible(self) -> bool:
         return bool(self.memory_type & MemoryType.HOST_VISIBLE)
 
     def release(self) -> None:
-        """Return the memory now (idempotent). Views and mappings of it become invalid."""
+        """Return the memory now (idempotent). Views and mappings of it become invalid.
+
+        While a DLPack consumer holds the memory (see :meth:`hold`) the buffer is marked released
+        at once, and the memory is returned when the last consumer lets go.
+        """
+        with _hold_lock:
+            if self._holds:
+                self._release_pending = True
+                return
         self._finalizer()
 
     def __enter__(self) -> "Buffer":
@@ -101,3 +121,26 @@ class Buffer:
             f"<Buffer {self.nbytes} B {self.kind.value} {self.memory_type.describe()} "
             f"on {self.device.name}, {state}>"
         )
+
+
+_hold_lock = threading.Lock()
+
+
+class BufferHold:
+    """What :meth:`Buffer.hold` returns: the buffer's memory stays allocated while this lives."""
+
+    __slots__ = ("buffer", "keep")
+
+    def __init__(self, buffer: Buffer, keep: tuple = ()) -> None:
+        with _hold_lock:
+            buffer._holds += 1
+        self.buffer = buffer
+        self.keep = keep
+
+    def __del__(self, _lock: threading.Lock = _hold_lock) -> None:  # bound now: it may run at shutdown
+        buffer = self.buffer
+        with _lock:
+            buffer._holds -= 1
+            free = not buffer._holds and buffer._release_pending
+        if free:
+            buffer._finalizer()

@@ -55,6 +55,22 @@ class Device:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
+    def memory_available(self) -> int | None:
+        """Bytes this device could still allocate, as far as polyhal can tell; None if unknown.
+
+        Devices whose memory is host memory (DLPack type CPU) answer the operating system's
+        available memory; others their global memory (``limits["global_mem_size"]``) less what
+        polyhal holds there. Plans and ``polyhal run`` use it to refuse what cannot fit up front,
+        before an allocation that the OS would overcommit and a kernel would then fault on.
+        Backends with a native query (``cudaMemGetInfo``) may override it.
+        """
+        if self.dlpack_device_type == 1:
+            return host_memory_available()
+        total = self.spec.limits.get("global_mem_size")
+        if not isinstance(total, int) or self.allocator is None:
+            return None
+        return max(total - self.allocator.statistics.live_bytes, 0)
+
     # -- kernels (backend) ---------------------------------------------------------------------
 
     #: Names of the ops this device has kernels for.
@@ -159,3 +175,20 @@ class Device:
     def upload(self, host: np.ndarray, native: Any) -> None:
         """Copy contiguous numpy ``host`` into a native array of this device."""
         raise NotImplementedError
+
+
+def host_memory_available() -> int | None:
+    """The host's available memory in bytes (Linux ``MemAvailable``, else free pages); None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None

@@ -8,7 +8,7 @@ import numpy as np
 
 from polyhal import dlpack
 from polyhal.dlpack import row_major_strides
-from polyhal.errors import DLPackError
+from polyhal.errors import DLPackError, LifetimeError, PolyhalError
 from polyhal.hal.flags import BufferUsage, MemoryAccess, MemoryType
 from polyhal.ir.types import TensorType, as_dtype, as_shape
 
@@ -118,6 +118,8 @@ class Tensor:
         to the host when ``copy`` is not False and refused otherwise. ``copy=True`` always copies.
         ``stream`` is the consumer's stream; backends with streams order the export against it.
         """
+        if self.buffer.released:
+            raise LifetimeError(f"{self} was released and cannot be exported; export it before releasing it")
         versioned = max_version is not None and max_version[0] >= 1
         here = tuple(int(v) for v in self.device.dlpack_device(self.buffer))
         want = here if dl_device is None else (int(dl_device[0]), int(dl_device[1]))
@@ -127,7 +129,7 @@ class Tensor:
                 self.device._export_sync(self.buffer, stream)
                 return dlpack.export_capsule(
                     data_ptr=self.device.buffer_address(self.buffer), shape=self.shape, strides=self.strides,
-                    dtype=self.dtype, device=want, owner=self, readonly=self.readonly,
+                    dtype=self.dtype, device=want, owner=self.buffer.hold(self), readonly=self.readonly,
                     byte_offset=self.offset, versioned=versioned)
             raise DLPackError(f"{self} cannot be exported to DLPack device {want}; it lives on {here}")
         host_ok = self.buffer.host_visible and want == _CPU
@@ -146,10 +148,10 @@ class Tensor:
             return dlpack.export_capsule(
                 data_ptr=view.ctypes.data, shape=view.shape,
                 strides=tuple(s // self.dtype.itemsize for s in view.strides), dtype=self.dtype,
-                device=_CPU, owner=(self, view), readonly=self.readonly, versioned=versioned)
+                device=_CPU, owner=self.buffer.hold(self, view), readonly=self.readonly, versioned=versioned)
         return dlpack.export_capsule(
             data_ptr=self.device.buffer_address(self.buffer), shape=self.shape, strides=self.strides,
-            dtype=self.dtype, device=here, owner=self, readonly=self.readonly,
+            dtype=self.dtype, device=here, owner=self.buffer.hold(self), readonly=self.readonly,
             byte_offset=self.offset, versioned=versioned)
 
 
@@ -214,11 +216,18 @@ def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | 
         obj, copy=True if copy else None, stream=_consumer_stream(obj))
     imported = dlpack.from_capsule(capsule)
     try:
+        if any(s < 0 for s in imported.strides):
+            raise DLPackError(f"the DLPack tensor has negative strides {imported.strides} (a reversed view), which "
+                              "polyhal tensors cannot describe; pass a copy (numpy.ascontiguousarray, or copy=True)")
         owner = default_registry().device_for_dlpack(imported.device)
         buf = owner.import_dlpack(imported)
-    except BaseException:
+    except PolyhalError:
         imported.release()
         raise
+    except Exception as exc:  # a backend's own error for memory it cannot take
+        imported.release()
+        raise DLPackError(f"cannot import the DLPack tensor (shape {imported.shape}, strides {imported.strides}, "
+                          f"device {imported.device}): {type(exc).__name__}: {exc}") from exc
     ttype = TensorType(imported.shape, imported.dtype)
     tensor = Tensor(buf, ttype, strides=imported.strides, readonly=imported.readonly)
     if device is not None:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from polyhal.errors import ProgramError
+from polyhal.errors import ArithmeticDomainError, ProgramError
 from polyhal.ir.types import SUPPORTED_DTYPES, TensorType, as_dtype
 from polyhal.ops._base import (
     ANY, FLOAT, NUMERIC, SIGNED, UNSIGNED_INT, broadcast, check_dtype, check_same_dtype, define,
@@ -195,11 +195,22 @@ define("where", infer=_infer_where, reference=_ref_where, sample=_sample_where, 
 
 # ----------------------------------------------------------------------------------------- cast
 
-def _infer_cast(x: TensorType, *, dtype):
+def _infer_cast(x: TensorType, *, dtype, strict=False):
     return (TensorType(x.shape, as_dtype(dtype)),)
 
 
-def _ref_cast(x, *, dtype):
+def check_finite_cast(x: np.ndarray, dtype: np.dtype) -> None:
+    """Refuse converting nan/inf to an integer type (``cast`` with ``strict=True``): the ONNX
+    front end's integer Div is a float division and this cast, so x / 0 is refused here, as
+    onnxruntime refuses it ("Integer division by zero")."""
+    if np.dtype(dtype).kind in "iub" and np.asarray(x).dtype.kind == "f" and not np.isfinite(x).all():
+        raise ArithmeticDomainError(f"a non-finite value cannot be converted to {np.dtype(dtype)}: an integer "
+                                    "division by zero (onnxruntime refuses it too); keep divisors nonzero")
+
+
+def _ref_cast(x, *, dtype, strict=False):
+    if strict:
+        check_finite_cast(x, as_dtype(dtype))
     return (np.asarray(x).astype(as_dtype(dtype)),)
 
 
@@ -216,5 +227,7 @@ def _sample_cast(rng: np.random.Generator):
 define("cast", infer=_infer_cast, reference=_ref_cast, sample=_sample_cast, arity=1, doc="""
     Convert to element type ``dtype`` (numpy's unsafe casting: floats truncate toward zero when
     converted to integers, integers wrap, nonzero is True). Converting nan/inf or an out-of-range
-    float to an integer type gives an unspecified value.
+    float to an integer type gives an unspecified value; with ``strict=True`` converting nan/inf
+    to an integer raises :class:`~polyhal.errors.ArithmeticDomainError` (the CPU backend and
+    import-time folding honour it; other backends may give the unspecified value).
 """)

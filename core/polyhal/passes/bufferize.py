@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from polyhal.errors import PluginError
+from polyhal.errors import OutOfMemoryError, PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.scratch import (
     MemoryLimits, MemorySpace, Problem, ScratchAssignment, ScratchBinding, ScratchError, ScratchRequest,
@@ -177,11 +177,17 @@ class BufferPlan:
 
     # -- allocation --------------------------------------------------------------------------------
 
-    def materialize(self, registry: "Registry", selector: Any) -> "Materialized":
-        """Allocate the arenas (through ``select_allocator``) and make every planned view."""
+    def materialize(self, registry: "Registry", selector: Any, name: str = "") -> "Materialized":
+        """Allocate the arenas (through ``select_allocator``) and make every planned view.
+
+        Arenas that together exceed a device's available memory are refused first, with an
+        :class:`~polyhal.errors.OutOfMemoryError` naming the plan (``name``) and its largest value
+        there: an allocation the OS overcommits would fail later, in a kernel, or take the host down.
+        """
         from polyhal.hal.tensor import Tensor
         from polyhal.ir.types import TensorType
 
+        self._check_available(registry, name)
         specs = {s.name: s for s in registry.device_specs()}
         arenas = [_allocate(registry, selector, specs, a) for a in self.arenas]
         values: dict[int, Tensor] = {}
@@ -202,6 +208,22 @@ class BufferPlan:
             placed = tuple(_with_offset(a, self.buffers, i) for a in assigned)
             scratch[i] = ScratchBinding(placed, bindings.get(i, {}))
         return Materialized(arenas, values, scratch)
+
+
+    def _check_available(self, registry: "Registry", name: str) -> None:
+        need: dict[str, int] = {}
+        for a in self.arenas:
+            need[a.device] = need.get(a.device, 0) + a.nbytes
+        for device_name, nbytes in need.items():
+            available = registry.get_device(device_name).memory_available()
+            if available is None or nbytes <= available:
+                continue
+            on_device = [b for b in self.buffers if self.arenas[b.arena].device == device_name]
+            largest = max(on_device, key=lambda b: b.nbytes)
+            raise OutOfMemoryError(
+                f"plan {name!r} needs {nbytes} bytes of intermediates on {device_name}, which has {available} "
+                f"bytes available; the largest is {largest.name} ({largest.nbytes} bytes). Use smaller shapes, "
+                "split the model, or place it on a device with more memory")
 
 
 @dataclass

@@ -37,6 +37,7 @@ from numpy.polynomial import chebyshev
 from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice, resolve_attrs
+from polyhal.ops.elementwise import check_finite_cast
 from polyhal_cpu import blas, native
 from polyhal_cpu import scratch as scratch_
 from polyhal_cpu.parallel import parallel
@@ -387,6 +388,13 @@ def _where(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 @register_kernels("cast")
 def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     copyto = np.copyto
+    if attrs.get("strict"):
+        target = outs[0].dtype
+
+        def strict_kernel(x, out):
+            check_finite_cast(x, target)
+            copyto(out, x, casting="unsafe")
+        return strict_kernel
 
     def kernel(x, out):
         copyto(out, x, casting="unsafe")

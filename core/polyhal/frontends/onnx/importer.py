@@ -47,8 +47,27 @@ MIN_OPSET, MAX_OPSET = 7, 28
 SUPPORTED_OPSETS = range(MIN_OPSET, MAX_OPSET + 1)
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-#: Largest tensor (elements) an op may produce by folding: above it the op runs on a device.
-FOLD_LIMIT = 1 << 22
+#: Largest result (bytes) an op may produce by folding at import: above it the op stays in the
+#: program and runs on a device, so a tiny model cannot make the import itself take gigabytes
+#: (``ConstantOfShape([2**29]) -> ReduceSum``). ``POLYHAL_FOLD_LIMIT`` (e.g. ``64MiB``) or
+#: ``load(..., fold_limit=)`` changes it; shape computations must fold, so keep it above a few KiB.
+FOLD_LIMIT = 32 << 20
+
+
+def _fold_limit(value: int | str | None = None) -> int:
+    """The fold limit in bytes: ``value`` if given, else ``POLYHAL_FOLD_LIMIT``, else :data:`FOLD_LIMIT`."""
+    from polyhal.hal.adaptors import parse_size
+
+    if value is None:
+        value = os.environ.get("POLYHAL_FOLD_LIMIT", "").strip() or FOLD_LIMIT
+    try:
+        limit = parse_size(value) if isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        limit = -1
+    if limit < 0:
+        raise OnnxInputError(f"fold limit {value!r} is not a size in bytes; write e.g. 33554432 or 32MiB "
+                             "(POLYHAL_FOLD_LIMIT, load(..., fold_limit=))")
+    return limit
 
 Val = Any  # np.ndarray (known at import time) or Value (computed when the plan runs)
 
@@ -346,8 +365,8 @@ def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
             from onnx.external_data_helper import load_external_data_for_model
 
             load_external_data_for_model(proto, base_dir)
-        except (OSError, ValueError) as exc:
-            raise OnnxModelError(f"{source}: cannot load external tensor data: {exc}") from None
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # ValidationError: a path outside
+            raise OnnxModelError(f"{source}: cannot load external tensor data: {_first_line(exc)}") from None
     return proto, source
 
 
@@ -403,7 +422,7 @@ def _first_line(exc: BaseException) -> str:
 def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
          values: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
          default_dim: int | None = None, name: str | None = None, validate: bool = True,
-         source: str | None = None) -> OnnxProgram:
+         source: str | None = None, fold_limit: int | str | None = None) -> OnnxProgram:
     """Import an ONNX model as a polyhal program.
 
     Args:
@@ -418,6 +437,9 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         name: the program's name (default: the graph's).
         validate: run ONNX's checker and strict shape inference first.
         source: what messages call the model (default: its path, or its graph's name).
+        fold_limit: the largest result in bytes (or ``"64MiB"``) an op may produce by running at
+            import time; larger ones stay in the program (default ``POLYHAL_FOLD_LIMIT``, else
+            :data:`FOLD_LIMIT`).
 
     Raises:
         OnnxModelError: not a model, truncated, or inconsistent.
@@ -429,7 +451,8 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     source = source or read_as
     opset = default_opset(proto, source)
     checked = _validate(proto, source) if validate else proto
-    importer = _Importer(checked, source, opset, shapes or {}, values or {}, dims or {}, default_dim, name)
+    importer = _Importer(checked, source, opset, shapes or {}, values or {}, dims or {}, default_dim, name,
+                         _fold_limit(fold_limit))
     try:
         return importer.run()
     except PolyhalError:
@@ -441,8 +464,10 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
 
 
 class _Importer:
-    def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name):
+    def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name,
+                 fold_limit: int = FOLD_LIMIT):
         self.model = model
+        self.fold_limit = fold_limit
         self.source = source
         self.opset = opset
         self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
@@ -487,7 +512,7 @@ class _Importer:
         """Op ``op`` on ``inputs``: folded to arrays when every input is known, else a dispatch."""
         types = tuple(self.type_of(v) for v in inputs)
         out_types = infer_types(op, types, attrs)
-        if all(isinstance(v, np.ndarray) for v in inputs) and all(t.size <= FOLD_LIMIT for t in out_types):
+        if all(isinstance(v, np.ndarray) for v in inputs) and all(t.nbytes <= self.fold_limit for t in out_types):
             with np.errstate(all="ignore"):
                 outs = OPS[op].reference(*inputs, **attrs)
             outs = tuple(np.array(o, dtype=t.dtype, order="C").reshape(t.shape)
@@ -501,6 +526,14 @@ class _Importer:
             self.deps[r.id] = deps
             self.origins[r.id] = label
         return result
+
+    def check_fold(self, nbytes: int, what: str) -> None:
+        """Refuse to build ``what`` (``nbytes``) at import when it exceeds the fold limit and no
+        polyhal op can compute it at run time instead."""
+        if nbytes > self.fold_limit:
+            raise OnnxUnsupportedError(
+                f"{what} would take {nbytes} bytes at import, more than the fold limit of {self.fold_limit} "
+                "bytes; raise it with POLYHAL_FOLD_LIMIT or load(..., fold_limit=) if that much is intended")
 
     # -- the graph -------------------------------------------------------------------------
 
@@ -518,6 +551,12 @@ class _Importer:
             if k not in known:
                 raise OnnxInputError(f"{self.source}: the model has no input {k!r}; its inputs are "
                                      f"{[i.name for i in graph_inputs]}")
+        symbols = {d.dim_param for vi in graph_inputs if vi.type.WhichOneof("value") == "tensor_type"
+                   for d in vi.type.tensor_type.shape.dim if d.dim_param}
+        unknown = sorted(set(self.dims) - symbols)
+        if unknown:  # a misspelt symbol would otherwise leave its dim at the default, silently
+            raise OnnxInputError(f"{self.source}: the model's inputs have no symbolic dim {unknown[0]!r}; "
+                                 f"their symbolic dims are {', '.join(sorted(symbols)) or '(none)'}")
         for vi in graph.input:
             elem, dims = _declared(vi.type)
             if vi.name in env and vi.name not in self.values:

@@ -74,6 +74,15 @@ def _pairs(items: list[str], what: str) -> list[tuple[str, str]]:
     return out
 
 
+def _sizes(text: str, what: str, one: bool = False) -> tuple[int, ...]:
+    """``"4,8"`` -> (4, 8); OnnxInputError for anything but non-negative integers."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not all(p.isdigit() for p in parts) or (one and len(parts) != 1):
+        raise _usage(f"{what}: expected {'a size' if one else 'sizes'} as non-negative integer(s)"
+                     f"{'' if one else ' separated by commas (e.g. 4,128)'}")
+    return tuple(int(p) for p in parts)
+
+
 def _usage(message: str) -> PolyhalError:
     from polyhal.frontends.onnx.errors import OnnxInputError
 
@@ -110,14 +119,48 @@ def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:
     return feeds
 
 
+#: Elements drawn per step by :func:`random_input`: its temporaries stay a few MiB at any size.
+RANDOM_CHUNK = 1 << 20
+
+
 def random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """A random array: standard normal floats, small non-negative integers, fair bools."""
+    """A random array: standard normal floats, small non-negative integers, fair bools.
+
+    Drawn straight into an array of ``dtype``, :data:`RANDOM_CHUNK` elements at a time, so no
+    float64 copy of the whole input is ever made.
+    """
     dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        return rng.standard_normal(shape).astype(dtype)
-    if dtype.kind == "b":
-        return rng.random(shape) < 0.5
-    return rng.integers(0, 10, size=shape).astype(dtype)
+    out = np.empty(shape, dtype)
+    flat = out.reshape(-1)
+    for start in range(0, flat.size, RANDOM_CHUNK):
+        part = flat[start: start + RANDOM_CHUNK]
+        if dtype.kind == "f":
+            if dtype in (np.float32, np.float64):
+                rng.standard_normal(part.size, dtype=dtype, out=part)
+            else:
+                part[...] = rng.standard_normal(part.size, dtype=np.float32)
+        elif dtype.kind == "b":
+            part[...] = rng.random(part.size, dtype=np.float32) < 0.5
+        else:
+            part[...] = rng.integers(0, 10, size=part.size, dtype=np.int64 if dtype.kind == "i" else np.uint64)
+    return out
+
+
+def check_input_memory(program, file_feeds: dict, registry, devices: list[str] | None) -> None:
+    """Refuse random inputs that the host, or the first device they would go to, cannot hold."""
+    from polyhal.hal.device import host_memory_available
+
+    random_bytes = sum(v.type.nbytes for v in program.inputs if v.name not in file_feeds)
+    if not random_bytes:
+        return
+    names = devices or [s.name for s in registry.device_specs()][:1]
+    places = [("the host", host_memory_available())]
+    places += [(n, registry.get_device(n).memory_available()) for n in names[:1]]
+    for where, available in places:
+        if available is not None and random_bytes > available:
+            shapes = ", ".join(f"{v.name} {v.type}" for v in program.inputs if v.name not in file_feeds)
+            raise _usage(f"the random inputs ({shapes}) take {random_bytes} bytes, more than {where} has "
+                         f"available ({available} bytes); use smaller --dim/--shape values")
 
 
 # --------------------------------------------------------------------------------------- run
@@ -138,14 +181,19 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     if args.repeat < 1:
         raise _usage(f"--repeat must be >= 1, got {args.repeat}")
 
+    if args.output:  # before the work: an unwritable --output should not cost a run
+        try:
+            Path(args.output).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _usage(f"--output {args.output}: cannot create the directory ({exc.strerror or exc})") from None
+        if not os.access(args.output, os.W_OK):
+            raise _usage(f"--output {args.output}: the directory is not writable")
+
     t0 = time.perf_counter()
     model, _ = read_model(args.model)
     file_feeds = read_inputs(args.input)
-    shapes = {k: tuple(int(d) for d in v.split(",") if d.strip()) for k, v in _pairs(args.shape, "--shape")}
-    try:
-        dims = {k: int(v) for k, v in _pairs(args.dim, "--dim")}
-    except ValueError:
-        raise _usage("--dim SYMBOL=SIZE needs an integer size") from None
+    shapes = {k: _sizes(v, f"--shape {k}={v}") for k, v in _pairs(args.shape, "--shape")}
+    dims = {k: _sizes(v, f"--dim {k}={v}", one=True)[0] for k, v in _pairs(args.dim, "--dim")}
     shapes.update({k: v.shape for k, v in file_feeds.items()})
     fixed: dict[str, np.ndarray] = {}
     while True:
@@ -163,6 +211,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
             fixed.update({k: file_feeds[k] for k in exc.inputs})
     t_load = time.perf_counter() - t0
 
+    check_input_memory(program, file_feeds, registry, args.device)
     rng = np.random.default_rng(args.seed)
     feeds, sources = {}, {}
     for v in program.inputs:
@@ -195,9 +244,11 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
 
     if args.output:
         out_dir = Path(args.output)
-        out_dir.mkdir(parents=True, exist_ok=True)
         for name, value in outputs.items():
-            np.save(out_dir / f"{_file_name(name)}.npy", value)
+            try:
+                np.save(out_dir / f"{_file_name(name)}.npy", value)
+            except OSError as exc:
+                raise _usage(f"--output {args.output}: cannot write {name!r}: {exc.strerror or exc}") from None
     devices_used = sorted({op.device for op in plan.program.ops if op.kind == "dispatch" and op.device})
     timing = {"load_ms": t_load * 1e3, "compile_ms": t_compile * 1e3, "runs": len(times),
               "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3}

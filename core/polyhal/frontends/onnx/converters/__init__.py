@@ -172,6 +172,11 @@ class NodeContext:
         """Emit polyhal op ``name`` (folded when all inputs are known); returns its result(s)."""
         return self.importer.emit(self.label, name, inputs, attrs)
 
+    def full(self, shape: Any, value: Any, dtype: Any) -> Any:
+        """A tensor of ``shape`` filled with ``value``: an array when it is within the fold limit,
+        else an ``expand`` the program computes (so a large fill costs no memory at import)."""
+        return self.op("expand", np.array(value, dtype=dtype), shape=[int(d) for d in shape])
+
     def type(self, v: Any) -> TensorType:
         """The tensor type of ``v`` (an array or a program value)."""
         return self.importer.type_of(v)

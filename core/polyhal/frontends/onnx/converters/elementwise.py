@@ -55,9 +55,10 @@ def _div(ctx: NodeContext) -> list:
     if dt.kind == "f":
         return [ctx.op("div", a, b)]
     # Integer division truncates toward zero (C, and ONNX's reference); float64 holds the
-    # operands exactly up to 2**53.
+    # operands exactly up to 2**53. A zero divisor gives inf/nan, which the strict cast refuses
+    # (onnxruntime: "Integer division by zero").
     q = ctx.op("div", cast(ctx, a, _F64), cast(ctx, b, _F64))
-    return [cast(ctx, q, dt)]
+    return [ctx.op("cast", q, dtype=str(dt), strict=True)]
 
 
 @converter("Pow")

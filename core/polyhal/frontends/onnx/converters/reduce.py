@@ -54,7 +54,7 @@ def _reduce(ctx: NodeContext) -> list:
     out_shape = [1 if i in axes else d for i, d in enumerate(shape) if keepdims or i not in axes]
     dt = ctx.dtype(x)
     if any(shape[a] == 0 for a in axes):
-        return [np.full(out_shape, _extreme(dt, identity), dtype=dt)]
+        return [ctx.full(out_shape, _extreme(dt, identity), dt)]
     kw = {"axes": axes, "keepdims": keepdims}
     op = ctx.op_type
     if op in ("ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin"):

@@ -290,7 +290,7 @@ def _constant_of_shape(ctx: NodeContext) -> list:
     value = np.asarray(value)
     if any(d < 0 for d in shape):
         raise OnnxModelError(f"shape {shape} has a negative dim")
-    return [np.full(shape, value.reshape(-1)[0], dtype=value.dtype)]
+    return [ctx.full(shape, value.reshape(-1)[0], value.dtype)]
 
 
 @converter("Constant")
@@ -315,6 +315,7 @@ def _range(ctx: NodeContext) -> list:
     if d == 0:
         raise OnnxModelError("Range with delta 0")
     n = max(int(math.ceil((l - s) / d)), 0)
+    ctx.importer.check_fold(n * dtype.itemsize, f"Range's {n} elements")
     return [(s + np.arange(n, dtype=np.float64 if dtype.kind == "f" else np.int64) * d).astype(dtype)]
 
 
