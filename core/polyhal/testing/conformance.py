@@ -11,11 +11,13 @@ names the device. Tests that need a capability the device lacks skip and say whi
 from __future__ import annotations
 
 import os
+import zlib
 
 import numpy as np
 import pytest
 
 import polyhal
+from polyhal.testing.plugin import session_seed
 from polyhal.hal.flags import BufferCompatibility, BufferUsage, MemoryAccess, MemoryType
 from polyhal.ops import OPS
 
@@ -34,7 +36,12 @@ def device(device_name: str) -> polyhal.Device:
 
 
 def _fresh_rng() -> tuple[np.random.Generator, int]:
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A generator seeded from the session's ``POLYHAL_SEED`` (shown in pytest's header; set it
+    to reproduce a run) and the running test's id, so each test's samples are the same whatever
+    else runs. The seed goes into every failure message."""
+    base = int(os.environ.get("POLYHAL_SEED") or session_seed())
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    seed = (base ^ zlib.crc32(test.encode())) & 0xFFFFFFFF
     return np.random.default_rng(seed), seed
 
 
@@ -180,6 +187,69 @@ def test_kernel_matches_reference(device, op):
         g = g.numpy()
         assert g.shape == w.shape and g.dtype == w.dtype, f"{op} on {device.name}: {g.shape} {g.dtype} vs {w.shape} {w.dtype}"
         np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, err_msg=f"{op} on {device.name}, seed {seed}")
+
+
+#: Values whose results an op's semantics define: zeros of both signs, nan, +-inf and float32
+#: denormals (which a device may flush to zero: within every op's tolerance).
+SPECIAL_VALUES = np.array([0.0, -0.0, np.nan, np.inf, -np.inf, 1e-40, -1e-40], np.float32)
+
+#: Ops whose documentation says what the special values give (IEEE arithmetic, nan propagation
+#: of maximum/minimum and relu, nan comparing unequal, ...): the suite feeds them those values,
+#: and an empty tensor, besides the random samples. Integer inputs are left alone.
+SPECIAL_OPS = ("abs", "add", "ceil", "div", "equal", "exp", "floor", "greater", "greater_equal", "isinf",
+               "isnan", "less", "less_equal", "log", "maximum", "minimum", "mul", "neg", "not_equal", "relu",
+               "sigmoid", "sign", "sqrt", "sub", "tanh", "where")
+
+
+def _with_specials(rng: np.random.Generator, x: np.ndarray) -> np.ndarray:
+    """``x`` with about a third of its elements (at least one) replaced by special values."""
+    if x.dtype.kind != "f" or not x.size:
+        return x
+    y = x.copy().reshape(-1)
+    hit = rng.random(y.size) < 1 / 3
+    hit[rng.integers(y.size)] = True
+    y[hit] = rng.choice(SPECIAL_VALUES, size=int(hit.sum())).astype(x.dtype)
+    return y.reshape(x.shape)
+
+
+def _check_one_op(device, op: str, inputs: list, attrs: dict, what: str) -> None:
+    opdef = OPS[op]
+    b = polyhal.ProgramBuilder(op)
+    args = [b.input(f"x{i}", x.shape, x.dtype) for i, x in enumerate(inputs)]
+    res = b.op(op, *args, **attrs)
+    b.output(*(res if isinstance(res, tuple) else (res,)))
+    got = polyhal.compile(b.build(), device.name)(*inputs)
+    got = got if isinstance(got, tuple) else (got,)
+    with np.errstate(all="ignore"):  # the specials raise numpy's warnings in the reference
+        want = opdef.reference(*inputs, **attrs)
+    rtol, atol = opdef.tolerance
+    for g, w in zip(got, want):
+        g = g.numpy()
+        assert g.shape == w.shape and g.dtype == w.dtype, f"{op} on {device.name} ({what}): {g.shape} {g.dtype}"
+        # nan where the reference has nan, equal infinities, the rest within tolerance
+        np.testing.assert_allclose(g, w, rtol=rtol, atol=atol, equal_nan=True,
+                                   err_msg=f"{op} on {device.name} ({what}); inputs {inputs}")
+
+
+@pytest.mark.parametrize("op", SPECIAL_OPS)
+def test_kernel_special_values(device, op):
+    if op not in device.kernel_names:
+        pytest.skip(f"{device.name} has no kernel for {op}")
+    rng, seed = _fresh_rng()
+    for _ in range(3):
+        inputs, attrs = OPS[op].sample(rng)
+        inputs = [_with_specials(rng, x) for x in inputs]
+        _check_one_op(device, op, inputs, attrs, f"zeros, nan, inf, denormals; seed {seed}")
+
+
+@pytest.mark.parametrize("op", SPECIAL_OPS)
+def test_kernel_empty_tensors(device, op):
+    if op not in device.kernel_names:
+        pytest.skip(f"{device.name} has no kernel for {op}")
+    rng, seed = _fresh_rng()
+    inputs, attrs = OPS[op].sample(rng)
+    inputs = [np.zeros((0, 3), x.dtype) for x in inputs]  # elementwise: every operand the same shape
+    _check_one_op(device, op, inputs, attrs, f"empty tensors; seed {seed}")
 
 
 def test_plan_runs_repeatedly_and_balances(device):

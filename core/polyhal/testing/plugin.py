@@ -24,6 +24,21 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run device tests only on this device (repeatable)")
 
 
+def session_seed() -> int:
+    """The base seed of this session's random samples: ``POLYHAL_SEED`` if set, else drawn once
+    (and then kept in ``POLYHAL_SEED``, so that the header shows it and subprocesses share it)."""
+    import os
+
+    if not os.environ.get("POLYHAL_SEED"):
+        os.environ["POLYHAL_SEED"] = str(int.from_bytes(os.urandom(4), "little"))
+    return int(os.environ["POLYHAL_SEED"])
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    seed = session_seed()
+    return f"polyhal: random samples from POLYHAL_SEED={seed} (set it to reproduce this run)"
+
+
 def selected_devices(config: pytest.Config) -> list[str]:
     """Names of the devices the conformance suite runs on, from discovery and the options."""
     import polyhal
