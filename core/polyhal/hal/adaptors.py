@@ -22,6 +22,8 @@ RMM                        polyhal
 ``adaptor``                ``OutOfMemoryError`` naming device, request and use
 ``logging_resource_``      :class:`LoggingAdaptor` — one CSV line per allocate / free
 ``adaptor``
+``failure_callback_``      :class:`FaultInjectionAdaptor` — fails every k-th request (or those of a
+``resource_adaptor``       size or memory type) with ``OutOfMemoryError``, to test cleanup paths
 ``do_allocate`` /          :meth:`AllocatorAdaptor.allocate_raw` / :meth:`~AllocatorAdaptor.deallocate_raw`:
 ``do_deallocate``          native memory without a :class:`~polyhal.hal.buffer.Buffer`
 ``set_current_device_``    :func:`set_device_allocator` (and the ``wrap_allocator`` hook, which lets a
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from polyhal.registry import Registry
 
 __all__ = [
-    "AllocatorAdaptor", "CachingPoolAdaptor", "Counters", "LimitingAdaptor", "LoggingAdaptor",
+    "AllocatorAdaptor", "CachingPoolAdaptor", "Counters", "FaultInjectionAdaptor", "LimitingAdaptor", "LoggingAdaptor",
     "MemoryTypeRouter", "StatisticsAdaptor", "adaptor_chain", "apply_allocator_hooks", "get_device_allocator",
     "parse_adaptor_spec", "raw_allocate", "raw_deallocate", "set_device_allocator",
 ]
@@ -479,6 +481,39 @@ class LimitingAdaptor(AllocatorAdaptor):
                 self.used_bytes -= nbytes
 
 
+class FaultInjectionAdaptor(AllocatorAdaptor):
+    """Fails chosen allocations with :class:`~polyhal.errors.OutOfMemoryError`, for testing
+    that every path that allocates cleans up and reports a polyhal error.
+
+    A request fails when it is the ``every``-th one to pass the filters (``every=1``: all of
+    them), is at least ``min_bytes``, and its heap has every bit of ``memory_type`` (``None``:
+    any heap). ``injected`` counts the failures. ``POLYHAL_ALLOCATOR=fault=7`` installs one that
+    fails every 7th allocation of every device.
+    """
+
+    def __init__(self, upstream: Allocator, every: int = 1, *, min_bytes: int = 0,
+                 memory_type: MemoryType | None = None) -> None:
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"fault injection needs every >= 1, got {every!r}")
+        super().__init__(upstream)
+        self.every, self.min_bytes, self.memory_type = every, min_bytes, memory_type
+        self.calls = 0  # requests that passed the filters
+        self.injected = 0
+
+    def _allocate(self, heap: Heap, nbytes: int) -> Any:
+        if nbytes >= self.min_bytes and (self.memory_type is None
+                                         or heap.memory_type & self.memory_type == self.memory_type):
+            with self._lock:
+                self.calls += 1
+                fail = self.calls % self.every == 0
+                self.injected += fail
+            if fail:
+                raise OutOfMemoryError(
+                    f"out of memory on {self.device.name}: injected failure of a request for {nbytes} bytes "
+                    f"of {heap.memory_type.describe()} (FaultInjectionAdaptor, every {self.every})")
+        return raw_allocate(self.upstream, heap, nbytes)
+
+
 def _address(native: Any) -> int:
     """A printable address for a native handle (numpy, pyopencl, cupy), else its id."""
     iface = getattr(native, "__array_interface__", None)
@@ -642,8 +677,8 @@ def parse_size(text: str) -> int:
 def parse_adaptor_spec(spec: str) -> list[Callable[[Allocator], Allocator]]:
     """Adaptor factories from ``POLYHAL_ALLOCATOR`` syntax, innermost first.
 
-    ``pool`` / ``pool=MAX_CACHED``, ``stats``, ``limit=SIZE``, ``log`` / ``log=PATH``, separated
-    by commas; e.g. ``"pool,limit=1GiB,stats"``.
+    ``pool`` / ``pool=MAX_CACHED``, ``stats``, ``limit=SIZE``, ``log`` / ``log=PATH``,
+    ``fault=N`` (every Nth allocation fails), separated by commas; e.g. ``"pool,limit=1GiB,stats"``.
     """
     makers: list[Callable[[Allocator], Allocator]] = []
     for token in (t.strip() for t in spec.split(",")):
@@ -664,8 +699,13 @@ def parse_adaptor_spec(spec: str) -> list[Callable[[Allocator], Allocator]]:
                 makers.append(lambda a, size=size: LimitingAdaptor(a, size))
             elif name in ("log", "logging"):
                 makers.append(lambda a, path=arg or None: LoggingAdaptor(a, path))
+            elif name == "fault":
+                every = int(arg or 1)
+                if every < 1:
+                    raise ValueError("fault needs a count >= 1, e.g. fault=7 (every 7th allocation fails)")
+                makers.append(lambda a, every=every: FaultInjectionAdaptor(a, every))
             else:
-                raise ValueError(f"unknown adaptor {name!r}; use pool, stats, limit=SIZE or log[=PATH]")
+                raise ValueError(f"unknown adaptor {name!r}; use pool, stats, limit=SIZE, log[=PATH] or fault=N")
         except ValueError as exc:
             raise PluginError(f"POLYHAL_ALLOCATOR={spec!r}: {exc}") from None
     return makers
