@@ -44,7 +44,7 @@ from polyhal.hal.flags import BufferKind, MemoryType
 from polyhal.hal.records import Heap
 
 from polyhal_cuda.errors import OUT_OF_MEMORY_STATUS, check
-from polyhal_cuda.portable.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
+from polyhal_gpu.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
                                           GPUAllocator, host_memory_bytes)
 
 if TYPE_CHECKING:
@@ -96,7 +96,7 @@ class CUDAMemory:
 class CUDAAllocator(GPUAllocator):
     """Allocations of every memory type for one :class:`~polyhal_cuda.device.CUDADevice`;
     ``allocate(..., kind=BufferKind.ASYNC)`` (or DEVICE) picks the pool of a device-local buffer
-    regardless of ``POLYHAL_CUDA_POOL`` (:class:`~polyhal_cuda.portable.memory.GPUAllocator`)."""
+    regardless of ``POLYHAL_CUDA_POOL`` (:class:`~polyhal_gpu.memory.GPUAllocator`)."""
 
     async_pool_limit = "async_pool_supported"
     no_async_pool = "{device} has no stream-ordered memory pool (CUDA 11.2+ on a supported platform); allocate " \

@@ -30,8 +30,8 @@ from polyhal.ir.types import TensorType
 from polyhal_cuda import blas
 from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import rowwise
-from polyhal_cuda.portable.scratch import Scratch
+from polyhal_gpu import rowwise
+from polyhal_gpu.scratch import Scratch
 
 if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice

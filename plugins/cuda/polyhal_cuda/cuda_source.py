@@ -1,6 +1,6 @@
 """CUDA C sources of this package, and their compilation into cupy ``RawModule``\\ s.
 
-Sources live in ``polyhal_cuda/cu/``; ``common.cuh`` is prepended to each (NVRTC gets no
+Sources live in ``polyhal_gpu/cu/``; ``common.cuh`` is prepended to each (NVRTC gets no
 include path). Templates are instantiated through NVRTC name expressions, and each device keeps
 its compiled modules (:meth:`polyhal_cuda.device.CUDADevice.module`); cupy caches the binaries
 on disk, so a later process does not compile again.
@@ -23,7 +23,7 @@ OPTIONS = ("-std=c++17",)
 @functools.lru_cache(maxsize=None)
 def source(name: str) -> str:
     """``common.cuh`` followed by ``cu/<name>``."""
-    base = resources.files("polyhal_cuda") / "cu"
+    base = resources.files("polyhal_gpu") / "cu"
     return (base / "common.cuh").read_text() + "\n" + (base / name).read_text()
 
 

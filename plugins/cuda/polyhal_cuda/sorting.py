@@ -3,7 +3,7 @@
 The plan of an instance -- the bitonic ``rows`` path (one block per lane, its pairs
 shared-first) or the ``radix`` path (an LSD radix sort over all lanes, global scratch) -- its
 scratch declarations and the bitonic launch are backend-neutral and shared with polyhal-hip
-(:mod:`polyhal_cuda.portable.sorting`, whose docstring describes the paths). What is CUDA's own
+(:mod:`polyhal_gpu.sorting`, whose docstring describes the paths). What is CUDA's own
 lives here: the knobs of the path choice (:data:`FORCE_PATH`, :data:`RADIX_IMPL`,
 :data:`AGGREGATE`), the radix launches (classic: upsweep, scan and scatter per pass; onesweep:
 one kernel per pass with a decoupled look-back), and compiling through cupy.
@@ -11,7 +11,7 @@ one kernel per pass with a decoupled look-back), and compiling through cupy.
 The decision depends only on the op instance and the device (:func:`plan_sort`), so the
 scratch declared at compile time (:func:`scratch_requests`) and the kernel bound by
 :func:`prepare` always agree. Without a plan's scratch binding (direct use, :mod:`.suppression`),
-the same policy places the scratch and :class:`~polyhal_cuda.portable.scratch.Scratch` allocates
+the same policy places the scratch and :class:`~polyhal_gpu.scratch.Scratch` allocates
 the global part itself.
 """
 
@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import sorting as portable
-from polyhal_cuda.portable.launch import BLOCK, NULL, grid, multiprocessors
-from polyhal_cuda.portable.scratch import Scratch
-from polyhal_cuda.portable.sorting import F_INDEX_ORDER, SortPlan
+from polyhal_gpu import sorting as portable
+from polyhal_gpu.launch import BLOCK, NULL, grid, multiprocessors
+from polyhal_gpu.scratch import Scratch
+from polyhal_gpu.sorting import F_INDEX_ORDER, SortPlan
 
 if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice
@@ -51,7 +51,7 @@ AGGREGATE = os.environ.get("POLYHAL_CUDA_RADIX_AGG", "0") not in ("0", "false", 
 #: (payload carried): classic 1.25 ms, onesweep 0.66 ms (cupy.argsort 0.95 ms).
 RADIX_IMPL = os.environ.get("POLYHAL_CUDA_RADIX", "onesweep")
 #: The onesweep kernel's (threads, items, match) per (key width, payload)
-#: (:data:`polyhal_cuda.portable.sorting.ONESWEEP_SHAPES`; tools/sort_tune.py tries others).
+#: (:data:`polyhal_gpu.sorting.ONESWEEP_SHAPES`; tools/sort_tune.py tries others).
 ONESWEEP_SHAPES = dict(portable.ONESWEEP_SHAPES)
 #: Blocks per SM of onesweep's up-front histogram kernel (a grid-stride loop), and the copies
 #: of its shared counters (warps spread over them).
@@ -61,7 +61,7 @@ HISTOGRAM_PARTS = 8
 
 def plan_sort(device: "CUDADevice", op: str, attrs: dict, x) -> SortPlan:
     """The path and parameters of one sort/argsort/topk instance on ``device``
-    (:func:`polyhal_cuda.portable.sorting.plan_sort` with this module's knobs)."""
+    (:func:`polyhal_gpu.sorting.plan_sort` with this module's knobs)."""
     return portable.plan_sort(device, op, attrs, x, backend="cuda", force_path=FORCE_PATH, radix_impl=RADIX_IMPL,
                               onesweep_shapes=ONESWEEP_SHAPES)
 

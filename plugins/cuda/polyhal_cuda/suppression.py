@@ -1,7 +1,7 @@
 """Non-maximum suppression on CUDA (``cu/nms.cu``): the ONNX op ``non_max_suppression`` and a
 torchvision-compatible :func:`nms`.
 
-Both run the same pipeline, shared with polyhal-hip (:mod:`polyhal_cuda.portable.nms`, whose
+Both run the same pipeline, shared with polyhal-hip (:mod:`polyhal_gpu.nms`, whose
 docstring describes it and its scratch): an argsort of the scores (:mod:`.sorting`), the boxes
 in that order, one suppression bit per box pair, and a greedy walk per problem. CUDA's own here:
 cupy views of the scratch, the opt-in to more than 48 KiB of shared memory, reading the kept
@@ -20,8 +20,8 @@ from polyhal.ir.types import TensorType
 from polyhal_cuda import sorting
 from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import nms as portable
-from polyhal_cuda.portable.nms import Geometry
+from polyhal_gpu import nms as portable
+from polyhal_gpu.nms import Geometry
 
 if TYPE_CHECKING:
     from polyhal_cuda.device import CUDADevice

@@ -56,7 +56,7 @@ from polyhal.hal.buffer import Buffer
 from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
 from polyhal.hal.records import Heap
 
-from polyhal_cuda.portable.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
+from polyhal_gpu.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
                                           GPUAllocator, host_memory_bytes)
 from polyhal_hip import runtime as hip
 from polyhal_hip.errors import HipError
@@ -112,7 +112,7 @@ class HipMemory:
 class HIPAllocator(GPUAllocator):
     """Allocations of every HIP buffer type for one :class:`~polyhal_hip.device.HIPDevice`;
     ``allocate(..., kind=BufferKind.ASYNC)`` (or DEVICE) names the HIP buffer type of a
-    device-local buffer (:class:`~polyhal_cuda.portable.memory.GPUAllocator`)."""
+    device-local buffer (:class:`~polyhal_gpu.memory.GPUAllocator`)."""
 
     async_pool_limit = "memory_pools"
     no_async_pool = ("{device} reports no stream-ordered memory pools (hipDeviceAttributeMemoryPoolsSupported "

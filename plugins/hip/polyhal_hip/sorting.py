@@ -1,8 +1,8 @@
-"""sort, argsort, topk and non_max_suppression on HIP: polyhal-cuda's CUDA C (``cu/sort.cu``,
-``cu/nms.cu``) and its backend-neutral planning (:mod:`polyhal_cuda.portable`), launched through HIP.
+"""sort, argsort, topk and non_max_suppression on HIP: polyhal-gpu's CUDA C (``cu/sort.cu``,
+``cu/nms.cu``) and its backend-neutral planning (:mod:`polyhal_gpu`), launched through HIP.
 
-Shared with polyhal-cuda: the kernels' source text, the instance plan
-(:func:`polyhal_cuda.portable.sorting.plan_sort`: lanes, padded sizes, flags, block size), the
+Shared with polyhal-cuda through polyhal-gpu: the kernels' source text, the instance plan
+(:func:`polyhal_gpu.sorting.plan_sort`: lanes, padded sizes, flags, block size), the
 scratch each kernel declares -- so the bufferization pass places it exactly as for CUDA: the
 bitonic (key, index) pairs shared-first (LDS when they fit, a global slice per workgroup
 otherwise), NMS's removed bits shared-first, its other buffers global -- the bitonic launch and
@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from polyhal_cuda.portable import nms
-from polyhal_cuda.portable import sorting as portable
-from polyhal_cuda.portable.scratch import Scratch
-from polyhal_cuda.portable.sorting import SortPlan
+from polyhal_gpu import nms
+from polyhal_gpu import sorting as portable
+from polyhal_gpu.scratch import Scratch
+from polyhal_gpu.sorting import SortPlan
 from polyhal_hip import compiler
 
 if TYPE_CHECKING:
