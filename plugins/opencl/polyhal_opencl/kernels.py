@@ -1,4 +1,5 @@
-"""The op set on OpenCL: ``KERNEL_NAMES`` and ``prepare``.
+"""The op set on OpenCL: :data:`TABLE` (its ``KERNEL_NAMES``) and :func:`prepare`, the builder
+of every op in the table.
 
 ``prepare`` asks the op family's generator (``polyhal_opencl/ops``) for a
 :class:`~polyhal_opencl.codegen.Recipe`, builds its source through the device's program cache,
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
+from polyhal.hal.kernels import KernelTable
 from polyhal.ops import resolve_attrs
 
 from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
@@ -45,8 +47,12 @@ from polyhal_opencl.ops import planned_generators  # noqa: E402
 
 GENERATORS.update(planned_generators.GENERATORS)
 
-#: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
-KERNEL_NAMES = frozenset(GENERATORS)
+
+
+def _requests(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types, out_types):
+    from polyhal_opencl import scratch
+
+    return scratch.requests(device, op, attrs, in_types, out_types)
 
 
 def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
@@ -59,9 +65,10 @@ def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ..
 
 
 def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
-            out_types: tuple["TensorType", ...], traits: DeviceTraits | None = None,
-            scratch: Any = None) -> Callable[..., None]:
-    """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``.
+            out_types: tuple["TensorType", ...], scratch: Any = None,
+            traits: DeviceTraits | None = None) -> Callable[..., None]:
+    """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``
+    (the builder of every op of :data:`TABLE`, which checks the instance first).
 
     ``traits`` overrides the device's (tests use it to force e.g. the global sort path).
     ``scratch`` is the plan's :class:`~polyhal.hal.scratch.ScratchBinding` (see
@@ -104,6 +111,14 @@ def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tup
     run.recipe = recipe  # for inspection and tests
     run.scratch = scratch
     return run
+
+
+#: The op set: every op has a generator, and :func:`prepare` builds them all; the scratch of each
+#: instance is read off its recipe or declared by its planner-aware kernel (polyhal_opencl.scratch).
+TABLE = KernelTable("opencl")
+TABLE.register(*GENERATORS, scratch=_requests)(prepare)
+#: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
+KERNEL_NAMES = TABLE.kernel_names
 
 
 def _build(device: "CLDevice", op: str, recipe: Recipe, traits: DeviceTraits) -> tuple[Any, Recipe]:
