@@ -59,3 +59,17 @@ def test_conformance_names_what_a_device_lacks(install_plugin, tmp_path):
     assert "AttributeError" not in out
     assert "bare:1 has no kernel for relu" in out and "bare:1 has no kernel for add" in out
     assert "1 passed" in out  # bare:1's allocator
+
+
+def test_readme_shows_the_template():
+    """The README's plugin section shows the template's files as they are."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme[readme.index("## Writing a backend plugin"):readme.index("## Device policies")]
+    blocks = re.findall(r"```(?:toml|python)\n# (\S+)\n(.*?)```", section, re.S)
+    assert {name for name, _ in blocks} == {"pyproject.toml", "polyhal_mydev/plugin.py", "polyhal_mydev/kernels.py"}
+    for name, body in blocks:
+        assert body.strip() in (root / "examples/backend-template" / name).read_text(), name
