@@ -48,7 +48,7 @@ from polyhal_gpu.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEM
                                           GPUAllocator, host_memory_bytes)
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 __all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "MANAGED_RESERVE", "PINNED_MEMORY",
            "CUDAAllocator", "CUDAMemory", "heaps_for"]
@@ -102,11 +102,11 @@ class CUDAAllocator(GPUAllocator):
     no_async_pool = "{device} has no stream-ordered memory pool (CUDA 11.2+ on a supported platform); allocate " \
                     "kind=DEVICE instead"
 
-    def __init__(self, device: "CUDADevice", heaps: tuple[Heap, ...]) -> None:
+    def __init__(self, device: "Device", heaps: tuple[Heap, ...]) -> None:
         import cupy
 
         super().__init__(device, heaps)
-        self.device: "CUDADevice" = device
+        self.device: "Device" = device
         #: cupy's caching pool, private to this allocator (cupy's own default pool is untouched).
         self.pool = cupy.cuda.MemoryPool()
 

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 from polyhal_cuda.errors import check
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 OPTIONS = ("-std=c++17",)
 
@@ -27,7 +27,7 @@ def source(name: str) -> str:
     return (base / "common.cuh").read_text() + "\n" + (base / name).read_text()
 
 
-def module(device: "CUDADevice", name: str, expressions: Sequence[str]) -> Any:
+def module(device: "Device", name: str, expressions: Sequence[str]) -> Any:
     """The compiled module of ``cu/<name>`` with the template ``expressions`` instantiated."""
     import cupy
 
@@ -42,7 +42,7 @@ def module(device: "CUDADevice", name: str, expressions: Sequence[str]) -> Any:
     return device.module(key, build)
 
 
-def function(device: "CUDADevice", name: str, expressions: Sequence[str], expression: str) -> Any:
+def function(device: "Device", name: str, expressions: Sequence[str], expression: str) -> Any:
     """One kernel (``expression``, e.g. ``"radix_scatter<unsigned int, false, true>"``)."""
     mod = module(device, name, expressions)
     with check(f"loading kernel {expression} from {name} on {device.name}", kernel=expression):

@@ -49,7 +49,7 @@ from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
@@ -61,7 +61,7 @@ def _cupy():
     return cupy
 
 
-def host_fallback(device: "CUDADevice", op: str, attrs: dict, in_types: Types, out_types: Types,
+def host_fallback(device: "Device", op: str, attrs: dict, in_types: Types, out_types: Types,
                   scratch: Any = None) -> Kernel:
     """Download the inputs, run the op's numpy reference, upload the outputs (synchronous, so
     never captured into a CUDA graph)."""

@@ -12,10 +12,10 @@ from polyhal_cuda.cuda_source import function
 from polyhal_gpu import rowwise
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 
-def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs):
+def prepare(device: "Device", op: str, attrs: dict, ins, outs):
     """The kernel for one softmax / layer_norm instance."""
     row_plan = rowwise.plan(op, attrs, ins)
     if row_plan is None:

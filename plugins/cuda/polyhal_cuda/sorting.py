@@ -29,7 +29,7 @@ from polyhal_gpu.scratch import Scratch
 from polyhal_gpu.sorting import F_INDEX_ORDER, SortPlan
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 #: Force a path: "rows" or "radix" (tests use it to exercise both on every shape).
 FORCE_PATH: str | None = None
@@ -59,19 +59,19 @@ HISTOGRAM_BLOCKS_PER_SM = 6
 HISTOGRAM_PARTS = 8
 
 
-def plan_sort(device: "CUDADevice", op: str, attrs: dict, x) -> SortPlan:
+def plan_sort(device: "Device", op: str, attrs: dict, x) -> SortPlan:
     """The path and parameters of one sort/argsort/topk instance on ``device``
     (:func:`polyhal_gpu.sorting.plan_sort` with this module's knobs)."""
     return portable.plan_sort(device, op, attrs, x, backend="cuda", force_path=FORCE_PATH, radix_impl=RADIX_IMPL,
                               onesweep_shapes=ONESWEEP_SHAPES)
 
 
-def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs):
+def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs):
     """Scratch requests of one instance (the core's ``Device.scratch``)."""
     return portable.scratch_requests(plan_sort(device, op, attrs, ins[0]), attrs, ins, outs, "cuda")
 
 
-def scratch(device: "CUDADevice", requests: tuple, binding: Any) -> Scratch:
+def scratch(device: "Device", requests: tuple, binding: Any) -> Scratch:
     """Where the scratch of ``requests`` went: the plan's ``binding`` hands out cupy arrays."""
     return Scratch(device, requests, binding, lambda array: array.data.ptr)
 
@@ -118,7 +118,7 @@ def _expressions(plan: SortPlan) -> list[str]:
             *(_onesweep_name(k, kind, row, pay, shape) for row, pay in _SWEEPS)]
 
 
-def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any = None):
+def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
     """``fn(x, *outputs)`` for one sort / argsort / topk instance (see the module docstring)."""
     plan = plan_sort(device, op, attrs, ins[0])
     resolved = scratch(device, portable.scratch_requests(plan, attrs, ins, outs, "cuda"), binding)
@@ -128,7 +128,7 @@ def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any 
     return run
 
 
-def _rows(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _rows(device: "Device", plan: SortPlan, scratch: Scratch):
     fn = function(device, portable.SOURCE, _expressions(plan), plan.rows_expression)
     smem = portable.rows_shared_bytes(plan, scratch)
     if smem > 48 * 1024:
@@ -136,13 +136,13 @@ def _rows(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     return portable.rows_kernel(plan, fn, device.launch, scratch)
 
 
-def _radix(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _radix(device: "Device", plan: SortPlan, scratch: Scratch):
     if plan.impl == "onesweep":
         return _onesweep(device, plan, scratch)
     return _classic(device, plan, scratch)
 
 
-def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _onesweep(device: "Device", plan: SortPlan, scratch: Scratch):
     from cupy.cuda import runtime
 
     exprs = _expressions(plan)
@@ -206,7 +206,7 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     return run
 
 
-def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _classic(device: "Device", plan: SortPlan, scratch: Scratch):
     """Per pass: radix_upsweep (tile digit counts), radix_scan (offsets), radix_scatter. The
     first pass reads the operand itself and, where lanes are contiguous and all of each is
     output, the last pass writes the outputs: no separate key-making or output kernel."""
@@ -269,7 +269,7 @@ def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     return run
 
 
-def _second_sort(device: "CUDADevice", plan: SortPlan, scratch: Scratch, _unused: Any):
+def _second_sort(device: "Device", plan: SortPlan, scratch: Scratch, _unused: Any):
     """topk(sorted=False) on the radix path: re-sort the selected flat indices (u32 keys)."""
     from cupy.cuda import runtime
 

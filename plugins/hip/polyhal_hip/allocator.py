@@ -62,7 +62,7 @@ from polyhal_hip import runtime as hip
 from polyhal_hip.errors import HipError
 
 if TYPE_CHECKING:
-    from polyhal_hip.device import HIPDevice
+    from polyhal.hal.device import Device  # the HIP device; its module imports this one
     from polyhal_hip.runtime import DeviceProperties
 
 __all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "PINNED_MEMORY", "PINNED_NONCOHERENT_MEMORY",
@@ -119,9 +119,9 @@ class HIPAllocator(GPUAllocator):
                      "is 0); allocate kind=DEVICE")
     other_kinds_from = "the memory type or from import_host"
 
-    def __init__(self, device: "HIPDevice", heaps: tuple[Heap, ...]) -> None:
+    def __init__(self, device: "Device", heaps: tuple[Heap, ...]) -> None:
         super().__init__(device, heaps)
-        self.device: "HIPDevice" = device
+        self.device: "Device" = device
         self.runtime = device.runtime
         self._pool: Any = None
         #: (kind, address, error) of frees HIP refused (a release never raises).

@@ -50,7 +50,7 @@ from polyhal_hip import compiler, sorting
 from polyhal_hip.launch import dims_struct
 
 if TYPE_CHECKING:
-    from polyhal_hip.device import HIPDevice
+    from polyhal.hal.device import Device  # the HIP device; its module imports this one
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
@@ -75,7 +75,7 @@ def compute_type(dtype: Any) -> str:
     return "float" if dt == np.float16 else CTYPES[dt]
 
 
-def host_fallback(device: "HIPDevice", op: str, attrs: dict, in_types: Types, out_types: Types,
+def host_fallback(device: "Device", op: str, attrs: dict, in_types: Types, out_types: Types,
                   scratch: Any = None) -> Kernel:
     """Download the inputs, run the op's numpy reference, upload the outputs (synchronous)."""
     def download(array: Any, t: TensorType) -> np.ndarray:
@@ -96,7 +96,7 @@ TABLE = KernelTable("hip", fallback=host_fallback)
 register = TABLE.register
 
 
-def _grid(n: int, device: "HIPDevice") -> tuple[int]:
+def _grid(n: int, device: "Device") -> tuple[int]:
     return launch_grid(n, multiprocessors(device))
 
 
@@ -164,7 +164,7 @@ def _broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> li
     return [0] * pad + [0 if e == 1 and o != 1 else s for e, o, s in zip(shape, out_shape[pad:], dense)]
 
 
-def strided_kernel(device: "HIPDevice", name: str, text: str, out_shape: tuple[int, ...],
+def strided_kernel(device: "Device", name: str, text: str, out_shape: tuple[int, ...],
                    in_strides: Sequence[Sequence[int]], offsets: Sequence[int] = (0, 0, 0)) -> Kernel:
     """Launch the elementwise kernel ``text`` over ``out_shape`` with each input read through
     ``in_strides`` (element strides over the output's dims) and ``offsets``."""
@@ -190,7 +190,7 @@ def strided_kernel(device: "HIPDevice", name: str, text: str, out_shape: tuple[i
     return kernel
 
 
-def _elementwise(device: "HIPDevice", op: str, ins: Types, outs: Types, expr: str | None = None,
+def _elementwise(device: "Device", op: str, ins: Types, outs: Types, expr: str | None = None,
                  body: str | None = None) -> Kernel:
     out = outs[0]
     text = elementwise_source(len(ins), [t.dtype for t in ins], out.dtype, expr, body)

@@ -32,7 +32,7 @@ from polyhal_opencl.ops import (
 if TYPE_CHECKING:
     from polyhal.ir.types import TensorType
 
-    from polyhal_opencl.device import CLDevice
+    from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 
 #: op name -> generator(op, attrs, in_types, out_types, traits) -> Recipe.
 GENERATORS: dict[str, Callable[..., Recipe]] = {
@@ -49,7 +49,7 @@ GENERATORS.update(planned_generators.GENERATORS)
 
 
 
-def _requests(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types, out_types):
+def _requests(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_types):
     from polyhal_opencl import scratch
 
     return scratch.requests(device, op, attrs, in_types, out_types)
@@ -64,7 +64,7 @@ def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ..
     return gen(op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types), traits)
 
 
-def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
+def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
             out_types: tuple["TensorType", ...], scratch: Any = None,
             traits: DeviceTraits | None = None) -> Callable[..., None]:
     """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``
@@ -121,7 +121,7 @@ TABLE.register(*GENERATORS, scratch=_requests)(prepare)
 KERNEL_NAMES = TABLE.kernel_names
 
 
-def _build(device: "CLDevice", op: str, recipe: Recipe, traits: DeviceTraits) -> tuple[Any, Recipe]:
+def _build(device: "Device", op: str, recipe: Recipe, traits: DeviceTraits) -> tuple[Any, Recipe]:
     """The built program of ``recipe``; where the driver's compiler rejects it and the generator
     gave a ``fallback`` recipe (a tuned kernel's portable equivalent), that one, with a warning
     carrying the build log: a compiler bug of one driver costs speed, not the op."""
@@ -144,7 +144,7 @@ def _reraise(exc: Exception, what: str) -> None:
     raise new from exc
 
 
-def _bind_launch(device: "CLDevice", program: Any, launch: Launch, scratch: list, itemsizes: list[int]):
+def _bind_launch(device: "Device", program: Any, launch: Launch, scratch: list, itemsizes: list[int]):
     import pyopencl as cl
 
     with check(f"creating kernel {launch.kernel} on {device.name}"):
@@ -181,7 +181,7 @@ def _bind_launch(device: "CLDevice", program: Any, launch: Launch, scratch: list
     return step
 
 
-def _bind_copy(device: "CLDevice", copy: Copy):
+def _bind_copy(device: "Device", copy: Copy):
     import pyopencl as cl
 
     queue, src, dst, nbytes = device.queue, copy.src, copy.dst, copy.nbytes
