@@ -13,6 +13,7 @@ from polyhal.hal.allocator import Allocator, AllocatorStatistics
 from polyhal.hal.buffer import Buffer
 from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferCompatibility, BufferKind, BufferUsage, MemoryAccess, MemoryType
+from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import ANY_QUEUE, DeviceSpec, Heap
 from polyhal.hal.tensor import Tensor, asarray, empty, from_dlpack
 from polyhal.hookspecs import API_VERSION, hookimpl, hookspec
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
     "BufferCompatibility", "BufferKind", "BufferUsage", "DLPackError", "DTypeError", "Device",
-    "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError",
+    "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError", "KernelTable",
     "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Plan",
     "PluginError", "PolyhalError", "Program", "ProgramBuilder", "ProgramError", "Registry",
     "ShapeError", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",

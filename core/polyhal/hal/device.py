@@ -9,12 +9,13 @@ import numpy as np
 from polyhal.errors import KernelNotFoundError
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.flags import MemoryAccess
+from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import DeviceSpec
 
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
     from polyhal.hal.buffer import Buffer
-    from polyhal.hal.scratch import ScratchRequest
+    from polyhal.hal.scratch import ScratchBinding, ScratchRequest
     from polyhal.hal.tensor import Tensor
     from polyhal.ir.types import TensorType
 
@@ -73,29 +74,42 @@ class Device:
 
     # -- kernels (backend) ---------------------------------------------------------------------
 
-    #: Names of the ops this device has kernels for.
-    kernel_names: frozenset[str] = frozenset()
+    #: The backend's :class:`~polyhal.hal.kernels.KernelTable`; ``prepare``, ``scratch`` and
+    #: ``kernel_names`` come from it (a backend sets it on its device class).
+    kernels: KernelTable | None = None
+
+    @property
+    def kernel_names(self) -> frozenset[str]:
+        """Names of the ops this device has kernels for."""
+        return self.kernels.kernel_names if self.kernels is not None else frozenset()
 
     def prepare(self, op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
-                out_types: tuple["TensorType", ...]) -> Executable:
+                out_types: tuple["TensorType", ...], scratch: "ScratchBinding | None" = None) -> Executable:
         """Compile/bind the kernel for one op instance; the result is the plan's hot path.
 
-        When :meth:`scratch` declared scratch for the instance, the plan passes one more keyword
-        argument, ``scratch=`` a :class:`~polyhal.hal.scratch.ScratchBinding`: where each scratch
-        was placed (private, workgroup or global memory) and the global buffers, allocated by the
-        runtime. The kernel uses those and allocates nothing.
+        ``scratch`` is given when :meth:`scratch` declared scratch for the instance: a
+        :class:`~polyhal.hal.scratch.ScratchBinding` saying where each scratch was placed
+        (private, workgroup or global memory), with the global buffers, allocated by the
+        runtime. The kernel uses those and allocates nothing. Default: the kernel table's
+        :meth:`~polyhal.hal.kernels.KernelTable.prepare`.
         """
-        raise KernelNotFoundError(f"{self.name} has no kernel for op {op!r}")
+        if self.kernels is None:
+            raise KernelNotFoundError(f"{self.name} has no kernel for op {op!r}: its device class "
+                                      f"{type(self).__name__} sets no kernel table (Device.kernels)")
+        return self.kernels.prepare(self, op, attrs, in_types, out_types, scratch)
 
     def scratch(self, op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
                 out_types: tuple["TensorType", ...]) -> Sequence["ScratchRequest"]:
         """The scratch the kernel(s) of one op instance need, as evaluated
-        :class:`~polyhal.hal.scratch.ScratchRequest` records (backend; default: none).
+        :class:`~polyhal.hal.scratch.ScratchRequest` records (default: what the kernel table
+        declares; none without a table).
 
         Called at plan-compile time by the bufferize pass, which places each request in a memory
         space (the ``select_memory_space`` hook) and passes the result to :meth:`prepare`.
         """
-        return ()
+        if self.kernels is None:
+            return ()
+        return self.kernels.scratch(self, op, attrs, in_types, out_types)
 
     def view(self, tensor: "Tensor") -> Any:
         """The native object kernels take for ``tensor`` (numpy view, pyopencl array, cupy array)."""

@@ -179,3 +179,18 @@ def gemm(dtype: np.dtype, size: int | None = None) -> Callable[..., bool] | None
                beta, out.ctypes.data, lc[1])
         return True
     return call
+
+
+def blas_layout(a: np.ndarray) -> np.ndarray:
+    """``a``, or a row-major copy of it when its last two dims have no unit stride (a strided
+    view, e.g. a transpose the plan did not copy): numpy's matmul hands BLAS any matrix with a
+    unit stride along either dim (as is, or with BLAS's transpose flag), and falls back to its
+    own loops, many times slower, for the rest."""
+    if a.ndim < 2 or a.flags.c_contiguous:
+        return a
+    item = a.itemsize
+    (m, n), (s0, s1) = a.shape[-2:], a.strides[-2:]
+    if (s1 == item and s0 % item == 0 and s0 >= n * item) or (s0 == item and s1 % item == 0 and s1 >= m * item) \
+            or m == 1 or n == 1:
+        return a
+    return np.ascontiguousarray(a)

@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, Problem, ScratchDecl
-from polyhal_cpu.scratch import declare
 from polyhal.ops.detection import iou_suppresses
+from polyhal_cpu.table import TABLE
 
 __all__ = ["build_nms", "nms_class"]
 
@@ -314,8 +314,8 @@ def nms_class(g: _Geometry, scores: np.ndarray, score_threshold: float | None, i
     return np.concatenate(chosen) if chosen else np.empty(0, np.intp)
 
 
-@declare("non_max_suppression", _BOXES)
-def build_nms(op: str, attrs: dict, ins, outs, scratch) -> Any:
+@TABLE.register("non_max_suppression", scratch=[_BOXES])
+def build_nms(device, op: str, attrs: dict, ins, outs, scratch) -> Any:
     """The kernel ``fn(boxes, scores, selected, num_selected)`` using the planned scratch."""
     limit = max(int(attrs["max_output_boxes_per_class"]), 0)
     iou = float(attrs["iou_threshold"])

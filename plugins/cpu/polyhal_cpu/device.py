@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-from typing import Any, Mapping
 
 import numpy as np
 
@@ -12,16 +11,15 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_cpu import kernels
-from polyhal_cpu import scratch as scratch_
 from polyhal_cpu.allocator import CPUAllocator
+from polyhal_cpu.kernels import TABLE  # the module imports every kernel module of the plugin
 
 
 class CPUDevice(Device):
     """The host CPU as a polyhal device. Work is synchronous, so ``synchronize`` has nothing to do."""
 
     dlpack_device_type = 1  # kDLCPU
-    kernel_names = kernels.KERNEL_NAMES
+    kernels = TABLE
     strided_views = True  # kernels take operands of any strides (see polyhal_cpu.kernels)
 
     def __init__(self, spec: DeviceSpec) -> None:
@@ -30,14 +28,6 @@ class CPUDevice(Device):
 
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]:
         return (1, 0)  # every logical CPU device shares the host's memory
-
-    def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch=None):
-        # scratch: the plan's placement of what the kernel declared (polyhal_cpu.scratch)
-        return kernels.prepare(op, attrs, in_types, out_types, scratch)
-
-    def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        """What the kernel of ``op`` needs besides its operands (see polyhal_cpu.scratch)."""
-        return scratch_.requests(op, attrs, in_types, out_types)
 
     def view(self, tensor) -> np.ndarray:
         raw = tensor.buffer.native

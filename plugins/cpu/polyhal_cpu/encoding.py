@@ -33,18 +33,7 @@ import numpy as np
 
 from polyhal.hookspecs import hookimpl
 from polyhal.ir.encoding import LHS, RESULT, RHS, IdentityLayout, MatmulEncoding, PackedLayout
-
-# Kernel builders of this module, as (op names, builder, runs float16 via float32).
-# polyhal_cpu.kernels registers them with register_kernels (it imports this module before it
-# freezes KERNEL_NAMES); importing kernels from here instead would be circular.
-KERNELS: list[tuple[tuple[str, ...], Callable, bool]] = []
-
-
-def _kernels(*names: str, float16_via_float32: bool = False) -> Callable[[Callable], Callable]:
-    def record(builder: Callable) -> Callable:
-        KERNELS.append((names, builder, float16_via_float32))
-        return builder
-    return record
+from polyhal_cpu.table import TABLE, float16_via_float32
 
 #: Tile bound when a device does not say (``limits["data_tile"]``). numpy's unit of fast work
 #: is a BLAS call, not a register tile, so tiles are BLAS-sized (IREE's CPU tiles, 16x16, would
@@ -115,8 +104,8 @@ def _tiling(shape: tuple[int, ...], attrs: dict):
     return tuple(padded), tuple(split), order
 
 
-@_kernels("pack")
-def _pack(op: str, attrs: dict, ins: tuple, outs: tuple) -> Callable[..., None]:
+@TABLE.register("pack")
+def _pack(device, op: str, attrs: dict, ins: tuple, outs: tuple, scratch) -> Callable[..., None]:
     shape, dtype = ins[0].shape, ins[0].dtype
     padded, split, order = _tiling(shape, attrs)
     copyto = np.copyto
@@ -162,8 +151,8 @@ def _blocked_copy(out: np.ndarray, view: np.ndarray) -> None:
             np.copyto(out[..., i:i + _BLOCK, j:j + _BLOCK], view[..., i:i + _BLOCK, j:j + _BLOCK])
 
 
-@_kernels("unpack")
-def _unpack(op: str, attrs: dict, ins: tuple, outs: tuple) -> Callable[..., None]:
+@TABLE.register("unpack")
+def _unpack(device, op: str, attrs: dict, ins: tuple, outs: tuple, scratch) -> Callable[..., None]:
     shape = outs[0].shape
     padded, split, order = _tiling(shape, attrs)
     inverse = tuple(int(i) for i in np.argsort(order))
@@ -233,6 +222,7 @@ def _strategy(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...], dtype: np.
     return best
 
 
-@_kernels("mmt4d", float16_via_float32=True)
-def _mmt4d(op: str, attrs: dict, ins: tuple, outs: tuple) -> Callable[..., None]:
+@TABLE.register("mmt4d")
+@float16_via_float32
+def _mmt4d(device, op: str, attrs: dict, ins: tuple, outs: tuple, scratch) -> Callable[..., None]:
     return _strategy(ins[0].shape, ins[1].shape, ins[0].dtype)

@@ -13,7 +13,7 @@ import numpy as np
 
 from polyhal.ops import normalize_axes
 
-from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, register_kernels
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
 
 
 def _normalized(indices: np.ndarray, dims) -> np.ndarray:
@@ -21,8 +21,8 @@ def _normalized(indices: np.ndarray, dims) -> np.ndarray:
     return np.where(indices < 0, indices + np.asarray(dims, dtype=indices.dtype), indices)
 
 
-@register_kernels("expand")
-def _expand(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("expand")
+def _expand(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     copyto = np.copyto
 
     def kernel(x, out):
@@ -30,8 +30,8 @@ def _expand(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("pad")
-def _pad(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("pad")
+def _pad(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     rank = x_type.rank
     pads = [int(p) for p in attrs["pads"]]
@@ -53,8 +53,8 @@ def _pad(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("gather_elements")
-def _gather_elements(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("gather_elements")
+def _gather_elements(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     data_type, idx_type = ins
     axis = int(attrs["axis"]) % data_type.rank
     dim = data_type.shape[axis]
@@ -69,8 +69,8 @@ def _gather_elements(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("gather_nd")
-def _gather_nd(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("gather_nd")
+def _gather_nd(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     data_type, idx_type = ins
     b = int(attrs["batch_dims"])
     k = idx_type.shape[-1]
@@ -90,8 +90,8 @@ def _gather_nd(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 _AT = {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}
 
 
-@register_kernels("scatter_elements")
-def _scatter_elements(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("scatter_elements")
+def _scatter_elements(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     data_type, idx_type, _ = ins
     axis = int(attrs["axis"]) % data_type.rank
     dim = data_type.shape[axis]
@@ -109,8 +109,8 @@ def _scatter_elements(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("scatter_nd")
-def _scatter_nd(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("scatter_nd")
+def _scatter_nd(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     data_type, idx_type, _ = ins
     k = idx_type.shape[-1]
     reduction = attrs["reduction"]
@@ -130,9 +130,9 @@ def _scatter_nd(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("cumsum", "cumprod")
-@_float16_via_float32
-def _scan(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("cumsum", "cumprod")
+@float16_via_float32
+def _scan(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     exclusive, reverse = bool(attrs["exclusive"]), bool(attrs["reverse"])
     n = ins[0].shape[axis]
@@ -152,8 +152,8 @@ def _scan(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("argmin")
-def _argmin(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("argmin")
+def _argmin(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axis, keepdims = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"])
 
     def kernel(x, out):
@@ -161,9 +161,9 @@ def _argmin(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("reduce_prod")
-@_float16_via_float32
-def _reduce_prod(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("reduce_prod")
+@float16_via_float32
+def _reduce_prod(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axes = normalize_axes(attrs["axes"], ins[0].rank)
     keepdims = bool(attrs["keepdims"])
 
@@ -172,9 +172,9 @@ def _reduce_prod(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("einsum")
-@_float16_via_float32
-def _einsum(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("einsum")
+@float16_via_float32
+def _einsum(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     equation = attrs["equation"].replace(" ", "")
     n = len(ins)
     # The contraction order is chosen once, here, not on every call.

@@ -34,90 +34,31 @@ from typing import Any
 import numpy as np
 from numpy.polynomial import chebyshev
 
-from polyhal.errors import KernelNotFoundError
 from polyhal.ir.types import TensorType
-from polyhal.ops import normalize_axes, normalize_slice, resolve_attrs
+from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import check_finite_cast
 from polyhal_cpu import blas, native
-from polyhal_cpu import scratch as scratch_
+# The other kernel modules register the rest of the op set in TABLE when imported.
+from polyhal_cpu import detection, encoding, indexing_kernels, math_kernels, nn_kernels  # noqa: F401
+from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import parallel
+from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
 
-__all__ = ["KERNEL_NAMES", "prepare", "erf", "register_kernels"]
-
-Kernel = Callable[..., None]
-Types = tuple[TensorType, ...]
-Builder = Callable[[str, dict, Types, Types], Kernel]
+__all__ = ["KERNEL_NAMES", "TABLE", "erf", "prepare"]
 
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
-_BUILDERS: dict[str, Builder] = {}
-
 
 def prepare(op: str, attrs: Mapping[str, Any], in_types: Types, out_types: Types, scratch=None) -> Kernel:
-    """Return ``fn(*inputs, *outputs)`` computing ``op`` into ``outputs`` (see the module doc).
+    """``fn(*inputs, *outputs)`` computing ``op`` into ``outputs`` (see the module doc): the
+    table's ``prepare`` without a device, which CPU kernels do not need (tests, benchmarks).
 
-    ``in_types``/``out_types`` are the operand and result types the program inferred; they are
-    trusted (prepare does not re-validate them). ``scratch`` is a plan's binding of the scratch
-    the op's kernel declared (:mod:`polyhal_cpu.scratch`); without it such a kernel gets its
+    ``in_types``/``out_types`` are trusted (prepare does not re-validate them). ``scratch`` is a
+    plan's binding of the scratch the op's kernel declared; without it such a kernel gets its
     own, allocated here. Raises KernelNotFoundError for an op, or a tensor encoding, that this
     backend does not implement.
     """
-    builder = _BUILDERS.get(op)
-    if builder is None:
-        raise KernelNotFoundError(f"cpu: no kernel for op {op!r}; the cpu backend offers "
-                                  f"{', '.join(sorted(_BUILDERS))}")
-    encoded = [t for t in (*in_types, *out_types) if t.encoding is not None]
-    if encoded:
-        raise KernelNotFoundError(f"cpu: no kernel for {op!r} on encoded tensor {encoded[0]}; "
-                                  f"cpu kernels take dense row-major tensors only")
-    in_types, out_types = tuple(in_types), tuple(out_types)
-    if all(t.size == 0 for t in out_types):
-        return _noop  # nothing to write (and numpy refuses some reductions of nothing)
-    if scratch:
-        return scratch_.build(op, resolve_attrs(op, attrs), in_types, out_types, scratch)
-    return builder(op, resolve_attrs(op, attrs), in_types, out_types)
-
-
-def _noop(*arrays: np.ndarray) -> None:
-    pass
-
-
-def register_kernels(*names: str) -> Callable[[Builder], Builder]:
-    """Register the decorated builder for ops ``names`` (topic modules of this plugin use it)."""
-    def register(builder: Builder) -> Builder:
-        for name in names:
-            _BUILDERS[name] = builder
-        return builder
-    return register
-
-
-def _float16_via_float32(builder: Builder) -> Builder:
-    """Run float16 ops as float32 on upcast copies and round the results once.
-
-    numpy's float16 loops round after every pass, which multi-pass kernels would compound
-    (and float16 matmul has no BLAS). Kernels that are one ufunc call do not need this.
-    """
-    def build(op: str, attrs: dict, ins: Types, outs: Types, *extra) -> Kernel:  # extra: a scratch binding
-        if all(t.dtype != _F16 for t in (*ins, *outs)):
-            return builder(op, attrs, ins, outs, *extra)
-
-        def up(types: Types) -> Types:
-            return tuple(TensorType(t.shape, _F32 if t.dtype == _F16 else t.dtype) for t in types)
-
-        inner = builder(op, attrs, up(ins), up(outs), *extra)
-        n = len(ins)
-        in_half = [t.dtype == _F16 for t in ins]
-        out_half = [(t.shape if t.dtype == _F16 else None) for t in outs]
-
-        def kernel(*arrays: np.ndarray) -> None:
-            args = [a.astype(_F32) if h else a for a, h in zip(arrays, in_half)]
-            results = [o if s is None else np.empty(s, _F32) for o, s in zip(arrays[n:], out_half)]
-            inner(*args, *results)
-            for o, r, s in zip(arrays[n:], results, out_half):
-                if s is not None:
-                    np.copyto(o, r, casting="same_kind")
-        return kernel
-    return build
+    return TABLE.prepare(None, op, attrs, in_types, out_types, scratch)
 
 
 #: Elements per piece for multi-pass elementwise kernels with float64 scratch (erf: input,
@@ -268,23 +209,11 @@ _UNARY = {"neg": np.negative, "abs": np.absolute, "exp": np.exp, "log": np.log, 
           "tanh": np.tanh}
 
 
-def binary_ufuncs(table: dict[str, np.ufunc]) -> Callable[..., Kernel]:
-    """The builder of the binary ops of ``table`` (op -> numpy ufunc): ``ufunc(x, y, out=out)``,
-    numpy broadcasting the operands."""
-    def build(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
-        ufunc = table[op]
-
-        def kernel(x, y, out):
-            ufunc(x, y, out=out)
-        return kernel
-    return build
+TABLE.register(*_BINARY)(binary_ufuncs(_BINARY))
 
 
-register_kernels(*_BINARY)(binary_ufuncs(_BINARY))
-
-
-@register_kernels(*_UNARY)
-def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register(*_UNARY)
+def _unary(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     ufunc = _UNARY[op]
 
     def kernel(x, out):
@@ -292,8 +221,8 @@ def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("relu")
-def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("relu")
+def _relu(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     if native.available(ins[0].dtype):  # ~2x numpy's maximum (polyhal_cpu.native)
         fused, contiguous = native.relu, np.ascontiguousarray
 
@@ -307,10 +236,10 @@ def _relu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("sigmoid")
+@TABLE.register("sigmoid")
 @parallel(factor=4)  # ~0.5 ns an element: only large ones are worth a thread
-@_float16_via_float32
-def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@float16_via_float32
+def _sigmoid(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     dtype = ins[0].dtype
     # exp(-x) is capped below overflow (no warning): sigmoid there is < 1e-38 (float32) or
     # < 1e-307 (float64) and 1 / (1 + cap) gives it to within that.
@@ -325,16 +254,16 @@ def _sigmoid(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return _chunked(kernel, _CHUNK_IN_PLACE * 4 // dtype.itemsize)
 
 
-@register_kernels("erf")
+@TABLE.register("erf")
 @parallel()
-def _erf(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+def _erf(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     return _erf_double_chunked if ins[0].dtype == _F64 else _erf_single_chunked
 
 
-@register_kernels("gelu")
+@TABLE.register("gelu")
 @parallel(factor=lambda attrs, ins: 4 if attrs["approximate"] == "tanh" else 1)  # tanh: ~1.3 ns an element, erf ~5
-@_float16_via_float32
-def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@float16_via_float32
+def _gelu(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     dtype = ins[0].dtype
     erf_ = _erf_double if dtype == _F64 else _erf_single
     half = _const(0.5, dtype)
@@ -375,8 +304,8 @@ def _gelu(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return _chunked(kernel)
 
 
-@register_kernels("where")
-def _where(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("where")
+def _where(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     copyto = np.copyto
 
     def kernel(cond, x, y, out):
@@ -385,8 +314,8 @@ def _where(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("cast")
-def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("cast")
+def _cast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     copyto = np.copyto
     if attrs.get("strict"):
         target = outs[0].dtype
@@ -403,24 +332,9 @@ def _cast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # --------------------------------------------------------------------------------------- linalg
 
-def blas_layout(a: np.ndarray) -> np.ndarray:
-    """``a``, or a row-major copy of it when its last two dims have no unit stride (a strided
-    view, e.g. a transpose the plan did not copy): numpy's matmul hands BLAS any matrix with a
-    unit stride along either dim (as is, or with BLAS's transpose flag), and falls back to its
-    own loops, many times slower, for the rest."""
-    if a.ndim < 2 or a.flags.c_contiguous:
-        return a
-    item = a.itemsize
-    (m, n), (s0, s1) = a.shape[-2:], a.strides[-2:]
-    if (s1 == item and s0 % item == 0 and s0 >= n * item) or (s0 == item and s1 % item == 0 and s1 >= m * item) \
-            or m == 1 or n == 1:
-        return a
-    return np.ascontiguousarray(a)
-
-
-@register_kernels("matmul")
-@_float16_via_float32
-def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("matmul")
+@float16_via_float32
+def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     matmul = np.matmul
     a_type, b_type = ins
     if a_type.rank > 2 and b_type.rank == 2:
@@ -442,9 +356,9 @@ def _matmul(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("gemm")
-@_float16_via_float32
-def _gemm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("gemm")
+@float16_via_float32
+def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     dtype = ins[0].dtype
     trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
     alpha, beta = float(attrs["alpha"]), float(attrs["beta"])
@@ -476,8 +390,8 @@ _REDUCE = {"reduce_sum": np.add.reduce, "reduce_max": np.maximum.reduce,
            "reduce_min": np.minimum.reduce}
 
 
-@register_kernels("reduce_max", "reduce_min")
-def _reduce(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("reduce_max", "reduce_min")
+def _reduce(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     reduce, axes, keepdims = _REDUCE[op], normalize_axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
 
     def kernel(x, out):
@@ -486,12 +400,12 @@ def _reduce(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 
 # Sums go through float32 for float16: numpy would accumulate float16 sums in float16.
-register_kernels("reduce_sum")(_float16_via_float32(_reduce))
+TABLE.register("reduce_sum")(float16_via_float32(_reduce))
 
 
-@register_kernels("reduce_mean")
-@_float16_via_float32
-def _reduce_mean(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("reduce_mean")
+@float16_via_float32
+def _reduce_mean(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     axes, keepdims = normalize_axes(attrs["axes"], x_type.rank), bool(attrs["keepdims"])
     count = _const(math.prod(x_type.shape[a] for a in axes), x_type.dtype)
@@ -503,8 +417,8 @@ def _reduce_mean(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("argmax")
-def _argmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("argmax")
+def _argmax(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axis, keepdims, argmax = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"]), np.argmax
 
     def kernel(x, out):
@@ -522,10 +436,10 @@ _SOFTMAX_MIN_SUM = 2.0 ** -10
 _BLAS_ROW_SUM = 4096
 
 
-@register_kernels("softmax")
+@TABLE.register("softmax")
 @parallel(lambda attrs, ins: (int(attrs["axis"]),), factor=2)  # rows on several cores
-@_float16_via_float32
-def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@float16_via_float32
+def _softmax(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     axis = int(attrs["axis"]) % x_type.rank
     if axis != x_type.rank - 1:
@@ -587,11 +501,11 @@ def _softmax(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 _row_dot = getattr(np, "vecdot", None) or (lambda a, b: np.einsum("ij,ij->i", a, b))
 
 
-@register_kernels("layer_norm")
+@TABLE.register("layer_norm")
 @parallel(lambda attrs, ins: range(int(attrs["axis"]) % ins[0].rank, ins[0].rank),  # rows on several cores
           lambda attrs, ins: (True, False, False))  # scale and bias are whole
-@_float16_via_float32
-def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@float16_via_float32
+def _layer_norm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     axis = int(attrs["axis"]) % x_type.rank
     # Work on 2-D (rows, normalised elements) views: the normalised dims are trailing and
@@ -634,8 +548,8 @@ def _layer_norm(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
 
 # ---------------------------------------------------------------------------------------- shape
 
-@register_kernels("transpose")
-def _transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("transpose")
+def _transpose(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     rank = ins[0].rank
     perm = tuple(reversed(range(rank))) if attrs["perm"] is None else tuple(int(p) for p in attrs["perm"])
     copyto = np.copyto
@@ -645,8 +559,8 @@ def _transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("reshape")
-def _reshape(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("reshape")
+def _reshape(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     shape, copyto = ins[0].shape, np.copyto
 
     def kernel(x, out):
@@ -654,8 +568,8 @@ def _reshape(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("concat")
-def _concat(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("concat")
+def _concat(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     n, axis, concatenate = len(ins), int(attrs["axis"]) % ins[0].rank, np.concatenate
 
     def kernel(*arrays):
@@ -663,8 +577,8 @@ def _concat(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("slice")
-def _slice(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("slice")
+def _slice(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     index = normalize_slice(ins[0].shape, attrs["starts"], attrs["ends"], attrs["axes"], attrs["steps"])
     copyto = np.copyto
 
@@ -673,8 +587,8 @@ def _slice(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("gather")
-def _gather(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("gather")
+def _gather(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axis, take = int(attrs["axis"]) % ins[0].rank, np.take
 
     def kernel(data, indices, out):
@@ -698,8 +612,8 @@ def _descending_order(x: np.ndarray, axis: int, last: int) -> np.ndarray:
     return np.flip(flipped, axis)
 
 
-@register_kernels("sort")
-def _sort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("sort")
+def _sort(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     if attrs["descending"]:
         def kernel(x, out):
@@ -712,8 +626,8 @@ def _sort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("argsort")
-def _argsort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("argsort")
+def _argsort(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     axis = int(attrs["axis"]) % ins[0].rank
     if attrs["descending"]:
         last = ins[0].shape[axis] - 1
@@ -727,8 +641,8 @@ def _argsort(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("topk")
-def _topk(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("topk")
+def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     # A full stable sort, then the first k: argpartition would be faster for small k but does
     # not honour the tie rule at the cut.
     x_type = ins[0]
@@ -745,16 +659,5 @@ def _topk(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-# Topic modules register further kernels through register_kernels; import them before the
-# set of names is frozen.
-from polyhal_cpu import encoding  # noqa: E402  (pack, unpack, mmt4d)
-
-for _names, _builder, _via_f32 in encoding.KERNELS:
-    register_kernels(*_names)(_float16_via_float32(_builder) if _via_f32 else _builder)
-from polyhal_cpu import indexing_kernels, math_kernels, nn_kernels  # noqa: E402,F401  (ONNX's wider op set)
-from polyhal_cpu import detection  # noqa: E402  (non_max_suppression, with planned scratch)
-
-register_kernels("non_max_suppression")(detection.build_nms)
-
 #: Every op this backend implements.
-KERNEL_NAMES: frozenset[str] = frozenset(_BUILDERS)
+KERNEL_NAMES: frozenset[str] = TABLE.kernel_names

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyhal_cpu.kernels import Kernel, Types, binary_ufuncs, register_kernels
+from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs
 
 _UNARY = {
     "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan,
@@ -19,8 +19,8 @@ _BINARY = {
 }
 
 
-@register_kernels(*_UNARY)
-def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register(*_UNARY)
+def _unary(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     ufunc = _UNARY[op]
 
     def kernel(x, out):
@@ -30,11 +30,11 @@ def _unary(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-register_kernels(*_BINARY)(binary_ufuncs(_BINARY))
+TABLE.register(*_BINARY)(binary_ufuncs(_BINARY))
 
 
-@register_kernels("mod")
-def _mod(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("mod")
+def _mod(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     ufunc = np.fmod if attrs["fmod"] else np.mod
 
     def kernel(x, y, out):
@@ -43,8 +43,8 @@ def _mod(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("bit_shift")
-def _bit_shift(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("bit_shift")
+def _bit_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     dtype = outs[0].dtype
     bits = dtype.itemsize * 8
     left = attrs["direction"] == "left"
@@ -66,8 +66,8 @@ def _bit_shift(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("identity")
-def _identity(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("identity")
+def _identity(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     copyto = np.copyto
 
     def kernel(x, out):
@@ -75,8 +75,8 @@ def _identity(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("bitcast")
-def _bitcast(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("bitcast")
+def _bitcast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     src = ins[0].dtype
 
     def kernel(x, out):

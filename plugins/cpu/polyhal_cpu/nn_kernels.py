@@ -16,8 +16,9 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal_cpu import blas, native
-from polyhal_cpu.kernels import Kernel, Types, _float16_via_float32, blas_layout, register_kernels
-from polyhal_cpu.scratch import array as scratch_array, declare
+from polyhal_cpu.blas import blas_layout
+from polyhal_cpu.scratch import array as scratch_array
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
 
 
 def _attrs(attrs: dict, n: int):
@@ -27,9 +28,9 @@ def _attrs(attrs: dict, n: int):
     return s, p, d
 
 
-@register_kernels("conv")
-@_float16_via_float32
-def _conv(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("conv")
+@float16_via_float32
+def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type, w_type = ins[0], ins[1]
     n = x_type.rank - 2
     s, p, d = _attrs(attrs, n)
@@ -64,9 +65,9 @@ def _conv(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("conv_transpose")
-@_float16_via_float32
-def _conv_transpose(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("conv_transpose")
+@float16_via_float32
+def _conv_transpose(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type, w_type = ins[0], ins[1]
     n = x_type.rank - 2
     s, p, d = _attrs(attrs, n)
@@ -118,8 +119,8 @@ def _pool_geometry(attrs: dict, x_type, out_type):
     return n, p, widths, taps
 
 
-@register_kernels("max_pool")
-def _max_pool(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("max_pool")
+def _max_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     _, _, widths, taps = _pool_geometry(attrs, x_type, outs[0])
     dt = x_type.dtype
@@ -133,9 +134,9 @@ def _max_pool(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("avg_pool", "lp_pool")
-@_float16_via_float32
-def _avg_lp_pool(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("avg_pool", "lp_pool")
+@float16_via_float32
+def _avg_lp_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     n, p, widths, taps = _pool_geometry(attrs, x_type, outs[0])
     dtype = outs[0].dtype
@@ -175,9 +176,9 @@ def _avg_lp_pool(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
     return kernel
 
 
-@register_kernels("linear")
-@_float16_via_float32
-def _linear(op: str, attrs: dict, ins: Types, outs: Types) -> Kernel:
+@TABLE.register("linear")
+@float16_via_float32
+def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type, w_type, _ = ins
     rows = math.prod(x_type.shape[:-1])
     x2, o2 = (rows, w_type.shape[0]), (rows, w_type.shape[1])
@@ -260,11 +261,11 @@ def _scores_bytes(problem, _workgroup_size: int) -> int:
     return group * lq * lk * item
 
 
-@register_kernels("attention")
-@declare("attention", ScratchDecl("scores", shared=True, per_launch=_scores_bytes, spaces=(MemorySpace.GLOBAL,),
-                                  alignment=64, purpose="one group of heads' attention weights (Lq x Lk each)"))
-@_float16_via_float32
-def _attention(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+@TABLE.register("attention", scratch=[
+    ScratchDecl("scores", shared=True, per_launch=_scores_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="one group of heads' attention weights (Lq x Lk each)")])
+@float16_via_float32
+def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     q_type, k_type, v_type = ins
     dtype = q_type.dtype
     lq, d = q_type.shape[-2:]

@@ -64,17 +64,17 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
     :data:`MIN_ELEMENTS` are not split: kernels that cost little per element need more.
     """
     def wrap(builder):
-        def build(op: str, attrs: dict, ins: tuple, outs: tuple):
+        def build(device, op: str, attrs: dict, ins: tuple, outs: tuple, scratch):
             n = threads()
             out = outs[0]
             least = MIN_ELEMENTS * (factor(attrs, ins) if callable(factor) else factor)
             if n < 2 or out.size < least or any(o.shape != out.shape for o in outs):
-                return builder(op, attrs, ins, outs)
+                return builder(device, op, attrs, ins, outs, scratch)
             rank = out.rank
             fixed = {a % rank for a in fixed_axes(attrs, ins)} if rank else set()
             axis = next((i for i, d in enumerate(out.shape) if d > 1), None)
             if axis is None or axis in fixed or out.shape[axis] < 2:
-                return builder(op, attrs, ins, outs)
+                return builder(device, op, attrs, ins, outs, scratch)
             cut = split_inputs(attrs, ins) if split_inputs else tuple(t.shape == out.shape for t in ins)
             parts = min(n, out.shape[axis])
             size = out.shape[axis]
@@ -87,8 +87,8 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
 
             for lo, hi in bounds:
                 if hi - lo not in kernels:
-                    kernels[hi - lo] = builder(op, attrs, piece_types(ins, cut, hi - lo),
-                                               piece_types(outs, (True,) * len(outs), hi - lo))
+                    kernels[hi - lo] = builder(device, op, attrs, piece_types(ins, cut, hi - lo),
+                                               piece_types(outs, (True,) * len(outs), hi - lo), scratch)
             head = (slice(None),) * axis
             pieces = [(kernels[hi - lo], head + (slice(lo, hi),)) for lo, hi in bounds]
             n_in = len(ins)

@@ -79,10 +79,10 @@ def test_attention_on_both_gemm_paths(monkeypatch, batched):
 
 def test_attention_scores_are_planned_scratch():
     """The score block is declared scratch: sized per group of heads, float32 for float16."""
-    from polyhal_cpu import scratch
+    from polyhal_cpu.kernels import TABLE
 
     t16 = TensorType((1, 4, 256, 32), np.float16)
-    (req,) = scratch.requests("attention", {}, (t16, t16, t16), (t16,))
+    (req,) = TABLE.scratch(None, "attention", {}, (t16, t16, t16), (t16,))
     group = nn_kernels._attention_shape((t16, t16, t16))[0]
     assert req.bytes_per_launch == group * 256 * 256 * 4
 

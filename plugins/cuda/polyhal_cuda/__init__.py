@@ -5,13 +5,14 @@ Modules, as in every backend: ``plugin`` (the hooks; enumeration creates no CUDA
 (CUDAAllocator: caching or stream-ordered device memory, managed, pinned, imported), ``kernels``
 (the op set), and the CUDA C kernels with their host code: ``sorting`` (sort, argsort, top-k),
 ``suppression`` (non-maximum suppression: the ONNX op and :func:`nms`), ``rowwise`` (softmax,
-layer norm). ``portable`` is the backend-neutral half of those kernels' host code -- plans,
+layer norm). The CUDA C sources and the backend-neutral half of their host code -- plans,
 scratch declarations (shared memory when it fits, global scratch otherwise), launches -- and of
-the allocator and plugin, shared with polyhal-hip, which compiles the same CUDA C for AMD GPUs.
+the allocator and plugin live in :mod:`polyhal_gpu` (distribution polyhal-gpu), shared with
+polyhal-hip, which compiles the same CUDA C for AMD GPUs.
 ``transfer`` moves pageable host memory through pinned staging buffers, ``graphs`` captures and
 replays plans, ``errors`` turns CUDA failures into polyhal errors.
 
-Importing this package (``portable`` included) does not import cupy; :func:`nms` and friends
+Importing this package (or polyhal_gpu) does not import cupy; :func:`nms` and friends
 do, when called.
 """
 

@@ -44,11 +44,11 @@ from polyhal.hal.flags import BufferKind, MemoryType
 from polyhal.hal.records import Heap
 
 from polyhal_cuda.errors import OUT_OF_MEMORY_STATUS, check
-from polyhal_cuda.portable.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
+from polyhal_gpu.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
                                           GPUAllocator, host_memory_bytes)
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 __all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "MANAGED_RESERVE", "PINNED_MEMORY",
            "CUDAAllocator", "CUDAMemory", "heaps_for"]
@@ -96,17 +96,17 @@ class CUDAMemory:
 class CUDAAllocator(GPUAllocator):
     """Allocations of every memory type for one :class:`~polyhal_cuda.device.CUDADevice`;
     ``allocate(..., kind=BufferKind.ASYNC)`` (or DEVICE) picks the pool of a device-local buffer
-    regardless of ``POLYHAL_CUDA_POOL`` (:class:`~polyhal_cuda.portable.memory.GPUAllocator`)."""
+    regardless of ``POLYHAL_CUDA_POOL`` (:class:`~polyhal_gpu.memory.GPUAllocator`)."""
 
     async_pool_limit = "async_pool_supported"
     no_async_pool = "{device} has no stream-ordered memory pool (CUDA 11.2+ on a supported platform); allocate " \
                     "kind=DEVICE instead"
 
-    def __init__(self, device: "CUDADevice", heaps: tuple[Heap, ...]) -> None:
+    def __init__(self, device: "Device", heaps: tuple[Heap, ...]) -> None:
         import cupy
 
         super().__init__(device, heaps)
-        self.device: "CUDADevice" = device
+        self.device: "Device" = device
         #: cupy's caching pool, private to this allocator (cupy's own default pool is untouched).
         self.pool = cupy.cuda.MemoryPool()
 

@@ -30,11 +30,11 @@ from polyhal.ir.types import TensorType
 from polyhal_cuda import blas
 from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import rowwise
-from polyhal_cuda.portable.scratch import Scratch
+from polyhal_gpu import rowwise
+from polyhal_gpu.scratch import Scratch
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 #: Element types with a kernel here.
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
@@ -50,7 +50,7 @@ def covered(ins) -> bool:
     return ins[0].dtype in DTYPES and 0 not in _dims(ins)
 
 
-def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs) -> tuple:
+def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple:
     """The scratch of one ``attention`` instance (the core's ``Device.scratch``)."""
     if not covered(ins):
         return ()
@@ -69,7 +69,7 @@ def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs) -> t
     return tuple(d_.request(problem, kernel) for d_ in decls)
 
 
-def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any = None):
+def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
     """``fn(q, k, v, out)`` for one instance, or None for the fallback (see the module docstring)."""
     import cupy as cp
 

@@ -23,7 +23,7 @@ import numpy as np
 from polyhal_cuda.errors import CUDAError
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 OP_N, OP_T = 0, 1
 _DATA = {np.dtype(np.float16): 2, np.dtype(np.float32): 0, np.dtype(np.float64): 1}  # cudaDataType
@@ -75,7 +75,7 @@ def _check(status: int, what: str) -> None:
 class Blas:
     """One cuBLAS handle of a device, bound to its stream (see the module docstring)."""
 
-    def __init__(self, device: "CUDADevice") -> None:
+    def __init__(self, device: "Device") -> None:
         lib = _library()
         self.lib = lib
         self.handle = ctypes.c_void_p()
@@ -87,7 +87,7 @@ class Blas:
                    "set workspace")
 
 
-def blas_for(device: "CUDADevice") -> Blas | None:
+def blas_for(device: "Device") -> Blas | None:
     """The device's :class:`Blas` (made once), or None when libcublas cannot be called directly."""
     b = getattr(device, "_blas", None)
     if b is None:
@@ -109,7 +109,7 @@ def _batch(shape: tuple, out_batch: tuple, per: int) -> int | None:
     return None
 
 
-def prepare_matmul(device: "CUDADevice", a_t, b_t, out_t):
+def prepare_matmul(device: "Device", a_t, b_t, out_t):
     """A capturable ``fn(a, b, out)`` for numpy-style matmul, or None when not covered."""
     dtype = out_t.dtype
     if dtype not in _DATA or a_t.dtype != dtype or b_t.dtype != dtype:
@@ -125,7 +125,7 @@ def prepare_matmul(device: "CUDADevice", a_t, b_t, out_t):
     return _gemm_call(device, dtype, m, n, k, False, False, sa, sb, math.prod(out_batch), 1.0, 0.0)
 
 
-def prepare_gemm(device: "CUDADevice", a_t, b_t, out_t, trans_a: bool, trans_b: bool, alpha: float, beta: float):
+def prepare_gemm(device: "Device", a_t, b_t, out_t, trans_a: bool, trans_b: bool, alpha: float, beta: float):
     """``fn(a, b, out)``: out = alpha * op(a) @ op(b) + beta * out (out holds C, or beta is 0)."""
     dtype = out_t.dtype
     if dtype not in _DATA:
@@ -137,7 +137,7 @@ def prepare_gemm(device: "CUDADevice", a_t, b_t, out_t, trans_a: bool, trans_b: 
     return _gemm_call(device, dtype, m, n, k, trans_a, trans_b, 0, 0, 1, alpha, beta)
 
 
-def prepare_batched(device: "CUDADevice", dtype: Any, m: int, n: int, k: int, batch: int, *,
+def prepare_batched(device: "Device", dtype: Any, m: int, n: int, k: int, batch: int, *,
                     trans_b: bool = False, alpha: float = 1.0):
     """``fn(a, b, out)``: out[i] = alpha * a[i] @ op(b[i]) for ``batch`` dense stacked matrices --
     a (batch, m, k), b (batch, k, n) or with ``trans_b`` (batch, n, k), out (batch, m, n) -- or

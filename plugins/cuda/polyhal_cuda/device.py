@@ -42,10 +42,10 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess, MemoryType
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_cuda import kernels
+from polyhal_cuda.kernels import TABLE
 from polyhal_cuda.allocator import MANAGED_MEMORY, PINNED_MEMORY, CUDAAllocator, CUDAMemory
 from polyhal_cuda.errors import check, translate
-from polyhal_cuda.portable.memory import import_extent
+from polyhal_gpu.memory import import_extent
 from polyhal_cuda.transfer import Stager
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class CUDADevice(Device):
     """
 
     dlpack_device_type = DL_CUDA
-    kernel_names = kernels.KERNEL_NAMES
+    kernels = TABLE
 
     def __init__(self, spec: DeviceSpec) -> None:
         import cupy
@@ -128,17 +128,13 @@ class CUDADevice(Device):
 
     # -- kernels ---------------------------------------------------------------------------------
 
-    def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        """Scratch requests of one op instance (sort, top-k and NMS declare some; see :mod:`.portable.scratch`)."""
-        return kernels.scratch(self, op, attrs, in_types, out_types)
-
     def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch: Any = None
                 ) -> Callable[..., None]:
         """The kernel for one op instance, run on this device's stream (see :mod:`.kernels`);
         ``scratch`` is the plan's :class:`~polyhal.hal.scratch.ScratchBinding` for kernels that
         declared scratch (without one they place and allocate it themselves)."""
         with self.activate():
-            fn = kernels.prepare(self, op, attrs, in_types, out_types, scratch)
+            fn = super().prepare(op, attrs, in_types, out_types, scratch)
         scope, what = self._scope, f"running {op} on {self.name}"
         name = getattr(fn, "kernel_name", op)
 

@@ -33,7 +33,7 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 #: Host time one eagerly launched step costs, used by the capture heuristic (seconds).
 STEP_LAUNCH_S = 8e-6
@@ -76,7 +76,7 @@ class GraphReplay:
     ``output_slots`` index into it. ``mode`` is ``"eager"``, ``"graph"`` or ``"eager (reason)"``.
     """
 
-    def __init__(self, device: "CUDADevice", steps: Sequence[Callable[[], None]], slots: list,
+    def __init__(self, device: "Device", steps: Sequence[Callable[[], None]], slots: list,
                  input_slots: Sequence[int], output_slots: Sequence[int]) -> None:
         self.device = device
         self.steps = list(steps)

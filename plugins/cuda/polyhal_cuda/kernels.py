@@ -40,16 +40,16 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
+from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
 from polyhal_cuda import attention, sorting, suppression
-from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
-from polyhal_cuda.portable import optable
-from polyhal_cuda.portable.optable import OpTable
+from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
+from polyhal_gpu.fallback import host_fallback as reference_on_host
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
@@ -61,7 +61,8 @@ def _cupy():
     return cupy
 
 
-def host_fallback(device: "CUDADevice", op: str, attrs: dict, in_types: Types, out_types: Types) -> Kernel:
+def host_fallback(device: "Device", op: str, attrs: dict, in_types: Types, out_types: Types,
+                  scratch: Any = None) -> Kernel:
     """Download the inputs, run the op's numpy reference, upload the outputs (synchronous, so
     never captured into a CUDA graph)."""
     cp = _cupy()
@@ -69,18 +70,13 @@ def host_fallback(device: "CUDADevice", op: str, attrs: dict, in_types: Types, o
     def upload(result: np.ndarray, out: Any) -> None:
         out.set(np.require(result.reshape(out.shape), requirements="C"))
 
-    return optable.host_fallback(op, attrs, in_types, lambda a, t: cp.asnumpy(a), upload)
+    return reference_on_host(op, attrs, in_types, lambda a, t: cp.asnumpy(a), upload)
 
 
-#: The op set: builders take ``(device, op, attrs, in_types, out_types, scratch_binding)``.
-OP_TABLE = OpTable("cuda", host_fallback)
-register = OP_TABLE.register
-#: ``scratch(device, op, attrs, in_types, out_types)``: the scratch requests of one op instance
-#: (the core's ``Device.scratch``); empty for most ops.
-scratch = OP_TABLE.scratch
-#: ``prepare(device, op, attrs, in_types, out_types, binding=None)``: ``fn(*inputs, *outputs)``
-#: computing ``op`` on ``device`` (see the module docstring).
-prepare = OP_TABLE.prepare
+#: The op set (:class:`~polyhal.hal.kernels.KernelTable`): builders take ``(device, op, attrs,
+#: in_types, out_types, scratch_binding)``; what none takes runs through :func:`host_fallback`.
+TABLE = KernelTable("cuda", fallback=host_fallback)
+register = TABLE.register
 
 
 # ------------------------------------------------------------------------------------ elementwise
@@ -122,7 +118,7 @@ _EW_CACHE: dict[str, Any] = {}
 
 
 def elementwise_kernel(key: str) -> Any:
-    """The cupy ``ElementwiseKernel`` of snippet ``key`` (:data:`~polyhal_cuda.portable.elementwise.SNIPPETS`;
+    """The cupy ``ElementwiseKernel`` of snippet ``key`` (:data:`~polyhal_gpu.elementwise.SNIPPETS`;
     made once)."""
     k = _EW_CACHE.get(key)
     if k is None:
@@ -568,6 +564,6 @@ register("attention", scratch=attention.scratch_requests)(attention.prepare)
 register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
 
 #: Ops that run through the host fallback (no CUDA kernel yet), at import time.
-HOST_FALLBACK: frozenset[str] = OP_TABLE.host_fallback_ops
+HOST_FALLBACK: frozenset[str] = TABLE.fallback_ops
 #: Every op this backend runs: all of polyhal.ops (a few through the host fallback).
-KERNEL_NAMES: frozenset[str] = frozenset(OPS)
+KERNEL_NAMES: frozenset[str] = TABLE.kernel_names

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 
 def _spatial(value: Any, n: int, default: int, count: int = 1) -> tuple[int, ...]:
@@ -53,7 +53,7 @@ def window_map(size: tuple, kernel: tuple, strides: tuple, pads_begin: tuple, di
     return flat, valid
 
 
-def prepare_conv(device: "CUDADevice", attrs: dict, ins, outs):
+def prepare_conv(device: "Device", attrs: dict, ins, outs):
     import cupy as cp
 
     x_t, w_t = ins[0], ins[1]
@@ -88,7 +88,7 @@ def prepare_conv(device: "CUDADevice", attrs: dict, ins, outs):
     return kernel
 
 
-def prepare_conv_transpose(device: "CUDADevice", attrs: dict, ins, outs):
+def prepare_conv_transpose(device: "Device", attrs: dict, ins, outs):
     import cupy as cp
     import cupyx
 
@@ -150,7 +150,7 @@ def _transpose_map(in_sp, k, s, pb, d, out_sp) -> tuple[np.ndarray, np.ndarray]:
     return flat, valid
 
 
-def prepare_pool(device: "CUDADevice", op: str, attrs: dict, ins, outs):
+def prepare_pool(device: "Device", op: str, attrs: dict, ins, outs):
     import cupy as cp
 
     x_t = ins[0]

@@ -25,7 +25,7 @@ from typing import Any
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_cuda.portable.enumeration import Enumeration, choice_from_env, rank_from_env
+from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 

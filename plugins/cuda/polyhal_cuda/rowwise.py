@@ -1,5 +1,5 @@
 """softmax and layer_norm: one CUDA C kernel per row where the normalised dims are trailing and
-the type is float32 or float64 (``cu/rowwise.cu``, planned by :mod:`polyhal_cuda.portable.rowwise`);
+the type is float32 or float64 (``cu/rowwise.cu``, planned by :mod:`polyhal_gpu.rowwise`);
 otherwise a few cupy ops (float16 computes in float32 and rounds once)."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import rowwise
+from polyhal_gpu import rowwise
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 
-def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs):
+def prepare(device: "Device", op: str, attrs: dict, ins, outs):
     """The kernel for one softmax / layer_norm instance."""
     row_plan = rowwise.plan(op, attrs, ins)
     if row_plan is None:

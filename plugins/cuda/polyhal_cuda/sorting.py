@@ -3,7 +3,7 @@
 The plan of an instance -- the bitonic ``rows`` path (one block per lane, its pairs
 shared-first) or the ``radix`` path (an LSD radix sort over all lanes, global scratch) -- its
 scratch declarations and the bitonic launch are backend-neutral and shared with polyhal-hip
-(:mod:`polyhal_cuda.portable.sorting`, whose docstring describes the paths). What is CUDA's own
+(:mod:`polyhal_gpu.sorting`, whose docstring describes the paths). What is CUDA's own
 lives here: the knobs of the path choice (:data:`FORCE_PATH`, :data:`RADIX_IMPL`,
 :data:`AGGREGATE`), the radix launches (classic: upsweep, scan and scatter per pass; onesweep:
 one kernel per pass with a decoupled look-back), and compiling through cupy.
@@ -11,7 +11,7 @@ one kernel per pass with a decoupled look-back), and compiling through cupy.
 The decision depends only on the op instance and the device (:func:`plan_sort`), so the
 scratch declared at compile time (:func:`scratch_requests`) and the kernel bound by
 :func:`prepare` always agree. Without a plan's scratch binding (direct use, :mod:`.suppression`),
-the same policy places the scratch and :class:`~polyhal_cuda.portable.scratch.Scratch` allocates
+the same policy places the scratch and :class:`~polyhal_gpu.scratch.Scratch` allocates
 the global part itself.
 """
 
@@ -23,13 +23,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import sorting as portable
-from polyhal_cuda.portable.launch import BLOCK, NULL, grid, multiprocessors
-from polyhal_cuda.portable.scratch import Scratch
-from polyhal_cuda.portable.sorting import F_INDEX_ORDER, SortPlan
+from polyhal_gpu import sorting as portable
+from polyhal_gpu.launch import BLOCK, NULL, grid, multiprocessors
+from polyhal_gpu.scratch import Scratch
+from polyhal_gpu.sorting import F_INDEX_ORDER, SortPlan
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 #: Force a path: "rows" or "radix" (tests use it to exercise both on every shape).
 FORCE_PATH: str | None = None
@@ -51,7 +51,7 @@ AGGREGATE = os.environ.get("POLYHAL_CUDA_RADIX_AGG", "0") not in ("0", "false", 
 #: (payload carried): classic 1.25 ms, onesweep 0.66 ms (cupy.argsort 0.95 ms).
 RADIX_IMPL = os.environ.get("POLYHAL_CUDA_RADIX", "onesweep")
 #: The onesweep kernel's (threads, items, match) per (key width, payload)
-#: (:data:`polyhal_cuda.portable.sorting.ONESWEEP_SHAPES`; tools/sort_tune.py tries others).
+#: (:data:`polyhal_gpu.sorting.ONESWEEP_SHAPES`; tools/sort_tune.py tries others).
 ONESWEEP_SHAPES = dict(portable.ONESWEEP_SHAPES)
 #: Blocks per SM of onesweep's up-front histogram kernel (a grid-stride loop), and the copies
 #: of its shared counters (warps spread over them).
@@ -59,19 +59,19 @@ HISTOGRAM_BLOCKS_PER_SM = 6
 HISTOGRAM_PARTS = 8
 
 
-def plan_sort(device: "CUDADevice", op: str, attrs: dict, x) -> SortPlan:
+def plan_sort(device: "Device", op: str, attrs: dict, x) -> SortPlan:
     """The path and parameters of one sort/argsort/topk instance on ``device``
-    (:func:`polyhal_cuda.portable.sorting.plan_sort` with this module's knobs)."""
+    (:func:`polyhal_gpu.sorting.plan_sort` with this module's knobs)."""
     return portable.plan_sort(device, op, attrs, x, backend="cuda", force_path=FORCE_PATH, radix_impl=RADIX_IMPL,
                               onesweep_shapes=ONESWEEP_SHAPES)
 
 
-def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs):
+def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs):
     """Scratch requests of one instance (the core's ``Device.scratch``)."""
     return portable.scratch_requests(plan_sort(device, op, attrs, ins[0]), attrs, ins, outs, "cuda")
 
 
-def scratch(device: "CUDADevice", requests: tuple, binding: Any) -> Scratch:
+def scratch(device: "Device", requests: tuple, binding: Any) -> Scratch:
     """Where the scratch of ``requests`` went: the plan's ``binding`` hands out cupy arrays."""
     return Scratch(device, requests, binding, lambda array: array.data.ptr)
 
@@ -118,7 +118,7 @@ def _expressions(plan: SortPlan) -> list[str]:
             *(_onesweep_name(k, kind, row, pay, shape) for row, pay in _SWEEPS)]
 
 
-def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any = None):
+def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
     """``fn(x, *outputs)`` for one sort / argsort / topk instance (see the module docstring)."""
     plan = plan_sort(device, op, attrs, ins[0])
     resolved = scratch(device, portable.scratch_requests(plan, attrs, ins, outs, "cuda"), binding)
@@ -128,7 +128,7 @@ def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any 
     return run
 
 
-def _rows(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _rows(device: "Device", plan: SortPlan, scratch: Scratch):
     fn = function(device, portable.SOURCE, _expressions(plan), plan.rows_expression)
     smem = portable.rows_shared_bytes(plan, scratch)
     if smem > 48 * 1024:
@@ -136,13 +136,13 @@ def _rows(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     return portable.rows_kernel(plan, fn, device.launch, scratch)
 
 
-def _radix(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _radix(device: "Device", plan: SortPlan, scratch: Scratch):
     if plan.impl == "onesweep":
         return _onesweep(device, plan, scratch)
     return _classic(device, plan, scratch)
 
 
-def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _onesweep(device: "Device", plan: SortPlan, scratch: Scratch):
     from cupy.cuda import runtime
 
     exprs = _expressions(plan)
@@ -206,7 +206,7 @@ def _onesweep(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     return run
 
 
-def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
+def _classic(device: "Device", plan: SortPlan, scratch: Scratch):
     """Per pass: radix_upsweep (tile digit counts), radix_scan (offsets), radix_scatter. The
     first pass reads the operand itself and, where lanes are contiguous and all of each is
     output, the last pass writes the outputs: no separate key-making or output kernel."""
@@ -269,7 +269,7 @@ def _classic(device: "CUDADevice", plan: SortPlan, scratch: Scratch):
     return run
 
 
-def _second_sort(device: "CUDADevice", plan: SortPlan, scratch: Scratch, _unused: Any):
+def _second_sort(device: "Device", plan: SortPlan, scratch: Scratch, _unused: Any):
     """topk(sorted=False) on the radix path: re-sort the selected flat indices (u32 keys)."""
     from cupy.cuda import runtime
 

@@ -1,7 +1,7 @@
 """Non-maximum suppression on CUDA (``cu/nms.cu``): the ONNX op ``non_max_suppression`` and a
 torchvision-compatible :func:`nms`.
 
-Both run the same pipeline, shared with polyhal-hip (:mod:`polyhal_cuda.portable.nms`, whose
+Both run the same pipeline, shared with polyhal-hip (:mod:`polyhal_gpu.nms`, whose
 docstring describes it and its scratch): an argsort of the scores (:mod:`.sorting`), the boxes
 in that order, one suppression bit per box pair, and a greedy walk per problem. CUDA's own here:
 cupy views of the scratch, the opt-in to more than 48 KiB of shared memory, reading the kept
@@ -20,19 +20,19 @@ from polyhal.ir.types import TensorType
 from polyhal_cuda import sorting
 from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
-from polyhal_cuda.portable import nms as portable
-from polyhal_cuda.portable.nms import Geometry
+from polyhal_gpu import nms as portable
+from polyhal_gpu.nms import Geometry
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 
-def _requests(device: "CUDADevice", g: Geometry, op_attrs: dict, ins, outs) -> tuple:
+def _requests(device: "Device", g: Geometry, op_attrs: dict, ins, outs) -> tuple:
     return portable.scratch_requests(device, g, op_attrs, ins, outs, backend="cuda",
                                      sort_requests=sorting.scratch_requests)
 
 
-def scratch_requests(device: "CUDADevice", op: str, attrs: dict, ins, outs) -> tuple:
+def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple:
     """Scratch of one ``non_max_suppression`` instance (the core's ``Device.scratch``)."""
     g = Geometry.of_op(attrs, ins[1])
     if g.empty:
@@ -44,7 +44,7 @@ class _Pipeline(portable.Pipeline):
     """The pipeline of one NMS geometry on one CUDA device, with cupy views of the order, the
     kept indices and the counts."""
 
-    def __init__(self, device: "CUDADevice", g: Geometry, mode: int, iou: float, score_threshold: float | None,
+    def __init__(self, device: "Device", g: Geometry, mode: int, iou: float, score_threshold: float | None,
                  requests: tuple, binding: Any) -> None:
         s = sorting.scratch(device, portable.own_requests(requests), binding)
         argsort = sorting.prepare(device, "argsort", portable.ARGSORT_ATTRS, (g.scores_type,), (g.order_type,),
@@ -58,7 +58,7 @@ class _Pipeline(portable.Pipeline):
         if self.reduce_smem > 48 * 1024:
             self.k_reduce.max_dynamic_shared_size_bytes = self.reduce_smem
 
-    def counts_host(self, device: "CUDADevice") -> int:
+    def counts_host(self, device: "Device") -> int:
         """The first problem's kept count, read back (waits for the device's stream)."""
         from cupy.cuda import runtime
 
@@ -69,7 +69,7 @@ class _Pipeline(portable.Pipeline):
         return int(self._count_host[0])
 
 
-def _fill(device: "CUDADevice"):
+def _fill(device: "Device"):
     def fill(array: Any, byte: int) -> None:
         from cupy.cuda import runtime
 
@@ -77,7 +77,7 @@ def _fill(device: "CUDADevice"):
     return fill
 
 
-def prepare(device: "CUDADevice", op: str, attrs: dict, ins, outs, binding: Any = None):
+def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
     """The kernel of one ``non_max_suppression`` instance: ``fn(boxes, scores, selected, num_selected)``."""
     import cupy as cp
 

@@ -38,7 +38,7 @@ import numpy as np
 from polyhal_cuda.errors import check
 
 if TYPE_CHECKING:
-    from polyhal_cuda.device import CUDADevice
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 #: Bytes per staging buffer (each worker has two).
 CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 4 << 20))
@@ -74,7 +74,7 @@ class _Worker:
 class Stager:
     """Pinned staging for one device's pageable transfers (made on the first large one)."""
 
-    def __init__(self, device: "CUDADevice") -> None:
+    def __init__(self, device: "Device") -> None:
         self.device = device
         self._lock = threading.Lock()
         self._workers: list[_Worker] = []

@@ -70,7 +70,7 @@ def test_uncapturable_step_stays_eager_with_a_reason(cuda, rng, monkeypatch):
     from polyhal_cuda import kernels
 
     # A step that synchronises with the host cannot be captured: the replay stays eager, right.
-    monkeypatch.setitem(kernels.OP_TABLE.builders, "neg", lambda d, op, a, i, o, b: kernels.host_fallback(d, op, a, i, o))
+    monkeypatch.setitem(kernels.TABLE.builders, "neg", lambda d, op, a, i, o, b: kernels.host_fallback(d, op, a, i, o))
     b = polyhal.ProgramBuilder("host")
     x = b.input("x", (8,))
     b.output(b.add(b.neg(x), x))

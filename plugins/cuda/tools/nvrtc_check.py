@@ -12,7 +12,7 @@ import ctypes
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[1] / "polyhal_cuda" / "cu"
+HERE = Path(__file__).resolve().parents[2] / "gpu" / "polyhal_gpu" / "cu"
 KEYS = ["unsigned char", "unsigned short", "unsigned int", "unsigned long long"]
 
 
@@ -21,7 +21,7 @@ def expressions() -> dict[str, list[str]]:
     for k in KEYS:
         for kind in (0, 1, 2):
             sort += [f"sort_rows<{k}, {kind}>", f"radix_make_keys<{k}, {kind}>", f"radix_emit<{k}, {kind}>"]
-            from polyhal_cuda.portable.sorting import ONESWEEP_SHAPES
+            from polyhal_gpu.sorting import ONESWEEP_SHAPES
             from polyhal_cuda.sorting import _SCATTERS, _SWEEPS, _UPSWEEPS, _onesweep_name, _scatter_name, _upsweep_name
 
             sort += [f"radix_histogram<{k}, {kind}>"]

@@ -73,7 +73,7 @@ def nms(dev) -> None:
     import torchvision
 
     from polyhal_cuda import suppression
-    from polyhal_cuda.portable import nms as pnms
+    from polyhal_gpu import nms as pnms
 
     for n in (10_000, 100_000):
         gen = torch.Generator(device=f"cuda:{dev.ordinal}").manual_seed(0)

@@ -56,13 +56,13 @@ from polyhal.hal.buffer import Buffer
 from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
 from polyhal.hal.records import Heap
 
-from polyhal_cuda.portable.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
+from polyhal_gpu.memory import (ALIGNMENT, DEVICE_USAGE, HOST_USAGE, MANAGED_MEMORY, PINNED_MEMORY,
                                           GPUAllocator, host_memory_bytes)
 from polyhal_hip import runtime as hip
 from polyhal_hip.errors import HipError
 
 if TYPE_CHECKING:
-    from polyhal_hip.device import HIPDevice
+    from polyhal.hal.device import Device  # the HIP device; its module imports this one
     from polyhal_hip.runtime import DeviceProperties
 
 __all__ = ["ALIGNMENT", "DEVICE_USAGE", "HOST_USAGE", "MANAGED_MEMORY", "PINNED_MEMORY", "PINNED_NONCOHERENT_MEMORY",
@@ -112,16 +112,16 @@ class HipMemory:
 class HIPAllocator(GPUAllocator):
     """Allocations of every HIP buffer type for one :class:`~polyhal_hip.device.HIPDevice`;
     ``allocate(..., kind=BufferKind.ASYNC)`` (or DEVICE) names the HIP buffer type of a
-    device-local buffer (:class:`~polyhal_cuda.portable.memory.GPUAllocator`)."""
+    device-local buffer (:class:`~polyhal_gpu.memory.GPUAllocator`)."""
 
     async_pool_limit = "memory_pools"
     no_async_pool = ("{device} reports no stream-ordered memory pools (hipDeviceAttributeMemoryPoolsSupported "
                      "is 0); allocate kind=DEVICE")
     other_kinds_from = "the memory type or from import_host"
 
-    def __init__(self, device: "HIPDevice", heaps: tuple[Heap, ...]) -> None:
+    def __init__(self, device: "Device", heaps: tuple[Heap, ...]) -> None:
         super().__init__(device, heaps)
-        self.device: "HIPDevice" = device
+        self.device: "Device" = device
         self.runtime = device.runtime
         self._pool: Any = None
         #: (kind, address, error) of frees HIP refused (a release never raises).

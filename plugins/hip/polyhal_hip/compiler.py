@@ -1,9 +1,9 @@
 """Kernels compiled at run time with hiprtc, for the device's own architecture, and cached.
 
-Sources: polyhal-hip's own (``polyhal_hip/hip/*.hip``) and polyhal-cuda's CUDA C
-(``polyhal_cuda/cu/*.cu``: sort, NMS, row-wise softmax / layer norm), which compile unchanged
+Sources: polyhal-hip's own (``polyhal_hip/hip/*.hip``) and polyhal-gpu's CUDA C
+(``polyhal_gpu/cu/*.cu``: sort, NMS, row-wise softmax / layer norm), which compile unchanged
 on HIP behind ``hip/compat.h`` (CUDA's 32-thread warp intrinsics as width-32 HIP shuffles).
-Every source is ``compat.h`` + polyhal-cuda's ``common.cuh`` + the file, as one string: hiprtc
+Every source is ``compat.h`` + polyhal-gpu's ``common.cuh`` + the file, as one string: hiprtc
 gets no include path.
 
 Where: hiprtc runs in a child process by default (``POLYHAL_HIP_COMPILE=process``; one worker
@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 #: Options of every compile besides the architecture.
 BASE_OPTIONS = ("-O3", "-std=c++17")
-#: Sources of polyhal-cuda that HIP compiles unchanged.
+#: Sources of polyhal-gpu that HIP compiles unchanged.
 CUDA_SOURCES = ("rowwise.cu", "sort.cu", "nms.cu")
 #: polyhal-hip's own sources.
 HIP_SOURCES = ("elementwise.hip", "reduce.hip", "matmul.hip")
@@ -58,16 +58,16 @@ def _read(package: str, folder: str, name: str) -> str:
 
 
 def source(name: str) -> str:
-    """The full text hiprtc compiles for source ``name`` (a ``.cu`` of polyhal-cuda or a ``.hip``
+    """The full text hiprtc compiles for source ``name`` (a ``.cu`` of polyhal-gpu or a ``.hip``
     of this package; ``name`` may also be generated text, given through :func:`wrap`)."""
     if name.endswith(".cu"):
-        return wrap(_read("polyhal_cuda", "cu", name))
+        return wrap(_read("polyhal_gpu", "cu", name))
     return wrap(_read("polyhal_hip", "hip", name))
 
 
 def wrap(body: str) -> str:
-    """``compat.h`` + polyhal-cuda's ``common.cuh`` + ``body``."""
-    return _read("polyhal_hip", "hip", "compat.h") + "\n" + _read("polyhal_cuda", "cu", "common.cuh") + "\n" + body
+    """``compat.h`` + polyhal-gpu's ``common.cuh`` + ``body``."""
+    return _read("polyhal_hip", "hip", "compat.h") + "\n" + _read("polyhal_gpu", "cu", "common.cuh") + "\n" + body
 
 
 def options_for(arch: str, extra: Sequence[str] = ()) -> tuple[str, ...]:

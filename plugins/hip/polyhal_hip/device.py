@@ -40,7 +40,7 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess, MemoryType
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_cuda.portable.memory import import_extent
+from polyhal_gpu.memory import import_extent
 from polyhal_hip import launch as _launch
 from polyhal_hip import runtime as hip
 from polyhal_hip.allocator import MANAGED_MEMORY, PINNED_MEMORY, HIPAllocator, HipMemory
@@ -112,7 +112,7 @@ class HIPDevice(Device):
 
         super().__init__(spec)
         self.runtime = runtime or hip.get_runtime()
-        self.kernel_names = kernels.KERNEL_NAMES
+        self.kernels = kernels.TABLE
         self.arch = str(spec.limits.get("arch", "")) or "gfx90a"
         self._scope = _Activation(self.ordinal, self.runtime)
         with self.activate():
@@ -135,17 +135,10 @@ class HIPDevice(Device):
 
     # -- kernels -----------------------------------------------------------------------------------
 
-    def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        from polyhal_hip import kernels
-
-        return kernels.scratch(self, op, attrs, in_types, out_types)
-
     def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch: Any = None
                 ) -> Callable[..., None]:
-        from polyhal_hip import kernels
-
         with self.activate():
-            fn = kernels.prepare(self, op, attrs, in_types, out_types, scratch)
+            fn = super().prepare(op, attrs, in_types, out_types, scratch)
         scope = self._scope
 
         def run(*arrays: Any) -> None:

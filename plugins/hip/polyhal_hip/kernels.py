@@ -10,16 +10,16 @@ Families and how they run:
 * elementwise -- arithmetic, comparisons, logical, bitwise, math, relu/sigmoid/erf/gelu/sign,
   where, mod, bit_shift, cast/identity: one generated instance of ``hip/elementwise.hip`` per
   (op, element types): broadcasting and strided reads in one kernel. The snippets of relu,
-  sign, sigmoid, erf, gelu, where, bit_shift and mod are the CUDA C ones polyhal-cuda runs
-  (:mod:`polyhal_cuda.portable.elementwise`);
+  sign, sigmoid, erf, gelu, where, bit_shift and mod are the CUDA C ones polyhal-cuda runs too
+  (:mod:`polyhal_gpu.elementwise`);
 * data movement -- transpose, expand, slice: the same kernel as a strided copy; reshape: a
   device-to-device copy;
 * reductions -- reduce_sum/mean/max/min/prod over any axes: ``hip/reduce.hip``, one workgroup
   per output;
 * matmul (batched, broadcasting): ``hip/matmul.hip``, 16 x 16 shared-memory tiles;
-* softmax, layer_norm (trailing axes, float32/float64): polyhal-cuda's ``cu/rowwise.cu``
-  (:mod:`polyhal_cuda.portable.rowwise`);
-* sort, argsort, topk and non_max_suppression: polyhal-cuda's ``cu/sort.cu`` and ``cu/nms.cu``,
+* softmax, layer_norm (trailing axes, float32/float64): polyhal-gpu's ``cu/rowwise.cu``
+  (:mod:`polyhal_gpu.rowwise`);
+* sort, argsort, topk and non_max_suppression: polyhal-gpu's ``cu/sort.cu`` and ``cu/nms.cu``,
   with their scratch declared to the bufferization pass (:mod:`polyhal_hip.sorting`);
 * everything else (gemm, einsum, conv, pooling, gather/scatter, cumsum, argmax, concat, pad,
   pack/unpack, ...): the host fallback -- download, the op's numpy reference, upload. Correct,
@@ -37,20 +37,20 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
+from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda.portable import rowwise
-from polyhal_cuda.portable.elementwise import PREAMBLE, SNIPPETS, snippet_key
-from polyhal_cuda.portable.launch import BLOCK, multiprocessors
-from polyhal_cuda.portable.launch import grid as launch_grid
-from polyhal_cuda.portable import optable
-from polyhal_cuda.portable.optable import OpTable
+from polyhal_gpu import rowwise
+from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
+from polyhal_gpu.launch import BLOCK, multiprocessors
+from polyhal_gpu.launch import grid as launch_grid
+from polyhal_gpu.fallback import host_fallback as reference_on_host
 from polyhal_hip import compiler, sorting
 from polyhal_hip.launch import dims_struct
 
 if TYPE_CHECKING:
-    from polyhal_hip.device import HIPDevice
+    from polyhal.hal.device import Device  # the HIP device; its module imports this one
 
 Kernel = Callable[..., None]
 Types = tuple[TensorType, ...]
@@ -75,7 +75,8 @@ def compute_type(dtype: Any) -> str:
     return "float" if dt == np.float16 else CTYPES[dt]
 
 
-def host_fallback(device: "HIPDevice", op: str, attrs: dict, in_types: Types, out_types: Types) -> Kernel:
+def host_fallback(device: "Device", op: str, attrs: dict, in_types: Types, out_types: Types,
+                  scratch: Any = None) -> Kernel:
     """Download the inputs, run the op's numpy reference, upload the outputs (synchronous)."""
     def download(array: Any, t: TensorType) -> np.ndarray:
         host = np.empty(t.shape, t.dtype)
@@ -85,22 +86,17 @@ def host_fallback(device: "HIPDevice", op: str, attrs: dict, in_types: Types, ou
     def upload(result: np.ndarray, out: Any) -> None:
         device.upload(np.ascontiguousarray(result), out)
 
-    return optable.host_fallback(op, attrs, in_types, download, upload)
+    return reference_on_host(op, attrs, in_types, download, upload)
 
 
-#: The op set: builders take ``(device, op, attrs, in_types, out_types, scratch_binding)`` and may
-#: return None (the instance runs through :func:`host_fallback`).
-OP_TABLE = OpTable("hip", host_fallback)
-register = OP_TABLE.register
-#: ``scratch(device, op, attrs, in_types, out_types)``: the scratch requests of one op instance
-#: (the core's ``Device.scratch``); empty for most ops.
-scratch = OP_TABLE.scratch
-#: ``prepare(device, op, attrs, in_types, out_types, binding=None)``: ``fn(*inputs, *outputs)``
-#: computing ``op`` on ``device`` (see the module docstring).
-prepare = OP_TABLE.prepare
+#: The op set (:class:`~polyhal.hal.kernels.KernelTable`): builders take ``(device, op, attrs,
+#: in_types, out_types, scratch_binding)`` and may return None (the instance runs through
+#: :func:`host_fallback`).
+TABLE = KernelTable("hip", fallback=host_fallback)
+register = TABLE.register
 
 
-def _grid(n: int, device: "HIPDevice") -> tuple[int]:
+def _grid(n: int, device: "Device") -> tuple[int]:
     return launch_grid(n, multiprocessors(device))
 
 
@@ -129,7 +125,7 @@ _INT_UNARY = {"abs": "(a < (CO)0 ? (CO)(-a) : a)", "neg": "(CO)(-a)", "isnan": "
 
 
 def snippet_body(key: str) -> str:
-    """A CUDA C elementwise snippet (:data:`~polyhal_cuda.portable.elementwise.SNIPPETS`) as
+    """A CUDA C elementwise snippet (:data:`~polyhal_gpu.elementwise.SNIPPETS`) as
     elementwise.hip's BODY: its parameters bound to in0..in2, its output to polyhal_out (``T`` is
     the output type)."""
     ins, outs, code = SNIPPETS[key]
@@ -168,7 +164,7 @@ def _broadcast_strides(shape: tuple[int, ...], out_shape: tuple[int, ...]) -> li
     return [0] * pad + [0 if e == 1 and o != 1 else s for e, o, s in zip(shape, out_shape[pad:], dense)]
 
 
-def strided_kernel(device: "HIPDevice", name: str, text: str, out_shape: tuple[int, ...],
+def strided_kernel(device: "Device", name: str, text: str, out_shape: tuple[int, ...],
                    in_strides: Sequence[Sequence[int]], offsets: Sequence[int] = (0, 0, 0)) -> Kernel:
     """Launch the elementwise kernel ``text`` over ``out_shape`` with each input read through
     ``in_strides`` (element strides over the output's dims) and ``offsets``."""
@@ -194,7 +190,7 @@ def strided_kernel(device: "HIPDevice", name: str, text: str, out_shape: tuple[i
     return kernel
 
 
-def _elementwise(device: "HIPDevice", op: str, ins: Types, outs: Types, expr: str | None = None,
+def _elementwise(device: "Device", op: str, ins: Types, outs: Types, expr: str | None = None,
                  body: str | None = None) -> Kernel:
     out = outs[0]
     text = elementwise_source(len(ins), [t.dtype for t in ins], out.dtype, expr, body)
@@ -411,6 +407,6 @@ register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.pr
 register("non_max_suppression", scratch=sorting.nms_scratch_requests)(sorting.prepare_nms)
 
 #: Ops without a HIP kernel here: they run through :func:`host_fallback`.
-HOST_FALLBACK: frozenset[str] = OP_TABLE.host_fallback_ops
+HOST_FALLBACK: frozenset[str] = TABLE.fallback_ops
 #: Every op this backend runs (some, or some dtypes, through the host fallback).
-KERNEL_NAMES: frozenset[str] = frozenset(OPS)
+KERNEL_NAMES: frozenset[str] = TABLE.kernel_names

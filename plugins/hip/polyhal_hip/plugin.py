@@ -26,7 +26,8 @@ import functools
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_cuda.portable.enumeration import Enumeration, choice_from_env, rank_from_env
+from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
+from polyhal_hip import runtime
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -140,6 +141,9 @@ def enumerate_devices() -> Enumeration:
 def forget_enumeration() -> None:
     """Drop the cached enumeration (the runtime facade was replaced)."""
     _enumerate.cache_clear()
+
+
+runtime._on_replace.append(forget_enumeration)  # set_runtime() calls it
 
 
 @polyhal.hookimpl

@@ -561,6 +561,8 @@ def _rtc_error(rtc: Any, status: Any) -> str:
 
 _runtime: Runtime | None = None
 _lock = threading.Lock()
+#: Called after :func:`set_runtime` replaced the runtime (the plugin drops its cached enumeration).
+_on_replace: list = []
 
 
 def get_runtime() -> Runtime:
@@ -580,9 +582,8 @@ def set_runtime(runtime: Runtime | None) -> Runtime | None:
     global _runtime
     with _lock:
         old, _runtime = _runtime, runtime
-    from polyhal_hip import plugin
-
-    plugin.forget_enumeration()
+    for forget in _on_replace:
+        forget()
     return old
 
 

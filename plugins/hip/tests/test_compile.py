@@ -2,10 +2,10 @@
 architectures, to AMD GPU code objects -- each architecture in its own process, because the
 compiler of some ROCm versions aborts the process for an architecture it does not know.
 
-Every kernel source is compiled: polyhal-cuda's ``rowwise.cu``, ``sort.cu`` (the whole file, with
+Every kernel source is compiled: polyhal-gpu's ``rowwise.cu``, ``sort.cu`` (the whole file, with
 the bitonic instance HIP launches),
 ``nms.cu`` behind ``compat.h``, and polyhal-hip's ``elementwise.hip`` (an instance built from
-an expression and one from a polyhal-cuda snippet), ``reduce.hip`` and ``matmul.hip``. The
+an expression and one from a polyhal-gpu snippet), ``reduce.hip`` and ``matmul.hip``. The
 architectures are ``POLYHAL_HIP_TEST_ARCHS`` (default ``gfx90a,gfx908,gfx1030``: CDNA2,
 CDNA1 wave64 and RDNA2 wave32). With ``POLYHAL_HIP_TEST_COMPILE=all`` every bitonic instance
 (every key width and kind) is compiled too; CI compiles the representative set.
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from polyhal.errors import KernelNotFoundError
-from polyhal_cuda.portable import rowwise
+from polyhal_gpu import rowwise
 from polyhal_hip import compiler, kernels
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
@@ -32,17 +32,17 @@ F16, F32, F64, I64 = (np.dtype(t) for t in ("float16", "float32", "float64", "in
 def representative_sources() -> list[tuple[str, str, tuple[str, ...]]]:
     """(label, source text, name expressions) of every kernel source, one instance each."""
     out = [
-        ("rowwise.cu (polyhal-cuda)", compiler.source("rowwise.cu"), rowwise.EXPRESSIONS),
-        ("sort.cu (polyhal-cuda)", compiler.source("sort.cu"), ("sort_rows<unsigned int, 2>",)),
-        ("nms.cu (polyhal-cuda)", compiler.source("nms.cu"), ()),
+        ("rowwise.cu (polyhal-gpu)", compiler.source("rowwise.cu"), rowwise.EXPRESSIONS),
+        ("sort.cu (polyhal-gpu)", compiler.source("sort.cu"), ("sort_rows<unsigned int, 2>",)),
+        ("nms.cu (polyhal-gpu)", compiler.source("nms.cu"), ()),
         ("elementwise.hip add", kernels.elementwise_source(2, [F32, F32], F32, "(CO)a + (CO)b"), ()),
-        ("elementwise.hip gelu_tanh float16 (polyhal-cuda snippet)",
+        ("elementwise.hip gelu_tanh float16 (polyhal-gpu snippet)",
          kernels.elementwise_source(1, [F16], F16, body=kernels.snippet_body("gelu_tanh")), ()),
         ("reduce.hip reduce_max int64", kernels.reduce_source("reduce_max", I64), ()),
         ("matmul.hip float16", kernels.matmul_source(F16), ()),
     ]
     if ALL:
-        from polyhal_cuda.portable.sorting import KEY_CTYPE
+        from polyhal_gpu.sorting import KEY_CTYPE
 
         exprs = tuple(f"sort_rows<{ctype}, {kind}>" for ctype in KEY_CTYPE.values() for kind in (0, 1, 2))
         out.append(("sort.cu, every key width and kind", compiler.source("sort.cu"), exprs))

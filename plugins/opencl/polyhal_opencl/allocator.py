@@ -46,7 +46,7 @@ from polyhal.hal.records import Heap
 from polyhal_opencl.errors import check
 
 if TYPE_CHECKING:
-    from polyhal_opencl.device import CLDevice
+    from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 
 #: Smallest pooled size class; smaller requests are rounded up to it.
 MIN_CLASS = 256
@@ -154,7 +154,7 @@ class CLAllocator(Allocator):
     until the ``cl.Buffer`` is really released.
     """
 
-    def __init__(self, device: "CLDevice", heaps: tuple[Heap, ...]) -> None:
+    def __init__(self, device: "Device", heaps: tuple[Heap, ...]) -> None:
         super().__init__(device, heaps)
         self.context = device.context
         self.pool = BufferPool(_pool_limit(device.cl_device))

@@ -17,7 +17,7 @@ Import accepts only this device's own live ``cl_mem`` handles (see :meth:`import
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_opencl import kernels
+from polyhal_opencl.kernels import TABLE
 from polyhal_opencl.allocator import CLAllocator
 from polyhal_opencl.codegen import DeviceTraits
 from polyhal_opencl.errors import check
@@ -49,7 +49,7 @@ class CLDevice(Device):
     """
 
     dlpack_device_type = DLPACK_OPENCL
-    kernel_names = kernels.KERNEL_NAMES
+    kernels = TABLE
 
     def __init__(self, spec: DeviceSpec, cl_device: Any) -> None:
         import pyopencl as cl
@@ -67,17 +67,6 @@ class CLDevice(Device):
         """Finish queued work and release the allocator's cached buffers (the device stays usable)."""
         self.synchronize()
         self.allocator.trim()
-
-    # -- kernels ---------------------------------------------------------------------------------
-
-    def prepare(self, op: str, attrs: Mapping[str, Any], in_types, out_types, scratch=None):
-        return kernels.prepare(self, op, attrs, in_types, out_types, scratch=scratch)
-
-    def scratch(self, op: str, attrs: Mapping[str, Any], in_types, out_types):
-        """The scratch of the op's kernels, for the bufferize pass (see polyhal_opencl.scratch)."""
-        from polyhal_opencl import scratch
-
-        return scratch.requests(self, op, attrs, in_types, out_types)
 
     def view(self, tensor) -> Any:
         """A ``pyopencl.array.Array`` over the tensor's bytes (buffer, byte offset, strides)."""

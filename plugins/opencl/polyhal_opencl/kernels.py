@@ -1,4 +1,5 @@
-"""The op set on OpenCL: ``KERNEL_NAMES`` and ``prepare``.
+"""The op set on OpenCL: :data:`TABLE` (its ``KERNEL_NAMES``) and :func:`prepare`, the builder
+of every op in the table.
 
 ``prepare`` asks the op family's generator (``polyhal_opencl/ops``) for a
 :class:`~polyhal_opencl.codegen.Recipe`, builds its source through the device's program cache,
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
+from polyhal.hal.kernels import KernelTable
 from polyhal.ops import resolve_attrs
 
 from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
@@ -30,7 +32,7 @@ from polyhal_opencl.ops import (
 if TYPE_CHECKING:
     from polyhal.ir.types import TensorType
 
-    from polyhal_opencl.device import CLDevice
+    from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 
 #: op name -> generator(op, attrs, in_types, out_types, traits) -> Recipe.
 GENERATORS: dict[str, Callable[..., Recipe]] = {
@@ -45,8 +47,12 @@ from polyhal_opencl.ops import planned_generators  # noqa: E402
 
 GENERATORS.update(planned_generators.GENERATORS)
 
-#: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
-KERNEL_NAMES = frozenset(GENERATORS)
+
+
+def _requests(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_types):
+    from polyhal_opencl import scratch
+
+    return scratch.requests(device, op, attrs, in_types, out_types)
 
 
 def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
@@ -58,10 +64,11 @@ def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ..
     return gen(op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types), traits)
 
 
-def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
-            out_types: tuple["TensorType", ...], traits: DeviceTraits | None = None,
-            scratch: Any = None) -> Callable[..., None]:
-    """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``.
+def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
+            out_types: tuple["TensorType", ...], scratch: Any = None,
+            traits: DeviceTraits | None = None) -> Callable[..., None]:
+    """Compile and bind one op instance on ``device``; returns ``fn(*in_arrays, *out_arrays)``
+    (the builder of every op of :data:`TABLE`, which checks the instance first).
 
     ``traits`` overrides the device's (tests use it to force e.g. the global sort path).
     ``scratch`` is the plan's :class:`~polyhal.hal.scratch.ScratchBinding` (see
@@ -106,7 +113,15 @@ def prepare(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types: tup
     return run
 
 
-def _build(device: "CLDevice", op: str, recipe: Recipe, traits: DeviceTraits) -> tuple[Any, Recipe]:
+#: The op set: every op has a generator, and :func:`prepare` builds them all; the scratch of each
+#: instance is read off its recipe or declared by its planner-aware kernel (polyhal_opencl.scratch).
+TABLE = KernelTable("opencl")
+TABLE.register(*GENERATORS, scratch=_requests)(prepare)
+#: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
+KERNEL_NAMES = TABLE.kernel_names
+
+
+def _build(device: "Device", op: str, recipe: Recipe, traits: DeviceTraits) -> tuple[Any, Recipe]:
     """The built program of ``recipe``; where the driver's compiler rejects it and the generator
     gave a ``fallback`` recipe (a tuned kernel's portable equivalent), that one, with a warning
     carrying the build log: a compiler bug of one driver costs speed, not the op."""
@@ -129,7 +144,7 @@ def _reraise(exc: Exception, what: str) -> None:
     raise new from exc
 
 
-def _bind_launch(device: "CLDevice", program: Any, launch: Launch, scratch: list, itemsizes: list[int]):
+def _bind_launch(device: "Device", program: Any, launch: Launch, scratch: list, itemsizes: list[int]):
     import pyopencl as cl
 
     with check(f"creating kernel {launch.kernel} on {device.name}"):
@@ -166,7 +181,7 @@ def _bind_launch(device: "CLDevice", program: Any, launch: Launch, scratch: list
     return step
 
 
-def _bind_copy(device: "CLDevice", copy: Copy):
+def _bind_copy(device: "Device", copy: Copy):
     import pyopencl as cl
 
     queue, src, dst, nbytes = device.queue, copy.src, copy.dst, copy.nbytes

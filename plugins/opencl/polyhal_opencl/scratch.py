@@ -36,7 +36,7 @@ from polyhal_opencl.codegen import DeviceTraits, Launch, Recipe
 from polyhal_opencl.ops import nms_bitmask, rowsort
 
 if TYPE_CHECKING:
-    from polyhal_opencl.device import CLDevice
+    from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 
 __all__ = ["DEFAULT_PRIVATE_BYTES", "buffers", "declared", "derived", "generate", "private_bytes", "requests"]
 
@@ -50,11 +50,11 @@ UNKNOWN_ELEMENT_BYTES = 16
 HANDLERS = {"sort": rowsort, "argsort": rowsort, "topk": rowsort, "non_max_suppression": nms_bitmask}
 
 
-def _device_kind(device: "CLDevice") -> str:
+def _device_kind(device: "Device") -> str:
     return str(device.spec.limits.get("type", ""))
 
 
-def declared(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types, out_types) -> list | None:
+def declared(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_types) -> list | None:
     """``[(KernelInfo, [ScratchDecl])]`` of a planner-aware kernel for this instance, or None."""
     handler = HANDLERS.get(op)
     if handler is None:
@@ -64,7 +64,7 @@ def declared(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types, ou
     return handler.declarations(op, attrs, tuple(in_types), tuple(out_types))
 
 
-def requests(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types, out_types
+def requests(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_types
              ) -> tuple[ScratchRequest, ...]:
     """Every scratch request of one op instance (see the module docstring)."""
     attrs = resolve_attrs(op, attrs)
@@ -111,7 +111,7 @@ def _product(dims) -> int:
     return p
 
 
-def generate(device: "CLDevice", op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits,
+def generate(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits,
              binding: ScratchBinding | None) -> Recipe:
     """The recipe for this instance, generated for the binding's placements (or, without one,
     for the placements the core's default rule gives against the device's limits)."""
@@ -141,7 +141,7 @@ class _Slice:
     owner: Any = None  # keeps a standalone allocation alive
 
 
-def buffers(device: "CLDevice", recipe: Recipe, binding: ScratchBinding | None) -> list[_Slice]:
+def buffers(device: "Device", recipe: Recipe, binding: ScratchBinding | None) -> list[_Slice]:
     """One object with ``.native`` (a ``cl.Buffer``) per entry of ``recipe.scratch``: sub-buffers
     of the plan's arena when a binding is given, else buffers allocated here, once."""
     names = getattr(recipe, "scratch_names", None) or [("recipe", f"scratch{i}") for i in range(len(recipe.scratch))]

@@ -20,10 +20,10 @@ import numpy as np
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
 from polyhal.ir.types import TensorType
 
-from polyhal_cuda.portable.launch import NULL, grid, multiprocessors
-from polyhal_cuda.portable.scratch import Scratch
+from polyhal_gpu.launch import NULL, grid, multiprocessors
+from polyhal_gpu.scratch import Scratch
 
-#: The CUDA C source, under ``polyhal_cuda/cu/``.
+#: The CUDA C source, under ``polyhal_gpu/cu/``.
 SOURCE = "nms.cu"
 #: Its kernels, in pipeline order.
 EXPRESSIONS: tuple[str, ...] = ("nms_boxes", "nms_mask", "nms_reduce", "nms_write")

@@ -29,10 +29,10 @@ import numpy as np
 from polyhal.errors import ProgramError
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
 
-from polyhal_cuda.portable.launch import BLOCK, NULL
-from polyhal_cuda.portable.scratch import Scratch, shared_limit
+from polyhal_gpu.launch import BLOCK, NULL
+from polyhal_gpu.scratch import Scratch, shared_limit
 
-#: The CUDA C source, under ``polyhal_cuda/cu/``.
+#: The CUDA C source, under ``polyhal_gpu/cu/``.
 SOURCE = "sort.cu"
 #: Flags of the kernels (``flags`` argument).
 F_DESC, F_CANON_ZERO, F_VALUES, F_INDICES, F_INDEX_ORDER = 1, 2, 4, 8, 16

@@ -1,17 +1,18 @@
-"""CUDA C kernels and launch planning shared with HIP: the backend-neutral half of polyhal-cuda.
+"""polyhal-gpu: the backend-neutral GPU code that polyhal-cuda and polyhal-hip share.
 
-polyhal-hip compiles polyhal-cuda's CUDA C (``polyhal_cuda/cu/*.cu``) unchanged behind its
-``hip/compat.h``. Everything about those kernels that does not depend on how a backend compiles
-or launches them lives here, once, with public names; both backends import it. So do the few
-pieces of device, allocator and plugin code that the two backends have in common.
+A distribution of its own, with no entry point (it is no backend): both GPU backends depend on
+it, and neither imports the other. The CUDA C kernels live here (``polyhal_gpu/cu/*.cu``):
+polyhal-cuda compiles them with NVRTC, polyhal-hip unchanged behind its ``hip/compat.h`` with
+hiprtc. Everything about those kernels that does not depend on how a backend compiles or
+launches them lives here, once, with public names. So do the few pieces of device, allocator
+and plugin code that the two backends have in common.
 
 =====================  ===========================================================================
 module                 what
 =====================  ===========================================================================
 :mod:`.launch`         launch shapes: :data:`~.launch.BLOCK`, :func:`~.launch.grid`, the null address
-:mod:`.optable`        :class:`~.optable.OpTable`: a backend's op -> builder and scratch declarer,
-                       the checks every ``prepare`` makes (unknown op, encodings, empty outputs),
-                       and the host fallback (the op's numpy reference)
+:mod:`.fallback`       the host fallback of ops without a device kernel (the op's numpy
+                       reference); the backends' kernel tables (:mod:`polyhal.hal.kernels`) use it
 :mod:`.elementwise`    the CUDA C elementwise snippets (relu, sigmoid, gelu, where, shifts, mod, ...)
                        and their preamble
 :mod:`.rowwise`        ``cu/rowwise.cu`` (softmax, layer norm): when it applies, its launch

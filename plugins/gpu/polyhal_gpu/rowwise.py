@@ -14,7 +14,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-#: The CUDA C source, under ``polyhal_cuda/cu/``.
+#: The CUDA C source, under ``polyhal_gpu/cu/``.
 SOURCE = "rowwise.cu"
 #: Every template instance of the source (one module holds them all).
 EXPRESSIONS: tuple[str, ...] = tuple(f"{k}<{t}>" for k in ("softmax_rows", "layer_norm_rows") for t in ("float", "double"))

@@ -1,0 +1,171 @@
+"""Kernel tables: a backend's op set, one builder per op, each kernel's scratch declared beside it.
+
+Every backend -- built-in or third party -- keeps its kernels in one :class:`KernelTable` and
+hands it to its device (``Device.kernels``); the device's ``prepare``, ``scratch`` and
+``kernel_names`` then come from the table::
+
+    TABLE = KernelTable("mydev")
+
+    @TABLE.register("add", "mul")
+    def _binary(device, op, attrs, in_types, out_types, scratch):
+        ufunc = {"add": np.add, "mul": np.multiply}[op]
+        return lambda x, y, out: ufunc(x, y, out=out)
+
+A *builder* is ``builder(device, op, attrs, in_types, out_types, scratch)``. It runs when a plan
+is compiled, never in its hot path: it does everything that depends only on the op instance
+(parsing attributes, choosing a code path, compiling source) and returns the kernel
+``fn(*inputs, *outputs)``, which writes its results into ``outputs`` (the device's native
+views). It may return None to decline an instance (a dtype or a layout it has no code for); the
+table's ``fallback`` builder then runs it, or, without one, preparing it is a
+:class:`~polyhal.errors.KernelNotFoundError`. ``attrs`` arrive resolved
+(:func:`polyhal.ops.resolve_attrs`: every attribute present, defaults filled in).
+
+``scratch`` is where the kernel's declared scratch went (a
+:class:`~polyhal.hal.scratch.ScratchBinding`; see :mod:`polyhal.hal.scratch`), or None for a
+kernel that declared none. A kernel with scratch declares it where it is registered,
+``register(..., scratch=...)``: a tuple of :class:`~polyhal.hal.scratch.ScratchDecl` (one launch of
+one thread, as on a CPU), or a *declarer* ``declarer(device, op, attrs, in_types, out_types)``
+returning the instance's evaluated :class:`~polyhal.hal.scratch.ScratchRequest`\\ s (GPU kernels
+whose launch shape depends on the instance). Prepared outside a plan, a kernel with scratch gets
+the binding of the table's ``standalone(device, requests)``, or None when the table has none
+(then the builder allocates its scratch itself, once, at prepare -- never per call).
+
+What every ``prepare`` checks before a builder runs is written here, once: an op polyhal does
+not define, or one the table has no kernel for, is a KernelNotFoundError naming what the backend
+offers; encoded (non row-major) operands are refused, since kernels of a table take dense
+row-major tensors (the materialize-encoding pass lowers encoded ops to ops on packed dense
+tensors first); an instance whose outputs are all empty gets :func:`noop`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+
+from polyhal.errors import KernelNotFoundError, PluginError
+from polyhal.hal.scratch import KernelInfo, Problem, ScratchBinding, ScratchDecl, ScratchRequest
+from polyhal.ops import OPS, resolve_attrs
+
+if TYPE_CHECKING:
+    from polyhal.ir.types import TensorType
+
+__all__ = ["Builder", "Declarer", "Kernel", "KernelTable", "noop"]
+
+#: A prepared kernel: ``fn(*inputs, *outputs)``, writing into the outputs.
+Kernel = Callable[..., None]
+#: ``builder(device, op, attrs, in_types, out_types, scratch) -> Kernel | None``.
+Builder = Callable[..., Union[Kernel, None]]
+#: ``declarer(device, op, attrs, in_types, out_types) -> Sequence[ScratchRequest]``.
+Declarer = Callable[..., Sequence[ScratchRequest]]
+#: ``standalone(device, requests) -> ScratchBinding``: scratch for a kernel prepared without a plan.
+Standalone = Callable[[Any, tuple[ScratchRequest, ...]], ScratchBinding]
+
+
+def noop(*arrays: Any) -> None:
+    """The kernel of an instance whose outputs are all empty: there is nothing to write."""
+
+
+noop.capturable = True  # type: ignore[attr-defined]  (a graph may capture it: it does nothing)
+
+
+class KernelTable:
+    """One backend's kernels: op -> builder, op -> scratch declaration.
+
+    ``backend`` names the backend in messages. ``fallback``, a builder, runs every op without a
+    builder, and every instance a builder declined; a table with a fallback serves every op of
+    :data:`polyhal.ops.OPS`. ``standalone`` binds the scratch of kernels prepared without a plan
+    (see the module docstring).
+    """
+
+    def __init__(self, backend: str, *, fallback: Builder | None = None,
+                 standalone: Standalone | None = None) -> None:
+        self.backend = backend
+        self.fallback = fallback
+        self.standalone = standalone
+        #: op -> builder.
+        self.builders: dict[str, Builder] = {}
+        #: op -> its kernel's scratch: ScratchDecls, or a declarer (ops with scratch only).
+        self.declarations: dict[str, tuple[ScratchDecl, ...] | Declarer] = {}
+
+    def __repr__(self) -> str:
+        return f"<KernelTable {self.backend}: {len(self.builders)} ops>"
+
+    def register(self, *names: str, scratch: Sequence[ScratchDecl] | Declarer | None = None
+                 ) -> Callable[[Builder], Builder]:
+        """Decorator: the builder of the ops ``names``; ``scratch``, the scratch its kernels
+        need (ScratchDecls, or a declarer; see the module docstring). An op registered twice,
+        or one that :data:`polyhal.ops.OPS` does not define, is a PluginError."""
+        decls = scratch if scratch is None or callable(scratch) else tuple(scratch)
+
+        def deco(builder: Builder) -> Builder:
+            for n in names:
+                if n not in OPS:
+                    raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: polyhal.ops defines "
+                                      "no such op (define it with polyhal.ops.define first)")
+                if n in self.builders:
+                    raise PluginError(f"{self.backend}: op {n!r} has two kernels, "
+                                      f"{_name(self.builders[n])} and {_name(builder)}; register one")
+                self.builders[n] = builder
+                if decls:
+                    self.declarations[n] = decls
+            return builder
+        return deco
+
+    @property
+    def kernel_names(self) -> frozenset[str]:
+        """The ops this table prepares: every op of :data:`polyhal.ops.OPS` with a fallback,
+        else the registered ones."""
+        return frozenset(OPS) if self.fallback is not None else frozenset(self.builders)
+
+    @property
+    def fallback_ops(self) -> frozenset[str]:
+        """Ops without a builder: with a fallback, they run through it."""
+        return frozenset(OPS) - frozenset(self.builders)
+
+    def scratch(self, device: Any, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
+                out_types: Sequence["TensorType"]) -> tuple[ScratchRequest, ...]:
+        """The evaluated scratch requests of one op instance (the core's ``Device.scratch``);
+        empty for ops without scratch and for instances with nothing to write."""
+        decls = self.declarations.get(op)
+        if decls is None or all(t.size == 0 for t in out_types):
+            return ()
+        attrs, in_types, out_types = resolve_attrs(op, attrs), tuple(in_types), tuple(out_types)
+        if callable(decls):
+            return tuple(decls(device, op, attrs, in_types, out_types))
+        problem = Problem(op, attrs, in_types, out_types)
+        kernel = KernelInfo(f"{self.backend}_{op}", op, 1, 1, self.backend)
+        return tuple(d.request(problem, kernel) for d in decls)
+
+    def prepare(self, device: Any, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
+                out_types: Sequence["TensorType"], scratch: ScratchBinding | None = None) -> Kernel:
+        """``fn(*inputs, *outputs)`` computing ``op`` on ``device`` (the core's ``Device.prepare``):
+        the checks of the module docstring, then the op's builder, or the fallback where there is
+        none or it declines. ``scratch`` is the plan's binding of the kernel's declared scratch."""
+        builder = self.builders.get(op)
+        if builder is None and (self.fallback is None or op not in OPS):
+            unknown = " (polyhal.ops defines no such op)" if op not in OPS else ""
+            raise KernelNotFoundError(f"{self.backend}: no kernel for op {op!r}{unknown}; this backend has kernels "
+                                      f"for {', '.join(sorted(self.kernel_names)) or 'no op'}")
+        in_types, out_types = tuple(in_types), tuple(out_types)
+        encoded = next((t for t in (*in_types, *out_types) if t.encoding is not None), None)
+        if encoded is not None:
+            raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on encoded tensor {encoded}; "
+                                      f"{self.backend} kernels take dense row-major tensors (its encodings "
+                                      "must resolve to identity layouts)")
+        if all(t.size == 0 for t in out_types):
+            return noop  # nothing to write (and numpy refuses some reductions of nothing)
+        resolved = resolve_attrs(op, attrs)
+        if builder is not None:
+            if not scratch and self.standalone is not None and op in self.declarations:
+                requests = self.scratch(device, op, resolved, in_types, out_types)
+                scratch = self.standalone(device, requests) if requests else None
+            fn = builder(device, op, resolved, in_types, out_types, scratch or None)
+            if fn is not None:
+                return fn
+            if self.fallback is None:
+                raise KernelNotFoundError(f"{self.backend}: the kernel of {op!r} has no code for "
+                                          f"{', '.join(map(str, in_types))} -> {', '.join(map(str, out_types))}")
+        return self.fallback(device, op, resolved, in_types, out_types, scratch or None)
+
+
+def _name(f: Any) -> str:
+    return f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', repr(f))}"

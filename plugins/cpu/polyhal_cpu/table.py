@@ -1,0 +1,71 @@
+"""The CPU backend's kernel table, and what its builders share.
+
+:data:`TABLE` is the CPU's :class:`~polyhal.hal.kernels.KernelTable`: every kernel module of this
+plugin (:mod:`~polyhal_cpu.kernels`, :mod:`~polyhal_cpu.math_kernels`,
+:mod:`~polyhal_cpu.indexing_kernels`, :mod:`~polyhal_cpu.nn_kernels`,
+:mod:`~polyhal_cpu.encoding`, :mod:`~polyhal_cpu.detection`) registers its builders here, and
+:mod:`polyhal_cpu.kernels` imports them all. Kernel modules import this module, never each
+other, so the plugin has no import circle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from polyhal.hal.kernels import Builder, Kernel, KernelTable
+from polyhal.ir.types import TensorType
+
+from polyhal_cpu import scratch
+
+__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "float16_via_float32"]
+
+Types = tuple[TensorType, ...]
+
+#: The CPU's kernels. Kernels with scratch prepared without a plan get a binding of numpy
+#: buffers made once, at prepare (:func:`polyhal_cpu.scratch.standalone`).
+TABLE = KernelTable("cpu", standalone=scratch.standalone)
+
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def float16_via_float32(builder: Builder) -> Builder:
+    """Run float16 ops as float32 on upcast copies and round the results once.
+
+    numpy's float16 loops round after every pass, which multi-pass kernels would compound
+    (and float16 matmul has no BLAS). Kernels that are one ufunc call do not need this.
+    """
+    def build(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+        if all(t.dtype != _F16 for t in (*ins, *outs)):
+            return builder(device, op, attrs, ins, outs, scratch)
+
+        def up(types: Types) -> Types:
+            return tuple(TensorType(t.shape, _F32 if t.dtype == _F16 else t.dtype) for t in types)
+
+        inner = builder(device, op, attrs, up(ins), up(outs), scratch)
+        n = len(ins)
+        in_half = [t.dtype == _F16 for t in ins]
+        out_half = [(t.shape if t.dtype == _F16 else None) for t in outs]
+
+        def kernel(*arrays: np.ndarray) -> None:
+            args = [a.astype(_F32) if h else a for a, h in zip(arrays, in_half)]
+            results = [o if s is None else np.empty(s, _F32) for o, s in zip(arrays[n:], out_half)]
+            inner(*args, *results)
+            for o, r, s in zip(arrays[n:], results, out_half):
+                if s is not None:
+                    np.copyto(o, r, casting="same_kind")
+        return kernel
+    return build
+
+
+def binary_ufuncs(ufuncs: dict[str, np.ufunc]) -> Builder:
+    """The builder of the binary ops of ``ufuncs`` (op -> numpy ufunc): ``ufunc(x, y, out=out)``,
+    numpy broadcasting the operands."""
+    def build(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+        ufunc = ufuncs[op]
+
+        def kernel(x, y, out):
+            ufunc(x, y, out=out)
+        return kernel
+    return build
