@@ -46,7 +46,7 @@ def test_a_head_becomes_one_attention_op(scale_on, scale):
     (att,) = [op for op in fused.ops if op.name == "attention"]
     assert dict(att.attrs)["scale"] == pytest.approx(scale)
     assert att.inputs[1] is program.inputs[1]  # k itself: the transposes composed to nothing
-    assert len(changes) == 1 and len(changes[0][1]) == 1
+    assert len(changes) == 1 and len(changes[0].new) == 1 and changes[0].kind == "attention"
     data = _data()
     got = polyhal.compile(fused, "cpu:0")(*data).numpy()
     np.testing.assert_allclose(got, _reference(*data, scale), rtol=1e-5, atol=1e-6)

@@ -262,9 +262,10 @@ def _output_record(name: str, v: np.ndarray) -> dict[str, Any]:
 
 def _placement_records(program, plan) -> list[dict[str, Any]]:
     rows = []
+    labels = program.node_labels(plan)
     for op in plan.program.ops:
         if op.kind == "dispatch":
-            rows.append({"node": program.origin(op), "op": op.name, "device": op.device})
+            rows.append({"node": labels.get(op.outputs[0].id, "(import)"), "op": op.name, "device": op.device})
         else:
             rows.append({"transfer": op.inputs[0].name, "to": op.device, "bytes": op.inputs[0].type.nbytes})
     return rows
