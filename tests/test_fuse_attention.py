@@ -78,10 +78,16 @@ def test_the_onnx_transformer_block_fuses_on_the_cpu_only():
 
     path = Path(__file__).resolve().parent.parent / "examples" / "transformer_block.onnx"
     program = polyhal.onnx.load(path, dims={"batch": 1, "seq": 16})
+    ops, origins = list(program.ops), dict(program.origins)
     plan = program.compile("cpu:0")
+    assert program.ops == ops and program.origins == origins  # compiling changed nothing of the import
+    assert [op.name for op in program.ops].count("softmax") == 1
     names = [op.name for op in plan.program.ops]
     assert names.count("attention") == 1 and "softmax" not in names
-    assert "Softmax" in program.explain(plan)  # the fused nodes are named as the op's origin
+    text = program.explain(plan)
+    assert "k_t (Transpose) + scores_raw (MatMul) + scores (Mul) + attn (Softmax) + ctx_heads (MatMul): " \
+        "transpose, attention -> cpu:0" in text  # the fused nodes are named as the op's origin
+    assert "fused attention: transpose + matmul + mul + softmax + matmul" in text
     opencl = [s.name for s in polyhal.devices() if s.backend == "opencl"]
     if opencl:  # no attention kernel there: the unfused ops run
         plan_cl = program.compile(opencl[0])
