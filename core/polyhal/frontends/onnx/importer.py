@@ -37,8 +37,10 @@ from polyhal.frontends.onnx.errors import (
     NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError,
 )
+from polyhal.frontends.onnx.converters import convert_node
+from polyhal.frontends.onnx.types import Dynamic, np_dtype
 from polyhal.ir.program import Program, ProgramBuilder, Value
-from polyhal.ir.types import SUPPORTED_DTYPES, TensorType
+from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
 from polyhal.passes.placement import kernel_sets
 from polyhal.plan import compile as polyhal_compile
@@ -57,31 +59,6 @@ Val = Any  # np.ndarray (known at import time) or Value (computed when the plan 
 
 
 # ------------------------------------------------------------------------------------- types
-
-def np_dtype(elem_type: int, what: str) -> np.dtype:
-    """The numpy dtype of ONNX element type ``elem_type``; OnnxUnsupportedError naming
-    ``what`` for those polyhal lacks (string, bfloat16, float8, int4, complex, ...)."""
-    try:
-        name = onnx.TensorProto.DataType.Name(elem_type)
-    except ValueError:
-        raise OnnxModelError(f"{what} has element type {elem_type}, which is not an ONNX type") from None
-    if elem_type == onnx.TensorProto.UNDEFINED:
-        raise OnnxModelError(f"{what} has no element type")
-    try:
-        dt = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
-    except Exception:  # noqa: BLE001  (onnx raises several types for unmapped ones)
-        dt = None
-    if dt is None or dt not in SUPPORTED_DTYPES or name in ("BFLOAT16",) or name.startswith(("FLOAT8", "FLOAT4")):
-        supported = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
-        raise OnnxUnsupportedError(f"{what} has element type {name}, which polyhal does not support "
-                                   f"(supported: {supported})")
-    return dt
-
-
-def onnx_elem_type(dtype: np.dtype) -> int:
-    """The ONNX element type of numpy ``dtype``."""
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
 
 def _declared(type_proto: onnx.TypeProto) -> tuple[int | None, tuple | None]:
     """(elem_type, dims) of a tensor TypeProto; a dim is an int or None (symbolic/unknown);
@@ -620,8 +597,6 @@ class _Importer:
         """Convert ``nodes`` in order into ``env``. Function bodies and subgraphs are walked with
         a ``prefix`` for their labels and without the graph's declared types (their names are
         their own)."""
-        from polyhal.frontends.onnx.converters import convert_node
-
         for index, node in enumerate(nodes):
             self.node_count += 1 if not prefix else 0
             label = _label(node, index, prefix)
@@ -680,15 +655,6 @@ class _Importer:
                                  "(declared shapes contradict the data)")
 
 
-class Dynamic:
-    """A value whose first dim is known only at run time: ``padded`` (the value padded to a
-    static bound) and ``count`` (an int64 scalar, the real length). Only a model output may be
-    one; the plan returns both and :meth:`OnnxProgram.execute` cuts."""
-
-    def __init__(self, padded: Value, count: Value, what: str) -> None:
-        self.padded, self.count, self.what = padded, count, what
-
-
 class _Unsupported:
     """Stands in the environment for a value polyhal cannot hold (raised when it is used)."""
 
@@ -718,7 +684,6 @@ def _with_context(exc: PolyhalError, source: str, label: str) -> PolyhalError:
 
 
 __all__ = [
-    "FOLD_LIMIT", "MAX_OPSET", "MIN_OPSET", "SUPPORTED_OPSETS", "OnnxProgram", "load", "np_dtype",
-    "onnx_elem_type", "read_model",
+    "FOLD_LIMIT", "MAX_OPSET", "MIN_OPSET", "SUPPORTED_OPSETS", "OnnxProgram", "load", "read_model",
 ]
 
