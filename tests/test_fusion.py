@@ -28,7 +28,7 @@ class Farm:
 
     POLYHAL_API_VERSION = polyhal.API_VERSION
 
-    def __init__(self, **kernels: frozenset[str]) -> None:
+    def __init__(self, **kernels: frozenset[str] | list[str]) -> None:
         self.kernels, self.created = kernels, []
 
     def _create(self, spec: DeviceSpec) -> CPUDevice:
@@ -38,11 +38,11 @@ class Farm:
     @polyhal.hookimpl
     def register_devices(self):
         return [DeviceSpec(name=f"{name}:0", backend=name, rank=len(self.kernels) - i, factory=self._create,
-                           heaps=(host_heap(),), kernel_names=frozenset(names))
+                           heaps=(host_heap(),), kernel_names=names)
                 for i, (name, names) in enumerate(self.kernels.items())]
 
 
-def _registry(**kernels: frozenset[str]) -> tuple[Registry, Farm]:
+def _registry(**kernels: frozenset[str] | list[str]) -> tuple[Registry, Farm]:
     reg = Registry(autoload=False)
     farm = Farm(**kernels)
     reg.register(farm, name="farm")
@@ -105,6 +105,13 @@ def test_a_spec_without_kernel_names_is_asked_through_its_device():
     assert reg.kernel_names("legacy:0") == KERNEL_NAMES
     assert [d.name for d in reg.created_devices()] == ["legacy:0"]
     assert reg.kernel_names("multiplier:0") == {"matmul"} and farm.created == []
+
+
+def test_kernel_names_must_be_a_frozenset_of_op_names():
+    reg, farm = _registry(listed=["add"])  # a list, not a frozenset: the device is refused
+    assert [s.name for s in reg.device_specs()] == []
+    (failure,) = reg.failures
+    assert "device 'listed:0' has kernel_names list instead of a frozenset of op names" in failure.reason
 
 
 def test_builder_programs_are_fused_and_compile_leaves_them_unchanged():
