@@ -298,6 +298,17 @@ def test_cli_run_random_inputs_explain_and_json(capsys, tmp_path):
     assert np.load(tmp_path / "out" / "probs.npy").shape == (1, 16)
 
 
+def test_cli_run_explains_fusions_and_turns_them_off(capsys):
+    model = str(EXAMPLES / "transformer_block.onnx")
+    assert cli_main(["run", model, "--dim", "seq=8", "--explain", "--device", "cpu:0"]) == 0
+    out = capsys.readouterr().out
+    assert "fused attention: transpose + matmul + mul + softmax + matmul" in out
+    assert "q.matmul (MatMul) + q.add (Add): linear -> cpu:0" in out
+    assert cli_main(["run", model, "--dim", "seq=8", "--explain", "--device", "cpu:0", "--no-fuse"]) == 0
+    out = capsys.readouterr().out
+    assert "fusion: off" in out and "attention" not in out and "q.add (Add): add -> cpu:0" in out
+
+
 def test_cli_run_inputs_from_files(capsys, tmp_path):
     x = np.random.default_rng(0).standard_normal((3, 256)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)

@@ -51,14 +51,16 @@ def register_devices() -> Iterable["DeviceSpec"]:
 
     :returns: an iterable of ``DeviceSpec`` records with unique names (conventionally
         ``"<backend>:<index>"``) and a ``rank`` (higher is preferred; CPU 0, OpenCL CPU 10,
-        OpenCL/CUDA GPUs 100 and up).
+        OpenCL/CUDA GPUs 100 and up). Give each its ``kernel_names`` (the backend's kernel set):
+        then compiling a program creates only the devices it runs on.
 
     Example::
 
         @polyhal.hookimpl
         def register_devices():
             return [DeviceSpec(name="mydev:0", backend="mydev", rank=50, factory=MyDevice,
-                               heaps=(Heap(MemoryType.DEVICE_LOCAL, BufferUsage.DEFAULT, 1 << 30),))]
+                               heaps=(Heap(MemoryType.DEVICE_LOCAL, BufferUsage.DEFAULT, 1 << 30),),
+                               kernel_names=frozenset({"add", "matmul"}))]
     """
 
 

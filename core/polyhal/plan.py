@@ -17,40 +17,56 @@ from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
 from polyhal.passes.bufferize import bufferize
-from polyhal.passes.placement import Placement, place
+from polyhal.passes.data_tiling import set_encodings
+from polyhal.passes.fuse_attention import fuse_attention
+from polyhal.passes.fuse_linear import fuse_linear
+from polyhal.passes.materialize_encoding import materialize_encodings
+from polyhal.passes.placement import Placement, fusion_gate, kernel_sets, place
 from polyhal.policy import selector_for
 from polyhal.registry import Registry, default_registry
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
-            registry: Registry | None = None, data_tiling: bool = False) -> "Plan":
-    """Place ``program`` on ``devices`` and bind its kernels.
+            registry: Registry | None = None, fuse: bool = True, data_tiling: bool = False) -> "Plan":
+    """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
     every device, best-ranked first). Each op's candidates are those of the list that have its
     kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
     takes the first, so an op runs on the best device that can run it and values are moved
-    between devices where needed.
+    between devices where needed. Only the devices that ops land on are created.
 
-    ``data_tiling=True`` wraps matmul operands and results in encodings first
+    ``fuse`` (default on) runs the fusion passes first: each attention head (matmul, scaling,
+    softmax, matmul) becomes one ``attention`` op (:mod:`polyhal.passes.fuse_attention`) and
+    each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), wherever
+    the device placement would choose for those ops has the fused kernel
+    (:func:`polyhal.passes.placement.fusion_gate`). ``plan.explain()`` lists what was fused.
+
+    ``data_tiling=True`` wraps matmul operands and results in encodings
     (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
     """
-    from polyhal.passes.materialize_encoding import materialize_encodings
-
     registry = registry or default_registry()
-    if data_tiling:
-        from polyhal.passes.data_tiling import set_encodings
-
-        program = set_encodings(program)
     if isinstance(devices, str):
         devices = (devices,)
     if not devices:
         devices = tuple(s.name for s in registry.device_specs())
         if not devices:
             registry.get_device(None)  # raises the "no device" error with its advice
-    placement = place(program, registry, selector_for(registry), tuple(devices))
+    devices = tuple(devices)
+    selector, kernels = selector_for(registry), kernel_sets(registry)
+    fusions = None
+    if fuse:
+        fusible = fusion_gate(registry, selector, devices, kernels)
+        # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
+        program, fusions = fuse_attention(program, fusible)
+        program, linear = fuse_linear(program, fusible)
+        fusions += linear
+    if data_tiling:
+        program = set_encodings(program)
+    placement = place(program, registry, selector, devices, kernels)
+    placement.fusions = fusions
     placement = materialize_encodings(placement, registry)
     return Plan(placement, registry)
 
@@ -256,6 +272,10 @@ class Plan:
                  f"{self.placement.transfers} transfers, {len(self.intermediates) - views} intermediate buffers "
                  + (f"and {views} views of them " if views else "") +
                  f"(planned peak {self.buffer_plan.peak_bytes} B, unplanned {self.buffer_plan.unplanned_bytes} B)"]
+        if self.placement.fusions is None:
+            lines.append("  fusion: off (compiled with fuse=False)")
+        for fusion in self.placement.fusions or ():
+            lines.append(f"  fused {fusion.explain()}")
         for op, candidates, d in self.placement.decisions:
             lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}; "
                          f"select_allocator by {d.plugin!r}, index {d.index}: {d.reason})")

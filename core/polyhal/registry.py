@@ -209,6 +209,10 @@ class Registry:
             return f"device {spec.name!r} has no callable factory"
         if not spec.heaps:
             return f"device {spec.name!r} declares no memory heaps"
+        if spec.kernel_names is not None and not (isinstance(spec.kernel_names, frozenset)
+                                                  and all(isinstance(n, str) for n in spec.kernel_names)):
+            return (f"device {spec.name!r} has kernel_names {type(spec.kernel_names).__name__} "
+                    "instead of a frozenset of op names")
         return None
 
     def get_device(self, device: "Device | str | None" = None) -> Device:
@@ -243,6 +247,16 @@ class Registry:
                 apply_allocator_hooks(self, dev)  # plugins may wrap the allocator (wrap_allocator hook)
                 self._devices[spec.name] = dev
             return dev
+
+    def kernel_names(self, device: str) -> frozenset[str]:
+        """The ops device ``device`` has kernels for, from its DeviceSpec: nothing is created,
+        unless the spec declares none (``kernel_names=None``); then the device is asked."""
+        for spec in self.device_specs():
+            if spec.name == device:
+                if spec.kernel_names is not None:
+                    return spec.kernel_names
+                break
+        return self.get_device(device).kernel_names  # an unknown name fails here, listing the devices
 
     def created_devices(self) -> list[Device]:
         """Devices created so far (creation is lazy)."""

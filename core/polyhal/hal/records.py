@@ -63,6 +63,11 @@ class DeviceSpec:
     #: DLPack (device type, id) pairs whose memory this device can import without a copy.
     dlpack_devices: frozenset[tuple[int, int]] = frozenset()
     description: str = ""
+    #: Names of the ops the device has kernels for (its backend's kernel set). Placement and the
+    #: fusion passes read them here, so a compile creates only the devices it places ops on.
+    #: ``None`` (a plugin that does not declare them): the core creates the device to ask it
+    #: (:attr:`Device.kernel_names <polyhal.hal.device.Device.kernel_names>`).
+    kernel_names: frozenset[str] | None = field(default=None, compare=False, repr=False)
     #: Name of the plugin that registered it; filled in by the registry.
     plugin: str = ""
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -249,6 +249,65 @@ def packed_shape(shape: tuple[int, ...], inner_dims_pos: tuple[int, ...], inner_
     return tuple(outer[p] for p in perm) + tuple(inner_tiles)
 
 
+def check_pack_attrs(shape: Sequence[int], inner_dims_pos: Sequence[int], inner_tiles: Sequence[int],
+                     outer_dims_perm: Sequence[int] | None) -> None:
+    """Raise unless the tiling attributes fit a tensor of ``shape`` (of ``pack`` and :class:`PackedLayout`)."""
+    rank = len(shape)
+    if len(inner_dims_pos) != len(inner_tiles):
+        raise ProgramError(f"inner_dims_pos {list(inner_dims_pos)} and inner_tiles {list(inner_tiles)} "
+                           "must have the same length")
+    if len(set(inner_dims_pos)) != len(inner_dims_pos) or not all(0 <= p < rank for p in inner_dims_pos):
+        raise ShapeError(f"inner_dims_pos {list(inner_dims_pos)} must be distinct dims of a rank-{rank} "
+                         f"tensor (0..{rank - 1})")
+    if not all(t >= 1 for t in inner_tiles):
+        raise ShapeError(f"inner_tiles {list(inner_tiles)} must be >= 1")
+    if outer_dims_perm is not None and sorted(outer_dims_perm) != list(range(rank)):
+        raise ShapeError(f"outer_dims_perm {list(outer_dims_perm)} is not a permutation of 0..{rank - 1}")
+
+
+def pack_array(x: np.ndarray, inner_dims_pos: tuple[int, ...], inner_tiles: tuple[int, ...],
+               outer_dims_perm: tuple[int, ...] | None = None, padding_value: float = 0.0) -> np.ndarray:
+    """``pack`` (IREE's ``linalg.pack``) of array ``x``, computed with numpy: the reference of the
+    ``pack`` op and what :meth:`PackedLayout.pack` does to constants."""
+    # A gather: each packed element reads the source element it stands for, or the padding.
+    x = np.asarray(x)
+    pos, tiles, rank = inner_dims_pos, inner_tiles, x.ndim
+    perm = outer_dims_perm or tuple(range(rank))
+    out_shape = packed_shape(x.shape, pos, tiles, perm)
+    idx = np.indices(out_shape, sparse=True)
+    valid = np.ones(out_shape, bool)
+    src = []
+    for d in range(rank):
+        i = idx[perm.index(d)]
+        if d in pos:
+            k = pos.index(d)
+            i = i * tiles[k] + idx[rank + k]
+        valid = valid & (i < x.shape[d])
+        src.append(np.minimum(i, max(x.shape[d] - 1, 0)))
+    gathered = x[tuple(src)] if x.size else np.zeros(out_shape, x.dtype)
+    return np.where(valid, gathered, np.asarray(padding_value).astype(x.dtype)).astype(x.dtype)
+
+
+def unpack_array(x: np.ndarray, inner_dims_pos: tuple[int, ...], inner_tiles: tuple[int, ...],
+                 outer_dims_perm: tuple[int, ...] | None, dest_shape: tuple[int, ...]) -> np.ndarray:
+    """``unpack`` (IREE's ``linalg.unpack``) of array ``x`` into ``dest_shape``, computed with
+    numpy: the inverse of :func:`pack_array` (padding is dropped)."""
+    # A gather the other way: each dense element reads its tile slot.
+    x = np.asarray(x)
+    pos, tiles, rank = inner_dims_pos, inner_tiles, len(dest_shape)
+    perm = outer_dims_perm or tuple(range(rank))
+    idx = np.indices(dest_shape, sparse=True)
+    where: list = [None] * (rank + len(pos))
+    for d in range(rank):
+        j = perm.index(d)
+        if d in pos:
+            k = pos.index(d)
+            where[j], where[rank + k] = idx[d] // tiles[k], idx[d] % tiles[k]
+        else:
+            where[j] = idx[d]
+    return np.array(x[tuple(where)], dtype=x.dtype).reshape(dest_shape)
+
+
 @dataclass(frozen=True)
 class PackedLayout(Layout):
     """A tiled layout (IREE's ``MaterializeEncodingInfo``): dims ``inner_dims_pos`` are cut into
@@ -280,8 +339,6 @@ class PackedLayout(Layout):
         if perm == tuple(range(t.rank)):
             perm = None  # one spelling for the identity permutation, so equal layouts compare equal
         object.__setattr__(self, "outer_dims_perm", perm)
-        from polyhal.ops.data_tiling import check_pack_attrs
-
         check_pack_attrs(t.shape, self.inner_dims_pos, self.inner_tiles, self.outer_dims_perm)
 
     def _key(self) -> tuple:
@@ -317,15 +374,12 @@ class PackedLayout(Layout):
         return ("unpack", {**attrs, "dest_shape": self.tensor_type.shape})
 
     def pack(self, array: np.ndarray) -> np.ndarray:
-        from polyhal.ops import OPS
-
-        return OPS["pack"].reference(np.asarray(array, self.tensor_type.dtype), **self._attrs())[0]
+        return pack_array(np.asarray(array, self.tensor_type.dtype), self.inner_dims_pos, self.inner_tiles,
+                          self.outer_dims_perm, self.padding_value)
 
     def unpack(self, storage: np.ndarray) -> np.ndarray:
-        from polyhal.ops import OPS
-
-        name, attrs = self.unpack_op()
-        return OPS[name].reference(np.asarray(storage, self.tensor_type.dtype), **attrs)[0]
+        return unpack_array(np.asarray(storage, self.tensor_type.dtype), self.inner_dims_pos, self.inner_tiles,
+                            self.outer_dims_perm, self.tensor_type.shape)
 
     def materialize_dispatch(self, op, attrs, in_layouts, out_layouts):
         # matmul on packed LHS (M1,K1,M0,K0), RHS (N1,K1,N0,K0) into RESULT (M1,N1,M0,N0) is

@@ -10,11 +10,10 @@ backend's kernels for them are checked against these references by the conforman
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
-from polyhal.errors import ProgramError, ShapeError
+from polyhal.errors import ShapeError
+from polyhal.ir.encoding import check_pack_attrs, pack_array, packed_shape, unpack_array
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import (
     ANY, NUMERIC, check_dtype, check_same_dtype, define, float_attr, fmt_shape, int_list_attr, narrow,
@@ -22,22 +21,6 @@ from polyhal.ops._base import (
 )
 
 _PRODUCT_TOLERANCE = (1e-4, 1e-5)
-
-
-def check_pack_attrs(shape: Sequence[int], inner_dims_pos: Sequence[int], inner_tiles: Sequence[int],
-                     outer_dims_perm: Sequence[int] | None) -> None:
-    """Raise unless the tiling attributes fit a tensor of ``shape`` (shared with PackedLayout)."""
-    rank = len(shape)
-    if len(inner_dims_pos) != len(inner_tiles):
-        raise ProgramError(f"inner_dims_pos {list(inner_dims_pos)} and inner_tiles {list(inner_tiles)} "
-                           "must have the same length")
-    if len(set(inner_dims_pos)) != len(inner_dims_pos) or not all(0 <= p < rank for p in inner_dims_pos):
-        raise ShapeError(f"inner_dims_pos {list(inner_dims_pos)} must be distinct dims of a rank-{rank} "
-                         f"tensor (0..{rank - 1})")
-    if not all(t >= 1 for t in inner_tiles):
-        raise ShapeError(f"inner_tiles {list(inner_tiles)} must be >= 1")
-    if outer_dims_perm is not None and sorted(outer_dims_perm) != list(range(rank)):
-        raise ShapeError(f"outer_dims_perm {list(outer_dims_perm)} is not a permutation of 0..{rank - 1}")
 
 
 def _tiling(rank: int, inner_dims_pos, inner_tiles, outer_dims_perm):
@@ -48,8 +31,6 @@ def _tiling(rank: int, inner_dims_pos, inner_tiles, outer_dims_perm):
 
 
 def _packed(shape, pos, tiles, perm) -> tuple[int, ...]:
-    from polyhal.ir.encoding import packed_shape
-
     return packed_shape(tuple(shape), pos, tiles, perm)
 
 
@@ -64,24 +45,8 @@ def _infer_pack(x: TensorType, *, inner_dims_pos, inner_tiles, outer_dims_perm, 
 
 
 def _ref_pack(x, *, inner_dims_pos, inner_tiles, outer_dims_perm=None, padding_value=0.0):
-    # A gather: each packed element reads the source element it stands for, or the padding.
     x = np.asarray(x)
-    pos, tiles, perm = _tiling(x.ndim, inner_dims_pos, inner_tiles, outer_dims_perm)
-    rank = x.ndim
-    perm = perm or tuple(range(rank))
-    out_shape = _packed(x.shape, pos, tiles, perm)
-    idx = np.indices(out_shape, sparse=True)
-    valid = np.ones(out_shape, bool)
-    src = []
-    for d in range(rank):
-        i = idx[perm.index(d)]
-        if d in pos:
-            k = pos.index(d)
-            i = i * tiles[k] + idx[rank + k]
-        valid = valid & (i < x.shape[d])
-        src.append(np.minimum(i, max(x.shape[d] - 1, 0)))
-    gathered = x[tuple(src)] if x.size else np.zeros(out_shape, x.dtype)
-    return (np.where(valid, gathered, np.asarray(padding_value).astype(x.dtype)).astype(x.dtype),)
+    return (pack_array(x, *_tiling(x.ndim, inner_dims_pos, inner_tiles, outer_dims_perm), padding_value),)
 
 
 def _random_tiling(rng: np.random.Generator, rank: int):
@@ -126,22 +91,8 @@ def _infer_unpack(x: TensorType, *, inner_dims_pos, inner_tiles, outer_dims_perm
 
 
 def _ref_unpack(x, *, inner_dims_pos, inner_tiles, outer_dims_perm=None, dest_shape):
-    # A gather the other way: each dense element reads its tile slot; padding is dropped.
-    x = np.asarray(x)
     dest = tuple(int_list_attr(dest_shape, "dest_shape"))
-    rank = len(dest)
-    pos, tiles, perm = _tiling(rank, inner_dims_pos, inner_tiles, outer_dims_perm)
-    perm = perm or tuple(range(rank))
-    idx = np.indices(dest, sparse=True)
-    where: list = [None] * (rank + len(pos))
-    for d in range(rank):
-        j = perm.index(d)
-        if d in pos:
-            k = pos.index(d)
-            where[j], where[rank + k] = idx[d] // tiles[k], idx[d] % tiles[k]
-        else:
-            where[j] = idx[d]
-    return (np.array(x[tuple(where)], dtype=x.dtype).reshape(dest),)
+    return (unpack_array(x, *_tiling(len(dest), inner_dims_pos, inner_tiles, outer_dims_perm), dest),)
 
 
 def _sample_unpack(rng: np.random.Generator):

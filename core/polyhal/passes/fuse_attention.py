@@ -18,7 +18,8 @@ The pass matches, for dispatches with one affinity:
 ``k`` is ``kT`` with its last two dims swapped: a ``transpose`` op, which composes with the
 transpose that usually made ``kT`` (exporters transpose the keys' heads) into one, and which is
 a view, not a copy, on devices whose kernels take strided operands (see the bufferize pass).
-Values the match would remove but that something else reads keep their ops.
+Values the match would remove but that something else reads keep their ops. A match is fused
+only where ``fusible("attention", ops)`` says so (see :mod:`polyhal.passes.fusion`).
 """
 
 from __future__ import annotations
@@ -29,15 +30,13 @@ import dataclasses
 import numpy as np
 
 from polyhal.ir.program import Op, Program, Value, uses_and_producers
+from polyhal.ir.types import TensorType
+from polyhal.ops import canonical_attrs
+from polyhal.passes.fusion import Fusible, Fusion, always
 
 
-def fuse_attention(program: Program) -> tuple[Program, list[tuple[list[Op], list[Op]]]]:
-    """``program`` with attention heads fused, and what changed: (the ops replaced, the ops
-    that replace them)."""
-    from polyhal.ops import OPS, canonical_attrs
-
-    if "attention" not in OPS:
-        return program, []
+def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
+    """``program`` with attention heads fused where ``fusible`` allows, and what changed."""
     uses, producer = uses_and_producers(program)
     consumers: dict[int, list[Op]] = collections.defaultdict(list)
     for op in program.ops:
@@ -129,6 +128,8 @@ def fuse_attention(program: Program) -> tuple[Program, list[tuple[list[Op], list
         else:
             k = Value(_swapped(kt), f"{kt.name}_k", kt.program_id)
             new.append(Op("dispatch", "transpose", (kt,), (k,), canonical_attrs({"perm": swap}), mm2.affinity))
+        if not fusible("attention", _in_order(program, chain)):
+            continue
         new.append(Op("dispatch", "attention", (q, k, v), mm2.outputs, canonical_attrs({"scale": scale}), mm2.affinity))
         replaced[id(mm2)] = [chain, new]
         removed.update(id(op) for op in chain)
@@ -139,14 +140,18 @@ def fuse_attention(program: Program) -> tuple[Program, list[tuple[list[Op], list
         if id(op) in replaced:
             chain, new = replaced[id(op)]
             ops.extend(new)
-            changes.append(([o for o in program.ops if any(o is c for c in chain)], new))
+            changes.append(Fusion("attention", _in_order(program, chain), tuple(new)))
         elif id(op) not in removed:
             ops.append(op)
     return dataclasses.replace(program, ops=ops), changes
 
 
-def _swapped(v: Value):
-    from polyhal.ir.types import TensorType
+def _in_order(program: Program, chain: list[Op]) -> tuple[Op, ...]:
+    """The ops of ``chain`` in program order."""
+    ids = {id(op) for op in chain}
+    return tuple(op for op in program.ops if id(op) in ids)
 
+
+def _swapped(v: Value) -> TensorType:
     shape = v.type.shape
     return TensorType(shape[:-2] + (shape[-1], shape[-2]), v.type.dtype)

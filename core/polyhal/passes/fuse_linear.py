@@ -6,7 +6,9 @@ the product is written. Front ends emit MatMul and Add separately (as ONNX graph
 so this pass finds the pairs: a ``matmul`` with a 2-D right operand whose only use is an ``add``
 of a bias of shape ``(N,)`` (or a scalar). Likewise ``mul(matmul(a, b), c)`` with a scalar ``c``
 (attention scores scaled by 1/sqrt(d)) becomes ``matmul(mul(a, c), b)`` when ``a`` has fewer
-elements than the product. Ops with different affinities are left alone.
+elements than the product. Ops with different affinities are left alone. A pair becomes
+``linear`` only where ``fusible("linear", ops)`` says so (see :mod:`polyhal.passes.fusion`); moving
+a scaling needs no kernel that the ops did not already need, so it always happens.
 """
 
 from __future__ import annotations
@@ -14,15 +16,12 @@ from __future__ import annotations
 import dataclasses
 
 from polyhal.ir.program import Op, Program, Value, uses_and_producers
+from polyhal.passes.fusion import Fusible, Fusion, always
 
 
-def fuse_linear(program: Program) -> tuple[Program, list[tuple[Op, Op, list[Op]]]]:
-    """``program`` with matmul + bias add pairs fused and scalings moved, and what changed:
-    (matmul, add or mul, the ops that replace the two)."""
-    from polyhal.ops import OPS
-
-    if "linear" not in OPS:
-        return program, []
+def fuse_linear(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
+    """``program`` with matmul + bias add pairs fused where ``fusible`` allows and scalings
+    moved, and what changed."""
     uses, producer = uses_and_producers(program)
     fused: dict[int, tuple[Op, Op]] = {}  # id(add op) -> (matmul, add)
     dropped: set[int] = set()
@@ -38,7 +37,7 @@ def fuse_linear(program: Program) -> tuple[Program, list[tuple[Op, Op, list[Op]]
             n = w.type.shape[-1] if w.type.rank == 2 else None
             if (n is None or x.type.rank < 1 or uses[mm.outputs[0].id] != 1 or mm.affinity != op.affinity
                     or bias.type.shape not in ((n,), (), (1,)) or bias.type.dtype != x.type.dtype
-                    or op.outputs[0].type != mm.outputs[0].type):
+                    or op.outputs[0].type != mm.outputs[0].type or not fusible("linear", (mm, op))):
                 continue
             fused[id(op)] = (mm, op)
             dropped.add(id(mm))
@@ -74,13 +73,13 @@ def fuse_linear(program: Program) -> tuple[Program, list[tuple[Op, Op, list[Op]]
             new = [Op("dispatch", "mul", (a, c), (a_scaled,), (), op.affinity),
                    Op("dispatch", "matmul", (a_scaled, mm.inputs[1]), op.outputs, (), op.affinity)]
             ops.extend(new)
-            changes.append((mm, op, new))
+            changes.append(Fusion("scaling", (mm, op), tuple(new)))
             continue
         pair = fused.get(id(op))
         if pair is not None:
             mm, add = pair
             bias = add.inputs[1] if add.inputs[0] is mm.outputs[0] else add.inputs[0]
             op = Op("dispatch", "linear", (mm.inputs[0], mm.inputs[1], bias), add.outputs, (), add.affinity)
-            changes.append((mm, add, [op]))
+            changes.append(Fusion("linear", (mm, add), (op,)))
         ops.append(op)
     return dataclasses.replace(program, ops=ops), changes

@@ -12,12 +12,13 @@ placed with the encode's first consumer, so data is packed where it is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from polyhal.errors import KernelNotFoundError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import Affinity
+from polyhal.passes.fusion import Fusion
 from polyhal.policy import AllocatorDecision, AllocatorSelector, Workload
 from polyhal.registry import Registry
 
@@ -36,12 +37,70 @@ class Placement:
     transfers: int = 0
     #: What MaterializeEncoding did (a polyhal.passes.materialize_encoding.EncodingReport).
     encodings: Any = None
+    #: What the fusion passes did, in order; None when the compile was asked not to fuse.
+    fusions: list[Fusion] | None = field(default_factory=list)
+
+
+#: ``device name -> the ops it has kernels for``.
+KernelSets = Callable[[str], frozenset]
+
+
+def kernel_sets(registry: Registry) -> KernelSets:
+    """``device name -> its kernel set``, read once per device from its DeviceSpec (nothing is
+    created); an unknown name raises DeviceNotFoundError listing the devices."""
+    cache: dict[str, frozenset] = {}
+
+    def kernels(device: str) -> frozenset:
+        found = cache.get(device)
+        if found is None:
+            found = cache[device] = registry.kernel_names(device)
+        return found
+
+    return kernels
+
+
+def candidates(op_names: Sequence[str], affinity: Affinity, kernels: KernelSets) -> list[str]:
+    """The devices of ``affinity``, in order, that have a kernel for every op of ``op_names``."""
+    return [d for d in affinity.devices if all(name in kernels(d) for name in op_names)]
+
+
+def fusion_gate(registry: Registry, selector: AllocatorSelector, devices: tuple[str, ...],
+                kernels: KernelSets) -> Callable[[str, Sequence[Op]], bool]:
+    """The fusion passes' question "fuse ``ops`` into one op ``fused``?", answered by placement:
+    yes when the device that placement would choose for ``ops`` unfused has a ``fused`` kernel.
+
+    That device is the ``select_allocator`` decision for the results of the last of ``ops``
+    among the devices of their affinity (or ``devices``) that have every one of their kernels,
+    as :func:`place` asks it. So a fused op never pulls work away from the device the policy
+    prefers (a device earlier in ``devices`` that lacks the fused kernel keeps the unfused ops),
+    and since placement offers an op only to devices with its kernel, a fused op runs only where
+    its kernel exists.
+    """
+    specs = {s.name: s for s in registry.device_specs()}
+
+    def fusible(fused: str, ops: Sequence[Op]) -> bool:
+        last = ops[-1]
+        affinity = last.affinity or Affinity(devices)
+        names = candidates(dict.fromkeys(op.name for op in ops), affinity, kernels)
+        if not names:
+            return False  # no device runs them all: leave them as they are
+        workload = Workload(last.name, tuple(v.type for v in last.inputs), tuple(v.type for v in last.outputs),
+                            last.attrs, (None,) * len(last.inputs))
+        decision = selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
+                                   RESULT_MEMORY, RESULT_USAGE, 0, devices=devices, workload=workload)
+        return fused in kernels(decision.device_name)
+
+    return fusible
 
 
 def place(program: Program, registry: Registry, selector: AllocatorSelector,
-          default_devices: tuple[str, ...]) -> Placement:
-    """Assign devices and insert transfers; returns a new Program (the input is not modified)."""
+          default_devices: tuple[str, ...], kernels: KernelSets | None = None) -> Placement:
+    """Assign devices and insert transfers; returns a new Program (the input is not modified).
+
+    ``kernels`` gives each device's kernel set (default: :func:`kernel_sets`); only the devices
+    that ops are placed on are created, later, by the plan."""
     specs = {s.name: s for s in registry.device_specs()}
+    kernels = kernels or kernel_sets(registry)
     value_device: dict[int, str] = {}
     copies: dict[tuple[int, str], Value] = {}
     placed_ops: list[Op] = []
@@ -87,23 +146,19 @@ def place(program: Program, registry: Registry, selector: AllocatorSelector,
                 place_encode(op, home)
             continue
         affinity = op.affinity or Affinity(default_devices)
-        candidates = []
-        for name in affinity.devices:
-            registry.get_device(name)  # unknown names fail here with the list of devices
-            if op.name in registry.get_device(name).kernel_names:
-                candidates.append(name)
-        if not candidates:
+        names = candidates((op.name,), affinity, kernels)
+        if not names:
             raise KernelNotFoundError(
                 f"no device of {affinity} has a kernel for op {op.name!r}; devices with it: "
-                f"{[n for n in specs if op.name in registry.get_device(n).kernel_names] or 'none'}")
+                f"{[n for n in specs if op.name in kernels(n)] or 'none'}")
         # The op as the cost policy sees it: operand types and where each operand lives so far
         # (None: a program input, bound at run time wherever the op lands).
         workload = Workload(op.name, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),
                             op.attrs, tuple(value_device.get(v.id) for v in op.inputs))
-        decision = selector.select(tuple((specs[n], affinity.queue_affinity) for n in candidates),
+        decision = selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
                                    RESULT_MEMORY, RESULT_USAGE, 0, devices=default_devices, workload=workload)
         device = decision.device_name
-        placement.decisions.append((op, tuple(candidates), decision))
+        placement.decisions.append((op, tuple(names), decision))
         inputs = tuple(on_device(v, device) for v in op.inputs)
         for v in op.outputs:
             value_device[v.id] = device

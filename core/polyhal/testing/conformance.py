@@ -183,6 +183,16 @@ def _op_names():
     return sorted(OPS)
 
 
+def test_declared_kernel_names_are_the_kernels_it_serves(device):
+    # Placement and fusion read the spec's set without creating the device: it must not differ.
+    declared = device.spec.kernel_names
+    if declared is None:
+        pytest.skip(f"{device.name}'s DeviceSpec declares no kernel_names (compiles create it to ask)")
+    assert declared == device.kernel_names, (
+        f"{device.name}: DeviceSpec.kernel_names and the device's kernel_names differ: only declared "
+        f"{sorted(declared - device.kernel_names)}, only served {sorted(device.kernel_names - declared)}")
+
+
 @pytest.mark.parametrize("op", _op_names())
 def test_kernel_matches_reference(device, op):
     _require_kernels(device, op)

@@ -21,6 +21,7 @@ from polyhal_cpu.cost import estimate_cost, link_bandwidth  # noqa: F401  (hooks
 from polyhal_cpu.device import CPUDevice
 from polyhal_cpu.encoding import DEFAULT_TILE
 from polyhal_cpu.encoding import resolve_encoding  # noqa: F401  (hook: the data-tiling resolver)
+from polyhal_cpu.kernels import KERNEL_NAMES
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -73,7 +74,7 @@ def register_devices():
             limits={"ordinal": i, "cores": os.cpu_count() or 1, "max_allocation_bytes": heap.max_allocation_size,
                     "data_tile": tile},
             dlpack_devices=frozenset({(1, 0)}) if i == 0 else frozenset(),
-            description=f"numpy on the host CPU ({os.cpu_count()} cores)",
+            description=f"numpy on the host CPU ({os.cpu_count()} cores)", kernel_names=KERNEL_NAMES,
         )
         for i in range(_device_count())
     ]

@@ -25,6 +25,7 @@ from typing import Any
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_cuda.kernels import KERNEL_NAMES
 from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
@@ -125,6 +126,7 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
             dlpack_devices=frozenset({(DL_CUDA, ordinal), (DL_CUDA_MANAGED, ordinal), (DL_CUDA_HOST, ordinal)}),
             description=(f"{lim['device']} (CUDA, sm_{props.get('major', 0)}{props.get('minor', 0)}, "
                          f"{lim['multiprocessors']} SMs, {lim['global_mem_bytes'] / 2**30:.0f} GiB)"),
+            kernel_names=KERNEL_NAMES,
         ))
         if pool == "async" and not async_ok:
             reasons.append(f"cuda:{ordinal}: POLYHAL_CUDA_POOL=async, but the device has no stream-ordered "

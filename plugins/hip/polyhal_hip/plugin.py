@@ -28,6 +28,7 @@ from polyhal.hal.records import DeviceSpec
 
 from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
 from polyhal_hip import runtime
+from polyhal_hip.kernels import KERNEL_NAMES
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -129,6 +130,7 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
             dlpack_devices=frozenset({(DL_ROCM, ordinal), (DL_ROCM_HOST, ordinal)}),
             description=(f"{props.name or 'AMD GPU'} (HIP, {props.arch}, {props.multiprocessors} CUs, "
                          f"{props.total_memory / 2**30:.0f} GiB, ROCm {lim['runtime_version']}){where}"),
+            kernel_names=KERNEL_NAMES,
         ))
     return Enumeration(tuple(specs), tuple(reasons))
 

@@ -26,6 +26,8 @@ from typing import Any
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_opencl.kernels import KERNEL_NAMES
+
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
 #: Rank by OpenCL device type (see the module docstring).
@@ -171,6 +173,7 @@ def enumerate_devices() -> Enumeration:
                 # Our own buffers come back zero-copy: see CLDevice.import_dlpack.
                 dlpack_devices=frozenset({(4, ordinal)}),
                 description=f"{cl_device.name.strip()} ({platform.name.strip()}, OpenCL {kind})",
+                kernel_names=KERNEL_NAMES,
             ))
     if not specs and not reasons:
         reasons.append(f"OpenCL platforms were found but none offers a device; {INSTALL_HINT}")

@@ -12,6 +12,7 @@
 Importing this package imports ``onnx``; ``import polyhal`` does not.
 """
 
+from polyhal.frontends.onnx.converters import CONVERTERS
 from polyhal.frontends.onnx.errors import (
     NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError, StrictPlacementError,
 )
@@ -23,8 +24,6 @@ from polyhal.frontends.onnx.importer import (
 def supported_ops() -> list[str]:
     """ONNX op types (default domain) with a converter; ops ONNX defines as functions of these
     are supported too, by expansion."""
-    from polyhal.frontends.onnx.converters import CONVERTERS
-
     return sorted(op for domain, op in CONVERTERS if domain == "")
 
 

@@ -37,9 +37,14 @@ from polyhal.frontends.onnx.errors import (
     NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError,
 )
+from polyhal.frontends.onnx.converters import convert_node
+from polyhal.frontends.onnx.types import Dynamic, np_dtype
 from polyhal.ir.program import Program, ProgramBuilder, Value
-from polyhal.ir.types import SUPPORTED_DTYPES, TensorType
+from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
+from polyhal.passes.placement import kernel_sets
+from polyhal.plan import compile as polyhal_compile
+from polyhal.registry import default_registry
 
 #: The default-domain opsets the importer accepts (ONNX 1.23's opset 28 is the newest it was
 #: tested against; opset 7 is where numpy-style broadcasting became ONNX's rule for every op).
@@ -73,31 +78,6 @@ Val = Any  # np.ndarray (known at import time) or Value (computed when the plan 
 
 
 # ------------------------------------------------------------------------------------- types
-
-def np_dtype(elem_type: int, what: str) -> np.dtype:
-    """The numpy dtype of ONNX element type ``elem_type``; OnnxUnsupportedError naming
-    ``what`` for those polyhal lacks (string, bfloat16, float8, int4, complex, ...)."""
-    try:
-        name = onnx.TensorProto.DataType.Name(elem_type)
-    except ValueError:
-        raise OnnxModelError(f"{what} has element type {elem_type}, which is not an ONNX type") from None
-    if elem_type == onnx.TensorProto.UNDEFINED:
-        raise OnnxModelError(f"{what} has no element type")
-    try:
-        dt = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
-    except Exception:  # noqa: BLE001  (onnx raises several types for unmapped ones)
-        dt = None
-    if dt is None or dt not in SUPPORTED_DTYPES or name in ("BFLOAT16",) or name.startswith(("FLOAT8", "FLOAT4")):
-        supported = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
-        raise OnnxUnsupportedError(f"{what} has element type {name}, which polyhal does not support "
-                                   f"(supported: {supported})")
-    return dt
-
-
-def onnx_elem_type(dtype: np.dtype) -> int:
-    """The ONNX element type of numpy ``dtype``."""
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-
 
 def _declared(type_proto: onnx.TypeProto) -> tuple[int | None, tuple | None]:
     """(elem_type, dims) of a tensor TypeProto; a dim is an int or None (symbolic/unknown);
@@ -155,76 +135,55 @@ class OnnxProgram(Program):
         """Names of the inputs a run takes (graph inputs not fixed at import), in order."""
         return [v.name for v in self.inputs]
 
-    def origin(self, op) -> str:
-        """The ONNX node an op of this program (or of its placed form) came from."""
-        for v in op.outputs:
-            if v.id in self.origins:
-                return self.origins[v.id]
-        return "(import)"
+    def origin(self, op, plan=None) -> str:
+        """The ONNX node an op of this program, or of ``plan`` compiled from it, came from (an
+        op made by fusing the ops of several nodes names them all)."""
+        return _origin(op, self.node_labels(plan) if plan is not None else self.origins)
+
+    def node_labels(self, plan) -> dict[int, str]:
+        """Value id -> the ONNX node label for the values of ``plan`` (compiled from this
+        program): ``origins`` plus the results of the ops that fusions made."""
+        origins = dict(self.origins)
+        for fusion in plan.placement.fusions or ():
+            labels = dict.fromkeys(filter(None, (origins.get(op.outputs[0].id) for op in fusion.ops)))
+            for op in fusion.new:
+                for v in op.outputs:
+                    origins[v.id] = " + ".join(labels)
+        return origins
 
     def compile(self, devices: Sequence[str] | str | None = None, *, strict: bool = False,
-                registry=None, fuse: bool = True, **options: Any):
+                registry=None, **options: Any):
         """Compile for ``devices`` (ordered; default every device, best first).
 
         Ops that none of ``devices`` has a kernel for run on another device that has one, with
         transfers inserted (heterogeneous placement); ``strict=True`` refuses that instead,
         with a :class:`StrictPlacementError` naming the node, its op and the devices lacking it.
-        ``fuse`` fuses each MatMul with the bias Add after it into one ``linear`` op when the
-        first device of the list that has matmul has linear too, and each attention head
-        (MatMul, scaling, Softmax, MatMul) into one ``attention`` op when that device has
-        attention. ``options`` go to :func:`polyhal.compile` (e.g. ``data_tiling=True``).
+        ``options`` go to :func:`polyhal.compile` (``fuse=False`` to keep MatMul, Softmax, ...
+        unfused, ``data_tiling=True``).
         """
-        import polyhal
-        from polyhal.registry import default_registry
-
         registry = registry or default_registry()
         if isinstance(devices, str):
             devices = (devices,)
         every = [s.name for s in registry.device_specs()]
         requested = tuple(devices) if devices else tuple(every)
+        kernels = kernel_sets(registry)  # device kernel sets, from the specs: nothing is created
         for name in requested:
-            registry.get_device(name)  # unknown names fail here, listing the devices
-        missing = []
-        for op in self.ops:
-            if op.affinity is None and not any(op.name in registry.get_device(d).kernel_names for d in requested):
-                missing.append(op)
+            kernels(name)  # unknown names fail here, listing the devices
+        missing = [op for op in self.ops
+                   if op.affinity is None and not any(op.name in kernels(d) for d in requested)]
         if missing and strict:
             lines = [f"node {self.origin(op)}: op {op.name!r}" for op in missing[:10]]
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
             elsewhere = sorted({d for op in missing for d in every
-                                if d not in requested and op.name in registry.get_device(d).kernel_names})
+                                if d not in requested and op.name in kernels(d)})
             hint = (f"; without --strict they would run on {', '.join(elsewhere)}" if elsewhere
                     else "; no installed device has them")
             raise StrictPlacementError(
                 f"{self.source}: {len(missing)} op(s) have no kernel on {', '.join(requested)} "
                 f"(strict placement): " + "; ".join(lines) + more + hint)
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
-        program: Program = self
-        # Fuse where the device that would run the matmul (the first that has it) has the fused
-        # op too (attention first: it takes the matmuls that linear would not).
-        lead = next((d for d in requested if "matmul" in registry.get_device(d).kernel_names), None)
-        lead_kernels = registry.get_device(lead).kernel_names if lead is not None else frozenset()
-        if fuse and "attention" in lead_kernels:
-            from polyhal.passes.fuse_attention import fuse_attention
-
-            program, fused = fuse_attention(program)
-            for old_ops, new_ops in fused:  # explain names the nodes fused as the origin
-                labels = list(dict.fromkeys(filter(None, (self.origins.get(op.outputs[0].id) for op in old_ops))))
-                for op in new_ops:
-                    for v in op.outputs:
-                        self.origins[v.id] = " + ".join(labels)
-        if fuse and "linear" in lead_kernels:
-            from polyhal.passes.fuse_linear import fuse_linear
-
-            program, changes = fuse_linear(program)
-            for first_op, second_op, new_ops in changes:  # explain names both nodes as the origin
-                first, second = self.origins.get(first_op.outputs[0].id), self.origins.get(second_op.outputs[0].id)
-                label = f"{first} + {second}" if first and second and first != second else (second or first)
-                for op in new_ops:
-                    for v in op.outputs:
-                        self.origins[v.id] = label
         try:
-            return polyhal.compile(program, order, registry=registry, **options)
+            return polyhal_compile(self, order, registry=registry, **options)
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel that cannot be prepared for these operands
@@ -298,10 +257,11 @@ class OnnxProgram(Program):
         for name, value in self.frozen.items():
             lines.append(f"  input {name!r} fixed at import to {value.dtype}{list(value.shape)} (it decides a shape)")
         ops = plan.program.ops if plan is not None else self.ops
+        origins = self.node_labels(plan) if plan is not None else self.origins
         by_node: dict[str, list] = collections.defaultdict(list)
         for op in ops:
             if op.kind == "dispatch":
-                by_node[self.origin(op)].append(op)
+                by_node[_origin(op, origins)].append(op)
         lines.append("ops by node:")
         for label, node_ops in by_node.items():
             where = collections.Counter(op.device or "(not placed)" for op in node_ops)
@@ -676,8 +636,6 @@ class _Importer:
         """Convert ``nodes`` in order into ``env``. Function bodies and subgraphs are walked with
         a ``prefix`` for their labels and without the graph's declared types (their names are
         their own)."""
-        from polyhal.frontends.onnx.converters import convert_node
-
         for index, node in enumerate(nodes):
             self.node_count += 1 if not prefix else 0
             label = _label(node, index, prefix)
@@ -736,20 +694,16 @@ class _Importer:
                                  "(declared shapes contradict the data)")
 
 
-class Dynamic:
-    """A value whose first dim is known only at run time: ``padded`` (the value padded to a
-    static bound) and ``count`` (an int64 scalar, the real length). Only a model output may be
-    one; the plan returns both and :meth:`OnnxProgram.execute` cuts."""
-
-    def __init__(self, padded: Value, count: Value, what: str) -> None:
-        self.padded, self.count, self.what = padded, count, what
-
-
 class _Unsupported:
     """Stands in the environment for a value polyhal cannot hold (raised when it is used)."""
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+def _origin(op, origins: Mapping[int, str]) -> str:
+    """The node label of the first result of ``op`` that ``origins`` knows."""
+    return next((origins[v.id] for v in op.outputs if v.id in origins), "(import)")
 
 
 def _label(node: onnx.NodeProto, index: int, prefix: str) -> str:
@@ -769,7 +723,6 @@ def _with_context(exc: PolyhalError, source: str, label: str) -> PolyhalError:
 
 
 __all__ = [
-    "FOLD_LIMIT", "MAX_OPSET", "MIN_OPSET", "SUPPORTED_OPSETS", "OnnxProgram", "load", "np_dtype",
-    "onnx_elem_type", "read_model",
+    "FOLD_LIMIT", "MAX_OPSET", "MIN_OPSET", "SUPPORTED_OPSETS", "OnnxProgram", "load", "read_model",
 ]
 

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     else:
         add_policy_arguments(p)
     p.add_argument("--data-tiling", action="store_true", help="compile with data-tiling encodings")
+    p.add_argument("--no-fuse", dest="fuse", action="store_false",
+                   help="compile without the fusion passes (attention, linear)")
     p.add_argument("--explain", action="store_true",
                    help="print where every op ran, allocation decisions, folded encodes and scratch placement")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and summarise the timings")
@@ -227,7 +229,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     feeds = program.check_feeds(feeds)
 
     t0 = time.perf_counter()
-    options = {"data_tiling": True} if getattr(args, "data_tiling", False) else {}
+    options = {"data_tiling": getattr(args, "data_tiling", False), "fuse": getattr(args, "fuse", True)}
     plan = program.compile(args.device, strict=args.strict, registry=registry, **options)
     t_compile = time.perf_counter() - t0
 
@@ -313,9 +315,10 @@ def _output_record(name: str, v: np.ndarray) -> dict[str, Any]:
 
 def _placement_records(program, plan) -> list[dict[str, Any]]:
     rows = []
+    labels = program.node_labels(plan)
     for op in plan.program.ops:
         if op.kind == "dispatch":
-            rows.append({"node": program.origin(op), "op": op.name, "device": op.device})
+            rows.append({"node": labels.get(op.outputs[0].id, "(import)"), "op": op.name, "device": op.device})
         else:
             rows.append({"transfer": op.inputs[0].name, "to": op.device, "bytes": op.inputs[0].type.nbytes})
     return rows

@@ -12,7 +12,7 @@ import numpy as np
 
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.errors import OnnxUnsupportedError
-from polyhal.frontends.onnx.importer import np_dtype
+from polyhal.frontends.onnx.types import np_dtype
 
 _F64 = np.dtype(np.float64)
 

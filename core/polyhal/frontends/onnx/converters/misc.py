@@ -13,7 +13,8 @@ from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.converters.elementwise import cast
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxUnsupportedError
-from polyhal.frontends.onnx.importer import np_dtype
+from polyhal.frontends.onnx.types import Dynamic, np_dtype
+from polyhal.ops import OPS
 
 _F32 = np.dtype(np.float32)
 
@@ -110,9 +111,6 @@ def _row_param(ctx: NodeContext, p, a):
 
 @converter("NonMaxSuppression")
 def _nms(ctx: NodeContext) -> list:
-    from polyhal.frontends.onnx.importer import Dynamic
-    from polyhal.ops import OPS
-
     if "non_max_suppression" not in OPS:
         raise OnnxUnsupportedError("NonMaxSuppression: this polyhal has no non_max_suppression op")
     boxes, scores = ctx.input(0), ctx.input(1)

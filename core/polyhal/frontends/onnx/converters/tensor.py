@@ -13,7 +13,7 @@ import numpy as np
 
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
-from polyhal.frontends.onnx.importer import np_dtype
+from polyhal.frontends.onnx.types import np_dtype
 
 _I64 = np.dtype(np.int64)
 

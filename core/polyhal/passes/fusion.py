@@ -1,0 +1,43 @@
+"""What the fusion passes share: the gate they ask and the record of what each did.
+
+A fusion pass replaces a chain of dispatches by fewer ops with a kernel of their own
+(:mod:`polyhal.passes.fuse_attention`, :mod:`polyhal.passes.fuse_linear`). Whether a chain is
+fused is not the pass's to decide: it asks ``fusible(fused_op, ops)``, which the compile answers
+from the kernel sets of the devices placement can choose (:func:`polyhal.passes.placement.fusion_gate`).
+Passes return a new program and never modify the one they are given.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from polyhal.ir.program import Op, Program
+
+#: ``fusible(fused_op_name, ops) -> bool``: may ``ops`` (in program order) become op ``fused_op_name``?
+Fusible = Callable[[str, Sequence[Op]], bool]
+
+
+def always(fused: str, ops: Sequence[Op]) -> bool:
+    """The gate that fuses every match (a pass used on its own, in tests and tools)."""
+    return True
+
+
+@dataclass(frozen=True, eq=False)
+class Fusion:
+    """One rewrite by a fusion pass: ``ops`` of the program (in program order) became ``new``.
+
+    ``kind`` names the rewrite: ``"attention"``, ``"linear"``, or ``"scaling"`` (a scalar
+    scaling moved from a matmul's product onto its smaller operand).
+    """
+
+    kind: str
+    ops: tuple[Op, ...]
+    new: tuple[Op, ...]
+
+    def explain(self) -> str:
+        """One line: the ops replaced, the ops that replace them, and the value they produce."""
+        result = self.new[-1].outputs[0].name
+        return (f"{self.kind}: {' + '.join(op.name for op in self.ops)} -> "
+                f"{', '.join(op.name for op in self.new)} (%{result})")
+
