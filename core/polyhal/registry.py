@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import warnings
+import weakref
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any, Callable, Iterable
@@ -261,12 +262,12 @@ class Registry:
         Returns a function that unsubscribes ``callback`` (safe to call more than once).
         """
         self._listeners.append(callback)
+        registry = weakref.ref(self)  # an unsubscribe kept around must not keep the registry alive
 
         def unsubscribe() -> None:
-            try:
-                self._listeners.remove(callback)
-            except ValueError:
-                pass
+            reg = registry()
+            if reg is not None and callback in reg._listeners:
+                reg._listeners.remove(callback)
 
         return unsubscribe
 
