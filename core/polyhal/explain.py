@@ -74,7 +74,7 @@ def cmd_explain(args: argparse.Namespace, registry: "Registry") -> int:
     from polyhal.policies.cost import measure_link
 
     apply_policy_arguments(args, registry)
-    devices = args.device or [s.name for s in registry.device_specs()]
+    devices = args.device or registry.default_devices()
     if args.measure_links:
         for src in devices:
             for dst in devices:

@@ -27,7 +27,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     """Place ``program`` on ``devices`` and bind its kernels.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
-    every device, best-ranked first). Each op's candidates are those of the list that have its
+    every device that can be created, best-ranked first). Each op's candidates are those of the list that have its
     kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
     takes the first, so an op runs on the best device that can run it and values are moved
     between devices where needed.
@@ -47,9 +47,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     if isinstance(devices, str):
         devices = (devices,)
     if not devices:
-        devices = tuple(s.name for s in registry.device_specs())
-        if not devices:
-            registry.get_device(None)  # raises the "no device" error with its advice
+        devices = tuple(registry.default_devices())  # leaves out (with a warning) devices that fail to create
     placement = place(program, registry, selector_for(registry), tuple(devices))
     placement = materialize_encodings(placement, registry)
     return Plan(placement, registry)

@@ -186,17 +186,18 @@ class Registry:
                     f"POLYHAL_BACKENDS names {missing}, which is not installed; installed backends: "
                     f"{sorted(backends) or 'none'}. Install the plugin (e.g. pip install polyhal-{missing[0]}) "
                     "or remove it from POLYHAL_BACKENDS")
+        timeout = _plugin_timeout()
         for name, ep in sorted(backends.items()):
             if wanted is None or name in wanted:
-                self._load(ep, loud=wanted is not None)
+                self._load(ep, loud=wanted is not None, timeout=timeout)
         for ep in sorted(metadata.entry_points(group=PLUGINS_GROUP), key=lambda e: e.name):
-            self._load(ep, loud=False)
+            self._load(ep, loud=False, timeout=timeout)
 
-    def _load(self, ep: metadata.EntryPoint, *, loud: bool) -> None:
+    def _load(self, ep: metadata.EntryPoint, *, loud: bool, timeout: float) -> None:
         # Logged before the import runs: a plugin that ends the process is the last one named.
         log.debug("loading plugin %r from entry point %r (group %s)", ep.name, ep.value, ep.group)
         try:
-            plugin = _load_with_timeout(ep, _plugin_timeout())
+            plugin = _load_with_timeout(ep, timeout)
             self._check_api(plugin, ep.name)
             self.register(plugin, name=ep.name)
         except BaseException as exc:  # noqa: BLE001 - no failure of one plugin may take the others down
