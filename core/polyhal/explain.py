@@ -15,7 +15,10 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from polyhal.ir.program import Program, ProgramBuilder
+from polyhal.plan import compile as compile_program
 from polyhal.policies.context import BUILTIN_POLICIES, configure_policy
+from polyhal.policies.cost import measure_link
 # The decision records live with the selector (polyhal.policy); re-exported here for the CLI.
 from polyhal.policy import decision_record, explain_records, format_decisions, selector_for
 
@@ -53,12 +56,10 @@ def apply_policy_arguments(args: argparse.Namespace, registry: "Registry") -> No
         configure_policy(registry, **kwargs)
 
 
-def demo_program(batch: int = 64):
+def demo_program(batch: int = 64) -> Program:
     """The MLP block of ``polyhal demo`` (matmul, gelu, matmul, add, layer_norm, softmax)."""
-    import polyhal
-
     n, d, h = batch, 256, 512
-    b = polyhal.ProgramBuilder("mlp_block")
+    b = ProgramBuilder("mlp_block")
     x = b.input("x", (n, d))
     w1, w2 = b.input("w1", (d, h)), b.input("w2", (h, d))
     gamma, beta = b.input("gamma", (d,)), b.input("beta", (d,))
@@ -70,9 +71,6 @@ def demo_program(batch: int = 64):
 def cmd_explain(args: argparse.Namespace, registry: "Registry") -> int:
     """Compile the demo program over ``--device`` (default: every device) with the chosen policy and
     print its placement and every allocation decision, with the plugin that made it and why."""
-    import polyhal
-    from polyhal.policies.cost import measure_link
-
     apply_policy_arguments(args, registry)
     devices = args.device or registry.default_devices()
     if args.measure_links:
@@ -80,7 +78,7 @@ def cmd_explain(args: argparse.Namespace, registry: "Registry") -> int:
             for dst in devices:
                 if src != dst:
                     measure_link(registry, src, dst)
-    plan = polyhal.compile(demo_program(args.batch), devices, registry=registry)
+    plan = compile_program(demo_program(args.batch), devices, registry=registry)
     selector = selector_for(registry)
     if args.json:
         json.dump({"devices": list(devices), "placement": plan.explain().splitlines(),
