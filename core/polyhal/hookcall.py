@@ -176,13 +176,14 @@ class PluginManager(pluggy.PluginManager):
                     impl.function = wrapped  # type: ignore[misc]
         return registered
 
-    def first_answer(self, hook: str, *, where: str = "", leave_out: Iterable[object] = (),
+    def first_answer(self, hook: str, *, where: str | Callable[[], str] = "", leave_out: Iterable[object] = (),
                      passthrough: tuple[type[BaseException], ...] = (), **kwargs: Any) -> HookAnswer:
         """Call the firstresult ``hook`` through pluggy; the answer and the plugin that gave it.
 
         ``leave_out``: plugins to leave out of this call (``pm.subset_hook_caller``). An exception
         from an implementation becomes a :class:`~polyhal.errors.PluginError` naming the plugin and
-        ``where`` (e.g. ``"for cpu:0"``), except those of the ``passthrough`` types.
+        ``where`` (e.g. ``"for cpu:0"``; a callable is called only then), except those of the
+        ``passthrough`` types.
         """
         leave_out = tuple(leave_out)
         caller = self.subset_hook_caller(hook, leave_out) if leave_out else getattr(self.hook, hook)
@@ -193,6 +194,7 @@ class PluginManager(pluggy.PluginManager):
             raise
         except Exception as exc:
             who = f"plugin {call.raised!r}" if call.raised else "a plugin"
+            where = where() if callable(where) else where
             raise PluginError(f"{who} raised in {hook}{' ' + where if where else ''}: "
                               f"{type(exc).__name__}: {exc}") from exc
         finally:

@@ -195,7 +195,7 @@ class AllocatorSelector:
         try:
             # User plugins answer first (registered later); of the built-ins only the active policy answers.
             answer = self.registry.pm.first_answer(
-                "select_allocator", where=f"for {MemoryType(memory_type).describe()}",
+                "select_allocator", where=lambda: f"for {MemoryType(memory_type).describe()} memory",
                 candidates=offered, memory_type=memory_type, buffer_usage=usage, flags=flags)
         finally:
             _enter(previous)

@@ -419,7 +419,7 @@ class Registry:
             for plugin in implementers:
                 answer = self.pm.first_answer(
                     "wrap_allocator", leave_out=[p for p in implementers if p is not plugin],
-                    where=f"for {device.name} ({heap.memory_type.describe()})",
+                    where=lambda: f"for {device.name} ({heap.memory_type.describe()})",
                     device=device, memory_type=heap.memory_type, allocator=allocator)
                 result = answer.value
                 if result is None:

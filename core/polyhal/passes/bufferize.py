@@ -412,7 +412,7 @@ def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[Scra
     for req in requests:
         limits = left.get(req.kernel.name, limits_of)
         answer = registry.pm.first_answer(
-            "select_memory_space", where=f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
+            "select_memory_space", where=lambda: f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
             device=spec, kernel=req.kernel, scratch=req, limits=limits)
         space, plugin = None, answer.plugin or ""
         if answer.value is not None:

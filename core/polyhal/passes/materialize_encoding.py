@@ -90,7 +90,7 @@ class LayoutResolver:
         check = getattr(encoding, "check_type", None)
         if check is not None:
             check(dense_type(t))  # an encoding on a type it cannot describe fails here, clearly
-        answer = self.registry.pm.first_answer("resolve_encoding", where=f"for {encoding} on {spec.name}",
+        answer = self.registry.pm.first_answer("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
                                                device=spec, encoding=encoding, tensor_type=t)
         layout, plugin = answer.value, answer.plugin
         if layout is None:
