@@ -111,8 +111,10 @@ def _load_with_timeout(ep: metadata.EntryPoint, timeout: float) -> Any:
     A thread, not a subprocess: the plugin must be imported into this interpreter anyway, and a
     thread adds microseconds where a subprocess adds the whole import twice. A plugin that is still
     importing when the time is up is left running on its (daemon) thread and skipped; its module
-    is never registered. Timeout 0 imports on the calling thread (for a plugin that must import
-    on the main thread).
+    is never registered (a later import of the same module waits for that thread). Timeout 0
+    imports on the calling thread: for a plugin that must import on the main thread, or one whose
+    import needs a module the calling thread is importing (on a worker it would wait for it, and
+    time out).
     """
     if timeout <= 0:
         return ep.load()
@@ -131,7 +133,8 @@ def _load_with_timeout(ep: metadata.EntryPoint, timeout: float) -> Any:
         raise PluginError(
             f"importing entry point {ep.value!r} did not finish within {timeout:g} s "
             "(POLYHAL_PLUGIN_TIMEOUT); the plugin was skipped. Raise POLYHAL_PLUGIN_TIMEOUT if it is only "
-            "slow, or uninstall it")
+            "slow, set it to 0 if the plugin must import on the calling thread (e.g. it waits for a module "
+            "that thread is importing), or uninstall it")
     if "error" in box:
         raise box["error"]
     return box["plugin"]
