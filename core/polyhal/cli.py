@@ -148,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``polyhal`` command."""
     parser = argparse.ArgumentParser(prog="polyhal", description="polyhal: a pluggable heterogeneous runtime")
     parser.add_argument("-v", "--verbose", action="store_true",
-                        help="log to stderr what polyhal does, e.g. each plugin before it is imported (POLYHAL_LOG=debug)")
+                        help="log to stderr what polyhal does, e.g. each plugin before it is imported "
+                             "(as POLYHAL_LOG=debug)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="list devices, their ranks, memory types and limits, and failed plugins")
     p.add_argument("--json", action="store_true", help="machine-readable output")

@@ -221,7 +221,8 @@ class PluginManager(pluggy.PluginManager):
 
     def _push(self, hook: str, *, collect: bool) -> _Call:
         if (hook in COLLECTED_HOOKS) != collect:
-            raise PluginError(f"hook {hook!r} is called with {'each' if hook in COLLECTED_HOOKS else 'first'}_answer")
+            right = "each_answer" if hook in COLLECTED_HOOKS else "first_answer"
+            raise PluginError(f"hook {hook!r} is called with PluginManager.{right}")
         stack = getattr(_local, "stack", None)
         if stack is None:
             stack = _local.stack = []

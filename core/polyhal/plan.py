@@ -27,10 +27,10 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     """Place ``program`` on ``devices`` and bind its kernels.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
-    every device that can be created, best-ranked first). Each op's candidates are those of the list that have its
-    kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
-    takes the first, so an op runs on the best device that can run it and values are moved
-    between devices where needed.
+    every device that can be created, best-ranked first). Each op's candidates are those of the
+    list that have its kernel, and the ``select_allocator`` policy chooses among them (memoized);
+    the default policy takes the first, so an op runs on the best device that can run it and
+    values are moved between devices where needed.
 
     ``data_tiling=True`` wraps matmul operands and results in encodings first
     (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every

@@ -336,7 +336,8 @@ class HIPDevice(Device):
                 raise DLPackError(f"address {imported.data_ptr:#x} is not memory HIP knows, but the producer calls it "
                                   f"ROCm device memory; the producer's DLPack device is wrong")
             raise DLPackError(f"{self.name} cannot import host memory that HIP does not know (not pinned or "
-                              "registered); import it on the CPU, or register it: device.native_allocator.import_host(array)")
+                              "registered); import it on the CPU, or register it: "
+                              "device.native_allocator.import_host(array)")
         kind = {"device": BufferKind.DEVICE, "managed": BufferKind.MANAGED}.get(kind_name, BufferKind.HOST)
         memory_type = {BufferKind.HOST: PINNED_MEMORY, BufferKind.MANAGED: MANAGED_MEMORY}.get(kind, MemoryType.DEVICE_LOCAL)
         host_ptr = imported.data_ptr if kind in (BufferKind.HOST, BufferKind.MANAGED) else 0
