@@ -17,8 +17,7 @@ called at compile time and device creation only, never while a plan runs.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, NamedTuple, Sequence
 
 import pluggy
 
@@ -29,8 +28,7 @@ from polyhal.errors import PluginError
 COLLECTED_HOOKS = frozenset({"register_devices", "report_unavailable"})
 
 
-@dataclass(frozen=True)
-class HookAnswer:
+class HookAnswer(NamedTuple):
     """The result of a firstresult hook call, with who gave it.
 
     ``plugin`` is the plugin whose answer stands: a hook wrapper that changed the answer, else the
@@ -48,26 +46,34 @@ class HookAnswer:
         return self.plugin is not None and self.plugin != self.answered
 
 
-@dataclass
 class _Call:
     """What the recording layers saw during one hook call made by this module."""
 
-    hook: str
-    collect: bool
-    value: Any = None
-    plugin: str | None = None
-    answered: str | None = None
-    raised: str | None = None
-    answers: list[tuple[str, Any]] = field(default_factory=list)
-    failures: list[tuple[str, Exception]] = field(default_factory=list)
+    __slots__ = ("hook", "collect", "value", "plugin", "answered", "raised", "answers", "failures")
+
+    def __init__(self, hook: str, collect: bool) -> None:
+        self.hook, self.collect = hook, collect
+        self.value: Any = None
+        self.plugin: str | None = None
+        self.answered: str | None = None
+        self.raised: str | None = None
+        self.answers: list[tuple[str, Any]] = []
+        self.failures: list[tuple[str, Exception]] = []
 
 
-_local = threading.local()
+class _Calls(threading.local):
+    """Per thread: the calls being recorded, innermost last (a hook may call another)."""
+
+    def __init__(self) -> None:
+        self.stack: list[_Call] = []
+
+
+_local = _Calls()
 
 
 def _current(hook: str) -> _Call | None:
     """The call being recorded on this thread, when it is a call of ``hook``."""
-    stack = getattr(_local, "stack", None)
+    stack = _local.stack
     if stack:
         call = stack[-1]
         if call.hook == hook:
@@ -77,8 +83,9 @@ def _current(hook: str) -> _Call | None:
 
 def _record_impl(hook: str, plugin: str, function: Callable[..., Any]) -> Callable[..., Any]:
     def recorded(*args: Any) -> Any:
-        call = _current(hook)
-        if call is None:  # a direct pm.hook call: nothing to record
+        stack = _local.stack
+        call = stack[-1] if stack else None
+        if call is None or call.hook != hook:  # a direct pm.hook call: nothing to record
             return function(*args)
         try:
             value = function(*args)
@@ -176,7 +183,7 @@ class PluginManager(pluggy.PluginManager):
                     impl.function = wrapped  # type: ignore[misc]
         return registered
 
-    def first_answer(self, hook: str, *, where: str | Callable[[], str] = "", leave_out: Iterable[object] = (),
+    def first_answer(self, hook: str, *, where: str | Callable[[], str] = "", leave_out: Sequence[object] = (),
                      passthrough: tuple[type[BaseException], ...] = (), **kwargs: Any) -> HookAnswer:
         """Call the firstresult ``hook`` through pluggy; the answer and the plugin that gave it.
 
@@ -185,7 +192,6 @@ class PluginManager(pluggy.PluginManager):
         ``where`` (e.g. ``"for cpu:0"``; a callable is called only then), except those of the
         ``passthrough`` types.
         """
-        leave_out = tuple(leave_out)
         caller = self.subset_hook_caller(hook, leave_out) if leave_out else getattr(self.hook, hook)
         call = self._push(hook, collect=False)
         try:
@@ -219,15 +225,13 @@ class PluginManager(pluggy.PluginManager):
         answers = [(owner.get(id(v), fallback), list(v)) for v in reversed(results)]
         return answers, list(call.failures)
 
-    def _push(self, hook: str, *, collect: bool) -> _Call:
+    @staticmethod
+    def _push(hook: str, *, collect: bool) -> _Call:
         if (hook in COLLECTED_HOOKS) != collect:
             right = "each_answer" if hook in COLLECTED_HOOKS else "first_answer"
             raise PluginError(f"hook {hook!r} is called with PluginManager.{right}")
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
         call = _Call(hook, collect)
-        stack.append(call)
+        _local.stack.append(call)
         return call
 
     @staticmethod
