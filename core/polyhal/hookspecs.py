@@ -8,6 +8,11 @@ hooks below. Backends are installed as distributions with an entry point in the 
 Every plugin module declares ``POLYHAL_API_VERSION = 1`` (see :data:`API_VERSION`); a plugin
 declaring another major version is skipped with its reason shown by ``polyhal devices``.
 
+polyhal calls every hook through pluggy (:mod:`polyhal.hookcall` records which plugin answered),
+so ``tryfirst`` / ``trylast``, hook wrappers (``wrapper=True`` or old-style ``hookwrapper=True``,
+which see and may replace an answer) and ``pm.add_hookcall_monitoring`` work as in pytest. Hooks
+are called while compiling and when a device is created, never while a plan runs.
+
 Hooks are grouped under banner comments: device registration, allocation policy, cost model,
 allocators, bufferization policy (memory spaces), encoding resolution, so a plugin author learns
 the whole contract from this one file.
