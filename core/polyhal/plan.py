@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from polyhal.errors import DTypeError, LifetimeError, ProgramError, ShapeError
+from polyhal.errors import DTypeError, LifetimeError, PluginError, ProgramError, ShapeError
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
@@ -31,10 +31,12 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
-    every device, best-ranked first). Each op's candidates are those of the list that have its
-    kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
-    takes the first, so an op runs on the best device that can run it and values are moved
-    between devices where needed. Only the devices that ops land on are created.
+    every device that can be created, best-ranked first). Each op's candidates are those of the
+    list that have its kernel, and the ``select_allocator`` policy chooses among them (memoized);
+    the default policy takes the first, so an op runs on the best device that can run it and
+    values are moved between devices where needed. Only the devices that ops land on are
+    created; when one of the default list fails to create, it is left out (with a warning) and
+    the program placed again.
 
     ``fuse`` (default on) runs the fusion passes first: each attention head (matmul, scaling,
     softmax, matmul) becomes one ``attention`` op (:mod:`polyhal.passes.fuse_attention`) and
@@ -50,11 +52,21 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
-    if not devices:
-        devices = tuple(s.name for s in registry.device_specs())
-        if not devices:
-            registry.get_device(None)  # raises the "no device" error with its advice
-    devices = tuple(devices)
+    if devices:
+        return _compile_on(program, tuple(devices), registry, fuse, data_tiling)
+    while True:
+        devices = tuple(registry.default_devices())
+        try:
+            return _compile_on(program, devices, registry, fuse, data_tiling)
+        except PluginError:
+            # A device of the default list failed to create (recorded and warned about by the
+            # registry): place again without it; anything else is the caller's to see.
+            if not any(registry.is_broken(d) for d in devices):
+                raise
+
+
+def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, fuse: bool,
+                data_tiling: bool) -> "Plan":
     selector, kernels = selector_for(registry), kernel_sets(registry)
     fusions = None
     if fuse:

@@ -42,7 +42,13 @@ class Device:
 
     def __init__(self, spec: DeviceSpec, allocator: Allocator | None = None) -> None:
         self.spec = spec
+        #: What allocation goes through: the backend's allocator, or adaptors over it installed by
+        #: the ``wrap_allocator`` hook, ``POLYHAL_ALLOCATOR`` or ``set_device_allocator``.
         self.allocator: Allocator = allocator  # type: ignore[assignment]
+        #: The backend's own allocator, never replaced: operations only it knows (trim a pool,
+        #: map a native buffer, look up live buffers) go here, since an adaptor has none of them.
+        #: A backend sets both in its ``__init__``: ``self.native_allocator = self.allocator = X``.
+        self.native_allocator: Allocator = allocator  # type: ignore[assignment]
 
     @property
     def name(self) -> str:

@@ -431,28 +431,19 @@ def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[Scra
     limits_of = MemoryLimits.of(spec)
     left: dict[str, MemoryLimits] = {}
     out = []
-    impls = list(reversed(registry.pm.hook.select_memory_space.get_hookimpls()))
     for req in requests:
         limits = left.get(req.kernel.name, limits_of)
-        space, plugin = None, ""
-        for impl in impls:  # pluggy's firstresult order, by hand so that the deciding plugin is known
+        answer = registry.pm.first_answer(
+            "select_memory_space", where=lambda: f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
+            device=spec, kernel=req.kernel, scratch=req, limits=limits)
+        space, plugin = None, answer.plugin or ""
+        if answer.value is not None:
             try:
-                result = impl.function(device=spec, kernel=req.kernel, scratch=req, limits=limits)
-            except ScratchError:
-                raise
-            except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} raised in select_memory_space for "
-                                  f"{req.kernel} scratch {req.name!r}: {type(exc).__name__}: {exc}") from exc
-            if result is None:
-                continue
-            try:
-                space = MemorySpace(result)
+                space = MemorySpace(answer.value)
             except ValueError:
-                raise PluginError(f"plugin {impl.plugin_name!r} returned {result!r} from select_memory_space; "
+                raise PluginError(f"plugin {plugin!r} returned {answer.value!r} from select_memory_space; "
                                   f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
                                   "or None") from None
-            plugin = impl.plugin_name
-            break
         if space is None:
             raise ScratchError(_nowhere(spec, req, limits))
         if not req.allows(space):

@@ -90,26 +90,20 @@ class LayoutResolver:
         check = getattr(encoding, "check_type", None)
         if check is not None:
             check(dense_type(t))  # an encoding on a type it cannot describe fails here, clearly
-        impls = self.registry.pm.hook.resolve_encoding.get_hookimpls()
-        # pluggy's firstresult order, called by hand so that the answering plugin is known.
-        for impl in reversed(impls):
-            try:
-                layout = impl.function(device=spec, encoding=encoding, tensor_type=t)
-            except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} raised in resolve_encoding for {encoding} on "
-                                  f"{spec.name}: {type(exc).__name__}: {exc}") from exc
-            if layout is None:
-                continue
-            _check_layout(impl.plugin_name, spec, t, layout)
-            note = ""
-            if impl.plugin_name == IDENTITY_RESOLVER:
-                has_own = any(i.plugin_name == spec.plugin for i in impls)
-                note = (f"the resolver of plugin {spec.plugin!r} does not know {_describe(encoding)}: identity "
-                        "layout" if has_own else
-                        f"plugin {spec.plugin!r} has no encoding resolver: identity layout")
-            return Resolution(spec.name, t, layout, impl.plugin_name, note)
-        raise PluginError("no resolve_encoding implementation returned a layout (is the identity resolver "
-                          f"{IDENTITY_RESOLVER!r} unregistered?)")
+        answer = self.registry.pm.first_answer("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
+                                               device=spec, encoding=encoding, tensor_type=t)
+        layout, plugin = answer.value, answer.plugin
+        if layout is None:
+            raise PluginError("no resolve_encoding implementation returned a layout (is the identity resolver "
+                              f"{IDENTITY_RESOLVER!r} unregistered?)")
+        _check_layout(plugin, spec, t, layout)
+        note = ""
+        if plugin == IDENTITY_RESOLVER:
+            has_own = any(i.plugin_name == spec.plugin for i in self.registry.pm.hook.resolve_encoding.get_hookimpls())
+            note = (f"the resolver of plugin {spec.plugin!r} does not know {_describe(encoding)}: identity "
+                    "layout" if has_own else
+                    f"plugin {spec.plugin!r} has no encoding resolver: identity layout")
+        return Resolution(spec.name, t, layout, plugin, note)
 
 
 def _describe(encoding: Any) -> str:

@@ -43,10 +43,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 from polyhal.errors import PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
 
+from polyhal.registry import Registry, default_registry
+
 if TYPE_CHECKING:
     from polyhal.hal.records import DeviceSpec
     from polyhal.ir.types import TensorType
-    from polyhal.registry import Registry
 
 #: The built-in policies, by the name ``--policy`` / ``POLYHAL_POLICY`` takes, and their plugin names.
 BUILTIN_POLICIES = {
@@ -113,8 +114,6 @@ _configs_lock = threading.Lock()
 def policy_config(registry: "Registry | None" = None) -> PolicyConfig:
     """The policy configuration of ``registry`` (default: the process-wide one)."""
     if registry is None:
-        from polyhal.registry import default_registry
-
         registry = default_registry()
     found = _configs.get(registry)
     if found is None:
@@ -134,8 +133,6 @@ def configure_policy(registry: "Registry | None" = None, *, policy: str | None =
     Giving a ``lead_allocator`` without a ``policy`` selects ``lead``, as the environment does.
     """
     if registry is None:
-        from polyhal.registry import default_registry
-
         registry = default_registry()
     old = policy_config(registry)
     changes: dict[str, Any] = {}
