@@ -12,7 +12,8 @@ from bench.harness import report
 
 def main() -> int:
     here = Path(__file__).resolve().parent
-    names = sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.name not in ("harness", "__main__"))
+    names = sorted(m.name for m in pkgutil.iter_modules([str(here)])
+                   if not m.ispkg and m.name not in ("harness", "__main__"))  # packages hold data (bench/models)
     parser = argparse.ArgumentParser(prog="python -m bench", description="side-by-side benchmarks")
     parser.add_argument("names", nargs="+", choices=names, metavar="NAME", help=f"one of {names}")
     parser.add_argument("--device", default=None, help="polyhal device to measure (default: best-ranked)")
