@@ -224,13 +224,17 @@ def _case(name: str, batch: int, device: str, runs: int, warmup: int, workdir: P
 
 def _detail(rows: list[Row], suffix: str) -> None:
     """``real_models<suffix>-detail.md``: the columns the common table has no room for."""
-    lines = ["| case | polyhal median / p90 ms | onnxruntime median / p90 ms | ratio | runs | max abs err "
-             "(rel) | compile s | load avg |", "|---|---|---|---|---|---|---|---|"]
+    from bench.models import manifest
+
+    models = manifest()["models"]
+    lines = ["| case | exported by | polyhal median / p90 ms | onnxruntime median / p90 ms | ratio | runs "
+             "| max abs err (rel) | compile s | load avg |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         e = r.extra
         if r.unit != "ms" or "p90_ms_polyhal" not in e:
             continue
-        lines.append(f"| {r.case} | {r.polyhal:.1f} / {e['p90_ms_polyhal']:.1f} | {r.anchor:.1f} / "
+        exported = models.get(r.case.split()[0], {})
+        lines.append(f"| {r.case} | {exported.get('exporter')} (opset {exported.get('opset')}) | {r.polyhal:.1f} / {e['p90_ms_polyhal']:.1f} | {r.anchor:.1f} / "
                      f"{e['p90_ms_onnxruntime']:.1f} | {r.ratio:.2f} | {e['runs']} | {e['max_abs_err']:.2g} "
                      f"({e['rel_err']:.1g}) | {e['compile_s']:.1f} | {e['load_average']:.2f} |")
     threads = next((r.extra["threads"] for r in rows if "threads" in r.extra), {})
