@@ -234,7 +234,8 @@ def _detail(rows: list[Row], suffix: str) -> None:
         if r.unit != "ms" or "p90_ms_polyhal" not in e:
             continue
         exported = models.get(r.case.split()[0], {})
-        lines.append(f"| {r.case} | {exported.get('exporter')} (opset {exported.get('opset')}) | {r.polyhal:.1f} / {e['p90_ms_polyhal']:.1f} | {r.anchor:.1f} / "
+        lines.append(f"| {r.case} | {exported.get('exporter')} (opset {exported.get('opset')}) "
+                     f"| {r.polyhal:.1f} / {e['p90_ms_polyhal']:.1f} | {r.anchor:.1f} / "
                      f"{e['p90_ms_onnxruntime']:.1f} | {r.ratio:.2f} | {e['runs']} | {e['max_abs_err']:.2g} "
                      f"({e['rel_err']:.1g}) | {e['compile_s']:.1f} | {e['load_average']:.2f} |")
     threads = next((r.extra["threads"] for r in rows if "threads" in r.extra), {})

@@ -26,7 +26,8 @@ def _tiny() -> onnx.ModelProto:
     nodes = [helper.make_node("Conv", ["x", "conv_w", "bias"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("Add", ["c", "mask"], ["m"]),
              helper.make_node("MatMul", ["m", "mat"], ["y"])]
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6, 6])],
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4, 6, 6])
+    graph = helper.make_graph(nodes, "tiny", [x],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 8, 6, 300])], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 

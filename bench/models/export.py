@@ -154,7 +154,8 @@ def main(out: Path, only: list[str] | None = None) -> int:
                 if err > 1e-3 * max(1.0, float(np.abs(want).max())):
                     raise ValueError(f"onnxruntime's output differs from torch's by {err:.3g}")
             except Exception as exc:  # noqa: BLE001  (record it, try the next exporter)
-                entry["errors"][exporter] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                first = str(exc).splitlines()[0][:300] if str(exc) else ""
+                entry["errors"][exporter] = f"{type(exc).__name__}: {first}"
                 traceback.print_exc()
                 continue
             small = cut(full)
