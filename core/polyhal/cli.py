@@ -7,12 +7,18 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 from typing import Any, Sequence
 
+import numpy as np
+
+from polyhal.errors import PolyhalError, UsageError
 from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
                              demo_program)
-from polyhal.errors import PolyhalError, UsageError
+from polyhal.ops import OPS
+from polyhal.plan import compile
+from polyhal.policy import selector_for
 from polyhal.registry import Registry, configure_logging, default_registry, iter_plugins
 
 
@@ -99,19 +105,13 @@ def cmd_plugins(args: argparse.Namespace, registry: Registry) -> int:
 
 def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     """Build a small MLP block, compile it on the chosen device, run it and check it against numpy."""
-    import time
-
-    import numpy as np
-
-    import polyhal
-
     if args.repeat < 1 or args.batch < 1:
         raise UsageError(f"--repeat and --batch must be >= 1, got --repeat {args.repeat} --batch {args.batch}")
     apply_policy_arguments(args, registry)
     rng = np.random.default_rng(0)
     n, d, h = args.batch, 256, 512
     program = demo_program(n)  # the shared definition: d = 256, h = 512
-    plan = polyhal.compile(program, args.device, data_tiling=args.data_tiling)
+    plan = compile(program, args.device, data_tiling=args.data_tiling)
     feeds = {"x": rng.standard_normal((n, d), np.float32), "w1": rng.standard_normal((d, h), np.float32) / 16,
              "w2": rng.standard_normal((h, d), np.float32) / 22, "gamma": rng.random(d, np.float32) + 0.5,
              "beta": rng.standard_normal(d).astype(np.float32)}
@@ -121,8 +121,6 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
         plan(**feeds)
     dt = (time.perf_counter() - t0) / args.repeat
     # float64 numpy reference of the same block
-    from polyhal.ops import OPS
-
     ref = OPS["gelu"].reference(feeds["x"].astype(np.float64) @ feeds["w1"])[0] @ feeds["w2"] + feeds["x"]
     mu, var = ref.mean(-1, keepdims=True), ref.var(-1, keepdims=True)
     ref = (ref - mu) / np.sqrt(var + 1e-5) * feeds["gamma"] + feeds["beta"]
@@ -132,8 +130,6 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     print(program)
     print(plan.explain())
     if args.explain:
-        from polyhal.policy import selector_for
-
         print(selector_for(registry).explain())
     print(f"ran on {plan.placement.value_device[program.outputs[0].id]}: {dt * 1e3:.3f} ms per run, "
           f"max |error| vs float64 numpy = {err:.2e}")
@@ -141,7 +137,9 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, registry: Registry) -> int:
-    """``polyhal run MODEL.onnx`` (imports onnx only now, not when the CLI starts)."""
+    """``polyhal run MODEL.onnx``."""
+    # Deferred (here and in main): the ONNX front end imports onnx, a heavy import that
+    # `import polyhal.cli` does not pay (tests/test_onnx.py holds it to that).
     from polyhal.frontends.onnx.run import cmd_run
 
     return cmd_run(args, registry)
@@ -172,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="wrap matmul operands in encodings (packed on the CPU; folded on devices without data tiling)")
     add_explain_parser(sub)
     p = sub.add_parser("run", help="run an ONNX model (random or .npy/.npz inputs) and print outputs and timings")
-    from polyhal.frontends.onnx.run import add_arguments as add_run_arguments  # imports no onnx
+    from polyhal.frontends.onnx.run import add_arguments as add_run_arguments
 
     add_run_arguments(p)
     args = parser.parse_args(argv)

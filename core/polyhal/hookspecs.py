@@ -28,11 +28,10 @@ if TYPE_CHECKING:
     from polyhal.hal.allocator import Allocator
     from polyhal.hal.device import Device
     from polyhal.hal.flags import BufferUsage, MemoryType
-    from polyhal.hal.records import DeviceSpec
+    from polyhal.hal.records import DeviceSpec, Workload
     from polyhal.hal.scratch import KernelInfo, MemoryLimits, MemorySpace, ScratchRequest
     from polyhal.ir.encoding import Encoding, Layout
     from polyhal.ir.types import TensorType
-    from polyhal.policies.context import Workload
 
 #: The plugin API version this core implements. Plugins declare the one they were written for.
 API_VERSION = 1

@@ -38,6 +38,7 @@ from polyhal.errors import KernelNotFoundError, PluginError
 from polyhal.ir.encoding import IdentityLayout, Layout, dense_type
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
+from polyhal.ops import canonical_attrs, infer_types
 
 if TYPE_CHECKING:
     from polyhal.hal.records import DeviceSpec
@@ -296,7 +297,6 @@ class _Materializer:
 
     def emit_conversion(self, name: str, attrs: dict, src: Value, out_type: TensorType, device: str,
                         record: EncodeRecord | None, base: str) -> Value:
-        from polyhal.ops import canonical_attrs, infer_types
 
         (inferred,) = infer_types(name, (src.type,), attrs)
         if inferred != out_type:
@@ -456,7 +456,6 @@ class _Materializer:
                 if lowered is not None:
                     break
         if lowered is not None and lowered[0] in self.registry.get_device(device).kernel_names:
-            from polyhal.ops import canonical_attrs, infer_types
 
             name, attrs = lowered
             inputs = tuple(self.storage[v.id] for v in op.inputs)
@@ -510,7 +509,6 @@ class _Materializer:
         out = Value(src.type, name, src.program_id)
         self.value_device[out.id] = device
         if "reshape" in self.registry.get_device(device).kernel_names:
-            from polyhal.ops import canonical_attrs
 
             self.ops.append(Op("dispatch", "reshape", (src,), (out,), canonical_attrs({"shape": src.type.shape}),
                                None, device))

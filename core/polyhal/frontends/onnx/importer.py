@@ -31,6 +31,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 
 from polyhal.errors import PolyhalError
 from polyhal.frontends.onnx.errors import (
@@ -39,6 +40,7 @@ from polyhal.frontends.onnx.errors import (
 )
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.types import Dynamic, np_dtype
+from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
@@ -61,8 +63,6 @@ FOLD_LIMIT = 32 << 20
 
 def _fold_limit(value: int | str | None = None) -> int:
     """The fold limit in bytes: ``value`` if given, else ``POLYHAL_FOLD_LIMIT``, else :data:`FOLD_LIMIT`."""
-    from polyhal.hal.adaptors import parse_size
-
     if value is None:
         value = os.environ.get("POLYHAL_FOLD_LIMIT", "").strip() or FOLD_LIMIT
     try:
@@ -322,8 +322,6 @@ def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
                              "is the file truncated, or another format?")
     if base_dir is not None and _has_external_data(proto):
         try:
-            from onnx.external_data_helper import load_external_data_for_model
-
             load_external_data_for_model(proto, base_dir)
         except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # ValidationError: a path outside
             raise OnnxModelError(f"{source}: cannot load external tensor data: {_first_line(exc)}") from None

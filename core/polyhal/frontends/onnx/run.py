@@ -29,6 +29,10 @@ from typing import Any
 import numpy as np
 
 from polyhal.errors import PolyhalError
+from polyhal.explain import add_policy_arguments, apply_policy_arguments
+from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
+from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.hal.device import host_memory_available
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device to run on; repeat for an ordered list (default: every device, best first)")
     p.add_argument("--strict", action="store_true",
                    help="fail if an op has no kernel on the --device list, instead of running it elsewhere")
-    try:
-        from polyhal.explain import add_policy_arguments
-    except ImportError:  # an older core without the policy options
-        p.add_argument("--device-lead-allocator", type=int, default=None, metavar="N",
-                       help="the Nth --device allocates buffers several devices share")
-    else:
-        add_policy_arguments(p)
+    add_policy_arguments(p)
     p.add_argument("--data-tiling", action="store_true", help="compile with data-tiling encodings")
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="compile without the fusion passes (attention, linear)")
@@ -86,8 +84,6 @@ def _sizes(text: str, what: str, one: bool = False) -> tuple[int, ...]:
 
 
 def _usage(message: str) -> PolyhalError:
-    from polyhal.frontends.onnx.errors import OnnxInputError
-
     return OnnxInputError(message)
 
 
@@ -150,8 +146,6 @@ def random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dty
 
 def check_input_memory(program, file_feeds: dict, registry, devices: list[str] | None) -> None:
     """Refuse random inputs that the host, or the first device they would go to, cannot hold."""
-    from polyhal.hal.device import host_memory_available
-
     random_bytes = sum(v.type.nbytes for v in program.inputs if v.name not in file_feeds)
     if not random_bytes:
         return
@@ -169,17 +163,7 @@ def check_input_memory(program, file_feeds: dict, registry, devices: list[str] |
 
 def cmd_run(args: argparse.Namespace, registry) -> int:
     """Load, compile and run the model; print (or write) outputs, timings and placement."""
-    from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
-    from polyhal.frontends.onnx.importer import load, read_model
-
-    try:
-        from polyhal.explain import apply_policy_arguments
-    except ImportError:
-        apply_policy_arguments = None
-    if apply_policy_arguments is not None:
-        apply_policy_arguments(args, registry)
-    elif getattr(args, "device_lead_allocator", None) is not None:
-        os.environ["POLYHAL_DEVICE_LEAD_ALLOCATOR"] = str(args.device_lead_allocator)
+    apply_policy_arguments(args, registry)
     if args.repeat < 1:
         raise _usage(f"--repeat must be >= 1, got {args.repeat}")
 
