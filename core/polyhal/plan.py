@@ -47,6 +47,10 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
     """
+    if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
+        # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
+        # input shape itself, through this function.
+        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
