@@ -40,7 +40,7 @@ from polyhal.frontends.onnx.errors import (
 )
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, InputSignature, bind_dims
-from polyhal.frontends.onnx.types import Dynamic, np_dtype
+from polyhal.frontends.onnx.types import Dynamic, HostOutput, np_dtype
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
@@ -131,6 +131,9 @@ class OnnxProgram(Program):
     #: ONNX output index -> index of the program output holding its run-time length (outputs
     #: such as NonMaxSuppression's are computed padded to a static bound, plus a count).
     trims: dict[int, int] = field(default_factory=dict)
+    #: ONNX output index -> what turns the plan's array into the declared output on the host
+    #: (string labels, ZipMap's list of dicts: see :class:`~polyhal.frontends.onnx.types.HostOutput`).
+    finishes: dict[int, Any] = field(default_factory=dict)
 
     @property
     def input_names(self) -> list[str]:
@@ -249,6 +252,8 @@ class OnnxProgram(Program):
             a = arrays[i]
             if i in self.trims:
                 a = a[: int(arrays[self.trims[i]])]
+            if i in self.finishes:
+                a = self.finishes[i](a)
             result[name] = a
         return result
 
@@ -589,6 +594,7 @@ class _Importer:
         self._walk(graph.node, env, self.opsets, "")
         outputs, names, counts = [], [], []
         trims: dict[int, int] = {}
+        finishes: dict[int, Any] = {}
         seen: set[int] = set()
 
         def result(v: Val, name: str) -> Value:
@@ -606,6 +612,9 @@ class _Importer:
             v = env[vi.name]
             if isinstance(v, _Unsupported):
                 raise OnnxUnsupportedError(f"{self.source}: graph output {vi.name!r}: {v.reason}")
+            if isinstance(v, HostOutput):
+                finishes[len(outputs)] = v.finish
+                v = v.value
             if isinstance(v, Dynamic):
                 trims[len(outputs)] = len(counts)
                 counts.append(result(v.count, vi.name + ":count"))
@@ -619,7 +628,7 @@ class _Importer:
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
                            declared_inputs=declared_inputs, origins=self.origins, folded=self.folded,
-                           frozen=frozen, node_count=self.node_count, trims=trims)
+                           frozen=frozen, node_count=self.node_count, trims=trims, finishes=finishes)
 
     def _initializer(self, t: onnx.TensorProto) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
@@ -736,7 +745,7 @@ class _Importer:
 
     def _check_declared(self, name: str, v: Val, label: str) -> None:
         tp = self.declared.get(name)
-        if tp is None or isinstance(v, _Unsupported):
+        if tp is None or isinstance(v, (_Unsupported, HostOutput)):
             return
         elem, dims = _declared(tp)
         if isinstance(v, Dynamic):  # only the element type and the static dims are known
