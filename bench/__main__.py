@@ -24,7 +24,9 @@ def main() -> int:
         rows = importlib.import_module(f"bench.{name}").run(args)
         report(name, rows, args.suffix)
         failed += sum(r.met is False for r in rows)
-    return 0
+    if failed:
+        print(f"{failed} target(s) missed")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
