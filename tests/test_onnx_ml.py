@@ -195,3 +195,15 @@ def test_hand_built_tree_ensemble():
 def test_inconsistent_tree_arrays_are_refused_naming_the_attribute(changes, message):
     with pytest.raises(OnnxModelError, match=message):
         ponnx.load(_tree_model(**changes)).run({"x": np.zeros((1, 2), np.float32)})
+
+
+def test_sklearn_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _pipelines()  # skips without scikit-learn / skl2onnx
+    example = Path(__file__).resolve().parent.parent / "examples" / "sklearn_pipeline.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("labels match onnxruntime, probabilities match") == 2
