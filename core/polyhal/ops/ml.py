@@ -92,15 +92,17 @@ def _reference(x, nodes, thresholds, leaf_values, roots, *, depth):
 def random_ensemble(rng: np.random.Generator, features: int, trees: int, depth: int, targets: int,
                     dtype=_F32) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A random complete ensemble in the compact form: ``(nodes, thresholds, leaf_values, roots)``,
-    every mode and the missing bit exercised."""
+    every mode and the missing bit exercised (no zeros: leaf values of branches are never read)."""
     modes = list(MODE_BITS.values())
     nodes, thresholds, values, roots = [], [], [], []
 
     def grow(level: int) -> int:
         row = len(nodes)
         nodes.append(None)
-        thresholds.append(float(rng.choice([0.0, 0.5, -0.5, rng.standard_normal()])))
-        values.append(np.zeros(targets))
+        # Thresholds that samples hit exactly (ties exercise the == bit); a branch's values are
+        # never read, and are nonzero as conformance samples must be.
+        thresholds.append(float(rng.choice([0.5, -0.5, 1.5, rng.standard_normal()])))
+        values.append(rng.uniform(0.5, 2.0, targets))
         if level == depth:
             nodes[row] = (0, LEAF, row, row)
             values[row] = rng.standard_normal(targets)
@@ -117,7 +119,7 @@ def random_ensemble(rng: np.random.Generator, features: int, trees: int, depth: 
 
 
 def _sample(rng: np.random.Generator):
-    x = rng.choice(np.array([-0.5, 0.0, 0.5, np.nan, 1.5, -2.0], np.float32), size=(7, 5))
+    x = rng.choice(np.array([-0.5, 0.5, np.nan, 1.5, -2.0], np.float32), size=(7, 5))
     nodes, thresholds, leaf_values, roots = random_ensemble(rng, 5, 4, 3, 2)
     return [x, nodes, thresholds, leaf_values, roots], {"depth": 3}
 

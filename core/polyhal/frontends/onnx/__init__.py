@@ -30,6 +30,7 @@ def supported_ops() -> list[str]:
 
 
 __all__ = [
-    "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError", "OnnxModelError", "OnnxRunError", "OnnxProgram",
+    "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
+    "OnnxModelError", "OnnxRunError", "OnnxProgram",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

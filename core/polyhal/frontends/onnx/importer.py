@@ -16,7 +16,8 @@ What it does, in order:
 
 polyhal programs have static shapes. Inputs with symbolic dims take their shape from
 ``shapes=``, ``dims=`` or ``default_dim``; a model whose dims stay open loads as a
-:class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, imported per input shape. Operands that decide a shape (Reshape's ``shape``, TopK's
+:class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, imported per input shape.
+Operands that decide a shape (Reshape's ``shape``, TopK's
 ``k``, ...) must be known at import time, and when they come from graph inputs those inputs
 must be given values with ``values=`` (:class:`NeedsValue` names them).
 """
@@ -479,6 +480,8 @@ def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> lis
         if vi.name in shapes:
             spec: tuple | None = tuple(int(d) for d in shapes[vi.name])
         elif declared is None:
+            if default_dim is not None:
+                return None  # a static import was asked for: it says that this input needs a shape
             spec = None
         else:
             params = [d.dim_param for d in vi.type.tensor_type.shape.dim]
