@@ -26,6 +26,8 @@ def main() -> int:
         rows = importlib.import_module(f"bench.{name}").run(args)
         report(name, rows, args.suffix)
         failed += sum(r.met is False for r in rows)
+    if failed:
+        print(f"{failed} target(s) missed")
     return 1 if failed else 0
 
 

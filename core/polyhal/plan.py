@@ -49,6 +49,10 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
     """
+    if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
+        # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
+        # input shape itself, through this function.
+        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
@@ -80,7 +84,7 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
     placement = place(program, registry, selector, devices, kernels)
     placement.fusions = fusions
     placement = materialize_encodings(placement, registry)
-    return Plan(placement, registry)
+    return Plan(placement, registry, devices)
 
 
 class Plan:
@@ -92,8 +96,10 @@ class Plan:
     arrays. A plan is not re-entrant: concurrent calls are serialised.
     """
 
-    def __init__(self, placement: Placement, registry: Registry) -> None:
+    def __init__(self, placement: Placement, registry: Registry, devices: Sequence[str] = ()) -> None:
         self.placement = placement
+        #: The ordered device list the plan was compiled for (explain says which lacked an op).
+        self.devices = tuple(devices)
         self.program = program = placement.program
         self.registry = registry
         self._lock = threading.Lock()
@@ -289,7 +295,10 @@ class Plan:
         for fusion in self.placement.fusions or ():
             lines.append(f"  fused {fusion.explain()}")
         for op, candidates, d in self.placement.decisions:
-            lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}; "
+            lacking = [name for name in self.devices if name not in candidates]
+            why = f"; {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no {op.name!r} kernel" \
+                if lacking and op.affinity is None else ""
+            lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}{why}; "
                          f"select_allocator by {d.plugin!r}, index {d.index}: {d.reason})")
         for op in self.program.ops:
             if op.kind == "transfer":

@@ -9,7 +9,7 @@
 Inputs come from ``--input NAME=FILE.npy`` (or ``NAME=FILE.npz``, its only array or the one
 called NAME), ``--input FILE.npz`` (every array, by name), or are drawn at random from the
 model's declared types (symbolic dims from ``--dim SYMBOL=SIZE`` or ``--shape NAME=D0,D1``,
-else 1). Inputs that decide shapes (a Reshape's shape fed as an input, ...) are fixed to the
+else 1, which the output says). Inputs that decide shapes (a Reshape's shape fed as an input, ...) are fixed to the
 values read from files. ``--device`` is the ordered device list (as IREE's ``--device``): each
 op runs on the first that has its kernel, others taking what it lacks unless ``--strict``.
 """
@@ -159,6 +159,31 @@ def check_input_memory(program, file_feeds: dict, registry, devices: list[str] |
                          f"available ({available} bytes); use smaller --dim/--shape values")
 
 
+def default_dims(model, shapes: dict, dims: dict) -> list[dict[str, Any]]:
+    """The dynamic dims of ``model``'s inputs that neither ``shapes`` (from --shape and --input
+    files) nor ``dims`` (--dim) size, so that the run draws them at :data:`DEFAULT_DIM`: one
+    record per named symbol (``{"dim": "batch", "size": 1}``), one per unnamed dim
+    (``{"dim": "x[0]", ...}``)."""
+    initialized = {t.name for t in model.graph.initializer}
+    sized = {d.dim_param for vi in model.graph.input if vi.name in shapes
+             for d in vi.type.tensor_type.shape.dim if d.dim_param}  # the importer takes these from shapes
+    out: dict[str, dict[str, Any]] = {}
+    for vi in model.graph.input:
+        if vi.name in initialized or vi.name in shapes or vi.type.WhichOneof("value") != "tensor_type":
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") or d.dim_param in dims or d.dim_param in sized:
+                continue
+            name = d.dim_param or f"{vi.name}[{axis}]"
+            out.setdefault(name, {"dim": name, "size": DEFAULT_DIM})
+    return list(out.values())
+
+
+#: The size ``polyhal run`` gives a dynamic dim that no option sizes: 1, the batch of one that
+#: every model with a batch dim accepts.
+DEFAULT_DIM = 1
+
+
 # --------------------------------------------------------------------------------------- run
 
 def cmd_run(args: argparse.Namespace, registry) -> int:
@@ -185,7 +210,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     while True:
         try:
             program = load(model, shapes={k: v for k, v in shapes.items() if k not in fixed}, values=fixed,
-                           dims=dims, default_dim=1, source=args.model)
+                           dims=dims, default_dim=DEFAULT_DIM, source=args.model)
             break
         except NeedsValue as exc:
             random_ones = sorted(set(exc.inputs) - set(file_feeds))
@@ -196,6 +221,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
                 raise
             fixed.update({k: file_feeds[k] for k in exc.inputs})
     t_load = time.perf_counter() - t0
+    defaulted = default_dims(model, shapes, dims)
 
     check_input_memory(program, file_feeds, registry, args.device)
     rng = np.random.default_rng(args.seed)
@@ -246,6 +272,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
                        for n, x in feeds.items()]
             + [{"name": n, "shape": list(x.shape), "dtype": str(x.dtype), "source": "file (fixed at import)"}
                for n, x in program.frozen.items()],
+            "default_dims": defaulted,
             "outputs": [_output_record(n, v) for n, v in outputs.items()],
             "timing": timing,
         }
@@ -264,6 +291,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(f"  input  {n}: {x.dtype}{list(x.shape)} ({sources[n]})")
     for n, x in program.frozen.items():
         print(f"  input  {n}: {x.dtype}{list(x.shape)} (file, fixed at import)")
+    for d in defaulted:
+        print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
     with np.printoptions(threshold=2 * args.print_limit, edgeitems=args.print_limit, precision=5, linewidth=100):
         for n, v in outputs.items():
             print(f"  output {n}: {v.dtype}{list(v.shape)}")
