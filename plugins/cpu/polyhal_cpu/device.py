@@ -66,6 +66,7 @@ class CPUDevice(Device):
             native.flags.writeable = False
         heap = self.native_allocator.heaps[0]
         return Buffer(self.native_allocator, heap, extent, native, kind=BufferKind.EXTERNAL,
+                      allowed_access=MemoryAccess.READ if imported.readonly else MemoryAccess.ALL,
                       on_release=lambda *_: imported.release())
 
     def download(self, native: np.ndarray, host: np.ndarray) -> None:
