@@ -87,7 +87,9 @@ class DeviceSpec:
     heaps: tuple[Heap, ...] = ()
     #: Bytes of workgroup (shared / ``__local``) memory per workgroup; 0 if none.
     workgroup_bytes: int = 0
-    #: Free-form capability tags, e.g. ``{"fp16", "svm", "cuda-graphs"}``.
+    #: Free-form capability tags, e.g. ``{"fp16", "svm", "cuda-graphs"}``. ``"ftz"`` says the
+    #: device's float32 kernels flush denormal inputs and results to zero (GPU fast paths do); the
+    #: conformance suite then checks them against a reference on flushed inputs.
     capabilities: frozenset[str] = frozenset()
     #: Device limits for display and planning (max workgroup size, global memory, ...).
     limits: Mapping[str, Any] = field(default_factory=dict, compare=False)
