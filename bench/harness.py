@@ -3,6 +3,10 @@
 Each benchmark module ``bench/<name>.py`` defines ``run(args) -> list[Row]``; run one with
 ``python -m bench <name>`` (see ``python -m bench --help``). Every row carries polyhal's figure
 and the anchor's from the same run, and their ratio (polyhal / anchor: below 1 is faster).
+
+A benchmark whose device is not on this machine raises :class:`DeviceAbsent`: the harness says
+so and leaves its recorded results as they are (as it does when a benchmark measured nothing).
+``python -m bench`` exits with status 1 when a row missed its target.
 """
 
 from __future__ import annotations
@@ -17,6 +21,11 @@ from pathlib import Path
 from typing import Callable
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class DeviceAbsent(Exception):
+    """Raised by a benchmark's ``run`` when the device it measures is not on this machine; the
+    message says which and why."""
 
 
 @dataclass
