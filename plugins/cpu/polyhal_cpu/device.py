@@ -14,6 +14,7 @@ from polyhal.hal.records import DeviceSpec
 
 from polyhal_cpu import kernels
 from polyhal_cpu import scratch as scratch_
+from polyhal_cpu import threads
 from polyhal_cpu.allocator import CPUAllocator
 
 
@@ -27,6 +28,19 @@ class CPUDevice(Device):
     def __init__(self, spec: DeviceSpec) -> None:
         super().__init__(spec)
         self.allocator = CPUAllocator(self, spec.heaps)
+        threads.budget()  # BLAS is limited to the thread budget from the first device on
+
+    def record(self, steps, slots, input_slots, output_slots):
+        """The plain step loop, after the thread budget's look at how busy the CPUs are (at most
+        every few hundred milliseconds; :mod:`polyhal_cpu.threads`)."""
+        adjust = threads.budget().adjust
+        steps = tuple(steps)
+
+        def run() -> None:
+            adjust()
+            for step in steps:
+                step()
+        return run
 
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]:
         return (1, 0)  # every logical CPU device shares the host's memory
