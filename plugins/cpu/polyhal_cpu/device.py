@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 from typing import Any, Mapping
 
 import numpy as np
@@ -41,6 +42,11 @@ class CPUDevice(Device):
             for step in steps:
                 step()
         return run
+
+    def profile_timer(self) -> "_HostTimer":
+        """Step timing for profiles: the host clock (kernels run synchronously on the calling
+        thread), with the thread budget's look at the CPUs' load that a plain run makes."""
+        return _HostTimer(threads.budget().adjust)
 
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]:
         return (1, 0)  # every logical CPU device shares the host's memory
@@ -97,3 +103,21 @@ class CPUDevice(Device):
 
     def upload(self, host: np.ndarray, native: np.ndarray) -> None:
         np.copyto(native, host)
+
+
+class _HostTimer:
+    """Marks are host clock readings (ns); each lets the thread budget re-sample when due."""
+
+    __slots__ = ("_adjust",)
+    name = "host clock (synchronous kernels)"
+
+    def __init__(self, adjust) -> None:
+        self._adjust = adjust
+
+    def mark(self) -> int:
+        self._adjust()
+        return time.perf_counter_ns()
+
+    @staticmethod
+    def elapsed_ns(start: int, end: int) -> int:
+        return end - start
