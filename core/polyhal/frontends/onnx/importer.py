@@ -205,7 +205,9 @@ class OnnxProgram(Program):
                     for v in op.outputs:
                         self.origins[v.id] = label
         try:
-            return polyhal.compile(program, order, registry=registry, **options)
+            plan = polyhal.compile(program, order, registry=registry, **options)
+            plan.node_names = self.origin  # profiles name each step's ONNX node
+            return plan
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel that cannot be prepared for these operands

@@ -193,7 +193,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     progress = _Progress(args.repeat) if args.repeat > 1 else None
     profiling = args.profile or args.trace
     try:
-        with (plan.profiling(trace=args.trace, node_names=program.origin) if profiling
+        with (plan.profiling(trace=args.trace) if profiling
               else contextlib.nullcontext()) as profile:
             for i in range(args.repeat):
                 t0 = time.perf_counter()
