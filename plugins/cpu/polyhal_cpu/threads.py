@@ -38,6 +38,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from polyhal.errors import PluginError
+
 ENV = "POLYHAL_CPU_THREADS"
 #: Environment variables through which a user may already have limited BLAS/OpenMP threads.
 BLAS_ENVS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
@@ -113,8 +115,6 @@ def budget_size(environ: Mapping[str, str] | None = None, cpus: int | None = Non
     """The budget: ``POLYHAL_CPU_THREADS`` if set, else :func:`available_cpus` capped by any of
     :data:`BLAS_ENVS` that is set. A ``POLYHAL_CPU_THREADS`` that is not a positive integer is
     an error that says what to write."""
-    from polyhal.errors import PluginError
-
     environ = os.environ if environ is None else environ
     raw = environ.get(ENV, "").strip()
     if raw:
