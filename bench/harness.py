@@ -15,7 +15,11 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -62,6 +66,19 @@ def median_time(fn: Callable[[], object], *, repeat: int = 30, number: int = 1, 
             sync()
         samples.append((time.perf_counter() - t0) / number)
     return statistics.median(samples)
+
+
+@contextmanager
+def busy_core(settle: float = 0.5) -> Iterator[subprocess.Popen]:
+    """A background process keeping one core busy (a Python busy loop) for the ``with`` block:
+    the "loaded machine" condition of the CPU benchmarks."""
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(settle)  # let it be scheduled, and the thread budget's sampling see it
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def machine() -> dict:

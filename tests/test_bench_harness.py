@@ -90,3 +90,20 @@ def test_opencl_ops_without_opencl_keeps_its_table(tmp_path):
     assert "opencl_ops: skipped, no OpenCL device" in out.stdout
     assert (tmp_path / "opencl_ops.md").read_text() == recorded
     assert not (tmp_path / "opencl_ops.json").exists()
+
+
+def test_cuda_benchmark_without_a_gpu_is_skipped(results, capsys):
+    import polyhal
+
+    if any(s.backend == "cuda" for s in polyhal.devices()):
+        pytest.skip("a CUDA device is here: the benchmark would run")
+    (results / "cuda_plan.md").write_text("recorded")
+    assert run_benchmarks(["cuda_plan"], _args()) == 0
+    assert (results / "cuda_plan.md").read_text() == "recorded"
+    assert "cuda_plan: skipped, no CUDA device" in capsys.readouterr().out
+
+
+def test_busy_core_runs_only_inside_the_block():
+    with harness.busy_core(settle=0.05) as process:
+        assert process.poll() is None
+    assert process.poll() is not None
