@@ -132,3 +132,22 @@ def test_cli_profile_and_trace(tmp_path, capsys):
     assert main(["run", str(EXAMPLES / "mlp.onnx"), "--profile", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert {r["op"] for r in report["profile"]["by_op"]} >= {"gemm", "relu"}
+
+
+def _cuda_devices() -> list[str]:
+    return [s.name for s in polyhal.devices() if s.backend == "cuda"]
+
+
+@pytest.mark.parametrize("device", _cuda_devices() or [pytest.param("cuda:0", marks=pytest.mark.skip(
+    reason="no CUDA device here (cupy and a GPU are needed)"))])
+def test_cuda_steps_are_timed_by_events(device, tmp_path):
+    b = polyhal.ProgramBuilder("gpu")
+    x = b.input("x", (512, 512))
+    b.output(b.relu(b.matmul(x, x)))
+    plan = polyhal.compile(b.build(), device)
+    xs = np.random.default_rng(0).standard_normal((512, 512)).astype(np.float32)
+    prof = plan.profile(xs, runs=3, trace=str(tmp_path / "gpu.json"))
+    assert prof.timing == f"{device}: CUDA events"
+    assert {r["op"]: r["calls"] for r in prof.rows()} == {"matmul": 3, "relu": 3}
+    assert all(e.duration_ns > 0 for e in prof.events)
+    np.testing.assert_allclose(plan(xs).numpy(), np.maximum(xs @ xs, 0), rtol=1e-3, atol=1e-2)
