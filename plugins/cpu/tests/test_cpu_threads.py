@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -93,7 +94,7 @@ def test_adjust_follows_other_processes_load(monkeypatch):
     monkeypatch.setattr(os.path, "exists", lambda p: True)
     b = threads.Budget(2, [0, 1], adaptive=True)
     assert b.active == 2
-    t = 1000.0
+    t = time.monotonic() + 10  # after the sample the budget took when made
     for _ in range(3):  # 1 s: our process used 1 CPU second, others 1 (one core busy elsewhere)
         t += 1.0
         state["busy"] += 2.0
