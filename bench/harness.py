@@ -6,6 +6,8 @@ and the anchor's from the same run, and their ratio (polyhal / anchor: below 1 i
 
 A benchmark whose device is not on this machine raises :class:`DeviceAbsent`: the harness says
 so and leaves its recorded results as they are (as it does when a benchmark measured nothing).
+A benchmark with several devices, one of them absent, returns that part's rows as recorded
+(:func:`recorded_rows`), so that the table it writes keeps them.
 ``python -m bench`` exits with status 1 when a row missed its target.
 """
 
@@ -48,6 +50,27 @@ class Row:
     @property
     def ratio(self) -> float:
         return self.polyhal / self.anchor if self.anchor else float("nan")
+
+
+def recorded_rows(name: str, prefix: str, reason: str, suffix: str = "") -> list[Row]:
+    """The rows of ``bench/results/<name><suffix>.json`` whose case starts with ``prefix``, as
+    recorded (their run's time and ``reason`` noted in ``extra``), for a part of a benchmark
+    whose device is absent here; none if nothing was recorded."""
+    path = RESULTS / f"{name}{suffix}.json"
+    print(f"{name}: {reason}; keeping the recorded rows of {prefix!r}")
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    fields = {f for f in Row.__dataclass_fields__}
+    rows = []
+    for r in recorded.get("rows", []):
+        if r.get("case", "").startswith(prefix):
+            row = Row(**{k: v for k, v in r.items() if k in fields})
+            row.extra = {**row.extra, "recorded": row.extra.get("recorded", recorded.get("time")),
+                         "absent_here": reason}
+            rows.append(row)
+    return rows
 
 
 def median_time(fn: Callable[[], object], *, repeat: int = 30, number: int = 1, warmup: int = 3,

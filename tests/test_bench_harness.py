@@ -107,3 +107,14 @@ def test_busy_core_runs_only_inside_the_block():
     with harness.busy_core(settle=0.05) as process:
         assert process.poll() is None
     assert process.poll() is not None
+
+
+def test_absent_part_keeps_its_recorded_rows(results):
+    harness.report("mixed", [harness.Row("sort on PoCL", "ms", 9.0, 13.0, "numpy", "faster", True),
+                             harness.Row("NMS cpu", "ms", 70.0, 120.0, "onnxruntime", "<= 2x", True)])
+    kept = harness.recorded_rows("mixed", "sort on", "no OpenCL CPU device")
+    assert [(r.case, r.polyhal, r.anchor, r.met) for r in kept] == [("sort on PoCL", 9.0, 13.0, True)]
+    assert kept[0].extra["absent_here"] == "no OpenCL CPU device" and kept[0].extra["recorded"]
+    harness.report("mixed", [harness.Row("NMS cpu", "ms", 71.0, 119.0, "onnxruntime", "<= 2x", True)] + kept)
+    assert "| sort on PoCL | 9 ms | 13 ms (numpy) |" in (results / "mixed.md").read_text()
+    assert harness.recorded_rows("never_recorded", "sort", "absent") == []
