@@ -326,7 +326,8 @@ class Plan:
                             device.synchronize()
                     except BaseException as exc:
                         took = clock() - t0
-                        events.append(StepEvent(i, index, t0 - origin, took, took, error=f"{type(exc).__name__}: {exc}"))
+                        error = f"{type(exc).__name__}: {exc}"
+                        events.append(StepEvent(i, index, t0 - origin, took, took, error=error))
                         raise
                     t1 = clock()
                     event = StepEvent(i, index, t0 - origin, t1 - t0, t1 - t0)

@@ -62,7 +62,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time every step and print a per-op table (op, node, device, calls, total, mean, share) "
                         "and one per op type; the runs' timings then include the profiler's")
     p.add_argument("--trace", default=None, metavar="FILE",
-                   help="write a Chrome/Perfetto trace (JSON) of the runs' steps to FILE (written also when a run fails)")
+                   help="write a Chrome/Perfetto trace (JSON) of the runs' steps to FILE (also when a run fails)")
     p.add_argument("--output", "-o", default=None, metavar="DIR", help="write each output to DIR/NAME.npy")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     p.add_argument("--print-limit", type=int, default=3, metavar="N",
