@@ -16,23 +16,22 @@ never call BLAS; the numba loops are serial (no ``prange``), so numba's own pool
 on polyhal's behalf, and ``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports
 numba (unless the user set it), so that one started by other code stays within it too.
 
-**Shared cores.** A threaded OpenBLAS GEMM splits the product between its threads, which wait
-on each other's progress (busy-waiting, in its ``level3_thread.c``) several times per call, and
-its idle workers spin (on x86-64 a loop of ``nop``s, not ``sched_yield``) for 2^28 cycles,
-~0.1-0.2 s, after every call. While
-other processes keep the budget's CPUs busy, a worker that was descheduled holds up the whole
-call for scheduler slices, and the spinning ones take cores from everyone else. Measured on a
-2-core VM with other processes running (load average ~9): a 128 x 512 x 512 sgemm took a median
-of 112 ms on two BLAS threads against 0.7 ms on one; the README's main job, piped, ran at a
-median of 1 ms in most processes and 42-181 ms in some (one core kept busy), against 0.8-0.9 ms
-single-threaded. So :meth:`Budget.adjust`, called once per plan run, looks every
-:data:`SAMPLE_SECONDS` at how busy the budget's CPUs were with *other* processes' work
-(``/proc/stat`` for those CPUs minus this process's own CPU time, so that our own spinning does
-not count) and uses as many threads as there are CPUs left free (at least 1): with one of two
-cores busy elsewhere, BLAS and the pool run single-threaded and nothing spins; when the other
-work ends, the next sample restores the budget (idle, two threads ran the job at 0.56 ms against
-0.78 ms on one). A sample (reading the two files) takes ~60 µs, at most five times a second;
-a run between samples pays a clock reading (~0.2 µs).
+**Shared cores.** A threaded OpenBLAS GEMM splits the product between its threads, which wait on
+each other's progress (busy-waiting, in its ``level3_thread.c``) several times per call, and its
+idle workers spin (on x86-64 a loop of ``nop``s, not ``sched_yield``) for 2^28 cycles, ~0.1-0.2
+s, after every call. While other processes keep the budget's CPUs busy, a worker that was
+descheduled holds up the whole call for scheduler slices, and the spinning ones take cores from
+everyone else. Measured on a 2-core VM with other processes running (load average ~9): a 128 x
+512 x 512 sgemm took a median of 112 ms on two BLAS threads against 0.7 ms on one; the README's
+main job, piped, ran at a median of 1 ms in most processes and 42-181 ms in some (one core kept
+busy), against 0.8-0.9 ms single-threaded. So :meth:`Budget.adjust`, called once per plan run,
+looks every :data:`SAMPLE_SECONDS` at how busy the budget's CPUs were with *other* processes'
+work (``/proc/stat`` for those CPUs minus this process's own CPU time, so that our own spinning
+does not count) and uses as many threads as there are CPUs left free (at least 1): with one of
+two cores busy elsewhere, BLAS and the pool run single-threaded and nothing spins; when the
+other work ends, the next sample restores the budget (idle, two threads ran the job at 0.56 ms
+against 0.78 ms on one). A sample (reading the two files) takes ~60 µs, at most five times a
+second; a run between samples pays a clock reading (~0.2 µs).
 """
 
 from __future__ import annotations
