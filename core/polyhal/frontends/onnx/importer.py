@@ -189,7 +189,9 @@ class OnnxProgram(Program):
                 f"(strict placement): " + "; ".join(lines) + more + hint)
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
         try:
-            return polyhal_compile(self, order, registry=registry, **options)
+            plan = polyhal_compile(self, order, registry=registry, **options)
+            plan.node_names = self.origin  # profiles name each step's ONNX node
+            return plan
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel that cannot be prepared for these operands

@@ -5,6 +5,7 @@
     polyhal run examples/mlp.onnx                                 # random inputs, CPU default
     polyhal run model.onnx --input x=x.npy --device opencl:0 --device cpu:0 --explain
     polyhal run model.onnx --input inputs.npz --repeat 100 --output out/ --json
+    polyhal run model.onnx --repeat 20 --profile --trace run.json   # per-op table, Perfetto trace
 
 Inputs come from ``--input NAME=FILE.npy`` (or ``NAME=FILE.npz``, its only array or the one
 called NAME), ``--input FILE.npz`` (every array, by name), or are drawn at random from the
@@ -17,6 +18,7 @@ op runs on the first that has its kernel, others taking what it lacks unless ``-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -56,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true",
                    help="print where every op ran, allocation decisions, folded encodes and scratch placement")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and summarise the timings")
+    p.add_argument("--profile", action="store_true",
+                   help="time every step and print a per-op table (op, node, device, calls, total, mean, share) "
+                        "and one per op type; the runs' timings then include the profiler's")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome/Perfetto trace (JSON) of the runs' steps to FILE (also when a run fails)")
     p.add_argument("--output", "-o", default=None, metavar="DIR", help="write each output to DIR/NAME.npy")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     p.add_argument("--print-limit", type=int, default=3, metavar="N",
@@ -245,12 +252,20 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
 
     times = []
     progress = _Progress(args.repeat) if args.repeat > 1 else None
-    for i in range(args.repeat):
-        t0 = time.perf_counter()
-        outputs = program.execute(plan, feeds)
-        times.append(time.perf_counter() - t0)
-        if progress:
-            progress.update(i + 1)
+    profiling = args.profile or args.trace
+    try:
+        with (plan.profiling(trace=args.trace) if profiling
+              else contextlib.nullcontext()) as profile:
+            for i in range(args.repeat):
+                t0 = time.perf_counter()
+                outputs = program.execute(plan, feeds)
+                times.append(time.perf_counter() - t0)
+                if progress:
+                    progress.update(i + 1)
+    except PolyhalError:
+        if args.trace:
+            print(f"polyhal: the trace of the steps that ran is in {args.trace}", file=sys.stderr)
+        raise
     if progress:
         progress.close()
 
@@ -281,6 +296,10 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         if args.explain:
             report["placement"] = _placement_records(program, plan)
             report["explain"] = program.explain(plan)
+        if args.profile:
+            report["profile"] = {"steps": profile.rows(), "by_op": profile.by_op()}
+        if args.trace:
+            report["trace"] = str(args.trace)
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
         return 0
@@ -301,6 +320,10 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(f"outputs written to {args.output}/")
     if args.explain:
         print(program.explain(plan))
+    if args.profile:
+        print(profile.table())
+    if args.trace:
+        print(f"trace of {len(profile.events)} steps written to {args.trace} (open it in https://ui.perfetto.dev)")
     if len(times) > 1:
         print(f"{len(times)} runs: median {timing['median_ms']:.3f} ms, min {timing['min_ms']:.3f} ms, "
               f"max {timing['max_ms']:.3f} ms (load {timing['load_ms']:.1f} ms, compile {timing['compile_ms']:.1f} ms)")
