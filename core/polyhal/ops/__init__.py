@@ -18,6 +18,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
   scatter_nd, cumsum, cumprod, argmin, reduce_prod, einsum
 * :mod:`~polyhal.ops.ml`: tree_ensemble (ai.onnx.ml's tree ensembles as one compact array walk)
 * :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear, attention
+* :mod:`~polyhal.ops.vision`: grid_sample, roi_align
 
 Usage::
 
@@ -36,6 +37,7 @@ from polyhal.ops import elementwise, linalg, reduction, shape, sorting  # noqa: 
 from polyhal.ops import data_tiling  # noqa: E402,F401  isort: skip
 from polyhal.ops import detection  # noqa: E402,F401  isort: skip
 from polyhal.ops import indexing, logical, mathfn, ml, nn  # noqa: E402,F401  isort: skip
+from polyhal.ops import vision  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [

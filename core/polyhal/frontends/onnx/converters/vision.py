@@ -1,0 +1,166 @@
+"""Vision and signal ops: GridSample, RoiAlign (core sampling ops), Col2Im and MaxUnpool (a grouped
+conv_transpose and a scatter), STFT (frames gathered, windowed and transformed by the DFT
+matrix), MelWeightMatrix (a constant), and the ops polyhal refuses with a reason (training-only
+optimizers, ImageDecoder without an image library).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.signal import dft_matrix
+from polyhal.frontends.onnx.converters.tensor import ints, reshape
+from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.types import np_dtype
+
+_I64 = np.dtype(np.int64)
+#: GridSample's opset-16 mode names and their opset-20 ones.
+_GRID_MODE = {"bilinear": "linear", "bicubic": "cubic", "linear": "linear", "cubic": "cubic", "nearest": "nearest"}
+
+
+def _scalar(ctx: NodeContext, i: int, what: str):
+    v = ctx.const(i, what)
+    return None if v is None else np.asarray(v).reshape(-1)[0]
+
+
+@converter("GridSample")
+def _grid_sample(ctx: NodeContext) -> list:
+    mode = str(ctx.attr("mode", "linear" if ctx.opset >= 20 else "bilinear"))
+    if mode not in _GRID_MODE:
+        raise OnnxModelError(f"GridSample mode {mode!r} is not one of {', '.join(_GRID_MODE)}")
+    return [ctx.op("grid_sample", ctx.input(0), ctx.input(1), mode=_GRID_MODE[mode],
+                   padding_mode=str(ctx.attr("padding_mode", "zeros")),
+                   align_corners=bool(ctx.attr("align_corners", 0)))]
+
+
+@converter("RoiAlign")
+def _roi_align(ctx: NodeContext) -> list:
+    x, rois, batch = ctx.input(0), ctx.input(1), ctx.input(2)
+    if ctx.dtype(batch) != _I64:
+        batch = ctx.op("cast", batch, dtype=_I64)
+    transform = ctx.attr("coordinate_transformation_mode", "half_pixel" if ctx.opset >= 16 else "output_half_pixel")
+    return [ctx.op("roi_align", x, rois, batch, mode=str(ctx.attr("mode", "avg")),
+                   output_height=int(ctx.attr("output_height", 1)), output_width=int(ctx.attr("output_width", 1)),
+                   sampling_ratio=int(ctx.attr("sampling_ratio", 0)),
+                   spatial_scale=float(ctx.attr("spatial_scale", 1.0)), coordinate_transformation_mode=str(transform))]
+
+
+@converter("Col2Im")
+def _col2im(ctx: NodeContext) -> list:
+    """Col2Im sums each column's block back into the image: a conv_transpose, grouped per channel,
+    whose kernel routes input channel (c, k) to block position k of output channel c."""
+    x = ctx.input(0)
+    image = ints(ctx.const(1, "image_shape"))
+    block = ints(ctx.const(2, "block_shape"))
+    r = len(block)
+    strides = [int(s) for s in ctx.attr("strides", [1] * r)]
+    dilations = [int(d) for d in ctx.attr("dilations", [1] * r)]
+    pads = [int(p) for p in ctx.attr("pads", [0] * 2 * r)]
+    n, ck, cols = ctx.shape(x)
+    k = int(np.prod(block))
+    if len(image) != r or ck % k:
+        raise OnnxModelError(f"Col2Im: input {ctx.shape(x)} needs C * prod(block_shape {block}) channels and "
+                             f"image_shape of {r} dims, got image_shape {image}")
+    grid = [(image[i] + pads[i] + pads[i + r] - dilations[i] * (block[i] - 1) - 1) // strides[i] + 1 for i in range(r)]
+    if int(np.prod(grid)) != cols:
+        raise OnnxModelError(f"Col2Im: {cols} columns do not match the {grid} block positions that image_shape "
+                             f"{image}, block_shape {block}, strides, dilations and pads give")
+    c = ck // k
+    w = np.zeros((ck, 1, *block), ctx.dtype(x))
+    for ch in range(c):
+        for kk in range(k):
+            w[(ch * k + kk, 0, *np.unravel_index(kk, block))] = 1
+    span = [(grid[i] - 1) * strides[i] + dilations[i] * (block[i] - 1) + 1 - pads[i] - pads[i + r] for i in range(r)]
+    y = ctx.op("conv_transpose", reshape(ctx, x, (n, ck, *grid)), w, strides=strides, pads=pads, dilations=dilations,
+               group=c, output_padding=[image[i] - span[i] for i in range(r)])
+    return [y]
+
+
+@converter("MaxUnpool")
+def _max_unpool(ctx: NodeContext) -> list:
+    """Scatter the values to their flat indices in a zero tensor of the unpooled shape (what
+    MaxPool's Indices count over), then pad to output_shape when one is given."""
+    x, idx = ctx.input(0), ctx.input(1)
+    xs = ctx.shape(x)
+    kernel = [int(k) for k in ctx.attr("kernel_shape")]
+    r = len(kernel)
+    strides = [int(s) for s in ctx.attr("strides", [1] * r)]
+    pads = [int(p) for p in ctx.attr("pads", [0] * 2 * r)]
+    inferred = list(xs[:2]) + [(xs[2 + i] - 1) * strides[i] - pads[i] - pads[i + r] + kernel[i] for i in range(r)]
+    total = int(np.prod(inferred))
+    if ctx.dtype(idx) != _I64:
+        idx = ctx.op("cast", idx, dtype=_I64)
+    flat = ctx.op("scatter_elements", ctx.full((total,), 0, ctx.dtype(x)), reshape(ctx, idx, (-1,)),
+                  reshape(ctx, x, (-1,)), axis=0)
+    y = reshape(ctx, flat, inferred)
+    if ctx.has(2):
+        shape = ints(ctx.const(2, "output_shape"))
+        if len(shape) != len(inferred) or any(s < i for s, i in zip(shape, inferred)):
+            raise OnnxModelError(f"MaxUnpool output_shape {shape} is smaller than the unpooled shape {inferred}")
+        if shape != inferred:
+            y = ctx.op("pad", y, pads=[0] * len(shape) + [s - i for s, i in zip(shape, inferred)])
+    return [y]
+
+
+@converter("STFT")
+def _stft(ctx: NodeContext) -> list:
+    x = ctx.input(0)
+    batch, length, comps = ctx.shape(x)
+    step = int(_scalar(ctx, 1, "frame_step"))
+    window = ctx.input(2)
+    fl = _scalar(ctx, 3, "frame_length") if ctx.has(3) else None
+    frame = int(fl) if fl is not None else (ctx.shape(window)[0] if window is not None else length)
+    onesided = bool(ctx.attr("onesided", 1))
+    if step < 1 or not 1 <= frame <= length:
+        raise OnnxModelError(f"STFT: frame_step {step} must be >= 1 and frame_length {frame} within the signal "
+                             f"length {length}")
+    if onesided and comps == 2:
+        raise OnnxModelError("STFT: onesided output needs a real signal (last dim 1)")
+    frames = (length - frame) // step + 1
+    at = np.arange(frames)[:, None] * step + np.arange(frame)[None, :]
+    y = ctx.op("gather", x, at.astype(_I64), axis=1)  # [batch, frames, frame, comps]
+    if window is not None:
+        y = ctx.op("mul", y, reshape(ctx, window, (frame, 1)))
+    t, bins, out_comps = dft_matrix(frame, comps, frame, inverse=False, onesided=onesided)
+    y = ctx.op("matmul", reshape(ctx, y, (batch, frames, frame * comps)), t.astype(ctx.dtype(x)))
+    return [reshape(ctx, y, (batch, frames, bins, out_comps))]
+
+
+@converter("MelWeightMatrix")
+def _mel_weight_matrix(ctx: NodeContext) -> list:
+    """The triangular mel filter bank ONNX defines, computed once (its operands are sizes)."""
+    mels, dft_length, rate = (int(_scalar(ctx, i, w)) for i, w in
+                              enumerate(("num_mel_bins", "dft_length", "sample_rate")))
+    low, high = float(_scalar(ctx, 3, "lower_edge_hertz")), float(_scalar(ctx, 4, "upper_edge_hertz"))
+    if mels < 1 or dft_length < 1 or rate < 1:
+        raise OnnxModelError(f"MelWeightMatrix: num_mel_bins {mels}, dft_length {dft_length} and sample_rate {rate} "
+                             "must be >= 1")
+
+    def to_mel(hz: float) -> float:
+        return 2595 * np.log1p(hz / 700) / np.log(10)
+    step = (to_mel(high) - to_mel(low)) / (mels + 2)
+    hz = 700 * np.expm1((np.arange(mels + 2) * step + to_mel(low)) / 2595 * np.log(10))
+    edges = (((dft_length + 1) * hz) // rate).astype(int)
+    out = np.zeros((dft_length // 2 + 1, mels))
+    for i in range(mels):
+        lo, mid, hi = edges[i], edges[i + 1], edges[i + 2]
+        if mid == lo:
+            out[mid, i] = 1
+        else:
+            out[lo:mid + 1, i] = (np.arange(lo, mid + 1) - lo) / (mid - lo)
+        if hi > mid:
+            out[mid:hi, i] = (hi - np.arange(mid, hi)) / (hi - mid)
+    return [out.astype(np_dtype(int(ctx.attr("output_datatype", 1)), "MelWeightMatrix's output_datatype"))]
+
+
+@converter("Adam", "Adagrad", "Momentum", domain="ai.onnx.preview.training")
+def _training(ctx: NodeContext) -> list:
+    raise OnnxUnsupportedError(f"{ctx.op_type} is a training-only optimizer update (ai.onnx.preview.training); "
+                               "polyhal runs inference models: apply the update in the training framework")
+
+
+@converter("ImageDecoder")
+def _image_decoder(ctx: NodeContext) -> list:
+    raise OnnxUnsupportedError("ImageDecoder needs an image codec library, which polyhal does not bundle; decode "
+                               "the images before the model (e.g. with Pillow) and feed the pixel arrays")
