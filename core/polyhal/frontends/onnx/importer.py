@@ -356,11 +356,25 @@ def default_opset(model: onnx.ModelProto, source: str) -> int:
         raise OnnxUnsupportedError(f"{source}: opset {opset} is newer than polyhal supports "
                                    f"(opsets {MIN_OPSET} to {MAX_OPSET}); convert the model with "
                                    f"onnx.version_converter.convert_version(model, {MAX_OPSET})")
-    if opset < MIN_OPSET:
+    if opset < MIN_OPSET and not _same_ops_since(model.graph, opset, MIN_OPSET):
         raise OnnxUnsupportedError(f"{source}: opset {opset} is older than polyhal supports "
                                    f"(opsets {MIN_OPSET} to {MAX_OPSET}); convert the model with "
                                    f"onnx.version_converter.convert_version(model, {MIN_OPSET})")
     return opset
+
+
+def _same_ops_since(graph: onnx.GraphProto, old: int, new: int) -> bool:
+    """Whether every default-domain op of ``graph`` has one definition from opset ``old`` to
+    ``new`` (e.g. Not, unchanged since opset 1): such a model means what it would at ``new``."""
+    for node in graph.node:
+        if node.domain not in _DEFAULT_DOMAINS or any(a.g.node or a.graphs for a in node.attribute):
+            return False
+        try:
+            if onnx.defs.get_schema(node.op_type, old).since_version != onnx.defs.get_schema(node.op_type, new).since_version:
+                return False
+        except onnx.defs.SchemaError:
+            return False
+    return True
 
 
 def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
