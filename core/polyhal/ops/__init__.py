@@ -4,7 +4,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
 
 * :mod:`~polyhal.ops.elementwise`: add sub mul div pow maximum minimum, equal not_equal less
   less_equal greater greater_equal, neg abs exp log sqrt tanh relu sigmoid erf gelu, where, cast
-* :mod:`~polyhal.ops.linalg`: matmul, gemm
+* :mod:`~polyhal.ops.linalg`: matmul, gemm, det
 * :mod:`~polyhal.ops.reduction`: reduce_sum reduce_mean reduce_max reduce_min, argmax, softmax,
   layer_norm
 * :mod:`~polyhal.ops.shape`: transpose, reshape, concat, slice, gather

@@ -1,4 +1,4 @@
-"""Vision and signal ops: GridSample, RoiAlign (core sampling ops), Col2Im and MaxUnpool (a grouped
+"""Vision, signal and linear-algebra ops: Det (a core op), GridSample, RoiAlign (core sampling ops), Col2Im and MaxUnpool (a grouped
 conv_transpose and a scatter), STFT (frames gathered, windowed and transformed by the DFT
 matrix), MelWeightMatrix (a constant), and the ops polyhal refuses with a reason (training-only
 optimizers, ImageDecoder without an image library).
@@ -164,3 +164,8 @@ def _training(ctx: NodeContext) -> list:
 def _image_decoder(ctx: NodeContext) -> list:
     raise OnnxUnsupportedError("ImageDecoder needs an image codec library, which polyhal does not bundle; decode "
                                "the images before the model (e.g. with Pillow) and feed the pixel arrays")
+
+
+@converter("Det")
+def _det(ctx: NodeContext) -> list:
+    return [ctx.op("det", ctx.input(0))]
