@@ -169,3 +169,54 @@ def _image_decoder(ctx: NodeContext) -> list:
 @converter("Det")
 def _det(ctx: NodeContext) -> list:
     return [ctx.op("det", ctx.input(0))]
+
+
+@converter("DeformConv")
+def _deform_conv(ctx: NodeContext) -> list:
+    """Deformable convolution: each offset group's input is bilinearly sampled (grid_sample,
+    zeros outside) at the kernel taps moved by the offsets, scaled by the mask, and the columns
+    are multiplied by the weights per group (one batched matmul)."""
+    x, w, offset, bias, mask = (ctx.input(i) for i in range(5))
+    if ctx.rank(x) != 4:
+        raise OnnxUnsupportedError(f"DeformConv on a {ctx.rank(x) - 2}-D input (polyhal's is 2-D)")
+    n, c, h, wd = ctx.shape(x)
+    oc, cg, kh, kw = ctx.shape(w)
+    oh, ow = ctx.shape(offset)[2:]
+    group, og = int(ctx.attr("group", 1)), int(ctx.attr("offset_group", 1))
+    strides = [int(s) for s in ctx.attr("strides", [1, 1])]
+    dil = [int(d) for d in ctx.attr("dilations", [1, 1])]
+    pads = [int(p) for p in ctx.attr("pads", [0, 0, 0, 0])]
+    k, dt = kh * kw, ctx.dtype(x)
+    if cg * group != c or oc % group or c % og or ctx.shape(offset)[1] != og * k * 2:
+        raise OnnxModelError(f"DeformConv: X {ctx.shape(x)}, W {ctx.shape(w)}, offset {ctx.shape(offset)} do not fit "
+                             f"group={group}, offset_group={og}")
+    # Tap positions before the offsets, per (kernel tap, output row/column), as normalized grid
+    # coordinates of grid_sample without align_corners: g = (2 p + 1) / size - 1.
+    ty, tx = np.meshgrid(np.arange(kh) * dil[0], np.arange(kw) * dil[1], indexing="ij")
+    base_y = ty.reshape(k, 1, 1) + (np.arange(oh) * strides[0] - pads[0]).reshape(1, oh, 1)
+    base_x = tx.reshape(k, 1, 1) + (np.arange(ow) * strides[1] - pads[1]).reshape(1, 1, ow)
+    off = reshape(ctx, offset, (n, og, k, 2, oh, ow))
+
+    def normalized(axis: int, base: np.ndarray, size: int):
+        p = ctx.op("add", ctx.op("gather", off, np.array(axis, _I64), axis=3), base.astype(dt))
+        return reshape(ctx, ctx.op("sub", ctx.op("mul", p, ctx.scalar(2.0 / size, dt)),
+                                   ctx.scalar(1.0 - 1.0 / size, dt)), (n, og, k, oh, ow, 1))
+    grid = ctx.op("concat", normalized(1, base_x, wd), normalized(0, base_y, h), axis=-1)
+    if mask is not None:
+        mask = reshape(ctx, mask, (n, og, 1, k, oh * ow))
+    per = c // og
+    cols = []
+    for g in range(og):
+        xg = x if og == 1 else ctx.op("gather", x, np.arange(g * per, (g + 1) * per, dtype=_I64), axis=1)
+        gg = reshape(ctx, ctx.op("gather", grid, np.array(g, _I64), axis=1), (n, k * oh, ow, 2))
+        s = reshape(ctx, ctx.op("grid_sample", xg, gg, mode="linear", padding_mode="zeros", align_corners=False),
+                    (n, per, k, oh * ow))
+        if mask is not None:
+            s = ctx.op("mul", s, ctx.op("gather", mask, np.array(g, _I64), axis=1))
+        cols.append(s)
+    col = cols[0] if og == 1 else ctx.op("concat", *cols, axis=1)
+    y = ctx.op("matmul", reshape(ctx, w, (group, oc // group, cg * k)), reshape(ctx, col, (n, group, cg * k, oh * ow)))
+    y = reshape(ctx, y, (n, oc, oh, ow))
+    if bias is not None:
+        y = ctx.op("add", y, reshape(ctx, bias, (oc, 1, 1)))
+    return [y]
