@@ -220,3 +220,34 @@ def _deform_conv(ctx: NodeContext) -> list:
     if bias is not None:
         y = ctx.op("add", y, reshape(ctx, bias, (oc, 1, 1)))
     return [y]
+
+
+def max_pool_indices(ctx: NodeContext, x, out_spatial, kernel, strides, dilations, pads, storage_order: int):
+    """MaxPool's Indices output: per window, the flat index (over the whole input, row-major, or
+    with the spatial dims column-major for ``storage_order=1``) of its first maximum. The padded
+    input's windows are gathered as [N, C, windows, taps], argmax picks the tap, and a constant
+    table maps (window, tap) to the unpadded index."""
+    n, c, *spatial = ctx.shape(x)
+    r = len(spatial)
+    dt = ctx.dtype(x)
+    low = np.finfo(dt).min if dt.kind == "f" else np.iinfo(dt).min
+    ends = [max((out_spatial[i] - 1) * strides[i] + (kernel[i] - 1) * dilations[i] + 1 - spatial[i] - pads[i], 0)
+            for i in range(r)]
+    xp = ctx.op("pad", x, pads=[0, 0, *pads[:r], 0, 0, *ends], mode="constant", value=float(-np.inf) if dt.kind == "f"
+                else int(low))
+    padded = ctx.shape(xp)[2:]
+    win = np.stack(np.meshgrid(*(np.arange(o) * s for o, s in zip(out_spatial, strides)), indexing="ij"), -1).reshape(-1, 1, r)
+    tap = np.stack(np.meshgrid(*(np.arange(k) * d for k, d in zip(kernel, dilations)), indexing="ij"), -1).reshape(1, -1, r)
+    pos = win + tap  # [windows, taps, r] in padded coordinates
+    gather_at = np.ravel_multi_index(tuple(np.moveaxis(pos, -1, 0)), padded)
+    orig = pos - np.array(pads[:r])
+    inside = np.all((orig >= 0) & (orig < np.array(spatial)), axis=-1)
+    orig = np.where(inside[..., None], orig, 0)
+    order = "F" if storage_order else "C"
+    flat = np.ravel_multi_index(tuple(np.moveaxis(orig, -1, 0)), spatial, order=order)
+    vals = ctx.op("gather", reshape(ctx, xp, (n, c, -1)), gather_at.astype(_I64), axis=2)
+    best = ctx.op("argmax", vals, axis=-1, keepdims=True)
+    windows, taps = flat.shape
+    idx = ctx.op("gather_elements", ctx.op("expand", flat.astype(_I64), shape=[n, c, windows, taps]), best, axis=-1)
+    base = (np.arange(n * c, dtype=_I64) * int(np.prod(spatial))).reshape(n, c, 1, 1)
+    return reshape(ctx, ctx.op("add", idx, base), (n, c, *out_spatial))
