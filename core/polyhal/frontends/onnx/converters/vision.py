@@ -251,3 +251,9 @@ def max_pool_indices(ctx: NodeContext, x, out_spatial, kernel, strides, dilation
     idx = ctx.op("gather_elements", ctx.op("expand", flat.astype(_I64), shape=[n, c, windows, taps]), best, axis=-1)
     base = (np.arange(n * c, dtype=_I64) * int(np.prod(spatial))).reshape(n, c, 1, 1)
     return reshape(ctx, ctx.op("add", idx, base), (n, c, *out_spatial))
+
+
+@converter("Bernoulli", "RandomUniform", "RandomUniformLike", "RandomNormal", "RandomNormalLike", "Multinomial")
+def _random(ctx: NodeContext) -> list:
+    raise OnnxUnsupportedError(f"{ctx.op_type} draws random numbers, and polyhal has no random-number ops; ONNX "
+                               "leaves the generator unspecified, so feed the random tensor as an input instead")
