@@ -129,7 +129,8 @@ def test_floored_float_mod_has_the_divisors_sign():
     b = np.array([2.0, 2.0, -2.0, -2.0, -3.0, 3.0, 0.0, 2.0, np.inf, np.inf], np.float32)
     model = _model("Mod", {"a": a, "b": b}, fmod=0, outs=[(_F, [10])])
     got = np.asarray(ponnx.load(model).run({"a": a, "b": b})["y0"])
-    want = np.mod(a.astype(np.float64), b).astype(np.float32)
+    with np.errstate(invalid="ignore"):  # 3 mod 0 and inf mod 2 are nan
+        want = np.mod(a.astype(np.float64), b).astype(np.float32)
     np.testing.assert_array_equal(got, want)
     assert np.array_equal(np.signbit(got[:6]), np.signbit(want[:6]))
 
