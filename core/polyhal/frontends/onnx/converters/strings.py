@@ -20,7 +20,7 @@ import onnx
 
 from polyhal.frontends.onnx.converters import Decline, NodeContext, converter
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
-from polyhal.frontends.onnx.types import STRING, STRING_DTYPE, is_strings, np_dtype
+from polyhal.frontends.onnx.types import STRING, STRING_DTYPE, HostValue, is_strings, np_dtype
 
 ML = "ai.onnx.ml"
 
@@ -227,3 +227,34 @@ def _default(ctx: NodeContext, values: np.ndarray) -> Any:
     if values.dtype.kind == "f":
         return float(ctx.attr("default_float", -0.0))
     raise OnnxUnsupportedError(f"LabelEncoder values of {values.dtype} are not supported")
+
+
+# ------------------------------------------------------------------------------------ TF-IDF
+
+@converter("TfIdfVectorizer")
+def _tfidf_vectorizer(ctx: NodeContext) -> list:
+    x = ctx.host_input(0)
+    if ctx.has_attr("pool_strings"):
+        if not is_strings(x):
+            raise OnnxModelError("TfIdfVectorizer with pool_strings takes string input")
+        # String tokens become ids on the host (their index in the pool's vocabulary; -1 for a
+        # token the pool lacks, which no n-gram matches), and the device counts n-grams of ids.
+        words = list(ctx.attr("pool_strings"))
+        vocab = {w: i for i, w in enumerate(dict.fromkeys(words))}
+        pool = [vocab[w] for w in words]
+        x = ctx.host(lambda a: _map(lambda s: vocab.get(s, -1), a, np.int64), x, dtype=np.int64, shape=x.shape,
+                     what=f"the token ids of {ctx.label}")
+    elif ctx.has_attr("pool_int64s"):
+        if is_strings(x):
+            raise OnnxModelError("TfIdfVectorizer with pool_int64s takes int32 or int64 input, got strings")
+        pool = [int(v) for v in ctx.attr("pool_int64s")]
+    else:
+        raise OnnxModelError("TfIdfVectorizer needs pool_int64s or pool_strings")
+    if isinstance(x, HostValue):
+        x = ctx.importer.host_feed(x)
+    return [ctx.op("tfidf_vectorizer", x,
+                   pool=pool, ngram_counts=[int(v) for v in ctx.attr("ngram_counts")],
+                   ngram_indexes=[int(v) for v in ctx.attr("ngram_indexes")],
+                   weights=[float(v) for v in ctx.attr("weights", [])],
+                   min_gram=int(ctx.attr("min_gram_length")), max_gram=int(ctx.attr("max_gram_length")),
+                   max_skip=int(ctx.attr("max_skip_count")), mode=ctx.attr("mode"))]
