@@ -328,6 +328,15 @@ class OnnxProgram(Program):
                  f"({sum(a.nbytes for _, a in self.constants)} B), {len(self.folded)} nodes folded at import"]
         for name, value in self.frozen.items():
             lines.append(f"  input {name!r} fixed at import to {value.dtype}{list(value.shape)} (it decides a shape)")
+        if self.string_inputs or self.host_feeds or self.host_outputs:
+            lines.append("on the host (strings; device buffers hold numbers):")
+            for name in self.string_inputs:
+                lines.append(f"  input {name!r} ({self.declared_inputs.get(name)}) stays on the host")
+            for name, hv in self.host_feeds:
+                lines.append(f"  before the plan: {hv.what} -> program input {name!r}")
+            for i, hv in self.host_outputs.items():
+                what = getattr(hv, "what", "a constant")
+                lines.append(f"  after the plan: output {self.output_names[i]!r} ({what})")
         ops = plan.program.ops if plan is not None else self.ops
         origins = self.node_labels(plan) if plan is not None else self.origins
         by_node: dict[str, list] = collections.defaultdict(list)
@@ -744,8 +753,11 @@ class _Importer:
         for v in host_outputs.values():
             if isinstance(v, HostValue):
                 reads.update((r.id, r) for r in v.reads()[1] if r.id not in self.input_ids)
-        read_outputs = [result(r, f"host reads {r.name}") for r in reads.values()]
-        host_reads = {vid: len(outputs) + len(counts) + k for k, vid in enumerate(reads)}
+        returned = {v.id: k for k, v in enumerate(outputs)}  # results the plan returns anyway
+        fresh = [r for r in reads.values() if r.id not in returned]
+        read_outputs = [result(r, f"host reads {r.name}") for r in fresh]
+        host_reads = {vid: returned[vid] for vid in reads if vid in returned}
+        host_reads.update((r.id, len(outputs) + len(counts) + k) for k, r in enumerate(fresh))
         if not outputs and not counts and not read_outputs:
             # Every output is made on the host; a program has at least one result.
             outputs.append(self.emit("(every output is made on the host)", "identity",
