@@ -130,8 +130,8 @@ def _string_normalizer(ctx: NodeContext) -> list:
 
 @converter("Identity", strings=True)
 def _identity_strings(ctx: NodeContext) -> list:
-    x = ctx.host_input(0)
-    if not (is_strings(x) or hasattr(x, "compute")):
+    x = ctx.raw_input(0)
+    if not (is_strings(x) or isinstance(x, HostValue)):
         raise Decline("not a host value")
     return [x]
 
