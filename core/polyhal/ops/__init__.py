@@ -38,6 +38,7 @@ from polyhal.ops import data_tiling  # noqa: E402,F401  isort: skip
 from polyhal.ops import detection  # noqa: E402,F401  isort: skip
 from polyhal.ops import indexing, logical, mathfn, ml, nn  # noqa: E402,F401  isort: skip
 from polyhal.ops import vision  # noqa: E402,F401  isort: skip
+from polyhal.ops import text  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [

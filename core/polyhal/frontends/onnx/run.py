@@ -34,6 +34,7 @@ from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.types import STRING_DTYPE
 from polyhal.hal.device import host_memory_available
 
 
@@ -153,7 +154,8 @@ def random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dty
 
 def check_input_memory(program, file_feeds: dict, registry, devices: list[str] | None) -> None:
     """Refuse random inputs that the host, or the first device they would go to, cannot hold."""
-    random_bytes = sum(v.type.nbytes for v in program.inputs if v.name not in file_feeds)
+    random = [(n, shape, dtype) for n, shape, dtype in program.feed_types() if n not in file_feeds]
+    random_bytes = sum(int(np.prod(shape)) * dtype.itemsize for _, shape, dtype in random)
     if not random_bytes:
         return
     names = devices or [s.name for s in registry.device_specs()][:1]
@@ -161,7 +163,7 @@ def check_input_memory(program, file_feeds: dict, registry, devices: list[str] |
     places += [(n, registry.get_device(n).memory_available()) for n in names[:1]]
     for where, available in places:
         if available is not None and random_bytes > available:
-            shapes = ", ".join(f"{v.name} {v.type}" for v in program.inputs if v.name not in file_feeds)
+            shapes = ", ".join(f"{n} {dtype}{list(shape)}" for n, shape, dtype in random)
             raise _usage(f"the random inputs ({shapes}) take {random_bytes} bytes, more than {where} has "
                          f"available ({available} bytes); use smaller --dim/--shape values")
 
@@ -233,11 +235,15 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     check_input_memory(program, file_feeds, registry, args.device)
     rng = np.random.default_rng(args.seed)
     feeds, sources = {}, {}
-    for v in program.inputs:
-        if v.name in file_feeds:
-            feeds[v.name], sources[v.name] = file_feeds[v.name], "file"
+    for name, shape, dtype in program.feed_types():
+        if name in file_feeds:
+            feeds[name], sources[name] = file_feeds[name], "file"
+        elif dtype == STRING_DTYPE:  # no random text means anything to a model's vocabulary
+            raise OnnxInputError(f"{args.model}: input {name!r} ({program.declared_inputs.get(name)}) holds "
+                                 f"strings, which polyhal run cannot draw at random; give it with --input "
+                                 f"{name}=FILE.npy (np.save('FILE.npy', np.array([...], dtype=str)))")
         else:
-            feeds[v.name], sources[v.name] = random_input(rng, v.type.shape, v.type.dtype), "random"
+            feeds[name], sources[name] = random_input(rng, shape, dtype), "random"
     known = set(program.input_names) | set(program.frozen)
     extra = [k for k in file_feeds if k not in known]
     if extra:
@@ -273,6 +279,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         out_dir = Path(args.output)
         for name, value in outputs.items():
             try:
+                if isinstance(value, np.ndarray) and value.dtype == STRING_DTYPE:
+                    value = value.astype(np.str_)  # strings as numpy str: readable without pickle
                 np.save(out_dir / f"{_file_name(name)}.npy", value)
             except OSError as exc:
                 raise _usage(f"--output {args.output}: cannot write {name!r}: {exc.strerror or exc}") from None
