@@ -205,3 +205,12 @@ def test_storage_types_in_the_ir_and_dlpack():
         assert dlpack.numpy_dtype(*code) == dt
     with pytest.raises(DLPackError, match="int4 has no DLPack equivalent"):
         dlpack.dlpack_dtype(ml_dtypes.int4)  # one element per byte here, packed nibbles in DLPack
+
+
+def test_arithmetic_in_a_storage_type_is_refused_cleanly():
+    bf = TensorProto.BFLOAT16
+    model = _model([helper.make_node("Add", ["a", "b"], ["y"])],
+                   [helper.make_tensor_value_info("a", bf, [3]), helper.make_tensor_value_info("b", bf, [3])],
+                   [helper.make_tensor_value_info("y", bf, [3])])
+    with pytest.raises(OnnxUnsupportedError, match="add on bfloat16: .*cast to float32 first"):
+        ponnx.load(model)
