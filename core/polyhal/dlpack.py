@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from polyhal.errors import DLPackError
@@ -202,7 +203,15 @@ _NUMPY_TYPES = {
     (_FLOAT, 16): np.float16, (_FLOAT, 32): np.float32, (_FLOAT, 64): np.float64,
     (_COMPLEX, 64): np.complex64, (_COMPLEX, 128): np.complex128, (_BOOL, 8): np.bool_,
 }
-_SUPPORTED = "bool, (u)int8-64, float16/32/64 or complex64/128"
+#: ml_dtypes' types that DLPack (1.1) names: bfloat16 and the one-byte float8 codes.
+_ML_TYPES = {
+    (_BFLOAT, 16): ml_dtypes.bfloat16, (10, 8): ml_dtypes.float8_e4m3fn,
+    (11, 8): ml_dtypes.float8_e4m3fnuz, (12, 8): ml_dtypes.float8_e5m2,
+    (13, 8): ml_dtypes.float8_e5m2fnuz,
+}
+_ML_CODES = {np.dtype(t): key for key, t in _ML_TYPES.items()}
+_NUMPY_TYPES.update(_ML_TYPES)
+_SUPPORTED = "bool, (u)int8-64, float16/32/64, bfloat16, float8 (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz) or complex64/128"
 
 
 def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
@@ -212,10 +221,11 @@ def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
     except TypeError as exc:
         raise DLPackError(f"{dtype!r} is not a numpy dtype; pass e.g. numpy.dtype('float32')"
                           ) from exc
-    if dt.name == "bfloat16":  # ml_dtypes' bfloat16, if the user has it
-        return (_BFLOAT, 16, 1)
-    code = _KIND_CODES.get(dt.kind)
+    if dt in _ML_CODES:
+        return (*_ML_CODES[dt], 1)
+    code = _KIND_CODES.get(dt.kind) if dt.kind != "V" else None
     if code is None or (code, dt.itemsize * 8) not in _NUMPY_TYPES:
+        # int4, float4, ...: ml_dtypes keeps one element per byte, DLPack's 4-bit codes are packed.
         raise DLPackError(f"element type {dt} has no DLPack equivalent; convert to {_SUPPORTED} "
                           "first (astype)")
     if not dt.isnative:
@@ -229,13 +239,6 @@ def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype:
     if lanes != 1:
         raise DLPackError(f"DLPack vector types (lanes={lanes}) are not supported; have the "
                           "producer export lanes=1 with a trailing dimension instead")
-    if (code, bits) == (_BFLOAT, 16):
-        try:
-            import ml_dtypes  # optional: numpy itself has no bfloat16
-        except ImportError:
-            raise DLPackError("bfloat16 DLPack tensors need the 'ml_dtypes' package; install it "
-                              "or convert to float32 on the producer side") from None
-        return np.dtype(ml_dtypes.bfloat16)
     if (code, bits) not in _NUMPY_TYPES:
         raise DLPackError(f"DLPack element type (code={code}, bits={bits}) is not supported; "
                           f"convert to {_SUPPORTED} on the producer side")

@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from polyhal.errors import DTypeError, ProgramError, ShapeError
-from polyhal.ir.types import SUPPORTED_DTYPES, TensorType, as_dtype
+from polyhal.ir.types import COMPUTE_DTYPES, TensorType, as_dtype
 
 __all__ = [
     "Encoding", "MatmulEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout", "IdentityLayout",
@@ -62,7 +62,7 @@ class Encoding(ABC):
 
 #: Element types a matmul encoding can describe: numbers (a bool matmul is not a contraction
 #: any backend tiles).
-_MATMUL_ELEMENT_TYPES = frozenset(d for d in SUPPORTED_DTYPES if d.kind in "iuf")
+_MATMUL_ELEMENT_TYPES = frozenset(d for d in COMPUTE_DTYPES if d.kind in "iuf")
 
 
 @dataclass(frozen=True)

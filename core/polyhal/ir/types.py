@@ -6,18 +6,36 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from polyhal.errors import DTypeError, ShapeError
 
-#: Element types a program may use (numpy names). bool is one byte, as in numpy and DLPack.
-SUPPORTED_DTYPES = frozenset(
+#: Element types every op computes with on every device (numpy names). bool is one byte, as in
+#: numpy and DLPack.
+COMPUTE_DTYPES = frozenset(
     np.dtype(n)
     for n in (
         "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
         "float16", "float32", "float64",
     )
 )
+
+#: Low-precision storage types, as ml_dtypes defines them for numpy: bfloat16, the float8
+#: variants, float4 and the sub-byte integers. A value of one is held one element per byte (two
+#: for bfloat16), as ml_dtypes' arrays are; programs store, move and ``cast`` them, and compute
+#: after a cast to a compute type (float32 holds every one of them exactly). Only the CPU
+#: backend has kernels for them.
+STORAGE_DTYPES = frozenset(
+    np.dtype(getattr(ml_dtypes, n))
+    for n in (
+        "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+        "float4_e2m1fn", "int4", "uint4", "int2", "uint2",
+    )
+)
+
+#: Element types a program may use: the compute types and the storage types.
+SUPPORTED_DTYPES = COMPUTE_DTYPES | STORAGE_DTYPES
 
 
 def as_dtype(dtype: Any) -> np.dtype:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from polyhal.errors import DTypeError, PolyhalError, ProgramError, ShapeError
-from polyhal.ir.types import SUPPORTED_DTYPES, TensorType
+from polyhal.ir.types import COMPUTE_DTYPES, TensorType
 
 __all__ = [
     "OpDef", "OPS", "REQUIRED", "get_op", "infer_types", "canonical_attrs", "resolve_attrs",
@@ -200,7 +200,9 @@ UNSIGNED_INT = frozenset(np.dtype(n) for n in ("uint8", "uint16", "uint32", "uin
 NUMERIC = FLOAT | SIGNED_INT | UNSIGNED_INT
 #: Types with a negation: floats and signed integers.
 SIGNED = FLOAT | SIGNED_INT
-ANY = frozenset(SUPPORTED_DTYPES)
+#: Every compute type. The storage types (bfloat16, float8, int4, ...) take part in arithmetic
+#: only after a 'cast' to one of these.
+ANY = frozenset(COMPUTE_DTYPES)
 INDEX = frozenset(np.dtype(n) for n in ("int32", "int64"))
 
 

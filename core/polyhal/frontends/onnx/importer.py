@@ -35,7 +35,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_model
 
-from polyhal.errors import PolyhalError
+from polyhal.errors import DTypeError, PolyhalError
 from polyhal.frontends.onnx.errors import (
     NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError,
@@ -47,7 +47,7 @@ from polyhal.frontends.onnx.types import (
 )
 from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
-from polyhal.ir.types import TensorType
+from polyhal.ir.types import STORAGE_DTYPES, TensorType
 from polyhal.ops import OPS, infer_types
 from polyhal.passes.placement import kernel_sets
 from polyhal.plan import compile as polyhal_compile
@@ -628,7 +628,16 @@ class _Importer:
     def emit(self, label: str, op: str, inputs: Sequence[Val], attrs: Mapping[str, Any]) -> Any:
         """Op ``op`` on ``inputs``: folded to arrays when every input is known, else a dispatch."""
         types = tuple(self.type_of(v) for v in inputs)
-        out_types = infer_types(op, types, attrs)
+        try:
+            out_types = infer_types(op, types, attrs)
+        except DTypeError as exc:
+            storage = sorted({str(t.dtype) for t in types if t.dtype in STORAGE_DTYPES})
+            if not storage:
+                raise
+            raise OnnxUnsupportedError(
+                f"{label}: {op} on {', '.join(storage)}: polyhal stores and converts these types (Cast, "
+                "QuantizeLinear, DequantizeLinear) but computes only in float16/32/64 and the integer types; "
+                "cast to float32 first") from exc
         if all(isinstance(v, np.ndarray) for v in inputs) and all(t.nbytes <= self.fold_limit for t in out_types):
             with np.errstate(all="ignore"):
                 outs = OPS[op].reference(*inputs, **attrs)

@@ -20,7 +20,8 @@ from polyhal.ir.types import SUPPORTED_DTYPES
 
 def np_dtype(elem_type: int, what: str) -> np.dtype:
     """The numpy dtype of ONNX element type ``elem_type``; OnnxUnsupportedError naming
-    ``what`` for those polyhal lacks (string, bfloat16, float8, int4, complex, ...)."""
+    ``what`` for those polyhal lacks (string, complex, float8e8m0). bfloat16, float8, float4 and
+    int4/uint4/int2/uint2 are ml_dtypes' numpy types, the IR's storage types."""
     try:
         name = onnx.TensorProto.DataType.Name(elem_type)
     except ValueError:
@@ -31,7 +32,7 @@ def np_dtype(elem_type: int, what: str) -> np.dtype:
         dt = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
     except Exception:  # noqa: BLE001  (onnx raises several types for unmapped ones)
         dt = None
-    if dt is None or dt not in SUPPORTED_DTYPES or name in ("BFLOAT16",) or name.startswith(("FLOAT8", "FLOAT4")):
+    if dt is None or dt not in SUPPORTED_DTYPES:
         supported = ", ".join(sorted(str(d) for d in SUPPORTED_DTYPES))
         raise OnnxUnsupportedError(f"{what} has element type {name}, which polyhal does not support "
                                    f"(supported: {supported})")

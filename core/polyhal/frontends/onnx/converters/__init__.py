@@ -351,6 +351,7 @@ def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onn
 # Importing the families registers their converters.
 from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
     elementwise, tensor, reduce, nn, misc, resize, control, rnn, signal, ml,
+    quantize,
 )
 from polyhal.frontends.onnx.converters import vision  # noqa: E402,F401  isort: skip
 from polyhal.frontends.onnx.converters import strings  # noqa: E402,F401  isort: skip

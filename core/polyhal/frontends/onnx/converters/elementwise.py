@@ -8,13 +8,14 @@ which is exact for the magnitudes where the results are defined.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.errors import OnnxUnsupportedError
 from polyhal.frontends.onnx.types import np_dtype
 
-_F64 = np.dtype(np.float64)
+_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
 _BINARY = {
     "Add": "add", "Sub": "sub", "Mul": "mul", "Equal": "equal", "Less": "less", "Greater": "greater",
@@ -161,11 +162,33 @@ def _where(ctx: NodeContext) -> list:
     return [ctx.op("where", ctx.input(0), ctx.input(1), ctx.input(2))]
 
 
+#: The float8 types, whose conversions ONNX's ``saturate`` attribute governs.
+_FLOAT8 = frozenset(np.dtype(getattr(ml_dtypes, n)) for n in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"))
+
+
+def onnx_cast(ctx: NodeContext, x, to: np.dtype, saturate: bool = True) -> object:
+    """``x`` converted to ``to`` as ONNX's Cast does (round to nearest even). To a float8 type
+    with ``saturate`` (ONNX's default), values beyond its range, infinities included, become its
+    largest finite value of their sign, by a clamp before the conversion; without it they
+    become inf or nan, as the type has them."""
+    if to in _FLOAT8 and saturate:
+        if ctx.dtype(x) not in (_F64, _F32, _F16):
+            # float32 holds every value it can matter for exactly: larger ones are clamped.
+            x = cast(ctx, x, _F32)
+        limit = float(ml_dtypes.finfo(to).max)
+        x = ctx.op("maximum", ctx.op("minimum", x, ctx.scalar(limit, ctx.dtype(x))),
+                   ctx.scalar(-limit, ctx.dtype(x)))
+    return cast(ctx, x, to)
+
+
 @converter("Cast")
 def _cast(ctx: NodeContext) -> list:
     x = ctx.input(0)
     to = np_dtype(int(ctx.attr("to")), "Cast's target type")
-    return [cast(ctx, x, to) if ctx.dtype(x) != to else ctx.op("identity", x)]
+    if ctx.dtype(x) == to:
+        return [ctx.op("identity", x)]
+    return [onnx_cast(ctx, x, to, bool(ctx.attr("saturate", 1)))]
 
 
 @converter("BitCast")
@@ -177,7 +200,7 @@ def _bitcast(ctx: NodeContext) -> list:
 @converter("CastLike")
 def _cast_like(ctx: NodeContext) -> list:
     x, like = ctx.input(0), ctx.input(1)
-    return [cast(ctx, x, ctx.dtype(like))]
+    return [onnx_cast(ctx, x, ctx.dtype(like), bool(ctx.attr("saturate", 1)))]
 
 
 # ----------------------------------------------------------------------------- activations

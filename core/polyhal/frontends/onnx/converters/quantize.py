@@ -1,0 +1,198 @@
+"""Quantization: QuantizeLinear, DequantizeLinear (per tensor, per axis and blocked; integer,
+int4/uint4/int2/uint2, float8 and float4 types), DynamicQuantizeLinear, QLinearMatMul and
+QLinearConv.
+
+Everything is computed in float (float32, or float64 where the operands are; ONNX defines the
+ops that way: divide, round half to even, add the zero point, saturate), with the elementwise
+ops, so the arithmetic runs on any device; only the conversions to and from the low-precision
+storage types (bfloat16, float8, int4, ...) need the CPU's kernels. Blocked parameters are
+repeated along their axis by one ``gather``.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.elementwise import _FLOAT8, cast, onnx_cast
+from polyhal.frontends.onnx.converters.nn import _spatial_attrs
+from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
+from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.types import np_dtype
+
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+_UINT8 = np.dtype(np.uint8)
+_FLOAT4 = np.dtype(ml_dtypes.float4_e2m1fn)
+#: The integer types ONNX quantizes to, numpy's and ml_dtypes' sub-byte ones.
+_QUANT_INT = frozenset(np.dtype(n) for n in ("int8", "uint8", "int16", "uint16")) | frozenset(
+    np.dtype(getattr(ml_dtypes, n)) for n in ("int4", "uint4", "int2", "uint2"))
+
+
+def _param(ctx: NodeContext, p, x, axis: int, block_size: int, dtype: np.dtype):
+    """Quantization parameter ``p`` (a scale or zero point) as ``dtype``, shaped to broadcast
+    against ``x``: a scalar (per tensor), a 1-D tensor along ``axis`` (per axis), or with
+    ``block_size``, a tensor of ``x``'s rank whose ``axis`` has one entry per block."""
+    p = cast(ctx, p, dtype)
+    rank, shape = ctx.rank(x), ctx.shape(x)
+    if ctx.rank(p) == 0 or ctx.type(p).size == 1 and ctx.rank(p) <= 1:
+        return reshape(ctx, p, ())
+    axis = norm_axis(axis, rank)
+    if not block_size:
+        if ctx.rank(p) != 1 or ctx.shape(p)[0] != shape[axis]:
+            raise OnnxModelError(f"{ctx.op_type}: a per-axis parameter must have shape [{shape[axis]}] "
+                                 f"(input dim {axis}), got {list(ctx.shape(p))}; blocked quantization "
+                                 "needs the block_size attribute")
+        return reshape(ctx, p, (shape[axis],) + (1,) * (rank - axis - 1))
+    if block_size < 0:
+        raise OnnxModelError(f"{ctx.op_type}: block_size must be positive, got {block_size}")
+    blocks = -(-shape[axis] // block_size)
+    want = tuple(blocks if d == axis else n for d, n in enumerate(shape))
+    if tuple(ctx.shape(p)) != want:
+        raise OnnxModelError(f"{ctx.op_type}: with block_size {block_size} along axis {axis} a parameter "
+                             f"must have shape {list(want)} for input shape {list(shape)}, got "
+                             f"{list(ctx.shape(p))}")
+    index = np.arange(shape[axis], dtype=np.int64) // block_size
+    return ctx.op("gather", p, index, axis=axis)
+
+
+def _saturate(ctx: NodeContext, y, dtype: np.dtype):
+    """Float ``y`` (already integral) clamped to integer type ``dtype``'s range and converted."""
+    info = ml_dtypes.iinfo(dtype)
+    y = ctx.op("maximum", ctx.op("minimum", y, ctx.scalar(info.max, ctx.dtype(y))), ctx.scalar(info.min, ctx.dtype(y)))
+    return cast(ctx, y, dtype)
+
+
+def _float_of(*dtypes: np.dtype) -> np.dtype:
+    """float64 if any of ``dtypes`` is, else float32: where quantization arithmetic happens."""
+    return _F64 if _F64 in dtypes else _F32
+
+
+def _quantize(ctx: NodeContext, x, scale, zero_point, out: np.dtype, axis: int, block_size: int = 0,
+              saturate: bool = True, precision: np.dtype | None = None):
+    work = precision or _float_of(ctx.dtype(x), ctx.dtype(scale))
+    y = ctx.op("div", cast(ctx, x, work), _param(ctx, scale, x, axis, block_size, work))
+    if out in _FLOAT8:  # ONNX: a float8 zero point is zero
+        return onnx_cast(ctx, y, out, saturate)
+    if out == _FLOAT4:
+        if zero_point is not None:
+            y = ctx.op("add", y, _param(ctx, zero_point, x, axis, block_size, work))
+        return cast(ctx, y, out)
+    y = cast(ctx, ctx.op("round", y), _float_of(work))  # zero points up to 65535 stay exact
+    if zero_point is not None:
+        y = ctx.op("add", y, _param(ctx, zero_point, x, axis, block_size, ctx.dtype(y)))
+    return _saturate(ctx, y, out)
+
+
+@converter("QuantizeLinear")
+def _quantize_linear(ctx: NodeContext) -> list:
+    x, scale, zp = ctx.input(0), ctx.input(1), ctx.input(2)
+    out_attr = int(ctx.attr("output_dtype", 0))
+    out = np_dtype(out_attr, "QuantizeLinear's output_dtype") if out_attr else None
+    if zp is not None:
+        if out is not None and out != ctx.dtype(zp):
+            raise OnnxModelError(f"QuantizeLinear: output_dtype {out} differs from the zero point's type "
+                                 f"{ctx.dtype(zp)}")
+        out = ctx.dtype(zp)
+    out = out or _UINT8
+    if out not in _QUANT_INT | _FLOAT8 | {_FLOAT4}:
+        raise OnnxUnsupportedError(f"QuantizeLinear to {out}: ONNX quantizes to (u)int2/4/8/16, float8 or "
+                                   "float4e2m1")
+    prec = int(ctx.attr("precision", 0))
+    return [_quantize(ctx, x, scale, zp, out, int(ctx.attr("axis", 1)), int(ctx.attr("block_size", 0)),
+                      bool(ctx.attr("saturate", 1)), np_dtype(prec, "QuantizeLinear's precision") if prec else None)]
+
+
+@converter("DequantizeLinear")
+def _dequantize_linear(ctx: NodeContext) -> list:
+    x, scale, zp = ctx.input(0), ctx.input(1), ctx.input(2)
+    axis, block = int(ctx.attr("axis", 1)), int(ctx.attr("block_size", 0))
+    out_attr = int(ctx.attr("output_dtype", 0))
+    out = np_dtype(out_attr, "DequantizeLinear's output_dtype") if out_attr else ctx.dtype(scale)
+    work = _float_of(ctx.dtype(scale))
+    y = cast(ctx, x, work)
+    # ONNX: float8 and float4 values have no zero point (a float8 one must be zero).
+    if zp is not None and ctx.dtype(x) not in _FLOAT8 | {_FLOAT4}:
+        y = ctx.op("sub", y, _param(ctx, zp, x, axis, block, work))
+    y = ctx.op("mul", y, _param(ctx, scale, x, axis, block, work))
+    return [cast(ctx, y, out)]
+
+
+@converter("DynamicQuantizeLinear")
+def _dynamic_quantize_linear(ctx: NodeContext) -> list:
+    x = ctx.input(0)
+    zero = ctx.scalar(0, _F32)
+    lo = ctx.op("minimum", ctx.op("reduce_min", x), zero)
+    hi = ctx.op("maximum", ctx.op("reduce_max", x), zero)
+    scale = ctx.op("div", ctx.op("sub", hi, lo), ctx.scalar(255, _F32))
+    zp_f = ctx.op("round", ctx.op("sub", zero, ctx.op("div", lo, scale)))
+    zp_f = ctx.op("maximum", ctx.op("minimum", zp_f, ctx.scalar(255, _F32)), zero)
+    y = ctx.op("add", ctx.op("round", ctx.op("div", x, scale)), zp_f)
+    return [_saturate(ctx, y, _UINT8), scale, cast(ctx, zp_f, _UINT8)]
+
+
+def _requantize(ctx: NodeContext, acc, scale, zy, out: np.dtype):
+    """Integer accumulator ``acc`` (float64, exact) times ``scale`` (float32, as ONNX's
+    reference multiplies), rounded, plus zero point ``zy``, saturated to ``out``."""
+    if out not in _QUANT_INT:
+        raise OnnxUnsupportedError(f"{ctx.op_type} with {out} output (polyhal requantizes to integer types)")
+    q = ctx.op("round", ctx.op("mul", acc, cast(ctx, scale, _F64)))
+    if zy is not None:
+        q = ctx.op("add", q, cast(ctx, zy, _F64))
+    return _saturate(ctx, q, out)
+
+
+@converter("QLinearMatMul")
+def _qlinear_matmul(ctx: NodeContext) -> list:
+    a, sa, za, b, sb, zb, sy, zy = (ctx.input(i) for i in range(8))
+    if ctx.dtype(a) not in _QUANT_INT or ctx.dtype(b) not in _QUANT_INT:
+        raise OnnxUnsupportedError(f"QLinearMatMul on {ctx.dtype(a)} x {ctx.dtype(b)} (polyhal's are integer)")
+    af = ctx.op("sub", cast(ctx, a, _F32), cast(ctx, _row_param(ctx, za, a), _F32))
+    bf = ctx.op("sub", cast(ctx, b, _F32), cast(ctx, zb, _F32))
+    prod = ctx.op("matmul", af, bf)
+    scale = ctx.op("div", ctx.op("mul", cast(ctx, _row_param(ctx, sa, a), _F32), cast(ctx, sb, _F32)),
+                   cast(ctx, sy, _F32))
+    q = ctx.op("add", ctx.op("round", ctx.op("mul", prod, scale)), cast(ctx, zy, _F32))
+    return [_saturate(ctx, q, ctx.dtype(zy))]
+
+
+def _row_param(ctx: NodeContext, p, a):
+    """A's per-row (M,) parameter as (M, 1)."""
+    if ctx.rank(p) == 1 and ctx.shape(p)[0] > 1:
+        return reshape(ctx, p, (ctx.shape(p)[0], 1))
+    return p
+
+
+@converter("QLinearConv")
+def _qlinear_conv(ctx: NodeContext) -> list:
+    x, sx, zx, w, sw, zw, sy, zy, bias = (ctx.input(i) for i in range(9))
+    if ctx.dtype(x) not in _QUANT_INT or ctx.dtype(w) not in _QUANT_INT:
+        raise OnnxUnsupportedError(f"QLinearConv on {ctx.dtype(x)} x {ctx.dtype(w)} (polyhal's are integer)")
+    rank_w = ctx.rank(w)
+    # float64 holds the integer products and their sums exactly, as ONNX's int32 accumulator.
+    xf = cast(ctx, x, _F64)
+    if zx is not None:
+        xf = ctx.op("sub", xf, reshape(ctx, cast(ctx, zx, _F64), ()))
+    wf = cast(ctx, w, _F64)
+    if zw is not None:
+        wf = ctx.op("sub", wf, _per_channel(ctx, cast(ctx, zw, _F64), rank_w - 1))
+    kernel = tuple(int(k) for k in ctx.attr("kernel_shape", ctx.shape(w)[2:]))
+    strides, dilations, pads = _spatial_attrs(ctx, ctx.shape(x)[2:], kernel)
+    acc = ctx.op("conv", xf, wf, strides=strides, pads=pads, dilations=dilations,
+                 group=int(ctx.attr("group", 1)))
+    if bias is not None:
+        acc = ctx.op("add", acc, _per_channel(ctx, cast(ctx, bias, _F64), rank_w - 2))
+    sw = _per_channel(ctx, cast(ctx, sw, _F32), rank_w - 2)
+    scale = ctx.op("div", ctx.op("mul", reshape(ctx, cast(ctx, sx, _F32), ()), sw),
+                   reshape(ctx, cast(ctx, sy, _F32), ()))
+    return [_requantize(ctx, acc, scale, zy, ctx.dtype(x) if zy is None else ctx.dtype(zy))]
+
+
+def _per_channel(ctx: NodeContext, p, trailing: int):
+    """A per-output-channel (C,) parameter as (C, 1 x ``trailing``), to broadcast along the
+    weight's dim 0 or the output's dim 1; a one-element one becomes a scalar."""
+    if ctx.type(p).size == 1:
+        return reshape(ctx, p, ())
+    if ctx.rank(p) != 1:
+        raise OnnxModelError(f"{ctx.op_type}: a per-channel parameter must be 1-D, got shape {list(ctx.shape(p))}")
+    return reshape(ctx, p, (ctx.shape(p)[0],) + (1,) * trailing)

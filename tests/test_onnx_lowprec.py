@@ -1,0 +1,216 @@
+"""Low-precision and quantized ONNX models: Cast among bfloat16/float8/float4/int4 (saturate and
+not), QuantizeLinear/DequantizeLinear per tensor, per axis and blocked, QLinearConv, models from
+onnxruntime's quantization tool, and the storage types in the IR and DLPack. Checked against
+onnx's reference evaluator and onnxruntime."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+from onnx.reference import ReferenceEvaluator  # noqa: E402
+
+import polyhal.onnx as ponnx  # noqa: E402
+from polyhal import dlpack  # noqa: E402
+from polyhal.errors import DLPackError, DTypeError  # noqa: E402
+from polyhal.frontends.onnx import OnnxModelError, OnnxUnsupportedError  # noqa: E402
+from polyhal.ir.types import COMPUTE_DTYPES, STORAGE_DTYPES, TensorType  # noqa: E402
+from polyhal.ops import infer_types  # noqa: E402
+
+F = TensorProto.FLOAT
+FLOAT8 = [TensorProto.FLOAT8E4M3FN, TensorProto.FLOAT8E4M3FNUZ, TensorProto.FLOAT8E5M2, TensorProto.FLOAT8E5M2FNUZ]
+LOW = FLOAT8 + [TensorProto.BFLOAT16, TensorProto.FLOAT4E2M1, TensorProto.INT4, TensorProto.UINT4]
+
+
+def _model(nodes, inputs, outputs, inits=(), opset=23):
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _run(model, feeds):
+    plan = ponnx.load(model).compile("cpu:0")
+    out = plan(**feeds)
+    return [np.asarray(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
+
+
+def _same(actual, expected):
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    # Compare the bits: nan payloads and -0 included, as the types define them.
+    width = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[actual.dtype.itemsize]
+    np.testing.assert_array_equal(actual.view(width), expected.view(width))
+
+
+def _awkward_floats(rng):
+    """Values every cast must get right: ties, subnormals, beyond the ranges, inf, nan, -0."""
+    x = np.concatenate([rng.normal(0, 50, 40), rng.normal(0, 0.01, 20),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 1e6, -1e6, 448, 449, 464, 57344, 61440,
+                         240, 0.5, 1.5, 2.5, -2.5, 7.4, 7.6, -8.6, 15.5, 3e-39]])
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("to", LOW, ids=TensorProto.DataType.Name)
+@pytest.mark.parametrize("saturate", [1, 0])
+def test_cast_to_and_from_low_precision_matches_onnx(to, saturate):
+    x = _awkward_floats(np.random.default_rng(to))
+    if to in (TensorProto.INT4, TensorProto.UINT4):
+        x = np.clip(np.nan_to_num(x), -8, 15)  # float -> int4 out of range is undefined in ONNX
+    node_attrs = {"saturate": saturate} if to in FLOAT8 else {}
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=to, **node_attrs),
+                    helper.make_node("Cast", ["y"], ["z"], to=F)],
+                   [helper.make_tensor_value_info("x", F, [x.size])],
+                   [helper.make_tensor_value_info("y", to, [x.size]), helper.make_tensor_value_info("z", F, [x.size])])
+    want_y, want_z = ReferenceEvaluator(model).run(None, {"x": x})
+    got_y, got_z = _run(model, {"x": x})
+    _same(got_y, want_y)
+    _same(got_z, want_z)
+
+
+def test_castlike_between_two_storage_types_goes_exactly_through_float32():
+    x = (np.arange(-20, 20, dtype=np.float32) * 37.5).astype(ml_dtypes.bfloat16)
+    like = np.zeros(1, ml_dtypes.float8_e4m3fn)
+    model = _model([helper.make_node("CastLike", ["x", "like"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [40]),
+                    helper.make_tensor_value_info("like", TensorProto.FLOAT8E4M3FN, [1])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT8E4M3FN, [40])])
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x, "like": like})
+    _same(_run(model, {"x": x, "like": like})[0], want)
+    assert np.asarray(want).astype(np.float32).max() == 448  # saturated, not nan
+
+
+@pytest.mark.parametrize("zp_type,block", [
+    (TensorProto.INT4, 4), (TensorProto.UINT4, 3), (TensorProto.INT8, 0), (TensorProto.UINT8, 5),
+    (TensorProto.FLOAT8E4M3FN, 2), (TensorProto.FLOAT8E5M2, 0), (TensorProto.FLOAT4E2M1, 4), (TensorProto.INT2, 2),
+], ids=lambda v: TensorProto.DataType.Name(v) if isinstance(v, int) and v > 8 else str(v))
+def test_quantize_dequantize_per_axis_and_blocked_match_onnx(zp_type, block):
+    rng = np.random.default_rng(zp_type * 10 + block)
+    x = rng.normal(0, 3, (3, 10)).astype(np.float32)
+    axis = 1 if block else 0
+    n_scales = (-(-10 // block)) if block else 3
+    scale_shape = (3, n_scales) if block else (3,)
+    scale = rng.uniform(0.05, 0.5, scale_shape).astype(np.float32)
+    zp_dtype = helper.tensor_dtype_to_np_dtype(zp_type)
+    zp = (np.zeros(scale_shape) if zp_type in FLOAT8 else rng.integers(0, 2, scale_shape)).astype(zp_dtype)
+    attrs = {"axis": axis} | ({"block_size": block} if block else {})
+    model = _model([helper.make_node("QuantizeLinear", ["x", "s", "zp"], ["q"], **attrs),
+                    helper.make_node("DequantizeLinear", ["q", "s", "zp"], ["y"], **attrs)],
+                   [helper.make_tensor_value_info("x", F, list(x.shape))],
+                   [helper.make_tensor_value_info("q", zp_type, list(x.shape)),
+                    helper.make_tensor_value_info("y", F, list(x.shape))],
+                   [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "zp")])
+    want_q, want_y = ReferenceEvaluator(model).run(None, {"x": x})
+    got_q, got_y = _run(model, {"x": x})
+    _same(got_q, want_q)
+    _same(got_y, want_y)
+
+
+def test_blocked_scale_of_the_wrong_shape_is_a_clear_error():
+    model = _model([helper.make_node("DequantizeLinear", ["x", "s"], ["y"], axis=1, block_size=4)],
+                   [helper.make_tensor_value_info("x", TensorProto.INT8, [2, 8])],
+                   [helper.make_tensor_value_info("y", F, [2, 8])],
+                   [numpy_helper.from_array(np.ones((2, 3), np.float32), "s")])
+    with pytest.raises(OnnxModelError, match=r"block_size 4 along axis 1 .* shape \[2, 2\]"):
+        ponnx.load(model)
+
+
+def test_float8e8m0_is_refused_cleanly():
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E8M0)],
+                   [helper.make_tensor_value_info("x", F, [4])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT8E8M0, [4])], opset=24)
+    with pytest.raises(OnnxUnsupportedError, match="FLOAT8E8M0"):
+        ponnx.load(model)
+
+
+def test_qlinearconv_per_channel_matches_onnxruntime():
+    ort = pytest.importorskip("onnxruntime")
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 255, (1, 3, 7, 7)).astype(np.uint8)
+    w = rng.integers(-100, 100, (4, 3, 3, 3)).astype(np.int8)
+    inits = [numpy_helper.from_array(np.array(0.02, np.float32), "xs"), numpy_helper.from_array(np.array(128, np.uint8), "xz"),
+             numpy_helper.from_array(w, "w"), numpy_helper.from_array(rng.uniform(0.001, 0.01, 4).astype(np.float32), "ws"),
+             numpy_helper.from_array(np.zeros(4, np.int8), "wz"), numpy_helper.from_array(np.array(0.05, np.float32), "ys"),
+             numpy_helper.from_array(np.array(120, np.uint8), "yz"),
+             numpy_helper.from_array(rng.integers(-500, 500, 4).astype(np.int32), "b")]
+    model = _model([helper.make_node("QLinearConv", ["x", "xs", "xz", "w", "ws", "wz", "ys", "yz", "b"], ["y"],
+                                     pads=[1, 1, 1, 1], strides=[2, 2])],
+                   [helper.make_tensor_value_info("x", TensorProto.UINT8, [1, 3, 7, 7])],
+                   [helper.make_tensor_value_info("y", TensorProto.UINT8, [1, 4, 4, 4])], inits, opset=13)
+    (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    got = _run(model, {"x": x})[0]
+    assert got.dtype == np.uint8
+    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # onnxruntime's float32 requantize
+    (exact,) = ReferenceEvaluator(model).run(None, {"x": x})
+    np.testing.assert_array_equal(got, exact)
+
+
+def _float_model(path):
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.normal(0, 0.3, (4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.normal(0, 0.1, 4).astype(np.float32), "b"),
+             numpy_helper.from_array(rng.normal(0, 0.2, (64, 10)).astype(np.float32), "m"),
+             numpy_helper.from_array(np.array([1, 64], np.int64), "shape")]
+    model = _model([helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+                    helper.make_node("Relu", ["c"], ["r"]),
+                    helper.make_node("Reshape", ["r", "shape"], ["f"]),
+                    helper.make_node("MatMul", ["f", "m"], ["y"])],
+                   [helper.make_tensor_value_info("x", F, [1, 3, 8, 8])],
+                   [helper.make_tensor_value_info("y", F, [1, 10])], inits, opset=17)
+    onnx.save(model, path)
+    return rng
+
+
+def test_onnxruntime_quantized_models_run(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    q = pytest.importorskip("onnxruntime.quantization")
+    rng = _float_model(tmp_path / "f.onnx")
+    batches = [rng.normal(0, 1, (1, 3, 8, 8)).astype(np.float32) for _ in range(4)]
+
+    class Reader(q.CalibrationDataReader):
+        def __init__(self):
+            self.it = iter({"x": b} for b in batches)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    q.quantize_dynamic(tmp_path / "f.onnx", tmp_path / "dyn.onnx", weight_type=q.QuantType.QInt8)
+    q.quantize_static(tmp_path / "f.onnx", tmp_path / "qdq.onnx", Reader(), quant_format=q.QuantFormat.QDQ,
+                      per_channel=True)
+    q.quantize_static(tmp_path / "f.onnx", tmp_path / "qop.onnx", Reader(), quant_format=q.QuantFormat.QOperator)
+    x = batches[0]
+    for name in ("dyn", "qdq", "qop"):
+        path = str(tmp_path / f"{name}.onnx")
+        ops = {n.op_type for n in onnx.load(path).graph.node}
+        assert ops & {"DynamicQuantizeLinear", "QuantizeLinear", "QLinearConv", "MatMulInteger", "ConvInteger"}, ops
+        (want,) = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        got = _run(onnx.load(path), {"x": x})[0]
+        np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max(), err_msg=name)
+
+
+def test_storage_types_in_the_ir_and_dlpack():
+    bf16, e4m3 = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
+    assert bf16 in STORAGE_DTYPES and e4m3 in STORAGE_DTYPES and not STORAGE_DTYPES & COMPUTE_DTYPES
+    t = TensorType((2, 3), "float8_e5m2")
+    assert t.nbytes == 6 and str(t) == "tensor<2x3xfloat8_e5m2>"
+    (out,) = infer_types("cast", [t], {"dtype": "float32"})
+    assert out.dtype == np.float32
+    with pytest.raises(DTypeError, match="insert a 'cast'"):
+        infer_types("maximum", [TensorType((2,), bf16), TensorType((2,), bf16)], {})
+    # DLPack 1.1's codes: bfloat16 4, float8 e4m3fn 10, e4m3fnuz 11, e5m2 12, e5m2fnuz 13.
+    for dt, code in ((bf16, (4, 16, 1)), (e4m3, (10, 8, 1)), (np.dtype(ml_dtypes.float8_e4m3fnuz), (11, 8, 1)),
+                     (np.dtype(ml_dtypes.float8_e5m2), (12, 8, 1)), (np.dtype(ml_dtypes.float8_e5m2fnuz), (13, 8, 1))):
+        assert dlpack.dlpack_dtype(dt) == code
+        assert dlpack.numpy_dtype(*code) == dt
+    with pytest.raises(DLPackError, match="int4 has no DLPack equivalent"):
+        dlpack.dlpack_dtype(ml_dtypes.int4)  # one element per byte here, packed nibbles in DLPack
+
+
+def test_arithmetic_in_a_storage_type_is_refused_cleanly():
+    bf = TensorProto.BFLOAT16
+    model = _model([helper.make_node("Add", ["a", "b"], ["y"])],
+                   [helper.make_tensor_value_info("a", bf, [3]), helper.make_tensor_value_info("b", bf, [3])],
+                   [helper.make_tensor_value_info("y", bf, [3])])
+    with pytest.raises(OnnxUnsupportedError, match="add on bfloat16: .*cast to float32 first"):
+        ponnx.load(model)
