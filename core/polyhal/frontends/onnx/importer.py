@@ -37,11 +37,12 @@ from onnx.external_data_helper import load_external_data_for_model
 
 from polyhal.errors import PolyhalError
 from polyhal.frontends.onnx.errors import (
-    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
+    NeedsStaging, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError,
 )
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, InputSignature, bind_dims
+from polyhal.frontends.onnx.staged import StagedOnnxProgram, needs_staging
 from polyhal.frontends.onnx.types import Dynamic, HostOutput, np_dtype
 from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
@@ -392,13 +393,18 @@ def _first_line(exc: BaseException) -> str:
 def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
          values: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
          default_dim: int | None = None, name: str | None = None, validate: bool = True,
-         source: str | None = None, fold_limit: int | str | None = None) -> OnnxProgram | DynamicOnnxProgram:
+         source: str | None = None, fold_limit: int | str | None = None
+         ) -> OnnxProgram | DynamicOnnxProgram | StagedOnnxProgram:
     """Import an ONNX model as a polyhal program.
 
     When every input dim is known (fixed by the model, or given by ``shapes``, ``dims`` or
     ``default_dim``) the result is a static :class:`OnnxProgram`. Otherwise it is a
     :class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, whose compiled plan specializes
-    per input shape on first use (symbols given in ``dims`` stay bound to those sizes).
+    per input shape on first use (symbols given in ``dims`` stay bound to those sizes). A model
+    that one static plan cannot hold (an If or Loop decided by data, NonZero or Unique feeding
+    later ops, sequences, optionals) is a
+    :class:`~polyhal.frontends.onnx.staged.StagedOnnxProgram`: plans per segment, specialized
+    to the shapes each sees, joined by host control flow.
 
     Args:
         model: a path, the model's bytes, a binary file object or an ``onnx.ModelProto``.
@@ -441,12 +447,24 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         except Exception as exc:  # noqa: BLE001  (a malformed model the checks above did not foresee)
             raise OnnxModelError(f"{source}: malformed model ({type(exc).__name__}: {_first_line(exc)})") from exc
 
+    def staged() -> StagedOnnxProgram:
+        def segment(model: onnx.ModelProto, seg_shapes, seg_values) -> OnnxProgram:
+            return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit).run()
+        return StagedOnnxProgram(checked, source=source, opset=opset, import_segment=segment)
+
+    if needs_staging(checked):
+        return staged()
     initialized = {t.name for t in checked.graph.initializer}
     _check_symbols([i for i in checked.graph.input if i.name not in initialized or i.name in values], dims, source)
     signature = _signature(checked, shapes, values, dims, default_dim)
     if signature is None or all(s.dims is not None and all(isinstance(d, int) or d in dims for d in s.dims)
                                 for s in signature):
-        return specialize({})
+        try:
+            return specialize({})
+        except NeedsStaging:
+            return staged()
+    if needs_staging(checked, any_host_op=True):
+        return staged()  # staging specializes each segment to the shapes it sees
     return DynamicOnnxProgram(source=source, opset=opset, signature=signature, bound=dims,
                               output_names=[o.name for o in checked.graph.output], specialize=specialize)
 
