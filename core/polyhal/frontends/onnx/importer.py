@@ -133,6 +133,8 @@ class OnnxProgram(Program):
     #: ONNX output index -> index of the program output holding its run-time length (outputs
     #: such as NonMaxSuppression's are computed padded to a static bound, plus a count).
     trims: dict[int, int] = field(default_factory=dict)
+    #: ONNX output index -> the axis ``trims`` cuts, where it is not the first.
+    trim_axes: dict[int, int] = field(default_factory=dict)
     #: ONNX output index -> what turns the plan's array into the declared output on the host
     #: (string labels, ZipMap's list of dicts: see :class:`~polyhal.frontends.onnx.types.HostOutput`).
     finishes: dict[int, Any] = field(default_factory=dict)
@@ -255,7 +257,7 @@ class OnnxProgram(Program):
         for i, name in enumerate(self.output_names):
             a = arrays[i]
             if i in self.trims:
-                a = a[: int(arrays[self.trims[i]])]
+                a = a[(slice(None),) * self.trim_axes.get(i, 0) + (slice(0, int(arrays[self.trims[i]])),)]
             if i in self.finishes:
                 a = self.finishes[i](a)
             result[name] = a
@@ -615,6 +617,7 @@ class _Importer:
         self._walk(graph.node, env, self.opsets, "")
         outputs, names, counts = [], [], []
         trims: dict[int, int] = {}
+        trim_axes: dict[int, int] = {}
         finishes: dict[int, Any] = {}
         seen: set[int] = set()
 
@@ -638,6 +641,8 @@ class _Importer:
                 v = v.value
             if isinstance(v, Dynamic):
                 trims[len(outputs)] = len(counts)
+                if v.axis:
+                    trim_axes[len(outputs)] = v.axis
                 counts.append(result(v.count, vi.name + ":count"))
                 v = v.padded
             outputs.append(result(v, vi.name))
@@ -649,7 +654,8 @@ class _Importer:
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
                            declared_inputs=declared_inputs, origins=self.origins, folded=self.folded,
-                           frozen=frozen, node_count=self.node_count, trims=trims, finishes=finishes)
+                           frozen=frozen, node_count=self.node_count, trims=trims, trim_axes=trim_axes,
+                           finishes=finishes)
 
     def _initializer(self, t: onnx.TensorProto) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
@@ -770,7 +776,8 @@ class _Importer:
             return
         elem, dims = _declared(tp)
         if isinstance(v, Dynamic):  # only the element type and the static dims are known
-            v, dims = v.padded, None if dims is None else (None,) + dims[1:]
+            axis = v.axis
+            v, dims = v.padded, None if dims is None else dims[:axis] + (None,) + dims[axis + 1:]
         t = self.type_of(v)
         if elem:
             try:

@@ -321,5 +321,6 @@ def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onn
 from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
     elementwise, tensor, reduce, nn, misc, resize, control, rnn, signal, ml,
 )
+from polyhal.frontends.onnx.converters import datadep  # noqa: E402,F401  isort: skip
 
 __all__ = ["CONVERTERS", "Decline", "NodeContext", "convert_node", "converter"]
