@@ -55,18 +55,39 @@ def _stack(ctx: NodeContext, pieces: list, axis: int):
 
 @converter("Scan")
 def _scan(ctx: NodeContext) -> list:
-    if ctx.opset < 9:
-        raise OnnxUnsupportedError("Scan before opset 9 (with a batch axis and sequence_lens)")
     body = ctx.attr("body")
     m = int(ctx.attr("num_scan_inputs"))
     values = ctx.inputs()
+    if ctx.opset < 9:  # opset 8: input 0 is sequence_lens, and every input has a batch axis first
+        lens, values = values[0], values[1:]
+        if lens is not None:
+            lens = ctx.const(0, "sequence_lens")
     n = len(values) - m
     if n < 0:
         raise OnnxModelError(f"num_scan_inputs={m} exceeds the {len(values)} inputs")
-    states, scans = values[:n], values[n:]
-    in_axes = [int(a) for a in ctx.attr("scan_input_axes", [0] * m)]
-    in_dirs = [int(d) for d in ctx.attr("scan_input_directions", [0] * m)]
     k = len(body.output) - n
+    if ctx.opset >= 9:
+        return _scan_steps(ctx, body, values[:n], values[n:], k)
+    dirs = [int(d) for d in ctx.attr("directions", [0] * m)]
+    batch = {ctx.shape(v)[0] for v in values}
+    if len(batch) != 1:
+        raise OnnxModelError(f"the Scan inputs have different batch sizes: {sorted(batch)}")
+    batch = batch.pop()
+    steps = {ctx.shape(x)[1] for x in values[n:]}
+    if lens is not None and set(np.asarray(lens).reshape(-1).tolist()) - steps:
+        raise OnnxUnsupportedError("Scan (opset 8) with sequence_lens shorter than the scan axis")
+    rows = [_scan_steps(ctx, body, [_take(ctx, v, 0, b) for v in values[:n]],
+                        [_take(ctx, v, 0, b) for v in values[n:]], k, in_dirs=dirs, tag=f"batch{b}/")
+            for b in range(batch)]
+    return [_stack(ctx, [r[j] for r in rows], 0) for j in range(n + k)]
+
+
+def _scan_steps(ctx: NodeContext, body, states: list, scans: list, k: int, *, in_dirs: list | None = None,
+                tag: str = "") -> list:
+    """Scan's iterations unrolled: the final states, then the k scan outputs."""
+    m, n = len(scans), len(states)
+    in_axes = [int(a) for a in ctx.attr("scan_input_axes", [0] * m)]
+    in_dirs = in_dirs or [int(d) for d in ctx.attr("scan_input_directions", [0] * m)]
     out_axes = [int(a) for a in ctx.attr("scan_output_axes", [0] * k)]
     out_dirs = [int(d) for d in ctx.attr("scan_output_directions", [0] * k)]
     in_axes = [norm_axis(a, ctx.rank(x), "scan_input_axes entry") for a, x in zip(in_axes, scans)]
@@ -81,7 +102,7 @@ def _scan(ctx: NodeContext) -> list:
     collected: list[list] = [[] for _ in range(k)]
     for t in range(steps):
         slices = [_take(ctx, x, a, steps - 1 - t if d else t) for x, a, d in zip(scans, in_axes, in_dirs)]
-        outs = _run_body(ctx, body, list(states) + slices, f"step{t}")
+        outs = _run_body(ctx, body, list(states) + slices, f"{tag}step{t}")
         states = outs[:n]
         for j in range(k):
             collected[j].append(outs[n + j])

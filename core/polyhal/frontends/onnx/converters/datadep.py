@@ -101,3 +101,28 @@ def _unique(ctx: NodeContext) -> list:
         inverse = ctx.op("gather", rank, inverse, axis=0)
     what = f"Unique node {ctx.label}"
     return [Dynamic(y, count, what), Dynamic(first, count, what), inverse, Dynamic(counts, count, what)]
+
+
+@converter("TensorScatter")
+def _tensor_scatter(ctx: NodeContext) -> list:
+    """A KV-cache update: ``update`` written into ``past_cache`` along ``axis`` from each batch
+    row's write index (modulo the cache length in circular mode), as one scatter_elements whose
+    indices are computed on the device (the write indices may be run-time data)."""
+    past, update = ctx.input(0), ctx.input(1)
+    shape, ushape = ctx.shape(past), ctx.shape(update)
+    axis = norm_axis(int(ctx.attr("axis", -2)), len(shape))
+    if axis == 0:
+        raise OnnxUnsupportedError("TensorScatter along the batch axis (axis 0)")
+    mode = ctx.attr("mode", "linear")
+    if mode not in ("linear", "circular"):
+        raise OnnxUnsupportedError(f"TensorScatter mode {mode!r} (ONNX defines 'linear' and 'circular')")
+    ones = [1] * len(shape)
+    steps = np.arange(ushape[axis], dtype=_I64).reshape(ones[:axis] + [ushape[axis]] + ones[axis + 1:])
+    index = steps
+    if ctx.has(2):
+        start = reshape(ctx, cast(ctx, ctx.input(2), _I64), (ushape[0],) + tuple(ones[1:]))
+        index = ctx.op("add", start, steps)
+    if mode == "circular":
+        index = ctx.op("mod", index, np.array(shape[axis], _I64))
+    index = ctx.op("expand", index, shape=list(ushape))
+    return [ctx.op("scatter_elements", past, index, update, axis=axis)]
