@@ -285,7 +285,9 @@ class StagedPlan:
         if node.op_type in HOST_OPS:
             return True
         # Identity (and any op) passing a sequence or an optional along runs on the host.
-        return node.op_type == "Identity" and node.input and not _is_tensor(env.get(node.input[0], 0))
+        # (A name not yet in ``env`` is computed by the segment being gathered: a tensor.)
+        return (node.op_type == "Identity" and bool(node.input) and node.input[0] in env
+                and not _is_tensor(env[node.input[0]]))
 
     def _run_segment(self, info: _GraphInfo, start: int, end: int, env: Mapping[str, Any]) -> None:
         nodes = info.nodes[start:end]
