@@ -91,6 +91,9 @@ def needs_staging(model: onnx.ModelProto, *, any_host_op: bool = False) -> bool:
     return bool(ops & wanted)
 
 
+_MISSING = object()
+
+
 def _is_tensor(v: Any) -> bool:
     return isinstance(v, np.ndarray)
 
@@ -138,6 +141,18 @@ class _GraphInfo:
                 self.last_use[name] = i
         for o in graph.output:
             self.last_use[o.name] = len(self.nodes)
+        self._layouts: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
+
+    def layout(self, start: int, end: int) -> tuple[list[str], list[str]]:
+        """(names read from outside, names used after it) of the segment ``start:end``."""
+        found = self._layouts.get((start, end))
+        if found is None:
+            nodes = self.nodes[start:end]
+            produced = {n for node in nodes for n in node.output if n}
+            reads = list(dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced))
+            outputs = [n for node in nodes for n in node.output if n and self.last_use.get(n, -1) >= end]
+            found = self._layouts[(start, end)] = (reads, outputs)
+        return found
 
 
 class StagedOnnxProgram:
@@ -290,28 +305,26 @@ class StagedPlan:
                 and not _is_tensor(env[node.input[0]]))
 
     def _run_segment(self, info: _GraphInfo, start: int, end: int, env: Mapping[str, Any]) -> None:
-        nodes = info.nodes[start:end]
-        produced = {n for node in nodes for n in node.output if n}
-        reads = list(dict.fromkeys(n for node in nodes for n in _reads(node) if n not in produced))
-        inputs = []
+        reads, outputs = info.layout(start, end)
         for name in reads:
-            if name not in env:
-                raise OnnxModelError(f"{self.program.source}: {name!r} is read before it is defined")
-            v = env[name]
+            v = env[name] if name in env else _MISSING
             if not _is_tensor(v):
+                if v is _MISSING:
+                    raise OnnxModelError(f"{self.program.source}: {name!r} is read before it is defined")
                 kind = "an empty optional" if v is None else "a sequence"
-                raise OnnxModelError(f"{self.program.source}: {name!r} is {kind}, but node "
-                                     f"{next(n for n in nodes if name in _reads(n)).op_type} reads it as a tensor")
-            inputs.append(name)
-        outputs = [n for node in nodes for n in node.output if n and info.last_use.get(n, -1) >= end]
+                reader = next(n for n in info.nodes[start:end] if name in _reads(n))
+                raise OnnxModelError(f"{self.program.source}: {name!r} is {kind}, but node {reader.op_type} "
+                                     "reads it as a tensor")
+        inputs = reads
         if not outputs:
             return
         where = (id(info.graph), start)
         fixed = self._fixed.get(where, frozenset())
         t0 = time.perf_counter()
+        values = [env[n] for n in inputs]
         while True:
-            key = (where, tuple((n, env[n].dtype.str, env[n].shape,
-                                 env[n].tobytes() if n in fixed else None) for n in inputs))
+            key = (where, tuple([(v.dtype, v.shape, v.tobytes() if n in fixed else None)
+                                 for n, v in zip(inputs, values)]))
             found = self.cache.get(key)
             if found is not None:
                 break
@@ -328,12 +341,13 @@ class StagedPlan:
             self.cache.put(key, found)
             break
         program, plan = found
-        feeds = {n: env[n] for n in program.input_names}
-        self.stats["dispatch_seconds"] += time.perf_counter() - t0
-        results = program.execute(plan, feeds)
-        self.stats["segment_runs"] += 1
+        stats = self.stats
+        stats["dispatch_seconds"] += time.perf_counter() - t0
+        results = program.execute(plan, dict(zip(inputs, values)))  # fixed inputs are ignored
+        stats["segment_runs"] += 1
+        target = env.maps[0]
         for name in outputs:
-            env[name] = results[name]
+            target[name] = results[name]
 
     def _submodel(self, info: _GraphInfo, start: int, end: int, inputs: list[str], outputs: list[str],
                   env: Mapping[str, Any]) -> onnx.ModelProto:
