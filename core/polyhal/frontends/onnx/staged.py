@@ -80,15 +80,27 @@ def loop_limit(value: int | str | None = None) -> int:
 
 
 def needs_staging(model: onnx.ModelProto, *, any_host_op: bool = False) -> bool:
-    """Whether ``model`` must run staged: an input or output that is not a tensor (a sequence, an
-    optional), a sequence or optional op, or (``any_host_op``) any host or data-dependent op."""
+    """Whether ``model`` must run staged: an input that is not a tensor (a sequence, an optional),
+    a sequence or optional op anywhere (subgraphs included), or (``any_host_op``) any host or
+    data-dependent op at the top level. (Non-tensor *outputs* alone do not: ZipMap's sequence of
+    maps is made on the host from a tensor, see ``HostOutput``.)"""
     graph = model.graph
-    for vi in list(graph.input) + list(graph.output):
-        if vi.type.WhichOneof("value") not in ("tensor_type", None):
-            return True
-    ops = {n.op_type for n in graph.node if n.domain in ("", "ai.onnx")}
-    wanted = HOST_OPS | SPLIT_AFTER if any_host_op else HOST_OPS - {"If", "Loop"}
-    return bool(ops & wanted)
+    if any(vi.type.WhichOneof("value") not in ("tensor_type", None) for vi in graph.input):
+        return True
+    if any_host_op and {n.op_type for n in graph.node if n.domain in ("", "ai.onnx")} & (HOST_OPS | SPLIT_AFTER):
+        return True
+    return bool(_op_types(graph) & (HOST_OPS - {"If", "Loop"}))
+
+
+def _op_types(graph: onnx.GraphProto) -> set[str]:
+    """Default-domain op types of ``graph`` and its subgraphs."""
+    ops = set()
+    for node in graph.node:
+        if node.domain in ("", "ai.onnx"):
+            ops.add(node.op_type)
+        for g in _subgraphs(node):
+            ops |= _op_types(g)
+    return ops
 
 
 _MISSING = object()
