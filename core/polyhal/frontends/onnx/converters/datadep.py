@@ -63,6 +63,10 @@ def _unique_known(x: np.ndarray, axis, keep_sorted: bool) -> list:
     return [np.array(y, order="C"), first.astype(_I64), inverse.reshape(-1).astype(_I64), counts.astype(_I64)]
 
 
+#: Most elements per slice that Unique along an axis sorts by (one stable sort pass each).
+MAX_UNIQUE_KEYS = 256
+
+
 @converter("Unique")
 def _unique(ctx: NodeContext) -> list:
     x = ctx.input(0)
@@ -71,36 +75,62 @@ def _unique(ctx: NodeContext) -> list:
     if isinstance(x, np.ndarray):
         return _unique_known(x, axis, keep_sorted)
     shape = ctx.shape(x)
-    n = math.prod(shape)
-    if axis is not None and len(shape) > 1:
-        raise OnnxUnsupportedError("Unique along an axis of a run-time tensor of rank > 1 (only the "
-                                   "flattened form runs on the device)")
-    if n == 0:
+    if axis is None:
+        x, shape, axis = reshape(ctx, x, (math.prod(shape),)), (math.prod(shape),), 0
+    axis = norm_axis(int(axis), len(shape))
+    k, m = shape[axis], math.prod(shape) // max(shape[axis], 1)
+    if k == 0 or m == 0:
         raise OnnxUnsupportedError("Unique of a run-time empty tensor")
-    flat = reshape(ctx, x, (n,))
-    perm = ctx.op("argsort", flat, axis=0)  # stable: equal values keep their original order
-    ordered = ctx.op("gather", flat, perm, axis=0)
-    if n == 1:
+    if m > MAX_UNIQUE_KEYS:
+        raise OnnxUnsupportedError(f"Unique along an axis whose slices hold {m} elements (polyhal sorts by at "
+                                   f"most {MAX_UNIQUE_KEYS})")
+    order = [axis] + [d for d in range(len(shape)) if d != axis]
+    moved = ctx.op("transpose", x, perm=order) if axis else x
+    rows = reshape(ctx, moved, (k, m))
+    if ctx.dtype(x) == np.dtype(bool):
+        rows = cast(ctx, rows, np.dtype(np.int8))
+    y, first, inverse, counts, count = _unique_rows(ctx, rows, k, m, keep_sorted)
+    y = reshape(ctx, cast(ctx, y, ctx.dtype(x)), tuple(shape[d] for d in order))
+    if axis:
+        y = ctx.op("transpose", y, perm=[order.index(d) for d in range(len(shape))])
+    what = f"Unique node {ctx.label}"
+    return [Dynamic(y, count, what, axis=axis), Dynamic(first, count, what), inverse, Dynamic(counts, count, what)]
+
+
+def _unique_rows(ctx: NodeContext, rows, k: int, m: int, keep_sorted: bool) -> tuple:
+    """Unique rows of ``rows`` (k, m), each result padded to k: (values, first index, inverse,
+    counts, count). Rows sort lexicographically by stable sorts from the last column to the first."""
+    perm = None
+    for j in reversed(range(m)):
+        col = reshape(ctx, ctx.op("slice", rows, starts=[j], ends=[j + 1], axes=[1], steps=[1]), (k,))
+        if perm is None:
+            perm = cast(ctx, ctx.op("argsort", col, axis=0), _I64)
+        else:
+            step = cast(ctx, ctx.op("argsort", ctx.op("gather", col, perm, axis=0), axis=0), _I64)
+            perm = ctx.op("gather", perm, step, axis=0)
+    ordered = ctx.op("gather", rows, perm, axis=0)
+    if k == 1:
         is_new = np.ones((1,), bool)
     else:
-        head = ctx.op("slice", ordered, starts=[1], ends=[n], axes=[0], steps=[1])
-        tail = ctx.op("slice", ordered, starts=[0], ends=[n - 1], axes=[0], steps=[1])
-        is_new = ctx.op("concat", np.ones((1,), bool), ctx.op("not_equal", head, tail), axis=0)
+        head = ctx.op("slice", ordered, starts=[1], ends=[k], axes=[0], steps=[1])
+        tail = ctx.op("slice", ordered, starts=[0], ends=[k - 1], axes=[0], steps=[1])
+        differs = ctx.op("reduce_max", cast(ctx, ctx.op("not_equal", head, tail), np.dtype(np.int32)),
+                         axes=[1], keepdims=False)
+        is_new = ctx.op("concat", np.ones((1,), bool), cast(ctx, differs, np.dtype(bool)), axis=0)
     group = ctx.op("sub", ctx.op("cumsum", cast(ctx, is_new, _I64), axis=0), np.array(1, _I64))
     starts, count = _selected_first(ctx, is_new)
     y = ctx.op("gather", ordered, starts, axis=0)
-    first = ctx.op("gather", perm, starts, axis=0)  # the smallest original index of each value
-    zeros = np.zeros((n,), _I64)
+    first = ctx.op("gather", perm, starts, axis=0)  # stable sorts: the smallest original index
+    zeros = np.zeros((k,), _I64)
     inverse = ctx.op("scatter_elements", zeros, perm, group, axis=0)
-    counts = ctx.op("scatter_elements", zeros, group, np.ones((n,), _I64), axis=0, reduction="add")
+    counts = ctx.op("scatter_elements", zeros, group, np.ones((k,), _I64), axis=0, reduction="add")
     if not keep_sorted:  # reorder the values by first occurrence; padding sorts last
-        key = ctx.op("where", ctx.op("less", np.arange(n, dtype=_I64), count), first, np.array(n, _I64))
+        key = ctx.op("where", ctx.op("less", np.arange(k, dtype=_I64), count), first, np.array(k, _I64))
         by_first = cast(ctx, ctx.op("argsort", key, axis=0), _I64)
-        rank = ctx.op("scatter_elements", zeros, by_first, np.arange(n, dtype=_I64), axis=0)
+        rank = ctx.op("scatter_elements", zeros, by_first, np.arange(k, dtype=_I64), axis=0)
         y, first, counts = (ctx.op("gather", v, by_first, axis=0) for v in (y, first, counts))
         inverse = ctx.op("gather", rank, inverse, axis=0)
-    what = f"Unique node {ctx.label}"
-    return [Dynamic(y, count, what), Dynamic(first, count, what), inverse, Dynamic(counts, count, what)]
+    return y, first, inverse, counts, count
 
 
 @converter("TensorScatter")
