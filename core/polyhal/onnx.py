@@ -14,11 +14,12 @@ This module imports the ``onnx`` package; ``import polyhal`` alone does not. Eve
 from polyhal.frontends.onnx import (  # noqa: F401
     DynamicOnnxProgram, DynamicPlan, MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, NeedsValue, OnnxError, OnnxInputError,
     OnnxModelError, OnnxRunError,
-    OnnxProgram, OnnxUnsupportedError, StrictPlacementError, load, read_model, supported_ops,
+    OnnxProgram, OnnxUnsupportedError, StagedOnnxProgram, StagedPlan, StrictPlacementError, load, read_model,
+    supported_ops,
 )
 
 __all__ = [
     "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
-    "OnnxModelError", "OnnxRunError", "OnnxProgram",
+    "OnnxModelError", "OnnxRunError", "OnnxProgram", "StagedOnnxProgram", "StagedPlan",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

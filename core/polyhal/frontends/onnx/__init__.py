@@ -4,6 +4,8 @@
   :class:`OnnxProgram` out (a :class:`~polyhal.ir.program.Program`; compile it and call the
   plan with the model's inputs by name); a model with symbolic input dims gives a
   :class:`DynamicOnnxProgram`, whose plan specializes per input shape and caches the plans;
+  a model with control flow decided by data, data-dependent shapes feeding later ops,
+  sequences or optionals gives a :class:`StagedOnnxProgram` (plans per segment, host control flow);
 * :mod:`~polyhal.frontends.onnx.backend`: an ``onnx.backend.base.Backend`` over polyhal
   devices (``PolyhalBackend.prepare(model, "cpu:0").run(inputs)``);
 * :mod:`~polyhal.frontends.onnx.node_tests`: ONNX's own node tests on every device
@@ -21,6 +23,7 @@ from polyhal.frontends.onnx.errors import (
 from polyhal.frontends.onnx.importer import (
     MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, OnnxProgram, load, read_model,
 )
+from polyhal.frontends.onnx.staged import StagedOnnxProgram, StagedPlan
 
 
 def supported_ops() -> list[str]:
@@ -31,6 +34,6 @@ def supported_ops() -> list[str]:
 
 __all__ = [
     "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
-    "OnnxModelError", "OnnxRunError", "OnnxProgram",
+    "OnnxModelError", "OnnxRunError", "OnnxProgram", "StagedOnnxProgram", "StagedPlan",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

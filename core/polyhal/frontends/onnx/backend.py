@@ -25,6 +25,7 @@ from onnx.backend.base import Backend, BackendRep
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxUnsupportedError
 from polyhal.frontends.onnx.importer import OnnxProgram, load
 from polyhal.frontends.onnx.types import as_strings, is_strings
+from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.registry import devices
 
 #: How many different value-fixed variants one rep compiles before refusing (a model whose
@@ -56,6 +57,7 @@ class PolyhalRep(BackendRep):
         self.output_names = [o.name for o in model.graph.output]
         self._fixed: set[str] = set()
         self._plans: dict[tuple, tuple[OnnxProgram, Any]] = {}
+        self._staged: tuple[StagedOnnxProgram, Any] | None = None
 
     def _feeds(self, inputs: Any) -> dict[str, np.ndarray]:
         if isinstance(inputs, Mapping):
@@ -69,14 +71,20 @@ class PolyhalRep(BackendRep):
             items = list(zip(self.input_names, inputs))
         feeds = {}
         for name, x in items:
-            if isinstance(x, (list, tuple)) or x is None:
-                raise OnnxUnsupportedError(f"input {name!r} is a sequence or an optional; polyhal runs tensors")
+            if isinstance(x, (list, tuple)) or x is None:  # a sequence or an optional: a staged model's
+                feeds[name] = x
+                continue
             x = np.asarray(x)
             feeds[name] = as_strings(x, f"input {name!r}") if is_strings(x) else x  # strings stay on the host
         return feeds
 
     def compiled(self, feeds: Mapping[str, np.ndarray]) -> tuple[OnnxProgram, Any]:
         """The (program, plan) for these feeds, imported and compiled on first use."""
+        if self._staged is not None or not all(isinstance(x, np.ndarray) for x in feeds.values()):
+            if self._staged is None:  # staged models take any shapes and values: one program
+                program = load(self.model)
+                self._staged = (program, program.compile(self.device, strict=self.strict))
+            return self._staged
         while True:
             key = tuple((k, x.shape, x.dtype.str, x.tobytes() if k in self._fixed else None)
                         for k, x in sorted(feeds.items()))
@@ -95,6 +103,9 @@ class PolyhalRep(BackendRep):
                 self._fixed |= wanted
                 continue
             plan = program.compile(self.device, strict=self.strict)
+            if isinstance(program, StagedOnnxProgram):
+                self._staged = (program, plan)
+                return self._staged
             self._plans[key] = (program, plan)
             return program, plan
 

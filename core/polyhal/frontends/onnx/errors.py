@@ -41,6 +41,12 @@ class NeedsValue(OnnxUnsupportedError):
         self.inputs = frozenset(inputs)
 
 
+class NeedsStaging(OnnxUnsupportedError):
+    """A feature a single static plan cannot hold: control flow decided by data, a value whose
+    length is data feeding a later op, sequences and optionals. :func:`polyhal.onnx.load` then
+    runs the model staged (:mod:`polyhal.frontends.onnx.staged`)."""
+
+
 class StrictPlacementError(OnnxUnsupportedError, ProgramError):
     """``strict=True`` (``polyhal run --strict``): a node's op has no kernel on the requested
     devices, and polyhal was told not to run it elsewhere."""

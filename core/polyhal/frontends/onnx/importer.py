@@ -37,11 +37,12 @@ from onnx.external_data_helper import load_external_data_for_model
 
 from polyhal.errors import DTypeError, PolyhalError
 from polyhal.frontends.onnx.errors import (
-    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
+    NeedsStaging, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError,
 )
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, InputSignature, bind_dims
+from polyhal.frontends.onnx.staged import StagedOnnxProgram, needs_staging
 from polyhal.frontends.onnx.types import (
     STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
 )
@@ -134,6 +135,8 @@ class OnnxProgram(Program):
     #: ONNX output index -> index of the program output holding its run-time length (outputs
     #: such as NonMaxSuppression's are computed padded to a static bound, plus a count).
     trims: dict[int, int] = field(default_factory=dict)
+    #: ONNX output index -> the axis ``trims`` cuts, where it is not the first.
+    trim_axes: dict[int, int] = field(default_factory=dict)
     #: ONNX output index -> what turns the plan's array into the declared output on the host
     #: (string labels, ZipMap's list of dicts: see :class:`~polyhal.frontends.onnx.types.HostOutput`).
     finishes: dict[int, Any] = field(default_factory=dict)
@@ -314,7 +317,7 @@ class OnnxProgram(Program):
                 continue
             a = arrays[self.slots[i] if self.slots else i]
             if i in self.trims:
-                a = a[: int(arrays[self.trims[i]])]
+                a = a[(slice(None),) * self.trim_axes.get(i, 0) + (slice(0, int(arrays[self.trims[i]])),)]
             if i in self.finishes:
                 a = self.finishes[i](a)
             result[name] = a
@@ -475,13 +478,18 @@ def _first_line(exc: BaseException) -> str:
 def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
          values: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
          default_dim: int | None = None, name: str | None = None, validate: bool = True,
-         source: str | None = None, fold_limit: int | str | None = None) -> OnnxProgram | DynamicOnnxProgram:
+         source: str | None = None, fold_limit: int | str | None = None
+         ) -> OnnxProgram | DynamicOnnxProgram | StagedOnnxProgram:
     """Import an ONNX model as a polyhal program.
 
     When every input dim is known (fixed by the model, or given by ``shapes``, ``dims`` or
     ``default_dim``) the result is a static :class:`OnnxProgram`. Otherwise it is a
     :class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, whose compiled plan specializes
-    per input shape on first use (symbols given in ``dims`` stay bound to those sizes).
+    per input shape on first use (symbols given in ``dims`` stay bound to those sizes). A model
+    that one static plan cannot hold (an If or Loop decided by data, NonZero or Unique feeding
+    later ops, sequences, optionals) is a
+    :class:`~polyhal.frontends.onnx.staged.StagedOnnxProgram`: plans per segment, specialized
+    to the shapes each sees, joined by host control flow.
 
     Args:
         model: a path, the model's bytes, a binary file object or an ``onnx.ModelProto``.
@@ -524,12 +532,24 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         except Exception as exc:  # noqa: BLE001  (a malformed model the checks above did not foresee)
             raise OnnxModelError(f"{source}: malformed model ({type(exc).__name__}: {_first_line(exc)})") from exc
 
+    def staged() -> StagedOnnxProgram:
+        def segment(model: onnx.ModelProto, seg_shapes, seg_values) -> OnnxProgram:
+            return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit).run()
+        return StagedOnnxProgram(checked, source=source, opset=opset, import_segment=segment)
+
+    if needs_staging(checked):
+        return staged()
     initialized = {t.name for t in checked.graph.initializer}
     _check_symbols([i for i in checked.graph.input if i.name not in initialized or i.name in values], dims, source)
     signature = _signature(checked, shapes, values, dims, default_dim)
     if signature is None or all(s.dims is not None and all(isinstance(d, int) or d in dims for d in s.dims)
                                 for s in signature):
-        return specialize({})
+        try:
+            return specialize({})
+        except NeedsStaging:
+            return staged()
+    if needs_staging(checked, any_host_op=True):
+        return staged()  # staging specializes each segment to the shapes it sees
     return DynamicOnnxProgram(source=source, opset=opset, signature=signature, bound=dims,
                               output_names=[o.name for o in checked.graph.output], specialize=specialize)
 
@@ -736,6 +756,7 @@ class _Importer:
         self._walk(graph.node, env, self.opsets, "")
         outputs, names, counts, slots = [], [], [], []
         trims: dict[int, int] = {}
+        trim_axes: dict[int, int] = {}
         finishes: dict[int, Any] = {}
         host_outputs: dict[int, Any] = {}
         seen: set[int] = set()
@@ -765,6 +786,8 @@ class _Importer:
                 v = v.value
             if isinstance(v, Dynamic):
                 trims[len(names)] = len(counts)
+                if v.axis:
+                    trim_axes[len(names)] = v.axis
                 counts.append(result(v.count, vi.name + ":count"))
                 v = v.padded
             slots.append(len(outputs))
@@ -791,9 +814,10 @@ class _Importer:
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
                            declared_inputs=declared_inputs, origins=self.origins, folded=self.folded,
-                           frozen=frozen, node_count=self.node_count, trims=trims, finishes=finishes,
-                           feed_names=feed_names, string_inputs=self.string_inputs, host_feeds=self.host_feeds,
-                           host_outputs=host_outputs, host_reads=host_reads, slots=slots)
+                           frozen=frozen, node_count=self.node_count, trims=trims, trim_axes=trim_axes,
+                           finishes=finishes, feed_names=feed_names, string_inputs=self.string_inputs,
+                           host_feeds=self.host_feeds, host_outputs=host_outputs, host_reads=host_reads,
+                           slots=slots)
 
     def _initializer(self, t: onnx.TensorProto) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
@@ -930,7 +954,8 @@ class _Importer:
                 return
             v = HostValue(None, (), dtype, shape, "")  # numbers from strings: checked as a tensor below
         if isinstance(v, Dynamic):  # only the element type and the static dims are known
-            v, dims = v.padded, None if dims is None else (None,) + dims[1:]
+            axis = v.axis
+            v, dims = v.padded, None if dims is None else dims[:axis] + (None,) + dims[axis + 1:]
         t = self.type_of(v)
         if elem:
             try:

@@ -32,8 +32,8 @@ import numpy as np
 
 from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments
-from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
-from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxUnsupportedError
+from polyhal.frontends.onnx.importer import OnnxProgram, load, read_model
 from polyhal.frontends.onnx.types import STRING_DTYPE
 from polyhal.hal.device import host_memory_available
 
@@ -230,6 +230,12 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
                 raise
             fixed.update({k: file_feeds[k] for k in exc.inputs})
     t_load = time.perf_counter() - t0
+    if not isinstance(program, OnnxProgram):  # staged: control flow or sequences decided by data
+        raise OnnxUnsupportedError(
+            f"{args.model}: the model runs staged (plans per segment joined by host control flow: "
+            "an If or Loop decided by data, data-dependent shapes feeding later ops, sequences or "
+            "optionals), which `polyhal run` does not drive yet; run it from Python with "
+            "polyhal.onnx.load(path).run(feeds, device)")
     defaulted = default_dims(model, shapes, dims)
 
     check_input_memory(program, file_feeds, registry, args.device)

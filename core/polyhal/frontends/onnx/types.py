@@ -45,12 +45,13 @@ def onnx_elem_type(dtype: np.dtype) -> int:
 
 
 class Dynamic:
-    """A value whose first dim is known only at run time: ``padded`` (the value padded to a
-    static bound) and ``count`` (an int64 scalar, the real length). Only a model output may be
-    one; the plan returns both and :meth:`OnnxProgram.execute` cuts."""
+    """A value whose dim ``axis`` (default the first) is known only at run time: ``padded`` (the
+    value padded to a static bound) and ``count`` (an int64 scalar, the real length). Only a
+    model output may be one; the plan returns both and :meth:`OnnxProgram.execute` cuts (a staged
+    model ends a segment there, so later ops see the cut value)."""
 
-    def __init__(self, padded: Value, count: Value, what: str) -> None:
-        self.padded, self.count, self.what = padded, count, what
+    def __init__(self, padded: Value, count: Value, what: str, axis: int = 0) -> None:
+        self.padded, self.count, self.what, self.axis = padded, count, what, axis
 
 
 #: ONNX's string element type, and the numpy dtype polyhal's front end holds strings in (arrays

@@ -26,7 +26,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from polyhal.frontends.onnx.errors import NeedsValue, OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.errors import NeedsStaging, NeedsValue, OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import HostValue, is_strings
 from polyhal.ir.program import Value
 from polyhal.ir.types import TensorType
@@ -102,9 +102,9 @@ class NodeContext:
             return self.importer.host_feed(v)
         if not isinstance(v, (np.ndarray, Value)):
             if hasattr(v, "padded"):
-                raise OnnxUnsupportedError(
+                raise NeedsStaging(
                     f"input {i} ({name!r}) has a length known only at run time (it comes from {v.what}); "
-                    "polyhal programs have static shapes, so such a value can only be a model output")
+                    "one static plan cannot use it, so the model runs staged (a plan per segment)")
             raise OnnxUnsupportedError(f"input {i} ({name!r}): {getattr(v, 'reason', v)}")
         return v
 
@@ -145,12 +145,13 @@ class NodeContext:
 
     def known(self, i: int, why: str) -> np.ndarray | None:
         """Input ``i`` as an array for ops whose *result shape* depends on the data (NonZero,
-        Unique, ...): those fold when the data is known and are unsupported otherwise."""
+        If's condition, ...): those fold when the data is known; otherwise the model runs staged
+        (:class:`NeedsStaging`)."""
         v = self.input(i)
         if v is None or isinstance(v, np.ndarray):
             return v
-        raise OnnxUnsupportedError(f"{self.op_type} {why}; polyhal programs have static shapes, so it "
-                                   "runs only on data known when the model is loaded")
+        raise NeedsStaging(f"{self.op_type} {why}; one static plan cannot hold it, so the model runs staged "
+                           "(a plan per segment, host control flow)")
 
     # -- attributes ------------------------------------------------------------------------
 
@@ -355,5 +356,6 @@ from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
 )
 from polyhal.frontends.onnx.converters import vision  # noqa: E402,F401  isort: skip
 from polyhal.frontends.onnx.converters import strings  # noqa: E402,F401  isort: skip
+from polyhal.frontends.onnx.converters import datadep  # noqa: E402,F401  isort: skip
 
 __all__ = ["CONVERTERS", "Decline", "NodeContext", "convert_node", "converter"]

@@ -4,6 +4,8 @@ polyhal programs are straight-line, so a loop becomes its body repeated once per
 That needs the count at import time: a Scan iterates over a static axis; a Loop needs its trip
 count and every iteration's condition to fold to constants (they usually depend only on the
 iteration number, or on inputs fixed with ``values=``). :data:`MAX_UNROLL` bounds the copies.
+A Loop that cannot unroll raises :class:`NeedsStaging`: the model then runs staged, the loop
+iterating on the host over a plan of its body (:mod:`polyhal.frontends.onnx.staged`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import onnx
 
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
-from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.errors import NeedsStaging, NeedsValue, OnnxModelError, OnnxUnsupportedError
 
 #: Most iterations a loop is unrolled to.
 MAX_UNROLL = 4096
@@ -53,18 +55,39 @@ def _stack(ctx: NodeContext, pieces: list, axis: int):
 
 @converter("Scan")
 def _scan(ctx: NodeContext) -> list:
-    if ctx.opset < 9:
-        raise OnnxUnsupportedError("Scan before opset 9 (with a batch axis and sequence_lens)")
     body = ctx.attr("body")
     m = int(ctx.attr("num_scan_inputs"))
     values = ctx.inputs()
+    if ctx.opset < 9:  # opset 8: input 0 is sequence_lens, and every input has a batch axis first
+        lens, values = values[0], values[1:]
+        if lens is not None:
+            lens = ctx.const(0, "sequence_lens")
     n = len(values) - m
     if n < 0:
         raise OnnxModelError(f"num_scan_inputs={m} exceeds the {len(values)} inputs")
-    states, scans = values[:n], values[n:]
-    in_axes = [int(a) for a in ctx.attr("scan_input_axes", [0] * m)]
-    in_dirs = [int(d) for d in ctx.attr("scan_input_directions", [0] * m)]
     k = len(body.output) - n
+    if ctx.opset >= 9:
+        return _scan_steps(ctx, body, values[:n], values[n:], k)
+    dirs = [int(d) for d in ctx.attr("directions", [0] * m)]
+    batch = {ctx.shape(v)[0] for v in values}
+    if len(batch) != 1:
+        raise OnnxModelError(f"the Scan inputs have different batch sizes: {sorted(batch)}")
+    batch = batch.pop()
+    steps = {ctx.shape(x)[1] for x in values[n:]}
+    if lens is not None and set(np.asarray(lens).reshape(-1).tolist()) - steps:
+        raise OnnxUnsupportedError("Scan (opset 8) with sequence_lens shorter than the scan axis")
+    rows = [_scan_steps(ctx, body, [_take(ctx, v, 0, b) for v in values[:n]],
+                        [_take(ctx, v, 0, b) for v in values[n:]], k, in_dirs=dirs, tag=f"batch{b}/")
+            for b in range(batch)]
+    return [_stack(ctx, [r[j] for r in rows], 0) for j in range(n + k)]
+
+
+def _scan_steps(ctx: NodeContext, body, states: list, scans: list, k: int, *, in_dirs: list | None = None,
+                tag: str = "") -> list:
+    """Scan's iterations unrolled: the final states, then the k scan outputs."""
+    m, n = len(scans), len(states)
+    in_axes = [int(a) for a in ctx.attr("scan_input_axes", [0] * m)]
+    in_dirs = in_dirs or [int(d) for d in ctx.attr("scan_input_directions", [0] * m)]
     out_axes = [int(a) for a in ctx.attr("scan_output_axes", [0] * k)]
     out_dirs = [int(d) for d in ctx.attr("scan_output_directions", [0] * k)]
     in_axes = [norm_axis(a, ctx.rank(x), "scan_input_axes entry") for a, x in zip(in_axes, scans)]
@@ -79,7 +102,7 @@ def _scan(ctx: NodeContext) -> list:
     collected: list[list] = [[] for _ in range(k)]
     for t in range(steps):
         slices = [_take(ctx, x, a, steps - 1 - t if d else t) for x, a, d in zip(scans, in_axes, in_dirs)]
-        outs = _run_body(ctx, body, list(states) + slices, f"step{t}")
+        outs = _run_body(ctx, body, list(states) + slices, f"{tag}step{t}")
         states = outs[:n]
         for j in range(k):
             collected[j].append(outs[n + j])
@@ -94,13 +117,18 @@ def _scan(ctx: NodeContext) -> list:
 @converter("Loop")
 def _loop(ctx: NodeContext) -> list:
     body = ctx.attr("body")
-    trip = ctx.const(0, "the trip count") if ctx.has(0) else None
-    cond = ctx.const(1, "the condition") if ctx.has(1) else None
+    try:
+        trip = ctx.const(0, "the trip count") if ctx.has(0) else None
+        cond = ctx.const(1, "the condition") if ctx.has(1) else None
+    except NeedsValue:
+        raise NeedsStaging("Loop with a trip count or condition computed at run time") from None
     carried = [ctx.input(i) for i in range(2, ctx.num_inputs)]
     limit = MAX_UNROLL + 1 if trip is None else int(np.asarray(trip).reshape(-1)[0])
     going = True if cond is None else bool(np.asarray(cond).reshape(-1)[0])
     if trip is None and cond is None:
-        raise OnnxUnsupportedError("Loop without a trip count or a condition (it would not end)")
+        raise NeedsStaging("Loop without a trip count or a condition (it ends when its body says so)")
+    if limit < 0:
+        raise OnnxModelError(f"Loop trip count {limit} is negative; a Loop runs a count of iterations from 0 up")
     k = len(body.output) - 1 - len(carried)
     if k < 0:
         raise OnnxModelError("the Loop body has fewer outputs than loop-carried values")
@@ -108,12 +136,11 @@ def _loop(ctx: NodeContext) -> list:
     i = 0
     while going and i < limit:
         if i >= MAX_UNROLL:
-            raise OnnxUnsupportedError(f"Loop of more than {MAX_UNROLL} iterations (polyhal unrolls loops)")
+            raise NeedsStaging(f"Loop of more than {MAX_UNROLL} iterations (too many to unroll)")
         outs = _run_body(ctx, body, [np.array(i, np.int64), np.array(going)] + carried, f"iter{i}")
         cond_out = outs[0]
         if not isinstance(cond_out, np.ndarray):
-            raise OnnxUnsupportedError("Loop whose condition is computed from run-time data; polyhal unrolls "
-                                       "loops, so the condition must be known when the model is loaded")
+            raise NeedsStaging("Loop whose condition is computed from run-time data (it cannot be unrolled)")
         going = bool(np.asarray(cond_out).reshape(-1)[0])
         carried = outs[1:1 + len(carried)]
         for j in range(k):
@@ -122,6 +149,6 @@ def _loop(ctx: NodeContext) -> list:
     results = list(carried)
     for j in range(k):
         if not collected[j]:
-            raise OnnxUnsupportedError("Loop that runs no iteration but has scan outputs (their shape is unknown)")
+            raise NeedsStaging("Loop that runs no iteration but has scan outputs (their shape is unknown)")
         results.append(_stack(ctx, collected[j], 0))
     return results

@@ -406,12 +406,6 @@ def _topk(ctx: NodeContext) -> list:
     return [values, indices]
 
 
-@converter("NonZero")
-def _nonzero(ctx: NodeContext) -> list:
-    x = ctx.known(0, "has an output shape that depends on the input values")
-    return [np.array(np.nonzero(x), dtype=_I64)]
-
-
 @converter("Compress")
 def _compress(ctx: NodeContext) -> list:
     data = ctx.input(0)
@@ -423,22 +417,6 @@ def _compress(ctx: NodeContext) -> list:
     dim = ctx.shape(data)[norm_axis(int(axis), ctx.rank(data))]
     picked = np.nonzero(cond[:dim])[0].astype(_I64)
     return [ctx.op("gather", data, picked, axis=int(axis))]
-
-
-@converter("Unique")
-def _unique(ctx: NodeContext) -> list:
-    x = ctx.known(0, "has an output shape that depends on the input values")
-    axis = ctx.attr("axis", None)
-    if axis is None:
-        x, axis = x.reshape(-1), 0
-    axis = norm_axis(int(axis), x.ndim)
-    y, first, inverse, counts = np.unique(x, return_index=True, return_inverse=True, return_counts=True, axis=axis)
-    if not int(ctx.attr("sorted", 1)):  # order of first occurrence
-        order = np.argsort(first, kind="stable")
-        rank = np.empty_like(order)
-        rank[order] = np.arange(order.size)
-        y, first, counts, inverse = np.take(y, order, axis=axis), first[order], counts[order], rank[inverse]
-    return [np.array(y, order="C"), first.astype(_I64), inverse.reshape(-1).astype(_I64), counts.astype(_I64)]
 
 
 @converter("ReverseSequence")
