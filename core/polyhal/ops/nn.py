@@ -392,8 +392,10 @@ def _sample_masked_attention(rng: np.random.Generator):
     (q, k, v), attrs = _sample_attention(rng)
     lq, lk = q.shape[-2], k.shape[-2]
     shape = pick(rng, [(lq, lk), (1, lk), q.shape[:-2] + (lq, lk)])
-    causal = np.triu(np.full((lq, lk), -1e9, np.float32), 1)  # every row keeps its first key
-    mask = np.broadcast_to(causal, shape) if rng.random() < 0.5 else nonzero(rng, shape)
+    # causal: -1e9 above the diagonal, a small bias elsewhere (samples hold no zeros); every row
+    # keeps its first key
+    causal = np.where(np.tri(lq, lk, dtype=bool), np.float32(0.25), np.float32(-1e9))
+    mask = np.broadcast_to(causal[:shape[-2]], shape) if rng.random() < 0.5 else nonzero(rng, shape)
     return [q, k, v, np.ascontiguousarray(mask)], attrs
 
 
