@@ -83,8 +83,8 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
     fusions = None
     if fuse:
         fusible = fusion_gate(registry, selector, devices, kernels)
-        # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
         program, fusions = fold_constant_transposes(program)
+        # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
         program, attention = fuse_attention(program, fusible)
         program, linear = fuse_linear(program, fusible)
         program, gelu = fuse_gelu(program, fusible)
