@@ -20,7 +20,9 @@ from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
 from polyhal.passes.bufferize import bufferize
 from polyhal.passes.data_tiling import set_encodings
+from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
+from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
 from polyhal.passes.placement import Placement, fusion_gate, kernel_sets, place
@@ -43,9 +45,12 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
 
     ``fuse`` (default on) runs the fusion passes first: each attention head (matmul, scaling,
     softmax, matmul) becomes one ``attention`` op (:mod:`polyhal.passes.fuse_attention`) and
-    each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), wherever
-    the device placement would choose for those ops has the fused kernel
-    (:func:`polyhal.passes.placement.fusion_gate`). ``plan.explain()`` lists what was fused.
+    each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), each GELU
+    formula one ``gelu`` op (:mod:`polyhal.passes.fuse_gelu`), wherever the device placement
+    would choose for those ops has the fused kernel
+    (:func:`polyhal.passes.placement.fusion_gate`); before them, transposes of constants become
+    transposed views of the data (:mod:`polyhal.passes.fold_constants`). ``plan.explain()``
+    lists what was fused.
 
     ``data_tiling=True`` wraps matmul operands and results in encodings
     (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every
@@ -78,10 +83,12 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
     fusions = None
     if fuse:
         fusible = fusion_gate(registry, selector, devices, kernels)
+        program, fusions = fold_constant_transposes(program)
         # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
-        program, fusions = fuse_attention(program, fusible)
+        program, attention = fuse_attention(program, fusible)
         program, linear = fuse_linear(program, fusible)
-        fusions += linear
+        program, gelu = fuse_gelu(program, fusible)
+        fusions += attention + linear + gelu
     if data_tiling:
         program = set_encodings(program)
     placement = place(program, registry, selector, devices, kernels)

@@ -15,7 +15,7 @@ import numpy as np
 from polyhal.errors import ProgramError, ShapeError
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import (
-    FLOAT, NUMERIC, bool_attr, check_dtype, check_same_dtype, define, float_attr, fmt_shape, int_attr,
+    FLOAT, NUMERIC, bool_attr, broadcast, check_dtype, check_same_dtype, define, float_attr, fmt_shape, int_attr,
     int_list_attr, narrow, nonzero, pick, wide,
 )
 
@@ -348,9 +348,11 @@ def _infer_attention(q: TensorType, k: TensorType, v: TensorType, *, scale):
     return (TensorType(q.shape[:-1] + (v.shape[-1],), dtype),)
 
 
-def _ref_attention(q, k, v, *, scale=None):
+def _ref_attention(q, k, v, mask=None, *, scale=None):
     wq, wk, wv = wide(q), wide(k), wide(v)
     s = np.matmul(wq, np.swapaxes(wk, -1, -2)) * (1.0 / np.sqrt(q.shape[-1]) if scale is None else float(scale))
+    if mask is not None:
+        s = s + wide(mask)
     e = np.exp(s - np.max(s, axis=-1, keepdims=True))
     return (narrow(np.matmul(e / np.sum(e, axis=-1, keepdims=True), wv), q.dtype),)
 
@@ -371,4 +373,39 @@ define("attention", infer=_infer_attention, reference=_ref_attention, sample=_sa
     MatMul of a self-attention head become (polyhal.passes.fuse_attention): one op, so that a
     kernel can normalise the (Lq, Dv) result instead of the (Lq, Lk) weights and keep only one
     head's weights in memory at a time.
+""")
+
+
+# ----------------------------------------------------------------------------- masked_attention
+
+def _infer_masked_attention(q: TensorType, k: TensorType, v: TensorType, mask: TensorType, *, scale):
+    (out,) = _infer_attention(q, k, v, scale=scale)
+    check_same_dtype(q, mask)
+    scores = q.shape[:-1] + (k.shape[-2],)
+    if mask.rank > len(scores) or broadcast(scores, mask.shape) != scores:
+        raise ShapeError(f"the mask {fmt_shape(mask.shape)} does not broadcast to the scores "
+                         f"{fmt_shape(scores)} (batch..., Lq, Lk)")
+    return (out,)
+
+
+def _sample_masked_attention(rng: np.random.Generator):
+    (q, k, v), attrs = _sample_attention(rng)
+    lq, lk = q.shape[-2], k.shape[-2]
+    shape = pick(rng, [(lq, lk), (1, lk), q.shape[:-2] + (lq, lk)])
+    # causal: -1e9 above the diagonal, a small bias elsewhere (samples hold no zeros); every row
+    # keeps its first key
+    causal = np.where(np.tri(lq, lk, dtype=bool), np.float32(0.25), np.float32(-1e9))
+    mask = np.broadcast_to(causal[:shape[-2]], shape) if rng.random() < 0.5 else nonzero(rng, shape)
+    return [q, k, v, np.ascontiguousarray(mask)], attrs
+
+
+define("masked_attention", infer=_infer_masked_attention, reference=_ref_attention,
+       sample=_sample_masked_attention, arity=4, tolerance=(1e-4, 1e-5), doc="""
+    attention with an additive mask: softmax(scale * q @ k^T + mask, over the keys) @ v, the
+    mask of the element type broadcasting to the scores (batch..., Lq, Lk) -- a padding mask
+    (0 or a large negative value per key), a causal one (large negatives above the diagonal),
+    or a bias. What exporters write as MatMul, scaling, Add of the mask, Softmax and MatMul
+    becomes (polyhal.passes.fuse_attention); a separate op from ``attention`` so that the fusion
+    asks each device for the masked kernel by name. A row whose every score is masked by the
+    same large negative value gets uniform weights, as the unfused ops give it.
 """)

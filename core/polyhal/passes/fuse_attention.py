@@ -1,4 +1,5 @@
-"""Fuse ``matmul(softmax(matmul(q, kT) [* c]), v)`` into ``attention(q, k, v, scale=c)``.
+"""Fuse ``matmul(softmax(matmul(q, kT) [* c] [+ mask]), v)`` into ``attention(q, k, v, scale=c)``
+or ``masked_attention(q, k, v, mask, scale=c)``.
 
 Exporters write a self-attention head as MatMul (queries by transposed keys), a scaling by
 1/sqrt(d) (on the product, or moved onto the queries by :mod:`polyhal.passes.fuse_linear`),
@@ -12,6 +13,10 @@ The pass matches, for dispatches with one affinity:
 * ``s = matmul(a, kT)`` with ``a`` (batch..., Lq, D) and ``kT`` (batch..., D, Lk), equal batch
   dims, a float type; optionally ``s = mul(matmul(a, kT), c)``, or ``a = mul(q, c)``, with ``c``
   a scalar program constant (folded into ``scale``);
+* optionally ``s = add(scores, mask)`` (either order) with ``scores`` as above, of the type of
+  ``s`` (the mask broadcasts to it): the padding mask of an encoder (DistilBERT, TorchScript
+  exporter) or the causal mask of a decoder (GPT-2, dynamo exporter; a constant once the front
+  end folded its Trilu/Where/Expand), which makes the op ``masked_attention``;
 * ``p = softmax(s)`` over the last axis, ``s`` used by it alone;
 * ``o = matmul(p, v)``, ``p`` used by it alone, ``v`` (batch..., Lk, Dv).
 
@@ -19,7 +24,8 @@ The pass matches, for dispatches with one affinity:
 transpose that usually made ``kT`` (exporters transpose the keys' heads) into one, and which is
 a view, not a copy, on devices whose kernels take strided operands (see the bufferize pass).
 Values the match would remove but that something else reads keep their ops. A match is fused
-only where ``fusible("attention", ops)`` says so (see :mod:`polyhal.passes.fusion`).
+only where ``fusible("attention", ops)`` (``"masked_attention"``) says so (see
+:mod:`polyhal.passes.fusion`).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import numpy as np
 from polyhal.ir.program import Op, Program, Value, uses_and_producers
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs
-from polyhal.passes.fusion import Fusible, Fusion, always
+from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order
 
 
 def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
@@ -79,6 +85,17 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
         if uses[s.id] != 1:
             continue
         scale, chain = 1.0, [sm, mm2]
+        mask = None
+        add = dispatch(s, "add")
+        if add is not None:  # s = add(scores, mask), in either order
+            scores = next((x for x in add.inputs if uses[x.id] == 1 and x.type == s.type
+                           and (dispatch(x, "matmul") or dispatch(x, "mul"))), None)
+            mask = None if scores is None or len(add.inputs) != 2 else (
+                add.inputs[1] if add.inputs[0] is scores else add.inputs[0])
+            if mask is None or mask is scores or mask.type.dtype != s.type.dtype or mask.type.encoding is not None:
+                continue
+            s = scores
+            chain.append(add)
         mm1 = dispatch(s, "matmul")
         if mm1 is None:  # s = mul(matmul(a, kT), c)
             mul = dispatch(s, "mul")
@@ -128,9 +145,11 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
         else:
             k = Value(_swapped(kt), f"{kt.name}_k", kt.program_id)
             new.append(Op("dispatch", "transpose", (kt,), (k,), canonical_attrs({"perm": swap}), mm2.affinity))
-        if not fusible("attention", _in_order(program, chain)):
+        fused = "attention" if mask is None else "masked_attention"
+        if not fusible(fused, in_program_order(program, chain)):
             continue
-        new.append(Op("dispatch", "attention", (q, k, v), mm2.outputs, canonical_attrs({"scale": scale}), mm2.affinity))
+        operands = (q, k, v) if mask is None else (q, k, v, mask)
+        new.append(Op("dispatch", fused, operands, mm2.outputs, canonical_attrs({"scale": scale}), mm2.affinity))
         replaced[id(mm2)] = [chain, new]
         removed.update(id(op) for op in chain)
     if not replaced:
@@ -140,16 +159,10 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
         if id(op) in replaced:
             chain, new = replaced[id(op)]
             ops.extend(new)
-            changes.append(Fusion("attention", _in_order(program, chain), tuple(new)))
+            changes.append(Fusion("attention", in_program_order(program, chain), tuple(new)))
         elif id(op) not in removed:
             ops.append(op)
     return dataclasses.replace(program, ops=ops), changes
-
-
-def _in_order(program: Program, chain: list[Op]) -> tuple[Op, ...]:
-    """The ops of ``chain`` in program order."""
-    ids = {id(op) for op in chain}
-    return tuple(op for op in program.ops if id(op) in ids)
 
 
 def _swapped(v: Value) -> TensorType:

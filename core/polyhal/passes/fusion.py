@@ -27,8 +27,9 @@ def always(fused: str, ops: Sequence[Op]) -> bool:
 class Fusion:
     """One rewrite by a fusion pass: ``ops`` of the program (in program order) became ``new``.
 
-    ``kind`` names the rewrite: ``"attention"``, ``"linear"``, or ``"scaling"`` (a scalar
-    scaling moved from a matmul's product onto its smaller operand).
+    ``kind`` names the rewrite: ``"attention"``, ``"linear"``, ``"gelu"``, ``"scaling"`` (a
+    scalar scaling moved from a matmul's product onto its smaller operand), or ``"constant"``
+    (ops of constant operands folded into a constant: ``new`` is empty).
     """
 
     kind: str
@@ -37,7 +38,14 @@ class Fusion:
 
     def explain(self) -> str:
         """One line: the ops replaced, the ops that replace them, and the value they produce."""
-        result = self.new[-1].outputs[0].name
+        result = (self.new or self.ops)[-1].outputs[0].name
         return (f"{self.kind}: {' + '.join(op.name for op in self.ops)} -> "
-                f"{', '.join(op.name for op in self.new)} (%{result})")
+                f"{', '.join(op.name for op in self.new) or 'constant'} (%{result})")
 
+
+
+def in_program_order(program: Program, ops: Sequence[Op]) -> tuple[Op, ...]:
+    """The ops of ``ops`` in the order ``program`` runs them (what ``fusible`` and
+    :class:`Fusion` are given)."""
+    ids = {id(op) for op in ops}
+    return tuple(op for op in program.ops if id(op) in ids)

@@ -109,10 +109,7 @@ def _const(value: float, dtype: np.dtype) -> np.ndarray:
 #    on [1, 6] computed at import from math.erfc; beyond 6, erf is 1 in float64. Max abs error
 #    ~1e-15.
 
-_ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-          -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-_ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-          -1.42647390514189e-02)
+_ERF_P, _ERF_Q = native.ERF_P, native.ERF_Q  # shared with the fused erf-GELU loop
 
 _ERF_SERIES = tuple(  # highest power first, for Horner
     2.0 / math.sqrt(math.pi) * (-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in reversed(range(20))
@@ -269,8 +266,8 @@ def _gelu(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     dtype = ins[0].dtype
     erf_ = _erf_double if dtype == _F64 else _erf_single
     half = _const(0.5, dtype)
-    if attrs["approximate"] == "tanh" and native.available(dtype):  # one fused pass (polyhal_cpu.native)
-        fused, contiguous = native.gelu_tanh, np.ascontiguousarray
+    if native.available(dtype):  # one fused pass (polyhal_cpu.native)
+        fused, contiguous = native.gelu_tanh if attrs["approximate"] == "tanh" else native.gelu_erf, np.ascontiguousarray
 
         def fused_kernel(x, out):
             fused(contiguous(x).reshape(-1), out.reshape(-1))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["add_rows", "exp2_shifted_rows", "gelu_tanh", "layer_norm", "relu", "scale_rows", "softmax_rows"]
+__all__ = ["add_rows", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "layer_norm", "relu", "scale_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -43,6 +43,22 @@ def gelu_tanh(x, out):
     for i in range(x.size):
         v = x[i]
         out[i] = v / (f32(1.0) + exp2(v * (k1 + k3 * v * v)))
+
+
+@_jit
+def gelu_erf(x, out, p, q):
+    """x/2 * (1 + erf(x / sqrt 2)) over 1-D x, erf(z) = z P(z^2) / Q(z^2) on z clamped to
+    [-4, 4] (``p``, ``q``: 7 and 5 coefficients, highest power first), evaluated in float64 and
+    then combined in float32, as the numpy kernels of polyhal_cpu.kernels do (erf's error,
+    1e-7, times |x| / 2)."""
+    for i in range(x.size):
+        v = np.float64(x[i])
+        z = min(max(v * 0.7071067811865476, -4.0), 4.0)  # nan stays nan (min/max pass it)
+        z2 = z * z
+        n = ((((((p[0] * z2 + p[1]) * z2 + p[2]) * z2 + p[3]) * z2 + p[4]) * z2 + p[5]) * z2 + p[6]) * z
+        d = (((q[0] * z2 + q[1]) * z2 + q[2]) * z2 + q[3]) * z2 + q[4]
+        e = f32(n / d)  # erf rounded to float32 first, as the numpy kernel does: erf(+-4) is +-1
+        out[i] = (e * f32(0.5) + f32(0.5)) * x[i]
 
 
 @_jit

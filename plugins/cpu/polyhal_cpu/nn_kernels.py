@@ -207,8 +207,12 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
 
 # ------------------------------------------------------------------------------------ attention
 #
-# softmax(scale q k^T) v for a group of heads at a time (as many as fit _ATTENTION_GROUP score
-# elements; one head at least), through one (heads, Lq, Lk) buffer:
+# softmax(scale q k^T [+ mask]) v for a group of heads at a time (as many as fit _ATTENTION_GROUP
+# score elements; one head at least), through one (heads, Lq, Lk) buffer:
+#  * masked_attention adds the mask, times log2(e), to the scores once they are out of the
+#    GEMM (one pass; a mask of -3.4e38 overflows to -inf there and gives weight 0); a row the
+#    mask leaves without a finite score is computed again on its own in natural units, where
+#    the mask stays finite, as the unfused ops compute it;
 #  * the scores come out of the GEMMs in log2 units (q is scaled by scale * log2(e)), so the
 #    exponentials are exp2, which numpy computes ~1.7x faster than exp, and no pass over the
 #    scores scales them;
@@ -261,20 +265,22 @@ def _scores_bytes(problem, _workgroup_size: int) -> int:
     return group * lq * lk * item
 
 
-@TABLE.register("attention", scratch=[
+@TABLE.register("attention", "masked_attention", scratch=[
     ScratchDecl("scores", shared=True, per_launch=_scores_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="one group of heads' attention weights (Lq x Lk each)")])
 @float16_via_float32
 def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    q_type, k_type, v_type = ins
+    q_type, k_type, v_type = ins[:3]
     dtype = q_type.dtype
     lq, d = q_type.shape[-2:]
     lk, dv = v_type.shape[-2:]
     heads = math.prod(q_type.shape[:-2])
+    scores_shape = q_type.shape[:-1] + (lk,)
     group = _attention_shape(ins)[0]
     block = max(1, min(lq, max(16, _ATTENTION_SCORE_MACS // max(lk * d, 1))))
     scale = 1.0 / math.sqrt(d) if attrs["scale"] is None else float(attrs["scale"])
     factor = np.asarray(scale * _LOG2E, dtype)
+    scale_c, log2e = np.asarray(scale, dtype), np.asarray(_LOG2E, dtype)
     info = np.finfo(dtype)
     floor, top = float(info.minexp), float(info.maxexp // 2)  # float32: -126, 64
     floor_c, min_sum = np.asarray(floor, dtype), np.asarray(_MIN_ROW_SUM, dtype)
@@ -303,13 +309,22 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
 
     buf = scratch_array(scratch, "scores", dtype, (group, lq, lk))
 
-    def kernel(q, k, v, out):
+    def kernel(q, k, v, *rest):
+        out = rest[-1]
         q3, k3 = q.reshape(heads, lq, d), k.reshape(heads, lk, d)  # views where the strides allow
         v3, o3 = v.reshape(heads, lk, dv), out.reshape(heads, lq, dv)
+        if len(rest) == 2:  # masked_attention: the mask in the scores' base-2 units, broadcast
+            m3 = np.broadcast_to(rest[0], scores_shape).reshape(heads, lq, lk)  # a view if heads share it
+            with np.errstate(over="ignore"):  # a -3.4e38 "minus infinity" becomes -inf: weight 0
+                m3_2 = np.broadcast_to(multiply(rest[0], log2e), scores_shape).reshape(heads, lq, lk)
+        else:
+            m3 = m3_2 = None
         for g0 in range(0, heads, group):
             g1 = min(heads, g0 + group)
             s = buf[:g1 - g0]
             scores(q3[g0:g1], k3[g0:g1], s)
+            if m3_2 is not None:
+                np.add(s, m3_2[g0:g1], out=s)
             sample = s[:, ::8]
             hi = float(hi_of(sample, axis=None))
             if math.isfinite(hi):
@@ -332,8 +347,11 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
                 for h in np.flatnonzero(redo.any(axis=1)).tolist():
                     rows = np.flatnonzero(redo[h])
                     r = matmul(q3[g0 + h][rows], k3[g0 + h].T)
-                    multiply(r, factor, out=r)
+                    multiply(r, scale_c, out=r)  # in natural units here: a finite mask stays finite
+                    if m3 is not None:
+                        np.add(r, m3[g0 + h][rows], out=r)
                     subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
+                    multiply(r, log2e, out=r)
                     maximum(r, floor_c, out=r)  # nan stays nan
                     exp2(r, out=r)
                     s[h, rows] = r
