@@ -120,6 +120,90 @@ define("conv", infer=_infer_conv, reference=_ref_conv, sample=_sample_conv, arit
 """)
 
 
+# ------------------------------------------------------------------------------------ fused_conv
+
+#: The activations a fused epilogue applies (``fused_conv``'s ``activation``), with what
+#: ``alpha`` and ``beta`` mean for each.
+ACTIVATIONS = {
+    "none": "y",
+    "relu": "max(y, 0)",
+    "clip": "min(max(y, alpha), beta)",
+    "hard_sigmoid": "max(0, min(1, alpha y + beta))",
+    "hard_swish": "y max(0, min(1, alpha y + beta))",
+    "sigmoid": "1 / (1 + exp(-y))",
+    "silu": "y / (1 + exp(-y))",
+    "gelu": "y/2 (1 + erf(y / sqrt(2)))",
+    "gelu_tanh": "y/2 (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3)))",
+}
+
+
+def apply_activation(y: np.ndarray, activation: str, alpha: float, beta: float) -> np.ndarray:
+    """``activation`` (one of :data:`ACTIVATIONS`) of float64 ``y``: the epilogues' reference."""
+    if activation == "none":
+        return y
+    if activation == "relu":
+        return np.maximum(y, 0.0)
+    if activation == "clip":
+        return np.minimum(np.maximum(y, alpha), beta)
+    if activation in ("hard_sigmoid", "hard_swish"):
+        h = np.clip(alpha * y + beta, 0.0, 1.0)
+        return h if activation == "hard_sigmoid" else y * h
+    if activation in ("sigmoid", "silu"):
+        s = 1.0 / (1.0 + np.exp(-y))
+        return s if activation == "sigmoid" else y * s
+    from polyhal.ops.elementwise import _ref_gelu
+
+    return _ref_gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")[0]
+
+
+def _check_activation(activation, alpha, beta) -> None:
+    if activation not in ACTIVATIONS:
+        raise ProgramError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    a, b = float_attr(alpha, "alpha"), float_attr(beta, "beta")
+    if np.isnan(a) or np.isnan(b) or (activation != "clip" and not (np.isfinite(a) and np.isfinite(b))):
+        raise ProgramError(f"activation {activation!r}: alpha={alpha} and beta={beta} must be finite numbers "
+                           "(clip's bounds may be infinite)")
+
+
+def _infer_fused_conv(x: TensorType, w: TensorType, b: TensorType, r: TensorType | None = None, *, strides, pads,
+                      dilations, group, activation, alpha, beta):
+    _check_activation(activation, alpha, beta)
+    (out,) = _infer_conv(x, w, b, strides=strides, pads=pads, dilations=dilations, group=group)
+    if r is not None and (r.shape != out.shape or r.dtype != out.dtype):
+        raise ShapeError(f"the residual operand is {r}; it must be the convolution's result type {out}")
+    return (out,)
+
+
+def _ref_fused_conv(x, w, b, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
+                    alpha=0.0, beta=0.0):
+    (y,) = _ref_conv(x, w, b, strides=strides, pads=pads, dilations=dilations, group=group)
+    y = wide(y) if r is None else wide(y) + wide(r)
+    return (narrow(apply_activation(y, activation, float(alpha), float(beta)), x.dtype),)
+
+
+def _sample_fused_conv(rng: np.random.Generator):
+    (x, w, *b), attrs = _sample_conv(rng)
+    (out,) = _infer_conv(TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype), strides=attrs["strides"],
+                         pads=attrs["pads"], dilations=attrs["dilations"], group=attrs["group"])
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    ins = [x, w, b[0] if b else nonzero(rng, (w.shape[0],))]
+    if rng.random() < 0.5:
+        ins.append(nonzero(rng, out.shape))
+    return ins, {**attrs, "activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("fused_conv", infer=_infer_fused_conv, reference=_ref_fused_conv, sample=_sample_fused_conv, arity=(3, 4),
+       tolerance=(1e-4, 1e-5), fused=True, doc="""
+    ``conv`` with its epilogue: activation(conv(x, w, b) + residual), in one pass over the result.
+    x, w and the bias b as for ``conv``; the optional residual has the result's type.
+    ``activation`` is one of :data:`ACTIVATIONS` (default "none"), ``alpha`` and ``beta`` its
+    parameters (clip: the bounds, inf allowed; hard_sigmoid and hard_swish: the slope and offset).
+    What a convolution followed by a bias, a residual Add and an activation becomes
+    (:mod:`polyhal.passes.fuse_conv`), on devices that have its kernel.
+""")
+
+
 # ------------------------------------------------------------------------------- conv_transpose
 
 def _infer_conv_transpose(x: TensorType, w: TensorType, b: TensorType | None = None, *, strides, pads,

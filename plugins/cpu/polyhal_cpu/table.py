@@ -2,7 +2,7 @@
 
 :data:`TABLE` is the CPU's :class:`~polyhal.hal.kernels.KernelTable`: every kernel module of this
 plugin (:mod:`~polyhal_cpu.kernels`, :mod:`~polyhal_cpu.math_kernels`,
-:mod:`~polyhal_cpu.indexing_kernels`, :mod:`~polyhal_cpu.nn_kernels`,
+:mod:`~polyhal_cpu.indexing_kernels`, :mod:`~polyhal_cpu.nn_kernels`, :mod:`~polyhal_cpu.conv_kernels`,
 :mod:`~polyhal_cpu.encoding`, :mod:`~polyhal_cpu.detection`) registers its builders here, and
 :mod:`polyhal_cpu.kernels` imports them all. Kernel modules import this module, never each
 other, so the plugin has no import circle.
