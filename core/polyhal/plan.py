@@ -19,6 +19,7 @@ from polyhal.ir.program import Program, Value
 from polyhal.passes.bufferize import bufferize
 from polyhal.passes.data_tiling import set_encodings
 from polyhal.passes.fuse_attention import fuse_attention
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
 from polyhal.passes.placement import Placement, fusion_gate, kernel_sets, place
@@ -38,9 +39,12 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
 
     ``fuse`` (default on) runs the fusion passes first: each attention head (matmul, scaling,
     softmax, matmul) becomes one ``attention`` op (:mod:`polyhal.passes.fuse_attention`) and
-    each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), wherever
-    the device placement would choose for those ops has the fused kernel
-    (:func:`polyhal.passes.placement.fusion_gate`). ``plan.explain()`` lists what was fused.
+    each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`); per-channel
+    scales and shifts after a conv with constant weights (BatchNormalization) fold into its
+    weights, and a conv's residual add and activation become one ``fused_conv``
+    (:mod:`polyhal.passes.fuse_conv`) -- fused ops wherever the device placement would choose for
+    those ops has the fused kernel (:func:`polyhal.passes.placement.fusion_gate`).
+    ``plan.explain()`` lists what was fused.
 
     ``data_tiling=True`` wraps matmul operands and results in encodings
     (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every
@@ -62,7 +66,10 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
         # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
         program, fusions = fuse_attention(program, fusible)
         program, linear = fuse_linear(program, fusible)
-        fusions += linear
+        # BatchNormalization's scale and shift into the conv weights first, then the epilogue.
+        program, folded = fold_conv_affine(program)
+        program, epilogues = fuse_conv_epilogue(program, fusible)
+        fusions += linear + folded + epilogues
     if data_tiling:
         program = set_encodings(program)
     placement = place(program, registry, selector, devices, kernels)

@@ -27,8 +27,9 @@ def always(fused: str, ops: Sequence[Op]) -> bool:
 class Fusion:
     """One rewrite by a fusion pass: ``ops`` of the program (in program order) became ``new``.
 
-    ``kind`` names the rewrite: ``"attention"``, ``"linear"``, or ``"scaling"`` (a scalar
-    scaling moved from a matmul's product onto its smaller operand).
+    ``kind`` names the rewrite: ``"attention"``, ``"linear"``, ``"scaling"`` (a scalar
+    scaling moved from a matmul's product onto its smaller operand), ``"batch_norm"`` (per-channel
+    scales and shifts folded into a conv's weights) or ``"conv_epilogue"``.
     """
 
     kind: str
