@@ -65,8 +65,7 @@ def test_initializers_shape_subgraphs_fold_and_symbolic_dims():
         helper.make_node("Reshape", ["h", "s"], ["y"], name="reshape"),
     ]
     m = model_of(nodes, [vi("x", ["batch", 3])], [vi("y", ["batch", 4])], [numpy_helper.from_array(w, "w")])
-    with pytest.raises(OnnxInputError, match="symbolic dims.*batch"):
-        ponnx.load(m)
+    assert isinstance(ponnx.load(m), ponnx.DynamicOnnxProgram)  # sized per call (tests/test_onnx_dynamic.py)
     program = ponnx.load(m, dims={"batch": 5})
     assert "shape (Shape)" in program.folded[0]
     assert [op.name for op in program.ops] == ["matmul", "reshape"]
@@ -216,7 +215,7 @@ def test_missing_extra_and_mistyped_inputs():
         program.check_feeds({"x": x.astype(np.float64)})
     with pytest.raises(OnnxInputError, match="no input 'q'"):
         ponnx.load(relu_model(), shapes={"q": (1,)})
-    with pytest.raises(OnnxInputError, match=r"input 'x' is declared float\[2,3\], which shape \(4, 3\) does not fit"):
+    with pytest.raises(OnnxInputError, match=r"input 'x' dim 0 is fixed at 2 by the model \(declared float\[2,3\]\), got 4"):
         ponnx.load(relu_model(), shapes={"x": (4, 3)})
 
 
@@ -328,7 +327,7 @@ def test_cli_run_errors(capsys, tmp_path):
     assert "bad.onnx" in capsys.readouterr().err
     np.save(tmp_path / "x.npy", np.ones((3, 7), np.float32))
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--input", f"x={tmp_path / 'x.npy'}"]) == 2
-    assert "input 'x' is declared float[batch,256], which shape (3, 7) does not fit" in capsys.readouterr().err
+    assert "input 'x' dim 1 is fixed at 256 by the model (declared float[batch,256]), got 7" in capsys.readouterr().err
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--input", f"nope={tmp_path / 'x.npy'}"]) == 2
     assert "no input 'nope'" in capsys.readouterr().err
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--input", "x=/no/such.npy"]) == 2

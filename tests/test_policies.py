@@ -90,18 +90,27 @@ def test_changing_the_policy_invalidates_decisions_and_sites(cpus):
     assert site.decision.device_name == "cpu:0" and sel.misses == 2
 
 
-def test_user_plugins_run_before_builtins_even_trylast(cpus):
+def test_user_plugins_run_before_builtins_and_trylast_means_last(cpus):
     reg = cpus(POLYHAL_POLICY="rank")
 
-    class Late:
-        @polyhal.hookimpl(trylast=True)
+    class User:
+        @polyhal.hookimpl
         def select_allocator(self, candidates, memory_type, buffer_usage, flags):
             record_reason("the user said so")
             return 2
 
-    reg.register(Late(), name="late")
+    class Late:
+        @polyhal.hookimpl(trylast=True)
+        def select_allocator(self, candidates, memory_type, buffer_usage, flags):
+            raise AssertionError("a trylast plugin runs after the built-in policy, which answers")
+
+    reg.register(User(), name="user")
     d = AllocatorSelector(reg).select(_cands(reg), DL, DEFAULT)
-    assert (d.device_name, d.plugin, d.reason) == ("cpu:2", "late", "the user said so")
+    assert (d.device_name, d.plugin, d.reason) == ("cpu:2", "user", "the user said so")
+    reg.unregister(name="user")
+    reg.register(Late(), name="late")  # pluggy's order, as in pytest: trylast runs after the built-ins
+    d = AllocatorSelector(reg).select(_cands(reg), DL, DEFAULT)
+    assert d.plugin == "polyhal.policies.rank"
 
 
 def test_core_default_when_no_policy_answers(cpus):

@@ -149,3 +149,44 @@ def test_cli_plugins_lists_hooks(fresh_registry, capsys):
     cpu_line = next(line for line in out.splitlines() if line.startswith("cpu: "))
     assert "register_devices" in cpu_line and "estimate_cost" in cpu_line
     assert "polyhal.policies.first: select_allocator" in out
+
+
+def test_dropped_registries_are_freed(monkeypatch):
+    """1,000 registries, each with a selector, a policy configuration, a listener and a created
+    device, leave none alive once dropped: nothing module-level keeps them."""
+    import gc
+    import weakref
+
+    from polyhal.policies.context import configure_policy
+    from polyhal.policy import selector_for
+    from polyhal.registry import Registry
+    from polyhal_cpu import plugin as cpu_plugin
+
+    monkeypatch.delenv("POLYHAL_ALLOCATOR", raising=False)
+    refs = []
+    for i in range(1000):
+        reg = Registry(autoload=False)
+        reg.register(cpu_plugin, name="cpu")
+        selector_for(reg).select(((reg.device_specs()[0], -1),), polyhal.MemoryType.DEVICE_LOCAL)
+        configure_policy(reg, policy="rank")
+        unsubscribe = reg.on_change(lambda: None)
+        if i % 100 == 0:
+            reg.get_device("cpu:0")
+        unsubscribe()
+        refs.append(weakref.ref(reg))
+        del reg
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+
+
+def test_on_change_returns_an_unsubscribe():
+    from polyhal.registry import Registry
+
+    reg = Registry(autoload=False)
+    calls = []
+    unsubscribe = reg.on_change(lambda: calls.append(1))
+    reg.register(type("P", (), {})(), name="p1")
+    unsubscribe()
+    unsubscribe()  # twice is harmless
+    reg.register(type("P", (), {})(), name="p2")
+    assert calls == [1]

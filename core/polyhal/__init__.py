@@ -4,6 +4,7 @@ Backends are plugins discovered through entry points; three policies (allocator 
 encodings, memory spaces) are pluggy hooks. See README.md for a tour.
 """
 
+from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
     DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelNotFoundError,
     MappingError, OutOfMemoryError, PluginError, PolyhalError, ProgramError, ShapeError,
@@ -15,7 +16,7 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferCompatibility, BufferKind, BufferUsage, MemoryAccess, MemoryType
 from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import ANY_QUEUE, DeviceSpec, Heap
-from polyhal.hal.tensor import Tensor, asarray, empty, from_dlpack
+from polyhal.hal.tensor import Tensor
 from polyhal.hookspecs import API_VERSION, hookimpl, hookspec
 from polyhal.ir.program import Program, ProgramBuilder
 from polyhal.ir.types import Affinity, Optimal, TensorType

@@ -7,19 +7,49 @@ import argparse
 import json
 import os
 import sys
+import time
+import warnings
 from typing import Any, Sequence
 
+import numpy as np
+
+from polyhal.errors import PolyhalError, UsageError
 from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
                              demo_program)
-from polyhal.errors import PolyhalError, UsageError
-from polyhal.registry import Registry, default_registry, iter_plugins
+from polyhal.ops import OPS
+from polyhal.plan import compile
+from polyhal.policy import selector_for
+from polyhal.registry import Registry, configure_logging, default_registry, iter_plugins
 
 
-def _device_rows(registry: Registry) -> list[dict[str, Any]]:
+def _create_devices(registry: Registry, args: argparse.Namespace) -> dict[str, str]:
+    """Create every device (unless ``--no-create``), so that a device whose factory raises is
+    found and listed; device name -> "ok" / "FAILED" / "not created"."""
+    status = {}
+    for spec in registry.device_specs():
+        if getattr(args, "no_create", False):
+            status[spec.name] = "not created"
+            continue
+        with warnings.catch_warnings():  # the failure is listed below, not warned about
+            warnings.simplefilter("ignore")
+            try:
+                registry.get_device(spec.name)
+                status[spec.name] = "ok"
+            except PolyhalError:
+                status[spec.name] = "FAILED"
+    return status
+
+
+def _failure_record(f: Any) -> dict[str, Any]:
+    return {"plugin": f.plugin, "reason": f.reason, "stage": f.stage, "device": f.device}
+
+
+def _device_rows(registry: Registry, status: dict[str, str]) -> list[dict[str, Any]]:
     rows = []
     for spec in registry.device_specs():
         rows.append({
-            "device": spec.name, "backend": spec.backend, "plugin": spec.plugin, "rank": spec.rank,
+            "device": spec.name, "status": status.get(spec.name, "not created"), "backend": spec.backend,
+            "plugin": spec.plugin, "rank": spec.rank,
             "memory_types": [h.memory_type.describe() for h in spec.heaps],
             "workgroup_bytes": spec.workgroup_bytes,
             "capabilities": sorted(spec.capabilities),
@@ -30,16 +60,16 @@ def _device_rows(registry: Registry) -> list[dict[str, Any]]:
 
 
 def cmd_devices(args: argparse.Namespace, registry: Registry) -> int:
-    rows = _device_rows(registry)
-    failures = [{"plugin": f.plugin, "reason": f.reason} for f in registry.failures]
+    rows = _device_rows(registry, _create_devices(registry, args))
+    failures = [_failure_record(f) for f in registry.failures]
     unavailable = registry.unavailable_reasons()
     if args.json:
         json.dump({"devices": rows, "failed_plugins": failures, "unavailable": unavailable}, sys.stdout, indent=2,
                   default=str)
         print()
         return 0
-    header = ("device", "backend", "rank", "memory types", "workgroup B", "description")
-    table = [header] + [(r["device"], r["backend"], str(r["rank"]), ", ".join(r["memory_types"]),
+    header = ("device", "status", "backend", "rank", "memory types", "workgroup B", "description")
+    table = [header] + [(r["device"], r["status"], r["backend"], str(r["rank"]), ", ".join(r["memory_types"]),
                          str(r["workgroup_bytes"]), r["description"]) for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for i, row in enumerate(table):
@@ -49,7 +79,8 @@ def cmd_devices(args: argparse.Namespace, registry: Registry) -> int:
     if not rows:
         print("(no devices: install a backend, e.g. pip install -e plugins/cpu)")
     for f in failures:
-        print(f"\nplugin {f['plugin']!r} failed: {f['reason']}")
+        what = f"device {f['device']!r} of plugin {f['plugin']!r}" if f["device"] else f"plugin {f['plugin']!r}"
+        print(f"\n{what} failed: {f['reason']}")
     for plugin, reasons in unavailable.items():
         for reason in reasons:
             print(f"\nplugin {plugin!r}: {reason}")
@@ -57,33 +88,30 @@ def cmd_devices(args: argparse.Namespace, registry: Registry) -> int:
 
 
 def cmd_plugins(args: argparse.Namespace, registry: Registry) -> int:
+    _create_devices(registry, args)
     plugins = [{"plugin": name, "hooks": hooks} for name, hooks in iter_plugins(registry)]
+    failures = registry.failures
     if args.json:
-        json.dump({"plugins": plugins, "failed_plugins": [vars(f) for f in registry.failures]}, sys.stdout, indent=2)
+        json.dump({"plugins": plugins, "failed_plugins": [_failure_record(f) for f in failures]}, sys.stdout, indent=2)
         print()
         return 0
     for p in plugins:
         print(f"{p['plugin']}: {', '.join(p['hooks']) or '(no hooks)'}")
-    for f in registry.failures:
-        print(f"{f.plugin}: FAILED — {f.reason}")
+    for f in failures:
+        where = f" (device {f.device})" if f.device else ""
+        print(f"{f.plugin}: FAILED{where} — {f.reason}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     """Build a small MLP block, compile it on the chosen device, run it and check it against numpy."""
-    import time
-
-    import numpy as np
-
-    import polyhal
-
     if args.repeat < 1 or args.batch < 1:
         raise UsageError(f"--repeat and --batch must be >= 1, got --repeat {args.repeat} --batch {args.batch}")
     apply_policy_arguments(args, registry)
     rng = np.random.default_rng(0)
     n, d, h = args.batch, 256, 512
     program = demo_program(n)  # the shared definition: d = 256, h = 512
-    plan = polyhal.compile(program, args.device, data_tiling=args.data_tiling)
+    plan = compile(program, args.device, data_tiling=args.data_tiling)
     feeds = {"x": rng.standard_normal((n, d), np.float32), "w1": rng.standard_normal((d, h), np.float32) / 16,
              "w2": rng.standard_normal((h, d), np.float32) / 22, "gamma": rng.random(d, np.float32) + 0.5,
              "beta": rng.standard_normal(d).astype(np.float32)}
@@ -93,8 +121,6 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
         plan(**feeds)
     dt = (time.perf_counter() - t0) / args.repeat
     # float64 numpy reference of the same block
-    from polyhal.ops import OPS
-
     ref = OPS["gelu"].reference(feeds["x"].astype(np.float64) @ feeds["w1"])[0] @ feeds["w2"] + feeds["x"]
     mu, var = ref.mean(-1, keepdims=True), ref.var(-1, keepdims=True)
     ref = (ref - mu) / np.sqrt(var + 1e-5) * feeds["gamma"] + feeds["beta"]
@@ -104,8 +130,6 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
     print(program)
     print(plan.explain())
     if args.explain:
-        from polyhal.policy import selector_for
-
         print(selector_for(registry).explain())
     print(f"ran on {plan.placement.value_device[program.outputs[0].id]}: {dt * 1e3:.3f} ms per run, "
           f"max |error| vs float64 numpy = {err:.2e}")
@@ -113,7 +137,9 @@ def cmd_demo(args: argparse.Namespace, registry: Registry) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, registry: Registry) -> int:
-    """``polyhal run MODEL.onnx`` (imports onnx only now, not when the CLI starts)."""
+    """``polyhal run MODEL.onnx``."""
+    # Deferred (here and in main): the ONNX front end imports onnx, a heavy import that
+    # `import polyhal.cli` does not pay (tests/test_onnx.py holds it to that).
     from polyhal.frontends.onnx.run import cmd_run
 
     return cmd_run(args, registry)
@@ -122,11 +148,17 @@ def _cmd_run(args: argparse.Namespace, registry: Registry) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``polyhal`` command."""
     parser = argparse.ArgumentParser(prog="polyhal", description="polyhal: a pluggable heterogeneous runtime")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="log to stderr what polyhal does, e.g. each plugin before it is imported "
+                             "(as POLYHAL_LOG=debug)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="list devices, their ranks, memory types and limits, and failed plugins")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p = sub.add_parser("plugins", help="list loaded plugins and the hooks each implements")
+    p.add_argument("--no-create", action="store_true",
+                   help="only list the devices: do not create them (a device whose creation fails is then not found)")
+    p = sub.add_parser("plugins", help="list loaded plugins, the hooks each implements, and failed plugins and devices")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-create", action="store_true", help="do not create devices to find those that fail")
     p = sub.add_parser("demo", help="compile and run a small MLP block and check it against numpy")
     p.add_argument("--device", action="append", default=None,
                    help="device name; repeat it for a --device list (default: every device, best first)")
@@ -138,10 +170,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="wrap matmul operands in encodings (packed on the CPU; folded on devices without data tiling)")
     add_explain_parser(sub)
     p = sub.add_parser("run", help="run an ONNX model (random or .npy/.npz inputs) and print outputs and timings")
-    from polyhal.frontends.onnx.run import add_arguments as add_run_arguments  # imports no onnx
+    from polyhal.frontends.onnx.run import add_arguments as add_run_arguments
 
     add_run_arguments(p)
     args = parser.parse_args(argv)
+    if args.verbose:
+        configure_logging("debug")
     try:
         registry = default_registry()
         return {"devices": cmd_devices, "plugins": cmd_plugins, "demo": cmd_demo,

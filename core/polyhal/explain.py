@@ -1,5 +1,6 @@
-"""Explaining allocation decisions: the API behind ``polyhal.policy.explain()``, ``polyhal explain``
-and ``polyhal demo --explain``.
+"""The ``polyhal explain`` command and the policy arguments of the CLI (``--policy``,
+``--device-lead-allocator``, ``--oom-fallback``). The decision records themselves are made by
+:mod:`polyhal.policy` (``polyhal.policy.explain()``).
 
 Every decision the selector computed is listed with its candidates, the memory type and usage
 asked for, the chosen device, the plugin that chose it and the reason that plugin recorded
@@ -14,74 +15,18 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
-from polyhal.hal.flags import BufferUsage, MemoryType
-from polyhal.policies.context import BUILTIN_POLICIES, configure_policy, policy_config
+from polyhal.ir.program import Program, ProgramBuilder
+from polyhal.plan import compile as compile_program
+from polyhal.policies.context import BUILTIN_POLICIES, configure_policy
+from polyhal.policies.cost import measure_link
+# The decision records live with the selector (polyhal.policy); re-exported here for the CLI.
+from polyhal.policy import decision_record, explain_records, format_decisions, selector_for
 
 if TYPE_CHECKING:
-    from polyhal.policy import AllocatorDecision, AllocatorSelector
     from polyhal.registry import Registry
 
-
-def decision_record(d: "AllocatorDecision") -> dict[str, Any]:
-    """One decision as plain data (for ``--json`` and tests)."""
-    return {
-        "candidates": [spec.name for spec, _ in d.candidates],
-        "queue_affinities": [q for _, q in d.candidates],
-        "memory_type": MemoryType(d.memory_type).describe(),
-        "buffer_usage": BufferUsage(d.buffer_usage).describe(),
-        "flags": d.flags,
-        "devices": list(d.devices) if "devices" in d.depends_on else None,
-        "op": str(d.workload) if d.workload is not None and "workload" in d.depends_on else None,
-        "chosen": d.device_name,
-        "index": d.index,
-        "plugin": d.plugin,
-        "policy": d.policy,
-        "reason": d.reason,
-        "excluded": [{"device": n, "why": why} for n, why in d.excluded],
-        "fallbacks": [spec.name for spec, _ in d.fallbacks],
-        "depends_on": list(d.depends_on),
-    }
-
-
-def explain_records(selector: "AllocatorSelector") -> dict[str, Any]:
-    """The selector's configuration, counters, decisions and out-of-memory fallbacks as data."""
-    cfg = policy_config(selector.registry)
-    return {
-        "policy": cfg.policy,
-        "lead_allocator": cfg.lead_allocator,
-        "oom_fallback": cfg.oom_fallback,
-        "hits": selector.hits,
-        "misses": selector.misses,
-        "decisions": [decision_record(d) for d in selector.computed()],
-        "oom_fallbacks": [{"chosen": e.decision.device_name, "allocated_on": e.device, "nbytes": e.nbytes,
-                           "errors": list(e.errors)} for e in selector.oom_events],
-    }
-
-
-def format_decisions(selector: "AllocatorSelector") -> str:
-    """Every decision of ``selector`` as text (``AllocatorSelector.explain``)."""
-    data = explain_records(selector)
-    head = f"device policy {data['policy']!r}"
-    if data["policy"] == "lead":
-        head += f" (lead allocator {data['lead_allocator'] or 0})"
-    head += (f"; out-of-memory fallback {'on' if data['oom_fallback'] else 'off'}; "
-             f"{len(data['decisions'])} decisions computed, {data['misses']} hook rounds, {data['hits']} memo hits")
-    lines = [head]
-    for i, r in enumerate(data["decisions"]):
-        what = r["op"] or "any allocation"
-        lines.append(f"  [{i}] {what}: {r['memory_type']} for {r['buffer_usage']} among "
-                     f"[{', '.join(r['candidates'])}] -> {r['chosen']}")
-        lines.append(f"      by {r['plugin']}: {r['reason']}")
-        if r["devices"] is not None:
-            lines.append(f"      read the --device list {r['devices']}")
-        for ex in r["excluded"]:
-            lines.append(f"      excluded {ex['device']}: {ex['why']}")
-        if r["fallbacks"]:
-            lines.append(f"      if {r['chosen']} is out of memory: "
-                         + (" then ".join(r["fallbacks"]) if data["oom_fallback"] else "error (fallback off)"))
-    for e in data["oom_fallbacks"]:
-        lines.append(f"  out of memory on {e['chosen']}: {e['nbytes']} B allocated on {e['allocated_on']} instead")
-    return "\n".join(lines)
+__all__ = ["add_explain_parser", "add_policy_arguments", "apply_policy_arguments", "cmd_explain",
+           "decision_record", "demo_program", "explain_records", "format_decisions"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -111,12 +56,10 @@ def apply_policy_arguments(args: argparse.Namespace, registry: "Registry") -> No
         configure_policy(registry, **kwargs)
 
 
-def demo_program(batch: int = 64):
+def demo_program(batch: int = 64) -> Program:
     """The MLP block of ``polyhal demo`` (matmul, gelu, matmul, add, layer_norm, softmax)."""
-    import polyhal
-
     n, d, h = batch, 256, 512
-    b = polyhal.ProgramBuilder("mlp_block")
+    b = ProgramBuilder("mlp_block")
     x = b.input("x", (n, d))
     w1, w2 = b.input("w1", (d, h)), b.input("w2", (h, d))
     gamma, beta = b.input("gamma", (d,)), b.input("beta", (d,))
@@ -128,18 +71,14 @@ def demo_program(batch: int = 64):
 def cmd_explain(args: argparse.Namespace, registry: "Registry") -> int:
     """Compile the demo program over ``--device`` (default: every device) with the chosen policy and
     print its placement and every allocation decision, with the plugin that made it and why."""
-    import polyhal
-    from polyhal.policies.cost import measure_link
-    from polyhal.policy import selector_for
-
     apply_policy_arguments(args, registry)
-    devices = args.device or [s.name for s in registry.device_specs()]
+    devices = args.device or registry.default_devices()
     if args.measure_links:
         for src in devices:
             for dst in devices:
                 if src != dst:
                     measure_link(registry, src, dst)
-    plan = polyhal.compile(demo_program(args.batch), devices, registry=registry)
+    plan = compile_program(demo_program(args.batch), devices, registry=registry)
     selector = selector_for(registry)
     if args.json:
         json.dump({"devices": list(devices), "placement": plan.explain().splitlines(),

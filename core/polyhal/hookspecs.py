@@ -8,6 +8,11 @@ hooks below. Backends are installed as distributions with an entry point in the 
 Every plugin module declares ``POLYHAL_API_VERSION = 1`` (see :data:`API_VERSION`); a plugin
 declaring another major version is skipped with its reason shown by ``polyhal devices``.
 
+polyhal calls every hook through pluggy (:mod:`polyhal.hookcall` records which plugin answered),
+so ``tryfirst`` / ``trylast``, hook wrappers (``wrapper=True`` or old-style ``hookwrapper=True``,
+which see and may replace an answer) and ``pm.add_hookcall_monitoring`` work as in pytest. Hooks
+are called while compiling and when a device is created, never while a plan runs.
+
 Hooks are grouped under banner comments: device registration, allocation policy, cost model,
 allocators, bufferization policy (memory spaces), encoding resolution, so a plugin author learns
 the whole contract from this one file.
@@ -23,11 +28,10 @@ if TYPE_CHECKING:
     from polyhal.hal.allocator import Allocator
     from polyhal.hal.device import Device
     from polyhal.hal.flags import BufferUsage, MemoryType
-    from polyhal.hal.records import DeviceSpec
+    from polyhal.hal.records import DeviceSpec, Workload
     from polyhal.hal.scratch import KernelInfo, MemoryLimits, MemorySpace, ScratchRequest
     from polyhal.ir.encoding import Encoding, Layout
     from polyhal.ir.types import TensorType
-    from polyhal.policies.context import Workload
 
 #: The plugin API version this core implements. Plugins declare the one they were written for.
 API_VERSION = 1
@@ -96,9 +100,11 @@ def select_allocator(
     ``hal.allocator.select`` / ``iree_hal_module_device_policy_t``).
 
     firstresult: implementations are called from the most recently registered to the earliest
-    until one returns an ``int``; ``None`` passes to the next. User plugins always run before
-    polyhal's built-in policies (``first``, ``lead``, ``rank``, ``cost``), of which only the one
-    chosen with ``--policy`` / ``POLYHAL_POLICY`` answers; if even that defers, the core takes the
+    until one returns an ``int``; ``None`` passes to the next (pluggy's order: ``tryfirst`` /
+    ``trylast`` move an implementation, and hook wrappers may change the answer). User plugins run
+    before polyhal's built-in policies (``first``, ``lead``, ``rank``, ``cost``, registered first),
+    of which only the one chosen with ``--policy`` / ``POLYHAL_POLICY`` answers; a ``trylast``
+    user implementation runs after them. If even the built-in policy defers, the core takes the
     first candidate. An answer that is not an ``int`` index into ``candidates``, or an exception,
     is an error naming the plugin.
 
@@ -186,16 +192,20 @@ def link_bandwidth(src: "DeviceSpec", dst: "DeviceSpec") -> float | None:
 # Allocators
 # --------------------------------------------------------------------------------------------------
 
-@hookspec
+@hookspec(firstresult=True)
 def wrap_allocator(device: "Device", memory_type: "MemoryType", allocator: "Allocator") -> "Allocator | None":
     """Replace or wrap the allocator that serves ``memory_type`` on ``device`` (RMM's resource
     adaptors: a caching pool, statistics, a limit, logging; see :mod:`polyhal.hal.adaptors`).
 
-    Called when a device is created, once per memory heap of the device, for every plugin in
-    registration order: each receives what the previous returned, so adaptors from several
-    plugins stack (the most recently registered plugin's is outermost). A heap whose allocator
-    changed is routed to it; buffers always return to the allocator that made them, so an
-    allocator may also be swapped later with :func:`polyhal.hal.adaptors.set_device_allocator`.
+    Called when a device is created, once per memory heap of the device and per implementing
+    plugin, in registration order: each receives what the previous returned, so adaptors from
+    several plugins stack (the most recently registered plugin's is outermost). Each of these
+    calls goes through pluggy with that one plugin's implementation (firstresult), so a hook
+    wrapper (``wrapper=True`` / ``hookwrapper=True``) runs around every step and may change its
+    answer. A heap whose allocator changed is routed to it; buffers always return to the
+    allocator that made them, so an allocator may also be swapped later with
+    :func:`polyhal.hal.adaptors.set_device_allocator`. The device's own allocator stays in
+    ``device.native_allocator`` for backend-only operations (trim, mapping).
 
     :param device: the :class:`~polyhal.hal.device.Device` just created.
     :param memory_type: the memory type of the heap being served.

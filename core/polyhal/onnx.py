@@ -12,11 +12,13 @@ This module imports the ``onnx`` package; ``import polyhal`` alone does not. Eve
 """
 
 from polyhal.frontends.onnx import (  # noqa: F401
-    MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError,
+    DynamicOnnxProgram, DynamicPlan, MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, NeedsValue, OnnxError, OnnxInputError,
+    OnnxModelError, OnnxRunError,
     OnnxProgram, OnnxUnsupportedError, StrictPlacementError, load, read_model, supported_ops,
 )
 
 __all__ = [
-    "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError", "OnnxModelError", "OnnxRunError", "OnnxProgram",
+    "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
+    "OnnxModelError", "OnnxRunError", "OnnxProgram",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

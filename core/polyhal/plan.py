@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from polyhal.errors import DTypeError, LifetimeError, ProgramError, ShapeError
+from polyhal.errors import DTypeError, LifetimeError, PluginError, ProgramError, ShapeError
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
@@ -32,10 +32,12 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
-    every device, best-ranked first). Each op's candidates are those of the list that have its
-    kernel, and the ``select_allocator`` policy chooses among them (memoized); the default policy
-    takes the first, so an op runs on the best device that can run it and values are moved
-    between devices where needed. Only the devices that ops land on are created.
+    every device that can be created, best-ranked first). Each op's candidates are those of the
+    list that have its kernel, and the ``select_allocator`` policy chooses among them (memoized);
+    the default policy takes the first, so an op runs on the best device that can run it and
+    values are moved between devices where needed. Only the devices that ops land on are
+    created; when one of the default list fails to create, it is left out (with a warning) and
+    the program placed again.
 
     ``fuse`` (default on) runs the fusion passes first: each attention head (matmul, scaling,
     softmax, matmul) becomes one ``attention`` op (:mod:`polyhal.passes.fuse_attention`) and
@@ -51,14 +53,28 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
     """
+    if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
+        # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
+        # input shape itself, through this function.
+        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
-    if not devices:
-        devices = tuple(s.name for s in registry.device_specs())
-        if not devices:
-            registry.get_device(None)  # raises the "no device" error with its advice
-    devices = tuple(devices)
+    if devices:
+        return _compile_on(program, tuple(devices), registry, fuse, data_tiling)
+    while True:
+        devices = tuple(registry.default_devices())
+        try:
+            return _compile_on(program, devices, registry, fuse, data_tiling)
+        except PluginError:
+            # A device of the default list failed to create (recorded and warned about by the
+            # registry): place again without it; anything else is the caller's to see.
+            if not any(registry.is_broken(d) for d in devices):
+                raise
+
+
+def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, fuse: bool,
+                data_tiling: bool) -> "Plan":
     selector, kernels = selector_for(registry), kernel_sets(registry)
     fusions = None
     if fuse:
@@ -75,7 +91,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     placement = place(program, registry, selector, devices, kernels)
     placement.fusions = fusions
     placement = materialize_encodings(placement, registry)
-    return Plan(placement, registry)
+    return Plan(placement, registry, devices)
 
 
 class Plan:
@@ -87,8 +103,10 @@ class Plan:
     arrays. A plan is not re-entrant: concurrent calls are serialised.
     """
 
-    def __init__(self, placement: Placement, registry: Registry) -> None:
+    def __init__(self, placement: Placement, registry: Registry, devices: Sequence[str] = ()) -> None:
         self.placement = placement
+        #: The ordered device list the plan was compiled for (explain says which lacked an op).
+        self.devices = tuple(devices)
         self.program = program = placement.program
         self.registry = registry
         self._lock = threading.Lock()
@@ -284,7 +302,10 @@ class Plan:
         for fusion in self.placement.fusions or ():
             lines.append(f"  fused {fusion.explain()}")
         for op, candidates, d in self.placement.decisions:
-            lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}; "
+            lacking = [name for name in self.devices if name not in candidates]
+            why = f"; {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no {op.name!r} kernel" \
+                if lacking and op.affinity is None else ""
+            lines.append(f"  {op.name} -> {d.device_name} (candidates {list(candidates)}{why}; "
                          f"select_allocator by {d.plugin!r}, index {d.index}: {d.reason})")
         for op in self.program.ops:
             if op.kind == "transfer":

@@ -24,20 +24,20 @@ from typing import TYPE_CHECKING, Any, Sequence
 from polyhal.errors import IncompatibleBufferError, OutOfMemoryError, PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.records import DeviceSpec
+from polyhal.ir.types import Affinity
 from polyhal.policies.context import (
     BUILTIN_POLICIES, CORE_DEFAULT, PolicyConfig, Selection, Workload, _enter, configure_policy, current,
     policy_config, record_reason,
 )
-from polyhal.registry import Registry
+from polyhal.registry import Registry, default_registry
 
 if TYPE_CHECKING:
     from polyhal.hal.buffer import Buffer
-    from polyhal.ir.types import Affinity
 
 __all__ = [
     "AllocationSite", "AllocatorDecision", "AllocatorSelector", "BUILTIN_POLICIES", "OOMFallback", "PolicyConfig",
     "Selection", "Workload", "allocate", "configure_policy", "current", "explain", "policy_config",
-    "record_reason", "selector_for",
+    "decision_record", "explain_records", "format_decisions", "record_reason", "selector_for",
 ]
 
 #: IREE's limit on candidates of one selection.
@@ -166,13 +166,6 @@ class AllocatorSelector:
                 self.hits += 1
             return found
 
-    def _ordered_impls(self, config: PolicyConfig) -> list[Any]:
-        """User plugins in pluggy's firstresult order, then the active built-in policy only."""
-        impls = list(reversed(self.registry.pm.hook.select_allocator.get_hookimpls()))
-        builtin = set(BUILTIN_POLICIES.values())
-        active = BUILTIN_POLICIES[config.policy]
-        return [i for i in impls if i.plugin_name not in builtin] + [i for i in impls if i.plugin_name == active]
-
     def _compute(self, candidates: Candidates, memory_type: MemoryType, usage: BufferUsage, flags: int,
                  devices: tuple[str, ...] = (), workload: Workload | None = None, *, epoch: int = -1
                  ) -> AllocatorDecision:
@@ -200,33 +193,27 @@ class AllocatorSelector:
         sel = Selection(self.registry, config, offered, memory_type, usage, flags, devices, workload)
         previous = _enter(sel)
         try:
-            # pluggy's firstresult order, called by hand so that the deciding plugin is known.
-            for impl in self._ordered_impls(config):
-                sel.reason, sel.ranking = None, None
-                try:
-                    result = impl.function(candidates=offered, memory_type=memory_type,
-                                           buffer_usage=usage, flags=flags)
-                except Exception as exc:
-                    raise PluginError(
-                        f"plugin {impl.plugin_name!r} raised in select_allocator: {type(exc).__name__}: {exc}"
-                    ) from exc
-                if result is None:
-                    continue
-                if not isinstance(result, int) or isinstance(result, bool):
-                    raise PluginError(
-                        f"plugin {impl.plugin_name!r} returned {result!r} from select_allocator; it must "
-                        "return an int index into candidates, or None to defer")
-                if not 0 <= result < len(offered):
-                    raise PluginError(
-                        f"plugin {impl.plugin_name!r} returned index {result} from select_allocator, but "
-                        f"there are {len(offered)} candidates ({[c[0].name for c in offered]})")
-                plugin = impl.plugin_name
-                break
-            else:
-                result, plugin = 0, CORE_DEFAULT
-                sel.reason = "no select_allocator plugin answered; the core takes the first candidate"
+            # User plugins answer first (registered later); of the built-ins only the active policy answers.
+            answer = self.registry.pm.first_answer(
+                "select_allocator", where=lambda: f"for {MemoryType(memory_type).describe()} memory",
+                candidates=offered, memory_type=memory_type, buffer_usage=usage, flags=flags)
         finally:
             _enter(previous)
+        result, plugin = answer.value, answer.plugin
+        if result is None:
+            result, plugin = 0, CORE_DEFAULT
+            sel.reason = "no select_allocator plugin answered; the core takes the first candidate"
+        elif not isinstance(result, int) or isinstance(result, bool):
+            raise PluginError(
+                f"plugin {plugin!r} returned {result!r} from select_allocator; it must "
+                "return an int index into candidates, or None to defer")
+        elif not 0 <= result < len(offered):
+            raise PluginError(
+                f"plugin {plugin!r} returned index {result} from select_allocator, but "
+                f"there are {len(offered)} candidates ({[c[0].name for c in offered]})")
+        elif answer.changed_by_wrapper:
+            sel.reason = (f"{plugin}'s hook wrapper replaced {answer.answered}'s answer"
+                          + (f" ({sel.reason})" if sel.reason else ""))
         ranking = [i for i in (sel.ranking or ()) if 0 <= i < len(offered)]
         order = list(dict.fromkeys(ranking + list(range(len(offered)))))  # the ranking, then the rest
         index = serving[result]
@@ -247,8 +234,6 @@ class AllocatorSelector:
 
     def explain(self) -> str:
         """Every decision: candidates, the chosen device, the plugin that chose it and why."""
-        from polyhal.explain import format_decisions
-
         return format_decisions(self)
 
     # -- allocating through a decision -------------------------------------------------------------
@@ -331,22 +316,22 @@ def _cannot_serve(spec: DeviceSpec, memory_type: MemoryType, usage: BufferUsage)
     return "serves only " + ", ".join(f"{h.memory_type.describe()} ({h.allowed_usage.describe()})" for h in spec.heaps)
 
 
-_selectors: dict[int, AllocatorSelector] = {}
-_selectors_lock = threading.Lock()
+_selector_lock = threading.Lock()
 
 
 def selector_for(registry: Registry | None = None) -> AllocatorSelector:
-    """The memoizing allocator selector of a registry (one per registry; default: the process-wide)."""
-    if registry is None:
-        from polyhal.registry import default_registry
+    """The memoizing allocator selector of a registry (one per registry; default: the process-wide).
 
+    It is kept on the registry (``registry.allocator_selector``), so it lives exactly as long.
+    """
+    if registry is None:
         registry = default_registry()
-    sel = _selectors.get(id(registry))
-    if sel is None or sel.registry is not registry:
-        with _selectors_lock:
-            sel = _selectors.get(id(registry))
-            if sel is None or sel.registry is not registry:
-                sel = _selectors[id(registry)] = AllocatorSelector(registry)
+    sel = registry.allocator_selector
+    if sel is None:
+        with _selector_lock:
+            sel = registry.allocator_selector
+            if sel is None:
+                sel = registry.allocator_selector = AllocatorSelector(registry)
     return sel
 
 
@@ -357,8 +342,6 @@ def allocate(nbytes: int, affinity: "Affinity | str | Sequence[str]",
     """Allocate on one device of ``affinity`` (``Optimal("cpu:0", "cpu:1")``, a name or names),
     chosen by the memoized ``select_allocator`` decision (with the out-of-memory fallback as
     configured). For a hot loop, keep an :class:`AllocationSite` from :meth:`AllocatorSelector.site`."""
-    from polyhal.ir.types import Affinity
-
     if isinstance(affinity, str):
         affinity = Affinity((affinity,))
     elif not isinstance(affinity, Affinity):
@@ -375,3 +358,69 @@ def allocate(nbytes: int, affinity: "Affinity | str | Sequence[str]",
 def explain(registry: Registry | None = None) -> str:
     """Every allocation decision of ``registry``'s selector, with the plugin that made it and why."""
     return selector_for(registry).explain()
+
+
+# --------------------------------------------------------------------------------------------------
+# Explaining decisions (polyhal.policy.explain, polyhal explain, polyhal demo --explain)
+# --------------------------------------------------------------------------------------------------
+
+def decision_record(d: AllocatorDecision) -> dict[str, Any]:
+    """One decision as plain data (for ``--json`` and tests)."""
+    return {
+        "candidates": [spec.name for spec, _ in d.candidates],
+        "queue_affinities": [q for _, q in d.candidates],
+        "memory_type": MemoryType(d.memory_type).describe(),
+        "buffer_usage": BufferUsage(d.buffer_usage).describe(),
+        "flags": d.flags,
+        "devices": list(d.devices) if "devices" in d.depends_on else None,
+        "op": str(d.workload) if d.workload is not None and "workload" in d.depends_on else None,
+        "chosen": d.device_name,
+        "index": d.index,
+        "plugin": d.plugin,
+        "policy": d.policy,
+        "reason": d.reason,
+        "excluded": [{"device": n, "why": why} for n, why in d.excluded],
+        "fallbacks": [spec.name for spec, _ in d.fallbacks],
+        "depends_on": list(d.depends_on),
+    }
+
+
+def explain_records(selector: AllocatorSelector) -> dict[str, Any]:
+    """The selector's configuration, counters, decisions and out-of-memory fallbacks as data."""
+    cfg = policy_config(selector.registry)
+    return {
+        "policy": cfg.policy,
+        "lead_allocator": cfg.lead_allocator,
+        "oom_fallback": cfg.oom_fallback,
+        "hits": selector.hits,
+        "misses": selector.misses,
+        "decisions": [decision_record(d) for d in selector.computed()],
+        "oom_fallbacks": [{"chosen": e.decision.device_name, "allocated_on": e.device, "nbytes": e.nbytes,
+                           "errors": list(e.errors)} for e in selector.oom_events],
+    }
+
+
+def format_decisions(selector: AllocatorSelector) -> str:
+    """Every decision of ``selector`` as text (``AllocatorSelector.explain``)."""
+    data = explain_records(selector)
+    head = f"device policy {data['policy']!r}"
+    if data["policy"] == "lead":
+        head += f" (lead allocator {data['lead_allocator'] or 0})"
+    head += (f"; out-of-memory fallback {'on' if data['oom_fallback'] else 'off'}; "
+             f"{len(data['decisions'])} decisions computed, {data['misses']} hook rounds, {data['hits']} memo hits")
+    lines = [head]
+    for i, r in enumerate(data["decisions"]):
+        what = r["op"] or "any allocation"
+        lines.append(f"  [{i}] {what}: {r['memory_type']} for {r['buffer_usage']} among "
+                     f"[{', '.join(r['candidates'])}] -> {r['chosen']}")
+        lines.append(f"      by {r['plugin']}: {r['reason']}")
+        if r["devices"] is not None:
+            lines.append(f"      read the --device list {r['devices']}")
+        for ex in r["excluded"]:
+            lines.append(f"      excluded {ex['device']}: {ex['why']}")
+        if r["fallbacks"]:
+            lines.append(f"      if {r['chosen']} is out of memory: "
+                         + (" then ".join(r["fallbacks"]) if data["oom_fallback"] else "error (fallback off)"))
+    for e in data["oom_fallbacks"]:
+        lines.append(f"  out of memory on {e['chosen']}: {e['nbytes']} B allocated on {e['allocated_on']} instead")
+    return "\n".join(lines)

@@ -7,37 +7,137 @@ Environment:
     A backend named here that is missing or fails to load is an error, not a skip.
 ``POLYHAL_DISABLE_AUTOLOAD=1``
     Load no entry points at all; register plugins in code.
+``POLYHAL_PLUGIN_TIMEOUT=20``
+    Seconds one plugin may take to import (default 20; 0: no limit, import on the calling thread).
+    A plugin still importing then is skipped and named in ``polyhal devices``.
+``POLYHAL_LOG=debug``
+    Log each entry point to stderr before it is imported (``polyhal -v`` does the same), so a
+    plugin that kills the process at import is named by the last line.
+
+One plugin cannot take the others down: a plugin that fails to import, breaks the hook
+contract, raises in ``register_devices`` or whose device factory raises is recorded with the
+reason (:attr:`Registry.failures`, ``polyhal devices``) and skipped; the default device falls
+back to the next one with a warning.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import logging
 import os
+import sys
 import threading
-import traceback
+import warnings
+import weakref
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
 from polyhal import hookspecs
 from polyhal.errors import DeviceNotFoundError, PluginError
+from polyhal.hal.adaptors import MemoryTypeRouter
+from polyhal.hal.allocator import Allocator
 from polyhal.hal.device import Device
-from polyhal.hal.records import DeviceSpec
+from polyhal.hal.records import DeviceSpec, Heap
+from polyhal.hookcall import PluginManager
 
 #: Entry-point group of backend plugins (filtered by POLYHAL_BACKENDS).
 BACKENDS_GROUP = "polyhal.backends"
 #: Entry-point group of policy and other non-backend plugins.
 PLUGINS_GROUP = "polyhal.plugins"
+#: polyhal's own policies, imported by name and registered like any plugin (as pytest loads its
+#: built-in plugins), before every other plugin so that they answer last.
+BUILTIN_PLUGINS = (
+    "polyhal.policies.memory_space",  # the default select_memory_space (bufferization policy)
+    "polyhal.policies.identity_encoding",  # the resolve_encoding of last resort
+    "polyhal.policies.first", "polyhal.policies.lead", "polyhal.policies.rank", "polyhal.policies.cost",
+    "polyhal.policies.adaptors",  # POLYHAL_ALLOCATOR
+)
+#: Seconds a plugin may take to import when POLYHAL_PLUGIN_TIMEOUT is not set.
+DEFAULT_PLUGIN_TIMEOUT = 20.0
+
+log = logging.getLogger("polyhal")
 
 
 @dataclass(frozen=True)
 class PluginFailure:
-    """A plugin that was skipped, and why."""
+    """A plugin that was skipped (or one of its devices), and why.
+
+    ``stage`` says when: ``"load"`` (import, API version, hook contract), ``"register_devices"``
+    or ``"device"`` (the device factory raised; ``device`` names it).
+    """
 
     plugin: str
     reason: str
+    stage: str = "load"
+    device: str | None = None
+
+
+def configure_logging(level: str | int | None = None) -> None:
+    """Send polyhal's log to stderr at ``level`` (default: ``POLYHAL_LOG``; unset: no handler)."""
+    level = level if level is not None else os.environ.get("POLYHAL_LOG", "").strip()
+    if not level:
+        return
+    if isinstance(level, str):
+        level = logging.getLevelName(level.upper())
+        if not isinstance(level, int):
+            level = logging.DEBUG
+    if not any(getattr(h, "_polyhal", False) for h in log.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("polyhal: %(message)s"))
+        handler._polyhal = True  # type: ignore[attr-defined]
+        log.addHandler(handler)
+    log.setLevel(level)
+
+
+def _plugin_timeout() -> float:
+    raw = os.environ.get("POLYHAL_PLUGIN_TIMEOUT", "").strip()
+    if not raw:
+        return DEFAULT_PLUGIN_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise PluginError(f"POLYHAL_PLUGIN_TIMEOUT={raw!r} is not a number of seconds; "
+                          f"set e.g. {DEFAULT_PLUGIN_TIMEOUT:g}, or 0 for no limit") from None
+    return max(value, 0.0)
+
+
+def _load_with_timeout(ep: metadata.EntryPoint, timeout: float) -> Any:
+    """``ep.load()``, on a worker thread that may take at most ``timeout`` seconds.
+
+    A thread, not a subprocess: the plugin must be imported into this interpreter anyway, and a
+    thread adds microseconds where a subprocess adds the whole import twice. A plugin that is still
+    importing when the time is up is left running on its (daemon) thread and skipped; its module
+    is never registered (a later import of the same module waits for that thread). Timeout 0
+    imports on the calling thread: for a plugin that must import on the main thread, or one whose
+    import needs a module the calling thread is importing (on a worker it would wait for it, and
+    time out).
+    """
+    if timeout <= 0:
+        return ep.load()
+    box: dict[str, Any] = {}
+
+    def load() -> None:
+        try:
+            box["plugin"] = ep.load()
+        except BaseException as exc:  # noqa: BLE001 - SystemExit at import is a failure of that plugin too
+            box["error"] = exc
+
+    worker = threading.Thread(target=load, name=f"polyhal-load-{ep.name}", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if worker.is_alive():
+        raise PluginError(
+            f"importing entry point {ep.value!r} did not finish within {timeout:g} s "
+            "(POLYHAL_PLUGIN_TIMEOUT); the plugin was skipped. Raise POLYHAL_PLUGIN_TIMEOUT if it is only "
+            "slow, set it to 0 if the plugin must import on the calling thread (e.g. it waits for a module "
+            "that thread is importing), or uninstall it")
+    if "error" in box:
+        raise box["error"]
+    return box["plugin"]
 
 
 def _env_list(name: str) -> list[str] | None:
@@ -53,20 +153,24 @@ class Registry:
     """
 
     def __init__(self, *, autoload: bool | None = None) -> None:
-        self.pm = pluggy.PluginManager("polyhal")
+        #: pluggy's manager; call hooks with ``pm.first_answer`` / ``pm.each_answer`` (see polyhal.hookcall).
+        self.pm = PluginManager("polyhal")
         self.pm.add_hookspecs(hookspecs)
         self._failures: list[PluginFailure] = []
         self.generation = 0
         self._lock = threading.RLock()
         self._specs: list[DeviceSpec] | None = None
         self._devices: dict[str, Device] = {}
-        self._listeners: list[Any] = []
+        self._broken: dict[str, PluginFailure] = {}  # devices whose factory raised
+        self._listeners: list[Callable[[], Any]] = []
         self._preference = _env_list("POLYHAL_BACKENDS")
+        #: The memoizing allocator selector of this registry (made by polyhal.policy.selector_for);
+        #: kept here so that it lives and dies with its registry.
+        self.allocator_selector: Any = None
+        configure_logging()
         # Built-in policies are ordinary plugins, registered first so that they run last.
-        from polyhal.policies import builtin_plugins
-
-        for name, plugin in builtin_plugins():
-            self.pm.register(plugin, name=name)
+        for name in BUILTIN_PLUGINS:
+            self.pm.register(importlib.import_module(name), name=name)
         if autoload is None:
             autoload = os.environ.get("POLYHAL_DISABLE_AUTOLOAD", "") not in ("1", "true", "yes")
         if autoload:
@@ -85,27 +189,33 @@ class Registry:
                     f"POLYHAL_BACKENDS names {missing}, which is not installed; installed backends: "
                     f"{sorted(backends) or 'none'}. Install the plugin (e.g. pip install polyhal-{missing[0]}) "
                     "or remove it from POLYHAL_BACKENDS")
+        timeout = _plugin_timeout()
         for name, ep in sorted(backends.items()):
             if wanted is None or name in wanted:
-                self._load(ep, loud=wanted is not None)
+                self._load(ep, loud=wanted is not None, timeout=timeout)
         for ep in sorted(metadata.entry_points(group=PLUGINS_GROUP), key=lambda e: e.name):
-            self._load(ep, loud=False)
+            self._load(ep, loud=False, timeout=timeout)
 
-    def _load(self, ep: metadata.EntryPoint, *, loud: bool) -> None:
+    def _load(self, ep: metadata.EntryPoint, *, loud: bool, timeout: float) -> None:
+        # Logged before the import runs: a plugin that ends the process is the last one named.
+        log.debug("loading plugin %r from entry point %r (group %s)", ep.name, ep.value, ep.group)
         try:
-            plugin = ep.load()
+            plugin = _load_with_timeout(ep, timeout)
             self._check_api(plugin, ep.name)
-        except Exception as exc:  # any import-time failure must not take the others down
-            reason = f"failed to load entry point {ep.value!r}: {type(exc).__name__}: {exc}"
-            if isinstance(exc, PluginError):
-                reason = str(exc)
+            self.register(plugin, name=ep.name)
+        except BaseException as exc:  # noqa: BLE001 - no failure of one plugin may take the others down
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            reason = str(exc) if isinstance(exc, PluginError) else (
+                f"failed to load entry point {ep.value!r}: {type(exc).__name__}: {exc}")
             if loud:
                 raise PluginError(
                     f"backend {ep.name!r} named in POLYHAL_BACKENDS cannot load: {reason}. Fix or "
                     f"uninstall the plugin package, or remove {ep.name!r} from POLYHAL_BACKENDS") from exc
+            log.debug("plugin %r skipped: %s", ep.name, reason)
             self._fail(ep.name, reason)
             return
-        self.register(plugin, name=ep.name)
+        log.debug("plugin %r loaded", ep.name)
 
     @staticmethod
     def _check_api(plugin: Any, name: str) -> None:
@@ -117,12 +227,14 @@ class Registry:
 
     @property
     def failures(self) -> list[PluginFailure]:
-        """Plugins skipped at load time or while registering devices, with the reason."""
+        """Plugins skipped at load time, while registering devices or creating a device, with the reason."""
         self.device_specs()  # device registration failures are found when devices are listed
         return list(self._failures)
 
-    def _fail(self, plugin: str, reason: str) -> None:
-        self._failures.append(PluginFailure(plugin, reason))
+    def _fail(self, plugin: str, reason: str, stage: str = "load", device: str | None = None) -> PluginFailure:
+        failure = PluginFailure(plugin, reason, stage, device)
+        self._failures.append(failure)
+        return failure
 
     def register(self, plugin: Any, name: str | None = None) -> str:
         """Register a plugin object or module in code; returns its name.
@@ -148,14 +260,26 @@ class Registry:
             self.pm.unregister(plugin, name=name)
             self._changed()
 
-    def on_change(self, callback: Any) -> None:
-        """Call ``callback()`` whenever a plugin is registered or unregistered (caches drop)."""
+    def on_change(self, callback: Callable[[], Any]) -> Callable[[], None]:
+        """Call ``callback()`` whenever a plugin is registered or unregistered (caches drop).
+
+        Returns a function that unsubscribes ``callback`` (safe to call more than once).
+        """
         self._listeners.append(callback)
+        registry = weakref.ref(self)  # an unsubscribe kept around must not keep the registry alive
+
+        def unsubscribe() -> None:
+            reg = registry()
+            if reg is not None and callback in reg._listeners:
+                reg._listeners.remove(callback)
+
+        return unsubscribe
 
     def _changed(self) -> None:
         self.generation += 1
         self._specs = None
-        for callback in self._listeners:
+        self._broken.clear()  # a changed set of plugins may create the device now
+        for callback in list(self._listeners):
             callback()
 
     # -- devices -----------------------------------------------------------------------------------
@@ -168,27 +292,24 @@ class Registry:
             return list(self._specs)
 
     def _collect_specs(self) -> list[DeviceSpec]:
-        self._failures = [f for f in self._failures if not f.reason.startswith("register_devices")]
+        self._failures = [f for f in self._failures if f.stage != "register_devices"]
         by_name: dict[str, DeviceSpec] = {}
-        for impl in self.pm.hook.register_devices.get_hookimpls():  # registration order
-            try:
-                specs = list(impl.function() or ())
-            except Exception as exc:
-                self._fail(impl.plugin_name, f"register_devices raised {type(exc).__name__}: {exc}\n"
-                           + "".join(traceback.format_exception_only(exc)).strip())
-                continue
+        answers, failed = self.pm.each_answer("register_devices")  # registration order
+        for plugin, exc in failed:
+            self._fail(plugin, f"register_devices raised {type(exc).__name__}: {exc}", "register_devices")
+        for plugin, specs in answers:
             for spec in specs:
                 problem = self._validate_spec(spec)
                 if problem:
-                    self._fail(impl.plugin_name, f"register_devices: {problem}")
+                    self._fail(plugin, f"register_devices: {problem}", "register_devices")
                     continue
                 if spec.name in by_name:
-                    self._fail(impl.plugin_name, (
+                    self._fail(plugin, (
                         f"register_devices: device name {spec.name!r} is registered by both plugin "
-                        f"{by_name[spec.name].plugin!r} and plugin {impl.plugin_name!r}; kept the first. "
-                        "Rename one device or uninstall one plugin"))
+                        f"{by_name[spec.name].plugin!r} and plugin {plugin!r}; kept the first. "
+                        "Rename one device or uninstall one plugin"), "register_devices")
                     continue
-                by_name[spec.name] = dataclasses.replace(spec, plugin=impl.plugin_name)
+                by_name[spec.name] = dataclasses.replace(spec, plugin=plugin)
         pref = self._preference or []
 
         def key(s: DeviceSpec) -> tuple:
@@ -216,36 +337,75 @@ class Registry:
         return None
 
     def get_device(self, device: "Device | str | None" = None) -> Device:
-        """The created device for a name (``None``: the best-ranked one); creates it on first use."""
+        """The created device for a name (``None``: the best-ranked one that can be created);
+        creates it on first use.
+
+        A named device whose factory raises is a :class:`~polyhal.errors.PluginError`. The default
+        device skips such devices with a warning naming each and why (they are also listed in
+        :attr:`failures`), and takes the next.
+        """
         if isinstance(device, Device):
             return device
         specs = self.device_specs()
-        if device is None:
-            if not specs:
-                raise DeviceNotFoundError(
-                    "no device is available: install a backend (pip install polyhal-cpu) or check "
-                    "`polyhal devices` for plugins that failed to load")
-            spec = specs[0]
-        else:
+        if device is not None:
             found = [s for s in specs if s.name == device]
             if not found:
                 raise DeviceNotFoundError(
                     f"unknown device {device!r}; available: {[s.name for s in specs] or 'none'} "
                     "(run `polyhal devices` to see every device and plugin)")
-            spec = found[0]
+            return self._create(found[0])
+        if not specs:
+            raise DeviceNotFoundError(self._no_device_message())
+        skipped = []
+        for spec in specs:
+            dev = self._devices.get(spec.name)
+            if dev is not None:
+                return dev
+            try:
+                return self._create(spec)
+            except PluginError:
+                skipped.append(self._broken[spec.name].reason)
+        raise DeviceNotFoundError("no device could be created: " + "; ".join(skipped)
+                                  + " (run `polyhal devices` to see every device and plugin)")
+
+    def default_devices(self) -> list[str]:
+        """Every device not known to be broken, best first: the default ``--device`` list of a
+        compile. Nothing is created here (placement reads kernel names from the specs); a device
+        whose factory raises later is recorded as broken, and :func:`polyhal.compile` then places
+        the program again without it (see :meth:`is_broken`)."""
+        names = [spec.name for spec in self.device_specs() if spec.name not in self._broken]
+        if not names:
+            self.get_device(None)  # raises the "no device" error with its advice
+        return names
+
+    def is_broken(self, device: str) -> bool:
+        """Whether ``device``'s factory raised (the failure is listed by `polyhal devices`)."""
+        return device in self._broken
+
+    def _create(self, spec: DeviceSpec) -> Device:
+        """Create ``spec``'s device once (and wrap its allocator); a factory that raises marks the
+        device broken, records the failure and warns once, naming the device and why."""
+        dev = self._devices.get(spec.name)
+        if dev is not None:
+            return dev
         with self._lock:
             dev = self._devices.get(spec.name)
-            if dev is None:
-                try:
-                    dev = spec.factory(spec)
-                except Exception as exc:
-                    raise PluginError(
-                        f"plugin {spec.plugin!r} could not create device {spec.name!r}: "
-                        f"{type(exc).__name__}: {exc}. Set POLYHAL_BACKENDS to skip this backend") from exc
-                from polyhal.hal.adaptors import apply_allocator_hooks
-
-                apply_allocator_hooks(self, dev)  # plugins may wrap the allocator (wrap_allocator hook)
-                self._devices[spec.name] = dev
+            if dev is not None:
+                return dev
+            broken = self._broken.get(spec.name)
+            if broken is not None:
+                raise PluginError(broken.reason)
+            try:
+                dev = spec.factory(spec)
+            except Exception as exc:
+                reason = (f"plugin {spec.plugin!r} could not create device {spec.name!r}: {type(exc).__name__}: "
+                          f"{exc}. Set POLYHAL_BACKENDS to skip this backend, or name another device")
+                self._broken[spec.name] = self._fail(spec.plugin, reason, "device", spec.name)
+                log.debug("%s", reason)
+                warnings.warn(f"polyhal: device {spec.name} is not used: {reason}", RuntimeWarning, stacklevel=4)
+                raise PluginError(reason) from exc
+            self._wrap_allocators(dev)
+            self._devices[spec.name] = dev
             return dev
 
     def kernel_names(self, device: str) -> frozenset[str]:
@@ -257,6 +417,59 @@ class Registry:
                     return spec.kernel_names
                 break
         return self.get_device(device).kernel_names  # an unknown name fails here, listing the devices
+
+    def _wrap_allocators(self, device: Device) -> None:
+        """Run the ``wrap_allocator`` hook for a just-created device (see hookspecs) and install
+        the result: one allocator for all heaps when they agree, a MemoryTypeRouter otherwise.
+
+        Each plugin's step is one pluggy call that leaves the other implementers out, so
+        adaptors stack in registration order (earliest innermost) and hook wrappers see each step.
+        """
+        base = device.allocator
+        implementers = [i.plugin for i in self.pm.hook.wrap_allocator.get_hookimpls()
+                        if not (i.wrapper or i.hookwrapper)]
+        if not implementers or not isinstance(base, Allocator):
+            return
+        chosen: dict[Heap, Allocator] = {}
+        for heap in base.heaps:
+            allocator = base
+            for plugin in implementers:
+                answer = self.pm.first_answer(
+                    "wrap_allocator", leave_out=[p for p in implementers if p is not plugin],
+                    where=lambda: f"for {device.name} ({heap.memory_type.describe()})",
+                    device=device, memory_type=heap.memory_type, allocator=allocator)
+                result = answer.value
+                if result is None:
+                    continue
+                if not isinstance(result, Allocator) or result.device is not device:
+                    raise PluginError(
+                        f"plugin {answer.plugin!r} returned {result!r} from wrap_allocator for {device.name}; it "
+                        "must return an Allocator of that device (e.g. an adaptor over the one it was given) or None")
+                allocator = result
+            chosen[heap] = allocator
+        wrapped = {h: a for h, a in chosen.items() if a is not base}
+        if not wrapped:
+            return
+        if len(base.heaps) == 1:
+            device.allocator = chosen[base.heaps[0]]
+        else:
+            device.allocator = MemoryTypeRouter(base, wrapped)
+
+    def _no_device_message(self) -> str:
+        """Why no device is registered: the failures and the reasons plugins gave, else advice to install one."""
+        why = [f"plugin {f.plugin!r} failed: {f.reason}" for f in self._failures]
+        why += [f"plugin {p!r}: {r}" for p, reasons in self.unavailable_reasons().items() for r in reasons]
+        scope = ""
+        if self._preference is not None:
+            scope = f" among the backends POLYHAL_BACKENDS={','.join(self._preference)} allows"
+        if why:
+            return (f"no device is available{scope}: " + "; ".join(why)
+                    + ". Fix what is named, or allow another backend (POLYHAL_BACKENDS)")
+        if self._preference is not None:
+            return (f"no device is available{scope}: the backends loaded but registered no device. "
+                    "Check `polyhal devices`, or allow another backend (POLYHAL_BACKENDS)")
+        return ("no device is available: install a backend (pip install polyhal-cpu) or check "
+                "`polyhal devices` for plugins that failed to load")
 
     def created_devices(self) -> list[Device]:
         """Devices created so far (creation is lazy)."""
@@ -275,13 +488,12 @@ class Registry:
     def unavailable_reasons(self) -> dict[str, list[str]]:
         """Per plugin, the reasons it gave (report_unavailable) for registering fewer devices."""
         out: dict[str, list[str]] = {}
-        for impl in self.pm.hook.report_unavailable.get_hookimpls():
-            try:
-                reasons = list(impl.function() or ())
-            except Exception as exc:
-                reasons = [f"report_unavailable raised {type(exc).__name__}: {exc}"]
+        answers, failed = self.pm.each_answer("report_unavailable")
+        for plugin, reasons in answers:
             if reasons:
-                out[impl.plugin_name] = reasons
+                out.setdefault(plugin, []).extend(str(r) for r in reasons)
+        for plugin, exc in failed:
+            out.setdefault(plugin, []).append(f"report_unavailable raised {type(exc).__name__}: {exc}")
         return out
 
 

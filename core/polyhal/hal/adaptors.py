@@ -62,11 +62,10 @@ from polyhal.hal.records import Heap
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device
-    from polyhal.registry import Registry
 
 __all__ = [
     "AllocatorAdaptor", "CachingPoolAdaptor", "Counters", "FaultInjectionAdaptor", "LimitingAdaptor", "LoggingAdaptor",
-    "MemoryTypeRouter", "StatisticsAdaptor", "adaptor_chain", "apply_allocator_hooks", "get_device_allocator",
+    "MemoryTypeRouter", "StatisticsAdaptor", "adaptor_chain", "get_device_allocator",
     "parse_adaptor_spec", "raw_allocate", "raw_deallocate", "set_device_allocator",
 ]
 
@@ -588,7 +587,7 @@ class LoggingAdaptor(AllocatorAdaptor):
 
 class MemoryTypeRouter(AllocatorAdaptor):
     """Serves each heap from its own allocator (``routes``: heap -> allocator), the rest from
-    upstream. Made by :func:`apply_allocator_hooks` when plugins wrap some memory types only."""
+    upstream. Made by the registry's ``wrap_allocator`` step when plugins wrap some memory types only."""
 
     def __init__(self, upstream: Allocator, routes: dict[Heap, Allocator]) -> None:
         super().__init__(upstream)
@@ -623,40 +622,6 @@ def set_device_allocator(device: "Device", allocator: Allocator) -> Allocator:
         raise ValueError(f"{allocator!r} allocates for {allocator.device.name}, not {device.name}")
     previous, device.allocator = device.allocator, allocator
     return previous
-
-
-def apply_allocator_hooks(registry: "Registry", device: "Device") -> None:
-    """Run the ``wrap_allocator`` hook for a just-created device (see hookspecs) and install the
-    result: one allocator for all heaps when they agree, a :class:`MemoryTypeRouter` otherwise."""
-    impls = registry.pm.hook.wrap_allocator.get_hookimpls()  # registration order: earliest innermost
-    base = device.allocator
-    if not impls or not isinstance(base, Allocator):
-        return
-    chosen: dict[Heap, Allocator] = {}
-    for heap in base.heaps:
-        allocator = base
-        for impl in impls:
-            try:
-                result = impl.function(device=device, memory_type=heap.memory_type, allocator=allocator)
-            except Exception as exc:
-                raise PluginError(
-                    f"plugin {impl.plugin_name!r} raised in wrap_allocator for {device.name} "
-                    f"({heap.memory_type.describe()}): {type(exc).__name__}: {exc}") from exc
-            if result is None:
-                continue
-            if not isinstance(result, Allocator) or result.device is not device:
-                raise PluginError(
-                    f"plugin {impl.plugin_name!r} returned {result!r} from wrap_allocator for {device.name}; it must "
-                    "return an Allocator of that device (e.g. an adaptor over the one it was given) or None")
-            allocator = result
-        chosen[heap] = allocator
-    wrapped = {h: a for h, a in chosen.items() if a is not base}
-    if not wrapped:
-        return
-    if len(base.heaps) == 1:
-        device.allocator = chosen[base.heaps[0]]
-    else:
-        device.allocator = MemoryTypeRouter(base, wrapped)
 
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,

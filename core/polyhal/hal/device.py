@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -42,7 +43,13 @@ class Device:
 
     def __init__(self, spec: DeviceSpec, allocator: Allocator | None = None) -> None:
         self.spec = spec
+        #: What allocation goes through: the backend's allocator, or adaptors over it installed by
+        #: the ``wrap_allocator`` hook, ``POLYHAL_ALLOCATOR`` or ``set_device_allocator``.
         self.allocator: Allocator = allocator  # type: ignore[assignment]
+        #: The backend's own allocator, never replaced: operations only it knows (trim a pool,
+        #: map a native buffer, look up live buffers) go here, since an adaptor has none of them.
+        #: A backend sets both in its ``__init__``: ``self.native_allocator = self.allocator = X``.
+        self.native_allocator: Allocator = allocator  # type: ignore[assignment]
 
     @property
     def name(self) -> str:
@@ -201,8 +208,6 @@ def host_memory_available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        import os
-
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None

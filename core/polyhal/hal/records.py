@@ -9,6 +9,7 @@ from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device
+    from polyhal.ir.types import TensorType
 
 #: Queue affinity meaning "any queue of the device" (IREE's IREE_HAL_QUEUE_AFFINITY_ANY).
 ANY_QUEUE = -1
@@ -75,3 +76,55 @@ class DeviceSpec:
     def memory_types(self) -> tuple[MemoryType, ...]:
         """The memory types of the device's heaps, in order."""
         return tuple(h.memory_type for h in self.heaps)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The op whose results an allocation holds, as placement sees it (static shapes).
+
+    A cost model needs what the op reads and writes and where its operands live now, so that it
+    can price moving them; ``input_devices[i]`` is the device holding operand ``i`` (``None``
+    where it is not placed yet, e.g. a program input bound at run time).
+    """
+
+    op: str
+    inputs: tuple["TensorType", ...] = ()
+    outputs: tuple["TensorType", ...] = ()
+    attrs: tuple = ()
+    input_devices: tuple[str | None, ...] = ()
+
+    @property
+    def input_bytes(self) -> int:
+        return sum(t.nbytes for t in self.inputs)
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+    def bytes_from(self, device: str) -> dict[str, int]:
+        """Bytes of operands that would have to move onto ``device``, per source device."""
+        moved: dict[str, int] = {}
+        for t, home in zip(self.inputs, self.input_devices):
+            if home is not None and home != device:
+                moved[home] = moved.get(home, 0) + t.nbytes
+        return moved
+
+    @property
+    def flops(self) -> float:
+        """A rough count of arithmetic operations (for default kernel-time estimates)."""
+        attrs = dict(self.attrs)
+        out = self.outputs[0] if self.outputs else None
+        if self.op in ("matmul", "gemm") and len(self.inputs) >= 2 and out is not None:
+            a = self.inputs[0]
+            k = a.shape[-2] if attrs.get("trans_a") and a.rank >= 2 else (a.shape[-1] if a.shape else 1)
+            return 2.0 * out.size * k
+        return float(max(sum(t.size for t in self.outputs), sum(t.size for t in self.inputs)))
+
+    def __str__(self) -> str:
+        ins = ", ".join(f"{t}@{d}" if d else str(t) for t, d in zip(self.inputs, self.input_devices))
+        return f"{self.op}({ins})"
+
+
+# --------------------------------------------------------------------------------------------------
+# The selection in progress
+# --------------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -156,25 +156,20 @@ class Tensor:
 
 
 # -- constructors ----------------------------------------------------------------------------------
+# On a given Device only: naming a device or taking the default one is the registry's business,
+# one layer up (polyhal.creation), so that the HAL imports nothing above it.
 
-def _device(device: "Device | str | None") -> "Device":
-    from polyhal.registry import get_device
-
-    return get_device(device)
-
-
-def empty(shape: Any, dtype: Any = "float32", device: "Device | str | None" = None,
+def empty(shape: Any, dtype: Any, device: "Device",
           memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
           usage: BufferUsage = BufferUsage.DEFAULT) -> Tensor:
-    """An uninitialised dense tensor on ``device`` (default: the highest-ranked device)."""
+    """An uninitialised dense tensor on ``device``."""
     ttype = TensorType(as_shape(shape), as_dtype(dtype))
-    dev = _device(device)
     # A tensor with no elements still gets a minimal buffer so that it has an address.
-    buf = dev.allocator.allocate(max(ttype.nbytes, 1), memory_type, usage)
+    buf = device.allocator.allocate(max(ttype.nbytes, 1), memory_type, usage)
     return Tensor(buf, ttype)
 
 
-def asarray(obj: Any, dtype: Any = None, device: "Device | str | None" = None,
+def asarray(obj: Any, dtype: Any, device: "Device",
             memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL) -> Tensor:
     """A new tensor on ``device`` holding a copy of ``obj`` (anything numpy accepts)."""
     host = np.asarray(obj, dtype=dtype, order="C")  # (np.ascontiguousarray would make a 0-d array 1-d)
@@ -186,40 +181,38 @@ def asarray(obj: Any, dtype: Any = None, device: "Device | str | None" = None,
     return t
 
 
-def _consumer_stream(obj: Any) -> Any:
+def _consumer_stream(obj: Any, owner_of: "Callable[[tuple[int, int]], Device]") -> Any:
     """The stream of the device that will import ``obj`` (Array API: the consumer passes its
     stream so that the producer orders its pending work before it); None for host memory."""
-    from polyhal.registry import default_registry
-
     try:
         dl_device = obj.__dlpack_device__()
-        owner = default_registry().device_for_dlpack((int(dl_device[0]), int(dl_device[1])))
+        owner = owner_of((int(dl_device[0]), int(dl_device[1])))
     except Exception:  # noqa: BLE001 - no __dlpack_device__, or nobody imports it: the import reports it
         return None
     return owner.dlpack_consumer_stream()
 
 
-def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | None = None) -> Tensor:
+def from_dlpack(obj: Any, owner_of: "Callable[[tuple[int, int]], Device]", *, device: "Device | None" = None,
+                copy: bool | None = None) -> Tensor:
     """Import any DLPack producer (numpy, cupy, torch, jax, a polyhal tensor) without copying.
 
-    The memory stays owned by the producer (an EXTERNAL buffer) and is released when the tensor
-    is. With ``device`` naming a device other than where the data lives, the data is copied there
-    unless ``copy`` is False.
+    ``owner_of`` maps a DLPack (device type, id) to the device that imports such memory (the
+    registry's ``device_for_dlpack``). The memory stays owned by the producer (an EXTERNAL
+    buffer) and is released when the tensor is. With ``device`` other than where the data
+    lives, the data is copied there unless ``copy`` is False.
     """
-    from polyhal.registry import default_registry
-
-    if isinstance(obj, Tensor) and copy is not True and (device is None or _device(device) is obj.device):
+    if isinstance(obj, Tensor) and copy is not True and (device is None or device is obj.device):
         # Our own tensor: share its buffer directly (the DLPack device type alone cannot say
         # which of several devices with host-visible memory owns it).
         return Tensor(obj.buffer, obj.type, obj.offset, obj.strides, obj.readonly)
     capsule = obj if type(obj).__name__ == "PyCapsule" else dlpack.request_capsule(
-        obj, copy=True if copy else None, stream=_consumer_stream(obj))
+        obj, copy=True if copy else None, stream=_consumer_stream(obj, owner_of))
     imported = dlpack.from_capsule(capsule)
     try:
         if any(s < 0 for s in imported.strides):
             raise DLPackError(f"the DLPack tensor has negative strides {imported.strides} (a reversed view), which "
                               "polyhal tensors cannot describe; pass a copy (numpy.ascontiguousarray, or copy=True)")
-        owner = default_registry().device_for_dlpack(imported.device)
+        owner = owner_of(imported.device)
         buf = owner.import_dlpack(imported)
     except PolyhalError:
         imported.release()
@@ -230,10 +223,8 @@ def from_dlpack(obj: Any, *, device: "Device | str | None" = None, copy: bool | 
                           f"device {imported.device}): {type(exc).__name__}: {exc}") from exc
     ttype = TensorType(imported.shape, imported.dtype)
     tensor = Tensor(buf, ttype, strides=imported.strides, readonly=imported.readonly)
-    if device is not None:
-        target = _device(device)
-        if target is not owner:
-            if copy is False:
-                raise DLPackError(f"data lives on {owner.name}; moving it to {target.name} needs a copy")
-            return asarray(tensor.numpy(), device=target)
+    if device is not None and device is not owner:
+        if copy is False:
+            raise DLPackError(f"data lives on {owner.name}; moving it to {device.name} needs a copy")
+        return asarray(tensor.numpy(), None, device)
     return tensor

@@ -15,6 +15,8 @@ import numpy as np
 
 from polyhal.errors import ProgramError
 from polyhal.ir.types import Affinity, TensorType, as_dtype, as_shape
+from polyhal.ir.encoding import Encoding
+from polyhal.ops import OPS, canonical_attrs, infer_types
 
 _ids = itertools.count()
 
@@ -153,8 +155,6 @@ class ProgramBuilder:
     def op(self, name: str, *inputs: Value, affinity: Affinity | str | None = None,
            **attrs: Any) -> Value | tuple[Value, ...]:
         """Append a dispatch of op ``name``; returns its result (a tuple if it has several)."""
-        from polyhal.ops import canonical_attrs, infer_types
-
         for i, v in enumerate(inputs):
             if not isinstance(v, Value):
                 raise ProgramError(f"{name}: operand {i} is {type(v).__name__}, not a value of this program; "
@@ -172,8 +172,6 @@ class ProgramBuilder:
         """The same tensor with ``encoding`` (a :class:`polyhal.ir.encoding.Encoding`, or None
         to drop it): set_encoding and unset_encoding are both this op. See
         :mod:`polyhal.ir.encoding`."""
-        from polyhal.ir.encoding import Encoding
-
         if not isinstance(value, Value) or value.program_id != self._id:
             raise ProgramError(f"encode: {value!r} is not a value of program {self.name!r}")
         if encoding is not None:
@@ -185,8 +183,6 @@ class ProgramBuilder:
         return out
 
     def __getattr__(self, name: str) -> Any:
-        from polyhal.ops import OPS
-
         if name in OPS:
             return lambda *inputs, **attrs: self.op(name, *inputs, **attrs)
         raise AttributeError(f"ProgramBuilder has no attribute or op {name!r}")

@@ -16,6 +16,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
 * :mod:`~polyhal.ops.logical`: logical_not/and/or/xor, bitwise_not/and/or/xor, bit_shift
 * :mod:`~polyhal.ops.indexing`: expand, pad, gather_elements, gather_nd, scatter_elements,
   scatter_nd, cumsum, cumprod, argmin, reduce_prod, einsum
+* :mod:`~polyhal.ops.ml`: tree_ensemble (ai.onnx.ml's tree ensembles as one compact array walk)
 * :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear, attention
 
 Usage::
@@ -34,7 +35,7 @@ from polyhal.ops._base import (
 from polyhal.ops import elementwise, linalg, reduction, shape, sorting  # noqa: E402,F401  isort: skip
 from polyhal.ops import data_tiling  # noqa: E402,F401  isort: skip
 from polyhal.ops import detection  # noqa: E402,F401  isort: skip
-from polyhal.ops import indexing, logical, mathfn, nn  # noqa: E402,F401  isort: skip
+from polyhal.ops import indexing, logical, mathfn, ml, nn  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [

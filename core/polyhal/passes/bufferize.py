@@ -40,16 +40,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from polyhal.dlpack import row_major_strides
 from polyhal.errors import OutOfMemoryError, PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.scratch import (
     MemoryLimits, MemorySpace, Problem, ScratchAssignment, ScratchBinding, ScratchError, ScratchRequest,
 )
+from polyhal.hal.tensor import Tensor
+from polyhal.ir.types import TensorType
 
 if TYPE_CHECKING:
     from polyhal.hal.buffer import Buffer
     from polyhal.hal.records import DeviceSpec
-    from polyhal.hal.tensor import Tensor
     from polyhal.ir.program import Op, Value
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
@@ -184,9 +186,6 @@ class BufferPlan:
         :class:`~polyhal.errors.OutOfMemoryError` naming the plan (``name``) and its largest value
         there: an allocation the OS overcommits would fail later, in a kernel, or take the host down.
         """
-        from polyhal.hal.tensor import Tensor
-        from polyhal.ir.types import TensorType
-
         self._check_available(registry, name)
         specs = {s.name: s for s in registry.device_specs()}
         arenas = [_allocate(registry, selector, specs, a) for a in self.arenas]
@@ -351,8 +350,6 @@ def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: di
     strides = strides_of.get(src.id)  # None: src is row-major over the source's bytes
     if kind == "row-major":
         return None if strides is not None else View(out, source, None, index, op.name)
-    from polyhal.dlpack import row_major_strides
-
     base = strides if strides is not None else tuple(row_major_strides(src.type.shape))
     perm = dict(op.attrs).get("perm")
     perm = tuple(reversed(range(src.type.rank))) if perm is None else tuple(int(p) for p in perm)
@@ -431,28 +428,19 @@ def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[Scra
     limits_of = MemoryLimits.of(spec)
     left: dict[str, MemoryLimits] = {}
     out = []
-    impls = list(reversed(registry.pm.hook.select_memory_space.get_hookimpls()))
     for req in requests:
         limits = left.get(req.kernel.name, limits_of)
-        space, plugin = None, ""
-        for impl in impls:  # pluggy's firstresult order, by hand so that the deciding plugin is known
+        answer = registry.pm.first_answer(
+            "select_memory_space", where=lambda: f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
+            device=spec, kernel=req.kernel, scratch=req, limits=limits)
+        space, plugin = None, answer.plugin or ""
+        if answer.value is not None:
             try:
-                result = impl.function(device=spec, kernel=req.kernel, scratch=req, limits=limits)
-            except ScratchError:
-                raise
-            except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} raised in select_memory_space for "
-                                  f"{req.kernel} scratch {req.name!r}: {type(exc).__name__}: {exc}") from exc
-            if result is None:
-                continue
-            try:
-                space = MemorySpace(result)
+                space = MemorySpace(answer.value)
             except ValueError:
-                raise PluginError(f"plugin {impl.plugin_name!r} returned {result!r} from select_memory_space; "
+                raise PluginError(f"plugin {plugin!r} returned {answer.value!r} from select_memory_space; "
                                   f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
                                   "or None") from None
-            plugin = impl.plugin_name
-            break
         if space is None:
             raise ScratchError(_nowhere(spec, req, limits))
         if not req.allows(space):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -508,8 +509,6 @@ def shipped_sources(roots: Iterable[str | Path]) -> list[Path]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m polyhal.passes.kernel_lint PATH...``: lint files or directories; exit 1 on findings."""
-    import sys
-
     paths = list(argv if argv is not None else sys.argv[1:]) or ["."]
     bad = 0
     for p in shipped_sources(paths) + [Path(p) for p in paths if Path(p).is_file()]:

@@ -38,6 +38,7 @@ from polyhal.errors import KernelNotFoundError, PluginError
 from polyhal.ir.encoding import IdentityLayout, Layout, dense_type
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
+from polyhal.ops import canonical_attrs, infer_types
 
 if TYPE_CHECKING:
     from polyhal.hal.records import DeviceSpec
@@ -90,26 +91,20 @@ class LayoutResolver:
         check = getattr(encoding, "check_type", None)
         if check is not None:
             check(dense_type(t))  # an encoding on a type it cannot describe fails here, clearly
-        impls = self.registry.pm.hook.resolve_encoding.get_hookimpls()
-        # pluggy's firstresult order, called by hand so that the answering plugin is known.
-        for impl in reversed(impls):
-            try:
-                layout = impl.function(device=spec, encoding=encoding, tensor_type=t)
-            except Exception as exc:
-                raise PluginError(f"plugin {impl.plugin_name!r} raised in resolve_encoding for {encoding} on "
-                                  f"{spec.name}: {type(exc).__name__}: {exc}") from exc
-            if layout is None:
-                continue
-            _check_layout(impl.plugin_name, spec, t, layout)
-            note = ""
-            if impl.plugin_name == IDENTITY_RESOLVER:
-                has_own = any(i.plugin_name == spec.plugin for i in impls)
-                note = (f"the resolver of plugin {spec.plugin!r} does not know {_describe(encoding)}: identity "
-                        "layout" if has_own else
-                        f"plugin {spec.plugin!r} has no encoding resolver: identity layout")
-            return Resolution(spec.name, t, layout, impl.plugin_name, note)
-        raise PluginError("no resolve_encoding implementation returned a layout (is the identity resolver "
-                          f"{IDENTITY_RESOLVER!r} unregistered?)")
+        answer = self.registry.pm.first_answer("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
+                                               device=spec, encoding=encoding, tensor_type=t)
+        layout, plugin = answer.value, answer.plugin
+        if layout is None:
+            raise PluginError("no resolve_encoding implementation returned a layout (is the identity resolver "
+                              f"{IDENTITY_RESOLVER!r} unregistered?)")
+        _check_layout(plugin, spec, t, layout)
+        note = ""
+        if plugin == IDENTITY_RESOLVER:
+            has_own = any(i.plugin_name == spec.plugin for i in self.registry.pm.hook.resolve_encoding.get_hookimpls())
+            note = (f"the resolver of plugin {spec.plugin!r} does not know {_describe(encoding)}: identity "
+                    "layout" if has_own else
+                    f"plugin {spec.plugin!r} has no encoding resolver: identity layout")
+        return Resolution(spec.name, t, layout, plugin, note)
 
 
 def _describe(encoding: Any) -> str:
@@ -302,7 +297,6 @@ class _Materializer:
 
     def emit_conversion(self, name: str, attrs: dict, src: Value, out_type: TensorType, device: str,
                         record: EncodeRecord | None, base: str) -> Value:
-        from polyhal.ops import canonical_attrs, infer_types
 
         (inferred,) = infer_types(name, (src.type,), attrs)
         if inferred != out_type:
@@ -462,7 +456,6 @@ class _Materializer:
                 if lowered is not None:
                     break
         if lowered is not None and lowered[0] in self.registry.get_device(device).kernel_names:
-            from polyhal.ops import canonical_attrs, infer_types
 
             name, attrs = lowered
             inputs = tuple(self.storage[v.id] for v in op.inputs)
@@ -516,7 +509,6 @@ class _Materializer:
         out = Value(src.type, name, src.program_id)
         self.value_device[out.id] = device
         if "reshape" in self.registry.get_device(device).kernel_names:
-            from polyhal.ops import canonical_attrs
 
             self.ops.append(Op("dispatch", "reshape", (src,), (out,), canonical_attrs({"shape": src.type.shape}),
                                None, device))

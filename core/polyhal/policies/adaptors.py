@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from polyhal.hal.adaptors import parse_adaptor_spec
 from polyhal.hookspecs import API_VERSION, hookimpl
 
 POLYHAL_API_VERSION = API_VERSION
@@ -21,8 +22,6 @@ def wrap_allocator(device, memory_type, allocator):
     spec = os.environ.get("POLYHAL_ALLOCATOR", "").strip()
     if not spec:
         return None
-    from polyhal.hal.adaptors import parse_adaptor_spec
-
     for make in parse_adaptor_spec(spec):
         allocator = make(allocator)
     return allocator

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from polyhal.errors import PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
+from polyhal.hal.records import Workload  # noqa: F401  (re-exported: policies take it from here)
+from polyhal.registry import Registry, default_registry
 
 if TYPE_CHECKING:
     from polyhal.hal.records import DeviceSpec
-    from polyhal.ir.types import TensorType
-    from polyhal.registry import Registry
 
 #: The built-in policies, by the name ``--policy`` / ``POLYHAL_POLICY`` takes, and their plugin names.
 BUILTIN_POLICIES = {
@@ -113,8 +113,6 @@ _configs_lock = threading.Lock()
 def policy_config(registry: "Registry | None" = None) -> PolicyConfig:
     """The policy configuration of ``registry`` (default: the process-wide one)."""
     if registry is None:
-        from polyhal.registry import default_registry
-
         registry = default_registry()
     found = _configs.get(registry)
     if found is None:
@@ -134,8 +132,6 @@ def configure_policy(registry: "Registry | None" = None, *, policy: str | None =
     Giving a ``lead_allocator`` without a ``policy`` selects ``lead``, as the environment does.
     """
     if registry is None:
-        from polyhal.registry import default_registry
-
         registry = default_registry()
     old = policy_config(registry)
     changes: dict[str, Any] = {}
@@ -154,61 +150,6 @@ def configure_policy(registry: "Registry | None" = None, *, policy: str | None =
         registry._changed()  # the registry's listeners drop memoized decisions
     return new
 
-
-# --------------------------------------------------------------------------------------------------
-# What is being decided: the op's workload, for policies that weigh it
-# --------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Workload:
-    """The op whose results an allocation holds, as placement sees it (static shapes).
-
-    A cost model needs what the op reads and writes and where its operands live now, so that it
-    can price moving them; ``input_devices[i]`` is the device holding operand ``i`` (``None``
-    where it is not placed yet, e.g. a program input bound at run time).
-    """
-
-    op: str
-    inputs: tuple["TensorType", ...] = ()
-    outputs: tuple["TensorType", ...] = ()
-    attrs: tuple = ()
-    input_devices: tuple[str | None, ...] = ()
-
-    @property
-    def input_bytes(self) -> int:
-        return sum(t.nbytes for t in self.inputs)
-
-    @property
-    def output_bytes(self) -> int:
-        return sum(t.nbytes for t in self.outputs)
-
-    def bytes_from(self, device: str) -> dict[str, int]:
-        """Bytes of operands that would have to move onto ``device``, per source device."""
-        moved: dict[str, int] = {}
-        for t, home in zip(self.inputs, self.input_devices):
-            if home is not None and home != device:
-                moved[home] = moved.get(home, 0) + t.nbytes
-        return moved
-
-    @property
-    def flops(self) -> float:
-        """A rough count of arithmetic operations (for default kernel-time estimates)."""
-        attrs = dict(self.attrs)
-        out = self.outputs[0] if self.outputs else None
-        if self.op in ("matmul", "gemm") and len(self.inputs) >= 2 and out is not None:
-            a = self.inputs[0]
-            k = a.shape[-2] if attrs.get("trans_a") and a.rank >= 2 else (a.shape[-1] if a.shape else 1)
-            return 2.0 * out.size * k
-        return float(max(sum(t.size for t in self.outputs), sum(t.size for t in self.inputs)))
-
-    def __str__(self) -> str:
-        ins = ", ".join(f"{t}@{d}" if d else str(t) for t, d in zip(self.inputs, self.input_devices))
-        return f"{self.op}({ins})"
-
-
-# --------------------------------------------------------------------------------------------------
-# The selection in progress
-# --------------------------------------------------------------------------------------------------
 
 class Selection:
     """One ``select_allocator`` computation: what a policy may read, and what it reports.

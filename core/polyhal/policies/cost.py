@@ -25,7 +25,10 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from polyhal.errors import PluginError
+from polyhal.hal.tensor import empty
 from polyhal.hookspecs import API_VERSION, hookimpl
 from polyhal.policies.context import Workload, current
 
@@ -49,19 +52,15 @@ _measured_lock = threading.Lock()
 
 
 def _first_answer(registry: "Registry", hook: str, **kwargs: Any) -> tuple[Any, str | None]:
-    """pluggy's firstresult order, by hand, so that the plugin that answered is known."""
-    for impl in reversed(getattr(registry.pm.hook, hook).get_hookimpls()):
-        try:
-            value = impl.function(**kwargs)
-        except Exception as exc:
-            raise PluginError(f"plugin {impl.plugin_name!r} raised in {hook}: {type(exc).__name__}: {exc}") from exc
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-            raise PluginError(f"plugin {impl.plugin_name!r} returned {value!r} from {hook}; it must return a "
-                              "number >= 0 (math.inf for 'cannot'), or None to defer")
-        return float(value), impl.plugin_name
-    return None, None
+    """The firstresult ``hook``'s answer as seconds or bytes per second, and the plugin that gave it."""
+    answer = registry.pm.first_answer(hook, **kwargs)
+    value = answer.value
+    if value is None:
+        return None, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise PluginError(f"plugin {answer.plugin!r} returned {value!r} from {hook}; it must return a "
+                          "number >= 0 (math.inf for 'cannot'), or None to defer")
+    return float(value), answer.plugin
 
 
 def kernel_time(registry: "Registry", spec: "DeviceSpec", workload: Workload) -> tuple[float, str]:
@@ -98,10 +97,6 @@ def measure_link(registry: "Registry", src: str, dst: str, nbytes: int = 4 << 20
     """Time copying ``nbytes`` from device ``src`` to ``dst`` through the host (as a plan's transfer
     does); remember the best of ``repeat`` as the link's bandwidth (B/s) for the cost policy and
     drop the registry's memoized decisions. Returns the bandwidth."""
-    import numpy as np
-
-    from polyhal.hal.tensor import empty
-
     s_dev, d_dev = registry.get_device(src), registry.get_device(dst)
     a, b = empty((nbytes,), "uint8", s_dev), empty((nbytes,), "uint8", d_dev)
     staging = np.empty(nbytes, np.uint8)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import polyhal
+from polyhal import dlpack
 from polyhal.testing.plugin import session_seed
 from polyhal.hal.flags import BufferCompatibility, BufferUsage, MemoryAccess, MemoryType
 from polyhal.ops import OPS
@@ -166,8 +167,6 @@ def test_dlpack_roundtrip_every_heap(device):
 
 
 def test_dlpack_capsule_consumed_twice(device):
-    from polyhal import dlpack
-
     t = polyhal.asarray(np.ones(4, np.float32), device=device)
     capsule = t.__dlpack__(max_version=(1, 0))
     first = polyhal.from_dlpack(capsule)

@@ -13,6 +13,8 @@ registry rebuilt under a given environment.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 
@@ -27,8 +29,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def session_seed() -> int:
     """The base seed of this session's random samples: ``POLYHAL_SEED`` if set, else drawn once
     (and then kept in ``POLYHAL_SEED``, so that the header shows it and subprocesses share it)."""
-    import os
-
     if not os.environ.get("POLYHAL_SEED"):
         os.environ["POLYHAL_SEED"] = str(int.from_bytes(os.urandom(4), "little"))
     return int(os.environ["POLYHAL_SEED"])
@@ -41,6 +41,8 @@ def pytest_report_header(config: pytest.Config) -> str:
 
 def selected_devices(config: pytest.Config) -> list[str]:
     """Names of the devices the conformance suite runs on, from discovery and the options."""
+    # Deferred here and below: this plugin is loaded into every pytest session of the environment
+    # (a pytest11 entry point), which should not pay for importing polyhal and its plugins.
     import polyhal
 
     backends = config.getoption("polyhal_backend")

@@ -24,7 +24,7 @@ class CPUDevice(Device):
 
     def __init__(self, spec: DeviceSpec) -> None:
         super().__init__(spec)
-        self.allocator = CPUAllocator(self, spec.heaps)
+        self.native_allocator = self.allocator = CPUAllocator(self, spec.heaps)
 
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]:
         return (1, 0)  # every logical CPU device shares the host's memory
@@ -64,8 +64,8 @@ class CPUDevice(Device):
             native = np.empty(0, np.uint8)
         if imported.readonly:
             native.flags.writeable = False
-        heap = self.allocator.heaps[0]
-        return Buffer(self.allocator, heap, extent, native, kind=BufferKind.EXTERNAL,
+        heap = self.native_allocator.heaps[0]
+        return Buffer(self.native_allocator, heap, extent, native, kind=BufferKind.EXTERNAL,
                       on_release=lambda *_: imported.release())
 
     def download(self, native: np.ndarray, host: np.ndarray) -> None:

@@ -108,10 +108,9 @@ class CUDADevice(Device):
             self.stream = cupy.cuda.Stream(non_blocking=False)
             self._export_event = cupy.cuda.Event(disable_timing=True)
         self._scope = _Activation(ordinal, self.stream)
-        #: The device's own allocator; ``allocator`` may later be wrapped by adaptors
-        #: (``wrap_allocator`` hook), so pool-level operations go through this one.
-        self.cuda_allocator = CUDAAllocator(self, spec.heaps)
-        self.allocator = self.cuda_allocator
+        #: The device's own allocator (``native_allocator``, typed); ``allocator`` may later be
+        #: wrapped by adaptors (``wrap_allocator`` hook), so pool-level operations go through this one.
+        self.native_allocator = self.allocator = self.cuda_allocator = CUDAAllocator(self, spec.heaps)
         self.stager = Stager(self)
         self.modules: dict[Any, Any] = {}
         self._modules_lock = threading.Lock()

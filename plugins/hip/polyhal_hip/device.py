@@ -118,7 +118,7 @@ class HIPDevice(Device):
         with self.activate():
             self.stream = self.runtime.stream_create(hip.STREAM_DEFAULT)
             self._event = self.runtime.event_create(hip.EVENT_DISABLE_TIMING)
-        self.allocator = HIPAllocator(self, spec.heaps)
+        self.native_allocator = self.allocator = HIPAllocator(self, spec.heaps)
         self.compiler = compiler_for(self.runtime)
         self._modules: dict[Any, Any] = {}
         self._functions: dict[tuple, Any] = {}
@@ -131,7 +131,7 @@ class HIPDevice(Device):
     def close(self) -> None:
         """Finish queued work and give the pool's cached memory back."""
         self.synchronize()
-        self.allocator.trim()
+        self.native_allocator.trim()
 
     # -- kernels -----------------------------------------------------------------------------------
 
@@ -329,11 +329,13 @@ class HIPDevice(Device):
                 raise DLPackError(f"address {imported.data_ptr:#x} is not memory HIP knows, but the producer calls it "
                                   f"ROCm device memory; the producer's DLPack device is wrong")
             raise DLPackError(f"{self.name} cannot import host memory that HIP does not know (not pinned or "
-                              "registered); import it on the CPU, or register it: device.allocator.import_host(array)")
+                              "registered); import it on the CPU, or register it: "
+                              "device.native_allocator.import_host(array)")
         kind = {"device": BufferKind.DEVICE, "managed": BufferKind.MANAGED}.get(kind_name, BufferKind.HOST)
         memory_type = {BufferKind.HOST: PINNED_MEMORY, BufferKind.MANAGED: MANAGED_MEMORY}.get(kind, MemoryType.DEVICE_LOCAL)
         host_ptr = imported.data_ptr if kind in (BufferKind.HOST, BufferKind.MANAGED) else 0
-        heap = next((h for h in self.allocator.heaps if h.memory_type == memory_type), self.allocator.heaps[0])
+        heap = next((h for h in self.native_allocator.heaps if h.memory_type == memory_type),
+                    self.native_allocator.heaps[0])
         native = HipMemory(imported.data_ptr, extent, kind, self.ordinal, host_ptr=host_ptr, owner=imported)
-        return Buffer(self.allocator, heap, extent, native, memory_type=memory_type, kind=BufferKind.EXTERNAL,
+        return Buffer(self.native_allocator, heap, extent, native, memory_type=memory_type, kind=BufferKind.EXTERNAL,
                       on_release=lambda *_: imported.release())

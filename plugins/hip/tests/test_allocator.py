@@ -222,3 +222,17 @@ def test_statistics_balance_across_kinds(fake, fake_device):
     gc.collect()
     assert a.statistics.live_count == 0 and a.statistics.live_bytes == 0
     assert not fake.live()
+
+
+def test_close_and_map_with_an_adaptor_installed(device_of, monkeypatch):
+    """Stand-in runtime: with adaptors over the HIP allocator (POLYHAL_ALLOCATOR), buffers still
+    map and close() still trims the pool, through ``native_allocator``."""
+    from polyhal_hip.allocator import HIPAllocator
+
+    monkeypatch.setenv("POLYHAL_ALLOCATOR", "pool,stats")
+    fake, dev = device_of()
+    assert isinstance(dev.native_allocator, HIPAllocator) and dev.allocator is not dev.native_allocator
+    t = polyhal.asarray(np.arange(64, dtype=np.float32), device=dev, memory_type=PINNED_MEMORY)
+    assert np.array_equal(np.asarray(t.buffer.map()).view(np.float32), np.arange(64, dtype=np.float32))
+    t.release()
+    dev.close()  # trims the HIP pool; an adaptor has no trim()

@@ -61,12 +61,12 @@ class CLDevice(Device):
             self.queue = cl.CommandQueue(self.context, cl_device)
         self.traits = DeviceTraits.from_cl(cl_device)
         self.programs = ProgramCache(self.context, cl_device, default_cache_dir())
-        self.allocator = CLAllocator(self, spec.heaps)
+        self.native_allocator = self.allocator = CLAllocator(self, spec.heaps)
 
     def close(self) -> None:
         """Finish queued work and release the allocator's cached buffers (the device stays usable)."""
         self.synchronize()
-        self.allocator.trim()
+        self.native_allocator.trim()
 
     def view(self, tensor) -> Any:
         """A ``pyopencl.array.Array`` over the tensor's bytes (buffer, byte offset, strides)."""
@@ -86,7 +86,7 @@ class CLDevice(Device):
         # The mapping is persistent (see CLAllocator.mapping); finishing the queue makes every
         # kernel's writes visible before the host looks, on the unified memory this heap needs.
         self.synchronize()
-        return self.allocator.mapping(buffer.native)[offset: offset + length]
+        return self.native_allocator.mapping(buffer.native)[offset: offset + length]
 
     def write(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
         import pyopencl as cl
@@ -164,18 +164,18 @@ class CLDevice(Device):
             raise DLPackError(f"DLPack tensor of {extent} bytes at offset {offset} does not fit its "
                               f"{owner.native.size}-byte OpenCL buffer")
         native = owner.native if offset == 0 else self._sub_buffer(owner, offset, extent)
-        allocator = self.allocator
+        allocator = self.native_allocator
 
         def release(*_: Any) -> None:
             if native is not owner.native:
                 allocator.forget_mapping(native)  # the sub-buffer goes with its last reference
             imported.release()
 
-        return Buffer(self.allocator, owner.heap, extent, native, memory_type=owner.memory_type,
+        return Buffer(self.native_allocator, owner.heap, extent, native, memory_type=owner.memory_type,
                       kind=BufferKind.EXTERNAL, on_release=release)
 
     def _find_export(self, address: int) -> tuple[Buffer, int]:
-        live = self.allocator.live
+        live = self.native_allocator.live
         exact = live.get(address)
         if exact is not None and not exact.released:
             return exact, 0

@@ -115,3 +115,22 @@ def test_host_visible_mapping_is_coherent_with_kernels(dev, rng):
     polyhal.compile(b.build(), dev.name)(t, out=[out])  # ... a kernel reads them and writes out
     got = out.buffer.map(MemoryAccess.READ).view(np.float32)[:256]  # the map waits for the queue
     np.testing.assert_array_equal(got, -2 * x)
+
+
+def test_close_and_map_with_an_adaptor_installed(cl_spec, monkeypatch):
+    """PoCL: with adaptors over the OpenCL allocator (POLYHAL_ALLOCATOR), buffers still map and
+    close() still trims, through ``native_allocator``."""
+    from polyhal.registry import Registry
+    from polyhal_opencl.allocator import CLAllocator
+
+    monkeypatch.setenv("POLYHAL_ALLOCATOR", "pool,stats")
+    monkeypatch.setenv("POLYHAL_BACKENDS", "opencl")
+    dev = Registry().get_device(cl_spec.name)
+    assert isinstance(dev.native_allocator, CLAllocator) and dev.allocator is not dev.native_allocator
+    host = np.arange(256, dtype=np.float32)
+    visible = next(h.memory_type for h in dev.native_allocator.heaps if h.memory_type & polyhal.MemoryType.HOST_VISIBLE)
+    t = polyhal.asarray(host, device=dev, memory_type=visible)
+    assert np.array_equal(np.asarray(t.buffer.map()).view(np.float32), host)
+    assert np.array_equal(t.numpy(), host)
+    t.release()
+    dev.close()  # finishes the queue and trims the allocator's cache; an adaptor has no trim()

@@ -2,7 +2,8 @@
 
 * :func:`load` (also ``polyhal.onnx.load``): a model file, bytes or ModelProto in, an
   :class:`OnnxProgram` out (a :class:`~polyhal.ir.program.Program`; compile it and call the
-  plan with the model's inputs by name);
+  plan with the model's inputs by name); a model with symbolic input dims gives a
+  :class:`DynamicOnnxProgram`, whose plan specializes per input shape and caches the plans;
 * :mod:`~polyhal.frontends.onnx.backend`: an ``onnx.backend.base.Backend`` over polyhal
   devices (``PolyhalBackend.prepare(model, "cpu:0").run(inputs)``);
 * :mod:`~polyhal.frontends.onnx.node_tests`: ONNX's own node tests on every device
@@ -13,6 +14,7 @@ Importing this package imports ``onnx``; ``import polyhal`` does not.
 """
 
 from polyhal.frontends.onnx.converters import CONVERTERS
+from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, DynamicPlan
 from polyhal.frontends.onnx.errors import (
     NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError, StrictPlacementError,
 )
@@ -28,6 +30,7 @@ def supported_ops() -> list[str]:
 
 
 __all__ = [
-    "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError", "OnnxModelError", "OnnxRunError", "OnnxProgram",
+    "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
+    "OnnxModelError", "OnnxRunError", "OnnxProgram",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

@@ -19,10 +19,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 import onnx
+from onnx import helper
 from onnx.backend.base import Backend, BackendRep
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxUnsupportedError
 from polyhal.frontends.onnx.importer import OnnxProgram, load
+from polyhal.registry import devices
 
 #: How many different value-fixed variants one rep compiles before refusing (a model whose
 #: shape-deciding inputs change every run is not what static shapes are for).
@@ -31,13 +33,11 @@ MAX_VARIANTS = 64
 
 def resolve_device(device: str) -> str:
     """A polyhal device name for ``device`` (polyhal names pass through; "CPU" is cpu:0)."""
-    import polyhal
-
     if ":" in device and not device.upper().startswith(("CPU:", "CUDA:")):
         return device
     kind = device.split(":")[0].upper()
     backend = {"CPU": "cpu", "CUDA": "cuda"}.get(kind, device.lower())
-    for spec in polyhal.devices():
+    for spec in devices():
         if spec.backend == backend:
             return spec.name
     return device
@@ -131,8 +131,6 @@ class PolyhalBackend(Backend):
     def run_node(cls, node: onnx.NodeProto, inputs: Any, device: str = "CPU", outputs_info=None,
                  **kwargs: Any) -> tuple:
         """Run one node: wrapped in a one-node model of the inputs' types."""
-        from onnx import helper
-
         arrays = [np.asarray(x) for x in inputs]
         graph_inputs = [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
                         for n, a in zip(node.input, arrays)]
@@ -144,10 +142,8 @@ class PolyhalBackend(Backend):
     @classmethod
     def supports_device(cls, device: str) -> bool:
         """Whether ``device`` (a polyhal name, or "CPU"/"CUDA") names an installed device."""
-        import polyhal
-
         name = resolve_device(device)
-        return any(s.name == name for s in polyhal.devices())
+        return any(s.name == name for s in devices())
 
 
 prepare = PolyhalBackend.prepare

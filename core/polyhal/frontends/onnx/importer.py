@@ -15,7 +15,9 @@ What it does, in order:
 5. checks every result against the type ONNX declared or inferred for it.
 
 polyhal programs have static shapes. Inputs with symbolic dims take their shape from
-``shapes=`` (or ``default_dim``); operands that decide a shape (Reshape's ``shape``, TopK's
+``shapes=``, ``dims=`` or ``default_dim``; a model whose dims stay open loads as a
+:class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, imported per input shape.
+Operands that decide a shape (Reshape's ``shape``, TopK's
 ``k``, ...) must be known at import time, and when they come from graph inputs those inputs
 must be given values with ``values=`` (:class:`NeedsValue` names them).
 """
@@ -31,6 +33,7 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
 from onnx import helper, numpy_helper
+from onnx.external_data_helper import load_external_data_for_model
 
 from polyhal.errors import PolyhalError
 from polyhal.frontends.onnx.errors import (
@@ -38,7 +41,9 @@ from polyhal.frontends.onnx.errors import (
     StrictPlacementError,
 )
 from polyhal.frontends.onnx.converters import convert_node
-from polyhal.frontends.onnx.types import Dynamic, np_dtype
+from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, InputSignature, bind_dims
+from polyhal.frontends.onnx.types import Dynamic, HostOutput, np_dtype
+from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
@@ -61,8 +66,6 @@ FOLD_LIMIT = 32 << 20
 
 def _fold_limit(value: int | str | None = None) -> int:
     """The fold limit in bytes: ``value`` if given, else ``POLYHAL_FOLD_LIMIT``, else :data:`FOLD_LIMIT`."""
-    from polyhal.hal.adaptors import parse_size
-
     if value is None:
         value = os.environ.get("POLYHAL_FOLD_LIMIT", "").strip() or FOLD_LIMIT
     try:
@@ -129,6 +132,9 @@ class OnnxProgram(Program):
     #: ONNX output index -> index of the program output holding its run-time length (outputs
     #: such as NonMaxSuppression's are computed padded to a static bound, plus a count).
     trims: dict[int, int] = field(default_factory=dict)
+    #: ONNX output index -> what turns the plan's array into the declared output on the host
+    #: (string labels, ZipMap's list of dicts: see :class:`~polyhal.frontends.onnx.types.HostOutput`).
+    finishes: dict[int, Any] = field(default_factory=dict)
 
     @property
     def input_names(self) -> list[str]:
@@ -217,8 +223,10 @@ class OnnxProgram(Program):
                 raise OnnxInputError(f"{self.source}: input {v.name!r} must be {v.type.dtype} "
                                      f"(declared {self.declared_inputs.get(v.name)}), got {arr.dtype}")
             if arr.shape != v.type.shape:
+                diff = next((f"; dim {i} is {w} in this program, got {g}" for i, (w, g)
+                             in enumerate(zip(v.type.shape, arr.shape)) if w != g), "")
                 raise OnnxInputError(f"{self.source}: input {v.name!r} must have shape {v.type.shape} "
-                                     f"(declared {self.declared_inputs.get(v.name)}), got {arr.shape}")
+                                     f"(declared {self.declared_inputs.get(v.name)}), got {arr.shape}{diff}")
             out[v.name] = arr
         return out
 
@@ -245,6 +253,8 @@ class OnnxProgram(Program):
             a = arrays[i]
             if i in self.trims:
                 a = a[: int(arrays[self.trims[i]])]
+            if i in self.finishes:
+                a = self.finishes[i](a)
             result[name] = a
         return result
 
@@ -322,8 +332,6 @@ def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
                              "is the file truncated, or another format?")
     if base_dir is not None and _has_external_data(proto):
         try:
-            from onnx.external_data_helper import load_external_data_for_model
-
             load_external_data_for_model(proto, base_dir)
         except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # ValidationError: a path outside
             raise OnnxModelError(f"{source}: cannot load external tensor data: {_first_line(exc)}") from None
@@ -382,8 +390,13 @@ def _first_line(exc: BaseException) -> str:
 def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
          values: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
          default_dim: int | None = None, name: str | None = None, validate: bool = True,
-         source: str | None = None, fold_limit: int | str | None = None) -> OnnxProgram:
+         source: str | None = None, fold_limit: int | str | None = None) -> OnnxProgram | DynamicOnnxProgram:
     """Import an ONNX model as a polyhal program.
+
+    When every input dim is known (fixed by the model, or given by ``shapes``, ``dims`` or
+    ``default_dim``) the result is a static :class:`OnnxProgram`. Otherwise it is a
+    :class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, whose compiled plan specializes
+    per input shape on first use (symbols given in ``dims`` stay bound to those sizes).
 
     Args:
         model: a path, the model's bytes, a binary file object or an ``onnx.ModelProto``.
@@ -393,7 +406,8 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
             are then not inputs of the program). Needed for inputs that decide shapes.
         dims: ``{symbol: size}`` for symbolic dims by name (``{"batch": 8}``), for every input
             that uses them.
-        default_dim: the size of symbolic dims not given otherwise (default: refuse them).
+        default_dim: the size of symbolic dims not given otherwise (default: none; they are then
+            taken from each call's inputs).
         name: the program's name (default: the graph's).
         validate: run ONNX's checker and strict shape inference first.
         source: what messages call the model (default: its path, or its graph's name).
@@ -411,16 +425,70 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     source = source or read_as
     opset = default_opset(proto, source)
     checked = _validate(proto, source) if validate else proto
-    importer = _Importer(checked, source, opset, shapes or {}, values or {}, dims or {}, default_dim, name,
-                         _fold_limit(fold_limit))
-    try:
-        return importer.run()
-    except PolyhalError:
-        raise
-    except RecursionError:
-        raise OnnxModelError(f"{source}: the graph nests too deeply") from None
-    except Exception as exc:  # noqa: BLE001  (a malformed model the checks above did not foresee)
-        raise OnnxModelError(f"{source}: malformed model ({type(exc).__name__}: {_first_line(exc)})") from exc
+    shapes, values, dims = shapes or {}, values or {}, {str(k): int(v) for k, v in (dims or {}).items()}
+    limit = _fold_limit(fold_limit)
+
+    def specialize(concrete: Mapping[str, Sequence[int]]) -> OnnxProgram:
+        importer = _Importer(checked, source, opset, {**shapes, **concrete}, values, dims, default_dim, name, limit)
+        try:
+            return importer.run()
+        except PolyhalError:
+            raise
+        except RecursionError:
+            raise OnnxModelError(f"{source}: the graph nests too deeply") from None
+        except Exception as exc:  # noqa: BLE001  (a malformed model the checks above did not foresee)
+            raise OnnxModelError(f"{source}: malformed model ({type(exc).__name__}: {_first_line(exc)})") from exc
+
+    initialized = {t.name for t in checked.graph.initializer}
+    _check_symbols([i for i in checked.graph.input if i.name not in initialized or i.name in values], dims, source)
+    signature = _signature(checked, shapes, values, dims, default_dim)
+    if signature is None or all(s.dims is not None and all(isinstance(d, int) or d in dims for d in s.dims)
+                                for s in signature):
+        return specialize({})
+    return DynamicOnnxProgram(source=source, opset=opset, signature=signature, bound=dims,
+                              output_names=[o.name for o in checked.graph.output], specialize=specialize)
+
+
+def _check_symbols(graph_inputs: Iterable[onnx.ValueInfoProto], dims: Mapping[str, int], source: str) -> None:
+    """Refuse ``dims`` naming a symbol that no input uses (a misspelt symbol would otherwise
+    leave its dim at the default, or free, silently)."""
+    symbols = {d.dim_param for vi in graph_inputs if vi.type.WhichOneof("value") == "tensor_type"
+               for d in vi.type.tensor_type.shape.dim if d.dim_param}
+    unknown = sorted(set(dims) - symbols)
+    if unknown:
+        raise OnnxInputError(f"{source}: the model's inputs have no symbolic dim {unknown[0]!r}; "
+                             f"their symbolic dims are {', '.join(sorted(symbols)) or '(none)'}")
+
+
+def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> list[InputSignature] | None:
+    """The run-time inputs of ``model`` with the dims ``shapes``, ``dims`` and ``default_dim`` fix
+    put in; None when some input is not a tensor (the static import reports that)."""
+    initialized = {t.name for t in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if (vi.name in initialized and vi.name not in values) or vi.name in values:
+            continue
+        if vi.type.WhichOneof("value") != "tensor_type":
+            return None
+        elem, declared = _declared(vi.type)
+        try:
+            dtype = np_dtype(elem or 0, f"input {vi.name!r}")
+        except OnnxError:
+            return None  # the static import reports the element type
+        if vi.name in shapes:
+            spec: tuple | None = tuple(int(d) for d in shapes[vi.name])
+        elif declared is None:
+            if default_dim is not None:
+                return None  # a static import was asked for: it says that this input needs a shape
+            spec = None
+        else:
+            params = [d.dim_param for d in vi.type.tensor_type.shape.dim]
+            # A symbol keeps its name (dims= binds it: DynamicOnnxProgram.bind checks that);
+            # default_dim stands for every other dynamic dim, as in a static import.
+            spec = tuple(d if d is not None else p if p in dims else default_dim if default_dim is not None
+                         else p or None for d, p in zip(declared, params))
+        out.append(InputSignature(vi.name, dtype, spec, _fmt_declared(elem, declared, vi.type)))
+    return out
 
 
 class _Importer:
@@ -511,12 +579,12 @@ class _Importer:
             if k not in known:
                 raise OnnxInputError(f"{self.source}: the model has no input {k!r}; its inputs are "
                                      f"{[i.name for i in graph_inputs]}")
-        symbols = {d.dim_param for vi in graph_inputs if vi.type.WhichOneof("value") == "tensor_type"
-                   for d in vi.type.tensor_type.shape.dim if d.dim_param}
-        unknown = sorted(set(self.dims) - symbols)
-        if unknown:  # a misspelt symbol would otherwise leave its dim at the default, silently
-            raise OnnxInputError(f"{self.source}: the model's inputs have no symbolic dim {unknown[0]!r}; "
-                                 f"their symbolic dims are {', '.join(sorted(symbols)) or '(none)'}")
+        _check_symbols(graph_inputs, self.dims, self.source)
+        # Symbols that inputs of given shape size (and contradictions among those shapes and
+        # dims=) are settled before any input takes default_dim.
+        signature = _signature(self.model, {}, self.values, {}, None) or []
+        given = [s for s in signature if s.name in self.shapes]
+        self.dims = bind_dims(self.source, given, [self.shapes[s.name] for s in given], self.dims)
         for vi in graph.input:
             elem, dims = _declared(vi.type)
             if vi.name in env and vi.name not in self.values:
@@ -527,6 +595,7 @@ class _Importer:
         self._walk(graph.node, env, self.opsets, "")
         outputs, names, counts = [], [], []
         trims: dict[int, int] = {}
+        finishes: dict[int, Any] = {}
         seen: set[int] = set()
 
         def result(v: Val, name: str) -> Value:
@@ -544,6 +613,9 @@ class _Importer:
             v = env[vi.name]
             if isinstance(v, _Unsupported):
                 raise OnnxUnsupportedError(f"{self.source}: graph output {vi.name!r}: {v.reason}")
+            if isinstance(v, HostOutput):
+                finishes[len(outputs)] = v.finish
+                v = v.value
             if isinstance(v, Dynamic):
                 trims[len(outputs)] = len(counts)
                 counts.append(result(v.count, vi.name + ":count"))
@@ -557,7 +629,7 @@ class _Importer:
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
                            declared_inputs=declared_inputs, origins=self.origins, folded=self.folded,
-                           frozen=frozen, node_count=self.node_count, trims=trims)
+                           frozen=frozen, node_count=self.node_count, trims=trims, finishes=finishes)
 
     def _initializer(self, t: onnx.TensorProto) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
@@ -674,7 +746,7 @@ class _Importer:
 
     def _check_declared(self, name: str, v: Val, label: str) -> None:
         tp = self.declared.get(name)
-        if tp is None or isinstance(v, _Unsupported):
+        if tp is None or isinstance(v, (_Unsupported, HostOutput)):
             return
         elem, dims = _declared(tp)
         if isinstance(v, Dynamic):  # only the element type and the static dims are known

@@ -31,6 +31,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import numpy as np
+import onnx
+from onnx.backend.test.loader import load_model_tests
+from onnx.backend.test.runner import Runner, _normalize_tensor
+
+from polyhal import __version__
+from polyhal.errors import KernelNotFoundError
+from polyhal.frontends.onnx.backend import PolyhalBackend
+from polyhal.frontends.onnx.errors import OnnxUnsupportedError
+from polyhal.registry import devices as registered_devices
+
 #: Where the report goes by default (the repository's bench results).
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[4] / "bench" / "results" / "onnx_node_tests.md"
 
@@ -49,8 +60,6 @@ class CaseResult:
 
 def load_cases(pattern: str | None = None) -> list:
     """ONNX's node test cases (optionally those whose name matches regex ``pattern``)."""
-    from onnx.backend.test.loader import load_model_tests
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the generators' own overflow warnings
         cases = load_model_tests(kind="node")
@@ -81,12 +90,6 @@ def op_of_cases(cases: Sequence) -> dict[str, str]:
 
 def run_case(case, device: str) -> tuple[str, str]:
     """(status, reason) of one case on ``device``; never raises."""
-    from onnx.backend.test.runner import Runner, _normalize_tensor
-
-    from polyhal.errors import KernelNotFoundError
-    from polyhal.frontends.onnx.backend import PolyhalBackend
-    from polyhal.frontends.onnx.errors import OnnxUnsupportedError
-
     try:
         with warnings.catch_warnings(), _quiet_numpy():
             warnings.simplefilter("ignore")
@@ -108,13 +111,9 @@ def run_case(case, device: str) -> tuple[str, str]:
 
 class _quiet_numpy:
     def __enter__(self):
-        import numpy as np
-
         self._old = np.seterr(all="ignore")
 
     def __exit__(self, *exc):
-        import numpy as np
-
         np.seterr(**self._old)
 
 
@@ -153,10 +152,6 @@ def summarize(results: Iterable[CaseResult]) -> dict[str, collections.Counter]:
 
 def report(results: list[CaseResult], output: Path | None = DEFAULT_OUTPUT) -> str:
     """The markdown report; written to ``output`` (and a .json beside it) unless None."""
-    from polyhal import __version__
-
-    import onnx
-
     devices = list(dict.fromkeys(r.device for r in results))
     totals = summarize(results)
     lines = [
@@ -228,9 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", default=str(DEFAULT_OUTPUT), help="markdown report path ('-': none)")
     parser.add_argument("--show-failures", action="store_true", help="print every failing case")
     args = parser.parse_args(argv)
-    import polyhal
-
-    devices = args.device or [s.name for s in polyhal.devices()]
+    devices = args.device or [s.name for s in registered_devices()]
     results = run(devices, args.pattern, progress=True)
     report(results, None if args.output == "-" else Path(args.output))
     for d, t in summarize(results).items():

@@ -9,7 +9,7 @@
 Inputs come from ``--input NAME=FILE.npy`` (or ``NAME=FILE.npz``, its only array or the one
 called NAME), ``--input FILE.npz`` (every array, by name), or are drawn at random from the
 model's declared types (symbolic dims from ``--dim SYMBOL=SIZE`` or ``--shape NAME=D0,D1``,
-else 1). Inputs that decide shapes (a Reshape's shape fed as an input, ...) are fixed to the
+else 1, which the output says). Inputs that decide shapes (a Reshape's shape fed as an input, ...) are fixed to the
 values read from files. ``--device`` is the ordered device list (as IREE's ``--device``): each
 op runs on the first that has its kernel, others taking what it lacks unless ``--strict``.
 """
@@ -29,6 +29,10 @@ from typing import Any
 import numpy as np
 
 from polyhal.errors import PolyhalError
+from polyhal.explain import add_policy_arguments, apply_policy_arguments
+from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
+from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.hal.device import host_memory_available
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="device to run on; repeat for an ordered list (default: every device, best first)")
     p.add_argument("--strict", action="store_true",
                    help="fail if an op has no kernel on the --device list, instead of running it elsewhere")
-    try:
-        from polyhal.explain import add_policy_arguments
-    except ImportError:  # an older core without the policy options
-        p.add_argument("--device-lead-allocator", type=int, default=None, metavar="N",
-                       help="the Nth --device allocates buffers several devices share")
-    else:
-        add_policy_arguments(p)
+    add_policy_arguments(p)
     p.add_argument("--data-tiling", action="store_true", help="compile with data-tiling encodings")
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="compile without the fusion passes (attention, linear)")
@@ -86,8 +84,6 @@ def _sizes(text: str, what: str, one: bool = False) -> tuple[int, ...]:
 
 
 def _usage(message: str) -> PolyhalError:
-    from polyhal.frontends.onnx.errors import OnnxInputError
-
     return OnnxInputError(message)
 
 
@@ -150,8 +146,6 @@ def random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dty
 
 def check_input_memory(program, file_feeds: dict, registry, devices: list[str] | None) -> None:
     """Refuse random inputs that the host, or the first device they would go to, cannot hold."""
-    from polyhal.hal.device import host_memory_available
-
     random_bytes = sum(v.type.nbytes for v in program.inputs if v.name not in file_feeds)
     if not random_bytes:
         return
@@ -165,21 +159,36 @@ def check_input_memory(program, file_feeds: dict, registry, devices: list[str] |
                          f"available ({available} bytes); use smaller --dim/--shape values")
 
 
+def default_dims(model, shapes: dict, dims: dict) -> list[dict[str, Any]]:
+    """The dynamic dims of ``model``'s inputs that neither ``shapes`` (from --shape and --input
+    files) nor ``dims`` (--dim) size, so that the run draws them at :data:`DEFAULT_DIM`: one
+    record per named symbol (``{"dim": "batch", "size": 1}``), one per unnamed dim
+    (``{"dim": "x[0]", ...}``)."""
+    initialized = {t.name for t in model.graph.initializer}
+    sized = {d.dim_param for vi in model.graph.input if vi.name in shapes
+             for d in vi.type.tensor_type.shape.dim if d.dim_param}  # the importer takes these from shapes
+    out: dict[str, dict[str, Any]] = {}
+    for vi in model.graph.input:
+        if vi.name in initialized or vi.name in shapes or vi.type.WhichOneof("value") != "tensor_type":
+            continue
+        for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+            if d.HasField("dim_value") or d.dim_param in dims or d.dim_param in sized:
+                continue
+            name = d.dim_param or f"{vi.name}[{axis}]"
+            out.setdefault(name, {"dim": name, "size": DEFAULT_DIM})
+    return list(out.values())
+
+
+#: The size ``polyhal run`` gives a dynamic dim that no option sizes: 1, the batch of one that
+#: every model with a batch dim accepts.
+DEFAULT_DIM = 1
+
+
 # --------------------------------------------------------------------------------------- run
 
 def cmd_run(args: argparse.Namespace, registry) -> int:
     """Load, compile and run the model; print (or write) outputs, timings and placement."""
-    from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
-    from polyhal.frontends.onnx.importer import load, read_model
-
-    try:
-        from polyhal.explain import apply_policy_arguments
-    except ImportError:
-        apply_policy_arguments = None
-    if apply_policy_arguments is not None:
-        apply_policy_arguments(args, registry)
-    elif getattr(args, "device_lead_allocator", None) is not None:
-        os.environ["POLYHAL_DEVICE_LEAD_ALLOCATOR"] = str(args.device_lead_allocator)
+    apply_policy_arguments(args, registry)
     if args.repeat < 1:
         raise _usage(f"--repeat must be >= 1, got {args.repeat}")
 
@@ -201,7 +210,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     while True:
         try:
             program = load(model, shapes={k: v for k, v in shapes.items() if k not in fixed}, values=fixed,
-                           dims=dims, default_dim=1, source=args.model)
+                           dims=dims, default_dim=DEFAULT_DIM, source=args.model)
             break
         except NeedsValue as exc:
             random_ones = sorted(set(exc.inputs) - set(file_feeds))
@@ -212,6 +221,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
                 raise
             fixed.update({k: file_feeds[k] for k in exc.inputs})
     t_load = time.perf_counter() - t0
+    defaulted = default_dims(model, shapes, dims)
 
     check_input_memory(program, file_feeds, registry, args.device)
     rng = np.random.default_rng(args.seed)
@@ -262,6 +272,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
                        for n, x in feeds.items()]
             + [{"name": n, "shape": list(x.shape), "dtype": str(x.dtype), "source": "file (fixed at import)"}
                for n, x in program.frozen.items()],
+            "default_dims": defaulted,
             "outputs": [_output_record(n, v) for n, v in outputs.items()],
             "timing": timing,
         }
@@ -280,6 +291,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(f"  input  {n}: {x.dtype}{list(x.shape)} ({sources[n]})")
     for n, x in program.frozen.items():
         print(f"  input  {n}: {x.dtype}{list(x.shape)} (file, fixed at import)")
+    for d in defaulted:
+        print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
     with np.printoptions(threshold=2 * args.print_limit, edgeitems=args.print_limit, precision=5, linewidth=100):
         for n, v in outputs.items():
             print(f"  output {n}: {v.dtype}{list(v.shape)}")

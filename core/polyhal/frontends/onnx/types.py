@@ -50,4 +50,20 @@ class Dynamic:
         self.padded, self.count, self.what = padded, count, what
 
 
-__all__ = ["Dynamic", "np_dtype", "onnx_elem_type"]
+class HostOutput:
+    """A model output that the plan computes as a tensor (``value``) and the front end turns
+    into what ONNX declares, on the host, with ``finish``: string class labels from their
+    indices, a sequence of maps from a probability matrix (ZipMap). polyhal has no string,
+    sequence or map values, so only a model output may be one; :meth:`OnnxProgram.execute`
+    applies ``finish``."""
+
+    def __init__(self, value: Value | np.ndarray, finish, what: str) -> None:
+        self.value, self.finish, self.what = value, finish, what
+
+    @property
+    def reason(self) -> str:
+        return (f"it is {self.what}, which polyhal makes on the host after the run, so it can only be a "
+                "model output")
+
+
+__all__ = ["Dynamic", "HostOutput", "np_dtype", "onnx_elem_type"]

@@ -318,7 +318,7 @@ def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onn
 
 # Importing the families registers their converters.
 from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
-    elementwise, tensor, reduce, nn, misc, resize, control, rnn, signal,
+    elementwise, tensor, reduce, nn, misc, resize, control, rnn, signal, ml,
 )
 
 __all__ = ["CONVERTERS", "Decline", "NodeContext", "convert_node", "converter"]

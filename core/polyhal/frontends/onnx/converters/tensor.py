@@ -39,7 +39,8 @@ def reshape(ctx: NodeContext, x, shape) -> object:
 @converter("Identity")
 def _identity(ctx: NodeContext) -> list:
     raw = ctx.raw_input(0)
-    return [raw if hasattr(raw, "padded") else ctx.input(0)]
+    # Values of run-time length and host-made outputs (string labels, ZipMap) pass through.
+    return [raw if hasattr(raw, "padded") or hasattr(raw, "finish") else ctx.input(0)]
 
 
 @converter("Reshape")

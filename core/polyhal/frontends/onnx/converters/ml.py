@@ -1,0 +1,381 @@
+"""Converters of the ``ai.onnx.ml`` domain: what scikit-learn pipelines export (skl2onnx).
+
+Most of these ops are a few core ops each (Scaler is a subtract and a multiply, LinearClassifier
+a gemm, a post transform and an argmax), so they run on every device. Tree ensembles become one
+``tree_ensemble`` op over compact node arrays (:mod:`polyhal.ops.ml`), built and checked here:
+a model whose node arrays are inconsistent (lengths that differ, a child that is not a node of
+its tree, a cycle, a feature out of range) is refused naming the attribute.
+
+**Values polyhal cannot hold.** String class labels and ZipMap's sequence of maps are made on
+the host after the run (:class:`~polyhal.frontends.onnx.types.HostOutput`): the plan computes
+the label indices (or the probability matrix) and :meth:`OnnxProgram.execute` returns a numpy
+array of ``str`` (or a list of ``{label: float}`` dicts, one per sample, as onnxruntime returns).
+Such values can only be model outputs. String *inputs* (LabelEncoder, OneHotEncoder on strings)
+are unsupported: polyhal has no string tensors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.types import HostOutput
+from polyhal.ops.ml import LEAF, MISSING_TRUE, MODE_BITS
+
+ML = "ai.onnx.ml"
+_F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
+
+
+def _float_input(ctx: NodeContext, i: int = 0) -> Any:
+    """Input ``i`` as float32 (float64 stays float64), as the ai.onnx.ml ops read numbers."""
+    x = ctx.input(i)
+    return x if ctx.dtype(x) in (_F32, _F64) else ctx.op("cast", x, dtype=_F32)
+
+
+def _as_matrix(ctx: NodeContext, x: Any) -> Any:
+    """A 1-D input as one row (the ops take ``[N, C]``, or ``[C]`` for one sample)."""
+    return ctx.op("reshape", x, shape=[1, ctx.shape(x)[0]]) if ctx.rank(x) == 1 else x
+
+
+def _floats(ctx: NodeContext, name: str, dtype=_F32) -> np.ndarray | None:
+    """A float list attribute (or its ``*_as_tensor`` form) as an array, or None if absent."""
+    if ctx.has_attr(f"{name}_as_tensor"):
+        return np.asarray(ctx.attr(f"{name}_as_tensor"), dtype).reshape(-1)
+    return np.asarray(ctx.attr(name), dtype) if ctx.has_attr(name) else None
+
+
+# ------------------------------------------------------------------------------- preprocessing
+
+@converter("Scaler", domain=ML)
+def _scaler(ctx: NodeContext) -> list:
+    x = _float_input(ctx)
+    dtype = ctx.dtype(x)
+    offset = np.asarray(ctx.attr("offset", [0.0]), dtype)
+    scale = np.asarray(ctx.attr("scale", [1.0]), dtype)
+    return [ctx.op("mul", ctx.op("sub", x, offset), scale)]
+
+
+@converter("Normalizer", domain=ML)
+def _normalizer(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    norm = ctx.attr("norm", "MAX")
+    if norm == "MAX":
+        d = ctx.op("reduce_max", x, axes=[1], keepdims=True)
+    elif norm == "L1":
+        d = ctx.op("reduce_sum", ctx.op("abs", x), axes=[1], keepdims=True)
+    elif norm == "L2":
+        d = ctx.op("sqrt", ctx.op("reduce_sum", ctx.op("mul", x, x), axes=[1], keepdims=True))
+    else:
+        raise OnnxModelError(f"attribute 'norm' is {norm!r}; ONNX defines MAX, L1 and L2")
+    return [ctx.op("div", x, d)]
+
+
+@converter("Binarizer", domain=ML)
+def _binarizer(ctx: NodeContext) -> list:
+    x = ctx.input(0)
+    threshold = np.array(ctx.attr("threshold", 0.0), ctx.dtype(x))
+    return [ctx.op("cast", ctx.op("greater", x, threshold), dtype=ctx.dtype(x))]
+
+
+@converter("Imputer", domain=ML)
+def _imputer(ctx: NodeContext) -> list:
+    x = ctx.input(0)
+    dtype = ctx.dtype(x)
+    if dtype.kind == "f":
+        imputed, replaced = _floats(ctx, "imputed_value_floats", dtype), ctx.attr("replaced_value_float", 0.0)
+    else:
+        imputed, replaced = np.asarray(ctx.attr("imputed_value_int64s", []), dtype), \
+            ctx.attr("replaced_value_int64", 0)
+    if imputed is None or not imputed.size:
+        raise OnnxModelError("attribute 'imputed_value_floats' (or 'imputed_value_int64s') is empty")
+    replaced = np.array(replaced, dtype)
+    mask = ctx.op("isnan", x) if dtype.kind == "f" and np.isnan(replaced) else ctx.op("equal", x, replaced)
+    return [ctx.op("where", mask, imputed, x)]
+
+
+@converter("ArrayFeatureExtractor", domain=ML)
+def _array_feature_extractor(ctx: NodeContext) -> list:
+    x, indices = _as_matrix(ctx, ctx.input(0)), ctx.input(1)
+    flat = ctx.op("reshape", indices, shape=[int(np.prod(ctx.shape(indices)))])
+    return [ctx.op("gather", x, flat, axis=ctx.rank(x) - 1)]
+
+
+@converter("OneHotEncoder", domain=ML)
+def _one_hot_encoder(ctx: NodeContext) -> list:
+    # zeros=0 asks for an error on a category not listed; polyhal's kernels cannot raise on data,
+    # so such a value gives an all-zero row in either case (documented in README).
+    if ctx.has_attr("cats_strings"):
+        raise OnnxUnsupportedError("OneHotEncoder over strings (cats_strings): polyhal has no string tensors")
+    cats = np.asarray(ctx.attr("cats_int64s"), np.int64)
+    x = ctx.input(0)
+    if ctx.dtype(x) != np.int64:
+        x = ctx.op("cast", x, dtype=np.int64)
+    hot = ctx.op("equal", ctx.op("reshape", x, shape=[*ctx.shape(x), 1]), cats)
+    return [ctx.op("cast", hot, dtype=_F32)]
+
+
+@converter("LabelEncoder", domain=ML)
+def _label_encoder(ctx: NodeContext) -> list:
+    keys = _first_attr(ctx, ("keys_int64s", "keys_floats", "keys_tensor", "keys_strings"))
+    values = _first_attr(ctx, ("values_int64s", "values_floats", "values_tensor", "values_strings"))
+    if keys is None or values is None or keys.dtype.kind in "OUS" or values.dtype.kind in "OUS":
+        raise OnnxUnsupportedError("LabelEncoder with string keys or values: polyhal has no string tensors")
+    if len(keys) != len(values):
+        raise OnnxModelError(f"LabelEncoder has {len(keys)} keys but {len(values)} values; give one value per key")
+    default = _first_attr(ctx, ("default_int64", "default_float", "default_tensor"), values.dtype)
+    default = np.array(default.reshape(-1)[0] if default is not None and default.size else
+                       (-1 if values.dtype.kind == "i" else -0.0), values.dtype)
+    x = ctx.input(0)
+    if ctx.dtype(x) != keys.dtype:
+        raise OnnxModelError(f"LabelEncoder input is {ctx.dtype(x)} but its keys are {keys.dtype}")
+    hits = ctx.op("equal", ctx.op("reshape", x, shape=[*ctx.shape(x), 1]), keys)  # [..., K]
+    last = ctx.rank(x)
+    found = ctx.op("reduce_max", ctx.op("cast", hits, dtype=np.int8), axes=[last])
+    index = ctx.op("argmax", ctx.op("cast", hits, dtype=np.int8), axis=last)
+    found = ctx.op("cast", found, dtype=np.bool_)
+    return [ctx.op("where", found, ctx.op("gather", values, index, axis=0), default)]
+
+
+def _first_attr(ctx: NodeContext, names: Sequence[str], dtype=None) -> np.ndarray | None:
+    for name in names:
+        if ctx.has_attr(name):
+            value = ctx.attr(name)
+            kind = name.rsplit("_", 1)[1]
+            want = dtype or {"int64s": np.int64, "floats": _F32, "int64": np.int64, "float": _F32}.get(kind)
+            return np.asarray(value, want) if want is not None else np.asarray(value)
+    return None
+
+
+# ------------------------------------------------------------------------------ linear models
+
+def _post_transform(ctx: NodeContext, scores: Any) -> Any:
+    transform = ctx.attr("post_transform", "NONE")
+    if transform == "NONE":
+        return scores
+    if transform == "LOGISTIC":
+        return ctx.op("sigmoid", scores)
+    if transform == "SOFTMAX":
+        return ctx.op("softmax", scores, axis=-1)
+    raise OnnxUnsupportedError(f"{ctx.op_type} with post_transform {transform!r} is not supported by polyhal "
+                               "(NONE, LOGISTIC and SOFTMAX are)")
+
+
+def _class_labels(ctx: NodeContext, index: Any, ints_attr: str, strings_attr: str) -> Any:
+    """The label output from the chosen class ``index`` (int64 [N]): int labels gathered in the
+    plan, string labels made on the host."""
+    if ctx.has_attr(strings_attr):
+        labels = np.array(ctx.attr(strings_attr), dtype=object)
+        return HostOutput(index, lambda a: labels[np.asarray(a)].astype(str), "string class labels")
+    labels = np.asarray(ctx.attr(ints_attr, []), np.int64)
+    if not labels.size:
+        raise OnnxModelError(f"neither {ints_attr!r} nor {strings_attr!r} is given")
+    return ctx.op("gather", labels, index, axis=0)
+
+
+def _n_labels(ctx: NodeContext, ints_attr: str, strings_attr: str) -> int:
+    return len(ctx.attr(strings_attr, [])) or len(ctx.attr(ints_attr, []))
+
+
+def _binary_columns(ctx: NodeContext, s: Any) -> Any:
+    """One score column ``s`` [N, 1] as two: ``[1 - s, s]`` without a post transform (a
+    probability), ``[-s, s]`` with one (a margin), as onnxruntime does."""
+    first = ctx.op("sub", np.ones((), ctx.dtype(s)), s) if ctx.attr("post_transform", "NONE") == "NONE" \
+        else ctx.op("neg", s)
+    return ctx.op("concat", first, s, axis=1)
+
+
+@converter("LinearRegressor", domain=ML)
+def _linear_regressor(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    coefficients = np.asarray(ctx.attr("coefficients"), dtype).reshape(-1, features)
+    targets = int(ctx.attr("targets", 1))
+    if coefficients.shape[0] != targets:
+        raise OnnxModelError(f"attribute 'coefficients' holds {coefficients.shape[0]} rows of {features}, "
+                             f"but 'targets' is {targets}")
+    intercepts = np.asarray(ctx.attr("intercepts", [0.0] * targets), dtype)
+    y = ctx.op("gemm", x, coefficients, intercepts, trans_b=True)
+    return [_post_transform(ctx, y)]
+
+
+@converter("LinearClassifier", domain=ML)
+def _linear_classifier(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    coefficients = np.asarray(ctx.attr("coefficients"), dtype)
+    if coefficients.size % features:
+        raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries, not a multiple of the "
+                             f"{features} features")
+    coefficients = coefficients.reshape(-1, features)
+    intercepts = np.asarray(ctx.attr("intercepts", [0.0] * len(coefficients)), dtype)
+    scores = ctx.op("gemm", x, coefficients, intercepts, trans_b=True)
+    if coefficients.shape[0] == 1 and _n_labels(ctx, "classlabels_ints", "classlabels_strings") == 2:
+        scores = _binary_columns(ctx, scores)
+    scores = _post_transform(ctx, scores)
+    index = ctx.op("argmax", scores, axis=1)
+    return [_class_labels(ctx, index, "classlabels_ints", "classlabels_strings"), scores]
+
+
+# --------------------------------------------------------------------------------- tree ensembles
+
+_NODE_ATTRS = ("nodes_treeids", "nodes_nodeids", "nodes_featureids", "nodes_modes", "nodes_truenodeids",
+               "nodes_falsenodeids")
+
+
+def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str, n_targets: int,
+                  single_target: bool = False):
+    """The compact arrays of :mod:`polyhal.ops.ml` from the node's ``nodes_*`` and
+    ``{prefix}_*`` attributes, checked: ``(nodes, thresholds, leaf_values, roots, depth)``."""
+    arrays = {name: ctx.attr(name, None) for name in _NODE_ATTRS}
+    missing = [n for n, v in arrays.items() if v is None]
+    if missing:
+        raise OnnxModelError(f"required attribute {missing[0]!r} is missing")
+    thresholds = _floats(ctx, "nodes_values", dtype)
+    arrays["nodes_values"] = thresholds if thresholds is not None else np.zeros(0)
+    tracks = ctx.attr("nodes_missing_value_tracks_true", None)
+    if tracks is not None:
+        arrays["nodes_missing_value_tracks_true"] = tracks
+    count = len(arrays["nodes_treeids"])
+    for name, values in arrays.items():
+        if len(values) != count:
+            raise OnnxModelError(f"attribute {name!r} has {len(values)} entries but 'nodes_treeids' has {count}; "
+                                 "every nodes_* attribute has one entry per node")
+    tree_ids, node_ids = arrays["nodes_treeids"], arrays["nodes_nodeids"]
+    row_of: dict[tuple[int, int], int] = {}
+    for row, key in enumerate(zip(tree_ids, node_ids)):
+        if key in row_of:
+            raise OnnxModelError(f"attributes 'nodes_treeids'/'nodes_nodeids' list tree {key[0]} node {key[1]} twice")
+        row_of[key] = row
+    nodes = np.zeros((count, 4), np.int64)
+    for row in range(count):
+        mode_name = arrays["nodes_modes"][row]
+        if mode_name == "LEAF":
+            nodes[row] = (0, LEAF, row, row)
+            continue
+        if mode_name not in MODE_BITS:
+            raise OnnxModelError(f"attribute 'nodes_modes' entry {row} is {mode_name!r}; ONNX defines LEAF and "
+                                 f"{', '.join(MODE_BITS)}")
+        feature = int(arrays["nodes_featureids"][row])
+        if not 0 <= feature < features:
+            raise OnnxModelError(f"attribute 'nodes_featureids' entry {row} is {feature}, but the input has "
+                                 f"{features} features")
+        nexts = []
+        for name in ("nodes_truenodeids", "nodes_falsenodeids"):
+            target = row_of.get((tree_ids[row], arrays[name][row]))
+            if target is None:
+                raise OnnxModelError(f"attribute {name!r} entry {row} (tree {tree_ids[row]}, node {node_ids[row]}) "
+                                     f"points at node {arrays[name][row]}, which tree {tree_ids[row]} does not have")
+            nexts.append(target)
+        mode = MODE_BITS[mode_name] | (MISSING_TRUE if tracks is not None and tracks[row] else 0)
+        nodes[row] = (feature, mode, *nexts)
+    roots: dict[int, int] = {}
+    for row, tid in enumerate(tree_ids):
+        roots.setdefault(tid, row)
+    root_rows = np.array([roots[t] for t in sorted(roots)], np.int64)
+    depth = _depth(nodes, root_rows, tree_ids)
+    leaf_values = np.zeros((count, n_targets), np.float64)
+    weights = {n: ctx.attr(f"{prefix}_{n}", None) for n in ("treeids", "nodeids", "ids")}
+    weights["weights"] = _floats(ctx, f"{prefix}_weights", np.float64)
+    for name, values in weights.items():
+        if values is None:
+            raise OnnxModelError(f"required attribute '{prefix}_{name}' is missing")
+        if len(values) != len(weights["treeids"]):
+            raise OnnxModelError(f"attribute '{prefix}_{name}' has {len(values)} entries but "
+                                 f"'{prefix}_treeids' has {len(weights['treeids'])}; give one per leaf weight")
+    for i, (tid, nid, target, w) in enumerate(zip(*weights.values())):
+        row = row_of.get((tid, nid))
+        if row is None:
+            raise OnnxModelError(f"attribute '{prefix}_nodeids' entry {i} names tree {tid} node {nid}, which is "
+                                 "not a node")
+        target = 0 if single_target else int(target)
+        if not 0 <= target < n_targets:
+            raise OnnxModelError(f"attribute '{prefix}_ids' entry {i} is {target}; the model has {n_targets} "
+                                 "targets or classes")
+        leaf_values[row, target] += w
+    thresholds = np.asarray(arrays["nodes_values"], dtype) if count else np.zeros(0, dtype)
+    return nodes, thresholds, leaf_values, root_rows, depth
+
+
+def _depth(nodes: np.ndarray, roots: np.ndarray, tree_ids) -> int:
+    """The longest root-to-leaf path in branches; OnnxModelError for a cycle."""
+    deepest = 0
+    for root in roots:
+        stack = [(int(root), 0)]
+        seen_depth: dict[int, int] = {}
+        while stack:
+            row, level = stack.pop()
+            if level > len(nodes):
+                raise OnnxModelError(f"attributes 'nodes_truenodeids'/'nodes_falsenodeids' form a cycle in tree "
+                                     f"{tree_ids[root]}")
+            if seen_depth.get(row, -1) >= level:
+                continue
+            seen_depth[row] = level
+            if nodes[row, 1] == LEAF:
+                deepest = max(deepest, level)
+            else:
+                stack.append((int(nodes[row, 2]), level + 1))
+                stack.append((int(nodes[row, 3]), level + 1))
+    return deepest
+
+
+def _walk(ctx: NodeContext, x: Any, prefix: str, n_targets: int, single_target: bool = False) -> Any:
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    nodes, thresholds, leaf_values, roots, depth = compact_trees(ctx, features, dtype, prefix, n_targets,
+                                                                 single_target)
+    return ctx.op("tree_ensemble", x, nodes, thresholds, leaf_values, roots, depth=depth), len(roots)
+
+
+@converter("TreeEnsembleRegressor", domain=ML)
+def _tree_ensemble_regressor(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    n_targets = int(ctx.attr("n_targets", 1))
+    y, trees = _walk(ctx, x, "target", n_targets)
+    aggregate = ctx.attr("aggregate_function", "SUM")
+    if aggregate == "AVERAGE":
+        y = ctx.op("mul", y, np.array(1.0 / max(trees, 1), _F32))
+    elif aggregate != "SUM":
+        raise OnnxUnsupportedError(f"TreeEnsembleRegressor with aggregate_function {aggregate!r} is not supported "
+                                   "by polyhal (SUM and AVERAGE are)")
+    base = _floats(ctx, "base_values")
+    if base is not None and base.size:
+        y = ctx.op("add", y, base.astype(_F32))
+    return [_post_transform(ctx, y)]
+
+
+@converter("TreeEnsembleClassifier", domain=ML)
+def _tree_ensemble_classifier(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    n_classes = _n_labels(ctx, "classlabels_int64s", "classlabels_strings")
+    class_ids = ctx.attr("class_ids", [])
+    binary = n_classes == 2 and len(set(class_ids)) <= 1  # one score, for the second class
+    scores, _ = _walk(ctx, x, "class", 1 if binary else n_classes, single_target=binary)
+    base = _floats(ctx, "base_values")
+    if base is not None and base.size:
+        scores = ctx.op("add", scores, (base[:1] if binary else base).astype(_F32))
+    if binary:
+        scores = _binary_columns(ctx, scores)
+    scores = _post_transform(ctx, scores)
+    index = ctx.op("argmax", scores, axis=1)
+    return [_class_labels(ctx, index, "classlabels_int64s", "classlabels_strings"), scores]
+
+
+# ------------------------------------------------------------------------------------- ZipMap
+
+@converter("ZipMap", domain=ML)
+def _zipmap(ctx: NodeContext) -> list:
+    x = ctx.input(0)
+    if ctx.has_attr("classlabels_strings"):
+        labels: list = list(ctx.attr("classlabels_strings"))
+    else:
+        labels = [int(v) for v in ctx.attr("classlabels_int64s")]
+    if ctx.rank(x) != 2 or ctx.shape(x)[1] != len(labels):
+        raise OnnxModelError(f"ZipMap's input has shape {list(ctx.shape(x))}, but it names {len(labels)} class "
+                             f"labels; the input must be [N, {len(labels)}]")
+
+    def finish(scores: np.ndarray) -> list[dict]:
+        return [dict(zip(labels, row)) for row in np.asarray(scores).tolist()]
+
+    return [HostOutput(x, finish, "a sequence of maps (ZipMap)")]

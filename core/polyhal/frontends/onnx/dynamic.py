@@ -1,0 +1,271 @@
+"""Shape-polymorphic ONNX models: loaded once, a plan specialized per concrete input shape.
+
+:func:`polyhal.onnx.load` returns an :class:`OnnxProgram` (static shapes) when every input
+dim is known: fixed in the model, or given with ``shapes=``, ``dims=`` or ``default_dim=``.
+Otherwise it returns a :class:`DynamicOnnxProgram`: the validated model and its input
+signature. Its :meth:`~DynamicOnnxProgram.compile` gives a :class:`DynamicPlan` that, called
+with inputs of a shape it has not seen, imports the model for that shape, compiles it (one
+compile) and caches the pair in a bounded LRU :class:`~polyhal.specialization.SpecializationCache`;
+a call with a shape seen before costs one lookup (the shape dispatch, measured by
+``python -m bench dynamic_shapes``).
+
+How ``dims=`` fits: a symbol given in ``dims=`` is *bound*: every call must use that size for
+it (an error names the dim and both sizes otherwise); symbols not given are free and take the
+size of each call's inputs. A symbol that appears in several inputs (or twice in one) must have
+one size within a call, and a dim the model fixes must have that size.
+
+Why specialize rather than compile with dynamic dims: polyhal plans plan their buffers and
+prepare their kernels for static shapes (arenas sized once, BLAS layouts and CUDA graphs chosen
+per shape), and the importer folds shape computations into constants; a model with symbolic
+dims is therefore imported and compiled per concrete shape, which every backend supports alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from polyhal.frontends.onnx.errors import OnnxInputError
+from polyhal.specialization import SpecializationCache
+
+__all__ = ["DynamicOnnxProgram", "DynamicPlan", "InputSignature", "Specialization", "bind_dims"]
+
+Dim = int | str | None  # a fixed size, a named symbol, or an unnamed dynamic dim
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """A graph input as the model declares it: element type and dims (int: fixed; str: a named
+    symbol; None: an unnamed dynamic dim; ``dims`` None: the rank is not declared)."""
+
+    name: str
+    dtype: np.dtype
+    dims: tuple[Dim, ...] | None
+    declared: str
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One concrete shape signature: the program imported for it and its compiled plan."""
+
+    program: Any  # OnnxProgram
+    plan: Any  # polyhal.Plan
+
+
+def bind_dims(source: str, signature: Sequence[InputSignature], shapes: Sequence[tuple[int, ...]],
+              bound: Mapping[str, int]) -> dict[str, int]:
+    """Check input ``shapes`` (one per entry of ``signature``) against the declared dims and
+    return the size of every named symbol, ``bound`` ones included. OnnxInputError names the
+    input, the dim and both sizes of a contradiction: a fixed dim given another size, one symbol
+    at two sizes, or a symbol bound at load (``dims=``) given another."""
+    sizes: dict[str, tuple[int, str]] = {k: (v, "dims= at load") for k, v in bound.items()}
+    for sig, shape in zip(signature, shapes):
+        if sig.dims is None:
+            continue
+        if len(shape) != len(sig.dims):
+            raise OnnxInputError(f"{source}: input {sig.name!r} must have rank {len(sig.dims)} "
+                                 f"(declared {sig.declared}), got shape {tuple(shape)}")
+        for axis, (want, got) in enumerate(zip(sig.dims, shape)):
+            where = f"input {sig.name!r} dim {axis}"
+            if isinstance(want, int):
+                if want != got:
+                    raise OnnxInputError(f"{source}: {where} is fixed at {want} by the model (declared "
+                                         f"{sig.declared}), got {got}")
+            elif isinstance(want, str):
+                seen = sizes.setdefault(want, (got, where))
+                if seen[0] != got:
+                    raise OnnxInputError(f"{source}: symbolic dim {want!r} has two sizes: {seen[0]} ({seen[1]}) "
+                                         f"and {got} ({where}); one call gives each symbol one size")
+    return {k: v for k, (v, _) in sizes.items()}
+
+
+class DynamicOnnxProgram:
+    """An ONNX model with symbolic or unnamed input dims, loaded once.
+
+    Compile it (:meth:`compile`) to get a :class:`DynamicPlan`, which specializes per input
+    shape; or :meth:`specialize` it to the static :class:`OnnxProgram` of one shape. ``bound``
+    holds the symbols fixed at load (``dims=``).
+    """
+
+    def __init__(self, *, source: str, opset: int, signature: Sequence[InputSignature],
+                 output_names: Sequence[str], bound: Mapping[str, int],
+                 specialize: Callable[[Mapping[str, tuple[int, ...]]], Any]) -> None:
+        self.source = source
+        self.opset = opset
+        self.signature = tuple(signature)
+        self.output_names = list(output_names)
+        self.bound = dict(bound)
+        self._specialize = specialize
+
+    @property
+    def input_names(self) -> list[str]:
+        """Names of the inputs a run takes, in order."""
+        return [s.name for s in self.signature]
+
+    @property
+    def declared_inputs(self) -> dict[str, str]:
+        """Input name -> its declared type, as text (``float[batch,20]``)."""
+        return {s.name: s.declared for s in self.signature}
+
+    @property
+    def symbols(self) -> list[str]:
+        """The named symbolic dims of the inputs, in order of first use."""
+        return list(dict.fromkeys(d for s in self.signature for d in (s.dims or ()) if isinstance(d, str)))
+
+    # -- shapes ----------------------------------------------------------------------------
+
+    def bind(self, shapes: Sequence[tuple[int, ...]]) -> dict[str, int]:
+        """Check one call's input ``shapes`` (in input order) against the signature; returns the
+        size of every named symbol (see :func:`bind_dims`)."""
+        return bind_dims(self.source, self.signature, shapes, self.bound)
+
+    def specialize(self, shapes: Mapping[str, Sequence[int]] | Sequence[tuple[int, ...]]):
+        """The static :class:`OnnxProgram` for these input shapes (by name or in input order),
+        after :meth:`bind` checked them."""
+        if isinstance(shapes, Mapping):
+            missing = [n for n in self.input_names if n not in shapes]
+            if missing:
+                raise OnnxInputError(f"{self.source}: no shape for input {missing[0]!r} "
+                                     f"({self.declared_inputs[missing[0]]})")
+            shapes = [tuple(int(d) for d in shapes[n]) for n in self.input_names]
+        shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.bind(shapes)
+        return self._specialize(dict(zip(self.input_names, shapes)))
+
+    def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """``feeds`` as numpy arrays after checking names, element types and shapes (as
+        :meth:`OnnxProgram.check_feeds` does for a static model)."""
+        names = self.input_names
+        extra = [k for k in feeds if k not in names]
+        if extra:
+            raise OnnxInputError(f"{self.source}: the model has no input {extra[0]!r}; its inputs are "
+                                 f"{self._listing()}")
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise OnnxInputError(f"{self.source}: missing input {missing[0]!r} "
+                                 f"({self.declared_inputs[missing[0]]}); its inputs are {self._listing()}")
+        out = {}
+        for sig in self.signature:
+            x = feeds[sig.name]
+            arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
+            if arr.dtype != sig.dtype:
+                raise OnnxInputError(f"{self.source}: input {sig.name!r} must be {sig.dtype} "
+                                     f"(declared {sig.declared}), got {arr.dtype}")
+            out[sig.name] = arr
+        self.bind([a.shape for a in out.values()])
+        return out
+
+    def _listing(self) -> str:
+        return ", ".join(f"{s.name} ({s.declared})" for s in self.signature) or "(none)"
+
+    # -- compiling and running -------------------------------------------------------------
+
+    def compile(self, devices: Sequence[str] | str | None = None, *, strict: bool = False, registry=None,
+                cache_size: int | None = None, **options: Any) -> "DynamicPlan":
+        """A :class:`DynamicPlan`: compiles for ``devices`` (as :meth:`OnnxProgram.compile`) per
+        input shape on first use, keeping at most ``cache_size`` specializations (default
+        ``POLYHAL_SHAPE_CACHE``, else 16)."""
+        def make(shapes: tuple[tuple[int, ...], ...]) -> Specialization:
+            program = self.specialize(shapes)
+            return Specialization(program, program.compile(devices, strict=strict, registry=registry, **options))
+
+        return DynamicPlan(self, make, SpecializationCache(cache_size))
+
+    def execute(self, plan: "DynamicPlan", feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run ``plan`` on ``feeds`` (by name) and return the ONNX outputs by name."""
+        spec = plan.specialization(*[feeds[n] for n in self.input_names])
+        return spec.program.execute(spec.plan, feeds)
+
+    def run(self, feeds: Mapping[str, Any], devices: Sequence[str] | str | None = None, *,
+            strict: bool = False) -> dict[str, np.ndarray]:
+        """Compile, run once on ``feeds`` and return {output name: numpy array}."""
+        feeds = self.check_feeds(feeds)
+        return self.execute(self.compile(devices, strict=strict), feeds)
+
+    def explain(self, plan: "DynamicPlan | None" = None) -> str:
+        """The input signature; with ``plan``, its shape cache and the latest specialization's
+        explanation."""
+        lines = [f"model {self.source}: opset {self.opset}, shape-polymorphic (a plan per input shape)"]
+        for s in self.signature:
+            lines.append(f"  input {s.name!r}: {s.declared}")
+        if self.bound:
+            lines.append("  bound at load: " + ", ".join(f"{k}={v}" for k, v in self.bound.items()))
+        if plan is not None:
+            lines.append(plan.explain())
+        return "\n".join(lines)
+
+
+class DynamicPlan:
+    """A compiled shape-polymorphic model: call it like a :class:`~polyhal.plan.Plan`.
+
+    Each call finds the plan for its inputs' shapes in the cache (one tuple and one lookup), or
+    on a miss checks the shapes against the model, imports and compiles the model for them and
+    caches the result. ``cache`` holds the statistics (hits, misses, evictions); :meth:`explain`
+    prints them with the cached shapes.
+    """
+
+    def __init__(self, program: DynamicOnnxProgram, make: Callable[[tuple], Specialization],
+                 cache: SpecializationCache[Specialization]) -> None:
+        self.source = program
+        self.cache = cache
+        self._make = make
+        self._names = tuple(program.input_names)
+
+    def specialization(self, *args: Any, **kwargs: Any) -> Specialization:
+        """The specialization for these inputs (positionally or by name), made on first use."""
+        inputs = self._gather(args, kwargs)
+        try:
+            key = tuple([x.shape for x in inputs])
+        except AttributeError:
+            key = tuple(np.shape(x) for x in inputs)
+        found = self.cache.get(key)
+        return found if found is not None else self.cache.put(key, self._make(key))
+
+    def __call__(self, *args: Any, out: Any = None, **kwargs: Any) -> Any:
+        inputs = self._gather(args, kwargs)
+        return self.specialization(*inputs).plan(*inputs, out=out)
+
+    run = __call__
+
+    def run_numpy(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        """As :meth:`polyhal.plan.Plan.run_numpy`, through the plan of these inputs' shapes."""
+        inputs = self._gather(args, kwargs)
+        return self.specialization(*inputs).plan.run_numpy(*inputs)
+
+    def _gather(self, args: tuple, kwargs: dict) -> Sequence[Any]:
+        names = self._names
+        if not kwargs and len(args) == len(names):
+            return args
+        values = list(args) + [None] * (len(names) - len(args))
+        if len(args) > len(names):
+            raise OnnxInputError(f"{self.source.source}: the model takes {len(names)} inputs {list(names)}, "
+                                 f"got {len(args)}")
+        for k, x in kwargs.items():
+            if k not in names:
+                raise OnnxInputError(f"{self.source.source}: the model has no input {k!r}; inputs: {list(names)}")
+            values[names.index(k)] = x
+        missing = [n for n, x in zip(names, values) if x is None]
+        if missing:
+            raise OnnxInputError(f"{self.source.source}: missing input(s) {missing}")
+        return values
+
+    @property
+    def plans(self) -> list[Any]:
+        """The cached plans, least recently used first."""
+        return [s.plan for s in self.cache.values()]
+
+    def explain(self) -> str:
+        """Cache statistics, the cached shapes, and the most recently used plan's explanation."""
+        names = self._names
+
+        def describe(key: tuple) -> str:
+            return ", ".join(f"{n}{list(s)}" for n, s in zip(names, key))
+
+        lines = [self.cache.explain(describe)]
+        specs = self.cache.values()
+        if specs:
+            lines.append("most recent specialization:")
+            lines.append(specs[-1].program.explain(specs[-1].plan))
+        return "\n".join(lines)

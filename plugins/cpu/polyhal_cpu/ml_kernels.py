@@ -1,0 +1,81 @@
+"""CPU kernels of the classical ML ops (:mod:`polyhal.ops.ml`).
+
+``tree_ensemble`` walks all trees of all samples over the compact node arrays:
+
+* **native** (numba importable, ``POLYHAL_CPU_NATIVE`` not ``0``): one compiled loop per sample
+  and tree (:mod:`polyhal_cpu.tree_loops`), a branch per level, no temporaries. This is what
+  onnxruntime's tree kernels do; a numpy walk pays a dozen array calls per level.
+* **numpy** otherwise: the walk is vectorised over ``[samples, trees]`` -- ``depth`` steps, each
+  a few gathers and compares over the whole batch at once (leaves point at themselves, so rows
+  that arrive early stay put), then one gather of the leaf values and a sum over trees.
+
+The node arrays are the op's constant operands, so a plan binds them once. Their structure was
+checked by the front end (rows in range, no cycles, ``depth`` the longest path), which the native
+loop relies on to terminate.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from polyhal_cpu.table import TABLE, Kernel, Types
+
+__all__ = ["tree_walk_numpy"]
+
+_loop = None
+
+
+def _native():
+    """The compiled walk, or None (numba missing or disabled by ``POLYHAL_CPU_NATIVE=0``)."""
+    global _loop
+    if os.environ.get("POLYHAL_CPU_NATIVE", "1").strip() == "0":
+        return None
+    if _loop is None:
+        try:
+            from polyhal_cpu.tree_loops import tree_ensemble
+        except ImportError:
+            _loop = False
+        else:
+            _loop = tree_ensemble
+    return _loop or None
+
+
+def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, roots: np.ndarray,
+                    depth: int) -> np.ndarray:
+    """The leaf row each sample reaches in each tree, int64 ``[samples, trees]``, vectorised."""
+    samples, features = x.shape
+    feature, mode, true_next, false_next = (np.ascontiguousarray(nodes[:, c]) for c in range(4))
+    flat = np.ascontiguousarray(x).reshape(-1)
+    base = (np.arange(samples, dtype=np.int64) * features)[:, None]
+    idx = np.broadcast_to(roots, (samples, len(roots))).copy()
+    for _ in range(depth):
+        m = mode[idx]
+        v = flat[base + feature[idx]]
+        th = thresholds[idx]
+        with np.errstate(invalid="ignore"):
+            go = ((m & 1).astype(bool) & (v < th)) | ((m & 2).astype(bool) & (v == th)) \
+                | ((m & 4).astype(bool) & (v > th))
+        nan = np.isnan(v)
+        if nan.any():
+            go = np.where(nan, (m & 8).astype(bool), go)
+        idx = np.where(go, true_next[idx], false_next[idx])
+    return idx
+
+
+@TABLE.register("tree_ensemble")
+def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    depth = int(attrs["depth"])
+    loop = _native()
+    if loop is not None:
+        acc = np.empty(ins[3].shape[1], np.float64)
+
+        def kernel(x, nodes, thresholds, leaf_values, roots, out):
+            loop(np.ascontiguousarray(x), nodes, thresholds, leaf_values, roots, acc, out)
+        return kernel
+
+    def kernel(x, nodes, thresholds, leaf_values, roots, out):
+        leaves = tree_walk_numpy(x, nodes, thresholds, roots, depth)
+        np.copyto(out, leaf_values[leaves].sum(axis=1), casting="same_kind")
+    return kernel

@@ -1,0 +1,209 @@
+"""ai.onnx.ml: scikit-learn pipelines exported by skl2onnx run on polyhal and match onnxruntime
+(labels exactly, scores to float32 rounding, ZipMap's list of dicts); the tree-ensemble walk
+(native and numpy) against its reference; placement falls back to the CPU with a reason; tree
+ensembles with inconsistent node arrays are refused naming the attribute."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper  # noqa: E402
+
+import polyhal  # noqa: E402
+import polyhal.onnx as ponnx  # noqa: E402
+from polyhal.frontends.onnx import OnnxModelError, StrictPlacementError  # noqa: E402
+from polyhal.ir.types import TensorType  # noqa: E402
+from polyhal.ops import OPS, infer_types  # noqa: E402
+from polyhal.ops.ml import random_ensemble  # noqa: E402
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(7)
+X = RNG.standard_normal((300, 8)).astype(np.float32)
+Y_BIN = (X[:, 0] + X[:, 1] > 0).astype(np.int64)
+Y_MULTI = RNG.integers(0, 3, 300)
+Y_REG = X[:, 0] * 2 + X[:, 2]
+
+
+def _pipelines():
+    """name -> (pipeline, targets, input matrix); built lazily so that collection needs no sklearn."""
+    pytest.importorskip("sklearn", reason="scikit-learn is in requirements-test.txt")
+    pytest.importorskip("skl2onnx", reason="skl2onnx is in requirements-test.txt")
+    from sklearn.ensemble import (
+        GradientBoostingClassifier, GradientBoostingRegressor, RandomForestClassifier, RandomForestRegressor,
+    )
+    from sklearn.impute import SimpleImputer
+    from sklearn.linear_model import LinearRegression, LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import Binarizer, MinMaxScaler, Normalizer, OneHotEncoder, StandardScaler
+    from sklearn.tree import DecisionTreeClassifier
+
+    cats = RNG.integers(0, 4, (300, 3)).astype(np.int64)
+    return {
+        "gb_binary": (make_pipeline(StandardScaler(), GradientBoostingClassifier(n_estimators=6, max_depth=3)),
+                      Y_BIN, X),
+        "gb_multiclass": (make_pipeline(StandardScaler(), GradientBoostingClassifier(n_estimators=4, max_depth=3)),
+                          Y_MULTI, X),
+        "gb_regressor": (make_pipeline(MinMaxScaler(), GradientBoostingRegressor(n_estimators=6, max_depth=3)),
+                         Y_REG, X),
+        "forest_string_labels": (make_pipeline(Normalizer(), RandomForestClassifier(n_estimators=4, max_depth=4)),
+                                 np.array(["cat", "dog", "eel"])[Y_MULTI], X),
+        "forest_regressor": (RandomForestRegressor(n_estimators=4, max_depth=4), Y_REG, X),
+        "logistic_binary": (make_pipeline(StandardScaler(), LogisticRegression()), Y_BIN, X),
+        "logistic_multiclass": (make_pipeline(Normalizer("l1"), LogisticRegression()), Y_MULTI, X),
+        "imputer_linear": (make_pipeline(SimpleImputer(), LinearRegression()), Y_REG, X),
+        "binarizer_tree": (make_pipeline(Binarizer(threshold=0.1), DecisionTreeClassifier(max_depth=3)), Y_BIN, X),
+        "one_hot_logistic": (make_pipeline(OneHotEncoder(handle_unknown="ignore"), LogisticRegression()),
+                             Y_BIN, cats),
+    }
+
+
+def _convert(pipeline, y, x):
+    from skl2onnx import to_onnx
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipeline.fit(x, y)
+        return to_onnx(pipeline, x[:1]).SerializeToString()
+
+
+def _same(ours, theirs):
+    if isinstance(theirs, list):  # ZipMap: a list of {label: probability}
+        assert isinstance(ours, list) and len(ours) == len(theirs)
+        for a, b in zip(ours, theirs):
+            assert list(a) == list(b)
+            np.testing.assert_allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-6)
+    elif theirs.dtype.kind in "iuUO":
+        assert ours.shape == theirs.shape and ours.tolist() == theirs.tolist()
+    else:
+        assert ours.shape == theirs.shape
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+NAMES = ["gb_binary", "gb_multiclass", "gb_regressor", "forest_string_labels", "forest_regressor", "logistic_binary",
+         "logistic_multiclass", "imputer_linear", "binarizer_tree", "one_hot_logistic"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_sklearn_pipeline_matches_onnxruntime(name):
+    pipeline, y, x = _pipelines()[name]
+    model = _convert(pipeline, y, x)
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    input_name = session.get_inputs()[0].name
+    names = [o.name for o in session.get_outputs()]
+    program = ponnx.load(model)
+    assert isinstance(program, ponnx.DynamicOnnxProgram)  # skl2onnx exports [None, features]
+    plan = program.compile("cpu:0")
+    test = x[:40].copy()
+    if name in ("gb_regressor", "forest_regressor", "imputer_linear"):
+        test[3, 2] = np.nan  # missing values take the tree's default branch / the imputed value
+    for batch in (test[:1], test):
+        ours = program.execute(plan, {input_name: batch})
+        for n, theirs in zip(names, session.run(None, {input_name: batch})):
+            _same(ours[n], theirs)
+    if name == "one_hot_logistic":  # an unknown category gives an all-zero row
+        unknown = np.array([[7, 1, 2]], np.int64)
+        _same(program.execute(plan, {input_name: unknown})[names[1]], session.run(None, {input_name: unknown})[1])
+
+
+def test_zipmap_and_string_labels_are_host_values():
+    pipeline, y, x = _pipelines()["forest_string_labels"]
+    out = ponnx.load(_convert(pipeline, y, x)).run({"X": x[:3]})
+    assert out["output_label"].dtype.kind == "U" and set(out["output_label"]) <= {"cat", "dog", "eel"}
+    probs = out["output_probability"]
+    assert isinstance(probs, list) and len(probs) == 3 and list(probs[0]) == ["cat", "dog", "eel"]
+    assert all(isinstance(v, float) for v in probs[0].values())
+
+
+@pytest.mark.parametrize("native", ["1", "0"], ids=["numba", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_tree_walk_matches_reference(native, dtype, monkeypatch):
+    from polyhal_cpu import ml_kernels
+
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", native)
+    monkeypatch.setattr(ml_kernels, "_loop", None)
+    if native == "1" and ml_kernels._native() is None:
+        pytest.skip("numba is not installed")
+    rng = np.random.default_rng(3)
+    nodes, thresholds, leaf_values, roots = random_ensemble(rng, 6, 9, 4, 3, dtype)
+    x = rng.choice(np.array([-1, -0.5, 0, 0.5, 1, np.nan], dtype), size=(33, 6))
+    ins = [x, nodes, thresholds, leaf_values, roots]
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    (out_type,) = infer_types("tree_ensemble", types, {"depth": 4})
+    kernel = polyhal.get_device("cpu:0").prepare("tree_ensemble", {"depth": 4}, types, (out_type,))
+    out = np.empty(out_type.shape, out_type.dtype)
+    kernel(*ins, out)
+    np.testing.assert_allclose(out, OPS["tree_ensemble"].reference(*ins, depth=4)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_placement_falls_back_to_the_cpu_and_says_why():
+    if "opencl:0" not in {s.name for s in polyhal.devices()}:
+        pytest.skip("no OpenCL device here")
+    pipeline, y, x = _pipelines()["gb_regressor"]
+    model = _convert(pipeline, y, x)
+    program = ponnx.load(model)
+    plan = program.compile("opencl:0")
+    out = program.execute(plan, {"X": x[:5]})["variable"]
+    theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"X": x[:5]})[0]
+    np.testing.assert_allclose(out, theirs, rtol=1e-5, atol=1e-5)
+    text = plan.explain()
+    assert "tree_ensemble -> cpu:0 (candidates ['cpu:0']; opencl:0 has no 'tree_ensemble' kernel" in text
+    with pytest.raises(StrictPlacementError, match="tree_ensemble"):
+        program.compile("opencl:0", strict=True)(x[:5])
+
+
+# --------------------------------------------------------------------------------- bad input
+
+def _tree_model(**changes) -> onnx.ModelProto:
+    """A two-tree regressor over 2 features (tree 0: a branch and two leaves; tree 1: a leaf)."""
+    attrs = dict(nodes_treeids=[0, 0, 0, 1], nodes_nodeids=[0, 1, 2, 0], nodes_featureids=[1, 0, 0, 0],
+                 nodes_modes=["BRANCH_LEQ", "LEAF", "LEAF", "LEAF"], nodes_values=[0.5, 0, 0, 0],
+                 nodes_truenodeids=[1, 0, 0, 0], nodes_falsenodeids=[2, 0, 0, 0],
+                 target_treeids=[0, 0, 1], target_nodeids=[1, 2, 0], target_ids=[0, 0, 0],
+                 target_weights=[1.0, 2.0, 10.0], n_targets=1)
+    attrs.update(changes)
+    node = helper.make_node("TreeEnsembleRegressor", ["x"], ["y"], domain="ai.onnx.ml", **attrs)
+    graph = helper.make_graph([node], "trees", [helper.make_tensor_value_info("x", F, [None, 2])],
+                              [helper.make_tensor_value_info("y", F, [None, 1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.onnx.ml", 3)])
+
+
+def test_hand_built_tree_ensemble():
+    x = np.array([[0, 0.25], [0, 0.75], [0, np.nan]], np.float32)
+    out = ponnx.load(_tree_model()).run({"x": x})["y"]
+    assert out.ravel().tolist() == [11.0, 12.0, 12.0]  # nan goes to the false branch by default
+    out = ponnx.load(_tree_model(nodes_missing_value_tracks_true=[1, 0, 0, 0])).run({"x": x})["y"]
+    assert out.ravel().tolist() == [11.0, 12.0, 11.0]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"nodes_falsenodeids": [2, 0, 0]}, "attribute 'nodes_falsenodeids' has 3 entries but 'nodes_treeids' has 4"),
+    ({"nodes_truenodeids": [5, 0, 0, 0]}, "attribute 'nodes_truenodeids' entry 0 .* points at node 5, which tree 0"),
+    ({"nodes_featureids": [2, 0, 0, 0]}, "attribute 'nodes_featureids' entry 0 is 2, but the input has 2 features"),
+    ({"nodes_modes": ["BRANCH_LEQ", "LEAF", "BRANCH_GT", "LEAF"], "nodes_truenodeids": [1, 0, 0, 0],
+      "nodes_falsenodeids": [2, 0, 2, 0]}, "form a cycle in tree 0"),
+    ({"nodes_modes": ["BRANCH_MAYBE", "LEAF", "LEAF", "LEAF"]}, "attribute 'nodes_modes' entry 0 is 'BRANCH_MAYBE'"),
+    ({"nodes_nodeids": [0, 1, 1, 0]}, "list tree 0 node 1 twice"),
+    ({"target_weights": [1.0, 2.0]}, "attribute 'target_weights' has 2 entries but 'target_treeids' has 3"),
+    ({"target_nodeids": [1, 7, 0]}, "attribute 'target_nodeids' entry 1 names tree 0 node 7"),
+    ({"target_ids": [0, 3, 0]}, "attribute 'target_ids' entry 1 is 3; the model has 1 targets"),
+])
+def test_inconsistent_tree_arrays_are_refused_naming_the_attribute(changes, message):
+    with pytest.raises(OnnxModelError, match=message):
+        ponnx.load(_tree_model(**changes)).run({"x": np.zeros((1, 2), np.float32)})
+
+
+def test_sklearn_example_runs():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _pipelines()  # skips without scikit-learn / skl2onnx
+    example = Path(__file__).resolve().parent.parent / "examples" / "sklearn_pipeline.py"
+    done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("labels match onnxruntime, probabilities match") == 2
