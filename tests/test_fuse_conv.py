@@ -102,7 +102,7 @@ def test_conv_bn_activation_fuses_to_one_op(onnx_op, residual, tmp_path):
     (op,) = plan.program.ops
     assert op.attr_dict["activation"] == want and len(op.inputs) == 3 + residual
     kinds = [f.kind for f in plan.placement.fusions]
-    assert kinds == ["batch_norm", "conv_epilogue"]
+    assert kinds == ["batch_norm", "epilogue"]
     assert "fused batch_norm: conv + mul + add" in plan.explain()
 
 
@@ -162,7 +162,7 @@ def test_gate_keeps_ops_unfused_and_passes_leave_their_input_alone(tmp_path):
     same, none = fuse_conv_epilogue(folded, lambda fused, ops: False)
     assert same is folded and none == []
     fused, changes = fuse_conv_epilogue(folded)
-    assert [op.name for op in fused.ops] == ["fused_conv"] and changes[0].kind == "conv_epilogue"
+    assert [op.name for op in fused.ops] == ["fused_conv"] and changes[0].kind == "epilogue"
     assert [str(op) for op in program.ops] == before
 
 
@@ -175,3 +175,37 @@ def test_device_without_the_fused_kernel_keeps_conv(tmp_path):
     y = g.node("Relu", g.node("Add", g.conv_bn("x"), "x"))
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X}, device="opencl:0")
     assert _ops(plan) == ["conv", "add", "relu"]
+
+
+def _save_2d(tmp_path, nodes, inits, x_shape, opset=17):
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+                              [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    path = tmp_path / "l.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8), str(path))
+    return path
+
+
+def test_matmul_bias_residual_relu_fuses_to_fused_linear(tmp_path):
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["p"]), helper.make_node("Add", ["p", "b"], ["q"]),
+             helper.make_node("Add", ["q", "x"], ["r"]), helper.make_node("Relu", ["r"], ["y"])]
+    path = _save_2d(tmp_path, nodes, {"w": _f(16, 16), "b": _f(16)}, (8, 16))
+    plan = _compile_and_compare(path, {"x": _f(8, 16)})
+    assert _ops(plan) == ["fused_linear"]
+    assert [f.kind for f in plan.placement.fusions] == ["linear", "epilogue"]
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_gemm_gelu_fuses_to_fused_linear(trans_b, tmp_path):
+    w = _f(12, 16) if trans_b else _f(16, 12)
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["p"], transB=trans_b), helper.make_node("Gelu", ["p"], ["y"])]
+    path = _save_2d(tmp_path, nodes, {"w": w, "b": _f(12)}, (8, 16), opset=20)
+    plan = _compile_and_compare(path, {"x": _f(8, 16)})
+    assert _ops(plan) == ["fused_linear"]
+    assert plan.program.ops[0].attr_dict["activation"] == "gelu"
+
+
+def test_gemm_with_alpha_is_not_fused(tmp_path):
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["p"], alpha=0.5), helper.make_node("Relu", ["p"], ["y"])]
+    plan = _compile_and_compare(_save_2d(tmp_path, nodes, {"w": _f(16, 12), "b": _f(12)}, (8, 16)), {"x": _f(8, 16)})
+    assert _ops(plan) == ["gemm", "relu"]

@@ -412,6 +412,43 @@ define("linear", infer=_infer_linear, reference=_ref_linear, sample=_sample_line
 """)
 
 
+def _infer_fused_linear(x: TensorType, w: TensorType, b: TensorType, r: TensorType | None = None, *, activation,
+                        alpha, beta):
+    _check_activation(activation, alpha, beta)
+    check_dtype(x, FLOAT)
+    (out,) = _infer_linear(x, w, b)
+    if r is not None and (r.shape != out.shape or r.dtype != out.dtype):
+        raise ShapeError(f"the residual operand is {r}; it must be the product's result type {out}")
+    return (out,)
+
+
+def _ref_fused_linear(x, w, b, r=None, *, activation="none", alpha=0.0, beta=0.0):
+    y = np.matmul(wide(x), wide(w)) + wide(b)
+    if r is not None:
+        y = y + wide(r)
+    return (narrow(apply_activation(y, activation, float(alpha), float(beta)), x.dtype),)
+
+
+def _sample_fused_linear(rng: np.random.Generator):
+    (x, w, b), _ = _sample_linear(rng)
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    ins = [x, w, b]
+    if rng.random() < 0.5:
+        ins.append(nonzero(rng, x.shape[:-1] + w.shape[1:]))
+    return ins, {"activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("fused_linear", infer=_infer_fused_linear, reference=_ref_fused_linear, sample=_sample_fused_linear,
+       arity=(3, 4), tolerance=(1e-4, 1e-5), fused=True, doc="""
+    ``linear`` with its epilogue: activation(x @ w + b + residual), the bias, residual and
+    activation applied in one pass over the product. Operands as for ``linear`` (float types);
+    the optional residual has the result's type; ``activation``, ``alpha`` and ``beta`` as for
+    ``fused_conv``. What a MatMul (or Gemm) with a bias, a residual Add and an activation becomes
+    (:mod:`polyhal.passes.fuse_conv`), on devices that have its kernel.
+""")
+
+
 # ------------------------------------------------------------------------------------ attention
 
 def _infer_attention(q: TensorType, k: TensorType, v: TensorType, *, scale):

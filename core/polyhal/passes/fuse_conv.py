@@ -1,6 +1,6 @@
-"""Convolution fusions: fold per-channel scales and shifts (BatchNormalization) into a conv's
-constant weights and bias, and fuse a conv's epilogue (bias, residual add, activation) into one
-``fused_conv`` op.
+"""Convolution and linear fusions: fold per-channel scales and shifts (BatchNormalization) into a
+conv's constant weights and bias, and fuse the epilogue (bias, residual add, activation) of a
+conv into one ``fused_conv`` op and of a ``linear`` (or a plain ``gemm``) into ``fused_linear``.
 
 **Folding.** ONNX's BatchNormalization with known statistics imports as ``x * a + c`` with
 per-channel constants ``a`` and ``c`` (:mod:`polyhal.frontends.onnx.converters.nn`). After a
@@ -12,7 +12,10 @@ has no other reader. No new kernel is needed, so folding always happens.
 
 **Epilogue.** ``act(conv(x, w, b) + r)`` -- a residual add of a value of the result's type,
 then one activation, each optional -- becomes ``fused_conv(x, w, b[, r], activation=...)``
-wherever ``fusible("fused_conv", ops)`` says so (:mod:`polyhal.passes.fusion`). Activations are
+wherever ``fusible("fused_conv", ops)`` says so (:mod:`polyhal.passes.fusion`); likewise
+``act(linear(x, w, b) + r)`` becomes ``fused_linear``, and so does a ``gemm`` with a bias and
+alpha = beta = 1 (ONNX's Gemm; with ``trans_b`` only when its weights are a constant, transposed
+here once). Activations are
 found as front ends emit them: ``relu``, ``sigmoid``, ``gelu``; Clip as ``maximum``/``minimum``
 by scalar constants; HardSigmoid as ``mul``, ``add``, then a clamp to [0, 1]; HardSwish as that
 times the input; SiLU as ``x * sigmoid(x)``.
@@ -218,17 +221,35 @@ class _Matcher:
         return ("clip", lo, hi, ops) if ops else None
 
 
+#: The op whose epilogue fuses -> the fused op.
+_FUSED = {"conv": "fused_conv", "linear": "fused_linear", "gemm": "fused_linear"}
+
+
+def _plain_gemm(op: Op, consts: dict[int, np.ndarray]) -> bool:
+    """A ``gemm`` that is ``linear`` (bias of shape (N,) or a scalar, alpha = beta = 1, A not
+    transposed, B transposed only if it is a constant)."""
+    a = op.attr_dict
+    if len(op.inputs) != 3 or a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0 or a.get("trans_a"):
+        return False
+    w, b = op.inputs[1], op.inputs[2]
+    n = w.type.shape[0] if a.get("trans_b") else w.type.shape[1]
+    return b.type.shape in ((n,), (), (1,)) and (not a.get("trans_b") or w.id in consts)
+
+
 def fuse_conv_epilogue(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
-    """``program`` with each conv's residual add and activation fused into a ``fused_conv``
-    where ``fusible`` allows (see the module docstring), and what changed."""
-    fused: dict[int, tuple[Op, list[Op], Value | None, tuple]] = {}  # id(last op) -> (conv, chain, r, act)
+    """``program`` with each conv's and linear's residual add and activation fused into a
+    ``fused_conv`` or ``fused_linear`` where ``fusible`` allows (see the module docstring),
+    and what changed."""
+    fused: dict[int, tuple[Op, list[Op], Value | None, tuple]] = {}  # id(last op) -> (base, chain, r, act)
     taken: set[int] = set()
     match = _Matcher(program)
-    for conv in program.ops:
-        if conv.kind != "dispatch" or conv.name != "conv" or id(conv) in taken:
+    for base in program.ops:
+        if base.kind != "dispatch" or base.name not in _FUSED or id(base) in taken \
+                or (base.name == "gemm" and not _plain_gemm(base, match.consts)) \
+                or base.outputs[0].type.dtype.kind != "f":
             continue
-        match.affinity = conv.affinity
-        y, chain, residual = conv.outputs[0], [conv], None
+        match.affinity = base.affinity
+        y, chain, residual = base.outputs[0], [base], None
         add = match.only_user(y, ("add",))
         if add is not None and len(add.inputs) == 2 and id(add) not in taken:
             r = _other(add, y)
@@ -238,25 +259,30 @@ def fuse_conv_epilogue(program: Program, fusible: Fusible = always) -> tuple[Pro
         act = match.activation(y)
         if act is not None and not any(id(o) in taken for o in act[3]):
             chain.extend(act[3])
-        if len(chain) == 1 or not fusible("fused_conv", chain):
+        if len(chain) == 1 or not fusible(_FUSED[base.name], chain):
             continue
         taken.update(id(o) for o in chain)
-        fused[id(chain[-1])] = (conv, chain, residual, act[:3] if act and chain[-1] is act[3][-1] else ("none", 0, 0))
+        fused[id(chain[-1])] = (base, chain, residual, act[:3] if act and chain[-1] is act[3][-1] else ("none", 0, 0))
     if not fused:
         return program, []
     constants = list(program.constants)
+    consts = match.consts
     ops, changes = [], []
     for op in program.ops:
         if id(op) in taken and id(op) not in fused:
             continue
         if id(op) in fused:
-            conv, chain, residual, (name, alpha, beta) = fused[id(op)]
-            x, w = conv.inputs[:2]
-            b = conv.inputs[2] if len(conv.inputs) == 3 else _constant(
+            base, chain, residual, (name, alpha, beta) = fused[id(op)]
+            x, w = base.inputs[:2]
+            if base.name == "gemm" and base.attr_dict.get("trans_b"):
+                w = _constant(w, "transposed", np.ascontiguousarray(consts[w.id].T), constants)
+            b = base.inputs[2] if len(base.inputs) == 3 else _constant(
                 w, "zero_bias", np.zeros(w.type.shape[0], w.type.dtype), constants)
-            attrs = canonical_attrs({**conv.attr_dict, "activation": name, "alpha": float(alpha), "beta": float(beta)})
+            attrs = {"activation": name, "alpha": float(alpha), "beta": float(beta)}
+            if base.name == "conv":
+                attrs = {**base.attr_dict, **attrs}
             ins = (x, w, b) if residual is None else (x, w, b, residual)
-            op = Op("dispatch", "fused_conv", ins, chain[-1].outputs, attrs, conv.affinity)
-            changes.append(Fusion("conv_epilogue", tuple(chain), (op,)))
+            op = Op("dispatch", _FUSED[base.name], ins, chain[-1].outputs, canonical_attrs(attrs), base.affinity)
+            changes.append(Fusion("epilogue", tuple(chain), (op,)))
         ops.append(op)
-    return dataclasses.replace(program, ops=ops, constants=constants), changes
+    return _drop_unused(dataclasses.replace(program, ops=ops, constants=constants)), changes

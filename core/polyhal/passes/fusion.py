@@ -29,7 +29,8 @@ class Fusion:
 
     ``kind`` names the rewrite: ``"attention"``, ``"linear"``, ``"scaling"`` (a scalar
     scaling moved from a matmul's product onto its smaller operand), ``"batch_norm"`` (per-channel
-    scales and shifts folded into a conv's weights) or ``"conv_epilogue"``.
+    scales and shifts folded into a conv's weights) or ``"epilogue"`` (a conv's or linear's residual
+    add and activation).
     """
 
     kind: str

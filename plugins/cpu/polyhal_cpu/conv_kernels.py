@@ -36,7 +36,7 @@ from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
 from polyhal_cpu import native
 from polyhal_cpu.scratch import array as scratch_array
-from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
 
 _F32 = np.dtype(np.float32)
 
@@ -113,33 +113,6 @@ def _numpy_columns(g: _Conv):
     return fill
 
 
-def _numpy_activation(device, activation: str, alpha: float, beta: float, out_type: TensorType):
-    """In-place ``act(y)`` with numpy ufuncs (GELU through this table's own kernel)."""
-    if activation == "none":
-        return None
-    a, b = np.asarray(alpha, out_type.dtype), np.asarray(beta, out_type.dtype)
-    if activation in ("gelu", "gelu_tanh"):
-        gelu = TABLE.prepare(device, "gelu", {"approximate": "tanh" if activation == "gelu_tanh" else "none"},
-                             (out_type,), (out_type,))
-
-        def act(y):
-            gelu(y.copy(), y)
-        return act
-
-    def act(y):
-        if activation == "relu":
-            np.maximum(y, 0, out=y)
-        elif activation == "clip":
-            np.minimum(np.maximum(y, a, out=y), b, out=y)
-        elif activation in ("hard_sigmoid", "hard_swish"):
-            h = np.clip(y * a + b, 0, 1)
-            np.multiply(y, h, out=y) if activation == "hard_swish" else np.copyto(y, h)
-        else:  # sigmoid, silu
-            s = 1 / (1 + np.exp(-y))
-            np.multiply(y, s, out=y) if activation == "silu" else np.copyto(y, s)
-    return act
-
-
 @TABLE.register("conv", "fused_conv", scratch=[
     ScratchDecl("columns", shared=True, per_launch=_columns_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="one image's im2col columns (C * taps x output positions)")])
@@ -152,7 +125,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     has_bias, has_residual = len(ins) >= 3, len(ins) == 4
     fast = native.available(g.dtype)
     act_code = native.activation_code(activation) if fast else 0
-    act_numpy = None if fast else _numpy_activation(device, activation, alpha, beta, outs[0])
+    act_numpy = None if fast else numpy_activation(device, activation, alpha, beta, outs[0])
     shape2d = g.as2d(outs[0].shape)
     rows, length = g.batch * g.m, g.positions
     zero_bias = np.zeros(g.m, g.dtype)

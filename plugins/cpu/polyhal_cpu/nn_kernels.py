@@ -13,7 +13,7 @@ from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal_cpu import blas, native
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
-from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
 
 
 @TABLE.register("linear")
@@ -42,6 +42,37 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             add_rows(o, b)
         else:
             add(o, b, out=o)
+    return kernel
+
+
+@TABLE.register("fused_linear")
+@float16_via_float32
+def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """``linear``'s kernel (the bias added by BLAS's beta), then one pass for the residual and
+    the activation: a compiled loop for float32, numpy's ufuncs otherwise."""
+    product = _linear(device, "linear", {}, ins[:3], outs, None)
+    activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
+    has_residual = len(ins) == 4
+    n = outs[0].shape[-1] if outs[0].rank else 1
+    shape2d = (outs[0].size // max(n, 1), n)
+    if native.available(outs[0].dtype):
+        act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
+
+        def kernel(x, w, b, *rest):
+            out = rest[-1]
+            product(x, w, b, out)
+            r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
+            native.epilogue(out.reshape(shape2d), zero, r, act, alpha, beta)
+        return kernel
+    finish = numpy_activation(device, activation, alpha, beta, outs[0])
+
+    def kernel(x, w, b, *rest):
+        out = rest[-1]
+        product(x, w, b, out)
+        if has_residual:
+            out += rest[0]
+        if finish is not None:
+            finish(out)
     return kernel
 
 
