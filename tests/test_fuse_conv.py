@@ -39,9 +39,9 @@ class _Graph:
         self.nodes.append(helper.make_node(op, list(inputs), [out], name=out, **attrs))
         return out
 
-    def conv_bn(self, x, cin=4, cout=4, group=1, weights=None) -> str:
-        w = weights or self.const(_f(cout, cin // group, 3, 3, scale=0.3))
-        y = self.node("Conv", x, w, pads=[1, 1, 1, 1], group=group)
+    def conv_bn(self, x, cin=4, cout=4, group=1, weights=None, k=3) -> str:
+        w = weights or self.const(_f(cout, cin // group, k, k, scale=0.3))
+        y = self.node("Conv", x, w, pads=[k // 2] * 4, group=group)
         stats = [1 + 0.1 * _f(cout), 0.1 * _f(cout), 0.1 * _f(cout), 1 + 0.1 * np.abs(_f(cout))]
         return self.node("BatchNormalization", y, *[self.const(s) for s in stats])
 
@@ -56,10 +56,10 @@ class _Graph:
         return path
 
 
-def _compile_and_compare(path, feeds, device="cpu:0"):
+def _compile_and_compare(path, feeds, device="cpu:0", **options):
     (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)
     program = polyhal.onnx.load(path)
-    plan = program.compile(device)
+    plan = program.compile(device, **options)
     (got,) = program.execute(plan, feeds).values()
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     return plan
@@ -119,8 +119,11 @@ def test_resnet_block_fuses_both_convs(tmp_path):
 def test_depthwise_bn_hardswish(tmp_path):
     g = _Graph()
     y = g.node("HardSwish", g.conv_bn("x", group=4))
-    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X}, data_tiling=False)
     assert _ops(plan) == ["fused_conv"]
+    # By default the depthwise conv runs channel-blocked: a relayout at each edge of the graph.
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["pack", "blocked_conv", "unpack"]
 
 
 def test_weights_from_an_input_do_not_fold(tmp_path):
@@ -209,3 +212,48 @@ def test_gemm_with_alpha_is_not_fused(tmp_path):
     nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["p"], alpha=0.5), helper.make_node("Relu", ["p"], ["y"])]
     plan = _compile_and_compare(_save_2d(tmp_path, nodes, {"w": _f(16, 12), "b": _f(12)}, (8, 16)), {"x": _f(8, 16)})
     assert _ops(plan) == ["gemm", "relu"]
+
+
+# ------------------------------------------------------------------- channel-blocked layout
+
+def _inverted_residual(tmp_path):
+    """MobileNet's block: 1x1 expansion, 3x3 depthwise (stride 1), 1x1 projection, residual Add."""
+    g = _Graph()
+    h = g.node("Relu", g.conv_bn("x", 4, 8, k=1))
+    h = g.node("HardSwish", g.conv_bn(h, 8, 8, group=8))
+    y = g.node("Add", g.conv_bn(h, 8, 4, k=1), "x")
+    return g.save(tmp_path, y)
+
+
+def test_depthwise_chain_stays_channel_blocked_between_its_convs(tmp_path):
+    plan = _compile_and_compare(_inverted_residual(tmp_path), {"x": X})
+    assert _ops(plan) == ["pack", "blocked_conv", "blocked_conv", "blocked_conv", "unpack"]
+    report = plan.placement.encodings
+    assert report.encode_dispatches == 2  # the graph's two edges
+    explained = plan.explain()
+    assert "channel-blocked<NCHW8c" in explained and "a set/unset pair" in explained
+
+
+def test_chains_without_a_depthwise_conv_stay_nchw(tmp_path):
+    g = _Graph()
+    y = g.node("Relu", g.node("Add", g.conv_bn(g.node("Relu", g.conv_bn("x", k=1)), k=1), "x"))
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["fused_conv", "fused_conv"]
+
+
+def test_blocked_layout_off_or_unavailable_falls_back_to_nchw(tmp_path, monkeypatch):
+    path = _inverted_residual(tmp_path)
+    plan = _compile_and_compare(path, {"x": X}, data_tiling=False)
+    assert _ops(plan) == ["fused_conv"] * 3
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", "0")  # the blocked kernels need the compiled loops
+    plan = _compile_and_compare(path, {"x": X})
+    assert _ops(plan) == ["fused_conv"] * 3 and plan.placement.encodings.encode_dispatches == 0
+
+
+def test_blocked_layout_on_a_device_without_it_is_explained(tmp_path):
+    names = {s.name for s in polyhal.registry.default_registry().device_specs()}
+    if "opencl:0" not in names:
+        pytest.skip("no OpenCL device here")
+    plan = _compile_and_compare(_inverted_residual(tmp_path), {"x": X}, device="opencl:0")
+    assert "blocked_conv" not in _ops(plan) and "pack" not in _ops(plan)
+    assert "identity layout" in plan.explain()

@@ -17,7 +17,7 @@ from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
 from polyhal.passes.bufferize import bufferize
-from polyhal.passes.data_tiling import set_encodings
+from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fuse_attention import fuse_attention
 from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue
 from polyhal.passes.fuse_linear import fuse_linear
@@ -28,7 +28,7 @@ from polyhal.registry import Registry, default_registry
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
-            registry: Registry | None = None, fuse: bool = True, data_tiling: bool = False) -> "Plan":
+            registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None) -> "Plan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
@@ -48,8 +48,10 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     those ops has the fused kernel (:func:`polyhal.passes.placement.fusion_gate`).
     ``plan.explain()`` lists what was fused.
 
-    ``data_tiling=True`` wraps matmul operands and results in encodings
-    (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every
+    ``data_tiling`` wraps values in encodings (:mod:`polyhal.passes.data_tiling`): by default
+    (None) the feature maps of depthwise conv chains, which the CPU keeps channel-blocked; with
+    True matmul operands and results too; with False nothing. After placement,
+    MaterializeEncoding resolves every
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
     """
@@ -74,7 +76,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
 
 
 def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, fuse: bool,
-                data_tiling: bool) -> "Plan":
+                data_tiling: bool | None) -> "Plan":
     selector, kernels = selector_for(registry), kernel_sets(registry)
     fusions = None
     if fuse:
@@ -86,8 +88,8 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         program, folded = fold_conv_affine(program)
         program, epilogues = fuse_conv_epilogue(program, fusible)
         fusions += linear + folded + epilogues
-    if data_tiling:
-        program = set_encodings(program)
+    if data_tiling is not False:
+        program = set_conv_encodings(set_encodings(program) if data_tiling else program)
     placement = place(program, registry, selector, devices, kernels)
     placement.fusions = fusions
     placement = materialize_encodings(placement, registry)

@@ -31,8 +31,8 @@ from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.ir.types import SUPPORTED_DTYPES, TensorType, as_dtype
 
 __all__ = [
-    "Encoding", "MatmulEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout", "IdentityLayout",
-    "PackedLayout", "packed_shape", "dense_type",
+    "Encoding", "MatmulEncoding", "FeatureMapEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout",
+    "IdentityLayout", "PackedLayout", "ChannelBlockedLayout", "packed_shape", "dense_type",
 ]
 
 # ------------------------------------------------------------------------------------------------
@@ -141,6 +141,26 @@ class MatmulEncoding(Encoding):
     def describe(self) -> str:
         m, n, k = ("?" if s is None else s for s in self.iteration_sizes)
         return f"matmul.{self.role}<{'x'.join(self.element_types)}, MxNxK={m}x{n}x{k}>"
+
+    def __str__(self) -> str:
+        return f"#encoding<{self.describe()}>"
+
+
+@dataclass(frozen=True)
+class FeatureMapEncoding(Encoding):
+    """A float (N, C, H, W) activation flowing through a chain of convolutions: the input,
+    residual or result of a conv. A device may store it channel-blocked
+    (:class:`ChannelBlockedLayout`), as onnxruntime's NCHWc transformer does; chained convs then
+    hand the blocked form to each other and only the chain's edges pay a relayout."""
+
+    op_type: str = "conv"
+
+    def check_type(self, tensor_type: TensorType) -> None:
+        if tensor_type.rank != 4 or tensor_type.dtype.kind != "f":
+            raise ShapeError(f"a {self.describe()} tensor is a float (N, C, H, W), got {tensor_type}")
+
+    def describe(self) -> str:
+        return "conv.feature_map"
 
     def __str__(self) -> str:
         return f"#encoding<{self.describe()}>"
@@ -408,3 +428,31 @@ class PackedLayout(Layout):
             (f", outer {list(self.outer_dims_perm)}" if self.outer_dims_perm else "") + \
             f" -> {'x'.join(map(str, self.storage_type.shape))}>"
 
+
+@dataclass(frozen=True)
+class ChannelBlockedLayout(PackedLayout):
+    """NCHWc: a (N, C, H, W) feature map with its channels cut into blocks of ``c``, stored
+    (N, C/c, H, W, c) -- a :class:`PackedLayout` with ``inner_dims_pos=(1,)``.
+
+    Convolutions whose input, residual and result are blocked with one block of all channels
+    (storage (N, 1, H, W, C): the channels of each pixel contiguous) run on the storage as
+    ``blocked_conv``; other ops run dense between an unpack and a pack.
+    """
+
+    def materialize_dispatch(self, op, attrs, in_layouts, out_layouts):
+        if op not in ("conv", "fused_conv") or len(out_layouts) != 1:
+            return None
+        blocked = [in_layouts[0], out_layouts[0], *in_layouts[3:]]
+        if not all(isinstance(x, ChannelBlockedLayout) and x.inner_tiles == (x.tensor_type.shape[1],)
+                   and x.padding_value == 0 for x in blocked) \
+                or not all(x.is_identity_layout() for x in in_layouts[1:3]):
+            return None
+        lowered = {"activation": "none", "alpha": 0.0, "beta": 0.0, **dict(attrs)}
+        return ("blocked_conv", lowered)
+
+    def describe(self) -> str:
+        t = self.tensor_type
+        block = self.inner_tiles[0]
+        who = f"{self.resolver} " if self.resolver else ""
+        return f"{who}channel-blocked<NCHW{block}c -> {'x'.join(map(str, self.storage_type.shape))}>" \
+            if t.rank == 4 else super().describe()

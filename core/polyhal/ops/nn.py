@@ -204,6 +204,71 @@ define("fused_conv", infer=_infer_fused_conv, reference=_ref_fused_conv, sample=
 """)
 
 
+# ---------------------------------------------------------------------------------- blocked_conv
+
+def _unblocked(t: TensorType) -> TensorType:
+    """The (N, C, H, W) type of a (N, 1, H, W, C) channel-blocked storage type."""
+    if t.rank != 5 or t.shape[1] != 1:
+        raise ShapeError(f"operand {t} is not a one-block channel-blocked feature map (N, 1, H, W, C)")
+    n, _, h, w, c = t.shape
+    return TensorType((n, c, h, w), t.dtype)
+
+
+def _blocked(t: TensorType) -> TensorType:
+    n, c, h, w = t.shape
+    return TensorType((n, 1, h, w, c), t.dtype)
+
+
+def _infer_blocked_conv(x: TensorType, w: TensorType, b: TensorType | None = None, r: TensorType | None = None, *,
+                        strides, pads, dilations, group, activation, alpha, beta):
+    if b is None:
+        b = TensorType((w.shape[0],), w.dtype)
+    (out,) = _infer_fused_conv(_unblocked(x), w, b, None if r is None else _unblocked(r), strides=strides, pads=pads,
+                               dilations=dilations, group=group, activation=activation, alpha=alpha, beta=beta)
+    return (_blocked(out),)
+
+
+def _ref_blocked_conv(x, w, b=None, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
+                      alpha=0.0, beta=0.0):
+    unblock = lambda a: a[:, 0].transpose(0, 3, 1, 2)  # noqa: E731
+    args = (unblock(x), w, np.zeros(w.shape[0], w.dtype) if b is None else b) + (() if r is None else (unblock(r),))
+    (y,) = _ref_fused_conv(*args, strides=strides, pads=pads, dilations=dilations, group=group,
+                           activation=activation, alpha=alpha, beta=beta)
+    return (np.ascontiguousarray(y.transpose(0, 2, 3, 1)[:, None]),)
+
+
+def _sample_blocked_conv(rng: np.random.Generator):
+    n, c = int(rng.integers(1, 3)), int(pick(rng, [3, 4, 8]))
+    kind = pick(rng, ["depthwise", "pointwise", "general"])
+    k = 1 if kind == "pointwise" else int(pick(rng, [3, 5]))
+    group = c if kind == "depthwise" else 1
+    m = c * int(pick(rng, [1, 2])) if kind == "depthwise" else int(rng.integers(1, 9))
+    h, wd = (int(v) for v in rng.integers(k, k + 6, size=2))
+    s = [1, 1] if kind == "pointwise" else [int(v) for v in rng.integers(1, 3, size=2)]
+    p = [0] * 4 if kind == "pointwise" else [int(v) for v in rng.integers(0, k // 2 + 1, size=4)]
+    attrs = {"strides": s, "pads": p, "dilations": [1, 1], "group": group}
+    x = nonzero(rng, (n, c, h, wd))
+    w = nonzero(rng, (m, c // group, k, k))
+    (out,) = _infer_conv(TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype), **attrs)
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    ins = [block(x), w, nonzero(rng, (m,))]
+    if rng.random() < 0.5:
+        ins.append(block(nonzero(rng, out.shape)))
+    return ins, {**attrs, "activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, sample=_sample_blocked_conv,
+       arity=(2, 4), tolerance=(1e-4, 1e-5), fused=True, doc="""
+    ``fused_conv`` on channel-blocked storage (NCHWc with one block of all channels: (N, 1, H, W, C),
+    each pixel's channels contiguous): x and the optional residual in that storage, w (M,
+    C/group, kh, kw) and the optional bias (M,) dense, the result (N, 1, OH, OW, M). 2-D only.
+    What a conv between channel-blocked feature maps lowers to
+    (:class:`polyhal.ir.encoding.ChannelBlockedLayout`); attributes as ``fused_conv``.
+""")
+
+
 # ------------------------------------------------------------------------------- conv_transpose
 
 def _infer_conv_transpose(x: TensorType, w: TensorType, b: TensorType | None = None, *, strides, pads,

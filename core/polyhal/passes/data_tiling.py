@@ -12,6 +12,11 @@ placement. On a device without data tiling every encode folds and the plan is th
 un-encoded program gives; on the CPU the operands are packed once and a chain of matmuls keeps
 the packed layout between its links (the unset/set pairs between them fold).
 
+Convolution chains get the same treatment (:func:`set_conv_encodings`): the feature maps
+between depthwise and pointwise convs (MobileNet's and EfficientNet's blocks) carry a
+:class:`~polyhal.ir.encoding.FeatureMapEncoding`, which the CPU resolves to a channel-blocked
+layout (NCHWc); the chain's links fold and only its edges pay a relayout.
+
 Enabled with ``polyhal.compile(program, data_tiling=True)`` or ``polyhal demo --data-tiling``.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from polyhal.ir.encoding import MatmulEncoding, _MATMUL_ELEMENT_TYPES
+from polyhal.ir.encoding import FeatureMapEncoding, MatmulEncoding, _MATMUL_ELEMENT_TYPES
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
 
@@ -59,5 +64,70 @@ def set_encodings(program: Program) -> Program:
     return dataclasses.replace(program, ops=ops) if changed else program
 
 
-def _encoded(v: Value, encoding: MatmulEncoding, role: str) -> Value:
+def _encoded(v: Value, encoding, role: str) -> Value:
     return Value(TensorType(v.type.shape, v.type.dtype, encoding), f"{v.name}.{role}", v.program_id)
+
+
+def _chain_kind(op: Op) -> str | None:
+    """"depthwise" or "pointwise" for a 2-D float conv whose feature maps a channel-blocked
+    layout serves (see polyhal_cpu.conv_kernels), else None."""
+    if op.kind != "dispatch" or op.name not in ("conv", "fused_conv"):
+        return None
+    x, w = op.inputs[0].type, op.inputs[1].type
+    if x.rank != 4 or x.dtype.kind != "f" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)) \
+            or 0 in x.shape:
+        return None
+    a = op.attr_dict
+    group, m = int(a.get("group", 1)), w.shape[0]
+    if group == x.shape[1] and w.shape[1] == 1 and m == group:
+        return "depthwise"
+    if w.shape[2:] == (1, 1) and group == 1 and list(a.get("strides") or [1, 1]) == [1, 1] \
+            and not any(a.get("pads") or ()):
+        return "pointwise"
+    return None
+
+
+def set_conv_encodings(program: Program) -> Program:
+    """A new program in which the feature maps of conv chains that contain a depthwise conv
+    (chains of depthwise and pointwise convs, linked through inputs, results and residuals)
+    carry :class:`~polyhal.ir.encoding.FeatureMapEncoding`: each conv of such a chain reads
+    encoded operands and writes an encoded result, with encode ops around it. Convs of chains
+    without a depthwise conv are left alone (as GEMMs they run as fast in NCHW, and a blocked
+    layout would only add relayouts)."""
+    kinds = {id(op): k for op in program.ops if (k := _chain_kind(op)) is not None}
+    if "depthwise" not in kinds.values():
+        return program
+    # Chains: union-find over the convs linked by a feature map.
+    parent = {i: i for i in kinds}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    producer = {v.id: op for op in program.ops for v in op.outputs}
+    for op in program.ops:
+        if id(op) not in kinds:
+            continue
+        for v in (op.inputs[0], *op.inputs[3:]):
+            src = producer.get(v.id)
+            if src is not None and id(src) in kinds:
+                parent[find(id(src))] = find(id(op))
+    blocked = {find(i) for i, k in kinds.items() if k == "depthwise"}
+    encoding = FeatureMapEncoding()
+    ops: list[Op] = []
+    for op in program.ops:
+        if id(op) not in kinds or find(id(op)) not in blocked:
+            ops.append(op)
+            continue
+        inputs = list(op.inputs)
+        for i in (0, *range(3, len(inputs))):
+            enc = _encoded(inputs[i], encoding, "nchwc")
+            ops.append(Op("encode", "encode", (inputs[i],), (enc,)))
+            inputs[i] = enc
+        (y,) = op.outputs
+        y_enc = _encoded(y, encoding, "nchwc")
+        ops.append(Op(op.kind, op.name, tuple(inputs), (y_enc,), op.attrs, op.affinity))
+        ops.append(Op("encode", "encode", (y_enc,), (y,)))
+    return dataclasses.replace(program, ops=ops)

@@ -179,6 +179,72 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     return kernel
 
 
+# -------------------------------------------------------------------------------- blocked_conv
+#
+# Convolutions on channel-blocked storage (NCHWc with one block: (N, 1, H, W, C), each pixel's
+# channels contiguous; polyhal.ir.encoding.ChannelBlockedLayout). Depthwise: a compiled loop
+# vectorised across the channels, which stays fast where NCHW rows are short (7x7 and 14x14
+# planes, stride 2: measured 2-4x faster than the NCHW loop on MobileNet's depthwise convs).
+# Pointwise: one GEMM as the pixels lie, (pixels, C) @ w^T (C, M) (the weights transposed by
+# strides, not copied), then a per-channel epilogue. Anything else converts to NCHW and back
+# around the NCHW kernel (a resolver only blocks chains of the first two kinds).
+
+def _taps_bytes(problem, _workgroup_size: int) -> int:
+    w = problem.in_types[1]
+    return w.shape[0] * math.prod(w.shape[2:]) * 4
+
+
+@TABLE.register("blocked_conv", scratch=[
+    ScratchDecl("taps", shared=True, per_launch=_taps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a depthwise conv's weights as (kh, kw, C) channel vectors")])
+def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    x_t, w_t = ins[0], ins[1]
+    n, _, h, wd, c = x_t.shape
+    m, cg, kh, kw = w_t.shape
+    _, _, oh, ow, _ = outs[0].shape
+    s = [int(v) for v in attrs["strides"]]
+    p = [int(v) for v in attrs["pads"]]
+    d = [int(v) for v in attrs["dilations"]]
+    group = int(attrs["group"])
+    activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
+    has_bias, has_residual = len(ins) >= 3, len(ins) == 4
+    fast = x_t.dtype == _F32 and native.available(_F32)
+    zero_bias = np.zeros(m, x_t.dtype)
+    pointwise = (kh, kw) == (1, 1) and s == [1, 1] and not any(p) and group == 1
+    if fast and group == c and cg == 1 and m == c:
+        act = native.activation_code(activation)
+        taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
+
+        def depthwise(x, w, *rest):
+            np.copyto(taps, w.reshape(c, kh, kw).transpose(1, 2, 0))
+            r = rest[1][:, 0] if has_residual else None
+            native.depthwise_channels_last(np.ascontiguousarray(x[:, 0]), taps, rest[0] if has_bias else zero_bias,
+                                           r, rest[-1][:, 0], s, p[:2], d, act, alpha, beta)
+        return depthwise
+    if fast and pointwise:
+        act = native.activation_code(activation)
+        pixels = n * h * wd
+
+        def gemm(x, w, *rest):
+            out = rest[-1].reshape(pixels, m)
+            np.matmul(x.reshape(pixels, c), w.reshape(m, c).T, out=out)
+            r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
+            native.epilogue_channels_last(out, rest[0] if has_bias else zero_bias, r, act, alpha, beta)
+        return gemm
+    # Anything else: the NCHW kernel between two relayouts.
+    dense = TensorType((n, c, h, wd), x_t.dtype), TensorType((n, m, oh, ow), x_t.dtype)
+    dense_ins = (dense[0], w_t, TensorType((m,), x_t.dtype)) + ((dense[1],) if has_residual else ())
+    inner = TABLE.prepare(device, "fused_conv", {k: attrs[k] for k in attrs}, dense_ins, (dense[1],))
+
+    def relayout(x, w, *rest):
+        unblock = lambda a: np.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))  # noqa: E731
+        y = np.empty(dense[1].shape, x_t.dtype)
+        extra = (unblock(rest[1]),) if has_residual else ()
+        inner(unblock(x), w, rest[0] if has_bias else zero_bias, *extra, y)
+        np.copyto(rest[-1][:, 0], y.transpose(0, 2, 3, 1))
+    return relayout
+
+
 # ------------------------------------------------------------------------------ conv_transpose
 
 def _transpose_geometry(attrs: dict, x: TensorType, w: TensorType):

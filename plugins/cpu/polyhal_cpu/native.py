@@ -32,8 +32,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["available", "add_rows", "col2im", "depthwise", "epilogue", "exp2_shifted_rows", "gelu_tanh", "im2col",
-           "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
+__all__ = ["available", "add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue",
+           "epilogue_channels_last", "exp2_shifted_rows", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
+           "scale_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 _loops: dict[str, Callable] | None = None
@@ -96,6 +97,13 @@ def _warm(loops: dict[str, Callable]) -> None:
     for residual in (m[:0, :0], m):
         loops["epilogue"](m.copy(), ro[:2], residual, 1, *_F32_PAIR)
     loops["col2im"](m, np.zeros((2, 1, 2), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 1, 4)
+    nhwc = np.zeros((1, 3, 3, 2), np.float32)
+    for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
+        for residual in (none4, nhwc):
+            loops["depthwise_channels_last"](x, np.zeros((1, 1, 2), np.float32), ro[:2], residual, nhwc.copy(),
+                                             1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
+    for residual in (m[:0, :0], m):
+        loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
@@ -177,3 +185,19 @@ def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, k: tuple, s: tuple, 
     """Max or average 2-D pooling of (R, H, W) ``x`` into (R, oh, ow) ``out``; averages are
     window sums times ``inv`` (oh, ow)."""
     _compiled()["pool2d"](x, out, inv, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
+
+
+def epilogue_channels_last(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,
+                           beta: float) -> None:
+    """In place over (pixels, C) ``y``: activation ``act`` of y + bias (+ residual)."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _compiled()["epilogue_channels_last"](y, bias, none, act, np.float32(alpha), np.float32(beta))
+
+
+def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
+                            out: np.ndarray, s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+    """2-D depthwise convolution of (N, H, W, C) ``x`` by (kh, kw, C) ``taps`` into (N, oh, ow, C)
+    ``out``, with bias, optional residual and activation ``act``."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
+                                           np.float32(alpha), np.float32(beta))

@@ -11,8 +11,8 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["add_rows", "col2im", "depthwise", "epilogue", "exp2_shifted_rows", "gelu_tanh", "im2col", "layer_norm",
-           "pool2d", "relu", "scale_rows", "softmax_rows"]
+__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
+           "exp2_shifted_rows", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -307,6 +307,13 @@ def col2im(cols, out, kh, kw, sh, sw, ph, pw, dh, dw, height, width):
 
 
 @_jit
+def _tap(o, k, stride, pad, dilation, size):
+    """The input index under tap ``k`` of output position ``o``, or -1 in the padding."""
+    i = o * stride - pad + k * dilation
+    return i if 0 <= i < size else -1
+
+
+@_jit
 def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     """Max (is_max) or average pooling of (R, H, W) x into (R, oh, ow) out; taps in the
     padding are skipped; average multiplies the window's sum by inv (oh, ow)."""
@@ -317,12 +324,12 @@ def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
             for xo in range(ow):
                 acc = f32(-np.inf) if is_max else f32(0.0)
                 for i in range(kh):
-                    iy = yo * sh - ph + i * dh
-                    if iy < 0 or iy >= height:
+                    iy = _tap(yo, i, sh, ph, dh, height)
+                    if iy < 0:
                         continue
                     for j in range(kw):
-                        ix = xo * sw - pw + j * dw
-                        if ix < 0 or ix >= width:
+                        ix = _tap(xo, j, sw, pw, dw, width)
+                        if ix < 0:
                             continue
                         v = x[r, iy, ix]
                         if is_max:
@@ -331,3 +338,55 @@ def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
                         else:
                             acc += v
                 out[r, yo, xo] = acc if is_max else acc * inv[yo, xo]
+
+
+# ------------------------------------------------------------- channel-blocked (NCHWc, c = C)
+
+@_jit
+def epilogue_channels_last(y, bias, residual, act, alpha, beta):
+    """In place over (pixels, C) y: act(y + bias[c] (+ residual)); residual (pixels, C) or (0, 0)."""
+    rows, cols = y.shape
+    has_residual = residual.shape[0] != 0
+    for r in range(rows):
+        row = y[r]
+        if has_residual:
+            res = residual[r]
+            for c in range(cols):
+                row[c] += bias[c] + res[c]
+        else:
+            for c in range(cols):
+                row[c] += bias[c]
+        activate_row(row, act, alpha, beta)
+
+
+@_jit
+def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
+    """Depthwise convolution of (N, H, W, C) x with (kh, kw, C) taps into (N, oh, ow, C) out,
+    residual (N, oh, ow, C) or (0, 0, 0, 0): each output pixel's channels are one vector,
+    accumulated tap by tap (vectorised across channels, whatever the stride), then finished."""
+    n_img, height, width, channels = x.shape
+    kh, kw = taps.shape[0], taps.shape[1]
+    oh, ow = out.shape[1], out.shape[2]
+    has_residual = residual.shape[0] != 0
+    for n in range(n_img):
+        for yo in range(oh):
+            for xo in range(ow):
+                acc = out[n, yo, xo]
+                for c in range(channels):
+                    acc[c] = bias[c]
+                for i in range(kh):
+                    iy = yo * sh - ph + i * dh
+                    if iy < 0 or iy >= height:
+                        continue
+                    for j in range(kw):
+                        ix = xo * sw - pw + j * dw
+                        if ix < 0 or ix >= width:
+                            continue
+                        src, wv = x[n, iy, ix], taps[i, j]
+                        for c in range(channels):
+                            acc[c] += wv[c] * src[c]
+                if has_residual:
+                    res = residual[n, yo, xo]
+                    for c in range(channels):
+                        acc[c] += res[c]
+                activate_row(acc, act, alpha, beta)
