@@ -257,3 +257,17 @@ def test_blocked_layout_on_a_device_without_it_is_explained(tmp_path):
     plan = _compile_and_compare(_inverted_residual(tmp_path), {"x": X}, device="opencl:0")
     assert "blocked_conv" not in _ops(plan) and "pack" not in _ops(plan)
     assert "identity layout" in plan.explain()
+
+
+def test_squeeze_excite_block_stays_channel_blocked(tmp_path):
+    """Global average pool, the gate's 1x1 convs and the gating Mul run on the blocked storage."""
+    g = _Graph()
+    h = g.node("Relu", g.conv_bn("x", 4, 4, group=4))
+    s = g.node("GlobalAveragePool", h)
+    s = g.node("Relu", g.node("Conv", s, g.const(_f(2, 4, 1, 1)), g.const(_f(2))))
+    s = g.node("Sigmoid", g.node("Conv", s, g.const(_f(4, 2, 1, 1)), g.const(_f(4))))
+    y = g.conv_bn(g.node("Mul", h, s), 4, 8, k=1)
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    ops = _ops(plan)
+    assert ops.count("pack") == 1 and ops.count("unpack") == 1, ops
+    assert ops.count("blocked_conv") == 4 and "reduce_mean" in ops and "mul" in ops

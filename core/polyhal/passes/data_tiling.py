@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from polyhal.ir.encoding import FeatureMapEncoding, MatmulEncoding, _MATMUL_ELEMENT_TYPES
+from polyhal.ir.encoding import CHANNEL_BLOCKED_ELEMENTWISE, FeatureMapEncoding, MatmulEncoding, _MATMUL_ELEMENT_TYPES
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
 
@@ -69,13 +69,27 @@ def _encoded(v: Value, encoding, role: str) -> Value:
 
 
 def _chain_kind(op: Op) -> str | None:
-    """"depthwise" or "pointwise" for a 2-D float conv whose feature maps a channel-blocked
-    layout serves (see polyhal_cpu.conv_kernels), else None."""
-    if op.kind != "dispatch" or op.name not in ("conv", "fused_conv"):
+    """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
+    polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
+    of those kinds, "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N
+    and C (and scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept);
+    else None."""
+    if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
+        return None
+    if op.name in CHANNEL_BLOCKED_ELEMENTWISE or op.name == "reduce_mean":
+        maps = [v.type for v in (*op.inputs, *op.outputs) if v.type.rank > 0]
+        if not maps or any(t.rank != 4 or t.dtype.kind != "f" or t.shape[:2] != maps[0].shape[:2] or 0 in t.shape
+                           for t in maps):
+            return None
+        if op.name == "reduce_mean":
+            a = op.attr_dict
+            if sorted(a.get("axes") or ()) != [2, 3] or not a.get("keepdims", True):
+                return None
+        return "map"
+    if op.name not in ("conv", "fused_conv"):
         return None
     x, w = op.inputs[0].type, op.inputs[1].type
-    if x.rank != 4 or x.dtype.kind != "f" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)) \
-            or 0 in x.shape:
+    if x.rank != 4 or x.dtype.kind != "f" or 0 in x.shape:
         return None
     a = op.attr_dict
     group, m = int(a.get("group", 1)), w.shape[0]
@@ -87,11 +101,19 @@ def _chain_kind(op: Op) -> str | None:
     return None
 
 
+def _maps(op: Op) -> list[int]:
+    """The operand positions of ``op`` that are feature maps of its chain."""
+    if op.name in ("conv", "fused_conv"):
+        return [0, *range(3, len(op.inputs))]
+    return [i for i, v in enumerate(op.inputs) if v.type.rank > 0]
+
+
 def set_conv_encodings(program: Program) -> Program:
     """A new program in which the feature maps of conv chains that contain a depthwise conv
-    (chains of depthwise and pointwise convs, linked through inputs, results and residuals)
-    carry :class:`~polyhal.ir.encoding.FeatureMapEncoding`: each conv of such a chain reads
-    encoded operands and writes an encoded result, with encode ops around it. Convs of chains
+    (chains of depthwise and pointwise convs, elementwise ops over their maps and global average
+    pools -- squeeze-excite blocks -- linked through their feature maps) carry
+    :class:`~polyhal.ir.encoding.FeatureMapEncoding`: each op of such a chain reads encoded
+    maps and writes an encoded result, with encode ops around it. Convs of chains
     without a depthwise conv are left alone (as GEMMs they run as fast in NCHW, and a blocked
     layout would only add relayouts)."""
     kinds = {id(op): k for op in program.ops if (k := _chain_kind(op)) is not None}
@@ -110,7 +132,7 @@ def set_conv_encodings(program: Program) -> Program:
     for op in program.ops:
         if id(op) not in kinds:
             continue
-        for v in (op.inputs[0], *op.inputs[3:]):
+        for v in (op.inputs[i] for i in _maps(op)):
             src = producer.get(v.id)
             if src is not None and id(src) in kinds:
                 parent[find(id(src))] = find(id(op))
@@ -122,7 +144,7 @@ def set_conv_encodings(program: Program) -> Program:
             ops.append(op)
             continue
         inputs = list(op.inputs)
-        for i in (0, *range(3, len(inputs))):
+        for i in _maps(op):
             enc = _encoded(inputs[i], encoding, "nchwc")
             ops.append(Op("encode", "encode", (inputs[i],), (enc,)))
             inputs[i] = enc
