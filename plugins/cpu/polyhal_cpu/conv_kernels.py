@@ -22,8 +22,9 @@ numpy's ufuncs in place otherwise. Columns are built by a compiled loop for 2-D 
 (padding never materialised), else tap by tap with numpy (one strided copy per tap). 1-D
 convolutions run as 2-D ones of unit height.
 
-Measured on a 2-core VM against the tensordot-over-window-views kernel this replaces (bench
-``cnn_models``): see the commit history and bench/results/cnn_models.md.
+Measured on a 2-core VM with one BLAS thread (``python -m bench cnn_models``): a ResNet-18 went
+from 2.2x onnxruntime's time to ~1.1x, a MobileNetV3-style network from 13x to ~1.5x in NCHW and
+~0.8-1.05x with its depthwise chains channel-blocked (``blocked_conv`` below).
 """
 
 from __future__ import annotations
