@@ -9,7 +9,7 @@ import pytest
 
 import polyhal
 import polyhal.onnx
-from polyhal.errors import ShapeError
+from polyhal.errors import ProgramError, ShapeError
 from polyhal.ops import OPS
 from polyhal.ir.types import TensorType
 from polyhal_cpu import native
@@ -156,19 +156,19 @@ def test_zero_size_batch(op):
     assert y.shape[0] == 0 and y.shape[1] == 4
 
 
-@pytest.mark.parametrize("ws, attrs, words", [
-    ((8, 3, 3, 3), {"group": 2}, "group=2"),                                       # groups do not divide C
-    ((8, 4, 9, 9), {}, "padded input"),                                            # kernel larger than input
-    ((8, 4, 3, 3), {"pads": [1, 1]}, "pads"),                                      # pads of the wrong length
+@pytest.mark.parametrize("ws, attrs, error, words", [
+    ((8, 3, 3, 3), {"group": 2}, ShapeError, "group=2"),                    # groups do not divide C
+    ((8, 4, 9, 9), {}, ShapeError, "padded input"),                         # kernel larger than input
+    ((8, 4, 3, 3), {"pads": [1, 1]}, polyhal.onnx.OnnxModelError, "pads"),  # pads of the wrong length
 ])
-def test_bad_conv_attributes_name_the_node(ws, attrs, words, tmp_path):
+def test_bad_conv_attributes_name_the_node(ws, attrs, error, words, tmp_path):
     node = helper.make_node("Conv", ["x", "w"], ["y"], name="the_conv", **attrs)
     model = _model(node, {"x": _f(1, 4, 6, 6)}, {"w": _f(*ws)})
     path = tmp_path / "bad.onnx"
     onnx.save(model, str(path))
-    with pytest.raises(polyhal.PolyhalError) as info:
+    with pytest.raises(error) as info:
         polyhal.onnx.load(path, validate=False)
-    assert "the_conv" in str(info.value) and words in str(info.value)
+    assert "node the_conv (Conv)" in str(info.value) and words in str(info.value)
 
 
 def test_bad_conv_attributes_in_a_builder():
@@ -176,6 +176,8 @@ def test_bad_conv_attributes_in_a_builder():
     x = b.input("x", (1, 4, 6, 6))
     with pytest.raises(ShapeError, match="conv: .*group=3"):
         b.conv(x, b.constant(_f(6, 2, 3, 3)), strides=[1, 1], pads=[0] * 4, dilations=[1, 1], group=3)
+    with pytest.raises(ProgramError, match="conv: attribute 'pads' needs 4 entries"):
+        b.conv(x, b.constant(_f(6, 4, 3, 3)), strides=[1, 1], pads=[1, 1], dilations=[1, 1], group=1)
     with pytest.raises(ShapeError, match="fused_conv: the residual"):
         b.fused_conv(x, b.constant(_f(6, 4, 3, 3)), b.constant(_f(6)), b.input("r", (1, 6, 6, 6)),
                      strides=[1, 1], pads=[0] * 4, dilations=[1, 1], group=1)
