@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Callable
 
 import polyhal
-from bench.harness import median_time
+from bench.harness import DeviceAbsent, median_time
 
 
 def cuda_device(args):
@@ -22,7 +22,7 @@ def cuda_device(args):
         if spec.backend == "cuda":
             return polyhal.get_device(spec.name)
     reasons = polyhal.default_registry().unavailable_reasons().get("cuda", ["no CUDA device"])
-    raise SystemExit("no CUDA device: " + "; ".join(reasons))
+    raise DeviceAbsent("no CUDA device: " + "; ".join(reasons))
 
 
 def device_sync() -> None:

@@ -14,9 +14,9 @@ from bench.harness import Row
 
 
 def run(args) -> list[Row]:
+    dev = cuda_device(args)  # first: no GPU is DeviceAbsent, before the GPU libraries are imported
     import cupy as cp
 
-    dev = cuda_device(args)
     n = 4096
     rng = np.random.default_rng(0)
     ah, bh = rng.standard_normal((n, n), np.float32), rng.standard_normal((n, n), np.float32)

@@ -15,13 +15,13 @@ from bench.harness import Row
 
 
 def run(args) -> list[Row]:
+    dev = cuda_device(args)  # first: no GPU is DeviceAbsent, before the GPU libraries are imported
     import cupy as cp
     import torch
     import torchvision
 
     from polyhal_cuda import nms
 
-    dev = cuda_device(args)
     rows: list[Row] = []
     gen = torch.Generator(device=f"cuda:{dev.ordinal}").manual_seed(0)
     for n in (1000, 10_000, 100_000):

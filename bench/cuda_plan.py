@@ -35,9 +35,9 @@ def _ref(x, y):
 
 
 def run(args) -> list[Row]:
+    dev = cuda_device(args)  # first: no GPU is DeviceAbsent, before the GPU libraries are imported
     import cupy as cp
 
-    dev = cuda_device(args)
     rows: list[Row] = []
     rng = np.random.default_rng(0)
     n = 16

@@ -22,9 +22,9 @@ def _plan(dev, op, shape, **attrs):
 
 
 def run(args) -> list[Row]:
+    dev = cuda_device(args)  # first: no GPU is DeviceAbsent, before the GPU libraries are imported
     import cupy as cp
 
-    dev = cuda_device(args)
     rows: list[Row] = []
     reps = 5 if args.quick else 15
     rng = np.random.default_rng(0)

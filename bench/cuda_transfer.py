@@ -17,11 +17,11 @@ GIB = 1 << 30
 
 
 def run(args) -> list[Row]:
+    dev = cuda_device(args)  # first: no GPU is DeviceAbsent, before the GPU libraries are imported
     import cupy as cp
 
     from polyhal.hal.flags import MemoryType
 
-    dev = cuda_device(args)
     host = np.random.default_rng(0).integers(0, 256, size=GIB, dtype=np.uint8)
     back = np.empty_like(host)
     back.fill(1)  # touch every page once, as an application's own buffer would be

@@ -3,6 +3,12 @@
 Each benchmark module ``bench/<name>.py`` defines ``run(args) -> list[Row]``; run one with
 ``python -m bench <name>`` (see ``python -m bench --help``). Every row carries polyhal's figure
 and the anchor's from the same run, and their ratio (polyhal / anchor: below 1 is faster).
+
+A benchmark whose device is not on this machine raises :class:`DeviceAbsent`: the harness says
+so and leaves its recorded results as they are (as it does when a benchmark measured nothing).
+A benchmark with several devices, one of them absent, returns that part's rows as recorded
+(:func:`recorded_rows`), so that the table it writes keeps them.
+``python -m bench`` exits with status 1 when a row missed its target.
 """
 
 from __future__ import annotations
@@ -11,12 +17,21 @@ import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+class DeviceAbsent(Exception):
+    """Raised by a benchmark's ``run`` when the device it measures is not on this machine; the
+    message says which and why."""
 
 
 @dataclass
@@ -37,6 +52,27 @@ class Row:
         return self.polyhal / self.anchor if self.anchor else float("nan")
 
 
+def recorded_rows(name: str, prefix: str, reason: str, suffix: str = "") -> list[Row]:
+    """The rows of ``bench/results/<name><suffix>.json`` whose case starts with ``prefix``, as
+    recorded (their run's time and ``reason`` noted in ``extra``), for a part of a benchmark
+    whose device is absent here; none if nothing was recorded."""
+    path = RESULTS / f"{name}{suffix}.json"
+    print(f"{name}: {reason}; keeping the recorded rows of {prefix!r}")
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    fields = {f for f in Row.__dataclass_fields__}
+    rows = []
+    for r in recorded.get("rows", []):
+        if r.get("case", "").startswith(prefix):
+            row = Row(**{k: v for k, v in r.items() if k in fields})
+            row.extra = {**row.extra, "recorded": row.extra.get("recorded", recorded.get("time")),
+                         "absent_here": reason}
+            rows.append(row)
+    return rows
+
+
 def median_time(fn: Callable[[], object], *, repeat: int = 30, number: int = 1, warmup: int = 3,
                 sync: Callable[[], object] | None = None) -> float:
     """Median seconds per call of ``fn`` over ``repeat`` samples of ``number`` calls each."""
@@ -53,6 +89,19 @@ def median_time(fn: Callable[[], object], *, repeat: int = 30, number: int = 1, 
             sync()
         samples.append((time.perf_counter() - t0) / number)
     return statistics.median(samples)
+
+
+@contextmanager
+def busy_core(settle: float = 0.5) -> Iterator[subprocess.Popen]:
+    """A background process keeping one core busy (a Python busy loop) for the ``with`` block:
+    the "loaded machine" condition of the CPU benchmarks."""
+    process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(settle)  # let it be scheduled, and the thread budget's sampling see it
+        yield process
+    finally:
+        process.kill()
+        process.wait()
 
 
 def machine() -> dict:

@@ -71,6 +71,7 @@ def _ort_session(path, ort):
 
 
 def run(args) -> list[Row]:
+    dev = cuda_device(args)  # first: no GPU is DeviceAbsent, before the GPU libraries are imported
     import onnx
     import onnxruntime as ort
     import torch
@@ -78,7 +79,6 @@ def run(args) -> list[Row]:
 
     import polyhal.onnx
 
-    dev = cuda_device(args)
     rng = np.random.default_rng(0)
     reps = 5 if args.quick else 15
     rows: list[Row] = []

@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 import polyhal
-from bench.harness import Row
+from bench.harness import DeviceAbsent, Row
 
 CHAIN = 64
 SMALL = 16
@@ -126,8 +126,7 @@ def run(args) -> list[Row]:
     dev = _device(args)
     if dev is None:
         reasons = polyhal.default_registry().unavailable_reasons().get("opencl", ["no OpenCL device"])
-        print("opencl_ops: no OpenCL device (" + "; ".join(reasons) + "); nothing to measure")
-        return []
+        raise DeviceAbsent("no OpenCL device (" + "; ".join(reasons) + ")")
     limits = dev.spec.limits
     kind = limits.get("type", "")
     gpu = kind == "gpu"

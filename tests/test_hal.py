@@ -9,6 +9,7 @@ import pytest
 
 import polyhal
 from polyhal import BufferUsage, MemoryAccess, MemoryType
+from polyhal.hal.flags import BUFFER_USAGE, HOST_MAPPING_USAGE, MAPPABLE_BUFFER_USAGE, MAPPING_USAGE
 
 
 def test_flag_values_are_irees():
@@ -37,14 +38,108 @@ def test_buffer_repr_and_release():
         buf.map()
 
 
+# -- mapping (IREE's iree_hal_buffer_map_range rules) ------------------------------------------------
+
+_HOST = MemoryType.HOST_VISIBLE | MemoryType.HOST_COHERENT | MemoryType.DEVICE_VISIBLE
+
+
+class _HostMemoryAllocator(polyhal.Allocator):
+    """Host memory of the CPU device from the heaps a test names (the CPU device maps numpy bytes)."""
+
+    def _allocate(self, heap, nbytes):
+        return np.zeros(nbytes, np.uint8)
+
+    def _free(self, heap, native):
+        pass
+
+
+def _allocator(*heaps):
+    return _HostMemoryAllocator(polyhal.get_device("cpu:0"), heaps)
+
+
+def test_host_visible_heaps_grant_mapping_usage():
+    dev = polyhal.get_device("cpu:0")
+    with dev.allocator.allocate(16, MemoryType.HOST_VISIBLE, BufferUsage.DEFAULT) as buf:
+        assert buf.usage & BufferUsage.DEFAULT == BufferUsage.DEFAULT  # what was asked, never less
+        assert buf.usage & HOST_MAPPING_USAGE == HOST_MAPPING_USAGE
+        buf.map()[:] = 3
+        assert buf.map(MemoryAccess.READ).tolist() == [3] * 16
+
+
+def test_map_is_refused_without_mapping_usage():
+    # Host-visible memory whose heap does not allow mapping (as write-combined memory might not).
+    a = _allocator(polyhal.Heap(_HOST, BUFFER_USAGE, 1 << 20, polyhal.BufferKind.HOST))
+    with a.allocate(64, MemoryType.HOST_VISIBLE) as buf:
+        assert not buf.usage & MAPPING_USAGE
+        with pytest.raises(polyhal.MappingError, match=r"BufferUsage\.MAPPING \(MAPPING_SCOPED\)"):
+            buf.map()
+    with pytest.raises(polyhal.IncompatibleBufferError, match="serves"):
+        a.allocate(64, MemoryType.HOST_VISIBLE, BufferUsage.DEFAULT | BufferUsage.MAPPING)
+
+
+def test_map_is_refused_for_memory_that_is_not_host_visible():
+    a = _allocator(polyhal.Heap(MemoryType.DEVICE_LOCAL, BUFFER_USAGE, 1 << 20))
+    with a.allocate(64, MemoryType.DEVICE_LOCAL) as buf, pytest.raises(polyhal.MappingError, match="HOST_VISIBLE"):
+        buf.map()
+
+
+def test_mapping_optional_maps_where_it_can():
+    device_only = polyhal.Heap(MemoryType.DEVICE_LOCAL, BUFFER_USAGE, 1 << 20)
+    host = polyhal.Heap(_HOST, MAPPABLE_BUFFER_USAGE, 1 << 20, polyhal.BufferKind.HOST)
+    wish = BufferUsage.DEFAULT | BufferUsage.MAPPING | BufferUsage.MAPPING_OPTIONAL
+    # No heap can map: the optional mapping is dropped, the buffer says so and map refuses.
+    a = _allocator(device_only)
+    assert a.query_buffer_compatibility(MemoryType.DEVICE_LOCAL, wish) & polyhal.BufferCompatibility.ALLOCATABLE
+    with a.allocate(64, MemoryType.DEVICE_LOCAL, wish) as buf:
+        assert buf.usage == BufferUsage.DEFAULT
+        with pytest.raises(polyhal.MappingError):
+            buf.map()
+    # Without MAPPING_OPTIONAL the same request is refused.
+    with pytest.raises(polyhal.IncompatibleBufferError):
+        a.allocate(64, MemoryType.DEVICE_LOCAL, wish & ~BufferUsage.MAPPING_OPTIONAL)
+    # A heap that can map is preferred, whatever the heaps' order, and its buffer maps.
+    for heaps in ((device_only, host), (host, device_only)):
+        with _allocator(*heaps).allocate(64, MemoryType.OPTIMAL, wish) as buf:
+            assert buf.heap is host and buf.usage & BufferUsage.MAPPING == BufferUsage.MAPPING
+            buf.map()[:] = 1
+
+
 def test_read_only_mapping():
     dev = polyhal.get_device("cpu:0")
     with dev.allocator.allocate(8) as buf:
+        buf.map()[:] = 5
         view = buf.map(MemoryAccess.READ)
+        assert not view.flags.writeable
         with pytest.raises(ValueError):
             view[0] = 1
-        with pytest.raises(polyhal.MappingError, match="outside"):
-            buf.map(offset=4, length=8)
+        assert buf.map(MemoryAccess.READ).tolist() == [5] * 8
+        with pytest.raises(polyhal.MappingError, match="neither READ nor WRITE"):
+            buf.map(MemoryAccess.NONE)
+
+
+def test_read_only_memory_maps_only_for_reading():
+    a = np.arange(4, dtype=np.float32)
+    a.flags.writeable = False
+    buf = polyhal.from_dlpack(a).buffer
+    assert buf.allowed_access == MemoryAccess.READ
+    assert np.array_equal(buf.map(MemoryAccess.READ).view(np.float32), a)
+    with pytest.raises(polyhal.MappingError, match="map it with MemoryAccess.READ"):
+        buf.map(MemoryAccess.WRITE)
+
+
+@pytest.mark.parametrize("offset, length", [(4, 8), (-1, 2), (0, -1), (9, None), (0, 9), (1.0, 2), (0, "4")])
+def test_mapping_range_is_checked(offset, length):
+    with polyhal.get_device("cpu:0").allocator.allocate(8) as buf:
+        with pytest.raises(polyhal.MappingError, match="outside the buffer of 8 bytes|must be ints"):
+            buf.map(offset=offset, length=length)
+
+
+def test_mapping_ranges_inside_the_buffer():
+    with polyhal.get_device("cpu:0").allocator.allocate(8) as buf:
+        buf.map()[:] = np.arange(8, dtype=np.uint8)
+        assert buf.map(offset=2, length=3).tolist() == [2, 3, 4]
+        assert buf.map(offset=5).tolist() == [5, 6, 7]  # length None: to the end
+        assert buf.map(offset=np.int64(8), length=0).size == 0  # an empty range at the end is inside
 
 
 def test_numpy_view_is_zero_copy():

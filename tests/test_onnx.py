@@ -188,10 +188,13 @@ def test_opset_newer_than_supported():
 
 
 def test_unsupported_op_names_op_and_node():
-    node = helper.make_node("TfIdfVectorizer", ["x"], ["y"], name="tfidf", mode="TF", min_gram_length=1,
-                            max_gram_length=1, max_skip_count=0, ngram_counts=[0], ngram_indexes=[0], pool_int64s=[1])
-    m = model_of([node], [vi("x", [4], TensorProto.INT64)], [vi("y", [1])], opset=9)
-    with pytest.raises(OnnxUnsupportedError, match=r"node tfidf \(TfIdfVectorizer\): op TfIdfVectorizer"):
+    # a training op, which polyhal leaves unsupported
+    node = helper.make_node("Momentum", ["r", "t", "x", "g", "v"], ["x2", "v2"], name="step",
+                            domain="ai.onnx.preview.training", alpha=0.9, beta=1.0, mode="standard", norm_coefficient=0.0)
+    m = model_of([node], [vi("r", []), vi("t", [], TensorProto.INT64), vi("x", [2]), vi("g", [2]), vi("v", [2])],
+                 [vi("x2", [2]), vi("v2", [2])])
+    m.opset_import.append(helper.make_opsetid("ai.onnx.preview.training", 1))
+    with pytest.raises(OnnxUnsupportedError, match=r"node step \(Momentum\): op Momentum"):
         ponnx.load(m)
 
 

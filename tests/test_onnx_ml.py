@@ -8,6 +8,8 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import re
+
 import pytest
 
 onnx = pytest.importorskip("onnx")
@@ -151,7 +153,9 @@ def test_placement_falls_back_to_the_cpu_and_says_why():
     theirs = ort.InferenceSession(model, providers=["CPUExecutionProvider"]).run(None, {"X": x[:5]})[0]
     np.testing.assert_allclose(out, theirs, rtol=1e-5, atol=1e-5)
     text = plan.explain()
-    assert "tree_ensemble -> cpu:0 (candidates ['cpu:0']; opencl:0 has no 'tree_ensemble' kernel" in text
+    # Other installed devices without the kernel (the backend template's, say) are named too.
+    assert re.search(r"tree_ensemble -> cpu:0 \(candidates \['cpu:0'\]; opencl:0(, [\w:]+)* ha(s|ve) no "
+                     r"'tree_ensemble' kernel", text), text
     with pytest.raises(StrictPlacementError, match="tree_ensemble"):
         program.compile("opencl:0", strict=True)(x[:5])
 

@@ -48,6 +48,9 @@ def _hammer(work) -> list[BaseException]:
 
 
 def test_one_plan_called_from_many_threads_gives_each_its_own_result(device_name, fast_switching):
+    lacking = {"add", "mul", "sub"} - polyhal.get_device(device_name).kernel_names
+    if lacking:
+        pytest.skip(f"{device_name} has no kernel for {', '.join(sorted(lacking))}")
     b = polyhal.ProgramBuilder("chain")
     x = b.input("x", (16, 16))
     h = b.add(b.mul(x, x), x)  # intermediates in the plan's arena, shared by every call

@@ -8,7 +8,9 @@ hot path binds the inputs, then loops over prepared steps that read and write a 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Sequence
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -24,6 +26,7 @@ from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
 from polyhal.passes.placement import Placement, fusion_gate, kernel_sets, place
 from polyhal.policy import selector_for
+from polyhal.profile import Profile, StepEvent, StepInfo
 from polyhal.registry import Registry, default_registry
 
 
@@ -161,9 +164,13 @@ class Plan:
         # An op whose result bufferize made a view of its operand's buffer (a reshape, a host
         # transpose) has nothing to run: its slot holds the view.
         elided = self.buffer_plan.elided_ops
+        self._step_ops = [op for i, op in enumerate(program.ops) if i not in elided]
         self._steps: list[Callable[[], None]] = [
             self._step(op, slot_of, dev, self._buffers.scratch.get(i))
             for i, op in enumerate(program.ops) if i not in elided]
+        #: ``node_names(op) -> str``: the source node an op came from, for profiles (a front end
+        #: sets it: the ONNX one's is ``OnnxProgram.origin``); None names a step by its result.
+        self.node_names: Callable[[Any], str] | None = None
         self.dispatch_count = sum(op.kind == "dispatch" for i, op in enumerate(program.ops) if i not in elided)
         # Replay hook: a device may turn the whole step list into one replayable unit (CUDA: a
         # graph captured once, inputs and outputs rebound per call); only for a plan that lives
@@ -289,6 +296,99 @@ class Plan:
         for slot, t in zip(self._output_slots, tensors):
             slots[slot] = t.native
         return tensors
+
+    # -- profiling ---------------------------------------------------------------------------------
+
+    @contextmanager
+    def profiling(self, *, trace: str | None = None, node_names: Callable[[Any], str] | None = None
+                  ) -> Iterator[Profile]:
+        """Profile every run of this plan inside the ``with`` block::
+
+            with plan.profiling(trace="run.json") as prof:
+                plan(x)
+            print(prof.table())
+
+        While the block is active the plan runs a loop of its own that times each step (see
+        :mod:`polyhal.profile`; a replayed plan, such as a CUDA graph, runs step by step); the
+        plain loop is put back on leaving it, so an unprofiled run costs what it did. If a run
+        raises, the profile keeps what ran, the error included, the trace (if ``trace`` names
+        a file) is still written, and the exception carries the profile as ``exc.profile``.
+        ``node_names(op)`` names each step's source node (default: :attr:`node_names`).
+        """
+        names = node_names or self.node_names
+        devices = [self.registry.get_device(op.device) for op in self._step_ops]
+        timers: dict[str, Any] = {}
+        for d in devices:
+            if d.name not in timers:
+                timers[d.name] = d.profile_timer()
+        infos = [StepInfo(i, "transfer" if op.kind == "transfer" else op.name,
+                          (names(op) if names else "") or "%" + op.outputs[0].name, d.name, op.kind,
+                          getattr(timers[d.name], "name", "host clock + synchronize"))
+                 for i, (op, d) in enumerate(zip(self._step_ops, devices))]
+        profile = Profile(self.program.name, infos)
+        plain = self.replay
+        self.replay = self._profiled_loop(profile, devices, timers)
+        try:
+            yield profile
+        except BaseException as exc:
+            profile.error = f"{type(exc).__name__}: {exc}"
+            exc.profile = profile
+            if trace is not None and hasattr(exc, "add_note"):
+                exc.add_note(f"(the partial profile's trace was written to {trace})")
+            raise
+        finally:
+            self.replay = plain
+            if trace is not None:
+                profile.write_trace(trace)
+
+    def profile(self, *args: Any, runs: int = 1, trace: str | None = None,
+                node_names: Callable[[Any], str] | None = None, **kwargs: Any) -> Profile:
+        """Run the plan ``runs`` times on the inputs (as for calling it) under :meth:`profiling`
+        and return the :class:`~polyhal.profile.Profile` (``.table()``, ``.write_trace(path)``)."""
+        if runs < 1:
+            raise ProgramError(f"profile needs runs >= 1, got {runs}")
+        with self.profiling(trace=trace, node_names=node_names) as profile:
+            for _ in range(runs):
+                self(*args, **kwargs)
+        return profile
+
+    def _profiled_loop(self, profile: Profile, devices: list[Device], timers: dict[str, Any]) -> Callable[[], None]:
+        """The step loop that times each step into ``profile`` (a separate loop: the plain one
+        stays untouched). Steps on a device with event timing are timed by its events, read
+        once the run's steps are queued; the others by the host clock around the step and the
+        device's synchronize."""
+        plan = [(i, step, d, timers[d.name]) for i, (step, d) in enumerate(zip(self._steps, devices))]
+        events, clock, origin = profile.events, time.perf_counter_ns, profile.origin_ns
+
+        def run() -> None:
+            index = profile.runs
+            profile.runs += 1
+            pending = []  # (event, timer, start mark, end mark) awaiting the device's times
+            try:
+                for i, step, device, timer in plan:
+                    t0 = clock()
+                    marks = timer.mark() if timer is not None else None
+                    try:
+                        step()
+                        if timer is None:
+                            device.synchronize()
+                    except BaseException as exc:
+                        took = clock() - t0
+                        error = f"{type(exc).__name__}: {exc}"
+                        events.append(StepEvent(i, index, t0 - origin, took, took, error=error))
+                        raise
+                    t1 = clock()
+                    event = StepEvent(i, index, t0 - origin, t1 - t0, t1 - t0)
+                    events.append(event)
+                    if timer is not None:
+                        pending.append((event, timer, marks, timer.mark()))
+            finally:
+                for event, timer, start, end in pending:
+                    try:
+                        event.duration_ns = timer.elapsed_ns(start, end)
+                    except Exception:  # noqa: BLE001 -- a failed device keeps the host time, not a second error
+                        pass
+        return run
 
     # -- introspection -----------------------------------------------------------------------------
 

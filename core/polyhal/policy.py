@@ -310,8 +310,7 @@ _UNRESOLVED: Any = type("_Unresolved", (), {"epoch": -1})()
 
 def _cannot_serve(spec: DeviceSpec, memory_type: MemoryType, usage: BufferUsage) -> str | None:
     """None when one of ``spec``'s heaps serves the request, else what the device does serve."""
-    wanted = BufferUsage(usage) & ~BufferUsage.MAPPING_OPTIONAL
-    if any(h.serves(memory_type, wanted) for h in spec.heaps):
+    if any(h.serves(memory_type, usage) for h in spec.heaps):
         return None
     return "serves only " + ", ".join(f"{h.memory_type.describe()} ({h.allowed_usage.describe()})" for h in spec.heaps)
 

@@ -93,21 +93,29 @@ class Allocator:
             return heap
 
     def _select_heap(self, memory_type: MemoryType, usage: BufferUsage) -> Heap | None:
-        memory_type = MemoryType(memory_type)
-        usage = BufferUsage(usage) & ~BufferUsage.MAPPING_OPTIONAL
+        memory_type, usage = MemoryType(memory_type), BufferUsage(usage)
         fits = [h for h in self.heaps if h.serves(memory_type, usage)]
         if not fits:
             return None
+        # An optional mapping is still a wish: heaps that can map it come first (sorts are stable).
         if memory_type & MemoryType.OPTIMAL:
             # Prefer fast device memory unless the usage asks for mapping.
             want_host = bool(usage & (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT))
-            fits.sort(key=lambda h: (bool(h.memory_type & MemoryType.HOST_VISIBLE) != want_host,
+            fits.sort(key=lambda h: (not h.maps(usage),
+                                     bool(h.memory_type & MemoryType.HOST_VISIBLE) != want_host,
                                      not (h.memory_type & MemoryType.DEVICE_LOCAL == MemoryType.DEVICE_LOCAL)))
+        else:
+            fits.sort(key=lambda h: not h.maps(usage))
         return fits[0]
 
     def query_buffer_compatibility(self, memory_type: MemoryType, usage: BufferUsage = BufferUsage.DEFAULT,
                                    nbytes: int | None = None) -> BufferCompatibility:
-        """What can be done with such a buffer here; ``NONE`` when it cannot be allocated."""
+        """What can be done with such a buffer here; ``NONE`` when it cannot be allocated.
+
+        The buffer's own usage (what :meth:`Buffer.map` checks) is the selected heap's
+        :meth:`~polyhal.hal.records.Heap.buffer_usage` of ``usage``: an optional mapping may be
+        dropped, and host-visible heaps add the mapping usages.
+        """
         heap = self.select_heap(memory_type, usage)
         if heap is None or (nbytes is not None and not 0 < nbytes <= heap.max_allocation_size):
             return BufferCompatibility.NONE
@@ -122,7 +130,8 @@ class Allocator:
 
     def allocate(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
                  usage: BufferUsage = BufferUsage.DEFAULT) -> Buffer:
-        """Allocate ``nbytes`` of ``memory_type`` for ``usage``; the buffer may have more bits."""
+        """Allocate ``nbytes`` of ``memory_type`` for ``usage``; the buffer may have more bits
+        (never fewer, but for an optional mapping: see :meth:`query_buffer_compatibility`)."""
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise IncompatibleBufferError(f"allocation size must be an int number of bytes, got {nbytes!r}")
         for flags, kind in ((memory_type, MemoryType), (usage, BufferUsage)):
@@ -153,7 +162,7 @@ class Allocator:
         except MemoryError as exc:
             raise out_of_memory(self, heap, nbytes, exc) from exc
         self._account(heap, nbytes)
-        return Buffer(self, heap, nbytes, native, usage=BufferUsage(usage))
+        return Buffer(self, heap, nbytes, native, usage=heap.buffer_usage(usage))
 
     def _account(self, heap: Heap, nbytes: int) -> None:
         with self._lock:

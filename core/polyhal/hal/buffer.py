@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,8 @@ class Buffer:
     allocator's accounting always balances.
     """
 
-    __slots__ = ("allocator", "heap", "nbytes", "memory_type", "usage", "kind", "native", "_finalizer", "_holds",
-                 "_release_pending", "__weakref__")
+    __slots__ = ("allocator", "heap", "nbytes", "memory_type", "usage", "allowed_access", "kind", "native",
+                 "_finalizer", "_holds", "_release_pending", "__weakref__")
 
     def __init__(
         self,
@@ -36,8 +37,9 @@ class Buffer:
         native: Any,
         *,
         memory_type: MemoryType | None = None,
-        usage: BufferUsage = BufferUsage.DEFAULT,
+        usage: BufferUsage | None = None,
         kind: BufferKind | None = None,
+        allowed_access: MemoryAccess = MemoryAccess.ALL,
         on_release: Any = None,
     ) -> None:
         self.allocator = allocator
@@ -45,7 +47,11 @@ class Buffer:
         self.nbytes = nbytes
         self.native = native
         self.memory_type = heap.memory_type if memory_type is None else memory_type
-        self.usage = usage
+        #: What the buffer may be used for (IREE's allowed usage): what was asked plus what its
+        #: heap grants (see Heap.buffer_usage); None: the heap's usage for BufferUsage.DEFAULT.
+        self.usage = heap.buffer_usage(BufferUsage.DEFAULT) if usage is None else usage
+        #: How the host may access a mapping (IREE's allowed access): READ for read-only memory.
+        self.allowed_access = allowed_access
         self.kind = heap.kind if kind is None else kind
         # The finalizer must not reference self; it holds what freeing needs.
         self._finalizer = weakref.finalize(self, on_release or allocator._release, heap, nbytes, native)
@@ -95,20 +101,53 @@ class Buffer:
             length: int | None = None) -> np.ndarray:
         """Map ``[offset, offset+length)`` for host access; returns a uint8 numpy array.
 
-        Only host-visible buffers map. The mapping stays valid until the buffer is released;
-        for non-coherent memory the backend flushes on :meth:`flush` (a no-op when coherent).
+        As IREE's ``iree_hal_buffer_map_range``, a map needs memory that is ``HOST_VISIBLE``, a
+        usage with ``MAPPING_SCOPED`` or ``MAPPING_PERSISTENT`` (host-visible heaps grant both to
+        every buffer; an allocation with ``MAPPING_OPTIONAL`` may come back without them: check
+        ``buffer.usage`` and copy with ``Device.read``/``write`` instead), ``access`` within the
+        buffer's ``allowed_access``, and a range inside the buffer. Without ``WRITE`` the array
+        is read-only. ``length`` None: to the end of the buffer.
+
+        The mapping is persistent: the array stays valid until the buffer is released. Each map
+        first waits for the work queued on the device, so the host sees every device write made
+        before it; device work queued after a host write sees that write. polyhal has no
+        flush/invalidate step: its backends' host-visible memory is coherent at those two
+        points, non-coherent (``HOST_CACHED`` without ``HOST_COHERENT``) memory included (HIP's
+        non-coherent pinned memory is coherent at kernel boundaries and synchronization). What
+        is not guaranteed is host and device touching the same bytes concurrently: map again
+        after queued work to see its writes, and do not write through an array while queued
+        work reads the buffer.
         """
         if self.released:
-            raise MappingError("cannot map a released buffer")
+            raise MappingError(f"cannot map {self!r}: it was released")
         if not self.host_visible:
             raise MappingError(
                 f"buffer of memory type {self.memory_type.describe()} on {self.device.name} is not "
                 "HOST_VISIBLE and cannot be mapped; allocate it with MemoryType.HOST_VISIBLE, or copy "
                 "it to the host with Tensor.numpy()"
             )
-        length = self.nbytes - offset if length is None else length
+        if not self.usage & (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT):
+            raise MappingError(
+                f"buffer of usage {self.usage.describe()} on {self.device.name} was not allocated for "
+                "mapping; allocate it with usage | BufferUsage.MAPPING (MAPPING_SCOPED) from a heap that "
+                f"allows it (this one allows {self.heap.allowed_usage.describe()}), or copy it with "
+                "Device.read / Tensor.numpy()"
+            )
+        access = MemoryAccess(access)
+        if not access & (MemoryAccess.READ | MemoryAccess.WRITE):
+            raise MappingError(f"mapping access {access.describe()} has neither READ nor WRITE; pass "
+                               "MemoryAccess.READ, MemoryAccess.WRITE or both")
+        if access & ~self.allowed_access & MemoryAccess.ALL:
+            raise MappingError(f"{self!r} allows only {self.allowed_access.describe()} access (read-only "
+                               f"memory) and cannot be mapped for {access.describe()}; map it with MemoryAccess.READ")
+        try:
+            offset = operator.index(offset)
+            length = self.nbytes - offset if length is None else operator.index(length)
+        except TypeError:
+            raise MappingError(f"mapping offset and length must be ints, got {offset!r} and {length!r}") from None
         if offset < 0 or length < 0 or offset + length > self.nbytes:
-            raise MappingError(f"mapping range [{offset}, {offset + length}) is outside the buffer of {self.nbytes} bytes")
+            raise MappingError(f"mapping range [{offset}, {offset + length}) is outside the buffer of {self.nbytes} "
+                               "bytes; pass offset >= 0 and length >= 0 with offset + length <= buffer.nbytes")
         view = self.device._map(self, offset, length, access)
         if not access & MemoryAccess.WRITE:
             view = view.view()

@@ -139,6 +139,16 @@ class Device:
         """
         return None
 
+    def profile_timer(self) -> Any:
+        """Profiling hook (backend): an object that times steps on this device's queue, or
+        ``None`` (the default: profiles time each step by the host clock around it and
+        :meth:`synchronize`). The object has ``mark()``, which records a point on the queue and
+        returns it, and ``elapsed_ns(start, end)``, which waits for ``end`` and returns the
+        device time between two marks (CUDA: events on the device's stream). Called once per
+        profiled plan; see :mod:`polyhal.profile`.
+        """
+        return None
+
     # -- data movement (backend) -----------------------------------------------------------------
 
     def _map(self, buffer: "Buffer", offset: int, length: int, access: MemoryAccess) -> np.ndarray:

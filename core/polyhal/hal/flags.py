@@ -70,14 +70,21 @@ class BufferUsage(enum.IntFlag):
 
 
 _IMAGE_USAGE = BufferUsage.DISPATCH_IMAGE_READ | BufferUsage.DISPATCH_IMAGE_WRITE
-_MAPPING_USAGE = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
-                  | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
+#: Every mapping usage bit (what MAPPING_OPTIONAL lets an allocator drop).
+MAPPING_USAGE = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT | BufferUsage.MAPPING_OPTIONAL
+                 | BufferUsage.MAPPING_ACCESS_RANDOM | BufferUsage.MAPPING_ACCESS_SEQUENTIAL_WRITE)
 _EVERY_USAGE = BufferUsage(sum(int(u) for u in BufferUsage if u.value and u.value & (u.value - 1) == 0))
 #: What a heap of plain buffers allows when kernels address memory by pointer: every usage but
 #: images (no backend has image kernels) and mapping -- device-local GPU memory.
-BUFFER_USAGE = _EVERY_USAGE & ~_IMAGE_USAGE & ~_MAPPING_USAGE
+BUFFER_USAGE = _EVERY_USAGE & ~_IMAGE_USAGE & ~MAPPING_USAGE
 #: The same plus every mapping usage: host-visible heaps (host memory, pinned, managed).
-MAPPABLE_BUFFER_USAGE = BUFFER_USAGE | _MAPPING_USAGE
+MAPPABLE_BUFFER_USAGE = BUFFER_USAGE | MAPPING_USAGE
+#: What a host-visible heap that allows mapping grants every buffer, asked or not: IREE's heap
+#: allocator (``allocator_heap.c``, ``query_buffer_compatibility``) adds exactly these bits,
+#: because the host maps such memory to copy it. polyhal's host-visible memory is the host's
+#: own (numpy, pinned, managed, OpenCL host memory mapped once): a map costs nothing there.
+HOST_MAPPING_USAGE = (BufferUsage.MAPPING_SCOPED | BufferUsage.MAPPING_PERSISTENT
+                      | BufferUsage.MAPPING_ACCESS_RANDOM)
 
 
 class MemoryAccess(enum.IntFlag):
@@ -93,6 +100,10 @@ class MemoryAccess(enum.IntFlag):
     ANY = 32
     DISCARD_WRITE = WRITE | DISCARD
     ALL = READ | WRITE | DISCARD
+
+    def describe(self) -> str:
+        """``'READ|WRITE'``: the set bits by name."""
+        return _describe(self, ())
 
 
 class BufferKind(enum.Enum):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from polyhal.hal.flags import BufferKind, BufferUsage, MemoryType
+from polyhal.hal.flags import HOST_MAPPING_USAGE, MAPPING_USAGE, BufferKind, BufferUsage, MemoryType
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device
@@ -32,9 +32,39 @@ class Heap:
     alignment: int = 64
 
     def serves(self, memory_type: MemoryType, usage: BufferUsage) -> bool:
-        """True when a request for ``memory_type`` / ``usage`` can come from this heap."""
+        """True when a request for ``memory_type`` / ``usage`` can come from this heap.
+
+        With ``MAPPING_OPTIONAL`` the mapping usages are a wish: a heap that cannot map still
+        serves, and its buffers then carry no mapping usage (see :meth:`buffer_usage`).
+        """
         wanted = MemoryType(memory_type) & ~MemoryType.OPTIMAL
-        return (self.memory_type & wanted) == wanted and (self.allowed_usage & usage) == usage
+        if (self.memory_type & wanted) != wanted:
+            return False
+        usage = BufferUsage(usage)
+        if usage & BufferUsage.MAPPING_OPTIONAL:
+            usage &= ~MAPPING_USAGE
+        return (self.allowed_usage & usage) == usage
+
+    def maps(self, usage: BufferUsage) -> bool:
+        """True when this heap allows every mapping usage in ``usage`` (MAPPING_OPTIONAL aside)."""
+        wanted = BufferUsage(usage) & MAPPING_USAGE & ~BufferUsage.MAPPING_OPTIONAL
+        return (self.allowed_usage & wanted) == wanted
+
+    def buffer_usage(self, usage: BufferUsage) -> BufferUsage:
+        """The usage a buffer from this heap carries when ``usage`` was asked (IREE's allocators
+        return more than asked, never less, except for what MAPPING_OPTIONAL lets them drop).
+
+        A heap that cannot map drops an optional mapping request (as IREE's Vulkan allocator
+        does); a host-visible heap that allows mapping grants :data:`HOST_MAPPING_USAGE`
+        (scoped and persistent mapping, random access) to every buffer, as IREE's heap allocator
+        does for host memory, so that memory the host can address is mappable without asking.
+        """
+        usage = BufferUsage(usage)
+        if not self.maps(usage):
+            usage &= ~MAPPING_USAGE
+        if self.memory_type & MemoryType.HOST_VISIBLE:
+            usage |= self.allowed_usage & HOST_MAPPING_USAGE
+        return usage
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,7 +87,9 @@ class DeviceSpec:
     heaps: tuple[Heap, ...] = ()
     #: Bytes of workgroup (shared / ``__local``) memory per workgroup; 0 if none.
     workgroup_bytes: int = 0
-    #: Free-form capability tags, e.g. ``{"fp16", "svm", "cuda-graphs"}``.
+    #: Free-form capability tags, e.g. ``{"fp16", "svm", "cuda-graphs"}``. ``"ftz"`` says the
+    #: device's float32 kernels flush denormal inputs and results to zero (GPU fast paths do); the
+    #: conformance suite then checks them against a reference on flushed inputs.
     capabilities: frozenset[str] = frozenset()
     #: Device limits for display and planning (max workgroup size, global memory, ...).
     limits: Mapping[str, Any] = field(default_factory=dict, compare=False)

@@ -4,7 +4,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
 
 * :mod:`~polyhal.ops.elementwise`: add sub mul div pow maximum minimum, equal not_equal less
   less_equal greater greater_equal, neg abs exp log sqrt tanh relu sigmoid erf gelu, where, cast
-* :mod:`~polyhal.ops.linalg`: matmul, gemm
+* :mod:`~polyhal.ops.linalg`: matmul, gemm, det
 * :mod:`~polyhal.ops.reduction`: reduce_sum reduce_mean reduce_max reduce_min, argmax, softmax,
   layer_norm
 * :mod:`~polyhal.ops.shape`: transpose, reshape, concat, slice, gather
@@ -18,6 +18,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
   scatter_nd, cumsum, cumprod, argmin, reduce_prod, einsum
 * :mod:`~polyhal.ops.ml`: tree_ensemble (ai.onnx.ml's tree ensembles as one compact array walk)
 * :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear, attention
+* :mod:`~polyhal.ops.vision`: grid_sample, roi_align
 
 Usage::
 
@@ -36,6 +37,8 @@ from polyhal.ops import elementwise, linalg, reduction, shape, sorting  # noqa: 
 from polyhal.ops import data_tiling  # noqa: E402,F401  isort: skip
 from polyhal.ops import detection  # noqa: E402,F401  isort: skip
 from polyhal.ops import indexing, logical, mathfn, ml, nn  # noqa: E402,F401  isort: skip
+from polyhal.ops import vision  # noqa: E402,F401  isort: skip
+from polyhal.ops import text  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [

@@ -119,3 +119,41 @@ define("gemm", infer=_infer_gemm, reference=_ref_gemm, sample=_sample_gemm, arit
     transposed when trans_b. A and B are 2-D; the optional C broadcasts (one way) to the (M, N)
     result. Float types only.
 """)
+
+
+# ------------------------------------------------------------------------------------------ det
+
+def _infer_det(x: TensorType):
+    check_dtype(x, FLOAT)
+    if x.rank < 2 or x.shape[-1] != x.shape[-2]:
+        raise ShapeError(f"x must be [..., M, M] (square matrices), got {fmt_shape(x.shape)}")
+    return (TensorType(x.shape[:-2], x.dtype),)
+
+
+def _ref_det(x):
+    mats = wide(x).reshape((-1,) + x.shape[-2:])
+    out = np.empty(mats.shape[0])
+    for i, a in enumerate(mats):
+        a, d = a.copy(), 1.0
+        for col in range(a.shape[0]):  # Gaussian elimination with partial pivoting
+            p = col + int(np.argmax(np.abs(a[col:, col])))
+            if a[p, col] == 0:
+                d = 0.0
+                break
+            if p != col:
+                a[[col, p]] = a[[p, col]]
+                d = -d
+            d *= a[col, col]
+            a[col + 1:] -= np.outer(a[col + 1:, col] / a[col, col], a[col])
+        out[i] = d
+    return (narrow(out.reshape(x.shape[:-2]), x.dtype),)
+
+
+def _sample_det(rng: np.random.Generator):
+    m = int(rng.integers(1, 6))
+    return [nonzero(rng, pick(rng, [(), (3,), (2, 2)]) + (m, m)).astype(pick(rng, [np.float32, np.float64]))], {}
+
+
+define("det", infer=_infer_det, reference=_ref_det, sample=_sample_det, arity=1, tolerance=(1e-4, 1e-5), doc="""
+    ONNX Det: the determinant of each square matrix of x [..., M, M]; the result is x.shape[:-2].
+""")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
@@ -11,6 +12,7 @@ from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferKind, MemoryAccess
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_cpu import threads
 from polyhal_cpu.allocator import CPUAllocator
 from polyhal_cpu.kernels import TABLE  # the module imports every kernel module of the plugin
 
@@ -25,6 +27,24 @@ class CPUDevice(Device):
     def __init__(self, spec: DeviceSpec) -> None:
         super().__init__(spec)
         self.native_allocator = self.allocator = CPUAllocator(self, spec.heaps)
+        threads.budget()  # BLAS is limited to the thread budget from the first device on
+
+    def record(self, steps, slots, input_slots, output_slots):
+        """The plain step loop, after the thread budget's look at how busy the CPUs are (at most
+        every few hundred milliseconds; :mod:`polyhal_cpu.threads`)."""
+        adjust = threads.budget().adjust
+        steps = tuple(steps)
+
+        def run() -> None:
+            adjust()
+            for step in steps:
+                step()
+        return run
+
+    def profile_timer(self) -> "_HostTimer":
+        """Step timing for profiles: the host clock (kernels run synchronously on the calling
+        thread), with the thread budget's look at the CPUs' load that a plain run makes."""
+        return _HostTimer(threads.budget().adjust)
 
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]:
         return (1, 0)  # every logical CPU device shares the host's memory
@@ -66,6 +86,7 @@ class CPUDevice(Device):
             native.flags.writeable = False
         heap = self.native_allocator.heaps[0]
         return Buffer(self.native_allocator, heap, extent, native, kind=BufferKind.EXTERNAL,
+                      allowed_access=MemoryAccess.READ if imported.readonly else MemoryAccess.ALL,
                       on_release=lambda *_: imported.release())
 
     def download(self, native: np.ndarray, host: np.ndarray) -> None:
@@ -73,3 +94,21 @@ class CPUDevice(Device):
 
     def upload(self, host: np.ndarray, native: np.ndarray) -> None:
         np.copyto(native, host)
+
+
+class _HostTimer:
+    """Marks are host clock readings (ns); each lets the thread budget re-sample when due."""
+
+    __slots__ = ("_adjust",)
+    name = "host clock (synchronous kernels)"
+
+    def __init__(self, adjust) -> None:
+        self._adjust = adjust
+
+    def mark(self) -> int:
+        self._adjust()
+        return time.perf_counter_ns()
+
+    @staticmethod
+    def elapsed_ns(start: int, end: int) -> int:
+        return end - start

@@ -40,7 +40,8 @@ from polyhal.ops.elementwise import check_finite_cast
 from polyhal_cpu import blas, native
 # The other kernel modules register the rest of the op set in TABLE when imported.
 from polyhal_cpu import (  # noqa: F401
-    conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels,
+    conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels, text_kernels,
+    vision_kernels,
 )
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import parallel

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs
+from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
 
 _UNARY = {
     "sin": np.sin, "cos": np.cos, "tan": np.tan, "asin": np.arcsin, "acos": np.arccos, "atan": np.arctan,
@@ -81,4 +81,12 @@ def _bitcast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> 
 
     def kernel(x, out):
         np.copyto(out.view(src), x)  # out is contiguous: viewing it as the source type is exact
+    return kernel
+
+
+@TABLE.register("det")
+@float16_via_float32
+def _det(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    def kernel(x, out):
+        np.copyto(out, np.linalg.det(x), casting="same_kind")  # LAPACK's LU, batched
     return kernel

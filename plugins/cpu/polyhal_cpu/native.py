@@ -59,10 +59,14 @@ def _compiled() -> dict[str, Callable]:
 
 
 def _build() -> dict[str, Callable]:
+    from polyhal_cpu.threads import budget, configure_numba
+
+    configure_numba()  # numba's pool size follows the thread budget
     from polyhal_cpu import native_loops  # imports numba
 
     loops = {name: getattr(native_loops, name) for name in native_loops.__all__}
     _warm(loops)
+    budget().refresh()  # numba's compiler loads scipy's BLAS, with a pool of its own: limit it too
     return loops
 
 

@@ -7,7 +7,10 @@ threads. :func:`parallel` wraps a kernel *builder*: at prepare time it picks the
 kernels require) and builds one kernel per piece shape; the calling thread runs the first piece
 and the pool the others.
 
-``POLYHAL_CPU_THREADS`` sets the number of threads (default: the CPU count; 1 disables this).
+The pool has one thread fewer than the CPU backend's thread budget (:mod:`polyhal_cpu.threads`;
+``POLYHAL_CPU_THREADS``; 1 disables splitting), and while the budget is cut to one thread
+because other processes keep the CPUs busy, the pieces run one after another on the calling
+thread. The pieces never call BLAS, so BLAS's threads and these never nest.
 Kernels smaller than :data:`MIN_ELEMENTS` (times the kernel's ``factor``) run whole: handing a
 piece to a thread and waiting for it costs ~30 µs, ~50-80 µs when the thread has gone idle
 (a 2-core VM), so a split pays only for work of a few hundred microseconds; kernels that
@@ -20,12 +23,13 @@ piece handed to an idle pool thread right after one waited there for up to a sch
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 from polyhal.ir.types import TensorType
+
+from polyhal_cpu.threads import budget
 
 #: Output elements below which a kernel runs on the calling thread only.
 MIN_ELEMENTS = 1 << 16
@@ -35,13 +39,8 @@ _pool_lock = threading.Lock()
 
 
 def threads() -> int:
-    """How many threads a kernel may use (``POLYHAL_CPU_THREADS``, default the CPU count)."""
-    raw = os.environ.get("POLYHAL_CPU_THREADS", "")
-    try:
-        n = int(raw) if raw.strip() else (os.cpu_count() or 1)
-    except ValueError:
-        n = 1
-    return max(1, min(n, 64))
+    """How many threads a kernel may use: the thread budget's size (:mod:`polyhal_cpu.threads`)."""
+    return budget().size
 
 
 def _executor(n: int) -> ThreadPoolExecutor:
@@ -93,10 +92,15 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
             pieces = [(kernels[hi - lo], head + (slice(lo, hi),)) for lo, hi in bounds]
             n_in = len(ins)
             pool = _executor(n)
+            state = budget()
 
             def kernel(*arrays):
                 def run(fn, where):
                     fn(*[a[where] if f else a for a, f in zip(arrays[:n_in], cut)], *[o[where] for o in arrays[n_in:]])
+                if state.active < 2:  # other processes hold the other cores: no hand-offs
+                    for piece in pieces:
+                        run(*piece)
+                    return
                 futures = [pool.submit(run, fn, where) for fn, where in pieces[1:]]
                 run(*pieces[0])
                 for f in futures:

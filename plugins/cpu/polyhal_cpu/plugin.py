@@ -7,6 +7,10 @@ Data tiling (:mod:`polyhal_cpu.encoding`): ``POLYHAL_CPU_DATA_TILING`` is ``all`
 ``none``, or a comma-separated list of the CPU devices that tile (``cpu:0``); the others resolve
 every encoding to the identity layout. ``POLYHAL_CPU_DATA_TILE`` bounds the tile size (default
 128).
+
+Threads: numpy's BLAS, numba and the backend's own pool share one budget, the CPUs this process
+may use, cut while other processes keep them busy (``POLYHAL_CPU_THREADS`` overrides; see
+:mod:`polyhal_cpu.threads`).
 """
 
 from __future__ import annotations

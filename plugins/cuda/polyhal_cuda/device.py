@@ -187,6 +187,11 @@ class CUDADevice(Device):
         with check(f"waiting for {self.name}"):
             self.stream.synchronize()
 
+    def profile_timer(self) -> "_EventTimer":
+        """Step timing for profiles: CUDA events recorded on this device's stream around each
+        step, read once the run's steps are queued (no wait between steps)."""
+        return _EventTimer(self)
+
     def record(self, steps: Sequence[Callable[[], None]], slots: list, input_slots: Sequence[int],
                output_slots: Sequence[int]) -> Callable[[], None]:
         """Replay hook of the core's plans: run the steps eagerly once, then as a CUDA graph
@@ -306,3 +311,27 @@ class CUDADevice(Device):
         native = CUDAMemory(imported.data_ptr, extent, kind, imported, self.ordinal)
         return Buffer(alloc, heap, extent, native, memory_type=memory_type, kind=BufferKind.EXTERNAL,
                       on_release=lambda *_: imported.release())
+
+
+class _EventTimer:
+    """Marks are timing-enabled CUDA events on a device's stream (see ``profile_timer``)."""
+
+    name = "CUDA events"
+
+    def __init__(self, device: CUDADevice) -> None:
+        self._device = device
+
+    def mark(self) -> Any:
+        import cupy
+
+        with self._device.activate():
+            event = cupy.cuda.Event()
+            event.record(self._device.stream)
+        return event
+
+    def elapsed_ns(self, start: Any, end: Any) -> int:
+        import cupy
+
+        with check(f"reading profile events of {self._device.name}"):
+            end.synchronize()
+            return int(cupy.cuda.get_elapsed_time(start, end) * 1e6)  # ms -> ns

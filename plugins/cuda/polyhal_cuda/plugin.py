@@ -113,7 +113,9 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
             reasons.append(f"cuda:{ordinal}: cudaGetDeviceProperties failed ({type(exc).__name__}: {exc})")
             continue
         lim = limits(props, ordinal, {"pool": pool if async_ok else "caching", "async_pool_supported": async_ok})
-        caps = {"gpu", "cuda", "fp16", "fp64", "cuda-graphs", f"sm_{props.get('major', 0)}{props.get('minor', 0)}"}
+        # ftz: cupy compiles every kernel with -ftz=true (fixed in cupy.cuda.compiler), and
+        # polyhal's own CUDA C goes through the same compiler, so float32 denormals flush to zero.
+        caps = {"gpu", "cuda", "fp16", "fp64", "cuda-graphs", "ftz", f"sm_{props.get('major', 0)}{props.get('minor', 0)}"}
         if lim["managed_memory"]:
             caps.add("managed-memory")
         if async_ok:

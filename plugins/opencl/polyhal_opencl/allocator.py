@@ -45,6 +45,9 @@ from polyhal.hal.records import Heap
 
 from polyhal_opencl.errors import check
 
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
+
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 

@@ -23,6 +23,10 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
+from polyhal.hal.scratch import DEFAULT_PRIVATE_BYTES as CORE_PRIVATE_BYTES
+
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
 
 # ------------------------------------------------------------------------------- device traits
 
@@ -99,6 +103,18 @@ def next_pow2(n: int) -> int:
 def round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
+
+
+#: Private bytes per work-item assumed for OpenCL devices of a type (``"cpu"``, ``"gpu"``, ... as
+#: the plugin names CL_DEVICE_TYPE), which OpenCL has no query for: CPU devices keep private
+#: arrays on the thread's stack, GPUs in registers (spilling beyond a few hundred bytes).
+DEFAULT_PRIVATE_BYTES = {"cpu": 16384}
+
+
+def private_bytes(kind: str) -> int:
+    """The private-memory limit to declare for an OpenCL device of type ``kind`` (see
+    :data:`DEFAULT_PRIVATE_BYTES`; the core's default elsewhere)."""
+    return DEFAULT_PRIVATE_BYTES.get(kind, CORE_PRIVATE_BYTES)
 
 
 # ------------------------------------------------------------------------------- element types

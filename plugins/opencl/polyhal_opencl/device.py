@@ -33,6 +33,9 @@ from polyhal_opencl.codegen import DeviceTraits
 from polyhal_opencl.errors import check
 from polyhal_opencl.program import ProgramCache, default_cache_dir
 
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
+
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
 

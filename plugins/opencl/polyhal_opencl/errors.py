@@ -26,6 +26,9 @@ from typing import Iterator
 import polyhal
 from polyhal.errors import IncompatibleBufferError, MappingError, OutOfMemoryError, PolyhalError
 
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
+
 #: Status codes that mean "no memory" (device or host).
 OUT_OF_MEMORY_CODES = frozenset({-4, -5, -6})  # MEM_OBJECT_ALLOCATION_FAILURE, OUT_OF_RESOURCES, OUT_OF_HOST_MEMORY
 INVALID_BUFFER_SIZE = -61

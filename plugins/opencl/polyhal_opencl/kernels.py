@@ -1,7 +1,7 @@
 """The op set on OpenCL: :data:`TABLE` (its ``KERNEL_NAMES``) and :func:`prepare`, the builder
 of every op in the table.
 
-``prepare`` asks the op family's generator (``polyhal_opencl/ops``) for a
+``prepare`` asks the op's generator (:mod:`polyhal_opencl.generators`) for a
 :class:`~polyhal_opencl.codegen.Recipe`, builds its source through the device's program cache,
 makes one ``cl.Kernel`` per launch, sets every argument that does not change between calls
 (scratch buffers, scalars), allocates scratch, and returns a closure over all of it. The
@@ -19,49 +19,22 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
-from polyhal.errors import KernelNotFoundError
 from polyhal.hal.kernels import KernelTable
-from polyhal.ops import resolve_attrs
 
+from polyhal_opencl import scratch as planned
 from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
 from polyhal_opencl.errors import CLBuildError, check, translate
-from polyhal_opencl.ops import (
-    data_tiling, elementwise, indexing, linalg, logical, mathfn, nn, reduction, shape, sorting,
-)
+from polyhal_opencl.generators import GENERATORS, generate
+
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
 
 if TYPE_CHECKING:
     from polyhal.ir.types import TensorType
 
     from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 
-#: op name -> generator(op, attrs, in_types, out_types, traits) -> Recipe.
-GENERATORS: dict[str, Callable[..., Recipe]] = {
-    **elementwise.GENERATORS, **mathfn.GENERATORS, **logical.GENERATORS, **linalg.GENERATORS,
-    **reduction.GENERATORS, **shape.GENERATORS, **sorting.GENERATORS, **indexing.GENERATORS,
-    **nn.GENERATORS, **data_tiling.GENERATORS,
-}
-# Kernels written for the bufferize pass replace the generators above for their ops: generated
-# here with the placements the core's default rule gives; plans generate them for the placements
-# the select_memory_space policy chose (polyhal_opencl.scratch).
-from polyhal_opencl.ops import planned_generators  # noqa: E402
-
-GENERATORS.update(planned_generators.GENERATORS)
-
-
-
-def _requests(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_types):
-    from polyhal_opencl import scratch
-
-    return scratch.requests(device, op, attrs, in_types, out_types)
-
-
-def generate(op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
-             out_types: tuple["TensorType", ...], traits: DeviceTraits) -> Recipe:
-    """The recipe (source, launches, scratch) for one op instance; no device needed."""
-    gen = GENERATORS.get(op)
-    if gen is None:
-        raise KernelNotFoundError(f"{traits.name} (OpenCL) has no kernel for op {op!r}; it has {sorted(GENERATORS)}")
-    return gen(op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types), traits)
+__all__ = ["GENERATORS", "KERNEL_NAMES", "TABLE", "generate", "prepare"]
 
 
 def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple["TensorType", ...],
@@ -75,8 +48,6 @@ def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple
     :mod:`polyhal_opencl.scratch`): the recipe is generated for its memory spaces and its global
     scratch comes from the plan's arena.
     """
-    from polyhal_opencl import scratch as planned
-
     traits = traits or device.traits
     recipe = planned.generate(device, op, attrs, in_types, out_types, traits, scratch)
     itemsizes = [t.dtype.itemsize for t in (*in_types, *out_types)]
@@ -116,7 +87,7 @@ def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple
 #: The op set: every op has a generator, and :func:`prepare` builds them all; the scratch of each
 #: instance is read off its recipe or declared by its planner-aware kernel (polyhal_opencl.scratch).
 TABLE = KernelTable("opencl")
-TABLE.register(*GENERATORS, scratch=_requests)(prepare)
+TABLE.register(*GENERATORS, scratch=planned.requests)(prepare)
 #: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
 KERNEL_NAMES = TABLE.kernel_names
 

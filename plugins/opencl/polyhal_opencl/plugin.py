@@ -26,7 +26,14 @@ from typing import Any
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_opencl.allocator import heaps_for
+from polyhal_opencl.codegen import private_bytes
+from polyhal_opencl.device import CLDevice
+from polyhal_opencl.errors import status_name
 from polyhal_opencl.kernels import KERNEL_NAMES
+
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -118,19 +125,14 @@ def limits(cl_device: Any, ordinal: int) -> dict[str, Any]:
         "local_mem_size": cl_device.local_mem_size,
         "global_mem_size": cl_device.global_mem_size,
         "max_mem_alloc_size": cl_device.max_mem_alloc_size,
-        # Per work-item private memory the bufferize pass may place scratch in (OpenCL has no
-        # query for it): a CPU device's stack holds kilobytes, a GPU's registers far less.
-        "private_bytes": 16384 if device_kind(cl_device) == "cpu" else 512,
+        # Per work-item private memory the bufferize pass may place scratch in (OpenCL has no query for it).
+        "private_bytes": private_bytes(device_kind(cl_device)),
         # Sub-buffers (global scratch slices of a plan's arena) need origins aligned to this.
         "scratch_alignment": max(int(cl_device.mem_base_addr_align) // 8, 256),
     }
 
 
 def _create(cl_device: Any, spec: DeviceSpec):
-    # Imported here: the device module pulls in kernels and the program cache, which enumeration
-    # does not need.
-    from polyhal_opencl.device import CLDevice
-
     return CLDevice(spec, cl_device)
 
 
@@ -143,22 +145,16 @@ def enumerate_devices() -> Enumeration:
     try:
         platforms = cl.get_platforms()
     except Exception as exc:  # noqa: BLE001 - the ICD loader reports "no platform" as an error
-        from polyhal_opencl.errors import status_name
-
         detail = status_name(exc.code) if isinstance(exc, cl.Error) else f"{type(exc).__name__}: {exc}"
         return Enumeration((), (f"no OpenCL platform found ({detail}); {INSTALL_HINT}",))
     if not platforms:
         return Enumeration((), (f"no OpenCL platform found; {INSTALL_HINT}",))
-    from polyhal_opencl.allocator import heaps_for
-
     every, by_name = _rank_overrides()
     specs, reasons = [], []
     for platform in platforms:
         try:
             devices = platform.get_devices()
         except cl.Error as exc:  # a platform with no device reports CL_DEVICE_NOT_FOUND
-            from polyhal_opencl.errors import status_name
-
             reasons.append(f"OpenCL platform {platform.name.strip()!r} offers no device ({status_name(exc.code)})")
             continue
         for cl_device in devices:

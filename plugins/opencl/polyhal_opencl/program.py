@@ -31,6 +31,9 @@ from typing import Any
 
 from polyhal_opencl.errors import CLBuildError, check, translate
 
+# pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
+# lists no device and says why (plugin.enumerate_devices).
+
 #: Built programs kept in memory per device.
 MEMORY_ENTRIES = 512
 

@@ -32,17 +32,16 @@ from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchBinding
 from polyhal.ops import resolve_attrs
 from polyhal.passes import kernel_lint
 
+from polyhal_opencl import generators
 from polyhal_opencl.codegen import DeviceTraits, Launch, Recipe
 from polyhal_opencl.ops import nms_bitmask, rowsort
+from polyhal_opencl.ops.planned_generators import default_spaces, memory_limits
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the OpenCL device; its module imports this one
 
-__all__ = ["DEFAULT_PRIVATE_BYTES", "buffers", "declared", "derived", "generate", "private_bytes", "requests"]
+__all__ = ["buffers", "declared", "derived", "generate", "requests"]
 
-#: Private bytes per work-item assumed for OpenCL devices that do not say: CPU devices keep
-#: private arrays on the thread's stack, GPUs in registers (spilling beyond a few hundred bytes).
-DEFAULT_PRIVATE_BYTES = {"cpu": 16384}
 #: Bytes per element assumed for a __local array of a struct type the lint cannot size.
 UNKNOWN_ELEMENT_BYTES = 16
 
@@ -72,9 +71,7 @@ def requests(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_
     decls = declared(device, op, attrs, in_types, out_types)
     if decls is not None:
         return tuple(d.request(problem, k) for k, ds in decls for d in ds)
-    from polyhal_opencl import kernels
-
-    recipe = kernels.generate(op, attrs, in_types, out_types, device.traits)
+    recipe = generators.generate(op, attrs, in_types, out_types, device.traits)
     return derived(op, recipe, problem)
 
 
@@ -115,19 +112,15 @@ def generate(device: "Device", op: str, attrs: Mapping[str, Any], in_types, out_
              binding: ScratchBinding | None) -> Recipe:
     """The recipe for this instance, generated for the binding's placements (or, without one,
     for the placements the core's default rule gives against the device's limits)."""
-    from polyhal_opencl import kernels
-
     attrs = resolve_attrs(op, attrs)
     decls = declared(device, op, attrs, in_types, out_types)
     if decls is None:
-        return kernels.generate(op, attrs, in_types, out_types, traits)
+        return generators.generate(op, attrs, in_types, out_types, traits)
     if binding:
         spaces = {(a.request.kernel.name, a.request.name): a.space for a in binding.assignments}
     else:  # prepared without a plan: the default rule, within the traits' local memory
-        from polyhal_opencl.ops.planned_generators import _limits, default_spaces
-
         problem = Problem(op, dict(attrs), tuple(in_types), tuple(out_types))
-        spaces = default_spaces(problem, decls, _limits(traits, _device_kind(device)))
+        spaces = default_spaces(problem, decls, memory_limits(traits, _device_kind(device)))
     recipe = HANDLERS[op].generate(op, attrs, tuple(in_types), tuple(out_types), traits, spaces)
     kernel_lint.check(recipe.source, f"<{op} kernel>", "opencl")
     return recipe
@@ -156,12 +149,3 @@ def buffers(device: "Device", recipe: Recipe, binding: ScratchBinding | None) ->
             buf = device.allocator.allocate(max(int(nbytes), 1), MemoryType.DEVICE_LOCAL)
             out.append(_Slice(buf.native, buf))
     return out
-
-
-def private_bytes(kind: str) -> int:
-    """The private-memory limit to declare for an OpenCL device of ``kind`` (see
-    :data:`DEFAULT_PRIVATE_BYTES`; the core's default elsewhere)."""
-    from polyhal.hal.scratch import DEFAULT_PRIVATE_BYTES as CORE
-
-    return DEFAULT_PRIVATE_BYTES.get(kind, CORE)
-

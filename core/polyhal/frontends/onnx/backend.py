@@ -24,6 +24,7 @@ from onnx.backend.base import Backend, BackendRep
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxUnsupportedError
 from polyhal.frontends.onnx.importer import OnnxProgram, load
+from polyhal.frontends.onnx.types import as_strings, is_strings
 from polyhal.registry import devices
 
 #: How many different value-fixed variants one rep compiles before refusing (a model whose
@@ -71,9 +72,7 @@ class PolyhalRep(BackendRep):
             if isinstance(x, (list, tuple)) or x is None:
                 raise OnnxUnsupportedError(f"input {name!r} is a sequence or an optional; polyhal runs tensors")
             x = np.asarray(x)
-            if x.dtype == object or x.dtype.kind in "SU":
-                raise OnnxUnsupportedError(f"input {name!r} holds strings; polyhal has no string tensors")
-            feeds[name] = x
+            feeds[name] = as_strings(x, f"input {name!r}") if is_strings(x) else x  # strings stay on the host
         return feeds
 
     def compiled(self, feeds: Mapping[str, np.ndarray]) -> tuple[OnnxProgram, Any]:

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from polyhal.frontends.onnx.errors import OnnxInputError
+from polyhal.frontends.onnx.types import STRING_DTYPE, as_strings
 from polyhal.specialization import SpecializationCache
 
 __all__ = ["DynamicOnnxProgram", "DynamicPlan", "InputSignature", "Specialization", "bind_dims"]
@@ -149,7 +150,10 @@ class DynamicOnnxProgram:
         out = {}
         for sig in self.signature:
             x = feeds[sig.name]
-            arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
+            if sig.dtype == STRING_DTYPE:  # strings stay on the host
+                arr = as_strings(x, f"{self.source}: input {sig.name!r} (declared {sig.declared})")
+            else:
+                arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
             if arr.dtype != sig.dtype:
                 raise OnnxInputError(f"{self.source}: input {sig.name!r} must be {sig.dtype} "
                                      f"(declared {sig.declared}), got {arr.dtype}")

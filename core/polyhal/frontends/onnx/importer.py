@@ -42,7 +42,9 @@ from polyhal.frontends.onnx.errors import (
 )
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, InputSignature, bind_dims
-from polyhal.frontends.onnx.types import Dynamic, HostOutput, np_dtype
+from polyhal.frontends.onnx.types import (
+    STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
+)
 from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import TensorType
@@ -135,11 +137,31 @@ class OnnxProgram(Program):
     #: ONNX output index -> what turns the plan's array into the declared output on the host
     #: (string labels, ZipMap's list of dicts: see :class:`~polyhal.frontends.onnx.types.HostOutput`).
     finishes: dict[int, Any] = field(default_factory=dict)
+    #: The inputs a run takes, in the graph's order: program inputs and string inputs (which
+    #: stay on the host), but not the program inputs the host makes (``host_feeds``).
+    feed_names: list[str] = field(default_factory=list)
+    #: String graph input -> its shape (held on the host as arrays of str, never in the plan).
+    string_inputs: dict[str, tuple] = field(default_factory=dict)
+    #: Program inputs that the host computes before the plan runs (numbers made from strings):
+    #: (program input name, the :class:`~polyhal.frontends.onnx.types.HostValue` it is).
+    host_feeds: list[tuple[str, HostValue]] = field(default_factory=list)
+    #: ONNX output index -> the HostValue (or array known at import) it is, made on the host.
+    host_outputs: dict[int, Any] = field(default_factory=dict)
+    #: Program value id -> index of the program output holding it, for host outputs to read.
+    host_reads: dict[int, int] = field(default_factory=dict)
+    #: ONNX output index -> index of the program output holding it (-1: a host output).
+    slots: list[int] = field(default_factory=list)
 
     @property
     def input_names(self) -> list[str]:
         """Names of the inputs a run takes (graph inputs not fixed at import), in order."""
-        return [v.name for v in self.inputs]
+        return list(self.feed_names) if self.feed_names else [v.name for v in self.inputs]
+
+    def feed_types(self) -> list[tuple[str, tuple, np.dtype]]:
+        """(name, shape, dtype) of every input a run takes, in order; strings have dtype object."""
+        types = {v.name: (v.type.shape, v.type.dtype) for v in self.inputs}
+        types.update((k, (shape, STRING_DTYPE)) for k, shape in self.string_inputs.items())
+        return [(n, *types[n]) for n in self.input_names]
 
     def origin(self, op, plan=None) -> str:
         """The ONNX node an op of this program, or of ``plan`` compiled from it, came from (an
@@ -189,7 +211,9 @@ class OnnxProgram(Program):
                 f"(strict placement): " + "; ".join(lines) + more + hint)
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
         try:
-            return polyhal_compile(self, order, registry=registry, **options)
+            plan = polyhal_compile(self, order, registry=registry, **options)
+            plan.node_names = self.origin  # profiles name each step's ONNX node
+            return plan
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel that cannot be prepared for these operands
@@ -216,22 +240,38 @@ class OnnxProgram(Program):
             raise OnnxInputError(f"{self.source}: missing input {missing[0]!r} "
                                  f"({self.declared_inputs.get(missing[0], '')}); its inputs are {self._listing()}")
         out = {}
-        for v in self.inputs:
-            x = feeds[v.name]
-            arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
-            if arr.dtype != v.type.dtype:
-                raise OnnxInputError(f"{self.source}: input {v.name!r} must be {v.type.dtype} "
-                                     f"(declared {self.declared_inputs.get(v.name)}), got {arr.dtype}")
-            if arr.shape != v.type.shape:
+        for name, shape, dtype in self.feed_types():
+            x = feeds[name]
+            declared = self.declared_inputs.get(name)
+            if dtype == STRING_DTYPE:
+                arr = as_strings(x, f"{self.source}: input {name!r} (declared {declared})")
+            else:
+                arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
+            if arr.dtype != dtype:
+                raise OnnxInputError(f"{self.source}: input {name!r} must be {dtype} "
+                                     f"(declared {declared}), got {arr.dtype}")
+            if arr.shape != shape:
                 diff = next((f"; dim {i} is {w} in this program, got {g}" for i, (w, g)
-                             in enumerate(zip(v.type.shape, arr.shape)) if w != g), "")
-                raise OnnxInputError(f"{self.source}: input {v.name!r} must have shape {v.type.shape} "
-                                     f"(declared {self.declared_inputs.get(v.name)}), got {arr.shape}{diff}")
-            out[v.name] = arr
+                             in enumerate(zip(shape, arr.shape)) if w != g), "")
+                raise OnnxInputError(f"{self.source}: input {name!r} must have shape {shape} "
+                                     f"(declared {declared}), got {arr.shape}{diff}")
+            out[name] = arr
         return out
 
     def _listing(self) -> str:
         return ", ".join(f"{n} ({self.declared_inputs.get(n, '')})" for n in self.input_names) or "(none)"
+
+    def _on_host(self, v: Any, known: Mapping[Any, Any], memo: dict[int, Any]) -> Any:
+        """Host value ``v`` evaluated (an array known at import is itself)."""
+        if not isinstance(v, HostValue):
+            return v
+        try:
+            return v.evaluate(known, memo)
+        except PolyhalError:
+            raise
+        except Exception as exc:  # a string op's own error on this data
+            raise OnnxRunError(f"{self.source}: computing {v.what} on the host failed: {type(exc).__name__}: "
+                               f"{_first_line(exc)}") from exc
 
     def run(self, feeds: Mapping[str, Any], devices: Sequence[str] | str | None = None, *,
             strict: bool = False) -> dict[str, np.ndarray]:
@@ -240,17 +280,39 @@ class OnnxProgram(Program):
 
     def execute(self, plan, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run ``plan`` (compiled from this program) on ``feeds`` and return the ONNX outputs by
-        name, as numpy arrays: outputs of run-time length are cut to it (see ``trims``)."""
+        name, as numpy arrays: outputs of run-time length are cut to it (see ``trims``).
+
+        Host work runs around the plan: first the program inputs the host makes from strings
+        (``host_feeds``), then the plan, then the outputs made on the host (``host_outputs``)."""
+        known: dict[Any, Any] = dict(feeds)  # graph input name, or program value id -> array
+        memo: dict[int, Any] = {}
+        for v in self.inputs:
+            if v.name in feeds:
+                known[v.id] = feeds[v.name]
+        args = []
+        made = dict(self.host_feeds)
+        for v in self.inputs:
+            if v.name in made:
+                a = np.asarray(self._on_host(made[v.name], known, memo), dtype=v.type.dtype)
+                if a.shape != v.type.shape:
+                    raise OnnxRunError(f"{self.source}: {made[v.name].what} has shape {a.shape} on the host, "
+                                       f"not the {v.type.shape} the program was built for")
+                known[v.id] = a
+            args.append(known[v.id])
         try:
-            arrays = plan.run_numpy(*[feeds[n] for n in self.input_names])
+            arrays = plan.run_numpy(*args)
         except PolyhalError:
             raise
         except Exception as exc:  # a kernel's own error (an index out of range in the data, ...)
             raise OnnxRunError(f"{self.source}: running the model failed: {type(exc).__name__}: "
                                f"{_first_line(exc)}") from exc
+        known.update((vid, arrays[k]) for vid, k in self.host_reads.items())
         result = {}
         for i, name in enumerate(self.output_names):
-            a = arrays[i]
+            if i in self.host_outputs:
+                result[name] = self._on_host(self.host_outputs[i], known, memo)
+                continue
+            a = arrays[self.slots[i] if self.slots else i]
             if i in self.trims:
                 a = a[: int(arrays[self.trims[i]])]
             if i in self.finishes:
@@ -266,6 +328,15 @@ class OnnxProgram(Program):
                  f"({sum(a.nbytes for _, a in self.constants)} B), {len(self.folded)} nodes folded at import"]
         for name, value in self.frozen.items():
             lines.append(f"  input {name!r} fixed at import to {value.dtype}{list(value.shape)} (it decides a shape)")
+        if self.string_inputs or self.host_feeds or self.host_outputs:
+            lines.append("on the host (strings; device buffers hold numbers):")
+            for name in self.string_inputs:
+                lines.append(f"  input {name!r} ({self.declared_inputs.get(name)}) stays on the host")
+            for name, hv in self.host_feeds:
+                lines.append(f"  before the plan: {hv.what} -> program input {name!r}")
+            for i, hv in self.host_outputs.items():
+                what = getattr(hv, "what", "a constant")
+                lines.append(f"  after the plan: output {self.output_names[i]!r} ({what})")
         ops = plan.program.ops if plan is not None else self.ops
         origins = self.node_labels(plan) if plan is not None else self.origins
         by_node: dict[str, list] = collections.defaultdict(list)
@@ -354,11 +425,25 @@ def default_opset(model: onnx.ModelProto, source: str) -> int:
         raise OnnxUnsupportedError(f"{source}: opset {opset} is newer than polyhal supports "
                                    f"(opsets {MIN_OPSET} to {MAX_OPSET}); convert the model with "
                                    f"onnx.version_converter.convert_version(model, {MAX_OPSET})")
-    if opset < MIN_OPSET:
+    if opset < MIN_OPSET and not _same_ops_since(model.graph, opset, MIN_OPSET):
         raise OnnxUnsupportedError(f"{source}: opset {opset} is older than polyhal supports "
                                    f"(opsets {MIN_OPSET} to {MAX_OPSET}); convert the model with "
                                    f"onnx.version_converter.convert_version(model, {MIN_OPSET})")
     return opset
+
+
+def _same_ops_since(graph: onnx.GraphProto, old: int, new: int) -> bool:
+    """Whether every default-domain op of ``graph`` has one definition from opset ``old`` to
+    ``new`` (e.g. Not, unchanged since opset 1): such a model means what it would at ``new``."""
+    for node in graph.node:
+        if node.domain not in _DEFAULT_DOMAINS or any(a.g.node or a.graphs for a in node.attribute):
+            return False
+        try:
+            if onnx.defs.get_schema(node.op_type, old).since_version != onnx.defs.get_schema(node.op_type, new).since_version:
+                return False
+        except onnx.defs.SchemaError:
+            return False
+    return True
 
 
 def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
@@ -472,7 +557,7 @@ def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> lis
             return None
         elem, declared = _declared(vi.type)
         try:
-            dtype = np_dtype(elem or 0, f"input {vi.name!r}")
+            dtype = value_dtype(elem or 0, f"input {vi.name!r}")
         except OnnxError:
             return None  # the static import reports the element type
         if vi.name in shapes:
@@ -516,12 +601,16 @@ class _Importer:
         for vi in list(graph.value_info) + list(graph.output):
             self.declared[vi.name] = vi.type
         self.node_count = 0
+        self.input_ids: set[int] = set()  # program inputs: known before the plan runs
+        self.string_inputs: dict[str, tuple] = {}
+        self.host_feeds: list[tuple[str, HostValue]] = []
+        self._fed: dict[int, tuple[HostValue, Value]] = {}
 
     # -- values ----------------------------------------------------------------------------
 
     def type_of(self, v: Val) -> TensorType:
-        if isinstance(v, Value):
-            return v.type
+        if isinstance(v, (Value, HostValue)):
+            return v.type if isinstance(v, Value) else TensorType(v.shape, v.dtype)
         return TensorType(v.shape, v.dtype)
 
     def as_value(self, v: Val) -> Value:
@@ -555,6 +644,46 @@ class _Importer:
             self.origins[r.id] = label
         return result
 
+    def host(self, compute, args: Sequence[Any], dtype: Any, shape: Any, what: str) -> Any:
+        """``compute(*args)`` on the host: now, when no arg is computed at run time (a program
+        value or a :class:`HostValue`), else a HostValue that the program evaluates around its plan."""
+        if not any(isinstance(a, (Value, HostValue)) for a in args):
+            result = compute(*args)
+            for a in result if isinstance(result, tuple) else (result,):
+                if isinstance(a, np.ndarray):
+                    a.flags.writeable = False
+            return result
+        after = any(isinstance(a, Value) and a.id not in self.input_ids for a in args)
+        return HostValue(compute, args, dtype, shape, what, after_plan=after)
+
+    def host_feed(self, hv: HostValue) -> Value:
+        """The program input that ``hv`` (numbers made on the host) becomes when a device op
+        uses it; the program evaluates ``hv`` before the plan runs."""
+        found = self._fed.get(id(hv))
+        if found is not None:
+            return found[1]
+        if hv.dtype is None or hv.dtype == STRING_DTYPE:
+            raise OnnxUnsupportedError(f"{hv.what} holds strings, which device ops cannot take")
+        if hv.after_plan:
+            raise OnnxUnsupportedError(
+                f"{hv.what} is computed on the host from results of the device plan, and a device op uses it; "
+                "polyhal runs host work (strings) before and after the plan, not between its ops")
+        if hv.shape is None:
+            raise OnnxUnsupportedError(
+                f"{hv.what} has a shape that depends on the data (it is computed on the host), and a device op "
+                "uses it; polyhal programs have static shapes")
+        name, n = "host", 0
+        while name in self.builder._names:
+            n += 1
+            name = f"host{n}"
+        value = self.builder.input(name, hv.shape, hv.dtype)
+        names, values = hv.reads()
+        self.deps[value.id] = frozenset(names).union(*(self.deps.get(v.id, frozenset()) for v in values))
+        self.input_ids.add(value.id)
+        self.host_feeds.append((name, hv))
+        self._fed[id(hv)] = (hv, value)
+        return value
+
     def check_fold(self, nbytes: int, what: str) -> None:
         """Refuse to build ``what`` (``nbytes``) at import when it exceeds the fold limit and no
         polyhal op can compute it at run time instead."""
@@ -573,6 +702,7 @@ class _Importer:
         for t in graph.sparse_initializer:
             env[t.values.name] = _Unsupported(f"sparse initializer {t.values.name!r}")
         declared_inputs = {}
+        feed_names = []
         graph_inputs = [i for i in graph.input if i.name not in env or i.name in self.values]
         known = {i.name for i in graph.input}
         for k in list(self.shapes) + list(self.values):
@@ -592,10 +722,13 @@ class _Importer:
                 continue
             declared_inputs[vi.name] = _fmt_declared(elem, dims, vi.type)
             env[vi.name] = self._graph_input(vi, elem, dims)
+            if not isinstance(env[vi.name], np.ndarray):
+                feed_names.append(vi.name)
         self._walk(graph.node, env, self.opsets, "")
-        outputs, names, counts = [], [], []
+        outputs, names, counts, slots = [], [], [], []
         trims: dict[int, int] = {}
         finishes: dict[int, Any] = {}
+        host_outputs: dict[int, Any] = {}
         seen: set[int] = set()
 
         def result(v: Val, name: str) -> Value:
@@ -613,23 +746,45 @@ class _Importer:
             v = env[vi.name]
             if isinstance(v, _Unsupported):
                 raise OnnxUnsupportedError(f"{self.source}: graph output {vi.name!r}: {v.reason}")
+            if isinstance(v, HostValue) or is_strings(v):
+                host_outputs[len(names)] = v
+                slots.append(-1)
+                names.append(vi.name)
+                continue
             if isinstance(v, HostOutput):
-                finishes[len(outputs)] = v.finish
+                finishes[len(names)] = v.finish
                 v = v.value
             if isinstance(v, Dynamic):
-                trims[len(outputs)] = len(counts)
+                trims[len(names)] = len(counts)
                 counts.append(result(v.count, vi.name + ":count"))
                 v = v.padded
+            slots.append(len(outputs))
             outputs.append(result(v, vi.name))
             names.append(vi.name)
         trims = {i: len(outputs) + c for i, c in trims.items()}
-        self.builder.output(*outputs, *counts)
+        # Host outputs read the plan's results they are made from: those become program outputs.
+        reads: dict[int, Value] = {}
+        for v in host_outputs.values():
+            if isinstance(v, HostValue):
+                reads.update((r.id, r) for r in v.reads()[1] if r.id not in self.input_ids)
+        returned = {v.id: k for k, v in enumerate(outputs)}  # results the plan returns anyway
+        fresh = [r for r in reads.values() if r.id not in returned]
+        read_outputs = [result(r, f"host reads {r.name}") for r in fresh]
+        host_reads = {vid: returned[vid] for vid in reads if vid in returned}
+        host_reads.update((r.id, len(outputs) + len(counts) + k) for k, r in enumerate(fresh))
+        if not outputs and not counts and not read_outputs:
+            # Every output is made on the host; a program has at least one result.
+            outputs.append(self.emit("(every output is made on the host)", "identity",
+                                     [self.as_value(np.zeros(0, np.int8))], {}))
+        self.builder.output(*outputs, *counts, *read_outputs)
         base = self.builder.build()
         frozen = {k: env[k] for k in self.values if isinstance(env.get(k), np.ndarray)}
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
                            declared_inputs=declared_inputs, origins=self.origins, folded=self.folded,
-                           frozen=frozen, node_count=self.node_count, trims=trims, finishes=finishes)
+                           frozen=frozen, node_count=self.node_count, trims=trims, finishes=finishes,
+                           feed_names=feed_names, string_inputs=self.string_inputs, host_feeds=self.host_feeds,
+                           host_outputs=host_outputs, host_reads=host_reads, slots=slots)
 
     def _initializer(self, t: onnx.TensorProto) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
@@ -640,7 +795,7 @@ class _Importer:
             return _Unsupported(str(exc))
 
     def _initializer_value(self, t: onnx.TensorProto, what: str) -> np.ndarray:
-        dtype = np_dtype(t.data_type, what)
+        dtype = value_dtype(t.data_type, what)
         if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
             raise OnnxModelError(f"{self.source}: {what} keeps its data in an external file; load the model "
                                  "from its path so that the file can be found")
@@ -650,6 +805,8 @@ class _Importer:
             raise OnnxModelError(f"{self.source}: {what} is malformed: {_first_line(exc)}") from None
         if tuple(arr.shape) != tuple(t.dims):
             raise OnnxModelError(f"{self.source}: {what} declares dims {list(t.dims)} but holds {arr.size} elements")
+        if dtype == STRING_DTYPE:
+            arr = as_strings(arr, f"{self.source}: {what}")
         arr = np.array(arr, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
         arr.flags.writeable = False
         return arr
@@ -668,10 +825,11 @@ class _Importer:
             kind = vi.type.WhichOneof("value") or "untyped"
             raise OnnxUnsupportedError(f"{self.source}: {what} is a {kind.replace('_type', '')}, not a tensor; "
                                        "polyhal runs tensor models only")
-        dtype = np_dtype(elem or 0, f"{self.source}: {what}")
+        dtype = value_dtype(elem or 0, f"{self.source}: {what}")
         decl = _fmt_declared(elem, dims, vi.type)
         if vi.name in self.values:
-            arr = np.asarray(self.values[vi.name])
+            arr = self.values[vi.name]
+            arr = as_strings(arr, f"{self.source}: {what}") if dtype == STRING_DTYPE else np.asarray(arr)
             if arr.dtype != dtype:
                 raise OnnxInputError(f"{self.source}: {what} is declared {decl} but its value has element type {arr.dtype}")
             self._check_shape(what, decl, dims, arr.shape)
@@ -693,8 +851,12 @@ class _Importer:
                                      "polyhal run --dim NAME=SIZE, --shape or --input)")
         else:
             shape = dims
+        if dtype == STRING_DTYPE:  # strings stay on the host (see HostValue)
+            self.string_inputs[vi.name] = tuple(shape)
+            return HostValue(None, (), dtype, shape, f"string input {vi.name!r}", name=vi.name)
         value = self.builder.input(vi.name, shape, dtype)
         self.deps[value.id] = frozenset([vi.name])
+        self.input_ids.add(value.id)
         return value
 
     def _check_shape(self, what: str, decl: str, dims: tuple | None, shape: tuple) -> None:
@@ -749,6 +911,15 @@ class _Importer:
         if tp is None or isinstance(v, (_Unsupported, HostOutput)):
             return
         elem, dims = _declared(tp)
+        if isinstance(v, HostValue) or is_strings(v):
+            dtype, shape = v.dtype, v.shape
+            strings = elem == onnx.TensorProto.STRING
+            if elem and dtype is not None and strings != (dtype == STRING_DTYPE):
+                raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
+                                     f"{_fmt_declared(elem, dims, tp)} but computes {'strings' if not strings else dtype}")
+            if shape is None or dtype == STRING_DTYPE:
+                return
+            v = HostValue(None, (), dtype, shape, "")  # numbers from strings: checked as a tensor below
         if isinstance(v, Dynamic):  # only the element type and the static dims are known
             v, dims = v.padded, None if dims is None else (None,) + dims[1:]
         t = self.type_of(v)

@@ -5,6 +5,7 @@
     polyhal run examples/mlp.onnx                                 # random inputs, CPU default
     polyhal run model.onnx --input x=x.npy --device opencl:0 --device cpu:0 --explain
     polyhal run model.onnx --input inputs.npz --repeat 100 --output out/ --json
+    polyhal run model.onnx --repeat 20 --profile --trace run.json   # per-op table, Perfetto trace
 
 Inputs come from ``--input NAME=FILE.npy`` (or ``NAME=FILE.npz``, its only array or the one
 called NAME), ``--input FILE.npz`` (every array, by name), or are drawn at random from the
@@ -17,6 +18,7 @@ op runs on the first that has its kernel, others taking what it lacks unless ``-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -32,6 +34,7 @@ from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.types import STRING_DTYPE
 from polyhal.hal.device import host_memory_available
 
 
@@ -57,6 +60,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--explain", action="store_true",
                    help="print where every op ran, allocation decisions, folded encodes and scratch placement")
     p.add_argument("--repeat", type=int, default=1, metavar="N", help="run N times and summarise the timings")
+    p.add_argument("--profile", action="store_true",
+                   help="time every step and print a per-op table (op, node, device, calls, total, mean, share) "
+                        "and one per op type; the runs' timings then include the profiler's")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="write a Chrome/Perfetto trace (JSON) of the runs' steps to FILE (also when a run fails)")
     p.add_argument("--output", "-o", default=None, metavar="DIR", help="write each output to DIR/NAME.npy")
     p.add_argument("--json", action="store_true", help="print a JSON report instead of text")
     p.add_argument("--print-limit", type=int, default=3, metavar="N",
@@ -147,7 +155,8 @@ def random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: np.dty
 
 def check_input_memory(program, file_feeds: dict, registry, devices: list[str] | None) -> None:
     """Refuse random inputs that the host, or the first device they would go to, cannot hold."""
-    random_bytes = sum(v.type.nbytes for v in program.inputs if v.name not in file_feeds)
+    random = [(n, shape, dtype) for n, shape, dtype in program.feed_types() if n not in file_feeds]
+    random_bytes = sum(int(np.prod(shape)) * dtype.itemsize for _, shape, dtype in random)
     if not random_bytes:
         return
     names = devices or [s.name for s in registry.device_specs()][:1]
@@ -155,7 +164,7 @@ def check_input_memory(program, file_feeds: dict, registry, devices: list[str] |
     places += [(n, registry.get_device(n).memory_available()) for n in names[:1]]
     for where, available in places:
         if available is not None and random_bytes > available:
-            shapes = ", ".join(f"{v.name} {v.type}" for v in program.inputs if v.name not in file_feeds)
+            shapes = ", ".join(f"{n} {dtype}{list(shape)}" for n, shape, dtype in random)
             raise _usage(f"the random inputs ({shapes}) take {random_bytes} bytes, more than {where} has "
                          f"available ({available} bytes); use smaller --dim/--shape values")
 
@@ -227,11 +236,15 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     check_input_memory(program, file_feeds, registry, args.device)
     rng = np.random.default_rng(args.seed)
     feeds, sources = {}, {}
-    for v in program.inputs:
-        if v.name in file_feeds:
-            feeds[v.name], sources[v.name] = file_feeds[v.name], "file"
+    for name, shape, dtype in program.feed_types():
+        if name in file_feeds:
+            feeds[name], sources[name] = file_feeds[name], "file"
+        elif dtype == STRING_DTYPE:  # no random text means anything to a model's vocabulary
+            raise OnnxInputError(f"{args.model}: input {name!r} ({program.declared_inputs.get(name)}) holds "
+                                 f"strings, which polyhal run cannot draw at random; give it with --input "
+                                 f"{name}=FILE.npy (np.save('FILE.npy', np.array([...], dtype=str)))")
         else:
-            feeds[v.name], sources[v.name] = random_input(rng, v.type.shape, v.type.dtype), "random"
+            feeds[name], sources[name] = random_input(rng, shape, dtype), "random"
     known = set(program.input_names) | set(program.frozen)
     extra = [k for k in file_feeds if k not in known]
     if extra:
@@ -246,12 +259,20 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
 
     times = []
     progress = _Progress(args.repeat) if args.repeat > 1 else None
-    for i in range(args.repeat):
-        t0 = time.perf_counter()
-        outputs = program.execute(plan, feeds)
-        times.append(time.perf_counter() - t0)
-        if progress:
-            progress.update(i + 1)
+    profiling = args.profile or args.trace
+    try:
+        with (plan.profiling(trace=args.trace) if profiling
+              else contextlib.nullcontext()) as profile:
+            for i in range(args.repeat):
+                t0 = time.perf_counter()
+                outputs = program.execute(plan, feeds)
+                times.append(time.perf_counter() - t0)
+                if progress:
+                    progress.update(i + 1)
+    except PolyhalError:
+        if args.trace:
+            print(f"polyhal: the trace of the steps that ran is in {args.trace}", file=sys.stderr)
+        raise
     if progress:
         progress.close()
 
@@ -259,6 +280,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         out_dir = Path(args.output)
         for name, value in outputs.items():
             try:
+                if isinstance(value, np.ndarray) and value.dtype == STRING_DTYPE:
+                    value = value.astype(np.str_)  # strings as numpy str: readable without pickle
                 np.save(out_dir / f"{_file_name(name)}.npy", value)
             except OSError as exc:
                 raise _usage(f"--output {args.output}: cannot write {name!r}: {exc.strerror or exc}") from None
@@ -282,6 +305,10 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         if args.explain:
             report["placement"] = _placement_records(program, plan)
             report["explain"] = program.explain(plan)
+        if args.profile:
+            report["profile"] = {"steps": profile.rows(), "by_op": profile.by_op()}
+        if args.trace:
+            report["trace"] = str(args.trace)
         json.dump(report, sys.stdout, indent=2, default=str)
         print()
         return 0
@@ -302,6 +329,10 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(f"outputs written to {args.output}/")
     if args.explain:
         print(program.explain(plan))
+    if args.profile:
+        print(profile.table())
+    if args.trace:
+        print(f"trace of {len(profile.events)} steps written to {args.trace} (open it in https://ui.perfetto.dev)")
     if len(times) > 1:
         print(f"{len(times)} runs: median {timing['median_ms']:.3f} ms, min {timing['min_ms']:.3f} ms, "
               f"max {timing['max_ms']:.3f} ms (load {timing['load_ms']:.1f} ms, compile {timing['compile_ms']:.1f} ms)")

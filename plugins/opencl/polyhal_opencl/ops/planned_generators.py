@@ -3,39 +3,26 @@ for the bufferize pass, usable without a device or a plan (tests, the kernel lin
 
 Their scratch is placed by the core's default rule -- the first space of each declaration that
 fits -- against the traits' local memory (a plan instead asks the ``select_memory_space``
-policy, see :mod:`polyhal_opencl.scratch`). The row sort is used for devices of type ``cpu``
-(known by name from the plugin's enumeration); other devices, and instances the row sort does
-not handle, get :mod:`polyhal_opencl.ops.sorting`'s kernels.
+policy, see :mod:`polyhal_opencl.scratch`). The row sort is used for CPU devices
+(``DeviceTraits.is_cpu``); other devices, and instances the row sort does not handle, get
+:mod:`polyhal_opencl.ops.sorting`'s kernels.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 from polyhal.hal.scratch import MemoryLimits, MemorySpace, Problem, ScratchError
+from polyhal.passes.bufferize import _nowhere
 
-from polyhal_opencl.codegen import DeviceTraits, Recipe
+from polyhal_opencl.codegen import DeviceTraits, Recipe, private_bytes
 from polyhal_opencl.ops import nms_bitmask, rowsort, sorting
 
-__all__ = ["GENERATORS", "default_spaces", "device_kind"]
-
-
-@functools.lru_cache(maxsize=64)
-def device_kind(name: str) -> str:
-    """``"cpu"``, ``"gpu"``, ... for an OpenCL device name ("" if no such device is enumerated)."""
-    from polyhal_opencl.plugin import enumerate_devices
-
-    for spec in enumerate_devices().specs:
-        if spec.limits.get("device") == name:
-            return str(spec.limits.get("type", ""))
-    return ""
+__all__ = ["GENERATORS", "default_spaces", "memory_limits"]
 
 
 def default_spaces(problem: Problem, decls, limits: MemoryLimits) -> dict[tuple[str, str], MemorySpace]:
     """First-fit placements (the core's default policy) of ``decls`` within ``limits``."""
-    from polyhal.passes.bufferize import _nowhere
-
     out = {}
     left: dict[str, MemoryLimits] = {}
     for kernel, ds in decls:
@@ -55,25 +42,29 @@ class _Named:
         self.name = name
 
 
-def _limits(traits: DeviceTraits, kind: str) -> MemoryLimits:
-    from polyhal_opencl.scratch import private_bytes
-
+def memory_limits(traits: DeviceTraits, kind: str) -> MemoryLimits:
+    """The limits the default rule places scratch within on a device of type ``kind``
+    (``"cpu"``, ``"gpu"``, ...) with these traits."""
     return MemoryLimits(private_bytes(kind), traits.local_mem_size, 1 << 62)
 
 
+def _kind(traits: DeviceTraits) -> str:
+    return "cpu" if traits.is_cpu else "gpu"
+
+
 def _sort(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
-    kind = device_kind(traits.name)
-    decls = rowsort.declarations(op, attrs, in_types, out_types) if kind == "cpu" else None
+    decls = rowsort.declarations(op, attrs, in_types, out_types) if traits.is_cpu else None
     if decls is None:
         return sorting.GENERATORS[op](op, attrs, in_types, out_types, traits)
     problem = Problem(op, dict(attrs), tuple(in_types), tuple(out_types))
-    return rowsort.generate(op, attrs, in_types, out_types, traits, default_spaces(problem, decls, _limits(traits, kind)))
+    spaces = default_spaces(problem, decls, memory_limits(traits, _kind(traits)))
+    return rowsort.generate(op, attrs, in_types, out_types, traits, spaces)
 
 
 def _nms(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
     decls = nms_bitmask.declarations(op, attrs, in_types, out_types)
     problem = Problem(op, dict(attrs), tuple(in_types), tuple(out_types))
-    spaces = default_spaces(problem, decls, _limits(traits, device_kind(traits.name)))
+    spaces = default_spaces(problem, decls, memory_limits(traits, _kind(traits)))
     return nms_bitmask.generate(op, attrs, in_types, out_types, traits, spaces)
 
 

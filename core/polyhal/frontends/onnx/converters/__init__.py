@@ -27,6 +27,7 @@ import onnx
 from onnx import helper
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.types import HostValue, is_strings
 from polyhal.ir.program import Value
 from polyhal.ir.types import TensorType
 
@@ -34,6 +35,9 @@ Converter = Callable[["NodeContext"], list]
 
 #: (domain, op type) -> converter.
 CONVERTERS: dict[tuple[str, str], Converter] = {}
+#: (domain, op type) -> the converter of the op's string forms (Equal of strings, Cast to
+#: string, ...), tried before the one in CONVERTERS; it raises Decline for a numeric node.
+STRING_CONVERTERS: dict[tuple[str, str], Converter] = {}
 
 _REQUIRED: Any = object()
 
@@ -43,11 +47,13 @@ class Decline(Exception):
     expanded instead (or the op is reported unsupported, with this message, if it has none)."""
 
 
-def converter(*op_types: str, domain: str = "") -> Callable[[Converter], Converter]:
-    """Register the decorated function as the converter of ``op_types`` in ``domain``."""
+def converter(*op_types: str, domain: str = "", strings: bool = False) -> Callable[[Converter], Converter]:
+    """Register the decorated function as the converter of ``op_types`` in ``domain``;
+    ``strings=True``: of their string forms only (tried first; Decline hands a node that
+    touches no strings to the op's ordinary converter)."""
     def register(fn: Converter) -> Converter:
         for op_type in op_types:
-            CONVERTERS[(domain, op_type)] = fn
+            (STRING_CONVERTERS if strings else CONVERTERS)[(domain, op_type)] = fn
         return fn
     return register
 
@@ -88,6 +94,12 @@ class NodeContext:
             raise OnnxModelError(f"input {i} ({name!r}) is not defined before this node (no graph input, "
                                  "initializer or earlier node output has that name)")
         v = self.env[name]
+        if is_strings(v):
+            raise OnnxUnsupportedError(
+                f"input {i} ({name!r}) holds strings, which polyhal keeps on the host (device buffers hold "
+                f"numbers); {self.op_type} has no string form in polyhal")
+        if isinstance(v, HostValue):
+            return self.importer.host_feed(v)
         if not isinstance(v, (np.ndarray, Value)):
             if hasattr(v, "padded"):
                 raise OnnxUnsupportedError(
@@ -100,6 +112,14 @@ class NodeContext:
         """Input ``i`` as the environment holds it, including values of run-time length (for
         ops, such as Identity, that pass them through)."""
         return self.env.get(self.node.input[i]) if self.has(i) else None
+
+    def host_input(self, i: int) -> Any:
+        """Input ``i`` for a converter that computes on the host (string ops): an array, a
+        program value or a :class:`~polyhal.frontends.onnx.types.HostValue`; None if omitted."""
+        v = self.raw_input(i)
+        if isinstance(v, HostValue) or (isinstance(v, np.ndarray) and is_strings(v)):
+            return v
+        return self.input(i)
 
     def inputs(self) -> list:
         """Every input (None for omitted optional ones)."""
@@ -172,6 +192,12 @@ class NodeContext:
         """Emit polyhal op ``name`` (folded when all inputs are known); returns its result(s)."""
         return self.importer.emit(self.label, name, inputs, attrs)
 
+    def host(self, compute: Callable, *args: Any, dtype: Any, shape: Any, what: str = "") -> Any:
+        """``compute(*args)`` on the host: run now when every arg is an array, else a
+        :class:`~polyhal.frontends.onnx.types.HostValue` evaluated around the plan. ``shape``
+        None: known only from the data."""
+        return self.importer.host(compute, args, dtype, shape, what or f"the result of {self.label}")
+
     def full(self, shape: Any, value: Any, dtype: Any) -> Any:
         """A tensor of ``shape`` filled with ``value``: an array when it is within the fold limit,
         else an ``expand`` the program computes (so a large fill costs no memory at import)."""
@@ -224,6 +250,12 @@ def convert_node(importer, node: onnx.NodeProto, env: Mapping[str, Any], opsets:
         raise OnnxModelError(f"uses domain {node.domain!r}, which the model does not import (opset_import)")
     conv = CONVERTERS.get((ctx.domain, node.op_type))
     declined = None
+    on_strings = STRING_CONVERTERS.get((ctx.domain, node.op_type))
+    if on_strings is not None:
+        try:
+            return list(on_strings(ctx))
+        except Decline:
+            pass  # a numeric node: the ordinary converter's
     if conv is not None:
         try:
             return list(conv(ctx))
@@ -320,5 +352,7 @@ def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onn
 from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
     elementwise, tensor, reduce, nn, misc, resize, control, rnn, signal, ml,
 )
+from polyhal.frontends.onnx.converters import vision  # noqa: E402,F401  isort: skip
+from polyhal.frontends.onnx.converters import strings  # noqa: E402,F401  isort: skip
 
 __all__ = ["CONVERTERS", "Decline", "NodeContext", "convert_node", "converter"]

@@ -76,7 +76,13 @@ def _mod(ctx: NodeContext) -> list:
     fmod = int(ctx.attr("fmod", 0))
     a, b = ctx.input(0), ctx.input(1)
     if ctx.dtype(a).kind == "f" and not fmod:
-        raise OnnxUnsupportedError("Mod with fmod=0 on floats is not defined by ONNX; set fmod=1")
+        # Floored: C's fmod moved by b where it is nonzero and its sign differs from b's; a zero
+        # takes b's sign (0 * sign(b)). nan and inf cases come out of fmod as ONNX defines them.
+        r = ctx.op("mod", a, b, fmod=True)
+        zero = ctx.scalar(0, ctx.dtype(a))
+        differ = ctx.op("not_equal", ctx.op("less", r, zero), ctx.op("less", b, zero))
+        moved = ctx.op("where", ctx.op("logical_and", differ, ctx.op("not_equal", r, zero)), ctx.op("add", r, b), r)
+        return [ctx.op("where", ctx.op("equal", moved, zero), ctx.op("mul", zero, ctx.op("sign", b)), moved)]
     return [ctx.op("mod", a, b, fmod=bool(fmod))]
 
 

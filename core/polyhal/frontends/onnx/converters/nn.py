@@ -13,6 +13,7 @@ import numpy as np
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.converters.elementwise import cast
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
+from polyhal.frontends.onnx.converters.vision import max_pool_indices
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 
 
@@ -156,11 +157,14 @@ def _pool(ctx: NodeContext, kind: str) -> list:
 
 @converter("MaxPool")
 def _max_pool(ctx: NodeContext) -> list:
-    if ctx.wants(1):
-        raise OnnxUnsupportedError("MaxPool's Indices output is not supported")
-    if int(ctx.attr("storage_order", 0)):
-        raise OnnxUnsupportedError("MaxPool storage_order=1 is not supported")
-    return _pool(ctx, "max")
+    (y,) = _pool(ctx, "max")
+    if not ctx.wants(1):
+        return [y]
+    x = ctx.input(0)
+    kernel = [int(k) for k in ctx.attr("kernel_shape")]
+    strides, dilations, pads = _spatial_attrs(ctx, ctx.shape(x)[2:], tuple(kernel))
+    return [y, max_pool_indices(ctx, x, ctx.shape(y)[2:], kernel, strides, dilations, pads,
+                                int(ctx.attr("storage_order", 0)))]
 
 
 @converter("AveragePool")
