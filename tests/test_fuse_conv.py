@@ -232,6 +232,9 @@ def test_depthwise_chain_stays_channel_blocked_between_its_convs(tmp_path):
     assert report.encode_dispatches == 2  # the graph's two edges
     explained = plan.explain()
     assert "channel-blocked<NCHW8c" in explained and "a set/unset pair" in explained
+    # profiles name the ONNX nodes of each blocked step
+    nodes = [r["node"] for r in plan.profile(x=X).rows() if r["op"] == "blocked_conv"]
+    assert len(nodes) == 3 and all("(Conv) + " in n for n in nodes), nodes
 
 
 def test_chains_without_a_depthwise_conv_stay_nchw(tmp_path):
