@@ -130,31 +130,11 @@ MODELS = {"resnet18": resnet18, "mobilenet_v3": mobilenet}
 
 # ------------------------------------------------------------------------------------ profile
 
-def profile(plan, feeds_run, runs: int = 5) -> list[tuple[str, int, float]]:
-    """polyhal's plan step by step: (op, calls per run, median ms per run) per op name, largest
-    first. Times each prepared step of ``plan`` around its call (the plan's own loop, run by
-    hand here); ``feeds_run()`` binds the inputs by running the plan once."""
-    elided = plan.buffer_plan.elided_ops
-    ops = [op for i, op in enumerate(plan.program.ops) if i not in elided]
-    feeds_run()  # warm, and leaves nothing bound: bind the inputs again below
-    per_run: list[collections.Counter] = []
-    slots = plan._slots
-    for _ in range(runs):
-        # Bind inputs and outputs as a run does, then time the steps one by one.
-        times: collections.Counter = collections.Counter()
-        with plan._lock:
-            for value, slot, device, x in zip(plan.program.inputs, plan._input_slots, plan._input_devices,
-                                              feeds_run.inputs):
-                slots[slot] = x
-            plan._bind_host_outputs(None)
-            for op, step in zip(ops, plan._steps):
-                t0 = time.perf_counter()
-                step()
-                times[op.name] += time.perf_counter() - t0
-        per_run.append(times)
-    calls = collections.Counter(op.name for op in ops)
-    table = [(name, calls[name], statistics.median(t[name] for t in per_run) * 1e3) for name in calls]
-    return sorted(table, key=lambda r: -r[2])
+def profile(plan, x: np.ndarray, runs: int = 5) -> list[tuple[str, int, float]]:
+    """polyhal's plan step by step (:meth:`polyhal.plan.Plan.profile`): (op, steps, ms per run)
+    per op, largest first."""
+    by_op = plan.profile(x, runs=runs).by_op()
+    return [(g["op"], g["steps"], g["total_ms"] / runs) for g in by_op]
 
 
 def ort_profile(path: str, feeds: dict, runs: int = 5) -> list[tuple[str, int, float]]:
@@ -235,8 +215,7 @@ def run(args) -> list[Row]:
                 for _ in range(3):
                     samples.append(median_time(fn, repeat=3, number=1, warmup=1))
         t_ours, t_theirs = statistics.median(tp), statistics.median(to)
-        run_ours.inputs = [x]
-        ours = profile(plan, run_ours)
+        ours = profile(plan, x)
         theirs = ort_profile(str(path), feeds)
         print(_table(f"{name}: polyhal per op ({len(plan.program.ops)} ops)", ours))
         print(_table(f"{name}: onnxruntime per op", theirs))
