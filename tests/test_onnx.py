@@ -292,7 +292,7 @@ def test_cli_run_random_inputs_explain_and_json(capsys, tmp_path):
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--dim", "batch=4", "--explain", "--repeat", "3",
                      "--device", "cpu:0"]) == 0
     out, err = capsys.readouterr()
-    assert "output probs: float32[4, 16]" in out and "fc0 (Gemm): gemm -> cpu:0" in out
+    assert "output probs: float32[4, 16]" in out and "fc0 (Gemm) + relu0 (Relu): fused_linear -> cpu:0" in out
     assert "3 runs: median" in out and "3/3 runs" in err
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--json", "--output", str(tmp_path / "out")]) == 0
     report = json.loads(capsys.readouterr().out)

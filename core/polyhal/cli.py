@@ -166,8 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=20)
     add_policy_arguments(p)
     p.add_argument("--explain", action="store_true", help="also list every allocation decision and why")
-    p.add_argument("--data-tiling", action="store_true",
-                   help="wrap matmul operands in encodings (packed on the CPU; folded on devices without data tiling)")
+    p.add_argument("--data-tiling", action="store_true", default=None,
+                   help="wrap matmul operands in encodings (packed on the CPU; folded on devices without data tiling); "
+                        "conv feature maps are always encoded")
     add_explain_parser(sub)
     p = sub.add_parser("run", help="run an ONNX model (random or .npy/.npz inputs) and print outputs and timings")
     from polyhal.frontends.onnx.run import add_arguments as add_run_arguments

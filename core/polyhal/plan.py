@@ -19,9 +19,10 @@ from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
 from polyhal.passes.bufferize import bufferize
-from polyhal.passes.data_tiling import set_encodings
+from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
@@ -32,7 +33,7 @@ from polyhal.registry import Registry, default_registry
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
-            registry: Registry | None = None, fuse: bool = True, data_tiling: bool = False) -> "Plan":
+            registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None) -> "Plan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
@@ -46,14 +47,18 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     ``fuse`` (default on) runs the fusion passes first: each attention head (matmul, scaling,
     softmax, matmul) becomes one ``attention`` op (:mod:`polyhal.passes.fuse_attention`) and
     each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), each GELU
-    formula one ``gelu`` op (:mod:`polyhal.passes.fuse_gelu`), wherever the device placement
-    would choose for those ops has the fused kernel
-    (:func:`polyhal.passes.placement.fusion_gate`); before them, transposes of constants become
-    transposed views of the data (:mod:`polyhal.passes.fold_constants`). ``plan.explain()``
-    lists what was fused.
+    formula one ``gelu`` op (:mod:`polyhal.passes.fuse_gelu`); per-channel scales and shifts after
+    a conv with constant weights (BatchNormalization) fold into its weights, and a conv's or
+    linear's residual add and activation become one ``fused_conv`` / ``fused_linear``
+    (:mod:`polyhal.passes.fuse_conv`) -- fused ops wherever the device placement would choose for
+    those ops has the fused kernel (:func:`polyhal.passes.placement.fusion_gate`). Before them,
+    transposes of constants become transposed views of the data
+    (:mod:`polyhal.passes.fold_constants`). ``plan.explain()`` lists what was fused.
 
-    ``data_tiling=True`` wraps matmul operands and results in encodings
-    (:mod:`polyhal.passes.data_tiling`); after placement, MaterializeEncoding resolves every
+    ``data_tiling`` wraps values in encodings (:mod:`polyhal.passes.data_tiling`): by default
+    (None) the feature maps of depthwise conv chains, which the CPU keeps channel-blocked; with
+    True matmul operands and results too; with False nothing. After placement,
+    MaterializeEncoding resolves every
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
     """
@@ -78,7 +83,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
 
 
 def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, fuse: bool,
-                data_tiling: bool) -> "Plan":
+                data_tiling: bool | None) -> "Plan":
     selector, kernels = selector_for(registry), kernel_sets(registry)
     fusions = None
     if fuse:
@@ -88,9 +93,13 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         program, attention = fuse_attention(program, fusible)
         program, linear = fuse_linear(program, fusible)
         program, gelu = fuse_gelu(program, fusible)
-        fusions += attention + linear + gelu
-    if data_tiling:
-        program = set_encodings(program)
+        # BatchNormalization's scale and shift into the conv weights first, then the epilogue
+        # (after fuse_gelu, so that a GELU formula is one activation the epilogue can take).
+        program, folded = fold_conv_affine(program)
+        program, epilogues = fuse_conv_epilogue(program, fusible)
+        fusions += attention + linear + gelu + folded + epilogues
+    if data_tiling is not False:
+        program = set_conv_encodings(set_encodings(program) if data_tiling else program)
     placement = place(program, registry, selector, devices, kernels)
     placement.fusions = fusions
     placement = materialize_encodings(placement, registry)

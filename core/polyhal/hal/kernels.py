@@ -72,7 +72,8 @@ class KernelTable:
 
     ``backend`` names the backend in messages. ``fallback``, a builder, runs every op without a
     builder, and every instance a builder declined; a table with a fallback serves every op of
-    :data:`polyhal.ops.OPS`. ``standalone`` binds the scratch of kernels prepared without a plan
+    :data:`polyhal.ops.OPS` but the fused forms (``OpDef.fused``), which it serves only with a
+    builder of their own. ``standalone`` binds the scratch of kernels prepared without a plan
     (see the module docstring).
     """
 
@@ -112,14 +113,14 @@ class KernelTable:
 
     @property
     def kernel_names(self) -> frozenset[str]:
-        """The ops this table prepares: every op of :data:`polyhal.ops.OPS` with a fallback,
-        else the registered ones."""
-        return frozenset(OPS) if self.fallback is not None else frozenset(self.builders)
+        """The ops this table prepares: the registered ones, and with a fallback every other op
+        of :data:`polyhal.ops.OPS` but the fused forms."""
+        return frozenset(self.builders) | self.fallback_ops if self.fallback is not None else frozenset(self.builders)
 
     @property
     def fallback_ops(self) -> frozenset[str]:
-        """Ops without a builder: with a fallback, they run through it."""
-        return frozenset(OPS) - frozenset(self.builders)
+        """Ops without a builder that a fallback would run (fused forms excepted)."""
+        return frozenset(n for n, d in OPS.items() if not d.fused) - frozenset(self.builders)
 
     def scratch(self, device: Any, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
                 out_types: Sequence["TensorType"]) -> tuple[ScratchRequest, ...]:
@@ -141,7 +142,7 @@ class KernelTable:
         the checks of the module docstring, then the op's builder, or the fallback where there is
         none or it declines. ``scratch`` is the plan's binding of the kernel's declared scratch."""
         builder = self.builders.get(op)
-        if builder is None and (self.fallback is None or op not in OPS):
+        if builder is None and (self.fallback is None or op not in OPS or OPS[op].fused):
             unknown = " (polyhal.ops defines no such op)" if op not in OPS else ""
             raise KernelNotFoundError(f"{self.backend}: no kernel for op {op!r}{unknown}; this backend has kernels "
                                       f"for {', '.join(sorted(self.kernel_names)) or 'no op'}")

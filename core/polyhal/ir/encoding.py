@@ -31,8 +31,9 @@ from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.ir.types import COMPUTE_DTYPES, TensorType, as_dtype
 
 __all__ = [
-    "Encoding", "MatmulEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout", "IdentityLayout",
-    "PackedLayout", "packed_shape", "dense_type",
+    "Encoding", "MatmulEncoding", "FeatureMapEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout",
+    "IdentityLayout", "PackedLayout", "ChannelBlockedLayout", "CHANNEL_BLOCKED_ELEMENTWISE", "packed_shape",
+    "dense_type",
 ]
 
 # ------------------------------------------------------------------------------------------------
@@ -141,6 +142,26 @@ class MatmulEncoding(Encoding):
     def describe(self) -> str:
         m, n, k = ("?" if s is None else s for s in self.iteration_sizes)
         return f"matmul.{self.role}<{'x'.join(self.element_types)}, MxNxK={m}x{n}x{k}>"
+
+    def __str__(self) -> str:
+        return f"#encoding<{self.describe()}>"
+
+
+@dataclass(frozen=True)
+class FeatureMapEncoding(Encoding):
+    """A float (N, C, H, W) activation flowing through a chain of convolutions: the input,
+    residual or result of a conv. A device may store it channel-blocked
+    (:class:`ChannelBlockedLayout`), as onnxruntime's NCHWc transformer does; chained convs then
+    hand the blocked form to each other and only the chain's edges pay a relayout."""
+
+    op_type: str = "conv"
+
+    def check_type(self, tensor_type: TensorType) -> None:
+        if tensor_type.rank != 4 or tensor_type.dtype.kind != "f":
+            raise ShapeError(f"a {self.describe()} tensor is a float (N, C, H, W), got {tensor_type}")
+
+    def describe(self) -> str:
+        return "conv.feature_map"
 
     def __str__(self) -> str:
         return f"#encoding<{self.describe()}>"
@@ -408,3 +429,55 @@ class PackedLayout(Layout):
             (f", outer {list(self.outer_dims_perm)}" if self.outer_dims_perm else "") + \
             f" -> {'x'.join(map(str, self.storage_type.shape))}>"
 
+
+#: Elementwise ops that run on channel-blocked storage as they are (operands and result in the
+#: same one-block layout, or scalars): what squeeze-excite blocks and unfused activations use.
+CHANNEL_BLOCKED_ELEMENTWISE = frozenset({
+    "add", "sub", "mul", "div", "maximum", "minimum", "relu", "sigmoid", "tanh", "neg", "abs", "exp",
+})
+
+
+@dataclass(frozen=True)
+class ChannelBlockedLayout(PackedLayout):
+    """NCHWc: a (N, C, H, W) feature map with its channels cut into blocks of ``c``, stored
+    (N, C/c, H, W, c) -- a :class:`PackedLayout` with ``inner_dims_pos=(1,)``.
+
+    With one block of all channels (storage (N, 1, H, W, C): the channels of each pixel
+    contiguous), ops whose feature maps are all blocked run on the storage: convs as
+    ``blocked_conv``, the :data:`CHANNEL_BLOCKED_ELEMENTWISE` ops as themselves (a (N, C, 1, 1)
+    map is stored (N, 1, 1, 1, C), so broadcasting over pixels still lines up), and a global
+    average pool (``reduce_mean`` over dims 2 and 3, kept) over the storage's dims 2 and 3.
+    Other ops run dense between an unpack and a pack.
+    """
+
+    @property
+    def one_block(self) -> bool:
+        """Whether the channels form one block (the storage is channels-last)."""
+        return self.inner_tiles == (self.tensor_type.shape[1],) and self.padding_value == 0
+
+    def materialize_dispatch(self, op, attrs, in_layouts, out_layouts):
+        if len(out_layouts) != 1:
+            return None
+
+        def blocked(layouts) -> bool:
+            return all(isinstance(x, ChannelBlockedLayout) and x.one_block for x in layouts)
+
+        if op in ("conv", "fused_conv"):
+            if not blocked([in_layouts[0], out_layouts[0], *in_layouts[3:]]) \
+                    or not all(x.is_identity_layout() for x in in_layouts[1:3]):
+                return None
+            return ("blocked_conv", {"activation": "none", "alpha": 0.0, "beta": 0.0, **dict(attrs)})
+        if op in CHANNEL_BLOCKED_ELEMENTWISE:
+            maps = [x for x in (*in_layouts, *out_layouts) if x.tensor_type.rank > 0]
+            return (op, dict(attrs)) if blocked(maps) and all(x.tensor_type.rank == 4 for x in maps) else None
+        if op == "reduce_mean" and blocked([*in_layouts, *out_layouts]) \
+                and sorted(attrs.get("axes") or ()) == [2, 3] and attrs.get("keepdims", True):
+            return ("reduce_mean", {**dict(attrs), "axes": (2, 3), "keepdims": True})
+        return None
+
+    def describe(self) -> str:
+        t = self.tensor_type
+        block = self.inner_tiles[0]
+        who = f"{self.resolver} " if self.resolver else ""
+        return f"{who}channel-blocked<NCHW{block}c -> {'x'.join(map(str, self.storage_type.shape))}>" \
+            if t.rank == 4 else super().describe()

@@ -55,6 +55,9 @@ class OpDef:
         tolerance: ``(rtol, atol)`` for comparing float32 results with the reference.
         doc: one paragraph on the semantics.
         defaults: attribute name -> default value (:data:`REQUIRED` when there is none).
+        fused: a fused form that only fusion passes create, for devices with a kernel of its
+            own: a kernel table's fallback does not serve it (it would run on the host what the
+            unfused ops ran as device kernels).
     """
 
     name: str
@@ -66,6 +69,7 @@ class OpDef:
     doc: str = ""
     # compare=False keeps OpDef hashable (a mapping is not) and equality about the functions.
     defaults: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    fused: bool = False
 
 
 #: Every op of the core op set, by name.
@@ -135,6 +139,7 @@ def define(
     arity: int | tuple[int, int | None],
     tolerance: tuple[float, float] = DEFAULT_TOLERANCE,
     doc: str = "",
+    fused: bool = False,
 ) -> OpDef:
     """Build the :class:`OpDef` for ``name`` and register it in :data:`OPS`.
 
@@ -170,7 +175,7 @@ def define(
 
     checked_infer.__doc__ = f"Infer the output types of {name!r}."
     op = OpDef(name, lo if lo == hi else None, checked_infer, reference, sample, tolerance,
-               inspect.cleandoc(doc), defaults)
+               inspect.cleandoc(doc), defaults, fused)
     if name in OPS:
         raise ProgramError(f"op {name!r} is defined twice")
     OPS[name] = op

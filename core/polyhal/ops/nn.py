@@ -120,6 +120,155 @@ define("conv", infer=_infer_conv, reference=_ref_conv, sample=_sample_conv, arit
 """)
 
 
+# ------------------------------------------------------------------------------------ fused_conv
+
+#: The activations a fused epilogue applies (``fused_conv``'s ``activation``), with what
+#: ``alpha`` and ``beta`` mean for each.
+ACTIVATIONS = {
+    "none": "y",
+    "relu": "max(y, 0)",
+    "clip": "min(max(y, alpha), beta)",
+    "hard_sigmoid": "max(0, min(1, alpha y + beta))",
+    "hard_swish": "y max(0, min(1, alpha y + beta))",
+    "sigmoid": "1 / (1 + exp(-y))",
+    "silu": "y / (1 + exp(-y))",
+    "gelu": "y/2 (1 + erf(y / sqrt(2)))",
+    "gelu_tanh": "y/2 (1 + tanh(sqrt(2/pi) (y + 0.044715 y^3)))",
+}
+
+
+def apply_activation(y: np.ndarray, activation: str, alpha: float, beta: float) -> np.ndarray:
+    """``activation`` (one of :data:`ACTIVATIONS`) of float64 ``y``: the epilogues' reference."""
+    if activation == "none":
+        return y
+    if activation == "relu":
+        return np.maximum(y, 0.0)
+    if activation == "clip":
+        return np.minimum(np.maximum(y, alpha), beta)
+    if activation in ("hard_sigmoid", "hard_swish"):
+        h = np.clip(alpha * y + beta, 0.0, 1.0)
+        return h if activation == "hard_sigmoid" else y * h
+    if activation in ("sigmoid", "silu"):
+        s = 1.0 / (1.0 + np.exp(-y))
+        return s if activation == "sigmoid" else y * s
+    from polyhal.ops.elementwise import _ref_gelu
+
+    return _ref_gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")[0]
+
+
+def _check_activation(activation, alpha, beta) -> None:
+    if activation not in ACTIVATIONS:
+        raise ProgramError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    a, b = float_attr(alpha, "alpha"), float_attr(beta, "beta")
+    if np.isnan(a) or np.isnan(b) or (activation != "clip" and not (np.isfinite(a) and np.isfinite(b))):
+        raise ProgramError(f"activation {activation!r}: alpha={alpha} and beta={beta} must be finite numbers "
+                           "(clip's bounds may be infinite)")
+
+
+def _infer_fused_conv(x: TensorType, w: TensorType, b: TensorType, r: TensorType | None = None, *, strides, pads,
+                      dilations, group, activation, alpha, beta):
+    _check_activation(activation, alpha, beta)
+    (out,) = _infer_conv(x, w, b, strides=strides, pads=pads, dilations=dilations, group=group)
+    if r is not None and (r.shape != out.shape or r.dtype != out.dtype):
+        raise ShapeError(f"the residual operand is {r}; it must be the convolution's result type {out}")
+    return (out,)
+
+
+def _ref_fused_conv(x, w, b, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
+                    alpha=0.0, beta=0.0):
+    (y,) = _ref_conv(x, w, b, strides=strides, pads=pads, dilations=dilations, group=group)
+    y = wide(y) if r is None else wide(y) + wide(r)
+    return (narrow(apply_activation(y, activation, float(alpha), float(beta)), x.dtype),)
+
+
+def _sample_fused_conv(rng: np.random.Generator):
+    (x, w, *b), attrs = _sample_conv(rng)
+    (out,) = _infer_conv(TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype), strides=attrs["strides"],
+                         pads=attrs["pads"], dilations=attrs["dilations"], group=attrs["group"])
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    ins = [x, w, b[0] if b else nonzero(rng, (w.shape[0],))]
+    if rng.random() < 0.5:
+        ins.append(nonzero(rng, out.shape))
+    return ins, {**attrs, "activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("fused_conv", infer=_infer_fused_conv, reference=_ref_fused_conv, sample=_sample_fused_conv, arity=(3, 4),
+       tolerance=(1e-4, 1e-5), fused=True, doc="""
+    ``conv`` with its epilogue: activation(conv(x, w, b) + residual), in one pass over the result.
+    x, w and the bias b as for ``conv``; the optional residual has the result's type.
+    ``activation`` is one of :data:`ACTIVATIONS` (default "none"), ``alpha`` and ``beta`` its
+    parameters (clip: the bounds, inf allowed; hard_sigmoid and hard_swish: the slope and offset).
+    What a convolution followed by a bias, a residual Add and an activation becomes
+    (:mod:`polyhal.passes.fuse_conv`), on devices that have its kernel.
+""")
+
+
+# ---------------------------------------------------------------------------------- blocked_conv
+
+def _unblocked(t: TensorType) -> TensorType:
+    """The (N, C, H, W) type of a (N, 1, H, W, C) channel-blocked storage type."""
+    if t.rank != 5 or t.shape[1] != 1:
+        raise ShapeError(f"operand {t} is not a one-block channel-blocked feature map (N, 1, H, W, C)")
+    n, _, h, w, c = t.shape
+    return TensorType((n, c, h, w), t.dtype)
+
+
+def _blocked(t: TensorType) -> TensorType:
+    n, c, h, w = t.shape
+    return TensorType((n, 1, h, w, c), t.dtype)
+
+
+def _infer_blocked_conv(x: TensorType, w: TensorType, b: TensorType | None = None, r: TensorType | None = None, *,
+                        strides, pads, dilations, group, activation, alpha, beta):
+    if b is None:
+        b = TensorType((w.shape[0],), w.dtype)
+    (out,) = _infer_fused_conv(_unblocked(x), w, b, None if r is None else _unblocked(r), strides=strides, pads=pads,
+                               dilations=dilations, group=group, activation=activation, alpha=alpha, beta=beta)
+    return (_blocked(out),)
+
+
+def _ref_blocked_conv(x, w, b=None, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
+                      alpha=0.0, beta=0.0):
+    unblock = lambda a: a[:, 0].transpose(0, 3, 1, 2)  # noqa: E731
+    args = (unblock(x), w, np.zeros(w.shape[0], w.dtype) if b is None else b) + (() if r is None else (unblock(r),))
+    (y,) = _ref_fused_conv(*args, strides=strides, pads=pads, dilations=dilations, group=group,
+                           activation=activation, alpha=alpha, beta=beta)
+    return (np.ascontiguousarray(y.transpose(0, 2, 3, 1)[:, None]),)
+
+
+def _sample_blocked_conv(rng: np.random.Generator):
+    n, c = int(rng.integers(1, 3)), int(pick(rng, [3, 4, 8]))
+    kind = pick(rng, ["depthwise", "pointwise", "general"])
+    k = 1 if kind == "pointwise" else int(pick(rng, [3, 5]))
+    group = c if kind == "depthwise" else 1
+    m = c * int(pick(rng, [1, 2])) if kind == "depthwise" else int(rng.integers(1, 9))
+    h, wd = (int(v) for v in rng.integers(k, k + 6, size=2))
+    s = [1, 1] if kind == "pointwise" else [int(v) for v in rng.integers(1, 3, size=2)]
+    p = [0] * 4 if kind == "pointwise" else [int(v) for v in rng.integers(0, k // 2 + 1, size=4)]
+    attrs = {"strides": s, "pads": p, "dilations": [1, 1], "group": group}
+    x = nonzero(rng, (n, c, h, wd))
+    w = nonzero(rng, (m, c // group, k, k))
+    (out,) = _infer_conv(TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype), **attrs)
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    ins = [block(x), w, nonzero(rng, (m,))]
+    if rng.random() < 0.5:
+        ins.append(block(nonzero(rng, out.shape)))
+    return ins, {**attrs, "activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, sample=_sample_blocked_conv,
+       arity=(2, 4), tolerance=(1e-4, 1e-5), fused=True, doc="""
+    ``fused_conv`` on channel-blocked storage (NCHWc with one block of all channels: (N, 1, H, W, C),
+    each pixel's channels contiguous): x and the optional residual in that storage, w (M,
+    C/group, kh, kw) and the optional bias (M,) dense, the result (N, 1, OH, OW, M). 2-D only.
+    What a conv between channel-blocked feature maps lowers to
+    (:class:`polyhal.ir.encoding.ChannelBlockedLayout`); attributes as ``fused_conv``.
+""")
+
+
 # ------------------------------------------------------------------------------- conv_transpose
 
 def _infer_conv_transpose(x: TensorType, w: TensorType, b: TensorType | None = None, *, strides, pads,
@@ -328,6 +477,43 @@ define("linear", infer=_infer_linear, reference=_ref_linear, sample=_sample_line
 """)
 
 
+def _infer_fused_linear(x: TensorType, w: TensorType, b: TensorType, r: TensorType | None = None, *, activation,
+                        alpha, beta):
+    _check_activation(activation, alpha, beta)
+    check_dtype(x, FLOAT)
+    (out,) = _infer_linear(x, w, b)
+    if r is not None and (r.shape != out.shape or r.dtype != out.dtype):
+        raise ShapeError(f"the residual operand is {r}; it must be the product's result type {out}")
+    return (out,)
+
+
+def _ref_fused_linear(x, w, b, r=None, *, activation="none", alpha=0.0, beta=0.0):
+    y = np.matmul(wide(x), wide(w)) + wide(b)
+    if r is not None:
+        y = y + wide(r)
+    return (narrow(apply_activation(y, activation, float(alpha), float(beta)), x.dtype),)
+
+
+def _sample_fused_linear(rng: np.random.Generator):
+    (x, w, b), _ = _sample_linear(rng)
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    ins = [x, w, b]
+    if rng.random() < 0.5:
+        ins.append(nonzero(rng, x.shape[:-1] + w.shape[1:]))
+    return ins, {"activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("fused_linear", infer=_infer_fused_linear, reference=_ref_fused_linear, sample=_sample_fused_linear,
+       arity=(3, 4), tolerance=(1e-4, 1e-5), fused=True, doc="""
+    ``linear`` with its epilogue: activation(x @ w + b + residual), the bias, residual and
+    activation applied in one pass over the product. Operands as for ``linear`` (float types);
+    the optional residual has the result's type; ``activation``, ``alpha`` and ``beta`` as for
+    ``fused_conv``. What a MatMul (or Gemm) with a bias, a residual Add and an activation becomes
+    (:mod:`polyhal.passes.fuse_conv`), on devices that have its kernel.
+""")
+
+
 # ------------------------------------------------------------------------------------ attention
 
 def _infer_attention(q: TensorType, k: TensorType, v: TensorType, *, scale):
@@ -400,7 +586,7 @@ def _sample_masked_attention(rng: np.random.Generator):
 
 
 define("masked_attention", infer=_infer_masked_attention, reference=_ref_attention,
-       sample=_sample_masked_attention, arity=4, tolerance=(1e-4, 1e-5), doc="""
+       sample=_sample_masked_attention, arity=4, tolerance=(1e-4, 1e-5), fused=True, doc="""
     attention with an additive mask: softmax(scale * q @ k^T + mask, over the keys) @ v, the
     mask of the element type broadcasting to the scores (batch..., Lq, Lk) -- a padding mask
     (0 or a large negative value per key), a causal one (large negatives above the diagonal),

@@ -12,6 +12,11 @@ placement. On a device without data tiling every encode folds and the plan is th
 un-encoded program gives; on the CPU the operands are packed once and a chain of matmuls keeps
 the packed layout between its links (the unset/set pairs between them fold).
 
+Convolution chains get the same treatment (:func:`set_conv_encodings`): the feature maps
+between depthwise and pointwise convs (MobileNet's and EfficientNet's blocks) carry a
+:class:`~polyhal.ir.encoding.FeatureMapEncoding`, which the CPU resolves to a channel-blocked
+layout (NCHWc); the chain's links fold and only its edges pay a relayout.
+
 Enabled with ``polyhal.compile(program, data_tiling=True)`` or ``polyhal demo --data-tiling``.
 """
 
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from polyhal.ir.encoding import MatmulEncoding, _MATMUL_ELEMENT_TYPES
+from polyhal.ir.encoding import CHANNEL_BLOCKED_ELEMENTWISE, FeatureMapEncoding, MatmulEncoding, _MATMUL_ELEMENT_TYPES
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
 
@@ -59,5 +64,92 @@ def set_encodings(program: Program) -> Program:
     return dataclasses.replace(program, ops=ops) if changed else program
 
 
-def _encoded(v: Value, encoding: MatmulEncoding, role: str) -> Value:
+def _encoded(v: Value, encoding, role: str) -> Value:
     return Value(TensorType(v.type.shape, v.type.dtype, encoding), f"{v.name}.{role}", v.program_id)
+
+
+def _chain_kind(op: Op) -> str | None:
+    """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
+    polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
+    of those kinds, "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N
+    and C (and scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept);
+    else None."""
+    if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
+        return None
+    if op.name in CHANNEL_BLOCKED_ELEMENTWISE or op.name == "reduce_mean":
+        maps = [v.type for v in (*op.inputs, *op.outputs) if v.type.rank > 0]
+        if not maps or any(t.rank != 4 or t.dtype.kind != "f" or t.shape[:2] != maps[0].shape[:2] or 0 in t.shape
+                           for t in maps):
+            return None
+        if op.name == "reduce_mean":
+            a = op.attr_dict
+            if sorted(a.get("axes") or ()) != [2, 3] or not a.get("keepdims", True):
+                return None
+        return "map"
+    if op.name not in ("conv", "fused_conv"):
+        return None
+    x, w = op.inputs[0].type, op.inputs[1].type
+    if x.rank != 4 or x.dtype.kind != "f" or 0 in x.shape:
+        return None
+    a = op.attr_dict
+    group, m = int(a.get("group", 1)), w.shape[0]
+    if group == x.shape[1] and w.shape[1] == 1 and m == group:
+        return "depthwise"
+    if w.shape[2:] == (1, 1) and group == 1 and list(a.get("strides") or [1, 1]) == [1, 1] \
+            and not any(a.get("pads") or ()):
+        return "pointwise"
+    return None
+
+
+def _maps(op: Op) -> list[int]:
+    """The operand positions of ``op`` that are feature maps of its chain."""
+    if op.name in ("conv", "fused_conv"):
+        return [0, *range(3, len(op.inputs))]
+    return [i for i, v in enumerate(op.inputs) if v.type.rank > 0]
+
+
+def set_conv_encodings(program: Program) -> Program:
+    """A new program in which the feature maps of conv chains that contain a depthwise conv
+    (chains of depthwise and pointwise convs, elementwise ops over their maps and global average
+    pools -- squeeze-excite blocks -- linked through their feature maps) carry
+    :class:`~polyhal.ir.encoding.FeatureMapEncoding`: each op of such a chain reads encoded
+    maps and writes an encoded result, with encode ops around it. Convs of chains
+    without a depthwise conv are left alone (as GEMMs they run as fast in NCHW, and a blocked
+    layout would only add relayouts)."""
+    kinds = {id(op): k for op in program.ops if (k := _chain_kind(op)) is not None}
+    if "depthwise" not in kinds.values():
+        return program
+    # Chains: union-find over the convs linked by a feature map.
+    parent = {i: i for i in kinds}
+
+    def find(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    producer = {v.id: op for op in program.ops for v in op.outputs}
+    for op in program.ops:
+        if id(op) not in kinds:
+            continue
+        for v in (op.inputs[i] for i in _maps(op)):
+            src = producer.get(v.id)
+            if src is not None and id(src) in kinds:
+                parent[find(id(src))] = find(id(op))
+    blocked = {find(i) for i, k in kinds.items() if k == "depthwise"}
+    encoding = FeatureMapEncoding()
+    ops: list[Op] = []
+    for op in program.ops:
+        if id(op) not in kinds or find(id(op)) not in blocked:
+            ops.append(op)
+            continue
+        inputs = list(op.inputs)
+        for i in _maps(op):
+            enc = _encoded(inputs[i], encoding, "nchwc")
+            ops.append(Op("encode", "encode", (inputs[i],), (enc,)))
+            inputs[i] = enc
+        (y,) = op.outputs
+        y_enc = _encoded(y, encoding, "nchwc")
+        ops.append(Op(op.kind, op.name, tuple(inputs), (y_enc,), op.attrs, op.affinity))
+        ops.append(Op("encode", "encode", (y_enc,), (y,)))
+    return dataclasses.replace(program, ops=ops)

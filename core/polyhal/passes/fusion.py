@@ -28,8 +28,10 @@ class Fusion:
     """One rewrite by a fusion pass: ``ops`` of the program (in program order) became ``new``.
 
     ``kind`` names the rewrite: ``"attention"``, ``"linear"``, ``"gelu"``, ``"scaling"`` (a
-    scalar scaling moved from a matmul's product onto its smaller operand), or ``"constant"``
-    (ops of constant operands folded into a constant: ``new`` is empty).
+    scalar scaling moved from a matmul's product onto its smaller operand), ``"constant"`` (ops of
+    constant operands folded into a constant: ``new`` is empty), ``"batch_norm"`` (per-channel
+    scales and shifts folded into a conv's weights) or ``"epilogue"`` (a conv's or linear's residual
+    add and activation).
     """
 
     kind: str

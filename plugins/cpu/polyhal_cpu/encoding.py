@@ -32,7 +32,10 @@ from typing import Callable
 import numpy as np
 
 from polyhal.hookspecs import hookimpl
-from polyhal.ir.encoding import LHS, RESULT, RHS, IdentityLayout, MatmulEncoding, PackedLayout
+from polyhal.ir.encoding import (
+    LHS, RESULT, RHS, ChannelBlockedLayout, FeatureMapEncoding, IdentityLayout, MatmulEncoding, PackedLayout,
+)
+from polyhal_cpu import native
 from polyhal_cpu.table import TABLE, float16_via_float32
 
 #: Tile bound when a device does not say (``limits["data_tile"]``). numpy's unit of fast work
@@ -58,11 +61,19 @@ def tile_size(dim: int, bound: int) -> int:
 
 @hookimpl
 def resolve_encoding(device, encoding, tensor_type):
-    """Packed mmt4d layouts for float32/float64 matmul operands on CPU devices with
-    ``"data-tiling"``; the identity layout for other matmul encodings on CPU devices; ``None``
-    (defer) for other backends and for encodings this resolver does not know."""
+    """Packed mmt4d layouts for float32/float64 matmul operands and channel-blocked layouts
+    (NCHWc, one block of all channels) for float32 conv feature maps on CPU devices with
+    ``"data-tiling"`` (the latter with the compiled loops); the identity layout for other
+    matmul and feature-map encodings on CPU devices; ``None`` (defer) for other backends and
+    for encodings this resolver does not know."""
     if device.backend != "cpu":
         return None
+    if isinstance(encoding, FeatureMapEncoding):
+        # One block of all channels: BLAS wants a pointwise conv's contraction (the channels)
+        # contiguous, and the depthwise loop vectorises across the block either way.
+        if "data-tiling" not in device.capabilities or not native.available(tensor_type.dtype):
+            return IdentityLayout(tensor_type)
+        return ChannelBlockedLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="cpu")
     if not isinstance(encoding, MatmulEncoding):
         return None
     if "data-tiling" not in device.capabilities or tensor_type.dtype not in TILED_TYPES:

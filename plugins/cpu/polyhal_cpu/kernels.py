@@ -39,9 +39,10 @@ from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import check_finite_cast
 from polyhal_cpu import blas, native
 # The other kernel modules register the rest of the op set in TABLE when imported.
-from polyhal_cpu import detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels  # noqa: F401
-from polyhal_cpu import vision_kernels  # noqa: F401
-from polyhal_cpu import text_kernels  # noqa: F401
+from polyhal_cpu import (  # noqa: F401
+    conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels, text_kernels,
+    vision_kernels,
+)
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import parallel
 from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32

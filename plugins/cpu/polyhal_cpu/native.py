@@ -32,8 +32,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-__all__ = ["ERF_P", "ERF_Q", "available", "add_rows", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "layer_norm", "relu", "scale_rows",
-           "softmax_rows"]
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
+           "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col",
+           "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -94,6 +95,30 @@ def _warm(loops: dict[str, Callable]) -> None:
         loops["add_rows"](m.copy(), row)
     loops["exp2_shifted_rows"](m.copy(), np.float32(0.0), one.copy())
     loops["scale_rows"](m.copy(), one)
+    # Convolutions: weights and biases are read-only constants; images may be either.
+    img, none4 = np.zeros((1, 2, 3, 3), np.float32), np.zeros((0, 0, 0, 0), np.float32)
+    w = np.zeros((2, 1, 1, 1), np.float32)
+    w.flags.writeable = False
+    ro_img = img.copy()
+    ro_img.flags.writeable = False
+    for x in (img, ro_img):
+        loops["im2col"](x[0], np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
+        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
+        for residual in (none4, img):
+            loops["depthwise"](x, w, ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
+    for residual in (m[:0, :0], m):
+        loops["epilogue"](m.copy(), ro[:2], residual, 1, *_F32_PAIR)
+    loops["col2im"](m, np.zeros((2, 1, 2), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 1, 4)
+    nhwc = np.zeros((1, 3, 3, 2), np.float32)
+    for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
+        for residual in (none4, nhwc):
+            loops["depthwise_channels_last"](x, np.zeros((1, 1, 2), np.float32), ro[:2], residual, nhwc.copy(),
+                                             1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
+    for residual in (m[:0, :0], m):
+        loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
+
+
+_F32_PAIR = (np.float32(0.0), np.float32(0.0))
 
 
 def gelu_tanh(x: np.ndarray, out: np.ndarray) -> None:
@@ -135,3 +160,62 @@ def scale_rows(x: np.ndarray, factors: np.ndarray) -> None:
 def add_rows(x: np.ndarray, row: np.ndarray) -> None:
     """Add (cols,) ``row`` to every row of (rows, cols) ``x``, in place."""
     _compiled()["add_rows"](x, row)
+
+
+def activation_code(activation: str) -> int:
+    """The loops' code for ``activation`` (its index in :data:`polyhal.ops.nn.ACTIVATIONS`)."""
+    from polyhal.ops.nn import ACTIVATIONS
+
+    return list(ACTIVATIONS).index(activation)
+
+
+def epilogue(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,
+             beta: float) -> None:
+    """In place over (rows, cols) ``y`` (rows: (image, channel) pairs): activation ``act`` of
+    y + bias[channel] (+ residual, (rows, cols))."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _compiled()["epilogue"](y, bias, none, act, np.float32(alpha), np.float32(beta))
+
+
+def im2col(x: np.ndarray, cols: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, out: tuple) -> None:
+    """(C, H, W) ``x`` into (C * kh * kw, oh * ow) ``cols`` for a 2-D convolution with kernel
+    ``k``, strides ``s``, begin pads ``p``, dilations ``d`` and output size ``out``."""
+    _compiled()["im2col"](x, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], out[0], out[1])
+
+
+def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,
+              s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+    """2-D depthwise convolution of (N, C, H, W) ``x`` by (M, 1, kh, kw) ``w`` into ``out``, with
+    bias, optional residual and activation ``act`` applied as each output row is finished."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["depthwise"](x, w, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
+                             np.float32(alpha), np.float32(beta))
+
+
+def col2im(cols: np.ndarray, out: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, size: tuple) -> None:
+    """Add (M * kh * kw, h * w) ``cols`` into (M, OH, OW) ``out``: a transposed 2-D convolution's
+    scatter for an input of ``size`` (h, w)."""
+    _compiled()["col2im"](cols, out, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], size[0], size[1])
+
+
+def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple,
+           is_max: bool) -> None:
+    """Max or average 2-D pooling of (R, H, W) ``x`` into (R, oh, ow) ``out``; averages are
+    window sums times ``inv`` (oh, ow)."""
+    _compiled()["pool2d"](x, out, inv, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
+
+
+def epilogue_channels_last(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,
+                           beta: float) -> None:
+    """In place over (pixels, C) ``y``: activation ``act`` of y + bias (+ residual)."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _compiled()["epilogue_channels_last"](y, bias, none, act, np.float32(alpha), np.float32(beta))
+
+
+def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
+                            out: np.ndarray, s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+    """2-D depthwise convolution of (N, H, W, C) ``x`` by (kh, kw, C) ``taps`` into (N, oh, ow, C)
+    ``out``, with bias, optional residual and activation ``act``."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
+                                           np.float32(alpha), np.float32(beta))

@@ -6,10 +6,14 @@ for a loop. Every loop takes float32 C-contiguous arrays and releases the GIL.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import njit
 
-__all__ = ["add_rows", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "layer_norm", "relu", "scale_rows", "softmax_rows"]
+__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
+           "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
+           "scale_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -141,3 +145,265 @@ def add_rows(x, row):
     for r in range(rows):
         for c in range(cols):
             x[r, c] += row[c]
+
+
+# ------------------------------------------------------------------------------ convolution
+#
+# 2-D only (1-D convolutions arrive as 2-D with a unit height). Activation codes are the index
+# of the activation in polyhal.ops.nn.ACTIVATIONS: 0 none, 1 relu, 2 clip, 3 hard_sigmoid,
+# 4 hard_swish, 5 sigmoid, 6 silu, 7 gelu, 8 gelu_tanh.
+
+@_jit
+def activate_row(y, act, alpha, beta):
+    """In place over 1-D contiguous y: activation ``act`` (see above). One loop per activation,
+    so that each is vectorised (a switch inside the loop is not)."""
+    n = y.size
+    zero, one = f32(0.0), f32(1.0)
+    if act == 1:
+        for i in range(n):
+            v = y[i]
+            y[i] = v if not v < zero else zero
+    elif act == 2:
+        for i in range(n):
+            y[i] = min(max(y[i], alpha), beta)
+    elif act == 3:
+        for i in range(n):
+            y[i] = min(max(alpha * y[i] + beta, zero), one)
+    elif act == 4:
+        for i in range(n):
+            v = y[i]
+            y[i] = v * min(max(alpha * v + beta, zero), one)
+    elif act == 5:
+        for i in range(n):
+            y[i] = one / (one + exp2(-y[i] * f32(1.4426950408889634)))
+    elif act == 6:
+        for i in range(n):
+            v = y[i]
+            y[i] = v / (one + exp2(-v * f32(1.4426950408889634)))
+    elif act == 7:
+        for i in range(n):
+            v = y[i]
+            y[i] = f32(0.5) * v * (one + f32(math.erf(v * f32(0.7071067811865476))))
+    elif act == 8:
+        k1 = f32(-2.0 * 0.7978845608028654 * 1.4426950408889634)
+        k3 = f32(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
+        for i in range(n):
+            v = y[i]
+            y[i] = v / (one + exp2(v * (k1 + k3 * v * v)))
+
+
+@_jit
+def epilogue(y, bias, residual, act, alpha, beta):
+    """In place over (rows, cols) y, rows being (image, channel) pairs of ``bias``'s channels:
+    y = act(y + bias[channel] (+ residual)). ``residual`` is (rows, cols), or (0, 0) for none.
+    Row by row, so that the activation's pass finds the row in L1."""
+    rows, cols = y.shape
+    channels = bias.size
+    has_residual = residual.shape[0] != 0
+    for r in range(rows):
+        b = bias[r % channels]
+        row = y[r]
+        if has_residual:
+            res = residual[r]
+            for c in range(cols):
+                row[c] += b + res[c]
+        else:
+            for c in range(cols):
+                row[c] += b
+        activate_row(row, act, alpha, beta)
+
+
+@_jit
+def _valid(o_count, start, stride, size):
+    """The output range [lo, hi) whose input index start + o * stride lies in [0, size)."""
+    lo = 0 if start >= 0 else (-start + stride - 1) // stride
+    hi = 0 if start >= size else min(o_count, (size - 1 - start) // stride + 1)
+    return lo, max(lo, hi)
+
+
+@_jit
+def im2col(x, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
+    """(C, H, W) image x into (C * kh * kw, oh * ow) columns: row (c, i, j) holds, for each
+    output position, the input under tap (i, j) (0 in the padding)."""
+    channels, height, width = x.shape
+    zero = f32(0.0)
+    for c in range(channels):
+        for i in range(kh):
+            for j in range(kw):
+                dst = cols[(c * kh + i) * kw + j]
+                x0 = j * dw - pw
+                lo, hi = _valid(ow, x0, sw, width)
+                for yo in range(oh):
+                    iy = yo * sh - ph + i * dh
+                    base = yo * ow
+                    if iy < 0 or iy >= height:
+                        dst[base:base + ow] = zero
+                        continue
+                    src = x[c, iy]
+                    dst[base:base + lo] = zero
+                    if sw == 1:
+                        dst[base + lo:base + hi] = src[x0 + lo:x0 + hi]
+                    else:
+                        for xo in range(lo, hi):
+                            dst[base + xo] = src[x0 + xo * sw]
+                    dst[base + hi:base + ow] = zero
+
+
+@_jit
+def depthwise(x, w, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
+    """Depthwise convolution with its epilogue: (N, C, H, W) x, (M, 1, kh, kw) w with M a
+    multiple of C, (N, M, oh, ow) out; residual (N, M, oh, ow) or (0, 0, 0, 0). Each output row
+    is accumulated tap by tap while it stays in L1, then finished (bias, residual, activation).
+    Flat offsets, not row views: a view costs reference counting per row."""
+    n_img, channels, height, width = x.shape
+    m_out, _, kh, kw = w.shape
+    oh, ow = out.shape[2], out.shape[3]
+    mult = m_out // channels
+    has_residual = residual.shape[0] != 0
+    xf, of, wf = x.reshape(-1), out.reshape(-1), w.reshape(-1)
+    rf = residual.reshape(-1)
+    # Each kernel column's valid output range, once (integer divisions are slow in the loop).
+    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
+    for j in range(kw):
+        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    for n in range(n_img):
+        for m in range(m_out):
+            xplane = (n * channels + m // mult) * height * width
+            oplane = (n * m_out + m) * oh * ow
+            b = bias[m]
+            for yo in range(oh):
+                o0 = oplane + yo * ow
+                row = of[o0:o0 + ow]
+                for xo in range(ow):
+                    row[xo] = b
+                for i in range(kh):
+                    iy = yo * sh - ph + i * dh
+                    if iy < 0 or iy >= height:
+                        continue
+                    for j in range(kw):
+                        wv = wf[(m * kh + i) * kw + j]
+                        lo, hi = los[j], his[j]
+                        s0 = xplane + iy * width + j * dw - pw + lo * sw
+                        # Views indexed by the loop counter itself: LLVM vectorises these
+                        # loops, not ones indexed by counter + offset (measured 8x).
+                        dst = row[lo:hi]
+                        if sw == 1:  # a contiguous view (a slice with a step is typed strided)
+                            src = xf[s0:s0 + hi - lo]
+                            for t in range(hi - lo):
+                                dst[t] += wv * src[t]
+                        else:
+                            for t in range(hi - lo):
+                                dst[t] += wv * xf[s0 + t * sw]
+                if has_residual:
+                    res = rf[o0:o0 + ow]
+                    for xo in range(ow):
+                        row[xo] += res[xo]
+            activate_row(of[oplane:oplane + oh * ow], act, alpha, beta)
+
+
+@_jit
+def col2im(cols, out, kh, kw, sh, sw, ph, pw, dh, dw, height, width):
+    """Transposed convolution's scatter: (M * kh * kw, height * width) columns added into
+    (M, OH, OW) out, tap (i, j) of input position (y, x) landing on (y sh + i dh - ph,
+    x sw + j dw - pw) (positions cropped by the pads are dropped)."""
+    m_out, oh, ow = out.shape
+    for m in range(m_out):
+        for i in range(kh):
+            for j in range(kw):
+                row = (m * kh + i) * kw + j
+                x0 = j * dw - pw
+                # input columns x whose output column x0 + x sw lies in [0, ow)
+                lo = 0 if x0 >= 0 else (-x0 + sw - 1) // sw
+                hi = 0 if x0 >= ow else min(width, (ow - 1 - x0) // sw + 1)
+                for y in range(height):
+                    yo = y * sh + i * dh - ph
+                    if yo < 0 or yo >= oh:
+                        continue
+                    for x in range(lo, hi):
+                        out[m, yo, x0 + x * sw] += cols[row, y * width + x]
+
+
+@_jit
+def _tap(o, k, stride, pad, dilation, size):
+    """The input index under tap ``k`` of output position ``o``, or -1 in the padding."""
+    i = o * stride - pad + k * dilation
+    return i if 0 <= i < size else -1
+
+
+@_jit
+def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
+    """Max (is_max) or average pooling of (R, H, W) x into (R, oh, ow) out; taps in the
+    padding are skipped; average multiplies the window's sum by inv (oh, ow)."""
+    rows, height, width = x.shape
+    oh, ow = out.shape[1], out.shape[2]
+    for r in range(rows):
+        for yo in range(oh):
+            for xo in range(ow):
+                acc = f32(-np.inf) if is_max else f32(0.0)
+                for i in range(kh):
+                    iy = _tap(yo, i, sh, ph, dh, height)
+                    if iy < 0:
+                        continue
+                    for j in range(kw):
+                        ix = _tap(xo, j, sw, pw, dw, width)
+                        if ix < 0:
+                            continue
+                        v = x[r, iy, ix]
+                        if is_max:
+                            if v > acc or v != v:
+                                acc = v
+                        else:
+                            acc += v
+                out[r, yo, xo] = acc if is_max else acc * inv[yo, xo]
+
+
+# ------------------------------------------------------------- channel-blocked (NCHWc, c = C)
+
+@_jit
+def epilogue_channels_last(y, bias, residual, act, alpha, beta):
+    """In place over (pixels, C) y: act(y + bias[c] (+ residual)); residual (pixels, C) or (0, 0)."""
+    rows, cols = y.shape
+    has_residual = residual.shape[0] != 0
+    for r in range(rows):
+        row = y[r]
+        if has_residual:
+            res = residual[r]
+            for c in range(cols):
+                row[c] += bias[c] + res[c]
+        else:
+            for c in range(cols):
+                row[c] += bias[c]
+        activate_row(row, act, alpha, beta)
+
+
+@_jit
+def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
+    """Depthwise convolution of (N, H, W, C) x with (kh, kw, C) taps into (N, oh, ow, C) out,
+    residual (N, oh, ow, C) or (0, 0, 0, 0): each output pixel's channels are one vector,
+    accumulated tap by tap (vectorised across channels, whatever the stride), then finished."""
+    n_img, height, width, channels = x.shape
+    kh, kw = taps.shape[0], taps.shape[1]
+    oh, ow = out.shape[1], out.shape[2]
+    has_residual = residual.shape[0] != 0
+    for n in range(n_img):
+        for yo in range(oh):
+            for xo in range(ow):
+                acc = out[n, yo, xo]
+                for c in range(channels):
+                    acc[c] = bias[c]
+                for i in range(kh):
+                    iy = yo * sh - ph + i * dh
+                    if iy < 0 or iy >= height:
+                        continue
+                    for j in range(kw):
+                        ix = xo * sw - pw + j * dw
+                        if ix < 0 or ix >= width:
+                            continue
+                        src, wv = x[n, iy, ix], taps[i, j]
+                        for c in range(channels):
+                            acc[c] += wv[c] * src[c]
+                if has_residual:
+                    res = residual[n, yo, xo]
+                    for c in range(channels):
+                        acc[c] += res[c]
+                activate_row(acc, act, alpha, beta)

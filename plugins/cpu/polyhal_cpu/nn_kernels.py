@@ -1,10 +1,6 @@
-"""CPU kernels of :mod:`polyhal.ops.nn`: convolution by im2col + BLAS, transposed convolution
-by scattering one kernel tap at a time, pooling by combining one tap at a time, linear, and
-attention (a group of heads at a time, its scores in planned scratch; see the notes above its
-kernel).
-
-Everything that depends only on shapes and attributes (padding, window views, the divisors of
-average pooling) is computed in ``prepare``.
+"""CPU kernels of :mod:`polyhal.ops.nn` but the convolution family (:mod:`polyhal_cpu.conv_kernels`):
+linear, and attention (a group of heads at a time, its scores in planned scratch; see the notes
+above its kernel).
 """
 
 from __future__ import annotations
@@ -12,168 +8,12 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal_cpu import blas, native
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
-from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
-
-
-def _attrs(attrs: dict, n: int):
-    s = [int(v) for v in (attrs.get("strides") or [1] * n)]
-    p = [int(v) for v in (attrs.get("pads") or [0] * (2 * n))]
-    d = [int(v) for v in (attrs.get("dilations") or [1] * n)]
-    return s, p, d
-
-
-@TABLE.register("conv")
-@float16_via_float32
-def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    x_type, w_type = ins[0], ins[1]
-    n = x_type.rank - 2
-    s, p, d = _attrs(attrs, n)
-    group = int(attrs["group"])
-    m, cg = w_type.shape[0], w_type.shape[1]
-    mg = m // group
-    k = w_type.shape[2:]
-    out_spatial = outs[0].shape[2:]
-    pad_width = [(0, 0), (0, 0)] + [(p[i], p[i + n]) for i in range(n)]
-    padded = any(p)
-    spans = tuple((k[i] - 1) * d[i] + 1 for i in range(n))
-    spatial_axes = tuple(range(2, 2 + n))
-    # After sliding_window_view: (N, C, *positions, *spans); keep every s-th position (up to
-    # out) and every d-th tap.
-    pick = (slice(None), slice(None)) + tuple(slice(0, (o - 1) * st + 1, st) for o, st in zip(out_spatial, s)) \
-        + tuple(slice(None, None, di) for di in d)
-    has_bias = len(ins) == 3
-    contract_cols = [1] + list(range(2 + n, 2 + 2 * n))
-
-    def kernel(x, w, *rest):
-        out = rest[-1]
-        xp = np.pad(x, pad_width) if padded else x
-        win = sliding_window_view(xp, spans, axis=spatial_axes)[pick]  # (N, C, *out, *k)
-        for g in range(group):
-            cols = win[:, g * cg:(g + 1) * cg]
-            wg = w[g * mg:(g + 1) * mg]  # (mg, cg, *k)
-            # tensordot copies the window view once (im2col) and calls BLAS.
-            y = np.tensordot(cols, wg, axes=(contract_cols, list(range(1, 2 + n))))  # (N, *out, mg)
-            np.copyto(out[:, g * mg:(g + 1) * mg], np.moveaxis(y, -1, 1))
-        if has_bias:
-            out += rest[0].reshape((m,) + (1,) * n)
-    return kernel
-
-
-@TABLE.register("conv_transpose")
-@float16_via_float32
-def _conv_transpose(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    x_type, w_type = ins[0], ins[1]
-    n = x_type.rank - 2
-    s, p, d = _attrs(attrs, n)
-    group = int(attrs["group"])
-    c, mg = w_type.shape[0], w_type.shape[1]
-    cg = c // group
-    k = w_type.shape[2:]
-    op_ = [int(v) for v in (attrs.get("output_padding") or [0] * n)]
-    in_spatial = x_type.shape[2:]
-    full_shape = (x_type.shape[0], mg * group) + tuple(
-        s[i] * (in_spatial[i] - 1) + op_[i] + (k[i] - 1) * d[i] + 1 for i in range(n))
-    crop = (slice(None), slice(None)) + tuple(slice(p[i], full_shape[2 + i] - p[i + n]) for i in range(n))
-    taps = list(np.ndindex(*k))
-    has_bias = len(ins) == 3
-    dtype = outs[0].dtype
-
-    def kernel(x, w, *rest):
-        out = rest[-1]
-        full = np.zeros(full_shape, dtype)
-        for g in range(group):
-            xg = x[:, g * cg:(g + 1) * cg]
-            for tap in taps:
-                wk = w[(slice(g * cg, (g + 1) * cg), slice(None)) + tap]  # (cg, mg)
-                contrib = np.tensordot(xg, wk, axes=([1], [0]))  # (N, *in, mg)
-                window = tuple(slice(tap[i] * d[i], tap[i] * d[i] + s[i] * (in_spatial[i] - 1) + 1, s[i])
-                               for i in range(n))
-                full[(slice(None), slice(g * mg, (g + 1) * mg)) + window] += np.moveaxis(contrib, -1, 1)
-        np.copyto(out, full[crop])
-        if has_bias:
-            out += rest[0].reshape((-1,) + (1,) * n)
-    return kernel
-
-
-def _pool_geometry(attrs: dict, x_type, out_type):
-    """Padding (with the extra end padding ceil_mode needs) and the strided slice of each tap."""
-    n = x_type.rank - 2
-    s, p, d = _attrs(attrs, n)
-    k = [int(v) for v in attrs["kernel_shape"]]
-    out_spatial = out_type.shape[2:]
-    widths = [(0, 0), (0, 0)]
-    for i in range(n):
-        need = (out_spatial[i] - 1) * s[i] + (k[i] - 1) * d[i] + 1
-        have = x_type.shape[2 + i] + p[i] + p[i + n]
-        widths.append((p[i], p[i + n] + max(need - have, 0)))
-    taps = []
-    for tap in np.ndindex(*k):
-        taps.append((slice(None), slice(None)) + tuple(
-            slice(tap[i] * d[i], tap[i] * d[i] + (out_spatial[i] - 1) * s[i] + 1, s[i]) for i in range(n)))
-    return n, p, widths, taps
-
-
-@TABLE.register("max_pool")
-def _max_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    x_type = ins[0]
-    _, _, widths, taps = _pool_geometry(attrs, x_type, outs[0])
-    dt = x_type.dtype
-    low = -np.inf if dt.kind == "f" else np.iinfo(dt).min  # padding never wins
-
-    def kernel(x, out):
-        xp = np.pad(x, widths, constant_values=low)
-        np.copyto(out, xp[taps[0]])
-        for t in taps[1:]:
-            np.maximum(out, xp[t], out=out)
-    return kernel
-
-
-@TABLE.register("avg_pool", "lp_pool")
-@float16_via_float32
-def _avg_lp_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    x_type = ins[0]
-    n, p, widths, taps = _pool_geometry(attrs, x_type, outs[0])
-    dtype = outs[0].dtype
-    if op == "avg_pool":
-        # The divisor per output position: taps that land on the input (or, with
-        # count_include_pad, on the explicit padding too), by pooling a mask the same way.
-        mask_shape = (1, 1) + tuple(d + b + e for d, (b, e) in zip(x_type.shape[2:], widths[2:]))
-        mask = np.zeros(mask_shape, np.float64)
-        if attrs["count_include_pad"]:
-            inner = tuple(slice(0, x_type.shape[2 + i] + p[i] + p[i + n]) for i in range(n))
-        else:
-            inner = tuple(slice(p[i], p[i] + x_type.shape[2 + i]) for i in range(n))
-        mask[(0, 0) + inner] = 1.0
-        count = sum(mask[t] for t in taps)
-        inv = (1.0 / np.maximum(count, 1.0)).astype(dtype)
-
-        def kernel(x, out):
-            xp = np.pad(x, widths)
-            np.copyto(out, xp[taps[0]])
-            for t in taps[1:]:
-                np.add(out, xp[t], out=out)
-            np.multiply(out, inv, out=out)
-        return kernel
-
-    power = int(attrs["p"])
-    root = np.asarray(1.0 / power, dtype)
-
-    def kernel(x, out):
-        xp = np.abs(np.pad(x, widths))
-        if power != 1:
-            np.power(xp, power, out=xp)
-        np.copyto(out, xp[taps[0]])
-        for t in taps[1:]:
-            np.add(out, xp[t], out=out)
-        if power != 1:
-            np.power(out, root, out=out)
-    return kernel
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
 
 
 @TABLE.register("linear")
@@ -202,6 +42,37 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             add_rows(o, b)
         else:
             add(o, b, out=o)
+    return kernel
+
+
+@TABLE.register("fused_linear")
+@float16_via_float32
+def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """``linear``'s kernel (the bias added by BLAS's beta), then one pass for the residual and
+    the activation: a compiled loop for float32, numpy's ufuncs otherwise."""
+    product = _linear(device, "linear", {}, ins[:3], outs, None)
+    activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
+    has_residual = len(ins) == 4
+    n = outs[0].shape[-1] if outs[0].rank else 1
+    shape2d = (outs[0].size // max(n, 1), n)
+    if native.available(outs[0].dtype):
+        act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
+
+        def kernel(x, w, b, *rest):
+            out = rest[-1]
+            product(x, w, b, out)
+            r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
+            native.epilogue(out.reshape(shape2d), zero, r, act, alpha, beta)
+        return kernel
+    finish = numpy_activation(device, activation, alpha, beta, outs[0])
+
+    def kernel(x, w, b, *rest):
+        out = rest[-1]
+        product(x, w, b, out)
+        if has_residual:
+            out += rest[0]
+        if finish is not None:
+            finish(out)
     return kernel
 
 

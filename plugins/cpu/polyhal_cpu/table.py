@@ -2,7 +2,7 @@
 
 :data:`TABLE` is the CPU's :class:`~polyhal.hal.kernels.KernelTable`: every kernel module of this
 plugin (:mod:`~polyhal_cpu.kernels`, :mod:`~polyhal_cpu.math_kernels`,
-:mod:`~polyhal_cpu.indexing_kernels`, :mod:`~polyhal_cpu.nn_kernels`,
+:mod:`~polyhal_cpu.indexing_kernels`, :mod:`~polyhal_cpu.nn_kernels`, :mod:`~polyhal_cpu.conv_kernels`,
 :mod:`~polyhal_cpu.encoding`, :mod:`~polyhal_cpu.detection`) registers its builders here, and
 :mod:`polyhal_cpu.kernels` imports them all. Kernel modules import this module, never each
 other, so the plugin has no import circle.
@@ -19,7 +19,7 @@ from polyhal.ir.types import TensorType
 
 from polyhal_cpu import scratch
 
-__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "float16_via_float32"]
+__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "float16_via_float32", "numpy_activation"]
 
 Types = tuple[TensorType, ...]
 
@@ -69,3 +69,32 @@ def binary_ufuncs(ufuncs: dict[str, np.ufunc]) -> Builder:
             ufunc(x, y, out=out)
         return kernel
     return build
+
+
+def numpy_activation(device, activation: str, alpha: float, beta: float, out_type: TensorType):
+    """``act(y)`` in place by numpy's ufuncs, for an activation of :data:`polyhal.ops.nn.ACTIVATIONS`
+    (GELU through this table's own kernel), or None for "none": the epilogue of fused ops where
+    the compiled loops are not available."""
+    if activation == "none":
+        return None
+    a, b = np.asarray(alpha, out_type.dtype), np.asarray(beta, out_type.dtype)
+    if activation in ("gelu", "gelu_tanh"):
+        gelu = TABLE.prepare(device, "gelu", {"approximate": "tanh" if activation == "gelu_tanh" else "none"},
+                             (out_type,), (out_type,))
+
+        def act(y):
+            gelu(y.copy(), y)
+        return act
+
+    def act(y):
+        if activation == "relu":
+            np.maximum(y, 0, out=y)
+        elif activation == "clip":
+            np.minimum(np.maximum(y, a, out=y), b, out=y)
+        elif activation in ("hard_sigmoid", "hard_swish"):
+            h = np.clip(y * a + b, 0, 1)
+            np.multiply(y, h, out=y) if activation == "hard_swish" else np.copyto(y, h)
+        else:  # sigmoid, silu
+            s = 1 / (1 + np.exp(-y))
+            np.multiply(y, s, out=y) if activation == "silu" else np.copyto(y, s)
+    return act

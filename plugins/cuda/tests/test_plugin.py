@@ -103,7 +103,8 @@ def test_heaps_cover_every_memory_type_and_kind():
 def test_kernel_table_covers_the_op_set():
     from polyhal_cuda import kernels
 
-    assert kernels.KERNEL_NAMES == frozenset(OPS)
+    # Every op but the fused forms without a CUDA kernel (a host fallback never serves those).
+    assert kernels.KERNEL_NAMES == frozenset(n for n, d in OPS.items() if not d.fused) | set(kernels.TABLE.builders)
     # The long tail of ops the core gained after this backend runs through the host fallback;
     # the op set this backend was built for has CUDA kernels.
     core = {"add", "matmul", "gemm", "softmax", "layer_norm", "transpose", "gather", "cast", "where",

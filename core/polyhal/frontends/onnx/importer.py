@@ -173,13 +173,22 @@ class OnnxProgram(Program):
 
     def node_labels(self, plan) -> dict[int, str]:
         """Value id -> the ONNX node label for the values of ``plan`` (compiled from this
-        program): ``origins`` plus the results of the ops that fusions made."""
+        program): ``origins``, the results of the ops that fusions made, and the storage values
+        that materialized encodings gave results (which keep their value's name)."""
         origins = dict(self.origins)
+        named = {v.name: v.id for op in self.ops for v in op.outputs}
         for fusion in plan.placement.fusions or ():
             labels = dict.fromkeys(filter(None, (origins.get(op.outputs[0].id) for op in fusion.ops)))
             for op in fusion.new:
                 for v in op.outputs:
                     origins[v.id] = " + ".join(labels)
+                    named[v.name] = v.id
+        for op in plan.program.ops:
+            for v in op.outputs:
+                # data tiling names an encoded value "<value>.<role>" (polyhal.passes.data_tiling)
+                source = named.get(v.name, named.get(v.name.rsplit(".", 1)[0]))
+                if v.id not in origins and source in origins:
+                    origins[v.id] = origins[source]
         return origins
 
     def compile(self, devices: Sequence[str] | str | None = None, *, strict: bool = False,
@@ -215,7 +224,9 @@ class OnnxProgram(Program):
         order = requested + tuple(d for d in every if d not in requested) if missing else requested
         try:
             plan = polyhal_compile(self, order, registry=registry, **options)
-            plan.node_names = self.origin  # profiles name each step's ONNX node
+            # Profiles name each step's ONNX nodes (a fused op all of its nodes, as explain does).
+            labels = self.node_labels(plan)
+            plan.node_names = lambda op: _origin(op, labels)
             return plan
         except PolyhalError:
             raise

@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--strict", action="store_true",
                    help="fail if an op has no kernel on the --device list, instead of running it elsewhere")
     add_policy_arguments(p)
-    p.add_argument("--data-tiling", action="store_true", help="compile with data-tiling encodings")
+    p.add_argument("--data-tiling", action="store_true", default=None,
+                   help="compile with data-tiling encodings for matmuls too (conv feature maps always have them)")
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="compile without the fusion passes (attention, linear)")
     p.add_argument("--explain", action="store_true",
@@ -258,7 +259,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     feeds = program.check_feeds(feeds)
 
     t0 = time.perf_counter()
-    options = {"data_tiling": getattr(args, "data_tiling", False), "fuse": getattr(args, "fuse", True)}
+    options = {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True)}
     plan = program.compile(args.device, strict=args.strict, registry=registry, **options)
     t_compile = time.perf_counter() - t0
 

@@ -1,0 +1,183 @@
+"""The CPU's convolution family (polyhal_cpu.conv_kernels) against onnxruntime: each path
+(pointwise GEMM, depthwise loop, im2col + grouped GEMM, numpy columns), with and without the
+compiled loops, through compiled plans (so the columns are the plan's declared scratch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyhal
+import polyhal.onnx
+from polyhal.errors import ProgramError, ShapeError
+from polyhal.ops import OPS
+from polyhal.ir.types import TensorType
+from polyhal_cpu import native
+from polyhal_cpu.kernels import prepare
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
+
+RNG = np.random.default_rng(7)
+
+
+def _f(*shape) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _model(node, inputs: dict[str, np.ndarray], inits: dict[str, np.ndarray]):
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(k, TensorProto.FLOAT, v.shape) for k, v in inputs.items()],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [f"d{i}" for i in range(len(inputs["x"].shape))])],
+        [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _against_onnxruntime(node, inputs: dict, inits: dict, tmp_path, rtol=1e-4, atol=1e-4) -> None:
+    model = _model(node, inputs, inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)
+    program = polyhal.onnx.load(path)
+    plan = program.compile("cpu:0")
+    (got,) = program.execute(plan, inputs).values()
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+#: (x shape, w shape, attrs): every path and attribute the kernel distinguishes.
+CONVS = [
+    ((1, 8, 9, 9), (16, 8, 1, 1), {}),                                                  # pointwise GEMM
+    ((2, 8, 9, 9), (16, 8, 1, 1), {"strides": [2, 2]}),                                 # 1x1 strided: im2col
+    ((2, 4, 9, 8), (6, 4, 3, 3), {"strides": [2, 1], "pads": [1, 0, 2, 1], "dilations": [1, 2]}),
+    ((1, 6, 7, 7), (6, 1, 3, 3), {"group": 6, "pads": [1, 1, 1, 1]}),                   # depthwise
+    ((2, 4, 11, 10), (8, 1, 5, 5), {"group": 4, "strides": [2, 2], "pads": [2, 1, 2, 3], "dilations": [1, 2]}),
+    ((1, 6, 8, 8), (4, 3, 3, 3), {"group": 2, "pads": [0, 1, 1, 0]}),                   # grouped GEMM
+    ((2, 3, 13), (4, 3, 3), {"strides": [2], "pads": [1, 2], "dilations": [2]}),        # 1-D
+    ((2, 4, 13), (4, 1, 3), {"group": 4, "pads": [1, 1]}),                              # 1-D depthwise
+    ((1, 2, 5, 4, 4), (4, 2, 2, 3, 1), {"strides": [1, 2, 1], "pads": [1, 0, 0, 1, 1, 0]}),  # 3-D
+    ((1, 3, 4, 4), (2, 3, 4, 4), {}),                                                   # kernel = input
+]
+
+
+@pytest.mark.parametrize("native_loops", ["1", "0"])
+@pytest.mark.parametrize("case", range(len(CONVS)))
+def test_conv_matches_onnxruntime(case, native_loops, tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
+    xs, ws, attrs = CONVS[case]
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+
+
+def test_conv_columns_are_the_plans_scratch():
+    """The im2col path declares its columns; a plan binds them (bufferize lists them)."""
+    b = polyhal.ProgramBuilder("c")
+    x = b.input("x", (1, 4, 9, 9))
+    b.output(b.conv(x, b.constant(_f(8, 4, 3, 3)), strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    assert "columns" in plan.explain()
+    req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
+        "conv", dict(plan.program.ops[0].attrs), (TensorType((1, 4, 9, 9), np.float32),
+                                                  TensorType((8, 4, 3, 3), np.float32)),
+        (TensorType((1, 8, 9, 9), np.float32),))
+    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4]
+
+
+@pytest.mark.parametrize("native_loops", ["1", "0"])
+@pytest.mark.parametrize("activation", ["none", "relu", "clip", "hard_sigmoid", "hard_swish", "sigmoid", "silu",
+                                        "gelu", "gelu_tanh"])
+@pytest.mark.parametrize("shapes", [((2, 4, 7, 7), (8, 4, 3, 3), 1), ((1, 6, 7, 7), (6, 1, 3, 3), 6),
+                                    ((1, 8, 5, 5), (4, 8, 1, 1), 1)])
+def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
+    """Every activation on every path, with and without a residual, against the reference."""
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
+    xs, ws, group = shapes
+    alpha, beta = {"clip": (-0.5, 0.7), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1] if ws[2] == 3 else [0] * 4, "dilations": [1, 1],
+             "group": group, "activation": activation, "alpha": alpha, "beta": beta}
+    x, w, bias = _f(*xs), _f(*ws), _f(ws[0])
+    for ins in ([x, w, bias], [x, w, bias, _f(xs[0], ws[0], *xs[2:])]):
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        (out_type,) = OPS["fused_conv"].infer(types, attrs)
+        out = np.empty(out_type.shape, np.float32)
+        prepare("fused_conv", attrs, types, (out_type,))(*ins, out)
+        (want,) = OPS["fused_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
+
+
+def test_native_loops_serve_float32():
+    assert native.available(np.float32) in (True, False)  # no numba: the numpy paths ran above
+
+
+@pytest.mark.parametrize("attrs", [
+    {"strides": [2, 1], "pads": [1, 0, 0, 1], "dilations": [1, 2], "output_padding": [1, 0]},
+    {"strides": [2, 2], "group": 2},
+    {"strides": [3, 1], "pads": [1, 2, 0, 0]},
+])
+def test_conv_transpose_matches_onnxruntime(attrs, tmp_path):
+    group = attrs.get("group", 1)
+    node = helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(2, 4, 5, 6)}, {"w": _f(4, 3, 3, 3), "b": _f(3 * group)}, tmp_path)
+
+
+@pytest.mark.parametrize("op", ["MaxPool", "AveragePool"])
+@pytest.mark.parametrize("attrs", [
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+    {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [0, 1, 1, 0], "ceil_mode": 1},
+    {"kernel_shape": [2, 2], "dilations": [2, 1]},
+])
+def test_pools_match_onnxruntime(op, attrs, tmp_path):
+    if op == "AveragePool" and "dilations" in attrs:
+        attrs = {k: v for k, v in attrs.items() if k != "dilations"}  # onnxruntime's AveragePool has none
+    node = helper.make_node(op, ["x"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(2, 3, 9, 8)}, {}, tmp_path)
+
+
+def test_global_average_pool_matches_onnxruntime(tmp_path):
+    _against_onnxruntime(helper.make_node("GlobalAveragePool", ["x"], ["y"]), {"x": _f(2, 5, 7, 7)}, {}, tmp_path)
+
+
+@pytest.mark.parametrize("op", ["conv", "fused_conv", "conv_transpose", "max_pool"])
+def test_zero_size_batch(op):
+    attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 1}
+    ins = [np.zeros((0, 4, 6, 6), np.float32), _f(4, 4, 3, 3), _f(4)]
+    if op == "fused_conv":
+        attrs["activation"] = "relu"
+    if op == "conv_transpose":
+        attrs["output_padding"] = [0, 0]
+    if op == "max_pool":
+        attrs = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1]}
+        ins = ins[:1]
+    b = polyhal.ProgramBuilder("z")
+    x = b.input("x", ins[0].shape)
+    b.output(b.op(op, x, *[b.constant(a) for a in ins[1:]], **attrs))
+    (y,) = polyhal.compile(b.build(), "cpu:0").run_numpy(ins[0])
+    assert y.shape[0] == 0 and y.shape[1] == 4
+
+
+@pytest.mark.parametrize("ws, attrs, error, words", [
+    ((8, 3, 3, 3), {"group": 2}, ShapeError, "group=2"),                    # groups do not divide C
+    ((8, 4, 9, 9), {}, ShapeError, "padded input"),                         # kernel larger than input
+    ((8, 4, 3, 3), {"pads": [1, 1]}, polyhal.onnx.OnnxModelError, "pads"),  # pads of the wrong length
+])
+def test_bad_conv_attributes_name_the_node(ws, attrs, error, words, tmp_path):
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="the_conv", **attrs)
+    model = _model(node, {"x": _f(1, 4, 6, 6)}, {"w": _f(*ws)})
+    path = tmp_path / "bad.onnx"
+    onnx.save(model, str(path))
+    with pytest.raises(error) as info:
+        polyhal.onnx.load(path, validate=False)
+    assert "node the_conv (Conv)" in str(info.value) and words in str(info.value)
+
+
+def test_bad_conv_attributes_in_a_builder():
+    b = polyhal.ProgramBuilder("bad")
+    x = b.input("x", (1, 4, 6, 6))
+    with pytest.raises(ShapeError, match="conv: .*group=3"):
+        b.conv(x, b.constant(_f(6, 2, 3, 3)), strides=[1, 1], pads=[0] * 4, dilations=[1, 1], group=3)
+    with pytest.raises(ProgramError, match="conv: attribute 'pads' needs 4 entries"):
+        b.conv(x, b.constant(_f(6, 4, 3, 3)), strides=[1, 1], pads=[1, 1], dilations=[1, 1], group=1)
+    with pytest.raises(ShapeError, match="fused_conv: the residual"):
+        b.fused_conv(x, b.constant(_f(6, 4, 3, 3)), b.constant(_f(6)), b.input("r", (1, 6, 6, 6)),
+                     strides=[1, 1], pads=[0] * 4, dilations=[1, 1], group=1)
