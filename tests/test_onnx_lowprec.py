@@ -208,9 +208,33 @@ def test_storage_types_in_the_ir_and_dlpack():
 
 
 def test_arithmetic_in_a_storage_type_is_refused_cleanly():
-    bf = TensorProto.BFLOAT16
+    e4m3 = TensorProto.FLOAT8E4M3FN
     model = _model([helper.make_node("Add", ["a", "b"], ["y"])],
-                   [helper.make_tensor_value_info("a", bf, [3]), helper.make_tensor_value_info("b", bf, [3])],
-                   [helper.make_tensor_value_info("y", bf, [3])])
-    with pytest.raises(OnnxUnsupportedError, match="add on bfloat16: .*cast to float32 first"):
+                   [helper.make_tensor_value_info("a", e4m3, [3]), helper.make_tensor_value_info("b", e4m3, [3])],
+                   [helper.make_tensor_value_info("y", e4m3, [3])])
+    with pytest.raises(OnnxUnsupportedError, match="add on float8_e4m3fn: .*cast to float32 first"):
         ponnx.load(model)
+
+
+def test_a_model_computing_in_bfloat16_runs_in_float32_within_bfloat16_rounding():
+    bf = TensorProto.BFLOAT16
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Reshape", ["m", "shape"], ["r"]),
+             helper.make_node("Softmax", ["r"], ["s"]), helper.make_node("Celu", ["s"], ["y"], alpha=0.7),
+             helper.make_node("ArgMax", ["r"], ["i"], axis=1)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", bf, [4, 6]), helper.make_tensor_value_info("w", bf, [6, 8])],
+                   [helper.make_tensor_value_info("y", bf, [8, 4]), helper.make_tensor_value_info("i", TensorProto.INT64, [8, 1])],
+                   [numpy_helper.from_array(np.array([8, 4], np.int64), "shape")])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(4, 6)).astype(ml_dtypes.bfloat16),
+             "w": rng.normal(size=(6, 8)).astype(ml_dtypes.bfloat16)}
+    program = ponnx.load(model)
+    # Reshape moves bfloat16 as it is; only the ops without a bfloat16 form are widened.
+    reshape = next(op for op in program.ops if op.name == "reshape")
+    assert reshape.inputs[0].type.dtype == ml_dtypes.bfloat16
+    got = _run(model, feeds)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    assert got[0].dtype == ml_dtypes.bfloat16 and got[1].dtype == np.int64
+    # onnx's reference rounds Softmax's steps (exp, sum, divide) to bfloat16 each; polyhal's
+    # softmax is one op computed in float32 and rounded once: within two bfloat16 steps.
+    np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=2 ** -6)
+    np.testing.assert_array_equal(got[1], want[1])
