@@ -116,11 +116,33 @@ def test_blocked_scale_of_the_wrong_shape_is_a_clear_error():
         ponnx.load(model)
 
 
-def test_float8e8m0_is_refused_cleanly():
-    model = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E8M0)],
+@pytest.mark.parametrize("round_mode", ["up", "down", "nearest"])
+@pytest.mark.parametrize("saturate", [1, 0])
+@pytest.mark.parametrize("source", [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE],
+                         ids=TensorProto.DataType.Name)
+def test_cast_to_float8e8m0_matches_onnx(round_mode, saturate, source):
+    e8m0 = TensorProto.FLOAT8E8M0
+    x = np.concatenate([_awkward_floats(np.random.default_rng(1)),
+                        [2.0 ** 127, 1.9 * 2.0 ** 127, 3.4e38, 1.5, 1.75, 1.25, 3.0, 2 ** -126, 1e-45, -4.5]])
+    with np.errstate(over="ignore"):  # to float16, the large ones become inf, which e8m0 makes nan
+        x = x.astype(helper.tensor_dtype_to_np_dtype(source))
+    n = len(x)
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=e8m0, saturate=saturate, round_mode=round_mode),
+                    helper.make_node("Cast", ["y"], ["back"], to=F)],
+                   [helper.make_tensor_value_info("x", source, [n])],
+                   [helper.make_tensor_value_info("y", e8m0, [n]), helper.make_tensor_value_info("back", F, [n])],
+                   opset=25)
+    got = _run(model, {"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+def test_an_unknown_e8m0_round_mode_is_refused():
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E8M0, round_mode="sideways")],
                    [helper.make_tensor_value_info("x", F, [4])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT8E8M0, [4])], opset=24)
-    with pytest.raises(OnnxUnsupportedError, match="FLOAT8E8M0"):
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT8E8M0, [4])], opset=25)
+    with pytest.raises((OnnxModelError, OnnxUnsupportedError), match="round_mode"):
         ponnx.load(model)
 
 
