@@ -116,11 +116,33 @@ def test_blocked_scale_of_the_wrong_shape_is_a_clear_error():
         ponnx.load(model)
 
 
-def test_float8e8m0_is_refused_cleanly():
-    model = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E8M0)],
+@pytest.mark.parametrize("round_mode", ["up", "down", "nearest"])
+@pytest.mark.parametrize("saturate", [1, 0])
+@pytest.mark.parametrize("source", [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE],
+                         ids=TensorProto.DataType.Name)
+def test_cast_to_float8e8m0_matches_onnx(round_mode, saturate, source):
+    e8m0 = TensorProto.FLOAT8E8M0
+    x = np.concatenate([_awkward_floats(np.random.default_rng(1)),
+                        [2.0 ** 127, 1.9 * 2.0 ** 127, 3.4e38, 1.5, 1.75, 1.25, 3.0, 2 ** -126, 1e-45, -4.5]])
+    with np.errstate(over="ignore"):  # to float16, the large ones become inf, which e8m0 makes nan
+        x = x.astype(helper.tensor_dtype_to_np_dtype(source))
+    n = len(x)
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=e8m0, saturate=saturate, round_mode=round_mode),
+                    helper.make_node("Cast", ["y"], ["back"], to=F)],
+                   [helper.make_tensor_value_info("x", source, [n])],
+                   [helper.make_tensor_value_info("y", e8m0, [n]), helper.make_tensor_value_info("back", F, [n])],
+                   opset=25)
+    got = _run(model, {"x": x})
+    want = ReferenceEvaluator(model).run(None, {"x": x})
+    _same(got[0], want[0])
+    _same(got[1], want[1])
+
+
+def test_an_unknown_e8m0_round_mode_is_refused():
+    model = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E8M0, round_mode="sideways")],
                    [helper.make_tensor_value_info("x", F, [4])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT8E8M0, [4])], opset=24)
-    with pytest.raises(OnnxUnsupportedError, match="FLOAT8E8M0"):
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT8E8M0, [4])], opset=25)
+    with pytest.raises((OnnxModelError, OnnxUnsupportedError), match="round_mode"):
         ponnx.load(model)
 
 
@@ -208,9 +230,33 @@ def test_storage_types_in_the_ir_and_dlpack():
 
 
 def test_arithmetic_in_a_storage_type_is_refused_cleanly():
-    bf = TensorProto.BFLOAT16
+    e4m3 = TensorProto.FLOAT8E4M3FN
     model = _model([helper.make_node("Add", ["a", "b"], ["y"])],
-                   [helper.make_tensor_value_info("a", bf, [3]), helper.make_tensor_value_info("b", bf, [3])],
-                   [helper.make_tensor_value_info("y", bf, [3])])
-    with pytest.raises(OnnxUnsupportedError, match="add on bfloat16: .*cast to float32 first"):
+                   [helper.make_tensor_value_info("a", e4m3, [3]), helper.make_tensor_value_info("b", e4m3, [3])],
+                   [helper.make_tensor_value_info("y", e4m3, [3])])
+    with pytest.raises(OnnxUnsupportedError, match="add on float8_e4m3fn: .*cast to float32 first"):
         ponnx.load(model)
+
+
+def test_a_model_computing_in_bfloat16_runs_in_float32_within_bfloat16_rounding():
+    bf = TensorProto.BFLOAT16
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]), helper.make_node("Reshape", ["m", "shape"], ["r"]),
+             helper.make_node("Softmax", ["r"], ["s"]), helper.make_node("Celu", ["s"], ["y"], alpha=0.7),
+             helper.make_node("ArgMax", ["r"], ["i"], axis=1)]
+    model = _model(nodes, [helper.make_tensor_value_info("x", bf, [4, 6]), helper.make_tensor_value_info("w", bf, [6, 8])],
+                   [helper.make_tensor_value_info("y", bf, [8, 4]), helper.make_tensor_value_info("i", TensorProto.INT64, [8, 1])],
+                   [numpy_helper.from_array(np.array([8, 4], np.int64), "shape")])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(4, 6)).astype(ml_dtypes.bfloat16),
+             "w": rng.normal(size=(6, 8)).astype(ml_dtypes.bfloat16)}
+    program = ponnx.load(model)
+    # Reshape moves bfloat16 as it is; only the ops without a bfloat16 form are widened.
+    reshape = next(op for op in program.ops if op.name == "reshape")
+    assert reshape.inputs[0].type.dtype == ml_dtypes.bfloat16
+    got = _run(model, feeds)
+    want = ReferenceEvaluator(model).run(None, feeds)
+    assert got[0].dtype == ml_dtypes.bfloat16 and got[1].dtype == np.int64
+    # onnx's reference rounds Softmax's steps (exp, sum, divide) to bfloat16 each; polyhal's
+    # softmax is one op computed in float32 and rounded once: within two bfloat16 steps.
+    np.testing.assert_allclose(got[0].astype(np.float32), want[0].astype(np.float32), rtol=2 ** -6)
+    np.testing.assert_array_equal(got[1], want[1])

@@ -14,7 +14,7 @@ import pytest
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
-from onnx import TensorProto, helper  # noqa: E402
+from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 import polyhal  # noqa: E402
 import polyhal.onnx as ponnx  # noqa: E402
@@ -199,6 +199,83 @@ def test_hand_built_tree_ensemble():
 def test_inconsistent_tree_arrays_are_refused_naming_the_attribute(changes, message):
     with pytest.raises(OnnxModelError, match=message):
         ponnx.load(_tree_model(**changes)).run({"x": np.zeros((1, 2), np.float32)})
+
+
+# ------------------------------------------------------------------ TreeEnsemble (ai.onnx.ml opset 5)
+
+def _tree_ensemble_v5(rng, dtype, trees, features, n_targets, edit=None, **extra) -> onnx.ModelProto:
+    """A random opset-5 TreeEnsemble: complete trees of depth 3 whose branches use every mode
+    (BRANCH_MEMBER with sets of 1 to 3 members), each leaf one target; ``edit(attrs)`` may
+    change the attributes before the node is made."""
+    modes, splits, feats, tn, fn, tl, fl, leaf_t, leaf_w, roots, sets = ([] for _ in range(11))
+
+    def grow(level):
+        if level == 3:
+            leaf_t.append(int(rng.integers(n_targets)))
+            leaf_w.append(float(rng.standard_normal()))
+            return len(leaf_t) - 1, 1
+        row = len(modes)
+        mode = int(rng.integers(7))
+        modes.append(mode)
+        splits.append(float(rng.choice([-0.5, 0.5, 1.5])))
+        feats.append(int(rng.integers(features)))
+        if mode == 6:
+            sets.extend(rng.choice([-0.5, 0.5, 1.5, 2.5], size=int(rng.integers(1, 4)), replace=False).tolist())
+            sets.append(np.nan)
+        for ids, leafs in ((tn, tl), (fn, fl)):
+            ids.append(None)
+            leafs.append(None)
+        (tn[row], tl[row]), (fn[row], fl[row]) = grow(level + 1), grow(level + 1)
+        return row, 0
+
+    for _ in range(trees):
+        roots.append(grow(0)[0])
+    np_type = helper.tensor_dtype_to_np_dtype(dtype)
+    attrs = dict(nodes_modes=numpy_helper.from_array(np.array(modes, np.uint8)), nodes_featureids=feats,
+                 nodes_splits=numpy_helper.from_array(np.array(splits, np_type)), nodes_truenodeids=tn,
+                 nodes_falsenodeids=fn, nodes_trueleafs=tl, nodes_falseleafs=fl, leaf_targetids=leaf_t,
+                 leaf_weights=numpy_helper.from_array(np.array(leaf_w, np_type)), tree_roots=roots,
+                 n_targets=n_targets, nodes_missing_value_tracks_true=rng.integers(0, 2, len(modes)).tolist())
+    if sets:
+        attrs["membership_values"] = numpy_helper.from_array(np.array(sets, np_type))
+    attrs.update(extra)
+    if edit is not None:
+        edit(attrs)
+    node = helper.make_node("TreeEnsemble", ["x"], ["y"], domain="ai.onnx.ml", **attrs)
+    graph = helper.make_graph([node], "trees", [helper.make_tensor_value_info("x", dtype, [None, features])],
+                              [helper.make_tensor_value_info("y", dtype, [None, n_targets])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("ai.onnx.ml", 5)])
+
+
+@pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.DOUBLE], ids=TensorProto.DataType.Name)
+@pytest.mark.parametrize("aggregate", [0, 1], ids=["average", "sum"])
+def test_tree_ensemble_v5_matches_onnx_reference(dtype, aggregate):
+    from onnx.reference import ReferenceEvaluator
+    rng = np.random.default_rng(dtype * 10 + aggregate)
+    model = _tree_ensemble_v5(rng, dtype, trees=5, features=4, n_targets=3, aggregate_function=aggregate)
+    x = rng.choice([-0.5, 0.5, 1.5, 2.5, 0.7, np.nan], size=(40, 4)).astype(helper.tensor_dtype_to_np_dtype(dtype))
+    got = ponnx.load(model).run({"x": x})["y"]
+    (want,) = ReferenceEvaluator(model).run(None, {"x": x})
+    assert got.dtype == want.dtype
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda a: a.update(nodes_falseleafs=a["nodes_falseleafs"][:2]),
+     "attribute 'nodes_falseleafs' has 2 entries but 'nodes_modes' has"),
+    (lambda a: a["leaf_targetids"].__setitem__(0, 9), "attribute 'leaf_targetids' entry 0 is 9; the model has 3 targets"),
+    (lambda a: a["nodes_truenodeids"].__setitem__(0, 99), "attribute 'nodes_truenodeids' entry 0 is 99, but the model"),
+    (lambda a: a.update(tree_roots=[999]), "attribute 'tree_roots' entry 0 is not a branch node"),
+    (lambda a: a.update(membership_values=numpy_helper.from_array(np.array([1.0], np.float32))),
+     "'membership_values' holds 0 nan-terminated sets, but the model has"),
+    (lambda a: a.update(aggregate_function=3), "MIN or MAX"),
+])
+def test_inconsistent_tree_ensemble_v5_is_refused_naming_the_attribute(edit, message):
+    from polyhal.frontends.onnx import OnnxUnsupportedError
+    model = _tree_ensemble_v5(np.random.default_rng(3), TensorProto.FLOAT, trees=2, features=4, n_targets=3,
+                              edit=edit)
+    with pytest.raises((OnnxModelError, OnnxUnsupportedError), match=message):
+        ponnx.load(model).run({"x": np.zeros((1, 4), np.float32)})
 
 
 def test_sklearn_example_runs():

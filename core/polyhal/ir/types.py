@@ -29,7 +29,7 @@ COMPUTE_DTYPES = frozenset(
 STORAGE_DTYPES = frozenset(
     np.dtype(getattr(ml_dtypes, n))
     for n in (
-        "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz",
+        "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
         "float4_e2m1fn", "int4", "uint4", "int2", "uint2",
     )
 )

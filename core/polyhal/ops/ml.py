@@ -18,7 +18,8 @@ Python object per tree exists:
 * ``roots`` int64 ``[T]``: the root row of each tree.
 
 **Semantics.** ``out[n, j] = sum over trees t of leaf_values[leaf(t, x[n]), j]`` in float64,
-rounded once to float32 (ONNX's tree ensemble outputs are float). ``depth`` bounds the walk:
+rounded once to ``x``'s element type (float32 or float64: ONNX's opset-5 TreeEnsemble outputs
+``X``'s type; the older TreeEnsembleRegressor/Classifier output float, a cast after this op). ``depth`` bounds the walk:
 every root-to-leaf path has at most ``depth`` branches (a front end computes it when it builds
 the arrays, and refuses cycles). Base values, averaging and post transforms are other ops.
 """
@@ -58,7 +59,7 @@ def _infer(x: TensorType, nodes: TensorType, thresholds: TensorType, leaf_values
         raise ShapeError(f"roots must be int64 [trees], got {roots}")
     if int_attr(depth, "depth") < 0:
         raise ProgramError(f"depth must be >= 0, got {depth}")
-    return (TensorType((x.shape[0], leaf_values.shape[1]), _F32),)
+    return (TensorType((x.shape[0], leaf_values.shape[1]), x.dtype),)
 
 
 def tree_walk_reference(x, nodes, thresholds, roots, depth):
@@ -86,7 +87,7 @@ def tree_walk_reference(x, nodes, thresholds, roots, depth):
 
 def _reference(x, nodes, thresholds, leaf_values, roots, *, depth):
     leaves = tree_walk_reference(x, nodes, thresholds, roots, depth)
-    return (np.asarray(leaf_values)[leaves].sum(axis=1).astype(_F32),)
+    return (np.asarray(leaf_values)[leaves].sum(axis=1).astype(np.asarray(x).dtype),)
 
 
 def random_ensemble(rng: np.random.Generator, features: int, trees: int, depth: int, targets: int,

@@ -31,4 +31,4 @@ def tree_ensemble(x, nodes, thresholds, leaf_values, roots, acc, out):
             for j in range(n_targets):
                 acc[j] += leaf_values[i, j]
         for j in range(n_targets):
-            out[n, j] = np.float32(acc[j])
+            out[n, j] = acc[j]  # rounded once, to out's type

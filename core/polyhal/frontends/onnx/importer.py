@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
+import ml_dtypes
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
@@ -665,9 +666,12 @@ class _Importer:
             storage = sorted({str(t.dtype) for t in types if t.dtype in STORAGE_DTYPES})
             if not storage:
                 raise
+            if _computes_widened(types):
+                return self._emit_widened(label, op, inputs, attrs)
             raise OnnxUnsupportedError(
                 f"{label}: {op} on {', '.join(storage)}: polyhal stores and converts these types (Cast, "
-                "QuantizeLinear, DequantizeLinear) but computes only in float16/32/64 and the integer types; "
+                "QuantizeLinear, DequantizeLinear) but computes only in float16/32/64, the integer types and "
+                "bfloat16 (in float32); "
                 "cast to float32 first") from exc
         if all(isinstance(v, np.ndarray) for v in inputs) and all(t.nbytes <= self.fold_limit for t in out_types):
             with np.errstate(all="ignore"):
@@ -683,6 +687,17 @@ class _Importer:
             self.deps[r.id] = deps
             self.origins[r.id] = label
         return result
+
+    def _emit_widened(self, label: str, op: str, inputs: Sequence[Val], attrs: Mapping[str, Any]) -> Any:
+        """Op ``op`` computed in float32 on bfloat16 operands: they are cast to float32, the op
+        runs, and its float32 results are rounded back to bfloat16 (see :data:`BFLOAT16`)."""
+        wide = [self.emit(label, "cast", [v], {"dtype": "float32"}) if self.type_of(v).dtype == BFLOAT16 else v
+                for v in inputs]
+        result = self.emit(label, op, wide, attrs)
+        results = result if isinstance(result, tuple) else (result,)
+        narrow = tuple(self.emit(label, "cast", [r], {"dtype": str(BFLOAT16)})
+                       if self.type_of(r).dtype == np.float32 else r for r in results)
+        return narrow if isinstance(result, tuple) else narrow[0]
 
     def host(self, compute, args: Sequence[Any], dtype: Any, shape: Any, what: str) -> Any:
         """``compute(*args)`` on the host: now, when no arg is computed at run time (a program
@@ -980,6 +995,23 @@ class _Importer:
             raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
                                  f"{_fmt_declared(elem, dims, tp)} but the data gives shape {list(t.shape)} "
                                  "(declared shapes contradict the data)")
+
+
+#: bfloat16, which ONNX models may compute in (a bf16 Attention, Einsum, Celu): a storage type of
+#: the IR, so an op that has no bfloat16 form computes in float32, which holds every bfloat16
+#: exactly: its operands are cast up, its results rounded back. Op by op, so each result is
+#: rounded as a bfloat16 computation rounds it (onnx's reference evaluator, whose numpy ops on
+#: ml_dtypes arrays compute in float32 and round each result; onnxruntime's CPU provider
+#: likewise casts around the kernels it lacks). Data movement (reshape, gather, concat, ...) and
+#: cast keep bfloat16: only ops that cannot take it widen.
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _computes_widened(types: Sequence[TensorType]) -> bool:
+    """Whether an op refused on ``types`` computes in float32 instead: some operands are
+    bfloat16 and no other is of another float or storage type (a mix has no one result type)."""
+    floats = {t.dtype for t in types if t.dtype.kind == "f" or t.dtype in STORAGE_DTYPES}
+    return floats == {BFLOAT16}
 
 
 class _Unsupported:

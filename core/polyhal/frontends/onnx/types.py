@@ -20,7 +20,7 @@ from polyhal.ir.types import SUPPORTED_DTYPES
 
 def np_dtype(elem_type: int, what: str) -> np.dtype:
     """The numpy dtype of ONNX element type ``elem_type``; OnnxUnsupportedError naming
-    ``what`` for those polyhal lacks (string, complex, float8e8m0). bfloat16, float8, float4 and
+    ``what`` for those polyhal lacks (string, complex). bfloat16, float8, float4 and
     int4/uint4/int2/uint2 are ml_dtypes' numpy types, the IR's storage types."""
     try:
         name = onnx.TensorProto.DataType.Name(elem_type)

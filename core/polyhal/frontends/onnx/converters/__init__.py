@@ -357,5 +357,6 @@ from polyhal.frontends.onnx.converters import (  # noqa: E402,F401  isort: skip
 from polyhal.frontends.onnx.converters import vision  # noqa: E402,F401  isort: skip
 from polyhal.frontends.onnx.converters import strings  # noqa: E402,F401  isort: skip
 from polyhal.frontends.onnx.converters import datadep  # noqa: E402,F401  isort: skip
+from polyhal.frontends.onnx.converters import images  # noqa: E402,F401  isort: skip
 
 __all__ = ["CONVERTERS", "Decline", "NodeContext", "convert_node", "converter"]

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from polyhal.frontends.onnx.converters import NodeContext, converter
-from polyhal.frontends.onnx.errors import OnnxUnsupportedError
+from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import np_dtype
 
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
@@ -167,11 +167,19 @@ _FLOAT8 = frozenset(np.dtype(getattr(ml_dtypes, n)) for n in (
     "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"))
 
 
-def onnx_cast(ctx: NodeContext, x, to: np.dtype, saturate: bool = True) -> object:
+#: float8e8m0 (ml_dtypes' float8_e8m0fnu): an exponent alone, 2**(e - 127) for e in 0..254, nan
+#: at 255; no sign, no zero, no inf. Conversions to it follow ``round_mode``.
+_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+_U32 = np.dtype(np.uint32)
+
+
+def onnx_cast(ctx: NodeContext, x, to: np.dtype, saturate: bool = True, round_mode: str = "up") -> object:
     """``x`` converted to ``to`` as ONNX's Cast does (round to nearest even). To a float8 type
     with ``saturate`` (ONNX's default), values beyond its range, infinities included, become its
     largest finite value of their sign, by a clamp before the conversion; without it they
-    become inf or nan, as the type has them."""
+    become inf or nan, as the type has them. To float8e8m0, see :func:`to_e8m0`."""
+    if to == _E8M0 and ctx.dtype(x) != _E8M0:
+        return to_e8m0(ctx, x, saturate, round_mode)
     if to in _FLOAT8 and saturate:
         if ctx.dtype(x) not in (_F64, _F32, _F16):
             # float32 holds every value it can matter for exactly: larger ones are clamped.
@@ -182,13 +190,45 @@ def onnx_cast(ctx: NodeContext, x, to: np.dtype, saturate: bool = True) -> objec
     return cast(ctx, x, to)
 
 
+def to_e8m0(ctx: NodeContext, x, saturate: bool, round_mode: str) -> object:
+    """``x`` as float8e8m0, as ONNX defines it (and onnx's reference computes it): the exponent
+    of ``x`` as float32 (the sign is dropped; zero and subnormals have exponent 0, inf and nan
+    become nan), rounded by ``round_mode``: "up" adds one when any mantissa bit is set, "down"
+    none, "nearest" one when the guard bit is set and a lower bit or the exponent is nonzero.
+    With ``saturate`` rounding stops at the largest exponent (254) instead of reaching nan.
+    Integer ops on the float32 bits, so it runs wherever they do; the final reinterpretation
+    as float8e8m0 needs a device with the storage types (the CPU)."""
+    if round_mode not in ("up", "down", "nearest"):
+        raise OnnxModelError(f"Cast's round_mode is {round_mode!r}; ONNX defines 'up', 'down' and 'nearest'")
+
+    def u32(v):
+        return ctx.scalar(v, _U32)
+
+    def bits_set(mask):
+        return ctx.op("not_equal", ctx.op("bitwise_and", bits, u32(mask)), u32(0))
+
+    bits = ctx.op("bitcast", cast(ctx, x, _F32), dtype="uint32")
+    exponent = ctx.op("bitwise_and", ctx.op("bit_shift", bits, u32(23), direction="right"), u32(0xFF))
+    if round_mode == "down":
+        return ctx.op("bitcast", cast(ctx, exponent, np.uint8), dtype=str(_E8M0))
+    if round_mode == "up":
+        round_up = bits_set(0x7FFFFF)
+    else:
+        round_up = ctx.op("logical_and", bits_set(0x400000),
+                          ctx.op("logical_or", bits_set(0x3FFFFF), ctx.op("greater", exponent, u32(0))))
+    # inf/nan (255) keep their exponent; with saturate, 254 is not rounded up into nan.
+    round_up = ctx.op("logical_and", round_up, ctx.op("less", exponent, u32(0xFE if saturate else 0xFF)))
+    exponent = ctx.op("add", exponent, cast(ctx, round_up, _U32))
+    return ctx.op("bitcast", cast(ctx, exponent, np.uint8), dtype=str(_E8M0))
+
+
 @converter("Cast")
 def _cast(ctx: NodeContext) -> list:
     x = ctx.input(0)
     to = np_dtype(int(ctx.attr("to")), "Cast's target type")
     if ctx.dtype(x) == to:
         return [ctx.op("identity", x)]
-    return [onnx_cast(ctx, x, to, bool(ctx.attr("saturate", 1)))]
+    return [onnx_cast(ctx, x, to, bool(ctx.attr("saturate", 1)), ctx.attr("round_mode", "up"))]
 
 
 @converter("BitCast")
@@ -200,7 +240,7 @@ def _bitcast(ctx: NodeContext) -> list:
 @converter("CastLike")
 def _cast_like(ctx: NodeContext) -> list:
     x, like = ctx.input(0), ctx.input(1)
-    return [onnx_cast(ctx, x, ctx.dtype(like), bool(ctx.attr("saturate", 1)))]
+    return [onnx_cast(ctx, x, ctx.dtype(like), bool(ctx.attr("saturate", 1)), ctx.attr("round_mode", "up"))]
 
 
 # ----------------------------------------------------------------------------- activations

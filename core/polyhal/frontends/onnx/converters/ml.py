@@ -151,8 +151,10 @@ def _first_attr(ctx: NodeContext, names: Sequence[str], dtype=None) -> np.ndarra
 
 # ------------------------------------------------------------------------------ linear models
 
-def _post_transform(ctx: NodeContext, scores: Any) -> Any:
-    transform = ctx.attr("post_transform", "NONE")
+def _post_transform(ctx: NodeContext, scores: Any, transform: str | None = None) -> Any:
+    """``scores`` after the node's post transform (``transform``: its name, when the node codes
+    it as a number)."""
+    transform = transform or ctx.attr("post_transform", "NONE")
     if transform == "NONE":
         return scores
     if transform == "LOGISTIC":
@@ -269,8 +271,7 @@ def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str,
                 raise OnnxModelError(f"attribute {name!r} entry {row} (tree {tree_ids[row]}, node {node_ids[row]}) "
                                      f"points at node {arrays[name][row]}, which tree {tree_ids[row]} does not have")
             nexts.append(target)
-        mode = MODE_BITS[mode_name] | (MISSING_TRUE if tracks is not None and tracks[row] else 0)
-        nodes[row] = (feature, mode, *nexts)
+        nodes[row] = (feature, _mode_bits(mode_name, tracks is not None and tracks[row]), *nexts)
     roots: dict[int, int] = {}
     for row, tid in enumerate(tree_ids):
         roots.setdefault(tid, row)
@@ -299,6 +300,13 @@ def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str,
     return nodes, thresholds, leaf_values, root_rows, depth
 
 
+def _mode_bits(name: str, missing_tracks_true: bool) -> int:
+    """The ``mode`` of a branch (see :mod:`polyhal.ops.ml`). A nan feature goes to the true
+    child when the node tracks missing values true, and at BRANCH_NEQ always: ``nan != t``
+    holds, as onnxruntime and onnx's reference evaluate it."""
+    return MODE_BITS[name] | (MISSING_TRUE if missing_tracks_true or name == "BRANCH_NEQ" else 0)
+
+
 def _depth(nodes: np.ndarray, roots: np.ndarray, tree_ids) -> int:
     """The longest root-to-leaf path in branches; OnnxModelError for a cycle."""
     deepest = 0
@@ -325,7 +333,160 @@ def _walk(ctx: NodeContext, x: Any, prefix: str, n_targets: int, single_target: 
     dtype, features = ctx.dtype(x), ctx.shape(x)[1]
     nodes, thresholds, leaf_values, roots, depth = compact_trees(ctx, features, dtype, prefix, n_targets,
                                                                  single_target)
-    return ctx.op("tree_ensemble", x, nodes, thresholds, leaf_values, roots, depth=depth), len(roots)
+    y = ctx.op("tree_ensemble", x, nodes, thresholds, leaf_values, roots, depth=depth)
+    # TreeEnsembleRegressor/Classifier output float whatever X is.
+    return (y if dtype == _F32 else ctx.op("cast", y, dtype=_F32)), len(roots)
+
+
+#: TreeEnsemble's (opset 5) ``nodes_modes`` codes; 6 is BRANCH_MEMBER (set membership).
+_MODE_CODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ", "BRANCH_NEQ")
+_MEMBER = 6
+#: Its ``post_transform`` and ``aggregate_function`` codes.
+_POST_TRANSFORMS = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")
+_AVERAGE, _SUM = 0, 1
+
+
+def compact_tree_ensemble(ctx: NodeContext, features: int, dtype: np.dtype, n_targets: int):
+    """The compact arrays of :mod:`polyhal.ops.ml` from TreeEnsemble's (ai.onnx.ml opset 5)
+    layout, checked: ``(nodes, thresholds, leaf_values, roots, depth)``.
+
+    Its branches are rows ``0..N-1`` (``nodes_*``), its leaves a second index space
+    (``leaf_*``; ``nodes_trueleafs``/``nodes_falseleafs`` say which space a child id is in): the
+    leaves become rows ``N..N+L-1``. A BRANCH_MEMBER node (``x`` in a set: the node's run of
+    ``membership_values``, runs ending at nan) becomes a chain of BRANCH_EQ rows, one per member,
+    each sending a match to the node's true child and a mismatch to the next (the last to its
+    false child), so the walk needs no set test; a nan feature follows
+    ``nodes_missing_value_tracks_true`` at the chain's first row."""
+    def ints(name, required=True):
+        value = ctx.attr(name, None)
+        if value is None and required:
+            raise OnnxModelError(f"required attribute {name!r} is missing")
+        return None if value is None else np.asarray(value, np.int64).reshape(-1)
+
+    modes = ints("nodes_modes")
+    count = len(modes)
+    arrays = {name: ints(name) for name in ("nodes_featureids", "nodes_truenodeids", "nodes_falsenodeids",
+                                             "nodes_trueleafs", "nodes_falseleafs")}
+    arrays["nodes_splits"] = np.asarray(ctx.attr("nodes_splits"), np.float64).reshape(-1)
+    tracks = ints("nodes_missing_value_tracks_true", required=False)
+    if tracks is not None:
+        arrays["nodes_missing_value_tracks_true"] = tracks
+    for name, values in arrays.items():
+        if len(values) != count:
+            raise OnnxModelError(f"attribute {name!r} has {len(values)} entries but 'nodes_modes' has {count}; "
+                                 "every nodes_* attribute has one entry per branch node")
+    targets = ints("leaf_targetids")
+    weights = np.asarray(ctx.attr("leaf_weights"), np.float64).reshape(-1)
+    if len(weights) != len(targets):
+        raise OnnxModelError(f"attribute 'leaf_weights' has {len(weights)} entries but 'leaf_targetids' has "
+                             f"{len(targets)}; give one weight per leaf")
+    bad = np.flatnonzero((targets < 0) | (targets >= n_targets))
+    if bad.size:
+        raise OnnxModelError(f"attribute 'leaf_targetids' entry {bad[0]} is {targets[bad[0]]}; the model has "
+                             f"{n_targets} targets (n_targets)")
+    members = ctx.attr("membership_values", None)
+    sets = _member_sets(members, int((modes == _MEMBER).sum()))
+    n_leaves = len(targets)
+    rows: list[tuple[int, int, int, int]] = []
+    thresholds: list[float] = []
+
+    def child(row: int, side: str) -> int:
+        target, leaf = arrays[f"nodes_{side}nodeids"][row], arrays[f"nodes_{side}leafs"][row]
+        limit = n_leaves if leaf else count
+        if not 0 <= target < limit:
+            raise OnnxModelError(f"attribute 'nodes_{side}nodeids' entry {row} is {target}, but the model has "
+                                 f"{limit} {'leaves' if leaf else 'branch nodes'} (nodes_{side}leafs says which)")
+        return count + target if leaf else target
+
+    chains = []  # (row, members): the extra rows of each BRANCH_MEMBER node, added after the leaves
+    for row in range(count):
+        mode = int(modes[row])
+        feature = int(arrays["nodes_featureids"][row])
+        if not 0 <= mode <= _MEMBER:
+            raise OnnxModelError(f"attribute 'nodes_modes' entry {row} is {mode}; ONNX defines 0 to 6 "
+                                 f"({', '.join(_MODE_CODES)}, BRANCH_MEMBER)")
+        if not 0 <= feature < features:
+            raise OnnxModelError(f"attribute 'nodes_featureids' entry {row} is {feature}, but the input has "
+                                 f"{features} features")
+        missing = MISSING_TRUE if tracks is not None and tracks[row] else 0
+        true_next, false_next = child(row, "true"), child(row, "false")
+        if mode == _MEMBER:
+            chains.append((row, next(sets), true_next, false_next, missing))
+            rows.append(None)  # filled below, once the chain's rows are numbered
+            thresholds.append(0.0)
+            continue
+        rows.append((feature, _mode_bits(_MODE_CODES[mode], missing), true_next, false_next))
+        thresholds.append(arrays["nodes_splits"][row])
+    for leaf in range(n_leaves):
+        rows.append((0, LEAF, count + leaf, count + leaf))
+        thresholds.append(0.0)
+    for row, values, true_next, false_next, missing in chains:
+        feature = int(arrays["nodes_featureids"][row])
+        if not values:  # the empty set: nothing matches; a nan follows the missing rule (mode 0 is a leaf)
+            rows[row] = (feature, missing, true_next, false_next) if missing \
+                else (feature, MODE_BITS["BRANCH_NEQ"], false_next, false_next)
+            continue
+        link = [row] + list(range(len(rows), len(rows) + len(values) - 1))
+        for k, (at, value) in enumerate(zip(link, values)):
+            after = link[k + 1] if k + 1 < len(link) else false_next
+            entry = (feature, MODE_BITS["BRANCH_EQ"] | (missing if k == 0 else 0), true_next, after)
+            if at == row:
+                rows[row], thresholds[row] = entry, value
+            else:
+                rows.append(entry)
+                thresholds.append(value)
+    nodes = np.array(rows, np.int64).reshape(-1, 4)
+    leaf_values = np.zeros((len(nodes), n_targets), np.float64)
+    np.add.at(leaf_values, (count + np.arange(n_leaves), targets), weights)
+    roots = ints("tree_roots")
+    bad = np.flatnonzero((roots < 0) | (roots >= max(count, 1)))
+    if bad.size or not count:
+        raise OnnxModelError(f"attribute 'tree_roots' entry {bad[0] if bad.size else 0} is not a branch node "
+                             f"(the model has {count})")
+    # A tree that is one leaf is a root whose children are that same leaf: start at the leaf.
+    roots = np.array([child(r, "true") if arrays["nodes_trueleafs"][r] and arrays["nodes_falseleafs"][r]
+                      and arrays["nodes_truenodeids"][r] == arrays["nodes_falsenodeids"][r] else r
+                      for r in roots], np.int64)
+    depth = _depth(nodes, roots, {int(r): t for t, r in enumerate(roots)})
+    return nodes, np.asarray(thresholds, dtype), leaf_values, roots, depth
+
+
+def _member_sets(members: Any, count: int):
+    """The member sets of ``count`` BRANCH_MEMBER nodes, in node order: ``membership_values``
+    split at its nans (one run per such node)."""
+    if count == 0:
+        return iter(())
+    if members is None:
+        raise OnnxModelError(f"the model has {count} BRANCH_MEMBER nodes but no 'membership_values'")
+    values = np.asarray(members, np.float64).reshape(-1)
+    ends = np.flatnonzero(np.isnan(values))
+    if len(ends) != count:
+        raise OnnxModelError(f"attribute 'membership_values' holds {len(ends)} nan-terminated sets, but the model "
+                             f"has {count} BRANCH_MEMBER nodes; give one set per such node")
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return iter([list(dict.fromkeys(values[a:b].tolist())) for a, b in zip(starts, ends)])
+
+
+@converter("TreeEnsemble", domain=ML)
+def _tree_ensemble(ctx: NodeContext) -> list:
+    x = ctx.input(0)
+    out_dtype = ctx.dtype(x)
+    x = _as_matrix(ctx, _float_input(ctx))
+    n_targets = int(ctx.attr("n_targets", 1))
+    nodes, thresholds, leaf_values, roots, depth = compact_tree_ensemble(ctx, ctx.shape(x)[1], ctx.dtype(x),
+                                                                         n_targets)
+    y = ctx.op("tree_ensemble", x, nodes, thresholds, leaf_values, roots, depth=depth)
+    aggregate = int(ctx.attr("aggregate_function", _SUM))
+    if aggregate == _AVERAGE:
+        y = ctx.op("mul", y, np.array(1.0 / len(roots), ctx.dtype(y)))
+    elif aggregate != _SUM:
+        raise OnnxUnsupportedError(f"TreeEnsemble with aggregate_function {aggregate} (MIN or MAX) is not "
+                                   "supported by polyhal (SUM and AVERAGE are)")
+    transform = int(ctx.attr("post_transform", 0))
+    if not 0 <= transform < len(_POST_TRANSFORMS):
+        raise OnnxModelError(f"attribute 'post_transform' is {transform}; ONNX defines 0 to 4")
+    y = _post_transform(ctx, y, _POST_TRANSFORMS[transform])
+    return [y if out_dtype == ctx.dtype(y) else ctx.op("cast", y, dtype=out_dtype)]
 
 
 @converter("TreeEnsembleRegressor", domain=ML)

@@ -1,7 +1,7 @@
 """Vision, signal and linear-algebra ops: Det (a core op), GridSample, RoiAlign (core sampling ops), Col2Im and MaxUnpool (a grouped
 conv_transpose and a scatter), STFT (frames gathered, windowed and transformed by the DFT
 matrix), MelWeightMatrix (a constant), and the ops polyhal refuses with a reason (training-only
-optimizers, ImageDecoder without an image library).
+optimizers). ImageDecoder is in :mod:`~polyhal.frontends.onnx.converters.images`.
 """
 
 from __future__ import annotations
@@ -158,12 +158,6 @@ def _mel_weight_matrix(ctx: NodeContext) -> list:
 def _training(ctx: NodeContext) -> list:
     raise OnnxUnsupportedError(f"{ctx.op_type} is a training-only optimizer update (ai.onnx.preview.training); "
                                "polyhal runs inference models: apply the update in the training framework")
-
-
-@converter("ImageDecoder")
-def _image_decoder(ctx: NodeContext) -> list:
-    raise OnnxUnsupportedError("ImageDecoder needs an image codec library, which polyhal does not bundle; decode "
-                               "the images before the model (e.g. with Pillow) and feed the pixel arrays")
 
 
 @converter("Det")
