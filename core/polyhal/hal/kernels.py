@@ -34,7 +34,10 @@ What every ``prepare`` checks before a builder runs is written here, once: an op
 not define, or one the table has no kernel for, is a KernelNotFoundError naming what the backend
 offers; encoded (non row-major) operands are refused, since kernels of a table take dense
 row-major tensors (the materialize-encoding pass lowers encoded ops to ops on packed dense
-tensors first); an instance whose outputs are all empty gets :func:`noop`.
+tensors first); operands of a storage-only element type (bfloat16, float8, int4, ...:
+:data:`polyhal.ir.types.STORAGE_DTYPES`) are refused unless the table was made with
+``storage_types=True`` (numpy and ml_dtypes hold them on the CPU; cupy has no such dtypes); an
+instance whose outputs are all empty gets :func:`noop`.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
 from polyhal.errors import KernelNotFoundError, PluginError
 from polyhal.hal.scratch import KernelInfo, Problem, ScratchBinding, ScratchDecl, ScratchRequest
+from polyhal.ir.types import STORAGE_DTYPES
 from polyhal.ops import OPS, resolve_attrs
 
 if TYPE_CHECKING:
@@ -78,8 +82,10 @@ class KernelTable:
     """
 
     def __init__(self, backend: str, *, fallback: Builder | None = None,
-                 standalone: Standalone | None = None) -> None:
+                 standalone: Standalone | None = None, storage_types: bool = False) -> None:
         self.backend = backend
+        #: Whether kernels of this table take the storage-only element types (see the module doc).
+        self.storage_types = storage_types
         self.fallback = fallback
         self.standalone = standalone
         #: op -> builder.
@@ -152,6 +158,11 @@ class KernelTable:
             raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on encoded tensor {encoded}; "
                                       f"{self.backend} kernels take dense row-major tensors (its encodings "
                                       "must resolve to identity layouts)")
+        if not self.storage_types:
+            stored = next((t for t in (*in_types, *out_types) if t.dtype in STORAGE_DTYPES), None)
+            if stored is not None:
+                raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on {stored.dtype.name} "
+                                          f"({stored}): a storage-only element type this backend does not hold")
         if all(t.size == 0 for t in out_types):
             return noop  # nothing to write (and numpy refuses some reductions of nothing)
         resolved = resolve_attrs(op, attrs)

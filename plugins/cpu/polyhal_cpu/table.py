@@ -25,7 +25,7 @@ Types = tuple[TensorType, ...]
 
 #: The CPU's kernels. Kernels with scratch prepared without a plan get a binding of numpy
 #: buffers made once, at prepare (:func:`polyhal_cpu.scratch.standalone`).
-TABLE = KernelTable("cpu", standalone=scratch.standalone)
+TABLE = KernelTable("cpu", standalone=scratch.standalone, storage_types=True)  # ml_dtypes holds them
 
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 

@@ -20,9 +20,8 @@ template <typename T> __device__ bool polyhal_minus_one(T y) { return (T)(-1) < 
 #: key -> (inputs, outputs, code): ops whose semantics numpy's ufuncs do not give as such.
 SNIPPETS: dict[str, tuple[str, str, str]] = {
     "relu": ("T x", "T y", "y = x < (T)0 ? (T)0 : x"),  # nan < 0 is false: nan stays nan
-    # +-0 and nan stay; x * 0 rather than x, so that a denormal an ftz device compares as zero
-    # also comes out as (signed) zero.
-    "sign": ("T x", "T y", "y = x > (T)0 ? (T)1 : (x < (T)0 ? (T)(-1) : x * (T)0)"),
+    # nan stays nan; zeros, and a denormal that an ftz device compares as zero, give zero.
+    "sign": ("T x", "T y", "y = x > (T)0 ? (T)1 : (x < (T)0 ? (T)(-1) : (x != x ? x : (T)0))"),
     "sigmoid": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; C v = (C)x; "
                 "y = (T)((C)1 / ((C)1 + exp(-v)))"),
     "erf": ("T x", "T y", "typedef typename polyhal_ct<T>::type C; y = (T)erf((C)x)"),
