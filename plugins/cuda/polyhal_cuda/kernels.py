@@ -18,7 +18,9 @@ Families and how they run:
 * matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
 * reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
-* conv, conv_transpose, pools (:mod:`.nn`): im2col-style index maps plus cuBLAS;
+* conv and fused_conv (:mod:`.cudnn`): cuDNN graphs (conv + bias + residual + activation) when
+  ``nvidia-cudnn-frontend`` is installed, else the im2col conv of :mod:`.nn`;
+* conv_transpose, pools (:mod:`.nn`): im2col-style index maps plus cuBLAS;
 * data movement: cupy copies; ops that are pure gathers with a static pattern (pad, pack,
   unpack, expand) use an *index map* computed once at prepare time by running the op's own
   numpy reference on an iota tensor, then one gather kernel per run;
@@ -44,7 +46,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda import attention, sorting, suppression
+from polyhal_cuda import attention, cudnn, sorting, suppression
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
 
@@ -536,11 +538,10 @@ def _scatter(device, op, attrs, ins, outs, binding) -> Kernel:
 
 # -------------------------------------------------------------------------------- conv, pooling
 
-@register("conv")
-def _conv(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import nn
-
-    return nn.prepare_conv(device, attrs, ins, outs)
+# conv and fused_conv: cuDNN graphs where cuDNN is usable and has an engine, else the im2col
+# conv (plus one elementwise epilogue for fused_conv); see polyhal_cuda.cudnn. The plugin
+# advertises fused_conv only where cuDNN is usable, so the compile fuses only there.
+register("conv", "fused_conv", scratch=cudnn.scratch_requests)(cudnn.prepare)
 
 
 @register("conv_transpose")

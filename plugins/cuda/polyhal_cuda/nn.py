@@ -195,3 +195,44 @@ def prepare_pool(device: "Device", op: str, attrs: dict, ins, outs):
         cols = cp.where(dvalid, cp.abs(x.reshape(N, C, S)[:, :, dmap].astype(np.float64)), 0.0)
         cp.copyto(out, ((cols ** pw).sum(axis=2) ** (1.0 / pw)).reshape(out.shape), casting="unsafe")
     return lp_pool
+
+
+#: A fused epilogue's activation on ``v`` (compute type ``C``; ``a``, ``b`` are alpha and beta),
+#: as ``polyhal.ops.nn.apply_activation`` (nan stays nan: comparisons, not fmin/fmax).
+_ACTIVATION_C = {
+    "none": "v",
+    "relu": "v < (C)0 ? (C)0 : v",
+    "clip": "v < a ? a : (v > b ? b : v)",
+    "hard_sigmoid": "polyhal_unit(a * v + b)",
+    "hard_swish": "v * polyhal_unit(a * v + b)",
+    "sigmoid": "(C)1 / ((C)1 + exp(-v))",
+    "silu": "v / ((C)1 + exp(-v))",
+    "gelu": "(C)0.5 * v * ((C)1 + erf(v * (C)0.70710678118654752440))",
+    "gelu_tanh": "(C)0.5 * v * ((C)1 + tanh((C)0.79788456080286535588 * (v + (C)0.044715 * v * v * v)))",
+}
+_EPILOGUES: dict = {}
+
+
+def epilogue(dtype: Any, activation: str, alpha: float, beta: float, *, bias: bool, residual: bool):
+    """``fn(y, [bias], [residual], out)``: out = activation(y + bias + residual) in one
+    elementwise kernel (the bias broadcast from ``(M, 1, ...)``; ``out`` may be ``y``)."""
+    from polyhal_gpu.elementwise import PREAMBLE
+
+    key = (activation, bias, residual)
+    ek = _EPILOGUES.get(key)
+    if ek is None:
+        import cupy as cp
+
+        params = ", ".join(["T y"] + (["T bias"] if bias else []) + (["T res"] if residual else []) + ["T a0, T b0"])
+        sums = "".join([" + (C)bias" if bias else "", " + (C)res" if residual else ""])
+        code = (f"typedef typename polyhal_ct<T>::type C; C a = (C)a0, b = (C)b0; C v = (C)y{sums}; "
+                f"out = (T)({_ACTIVATION_C[activation]})")
+        preamble = PREAMBLE + ("template <typename C> __device__ C polyhal_unit(C h) "
+                               "{ return h < (C)0 ? (C)0 : (h > (C)1 ? (C)1 : h); }\n")
+        ek = _EPILOGUES[key] = cp.ElementwiseKernel(params, "T out", code, f"polyhal_epilogue_{activation}",
+                                                    preamble=preamble)
+    a, b = np.dtype(dtype).type(alpha), np.dtype(dtype).type(beta)
+
+    def apply(*arrays):
+        ek(*arrays[:-1], a, b, arrays[-1])
+    return apply

@@ -25,6 +25,7 @@ from typing import Any
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_cuda import cudnn
 from polyhal_cuda.kernels import KERNEL_NAMES
 from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
 
@@ -83,8 +84,17 @@ def _create(spec: DeviceSpec):
     return CUDADevice(spec)
 
 
+def conv_path(conv: tuple[str | None, str]) -> tuple[dict[str, str], frozenset[str]]:
+    """``limits["conv"]`` and the kernel set for cuDNN's :func:`~polyhal_cuda.cudnn.status`
+    ``conv``: ``fused_conv`` only where cuDNN runs it (else the compile keeps convs unfused)."""
+    version, why = conv
+    if version is not None:
+        return {"conv": f"{version}, fp32 without TF32"}, KERNEL_NAMES
+    return {"conv": f"im2col + cuBLAS fallback: {why}"}, KERNEL_NAMES - {"fused_conv"}
+
+
 @functools.lru_cache(maxsize=8)
-def _enumerate(pool: str, rank: int) -> Enumeration:
+def _enumerate(pool: str, rank: int, conv: tuple[str | None, str] = (None, "")) -> Enumeration:
     try:
         import cupy  # noqa: F401
         from cupy.cuda import runtime
@@ -112,7 +122,9 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
         except Exception as exc:  # noqa: BLE001
             reasons.append(f"cuda:{ordinal}: cudaGetDeviceProperties failed ({type(exc).__name__}: {exc})")
             continue
-        lim = limits(props, ordinal, {"pool": pool if async_ok else "caching", "async_pool_supported": async_ok})
+        conv_limits, kernel_names = conv_path(conv)
+        lim = limits(props, ordinal, {"pool": pool if async_ok else "caching", "async_pool_supported": async_ok,
+                                      **conv_limits})
         # ftz: cupy compiles every kernel with -ftz=true (fixed in cupy.cuda.compiler), and
         # polyhal's own CUDA C goes through the same compiler, so float32 denormals flush to zero.
         caps = {"gpu", "cuda", "fp16", "fp64", "cuda-graphs", "ftz", f"sm_{props.get('major', 0)}{props.get('minor', 0)}"}
@@ -120,6 +132,8 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
             caps.add("managed-memory")
         if async_ok:
             caps.add("async-pool")
+        if conv[0] is not None:
+            caps.add("cudnn")
         specs.append(DeviceSpec(
             name=f"cuda:{ordinal}", backend="cuda", rank=rank, factory=_create,
             # A block may use up to the opt-in maximum of shared memory (kernels opt in as needed).
@@ -128,7 +142,7 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
             dlpack_devices=frozenset({(DL_CUDA, ordinal), (DL_CUDA_MANAGED, ordinal), (DL_CUDA_HOST, ordinal)}),
             description=(f"{lim['device']} (CUDA, sm_{props.get('major', 0)}{props.get('minor', 0)}, "
                          f"{lim['multiprocessors']} SMs, {lim['global_mem_bytes'] / 2**30:.0f} GiB)"),
-            kernel_names=KERNEL_NAMES,
+            kernel_names=kernel_names,
         ))
         if pool == "async" and not async_ok:
             reasons.append(f"cuda:{ordinal}: POLYHAL_CUDA_POOL=async, but the device has no stream-ordered "
@@ -138,7 +152,8 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
 
 def enumerate_devices() -> Enumeration:
     """Look at every CUDA device (cached per configuration); never raises for a missing driver."""
-    return _enumerate(pool_kind(), _rank())
+    # cuDNN's status is part of the key: POLYHAL_CUDA_CUDNN may change it (the library loads once).
+    return _enumerate(pool_kind(), _rank(), cudnn.status())
 
 
 @polyhal.hookimpl

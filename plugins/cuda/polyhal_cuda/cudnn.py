@@ -1,0 +1,361 @@
+"""``conv`` and ``fused_conv`` on CUDA through cuDNN's graph API (``nvidia-cudnn-frontend``).
+
+An optional dependency: ``pip install 'polyhal-cuda[cudnn]'`` brings the frontend, which runs on
+the cuDNN 9 library that the CUDA wheels (torch's among them) install. :func:`status` says once
+per process whether it is usable and why not; the plugin shows it in ``polyhal devices``
+(``limits["conv"]``) and advertises ``fused_conv`` only when it is, so the compile fuses conv
+epilogues only where cuDNN runs them. ``POLYHAL_CUDA_CUDNN=0`` turns it off (the im2col path of
+:mod:`polyhal_cuda.nn` runs every conv then).
+
+Per op instance, when a plan is compiled, :func:`plan` builds one cuDNN graph -- conv, then the
+bias, the residual add and the activation as pointwise nodes -- lets cuDNN's heuristics rank
+its engines, drops those whose numerical notes say the result is not plain arithmetic in the
+operand type (``TENSOR_CORE`` for float32, i.e. TF32, and ``DOWN_CONVERT_INPUTS`` /
+``REDUCED_PRECISION_REDUCTION`` for every type: fp32 means fp32) and builds the first that
+remains. Its workspace is declared scratch (:func:`scratch_requests`), placed by the plan's
+bufferization, so nothing is allocated when it runs; the kernel only hands cuDNN the operand
+pointers, on a handle bound to the device's stream, so a plan's CUDA graph captures it.
+
+Where the whole graph has no engine (an activation cuDNN's fusion engines do not take in this
+precision, say), the conv -- with the bias when it can -- runs as a cuDNN graph of its own and
+the rest of the epilogue as one elementwise kernel; where cuDNN has no engine for the conv
+itself (or is unusable), the im2col conv of :mod:`polyhal_cuda.nn` does. Every instance runs on
+the device; :attr:`CuDNNConv.path` says which way (``kernel_name``).
+
+Data stays in polyhal's NCHW layout (cuDNN takes it through strides). Channels-last would let
+cuDNN pick its faster NHWC engines; that needs the layout chosen by the CUDA encoding resolver
+(the conv operands' encodings), not a transpose in here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
+
+if TYPE_CHECKING:
+    from polyhal.hal.device import Device  # the CUDA device; its module imports this one
+
+#: What ``POLYHAL_CUDA_CUDNN`` turns off with (``0``/``off``/``false``/``no``).
+_OFF = ("0", "off", "false", "no")
+INSTALL_HINT = "pip install 'polyhal-cuda[cudnn]' (nvidia-cudnn-frontend)"
+#: Element types cuDNN convolves here, and the type they compute in.
+DTYPES = {np.dtype(np.float32): "FLOAT", np.dtype(np.float16): "HALF", np.dtype(np.float64): "DOUBLE"}
+COMPUTE = {"FLOAT": "FLOAT", "HALF": "FLOAT", "DOUBLE": "DOUBLE"}
+#: Activations cuDNN's pointwise nodes compute (the others run in the elementwise epilogue).
+ACTIVATIONS = ("none", "relu", "clip", "sigmoid", "silu", "gelu", "gelu_tanh")
+
+
+@functools.lru_cache(maxsize=1)
+def _probe() -> tuple[str | None, str]:
+    try:
+        import cudnn
+    except ImportError as exc:
+        return None, f"nvidia-cudnn-frontend is not installed ({exc}); {INSTALL_HINT}"
+    except Exception as exc:  # noqa: BLE001 - a broken install must not break polyhal
+        return None, f"cudnn cannot be imported ({type(exc).__name__}: {exc})"
+    try:
+        v = int(cudnn.backend_version())
+    except Exception as exc:  # noqa: BLE001 - the library itself is missing or broken
+        return None, (f"the cuDNN library cannot be loaded ({type(exc).__name__}: {exc}); install cuDNN 9 "
+                      "(e.g. nvidia-cudnn-cu12 / -cu13) or put libcudnn.so.9 on LD_LIBRARY_PATH")
+    major, minor, patch = v // 10000, (v // 100) % 100, v % 100
+    if major < 9:
+        return None, f"cuDNN {major}.{minor}.{patch} is older than 9.0, which the graph API here needs"
+    return f"cudnn {major}.{minor}.{patch} (frontend {getattr(cudnn, '__version__', '?')})", ""
+
+
+def status() -> tuple[str | None, str]:
+    """``(version, "")`` when cuDNN is usable, else ``(None, why not)`` (loads the library once
+    per process; ``POLYHAL_CUDA_CUDNN=0`` turns it off)."""
+    if os.environ.get("POLYHAL_CUDA_CUDNN", "1").strip().lower() in _OFF:
+        return None, "POLYHAL_CUDA_CUDNN=0 turned cuDNN off"
+    return _probe()
+
+
+def usable() -> bool:
+    """Whether convs go through cuDNN in this process (:func:`status`)."""
+    return status()[0] is not None
+
+
+# ------------------------------------------------------------------------------------ per device
+
+class _DeviceState:
+    """One device's cuDNN handle (bound to its stream) and its built graphs by instance."""
+
+    def __init__(self, device: "Device") -> None:
+        import cudnn
+
+        with device.activate():
+            self.handle = cudnn.create_handle()
+            cudnn.set_stream(self.handle, device.stream.ptr)
+        self.plans: dict[Any, "CuDNNConv | None"] = {}
+        self.reasons: dict[Any, str] = {}
+        self.lock = threading.Lock()
+
+
+_STATES: "weakref.WeakKeyDictionary[Any, _DeviceState]" = weakref.WeakKeyDictionary()
+_STATES_LOCK = threading.Lock()
+
+
+def _state(device: "Device") -> _DeviceState:
+    with _STATES_LOCK:
+        s = _STATES.get(device)
+        if s is None:
+            s = _STATES[device] = _DeviceState(device)
+        return s
+
+
+# ------------------------------------------------------------------------------------- the graph
+
+@dataclass(frozen=True)
+class Conv:
+    """One conv instance in cuDNN's terms (spatial rank 1 runs as 2-d with a unit height)."""
+
+    x: tuple[int, ...]
+    w: tuple[int, ...]
+    y: tuple[int, ...]
+    pre: tuple[int, ...]
+    post: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    dtype: np.dtype
+
+    @classmethod
+    def of(cls, attrs: dict, ins, outs) -> "Conv":
+        x, w, y = ins[0].shape, ins[1].shape, outs[0].shape
+        n = len(x) - 2
+        s = tuple(int(v) for v in attrs["strides"]) if attrs["strides"] is not None else (1,) * n
+        d = tuple(int(v) for v in attrs["dilations"]) if attrs["dilations"] is not None else (1,) * n
+        p = tuple(int(v) for v in attrs["pads"]) if attrs["pads"] is not None else (0,) * (2 * n)
+        pre, post = p[:n], p[n:]
+        if n == 1:  # cuDNN convolves 2-d and 3-d: a 1-d conv is a 2-d one of height 1
+            x, w, y = x[:2] + (1,) + x[2:], w[:2] + (1,) + w[2:], y[:2] + (1,) + y[2:]
+            pre, post, s, d = (0,) + pre, (0,) + post, (1,) + s, (1,) + d
+        return cls(tuple(x), tuple(w), tuple(y), pre, post, s, d, ins[0].dtype)
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, acc = [], 1
+    for dim in reversed(shape):
+        out.append(acc)
+        acc *= dim
+    return list(reversed(out))
+
+
+class CuDNNConv:
+    """A built cuDNN graph for conv [+ bias] [+ residual] [+ activation]: ``run(ptrs, ws)``
+    executes it on the handle's stream with the operands' device pointers, in the order of
+    ``operands`` (``x``, ``w``, then ``b``, ``r`` if the graph has them, then ``y``)."""
+
+    def __init__(self, state: _DeviceState, conv: Conv, bias: bool, residual: bool, activation: str,
+                 alpha: float, beta: float) -> None:
+        import cudnn
+
+        dt = getattr(cudnn.data_type, DTYPES[conv.dtype])
+        ct = getattr(cudnn.data_type, COMPUTE[DTYPES[conv.dtype]])
+        g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=ct, compute_data_type=ct, handle=state.handle)
+        m = conv.w[0]
+        bshape = (1, m) + (1,) * (len(conv.y) - 2)
+        tensors = {"x": g.tensor(name="x", dim=list(conv.x), stride=_strides(conv.x), data_type=dt),
+                   "w": g.tensor(name="w", dim=list(conv.w), stride=_strides(conv.w), data_type=dt)}
+        y = g.conv_fprop(image=tensors["x"], weight=tensors["w"], pre_padding=list(conv.pre),
+                         post_padding=list(conv.post), stride=list(conv.stride), dilation=list(conv.dilation),
+                         compute_data_type=ct, name="conv")
+        if bias:
+            tensors["b"] = g.tensor(name="b", dim=list(bshape), stride=_strides(bshape), data_type=dt)
+            y = g.bias(input=y, bias=tensors["b"], name="bias")
+        if residual:
+            tensors["r"] = g.tensor(name="r", dim=list(conv.y), stride=_strides(conv.y), data_type=dt)
+            y = g.add(a=y, b=tensors["r"], name="residual")
+        y = _activation(g, y, activation, alpha, beta)
+        y.set_output(True).set_data_type(dt).set_dim(list(conv.y)).set_stride(_strides(conv.y))
+        tensors["y"] = y
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        notes = [cudnn.numerical_note.DOWN_CONVERT_INPUTS, cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
+        if conv.dtype == np.float32:
+            notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 on tensor cores is TF32
+        g.deselect_numeric_notes(notes)
+        g.check_support()
+        g.build_plans()
+        self.graph, self.handle = g, state.handle
+        self.operands = tuple(tensors)
+        self._tensors = tuple(tensors.values())
+        self.workspace = int(g.get_workspace_size())
+        self.engine = _plan_name(g)
+
+    def run(self, ptrs: tuple[int, ...], workspace: int | None) -> None:
+        self.graph.execute(dict(zip(self._tensors, ptrs)), workspace, handle=self.handle)
+
+
+def _plan_name(g: Any) -> str:
+    try:
+        return str(g.get_plan_name_at_index(g._plan_index))
+    except Exception:  # noqa: BLE001 - only a label
+        return "?"
+
+
+def _activation(g: Any, y: Any, activation: str, alpha: float, beta: float) -> Any:
+    if activation == "none":
+        return y
+    if activation == "relu":
+        return g.relu(input=y, name="act")
+    if activation == "clip":
+        return g.relu(input=y, lower_clip=alpha, upper_clip=beta, name="act")
+    if activation == "sigmoid":
+        return g.sigmoid(input=y, name="act")
+    if activation == "silu":
+        return g.swish(input=y, swish_beta=1.0, name="act")
+    if activation == "gelu":
+        return g.gelu(input=y, name="act")
+    if activation == "gelu_tanh":
+        return g.gelu_approx_tanh(input=y, name="act")
+    raise NotImplementedError(activation)
+
+
+def _key(op: str, attrs: dict, ins, outs) -> Any:
+    return op, repr(sorted(attrs.items())), tuple(ins), tuple(outs)
+
+
+def _stages(op: str, attrs: dict, ins) -> list[tuple[bool, bool, str]]:
+    """The graphs to try, most fused first: (bias, residual, activation) of each."""
+    bias = len(ins) >= 3
+    if op == "conv":
+        return [(bias, False, "none"), (False, False, "none")]
+    residual = len(ins) == 4
+    act = attrs["activation"]
+    tries = []
+    if act in ACTIVATIONS:
+        tries.append((True, residual, act))
+    if residual:
+        tries.append((True, True, "none"))
+    return tries + [(True, False, "none"), (False, False, "none")]
+
+
+def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv | None", tuple, str]:
+    """The most fused cuDNN graph that has an engine for this instance (built once, cached per
+    device): ``(graph, what it covers (bias, residual, activation), "")``, or ``(None, (), why
+    not)``."""
+    why = status()[1]
+    if why:
+        return None, (), why
+    if ins[0].dtype not in DTYPES:
+        return None, (), f"cuDNN convolves {', '.join(t.name for t in DTYPES)} here, not {ins[0].dtype.name}"
+    if ins[0].rank not in (3, 4, 5) or any(t.size == 0 for t in (*ins, *outs)):
+        return None, (), "cuDNN convolves 1-, 2- and 3-d non-empty operands"
+    state = _state(device)
+    key = _key(op, attrs, ins, outs)
+    with state.lock:
+        if key in state.plans:
+            found = state.plans[key]
+            return found, (found.covers if found else ()), state.reasons.get(key, "")
+        conv = Conv.of(attrs, ins, outs)
+        alpha = float(attrs.get("alpha", 0.0))
+        beta = float(attrs.get("beta", 0.0))
+        failures = []
+        built = None
+        for bias, residual, act in _stages(op, attrs, ins):
+            try:
+                with device.activate():
+                    built = CuDNNConv(state, conv, bias, residual, act, alpha, beta)
+            except Exception as exc:  # noqa: BLE001 - no engine (or any cuDNN refusal): try less
+                failures.append(f"{'+'.join(s for s, on in (('bias', bias), ('residual', residual), (act, act != 'none')) if on) or 'conv'}: "
+                                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+                continue
+            built.covers = (bias, residual, act)  # type: ignore[attr-defined]
+            break
+        state.plans[key] = built
+        if built is None:
+            state.reasons[key] = "cuDNN has no fp-exact engine: " + "; ".join(failures)
+        return built, (built.covers if built else ()), state.reasons.get(key, "")
+
+
+# --------------------------------------------------------------------------------------- kernels
+
+def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple:
+    """The cuDNN workspace of one conv / fused_conv instance (building its graph: the engine is
+    chosen when the plan is compiled)."""
+    graph, _, _ = plan(device, op, attrs, ins, outs)
+    if graph is None or graph.workspace == 0:
+        return ()
+    decl = ScratchDecl("workspace", shared=True, per_launch=graph.workspace, spaces=(MemorySpace.GLOBAL,),
+                       alignment=256, purpose="cuDNN workspace of the chosen engine")
+    return (decl.request(Problem(op, attrs, tuple(ins), tuple(outs)), KernelInfo("cudnn_conv", op, 1, 1, "cuda")),)
+
+
+def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
+    """``fn(x, w[, b][, r], out)`` for one conv or fused_conv instance: cuDNN as far as it has an
+    engine, the elementwise epilogue for the rest, the im2col conv without one."""
+    from polyhal_cuda import nn
+    from polyhal_gpu.scratch import Scratch
+
+    graph, covers, why = plan(device, op, attrs, ins, outs)
+    fused = op == "fused_conv"
+    act = attrs["activation"] if fused else "none"
+    alpha, beta = (float(attrs["alpha"]), float(attrs["beta"])) if fused else (0.0, 0.0)
+    residual = fused and len(ins) == 4
+    if graph is None:
+        conv = nn.prepare_conv(device, attrs, ins[:2] if fused else ins, outs)
+        if not fused:
+            conv.kernel_name = f"{conv.kernel_name}; {why}"  # type: ignore[attr-defined]
+            return conv
+        tail = nn.epilogue(outs[0].dtype, act, alpha, beta, bias=True, residual=residual)
+        m = ins[1].shape[0]
+        bshape = (m,) + (1,) * (ins[0].rank - 2)
+
+        def im2col_fused(x, w, b, *rest):
+            out = rest[-1]
+            conv(x, w, out)
+            tail(out, b.reshape(bshape), *rest[:-1], out)
+        im2col_fused.kernel_name = f"fused_conv (im2col + cuBLAS + epilogue; {why})"  # type: ignore[attr-defined]
+        return im2col_fused
+
+    requests = scratch_requests(device, op, attrs, ins, outs)
+    s = Scratch(device, requests, binding, lambda a: a.data.ptr)
+    ws = int(s.ptrs["workspace"]) if requests else None
+    bias, res_in_graph, act_in_graph = covers
+    has_bias = len(ins) >= 3
+    rest_act = "none" if act_in_graph == act else act
+    rest_bias, rest_res = has_bias and not bias, residual and not res_in_graph
+    run = graph.run
+    keep = s  # the scratch lives as long as the kernel
+    n_graph_in = 2 + int(bias) + int(res_in_graph)
+
+    if not (rest_bias or rest_res or rest_act != "none"):
+        if n_graph_in == 2 and len(ins) == 2:
+            def cudnn_conv(x, w, out):
+                run((x.data.ptr, w.data.ptr, out.data.ptr), ws)
+            kernel = cudnn_conv
+        elif n_graph_in == 3 and len(ins) == 3:
+            def cudnn_conv_bias(x, w, b, out):
+                run((x.data.ptr, w.data.ptr, b.data.ptr, out.data.ptr), ws)
+            kernel = cudnn_conv_bias
+        else:
+            def cudnn_fused(*arrays):
+                run(tuple(a.data.ptr for a in arrays), ws)
+            kernel = cudnn_fused
+    else:
+        tail = nn.epilogue(outs[0].dtype, rest_act, alpha, beta, bias=rest_bias, residual=rest_res)
+        m = ins[1].shape[0]
+        bshape = (m,) + (1,) * (ins[0].rank - 2)
+
+        def cudnn_then_epilogue(*arrays):
+            out = arrays[-1]
+            run(tuple(a.data.ptr for a in arrays[:n_graph_in]) + (out.data.ptr,), ws)
+            extra = ((arrays[2].reshape(bshape),) if rest_bias else ()) + ((arrays[3],) if rest_res else ())
+            tail(out, *extra, out)
+        kernel = cudnn_then_epilogue
+    kernel.scratch = keep  # type: ignore[attr-defined]
+    covered = "+".join(n for n, on in (("bias", bias), ("residual", res_in_graph), (act_in_graph, act_in_graph != "none")) if on)
+    kernel.kernel_name = (f"cuDNN conv{'+' + covered if covered else ''} [{graph.engine}]"  # type: ignore[attr-defined]
+                          + (" + epilogue" if rest_bias or rest_res or rest_act != "none" else ""))
+    return kernel
