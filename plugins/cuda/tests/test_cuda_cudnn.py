@@ -46,7 +46,7 @@ def _run(cuda, op, inputs, attrs):
         out = cp.full(out_types[0].shape, np.nan, out_types[0].dtype)
     fn(*dev, out)
     cuda.synchronize()
-    return cp.asnumpy(out), getattr(fn, "kernel_name", "")
+    return cp.asnumpy(out), getattr(getattr(fn, "inner", fn), "kernel_name", "")  # the device wraps kernels
 
 
 def _reference(op, inputs, attrs):

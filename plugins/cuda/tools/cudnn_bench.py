@@ -54,7 +54,7 @@ def main() -> None:
             out = cp.empty(outs[0].shape, np.float32)
             ms = _time(lambda: fn(dx, dw, db, out), dev.synchronize)
             err = float(np.max(np.abs(cp.asnumpy(out) - want)) / scale)
-        rows.append((label, ms, err, getattr(fn, "kernel_name", "")))
+        rows.append((label, ms, err, getattr(getattr(fn, "inner", fn), "kernel_name", "")))
     os.environ["POLYHAL_CUDA_CUDNN"] = "1"
     try:
         import torch
