@@ -31,14 +31,13 @@ only where ``fusible("attention", ops)`` (``"masked_attention"``) says so (see
 from __future__ import annotations
 
 import collections
-import dataclasses
 
 import numpy as np
 
 from polyhal.ir.program import Op, Program, Value, uses_and_producers
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs
-from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order
+from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order, splice
 
 
 def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
@@ -152,17 +151,7 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
         new.append(Op("dispatch", fused, operands, mm2.outputs, canonical_attrs({"scale": scale}), mm2.affinity))
         replaced[id(mm2)] = [chain, new]
         removed.update(id(op) for op in chain)
-    if not replaced:
-        return program, []
-    ops, changes = [], []
-    for op in program.ops:
-        if id(op) in replaced:
-            chain, new = replaced[id(op)]
-            ops.extend(new)
-            changes.append(Fusion("attention", in_program_order(program, chain), tuple(new)))
-        elif id(op) not in removed:
-            ops.append(op)
-    return dataclasses.replace(program, ops=ops), changes
+    return splice(program, replaced, removed, "attention")
 
 
 def _swapped(v: Value) -> TensorType:

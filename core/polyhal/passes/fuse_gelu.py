@@ -23,14 +23,13 @@ or ``"tanh"`` where ``fusible("gelu", ops)`` says so (see :mod:`polyhal.passes.f
 from __future__ import annotations
 
 import collections
-import dataclasses
 import math
 
 import numpy as np
 
 from polyhal.ir.program import Op, Program, Value, uses_and_producers
 from polyhal.ops import canonical_attrs
-from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order
+from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order, splice
 
 _SQRT2 = math.sqrt(2.0)
 _TANH_SCALE = math.sqrt(2.0 / math.pi)
@@ -176,16 +175,6 @@ def fuse_gelu(program: Program, fusible: Fusible = always) -> tuple[Program, lis
         approximate = "none" if t.name == "erf" else "tanh"
         gelu = Op("dispatch", "gelu", (x,), last.outputs, canonical_attrs({"approximate": approximate}),
                   last.affinity)
-        replaced[id(last)] = (ordered, gelu)
+        replaced[id(last)] = (ordered, (gelu,))
         removed.update(id(op) for op in chain)
-    if not replaced:
-        return program, []
-    ops, changes = [], []
-    for op in program.ops:
-        if id(op) in replaced:
-            chain, gelu = replaced[id(op)]
-            ops.append(gelu)
-            changes.append(Fusion("gelu", chain, (gelu,)))
-        elif id(op) not in removed:
-            ops.append(op)
-    return dataclasses.replace(program, ops=ops), changes
+    return splice(program, replaced, removed, "gelu")

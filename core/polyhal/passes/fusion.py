@@ -9,6 +9,7 @@ Passes return a new program and never modify the one they are given.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -51,3 +52,22 @@ def in_program_order(program: Program, ops: Sequence[Op]) -> tuple[Op, ...]:
     :class:`Fusion` are given)."""
     ids = {id(op) for op in ops}
     return tuple(op for op in program.ops if id(op) in ids)
+
+
+def splice(program: Program, replaced: dict[int, tuple[Sequence[Op], Sequence[Op]]], removed: set[int],
+           kind: str) -> tuple[Program, list[Fusion]]:
+    """``program`` with each matched chain replaced: ``replaced`` maps ``id`` of the chain's last op
+    to (the chain's ops, the ops that replace it), which go where that op was; the other ops of
+    ``removed`` (ids) are dropped. Returns the new program and a :class:`Fusion` of ``kind`` per
+    chain (the program itself is not changed)."""
+    if not replaced:
+        return program, []
+    ops, changes = [], []
+    for op in program.ops:
+        if id(op) in replaced:
+            chain, new = replaced[id(op)]
+            ops.extend(new)
+            changes.append(Fusion(kind, in_program_order(program, chain), tuple(new)))
+        elif id(op) not in removed:
+            ops.append(op)
+    return dataclasses.replace(program, ops=ops), changes
