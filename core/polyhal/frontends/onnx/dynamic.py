@@ -55,6 +55,29 @@ class Specialization:
     plan: Any  # polyhal.Plan
 
 
+def check_input_names(source: str, feeds: Mapping[str, Any], names: Sequence[str],
+                      declared: Mapping[str, Any], listing: str) -> None:
+    """OnnxInputError for a feed the model does not take, or an input missing from ``feeds``."""
+    extra = [k for k in feeds if k not in names]
+    if extra:
+        raise OnnxInputError(f"{source}: the model has no input {extra[0]!r}; its inputs are {listing}")
+    missing = [n for n in names if n not in feeds]
+    if missing:
+        raise OnnxInputError(f"{source}: missing input {missing[0]!r} ({declared.get(missing[0], '')}); "
+                             f"its inputs are {listing}")
+
+
+def feed_array(source: str, name: str, x: Any, dtype: np.dtype, declared: Any) -> np.ndarray:
+    """Feed ``x`` of input ``name`` as a numpy array (strings as arrays of str) of element type ``dtype``."""
+    if dtype == STRING_DTYPE:  # strings stay on the host
+        arr = as_strings(x, f"{source}: input {name!r} (declared {declared})")
+    else:
+        arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
+    if arr.dtype != dtype:
+        raise OnnxInputError(f"{source}: input {name!r} must be {dtype} (declared {declared}), got {arr.dtype}")
+    return arr
+
+
 def bind_dims(source: str, signature: Sequence[InputSignature], shapes: Sequence[tuple[int, ...]],
               bound: Mapping[str, int]) -> dict[str, int]:
     """Check input ``shapes`` (one per entry of ``signature``) against the declared dims and
@@ -138,26 +161,9 @@ class DynamicOnnxProgram:
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``feeds`` as numpy arrays after checking names, element types and shapes (as
         :meth:`OnnxProgram.check_feeds` does for a static model)."""
-        names = self.input_names
-        extra = [k for k in feeds if k not in names]
-        if extra:
-            raise OnnxInputError(f"{self.source}: the model has no input {extra[0]!r}; its inputs are "
-                                 f"{self._listing()}")
-        missing = [n for n in names if n not in feeds]
-        if missing:
-            raise OnnxInputError(f"{self.source}: missing input {missing[0]!r} "
-                                 f"({self.declared_inputs[missing[0]]}); its inputs are {self._listing()}")
-        out = {}
-        for sig in self.signature:
-            x = feeds[sig.name]
-            if sig.dtype == STRING_DTYPE:  # strings stay on the host
-                arr = as_strings(x, f"{self.source}: input {sig.name!r} (declared {sig.declared})")
-            else:
-                arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
-            if arr.dtype != sig.dtype:
-                raise OnnxInputError(f"{self.source}: input {sig.name!r} must be {sig.dtype} "
-                                     f"(declared {sig.declared}), got {arr.dtype}")
-            out[sig.name] = arr
+        check_input_names(self.source, feeds, self.input_names, self.declared_inputs, self._listing())
+        out = {sig.name: feed_array(self.source, sig.name, feeds[sig.name], sig.dtype, sig.declared)
+               for sig in self.signature}
         self.bind([a.shape for a in out.values()])
         return out
 

@@ -42,7 +42,9 @@ from polyhal.frontends.onnx.errors import (
     StrictPlacementError,
 )
 from polyhal.frontends.onnx.converters import convert_node
-from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, InputSignature, bind_dims
+from polyhal.frontends.onnx.dynamic import (
+    DynamicOnnxProgram, InputSignature, bind_dims, check_input_names, feed_array,
+)
 from polyhal.frontends.onnx.staged import StagedOnnxProgram, needs_staging
 from polyhal.frontends.onnx.types import (
     STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
@@ -239,32 +241,18 @@ class OnnxProgram(Program):
         """``feeds`` as numpy arrays, after checking names, element types and shapes against
         the program's inputs (OnnxInputError naming the input and what the model declares)."""
         names = self.input_names
-        extra = [k for k in feeds if k not in names]
-        for k in list(extra):
-            if k in self.frozen:
-                if not np.array_equal(np.asarray(feeds[k]), self.frozen[k]):
-                    raise OnnxInputError(
-                        f"{self.source}: input {k!r} was fixed to a value when the model was loaded (it "
-                        f"decides a shape); load the model again with this value")
-                extra.remove(k)
-        if extra:
-            raise OnnxInputError(f"{self.source}: the model has no input {extra[0]!r}; its inputs are "
-                                 f"{self._listing()}")
-        missing = [n for n in names if n not in feeds]
-        if missing:
-            raise OnnxInputError(f"{self.source}: missing input {missing[0]!r} "
-                                 f"({self.declared_inputs.get(missing[0], '')}); its inputs are {self._listing()}")
+        fixed = [k for k in feeds if k not in names and k in self.frozen]
+        for k in fixed:
+            if not np.array_equal(np.asarray(feeds[k]), self.frozen[k]):
+                raise OnnxInputError(
+                    f"{self.source}: input {k!r} was fixed to a value when the model was loaded (it "
+                    f"decides a shape); load the model again with this value")
+        check_input_names(self.source, {k: v for k, v in feeds.items() if k not in fixed}, names,
+                          self.declared_inputs, self._listing())
         out = {}
         for name, shape, dtype in self.feed_types():
-            x = feeds[name]
             declared = self.declared_inputs.get(name)
-            if dtype == STRING_DTYPE:
-                arr = as_strings(x, f"{self.source}: input {name!r} (declared {declared})")
-            else:
-                arr = x.numpy() if hasattr(x, "numpy") and not isinstance(x, np.ndarray) else np.asarray(x)
-            if arr.dtype != dtype:
-                raise OnnxInputError(f"{self.source}: input {name!r} must be {dtype} "
-                                     f"(declared {declared}), got {arr.dtype}")
+            arr = feed_array(self.source, name, feeds[name], dtype, declared)
             if arr.shape != shape:
                 diff = next((f"; dim {i} is {w} in this program, got {g}" for i, (w, g)
                              in enumerate(zip(shape, arr.shape)) if w != g), "")
