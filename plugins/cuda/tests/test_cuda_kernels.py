@@ -201,3 +201,23 @@ def test_rowwise_kernels(cuda, rng, cols):
     check(cuda, "softmax", [x], {"axis": -1})
     s, b = rng.standard_normal(cols).astype(np.float32), rng.standard_normal(cols).astype(np.float32)
     check(cuda, "layer_norm", [x, s, b], {"axis": -1, "epsilon": 1e-5})
+
+
+def test_integer_division_by_zero_is_refused(cuda):
+    """ONNX integer Div on cuda:0 refuses a zero divisor as onnxruntime does: its strict cast runs on
+    the host fallback, which sees the values (a GPU kernel would write an unspecified integer)."""
+    pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from polyhal.errors import ArithmeticDomainError
+    from polyhal.onnx import load
+
+    ints = [helper.make_tensor_value_info(n, TensorProto.INT64, [3]) for n in "ab"]
+    graph = helper.make_graph([helper.make_node("Div", ["a", "b"], ["y"])], "div", ints,
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, [3])])
+    program = load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8))
+    a = np.array([7, -7, 1], np.int64)
+    got = program.run({"a": a, "b": np.array([2, 2, -1])}, cuda.name)["y"]
+    np.testing.assert_array_equal(got, [3, -3, -1])
+    with pytest.raises(ArithmeticDomainError, match="division by zero"):
+        program.run({"a": a, "b": np.array([2, 0, 1])}, cuda.name)

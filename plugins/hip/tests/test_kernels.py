@@ -274,3 +274,15 @@ def test_every_generated_hip_source_is_clean():
         assert lint(source, name, "cuda") == [], name
         names.append(name)
     assert len(names) > 50
+
+
+def test_a_strict_cast_to_integers_runs_on_the_host_fallback(fake_device):
+    """A strict float -> integer cast (ONNX integer Div) must refuse nan/inf, which needs the
+    values: HIP hands it to the host fallback, whose reference checks; a plain cast stays a kernel."""
+    from polyhal.ir.types import TensorType
+
+    f64, i64 = (TensorType((4,), np.float64),), (TensorType((4,), np.int64),)
+    strict = fake_device.prepare("cast", {"dtype": "int64", "strict": True}, f64, i64)
+    assert getattr(strict.inner, "kernel_name", "") == "host-fallback(cast)"
+    plain = fake_device.prepare("cast", {"dtype": "int64"}, f64, i64)
+    assert getattr(plain.inner, "kernel_name", "") != "host-fallback(cast)"
