@@ -746,7 +746,8 @@ class _Importer:
         found = self._const_values.get(id(v))
         if found is not None and found[0] is v:
             return found[1]
-        value = self.builder.constant(v, "const")
+        # The importer's arrays (initializers, folded results) are read-only and never written.
+        value = self.builder.constant(v, "const", copy=False)
         self.deps[value.id] = frozenset()
         self._const_values[id(v)] = (v, value)
         return value
