@@ -144,9 +144,13 @@ class ProgramBuilder:
         self._inputs.append(value)
         return value
 
-    def constant(self, data: Any, name: str = "const", dtype: Any = None) -> Value:
-        """A value holding ``data`` (copied, read-only), part of the program like a weight."""
-        arr = np.array(data, dtype=dtype, copy=True)
+    def constant(self, data: Any, name: str = "const", dtype: Any = None, *, copy: bool = True) -> Value:
+        """A value holding ``data`` (copied, read-only), part of the program like a weight.
+
+        ``copy=False`` takes a read-only C-ordered array of the right type as it is, without a
+        second copy of a model's weights; the caller promises that nothing writes it later.
+        """
+        arr = np.array(data, dtype=dtype, copy=None if not copy and not _writeable(data) else True, order="C")
         arr.flags.writeable = False
         value = Value(TensorType(as_shape(arr.shape), as_dtype(arr.dtype)), self._fresh(name), self._id)
         self._constants.append((value, arr))
@@ -201,3 +205,6 @@ class ProgramBuilder:
         return Program(self.name, list(self._inputs), list(self._ops), list(self._outputs),
                        list(self._constants))
 
+
+def _writeable(data: Any) -> bool:
+    return not isinstance(data, np.ndarray) or data.flags.writeable

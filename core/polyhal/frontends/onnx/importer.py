@@ -25,6 +25,8 @@ must be given values with ``values=`` (:class:`NeedsValue` names them).
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
@@ -32,7 +34,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import ml_dtypes
 import numpy as np
 import onnx
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 from onnx import helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_model
 
@@ -449,6 +451,78 @@ def _same_ops_since(graph: onnx.GraphProto, old: int, new: int) -> bool:
     return True
 
 
+#: Initializers holding more bytes than this are kept out of the copies that validation makes.
+STRIP_ABOVE = 1024
+
+
+def _strip_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
+    """A copy of ``model`` without the data of its large top-level initializers, and those
+    initializers by name (the TensorProtos of ``model`` itself, not copies).
+
+    ONNX's checker and shape inference serialize the model and parse it back (a transformer's
+    weights would be held three or four times over); the copy they get declares each large
+    initializer as a graph input of its type and shape instead. :func:`_restore_placeholders`
+    turns those inputs back into data-less initializers that the importer fills from the
+    originals, so the weights exist once in the ModelProto and once as arrays, never more.
+    """
+    graph = model.graph
+    weights = {t.name: t for t in graph.initializer
+               if len(t.raw_data) > STRIP_ABOVE and t.data_location != onnx.TensorProto.EXTERNAL}
+    if not weights:
+        return model, {}
+    light = onnx.ModelProto()
+    for fd, value in model.ListFields():
+        if fd.name != "graph":
+            _copy_field(light, fd, value)
+    for fd, value in graph.ListFields():
+        if fd.name != "initializer":
+            _copy_field(light.graph, fd, value)
+    declared = {i.name for i in graph.input}
+    for t in graph.initializer:
+        if t.name not in weights:
+            light.graph.initializer.append(t)
+        elif t.name not in declared:
+            light.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return light, weights
+
+
+def _copy_field(dst: Any, fd: Any, value: Any) -> None:
+    if isinstance(value, Message):
+        getattr(dst, fd.name).CopyFrom(value)
+    elif isinstance(value, (str, bytes, int, float)):
+        setattr(dst, fd.name, value)
+    else:  # a repeated field
+        getattr(dst, fd.name).extend(value)
+
+
+def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
+                          weights: Mapping[str, onnx.TensorProto]) -> onnx.ModelProto:
+    """Undo :func:`_strip_weights` on the (inferred) copy: the inputs it added go, and every
+    stripped initializer comes back in its place as a TensorProto with name, type and dims but
+    no data (:meth:`_Importer._initializer` reads the data from ``weights``)."""
+    if not weights:
+        return model
+    declared = {i.name for i in original.graph.input}
+    inputs = [i for i in model.graph.input if i.name not in weights or i.name in declared]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    stripped = {t.name: t for t in model.graph.initializer}
+    del model.graph.initializer[:]
+    for t in original.graph.initializer:
+        w = weights.get(t.name)
+        model.graph.initializer.append(stripped[t.name] if w is None else
+                                       onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
+    return model
+
+
+def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.TensorProto]) -> onnx.ModelProto:
+    """``model`` with the data of its placeholder initializers copied back in from ``weights``."""
+    for t in model.graph.initializer:
+        if t.name in weights:
+            t.CopyFrom(weights[t.name])
+    return model
+
+
 def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     """ONNX's checker, then strict shape inference; returns the model with inferred value_info."""
     try:
@@ -517,12 +591,15 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     proto, read_as = read_model(model)
     source = source or read_as
     opset = default_opset(proto, source)
-    checked = _validate(proto, source) if validate else proto
+    light, weights = _strip_weights(proto) if validate else (proto, {})
+    checked = _restore_placeholders(_validate(light, source), proto, weights) if validate else proto
+    del light
     shapes, values, dims = shapes or {}, values or {}, {str(k): int(v) for k, v in (dims or {}).items()}
     limit = _fold_limit(fold_limit)
 
     def specialize(concrete: Mapping[str, Sequence[int]]) -> OnnxProgram:
-        importer = _Importer(checked, source, opset, {**shapes, **concrete}, values, dims, default_dim, name, limit)
+        importer = _Importer(checked, source, opset, {**shapes, **concrete}, values, dims, default_dim, name, limit,
+                             weights)
         try:
             return importer.run()
         except PolyhalError:
@@ -537,6 +614,8 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
             return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit).run()
         return StagedOnnxProgram(checked, source=source, opset=opset, import_segment=segment)
 
+    if weights and needs_staging(checked):
+        checked = _fill_placeholders(checked, weights)  # staging cuts submodels out of the whole model
     if needs_staging(checked):
         return staged()
     initialized = {t.name for t in checked.graph.initializer}
@@ -545,13 +624,27 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     if signature is None or all(s.dims is not None and all(isinstance(d, int) or d in dims for d in s.dims)
                                 for s in signature):
         try:
-            return specialize({})
+            program = specialize({})
         except NeedsStaging:
             return staged()
+        del proto, checked, weights
+        _trim_heap()
+        return program
     if needs_staging(checked, any_host_op=True):
         return staged()  # staging specializes each segment to the shapes it sees
     return DynamicOnnxProgram(source=source, opset=opset, signature=signature, bound=dims,
                               output_names=[o.name for o in checked.graph.output], specialize=specialize)
+
+
+def _trim_heap() -> None:
+    """Give the heap pages freed with the parsed ModelProto back to the system. protobuf parses
+    into many small blocks, which glibc keeps for reuse after they are freed: without this a
+    loaded model's process stays as large as if it still held its ModelProto (twice its weights)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
+        pass
 
 
 def _check_symbols(graph_inputs: Iterable[onnx.ValueInfoProto], dims: Mapping[str, int], source: str) -> None:
@@ -598,8 +691,9 @@ def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> lis
 
 class _Importer:
     def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name,
-                 fold_limit: int = FOLD_LIMIT):
+                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, onnx.TensorProto] | None = None):
         self.model = model
+        self.weights = weights or {}
         self.fold_limit = fold_limit
         self.source = source
         self.opset = opset
@@ -640,7 +734,8 @@ class _Importer:
         found = self._const_values.get(id(v))
         if found is not None and found[0] is v:
             return found[1]
-        value = self.builder.constant(v, "const")
+        # The importer's arrays (initializers, folded results) are read-only and never written.
+        value = self.builder.constant(v, "const", copy=False)
         self.deps[value.id] = frozenset()
         self._const_values[id(v)] = (v, value)
         return value
@@ -741,7 +836,7 @@ class _Importer:
         graph = self.model.graph
         env: dict[str, Val] = {}
         for t in graph.initializer:
-            env[t.name] = self._initializer(t)
+            env[t.name] = self._initializer(self.weights.get(t.name, t))
         for t in graph.sparse_initializer:
             env[t.values.name] = _Unsupported(f"sparse initializer {t.values.name!r}")
         declared_inputs = {}
@@ -854,7 +949,9 @@ class _Importer:
             raise OnnxModelError(f"{self.source}: {what} declares dims {list(t.dims)} but holds {arr.size} elements")
         if dtype == STRING_DTYPE:
             arr = as_strings(arr, f"{self.source}: {what}")
-        arr = np.array(arr, dtype=dtype, order="C")  # ascontiguousarray would make 0-d 1-d
+        # No second copy: to_array of raw_data is already a C-ordered array over bytes of its own
+        # (protobuf hands out a copy of raw_data), read-only. ascontiguousarray would make 0-d 1-d.
+        arr = np.asarray(arr, dtype=dtype, order="C")
         arr.flags.writeable = False
         return arr
 
