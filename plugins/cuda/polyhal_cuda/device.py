@@ -99,6 +99,13 @@ class CUDADevice(Device):
     dlpack_device_type = DL_CUDA
     kernels = TABLE
 
+    @property
+    def kernel_names(self) -> frozenset[str]:
+        """The ops its spec declares (:func:`polyhal_cuda.plugin.conv_path`: ``fused_conv`` only
+        where cuDNN runs it), so placement and the device agree on what it serves."""
+        declared = self.spec.kernel_names
+        return declared if declared is not None else TABLE.kernel_names
+
     def __init__(self, spec: DeviceSpec) -> None:
         import cupy
 
