@@ -222,31 +222,49 @@ def _valid(o_count, start, stride, size):
 
 
 @_jit
-def im2col(x, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
-    """(C, H, W) image x into (C * kh * kw, oh * ow) columns: row (c, i, j) holds, for each
-    output position, the input under tap (i, j) (0 in the padding)."""
-    channels, height, width = x.shape
+def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
+    """Images n0 .. n0 + nb of (N, C, H, W) x into (C * kh * kw, nb * oh * ow) columns: row
+    (c, i, j) holds, for each image and output position, the input under tap (i, j) (0 in the
+    padding). Flat offsets and views indexed by the loop counter, as in ``depthwise``: row views
+    of the 3-D input cost reference counting per output row, and short rows (7-14 wide) made
+    that overhead most of the time."""
+    _, channels, height, width = x.shape
+    ncols = cols.shape[1]
+    plane = oh * ow
+    nb = ncols // plane
+    xf, cf = x.reshape(-1), cols.reshape(-1)
     zero = f32(0.0)
+    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
+    for j in range(kw):
+        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
     for c in range(channels):
         for i in range(kh):
             for j in range(kw):
-                dst = cols[(c * kh + i) * kw + j]
-                x0 = j * dw - pw
-                lo, hi = _valid(ow, x0, sw, width)
-                for yo in range(oh):
-                    iy = yo * sh - ph + i * dh
-                    base = yo * ow
-                    if iy < 0 or iy >= height:
-                        dst[base:base + ow] = zero
-                        continue
-                    src = x[c, iy]
-                    dst[base:base + lo] = zero
-                    if sw == 1:
-                        dst[base + lo:base + hi] = src[x0 + lo:x0 + hi]
-                    else:
-                        for xo in range(lo, hi):
-                            dst[base + xo] = src[x0 + xo * sw]
-                    dst[base + hi:base + ow] = zero
+                r0 = ((c * kh + i) * kw + j) * ncols
+                lo, hi = los[j], his[j]
+                for b in range(nb):
+                    xplane = ((n0 + b) * channels + c) * height * width
+                    for yo in range(oh):
+                        d0 = r0 + b * plane + yo * ow
+                        row = cf[d0:d0 + ow]
+                        iy = yo * sh - ph + i * dh
+                        if iy < 0 or iy >= height or hi <= lo:
+                            for t in range(ow):
+                                row[t] = zero
+                            continue
+                        for t in range(lo):
+                            row[t] = zero
+                        for t in range(hi, ow):
+                            row[t] = zero
+                        s0 = xplane + iy * width + j * dw - pw + lo * sw
+                        dst = row[lo:hi]
+                        if sw == 1:
+                            src = xf[s0:s0 + hi - lo]
+                            for t in range(hi - lo):
+                                dst[t] = src[t]
+                        else:
+                            for t in range(hi - lo):
+                                dst[t] = xf[s0 + t * sw]
 
 
 @_jit

@@ -12,7 +12,7 @@ import polyhal.onnx
 from polyhal.errors import ProgramError, ShapeError
 from polyhal.ops import OPS
 from polyhal.ir.types import TensorType
-from polyhal_cpu import native
+from polyhal_cpu import conv_kernels, native
 from polyhal_cpu.kernels import prepare
 
 onnx = pytest.importorskip("onnx")
@@ -70,8 +70,21 @@ def test_conv_matches_onnxruntime(case, native_loops, tmp_path, monkeypatch):
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
 
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((5, 4, 9, 9), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((5, 6, 11, 10), (4, 3, 3, 3), {"group": 2, "strides": [2, 1], "pads": [1, 0, 2, 1], "dilations": [1, 2]}),
+])
+def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
+    """Several images' columns in one GEMM, grouped too, the last GEMM taking fewer images
+    (2 + 2 + 1 images of 81 positions; 3 + 2 of 42)."""
+    monkeypatch.setattr(conv_kernels, "GEMM_POSITIONS", 2 * 81)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+
+
 def test_conv_columns_are_the_plans_scratch():
-    """The im2col path declares its columns; a plan binds them (bufferize lists them)."""
+    """The im2col path declares its columns (and, stacking images, the GEMM's product); a plan
+    binds them (bufferize lists them)."""
     b = polyhal.ProgramBuilder("c")
     x = b.input("x", (1, 4, 9, 9))
     b.output(b.conv(x, b.constant(_f(8, 4, 3, 3)), strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1))
@@ -81,7 +94,13 @@ def test_conv_columns_are_the_plans_scratch():
         "conv", dict(plan.program.ops[0].attrs), (TensorType((1, 4, 9, 9), np.float32),
                                                   TensorType((8, 4, 3, 3), np.float32)),
         (TensorType((1, 8, 9, 9), np.float32),))
-    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4]
+    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4, 0]
+    if native.available(np.float32):  # four images' columns into one GEMM
+        req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
+            "conv", dict(plan.program.ops[0].attrs), (TensorType((4, 4, 9, 9), np.float32),
+                                                      TensorType((8, 4, 3, 3), np.float32)),
+            (TensorType((4, 8, 9, 9), np.float32),))
+        assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
