@@ -145,12 +145,34 @@ def test_conv_transpose_matches_onnxruntime(attrs, tmp_path):
     {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
     {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [0, 1, 1, 0], "ceil_mode": 1},
     {"kernel_shape": [2, 2], "dilations": [2, 1]},
+    {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]},
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1},
 ])
-def test_pools_match_onnxruntime(op, attrs, tmp_path):
+@pytest.mark.parametrize("shape", [(2, 3, 9, 8), (3, 4, 37, 45)])
+def test_pools_match_onnxruntime(op, attrs, shape, tmp_path):
     if op == "AveragePool" and "dilations" in attrs:
         attrs = {k: v for k, v in attrs.items() if k != "dilations"}  # onnxruntime's AveragePool has none
+    if op == "MaxPool" and "count_include_pad" in attrs:
+        attrs = {k: v for k, v in attrs.items() if k != "count_include_pad"}
     node = helper.make_node(op, ["x"], ["y"], **attrs)
-    _against_onnxruntime(node, {"x": _f(2, 3, 9, 8)}, {}, tmp_path)
+    _against_onnxruntime(node, {"x": _f(*shape)}, {}, tmp_path)
+
+
+@pytest.mark.parametrize("strides", [[1, 1], [2, 2]])
+def test_max_pool_keeps_nan(strides):
+    """A window holding a nan pools to nan wherever the nan lies in it (the compiled row loop
+    compares whole rows at once); -inf inputs are ordinary values."""
+    x = _f(1, 2, 8, 9)
+    x[0, 0, 3, 4], x[0, 1, 0, 0], x[0, 1, 5] = np.nan, np.nan, -np.inf
+    attrs = {"kernel_shape": [3, 3], "strides": strides, "pads": [1, 1, 1, 1], "dilations": [1, 1],
+             "ceil_mode": 0}
+    (out_type,) = OPS["max_pool"].infer((TensorType(x.shape, x.dtype),), attrs)
+    out = np.empty(out_type.shape, np.float32)
+    prepare("max_pool", attrs, (TensorType(x.shape, x.dtype),), (out_type,))(x, out)
+    (want,) = OPS["max_pool"].reference(x, **attrs)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(out).any()
+    np.testing.assert_allclose(out[~np.isnan(out)], want[~np.isnan(want)])
 
 
 def test_global_average_pool_matches_onnxruntime(tmp_path):
