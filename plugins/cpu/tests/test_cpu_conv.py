@@ -12,6 +12,7 @@ import polyhal.onnx
 from polyhal.errors import ProgramError, ShapeError
 from polyhal.ops import OPS
 from polyhal.ir.types import TensorType
+from polyhal_cpu import blas as polyhal_cpu_blas
 from polyhal_cpu import conv_kernels, native
 from polyhal_cpu.kernels import prepare
 
@@ -82,6 +83,26 @@ def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
 
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 4, 9, 8), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((1, 3, 10, 11), (5, 3, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),
+    ((2, 3, 29), (4, 3, 3), {"pads": [1, 2], "dilations": [2]}),  # 1-D
+    ((1, 4, 9, 9), (2, 4, 5, 5), {}),  # no padding
+])
+def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
+    """Stride-1 convolutions as one accumulating GEMM per tap over a padded image (taken here
+    from 16 output positions up, so that small shapes take it)."""
+    monkeypatch.setattr(conv_kernels, "SHIFTED_POSITIONS", 16)
+    out = TensorType(xs[:1] + ws[:1] + tuple(
+        xs[2 + i] + attrs.get("pads", [0] * 4)[i] + attrs.get("pads", [0] * 4)[i + len(ws) - 2]
+        - (ws[2 + i] - 1) * attrs.get("dilations", [1] * 2)[i] for i in range(len(ws) - 2)), np.float32)
+    geometry = conv_kernels._Conv({"group": 1} | attrs, TensorType(xs, np.float32), TensorType(ws, np.float32), out)
+    if polyhal_cpu_blas.gemm(np.float32) is not None:
+        assert geometry.path == "shifted"
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+
+
 def test_conv_columns_are_the_plans_scratch():
     """The im2col path declares its columns (and, stacking images, the GEMM's product); a plan
     binds them (bufferize lists them)."""
@@ -109,8 +130,10 @@ def test_conv_columns_are_the_plans_scratch():
 @pytest.mark.parametrize("shapes", [((2, 4, 7, 7), (8, 4, 3, 3), 1), ((1, 6, 7, 7), (6, 1, 3, 3), 6),
                                     ((1, 8, 5, 5), (4, 8, 1, 1), 1)])
 def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
-    """Every activation on every path, with and without a residual, against the reference."""
+    """Every activation on every path, with and without a residual, against the reference
+    (the 3x3 one on the shifted path with the compiled loops, through im2col without)."""
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
+    monkeypatch.setattr(conv_kernels, "SHIFTED_POSITIONS", 16 if native_loops == "1" else 1 << 30)
     xs, ws, group = shapes
     alpha, beta = {"clip": (-0.5, 0.7), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
     attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1] if ws[2] == 3 else [0] * 4, "dilations": [1, 1],
