@@ -162,9 +162,11 @@ def _numpy_columns(g: _Conv):
 
 @TABLE.register("conv", "fused_conv", scratch=[
     ScratchDecl("columns", shared=True, per_launch=_columns_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="im2col columns of one or a few images (C * taps x images * output positions)"),
+                purpose="im2col columns of one or a few images (C * taps x images * output positions); "
+                        "on the shifted path the weights tap by tap and one zero-padded image"),
     ScratchDecl("product", shared=True, per_launch=_product_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="the GEMM product of stacked images, (M, images, positions), before the output")])
+                purpose="the GEMM product before it is copied into the output: of stacked images "
+                        "(M, images, positions), or of the shifted path (M, rows * padded width)")])
 @float16_via_float32
 def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     g = _Conv(attrs, ins[0], ins[1], outs[0])

@@ -228,6 +228,16 @@ def _valid(o_count, start, stride, size):
 
 
 @_jit
+def _valid_columns(ow, kw, sw, pw, dw, width):
+    """For each kernel column j, the output range [lo, hi) whose input column lies in the
+    image (:func:`_valid`), once per call: integer divisions are slow in the loops."""
+    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
+    for j in range(kw):
+        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    return los, his
+
+
+@_jit
 def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     """Images n0 .. n0 + nb of (N, C, H, W) x into (C * kh * kw, nb * oh * ow) columns: row
     (c, i, j) holds, for each image and output position, the input under tap (i, j) (0 in the
@@ -240,9 +250,7 @@ def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     nb = ncols // plane
     xf, cf = x.reshape(-1), cols.reshape(-1)
     zero = f32(0.0)
-    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     for c in range(channels):
         for i in range(kh):
             for j in range(kw):
@@ -286,10 +294,7 @@ def depthwise(x, w, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, bet
     has_residual = residual.shape[0] != 0
     xf, of, wf = x.reshape(-1), out.reshape(-1), w.reshape(-1)
     rf = residual.reshape(-1)
-    # Each kernel column's valid output range, once (integer divisions are slow in the loop).
-    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     for n in range(n_img):
         for m in range(m_out):
             xplane = (n * channels + m // mult) * height * width
@@ -357,9 +362,7 @@ def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     rows, height, width = x.shape
     oh, ow = out.shape[1], out.shape[2]
     xf, of, vf = x.reshape(-1), out.reshape(-1), inv.reshape(-1)
-    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     start = f32(-np.inf) if is_max else f32(0.0)
     for r in range(rows):
         for yo in range(oh):
