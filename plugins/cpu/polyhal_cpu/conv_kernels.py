@@ -1,7 +1,7 @@
 """CPU kernels of the convolution family: ``conv`` and ``fused_conv``, ``conv_transpose``, and
 max/average pooling.
 
-One dispatch per op, whatever its groups. A convolution takes one of three paths, chosen in
+One dispatch per op, whatever its groups. A convolution takes one of four paths, chosen in
 ``prepare`` from shapes and attributes:
 
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
@@ -11,10 +11,15 @@ One dispatch per op, whatever its groups. A convolution takes one of three paths
   a compiled loop accumulating each output row tap by tap while it stays in L1, and finishing
   it (bias, residual, activation) before moving on (:func:`polyhal_cpu.native.depthwise`). A
   GEMM per channel would be ~C BLAS calls of a 1 x k^2 matrix each;
-* **im2col + GEMM** (everything else): per image, the columns (C * k..., output positions) are
-  written into the kernel's declared scratch (``columns``: planned by bufferization, never
-  allocated in a run), then one ``np.matmul`` over the groups, ``(group, M/group, C/group * k)
-  @ (group, C/group * k, positions)``, writes the image's output.
+* **shifted GEMMs** (stride 1, one group, planes from 28x28 up): no columns; the image is
+  padded once and each tap is one GEMM of its weights with a shifted view of the padded image,
+  accumulated by BLAS (see :func:`_shifted`);
+* **im2col + GEMM** (everything else): the columns (C * k..., output positions) are written
+  into the kernel's declared scratch (``columns``: planned by bufferization, never allocated in
+  a run), then one ``np.matmul`` over the groups, ``(group, M/group, C/group * k) @ (group,
+  C/group * k, positions)``, writes the output. Small planes (14x14, 7x7) stack the columns of
+  several images side by side into one GEMM (:data:`GEMM_POSITIONS`), whose product (declared
+  scratch ``product``) is then copied into the images' outputs; large ones take one image per GEMM.
 
 After the GEMM paths, one pass over the output applies the epilogue (bias, the residual of
 ``fused_conv``, its activation): a compiled loop for float32 (:func:`polyhal_cpu.native.epilogue`),
@@ -35,11 +40,24 @@ import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
-from polyhal_cpu import native
+from polyhal_cpu import blas, native
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
 
 _F32 = np.dtype(np.float32)
+#: Output positions one GEMM of the im2col path aims for. A 14x14 or 7x7 plane alone leaves
+#: OpenBLAS's sgemm with a few panels of work per call, so the planes of several images are
+#: stacked into one GEMM (measured on a 2-core VM: a batch of 8 through DenseNet's 3x3 convs at
+#: 14x14, 128 -> 32 channels, went from 8x onnxruntime's time to ~2x).
+GEMM_POSITIONS = 2048
+#: Largest im2col columns stacking images may grow to (one image's columns may be larger).
+COLUMNS_BYTES = 16 << 20
+#: Output positions from which a stride-1 convolution skips im2col (the shifted path): on a
+#: 56x56 plane the columns are 9x the input, written and read again, for a GEMM whose M (output
+#: channels: 32 in DenseNet) is small. Measured on a 2-core VM against im2col (batch 8, 3x3):
+#: 56x56 128 -> 32 channels 39 -> 19 ms, 64 -> 64 27 -> 17 ms; 28x28 128 -> 32 6.9 -> 5.3 ms,
+#: 128 -> 128 13.5 -> 12.3 ms; at 14x14 the nine short GEMMs lose (12.4 -> 13.4 ms).
+SHIFTED_POSITIONS = 28 * 28
 
 
 class _Conv:
@@ -62,18 +80,41 @@ class _Conv:
             self.s, self.pb, self.pe, self.d = [1] + s, [0] + self.pb, [0] + self.pe, [1] + d
             self.k, self.in_sp, self.out_sp = [1] + self.k, [1] + self.in_sp, [1] + self.out_sp
         native2d = len(self.k) == 2 and native.available(self.dtype)
+        # The padded image's geometry for the shifted path: its width, and its plane's length
+        # with the room the last taps read past the bottom-right corner.
+        self.wide = self.in_sp[-1] + self.pb[-1] + self.pe[-1]
+        self.plane = (self.in_sp[0] + self.pb[0] + self.pe[0]) * self.wide + (self.k[-1] - 1) * self.d[-1]
         if all(k == 1 for k in self.k) and all(v == 1 for v in self.s) and not any(p) and self.group == 1:
             self.path = "pointwise"
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
+        elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
+              and blas.gemm(self.dtype) is not None):
+            self.path = "shifted"
         else:
             self.path = "gemm"
         self.native_columns = native2d
+        one = self.c * self.taps * self.positions * self.dtype.itemsize
+        stack = max(1, min(self.batch, GEMM_POSITIONS // max(self.positions, 1), COLUMNS_BYTES // max(one, 1)))
+        #: Images whose columns go into one GEMM (the compiled im2col only; see GEMM_POSITIONS).
+        self.stack = -(-self.batch // -(-self.batch // stack)) if native2d and self.path == "gemm" else 1
 
     @property
     def columns_bytes(self) -> int:
-        """Bytes of one image's im2col columns (0 for the paths without them)."""
-        return self.c * self.taps * self.positions * self.dtype.itemsize if self.path == "gemm" else 0
+        """Bytes of the im2col columns of ``stack`` images; on the shifted path, of the weights
+        tap by tap and one padded image (0 for the paths without columns)."""
+        if self.path == "shifted":
+            return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
+        return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
+
+    @property
+    def product_bytes(self) -> int:
+        """Bytes of a stacked GEMM's product, (M, stack, positions), before it is laid out as
+        (stack, M, positions) in the output; on the shifted path, of one image's output over the
+        padded width (0 otherwise)."""
+        if self.path == "shifted":
+            return self.m * self.out_sp[0] * self.wide * self.dtype.itemsize
+        return self.m * self.stack * self.positions * self.dtype.itemsize if self.stack > 1 else 0
 
     def as2d(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """An (N, C, spatial...) shape as the 2-D kernels see it."""
@@ -83,6 +124,11 @@ class _Conv:
 def _columns_bytes(problem, _workgroup_size: int) -> int:
     x, w = problem.in_types[:2]
     return _Conv(problem.attrs, x, w, problem.out_types[0]).columns_bytes
+
+
+def _product_bytes(problem, _workgroup_size: int) -> int:
+    x, w = problem.in_types[:2]
+    return _Conv(problem.attrs, x, w, problem.out_types[0]).product_bytes
 
 
 def _numpy_columns(g: _Conv):
@@ -116,7 +162,11 @@ def _numpy_columns(g: _Conv):
 
 @TABLE.register("conv", "fused_conv", scratch=[
     ScratchDecl("columns", shared=True, per_launch=_columns_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="one image's im2col columns (C * taps x output positions)")])
+                purpose="im2col columns of one or a few images (C * taps x images * output positions); "
+                        "on the shifted path the weights tap by tap and one zero-padded image"),
+    ScratchDecl("product", shared=True, per_launch=_product_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="the GEMM product before it is copied into the output: of stacked images "
+                        "(M, images, positions), or of the shifted path (M, rows * padded width)")])
 @float16_via_float32
 def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     g = _Conv(attrs, ins[0], ins[1], outs[0])
@@ -161,9 +211,34 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
         return kernel
 
-    cols = scratch_array(scratch, "columns", g.dtype, (g.group, g.cg * g.taps, length))
-    numpy_fill = None if g.native_columns else _numpy_columns(g)
     k2 = g.cg * g.taps
+    if g.path == "shifted":
+        return _shifted(g, scratch, finish, has_bias, has_residual, zero_bias)
+    if g.native_columns:
+        stack = g.stack
+        flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
+        product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,)) if stack > 1 else None
+
+        def kernel(x, w, *rest):
+            out = rest[-1]
+            x4 = contiguous(x).reshape(g.as2d(x.shape))
+            w3 = w.reshape(g.group, g.mg, k2)
+            o3 = out.reshape(g.batch, g.m, length)
+            for n0 in range(0, g.batch, stack):
+                nb = min(stack, g.batch - n0)
+                cols = flat[:g.group * k2 * nb * length].reshape(g.group, k2, nb * length)
+                native.im2col(x4, n0, cols.reshape(g.c * g.taps, nb * length), g.k, g.s, g.pb, g.d, g.out_sp)
+                if nb == 1:
+                    matmul(w3, cols, out=o3[n0].reshape(g.group, g.mg, length))
+                    continue
+                prod = product[:g.m * nb * length].reshape(g.group, g.mg, nb * length)
+                matmul(w3, cols, out=prod)
+                np.copyto(o3[n0:n0 + nb], prod.reshape(g.m, nb, length).transpose(1, 0, 2))
+            finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+        return kernel
+
+    cols = scratch_array(scratch, "columns", g.dtype, (g.group, k2, length))
+    numpy_fill = _numpy_columns(g)
 
     def kernel(x, w, *rest):
         out = rest[-1]
@@ -171,11 +246,42 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         w3 = w.reshape(g.group, g.mg, k2)
         o4 = out.reshape(g.batch, g.group, g.mg, length)
         for n in range(g.batch):
-            if numpy_fill is None:
-                native.im2col(x4[n], cols.reshape(g.c * g.taps, length), g.k, g.s, g.pb, g.d, g.out_sp)
-            else:
-                numpy_fill(x4[n], cols)
+            numpy_fill(x4[n], cols)
             matmul(w3, cols, out=o4[n])
+        finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+    return kernel
+
+
+def _shifted(g: _Conv, scratch, finish, has_bias: bool, has_residual: bool, zero_bias: np.ndarray) -> Kernel:
+    """A stride-1 2-D convolution without im2col. The image is copied once into a zero-padded
+    plane of width ``wide``; read flat, output position (y, x) of that width sits at y * wide
+    + x, and tap (i, j) reads the plane at that offset plus i * dh * wide + j * dw. So each
+    tap is one GEMM of its (M, C) weights with a strided view of the padded planes (C rows, one
+    row per channel), accumulated (BLAS's beta) into an (M, oh * wide) product whose last
+    ``wide - ow`` columns of each row are discarded when it is copied into the output."""
+    gemm = blas.gemm(g.dtype)
+    (oh, ow), (kh, kw), wide, plane, taps = g.out_sp, g.k, g.wide, g.plane, g.taps
+    hp = g.in_sp[0] + g.pb[0] + g.pe[0]
+    buf = scratch_array(scratch, "columns", g.dtype, (taps * g.m * g.c + g.c * plane,))
+    wt = buf[:taps * g.m * g.c].reshape(taps, g.m, g.c)
+    padded = buf[taps * g.m * g.c:].reshape(g.c, plane)
+    inner = padded[:, :hp * wide].reshape(g.c, hp, wide)[:, g.pb[0]:g.pb[0] + g.in_sp[0],
+                                                          g.pb[1]:g.pb[1] + g.in_sp[1]]
+    product = scratch_array(scratch, "product", g.dtype, (g.m, oh * wide))
+    offsets = [i * g.d[0] * wide + j * g.d[1] for i in range(kh) for j in range(kw)]
+    length = oh * wide
+
+    def kernel(x, w, *rest):
+        out = rest[-1]
+        np.copyto(wt, w.reshape(g.m, g.c, taps).transpose(2, 0, 1))
+        o3 = out.reshape(g.batch, g.m, oh, ow)
+        x4 = x.reshape(g.as2d(x.shape))
+        padded.fill(0)  # the borders; the interior is overwritten per image
+        for n in range(g.batch):
+            np.copyto(inner, x4[n])
+            for t, off in enumerate(offsets):
+                gemm(wt[t], padded[:, off:off + length], product, 1.0, 1.0 if t else 0.0)
+            np.copyto(o3[n], product.reshape(g.m, oh, wide)[:, :, :ow])
         finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
     return kernel
 

@@ -102,7 +102,7 @@ def _warm(loops: dict[str, Callable]) -> None:
     ro_img = img.copy()
     ro_img.flags.writeable = False
     for x in (img, ro_img):
-        loops["im2col"](x[0], np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
+        loops["im2col"](x, 0, np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
         loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
         for residual in (none4, img):
             loops["depthwise"](x, w, ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
@@ -177,10 +177,11 @@ def epilogue(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: 
     _compiled()["epilogue"](y, bias, none, act, np.float32(alpha), np.float32(beta))
 
 
-def im2col(x: np.ndarray, cols: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, out: tuple) -> None:
-    """(C, H, W) ``x`` into (C * kh * kw, oh * ow) ``cols`` for a 2-D convolution with kernel
-    ``k``, strides ``s``, begin pads ``p``, dilations ``d`` and output size ``out``."""
-    _compiled()["im2col"](x, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], out[0], out[1])
+def im2col(x: np.ndarray, first: int, cols: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, out: tuple) -> None:
+    """Images ``first`` .. ``first + nb`` of C-contiguous (N, C, H, W) ``x`` into (C * kh * kw,
+    nb * oh * ow) ``cols`` (nb from its width) for a 2-D convolution with kernel ``k``, strides
+    ``s``, begin pads ``p``, dilations ``d`` and output size ``out``."""
+    _compiled()["im2col"](x, first, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], out[0], out[1])
 
 
 def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,

@@ -6,10 +6,11 @@ for a loop. Every loop takes float32 C-contiguous arrays and releases the GIL.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 from numba import njit
+
+from polyhal_cpu.native import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
@@ -50,19 +51,25 @@ def gelu_tanh(x, out):
 
 
 @_jit
+def gelu_erf_one(x, p, q):
+    """x/2 * (1 + erf(x / sqrt 2)) of one float32 x, erf(z) = z P(z^2) / Q(z^2) on z clamped
+    to [-4, 4] (``p``, ``q``: 7 and 5 coefficients, highest power first), evaluated in float64
+    and then combined in float32, as the numpy kernels of polyhal_cpu.kernels do (erf's error,
+    1e-7, times |x| / 2). In line, without a libm call, so that loops over it are vectorised."""
+    v = np.float64(x)
+    z = min(max(v * 0.7071067811865476, -4.0), 4.0)  # nan stays nan (min/max pass it)
+    z2 = z * z
+    n = ((((((p[0] * z2 + p[1]) * z2 + p[2]) * z2 + p[3]) * z2 + p[4]) * z2 + p[5]) * z2 + p[6]) * z
+    d = (((q[0] * z2 + q[1]) * z2 + q[2]) * z2 + q[3]) * z2 + q[4]
+    e = f32(n / d)  # erf rounded to float32 first, as the numpy kernel does: erf(+-4) is +-1
+    return (e * f32(0.5) + f32(0.5)) * x
+
+
+@_jit
 def gelu_erf(x, out, p, q):
-    """x/2 * (1 + erf(x / sqrt 2)) over 1-D x, erf(z) = z P(z^2) / Q(z^2) on z clamped to
-    [-4, 4] (``p``, ``q``: 7 and 5 coefficients, highest power first), evaluated in float64 and
-    then combined in float32, as the numpy kernels of polyhal_cpu.kernels do (erf's error,
-    1e-7, times |x| / 2)."""
+    """The erf GELU (:func:`gelu_erf_one`) over 1-D x."""
     for i in range(x.size):
-        v = np.float64(x[i])
-        z = min(max(v * 0.7071067811865476, -4.0), 4.0)  # nan stays nan (min/max pass it)
-        z2 = z * z
-        n = ((((((p[0] * z2 + p[1]) * z2 + p[2]) * z2 + p[3]) * z2 + p[4]) * z2 + p[5]) * z2 + p[6]) * z
-        d = (((q[0] * z2 + q[1]) * z2 + q[2]) * z2 + q[3]) * z2 + q[4]
-        e = f32(n / d)  # erf rounded to float32 first, as the numpy kernel does: erf(+-4) is +-1
-        out[i] = (e * f32(0.5) + f32(0.5)) * x[i]
+        out[i] = gelu_erf_one(x[i], p, q)
 
 
 @_jit
@@ -180,10 +187,9 @@ def activate_row(y, act, alpha, beta):
         for i in range(n):
             v = y[i]
             y[i] = v / (one + exp2(-v * f32(1.4426950408889634)))
-    elif act == 7:
+    elif act == 7:  # erf GELU in line: math.erf is a libm call per element, never vectorised (~8x slower)
         for i in range(n):
-            v = y[i]
-            y[i] = f32(0.5) * v * (one + f32(math.erf(v * f32(0.7071067811865476))))
+            y[i] = gelu_erf_one(y[i], ERF_P, ERF_Q)
     elif act == 8:
         k1 = f32(-2.0 * 0.7978845608028654 * 1.4426950408889634)
         k3 = f32(-2.0 * 0.7978845608028654 * 1.4426950408889634 * 0.044715)
@@ -222,31 +228,57 @@ def _valid(o_count, start, stride, size):
 
 
 @_jit
-def im2col(x, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
-    """(C, H, W) image x into (C * kh * kw, oh * ow) columns: row (c, i, j) holds, for each
-    output position, the input under tap (i, j) (0 in the padding)."""
-    channels, height, width = x.shape
+def _valid_columns(ow, kw, sw, pw, dw, width):
+    """For each kernel column j, the output range [lo, hi) whose input column lies in the
+    image (:func:`_valid`), once per call: integer divisions are slow in the loops."""
+    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
+    for j in range(kw):
+        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    return los, his
+
+
+@_jit
+def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
+    """Images n0 .. n0 + nb of (N, C, H, W) x into (C * kh * kw, nb * oh * ow) columns: row
+    (c, i, j) holds, for each image and output position, the input under tap (i, j) (0 in the
+    padding). Flat offsets and views indexed by the loop counter, as in ``depthwise``: row views
+    of the 3-D input cost reference counting per output row, and short rows (7-14 wide) made
+    that overhead most of the time."""
+    _, channels, height, width = x.shape
+    ncols = cols.shape[1]
+    plane = oh * ow
+    nb = ncols // plane
+    xf, cf = x.reshape(-1), cols.reshape(-1)
     zero = f32(0.0)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     for c in range(channels):
         for i in range(kh):
             for j in range(kw):
-                dst = cols[(c * kh + i) * kw + j]
-                x0 = j * dw - pw
-                lo, hi = _valid(ow, x0, sw, width)
-                for yo in range(oh):
-                    iy = yo * sh - ph + i * dh
-                    base = yo * ow
-                    if iy < 0 or iy >= height:
-                        dst[base:base + ow] = zero
-                        continue
-                    src = x[c, iy]
-                    dst[base:base + lo] = zero
-                    if sw == 1:
-                        dst[base + lo:base + hi] = src[x0 + lo:x0 + hi]
-                    else:
-                        for xo in range(lo, hi):
-                            dst[base + xo] = src[x0 + xo * sw]
-                    dst[base + hi:base + ow] = zero
+                r0 = ((c * kh + i) * kw + j) * ncols
+                lo, hi = los[j], his[j]
+                for b in range(nb):
+                    xplane = ((n0 + b) * channels + c) * height * width
+                    for yo in range(oh):
+                        d0 = r0 + b * plane + yo * ow
+                        row = cf[d0:d0 + ow]
+                        iy = yo * sh - ph + i * dh
+                        if iy < 0 or iy >= height or hi <= lo:
+                            for t in range(ow):
+                                row[t] = zero
+                            continue
+                        for t in range(lo):
+                            row[t] = zero
+                        for t in range(hi, ow):
+                            row[t] = zero
+                        s0 = xplane + iy * width + j * dw - pw + lo * sw
+                        dst = row[lo:hi]
+                        if sw == 1:
+                            src = xf[s0:s0 + hi - lo]
+                            for t in range(hi - lo):
+                                dst[t] = src[t]
+                        else:
+                            for t in range(hi - lo):
+                                dst[t] = xf[s0 + t * sw]
 
 
 @_jit
@@ -262,10 +294,7 @@ def depthwise(x, w, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, bet
     has_residual = residual.shape[0] != 0
     xf, of, wf = x.reshape(-1), out.reshape(-1), w.reshape(-1)
     rf = residual.reshape(-1)
-    # Each kernel column's valid output range, once (integer divisions are slow in the loop).
-    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     for n in range(n_img):
         for m in range(m_out):
             xplane = (n * channels + m // mult) * height * width
@@ -324,37 +353,51 @@ def col2im(cols, out, kh, kw, sh, sw, ph, pw, dh, dw, height, width):
 
 
 @_jit
-def _tap(o, k, stride, pad, dilation, size):
-    """The input index under tap ``k`` of output position ``o``, or -1 in the padding."""
-    i = o * stride - pad + k * dilation
-    return i if 0 <= i < size else -1
-
-
-@_jit
 def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     """Max (is_max) or average pooling of (R, H, W) x into (R, oh, ow) out; taps in the
-    padding are skipped; average multiplies the window's sum by inv (oh, ow)."""
+    padding are skipped; average multiplies the window's sum by inv (oh, ow). Each output row
+    is accumulated tap by tap over the output positions the tap reaches (flat offsets and views
+    indexed by the loop counter, as in ``depthwise``, so that LLVM vectorises the row: an element
+    at a time, ResNet's first pool took ~10x onnxruntime's time)."""
     rows, height, width = x.shape
     oh, ow = out.shape[1], out.shape[2]
+    xf, of, vf = x.reshape(-1), out.reshape(-1), inv.reshape(-1)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
+    start = f32(-np.inf) if is_max else f32(0.0)
     for r in range(rows):
         for yo in range(oh):
-            for xo in range(ow):
-                acc = f32(-np.inf) if is_max else f32(0.0)
-                for i in range(kh):
-                    iy = _tap(yo, i, sh, ph, dh, height)
-                    if iy < 0:
-                        continue
-                    for j in range(kw):
-                        ix = _tap(xo, j, sw, pw, dw, width)
-                        if ix < 0:
-                            continue
-                        v = x[r, iy, ix]
+            o0 = (r * oh + yo) * ow
+            row = of[o0:o0 + ow]
+            for t in range(ow):
+                row[t] = start
+            for i in range(kh):
+                iy = yo * sh - ph + i * dh
+                if iy < 0 or iy >= height:
+                    continue
+                for j in range(kw):
+                    lo, hi = los[j], his[j]
+                    s0 = (r * height + iy) * width + j * dw - pw + lo * sw
+                    dst = row[lo:hi]
+                    if sw == 1:
+                        src = xf[s0:s0 + hi - lo]
                         if is_max:
-                            if v > acc or v != v:
-                                acc = v
+                            for t in range(hi - lo):
+                                v, d = src[t], dst[t]
+                                dst[t] = v if v > d or v != v else d
                         else:
-                            acc += v
-                out[r, yo, xo] = acc if is_max else acc * inv[yo, xo]
+                            for t in range(hi - lo):
+                                dst[t] += src[t]
+                    elif is_max:
+                        for t in range(hi - lo):
+                            v, d = xf[s0 + t * sw], dst[t]
+                            dst[t] = v if v > d or v != v else d
+                    else:
+                        for t in range(hi - lo):
+                            dst[t] += xf[s0 + t * sw]
+            if not is_max:
+                scale = vf[yo * ow:yo * ow + ow]
+                for t in range(ow):
+                    row[t] *= scale[t]
 
 
 # ------------------------------------------------------------- channel-blocked (NCHWc, c = C)

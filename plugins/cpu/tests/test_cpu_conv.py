@@ -12,7 +12,8 @@ import polyhal.onnx
 from polyhal.errors import ProgramError, ShapeError
 from polyhal.ops import OPS
 from polyhal.ir.types import TensorType
-from polyhal_cpu import native
+from polyhal_cpu import blas as polyhal_cpu_blas
+from polyhal_cpu import conv_kernels, native
 from polyhal_cpu.kernels import prepare
 
 onnx = pytest.importorskip("onnx")
@@ -70,8 +71,41 @@ def test_conv_matches_onnxruntime(case, native_loops, tmp_path, monkeypatch):
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
 
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((5, 4, 9, 9), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((5, 6, 11, 10), (4, 3, 3, 3), {"group": 2, "strides": [2, 1], "pads": [1, 0, 2, 1], "dilations": [1, 2]}),
+])
+def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
+    """Several images' columns in one GEMM, grouped too, the last GEMM taking fewer images
+    (2 + 2 + 1 images of 81 positions; 3 + 2 of 42)."""
+    monkeypatch.setattr(conv_kernels, "GEMM_POSITIONS", 2 * 81)
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+
+
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 4, 9, 8), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),
+    ((1, 3, 10, 11), (5, 3, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),
+    ((2, 3, 29), (4, 3, 3), {"pads": [1, 2], "dilations": [2]}),  # 1-D
+    ((1, 4, 9, 9), (2, 4, 5, 5), {}),  # no padding
+])
+def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
+    """Stride-1 convolutions as one accumulating GEMM per tap over a padded image (taken here
+    from 16 output positions up, so that small shapes take it)."""
+    monkeypatch.setattr(conv_kernels, "SHIFTED_POSITIONS", 16)
+    out = TensorType(xs[:1] + ws[:1] + tuple(
+        xs[2 + i] + attrs.get("pads", [0] * 4)[i] + attrs.get("pads", [0] * 4)[i + len(ws) - 2]
+        - (ws[2 + i] - 1) * attrs.get("dilations", [1] * 2)[i] for i in range(len(ws) - 2)), np.float32)
+    geometry = conv_kernels._Conv({"group": 1} | attrs, TensorType(xs, np.float32), TensorType(ws, np.float32), out)
+    if polyhal_cpu_blas.gemm(np.float32) is not None:
+        assert geometry.path == "shifted"
+    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+
+
 def test_conv_columns_are_the_plans_scratch():
-    """The im2col path declares its columns; a plan binds them (bufferize lists them)."""
+    """The im2col path declares its columns (and, stacking images, the GEMM's product); a plan
+    binds them (bufferize lists them)."""
     b = polyhal.ProgramBuilder("c")
     x = b.input("x", (1, 4, 9, 9))
     b.output(b.conv(x, b.constant(_f(8, 4, 3, 3)), strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1))
@@ -81,7 +115,13 @@ def test_conv_columns_are_the_plans_scratch():
         "conv", dict(plan.program.ops[0].attrs), (TensorType((1, 4, 9, 9), np.float32),
                                                   TensorType((8, 4, 3, 3), np.float32)),
         (TensorType((1, 8, 9, 9), np.float32),))
-    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4]
+    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4, 0]
+    if native.available(np.float32):  # four images' columns into one GEMM
+        req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
+            "conv", dict(plan.program.ops[0].attrs), (TensorType((4, 4, 9, 9), np.float32),
+                                                      TensorType((8, 4, 3, 3), np.float32)),
+            (TensorType((4, 8, 9, 9), np.float32),))
+        assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
@@ -90,8 +130,10 @@ def test_conv_columns_are_the_plans_scratch():
 @pytest.mark.parametrize("shapes", [((2, 4, 7, 7), (8, 4, 3, 3), 1), ((1, 6, 7, 7), (6, 1, 3, 3), 6),
                                     ((1, 8, 5, 5), (4, 8, 1, 1), 1)])
 def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
-    """Every activation on every path, with and without a residual, against the reference."""
+    """Every activation on every path, with and without a residual, against the reference
+    (the 3x3 one on the shifted path with the compiled loops, through im2col without)."""
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
+    monkeypatch.setattr(conv_kernels, "SHIFTED_POSITIONS", 16 if native_loops == "1" else 1 << 30)
     xs, ws, group = shapes
     alpha, beta = {"clip": (-0.5, 0.7), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
     attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1] if ws[2] == 3 else [0] * 4, "dilations": [1, 1],
@@ -126,12 +168,34 @@ def test_conv_transpose_matches_onnxruntime(attrs, tmp_path):
     {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
     {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [0, 1, 1, 0], "ceil_mode": 1},
     {"kernel_shape": [2, 2], "dilations": [2, 1]},
+    {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1]},
+    {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1},
 ])
-def test_pools_match_onnxruntime(op, attrs, tmp_path):
+@pytest.mark.parametrize("shape", [(2, 3, 9, 8), (3, 4, 37, 45)])
+def test_pools_match_onnxruntime(op, attrs, shape, tmp_path):
     if op == "AveragePool" and "dilations" in attrs:
         attrs = {k: v for k, v in attrs.items() if k != "dilations"}  # onnxruntime's AveragePool has none
+    if op == "MaxPool" and "count_include_pad" in attrs:
+        attrs = {k: v for k, v in attrs.items() if k != "count_include_pad"}
     node = helper.make_node(op, ["x"], ["y"], **attrs)
-    _against_onnxruntime(node, {"x": _f(2, 3, 9, 8)}, {}, tmp_path)
+    _against_onnxruntime(node, {"x": _f(*shape)}, {}, tmp_path)
+
+
+@pytest.mark.parametrize("strides", [[1, 1], [2, 2]])
+def test_max_pool_keeps_nan(strides):
+    """A window holding a nan pools to nan wherever the nan lies in it (the compiled row loop
+    compares whole rows at once); -inf inputs are ordinary values."""
+    x = _f(1, 2, 8, 9)
+    x[0, 0, 3, 4], x[0, 1, 0, 0], x[0, 1, 5] = np.nan, np.nan, -np.inf
+    attrs = {"kernel_shape": [3, 3], "strides": strides, "pads": [1, 1, 1, 1], "dilations": [1, 1],
+             "ceil_mode": 0}
+    (out_type,) = OPS["max_pool"].infer((TensorType(x.shape, x.dtype),), attrs)
+    out = np.empty(out_type.shape, np.float32)
+    prepare("max_pool", attrs, (TensorType(x.shape, x.dtype),), (out_type,))(x, out)
+    (want,) = OPS["max_pool"].reference(x, **attrs)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(want))
+    assert np.isnan(out).any()
+    np.testing.assert_allclose(out[~np.isnan(out)], want[~np.isnan(want)])
 
 
 def test_global_average_pool_matches_onnxruntime(tmp_path):

@@ -313,6 +313,21 @@ def test_gather_out_of_range_raises():
         fn(data, idx, np.empty((2, 4), np.float32))
 
 
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_gather_of_one_index(axis):
+    """A scalar index (a slice copied as one block) against the reference, negative indices,
+    strided data and out of range included."""
+    data = np.random.default_rng(2).standard_normal((3, 5, 4)).astype(np.float32).transpose(1, 0, 2)
+    for i in (0, 2, -1, -3):
+        idx = np.array(i, np.int64)
+        (got,) = run("gather", [data, idx], {"axis": axis})
+        np.testing.assert_array_equal(got, np.take(data, i, axis=axis))
+    out_type = OPS["gather"].infer((ttype(data), ttype(idx)), {"axis": axis})[0]
+    fn = prepare("gather", {"axis": axis}, (ttype(data), ttype(idx)), (out_type,))
+    with pytest.raises(IndexError, match="out of bounds"):
+        fn(data, np.array(data.shape[axis], np.int64), np.empty(out_type.shape, np.float32))
+
+
 def test_large_matmul_uses_blas():
     """A 256x256 product is exact to float32 BLAS accuracy (and fast)."""
     rng = np.random.default_rng(5)

@@ -3,6 +3,8 @@ references, special values included, and are used only where they apply."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -58,6 +60,19 @@ def test_gelu_tanh(path):
     with np.errstate(invalid="ignore"):  # the reference warns on -inf * 0
         (nan,), _ = _run("gelu", [np.array([np.nan, -np.inf], np.float32)], {"approximate": "tanh"})
     assert np.isnan(nan).all()  # nan stays nan; -inf * 0 is nan, as in the reference
+
+
+def test_epilogue_gelu_is_the_gelu_kernels():
+    """A fused epilogue's erf GELU (conv, linear) gives the standalone loop's values bit for
+    bit, special values included: one formula, in line in both."""
+    x = np.concatenate([np.linspace(-9, 9, 1001), [np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38]]).astype(np.float32)
+    want = np.empty_like(x)
+    native.gelu_erf(x, want)
+    got = x.copy().reshape(1, -1)
+    native.epilogue(got, np.zeros(1, np.float32), None, native.activation_code("gelu"), 0.0, 0.0)
+    np.testing.assert_array_equal(got[0], want)
+    exact = np.array([v / 2 * (1 + math.erf(v / math.sqrt(2))) for v in x[:1001].astype(np.float64)])
+    np.testing.assert_allclose(got[0, :1001], exact, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("shape, axis", [((2, 37, 16), -1), ((5, 6, 7), 1), ((3, 4096), -1), ((1, 1, 1), -1)])
