@@ -32,18 +32,14 @@ from collections.abc import Callable
 
 import numpy as np
 
+from polyhal_cpu.rational_erf import ERF_P, ERF_Q
+
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
            "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col",
            "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
-#: erf(z) ~= z * P(z^2) / Q(z^2) on [-4, 4], the rational approximation XLA and Eigen use for
-#: single precision (coefficients highest power first; see polyhal_cpu.kernels' erf).
-ERF_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06, -5.69250639462346e-05,
-         -7.34990630326855e-04, -2.95459980854025e-03, -1.60960333262415e-02)
-ERF_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03, -7.37332916720468e-03,
-         -1.42647390514189e-02)
 _loops: dict[str, Callable] | None = None
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from polyhal_cpu.native import ERF_P, ERF_Q
+from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
