@@ -103,6 +103,15 @@ def uses_and_producers(program: Program) -> tuple["collections.Counter[int]", di
     return uses, {v.id: op for op in program.ops for v in op.outputs}
 
 
+def consumers_of(program: Program) -> dict[int, list[Op]]:
+    """For rewrite passes: the ops reading each value id, in program order."""
+    consumers: dict[int, list[Op]] = collections.defaultdict(list)
+    for op in program.ops:
+        for v in op.inputs:
+            consumers[v.id].append(op)
+    return consumers
+
+
 class ProgramBuilder:
     """Builds a :class:`Program` op by op, checking shapes and element types as it goes.
 

@@ -30,11 +30,10 @@ only where ``fusible("attention", ops)`` (``"masked_attention"``) says so (see
 
 from __future__ import annotations
 
-import collections
 
 import numpy as np
 
-from polyhal.ir.program import Op, Program, Value, uses_and_producers
+from polyhal.ir.program import Op, Program, Value, consumers_of, uses_and_producers
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs
 from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order, splice
@@ -43,10 +42,7 @@ from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order, spl
 def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
     """``program`` with attention heads fused where ``fusible`` allows, and what changed."""
     uses, producer = uses_and_producers(program)
-    consumers: dict[int, list[Op]] = collections.defaultdict(list)
-    for op in program.ops:
-        for v in op.inputs:
-            consumers[v.id].append(op)
+    consumers = consumers_of(program)
     constants = {v.id: data for v, data in program.constants}
 
     def dispatch(v: Value, name: str) -> Op | None:

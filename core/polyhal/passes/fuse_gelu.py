@@ -22,12 +22,11 @@ or ``"tanh"`` where ``fusible("gelu", ops)`` says so (see :mod:`polyhal.passes.f
 
 from __future__ import annotations
 
-import collections
 import math
 
 import numpy as np
 
-from polyhal.ir.program import Op, Program, Value, uses_and_producers
+from polyhal.ir.program import Op, Program, Value, consumers_of, uses_and_producers
 from polyhal.ops import canonical_attrs
 from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order, splice
 
@@ -40,10 +39,7 @@ def fuse_gelu(program: Program, fusible: Fusible = always) -> tuple[Program, lis
     """``program`` with GELU formulas fused into ``gelu`` ops where ``fusible`` allows, and what
     changed."""
     uses, producer = uses_and_producers(program)
-    consumers: dict[int, list[Op]] = collections.defaultdict(list)
-    for op in program.ops:
-        for v in op.inputs:
-            consumers[v.id].append(op)
+    consumers = consumers_of(program)
     constants = {v.id: data for v, data in program.constants}
 
     def const(v: Value, want: float) -> bool:
