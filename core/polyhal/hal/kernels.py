@@ -162,7 +162,8 @@ class KernelTable:
             stored = next((t for t in (*in_types, *out_types) if t.dtype in STORAGE_DTYPES), None)
             if stored is not None:
                 raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on {stored.dtype.name} "
-                                          f"({stored}): a storage-only element type this backend does not hold")
+                                          f"({stored}), a storage-only element type this backend does not hold; run the "
+                                          "op on a device that holds it (cpu:0), or cast to float32 there first")
         if all(t.size == 0 for t in out_types):
             return noop  # nothing to write (and numpy refuses some reductions of nothing)
         resolved = resolve_attrs(op, attrs)
