@@ -149,6 +149,32 @@ def prepare_batched(device: "Device", dtype: Any, m: int, n: int, k: int, batch:
 
 
 def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, batch, alpha, beta):
+    call = _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, m * n, batch, alpha, beta)
+    if call is None:
+        return None
+
+    def run(a, b, out):
+        if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
+            raise CUDAError("cuBLAS path needs contiguous operands")
+        call(a.data.ptr, b.data.ptr, out.data.ptr)
+
+    run.consts = call.consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
+    return run
+
+
+def prepare_strided(device: "Device", dtype: Any, m: int, n: int, k: int, batch: int, stride_a: int,
+                    stride_b: int, stride_c: int):
+    """``fn(a_ptr, b_ptr, c_ptr)``: for ``i < batch``, the row-major (m, n) matrix at ``c_ptr +
+    i * stride_c`` elements = (m, k) at ``a_ptr + i * stride_a`` @ (k, n) at ``b_ptr + i *
+    stride_b`` (a stride of 0 shares one matrix) -- device addresses, so that a caller can
+    address slices of scratch and outputs without making arrays; None when not covered."""
+    dtype = np.dtype(dtype)
+    if dtype not in _DATA or 0 in (m, n, k, batch):
+        return None
+    return _gemm_pointers(device, dtype, m, n, k, False, False, stride_a, stride_b, stride_c, batch, 1.0, 0.0)
+
+
+def _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, stride_c, batch, alpha, beta):
     blas = blas_for(device)
     if blas is None:
         return None
@@ -162,13 +188,11 @@ def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, bat
     op_a, ld_a = (OP_T, m) if trans_a else (OP_N, k)
     gemm = lib.cublasGemmStridedBatchedEx
 
-    def run(a, b, out):
-        if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
-            raise CUDAError("cuBLAS path needs contiguous operands")
-        status = gemm(handle, op_b, op_a, n, m, k, pa, b.data.ptr, dt, ld_b, stride_b, a.data.ptr, dt, ld_a,
-                      stride_a, pb, out.data.ptr, dt, n, m * n, batch, ct, GEMM_DEFAULT)
+    def call(a_ptr: int, b_ptr: int, c_ptr: int) -> None:
+        status = gemm(handle, op_b, op_a, n, m, k, pa, b_ptr, dt, ld_b, stride_b, a_ptr, dt, ld_a,
+                      stride_a, pb, c_ptr, dt, n, stride_c, batch, ct, GEMM_DEFAULT)
         if status != 0:
             raise CUDAError(f"cublasGemmStridedBatchedEx failed with status {status}", status=status)
 
-    run.consts = consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
-    return run
+    call.consts = consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
+    return call

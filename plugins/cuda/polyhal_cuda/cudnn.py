@@ -284,12 +284,22 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
 def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple:
     """The cuDNN workspace of one conv / fused_conv instance (building its graph: the engine is
     chosen when the plan is compiled)."""
+    from polyhal_cuda import nn
+
     graph, _, _ = plan(device, op, attrs, ins, outs)
-    if graph is None or graph.workspace == 0:
+    problem = Problem(op, attrs, tuple(ins), tuple(outs))
+    if graph is None:  # the im2col conv: its columns
+        columns = nn.columns_request(attrs, ins[:2], outs)
+        if columns is None:
+            return ()
+        decl = ScratchDecl("columns", shared=True, per_launch=columns[1], spaces=(MemorySpace.GLOBAL,),
+                           alignment=256, purpose=columns[0])
+        return (decl.request(problem, KernelInfo("im2col_conv", op, 1, 1, "cuda")),)
+    if graph.workspace == 0:
         return ()
     decl = ScratchDecl("workspace", shared=True, per_launch=graph.workspace, spaces=(MemorySpace.GLOBAL,),
                        alignment=256, purpose="cuDNN workspace of the chosen engine")
-    return (decl.request(Problem(op, attrs, tuple(ins), tuple(outs)), KernelInfo("cudnn_conv", op, 1, 1, "cuda")),)
+    return (decl.request(problem, KernelInfo("cudnn_conv", op, 1, 1, "cuda")),)
 
 
 def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
@@ -304,7 +314,10 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     alpha, beta = (float(attrs["alpha"]), float(attrs["beta"])) if fused else (0.0, 0.0)
     residual = fused and len(ins) == 4
     if graph is None:
-        conv = nn.prepare_conv(device, attrs, ins[:2] if fused else ins, outs)
+        requests = scratch_requests(device, op, attrs, ins, outs)
+        s = Scratch(device, requests, binding, lambda a: a.data.ptr)
+        conv = nn.prepare_conv(device, attrs, ins[:2] if fused else ins, outs, s.ptrs.get("columns"))
+        conv.scratch = s  # type: ignore[attr-defined]  (the columns live as long as the kernel)
         if not fused:
             conv.kernel_name = f"{conv.kernel_name}; {why}"  # type: ignore[attr-defined]
             return conv

@@ -20,7 +20,8 @@ Families and how they run:
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
 * conv and fused_conv (:mod:`.cudnn`): cuDNN graphs (conv + bias + residual + activation) when
   ``nvidia-cudnn-frontend`` is installed, else the im2col conv of :mod:`.nn`;
-* conv_transpose, pools (:mod:`.nn`): im2col-style index maps plus cuBLAS;
+* conv_transpose (:mod:`.nn`): an index map plus cuBLAS and a scatter-add; the pools: one CUDA C
+  kernel over a window map (float16 gathers with cupy);
 * data movement: cupy copies; ops that are pure gathers with a static pattern (pad, pack,
   unpack, expand) use an *index map* computed once at prepare time by running the op's own
   numpy reference on an iota tensor, then one gather kernel per run;

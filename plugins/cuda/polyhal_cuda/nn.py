@@ -1,14 +1,19 @@
-"""conv, conv_transpose and the pools on CUDA: static index maps plus cuBLAS.
+"""conv (without cuDNN), conv_transpose and the pools on CUDA: static index maps, CUDA C and cuBLAS.
 
 Which input element every (window tap, output position) pair reads depends only on the shapes
 and attributes, so :func:`window_map` computes it once, at prepare time, on the host (numpy,
 vectorised) and uploads it:
 
-* conv is im2col + matmul: ``cols[n, c, tap, pos] = x[n, c, map[tap, pos]]`` (0 where the tap
-  falls in the padding), then a batched cuBLAS product per group with the weights;
-* the pools gather the same columns and reduce over the taps (padding never wins a max; the
-  average divides by the taps inside the input, or inside the padded input with
-  ``count_include_pad``; lp computes in float64);
+* conv is im2col + GEMM: the ``im2col`` kernel (``cu/window.cu``) writes ``cols[n, c, tap, pos]
+  = x[n, c, map[tap, pos]]`` (0 where the tap falls in the padding) into the conv's *declared
+  scratch* -- sized for a chunk of images so that it stays bounded (:data:`COLUMNS_BUDGET`) --
+  and a strided-batched cuBLAS product per group writes the output in place. Nothing is
+  allocated while it runs, so a plan with it replays as a CUDA graph. (cuBLAS's GEMM over
+  explicit columns measured faster than a hand-written implicit GEMM would be on most shapes;
+  the columns cost scratch, which the plan's arena shares between ops.)
+* the pools run one CUDA C thread per output element over the taps (padding never wins a max;
+  the average divides by the taps inside the input, or inside the padded input with
+  ``count_include_pad``; lp computes in float64); float16 pools gather with cupy;
 * conv_transpose is the adjoint: a batched product gives every (output channel, tap, input
   position) contribution, scattered (atomic adds) into the output positions a second map
   names, dropping those the ``pads`` crop away.
@@ -53,26 +58,130 @@ def window_map(size: tuple, kernel: tuple, strides: tuple, pads_begin: tuple, di
     return flat, valid
 
 
-def prepare_conv(device: "Device", attrs: dict, ins, outs):
+#: Bytes of im2col columns one conv's scratch holds at most (the conv runs that many images at a
+#: time; one image's columns are always held, however large).
+COLUMNS_BUDGET = 64 << 20
+#: ``cu/window.cu``'s kernels and their template instances.
+WINDOW_SOURCE = "window.cu"
+_COPY_TYPES = {2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+_POOL_TYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double",
+               np.dtype(np.int8): "signed char", np.dtype(np.uint8): "unsigned char"}
+WINDOW_EXPRESSIONS = tuple(f"im2col<{t}>" for t in _COPY_TYPES.values()) + tuple(
+    f"max_pool<{t}>" for t in _POOL_TYPES.values()) + ("sum_pool<float>", "sum_pool<double>")
+
+
+class ConvShape:
+    """One conv instance's geometry: images ``N``, channels ``C`` -> ``M`` in ``g`` groups, taps
+    ``K``, input plane ``S`` and output positions ``L`` elements, and the images per chunk."""
+
+    def __init__(self, attrs: dict, ins, outs) -> None:
+        x_t, w_t = ins[0], ins[1]
+        n = x_t.rank - 2
+        self.strides = _spatial(attrs["strides"], n, 1)
+        self.pads = _spatial(attrs["pads"], n, 0, 2)
+        self.dilations = _spatial(attrs["dilations"], n, 1)
+        self.g = int(attrs["group"])
+        self.N, self.C = x_t.shape[:2]
+        self.M = w_t.shape[0]
+        self.kernel = tuple(w_t.shape[2:])
+        self.size, self.out = tuple(x_t.shape[2:]), tuple(outs[0].shape[2:])
+        self.K, self.L, self.S = math.prod(self.kernel), math.prod(self.out), math.prod(self.size)
+        self.itemsize = outs[0].dtype.itemsize
+        per_image = self.C * self.K * self.L * self.itemsize
+        self.chunk = max(1, min(self.N, COLUMNS_BUDGET // max(per_image, 1)))
+        self.columns_bytes = self.chunk * per_image
+
+    def window_map(self) -> np.ndarray:
+        """int32 map ``(K, L)``: the flat input index each tap of each position reads, -1 in the padding."""
+        n = len(self.size)
+        flat, valid = window_map(self.size, self.kernel, self.strides, self.pads[:n], self.dilations, self.out)
+        return np.where(valid, flat, -1).astype(np.int32)
+
+
+def columns_request(attrs: dict, ins, outs) -> tuple[str, int] | None:
+    """(purpose, bytes) of the im2col columns a conv instance declares as scratch, or None when
+    it has no columns to hold (empty operands)."""
+    if any(t.size == 0 for t in (*ins, *outs)):
+        return None
+    c = ConvShape(attrs, ins, outs)
+    return (f"im2col columns of {c.chunk} of {c.N} image(s) at a time", c.columns_bytes)
+
+
+def prepare_conv(device: "Device", attrs: dict, ins, outs, columns_ptr: int | None = None):
+    """``fn(x, w[, b], out)``: im2col into the scratch at ``columns_ptr`` + cuBLAS (see the
+    module doc); the cupy gather + matmul, which allocates, where cuBLAS cannot be called
+    directly, no scratch was given, or the operands are empty."""
     import cupy as cp
 
-    x_t, w_t = ins[0], ins[1]
-    n = x_t.rank - 2
-    s = _spatial(attrs["strides"], n, 1)
-    p = _spatial(attrs["pads"], n, 0, 2)
-    d = _spatial(attrs["dilations"], n, 1)
-    g = int(attrs["group"])
-    N, C = x_t.shape[:2]
-    M = w_t.shape[0]
-    k = w_t.shape[2:]
-    out_sp = outs[0].shape[2:]
-    flat, valid = window_map(x_t.shape[2:], k, s, p[:n], d, out_sp)
-    K, L, S = flat.shape[0], flat.shape[1], math.prod(x_t.shape[2:])
+    from polyhal_cuda import blas
+    from polyhal_cuda.cuda_source import function
+    from polyhal_gpu.launch import BLOCK, grid, multiprocessors
+
+    c = ConvShape(attrs, ins, outs)
+    N, C, M, g, K, L, S = c.N, c.C, c.M, c.g, c.K, c.L, c.S
     cg, mg = C // g, M // g
     dtype = outs[0].dtype
+    has_bias = len(ins) == 3
+    n = len(c.size)
+    bias_shape = (M,) + (1,) * n
+    direct = columns_ptr is not None and dtype.itemsize in _COPY_TYPES and not any(
+        t.size == 0 for t in (*ins, *outs))
+    # Ungrouped convs batch the images of a chunk in one GEMM (shared weights), grouped ones one
+    # GEMM per group over the chunk's images -- or, with more groups than images per chunk
+    # (depthwise), one GEMM per image over its groups.
+    by_group = g > 1 and g > c.chunk
+    chunks = [(n0, min(c.chunk, N - n0)) for n0 in range(0, N, c.chunk)]
+    gemm = tail = None
+    if direct:
+        if by_group:
+            gemm = blas.prepare_strided(device, dtype, mg, L, cg * K, g, mg * cg * K, cg * K * L, mg * L)
+        else:
+            gemm = blas.prepare_strided(device, dtype, mg, L, cg * K, c.chunk, 0, C * K * L, M * L)
+            last = chunks[-1][1]
+            tail = gemm if last == c.chunk else blas.prepare_strided(device, dtype, mg, L, cg * K, last, 0,
+                                                                      C * K * L, M * L)
+    if gemm is None:
+        return _gathered_conv(device, c, has_bias, dtype)
+    with device.activate():
+        dmap = cp.asarray(c.window_map())
+    copy = function(device, WINDOW_SOURCE, WINDOW_EXPRESSIONS, f"im2col<{_COPY_TYPES[dtype.itemsize]}>")
+    launch, sms = device.launch, multiprocessors(device)
+    item = dtype.itemsize
+    s_, k_, l_ = np.int64(S), np.int32(K), np.int64(L)
+    image_cols, image_out = C * K * L * item, M * L * item
+    w_group, cols_group, out_group = mg * cg * K * item, cg * K * L * item, mg * L * item
+    cols = np.uint64(columns_ptr)
+
+    def conv(x, w, *rest):
+        out = rest[-1]
+        xp, wp, op = x.data.ptr, w.data.ptr, out.data.ptr
+        for n0, nb in chunks:
+            planes = nb * C
+            launch(copy, "im2col", grid(planes * K * L, sms), (BLOCK,),
+                   (np.uint64(xp + n0 * C * S * item), cols, dmap, np.int64(planes), s_, k_, l_))
+            if by_group:
+                for i in range(nb):
+                    gemm(wp, columns_ptr + i * image_cols, op + (n0 + i) * image_out)
+            else:
+                call = gemm if nb == c.chunk else tail
+                for gi in range(g):
+                    call(wp + gi * w_group, columns_ptr + gi * cols_group, op + n0 * image_out + gi * out_group)
+        if has_bias:
+            out += rest[0].reshape(bias_shape)
+    conv.kernel_name = "conv (im2col into scratch + cuBLAS)"  # type: ignore[attr-defined]
+    return conv
+
+
+def _gathered_conv(device: "Device", c: ConvShape, has_bias: bool, dtype: Any):
+    """The conv as cupy gather + matmul (allocates its columns while it runs)."""
+    import cupy as cp
+
+    N, C, M, g, K, L, S = c.N, c.C, c.M, c.g, c.K, c.L, c.S
+    cg, mg = C // g, M // g
+    n = len(c.size)
+    flat, valid = window_map(c.size, c.kernel, c.strides, c.pads[:n], c.dilations, c.out)
     with device.activate():
         dmap, dmask = cp.asarray(flat), cp.asarray(valid.astype(dtype))
-    has_bias = len(ins) == 3
 
     def kernel(x, w, *rest):
         out = rest[-1]
@@ -80,7 +189,7 @@ def prepare_conv(device: "Device", attrs: dict, ins, outs):
         cols *= dmask  # taps in the padding read 0
         cols = cols.reshape(N, g, cg * K, L)
         res = cp.matmul(w.reshape(g, mg, cg * K), cols)  # (N, g, mg, L)
-        res = res.reshape((N, M) + tuple(out_sp))
+        res = res.reshape((N, M) + c.out)
         if has_bias:
             res += rest[0].reshape((M,) + (1,) * n)
         cp.copyto(out, res)
@@ -173,6 +282,10 @@ def prepare_pool(device: "Device", op: str, attrs: dict, ins, outs):
             count = inside.sum(0)
         else:
             count = valid.sum(0)
+    if dtype in _POOL_TYPES and (kind == "max" or dtype.kind == "f"):
+        return _window_pool(device, kind, dtype, np.where(valid, flat, -1).astype(np.int32),
+                            count if kind == "avg" else None, float(attrs["p"]) if kind == "lp" else 0.0,
+                            N * C, S, outs[0])
     with device.activate():
         dmap, dvalid = cp.asarray(flat), cp.asarray(valid)
         dcount = cp.asarray(count.astype(np.float64)) if kind == "avg" else None
@@ -195,6 +308,38 @@ def prepare_pool(device: "Device", op: str, attrs: dict, ins, outs):
         cols = cp.where(dvalid, cp.abs(x.reshape(N, C, S)[:, :, dmap].astype(np.float64)), 0.0)
         cp.copyto(out, ((cols ** pw).sum(axis=2) ** (1.0 / pw)).reshape(out.shape), casting="unsafe")
     return lp_pool
+
+
+def _window_pool(device: "Device", kind: str, dtype: Any, wmap: np.ndarray, count: Any, p: float, planes: int,
+                 S: int, out_t) -> Any:
+    """``fn(x, out)``: a pool as one ``cu/window.cu`` kernel (one thread per output element)."""
+    import cupy as cp
+
+    from polyhal_cuda.cuda_source import function
+    from polyhal_gpu.launch import BLOCK, grid, multiprocessors
+
+    K, L = wmap.shape
+    with device.activate():
+        dmap = cp.asarray(wmap)
+        dcount = cp.asarray(np.asarray(count, np.float64)) if count is not None else None
+    ctype = _POOL_TYPES[dtype]
+    expression = f"max_pool<{ctype}>" if kind == "max" else f"sum_pool<{ctype}>"
+    fn = function(device, WINDOW_SOURCE, WINDOW_EXPRESSIONS, expression)
+    launch, shape = device.launch, grid(planes * L, multiprocessors(device))
+    geometry = (np.int64(planes), np.int64(S), np.int32(K), np.int64(L))
+    if kind == "max":
+        def max_pool(x, out):
+            launch(fn, expression, shape, (BLOCK,), (x, out, dmap) + geometry)
+        max_pool.kernel_name = expression  # type: ignore[attr-defined]
+        return max_pool
+    # lp pools pass no counts (a null pointer) and their p; averages pass p = 0
+    counts = dcount if dcount is not None else np.uint64(0)
+    pw = np.float64(p)
+
+    def sum_pool(x, out):
+        launch(fn, expression, shape, (BLOCK,), (x, out, dmap, counts) + geometry + (pw,))
+    sum_pool.kernel_name = f"{expression} ({kind})"  # type: ignore[attr-defined]
+    return sum_pool
 
 
 #: A fused epilogue's activation on ``v`` (compute type ``C``; ``a``, ``b`` are alpha and beta),

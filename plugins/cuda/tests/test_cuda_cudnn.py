@@ -1,6 +1,9 @@
 """conv and fused_conv through cuDNN (polyhal_cuda.cudnn) against float64 references: groups,
 depthwise, stride / dilation / asymmetric pads, 1-d and 3-d, every epilogue activation with and
-without a residual; the fallback when cuDNN is off; what the plugin advertises (GPU for most)."""
+without a residual; the fallback when cuDNN is off; what the plugin advertises (GPU for most).
+Then the backend's own conv (im2col into declared scratch + cuBLAS, used without cuDNN) and its
+pooling kernels (``cu/window.cu``): every conv case, chunked columns, float16/64, a plan that
+replays as a CUDA graph with cuDNN off, and the pools per element type."""
 
 from __future__ import annotations
 
@@ -9,9 +12,9 @@ import pytest
 
 import polyhal
 from polyhal.ir.types import TensorType
-from polyhal.ops import OPS
+from polyhal.ops import OPS, resolve_attrs
 
-from polyhal_cuda import cudnn, plugin
+from polyhal_cuda import cudnn, nn, plugin
 from polyhal_cuda.kernels import KERNEL_NAMES
 
 # (x shape, w shape, attrs): the shapes the CNNs of the suite have, and the corners.
@@ -166,3 +169,113 @@ def test_compiled_resnet_block(cuda, rng, tmp_path):
     for _ in range(3):  # the first run records the CUDA graph, later ones replay it
         (got,) = program.execute(plan, {"x": x}).values()
         assert _rel_error(np.asarray(got), want) < 5e-6
+
+
+# ------------------------------------------------- the backend's own conv and pools (no cuDNN)
+
+@pytest.fixture
+def no_cudnn(monkeypatch):
+    monkeypatch.setenv("POLYHAL_CUDA_CUDNN", "0")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("budget", [None, 1])
+def test_im2col_conv_against_float64(cuda, rng, no_cudnn, monkeypatch, case, budget):
+    if budget is not None:  # one image's columns at a time: the chunked path, with a tail chunk
+        monkeypatch.setattr(nn, "COLUMNS_BUDGET", budget)
+    xs, ws, extra = CASES[case]
+    xs = (3,) + xs[1:]  # three images: chunks of 1 leave no tail; the default holds all three
+    attrs = _attrs(xs, ws, extra)
+    inputs = [rng.standard_normal(xs, dtype=np.float32), rng.standard_normal(ws, dtype=np.float32),
+              rng.standard_normal(ws[0], dtype=np.float32)]
+    got, name = _run(cuda, "conv", inputs, attrs)
+    assert name.startswith("conv (im2col into scratch"), name
+    assert _rel_error(got, _reference("conv", inputs, attrs)) < 2e-6, (case, _rel_error(got, _reference("conv", inputs, attrs)))
+
+
+def test_im2col_conv_tail_chunk(cuda, rng, no_cudnn, monkeypatch):
+    xs, ws, extra = CASES["3x3"]
+    xs = (5,) + xs[1:]
+    per_image = xs[1] * 9 * 12 * 12 * 4
+    monkeypatch.setattr(nn, "COLUMNS_BUDGET", 2 * per_image)  # chunks of 2, 2, 1
+    assert nn.ConvShape(_attrs(xs, ws, extra), (TensorType(xs, np.float32), TensorType(ws, np.float32)),
+                        (TensorType((5, 16, 12, 12), np.float32),)).chunk == 2
+    inputs = [rng.standard_normal(xs, dtype=np.float32), rng.standard_normal(ws, dtype=np.float32)]
+    got, _ = _run(cuda, "conv", inputs, _attrs(xs, ws, extra))
+    assert _rel_error(got, _reference("conv", inputs, _attrs(xs, ws, extra))) < 2e-6
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_im2col_conv_other_float_types(cuda, rng, no_cudnn, dtype):
+    xs, ws, extra = CASES["groups2"]
+    attrs = _attrs(xs, ws, extra)
+    inputs = [rng.standard_normal(xs).astype(dtype), rng.standard_normal(ws).astype(dtype)]
+    got, name = _run(cuda, "conv", inputs, attrs)
+    assert name.startswith("conv (im2col into scratch"), name
+    tol = 2e-3 if dtype == np.float16 else 1e-12
+    assert _rel_error(got.astype(np.float64), _reference("conv", inputs, attrs)) < tol
+
+
+def test_cnn_plan_without_cudnn_replays_as_a_graph(cuda, rng, no_cudnn):
+    """conv -> relu -> max_pool -> conv -> avg_pool: the columns are plan scratch, nothing
+    allocates in a step, so the plan is captured and replayed."""
+    b = polyhal.ProgramBuilder("cnn")
+    x = b.input("x", (2, 4, 16, 16))
+    w1, w2 = b.input("w1", (8, 4, 3, 3)), b.input("w2", (8, 2, 3, 3))
+    c1 = b.op("conv", x, w1, pads=[1, 1, 1, 1])
+    p1 = b.op("max_pool", b.relu(c1), kernel_shape=[2, 2], strides=[2, 2])
+    c2 = b.op("conv", p1, w2, pads=[1, 1, 1, 1], group=4)
+    b.output(b.op("avg_pool", c2, kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
+    plan = polyhal.compile(b.build(), cuda.name)
+    for _ in range(4):
+        xs = rng.standard_normal((2, 4, 16, 16), dtype=np.float32)
+        a, c = rng.standard_normal((8, 4, 3, 3), dtype=np.float32), rng.standard_normal((8, 2, 3, 3), dtype=np.float32)
+        want = xs.astype(np.float64)
+        want = OPS["conv"].reference(want, a.astype(np.float64), **_attrs(want.shape, a.shape, dict(pads=[1, 1, 1, 1])))[0]
+        want = OPS["max_pool"].reference(np.maximum(want, 0), **resolve_attrs("max_pool", dict(kernel_shape=[2, 2], strides=[2, 2])))[0]
+        want = OPS["conv"].reference(want, c.astype(np.float64), **_attrs(want.shape, c.shape, dict(pads=[1, 1, 1, 1], group=4)))[0]
+        want = OPS["avg_pool"].reference(want, **resolve_attrs("avg_pool", dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])))[0]
+        got = plan(xs, a, c)
+        assert _rel_error(got.numpy(), want) < 5e-6
+    assert plan.replay.mode == "graph", plan.replay.reason
+
+
+def _run_pool(cuda, op, x, attrs):
+    import cupy as cp
+
+    (out_t,) = OPS[op].infer((TensorType(x.shape, x.dtype),), attrs)
+    fn = cuda.prepare(op, attrs, (TensorType(x.shape, x.dtype),), (out_t,))
+    with cuda.activate():
+        dx, out = cp.asarray(x), cp.zeros(out_t.shape, out_t.dtype)
+    fn(dx, out)
+    cuda.synchronize()
+    return cp.asnumpy(out), getattr(getattr(fn, "inner", fn), "kernel_name", "")
+
+
+POOLS = {
+    "max_2x2_s2": ("max_pool", (2, 3, 9, 8), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    "max_3x3_pads_dil": ("max_pool", (1, 2, 10, 10), dict(kernel_shape=[3, 3], pads=[1, 2, 2, 1], dilations=[2, 1])),
+    "avg_3x3_pads": ("avg_pool", (2, 3, 9, 9), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1])),
+    "avg_count_pad": ("avg_pool", (2, 3, 9, 9), dict(kernel_shape=[3, 3], pads=[1, 1, 1, 1], count_include_pad=1)),
+    "avg_1d": ("avg_pool", (2, 3, 17), dict(kernel_shape=[4], strides=[3], pads=[1, 2])),
+    "lp_p3": ("lp_pool", (1, 2, 8, 8), dict(kernel_shape=[3, 3], p=3)),
+    "max_3d": ("max_pool", (1, 2, 5, 6, 7), dict(kernel_shape=[2, 3, 2], strides=[1, 2, 2])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POOLS))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int8, np.uint8, np.float16])
+def test_pools_against_reference(cuda, rng, case, dtype):
+    op, shape, attrs = POOLS[case]
+    if dtype in (np.int8, np.uint8) and op != "max_pool":
+        pytest.skip("only MaxPool takes 8-bit integers")
+    x = (rng.standard_normal(shape) * 50).astype(dtype) if np.dtype(dtype).kind != "f" else rng.standard_normal(shape).astype(dtype)
+    if np.dtype(dtype).kind == "f" and op == "max_pool":
+        x.flat[3] = np.nan  # nan propagates through a max
+    attrs = resolve_attrs(op, attrs)
+    got, name = _run_pool(cuda, op, x, attrs)
+    want = OPS[op].reference(x.astype(np.float64) if op != "max_pool" else x, **attrs)[0]
+    if dtype in (np.float32, np.float64, np.int8, np.uint8) and (op == "max_pool" or np.dtype(dtype).kind == "f"):
+        assert "pool<" in name, name
+    tol = 2e-3 if dtype == np.float16 else 1e-6
+    np.testing.assert_allclose(got.astype(np.float64), np.asarray(want, np.float64), rtol=tol, atol=tol)
