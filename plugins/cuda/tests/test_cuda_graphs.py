@@ -45,7 +45,7 @@ def test_replay_rebinds_device_tensors_and_out(cuda, rng):
         x = polyhal.asarray(rng.standard_normal(1000).astype(np.float32), device=cuda)
         y = polyhal.asarray(rng.uniform(0.5, 1.5, 1000).astype(np.float32), device=cuda)
         plan(x, y, out=out)
-        np.testing.assert_allclose(out.numpy(), _ref(x.numpy(), y.numpy(), 6), rtol=1e-4)
+        np.testing.assert_allclose(out.numpy(), _ref(x.numpy(), y.numpy(), 6), rtol=1e-4, atol=1e-6)  # sums may cancel to ~0
     assert plan.replay.mode == "graph"
 
 
