@@ -190,3 +190,51 @@ def test_on_change_returns_an_unsubscribe():
     unsubscribe()  # twice is harmless
     reg.register(type("P", (), {})(), name="p2")
     assert calls == [1]
+
+
+COUNTING_BACKEND = '''
+import polyhal
+from polyhal_cpu.device import CPUDevice
+from polyhal_cpu.allocator import host_heap
+POLYHAL_API_VERSION = polyhal.API_VERSION
+asked = []
+
+@polyhal.hookimpl
+def register_devices():
+    asked.append(1)  # a driver enumerated: what a device named elsewhere must not cost
+    return [polyhal.DeviceSpec(name="far:0", backend="far", rank=99, factory=CPUDevice, heaps=(host_heap(),))]
+'''
+
+
+def test_a_named_device_asks_only_its_backend(fresh_registry, install_plugin):
+    """get_device / kernel_names / compile for cpu:0 leave the other backends' drivers alone; the
+    full list asks them (and ranks far:0 first)."""
+    module = install_plugin("far", COUNTING_BACKEND)
+    reg = fresh_registry()
+    b = polyhal.ProgramBuilder("t")
+    x = b.input("x", (3,))
+    b.output(b.add(x, x))
+    assert reg.get_device("cpu:0").name == "cpu:0" and "add" in reg.kernel_names("cpu:0")
+    import numpy as np
+    plan = polyhal.compile(b.build(), "cpu:0", registry=reg)
+    assert plan(np.ones(3, np.float32)).numpy().tolist() == [2.0, 2.0, 2.0]
+    assert sys.modules[module].asked == []
+    assert reg.spec("far:0").backend == "far" and len(sys.modules[module].asked) == 1
+    assert [s.name for s in reg.device_specs()][0] == "far:0"
+    assert reg.specs_by_name()["cpu:0"].plugin == "cpu" and "nosuch:0" not in reg.specs_by_name()
+
+
+def test_a_register_devices_wrapper_sees_every_lookup(fresh_registry, install_plugin):
+    """A plugin that wraps register_devices (to hide or rename devices) is never bypassed: a
+    named lookup then asks every plugin, through the wrapper."""
+    install_plugin("hider", '''
+        import polyhal
+        POLYHAL_API_VERSION = polyhal.API_VERSION
+        @polyhal.hookimpl(wrapper=True)
+        def register_devices():
+            specs = yield
+            return [[s for s in found if s.name != "cpu:0"] for found in specs]
+    ''', group="polyhal.plugins")
+    reg = fresh_registry()
+    with pytest.raises(polyhal.DeviceNotFoundError, match="unknown device 'cpu:0'"):
+        reg.get_device("cpu:0")

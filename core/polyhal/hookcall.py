@@ -208,16 +208,18 @@ class PluginManager(pluggy.PluginManager):
         plugin = call.plugin if value is not None and value is call.value else None
         return HookAnswer(value, plugin, call.answered)
 
-    def each_answer(self, hook: str, **kwargs: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Exception]]]:
+    def each_answer(self, hook: str, *, leave_out: Sequence[object] = (),
+                    **kwargs: Any) -> tuple[list[tuple[str, Any]], list[tuple[str, Exception]]]:
         """Call a collecting hook (:data:`COLLECTED_HOOKS`) through pluggy.
 
         Returns ``(answers, failures)``: ``(plugin, list of what it returned)`` in registration
         order, and ``(plugin, exception)`` for each implementation that raised; one failing
-        plugin does not stop the others.
+        plugin does not stop the others. ``leave_out`` as for :meth:`first_answer`.
         """
+        caller = self.subset_hook_caller(hook, leave_out) if leave_out else getattr(self.hook, hook)
         call = self._push(hook, collect=True)
         try:
-            results = getattr(self.hook, hook)(**kwargs)
+            results = caller(**kwargs)
         finally:
             self._pop()
         owner = {id(v): p for p, v in call.answers}

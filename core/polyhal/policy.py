@@ -346,7 +346,7 @@ def allocate(nbytes: int, affinity: "Affinity | str | Sequence[str]",
     elif not isinstance(affinity, Affinity):
         affinity = Affinity(tuple(affinity))
     selector = selector_for(registry)
-    specs = {s.name: s for s in selector.registry.device_specs()}
+    specs = selector.registry.specs_by_name()
     candidates = []
     for name in affinity.devices:  # an unknown name fails in get_device, listing the devices
         spec = specs.get(name) or selector.registry.get_device(name).spec

@@ -32,7 +32,8 @@ import warnings
 import weakref
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, Iterable
+from collections.abc import Mapping
+from typing import Any, Callable, Iterable, Iterator
 
 import pluggy
 
@@ -160,6 +161,7 @@ class Registry:
         self.generation = 0
         self._lock = threading.RLock()
         self._specs: list[DeviceSpec] | None = None
+        self._backend_specs: dict[str, dict[str, DeviceSpec]] = {}  # see spec()
         self._devices: dict[str, Device] = {}
         self._broken: dict[str, PluginFailure] = {}  # devices whose factory raised
         self._listeners: list[Callable[[], Any]] = []
@@ -278,6 +280,7 @@ class Registry:
     def _changed(self) -> None:
         self.generation += 1
         self._specs = None
+        self._backend_specs.clear()
         self._broken.clear()  # a changed set of plugins may create the device now
         for callback in list(self._listeners):
             callback()
@@ -290,6 +293,51 @@ class Registry:
             if self._specs is None:
                 self._specs = self._collect_specs()
             return list(self._specs)
+
+    def spec(self, name: str) -> DeviceSpec:
+        """The spec of device ``name``; an unknown name raises DeviceNotFoundError listing the devices.
+
+        Until every device has been listed, a name ``<backend>:...`` asks only the plugin
+        registered as ``<backend>`` (and takes its device of that name if it has one): a program
+        run on ``cpu:0`` loads no OpenCL or CUDA driver. That is the same answer the full list
+        gives, unless another plugin wraps ``register_devices`` (then the full list is asked) or
+        registers a device of the same name first (the full list reports that duplicate).
+        """
+        with self._lock:
+            if self._specs is None:
+                found = self._specs_of_backend(name.partition(":")[0]).get(name)
+                if found is not None:
+                    return found
+            for spec in self.device_specs():
+                if spec.name == name:
+                    return spec
+        raise DeviceNotFoundError(
+            f"unknown device {name!r}; available: {[s.name for s in self.device_specs()] or 'none'} "
+            "(run `polyhal devices` to see every device and plugin)")
+
+    def specs_by_name(self) -> Mapping[str, DeviceSpec]:
+        """A read-only mapping ``device name -> spec`` that looks names up through :meth:`spec`
+        (iterating it lists every device)."""
+        return _SpecsByName(self)
+
+    def _specs_of_backend(self, backend: str) -> dict[str, DeviceSpec]:
+        found = self._backend_specs.get(backend)
+        if found is not None:
+            return found
+        found = {}
+        plugin = self.pm.get_plugin(backend)
+        impls = self.pm.hook.register_devices.get_hookimpls()
+        others = [p for n, p in self.pm.list_name_plugin() if n != backend]
+        if plugin is not None and not any(
+                (impl.hookwrapper or impl.wrapper) and impl.plugin_name != backend for impl in impls):
+            answers, failed = self.pm.each_answer("register_devices", leave_out=others)
+            if not failed:  # a failure is recorded (and reported) by the full listing
+                for _, specs in answers:
+                    for spec in specs:
+                        if self._validate_spec(spec) is None and spec.name not in found:
+                            found[spec.name] = dataclasses.replace(spec, plugin=backend)
+        self._backend_specs[backend] = found
+        return found
 
     def _collect_specs(self) -> list[DeviceSpec]:
         self._failures = [f for f in self._failures if f.stage != "register_devices"]
@@ -346,14 +394,9 @@ class Registry:
         """
         if isinstance(device, Device):
             return device
-        specs = self.device_specs()
         if device is not None:
-            found = [s for s in specs if s.name == device]
-            if not found:
-                raise DeviceNotFoundError(
-                    f"unknown device {device!r}; available: {[s.name for s in specs] or 'none'} "
-                    "(run `polyhal devices` to see every device and plugin)")
-            return self._create(found[0])
+            return self._create(self.spec(device))
+        specs = self.device_specs()
         if not specs:
             raise DeviceNotFoundError(self._no_device_message())
         skipped = []
@@ -411,12 +454,10 @@ class Registry:
     def kernel_names(self, device: str) -> frozenset[str]:
         """The ops device ``device`` has kernels for, from its DeviceSpec: nothing is created,
         unless the spec declares none (``kernel_names=None``); then the device is asked."""
-        for spec in self.device_specs():
-            if spec.name == device:
-                if spec.kernel_names is not None:
-                    return spec.kernel_names
-                break
-        return self.get_device(device).kernel_names  # an unknown name fails here, listing the devices
+        spec = self.spec(device)  # an unknown name fails here, listing the devices
+        if spec.kernel_names is not None:
+            return spec.kernel_names
+        return self.get_device(device).kernel_names
 
     def _wrap_allocators(self, device: Device) -> None:
         """Run the ``wrap_allocator`` hook for a just-created device (see hookspecs) and install
@@ -540,3 +581,22 @@ def iter_plugins(registry: Registry) -> Iterable[tuple[str, list[str]]]:
     for name, plugin in registry.pm.list_name_plugin():
         hooks = sorted(h.name for h in registry.pm.get_hookcallers(plugin) or ())
         yield name, hooks
+
+
+class _SpecsByName(Mapping):
+    """Device specs by name, looked up through :meth:`Registry.spec` (see there)."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def __getitem__(self, name: str) -> DeviceSpec:
+        try:
+            return self._registry.spec(name)
+        except DeviceNotFoundError:
+            raise KeyError(name) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([s.name for s in self._registry.device_specs()])
+
+    def __len__(self) -> int:
+        return len(self._registry.device_specs())

@@ -38,6 +38,7 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from polyhal.dlpack import row_major_strides
@@ -187,7 +188,7 @@ class BufferPlan:
         there: an allocation the OS overcommits would fail later, in a kernel, or take the host down.
         """
         self._check_available(registry, name)
-        specs = {s.name: s for s in registry.device_specs()}
+        specs = registry.specs_by_name()
         arenas = [_allocate(registry, selector, specs, a) for a in self.arenas]
         values: dict[int, Tensor] = {}
         bindings: dict[int, dict[tuple[str, str], Any]] = {}
@@ -242,7 +243,7 @@ def _with_offset(a: ScratchAssignment, buffers: list[PlannedBuffer], op_index: i
     return a
 
 
-def _allocate(registry: "Registry", selector: Any, specs: dict, arena: Arena) -> "Buffer":
+def _allocate(registry: "Registry", selector: Any, specs: Mapping, arena: Arena) -> "Buffer":
     spec = specs.get(arena.device) or registry.get_device(arena.device).spec
     site = selector.site(((spec, -1),), arena.memory_type, arena.usage)
     alloc = getattr(site, "allocate", None)

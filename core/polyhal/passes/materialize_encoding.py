@@ -69,7 +69,7 @@ class LayoutResolver:
 
     def __init__(self, registry: "Registry") -> None:
         self.registry = registry
-        self._specs = {s.name: s for s in registry.device_specs()}
+        self._specs = registry.specs_by_name()
         self._memo: dict[tuple[str, TensorType], Resolution] = {}
 
     def resolve(self, device: str, tensor_type: TensorType) -> Resolution:

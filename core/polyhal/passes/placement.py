@@ -76,7 +76,7 @@ def fusion_gate(registry: Registry, selector: AllocatorSelector, devices: tuple[
     and since placement offers an op only to devices with its kernel, a fused op runs only where
     its kernel exists.
     """
-    specs = {s.name: s for s in registry.device_specs()}
+    specs = registry.specs_by_name()
 
     def fusible(fused: str, ops: Sequence[Op]) -> bool:
         last = ops[-1]
@@ -99,7 +99,7 @@ def place(program: Program, registry: Registry, selector: AllocatorSelector,
 
     ``kernels`` gives each device's kernel set (default: :func:`kernel_sets`); only the devices
     that ops are placed on are created, later, by the plan."""
-    specs = {s.name: s for s in registry.device_specs()}
+    specs = registry.specs_by_name()
     kernels = kernels or kernel_sets(registry)
     value_device: dict[int, str] = {}
     copies: dict[tuple[int, str], Value] = {}

@@ -23,6 +23,8 @@ import math
 import threading
 import time
 import weakref
+from collections import ChainMap
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -122,7 +124,7 @@ def measured_links(registry: "Registry") -> dict[tuple[str, str], float]:
 
 
 def estimate(registry: "Registry", spec: "DeviceSpec", workload: Workload | None,
-             specs: dict[str, "DeviceSpec"]) -> tuple[float, str]:
+             specs: Mapping[str, "DeviceSpec"]) -> tuple[float, str]:
     """(seconds, explanation) of running ``workload`` on ``spec``'s device, moves included."""
     if workload is None:
         return 0.0, "no op"
@@ -154,8 +156,7 @@ def select_allocator(candidates, memory_type, buffer_usage, flags):
         return None
     registry = sel.registry
     workload = sel.workload
-    specs = {s.name: s for s in registry.device_specs()}
-    specs.update({spec.name: spec for spec, _ in candidates})
+    specs = ChainMap({spec.name: spec for spec, _ in candidates}, registry.specs_by_name())
     costs = [estimate(registry, spec, workload, specs) for spec, _ in candidates]
     order = sorted(range(len(candidates)), key=lambda i: (costs[i][0], -candidates[i][0].rank, i))
     best = order[0]

@@ -209,8 +209,9 @@ class OnnxProgram(Program):
         registry = registry or default_registry()
         if isinstance(devices, str):
             devices = (devices,)
-        every = [s.name for s in registry.device_specs()]
-        requested = tuple(devices) if devices else tuple(every)
+        # Every device is listed only when needed: a program given cpu:0 loads no other driver.
+        every = lambda: tuple(s.name for s in registry.device_specs())  # noqa: E731
+        requested = tuple(devices) if devices else every()
         kernels = kernel_sets(registry)  # device kernel sets, from the specs: nothing is created
         for name in requested:
             kernels(name)  # unknown names fail here, listing the devices
@@ -219,14 +220,14 @@ class OnnxProgram(Program):
         if missing and strict:
             lines = [f"node {self.origin(op)}: op {op.name!r}" for op in missing[:10]]
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
-            elsewhere = sorted({d for op in missing for d in every
+            elsewhere = sorted({d for op in missing for d in every()
                                 if d not in requested and op.name in kernels(d)})
             hint = (f"; without --strict they would run on {', '.join(elsewhere)}" if elsewhere
                     else "; no installed device has them")
             raise StrictPlacementError(
                 f"{self.source}: {len(missing)} op(s) have no kernel on {', '.join(requested)} "
                 f"(strict placement): " + "; ".join(lines) + more + hint)
-        order = requested + tuple(d for d in every if d not in requested) if missing else requested
+        order = requested + tuple(d for d in every() if d not in requested) if missing else requested
         try:
             plan = polyhal_compile(self, order, registry=registry, **options)
             # Profiles name each step's ONNX nodes (a fused op all of its nodes, as explain does).
