@@ -182,7 +182,7 @@ def apply_precision(program: Program, precision: str | None, device_of: DeviceOf
             _warned.add(key)
             warnings.warn(f"precision {name!r} ({'from ' + ENV if source == ENV else source}): "
                           f"{', '.join(sorted(report.unable))} cannot compute in {name}; the program computes in "
-                          "float32", PrecisionWarning, stacklevel=3)
+                          "float32", PrecisionWarning, stacklevel=4)
     return program, report
 
 
