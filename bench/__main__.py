@@ -42,7 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default=None, help="polyhal device to measure (default: best-ranked)")
     parser.add_argument("--suffix", default="", help="suffix for result files (e.g. -h100)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (smoke test)")
-    parser.add_argument("--models", default="", help="comma-separated subset of a suite's models (real_models)")
+    parser.add_argument("--models", default="", help="comma-separated subset of a suite's models (real_models, "
+                        "gpu_models)")
+    parser.add_argument("--budget", type=float, default=None, metavar="S",
+                        help="gpu_models: start no new model after S seconds (default 450)")
     args = parser.parse_args(argv)
     return 1 if run_benchmarks(args.names, args) else 0
 

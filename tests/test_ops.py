@@ -124,7 +124,8 @@ def test_attribute_checking():
 def test_defaults_and_resolve_attrs():
     assert dict(OPS["softmax"].defaults) == {"axis": -1}
     assert dict(OPS["layer_norm"].defaults) == {"axis": -1, "epsilon": 1e-5}
-    assert dict(OPS["gemm"].defaults) == {"alpha": 1.0, "beta": 1.0, "trans_a": False, "trans_b": False}
+    assert dict(OPS["gemm"].defaults) == {"alpha": 1.0, "beta": 1.0, "trans_a": False, "trans_b": False,
+                                          "precision": "fp32"}  # a contraction (OpDef.contraction)
     assert dict(OPS["topk"].defaults) == {"k": REQUIRED, "axis": -1, "largest": True, "sorted": True}
     assert dict(OPS["reduce_sum"].defaults) == {"axes": None, "keepdims": False}
     assert resolve_attrs("sort", {"axis": 0}) == {"axis": 0, "descending": False}

@@ -34,12 +34,13 @@ CNNS = ["resnet50", "mobilenet_v3_large", "efficientnet_b0", "convnext_tiny", "d
 SEQ = 128
 
 
-def _calibrate(net, batches: int = 4):
+def _calibrate(net, batches: int = 4, device: str = "cpu"):
     """Give BatchNorm layers the running statistics of random inputs, as training would.
 
     A freshly built torchvision CNN has running mean 0 and variance 1 everywhere, so in eval mode
     its activations shrink or grow layer by layer (MobileNetV3's logits come out near 1e-10);
     a few train-mode passes with a cumulative average make every BatchNorm normalize again.
+    ``device`` runs those passes (the net is moved there and back).
     """
     import torch
 
@@ -49,24 +50,16 @@ def _calibrate(net, batches: int = 4):
     for m in norms:
         m.reset_running_stats()
         m.momentum = None
-    net.train()
+    net.to(device).train()
     with torch.no_grad():
         for _ in range(batches):
-            net(torch.randn(8, 3, 224, 224))
-    return net.eval()
+            net(torch.randn(8, 3, 224, 224, device=device))
+    return net.cpu().eval()
 
 
-def _torch_models():
-    """{name: (module, example inputs, input names, output names, dynamic axes, exporters to try)}."""
+def _wrappers():
+    """The modules that give the transformers a single tensor output (the ONNX graph's)."""
     import torch
-    import torchvision
-    import transformers
-
-    models = {}
-    for name in CNNS:
-        net = _calibrate(getattr(torchvision.models, name)(weights=None))
-        models[name] = (net, (torch.randn(2, 3, 224, 224),), ["input"], ["logits"],
-                        {"input": {0: "batch"}, "logits": {0: "batch"}}, ["torchscript", "dynamo"])
 
     class Hidden(torch.nn.Module):
         def __init__(self, net):
@@ -84,15 +77,50 @@ def _torch_models():
         def forward(self, input_ids):
             return self.net(input_ids=input_ids, use_cache=False).logits
 
-    gen = torch.Generator().manual_seed(0)
-    bert = transformers.DistilBertModel(transformers.DistilBertConfig(attn_implementation="eager")).eval()
-    ids = torch.randint(0, bert.config.vocab_size, (1, SEQ), generator=gen)
-    models["distilbert_base"] = (Hidden(bert).eval(), (ids, torch.ones(1, SEQ, dtype=torch.int64)),
-                                 ["input_ids", "attention_mask"], ["last_hidden_state"], None,
-                                 ["torchscript", "dynamo"])
-    gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=6, attn_implementation="eager")).eval()
-    ids = torch.randint(0, gpt.config.vocab_size, (1, SEQ), generator=gen)
-    models["gpt2_6layer"] = (Logits(gpt).eval(), (ids,), ["input_ids"], ["logits"], None, ["dynamo", "torchscript"])
+    return Hidden, Logits
+
+
+#: The transformers of the suite, and how their inputs are named.
+TRANSFORMERS = {"distilbert_base": ["input_ids", "attention_mask"], "gpt2_6layer": ["input_ids"]}
+
+
+def torch_model(name: str, batch: int = 1, *, seed: int = 0, calibrate_on: str = "cpu"):
+    """One model of the suite (or any torchvision classifier by its constructor's name) with
+    weights from ``seed``, in eval mode on the CPU: ``(module, example inputs of batch ``batch``,
+    input names, output names, dynamic axes, exporters to try)``."""
+    import torch
+
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    if name in TRANSFORMERS:
+        import transformers
+
+        Hidden, Logits = _wrappers()
+        if name == "distilbert_base":
+            bert = transformers.DistilBertModel(transformers.DistilBertConfig(attn_implementation="eager")).eval()
+            ids = torch.randint(0, bert.config.vocab_size, (batch, SEQ), generator=gen)
+            return (Hidden(bert).eval(), (ids, torch.ones(batch, SEQ, dtype=torch.int64)),
+                    TRANSFORMERS[name], ["last_hidden_state"], None, ["torchscript", "dynamo"])
+        gpt = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=6, attn_implementation="eager")).eval()
+        ids = torch.randint(0, gpt.config.vocab_size, (batch, SEQ), generator=gen)
+        return Logits(gpt).eval(), (ids,), TRANSFORMERS[name], ["logits"], None, ["dynamo", "torchscript"]
+    import torchvision
+
+    net = _calibrate(getattr(torchvision.models, name)(weights=None), device=calibrate_on)
+    # ViT exports only with the dynamo exporter (the TorchScript one fails on its attention).
+    exporters = ["dynamo", "torchscript"] if name.startswith("vit") else ["torchscript", "dynamo"]
+    return (net, (torch.randn(batch, 3, 224, 224, generator=gen),), ["input"], ["logits"],
+            {"input": {0: "batch"}, "logits": {0: "batch"}}, exporters)
+
+
+def _torch_models():
+    """{name: (module, example inputs, input names, output names, dynamic axes, exporters to try)}."""
+    import torch
+
+    torch.manual_seed(0)
+    models = {name: torch_model(name, 2) for name in CNNS}
+    for name in TRANSFORMERS:
+        models[name] = torch_model(name, 1)
     return models
 
 

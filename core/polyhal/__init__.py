@@ -7,7 +7,7 @@ encodings, memory spaces) are pluggy hooks. See README.md for a tour.
 from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
     DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelNotFoundError,
-    MappingError, OutOfMemoryError, PluginError, PolyhalError, ProgramError, ShapeError,
+    MappingError, OutOfMemoryError, PluginError, PolyhalError, PrecisionError, ProgramError, ShapeError,
 )
 from polyhal.eager import run_op
 from polyhal.hal.allocator import Allocator, AllocatorStatistics
@@ -30,7 +30,7 @@ __all__ = [
     "BufferCompatibility", "BufferKind", "BufferUsage", "DLPackError", "DTypeError", "Device",
     "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError", "KernelTable",
     "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Plan",
-    "PluginError", "PolyhalError", "Program", "ProgramBuilder", "ProgramError", "Registry",
+    "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
     "ShapeError", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
     "empty", "from_dlpack", "get_device", "hookimpl", "hookspec", "run_op",
 ]

@@ -45,6 +45,10 @@ class ProgramError(PolyhalError, ValueError):
     """A malformed program: unknown op, value from another program, missing input, ..."""
 
 
+class PrecisionError(PolyhalError, ValueError):
+    """A compile precision that polyhal does not know, or that nothing can compute in."""
+
+
 class KernelNotFoundError(PolyhalError, LookupError):
     """No candidate device offers a kernel for an op."""
 

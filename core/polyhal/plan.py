@@ -26,14 +26,16 @@ from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
-from polyhal.passes.placement import Placement, fusion_gate, kernel_sets, place
+from polyhal.passes.placement import Placement, chosen_device, fusion_gate, kernel_sets, place
+from polyhal.passes.precision import CAPABILITY, apply_precision, resolve_precision
 from polyhal.policy import selector_for
 from polyhal.profile import Profile, StepEvent, StepInfo
 from polyhal.registry import Registry, default_registry
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
-            registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None) -> "Plan":
+            registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None,
+            precision: str | None = None) -> "Plan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
@@ -61,20 +63,29 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     MaterializeEncoding resolves every
     encoding on its device and folds or materializes the encode ops
     (:mod:`polyhal.passes.materialize_encoding`).
+
+    ``precision`` says how float32 work may be computed (default ``POLYHAL_PRECISION``, else
+    ``"fp32"``; see :mod:`polyhal.passes.precision`): ``"fp32"`` in float32 (no TF32 anywhere),
+    ``"tf32"`` with float32 contractions allowed on TF32 tensor cores, ``"fp16"`` with the
+    program's float32 compute run in float16 where safe (weights converted once here; inputs and
+    outputs stay float32). It applies after fusion, per op on the device placement would choose;
+    a device without the precision computes in float32, and ``plan.explain()`` says what changed.
+    An unknown precision (or ``"bf16"``, which no device computes in) is a PrecisionError.
     """
+    resolve_precision(precision)  # an unknown precision fails here, before anything is built
     if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
         # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
         # input shape itself, through this function.
-        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling)
+        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling, precision=precision)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
     if devices:
-        return _compile_on(program, tuple(devices), registry, fuse, data_tiling)
+        return _compile_on(program, tuple(devices), registry, fuse, data_tiling, precision)
     while True:
         devices = tuple(registry.default_devices())
         try:
-            return _compile_on(program, devices, registry, fuse, data_tiling)
+            return _compile_on(program, devices, registry, fuse, data_tiling, precision)
         except PluginError:
             # A device of the default list failed to create (recorded and warned about by the
             # registry): place again without it; anything else is the caller's to see.
@@ -83,7 +94,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
 
 
 def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, fuse: bool,
-                data_tiling: bool | None) -> "Plan":
+                data_tiling: bool | None, precision: str | None) -> "Plan":
     selector, kernels = selector_for(registry), kernel_sets(registry)
     fusions = None
     if fuse:
@@ -98,10 +109,17 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         program, folded = fold_conv_affine(program)
         program, epilogues = fuse_conv_epilogue(program, fusible)
         fusions += attention + linear + gelu + folded + epilogues
+    # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
+    # tiling and placement, which then see the program's final element types.
+    chosen, specs = chosen_device(registry, selector, devices, kernels), registry.device_specs()
+    capabilities = {s.name: s.capabilities for s in specs}
+    program, precision_report = apply_precision(program, precision, lambda op: chosen((op,)),
+                                                lambda d, p: CAPABILITY[p] in capabilities[d])
     if data_tiling is not False:
         program = set_conv_encodings(set_encodings(program) if data_tiling else program)
     placement = place(program, registry, selector, devices, kernels)
     placement.fusions = fusions
+    placement.precision = precision_report
     placement = materialize_encodings(placement, registry)
     return Plan(placement, registry, devices)
 
@@ -410,6 +428,8 @@ class Plan:
             lines.append("  fusion: off (compiled with fuse=False)")
         for fusion in self.placement.fusions or ():
             lines.append(f"  fused {fusion.explain()}")
+        if self.placement.precision is not None:
+            lines.extend(self.placement.precision.explain_lines())
         for op, candidates, d in self.placement.decisions:
             lacking = [name for name in self.devices if name not in candidates]
             why = f"; {', '.join(lacking)} {'has' if len(lacking) == 1 else 'have'} no {op.name!r} kernel" \

@@ -29,7 +29,7 @@ Usage::
 from __future__ import annotations
 
 from polyhal.ops._base import (
-    OPS, REQUIRED, OpDef, canonical_attrs, get_op, infer_types, normalize_axes, resolve_attrs,
+    CONTRACTION_PRECISIONS, OPS, REQUIRED, OpDef, canonical_attrs, get_op, infer_types, normalize_axes, resolve_attrs,
 )
 
 # Importing the families registers their ops in OPS.
@@ -42,6 +42,6 @@ from polyhal.ops import text  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [
-    "OPS", "OpDef", "REQUIRED", "canonical_attrs", "get_op", "infer_types", "normalize_axes",
+    "CONTRACTION_PRECISIONS", "OPS", "OpDef", "REQUIRED", "canonical_attrs", "get_op", "infer_types", "normalize_axes",
     "normalize_slice", "resolve_attrs",
 ]

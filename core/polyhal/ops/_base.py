@@ -25,7 +25,7 @@ from polyhal.errors import DTypeError, PolyhalError, ProgramError, ShapeError
 from polyhal.ir.types import COMPUTE_DTYPES, TensorType
 
 __all__ = [
-    "OpDef", "OPS", "REQUIRED", "get_op", "infer_types", "canonical_attrs", "resolve_attrs",
+    "CONTRACTION_PRECISIONS", "OpDef", "OPS", "REQUIRED", "get_op", "infer_types", "canonical_attrs", "resolve_attrs",
 ]
 
 #: (rtol, atol) used to compare float32 results against the reference unless an op says otherwise.
@@ -58,6 +58,13 @@ class OpDef:
         fused: a fused form that only fusion passes create, for devices with a kernel of its
             own: a kernel table's fallback does not serve it (it would run on the host what the
             unfused ops ran as device kernels).
+        contraction: a product that accumulates over a reduction dim (matmul, conv, attention,
+            ...). Such an op takes the ``precision`` attribute (:data:`CONTRACTION_PRECISIONS`,
+            default ``"fp32"``), which says how a device may compute its float32 products:
+            ``"fp32"`` in float32, ``"tf32"`` on TF32 tensor cores (10-bit mantissa inputs,
+            float32 accumulation) where the device has them. As XLA's ``precision_config`` on dot
+            and convolution: the compile's precision option sets it
+            (:mod:`polyhal.passes.precision`); the reference ignores it.
     """
 
     name: str
@@ -70,7 +77,11 @@ class OpDef:
     # compare=False keeps OpDef hashable (a mapping is not) and equality about the functions.
     defaults: Mapping[str, Any] = field(default_factory=dict, compare=False)
     fused: bool = False
+    contraction: bool = False
 
+
+#: The values of a contraction's ``precision`` attribute (see :attr:`OpDef.contraction`).
+CONTRACTION_PRECISIONS = ("fp32", "tf32")
 
 #: Every op of the core op set, by name.
 OPS: dict[str, OpDef] = {}
@@ -140,6 +151,7 @@ def define(
     tolerance: tuple[float, float] = DEFAULT_TOLERANCE,
     doc: str = "",
     fused: bool = False,
+    contraction: bool = False,
 ) -> OpDef:
     """Build the :class:`OpDef` for ``name`` and register it in :data:`OPS`.
 
@@ -147,14 +159,19 @@ def define(
     wrapper stored in the OpDef checks the operand count (``arity`` is a count or an inclusive
     ``(min, max)`` range, ``max=None`` for unbounded), fills in defaults, rejects unknown
     attributes and prefixes the op name to every error it raises. ``reference``'s keyword-only
-    parameters declare the attributes.
+    parameters declare the attributes. A ``contraction`` also takes ``precision`` (see
+    :attr:`OpDef.contraction`), which its infer and reference never see.
     """
     lo, hi = (arity, arity) if isinstance(arity, int) else arity
-    defaults = types.MappingProxyType({
+    declared = {
         p.name: p.default
         for p in inspect.signature(reference).parameters.values()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
-    })
+    }
+    if contraction:
+        declared["precision"] = "fp32"
+        reference = _without_precision(reference)
+    defaults = types.MappingProxyType(declared)
 
     def checked_infer(input_types: Sequence[TensorType], attrs: Mapping[str, Any] | None = None
                       ) -> tuple[TensorType, ...]:
@@ -167,7 +184,13 @@ def define(
             for i, t in enumerate(input_types):
                 if not isinstance(t, TensorType):
                     raise ProgramError(f"input {i} is {type(t).__name__}, not a TensorType")
-            return tuple(infer(*input_types, **_resolve(defaults, attrs or {})))
+            resolved = _resolve(defaults, attrs or {})
+            if contraction:
+                precision = resolved.pop("precision")
+                if precision not in CONTRACTION_PRECISIONS:
+                    raise ProgramError(f"precision must be one of {', '.join(CONTRACTION_PRECISIONS)}, got "
+                                       f"{precision!r}")
+            return tuple(infer(*input_types, **resolved))
         except PolyhalError as exc:
             if str(exc).startswith(f"{name}: "):
                 raise
@@ -175,11 +198,20 @@ def define(
 
     checked_infer.__doc__ = f"Infer the output types of {name!r}."
     op = OpDef(name, lo if lo == hi else None, checked_infer, reference, sample, tolerance,
-               inspect.cleandoc(doc), defaults, fused)
+               inspect.cleandoc(doc), defaults, fused, contraction)
     if name in OPS:
         raise ProgramError(f"op {name!r} is defined twice")
     OPS[name] = op
     return op
+
+
+def _without_precision(reference: Callable[..., Any]) -> Callable[..., Any]:
+    """``reference`` taking (and ignoring) a contraction's ``precision``: the reference computes
+    in float64 whatever the device may do."""
+    def ref(*inputs: Any, precision: str = "fp32", **attrs: Any) -> Any:
+        return reference(*inputs, **attrs)
+    ref.__name__, ref.__qualname__, ref.__doc__ = reference.__name__, reference.__qualname__, reference.__doc__
+    return ref
 
 
 def _resolve(defaults: Mapping[str, Any], attrs: Mapping[str, Any]) -> dict[str, Any]:

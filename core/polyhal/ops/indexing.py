@@ -493,7 +493,7 @@ def _sample_einsum(rng: np.random.Generator):
 
 
 define("einsum", infer=_infer_einsum, reference=_ref_einsum, sample=_sample_einsum, arity=(1, None),
-       tolerance=(1e-4, 1e-5), doc="""
+       tolerance=(1e-4, 1e-5), contraction=True, doc="""
     numpy.einsum with ``equation`` (letters, '...' for broadcast dims, optional '->' output;
     without it the output is the labels used once, sorted). Numeric operands of one type.
 """)

@@ -55,7 +55,7 @@ def _sample_matmul(rng: np.random.Generator):
 
 
 define("matmul", infer=_infer_matmul, reference=_ref_matmul, sample=_sample_matmul, arity=2,
-       tolerance=_PRODUCT_TOLERANCE, doc="""
+       tolerance=_PRODUCT_TOLERANCE, contraction=True, doc="""
     Matrix product with numpy.matmul semantics: the last two dims multiply, leading (batch) dims
     broadcast; a 1-D first operand is a row vector and a 1-D second operand a column vector,
     the added dim being removed from the result. Numeric types (not bool).
@@ -114,7 +114,7 @@ def _sample_gemm(rng: np.random.Generator):
 
 
 define("gemm", infer=_infer_gemm, reference=_ref_gemm, sample=_sample_gemm, arity=(2, 3),
-       tolerance=_PRODUCT_TOLERANCE, doc="""
+       tolerance=_PRODUCT_TOLERANCE, contraction=True, doc="""
     ONNX Gemm: Y = alpha * A' @ B' + beta * C, where A' is A transposed when trans_a and B' is B
     transposed when trans_b. A and B are 2-D; the optional C broadcasts (one way) to the (M, N)
     result. Float types only.

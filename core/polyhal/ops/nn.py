@@ -113,7 +113,7 @@ def _sample_conv(rng: np.random.Generator):
 
 
 define("conv", infer=_infer_conv, reference=_ref_conv, sample=_sample_conv, arity=(2, 3),
-       tolerance=(1e-4, 1e-5), doc="""
+       tolerance=(1e-4, 1e-5), contraction=True, doc="""
     N-d convolution (cross-correlation, as ONNX Conv): x (N, C, spatial...), w (M, C/group,
     k...), optional bias (M,); explicit ``pads`` [begins..., ends...], ``strides``,
     ``dilations`` and ``group``. Float types.
@@ -194,7 +194,7 @@ def _sample_fused_conv(rng: np.random.Generator):
 
 
 define("fused_conv", infer=_infer_fused_conv, reference=_ref_fused_conv, sample=_sample_fused_conv, arity=(3, 4),
-       tolerance=(1e-4, 1e-5), fused=True, doc="""
+       tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
     ``conv`` with its epilogue: activation(conv(x, w, b) + residual), in one pass over the result.
     x, w and the bias b as for ``conv``; the optional residual has the result's type.
     ``activation`` is one of :data:`ACTIVATIONS` (default "none"), ``alpha`` and ``beta`` its
@@ -260,7 +260,7 @@ def _sample_blocked_conv(rng: np.random.Generator):
 
 
 define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, sample=_sample_blocked_conv,
-       arity=(2, 4), tolerance=(1e-4, 1e-5), fused=True, doc="""
+       arity=(2, 4), tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
     ``fused_conv`` on channel-blocked storage (NCHWc with one block of all channels: (N, 1, H, W, C),
     each pixel's channels contiguous): x and the optional residual in that storage, w (M,
     C/group, kh, kw) and the optional bias (M,) dense, the result (N, 1, OH, OW, M). 2-D only.
@@ -335,7 +335,7 @@ def _sample_conv_transpose(rng: np.random.Generator):
 
 
 define("conv_transpose", infer=_infer_conv_transpose, reference=_ref_conv_transpose, sample=_sample_conv_transpose,
-       arity=(2, 3), tolerance=(1e-4, 1e-5), doc="""
+       arity=(2, 3), tolerance=(1e-4, 1e-5), contraction=True, doc="""
     N-d transposed convolution (ONNX ConvTranspose): x (N, C, spatial...), w (C, M/group, k...),
     optional bias (M,). Output dim i is strides[i] * (in - 1) + output_padding[i] +
     (k - 1) * dilations[i] + 1 - pads_begin[i] - pads_end[i]. Float types.
@@ -471,7 +471,7 @@ def _sample_linear(rng: np.random.Generator):
 
 
 define("linear", infer=_infer_linear, reference=_ref_linear, sample=_sample_linear, arity=3,
-       tolerance=(1e-4, 1e-5), doc="""
+       tolerance=(1e-4, 1e-5), contraction=True, doc="""
     x @ w + b: x of any rank >= 1 (leading dims are batch), w 2-D (K, N), b of shape (N,) or a
     scalar. What a MatMul followed by a bias Add becomes (one pass over the result, not two).
 """)
@@ -505,7 +505,7 @@ def _sample_fused_linear(rng: np.random.Generator):
 
 
 define("fused_linear", infer=_infer_fused_linear, reference=_ref_fused_linear, sample=_sample_fused_linear,
-       arity=(3, 4), tolerance=(1e-4, 1e-5), fused=True, doc="""
+       arity=(3, 4), tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
     ``linear`` with its epilogue: activation(x @ w + b + residual), the bias, residual and
     activation applied in one pass over the product. Operands as for ``linear`` (float types);
     the optional residual has the result's type; ``activation``, ``alpha`` and ``beta`` as for
@@ -552,7 +552,7 @@ def _sample_attention(rng: np.random.Generator):
 
 
 define("attention", infer=_infer_attention, reference=_ref_attention, sample=_sample_attention, arity=3,
-       tolerance=(1e-4, 1e-5), doc="""
+       tolerance=(1e-4, 1e-5), contraction=True, doc="""
     Scaled dot-product attention without a mask: softmax(scale * q @ k^T, over the keys) @ v,
     for q (batch..., Lq, D), k (batch..., Lk, D) and v (batch..., Lk, Dv) with equal batch dims;
     the result is (batch..., Lq, Dv). ``scale`` defaults to 1/sqrt(D). What MatMul, Softmax and
@@ -586,7 +586,7 @@ def _sample_masked_attention(rng: np.random.Generator):
 
 
 define("masked_attention", infer=_infer_masked_attention, reference=_ref_attention,
-       sample=_sample_masked_attention, arity=4, tolerance=(1e-4, 1e-5), fused=True, doc="""
+       sample=_sample_masked_attention, arity=4, tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
     attention with an additive mask: softmax(scale * q @ k^T + mask, over the keys) @ v, the
     mask of the element type broadcasting to the scores (batch..., Lq, Lk) -- a padding mask
     (0 or a large negative value per key), a causal one (large negatives above the diagonal),

@@ -39,6 +39,8 @@ class Placement:
     encodings: Any = None
     #: What the fusion passes did, in order; None when the compile was asked not to fuse.
     fusions: list[Fusion] | None = field(default_factory=list)
+    #: What the precision policy did (a polyhal.passes.precision.PrecisionReport).
+    precision: Any = None
 
 
 #: ``device name -> the ops it has kernels for``.
@@ -64,31 +66,46 @@ def candidates(op_names: Sequence[str], affinity: Affinity, kernels: KernelSets)
     return [d for d in affinity.devices if all(name in kernels(d) for name in op_names)]
 
 
-def fusion_gate(registry: Registry, selector: AllocatorSelector, devices: tuple[str, ...],
-                kernels: KernelSets) -> Callable[[str, Sequence[Op]], bool]:
-    """The fusion passes' question "fuse ``ops`` into one op ``fused``?", answered by placement:
-    yes when the device that placement would choose for ``ops`` unfused has a ``fused`` kernel.
+def chosen_device(registry: Registry, selector: AllocatorSelector, devices: tuple[str, ...],
+                  kernels: KernelSets) -> Callable[[Sequence[Op]], str | None]:
+    """``chosen(ops) -> device name``: the device placement would choose for ``ops`` as they are
+    (None when no device has all their kernels), for passes that decide before placement.
 
     That device is the ``select_allocator`` decision for the results of the last of ``ops``
     among the devices of their affinity (or ``devices``) that have every one of their kernels,
-    as :func:`place` asks it. So a fused op never pulls work away from the device the policy
-    prefers (a device earlier in ``devices`` that lacks the fused kernel keeps the unfused ops),
-    and since placement offers an op only to devices with its kernel, a fused op runs only where
-    its kernel exists.
+    as :func:`place` asks it.
     """
     specs = registry.specs_by_name()
 
-    def fusible(fused: str, ops: Sequence[Op]) -> bool:
+    def chosen(ops: Sequence[Op]) -> str | None:
         last = ops[-1]
         affinity = last.affinity or Affinity(devices)
         names = candidates(dict.fromkeys(op.name for op in ops), affinity, kernels)
         if not names:
-            return False  # no device runs them all: leave them as they are
+            return None
         workload = Workload(last.name, tuple(v.type for v in last.inputs), tuple(v.type for v in last.outputs),
                             last.attrs, (None,) * len(last.inputs))
-        decision = selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
-                                   RESULT_MEMORY, RESULT_USAGE, 0, devices=devices, workload=workload)
-        return fused in kernels(decision.device_name)
+        return selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
+                               RESULT_MEMORY, RESULT_USAGE, 0, devices=devices, workload=workload).device_name
+
+    return chosen
+
+
+def fusion_gate(registry: Registry, selector: AllocatorSelector, devices: tuple[str, ...],
+                kernels: KernelSets) -> Callable[[str, Sequence[Op]], bool]:
+    """The fusion passes' question "fuse ``ops`` into one op ``fused``?", answered by placement:
+    yes when the device that placement would choose for ``ops`` unfused
+    (:func:`chosen_device`) has a ``fused`` kernel.
+
+    So a fused op never pulls work away from the device the policy prefers (a device earlier
+    in ``devices`` that lacks the fused kernel keeps the unfused ops), and since placement
+    offers an op only to devices with its kernel, a fused op runs only where its kernel exists.
+    """
+    chosen = chosen_device(registry, selector, devices, kernels)
+
+    def fusible(fused: str, ops: Sequence[Op]) -> bool:
+        device = chosen(ops)
+        return device is not None and fused in kernels(device)
 
     return fusible
 

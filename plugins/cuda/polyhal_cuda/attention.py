@@ -83,8 +83,9 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     scores, probs = view("scores", (b, lq, lk)), view("probs", (b, lq, lk))
     dense = {"q": view("q", (b, lq, d)), "k": view("k", (b, lk, d)), "v": view("v", (b, lk, dv))}
     out_dense = view("out", (b, lq, dv))
-    qk = blas.prepare_batched(device, dtype, lq, lk, d, b, trans_b=True, alpha=scale)
-    pv = blas.prepare_batched(device, dtype, lq, dv, lk, b)
+    tf32 = attrs["precision"] == "tf32"
+    qk = blas.prepare_batched(device, dtype, lq, lk, d, b, trans_b=True, alpha=scale, tf32=tf32)
+    pv = blas.prepare_batched(device, dtype, lq, dv, lk, b, tf32=tf32)
     row_plan = rowwise.plan("softmax", {"axis": -1}, (TensorType((b * lq, lk), dtype),))
     if qk is None or pv is None or row_plan is None:
         return None

@@ -4,8 +4,11 @@ cupy's cuBLAS bindings set the handle's stream before every call and refuse to w
 is being captured, so a plan with a ``cupy.matmul`` step could not be replayed as a graph. This
 module keeps one cuBLAS handle per device, bound once to the device's stream and given a
 workspace from the device's pool (so that cuBLAS allocates nothing during capture), and calls
-``cublasGemmStridedBatchedEx`` itself. Numerics are cupy's: float32 computes in float32 (no
-TF32), float16 accumulates in float32, float64 in float64.
+``cublasGemmStridedBatchedEx`` itself. float32 computes in float32 (``CUBLAS_COMPUTE_32F``: no
+TF32 whatever the handle's math mode), float16 accumulates in float32, float64 in float64. A
+contraction compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`) asks for
+``CUBLAS_COMPUTE_32F_FAST_TF32`` per call instead, so TF32 is a per-op choice and never a
+handle-wide math mode that other plans on the device would inherit.
 
 Products it does not cover (integer types, partial batch broadcasting, non-contiguous
 operands) go through ``cupy.matmul`` as before; such plans run eagerly.
@@ -29,6 +32,8 @@ OP_N, OP_T = 0, 1
 _DATA = {np.dtype(np.float16): 2, np.dtype(np.float32): 0, np.dtype(np.float64): 1}  # cudaDataType
 _COMPUTE = {np.dtype(np.float16): 68, np.dtype(np.float32): 68, np.dtype(np.float64): 70}  # cublasComputeType_t
 _SCALAR = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float32, np.dtype(np.float64): np.float64}
+#: CUBLAS_COMPUTE_32F_FAST_TF32: float32 operands on TF32 tensor cores, float32 accumulation.
+COMPUTE_32F_FAST_TF32 = 77
 GEMM_DEFAULT = -1
 WORKSPACE = 32 << 20
 
@@ -109,8 +114,9 @@ def _batch(shape: tuple, out_batch: tuple, per: int) -> int | None:
     return None
 
 
-def prepare_matmul(device: "Device", a_t, b_t, out_t):
-    """A capturable ``fn(a, b, out)`` for numpy-style matmul, or None when not covered."""
+def prepare_matmul(device: "Device", a_t, b_t, out_t, *, tf32: bool = False):
+    """A capturable ``fn(a, b, out)`` for numpy-style matmul, or None when not covered (``tf32``:
+    float32 products on TF32 tensor cores)."""
     dtype = out_t.dtype
     if dtype not in _DATA or a_t.dtype != dtype or b_t.dtype != dtype:
         return None
@@ -122,10 +128,11 @@ def prepare_matmul(device: "Device", a_t, b_t, out_t):
     sa, sb = _batch(a_shape[:-2], out_batch, m * k), _batch(b_shape[:-2], out_batch, k * n)
     if sa is None or sb is None or 0 in (m, n, k):
         return None
-    return _gemm_call(device, dtype, m, n, k, False, False, sa, sb, math.prod(out_batch), 1.0, 0.0)
+    return _gemm_call(device, dtype, m, n, k, False, False, sa, sb, math.prod(out_batch), 1.0, 0.0, tf32)
 
 
-def prepare_gemm(device: "Device", a_t, b_t, out_t, trans_a: bool, trans_b: bool, alpha: float, beta: float):
+def prepare_gemm(device: "Device", a_t, b_t, out_t, trans_a: bool, trans_b: bool, alpha: float, beta: float, *,
+                 tf32: bool = False):
     """``fn(a, b, out)``: out = alpha * op(a) @ op(b) + beta * out (out holds C, or beta is 0)."""
     dtype = out_t.dtype
     if dtype not in _DATA:
@@ -134,22 +141,23 @@ def prepare_gemm(device: "Device", a_t, b_t, out_t, trans_a: bool, trans_b: bool
     k = a_t.shape[0] if trans_a else a_t.shape[1]
     if 0 in (m, n, k):
         return None
-    return _gemm_call(device, dtype, m, n, k, trans_a, trans_b, 0, 0, 1, alpha, beta)
+    return _gemm_call(device, dtype, m, n, k, trans_a, trans_b, 0, 0, 1, alpha, beta, tf32)
 
 
 def prepare_batched(device: "Device", dtype: Any, m: int, n: int, k: int, batch: int, *,
-                    trans_b: bool = False, alpha: float = 1.0):
+                    trans_b: bool = False, alpha: float = 1.0, tf32: bool = False):
     """``fn(a, b, out)``: out[i] = alpha * a[i] @ op(b[i]) for ``batch`` dense stacked matrices --
     a (batch, m, k), b (batch, k, n) or with ``trans_b`` (batch, n, k), out (batch, m, n) -- or
     None when cuBLAS cannot be called directly or the type is not covered."""
     dtype = np.dtype(dtype)
     if dtype not in _DATA or 0 in (m, n, k, batch):
         return None
-    return _gemm_call(device, dtype, m, n, k, False, trans_b, m * k, k * n, batch, alpha, 0.0)
+    return _gemm_call(device, dtype, m, n, k, False, trans_b, m * k, k * n, batch, alpha, 0.0, tf32)
 
 
-def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, batch, alpha, beta):
-    call = _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, m * n, batch, alpha, beta)
+def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, batch, alpha, beta, tf32=False):
+    call = _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, m * n, batch, alpha, beta,
+                          tf32)
     if call is None:
         return None
 
@@ -163,7 +171,7 @@ def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, bat
 
 
 def prepare_strided(device: "Device", dtype: Any, m: int, n: int, k: int, batch: int, stride_a: int,
-                    stride_b: int, stride_c: int):
+                    stride_b: int, stride_c: int, *, tf32: bool = False):
     """``fn(a_ptr, b_ptr, c_ptr)``: for ``i < batch``, the row-major (m, n) matrix at ``c_ptr +
     i * stride_c`` elements = (m, k) at ``a_ptr + i * stride_a`` @ (k, n) at ``b_ptr + i *
     stride_b`` (a stride of 0 shares one matrix) -- device addresses, so that a caller can
@@ -171,10 +179,11 @@ def prepare_strided(device: "Device", dtype: Any, m: int, n: int, k: int, batch:
     dtype = np.dtype(dtype)
     if dtype not in _DATA or 0 in (m, n, k, batch):
         return None
-    return _gemm_pointers(device, dtype, m, n, k, False, False, stride_a, stride_b, stride_c, batch, 1.0, 0.0)
+    return _gemm_pointers(device, dtype, m, n, k, False, False, stride_a, stride_b, stride_c, batch, 1.0, 0.0, tf32)
 
 
-def _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, stride_c, batch, alpha, beta):
+def _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, stride_c, batch, alpha, beta,
+                   tf32=False):
     blas = blas_for(device)
     if blas is None:
         return None
@@ -182,7 +191,7 @@ def _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b,
     scalar = _SCALAR[dtype]
     consts = np.array([alpha, beta], scalar)  # host pointers, read when the call is made or captured
     pa, pb = consts.ctypes.data, consts.ctypes.data + consts.itemsize
-    dt, ct = _DATA[dtype], _COMPUTE[dtype]
+    dt, ct = _DATA[dtype], COMPUTE_32F_FAST_TF32 if tf32 and dtype == np.float32 else _COMPUTE[dtype]
     # Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: cuBLAS's "A" is our B.
     op_b, ld_b = (OP_T, k) if trans_b else (OP_N, n)
     op_a, ld_a = (OP_T, m) if trans_a else (OP_N, k)

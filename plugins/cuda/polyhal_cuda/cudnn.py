@@ -12,7 +12,9 @@ bias, the residual add and the activation as pointwise nodes -- lets cuDNN's heu
 its engines, drops those whose numerical notes say the result is not plain arithmetic in the
 operand type (``TENSOR_CORE`` for float32, i.e. TF32, and ``DOWN_CONVERT_INPUTS`` /
 ``REDUCED_PRECISION_REDUCTION`` for every type: fp32 means fp32) and builds the first that
-remains. Its workspace is declared scratch (:func:`scratch_requests`), placed by the plan's
+remains. An instance compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`) keeps
+the ``TENSOR_CORE`` engines for float32; float16 convs compute in float (``COMPUTE``) and may use
+tensor cores, but never reduce in half precision. Its workspace is declared scratch (:func:`scratch_requests`), placed by the plan's
 bufferization, so nothing is allocated when it runs; the kernel only hands cuDNN the operand
 pointers, on a handle bound to the device's stream, so a plan's CUDA graph captures it.
 
@@ -156,7 +158,7 @@ class CuDNNConv:
     ``operands`` (``x``, ``w``, then ``b``, ``r`` if the graph has them, then ``y``)."""
 
     def __init__(self, state: _DeviceState, conv: Conv, bias: bool, residual: bool, activation: str,
-                 alpha: float, beta: float) -> None:
+                 alpha: float, beta: float, tf32: bool = False) -> None:
         import cudnn
 
         dt = getattr(cudnn.data_type, DTYPES[conv.dtype])
@@ -182,7 +184,7 @@ class CuDNNConv:
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         notes = [cudnn.numerical_note.DOWN_CONVERT_INPUTS, cudnn.numerical_note.REDUCED_PRECISION_REDUCTION]
-        if conv.dtype == np.float32:
+        if conv.dtype == np.float32 and not tf32:
             notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 on tensor cores is TF32
         g.deselect_numeric_notes(notes)
         g.check_support()
@@ -266,7 +268,7 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
         for bias, residual, act in _stages(op, attrs, ins):
             try:
                 with device.activate():
-                    built = CuDNNConv(state, conv, bias, residual, act, alpha, beta)
+                    built = CuDNNConv(state, conv, bias, residual, act, alpha, beta, attrs["precision"] == "tf32")
             except Exception as exc:  # noqa: BLE001 - no engine (or any cuDNN refusal): try less
                 failures.append(f"{'+'.join(s for s, on in (('bias', bias), ('residual', residual), (act, act != 'none')) if on) or 'conv'}: "
                                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
@@ -275,7 +277,8 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
             break
         state.plans[key] = built
         if built is None:
-            state.reasons[key] = "cuDNN has no fp-exact engine: " + "; ".join(failures)
+            exact = "engine" if attrs["precision"] == "tf32" else "fp-exact engine"
+            state.reasons[key] = f"cuDNN has no {exact}: " + "; ".join(failures)
         return built, (built.covers if built else ()), state.reasons.get(key, "")
 
 

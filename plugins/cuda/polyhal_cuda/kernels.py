@@ -170,9 +170,10 @@ def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
 def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
     from polyhal_cuda import blas
 
-    direct = blas.prepare_matmul(device, ins[0], ins[1], outs[0])
+    tf32 = attrs["precision"] == "tf32"
+    direct = blas.prepare_matmul(device, ins[0], ins[1], outs[0], tf32=tf32)
     if direct is not None:  # cuBLAS called directly: capturable into a CUDA graph
-        direct.kernel_name = "cublasGemmStridedBatchedEx"  # type: ignore[attr-defined]
+        direct.kernel_name = "cublasGemmStridedBatchedEx" + (" (TF32)" if tf32 else "")  # type: ignore[attr-defined]
         return direct
     matmul = _cupy().matmul
 
@@ -192,7 +193,8 @@ def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
     has_c = len(ins) == 3
     from polyhal_cuda import blas
 
-    direct = blas.prepare_gemm(device, ins[0], ins[1], outs[0], trans_a, trans_b, alpha, beta if has_c else 0.0)
+    direct = blas.prepare_gemm(device, ins[0], ins[1], outs[0], trans_a, trans_b, alpha, beta if has_c else 0.0,
+                               tf32=attrs["precision"] == "tf32")
     if direct is not None:
         copyto = cp.copyto
 
@@ -301,7 +303,8 @@ def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
     k, n = w_t.shape
     m = x_t.size // k if k else 0
     flat_x, flat_out = TensorType((m, k), x_t.dtype), TensorType((m, n), outs[0].dtype)
-    direct = blas.prepare_gemm(device, flat_x, w_t, flat_out, False, False, 1.0, 1.0) if m else None
+    direct = (blas.prepare_gemm(device, flat_x, w_t, flat_out, False, False, 1.0, 1.0,
+                                tf32=attrs["precision"] == "tf32") if m else None)
     copyto = cp.copyto
 
     if direct is not None:

@@ -130,16 +130,17 @@ def prepare_conv(device: "Device", attrs: dict, ins, outs, columns_ptr: int | No
     # GEMM per group over the chunk's images -- or, with more groups than images per chunk
     # (depthwise), one GEMM per image over its groups.
     by_group = g > 1 and g > c.chunk
+    tf32 = attrs.get("precision") == "tf32"  # a contraction compiled with precision="tf32"
     chunks = [(n0, min(c.chunk, N - n0)) for n0 in range(0, N, c.chunk)]
     gemm = tail = None
     if direct:
         if by_group:
-            gemm = blas.prepare_strided(device, dtype, mg, L, cg * K, g, mg * cg * K, cg * K * L, mg * L)
+            gemm = blas.prepare_strided(device, dtype, mg, L, cg * K, g, mg * cg * K, cg * K * L, mg * L, tf32=tf32)
         else:
-            gemm = blas.prepare_strided(device, dtype, mg, L, cg * K, c.chunk, 0, C * K * L, M * L)
+            gemm = blas.prepare_strided(device, dtype, mg, L, cg * K, c.chunk, 0, C * K * L, M * L, tf32=tf32)
             last = chunks[-1][1]
             tail = gemm if last == c.chunk else blas.prepare_strided(device, dtype, mg, L, cg * K, last, 0,
-                                                                      C * K * L, M * L)
+                                                                      C * K * L, M * L, tf32=tf32)
     if gemm is None:
         return _gathered_conv(device, c, has_bias, dtype)
     with device.activate():

@@ -134,6 +134,8 @@ def _enumerate(pool: str, rank: int, conv: tuple[str | None, str] = (None, "")) 
             caps.add("async-pool")
         if conv[0] is not None:
             caps.add("cudnn")
+        if props.get("major", 0) >= 8:  # Ampere and later: TF32 tensor cores (precision="tf32")
+            caps.add("tf32")
         specs.append(DeviceSpec(
             name=f"cuda:{ordinal}", backend="cuda", rank=rank, factory=_create,
             # A block may use up to the opt-in maximum of shared memory (kernels opt in as needed).

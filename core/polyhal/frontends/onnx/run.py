@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_policy_arguments(p)
     p.add_argument("--data-tiling", action="store_true", default=None,
                    help="compile with data-tiling encodings for matmuls too (conv feature maps always have them)")
+    p.add_argument("--precision", default=None, metavar="P",
+                   help="how float32 work may compute: fp32 (float32, no TF32), tf32 (float32 contractions on TF32 "
+                        "tensor cores), fp16 (float16 where safe, float32 accumulation); default POLYHAL_PRECISION, "
+                        "else fp32")
     p.add_argument("--no-fuse", dest="fuse", action="store_false",
                    help="compile without the fusion passes (attention, linear)")
     p.add_argument("--explain", action="store_true",
@@ -259,7 +263,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     feeds = program.check_feeds(feeds)
 
     t0 = time.perf_counter()
-    options = {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True)}
+    options = {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True),
+               "precision": getattr(args, "precision", None)}
     plan = program.compile(args.device, strict=args.strict, registry=registry, **options)
     t_compile = time.perf_counter() - t0
 
