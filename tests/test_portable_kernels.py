@@ -104,7 +104,8 @@ def test_tfidf_vectorizer(device, mode, weighted, dtype, rows):
     # unigrams, bigrams and trigrams; the bigram (1, 3) twice (it counts in its last column) and
     # two n-grams sharing column 2
     attrs = dict(pool=[2, 3, 1, 0, 1, 3, 4, 2, 1, 3, 0, 4, 1, 2, 3], ngram_counts=[0, 3, 9],
-                 ngram_indexes=[5, 0, 2, 1, 3, 4, 2, 6], weights=[1.5, 2.0, 0.5, 1.0, 3.0, 0.25, 2.5] if weighted else [],
+                 ngram_indexes=[5, 0, 2, 1, 3, 4, 2, 6],
+                 weights=[1.5, 2.0, 0.5, 1.0, 3.0, 0.25, 2.5] if weighted else [],
                  min_gram=1, max_gram=3, max_skip=2, mode=mode)
     _check(device, "tfidf_vectorizer", [x], **attrs)
 
