@@ -50,7 +50,7 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callabl
 
         if not k.work_items:
             return
-        dense = [cupy.ascontiguousarray(a) for a in arrays]
+        dense = [a if a.flags.c_contiguous else cupy.ascontiguousarray(a) for a in arrays]
         args = tuple(v for a in dense for v in (a, _ZERO))
         device.launch(fn, k.name, grid, (BLOCK,), args)
         for a, d in zip(arrays[n_in:], dense[n_in:]):
