@@ -96,9 +96,9 @@ def test_tree_ensemble(device, dtype):
     _check(device, "tree_ensemble", [x, nodes, thresholds, leaf_values, roots], depth=4)
 
 
-@pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
-@pytest.mark.parametrize("weighted", [False, True])
-@pytest.mark.parametrize("dtype,rows", [(np.int32, (4, 11)), (np.int64, (13,))])
+@pytest.mark.parametrize("mode,weighted,dtype,rows", [
+    ("TF", False, np.int32, (4, 11)), ("TF", True, np.int64, (13,)), ("IDF", False, np.int64, (13,)),
+    ("IDF", True, np.int32, (4, 11)), ("TFIDF", False, np.int32, (4, 11)), ("TFIDF", True, np.int64, (13,))])
 def test_tfidf_vectorizer(device, mode, weighted, dtype, rows):
     x = np.random.default_rng(5).integers(0, 5, size=rows).astype(dtype)
     # unigrams, bigrams and trigrams; the bigram (1, 3) twice (it counts in its last column) and
