@@ -29,7 +29,9 @@ Families and how they run:
 * sort, argsort, topk (:mod:`.sorting`) and non_max_suppression (:mod:`.suppression`): CUDA C with
   declared scratch (shared memory when it fits, global scratch otherwise);
 * attention (:mod:`.attention`): two batched cuBLAS products around the row-wise softmax, its
-  intermediates declared as global scratch.
+  intermediates declared as global scratch;
+* grid_sample, roi_align, det, tree_ensemble, tfidf_vectorizer (:mod:`.portable`): the C kernels
+  polyhal-opencl runs too (:mod:`polyhal_gpu.portable`), compiled with NVRTC.
 
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
 this backend) still runs, through :func:`host_fallback` (download, the op's numpy reference,
@@ -47,7 +49,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda import attention, cudnn, sorting, suppression
+from polyhal_cuda import attention, cudnn, portable, sorting, suppression
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
 
@@ -569,6 +571,12 @@ def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
 register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
 register("attention", scratch=attention.scratch_requests)(attention.prepare)
 register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
+
+
+@register(*portable.OPS)
+def _portable(device, op, attrs, ins, outs, binding) -> Kernel:
+    return portable.prepare(device, op, attrs, ins, outs, lambda: host_fallback(device, op, attrs, ins, outs))
+
 
 #: Ops that run through the host fallback (no CUDA kernel yet), at import time.
 HOST_FALLBACK: frozenset[str] = TABLE.fallback_ops

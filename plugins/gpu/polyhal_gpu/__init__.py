@@ -1,4 +1,5 @@
-"""polyhal-gpu: the backend-neutral GPU code that polyhal-cuda and polyhal-hip share.
+"""polyhal-gpu: the backend-neutral GPU code that polyhal-cuda and polyhal-hip share (and, for
+the kernels of ``c/``, polyhal-opencl).
 
 A distribution of its own, with no entry point (it is no backend): both GPU backends depend on
 it, and neither imports the other. The CUDA C kernels live here (``polyhal_gpu/cu/*.cu``):
@@ -23,6 +24,9 @@ module                 what
                        ``sort_rows`` launch
 :mod:`.nms`            ``cu/nms.cu``: the geometry of a non-max-suppression instance, its scratch
                        declarations, the pipeline of launches (:class:`~.nms.Pipeline`)
+:mod:`.portable`       ``c/*.c``: kernels in the C that OpenCL C and CUDA C++ share (grid_sample,
+                       roi_align, det, tree_ensemble, tfidf_vectorizer), which polyhal-opencl
+                       runs too: the source of an op instance and its launch size
 :mod:`.memory`         allocator and DLPack commons: usage masks, memory types,
                        ``allocate(kind=...)``, the extent of an imported tensor
 :mod:`.enumeration`    plugin commons: the enumeration record, rank and pool from the environment

@@ -15,7 +15,8 @@ from polyhal.ops import resolve_attrs
 
 from polyhal_opencl.codegen import DeviceTraits, Recipe
 from polyhal_opencl.ops import (
-    data_tiling, elementwise, indexing, linalg, logical, mathfn, nn, planned_generators, reduction, shape, sorting,
+    data_tiling, elementwise, indexing, linalg, logical, mathfn, nn, planned_generators, portable, reduction, shape,
+    sorting,
 )
 
 if TYPE_CHECKING:
@@ -29,7 +30,7 @@ __all__ = ["GENERATORS", "generate"]
 GENERATORS: dict[str, Callable[..., Recipe]] = {
     **elementwise.GENERATORS, **mathfn.GENERATORS, **logical.GENERATORS, **linalg.GENERATORS,
     **reduction.GENERATORS, **shape.GENERATORS, **sorting.GENERATORS, **indexing.GENERATORS,
-    **nn.GENERATORS, **data_tiling.GENERATORS, **planned_generators.GENERATORS,
+    **nn.GENERATORS, **data_tiling.GENERATORS, **portable.GENERATORS, **planned_generators.GENERATORS,
 }
 
 
