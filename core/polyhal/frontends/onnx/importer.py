@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import ctypes.util
 import os
 from dataclasses import dataclass, field
@@ -918,7 +919,7 @@ class _Importer:
             outputs.append(self.emit("(every output is made on the host)", "identity",
                                      [self.as_value(np.zeros(0, np.int8))], {}))
         self.builder.output(*outputs, *counts, *read_outputs)
-        base = self.builder.build()
+        base = _without_dead_ops(self.builder.build())
         frozen = {k: env[k] for k in self.values if isinstance(env.get(k), np.ndarray)}
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
@@ -1104,6 +1105,22 @@ class _Unsupported:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+def _without_dead_ops(program: Program) -> Program:
+    """``program`` without the ops and constants no output depends on: what converters emitted
+    and a later node made unneeded (a Scaler whose scaling a tree ensemble took into its
+    thresholds), and nodes of the model whose results nothing reads."""
+    live = {v.id for v in program.outputs}
+    kept = []
+    for op in reversed(program.ops):
+        if any(v.id in live for v in op.outputs):
+            kept.append(op)
+            live.update(v.id for v in op.inputs)
+    if len(kept) == len(program.ops):
+        return program
+    return dataclasses.replace(program, ops=kept[::-1], constants=[(v, a) for v, a in program.constants
+                                                                   if v.id in live])
 
 
 def _origin(op, origins: Mapping[int, str]) -> str:
