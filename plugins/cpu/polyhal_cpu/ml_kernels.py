@@ -74,19 +74,16 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
     base = np.asarray(attrs.get("base", ()), np.float64)
     loop = _native()
     if loop is not None:
-        config = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform)],
-                          np.int64)
-        acc = np.empty(max(ins[3].shape[1], 2), np.float64)
+        params = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform),
+                           *base], np.float64)
         no_labels = np.zeros(0, np.int64)
         if len(ins) == 5:
             def kernel(x, nodes, thresholds, leaf_values, roots, out):
-                loop(np.ascontiguousarray(x), nodes, thresholds, leaf_values, roots, config, base, acc, out,
-                     no_labels, no_labels)
+                loop(x, nodes, thresholds, leaf_values, roots, params, out, no_labels, no_labels)
             return kernel
 
         def kernel(x, nodes, thresholds, leaf_values, roots, labels, out, label_out):
-            loop(np.ascontiguousarray(x), nodes, thresholds, leaf_values, roots, config, base, acc, out, labels,
-                 label_out)
+            loop(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
         return kernel
 
     def kernel(x, nodes, thresholds, leaf_values, roots, *rest):

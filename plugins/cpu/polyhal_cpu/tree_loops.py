@@ -12,14 +12,17 @@ __all__ = ["tree_ensemble"]
 
 
 @njit(nogil=True, cache=True, boundscheck=False)
-def tree_ensemble(x, nodes, thresholds, leaf_values, roots, config, base, acc, out, labels, label_out):
+def tree_ensemble(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out):
     """Walk every tree for every row of ``x`` (see polyhal.ops.ml for the arrays and the
-    epilogue); ``config`` holds the codes ``(aggregate, binary, post_transform)`` (indices into
-    polyhal.ops.ml's AGGREGATES, BINARY, POST_TRANSFORMS). Scores are kept in the float64 row
-    ``acc`` (two columns for ``binary``), rounded once into ``out``; with ``labels`` non-empty,
+    epilogue). ``params`` (float64) holds the codes ``(aggregate, binary, post_transform)``
+    (indices into polyhal.ops.ml's AGGREGATES, BINARY, POST_TRANSFORMS) followed by the base
+    values, if any: few arguments, as each costs the call time. Scores are kept in a float64 row
+    (two columns for ``binary``), rounded once into ``out``; with ``labels`` non-empty,
     ``label_out[n]`` is the label of row n's largest (rounded) output."""
     n_targets = leaf_values.shape[1]
-    aggregate, binary, transform = config[0], config[1], config[2]
+    aggregate, binary, transform = int(params[0]), int(params[1]), int(params[2])
+    base = params[3:]
+    acc = np.empty(max(n_targets, 2), np.float64)
     columns = out.shape[1]
     for n in range(x.shape[0]):
         for j in range(n_targets):
