@@ -1,5 +1,6 @@
 """Classical machine-learning ops: ``tree_ensemble`` (what ONNX's ai.onnx.ml tree ensembles
-compute), as a compact array walk.
+compute), as a compact array walk, and ``pairwise_coupling`` (an SVM's class probabilities from
+its pairwise ones).
 
 **The compact form.** Every tree's nodes sit in one set of flat arrays (one row per node, all
 trees together), so a kernel walks all trees of all samples with the same few loads, and no
@@ -46,7 +47,7 @@ from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import define, int_attr
 
-__all__ = ["AGGREGATES", "BINARY", "LEAF", "MISSING_TRUE", "MODE_BITS", "POST_TRANSFORMS", "tree_epilogue",
+__all__ = ["AGGREGATES", "BINARY", "LEAF", "MISSING_TRUE", "MODE_BITS", "POST_TRANSFORMS", "coupling_row", "tree_epilogue",
            "tree_walk_reference"]
 
 _F32, _F64, _I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64)
@@ -200,3 +201,59 @@ def _sample(rng: np.random.Generator):
 define("tree_ensemble", infer=_infer, reference=_reference, sample=_sample, arity=(5, 6), tolerance=(1e-5, 1e-5),
        doc="""Sum over trees of the leaf values each sample reaches (ONNX ai.onnx.ml tree ensembles,
        compact form: see polyhal.ops.ml).""")
+
+
+# ------------------------------------------------------------------------- pairwise coupling
+
+def _infer_coupling(r: TensorType, *, classes):
+    k = int_attr(classes, "classes")
+    if r.dtype not in (_F32, _F64):
+        raise DTypeError(f"r has element type {r.dtype}, expected float32 or float64; insert a 'cast'")
+    if r.rank != 2:
+        raise ShapeError(f"r must be [samples, pairs], got shape {r.shape}")
+    if k < 2 or r.shape[1] != k * (k - 1) // 2:
+        raise ShapeError(f"r has {r.shape[1]} columns; {k} classes make {k * (k - 1) // 2} pairs (classes >= 2)")
+    return (TensorType((r.shape[0], k), r.dtype),)
+
+
+def coupling_row(pairs: np.ndarray, k: int) -> np.ndarray:
+    """Class probabilities from one row of pairwise ones (``pairs[p]``: P(class i | i or j)
+    for the pairs i < j in order), by Wu, Lin and Weng's method 2 as libsvm (and onnxruntime)
+    iterate it: at most max(100, k) sweeps, stopping at error 0.005 / k."""
+    r = np.zeros((k, k), pairs.dtype)
+    rows, cols = np.triu_indices(k, 1)
+    r[rows, cols] = pairs
+    r[cols, rows] = 1 - pairs
+    q = np.empty((k, k), pairs.dtype)
+    for t in range(k):
+        q[t, t] = (r[:t, t] ** 2).sum() + (r[t + 1:, t] ** 2).sum()
+        q[t, :t] = q[:t, t]
+        q[t, t + 1:] = -r[t + 1:, t] * r[t, t + 1:]
+    p = np.full(k, 1.0 / k, pairs.dtype)
+    for _ in range(max(100, k)):
+        qp = q @ p
+        pqp = (p * qp).sum()
+        if np.abs(qp - pqp).max() < 0.005 / k:
+            break
+        for t in range(k):
+            diff = (-qp[t] + pqp) / q[t, t]
+            p[t] += diff
+            pqp = (pqp + diff * (diff * q[t, t] + 2 * qp[t])) / (1 + diff) ** 2
+            p /= 1 + diff
+            qp = (qp + diff * q[t]) / (1 + diff)
+    return p
+
+
+def _coupling_reference(r, *, classes):
+    r = np.asarray(r)
+    return (np.array([coupling_row(row, int(classes)) for row in r], r.dtype).reshape(len(r), int(classes)),)
+
+
+def _coupling_sample(rng: np.random.Generator):
+    return [rng.uniform(0.05, 0.95, (5, 6)).astype(np.float32)], {"classes": 4}
+
+
+define("pairwise_coupling", infer=_infer_coupling, reference=_coupling_reference, sample=_coupling_sample, arity=1,
+       tolerance=(1e-5, 1e-6),
+       doc="""Class probabilities [samples, classes] from pairwise ones [samples, classes*(classes-1)/2]
+       (libsvm's multiclass probability: what ONNX's SVMClassifier computes from prob_a/prob_b).""")

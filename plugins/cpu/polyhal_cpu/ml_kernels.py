@@ -21,7 +21,7 @@ import os
 
 import numpy as np
 
-from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, tree_epilogue
+from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tree_epilogue
 from polyhal_cpu.table import TABLE, Kernel, Types
 
 __all__ = ["tree_walk_numpy"]
@@ -92,4 +92,16 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
         np.copyto(rest[-len(outs)], scores)
         if len(outs) == 2:
             rest[-1][...] = rest[0][np.argmax(scores, axis=1)] if scores.shape[1] else 0
+    return kernel
+
+
+@TABLE.register("pairwise_coupling")
+def _pairwise_coupling(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # An iteration per row with a data-dependent stop: rows are independent and few classes
+    # make each cheap, so a row loop over the shared iteration is what the kernel is.
+    k = int(attrs["classes"])
+
+    def kernel(r, out):
+        for n in range(r.shape[0]):
+            out[n] = coupling_row(r[n], k)
     return kernel

@@ -677,6 +677,142 @@ def _tree_ensemble_classifier(ctx: NodeContext) -> list:
     return [label, scores]
 
 
+# ------------------------------------------------------------------------------------------ SVMs
+
+def _svm_kernel(ctx: NodeContext, x: Any, vectors: np.ndarray) -> Any:
+    """The node's kernel between every row of ``x`` [N, F] and every row of ``vectors`` [V, F]:
+    [N, V], as onnxruntime computes it (RBF from the differences, not from expanded norms)."""
+    kind = ctx.attr("kernel_type", "LINEAR")
+    gamma, coef0, degree = (list(ctx.attr("kernel_params", [])) + [0.0, 0.0, 0.0])[:3]
+    dtype = ctx.dtype(x)
+    if kind == "RBF":
+        rows, features = ctx.shape(x)
+        d = ctx.op("sub", ctx.op("reshape", x, shape=[rows, 1, features]), vectors)
+        distance = ctx.op("reduce_sum", ctx.op("mul", d, d), axes=[2], keepdims=False)
+        return ctx.op("exp", ctx.op("mul", distance, np.array(-gamma, dtype)))
+    dot = ctx.op("gemm", x, vectors, trans_b=True)
+    if kind == "LINEAR":
+        return dot
+    inner = ctx.op("add", ctx.op("mul", dot, np.array(gamma, dtype)), np.array(coef0, dtype))
+    if kind == "POLY":
+        return ctx.op("pow", inner, np.array(degree, dtype))
+    if kind == "SIGMOID":
+        return ctx.op("tanh", inner)
+    raise OnnxModelError(f"attribute 'kernel_type' is {kind!r}; ONNX defines LINEAR, POLY, RBF and SIGMOID")
+
+
+def _svm_vectors(ctx: NodeContext, features: int, count: int, dtype) -> np.ndarray:
+    vectors = _floats(ctx, "support_vectors", dtype)
+    if vectors is None or vectors.size != count * features:
+        raise OnnxModelError(f"attribute 'support_vectors' has {0 if vectors is None else vectors.size} entries; "
+                             f"{count} support vectors of {features} features need {count * features}")
+    return vectors.reshape(count, features)
+
+
+@converter("SVMRegressor", domain=ML)
+def _svm_regressor(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    count = int(ctx.attr("n_supports", 0))
+    coefficients = _floats(ctx, "coefficients", dtype)
+    rho = _floats(ctx, "rho", dtype)
+    if coefficients is None or not coefficients.size or rho is None or not rho.size:
+        raise OnnxModelError("SVMRegressor needs the attributes 'coefficients' and 'rho'")
+    if count > 0:
+        if coefficients.size != count:
+            raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries but 'n_supports' is "
+                                 f"{count}; give one per support vector")
+        scores = _svm_kernel(ctx, x, _svm_vectors(ctx, features, count, dtype))
+    else:  # linear: the coefficients are the weights of the features
+        if coefficients.size != features:
+            raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries; without support "
+                                 f"vectors it holds one weight per feature ({features})")
+        scores = x
+    y = ctx.op("gemm", scores, coefficients.reshape(1, -1), rho[:1], trans_b=True)  # [N, 1]
+    if ctx.attr("one_class", 0):
+        y = ctx.op("where", ctx.op("greater", y, np.zeros((), dtype)), np.ones((), dtype), -np.ones((), dtype))
+    return [_post_transform(ctx, y)]
+
+
+@converter("SVMClassifier", domain=ML)
+def _svm_classifier(ctx: NodeContext) -> list:
+    """onnxruntime's SVMClassifier: one-vs-one decision values of the support vectors' kernel
+    (SVC mode, ``vectors_per_class`` given), whose votes pick the label, or one linear score
+    per class; with ``prob_a``/``prob_b`` the scores are pairwise Platt probabilities coupled into
+    class probabilities (``pairwise_coupling``)."""
+    x = _as_matrix(ctx, _float_input(ctx))
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    strings = ctx.has_attr("classlabels_strings")
+    labels = np.arange(_n_labels(ctx, "classlabels_ints", "classlabels_strings"), dtype=np.int64) if strings \
+        else np.asarray(ctx.attr("classlabels_ints", []), np.int64)
+    k = max(len(labels), 1)
+    coefficients = _floats(ctx, "coefficients", dtype)
+    rho = _floats(ctx, "rho", dtype)
+    if coefficients is None or not coefficients.size or rho is None or not rho.size:
+        raise OnnxModelError("SVMClassifier needs the attributes 'coefficients' and 'rho'")
+    per_class = np.asarray(ctx.attr("vectors_per_class", []), np.int64)
+    count = int(per_class.sum())
+    prob_a, prob_b = _floats(ctx, "prob_a", dtype), _floats(ctx, "prob_b", dtype)
+    all_positive = bool(coefficients.min() >= 0)
+    if count > 0:
+        if len(per_class) != k:
+            raise OnnxModelError(f"attribute 'vectors_per_class' has {len(per_class)} entries for {k} classes")
+        pairs = k * (k - 1) // 2
+        if coefficients.size != (k - 1) * count or rho.size < pairs:
+            raise OnnxModelError(f"attributes 'coefficients' ({coefficients.size}) and 'rho' ({rho.size}) do not fit "
+                                 f"{k} classes of {count} support vectors: they need {(k - 1) * count} and {pairs}")
+        coefs = coefficients.reshape(k - 1, count)
+        starts = np.concatenate([[0], np.cumsum(per_class)[:-1]])
+        # Decision value of pair (i, j): rho + K[:, class i] . coefs[j-1, class i] + K[:, class j] . coefs[i, class j],
+        # one column of a [V, pairs] matrix; votes from its sign through two [pairs, k] matrices.
+        weights = np.zeros((count, pairs), dtype)
+        win, lose = np.zeros((pairs, k), dtype), np.zeros((pairs, k), dtype)
+        p = 0
+        for i in range(k):
+            for j in range(i + 1, k):
+                a, b = slice(starts[i], starts[i] + per_class[i]), slice(starts[j], starts[j] + per_class[j])
+                weights[a, p], weights[b, p] = coefs[j - 1, a], coefs[i, b]
+                win[p, i], lose[p, j] = 1, 1
+                p += 1
+        decision = ctx.op("gemm", _svm_kernel(ctx, x, _svm_vectors(ctx, features, count, dtype)), weights,
+                          rho[:pairs])
+        positive = ctx.op("cast", ctx.op("greater", decision, np.zeros((), dtype)), dtype=dtype)
+        votes = ctx.op("add", ctx.op("matmul", positive, win - lose), lose.sum(axis=0))
+        if prob_a is not None and prob_a.size:
+            if prob_a.size != pairs or prob_b is None or prob_b.size != pairs:
+                raise OnnxModelError(f"attributes 'prob_a'/'prob_b' need one entry per class pair ({pairs})")
+            # Platt's sigmoid per pair, kept inside (1e-7, 1 - 1e-7), then coupled.
+            pair_p = ctx.op("sub", np.ones((), dtype),
+                            ctx.op("sigmoid", ctx.op("add", ctx.op("mul", decision, prob_a), prob_b)))
+            pair_p = ctx.op("minimum", ctx.op("maximum", pair_p, np.array(1e-7, dtype)), np.array(1 - 1e-7, dtype))
+            scores = ctx.op("pairwise_coupling", pair_p, classes=k)
+        else:
+            scores = decision
+        index = ctx.op("argmax", votes, axis=1)  # the votes pick the label, probabilities or not
+        if k == 2 and all_positive and not (prob_a is not None and prob_a.size):
+            # onnxruntime's rule for two classes of all-positive weights
+                index = ctx.op("cast", ctx.op("greater", ctx.op("reduce_max", votes, axes=[1], keepdims=False),
+                                              np.array(0.5, dtype)), dtype=np.int64)
+    else:  # linear: one score per class
+        if coefficients.size % features:
+            raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries, not a multiple of the "
+                                 f"{features} features")
+        scores = ctx.op("gemm", x, coefficients.reshape(-1, features), rho[:1], trans_b=True)
+        index = ctx.op("argmax", scores, axis=1)
+        if rho.size == 1 and k == 2 and all_positive:
+            index = ctx.op("cast", ctx.op("greater", ctx.op("reduce_max", scores, axes=[1], keepdims=False),
+                                          np.array(0.5 if all_positive else 0, dtype)), dtype=np.int64)
+    if ctx.shape(scores)[1] == 1 and k == 2:
+        scores = ctx.op("concat", ctx.op("neg", scores), scores, axis=1)  # [-s, s], as onnxruntime writes it
+    scores = _post_transform(ctx, scores)
+    if strings:
+        names = np.array(ctx.attr("classlabels_strings"), dtype=object)
+        return [HostOutput(index, lambda a: names[np.asarray(a)].astype(str), "string class labels"), scores]
+    if not labels.size:
+        return [index, scores]
+    return [ctx.op("gather", labels, index, axis=0), scores]
+
+
 # ------------------------------------------------------------------------------------- ZipMap
 
 @converter("ZipMap", domain=ML)
