@@ -8,18 +8,21 @@ dicts. polyhal runs the model as loaded (``polyhal.onnx.load`` of the file, shap
 the batch dim is unnamed), so each timing includes its shape dispatch. onnxruntime runs with one
 thread per session option default and its graph optimizations on.
 
-Target: no slower than onnxruntime at batch 1 and at batch 1,000 (ratio <= 1.0).
+Target: no slower than onnxruntime at batch 1 and at batch 1,000: the median over rounds of the
+ratio of the two (they alternate, so a shared machine's load falls on both alike) <= 1.0.
 ``python -m bench sklearn_models`` writes bench/results/sklearn_models.{json,md} and exits non-zero
 when a target is missed.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 import warnings
 
 import numpy as np
 
-from bench.harness import Row, median_time
+from bench.harness import Row
 
 TREES, DEPTH, FEATURES = 40, 3, 20
 
@@ -42,6 +45,22 @@ def pipeline_model(seed: int = 0) -> tuple[bytes, np.ndarray]:
         return to_onnx(pipe, x[:1]).SerializeToString(), x
 
 
+def paired_times(ours, theirs, *, repeat: int, number: int) -> tuple[float, float, float]:
+    """Median seconds per call of ``ours`` and ``theirs`` and the median of their per-round
+    ratio: the two alternate, ``number`` calls each per round, so that load from other
+    processes on a shared machine falls on both alike."""
+    for _ in range(3):
+        ours(), theirs()
+    a, b = [], []
+    for _ in range(repeat):
+        for fn, samples in ((ours, a), (theirs, b)):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
+
+
 def run(args) -> list[Row]:
     import onnxruntime as ort
 
@@ -62,11 +81,12 @@ def run(args) -> list[Row]:
         assert all(np.allclose(list(a.values()), list(b.values()), rtol=1e-5, atol=1e-6)
                    for a, b in zip(ours["output_probability"], theirs[1])), "probabilities differ from onnxruntime"
         number = 200 if batch == 1 else 5
-        t_ours = median_time(lambda: program.execute(plan, feed), repeat=repeat, number=number)
-        t_ort = median_time(lambda: session.run(None, feed), repeat=repeat, number=number)
+        t_ours, t_ort, ratio = paired_times(lambda: program.execute(plan, feed), lambda: session.run(None, feed),
+                                            repeat=repeat, number=number)
         rows.append(Row(f"GB pipeline {TREES} trees depth {DEPTH}, {FEATURES} features, batch {batch}", "µs",
                         t_ours * 1e6, t_ort * 1e6, f"onnxruntime {ort.__version__} CPU EP",
-                        "no slower (ratio <= 1.0)", t_ours <= t_ort, {"device": device}))
+                        "no slower (median ratio <= 1.0)", ratio <= 1.0,
+                        {"device": device, "median_ratio": round(ratio, 3)}))
     return rows
 
 

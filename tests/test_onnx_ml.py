@@ -258,7 +258,7 @@ def _tree_ensemble_v5(rng, dtype, trees, features, n_targets, edit=None, **extra
 
 
 @pytest.mark.parametrize("dtype", [TensorProto.FLOAT, TensorProto.DOUBLE], ids=TensorProto.DataType.Name)
-@pytest.mark.parametrize("aggregate", [0, 1], ids=["average", "sum"])
+@pytest.mark.parametrize("aggregate", [0, 1, 2, 3], ids=["average", "sum", "min", "max"])
 def test_tree_ensemble_v5_matches_onnx_reference(dtype, aggregate):
     from onnx.reference import ReferenceEvaluator
     rng = np.random.default_rng(dtype * 10 + aggregate)
@@ -267,7 +267,39 @@ def test_tree_ensemble_v5_matches_onnx_reference(dtype, aggregate):
     got = ponnx.load(model).run({"x": x})["y"]
     (want,) = ReferenceEvaluator(model).run(None, {"x": x})
     assert got.dtype == want.dtype
+    if aggregate >= 2:
+        # A target no tree gives a weight: 0, as onnxruntime's aggregators leave it (onnx's
+        # reference leaves the float type's max/min).
+        untouched = np.abs(want) == np.finfo(want.dtype).max
+        assert untouched.any() and not untouched.all()
+        want = np.where(untouched, 0, want)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("transform", [1, 2, 3], ids=["softmax", "logistic", "softmax_zero"])
+def test_tree_ensemble_v5_post_transforms(transform):
+    # onnx's reference evaluator leaves post_transform out: the transform is applied to its scores here.
+    from onnx.reference import ReferenceEvaluator
+
+    def no_target_1(attrs):  # a column of zeros, which softmax_zero leaves out
+        attrs["leaf_targetids"] = [t if t != 1 else 2 for t in attrs["leaf_targetids"]]
+
+    model = _tree_ensemble_v5(np.random.default_rng(transform), TensorProto.FLOAT, trees=6, features=4,
+                              n_targets=3, edit=no_target_1, post_transform=transform)
+    x = np.random.default_rng(9).choice([-0.5, 0.5, 1.5, 0.7, np.nan], size=(40, 4)).astype(np.float32)
+    plain = onnx.ModelProto()
+    plain.CopyFrom(model)
+    next(a for a in plain.graph.node[0].attribute if a.name == "post_transform").i = 0
+    (s,) = ReferenceEvaluator(plain).run(None, {"x": x})
+    s = s.astype(np.float64)
+    if transform == 2:
+        want = 1 / (1 + np.exp(-s))
+    else:
+        keep = s != 0 if transform == 3 else np.ones(s.shape, bool)
+        e = np.where(keep, np.exp(s - s.max(axis=1, keepdims=True)), 0)
+        want = e / e.sum(axis=1, keepdims=True)
+    assert transform != 3 or (want[:, 1] == 0).all()
+    np.testing.assert_allclose(ponnx.load(model).run({"x": x})["y"], want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -278,7 +310,8 @@ def test_tree_ensemble_v5_matches_onnx_reference(dtype, aggregate):
     (lambda a: a.update(tree_roots=[999]), "attribute 'tree_roots' entry 0 is not a branch node"),
     (lambda a: a.update(membership_values=numpy_helper.from_array(np.array([1.0], np.float32))),
      "'membership_values' holds 0 nan-terminated sets, but the model has"),
-    (lambda a: a.update(aggregate_function=3), "MIN or MAX"),
+    (lambda a: a.update(aggregate_function=7), "attribute 'aggregate_function' is 7"),
+    (lambda a: a.update(post_transform=4), "PROBIT"),
 ])
 def test_inconsistent_tree_ensemble_v5_is_refused_naming_the_attribute(edit, message):
     from polyhal.frontends.onnx import OnnxUnsupportedError
@@ -298,3 +331,47 @@ def test_sklearn_example_runs():
     done = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("labels match onnxruntime, probabilities match") == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_scaling_folds_into_thresholds_exactly(dtype):
+    # Every mode and missing bit, scales of both signs, inputs on and around each node's moved
+    # threshold: the raw input through the folded trees reaches the leaves the scaled input
+    # reaches through the given ones.
+    from polyhal.frontends.onnx.converters.ml import fold_scaling
+    from polyhal.ops.ml import tree_walk_reference
+    rng = np.random.default_rng(5)
+    features = 6
+    nodes, thresholds, _, roots = random_ensemble(rng, features, 30, 4, 1, dtype)
+    offset = rng.standard_normal(features).astype(dtype)
+    scale = (rng.uniform(0.1, 3, features) * rng.choice([-1, 1], features)).astype(dtype)
+    # The identity scaling folds every mode (EQ and NEQ included: one float maps onto each threshold).
+    for offset, scale in ((np.zeros(1, dtype), np.ones(1, dtype)), (offset, scale)):
+        folded = fold_scaling(nodes, thresholds, offset, scale)
+        if folded is None:  # an EQ/NEQ node that a range of floats maps onto: refused; those as LEQ/GT
+            assert scale.size > 1
+            mode = nodes[:, 1] & 7
+            nodes = nodes.copy()
+            nodes[:, 1] = np.where(mode == 2, 3, np.where(mode == 5, 4, mode)) | (nodes[:, 1] & 8)
+            folded = fold_scaling(nodes, thresholds, offset, scale)
+        new_nodes, new_thresholds = folded
+        moved = new_thresholds[new_nodes[:, 1] != 0]
+        near = np.concatenate([moved, np.nextafter(moved, dtype(np.inf)), np.nextafter(moved, dtype(-np.inf))])
+        x = rng.choice(np.concatenate([near, [np.nan, np.inf, -np.inf, 0.0, -0.0]]).astype(dtype), (400, features))
+        scaled = ((x - offset).astype(dtype) * scale).astype(dtype)
+        np.testing.assert_array_equal(tree_walk_reference(x, new_nodes, new_thresholds, roots, 4),
+                                      tree_walk_reference(scaled, nodes, thresholds, roots, 4))
+    assert fold_scaling(nodes, thresholds, offset, np.zeros(features, dtype)) is None
+
+
+def test_scaler_feeding_trees_and_another_output_is_kept():
+    # The tree ensemble reads the raw input; the Scaler's ops stay for the graph output that reads them.
+    pipeline, y, x = _pipelines()["gb_binary"]
+    model = onnx.load_from_string(_convert(pipeline, y, x))
+    scaled = model.graph.node[0].output[0]
+    model.graph.output.append(helper.make_tensor_value_info(scaled, TensorProto.FLOAT, [None, x.shape[1]]))
+    program = ponnx.load(model)
+    out = program.run({"X": x[:5]})
+    np.testing.assert_allclose(out[scaled], pipeline[0].transform(x[:5]), rtol=1e-5, atol=1e-6)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert out["output_label"].tolist() == session.run(None, {"X": x[:5]})[0].tolist()

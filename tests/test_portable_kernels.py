@@ -30,16 +30,20 @@ def device(request) -> str:
 def _check(device: str, op: str, inputs: list, rtol: float | None = None, atol: float | None = None, **attrs) -> None:
     b = polyhal.ProgramBuilder(op)
     args = [b.input(f"x{i}", x.shape, x.dtype) for i, x in enumerate(inputs)]
-    b.output(b.op(op, *args, **attrs))
-    got = polyhal.compile(b.build(), device)(*inputs).numpy()
-    want = OPS[op].reference(*inputs, **resolve_attrs(op, attrs))[0]
-    if device.startswith("cuda"):
+    res = b.op(op, *args, **attrs)
+    b.output(*(res if isinstance(res, tuple) else (res,)))
+    got = polyhal.compile(b.build(), device)(*inputs)
+    got = got if isinstance(got, tuple) else (got,)
+    wants = OPS[op].reference(*inputs, **resolve_attrs(op, attrs))
+    if device.startswith("cuda") and wants[0].size:  # (an empty result runs no kernel)
         types = tuple(TensorType(x.shape, x.dtype) for x in inputs)
-        fn = polyhal.get_device(device).prepare(op, attrs, types, (TensorType(want.shape, want.dtype),))
+        fn = polyhal.get_device(device).prepare(op, attrs, types, tuple(TensorType(w.shape, w.dtype) for w in wants))
         assert "portable" in fn.inner.kernel_name, fn.inner.kernel_name
     d_rtol, d_atol = OPS[op].tolerance
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(got, want, rtol=rtol or d_rtol, atol=atol or d_atol, err_msg=f"{op} {attrs}")
+    for g, want in zip(got, wants):
+        g = g.numpy()
+        assert g.shape == want.shape and g.dtype == want.dtype
+        np.testing.assert_allclose(g, want, rtol=rtol or d_rtol, atol=atol or d_atol, err_msg=f"{op} {attrs}")
 
 
 _GRID_CASES = [(1 + i % 3, *c) for i, c in enumerate(itertools.product(
@@ -89,11 +93,24 @@ def test_det(device, shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_tree_ensemble(device, dtype):
+@pytest.mark.parametrize("aggregate,base,binary,post,labels", [
+    ("sum", (), "", "none", False), ("min", (0.5, -1.0, 2.0), "", "none", False),
+    ("max", (), "", "logistic", True), ("sum", (0.25, 0.0, -0.5), "", "softmax", True),
+    ("sum", (), "", "softmax_zero", False), ("sum", (0.5,), "probability", "none", True),
+    ("max", (), "margin", "logistic", False)])
+def test_tree_ensemble(device, dtype, aggregate, base, binary, post, labels):
+    """Every aggregate, base values, binary columns and post transform, with and without labels."""
     rng = np.random.default_rng(11)
-    nodes, thresholds, leaf_values, roots = random_ensemble(rng, 6, 7, 4, 3, dtype)
+    nodes, thresholds, leaf_values, roots = random_ensemble(rng, 6, 7, 4, 1 if binary else 3, dtype)
+    if aggregate != "sum" and not binary:  # leaves that give a target nothing (nan), a target no leaf gives anything
+        leaf_values[::3, 1] = np.nan
+        leaf_values[:, 2] = np.nan
+    if post == "softmax_zero":
+        leaf_values[::2, 0] = 0.0
     x = rng.choice(np.array([-0.5, 0.5, np.nan, 1.5, -2.0, 0.3]), size=(40, 6)).astype(dtype)
-    _check(device, "tree_ensemble", [x, nodes, thresholds, leaf_values, roots], depth=4)
+    operands = [x, nodes, thresholds, leaf_values, roots] + ([np.array([7, 3, 5][:2 if binary else 3])] if labels else [])
+    _check(device, "tree_ensemble", operands, depth=4, aggregate=aggregate, base=list(base), binary=binary,
+           post_transform=post)
 
 
 @pytest.mark.parametrize("mode,weighted,dtype,rows", [
@@ -122,4 +139,4 @@ def test_unserved_instances_are_refused():
         portable.plan("det", {}, (big,), (TensorType((), np.float32),), fp64=True)
     x = TensorType((2, 3), np.float32)
     with pytest.raises(KernelNotFoundError, match="float64"):
-        portable.plan("tree_ensemble", {"depth": 1}, (x,), (x,), fp64=False)
+        portable.plan("tree_ensemble", resolve_attrs("tree_ensemble", {"depth": 1}), (x,), (x,), fp64=False)

@@ -1,5 +1,6 @@
 """Classical machine-learning ops: ``tree_ensemble`` (what ONNX's ai.onnx.ml tree ensembles
-compute), as a compact array walk.
+compute), as a compact array walk, and ``pairwise_coupling`` (an SVM's class probabilities from
+its pairwise ones).
 
 **The compact form.** Every tree's nodes sit in one set of flat arrays (one row per node, all
 trees together), so a kernel walks all trees of all samples with the same few loads, and no
@@ -17,14 +18,28 @@ Python object per tree exists:
   sum of ONNX's ``target_weights``/``class_weights`` entries for that node; zero for branches).
 * ``roots`` int64 ``[T]``: the root row of each tree.
 
-**Semantics.** ``out[n, j] = sum over trees t of leaf_values[leaf(t, x[n]), j]`` in float64,
-rounded once to ``x``'s element type (float32 or float64: ONNX's opset-5 TreeEnsemble outputs
-``X``'s type; the older TreeEnsembleRegressor/Classifier output float, a cast after this op). ``depth`` bounds the walk:
-every root-to-leaf path has at most ``depth`` branches (a front end computes it when it builds
-the arrays, and refuses cycles). Base values, averaging and post transforms are other ops.
+**Semantics.** ``s[n, j] = base[j] + sum over trees t of leaf_values[leaf(t, x[n]), j]``
+in float64 (``aggregate="min"``/``"max"``: the smallest/largest of those leaf values instead of
+their sum, a nan entry meaning "this leaf gives target j nothing", 0 where no tree gives one, as
+onnxruntime does), then the epilogue a classifier needs, all before one rounding to ``x``'s
+element type (float32 or float64: ONNX's opset-5 TreeEnsemble outputs ``X``'s type; the older
+TreeEnsembleRegressor/Classifier output float, a cast after this op):
+
+* ``binary``: one target made two columns, ``"probability"`` ``[1 - s, s]`` or ``"margin"``
+  ``[-s, s]`` (a binary classifier that scores the second class only);
+* ``post_transform``: ``"none"``, ``"logistic"``, ``"softmax"`` or ``"softmax_zero"`` (softmax
+  over a row's nonzero entries; zeros stay zero), as ONNX defines them.
+
+With a sixth operand ``labels`` (int64 ``[C]``, one per output column) the op has a second
+result, int64 ``[samples]``: the label of each row's largest output (the first on ties, after
+rounding), which is what a classifier's label output is. Having the epilogue in the op keeps a
+scikit-learn classifier one dispatch. ``depth`` bounds the walk: every root-to-leaf path has at
+most ``depth`` branches (a front end computes it when it builds the arrays, and refuses cycles).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import numpy as np
 
@@ -32,7 +47,8 @@ from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import define, int_attr
 
-__all__ = ["LEAF", "MISSING_TRUE", "MODE_BITS", "tree_walk_reference"]
+__all__ = ["AGGREGATES", "BINARY", "LEAF", "MISSING_TRUE", "MODE_BITS", "POST_TRANSFORMS", "coupling_row", "tree_epilogue",
+           "tree_walk_reference"]
 
 _F32, _F64, _I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64)
 
@@ -40,10 +56,14 @@ _F32, _F64, _I64 = np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int64
 LEAF, MISSING_TRUE = 0, 8
 #: ONNX's branch rules as ``mode`` bits (1: x < t, 2: x == t, 4: x > t go to true_next).
 MODE_BITS = {"BRANCH_LEQ": 3, "BRANCH_LT": 1, "BRANCH_GTE": 6, "BRANCH_GT": 4, "BRANCH_EQ": 2, "BRANCH_NEQ": 5}
+#: The attribute values, in the order of the codes a kernel may use for them (their index).
+AGGREGATES = ("sum", "min", "max")
+BINARY = ("", "probability", "margin")
+POST_TRANSFORMS = ("none", "logistic", "softmax", "softmax_zero")
 
 
 def _infer(x: TensorType, nodes: TensorType, thresholds: TensorType, leaf_values: TensorType, roots: TensorType,
-           *, depth):
+           labels: TensorType | None = None, *, depth, aggregate, base, binary, post_transform):
     if x.dtype not in (_F32, _F64):
         raise DTypeError(f"x has element type {x.dtype}, expected float32 or float64; insert a 'cast'")
     if x.rank != 2:
@@ -59,7 +79,22 @@ def _infer(x: TensorType, nodes: TensorType, thresholds: TensorType, leaf_values
         raise ShapeError(f"roots must be int64 [trees], got {roots}")
     if int_attr(depth, "depth") < 0:
         raise ProgramError(f"depth must be >= 0, got {depth}")
-    return (TensorType((x.shape[0], leaf_values.shape[1]), x.dtype),)
+    for name, value, allowed in (("aggregate", aggregate, AGGREGATES), ("binary", binary, BINARY),
+                                 ("post_transform", post_transform, POST_TRANSFORMS)):
+        if value not in allowed:
+            raise ProgramError(f"{name} is {value!r}; expected one of {', '.join(map(repr, allowed))}")
+    targets = leaf_values.shape[1]
+    if binary and targets != 1:
+        raise ShapeError(f"binary={binary!r} makes one target two columns, but leaf_values has {targets} targets")
+    if len(base) not in (0, targets):
+        raise ShapeError(f"base has {len(base)} values; give one per target ({targets}) or none")
+    columns = 2 if binary else targets
+    scores = TensorType((x.shape[0], columns), x.dtype)
+    if labels is None:
+        return (scores,)
+    if labels.dtype != _I64 or labels.shape != (columns,):
+        raise ShapeError(f"labels must be int64 [{columns}] (one per output column), got {labels}")
+    return scores, TensorType((x.shape[0],), _I64)
 
 
 def tree_walk_reference(x, nodes, thresholds, roots, depth):
@@ -85,9 +120,41 @@ def tree_walk_reference(x, nodes, thresholds, roots, depth):
     return leaves
 
 
-def _reference(x, nodes, thresholds, leaf_values, roots, *, depth):
+def tree_epilogue(reached: np.ndarray, dtype, aggregate: str = "sum", base=(), binary: str = "",
+                  post_transform: str = "none") -> np.ndarray:
+    """The op's output from the leaf values each sample reached, float64 ``[samples, trees,
+    targets]``: aggregate, base, binary columns and post transform, rounded once to ``dtype``."""
+    if aggregate == "sum":
+        s = reached.sum(axis=1)
+    else:
+        with np.errstate(invalid="ignore"), warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-nan: no tree gave the target a value
+            s = (np.nanmin if aggregate == "min" else np.nanmax)(reached, axis=1)
+        s = np.nan_to_num(s, nan=0.0, posinf=np.inf, neginf=-np.inf)
+    if len(base):
+        s = s + np.asarray(base, np.float64)
+    if binary:
+        s = np.concatenate([1.0 - s if binary == "probability" else -s, s], axis=1)
+    if post_transform == "logistic":
+        with np.errstate(over="ignore"):
+            s = 1.0 / (1.0 + np.exp(-s))
+    elif post_transform in ("softmax", "softmax_zero"):
+        keep = s != 0 if post_transform == "softmax_zero" else np.ones(s.shape, bool)
+        m = np.max(np.where(keep, s, -np.inf), axis=1, keepdims=True)
+        e = np.where(keep, np.exp(s - np.where(np.isfinite(m), m, 0.0)), 0.0)
+        total = e.sum(axis=1, keepdims=True)
+        s = np.divide(e, total, out=np.zeros_like(e), where=total > 0)
+    return s.astype(dtype)
+
+
+def _reference(x, nodes, thresholds, leaf_values, roots, labels=None, *, depth, aggregate="sum", base=(),
+               binary="", post_transform="none"):
     leaves = tree_walk_reference(x, nodes, thresholds, roots, depth)
-    return (np.asarray(leaf_values)[leaves].sum(axis=1).astype(np.asarray(x).dtype),)
+    out = tree_epilogue(np.asarray(leaf_values)[leaves], np.asarray(x).dtype, aggregate, base, binary,
+                        post_transform)
+    if labels is None:
+        return (out,)
+    return out, np.asarray(labels)[np.argmax(out, axis=1)] if out.shape[1] else np.zeros(len(out), np.int64)
 
 
 def random_ensemble(rng: np.random.Generator, features: int, trees: int, depth: int, targets: int,
@@ -121,10 +188,72 @@ def random_ensemble(rng: np.random.Generator, features: int, trees: int, depth: 
 
 def _sample(rng: np.random.Generator):
     x = rng.choice(np.array([-0.5, 0.5, np.nan, 1.5, -2.0], np.float32), size=(7, 5))
-    nodes, thresholds, leaf_values, roots = random_ensemble(rng, 5, 4, 3, 2)
-    return [x, nodes, thresholds, leaf_values, roots], {"depth": 3}
+    binary = str(rng.choice(BINARY))
+    nodes, thresholds, leaf_values, roots = random_ensemble(rng, 5, 4, 3, 1 if binary else 2)
+    attrs = {"depth": 3, "aggregate": str(rng.choice(AGGREGATES)), "binary": binary,
+             "post_transform": str(rng.choice(POST_TRANSFORMS)), "base": (0.25,) if binary else (0.25, -0.5)}
+    operands = [x, nodes, thresholds, leaf_values, roots]
+    if rng.random() < 0.5:
+        operands.append(np.array([3, 7], np.int64))
+    return operands, attrs
 
 
-define("tree_ensemble", infer=_infer, reference=_reference, sample=_sample, arity=5, tolerance=(1e-5, 1e-5),
+define("tree_ensemble", infer=_infer, reference=_reference, sample=_sample, arity=(5, 6), tolerance=(1e-5, 1e-5),
        doc="""Sum over trees of the leaf values each sample reaches (ONNX ai.onnx.ml tree ensembles,
        compact form: see polyhal.ops.ml).""")
+
+
+# ------------------------------------------------------------------------- pairwise coupling
+
+def _infer_coupling(r: TensorType, *, classes):
+    k = int_attr(classes, "classes")
+    if r.dtype not in (_F32, _F64):
+        raise DTypeError(f"r has element type {r.dtype}, expected float32 or float64; insert a 'cast'")
+    if r.rank != 2:
+        raise ShapeError(f"r must be [samples, pairs], got shape {r.shape}")
+    if k < 2 or r.shape[1] != k * (k - 1) // 2:
+        raise ShapeError(f"r has {r.shape[1]} columns; {k} classes make {k * (k - 1) // 2} pairs (classes >= 2)")
+    return (TensorType((r.shape[0], k), r.dtype),)
+
+
+def coupling_row(pairs: np.ndarray, k: int) -> np.ndarray:
+    """Class probabilities from one row of pairwise ones (``pairs[p]``: P(class i | i or j)
+    for the pairs i < j in order), by Wu, Lin and Weng's method 2 as libsvm (and onnxruntime)
+    iterate it: at most max(100, k) sweeps, stopping at error 0.005 / k."""
+    r = np.zeros((k, k), pairs.dtype)
+    rows, cols = np.triu_indices(k, 1)
+    r[rows, cols] = pairs
+    r[cols, rows] = 1 - pairs
+    q = np.empty((k, k), pairs.dtype)
+    for t in range(k):
+        q[t, t] = (r[:t, t] ** 2).sum() + (r[t + 1:, t] ** 2).sum()
+        q[t, :t] = q[:t, t]
+        q[t, t + 1:] = -r[t + 1:, t] * r[t, t + 1:]
+    p = np.full(k, 1.0 / k, pairs.dtype)
+    for _ in range(max(100, k)):
+        qp = q @ p
+        pqp = (p * qp).sum()
+        if np.abs(qp - pqp).max() < 0.005 / k:
+            break
+        for t in range(k):
+            diff = (-qp[t] + pqp) / q[t, t]
+            p[t] += diff
+            pqp = (pqp + diff * (diff * q[t, t] + 2 * qp[t])) / (1 + diff) ** 2
+            p /= 1 + diff
+            qp = (qp + diff * q[t]) / (1 + diff)
+    return p
+
+
+def _coupling_reference(r, *, classes):
+    r = np.asarray(r)
+    return (np.array([coupling_row(row, int(classes)) for row in r], r.dtype).reshape(len(r), int(classes)),)
+
+
+def _coupling_sample(rng: np.random.Generator):
+    return [rng.uniform(0.05, 0.95, (5, 6)).astype(np.float32)], {"classes": 4}
+
+
+define("pairwise_coupling", infer=_infer_coupling, reference=_coupling_reference, sample=_coupling_sample, arity=1,
+       tolerance=(1e-5, 1e-6),
+       doc="""Class probabilities [samples, classes] from pairwise ones [samples, classes*(classes-1)/2]
+       (libsvm's multiclass probability: what ONNX's SVMClassifier computes from prob_a/prob_b).""")

@@ -7,7 +7,8 @@
   onnxruntime's tree kernels do; a numpy walk pays a dozen array calls per level.
 * **numpy** otherwise: the walk is vectorised over ``[samples, trees]`` -- ``depth`` steps, each
   a few gathers and compares over the whole batch at once (leaves point at themselves, so rows
-  that arrive early stay put), then one gather of the leaf values and a sum over trees.
+  that arrive early stay put), then one gather of the leaf values and the op's epilogue
+  (:func:`polyhal.ops.ml.tree_epilogue`).
 
 The node arrays are the op's constant operands, so a plan binds them once. Their structure was
 checked by the front end (rows in range, no cycles, ``depth`` the longest path), which the native
@@ -20,6 +21,7 @@ import os
 
 import numpy as np
 
+from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tree_epilogue
 from polyhal_cpu.table import TABLE, Kernel, Types
 
 __all__ = ["tree_walk_numpy"]
@@ -67,15 +69,39 @@ def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, ro
 @TABLE.register("tree_ensemble")
 def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     depth = int(attrs["depth"])
+    aggregate, binary, transform = (str(attrs.get(k, d)) for k, d in
+                                    (("aggregate", "sum"), ("binary", ""), ("post_transform", "none")))
+    base = np.asarray(attrs.get("base", ()), np.float64)
     loop = _native()
     if loop is not None:
-        acc = np.empty(ins[3].shape[1], np.float64)
+        params = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform),
+                           *base], np.float64)
+        no_labels = np.zeros(0, np.int64)
+        if len(ins) == 5:
+            def kernel(x, nodes, thresholds, leaf_values, roots, out):
+                loop(x, nodes, thresholds, leaf_values, roots, params, out, no_labels, no_labels)
+            return kernel
 
-        def kernel(x, nodes, thresholds, leaf_values, roots, out):
-            loop(np.ascontiguousarray(x), nodes, thresholds, leaf_values, roots, acc, out)
+        def kernel(x, nodes, thresholds, leaf_values, roots, labels, out, label_out):
+            loop(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
         return kernel
 
-    def kernel(x, nodes, thresholds, leaf_values, roots, out):
+    def kernel(x, nodes, thresholds, leaf_values, roots, *rest):
         leaves = tree_walk_numpy(x, nodes, thresholds, roots, depth)
-        np.copyto(out, leaf_values[leaves].sum(axis=1), casting="same_kind")
+        scores = tree_epilogue(leaf_values[leaves], outs[0].dtype, aggregate, base, binary, transform)
+        np.copyto(rest[-len(outs)], scores)
+        if len(outs) == 2:
+            rest[-1][...] = rest[0][np.argmax(scores, axis=1)] if scores.shape[1] else 0
+    return kernel
+
+
+@TABLE.register("pairwise_coupling")
+def _pairwise_coupling(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # An iteration per row with a data-dependent stop: rows are independent and few classes
+    # make each cheap, so a row loop over the shared iteration is what the kernel is.
+    k = int(attrs["classes"])
+
+    def kernel(r, out):
+        for n in range(r.shape[0]):
+            out[n] = coupling_row(r[n], k)
     return kernel

@@ -36,6 +36,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from polyhal.errors import KernelNotFoundError
+from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS
 from polyhal.ops.text import TFIDF_MODES, pool_ngrams
 from polyhal.ops.vision import GRID_MODES, GRID_PADDING
 
@@ -125,9 +126,14 @@ def _tree_ensemble(attrs: Mapping[str, Any], ins, outs, fp64: bool) -> PortableK
     if not fp64:
         raise KernelNotFoundError("tree_ensemble sums float64 leaf values: it needs a device with float64; "
                                   "run it on cpu:0")
-    src = _source("ml.c", "TREE_ENSEMBLE", fp64, x.dtype, FEATURES=x.shape[1], TREES=ins[4].shape[0],
-                  TARGETS=y.shape[1], DEPTH=int(attrs["depth"]), TOTAL=y.size)
-    return PortableKernel(src, "tree_ensemble", y.size, fp64)
+    samples, columns, targets = x.shape[0], y.shape[1], ins[3].shape[1]
+    base = [float(v) for v in attrs["base"]] or [0.0] * targets
+    src = _source("ml.c", "TREE_ENSEMBLE", fp64, x.dtype, _constant_array("BASE", "double", base),
+                  FEATURES=x.shape[1], TREES=ins[4].shape[0], TARGETS=max(targets, 1), COLUMNS=max(columns, 1),
+                  DEPTH=int(attrs["depth"]), SAMPLES=samples, AGG=AGGREGATES.index(attrs["aggregate"]),
+                  BINARY=BINARY.index(attrs["binary"]), POST=POST_TRANSFORMS.index(attrs["post_transform"]),
+                  LABELS=int(len(ins) == 6))
+    return PortableKernel(src, "tree_ensemble", samples if columns else 0, fp64)
 
 
 def _constant_array(name: str, ctype: str, values: Sequence[Any]) -> str:

@@ -185,7 +185,7 @@ class DynamicOnnxProgram:
 
     def execute(self, plan: "DynamicPlan", feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run ``plan`` on ``feeds`` (by name) and return the ONNX outputs by name."""
-        spec = plan.specialization(*[feeds[n] for n in self.input_names])
+        spec = plan.lookup([feeds[n] for n in plan._names])
         return spec.program.execute(spec.plan, feeds)
 
     def run(self, feeds: Mapping[str, Any], devices: Sequence[str] | str | None = None, *,
@@ -225,7 +225,11 @@ class DynamicPlan:
 
     def specialization(self, *args: Any, **kwargs: Any) -> Specialization:
         """The specialization for these inputs (positionally or by name), made on first use."""
-        inputs = self._gather(args, kwargs)
+        return self.lookup(self._gather(args, kwargs))
+
+    def lookup(self, inputs: Sequence[Any]) -> Specialization:
+        """The specialization for ``inputs`` (one per model input, in order): one key tuple
+        and one cache lookup on a hit."""
         try:
             key = tuple([x.shape for x in inputs])
         except AttributeError:

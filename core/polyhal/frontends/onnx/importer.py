@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import ctypes.util
 import os
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ class OnnxProgram(Program):
     host_reads: dict[int, int] = field(default_factory=dict)
     #: ONNX output index -> index of the program output holding it (-1: a host output).
     slots: list[int] = field(default_factory=list)
+    #: What execute's path without host work returns from (see _plain_outputs); made on first run.
+    _direct_outputs: Any = field(default=None, init=False, repr=False)
 
     @property
     def input_names(self) -> list[str]:
@@ -290,6 +293,12 @@ class OnnxProgram(Program):
 
         Host work runs around the plan: first the program inputs the host makes from strings
         (``host_feeds``), then the plan, then the outputs made on the host (``host_outputs``)."""
+        direct = self._direct_outputs
+        if direct is None:
+            direct = self._direct_outputs = self._plain_outputs()
+        if direct:  # no host work but finishing outputs: the inputs go straight to the plan
+            arrays = self._run_plan(plan, [feeds[v.name] for v in self.inputs])
+            return {name: arrays[k] if finish is None else finish(arrays[k]) for name, k, finish in direct}
         known: dict[Any, Any] = dict(feeds)  # graph input name, or program value id -> array
         memo: dict[int, Any] = {}
         for v in self.inputs:
@@ -305,13 +314,7 @@ class OnnxProgram(Program):
                                        f"not the {v.type.shape} the program was built for")
                 known[v.id] = a
             args.append(known[v.id])
-        try:
-            arrays = plan.run_numpy(*args)
-        except PolyhalError:
-            raise
-        except Exception as exc:  # a kernel's own error (an index out of range in the data, ...)
-            raise OnnxRunError(f"{self.source}: running the model failed: {type(exc).__name__}: "
-                               f"{_first_line(exc)}") from exc
+        arrays = self._run_plan(plan, args)
         known.update((vid, arrays[k]) for vid, k in self.host_reads.items())
         result = {}
         for i, name in enumerate(self.output_names):
@@ -325,6 +328,24 @@ class OnnxProgram(Program):
                 a = self.finishes[i](a)
             result[name] = a
         return result
+
+    def _run_plan(self, plan, args: Sequence[Any]) -> tuple[np.ndarray, ...]:
+        try:
+            return plan.run_numpy(*args)
+        except PolyhalError:
+            raise
+        except Exception as exc:  # a kernel's own error (an index out of range in the data, ...)
+            raise OnnxRunError(f"{self.source}: running the model failed: {type(exc).__name__}: "
+                               f"{_first_line(exc)}") from exc
+
+    def _plain_outputs(self) -> list[tuple[str, int, Any]] | bool:
+        """For a program without host work (no inputs made on the host, no outputs made or
+        trimmed there): ``(output name, plan result index, finish or None)`` per ONNX output,
+        what :meth:`execute` returns without building its bookkeeping; else False."""
+        if self.host_feeds or self.host_outputs or self.trims or self.host_reads:
+            return False
+        return [(name, self.slots[i] if self.slots else i, self.finishes.get(i))
+                for i, name in enumerate(self.output_names)]
 
     def explain(self, plan=None) -> str:
         """Where every ONNX node's ops run (after compiling: ``plan``), what was folded at import
@@ -919,7 +940,7 @@ class _Importer:
             outputs.append(self.emit("(every output is made on the host)", "identity",
                                      [self.as_value(np.zeros(0, np.int8))], {}))
         self.builder.output(*outputs, *counts, *read_outputs)
-        base = self.builder.build()
+        base = _without_dead_ops(self.builder.build())
         frozen = {k: env[k] for k in self.values if isinstance(env.get(k), np.ndarray)}
         return OnnxProgram(base.name, base.inputs, base.ops, base.outputs, base.constants,
                            source=self.source, opset=self.opset, output_names=names,
@@ -1105,6 +1126,22 @@ class _Unsupported:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
+def _without_dead_ops(program: Program) -> Program:
+    """``program`` without the ops and constants no output depends on: what converters emitted
+    and a later node made unneeded (a Scaler whose scaling a tree ensemble took into its
+    thresholds), and nodes of the model whose results nothing reads."""
+    live = {v.id for v in program.outputs}
+    kept = []
+    for op in reversed(program.ops):
+        if any(v.id in live for v in op.outputs):
+            kept.append(op)
+            live.update(v.id for v in op.inputs)
+    if len(kept) == len(program.ops):
+        return program
+    return dataclasses.replace(program, ops=kept[::-1], constants=[(v, a) for v, a in program.constants
+                                                                   if v.id in live])
 
 
 def _origin(op, origins: Mapping[int, str]) -> str:

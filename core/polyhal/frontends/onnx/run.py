@@ -29,11 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx
 
 from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxUnsupportedError
-from polyhal.frontends.onnx.importer import OnnxProgram, load, read_model
+from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.frontends.onnx.types import STRING_DTYPE
 from polyhal.hal.device import host_memory_available
 
@@ -235,12 +237,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
                 raise
             fixed.update({k: file_feeds[k] for k in exc.inputs})
     t_load = time.perf_counter() - t0
-    if not isinstance(program, OnnxProgram):  # staged: control flow or sequences decided by data
-        raise OnnxUnsupportedError(
-            f"{args.model}: the model runs staged (plans per segment joined by host control flow: "
-            "an If or Loop decided by data, data-dependent shapes feeding later ops, sequences or "
-            "optionals), which `polyhal run` does not drive yet; run it from Python with "
-            "polyhal.onnx.load(path).run(feeds, device)")
+    if isinstance(program, StagedOnnxProgram):  # control flow or sequences decided by data
+        return _run_staged(args, model, program, file_feeds, shapes, dims, registry, t_load)
     defaulted = default_dims(model, shapes, dims)
 
     check_input_memory(program, file_feeds, registry, args.device)
@@ -351,6 +349,124 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(f"1 run: {timing['median_ms']:.3f} ms (load {timing['load_ms']:.1f} ms, compile "
               f"{timing['compile_ms']:.1f} ms; --repeat N for a timing summary)")
     return 0
+
+
+def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shapes: dict, dims: dict, registry,
+                t_load: float) -> int:
+    """``polyhal run`` of a model that runs staged (device plans joined by host control flow):
+    inputs from files or drawn at random (dynamic dims from --shape/--dim, else 1), the plan
+    run ``--repeat`` times, tensor outputs printed or saved; sequences and optionals print as
+    such. Per-step profiles cover single plans, so --profile/--trace are refused here."""
+    if args.profile or args.trace:
+        raise _usage(f"{args.model}: the model runs staged (device plans joined by host control flow: an If or "
+                     "Loop decided by data, data-dependent shapes, sequences or optionals); --profile and --trace "
+                     "time the steps of one plan and are not available for it (--explain shows the segments)")
+    extra = [k for k in file_feeds if k not in program.input_names]
+    if extra:
+        raise OnnxInputError(f"{args.model}: --input {extra[0]!r}: the model has no such input; its inputs are "
+                             f"{', '.join(program.input_names) or '(none)'}")
+    rng = np.random.default_rng(args.seed)
+    feeds, sources, defaulted = {}, {}, []
+    declared = {vi.name: vi for vi in model.graph.input}
+    for name in program.input_names:
+        if name in file_feeds:
+            feeds[name], sources[name] = file_feeds[name], "file"
+            continue
+        tensor = declared[name].type.tensor_type if declared[name].type.WhichOneof("value") == "tensor_type" \
+            else None
+        if tensor is None or not tensor.elem_type or tensor.elem_type == onnx.TensorProto.STRING:
+            raise OnnxInputError(f"{args.model}: input {name!r} ({program.declared_inputs[name]}) is not a tensor "
+                                 "of numbers, which polyhal run cannot draw at random; give it with --input "
+                                 f"{name}=FILE.npy, or run the model from Python (polyhal.onnx.load(path).run(...))")
+        shape = shapes.get(name)
+        if shape is None:
+            shape = []
+            for axis, d in enumerate(tensor.shape.dim):
+                if d.HasField("dim_value"):
+                    shape.append(d.dim_value)
+                    continue
+                size = dims.get(d.dim_param, DEFAULT_DIM)
+                if d.dim_param not in dims:
+                    defaulted.append({"dim": d.dim_param or f"{name}[{axis}]", "size": size})
+                shape.append(size)
+        feeds[name] = random_input(rng, tuple(shape), onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+        sources[name] = "random"
+    feeds = program.check_feeds(feeds)
+    t0 = time.perf_counter()
+    options = {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True)}
+    plan = program.compile(args.device, strict=args.strict, registry=registry, **options)
+    t_compile = time.perf_counter() - t0
+    times = []
+    progress = _Progress(args.repeat) if args.repeat > 1 else None
+    for i in range(args.repeat):
+        t0 = time.perf_counter()
+        outputs = program.execute(plan, feeds)
+        times.append(time.perf_counter() - t0)
+        if progress:
+            progress.update(i + 1)
+    if progress:
+        progress.close()
+    flat = {}  # tensors by file name: a sequence's elements as NAME.0, NAME.1, ...
+    for name, value in outputs.items():
+        if isinstance(value, list):
+            flat.update((f"{name}.{i}", np.asarray(v)) for i, v in enumerate(value))
+        elif value is not None:
+            flat[name] = np.asarray(value)
+    if args.output:
+        for name, value in flat.items():
+            try:
+                np.save(Path(args.output) / f"{_file_name(name)}.npy",
+                        value.astype(np.str_) if value.dtype == STRING_DTYPE else value)
+            except OSError as exc:
+                raise _usage(f"--output {args.output}: cannot write {name!r}: {exc.strerror or exc}") from None
+    timing = {"load_ms": t_load * 1e3, "compile_ms": t_compile * 1e3, "runs": len(times),
+              "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3}
+    if args.json:
+        report = {"model": args.model, "opset": program.opset, "staged": True,
+                  "requested_devices": args.device or [s.name for s in registry.device_specs()],
+                  "inputs": [{"name": n, "shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype),
+                              "source": sources[n]} for n, x in feeds.items()],
+                  "default_dims": defaulted,
+                  "outputs": [dict(_output_record(n, v), kind=_kind(outputs.get(n.rsplit(".", 1)[0], v)))
+                              for n, v in flat.items()]
+                  + [{"name": n, "kind": "optional", "value": None} for n, v in outputs.items() if v is None],
+                  "timing": timing}
+        if args.output:
+            report["output_dir"] = str(args.output)
+        if args.explain:
+            report["explain"] = program.explain(plan)
+        json.dump(report, sys.stdout, indent=2, default=str)
+        print()
+        return 0
+    print(f"{args.model}: opset {program.opset}, staged (device plans joined by host control flow)")
+    for n, x in feeds.items():
+        print(f"  input  {n}: {np.asarray(x).dtype}{list(np.shape(x))} ({sources[n]})")
+    for d in defaulted:
+        print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
+    with np.printoptions(threshold=2 * args.print_limit, edgeitems=args.print_limit, precision=5, linewidth=100):
+        for n, v in outputs.items():
+            if v is None:
+                print(f"  output {n}: optional, empty")
+            elif isinstance(v, list):
+                print(f"  output {n}: sequence of {len(v)} tensors")
+                for i, e in enumerate(v):
+                    print(f"    [{i}] {np.asarray(e).dtype}{list(np.shape(e))}: "
+                          + np.array2string(np.asarray(e)).replace("\n", "\n      "))
+            else:
+                v = np.asarray(v)
+                print(f"  output {n}: {v.dtype}{list(v.shape)}")
+                print("    " + np.array2string(v).replace("\n", "\n    "))
+    if args.output:
+        print(f"outputs written to {args.output}/")
+    if args.explain:
+        print(program.explain(plan))
+    print(f"{len(times)} run(s): median {timing['median_ms']:.3f} ms (load {timing['load_ms']:.1f} ms, first "
+          f"segment compiles {timing['compile_ms']:.1f} ms; segments compile on first use)")
+    return 0
+
+
+def _kind(value: Any) -> str:
+    return "sequence" if isinstance(value, list) else "tensor"
 
 
 def _file_name(name: str) -> str:

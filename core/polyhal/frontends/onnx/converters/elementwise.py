@@ -227,7 +227,7 @@ def _cast(ctx: NodeContext) -> list:
     x = ctx.input(0)
     to = np_dtype(int(ctx.attr("to")), "Cast's target type")
     if ctx.dtype(x) == to:
-        return [ctx.op("identity", x)]
+        return [x]  # nothing to run (a graph output still gets its own value: the importer copies it)
     return [onnx_cast(ctx, x, to, bool(ctx.attr("saturate", 1)), ctx.attr("round_mode", "up"))]
 
 

@@ -16,6 +16,7 @@ are unsupported: polyhal has no string tensors.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -23,6 +24,7 @@ import numpy as np
 from polyhal.frontends.onnx.converters import NodeContext, converter
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import HostOutput
+from polyhal.ir.program import Value
 from polyhal.ops.ml import LEAF, MISSING_TRUE, MODE_BITS
 
 ML = "ai.onnx.ml"
@@ -49,13 +51,22 @@ def _floats(ctx: NodeContext, name: str, dtype=_F32) -> np.ndarray | None:
 
 # ------------------------------------------------------------------------------- preprocessing
 
+#: Scaler results -> (its input, offset, scale): a tree ensemble reading one compares the
+#: unscaled input against thresholds moved through the scaling (:func:`fold_scaling`), and the
+#: scaling's ops are dropped at import when nothing else reads them.
+_SCALED: "weakref.WeakKeyDictionary[Value, tuple[Value, np.ndarray, np.ndarray]]" = weakref.WeakKeyDictionary()
+
+
 @converter("Scaler", domain=ML)
 def _scaler(ctx: NodeContext) -> list:
     x = _float_input(ctx)
     dtype = ctx.dtype(x)
     offset = np.asarray(ctx.attr("offset", [0.0]), dtype)
     scale = np.asarray(ctx.attr("scale", [1.0]), dtype)
-    return [ctx.op("mul", ctx.op("sub", x, offset), scale)]
+    y = ctx.op("mul", ctx.op("sub", x, offset), scale)
+    if isinstance(y, Value) and ctx.rank(x) == 2:
+        _SCALED[y] = (x, offset, scale)
+    return [y]
 
 
 @converter("Normalizer", domain=ML)
@@ -228,9 +239,10 @@ _NODE_ATTRS = ("nodes_treeids", "nodes_nodeids", "nodes_featureids", "nodes_mode
 
 
 def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str, n_targets: int,
-                  single_target: bool = False):
+                  single_target: bool = False, aggregate: str = "sum"):
     """The compact arrays of :mod:`polyhal.ops.ml` from the node's ``nodes_*`` and
-    ``{prefix}_*`` attributes, checked: ``(nodes, thresholds, leaf_values, roots, depth)``."""
+    ``{prefix}_*`` attributes, checked: ``(nodes, thresholds, leaf_values, roots, depth)``
+    (leaf values for ``aggregate``: see :func:`_leaf_table`)."""
     arrays = {name: ctx.attr(name, None) for name in _NODE_ATTRS}
     missing = [n for n, v in arrays.items() if v is None]
     if missing:
@@ -277,7 +289,6 @@ def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str,
         roots.setdefault(tid, row)
     root_rows = np.array([roots[t] for t in sorted(roots)], np.int64)
     depth = _depth(nodes, root_rows, tree_ids)
-    leaf_values = np.zeros((count, n_targets), np.float64)
     weights = {n: ctx.attr(f"{prefix}_{n}", None) for n in ("treeids", "nodeids", "ids")}
     weights["weights"] = _floats(ctx, f"{prefix}_weights", np.float64)
     for name, values in weights.items():
@@ -286,7 +297,8 @@ def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str,
         if len(values) != len(weights["treeids"]):
             raise OnnxModelError(f"attribute '{prefix}_{name}' has {len(values)} entries but "
                                  f"'{prefix}_treeids' has {len(weights['treeids'])}; give one per leaf weight")
-    for i, (tid, nid, target, w) in enumerate(zip(*weights.values())):
+    leaf_rows, leaf_targets = [], []
+    for i, (tid, nid, target) in enumerate(zip(weights["treeids"], weights["nodeids"], weights["ids"])):
         row = row_of.get((tid, nid))
         if row is None:
             raise OnnxModelError(f"attribute '{prefix}_nodeids' entry {i} names tree {tid} node {nid}, which is "
@@ -295,9 +307,25 @@ def compact_trees(ctx: NodeContext, features: int, dtype: np.dtype, prefix: str,
         if not 0 <= target < n_targets:
             raise OnnxModelError(f"attribute '{prefix}_ids' entry {i} is {target}; the model has {n_targets} "
                                  "targets or classes")
-        leaf_values[row, target] += w
+        leaf_rows.append(row)
+        leaf_targets.append(target)
+    leaf_values = _leaf_table(count, n_targets, leaf_rows, leaf_targets, weights["weights"], aggregate)
     thresholds = np.asarray(arrays["nodes_values"], dtype) if count else np.zeros(0, dtype)
     return nodes, thresholds, leaf_values, root_rows, depth
+
+
+def _leaf_table(rows: int, n_targets: int, leaf_rows, targets, weights, aggregate: str) -> np.ndarray:
+    """``leaf_values`` float64 ``[rows, n_targets]``: the weights a leaf gives each target,
+    summed (``aggregate`` "sum"), or their min/max with nan where a leaf gives a target nothing
+    (how the op tells that from a weight of 0 when it takes the min or max over trees)."""
+    if aggregate == "sum":
+        table = np.zeros((rows, n_targets), np.float64)
+        np.add.at(table, (np.asarray(leaf_rows, np.int64), np.asarray(targets, np.int64)), weights)
+        return table
+    table = np.full((rows, n_targets), np.nan)
+    combine = np.fmin if aggregate == "min" else np.fmax
+    combine.at(table, (np.asarray(leaf_rows, np.int64), np.asarray(targets, np.int64)), weights)
+    return table
 
 
 def _mode_bits(name: str, missing_tracks_true: bool) -> int:
@@ -329,13 +357,125 @@ def _depth(nodes: np.ndarray, roots: np.ndarray, tree_ids) -> int:
     return deepest
 
 
-def _walk(ctx: NodeContext, x: Any, prefix: str, n_targets: int, single_target: bool = False) -> Any:
+def _walk(ctx: NodeContext, x: Any, prefix: str, n_targets: int, single_target: bool = False, *,
+          average: bool = False, labels: np.ndarray | None = None, aggregate: str = "sum", **epilogue: Any) -> Any:
+    """One ``tree_ensemble`` op for the node (its epilogue in ``epilogue``; ``average`` folds
+    1/trees into the leaf values; ``labels``: the op's second result, the label column).
+    Returns the scores as float (cast for float64 input: these ops output float) and the
+    labels when asked."""
     dtype, features = ctx.dtype(x), ctx.shape(x)[1]
     nodes, thresholds, leaf_values, roots, depth = compact_trees(ctx, features, dtype, prefix, n_targets,
-                                                                 single_target)
-    y = ctx.op("tree_ensemble", x, nodes, thresholds, leaf_values, roots, depth=depth)
-    # TreeEnsembleRegressor/Classifier output float whatever X is.
-    return (y if dtype == _F32 else ctx.op("cast", y, dtype=_F32)), len(roots)
+                                                                 single_target, aggregate)
+    if average:
+        leaf_values = leaf_values / max(len(roots), 1)
+    return _tree_op(ctx, x, nodes, thresholds, leaf_values, roots, depth, labels, aggregate=aggregate, **epilogue)
+
+
+def _tree_op(ctx: NodeContext, x: Any, nodes, thresholds, leaf_values, roots, depth, labels=None,
+             out_dtype=_F32, **epilogue: Any) -> Any:
+    """The ``tree_ensemble`` op, reading the unscaled input of a Scaler where the scaling
+    folds into the thresholds exactly; its scores in ``out_dtype`` (and its labels)."""
+    scaled = _SCALED.get(x) if isinstance(x, Value) else None
+    if scaled is not None:
+        folded = fold_scaling(nodes, thresholds, *scaled[1:])
+        if folded is not None:
+            x, (nodes, thresholds) = scaled[0], folded
+    operands = [x, nodes, thresholds, leaf_values, roots] + ([labels] if labels is not None else [])
+    epilogue = {k: v for k, v in epilogue.items() if v and v not in ("sum", "none")}
+    result = ctx.op("tree_ensemble", *operands, depth=depth, **epilogue)
+    y, label = result if labels is not None else (result, None)
+    if ctx.dtype(y) != out_dtype:
+        y = ctx.op("cast", y, dtype=out_dtype)
+    return (y, label) if labels is not None else y
+
+
+def fold_scaling(nodes: np.ndarray, thresholds: np.ndarray, offset: np.ndarray, scale: np.ndarray):
+    """``(nodes, thresholds)`` that route the raw input ``x`` as the given ones route the
+    Scaler's ``(x - offset) * scale`` (each rounded to x's type, as the Scaler computes it), or
+    None where no single threshold per node does.
+
+    A feature's scaling ``g`` is monotone, so ``g(x) < t`` holds exactly for the ``x`` below the
+    smallest value ``A`` with ``g(A) >= t``, ``g(x) > t`` exactly from the smallest ``B`` with
+    ``g(B) > t`` on: both are found by bisecting the ordered floats of x's type (no rounding
+    of the comparison changes). A negative scale mirrors the comparison. EQ/NEQ nodes fold
+    only when one float maps onto the threshold; a zero or non-finite scale does not fold."""
+    dtype = thresholds.dtype
+    branch = np.flatnonzero((nodes[:, 1] & 7) % 7 != 0)  # nodes whose comparison reads x's value
+    features = nodes[branch, 0]
+    o = np.broadcast_to(offset, (max(features.max(initial=0) + 1, offset.size),))[features] if offset.size else \
+        np.zeros(len(branch), dtype)
+    s = np.broadcast_to(scale, (max(features.max(initial=0) + 1, scale.size),))[features] if scale.size else \
+        np.ones(len(branch), dtype)
+    if not (np.all(np.isfinite(o)) and np.all(np.isfinite(s)) and np.all(s != 0)):
+        return None
+    flip = s < 0
+    t = thresholds[branch]
+    uint = np.dtype(f"u{dtype.itemsize}")
+    sign = np.uint64(1) << np.uint64(8 * dtype.itemsize - 1)
+
+    def key(v: np.ndarray) -> np.ndarray:  # float -> unsigned key in float order
+        u = np.ascontiguousarray(v, dtype).view(uint).astype(np.uint64)
+        return np.where(u & sign, ~u & (sign | (sign - np.uint64(1))), u | sign)
+
+    def value(k: np.ndarray) -> np.ndarray:
+        u = np.where(k & sign, k ^ sign, ~k & (sign | (sign - np.uint64(1))))
+        return u.astype(uint).view(dtype)
+
+    def g(k: np.ndarray) -> np.ndarray:  # the scaling seen from x (mirrored for a negative scale)
+        v = value(k)
+        with np.errstate(all="ignore"):
+            return ((np.where(flip, -v, v) - o).astype(dtype) * s).astype(dtype)
+
+    first, last = key(np.array([-np.inf])), key(np.array([np.inf]))
+    none = last + np.uint64(1)
+
+    def smallest(holds) -> np.ndarray:  # the smallest key where holds(g(key)), else ``none``
+        lo, hi = np.full(len(branch), first[0]), np.full(len(branch), none[0])
+        while np.any(lo < hi):
+            mid = lo + (hi - lo) // np.uint64(2)
+            ok = holds(g(mid))
+            hi, lo = np.where(ok, mid, hi), np.where(ok, lo, mid + np.uint64(1))
+        return lo
+
+    a, b = smallest(lambda y: y >= t), smallest(lambda y: y > t)
+    inf = np.array(np.inf, dtype)
+    modes = nodes[branch, 1] & 7
+    new_mode = np.zeros(len(branch), np.int64)
+    new_t = np.zeros(len(branch), dtype)
+
+    def below(k, rows):  # "x < value(k)"
+        never_false = k[rows] == none[0]
+        new_mode[rows] = np.where(never_false, MODE_BITS["BRANCH_LEQ"], MODE_BITS["BRANCH_LT"])
+        new_t[rows] = np.where(never_false, inf, value(np.minimum(k[rows], last[0])))
+
+    def from_(k, rows):  # "x >= value(k)"
+        never = k[rows] == none[0]
+        new_mode[rows] = np.where(never, MODE_BITS["BRANCH_GT"], MODE_BITS["BRANCH_GTE"])
+        new_t[rows] = np.where(never, inf, value(np.minimum(k[rows], last[0])))
+
+    below(a, modes == 1)
+    below(b, modes == 3)
+    from_(a, modes == 6)
+    from_(b, modes == 4)
+    point = modes % 3 == 2  # EQ (2) and NEQ (5): the floats from A up to B
+    if point.any():
+        a_p, b_p = a[point], b[point]
+        empty = a_p == b_p
+        single = ~empty & (value(np.minimum(a_p, last[0])) == value(np.minimum(b_p - np.uint64(1), last[0])))
+        if not np.all(empty | single):
+            return None
+        eq = modes[point] == 2
+        new_mode[point] = np.where(empty, np.where(eq, MODE_BITS["BRANCH_GT"], MODE_BITS["BRANCH_LEQ"]),
+                                   modes[point])
+        new_t[point] = np.where(empty, inf, value(np.minimum(a_p, last[0])))
+    # A mirrored comparison: g(x) = h(-x), so "-x < T" is "x > -T" (swap the < and > bits).
+    lt, gt = new_mode & 1, new_mode & 4
+    new_mode = np.where(flip, (new_mode & 2) | (lt << 2) | (gt >> 2), new_mode)
+    new_t = np.where(flip, -new_t, new_t).astype(dtype)
+    nodes, thresholds = nodes.copy(), thresholds.copy()
+    nodes[branch, 1] = new_mode | (nodes[branch, 1] & MISSING_TRUE)
+    thresholds[branch] = new_t
+    return nodes, thresholds
 
 
 #: TreeEnsemble's (opset 5) ``nodes_modes`` codes; 6 is BRANCH_MEMBER (set membership).
@@ -343,10 +483,12 @@ _MODE_CODES = ("BRANCH_LEQ", "BRANCH_LT", "BRANCH_GTE", "BRANCH_GT", "BRANCH_EQ"
 _MEMBER = 6
 #: Its ``post_transform`` and ``aggregate_function`` codes.
 _POST_TRANSFORMS = ("NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT")
-_AVERAGE, _SUM = 0, 1
+_AGGREGATES = ("sum", "sum", "min", "max")  # AVERAGE is a sum of leaf values divided by the tree count
+_AVERAGE = 0
 
 
-def compact_tree_ensemble(ctx: NodeContext, features: int, dtype: np.dtype, n_targets: int):
+def compact_tree_ensemble(ctx: NodeContext, features: int, dtype: np.dtype, n_targets: int,
+                          aggregate: str = "sum"):
     """The compact arrays of :mod:`polyhal.ops.ml` from TreeEnsemble's (ai.onnx.ml opset 5)
     layout, checked: ``(nodes, thresholds, leaf_values, roots, depth)``.
 
@@ -436,8 +578,7 @@ def compact_tree_ensemble(ctx: NodeContext, features: int, dtype: np.dtype, n_ta
                 rows.append(entry)
                 thresholds.append(value)
     nodes = np.array(rows, np.int64).reshape(-1, 4)
-    leaf_values = np.zeros((len(nodes), n_targets), np.float64)
-    np.add.at(leaf_values, (count + np.arange(n_leaves), targets), weights)
+    leaf_values = _leaf_table(len(nodes), n_targets, count + np.arange(n_leaves), targets, weights, aggregate)
     roots = ints("tree_roots")
     bad = np.flatnonzero((roots < 0) | (roots >= max(count, 1)))
     if bad.size or not count:
@@ -473,37 +614,44 @@ def _tree_ensemble(ctx: NodeContext) -> list:
     out_dtype = ctx.dtype(x)
     x = _as_matrix(ctx, _float_input(ctx))
     n_targets = int(ctx.attr("n_targets", 1))
+    aggregate = int(ctx.attr("aggregate_function", 1))  # SUM
+    if not 0 <= aggregate < len(_AGGREGATES):
+        raise OnnxModelError(f"attribute 'aggregate_function' is {aggregate}; ONNX defines 0 to 3 "
+                             "(AVERAGE, SUM, MIN, MAX)")
     nodes, thresholds, leaf_values, roots, depth = compact_tree_ensemble(ctx, ctx.shape(x)[1], ctx.dtype(x),
-                                                                         n_targets)
-    y = ctx.op("tree_ensemble", x, nodes, thresholds, leaf_values, roots, depth=depth)
-    aggregate = int(ctx.attr("aggregate_function", _SUM))
+                                                                         n_targets, _AGGREGATES[aggregate])
     if aggregate == _AVERAGE:
-        y = ctx.op("mul", y, np.array(1.0 / len(roots), ctx.dtype(y)))
-    elif aggregate != _SUM:
-        raise OnnxUnsupportedError(f"TreeEnsemble with aggregate_function {aggregate} (MIN or MAX) is not "
-                                   "supported by polyhal (SUM and AVERAGE are)")
+        leaf_values = leaf_values / len(roots)
     transform = int(ctx.attr("post_transform", 0))
     if not 0 <= transform < len(_POST_TRANSFORMS):
         raise OnnxModelError(f"attribute 'post_transform' is {transform}; ONNX defines 0 to 4")
-    y = _post_transform(ctx, y, _POST_TRANSFORMS[transform])
-    return [y if out_dtype == ctx.dtype(y) else ctx.op("cast", y, dtype=out_dtype)]
+    return [_tree_op(ctx, x, nodes, thresholds, leaf_values, roots, depth, out_dtype=out_dtype,
+                     aggregate=_AGGREGATES[aggregate],
+                     post_transform=_tree_transform(ctx, _POST_TRANSFORMS[transform]))]
+
+
+def _tree_transform(ctx: NodeContext, transform: str | None = None) -> str:
+    """The ``post_transform`` of the tree_ensemble op for the node's (``transform``: its name,
+    when the node codes it as a number)."""
+    transform = transform or ctx.attr("post_transform", "NONE")
+    if transform not in ("NONE", "LOGISTIC", "SOFTMAX", "SOFTMAX_ZERO"):
+        raise OnnxUnsupportedError(f"{ctx.op_type} with post_transform {transform!r} is not supported by polyhal "
+                                   "(NONE, LOGISTIC, SOFTMAX and SOFTMAX_ZERO are)")
+    return transform.lower()
 
 
 @converter("TreeEnsembleRegressor", domain=ML)
 def _tree_ensemble_regressor(ctx: NodeContext) -> list:
     x = _as_matrix(ctx, _float_input(ctx))
     n_targets = int(ctx.attr("n_targets", 1))
-    y, trees = _walk(ctx, x, "target", n_targets)
     aggregate = ctx.attr("aggregate_function", "SUM")
-    if aggregate == "AVERAGE":
-        y = ctx.op("mul", y, np.array(1.0 / max(trees, 1), _F32))
-    elif aggregate != "SUM":
-        raise OnnxUnsupportedError(f"TreeEnsembleRegressor with aggregate_function {aggregate!r} is not supported "
-                                   "by polyhal (SUM and AVERAGE are)")
-    base = _floats(ctx, "base_values")
-    if base is not None and base.size:
-        y = ctx.op("add", y, base.astype(_F32))
-    return [_post_transform(ctx, y)]
+    if aggregate not in ("SUM", "AVERAGE", "MIN", "MAX"):
+        raise OnnxModelError(f"attribute 'aggregate_function' is {aggregate!r}; ONNX defines SUM, AVERAGE, MIN "
+                             "and MAX")
+    base = _floats(ctx, "base_values", np.float64)
+    return [_walk(ctx, x, "target", n_targets, average=aggregate == "AVERAGE",
+                  aggregate=aggregate.lower() if aggregate != "AVERAGE" else "sum",
+                  base=tuple(base.tolist()) if base is not None else (), post_transform=_tree_transform(ctx))]
 
 
 @converter("TreeEnsembleClassifier", domain=ML)
@@ -512,15 +660,157 @@ def _tree_ensemble_classifier(ctx: NodeContext) -> list:
     n_classes = _n_labels(ctx, "classlabels_int64s", "classlabels_strings")
     class_ids = ctx.attr("class_ids", [])
     binary = n_classes == 2 and len(set(class_ids)) <= 1  # one score, for the second class
-    scores, _ = _walk(ctx, x, "class", 1 if binary else n_classes, single_target=binary)
-    base = _floats(ctx, "base_values")
-    if base is not None and base.size:
-        scores = ctx.op("add", scores, (base[:1] if binary else base).astype(_F32))
-    if binary:
-        scores = _binary_columns(ctx, scores)
+    base = _floats(ctx, "base_values", np.float64)
+    base = () if base is None or not base.size else tuple((base[:1] if binary else base).tolist())
+    strings = ctx.has_attr("classlabels_strings")
+    labels = np.arange(n_classes, dtype=np.int64) if strings else \
+        np.asarray(ctx.attr("classlabels_int64s", []), np.int64)
+    if not labels.size:
+        raise OnnxModelError("neither 'classlabels_int64s' nor 'classlabels_strings' is given")
+    transform = _tree_transform(ctx)
+    scores, label = _walk(ctx, x, "class", 1 if binary else n_classes, single_target=binary, labels=labels,
+                          base=base, post_transform=transform,
+                          binary=("probability" if transform == "none" else "margin") if binary else "")
+    if strings:
+        names = np.array(ctx.attr("classlabels_strings"), dtype=object)
+        label = HostOutput(label, lambda a: names[np.asarray(a)].astype(str), "string class labels")
+    return [label, scores]
+
+
+# ------------------------------------------------------------------------------------------ SVMs
+
+def _svm_kernel(ctx: NodeContext, x: Any, vectors: np.ndarray) -> Any:
+    """The node's kernel between every row of ``x`` [N, F] and every row of ``vectors`` [V, F]:
+    [N, V], as onnxruntime computes it (RBF from the differences, not from expanded norms)."""
+    kind = ctx.attr("kernel_type", "LINEAR")
+    gamma, coef0, degree = (list(ctx.attr("kernel_params", [])) + [0.0, 0.0, 0.0])[:3]
+    dtype = ctx.dtype(x)
+    if kind == "RBF":
+        rows, features = ctx.shape(x)
+        d = ctx.op("sub", ctx.op("reshape", x, shape=[rows, 1, features]), vectors)
+        distance = ctx.op("reduce_sum", ctx.op("mul", d, d), axes=[2], keepdims=False)
+        return ctx.op("exp", ctx.op("mul", distance, np.array(-gamma, dtype)))
+    dot = ctx.op("gemm", x, vectors, trans_b=True)
+    if kind == "LINEAR":
+        return dot
+    inner = ctx.op("add", ctx.op("mul", dot, np.array(gamma, dtype)), np.array(coef0, dtype))
+    if kind == "POLY":
+        return ctx.op("pow", inner, np.array(degree, dtype))
+    if kind == "SIGMOID":
+        return ctx.op("tanh", inner)
+    raise OnnxModelError(f"attribute 'kernel_type' is {kind!r}; ONNX defines LINEAR, POLY, RBF and SIGMOID")
+
+
+def _svm_vectors(ctx: NodeContext, features: int, count: int, dtype) -> np.ndarray:
+    vectors = _floats(ctx, "support_vectors", dtype)
+    if vectors is None or vectors.size != count * features:
+        raise OnnxModelError(f"attribute 'support_vectors' has {0 if vectors is None else vectors.size} entries; "
+                             f"{count} support vectors of {features} features need {count * features}")
+    return vectors.reshape(count, features)
+
+
+@converter("SVMRegressor", domain=ML)
+def _svm_regressor(ctx: NodeContext) -> list:
+    x = _as_matrix(ctx, _float_input(ctx))
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    count = int(ctx.attr("n_supports", 0))
+    coefficients = _floats(ctx, "coefficients", dtype)
+    rho = _floats(ctx, "rho", dtype)
+    if coefficients is None or not coefficients.size or rho is None or not rho.size:
+        raise OnnxModelError("SVMRegressor needs the attributes 'coefficients' and 'rho'")
+    if count > 0:
+        if coefficients.size != count:
+            raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries but 'n_supports' is "
+                                 f"{count}; give one per support vector")
+        scores = _svm_kernel(ctx, x, _svm_vectors(ctx, features, count, dtype))
+    else:  # linear: the coefficients are the weights of the features
+        if coefficients.size != features:
+            raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries; without support "
+                                 f"vectors it holds one weight per feature ({features})")
+        scores = x
+    y = ctx.op("gemm", scores, coefficients.reshape(1, -1), rho[:1], trans_b=True)  # [N, 1]
+    if ctx.attr("one_class", 0):
+        y = ctx.op("where", ctx.op("greater", y, np.zeros((), dtype)), np.ones((), dtype), -np.ones((), dtype))
+    return [_post_transform(ctx, y)]
+
+
+@converter("SVMClassifier", domain=ML)
+def _svm_classifier(ctx: NodeContext) -> list:
+    """onnxruntime's SVMClassifier: one-vs-one decision values of the support vectors' kernel
+    (SVC mode, ``vectors_per_class`` given), whose votes pick the label, or one linear score
+    per class; with ``prob_a``/``prob_b`` the scores are pairwise Platt probabilities coupled into
+    class probabilities (``pairwise_coupling``)."""
+    x = _as_matrix(ctx, _float_input(ctx))
+    dtype, features = ctx.dtype(x), ctx.shape(x)[1]
+    strings = ctx.has_attr("classlabels_strings")
+    labels = np.arange(_n_labels(ctx, "classlabels_ints", "classlabels_strings"), dtype=np.int64) if strings \
+        else np.asarray(ctx.attr("classlabels_ints", []), np.int64)
+    k = max(len(labels), 1)
+    coefficients = _floats(ctx, "coefficients", dtype)
+    rho = _floats(ctx, "rho", dtype)
+    if coefficients is None or not coefficients.size or rho is None or not rho.size:
+        raise OnnxModelError("SVMClassifier needs the attributes 'coefficients' and 'rho'")
+    per_class = np.asarray(ctx.attr("vectors_per_class", []), np.int64)
+    count = int(per_class.sum())
+    prob_a, prob_b = _floats(ctx, "prob_a", dtype), _floats(ctx, "prob_b", dtype)
+    all_positive = bool(coefficients.min() >= 0)
+    if count > 0:
+        if len(per_class) != k:
+            raise OnnxModelError(f"attribute 'vectors_per_class' has {len(per_class)} entries for {k} classes")
+        pairs = k * (k - 1) // 2
+        if coefficients.size != (k - 1) * count or rho.size < pairs:
+            raise OnnxModelError(f"attributes 'coefficients' ({coefficients.size}) and 'rho' ({rho.size}) do not fit "
+                                 f"{k} classes of {count} support vectors: they need {(k - 1) * count} and {pairs}")
+        coefs = coefficients.reshape(k - 1, count)
+        starts = np.concatenate([[0], np.cumsum(per_class)[:-1]])
+        # Decision value of pair (i, j): rho + K[:, class i] . coefs[j-1, class i] + K[:, class j] . coefs[i, class j],
+        # one column of a [V, pairs] matrix; votes from its sign through two [pairs, k] matrices.
+        weights = np.zeros((count, pairs), dtype)
+        win, lose = np.zeros((pairs, k), dtype), np.zeros((pairs, k), dtype)
+        p = 0
+        for i in range(k):
+            for j in range(i + 1, k):
+                a, b = slice(starts[i], starts[i] + per_class[i]), slice(starts[j], starts[j] + per_class[j])
+                weights[a, p], weights[b, p] = coefs[j - 1, a], coefs[i, b]
+                win[p, i], lose[p, j] = 1, 1
+                p += 1
+        decision = ctx.op("gemm", _svm_kernel(ctx, x, _svm_vectors(ctx, features, count, dtype)), weights,
+                          rho[:pairs])
+        positive = ctx.op("cast", ctx.op("greater", decision, np.zeros((), dtype)), dtype=dtype)
+        votes = ctx.op("add", ctx.op("matmul", positive, win - lose), lose.sum(axis=0))
+        if prob_a is not None and prob_a.size:
+            if prob_a.size != pairs or prob_b is None or prob_b.size != pairs:
+                raise OnnxModelError(f"attributes 'prob_a'/'prob_b' need one entry per class pair ({pairs})")
+            # Platt's sigmoid per pair, kept inside (1e-7, 1 - 1e-7), then coupled.
+            pair_p = ctx.op("sub", np.ones((), dtype),
+                            ctx.op("sigmoid", ctx.op("add", ctx.op("mul", decision, prob_a), prob_b)))
+            pair_p = ctx.op("minimum", ctx.op("maximum", pair_p, np.array(1e-7, dtype)), np.array(1 - 1e-7, dtype))
+            scores = ctx.op("pairwise_coupling", pair_p, classes=k)
+        else:
+            scores = decision
+        index = ctx.op("argmax", votes, axis=1)  # the votes pick the label, probabilities or not
+        if k == 2 and all_positive and not (prob_a is not None and prob_a.size):
+            # onnxruntime's rule for two classes of all-positive weights
+                index = ctx.op("cast", ctx.op("greater", ctx.op("reduce_max", votes, axes=[1], keepdims=False),
+                                              np.array(0.5, dtype)), dtype=np.int64)
+    else:  # linear: one score per class
+        if coefficients.size % features:
+            raise OnnxModelError(f"attribute 'coefficients' has {coefficients.size} entries, not a multiple of the "
+                                 f"{features} features")
+        scores = ctx.op("gemm", x, coefficients.reshape(-1, features), rho[:1], trans_b=True)
+        index = ctx.op("argmax", scores, axis=1)
+        if rho.size == 1 and k == 2 and all_positive:
+            index = ctx.op("cast", ctx.op("greater", ctx.op("reduce_max", scores, axes=[1], keepdims=False),
+                                          np.array(0.5 if all_positive else 0, dtype)), dtype=np.int64)
+    if ctx.shape(scores)[1] == 1 and k == 2:
+        scores = ctx.op("concat", ctx.op("neg", scores), scores, axis=1)  # [-s, s], as onnxruntime writes it
     scores = _post_transform(ctx, scores)
-    index = ctx.op("argmax", scores, axis=1)
-    return [_class_labels(ctx, index, "classlabels_int64s", "classlabels_strings"), scores]
+    if strings:
+        names = np.array(ctx.attr("classlabels_strings"), dtype=object)
+        return [HostOutput(index, lambda a: names[np.asarray(a)].astype(str), "string class labels"), scores]
+    if not labels.size:
+        return [index, scores]
+    return [ctx.op("gather", labels, index, axis=0), scores]
 
 
 # ------------------------------------------------------------------------------------- ZipMap
