@@ -21,8 +21,8 @@ with the same inputs already on the device for every side:
 
 Timing: the device is synchronised around each sample of ``number`` calls (``bench.cuda_common``),
 the median of the samples is reported. Targets (issue 17): CNNs no slower than torch eager at batch
-1 and 16, transformers at least 3x faster than eager and no slower than torch.compile at batch 1,
-fp32 error within 1e-4 relative, device memory peak no more than torch eager's. Other rows (torch.compile
+1 and 16, transformers at least 3x faster than eager and no slower than torch.compile at batch 1
+(and no slower than eager at batch 16), fp32 error within 1e-4 relative, device memory peak no more than torch eager's. Other rows (torch.compile
 for CNNs, fp16) are recorded without a target. A model that fails on either side gets a row saying
 why; a polyhal failure is a missed target.
 
@@ -227,7 +227,9 @@ def _case(name: str, batch: int, device, quick: bool, workdir: Path) -> list[Row
     extra = {"batch": batch, "compile_s": ours["compile_s"], "cuda_graph": ours["replay"],
              "polyhal_rel_err": err_p, "torch_rel_err": err_t, "exporter": next(iter(
                  e for e in exporters if e not in errors), None)}
-    eager_target = 1 / 3 if transformer else 1.0
+    # The issue's targets: transformers 3x faster than eager at batch 1 (where launches dominate),
+    # every model no slower than eager otherwise.
+    eager_target = 1 / 3 if transformer and batch == 1 else 1.0
     rows.append(Row(f"{case} fp32 vs torch eager", "ms", ours["s"] * 1e3, t["eager_s"] * 1e3, anchor,
                     f"<= {eager_target:.3g}x", correct and ours["s"] <= eager_target * t["eager_s"], extra))
     if "compiled_s" in t:

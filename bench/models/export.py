@@ -106,7 +106,12 @@ def torch_model(name: str, batch: int = 1, *, seed: int = 0, calibrate_on: str =
         return Logits(gpt).eval(), (ids,), TRANSFORMERS[name], ["logits"], None, ["dynamo", "torchscript"]
     import torchvision
 
-    net = _calibrate(getattr(torchvision.models, name)(weights=None), device=calibrate_on)
+    net = getattr(torchvision.models, name)(weights=None)
+    with torch.no_grad():  # torchvision zero-initialises some layers (ViT's head): its output would be 0
+        for p in net.parameters():
+            if p.dim() > 1 and not p.any():
+                p.normal_(0.0, 0.02, generator=gen)
+    net = _calibrate(net, device=calibrate_on)
     # ViT exports only with the dynamo exporter (the TorchScript one fails on its attention).
     exporters = ["dynamo", "torchscript"] if name.startswith("vit") else ["torchscript", "dynamo"]
     return (net, (torch.randn(batch, 3, 224, 224, generator=gen),), ["input"], ["logits"],
