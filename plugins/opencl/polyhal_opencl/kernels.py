@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from polyhal.hal.kernels import KernelTable
+from polyhal_gpu.storage import STORAGE_OPS
 
 from polyhal_opencl import scratch as planned
 from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
@@ -86,7 +87,7 @@ def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple
 
 #: The op set: every op has a generator, and :func:`prepare` builds them all; the scratch of each
 #: instance is read off its recipe or declared by its planner-aware kernel (polyhal_opencl.scratch).
-TABLE = KernelTable("opencl")
+TABLE = KernelTable("opencl", storage_types=STORAGE_OPS)  # cast converts the storage types, moves copy them
 TABLE.register(*GENERATORS, scratch=planned.requests)(prepare)
 #: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
 KERNEL_NAMES = TABLE.kernel_names

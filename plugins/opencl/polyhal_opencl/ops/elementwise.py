@@ -8,6 +8,7 @@ import math
 from typing import Any, Callable, Mapping
 
 from polyhal.ir.types import TensorType
+from polyhal_gpu import storage
 
 from polyhal_opencl.codegen import (
     Arg, CType, DeviceTraits, Launch, Recipe, bits_ctype, broadcast_strides, collapse, ctype, header,
@@ -175,11 +176,19 @@ def unary_generator(table: Mapping[str, Expr]):
 
 def cast(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
     """numpy ``astype``: C conversions truncate floats toward zero and wrap integers; the output
-    type's store converts (nonzero is true; half rounds to nearest even)."""
+    type's store converts (nonzero is true; half rounds to nearest even). To and from the
+    storage-only types (bfloat16, float8, int4, ...), ml_dtypes' conversions, from the source
+    shared with the other GPU backends (:mod:`polyhal_gpu.storage`)."""
+    src, dst = in_types[0].dtype, out_types[0].dtype
+    if src != dst and (storage.is_storage(src) or storage.is_storage(dst)):
+        src_t = bits_ctype(src) if storage.is_storage(src) else ctype(src, traits, op)
+        dst_t = bits_ctype(dst) if storage.is_storage(dst) else ctype(dst, traits, op)
+        return map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)],
+                          lambda v: storage.cast_expr(src, dst, v[0]), traits, storage.source())
+    if src == dst:  # identity: move bits (any type, the storage types included)
+        return identity(op, attrs, in_types, out_types, traits)
     src_t = ctype(in_types[0].dtype, traits, op)
     dst_t = ctype(out_types[0].dtype, traits, op)
-    if src_t.dtype == dst_t.dtype:  # identity: move bits
-        src_t = dst_t = bits_ctype(src_t.dtype)
     return map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)], lambda v: v[0], traits)
 
 
