@@ -204,8 +204,13 @@ def check_finite_cast(x: np.ndarray, dtype: np.dtype) -> None:
     front end's integer Div is a float division and this cast, so x / 0 is refused here, as
     onnxruntime refuses it ("Integer division by zero")."""
     if np.dtype(dtype).kind in "iub" and np.asarray(x).dtype.kind == "f" and not np.isfinite(x).all():
-        raise ArithmeticDomainError(f"a non-finite value cannot be converted to {np.dtype(dtype)}: an integer "
-                                    "division by zero (onnxruntime refuses it too); keep divisors nonzero")
+        raise ArithmeticDomainError(nonfinite_cast_message(dtype))
+
+
+def nonfinite_cast_message(dtype) -> str:
+    """What a strict ``cast`` of nan/inf to integer type ``dtype`` says (every backend's words)."""
+    return (f"a non-finite value cannot be converted to {np.dtype(dtype)}: an integer division by zero "
+            "(onnxruntime refuses it too); keep divisors nonzero")
 
 
 def _ref_cast(x, *, dtype, strict=False):
