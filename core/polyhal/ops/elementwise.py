@@ -216,7 +216,14 @@ def nonfinite_cast_message(dtype) -> str:
 def _ref_cast(x, *, dtype, strict=False):
     if strict:
         check_finite_cast(x, as_dtype(dtype))
-    return (np.asarray(x).astype(as_dtype(dtype)),)
+    return (cast_source(np.asarray(x), as_dtype(dtype)).astype(as_dtype(dtype)),)
+
+
+def cast_source(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``x``, or where ml_dtypes has no direct conversion to ``dtype`` (uint4 -> int4, float8e8m0
+    -> float8e4m3fn, ...), ``x`` as float32, which holds every storage type exactly: casts
+    between storage types go through float32."""
+    return x if np.can_cast(x.dtype, dtype, casting="unsafe") else x.astype(np.float32)
 
 
 # The conformance suite runs every device; only the CPU has the storage types.
