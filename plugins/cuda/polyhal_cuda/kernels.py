@@ -168,6 +168,12 @@ def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
+def storage_cast_code(src: np.dtype, dst: np.dtype) -> str:
+    """The ``ElementwiseKernel`` body of a cast to or from a storage type (``X x`` -> ``Y y``)."""
+    value = "((float)x)" if src == np.float16 else "x"  # cupy's float16 is a class: compare floats
+    return f"y = (Y)({storage.cast_expr(src, dst, value)})"
+
+
 def _storage_cast(src: np.dtype, dst: np.dtype) -> Kernel:
     """A cast to or from a storage-only type: the arrays hold its bits (unsigned integers, see
     :meth:`~polyhal_cuda.device.CUDADevice.view`), converted by the C that OpenCL runs too
@@ -175,10 +181,8 @@ def _storage_cast(src: np.dtype, dst: np.dtype) -> Kernel:
     key = f"cast_{src.name}_{dst.name}"
     k = _EW_CACHE.get(key)
     if k is None:
-        value = "((float)x)" if src == np.float16 else "x"  # cupy's float16 is a class: compare floats
-        k = _EW_CACHE[key] = _cupy().ElementwiseKernel(
-            "X x", "Y y", f"y = (Y)({storage.cast_expr(src, dst, value)})", f"polyhal_{key}",
-            preamble=storage.source())
+        k = _EW_CACHE[key] = _cupy().ElementwiseKernel("X x", "Y y", storage_cast_code(src, dst), f"polyhal_{key}",
+                                                       preamble=storage.source())
 
     def kernel(x, out):
         k(x, out)

@@ -23,6 +23,9 @@ module                 what
                        ``sort_rows`` launch
 :mod:`.nms`            ``cu/nms.cu``: the geometry of a non-max-suppression instance, its scratch
                        declarations, the pipeline of launches (:class:`~.nms.Pipeline`)
+:mod:`.storage`        the storage-only element types (bfloat16, float8, int4, ...): the ops GPU
+                       tables hold them in, their bits dtype, and ``cu/storage_types.h``, the
+                       conversions that OpenCL C compiles too
 :mod:`.memory`         allocator and DLPack commons: usage masks, memory types,
                        ``allocate(kind=...)``, the extent of an imported tensor
 :mod:`.enumeration`    plugin commons: the enumeration record, rank and pool from the environment

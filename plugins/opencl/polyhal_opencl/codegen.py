@@ -203,8 +203,8 @@ def ctype(dtype: Any, traits: DeviceTraits, op: str = "") -> CType:
     dt = np.dtype(dtype)
     if dt.name not in _CTYPES:  # the IR's storage types (bfloat16, float8, int4, ...)
         raise KernelNotFoundError(
-            f"{op or 'this op'} on {dt} has no OpenCL kernel (only the CPU backend converts the "
-            "low-precision storage types); run it on cpu:0 or cast to float32 there first")
+            f"{op or 'this op'} on {dt} has no OpenCL kernel (OpenCL converts the storage-only types with "
+            "cast and moves them, but computes nothing else on them); cast to float32 first, or run it on cpu:0")
     store, compute, unsigned = _CTYPES[dt.name]
     t = CType(dt, store, compute, unsigned, dt.kind)
     if t.needs_fp64 and not traits.fp64:
