@@ -30,8 +30,20 @@ def _model(nodes, inputs, outputs, inits=(), opset=23):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
-def _run(model, feeds):
-    plan = ponnx.load(model).compile("cpu:0")
+def _devices():
+    """cpu:0, and each GPU device whose kernels convert the storage types, where there is one."""
+    import polyhal
+
+    here = {s.name for s in polyhal.devices()}
+    return [pytest.param(d, marks=pytest.mark.skipif(d not in here, reason=f"no {d} here"))
+            for d in ("cpu:0", "opencl:0", "cuda:0")]
+
+
+DEVICES = _devices()
+
+
+def _run(model, feeds, device="cpu:0"):
+    plan = ponnx.load(model).compile(device)
     out = plan(**feeds)
     return [np.asarray(o) for o in (out if isinstance(out, (list, tuple)) else [out])]
 
@@ -54,7 +66,8 @@ def _awkward_floats(rng):
 
 @pytest.mark.parametrize("to", LOW, ids=TensorProto.DataType.Name)
 @pytest.mark.parametrize("saturate", [1, 0])
-def test_cast_to_and_from_low_precision_matches_onnx(to, saturate):
+@pytest.mark.parametrize("device", DEVICES)
+def test_cast_to_and_from_low_precision_matches_onnx(to, saturate, device):
     x = _awkward_floats(np.random.default_rng(to))
     if to in (TensorProto.INT4, TensorProto.UINT4):
         x = np.clip(np.nan_to_num(x), -8, 15)  # float -> int4 out of range is undefined in ONNX
@@ -64,12 +77,13 @@ def test_cast_to_and_from_low_precision_matches_onnx(to, saturate):
                    [helper.make_tensor_value_info("x", F, [x.size])],
                    [helper.make_tensor_value_info("y", to, [x.size]), helper.make_tensor_value_info("z", F, [x.size])])
     want_y, want_z = ReferenceEvaluator(model).run(None, {"x": x})
-    got_y, got_z = _run(model, {"x": x})
+    got_y, got_z = _run(model, {"x": x}, device)
     _same(got_y, want_y)
     _same(got_z, want_z)
 
 
-def test_castlike_between_two_storage_types_goes_exactly_through_float32():
+@pytest.mark.parametrize("device", DEVICES)
+def test_castlike_between_two_storage_types_goes_exactly_through_float32(device):
     x = (np.arange(-20, 20, dtype=np.float32) * 37.5).astype(ml_dtypes.bfloat16)
     like = np.zeros(1, ml_dtypes.float8_e4m3fn)
     model = _model([helper.make_node("CastLike", ["x", "like"], ["y"])],
@@ -77,7 +91,7 @@ def test_castlike_between_two_storage_types_goes_exactly_through_float32():
                     helper.make_tensor_value_info("like", TensorProto.FLOAT8E4M3FN, [1])],
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT8E4M3FN, [40])])
     (want,) = ReferenceEvaluator(model).run(None, {"x": x, "like": like})
-    _same(_run(model, {"x": x, "like": like})[0], want)
+    _same(_run(model, {"x": x, "like": like}, device)[0], want)
     assert np.asarray(want).astype(np.float32).max() == 448  # saturated, not nan
 
 
@@ -85,7 +99,8 @@ def test_castlike_between_two_storage_types_goes_exactly_through_float32():
     (TensorProto.INT4, 4), (TensorProto.UINT4, 3), (TensorProto.INT8, 0), (TensorProto.UINT8, 5),
     (TensorProto.FLOAT8E4M3FN, 2), (TensorProto.FLOAT8E5M2, 0), (TensorProto.FLOAT4E2M1, 4), (TensorProto.INT2, 2),
 ], ids=lambda v: TensorProto.DataType.Name(v) if isinstance(v, int) and v > 8 else str(v))
-def test_quantize_dequantize_per_axis_and_blocked_match_onnx(zp_type, block):
+@pytest.mark.parametrize("device", DEVICES)
+def test_quantize_dequantize_per_axis_and_blocked_match_onnx(zp_type, block, device):
     rng = np.random.default_rng(zp_type * 10 + block)
     x = rng.normal(0, 3, (3, 10)).astype(np.float32)
     axis = 1 if block else 0
@@ -102,7 +117,7 @@ def test_quantize_dequantize_per_axis_and_blocked_match_onnx(zp_type, block):
                     helper.make_tensor_value_info("y", F, list(x.shape))],
                    [numpy_helper.from_array(scale, "s"), numpy_helper.from_array(zp, "zp")])
     want_q, want_y = ReferenceEvaluator(model).run(None, {"x": x})
-    got_q, got_y = _run(model, {"x": x})
+    got_q, got_y = _run(model, {"x": x}, device)
     _same(got_q, want_q)
     _same(got_y, want_y)
 
@@ -120,7 +135,8 @@ def test_blocked_scale_of_the_wrong_shape_is_a_clear_error():
 @pytest.mark.parametrize("saturate", [1, 0])
 @pytest.mark.parametrize("source", [TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.DOUBLE],
                          ids=TensorProto.DataType.Name)
-def test_cast_to_float8e8m0_matches_onnx(round_mode, saturate, source):
+@pytest.mark.parametrize("device", DEVICES)
+def test_cast_to_float8e8m0_matches_onnx(round_mode, saturate, source, device):
     e8m0 = TensorProto.FLOAT8E8M0
     x = np.concatenate([_awkward_floats(np.random.default_rng(1)),
                         [2.0 ** 127, 1.9 * 2.0 ** 127, 3.4e38, 1.5, 1.75, 1.25, 3.0, 2 ** -126, 1e-45, -4.5]])
@@ -132,7 +148,7 @@ def test_cast_to_float8e8m0_matches_onnx(round_mode, saturate, source):
                    [helper.make_tensor_value_info("x", source, [n])],
                    [helper.make_tensor_value_info("y", e8m0, [n]), helper.make_tensor_value_info("back", F, [n])],
                    opset=25)
-    got = _run(model, {"x": x})
+    got = _run(model, {"x": x}, device)
     want = ReferenceEvaluator(model).run(None, {"x": x})
     _same(got[0], want[0])
     _same(got[1], want[1])

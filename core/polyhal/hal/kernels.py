@@ -35,14 +35,15 @@ not define, or one the table has no kernel for, is a KernelNotFoundError naming 
 offers; encoded (non row-major) operands are refused, since kernels of a table take dense
 row-major tensors (the materialize-encoding pass lowers encoded ops to ops on packed dense
 tensors first); operands of a storage-only element type (bfloat16, float8, int4, ...:
-:data:`polyhal.ir.types.STORAGE_DTYPES`) are refused unless the table was made with
-``storage_types=True`` (numpy and ml_dtypes hold them on the CPU; cupy has no such dtypes); an
-instance whose outputs are all empty gets :func:`noop`.
+:data:`polyhal.ir.types.STORAGE_DTYPES`) reach only the ops the table declares with
+``storage_types``: ``True`` for every op (the CPU, where numpy and ml_dtypes compute with
+them), or a set of op names (the GPU backends convert and move them: ``cast``, ``identity``,
+``bitcast``), and never the fallback; an instance whose outputs are all empty gets :func:`noop`.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Union
 
 from polyhal.errors import KernelNotFoundError, PluginError
 from polyhal.hal.scratch import KernelInfo, Problem, ScratchBinding, ScratchDecl, ScratchRequest
@@ -78,14 +79,16 @@ class KernelTable:
     builder, and every instance a builder declined; a table with a fallback serves every op of
     :data:`polyhal.ops.OPS` but the fused forms (``OpDef.fused``), which it serves only with a
     builder of their own. ``standalone`` binds the scratch of kernels prepared without a plan
-    (see the module docstring).
+    (see the module docstring). ``storage_types``: the ops whose kernels take the storage-only
+    element types, ``True`` for all of them (see the module docstring).
     """
 
     def __init__(self, backend: str, *, fallback: Builder | None = None,
-                 standalone: Standalone | None = None, storage_types: bool = False) -> None:
+                 standalone: Standalone | None = None, storage_types: bool | Iterable[str] = False) -> None:
         self.backend = backend
-        #: Whether kernels of this table take the storage-only element types (see the module doc).
-        self.storage_types = storage_types
+        #: The ops whose kernels take the storage-only element types; None: every op.
+        self.storage_ops: frozenset[str] | None = (
+            None if storage_types is True else frozenset(() if storage_types is False else storage_types))
         self.fallback = fallback
         self.standalone = standalone
         #: op -> builder.
@@ -116,6 +119,10 @@ class KernelTable:
                     self.declarations[n] = decls
             return builder
         return deco
+
+    def holds_storage(self, op: str) -> bool:
+        """Whether this table's kernel of ``op`` takes operands of the storage-only element types."""
+        return self.storage_ops is None or op in self.storage_ops
 
     @property
     def kernel_names(self) -> frozenset[str]:
@@ -158,12 +165,16 @@ class KernelTable:
             raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on encoded tensor {encoded}; "
                                       f"{self.backend} kernels take dense row-major tensors (its encodings "
                                       "must resolve to identity layouts)")
-        if not self.storage_types:
-            stored = next((t for t in (*in_types, *out_types) if t.dtype in STORAGE_DTYPES), None)
-            if stored is not None:
-                raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on {stored.dtype.name} "
-                                          f"({stored}), a storage-only element type this backend does not hold; run the "
-                                          "op on a device that holds it (cpu:0), or cast to float32 there first")
+        stored = next((t for t in (*in_types, *out_types) if t.dtype in STORAGE_DTYPES), None)
+        if stored is not None and not self.holds_storage(op):
+            if self.storage_ops:
+                where = (f"{self.backend} only converts and moves those ({', '.join(sorted(self.storage_ops))}): "
+                         f"cast to float32 first, or run {op!r} on a device that computes on them (cpu:0)")
+            else:
+                where = f"{self.backend} does not hold those: run the op on a device that holds them (cpu:0), " \
+                        "or cast to float32 there first"
+            raise KernelNotFoundError(f"{self.backend}: no kernel for {op!r} on {stored.dtype.name} ({stored}), a "
+                                      f"storage-only element type; {where}")
         if all(t.size == 0 for t in out_types):
             return noop  # nothing to write (and numpy refuses some reductions of nothing)
         resolved = resolve_attrs(op, attrs)
@@ -174,9 +185,9 @@ class KernelTable:
             fn = builder(device, op, resolved, in_types, out_types, scratch or None)
             if fn is not None:
                 return fn
-            if self.fallback is None:
-                raise KernelNotFoundError(f"{self.backend}: the kernel of {op!r} has no code for "
-                                          f"{', '.join(map(str, in_types))} -> {', '.join(map(str, out_types))}")
+        if self.fallback is None or stored is not None:  # a fallback would compute on the types' raw bits
+            raise KernelNotFoundError(f"{self.backend}: the kernel of {op!r} has no code for "
+                                      f"{', '.join(map(str, in_types))} -> {', '.join(map(str, out_types))}")
         return self.fallback(device, op, resolved, in_types, out_types, scratch or None)
 
 

@@ -24,8 +24,9 @@ COMPUTE_DTYPES = frozenset(
 #: Low-precision storage types, as ml_dtypes defines them for numpy: bfloat16, the float8
 #: variants, float4 and the sub-byte integers. A value of one is held one element per byte (two
 #: for bfloat16), as ml_dtypes' arrays are; programs store, move and ``cast`` them, and compute
-#: after a cast to a compute type (float32 holds every one of them exactly). Only the CPU
-#: backend has kernels for them.
+#: after a cast to a compute type (float32 holds every one of them exactly). The CPU backend
+#: computes with them; the GPU backends convert (cast) and move them (their kernel tables
+#: declare which ops take them: :class:`polyhal.hal.kernels.KernelTable`).
 STORAGE_DTYPES = frozenset(
     np.dtype(getattr(ml_dtypes, n))
     for n in (

@@ -204,14 +204,26 @@ def check_finite_cast(x: np.ndarray, dtype: np.dtype) -> None:
     front end's integer Div is a float division and this cast, so x / 0 is refused here, as
     onnxruntime refuses it ("Integer division by zero")."""
     if np.dtype(dtype).kind in "iub" and np.asarray(x).dtype.kind == "f" and not np.isfinite(x).all():
-        raise ArithmeticDomainError(f"a non-finite value cannot be converted to {np.dtype(dtype)}: an integer "
-                                    "division by zero (onnxruntime refuses it too); keep divisors nonzero")
+        raise ArithmeticDomainError(nonfinite_cast_message(dtype))
+
+
+def nonfinite_cast_message(dtype) -> str:
+    """What a strict ``cast`` of nan/inf to integer type ``dtype`` says (every backend's words)."""
+    return (f"a non-finite value cannot be converted to {np.dtype(dtype)}: an integer division by zero "
+            "(onnxruntime refuses it too); keep divisors nonzero")
 
 
 def _ref_cast(x, *, dtype, strict=False):
     if strict:
         check_finite_cast(x, as_dtype(dtype))
-    return (np.asarray(x).astype(as_dtype(dtype)),)
+    return (cast_source(np.asarray(x), as_dtype(dtype)).astype(as_dtype(dtype)),)
+
+
+def cast_source(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``x``, or where ml_dtypes has no direct conversion to ``dtype`` (uint4 -> int4, float8e8m0
+    -> float8e4m3fn, ...), ``x`` as float32, which holds every storage type exactly: casts
+    between storage types go through float32."""
+    return x if np.can_cast(x.dtype, dtype, casting="unsafe") else x.astype(np.float32)
 
 
 # The conformance suite runs every device; only the CPU has the storage types.

@@ -312,3 +312,85 @@ def test_plan_input_errors(device):
         plan(np.ones(5, np.float32), np.ones(4, np.float32))
     with pytest.raises(polyhal.ProgramError, match="missing"):
         plan(np.ones(4, np.float32))
+
+
+# -- storage-only element types --------------------------------------------------------------------
+
+def _storage_sources(dtype: np.dtype, rng: np.random.Generator) -> dict[np.dtype, np.ndarray]:
+    """Values to convert to storage type ``dtype``, per source type: every float32 that ``dtype``
+    holds, the midpoints between neighbours and the floats next to them (where rounding
+    decides), zeros, infinities, nans of both signs, float32 subnormals, values beyond the range,
+    random float32 bit patterns; every float16; float64, integers and bools."""
+    grid = np.unique(np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}").view(dtype)
+                     .astype(np.float32))
+    grid = grid[np.isfinite(grid)].astype(np.float64)
+    mids = ((grid[1:] + grid[:-1]) / 2).astype(np.float32)
+    up, down = np.float32(np.inf), np.float32(-np.inf)
+    specials = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1e-45, -1e-45, 1e-40, 1e-38, 3e38, -3e38,
+                         2.0 ** 31, -(2.0 ** 31), 2.0 ** 31 + 2.0 ** 8, 7.99, -8.5, 1e10], np.float32)
+    f32 = np.concatenate([grid.astype(np.float32), mids, np.nextafter(mids, up), np.nextafter(mids, down),
+                          grid.astype(np.float32) * 4, specials,
+                          rng.integers(0, 1 << 32, 50_000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    ints = np.concatenate([np.arange(-300, 300), rng.integers(-(1 << 40), 1 << 40, 1000)])
+    return {np.dtype(np.float32): f32, np.dtype(np.float16): np.arange(1 << 16, dtype=np.uint16).view(np.float16),
+            np.dtype(np.float64): np.concatenate([f32.astype(np.float64), rng.standard_normal(1000) * 300]),
+            np.dtype(np.int32): ints.astype(np.int32), np.dtype(np.int64): ints,
+            np.dtype(np.uint8): np.arange(256, dtype=np.uint8), np.dtype(np.bool_): np.array([True, False])}
+
+
+def _cast_on(device, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    b = polyhal.ProgramBuilder("cast")
+    b.output(b.op("cast", b.input("x", x.shape, x.dtype), dtype=str(dtype)))
+    return polyhal.compile(b.build(), device.name)(x).numpy()
+
+
+def _same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Equal element for element: storage types bit for bit, floats with nan equal to nan."""
+    assert got.dtype == want.dtype, what
+    if want.dtype in (np.float16, np.float32, np.float64):  # (ml_dtypes' float8_e5m2 says kind "f" too)
+        np.testing.assert_array_equal(got, want, err_msg=what)  # nan == nan, -0 == 0 (bits next)
+        np.testing.assert_array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]), what)
+        return
+    g, w = got.view(f"u{want.dtype.itemsize}"), want.view(f"u{want.dtype.itemsize}")
+    bad = np.nonzero(g != w)[0]
+    assert not bad.size, f"{what}: {bad.size} elements differ, e.g. at {bad[:5].tolist()}: {g[bad[:5]]} vs {w[bad[:5]]}"
+
+
+@pytest.mark.parametrize("name", sorted(d.name for d in polyhal.ir.types.STORAGE_DTYPES))
+def test_storage_type_casts(device, name):
+    """cast to and from a storage-only type is bit-exact with ml_dtypes' astype (the op's
+    reference), on every device whose kernels convert them: every bit pattern decoded, and the
+    values where rounding, overflow and the special values decide encoded."""
+    table = device.kernels
+    if table is None or "cast" not in device.kernel_names or not table.holds_storage("cast"):
+        pytest.skip(f"{device.name} does not convert the storage-only element types")
+    dtype = np.dtype(next(d for d in polyhal.ir.types.STORAGE_DTYPES if d.name == name))
+    rng, seed = _fresh_rng()
+    fp64 = "fp64" in device.spec.capabilities
+    every = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}").view(dtype)
+    decoded = every.astype(np.float32)
+    for target in (np.float32, np.float16, np.float64, np.bool_):
+        if target == np.float64 and not fp64:
+            continue
+        _same_bits(_cast_on(device, every, np.dtype(target)), every.astype(target), f"{name} -> {np.dtype(target)}")
+    for target in (np.int8, np.int32, np.uint8, np.int64):  # out of range and nan: unspecified
+        info = np.iinfo(target)
+        fine = np.isfinite(decoded) & (decoded >= info.min) & (decoded <= info.max)
+        _same_bits(_cast_on(device, every, np.dtype(target))[fine], every.astype(target)[fine],
+                   f"{name} -> {np.dtype(target).name}")
+    for other in ("float8_e4m3fn", "int4", "bfloat16"):  # storage to storage, through float32
+        to = np.dtype(next(d for d in polyhal.ir.types.STORAGE_DTYPES if d.name == other))
+        fine = ~np.isinf(decoded) if other == "int4" else slice(None)  # inf to an integer: unspecified
+        with np.errstate(all="ignore"):
+            (want,) = OPS["cast"].reference(every, dtype=to.name)  # ml_dtypes, some pairs through float32
+        _same_bits(_cast_on(device, every, to)[fine], want[fine], f"{name} -> {other}")
+    for src, values in _storage_sources(dtype, rng).items():
+        if src == np.float64:
+            if not fp64:
+                continue
+            if "ftz" in device.spec.capabilities:  # float64 -> float32 subnormal flushes there
+                values = values[~(np.abs(values) < np.finfo(np.float32).tiny) | (values == 0)]
+        with np.errstate(all="ignore"):
+            want = values.astype(dtype)
+        _same_bits(_cast_on(device, values, dtype), want, f"{src} -> {name}, seed {seed}")
+

@@ -36,7 +36,7 @@ from numpy.polynomial import chebyshev
 
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
-from polyhal.ops.elementwise import check_finite_cast
+from polyhal.ops.elementwise import cast_source, check_finite_cast
 from polyhal_cpu import blas, native
 # The other kernel modules register the rest of the op set in TABLE when imported.
 from polyhal_cpu import (  # noqa: F401
@@ -324,6 +324,11 @@ def _cast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             check_finite_cast(x, target)
             copyto(out, x, casting="unsafe")
         return strict_kernel
+
+    if not np.can_cast(ins[0].dtype, outs[0].dtype, casting="unsafe"):
+        def via_float32(x, out):
+            copyto(out, cast_source(x, out.dtype), casting="unsafe")
+        return via_float32
 
     def kernel(x, out):
         copyto(out, x, casting="unsafe")

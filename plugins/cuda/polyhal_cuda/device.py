@@ -46,6 +46,7 @@ from polyhal_cuda.kernels import TABLE
 from polyhal_cuda.allocator import MANAGED_MEMORY, PINNED_MEMORY, CUDAAllocator, CUDAMemory
 from polyhal_cuda.errors import check, translate
 from polyhal_gpu.memory import import_extent
+from polyhal_gpu.storage import bits_dtype
 from polyhal_cuda.transfer import Stager
 
 if TYPE_CHECKING:
@@ -180,13 +181,15 @@ class CUDADevice(Device):
             raise new from exc
 
     def view(self, tensor) -> Any:
-        """A ``cupy.ndarray`` over the tensor's memory (byte offset and strides honoured)."""
+        """A ``cupy.ndarray`` over the tensor's memory (byte offset and strides honoured); a
+        storage-only type (bfloat16, float8, int4, ...), which cupy lacks, as the unsigned
+        integers of its width, holding its bits."""
         import cupy
 
         native: CUDAMemory = tensor.buffer.native
         mem = cupy.cuda.UnownedMemory(native.ptr, native.nbytes, native, native.device_id)
         item = tensor.dtype.itemsize
-        return cupy.ndarray(tensor.shape, tensor.dtype, cupy.cuda.MemoryPointer(mem, tensor.offset),
+        return cupy.ndarray(tensor.shape, bits_dtype(tensor.dtype), cupy.cuda.MemoryPointer(mem, tensor.offset),
                             strides=tuple(s * item for s in tensor.strides))
 
     def synchronize(self) -> None:

@@ -50,6 +50,7 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
 from polyhal_cuda import attention, cudnn, portable, sorting, suppression
+from polyhal_gpu import storage
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
 
@@ -80,7 +81,8 @@ def host_fallback(device: "Device", op: str, attrs: dict, in_types: Types, out_t
 
 #: The op set (:class:`~polyhal.hal.kernels.KernelTable`): builders take ``(device, op, attrs,
 #: in_types, out_types, scratch_binding)``; what none takes runs through :func:`host_fallback`.
-TABLE = KernelTable("cuda", fallback=host_fallback)
+#: The storage-only element types reach cast, identity and bitcast only (never the fallback).
+TABLE = KernelTable("cuda", fallback=host_fallback, storage_types=storage.STORAGE_OPS)
 register = TABLE.register
 
 
@@ -157,12 +159,37 @@ def _snippet(device, op, attrs, ins, outs, binding) -> Kernel:
 
 @register("cast", "identity")
 def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
-    if attrs.get("strict") and ins[0].dtype.kind == "f" and outs[0].dtype.kind in "iu":
+    src, dst = ins[0].dtype, outs[0].dtype
+    if src != dst and (storage.is_storage(src) or storage.is_storage(dst)):
+        return _storage_cast(src, dst)
+    if attrs.get("strict") and src.kind == "f" and dst.kind in "iu":
         return None  # nan/inf must be refused, which needs the values: the host fallback's reference checks
     copyto = _cupy().copyto
 
     def kernel(x, out):
         copyto(out, x, casting="unsafe")  # numpy's astype: floats truncate, nonzero is True
+    return kernel
+
+
+def storage_cast_code(src: np.dtype, dst: np.dtype) -> str:
+    """The ``ElementwiseKernel`` body of a cast to or from a storage type (``X x`` -> ``Y y``)."""
+    value = "((float)x)" if src == np.float16 else "x"  # cupy's float16 is a class: compare floats
+    return f"y = (Y)({storage.cast_expr(src, dst, value)})"
+
+
+def _storage_cast(src: np.dtype, dst: np.dtype) -> Kernel:
+    """A cast to or from a storage-only type: the arrays hold its bits (unsigned integers, see
+    :meth:`~polyhal_cuda.device.CUDADevice.view`), converted by the C that OpenCL runs too
+    (:mod:`polyhal_gpu.storage`)."""
+    key = f"cast_{src.name}_{dst.name}"
+    k = _EW_CACHE.get(key)
+    if k is None:
+        k = _EW_CACHE[key] = _cupy().ElementwiseKernel("X x", "Y y", storage_cast_code(src, dst), f"polyhal_{key}",
+                                                       preamble=storage.source())
+
+    def kernel(x, out):
+        k(x, out)
+    kernel.kernel_name = f"polyhal_{key}"  # type: ignore[attr-defined]
     return kernel
 
 
@@ -324,10 +351,10 @@ def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
 
 @register("bitcast")
 def _bitcast(device, op, attrs, ins, outs, binding) -> Kernel:
-    copyto, src = _cupy().copyto, ins[0].dtype
+    copyto, src = _cupy().copyto, storage.bits_dtype(ins[0].dtype)
 
     def kernel(x, out):
-        copyto(out.view(src), x)  # the same bytes, no conversion
+        copyto(out.view(src), x)  # the same bytes, no conversion (a storage type's as its bits)
     return kernel
 
 

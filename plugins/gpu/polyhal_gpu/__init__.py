@@ -27,6 +27,9 @@ module                 what
 :mod:`.portable`       ``c/*.c``: kernels in the C that OpenCL C and CUDA C++ share (grid_sample,
                        roi_align, det, tree_ensemble, tfidf_vectorizer), which polyhal-opencl
                        runs too: the source of an op instance and its launch size
+:mod:`.storage`        the storage-only element types (bfloat16, float8, int4, ...): the ops GPU
+                       tables hold them in, their bits dtype, and ``c/storage_types.h``, the
+                       conversions that OpenCL C compiles too
 :mod:`.memory`         allocator and DLPack commons: usage masks, memory types,
                        ``allocate(kind=...)``, the extent of an imported tensor
 :mod:`.enumeration`    plugin commons: the enumeration record, rank and pool from the environment

@@ -203,8 +203,8 @@ def ctype(dtype: Any, traits: DeviceTraits, op: str = "") -> CType:
     dt = np.dtype(dtype)
     if dt.name not in _CTYPES:  # the IR's storage types (bfloat16, float8, int4, ...)
         raise KernelNotFoundError(
-            f"{op or 'this op'} on {dt} has no OpenCL kernel (only the CPU backend converts the "
-            "low-precision storage types); run it on cpu:0 or cast to float32 there first")
+            f"{op or 'this op'} on {dt} has no OpenCL kernel (OpenCL converts the storage-only types with "
+            "cast and moves them, but computes nothing else on them); cast to float32 first, or run it on cpu:0")
     store, compute, unsigned = _CTYPES[dt.name]
     t = CType(dt, store, compute, unsigned, dt.kind)
     if t.needs_fp64 and not traits.fp64:
@@ -338,11 +338,16 @@ def offsets_code(linear: str, shape: Sequence[int], strides: Sequence[Sequence[i
 
 @dataclass(frozen=True)
 class Arg:
-    """A buffer argument of a launch: operand ``index`` (inputs first, then outputs), or scratch
-    buffer ``index`` when ``scratch``."""
+    """A buffer argument of a launch: operand ``index`` (inputs first, then outputs), scratch
+    buffer ``index`` when ``scratch``, or the recipe's error flag when ``flag`` (see :class:`Check`)."""
 
     index: int
     scratch: bool = False
+    flag: bool = False
+
+
+#: The launch argument of a recipe's error flag.
+FLAG = Arg(0, flag=True)
 
 
 @dataclass(frozen=True)
@@ -367,12 +372,23 @@ class Copy:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class Check:
+    """Where data can leave an op's domain (an integer division by zero), kernels set the
+    recipe's error flag, an ``int`` buffer argument (:data:`FLAG`, zero while all is well),
+    instead of writing an unspecified value silently. This step, after them, reads the flag
+    back (it waits for the device) and, where it is set, clears it and raises
+    :class:`~polyhal.errors.ArithmeticDomainError` with ``message``."""
+
+    message: str
+
+
 @dataclass
 class Recipe:
     """A prepared op: its source, its steps in order, and scratch buffer sizes in bytes."""
 
     source: str
-    steps: list[Launch | Copy] = field(default_factory=list)
+    steps: list[Launch | Copy | Check] = field(default_factory=list)
     scratch: list[int] = field(default_factory=list)
 
 

@@ -19,10 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from polyhal.errors import ArithmeticDomainError
 from polyhal.hal.kernels import KernelTable
+from polyhal_gpu.storage import STORAGE_OPS
 
 from polyhal_opencl import scratch as planned
-from polyhal_opencl.codegen import Copy, DeviceTraits, Launch, Recipe
+from polyhal_opencl.codegen import Check, Copy, DeviceTraits, Launch, Recipe
 from polyhal_opencl.errors import CLBuildError, check, translate
 from polyhal_opencl.generators import GENERATORS, generate
 
@@ -57,7 +59,9 @@ def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple
     # Global scratch: slices of the plan's arena, or (prepared without a plan) allocated here, once,
     # living as long as the closure; never allocated by a kernel.
     scratch = planned.buffers(device, recipe, scratch)
-    steps = [_bind_launch(device, program, s, scratch, itemsizes) if isinstance(s, Launch)
+    flag = _error_flag(device) if any(isinstance(s, Check) for s in recipe.steps) else None
+    steps = [_bind_launch(device, program, s, scratch, itemsizes, flag) if isinstance(s, Launch)
+             else _bind_check(device, s, flag) if isinstance(s, Check)
              else _bind_copy(device, s) for s in recipe.steps]
     what = f"running {op} on {device.name}"
 
@@ -86,7 +90,7 @@ def prepare(device: "Device", op: str, attrs: Mapping[str, Any], in_types: tuple
 
 #: The op set: every op has a generator, and :func:`prepare` builds them all; the scratch of each
 #: instance is read off its recipe or declared by its planner-aware kernel (polyhal_opencl.scratch).
-TABLE = KernelTable("opencl")
+TABLE = KernelTable("opencl", storage_types=STORAGE_OPS)  # cast converts the storage types, moves copy them
 TABLE.register(*GENERATORS, scratch=planned.requests)(prepare)
 #: Every op this backend has a kernel for: the CPU backend's set (float64 needs cl_khr_fp64).
 KERNEL_NAMES = TABLE.kernel_names
@@ -115,7 +119,32 @@ def _reraise(exc: Exception, what: str) -> None:
     raise new from exc
 
 
-def _bind_launch(device: "Device", program: Any, launch: Launch, scratch: list, itemsizes: list[int]):
+def _error_flag(device: "Device") -> Any:
+    """A zeroed ``int`` buffer for a recipe's error flag (see :class:`~polyhal_opencl.codegen.Check`),
+    living as long as the prepared kernel."""
+    import pyopencl as cl
+
+    with check(f"allocating an error flag on {device.name}"):
+        return cl.Buffer(device.context, cl.mem_flags.READ_WRITE | cl.mem_flags.COPY_HOST_PTR,
+                         hostbuf=np.zeros(1, np.int32))
+
+
+def _bind_check(device: "Device", step: Check, flag: Any):
+    import pyopencl as cl
+
+    queue, seen, zero = device.queue, np.zeros(1, np.int32), np.zeros(1, np.int32)
+
+    def run(arrays: tuple) -> None:
+        cl.enqueue_copy(queue, seen, flag, is_blocking=True)
+        if seen[0]:
+            cl.enqueue_copy(queue, flag, zero, is_blocking=True)  # the next call starts clean
+            raise ArithmeticDomainError(f"{step.message} (on {device.name})")
+
+    return run
+
+
+def _bind_launch(device: "Device", program: Any, launch: Launch, scratch: list, itemsizes: list[int],
+                 flag: Any = None):
     import pyopencl as cl
 
     with check(f"creating kernel {launch.kernel} on {device.name}"):
@@ -123,7 +152,10 @@ def _bind_launch(device: "Device", program: Any, launch: Launch, scratch: list, 
     n_buf = len(launch.args)
     operand_slots = []  # (parameter index, operand index, itemsize)
     for i, arg in enumerate(launch.args):
-        if arg.scratch:
+        if arg.flag:
+            kernel.set_arg(2 * i, flag)
+            kernel.set_arg(2 * i + 1, np.uint64(0))
+        elif arg.scratch:
             kernel.set_arg(2 * i, scratch[arg.index].native)
             kernel.set_arg(2 * i + 1, np.uint64(0))
         else:

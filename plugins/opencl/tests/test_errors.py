@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pyopencl as cl
 import pytest
 
 import polyhal
+from polyhal.errors import ArithmeticDomainError
 from polyhal_opencl.errors import OpenCLError, check, status_name, translate
 
 
@@ -51,3 +53,40 @@ def test_check_chains_and_passes_other_errors_through():
 
 def test_unknown_status_has_a_name():
     assert status_name(-9999) == "CL_STATUS_-9999"
+
+
+@pytest.mark.parametrize("shape", [(5,), (3, 4)], ids=["contiguous", "broadcast"])
+def test_integer_division_by_zero_raises_through_the_kernels_error_flag(dev, shape):
+    """ONNX's integer Div is a float division and a strict cast: nan/inf set the kernel's error
+    flag, the step after the launch raises what the CPU raises, and the next call starts clean."""
+    from onnx import TensorProto, helper
+
+    import polyhal.onnx as ponnx
+
+    b_shape = shape if len(shape) == 1 else (1, shape[1])  # broadcast: the strided kernel
+    model = helper.make_model(helper.make_graph(
+        [helper.make_node("Div", ["a", "b"], ["y"])], "div",
+        [helper.make_tensor_value_info("a", TensorProto.INT64, list(shape)),
+         helper.make_tensor_value_info("b", TensorProto.INT64, list(b_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, list(shape))]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    plan = ponnx.load(model).compile(dev.name)
+    a = np.arange(-7, -7 + int(np.prod(shape)), dtype=np.int64).reshape(shape)
+    ones = np.full(b_shape, 2, np.int64)
+    np.testing.assert_array_equal(np.asarray(plan(a=a, b=ones)), np.trunc(a / 2).astype(np.int64))
+    zero = ones.copy()
+    zero.reshape(-1)[-1] = 0
+    with pytest.raises(ArithmeticDomainError, match=f"division by zero.*on {dev.name}"):
+        plan(a=a, b=zero)
+    np.testing.assert_array_equal(np.asarray(plan(a=a, b=ones)), np.trunc(a / 2).astype(np.int64))
+
+
+def test_a_storage_type_reaches_only_the_ops_that_convert_and_move_it(dev):
+    import ml_dtypes
+
+    b = polyhal.ProgramBuilder("bf16")
+    x = b.input("x", (2, 3), ml_dtypes.bfloat16)
+    b.output(b.op("transpose", x))
+    with pytest.raises(polyhal.KernelNotFoundError,
+                       match=r"'transpose' on bfloat16 .* only converts and moves those \(bitcast, cast, identity\)"):
+        polyhal.compile(b.build(), dev.name)

@@ -8,9 +8,11 @@ import math
 from typing import Any, Callable, Mapping
 
 from polyhal.ir.types import TensorType
+from polyhal.ops.elementwise import nonfinite_cast_message
+from polyhal_gpu import storage
 
 from polyhal_opencl.codegen import (
-    Arg, CType, DeviceTraits, Launch, Recipe, bits_ctype, broadcast_strides, collapse, ctype, header,
+    FLAG, Arg, Check, CType, DeviceTraits, Launch, Recipe, bits_ctype, broadcast_strides, collapse, ctype, header,
     index_type, linear_launch, next_pow2, operands, param, prologue, strided_kernel,
 )
 
@@ -93,16 +95,20 @@ def _contiguous(out: TensorType, views: list) -> list[bool] | None:
 
 
 def contiguous_kernel(name: str, total: int, out_t: CType, ins: list[CType], whole: list[bool],
-                      expr: Callable[[list[str]], str], traits: DeviceTraits) -> tuple[str, list[Launch]]:
+                      expr: Callable[[list[str]], str], traits: DeviceTraits, flag: bool = False
+                      ) -> tuple[str, list[Launch]]:
     """``y[i] = expr(x0[i], x1[i] or x1[0], ...)`` over ``total`` dense elements, no index math.
 
     GPUs: one element per work-item (coalesced). CPU devices: a contiguous chunk of elements per
     work-item, a plain loop the compiler vectorizes, with the broadcast operands read once;
     chunks are sized so that every core gets several (fewer, larger work-groups cost less
-    than one work-item per element there)."""
-    params = ", ".join([param(f"x{i}", t.store, True) for i, t in enumerate(ins)] + [param("y", out_t.store)])
-    pro = prologue(*[(f"x{i}", t.store, True) for i, t in enumerate(ins)], ("y", out_t.store, False))
-    args = tuple(Arg(i) for i in range(len(ins) + 1))
+    than one work-item per element there). ``flag``: the kernel also takes the recipe's error
+    flag, ``flag`` (see :class:`~polyhal_opencl.codegen.Check`), which ``expr`` may set."""
+    bufs = [(f"x{i}", t.store, True) for i, t in enumerate(ins)] + [("y", out_t.store, False)]
+    bufs += [("flag", "int", False)] if flag else []
+    params = ", ".join(param(*b) for b in bufs)
+    pro = prologue(*bufs)
+    args = tuple(Arg(i) for i in range(len(ins) + 1)) + ((FLAG,) if flag else ())
     if traits.is_cpu:
         chunk = min(max(next_pow2(-(-total // (8 * max(traits.compute_units, 1)))), CPU_CHUNK[0]), CPU_CHUNK[1])
         idx = index_type(total + chunk)
@@ -127,27 +133,35 @@ def contiguous_kernel(name: str, total: int, out_t: CType, ins: list[CType], who
 
 
 def map_kernel(name: str, out: TensorType, out_t: CType, ins: list[tuple[TensorType, CType]],
-               expr: Callable[[list[str]], str], traits: DeviceTraits, preamble: str = "") -> Recipe:
+               expr: Callable[[list[str]], str], traits: DeviceTraits, preamble: str = "",
+               check: str = "") -> Recipe:
     """out = expr(inputs) elementwise, inputs broadcast to ``out``'s shape; ``preamble`` is C
     code (helper functions) placed before the kernel. Dense operands (and single broadcast
-    elements) get :func:`contiguous_kernel`, anything else the strided kernel."""
+    elements) get :func:`contiguous_kernel`, anything else the strided kernel. With ``check``,
+    the kernel takes the recipe's error flag (``expr`` sets ``flag[0]``) and a
+    :class:`~polyhal_opencl.codegen.Check` step raising ``check`` follows the launch."""
     name = f"{name}_kernel"  # op names such as abs and exp are OpenCL builtins
     views = [(f"x{i}", t, broadcast_strides(tt.shape, out.shape), True) for i, (tt, t) in enumerate(ins)]
     views.append(("y", out_t, broadcast_strides(out.shape, out.shape), False))
     whole = _contiguous(out, views) if out.size else None
+    checks = [Check(check)] if check and out.size else []
     if whole is not None:
-        src, launches = contiguous_kernel(name, out.size, out_t, [t for _, t in ins], whole, expr, traits)
-        return Recipe(header(out_t, *(t for _, t in ins)) + preamble + src, launches)
+        src, launches = contiguous_kernel(name, out.size, out_t, [t for _, t in ins], whole, expr, traits,
+                                          flag=bool(check))
+        return Recipe(header(out_t, *(t for _, t in ins)) + preamble + src, launches + checks)
 
     def body(o: dict[str, str]) -> str:
         # Loads go to locals first: expressions such as maximum's use an operand several times.
         loads = "".join(f"  const {t.compute} v{i} = {t.load(f'x{i}', o[f'x{i}'])};\n"
                         for i, (_, t) in enumerate(ins))
-        return loads + "  " + out_t.store_stmt("y", o["y"], expr([f"v{i}" for i in range(len(ins))]))
+        flag = prologue(("flag", "int", False)) if check else ""
+        return flag + loads + "  " + out_t.store_stmt("y", o["y"], expr([f"v{i}" for i in range(len(ins))]))
 
-    src = header(out_t, *(t for _, t in ins)) + preamble + strided_kernel(name, out.shape, views, body)
+    extra = ", " + param("flag", "int") if check else ""
+    src = header(out_t, *(t for _, t in ins)) + preamble + strided_kernel(name, out.shape, views, body, extra)
     ins_args, outs_args = operands(len(ins), 1)
-    return Recipe(src, linear_launch(name, out.size, ins_args + outs_args, traits))
+    args = ins_args + outs_args + ([FLAG] if check else [])
+    return Recipe(src, linear_launch(name, out.size, args, traits) + checks)
 
 
 def binary_generator(table: Mapping[str, Expr], preambles: Mapping[str, Callable[[CType], str]] | None = None):
@@ -175,11 +189,24 @@ def unary_generator(table: Mapping[str, Expr]):
 
 def cast(op: str, attrs: Mapping[str, Any], in_types, out_types, traits: DeviceTraits) -> Recipe:
     """numpy ``astype``: C conversions truncate floats toward zero and wrap integers; the output
-    type's store converts (nonzero is true; half rounds to nearest even)."""
+    type's store converts (nonzero is true; half rounds to nearest even). To and from the
+    storage-only types (bfloat16, float8, int4, ...), ml_dtypes' conversions, from the source
+    shared with the other GPU backends (:mod:`polyhal_gpu.storage`)."""
+    src, dst = in_types[0].dtype, out_types[0].dtype
+    if src != dst and (storage.is_storage(src) or storage.is_storage(dst)):
+        src_t = bits_ctype(src) if storage.is_storage(src) else ctype(src, traits, op)
+        dst_t = bits_ctype(dst) if storage.is_storage(dst) else ctype(dst, traits, op)
+        return map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)],
+                          lambda v: storage.cast_expr(src, dst, v[0]), traits, storage.source())
+    if src == dst:  # identity: move bits (any type, the storage types included)
+        return identity(op, attrs, in_types, out_types, traits)
     src_t = ctype(in_types[0].dtype, traits, op)
     dst_t = ctype(out_types[0].dtype, traits, op)
-    if src_t.dtype == dst_t.dtype:  # identity: move bits
-        src_t = dst_t = bits_ctype(src_t.dtype)
+    if attrs.get("strict") and src_t.is_float and dst_t.kind in "iub":
+        # nan/inf (an integer division by zero) raise after the launch, as on every backend
+        return map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)],
+                          lambda v: f"((isfinite({v[0]}) ? 0 : (flag[0] = 1)), {v[0]})", traits,
+                          check=nonfinite_cast_message(dst_t.dtype))
     return map_kernel(op, out_types[0], dst_t, [(in_types[0], src_t)], lambda v: v[0], traits)
 
 
