@@ -37,21 +37,23 @@ row-major tensors (the materialize-encoding pass lowers encoded ops to ops on pa
 tensors first); operands of a storage-only element type (bfloat16, float8, int4, ...:
 :data:`polyhal.ir.types.STORAGE_DTYPES`) reach only the ops the table declares with
 ``storage_types``: ``True`` for every op (the CPU, where numpy and ml_dtypes compute with
-them), or a set of op names (the GPU backends convert and move them: ``cast``, ``identity``,
-``bitcast``), and never the fallback; an instance whose outputs are all empty gets :func:`noop`.
+them), or a set of op names (the GPU backends convert them: ``cast``, ``identity``, ``bitcast``),
+and never the fallback. A table that converts them also moves them: an op of
+:data:`MOVES_ELEMENTS` (reshape, gather, pad, where, ...: no arithmetic on the values) runs as its
+kernel for the unsigned integers of the same width (:func:`polyhal.ir.types.storage_bits`), which
+moves the same bits. An instance whose outputs are all empty gets :func:`noop`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Union
 
+import numpy as np
+
 from polyhal.errors import KernelNotFoundError, PluginError
 from polyhal.hal.scratch import KernelInfo, Problem, ScratchBinding, ScratchDecl, ScratchRequest
-from polyhal.ir.types import STORAGE_DTYPES
+from polyhal.ir.types import STORAGE_DTYPES, TensorType, storage_bits
 from polyhal.ops import OPS, resolve_attrs
-
-if TYPE_CHECKING:
-    from polyhal.ir.types import TensorType
 
 __all__ = ["Builder", "Declarer", "Kernel", "KernelTable", "noop"]
 
@@ -70,6 +72,27 @@ def noop(*arrays: Any) -> None:
 
 
 noop.capturable = True  # type: ignore[attr-defined]  (a graph may capture it: it does nothing)
+
+
+#: Ops that only move elements, never compute with their values: a table that converts the
+#: storage-only types runs these on the types' bits (see the module docstring). Scatters qualify
+#: without a reduction; pad's constant value is encoded to the type's bits.
+MOVES_ELEMENTS = frozenset({"concat", "expand", "gather", "gather_elements", "gather_nd", "identity", "pad",
+                            "reshape", "scatter_elements", "scatter_nd", "slice", "transpose", "where"})
+
+
+def _as_bits(op: str, attrs: Mapping[str, Any], in_types: tuple, out_types: tuple) -> tuple | None:
+    """``(attrs, in_types, out_types)`` of ``op`` on the storage types' bits, or None when the
+    op computes with the values (it is not a pure move)."""
+    if op not in MOVES_ELEMENTS or attrs.get("reduction", "none") != "none":
+        return None
+    attrs = dict(attrs)
+    if op == "pad":
+        stored = next(t.dtype for t in in_types if t.dtype in STORAGE_DTYPES)
+        value = np.array(attrs.get("value", 0.0), np.float32).astype(stored)
+        attrs["value"] = int(value.view(storage_bits(stored)))  # the constant's bits
+    bits = lambda t: TensorType(t.shape, storage_bits(t.dtype)) if t.dtype in STORAGE_DTYPES else t  # noqa: E731
+    return attrs, tuple(map(bits, in_types)), tuple(map(bits, out_types))
 
 
 class KernelTable:
@@ -166,10 +189,15 @@ class KernelTable:
                                       f"{self.backend} kernels take dense row-major tensors (its encodings "
                                       "must resolve to identity layouts)")
         stored = next((t for t in (*in_types, *out_types) if t.dtype in STORAGE_DTYPES), None)
+        if stored is not None and not self.holds_storage(op) and self.storage_ops:
+            moved = _as_bits(op, attrs, in_types, out_types)
+            if moved is not None:
+                return self.prepare(device, op, moved[0], moved[1], moved[2], scratch)
         if stored is not None and not self.holds_storage(op):
             if self.storage_ops:
-                where = (f"{self.backend} only converts and moves those ({', '.join(sorted(self.storage_ops))}): "
-                         f"cast to float32 first, or run {op!r} on a device that computes on them (cpu:0)")
+                where = (f"{self.backend} only converts those ({', '.join(sorted(self.storage_ops))}) and moves them "
+                         f"({', '.join(sorted(MOVES_ELEMENTS))}): cast to float32 first, or run {op!r} on a device "
+                         "that computes on them (cpu:0)")
             else:
                 where = f"{self.backend} does not hold those: run the op on a device that holds them (cpu:0), " \
                         "or cast to float32 there first"

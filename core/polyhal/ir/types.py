@@ -35,6 +35,15 @@ STORAGE_DTYPES = frozenset(
     )
 )
 
+
+
+def storage_bits(dtype: Any) -> np.dtype:
+    """The unsigned integer type holding a storage-only type's bits (uint8, or uint16 for
+    bfloat16); ``dtype`` itself for any other type."""
+    dt = np.dtype(dtype)
+    return np.dtype(f"uint{8 * dt.itemsize}") if dt in STORAGE_DTYPES else dt
+
+
 #: Element types a program may use: the compute types and the storage types.
 SUPPORTED_DTYPES = COMPUTE_DTYPES | STORAGE_DTYPES
 

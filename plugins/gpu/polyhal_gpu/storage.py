@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from polyhal.ir.types import STORAGE_DTYPES
+from polyhal.ir.types import STORAGE_DTYPES, storage_bits
 
 #: The conversion source, under ``polyhal_gpu/cu/``.
 SOURCE = "storage_types.h"
@@ -32,7 +32,6 @@ STORAGE_OPS = frozenset({"cast", "identity", "bitcast"})
 #: The sub-byte integer types: decoded to ``int``, encoded from ``int`` (wrapping).
 #: (ml_dtypes' types all report numpy kind 'V'.)
 _INTEGER = frozenset(d for d in STORAGE_DTYPES if d.name in ("int4", "uint4", "int2", "uint2"))
-_BITS = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,10 +46,8 @@ def is_storage(dtype: Any) -> bool:
     return np.dtype(dtype) in STORAGE_DTYPES
 
 
-def bits_dtype(dtype: Any) -> np.dtype:
-    """The unsigned integer type that holds a storage type's bits (``dtype`` itself otherwise)."""
-    dt = np.dtype(dtype)
-    return _BITS[dt.itemsize] if dt in STORAGE_DTYPES else dt
+#: The unsigned integer type that holds a storage type's bits (``dtype`` itself otherwise).
+bits_dtype = storage_bits
 
 
 def cast_expr(src: Any, dst: Any, value: str) -> str:

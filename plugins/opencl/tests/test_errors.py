@@ -82,11 +82,31 @@ def test_integer_division_by_zero_raises_through_the_kernels_error_flag(dev, sha
 
 
 def test_a_storage_type_reaches_only_the_ops_that_convert_and_move_it(dev):
+    """Moves (transpose, pad with a nonzero constant, gather, where) run on the bits and give
+    exactly numpy's result; an op that compares or computes with the values is refused, saying
+    what to do."""
     import ml_dtypes
 
+    bf16 = ml_dtypes.bfloat16
+    rng = np.random.default_rng(3)
+    xs = rng.standard_normal((3, 4)).astype(bf16)
+    cond = rng.random((4, 3)) < 0.5
     b = polyhal.ProgramBuilder("bf16")
-    x = b.input("x", (2, 3), ml_dtypes.bfloat16)
-    b.output(b.op("transpose", x))
+    x, c = b.input("x", (3, 4), bf16), b.input("c", (4, 3), np.bool_)
+    t = b.op("transpose", x)
+    p = b.op("pad", x, pads=[1, 0, 0, 2], value=1.5)
+    g = b.op("gather", x, b.constant(np.array([2, 0], np.int64)), axis=0)
+    w = b.op("where", c, t, b.constant(np.full((4, 3), -2.0, bf16)))
+    b.output(t, p, g, w)
+    got = [r.numpy() for r in polyhal.compile(b.build(), dev.name)(xs, cond)]
+    want = [xs.T, np.pad(xs, ((1, 0), (0, 2)), constant_values=bf16(1.5)), xs[[2, 0]],
+            np.where(cond, xs.T, bf16(-2.0))]
+    for g_, w_ in zip(got, want):
+        assert g_.dtype == bf16
+        np.testing.assert_array_equal(g_.view(np.uint16), w_.view(np.uint16))
+    b = polyhal.ProgramBuilder("bf16 sort")
+    x = b.input("x", (2, 3), bf16)
+    b.output(b.sort(x, axis=1))  # compares values: not a move
     with pytest.raises(polyhal.KernelNotFoundError,
-                       match=r"'transpose' on bfloat16 .* only converts and moves those \(bitcast, cast, identity\)"):
+                       match=r"sort.? on bfloat16 .*cast to float32 first"):
         polyhal.compile(b.build(), dev.name)
