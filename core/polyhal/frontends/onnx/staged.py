@@ -442,20 +442,19 @@ class _LoopBody:
     are copied to the host, as the interpreter gives them.
     """
 
-    def __init__(self, plan: Any, args: list[int], picks: list[int], constants: list[int], cond: int,
+    def __init__(self, plan: Any, args: list[int], picks: list[int], constants: list[int],
                  iter_at: list[int], carried_at: list[tuple[int, int]]) -> None:
         self.plan = plan
         self._args = args  # per plan input: its index in the values the plan reads
         # per body output: an index into [*results, i, *carried, *constants]
         self._picks = picks
         self._constant_outputs = constants  # body outputs that are neither results, i nor carried
-        self._cond = cond  # the result that is the condition, or -1
         self._iter_at = iter_at  # plan inputs that are the iteration number
         self._carried_at = carried_at  # (plan input, carried value) pairs
         self._bound: list[Any] = []
         self._constants: list[Any] = []
         self._sets: list[Any] = [None, None]
-        self._views: list[Any] = [None, None]
+        self._handles: list[Any] = [None, None]  # per set: what the plan is given (_host_array)
         self._turn = 0
 
     @classmethod
@@ -504,7 +503,7 @@ class _LoopBody:
         if cond < n_results and types[cond].size != 1:
             return None  # the interpreter reports the malformed condition
         first = body.input[0].name
-        return cls(plan, args, picks, constants, cond if cond < n_results else -1,
+        return cls(plan, args, picks, constants,
                    [p for p, a in enumerate(args) if reads[a] == first],
                    [(p, inputs[reads[a]] - 2) for p, a in enumerate(args) if inputs.get(reads[a], 0) >= 2])
 
@@ -528,16 +527,15 @@ class _LoopBody:
         if out is None:
             made = self.plan(*args)
             out = self._sets[turn] = made if isinstance(made, tuple) else (made,)
-            cond = out[self._cond] if self._cond >= 0 else None
-            if cond is not None and cond.device.dlpack_device_type == 1 and isinstance(cond.native, np.ndarray):
-                self._views[turn] = cond.native  # host memory: read in place each time
+            self._handles[turn] = [_host_array(t) for t in out]
         else:
             self.plan(*args, out=out)
         self._turn = turn ^ 1
-        values = [*out, it, *carried, *self._constants]
+        values = [*self._handles[turn], it, *carried, *self._constants]
         outs = [values[k] for k in self._picks]
-        view = self._views[turn]
-        cond = view if view is not None else _scalar(_on_host(outs[0]), "the Loop body's condition")
+        cond = outs[0]
+        if not (isinstance(cond, np.ndarray) and cond.size == 1):
+            cond = _scalar(_on_host(cond), "the Loop body's condition")
         return bool(cond), outs
 
 
@@ -566,9 +564,18 @@ def _on_host(v: Any) -> np.ndarray:
     return v.numpy() if isinstance(v, Tensor) else v
 
 
-def _host_copy(v: Any) -> np.ndarray:
-    """``v`` as a host array of its own: a plan's result tensor is copied (its memory is reused)."""
-    return v.numpy(copy=True) if isinstance(v, Tensor) else v
+def _host_array(t: Tensor) -> Any:
+    """A plan's result tensor as the next run takes it most cheaply: in host memory, the numpy
+    array over it (used in place), else the tensor itself (bound on its device)."""
+    if t.device.dlpack_device_type == 1 and isinstance(t.native, np.ndarray):
+        return t.native
+    return t
+
+
+def _own(v: Any) -> np.ndarray:
+    """``v`` (an array or a result tensor of a :class:`_LoopBody`) copied to a host array of its
+    own: the memory of result tensors is written again by later iterations."""
+    return v.numpy(copy=True) if isinstance(v, Tensor) else np.array(v)
 
 
 def _body(plan: StagedPlan, graph: onnx.GraphProto, args: Sequence[Any], env: collections.ChainMap) -> list:
@@ -618,7 +625,7 @@ def _loop(plan: StagedPlan, node, env) -> list:
             going, outs = runner.run(i, carried)
             plan.stats["direct_iterations"] += 1
             for k in range(n_scan):
-                scans[k].append(_host_copy(outs[1 + n + k]))
+                scans[k].append(_own(outs[1 + n + k]))
         else:
             outs = _body(plan, body, [np.array(i, np.int64), np.array(going)] + carried, env)
             going = bool(_scalar(outs[0], "the Loop body's condition"))
@@ -626,7 +633,7 @@ def _loop(plan: StagedPlan, node, env) -> list:
                 scans[k].append(outs[1 + n + k])
         carried = outs[1:1 + n]
         i += 1
-    results = [_host_copy(c) for c in carried]
+    results = carried if runner is None else [_own(c) for c in carried]
     for k, pieces in enumerate(scans):
         if pieces:
             results.append(np.stack(pieces))
