@@ -4,6 +4,8 @@ checked against onnx.reference: models that one static plan cannot hold run stag
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -162,6 +164,33 @@ def test_loop_carried_values_trading_places_run_through_the_interpreter():
                                           "y": np.array([1, 1], np.float32)},  # Fibonacci
                                   oracle=_onnxruntime(model))  # (onnx.reference ignores the exchange)
     assert plan.stats["direct_iterations"] == 0
+
+
+def test_threads_running_one_loop_at_once_get_their_own_results():
+    """The direct path's result tensors serve one Loop run at a time; a run that finds them
+    taken goes through the interpreter."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _while_model()
+    program = ponnx.load(model)
+    plan = program.compile(DEVICE)
+    x = np.array([1, 2, 3], np.float32)
+
+    def run(limit):
+        feeds = {"go": np.array(True), "x": x, "limit": np.array(limit, np.float32)}
+        for _ in range(20):
+            got = program.execute(plan, feeds)
+        return got, ReferenceEvaluator(model).run(None, feeds)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns within iterations
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for got, want in pool.map(run, [10.0, 1e3, 1e6, 1e30] * 2):
+                np.testing.assert_allclose(got["y"], want[0])
+                np.testing.assert_allclose(got["ys"], want[1])
+    finally:
+        sys.setswitchinterval(interval)
 
 
 def test_loop_carried_values_stay_on_an_opencl_device():

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -263,6 +264,7 @@ class StagedPlan:
         self._fixed: dict[tuple, frozenset[str]] = {}
         self._submodels: dict[tuple, onnx.ModelProto] = {}
         self._bodies: dict[tuple, tuple[Any, _LoopBody | None]] = {}
+        self._lock = threading.Lock()  # for changes to _bodies
         self.limit = loop_limit()
         self.stats = collections.Counter()
 
@@ -412,12 +414,14 @@ class StagedPlan:
             return None
         made = self._bodies.get(key)
         if made is None or made[0] is not found:
-            made = self._bodies[key] = (found, _LoopBody.make(found, body, reads, outputs, values, inputs))
-            while len(self._bodies) > self.cache.capacity:
-                del self._bodies[next(iter(self._bodies))]
+            with self._lock:
+                made = self._bodies[key] = (found, _LoopBody.make(found, body, reads, outputs, values, inputs))
+                while len(self._bodies) > self.cache.capacity:
+                    del self._bodies[next(iter(self._bodies))]
         runner = made[1]
-        if runner is not None:
-            runner.start(values, [value(o.name) for o in body.output])
+        if runner is None or not runner.take():
+            return None  # (taken: another thread runs this Loop now; this run is interpreted)
+        runner.start(values, [value(o.name) for o in body.output])
         return runner
 
     def _submodel(self, info: _GraphInfo, start: int, end: int, inputs: list[str], outputs: list[str],
@@ -464,6 +468,7 @@ class _LoopBody:
         self._sets: list[Any] = [None, None]
         self._handles: list[Any] = [None, None]  # per set: what the plan is given (_host_array)
         self._turn = 0
+        self._lock = threading.Lock()
 
     @classmethod
     def make(cls, found: tuple[Any, Any], body: onnx.GraphProto, reads: list[str], outputs: list[str],
@@ -514,6 +519,15 @@ class _LoopBody:
         return cls(plan, args, picks, constants,
                    [p for p, a in enumerate(args) if reads[a] == first],
                    [(p, inputs[reads[a]] - 2) for p, a in enumerate(args) if inputs.get(reads[a], 0) >= 2])
+
+    def take(self) -> bool:
+        """Claim the runner for one Loop run (False where another thread holds it): its result
+        tensors are one run's at a time. :meth:`release` gives it back."""
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        """End the Loop run that :meth:`take` began (its results copied out first)."""
+        self._lock.release()
 
     def start(self, values: list[np.ndarray], body_values: list[Any]) -> None:
         """Bind one Loop run's values: ``values``, what the plan reads at its start;
@@ -623,25 +637,29 @@ def _loop(plan: StagedPlan, node, env) -> list:
     i = 0
     runner = None  # once the body runs straight on its plan, it does so to the end
     n = len(carried)
-    while going and (trip is None or i < trip):
-        if i >= limit:
-            raise OnnxRunError(f"{source}: Loop node {node.name or node.output[0]!r} ran {limit} iterations "
-                               "without ending (the loop limit); raise POLYHAL_LOOP_LIMIT if more are intended")
-        if runner is None:
-            runner = plan.loop_body(body, env, carried)
+    try:
+        while going and (trip is None or i < trip):
+            if i >= limit:
+                raise OnnxRunError(f"{source}: Loop node {node.name or node.output[0]!r} ran {limit} iterations "
+                                   "without ending (the loop limit); raise POLYHAL_LOOP_LIMIT if more are intended")
+            if runner is None:
+                runner = plan.loop_body(body, env, carried)
+            if runner is not None:
+                going, outs = runner.run(i, carried)
+                plan.stats["direct_iterations"] += 1
+                for k in range(n_scan):
+                    scans[k].append(_own(outs[1 + n + k]))
+            else:
+                outs = _body(plan, body, [np.array(i, np.int64), np.array(going)] + carried, env)
+                going = bool(_scalar(outs[0], "the Loop body's condition"))
+                for k in range(n_scan):
+                    scans[k].append(outs[1 + n + k])
+            carried = outs[1:1 + n]
+            i += 1
+        results = carried if runner is None else [_own(c) for c in carried]
+    finally:
         if runner is not None:
-            going, outs = runner.run(i, carried)
-            plan.stats["direct_iterations"] += 1
-            for k in range(n_scan):
-                scans[k].append(_own(outs[1 + n + k]))
-        else:
-            outs = _body(plan, body, [np.array(i, np.int64), np.array(going)] + carried, env)
-            going = bool(_scalar(outs[0], "the Loop body's condition"))
-            for k in range(n_scan):
-                scans[k].append(outs[1 + n + k])
-        carried = outs[1:1 + n]
-        i += 1
-    results = carried if runner is None else [_own(c) for c in carried]
+            runner.release()
     for k, pieces in enumerate(scans):
         if pieces:
             results.append(np.stack(pieces))
