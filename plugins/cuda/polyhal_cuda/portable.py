@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from polyhal.errors import KernelNotFoundError
-
 from polyhal_cuda.errors import check
 from polyhal_gpu import portable
 
@@ -23,11 +21,10 @@ OPS = portable.OPS
 
 def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callable[[], Any]) -> Any:
     """The kernel of one instance: the portable kernel, or ``fallback()`` where it has none."""
-    try:
-        k = portable.plan(op, attrs, ins, outs, fp64=True)
-    except KernelNotFoundError:
-        return fallback()
+    return portable.prepare(op, attrs, ins, outs, make=lambda k: _launcher(device, k, len(ins)), fallback=fallback)
 
+
+def _launcher(device: "Device", k: portable.PortableKernel, n_in: int) -> Any:
     def build() -> Any:
         import cupy
 
@@ -39,7 +36,7 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callabl
     mod = device.module(("portable", k.source), build)
     with check(f"loading kernel {k.name} on {device.name}", kernel=k.name):
         fn = mod.get_function(k.name)
-    (grid, block), n_in = k.launch_shape, len(ins)
+    grid, block = k.launch_shape
 
     def kernel(*arrays: Any) -> None:
         import cupy

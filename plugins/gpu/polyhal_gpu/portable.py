@@ -43,7 +43,7 @@ from polyhal.ops.vision import GRID_MODES, GRID_PADDING
 
 from polyhal_gpu.launch import BLOCK
 
-__all__ = ["OPS", "PortableKernel", "plan"]
+__all__ = ["OPS", "PortableKernel", "plan", "prepare"]
 
 #: numpy element type -> the C type of its buffers (the same word in OpenCL C and CUDA C++,
 #: through portable.h's ``i64``).
@@ -200,3 +200,15 @@ def plan(op: str, attrs: Mapping[str, Any], in_types: Sequence[Any], out_types: 
     planner, dtypes = _PLANNERS[op]
     _require(op, np.dtype(in_types[0].dtype), dtypes)
     return planner(attrs, tuple(in_types), tuple(out_types), fp64)
+
+
+def prepare(op: str, attrs: Mapping[str, Any], in_types: Sequence[Any], out_types: Sequence[Any], *,
+            make: Callable[[PortableKernel], Any], fallback: Callable[[], Any]) -> Any:
+    """The kernel of one instance on a CUDA-style backend (CUDA, HIP; float64 everywhere):
+    ``make(kernel)`` of its portable kernel, or ``fallback()`` (the backend's host fallback)
+    where no portable kernel serves it."""
+    try:
+        kernel = plan(op, attrs, in_types, out_types, fp64=True)
+    except KernelNotFoundError:
+        return fallback()
+    return make(kernel)

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-from polyhal.errors import KernelNotFoundError
-
 from polyhal_gpu import portable
 
 if TYPE_CHECKING:
@@ -29,10 +27,10 @@ OPS = portable.OPS
 
 def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callable[[], Any]) -> Any:
     """The kernel of one instance: the portable kernel, or ``fallback()`` where it has none."""
-    try:
-        k = portable.plan(op, attrs, ins, outs, fp64=True)
-    except KernelNotFoundError:
-        return fallback()
+    return portable.prepare(op, attrs, ins, outs, make=lambda k: _launcher(device, k, fallback), fallback=fallback)
+
+
+def _launcher(device: "Device", k: portable.PortableKernel, fallback: Callable[[], Any]) -> Any:
     fn = device.function(k.source, f"{k.name}.c", k.name)
     (grid, block), launch = k.launch_shape, device.launch
     strided: list[Any] = []  # the host fallback, made on the first call that needs it
