@@ -168,6 +168,20 @@ class _GraphInfo:
         #: (no host op, no cut after a result of run-time length).
         self.one_segment = bool(self.nodes) and not any(
             (n.domain in ("", "ai.onnx") and n.op_type in HOST_OPS) or n.op_type in SPLIT_AFTER for n in self.nodes)
+        #: (start, end, host op or not) per step, where the cut does not depend on the values
+        #: (no Identity, which passes a sequence or an optional along on the host); else None.
+        self.steps: list[tuple[int, int, bool]] | None = None
+        if not any(n.op_type == "Identity" and n.domain in ("", "ai.onnx") for n in self.nodes):
+            self.steps = []
+            i = 0
+            while i < len(self.nodes):
+                j = i + 1
+                host = self.nodes[i].domain in ("", "ai.onnx") and self.nodes[i].op_type in HOST_OPS
+                while not host and j < len(self.nodes) and self.nodes[j - 1].op_type not in SPLIT_AFTER \
+                        and not (self.nodes[j].domain in ("", "ai.onnx") and self.nodes[j].op_type in HOST_OPS):
+                    j += 1
+                self.steps.append((i, j, host))
+                i = j
 
     def layout(self, start: int, end: int) -> tuple[list[str], list[str]]:
         """(names read from outside, names used after it) of the segment ``start:end``."""
@@ -302,16 +316,17 @@ class StagedPlan:
         for name, value in info.initializers.items():
             env.maps[0].setdefault(name, value)
         nodes = info.nodes
+        if info.steps is not None:
+            for start, end, host in info.steps:
+                if host:
+                    self._host_op(nodes[start], env)
+                else:
+                    self._run_segment(info, start, end, env)
+            return env
         i = 0
         while i < len(nodes):
             if self._is_host(nodes[i], env):
-                t0 = time.perf_counter()
-                outs = _HOST[nodes[i].op_type](self, nodes[i], env)
-                self.stats["host_ops"] += 1
-                self.stats["host_seconds"] += time.perf_counter() - t0
-                for name, v in zip(nodes[i].output, outs):
-                    if name:
-                        env[name] = v
+                self._host_op(nodes[i], env)
                 i += 1
                 continue
             j = i
@@ -322,6 +337,15 @@ class StagedPlan:
             self._run_segment(info, i, j, env)
             i = j
         return env
+
+    def _host_op(self, node: onnx.NodeProto, env: collections.ChainMap) -> None:
+        t0 = time.perf_counter()
+        outs = _HOST[node.op_type](self, node, env)
+        self.stats["host_ops"] += 1
+        self.stats["host_seconds"] += time.perf_counter() - t0
+        for name, v in zip(node.output, outs):
+            if name:
+                env[name] = v
 
     def _is_host(self, node: onnx.NodeProto, env: Mapping[str, Any]) -> bool:
         if node.domain not in ("", "ai.onnx"):
@@ -335,8 +359,13 @@ class StagedPlan:
 
     def _run_segment(self, info: _GraphInfo, start: int, end: int, env: Mapping[str, Any]) -> None:
         reads, outputs = info.layout(start, end)
+        values = []
         for name in reads:
-            v = env[name] if name in env else _MISSING
+            try:
+                v = env[name]
+            except KeyError:
+                v = _MISSING
+            values.append(v)
             if not _is_tensor(v):
                 if v is _MISSING:
                     raise OnnxModelError(f"{self.program.source}: {name!r} is read before it is defined")
@@ -347,7 +376,6 @@ class StagedPlan:
         if not outputs:
             return
         t0 = time.perf_counter()
-        values = [env[n] for n in reads]
         program, plan = self._segment_plan(info, start, end, reads, outputs, values, env)
         stats = self.stats
         stats["dispatch_seconds"] += time.perf_counter() - t0
