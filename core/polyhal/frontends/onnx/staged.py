@@ -297,8 +297,8 @@ class StagedPlan:
         """Segment cache statistics and how much ran where."""
         s = self.stats
         return (f"staged plan: {s['segment_runs']} segment runs ({self.cache.misses} compiled, "
-                f"{s['direct_iterations']} Loop iterations straight on their body's plan, "
-                f"{self.cache.hits} from the cache, {self.cache.evictions} evicted), {s['host_ops']} host ops, "
+                f"{self.cache.hits} from the cache, {self.cache.evictions} evicted), {s['direct_iterations']} Loop "
+                f"iterations straight on their body's plan, {s['host_ops']} host ops, "
                 f"{s['host_seconds'] * 1e3:.2f} ms in host ops and segment dispatch overhead "
                 f"{s['dispatch_seconds'] * 1e3:.2f} ms")
 
