@@ -4,12 +4,15 @@ checked against onnx.reference: models that one static plan cannot hold run stag
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto as T, helper as h
 from onnx.reference import ReferenceEvaluator
 
+import polyhal
 import polyhal.onnx as ponnx
 from polyhal.frontends.onnx.staged import loop_limit
 
@@ -73,7 +76,129 @@ def test_loop_ended_by_data_runs_staged_and_compiles_its_body_once():
                                                     "limit": np.array(limit, np.float32)})
         np.testing.assert_allclose(got["ys"], want[1])
     assert plan.cache.misses == 1  # one body segment, one shape: every iteration reuses its plan
-    assert "staged plan" in program.explain(plan)
+    # The first iteration compiled the body; all others ran straight on its plan.
+    assert plan.stats["direct_iterations"] > 0 and plan.stats["segment_runs"] == 1
+    assert "staged plan" in program.explain(plan) and "straight on their body's plan" in program.explain(plan)
+
+
+def _program_and_reference(model, feeds, device=DEVICE, oracle=None):
+    program = ponnx.load(model)
+    plan = program.compile(device)
+    got = program.execute(plan, feeds)
+    want = (oracle or ReferenceEvaluator(model)).run(None, feeds)
+    for name, w in zip(program.output_names, want):
+        assert got[name].dtype == w.dtype and got[name].shape == w.shape, name
+        np.testing.assert_allclose(got[name], w, rtol=1e-6)
+    return plan
+
+
+def test_loop_whose_carried_value_grows_specializes_its_body_per_shape():
+    """A carried value that changes shape needs another body plan each iteration: no direct runs."""
+    body = h.make_graph(
+        [h.make_node("Concat", ["x_in", "x_in"], ["x_out"], axis=0),
+         h.make_node("ReduceSum", ["x_out"], ["s"], keepdims=0),
+         h.make_node("Less", ["s", "limit"], ["c_out"])],
+        "body", [_vi("i", T.INT64, []), _vi("c", T.BOOL, []), _vi("x_in", T.FLOAT, [None])],
+        [_vi("c_out", T.BOOL, []), _vi("x_out", T.FLOAT, [None])])
+    model = _model([h.make_node("Loop", ["", "go", "x"], ["y"], body=body)],
+                   [_vi("go", T.BOOL, []), _vi("x", T.FLOAT, [2]), _vi("limit", T.FLOAT, [])],
+                   [_vi("y", T.FLOAT, [None])])
+    plan = _program_and_reference(model, {"go": np.array(True), "x": np.array([1, 2], np.float32),
+                                          "limit": np.array(100, np.float32)})
+    assert plan.cache.misses == plan.stats["segment_runs"] == 6  # results of 4, 8, ..., 128 elements
+    assert plan.stats["direct_iterations"] == 0
+
+
+def test_loop_body_outputs_the_plan_does_not_make_run_directly():
+    """Body outputs that are not the plan's (a carried value passed through, the iteration number
+    and a body initializer as scan outputs, the condition given back) on the direct path, run
+    again with other trip counts and outer values."""
+    body = h.make_graph(
+        [h.make_node("Cast", ["i"], ["fi"], to=T.FLOAT),
+         h.make_node("Mul", ["fi", "scale"], ["step"]),
+         h.make_node("Add", ["a_in", "step"], ["a_out"]),
+         h.make_node("Mul", ["a_out", "b_in"], ["prod"])],
+        "body", [_vi("i", T.INT64, []), _vi("c", T.BOOL, []), _vi("a_in", T.FLOAT, [2]), _vi("b_in", T.FLOAT, [2])],
+        [_vi("c", T.BOOL, []), _vi("a_out", T.FLOAT, [2]), _vi("b_in", T.FLOAT, [2]),
+         _vi("i", T.INT64, []), _vi("half", T.FLOAT, []), _vi("prod", T.FLOAT, [2])],
+        initializer=[h.make_tensor("half", T.FLOAT, [], [0.5])])
+    model = _model([h.make_node("Loop", ["m", "", "a", "b"], ["a_end", "b_end", "iters", "scales", "prods"],
+                                body=body)],
+                   [_vi("m", T.INT64, []), _vi("a", T.FLOAT, [2]), _vi("b", T.FLOAT, [2]), _vi("scale", T.FLOAT, [])],
+                   [_vi("a_end", T.FLOAT, [2]), _vi("b_end", T.FLOAT, [2]), _vi("iters", T.INT64, [None]),
+                    _vi("scales", T.FLOAT, [None]), _vi("prods", T.FLOAT, [None, 2])])
+    feeds = {"m": np.array(6), "a": np.array([1, -1], np.float32), "b": np.array([2, 3], np.float32),
+             "scale": np.array(0.5, np.float32)}
+    program = ponnx.load(model)
+    plan = program.compile(DEVICE)
+    # By hand: onnx.reference drops scan outputs that no node makes, and onnxruntime gives every
+    # iteration's number as the last one.
+    for m, scale in ((6, 0.5), (3, 2.0), (1, 4.0)):
+        feeds.update(m=np.array(m), scale=np.array(scale, np.float32))
+        got = program.execute(plan, feeds)
+        a = feeds["a"] + scale * np.cumsum(np.arange(m, dtype=np.float32))[:, None]
+        np.testing.assert_allclose(got["a_end"], a[-1])
+        np.testing.assert_array_equal(got["b_end"], feeds["b"])
+        np.testing.assert_array_equal(got["iters"], np.arange(m))
+        np.testing.assert_array_equal(got["scales"], np.full(m, 0.5, np.float32))
+        np.testing.assert_allclose(got["prods"], a * feeds["b"])
+        assert got["iters"].dtype == np.int64 and got["prods"].dtype == np.float32
+    assert plan.stats["direct_iterations"] == 5 + 3 + 1  # only the very first iteration compiled the body
+    assert plan.cache.misses == 1
+
+
+def _onnxruntime(model):
+    import onnxruntime as ort
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_loop_carried_values_trading_places_run_through_the_interpreter():
+    body = h.make_graph(
+        [h.make_node("Add", ["x_in", "y_in"], ["total"])],
+        "body", [_vi("i", T.INT64, []), _vi("c", T.BOOL, []), _vi("x_in", T.FLOAT, [2]), _vi("y_in", T.FLOAT, [2])],
+        [_vi("c", T.BOOL, []), _vi("y_in", T.FLOAT, [2]), _vi("total", T.FLOAT, [2])])
+    model = _model([h.make_node("Loop", ["m", "", "x", "y"], ["x_end", "y_end"], body=body)],
+                   [_vi("m", T.INT64, []), _vi("x", T.FLOAT, [2]), _vi("y", T.FLOAT, [2])],
+                   [_vi("x_end", T.FLOAT, [2]), _vi("y_end", T.FLOAT, [2])])
+    plan = _program_and_reference(model, {"m": np.array(7), "x": np.array([0, 1], np.float32),
+                                          "y": np.array([1, 1], np.float32)},  # Fibonacci
+                                  oracle=_onnxruntime(model))  # (onnx.reference ignores the exchange)
+    assert plan.stats["direct_iterations"] == 0
+
+
+def test_threads_running_one_loop_at_once_get_their_own_results():
+    """The direct path's result tensors serve one Loop run at a time; a run that finds them
+    taken goes through the interpreter."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    model = _while_model()
+    program = ponnx.load(model)
+    plan = program.compile(DEVICE)
+    x = np.array([1, 2, 3], np.float32)
+
+    def run(limit):
+        feeds = {"go": np.array(True), "x": x, "limit": np.array(limit, np.float32)}
+        for _ in range(20):
+            got = program.execute(plan, feeds)
+        return got, ReferenceEvaluator(model).run(None, feeds)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads take turns within iterations
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for got, want in pool.map(run, [10.0, 1e3, 1e6, 1e30] * 2):
+                np.testing.assert_allclose(got["y"], want[0])
+                np.testing.assert_allclose(got["ys"], want[1])
+    finally:
+        sys.setswitchinterval(interval)
+
+
+def test_loop_carried_values_stay_on_an_opencl_device():
+    if "opencl:0" not in {s.name for s in polyhal.devices()}:
+        pytest.skip("no OpenCL device here")
+    plan = _program_and_reference(_while_model(), {"go": np.array(True), "x": np.array([1, 2, 3], np.float32),
+                                                   "limit": np.array(100, np.float32)}, "opencl:0")
+    assert plan.stats["direct_iterations"] == 4
 
 
 def test_if_on_data_picks_the_branch_at_run_time():

@@ -1,8 +1,9 @@
-"""The kernels written once for OpenCL and CUDA (:mod:`polyhal_gpu.portable`): grid_sample,
+"""The kernels written once for OpenCL, CUDA and HIP (:mod:`polyhal_gpu.portable`): grid_sample,
 roi_align, det, tree_ensemble and tfidf_vectorizer against their numpy references, over their
-modes, on every OpenCL and CUDA device (each compiled alone on that device, so no other device
-can serve it; on CUDA the test also checks that the portable kernel, not the host fallback, ran).
-Without such a device the tests skip."""
+modes, on every OpenCL, CUDA and HIP device (each compiled alone on that device, so no other
+device can serve it; on CUDA and HIP the test also checks that the portable kernel, not the host
+fallback, ran). Without such a device the tests skip (polyhal-hip's own tests compile and launch
+the kernels on its stand-in runtime)."""
 
 from __future__ import annotations
 
@@ -17,13 +18,13 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, resolve_attrs
 from polyhal.ops.ml import random_ensemble
 
-_DEVICES = [s.name for s in polyhal.devices() if s.backend in ("opencl", "cuda")]
+_DEVICES = [s.name for s in polyhal.devices() if s.backend in ("opencl", "cuda", "hip")]
 
 
 @pytest.fixture(params=_DEVICES or [None], ids=_DEVICES or ["no-gpu-device"])
 def device(request) -> str:
     if request.param is None:
-        pytest.skip("no OpenCL or CUDA device")
+        pytest.skip("no OpenCL, CUDA or HIP device")
     return request.param
 
 
@@ -35,7 +36,7 @@ def _check(device: str, op: str, inputs: list, rtol: float | None = None, atol: 
     got = polyhal.compile(b.build(), device)(*inputs)
     got = got if isinstance(got, tuple) else (got,)
     wants = OPS[op].reference(*inputs, **resolve_attrs(op, attrs))
-    if device.startswith("cuda") and wants[0].size:  # (an empty result runs no kernel)
+    if device.startswith(("cuda", "hip")) and wants[0].size:  # (an empty result runs no kernel)
         types = tuple(TensorType(x.shape, x.dtype) for x in inputs)
         fn = polyhal.get_device(device).prepare(op, attrs, types, tuple(TensorType(w.shape, w.dtype) for w in wants))
         assert "portable" in fn.inner.kernel_name, fn.inner.kernel_name

@@ -307,9 +307,12 @@ class Plan:
             if len(tensors) != len(values):
                 raise ProgramError(f"out= needs {len(values)} tensors, got {len(tensors)}")
             for v, t, d in zip(values, tensors, self._output_devices):
-                if not isinstance(t, Tensor) or t.shape != v.type.shape or t.dtype != v.type.dtype \
-                        or t.device is not d or not t.is_contiguous:
-                    raise ShapeError(f"out= tensor for %{v.name} must be a contiguous {v.type} on {d.name}, got {t!r}")
+                # (one read of each attribute: callers that loop over a plan pass out= every run)
+                tt = t.type if isinstance(t, Tensor) else None
+                vt = v.type
+                if tt is None or tt.shape != vt.shape or tt.dtype != vt.dtype or t.buffer.device is not d \
+                        or not t.is_contiguous:
+                    raise ShapeError(f"out= tensor for %{v.name} must be a contiguous {vt} on {d.name}, got {t!r}")
                 if t.readonly or t.buffer.released:
                     what = "is read-only (imported from a read-only DLPack producer)" if t.readonly else \
                         "has been released"

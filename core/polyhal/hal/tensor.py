@@ -26,14 +26,17 @@ class Tensor:
     polyhal are dense row-major; imported ones may be strided.
     """
 
-    __slots__ = ("buffer", "type", "offset", "strides", "readonly", "_native", "__weakref__")
+    __slots__ = ("buffer", "type", "offset", "strides", "readonly", "_native", "_contiguous", "__weakref__")
 
     def __init__(self, buffer: "Buffer", type: TensorType, offset: int = 0,
                  strides: tuple[int, ...] | None = None, readonly: bool = False) -> None:
         self.buffer = buffer
         self.type = type
         self.offset = offset
-        self.strides = row_major_strides(type.shape) if strides is None else tuple(strides)
+        dense = row_major_strides(type.shape)
+        self.strides = dense if strides is None else tuple(strides)
+        # Known once: plans check it on every tensor they are given.
+        self._contiguous = self.strides == dense or type.size <= 1
         self.readonly = readonly
         self._native = None
 
@@ -49,7 +52,8 @@ class Tensor:
 
     @property
     def is_contiguous(self) -> bool:
-        return self.strides == row_major_strides(self.shape) or self.size <= 1
+        """Whether the elements lie dense in row-major order (or there is at most one)."""
+        return self._contiguous
 
     @property
     def native(self) -> Any:

@@ -1,4 +1,4 @@
-"""The ops whose kernels are written once for OpenCL and CUDA (:mod:`polyhal_gpu.portable`:
+"""The ops whose kernels are written once for OpenCL, CUDA and HIP (:mod:`polyhal_gpu.portable`:
 grid_sample, roi_align, det, tree_ensemble, tfidf_vectorizer), compiled with NVRTC.
 
 An instance the portable kernels do not serve (float16, det of large matrices) runs through the
@@ -10,28 +10,21 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable
 
-import numpy as np
-
-from polyhal.errors import KernelNotFoundError
-
 from polyhal_cuda.errors import check
 from polyhal_gpu import portable
-from polyhal_gpu.launch import BLOCK
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 OPS = portable.OPS
-_ZERO = np.uint64(0)
 
 
 def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callable[[], Any]) -> Any:
     """The kernel of one instance: the portable kernel, or ``fallback()`` where it has none."""
-    try:
-        k = portable.plan(op, attrs, ins, outs, fp64=True)
-    except KernelNotFoundError:
-        return fallback()
+    return portable.prepare(op, attrs, ins, outs, make=lambda k: _launcher(device, k, len(ins)), fallback=fallback)
 
+
+def _launcher(device: "Device", k: portable.PortableKernel, n_in: int) -> Any:
     def build() -> Any:
         import cupy
 
@@ -43,7 +36,7 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callabl
     mod = device.module(("portable", k.source), build)
     with check(f"loading kernel {k.name} on {device.name}", kernel=k.name):
         fn = mod.get_function(k.name)
-    grid, n_in = (-(-k.work_items // BLOCK),), len(ins)
+    grid, block = k.launch_shape
 
     def kernel(*arrays: Any) -> None:
         import cupy
@@ -51,8 +44,7 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, fallback: Callabl
         if not k.work_items:
             return
         dense = [a if a.flags.c_contiguous else cupy.ascontiguousarray(a) for a in arrays]
-        args = tuple(v for a in dense for v in (a, _ZERO))
-        device.launch(fn, k.name, grid, (BLOCK,), args)
+        device.launch(fn, k.name, grid, block, k.arguments(dense))
         for a, d in zip(arrays[n_in:], dense[n_in:]):
             if d is not a:
                 a[...] = d

@@ -1,13 +1,14 @@
-"""Kernels written once for OpenCL and CUDA: ``polyhal_gpu/c/*.c``, in the C that OpenCL C 1.2
-and CUDA C++ share, behind the few macros of ``c/portable.h``.
+"""Kernels written once for OpenCL, CUDA and HIP: ``polyhal_gpu/c/*.c``, in the C that OpenCL C
+1.2 and CUDA C++ (HIP alike) share, behind the few macros of ``c/portable.h``.
 
 :func:`plan` turns one op instance into a :class:`PortableKernel`: the full source (the header,
 a block of ``#define`` lines with every extent, element type and table of the instance, then the
 op's file), the kernel's name and how many work-items it takes (one per output element, or one
 per matrix for ``det``). The backends only compile and launch it: polyhal-opencl as a recipe
-(one launch, the operands in order), polyhal-cuda with NVRTC (operands in order, each followed
-by its element offset, 0). The ops' semantics are in their :mod:`polyhal.ops` modules; the C
-files say how a work-item computes its element.
+(one launch, the operands in order), polyhal-cuda with NVRTC and polyhal-hip with hiprtc, both
+CUDA-style (:attr:`PortableKernel.launch_shape`, :meth:`PortableKernel.arguments`). The ops'
+semantics are in their :mod:`polyhal.ops` modules; the C files say how a work-item computes its
+element.
 
 =====================  =====================================================================
 op                     what runs
@@ -40,12 +41,15 @@ from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS
 from polyhal.ops.text import TFIDF_MODES, pool_ngrams
 from polyhal.ops.vision import GRID_MODES, GRID_PADDING
 
-__all__ = ["OPS", "PortableKernel", "plan"]
+from polyhal_gpu.launch import BLOCK
+
+__all__ = ["OPS", "PortableKernel", "plan", "prepare"]
 
 #: numpy element type -> the C type of its buffers (the same word in OpenCL C and CUDA C++,
 #: through portable.h's ``i64``).
 _C = {"float32": "float", "float64": "double", "int32": "int", "int64": "i64"}
 _FLOATS = ("float32", "float64")
+_ZERO = np.uint64(0)
 #: The largest matrix order ``det`` eliminates in private memory (16 x 16 doubles: 2 KiB).
 MAX_DET_ORDER = 16
 
@@ -60,6 +64,18 @@ class PortableKernel:
     name: str
     work_items: int
     fp64: bool
+
+    @property
+    def launch_shape(self) -> tuple[tuple[int], tuple[int]]:
+        """(grid, block) of a CUDA-style launch (CUDA, HIP): a thread per work-item, in blocks
+        of :data:`~polyhal_gpu.launch.BLOCK`."""
+        return (-(-self.work_items // BLOCK),), (BLOCK,)
+
+    @staticmethod
+    def arguments(arrays: Sequence[Any]) -> tuple[Any, ...]:
+        """The arguments of a CUDA-style launch over dense ``arrays`` (the operands in order):
+        each array followed by its element offset, 0 (``BUF`` in ``portable.h``)."""
+        return tuple(v for a in arrays for v in (a, _ZERO))
 
 
 @functools.lru_cache(maxsize=None)
@@ -184,3 +200,15 @@ def plan(op: str, attrs: Mapping[str, Any], in_types: Sequence[Any], out_types: 
     planner, dtypes = _PLANNERS[op]
     _require(op, np.dtype(in_types[0].dtype), dtypes)
     return planner(attrs, tuple(in_types), tuple(out_types), fp64)
+
+
+def prepare(op: str, attrs: Mapping[str, Any], in_types: Sequence[Any], out_types: Sequence[Any], *,
+            make: Callable[[PortableKernel], Any], fallback: Callable[[], Any]) -> Any:
+    """The kernel of one instance on a CUDA-style backend (CUDA, HIP; float64 everywhere):
+    ``make(kernel)`` of its portable kernel, or ``fallback()`` (the backend's host fallback)
+    where no portable kernel serves it."""
+    try:
+        kernel = plan(op, attrs, in_types, out_types, fp64=True)
+    except KernelNotFoundError:
+        return fallback()
+    return make(kernel)

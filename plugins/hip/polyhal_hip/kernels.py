@@ -21,6 +21,8 @@ Families and how they run:
   (:mod:`polyhal_gpu.rowwise`);
 * sort, argsort, topk and non_max_suppression: polyhal-gpu's ``cu/sort.cu`` and ``cu/nms.cu``,
   with their scratch declared to the bufferization pass (:mod:`polyhal_hip.sorting`);
+* grid_sample, roi_align, det, tree_ensemble, tfidf_vectorizer: polyhal-gpu's portable C, the
+  kernels polyhal-opencl and polyhal-cuda run too (:mod:`polyhal_hip.portable`);
 * everything else (gemm, einsum, conv, pooling, gather/scatter, cumsum, argmax, concat, pad,
   pack/unpack, ...): the host fallback -- download, the op's numpy reference, upload. Correct,
   slow; :data:`HOST_FALLBACK` names these ops.
@@ -46,7 +48,7 @@ from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.launch import BLOCK, multiprocessors
 from polyhal_gpu.launch import grid as launch_grid
 from polyhal_gpu.fallback import host_fallback as reference_on_host
-from polyhal_hip import compiler, sorting
+from polyhal_hip import compiler, portable, sorting
 from polyhal_hip.launch import dims_struct
 
 if TYPE_CHECKING:
@@ -407,6 +409,13 @@ def _rowwise(device, op, attrs, ins, outs, binding):
 
 register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
 register("non_max_suppression", scratch=sorting.nms_scratch_requests)(sorting.prepare_nms)
+
+
+# ------------------------------------------------------------------------ portable C (OpenCL, CUDA)
+
+@register(*portable.OPS)
+def _portable(device, op, attrs, ins, outs, binding) -> Kernel:
+    return portable.prepare(device, op, attrs, ins, outs, lambda: host_fallback(device, op, attrs, ins, outs))
 
 #: Ops without a HIP kernel here: they run through :func:`host_fallback`.
 HOST_FALLBACK: frozenset[str] = TABLE.fallback_ops

@@ -4,7 +4,8 @@ compiler of some ROCm versions aborts the process for an architecture it does no
 
 Every kernel source is compiled: polyhal-gpu's ``rowwise.cu``, ``sort.cu`` (the whole file, with
 the bitonic instance HIP launches),
-``nms.cu`` behind ``compat.h``, and polyhal-hip's ``elementwise.hip`` (an instance built from
+``nms.cu`` behind ``compat.h``, its portable C (``c/*.c``: one instance of each op, as planned),
+and polyhal-hip's ``elementwise.hip`` (an instance built from
 an expression and one from a polyhal-gpu snippet), ``reduce.hip`` and ``matmul.hip``. The
 architectures are ``POLYHAL_HIP_TEST_ARCHS`` (default ``gfx90a,gfx908,gfx1030``: CDNA2,
 CDNA1 wave64 and RDNA2 wave32). With ``POLYHAL_HIP_TEST_COMPILE=all`` every bitonic instance
@@ -41,11 +42,36 @@ def representative_sources() -> list[tuple[str, str, tuple[str, ...]]]:
         ("reduce.hip reduce_max int64", kernels.reduce_source("reduce_max", I64), ()),
         ("matmul.hip float16", kernels.matmul_source(F16), ()),
     ]
+    out.extend((f"{k.name} (polyhal-gpu portable C)", k.source, ()) for k in portable_kernels())
     if ALL:
         from polyhal_gpu.sorting import KEY_CTYPE
 
         exprs = tuple(f"sort_rows<{ctype}, {kind}>" for ctype in KEY_CTYPE.values() for kind in (0, 1, 2))
         out.append(("sort.cu, every key width and kind", compiler.source("sort.cu"), exprs))
+    return out
+
+
+def portable_kernels() -> list:
+    """One instance of each op of polyhal-gpu's portable C (from the op's own sample), as
+    polyhal-hip compiles it: the planned source, unchanged."""
+    from polyhal.ops import OPS, resolve_attrs
+    from polyhal.ir.types import TensorType
+    from polyhal_gpu import portable
+
+    out = []
+    for op in sorted(portable.OPS):
+        for seed in range(20):  # the first sample a portable kernel serves (not float16, ...)
+            inputs, attrs = OPS[op].sample(np.random.default_rng(seed))
+            attrs = resolve_attrs(op, attrs)
+            wants = OPS[op].reference(*inputs, **attrs)
+            try:
+                out.append(portable.plan(op, attrs, tuple(TensorType(x.shape, x.dtype) for x in inputs),
+                                         tuple(TensorType(w.shape, w.dtype) for w in wants), fp64=True))
+                break
+            except KernelNotFoundError:
+                continue
+        else:
+            raise AssertionError(f"no sample of {op} has a portable kernel")
     return out
 
 
@@ -76,7 +102,8 @@ def test_every_kernel_source_compiles(real_compiler, compiled_by_arch, arch):
             lowered = result.lowered[e]
             assert lowered.startswith("_Z") and lowered.encode() + b"\0" in result.code, f"{label}: {e} -> {lowered}"
         if not exprs:
-            assert b"polyhal_" in result.code or b"nms_" in result.code
+            assert (b"polyhal_" in result.code or b"nms_" in result.code
+                    or label.split(" ")[0].encode() + b"\0" in result.code), label
 
 
 def test_unknown_architecture_aborts_only_the_child(real_compiler):

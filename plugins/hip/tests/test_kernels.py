@@ -21,6 +21,7 @@ from polyhal.errors import KernelNotFoundError
 from polyhal.ops import OPS
 from polyhal_gpu.elementwise import SNIPPETS
 from polyhal_hip import kernels, launch
+from polyhal_hip.array import HipArray
 from polyhal_hip.device import KernelLaunchError
 from polyhal_hip.errors import HipCompileError, HipError
 
@@ -286,3 +287,71 @@ def test_a_strict_cast_to_integers_runs_on_the_host_fallback(fake_device):
     assert getattr(strict.inner, "kernel_name", "") == "host-fallback(cast)"
     plain = fake_device.prepare("cast", {"dtype": "int64"}, f64, i64)
     assert getattr(plain.inner, "kernel_name", "") != "host-fallback(cast)"
+
+
+# -- polyhal-gpu's portable C (grid_sample, roi_align, det, tree_ensemble, tfidf_vectorizer) ----------
+
+
+def _portable_instance(op):
+    """(kernel as planned, inputs, attrs) of the first sample of ``op`` a portable kernel serves."""
+    from polyhal.ops import resolve_attrs
+    from polyhal_gpu import portable
+
+    for seed in range(20):
+        inputs, attrs = OPS[op].sample(np.random.default_rng(seed))
+        resolved = resolve_attrs(op, attrs)
+        wants = OPS[op].reference(*inputs, **resolved)
+        try:
+            k = portable.plan(op, resolved, tuple(polyhal.TensorType(x.shape, x.dtype) for x in inputs),
+                              tuple(polyhal.TensorType(w.shape, w.dtype) for w in wants), fp64=True)
+        except KernelNotFoundError:
+            continue
+        if k.work_items:
+            return k, inputs, attrs
+    raise AssertionError(f"no sample of {op} has a portable kernel with work to do")
+
+
+@pytest.mark.parametrize("op", ["det", "grid_sample", "roi_align", "tfidf_vectorizer", "tree_ensemble"])
+def test_portable_kernels_compile_and_launch_on_the_stand_in(fake, fake_device, needs_compiler, op):
+    """The planned source, compiled by hiprtc unchanged, loaded by its kernel name, and launched a
+    thread per work-item in blocks of 256, each operand followed by its element offset 0."""
+    from polyhal_hip import portable
+
+    assert op in portable.OPS and op not in kernels.HOST_FALLBACK
+    k, inputs, attrs = _portable_instance(op)
+    b = polyhal.ProgramBuilder(op)
+    args = [b.input(f"x{i}", x.shape, x.dtype) for i, x in enumerate(inputs)]
+    res = b.op(op, *args, **attrs)
+    res = res if isinstance(res, tuple) else (res,)
+    b.output(*res)
+    fn = fake_device.prepare(op, attrs, tuple(a.type for a in args), tuple(r.type for r in res))
+    assert fn.inner.kernel_name == f"{k.name} (portable C, hiprtc)"
+    plan = polyhal.compile(b.build(), fake_device.name)
+    start = len(fake.launches)
+    plan(*inputs)
+    (last,) = [launch_ for launch_ in fake.launches[start:] if launch_.function == k.name]
+    assert last.grid == (-(-k.work_items // 256),) and last.block == (256,) and last.shared_bytes == 0
+    words = np.frombuffer(last.args, np.uint64)
+    operands = len(inputs) + len(res)
+    assert len(words) == 2 * operands and all(words[0::2]) and not any(words[1::2])
+
+
+def test_portable_instances_it_refuses_and_strided_operands_run_on_the_host(fake, fake_device, needs_compiler, rng):
+    """det of 17 x 17 matrices (above what private memory holds) is the host fallback's; a call of
+    the portable kernel with a strided operand goes through it too. The stand-in's memory is host
+    memory, so both results are exact."""
+    big = polyhal.TensorType((2, 17, 17), np.float32)
+    fn = fake_device.prepare("det", {}, (big,), (polyhal.TensorType((2,), np.float32),))
+    assert fn.inner.kernel_name == "host-fallback(det)"
+
+    x = rng.standard_normal((3, 3, 3)).astype(np.float32)
+    cube, three = polyhal.TensorType((3, 3, 3), np.float32), polyhal.TensorType((3,), np.float32)
+    fn = fake_device.prepare("det", {}, (cube,), (three,))
+    assert "portable" in fn.inner.kernel_name
+    xt = polyhal.asarray(x, device=fake_device.name)
+    out = polyhal.empty((3,), np.float32, device=fake_device.name)
+    transposed = HipArray(xt.native.ptr, (3, 3, 3), np.float32, (9, 1, 3), xt.native.owner)  # each matrix transposed
+    before = len(fake.launches)
+    fn.inner(transposed, out.native)
+    assert len(fake.launches) == before  # no kernel launched
+    np.testing.assert_allclose(out.numpy(), np.linalg.det(x.transpose(0, 2, 1)), rtol=1e-5)

@@ -27,10 +27,18 @@ How it runs (the decision, and why):
   They move no tensor data except ``SplitToSequence``/``ConcatFromSequence`` and a Loop's
   scan outputs, which are a numpy split/concatenation on the host.
 
+* A **Loop whose body is one segment** leaves the interpreter once its body plan is compiled
+  and gives every carried value back at the shape and type it took (:class:`_LoopBody`): each
+  later iteration is one call of that plan, with the previous iteration's result tensors as
+  its inputs (they stay on the device) and one of two sets of result tensors, in turn, as its
+  outputs; only the condition is read on the host. A body that changes a carried value's
+  shape goes on through the interpreter, specializing its plan per shape.
+
 Compared with compiling control flow into the plan, this keeps every plan static (buffer
 planning, fusion, graph replay all still apply inside a segment) and works on every device
 alike; the price is one plan dispatch per segment and per iteration, plus the host op itself
-(``python -m bench control_flow`` measures it). A Loop runs at most ``POLYHAL_LOOP_LIMIT``
+(``python -m bench control_flow`` measures it: a few microseconds per Loop iteration on top
+of the body plan's call). A Loop runs at most ``POLYHAL_LOOP_LIMIT``
 (:data:`LOOP_LIMIT`) iterations, so a corrupt or hostile trip count fails with a clear error
 instead of running for ever.
 """
@@ -39,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
 
@@ -47,6 +56,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxModelError, OnnxRunError
+from polyhal.hal.tensor import Tensor
 from polyhal.specialization import SpecializationCache
 
 __all__ = ["HOST_OPS", "LOOP_LIMIT", "SPLIT_AFTER", "StagedOnnxProgram", "StagedPlan", "loop_limit",
@@ -154,6 +164,24 @@ class _GraphInfo:
         for o in graph.output:
             self.last_use[o.name] = len(self.nodes)
         self._layouts: dict[tuple[int, int], tuple[list[str], list[str]]] = {}
+        #: Whether the nodes run as one segment whenever every value they read is a tensor
+        #: (no host op, no cut after a result of run-time length).
+        self.one_segment = bool(self.nodes) and not any(
+            (n.domain in ("", "ai.onnx") and n.op_type in HOST_OPS) or n.op_type in SPLIT_AFTER for n in self.nodes)
+        #: (start, end, host op or not) per step, where the cut does not depend on the values
+        #: (no Identity, which passes a sequence or an optional along on the host); else None.
+        self.steps: list[tuple[int, int, bool]] | None = None
+        if not any(n.op_type == "Identity" and n.domain in ("", "ai.onnx") for n in self.nodes):
+            self.steps = []
+            i = 0
+            while i < len(self.nodes):
+                j = i + 1
+                host = self.nodes[i].domain in ("", "ai.onnx") and self.nodes[i].op_type in HOST_OPS
+                while not host and j < len(self.nodes) and self.nodes[j - 1].op_type not in SPLIT_AFTER \
+                        and not (self.nodes[j].domain in ("", "ai.onnx") and self.nodes[j].op_type in HOST_OPS):
+                    j += 1
+                self.steps.append((i, j, host))
+                i = j
 
     def layout(self, start: int, end: int) -> tuple[list[str], list[str]]:
         """(names read from outside, names used after it) of the segment ``start:end``."""
@@ -249,6 +277,8 @@ class StagedPlan:
         self._infos: dict[int, _GraphInfo] = {}
         self._fixed: dict[tuple, frozenset[str]] = {}
         self._submodels: dict[tuple, onnx.ModelProto] = {}
+        self._bodies: dict[tuple, tuple[Any, _LoopBody | None]] = {}
+        self._lock = threading.Lock()  # for changes to _bodies
         self.limit = loop_limit()
         self.stats = collections.Counter()
 
@@ -267,7 +297,8 @@ class StagedPlan:
         """Segment cache statistics and how much ran where."""
         s = self.stats
         return (f"staged plan: {s['segment_runs']} segment runs ({self.cache.misses} compiled, "
-                f"{self.cache.hits} from the cache, {self.cache.evictions} evicted), {s['host_ops']} host ops, "
+                f"{self.cache.hits} from the cache, {self.cache.evictions} evicted), {s['direct_iterations']} Loop "
+                f"iterations straight on their body's plan, {s['host_ops']} host ops, "
                 f"{s['host_seconds'] * 1e3:.2f} ms in host ops and segment dispatch overhead "
                 f"{s['dispatch_seconds'] * 1e3:.2f} ms")
 
@@ -285,16 +316,17 @@ class StagedPlan:
         for name, value in info.initializers.items():
             env.maps[0].setdefault(name, value)
         nodes = info.nodes
+        if info.steps is not None:
+            for start, end, host in info.steps:
+                if host:
+                    self._host_op(nodes[start], env)
+                else:
+                    self._run_segment(info, start, end, env)
+            return env
         i = 0
         while i < len(nodes):
             if self._is_host(nodes[i], env):
-                t0 = time.perf_counter()
-                outs = _HOST[nodes[i].op_type](self, nodes[i], env)
-                self.stats["host_ops"] += 1
-                self.stats["host_seconds"] += time.perf_counter() - t0
-                for name, v in zip(nodes[i].output, outs):
-                    if name:
-                        env[name] = v
+                self._host_op(nodes[i], env)
                 i += 1
                 continue
             j = i
@@ -305,6 +337,15 @@ class StagedPlan:
             self._run_segment(info, i, j, env)
             i = j
         return env
+
+    def _host_op(self, node: onnx.NodeProto, env: collections.ChainMap) -> None:
+        t0 = time.perf_counter()
+        outs = _HOST[node.op_type](self, node, env)
+        self.stats["host_ops"] += 1
+        self.stats["host_seconds"] += time.perf_counter() - t0
+        for name, v in zip(node.output, outs):
+            if name:
+                env[name] = v
 
     def _is_host(self, node: onnx.NodeProto, env: Mapping[str, Any]) -> bool:
         if node.domain not in ("", "ai.onnx"):
@@ -318,8 +359,13 @@ class StagedPlan:
 
     def _run_segment(self, info: _GraphInfo, start: int, end: int, env: Mapping[str, Any]) -> None:
         reads, outputs = info.layout(start, end)
+        values = []
         for name in reads:
-            v = env[name] if name in env else _MISSING
+            try:
+                v = env[name]
+            except KeyError:
+                v = _MISSING
+            values.append(v)
             if not _is_tensor(v):
                 if v is _MISSING:
                     raise OnnxModelError(f"{self.program.source}: {name!r} is read before it is defined")
@@ -327,19 +373,30 @@ class StagedPlan:
                 reader = next(n for n in info.nodes[start:end] if name in _reads(n))
                 raise OnnxModelError(f"{self.program.source}: {name!r} is {kind}, but node {reader.op_type} "
                                      "reads it as a tensor")
-        inputs = reads
         if not outputs:
             return
+        t0 = time.perf_counter()
+        program, plan = self._segment_plan(info, start, end, reads, outputs, values, env)
+        stats = self.stats
+        stats["dispatch_seconds"] += time.perf_counter() - t0
+        results = program.execute(plan, dict(zip(reads, values)))  # fixed inputs are ignored
+        stats["segment_runs"] += 1
+        target = env.maps[0]
+        for name in outputs:
+            target[name] = results[name]
+
+    def _segment_plan(self, info: _GraphInfo, start: int, end: int, inputs: list[str], outputs: list[str],
+                      values: list[np.ndarray], env: Mapping[str, Any]) -> tuple[Any, Any]:
+        """(program, plan) of segment ``start:end`` for its input ``values``: from the cache,
+        else imported and compiled (inputs whose values decide shapes are fixed to them)."""
         where = (id(info.graph), start)
         fixed = self._fixed.get(where, frozenset())
-        t0 = time.perf_counter()
-        values = [env[n] for n in inputs]
         while True:
             key = (where, tuple([(v.dtype, v.shape, v.tobytes() if n in fixed else None)
                                  for n, v in zip(inputs, values)]))
             found = self.cache.get(key)
             if found is not None:
-                break
+                return found
             model = self._submodel(info, start, end, inputs, outputs, env)
             try:
                 found = self._make(model, {n: env[n].shape for n in inputs if n not in fixed},
@@ -350,16 +407,50 @@ class StagedPlan:
                     raise
                 fixed = self._fixed[where] = fixed | wanted
                 continue
-            self.cache.put(key, found)
-            break
-        program, plan = found
-        stats = self.stats
-        stats["dispatch_seconds"] += time.perf_counter() - t0
-        results = program.execute(plan, dict(zip(inputs, values)))  # fixed inputs are ignored
-        stats["segment_runs"] += 1
-        target = env.maps[0]
-        for name in outputs:
-            target[name] = results[name]
+            return self.cache.put(key, found)
+
+    def loop_body(self, body: onnx.GraphProto, env: Mapping[str, Any], carried: Sequence[Any]) -> "_LoopBody | None":
+        """The Loop ``body`` bound for running straight on its plan from now on (see
+        :class:`_LoopBody`), or None where an iteration must go through the interpreter: the
+        body is not one segment of tensors, its plan is not compiled yet (the interpreted
+        iteration compiles it), fixes inputs to their values, has host work, or changes the
+        shape or type of a carried value it reads (the next iteration needs another plan)."""
+        info = self._info(body)
+        if not info.one_segment or len(body.input) != 2 + len(carried) or len(body.output) < 1 + len(carried):
+            return None
+        where = (id(body), 0)
+        if self._fixed.get(where):
+            return None
+        reads, outputs = info.layout(0, len(info.nodes))
+        # Body inputs by name: the iteration number, the condition (true while iterating), carried values.
+        inputs = {vi.name: k for k, vi in enumerate(body.input)}
+        first = [np.array(0, np.int64), np.array(True), *carried]
+        initializers = info.initializers
+
+        def value(name: str) -> Any:
+            k = inputs.get(name)
+            if k is not None:
+                return first[k]
+            return initializers[name] if name in initializers else env.get(name, _MISSING)
+
+        values = [value(n) for n in reads]
+        if not all(_is_tensor(v) for v in values):
+            return None  # a sequence, an optional or an undefined name: the interpreter says which
+        key = (where, tuple([(v.dtype, v.shape, None) for v in values]))
+        found = self.cache.get(key)
+        if found is None:
+            return None
+        made = self._bodies.get(key)
+        if made is None or made[0] is not found:
+            with self._lock:
+                made = self._bodies[key] = (found, _LoopBody.make(found, body, reads, outputs, values, inputs))
+                while len(self._bodies) > self.cache.capacity:
+                    del self._bodies[next(iter(self._bodies))]
+        runner = made[1]
+        if runner is None or not runner.take():
+            return None  # (taken: another thread runs this Loop now; this run is interpreted)
+        runner.start(values, [value(o.name) for o in body.output])
+        return runner
 
     def _submodel(self, info: _GraphInfo, start: int, end: int, inputs: list[str], outputs: list[str],
                   env: Mapping[str, Any]) -> onnx.ModelProto:
@@ -377,6 +468,125 @@ class StagedPlan:
         model.functions.extend(main.functions)
         self._submodels[key] = model
         return model
+
+
+class _LoopBody:
+    """A Loop body that is one segment, run iteration after iteration straight on its plan.
+
+    Made only where the body's plan gives back every carried value it reads at the type and
+    shape it took, so that every later iteration has the same plan: no shape lookup, no scope
+    or feed dicts, no host round trip of the carried values. They stay the plan's result
+    tensors on its device, and the plan writes into one of two sets of result tensors in turn
+    (iteration k reads set k-1 and writes set k; the sets are allocated by the first two runs
+    and kept for later Loop runs). Only the condition is read back each iteration; scan outputs
+    are copied to the host, as the interpreter gives them.
+    """
+
+    def __init__(self, plan: Any, args: list[int], picks: list[int], constants: list[int],
+                 iter_at: list[int], carried_at: list[tuple[int, int]]) -> None:
+        self.plan = plan
+        self._args = args  # per plan input: its index in the values the plan reads
+        # per body output: an index into [*results, i, *carried, *constants]
+        self._picks = picks
+        self._constant_outputs = constants  # body outputs that are neither results, i nor carried
+        self._iter_at = iter_at  # plan inputs that are the iteration number
+        self._carried_at = carried_at  # (plan input, carried value) pairs
+        self._bound: list[Any] = []
+        self._constants: list[Any] = []
+        self._sets: list[Any] = [None, None]
+        self._handles: list[Any] = [None, None]  # per set: what the plan is given (_host_array)
+        self._turn = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def make(cls, found: tuple[Any, Any], body: onnx.GraphProto, reads: list[str], outputs: list[str],
+             values: list[np.ndarray], inputs: Mapping[str, int]) -> "_LoopBody | None":
+        """The runner for segment plan ``found`` of ``body`` (``reads``: the names the segment
+        reads, ``values``: theirs now; ``inputs``: body input name -> position), or None where
+        iterations must go through the interpreter."""
+        program, plan = found
+        if (program.host_feeds or program.host_outputs or program.host_reads or program.trims
+                or program.finishes or program.string_inputs or program.frozen):
+            return None
+        position = {n: k for k, n in enumerate(reads)}
+        args = [position[v.name] for v in program.inputs]
+        types = [v.type for v in plan.program.outputs]
+        produced = {n: program.slots[k] if program.slots else k for k, n in enumerate(program.output_names)}
+        n_carried, n_results = len(inputs) - 2, len(types)
+        picks, constants = [], []
+        for k, vi in enumerate(body.output):
+            source = inputs.get(vi.name, -1)
+            if vi.name in produced:
+                picks.append(produced[vi.name])
+            elif source == 0 or source >= 2:  # the iteration number or a carried value, as it came in
+                if 1 <= k <= n_carried and source >= 2 and source != k + 1:
+                    return None  # carried values trading places: a result tensor would outlive its set
+                picks.append(n_results + max(source - 1, 0))
+            else:  # the condition (true while iterating) or a name from outside the body
+                picks.append(n_results + 1 + n_carried + len(constants))
+                constants.append(k)
+        for k in range(n_carried):  # stable: a carried value the plan reads comes back as it was
+            name = body.input[2 + k].name
+            if name not in position:
+                continue
+            had, pick = values[position[name]], picks[1 + k]
+            if pick < n_results:
+                now = (types[pick].shape, types[pick].dtype)
+            elif pick == n_results:
+                now = ((), np.dtype(np.int64))
+            elif pick == n_results + 1 + k:
+                continue
+            else:
+                return None  # replaced by a value from outside: left to the interpreter
+            if now != (had.shape, had.dtype):
+                return None
+        cond = picks[0]
+        if cond < n_results and types[cond].size != 1:
+            return None  # the interpreter reports the malformed condition
+        first = body.input[0].name
+        return cls(plan, args, picks, constants,
+                   [p for p, a in enumerate(args) if reads[a] == first],
+                   [(p, inputs[reads[a]] - 2) for p, a in enumerate(args) if inputs.get(reads[a], 0) >= 2])
+
+    def take(self) -> bool:
+        """Claim the runner for one Loop run (False where another thread holds it): its result
+        tensors are one run's at a time. :meth:`release` gives it back."""
+        return self._lock.acquire(blocking=False)
+
+    def release(self) -> None:
+        """End the Loop run that :meth:`take` began (its results copied out first)."""
+        self._lock.release()
+
+    def start(self, values: list[np.ndarray], body_values: list[Any]) -> None:
+        """Bind one Loop run's values: ``values``, what the plan reads at its start;
+        ``body_values``, each body output's value in the body's scope (for those the plan does
+        not make)."""
+        self._bound = [values[a] for a in self._args]
+        self._constants = [body_values[k] for k in self._constant_outputs]
+
+    def run(self, i: int, carried: list[Any]) -> tuple[bool, list[Any]]:
+        """One iteration: (the condition, the body outputs); carried values come back as tensors."""
+        args = self._bound
+        it = np.array(i, np.int64)
+        for p in self._iter_at:
+            args[p] = it
+        for p, m in self._carried_at:
+            args[p] = carried[m]
+        turn = self._turn
+        out = self._sets[turn]
+        if out is None:
+            made = self.plan(*args)
+            out = self._sets[turn] = made if isinstance(made, tuple) else (made,)
+            self._handles[turn] = [_host_array(t) for t in out]
+        else:
+            self.plan(*args, out=out)
+        self._turn = turn ^ 1
+        values = [*self._handles[turn], it, *carried, *self._constants]
+        outs = [values[k] for k in self._picks]
+        cond = outs[0]
+        if not (isinstance(cond, np.ndarray) and cond.size == 1):
+            cond = _scalar(_on_host(cond), "the Loop body's condition")
+        return bool(cond), outs
 
 
 # ---------------------------------------------------------------------------------- host ops
@@ -397,6 +607,25 @@ def _scalar(v: Any, what: str) -> Any:
     if a.size != 1:
         raise OnnxModelError(f"{what} must hold one value, got shape {list(a.shape)}")
     return a.reshape(-1)[0]
+
+
+def _on_host(v: Any) -> np.ndarray:
+    """``v`` (an array or a plan's result tensor) readable on the host (a view where it can be)."""
+    return v.numpy() if isinstance(v, Tensor) else v
+
+
+def _host_array(t: Tensor) -> Any:
+    """A plan's result tensor as the next run takes it most cheaply: in host memory, the numpy
+    array over it (used in place), else the tensor itself (bound on its device)."""
+    if t.device.dlpack_device_type == 1 and isinstance(t.native, np.ndarray):
+        return t.native
+    return t
+
+
+def _own(v: Any) -> np.ndarray:
+    """``v`` (an array or a result tensor of a :class:`_LoopBody`) copied to a host array of its
+    own: the memory of result tensors is written again by later iterations."""
+    return v.numpy(copy=True) if isinstance(v, Tensor) else np.array(v)
 
 
 def _body(plan: StagedPlan, graph: onnx.GraphProto, args: Sequence[Any], env: collections.ChainMap) -> list:
@@ -434,17 +663,31 @@ def _loop(plan: StagedPlan, node, env) -> list:
         raise OnnxModelError(f"{source}: the Loop body has fewer outputs than loop-carried values")
     scans: list[list] = [[] for _ in range(n_scan)]
     i = 0
-    while going and (trip is None or i < trip):
-        if i >= limit:
-            raise OnnxRunError(f"{source}: Loop node {node.name or node.output[0]!r} ran {limit} iterations "
-                               "without ending (the loop limit); raise POLYHAL_LOOP_LIMIT if more are intended")
-        outs = _body(plan, body, [np.array(i, np.int64), np.array(going)] + carried, env)
-        going = bool(_scalar(outs[0], "the Loop body's condition"))
-        carried = outs[1:1 + len(carried)]
-        for k in range(n_scan):
-            scans[k].append(outs[1 + len(carried) + k])
-        i += 1
-    results = list(carried)
+    runner = None  # once the body runs straight on its plan, it does so to the end
+    n = len(carried)
+    try:
+        while going and (trip is None or i < trip):
+            if i >= limit:
+                raise OnnxRunError(f"{source}: Loop node {node.name or node.output[0]!r} ran {limit} iterations "
+                                   "without ending (the loop limit); raise POLYHAL_LOOP_LIMIT if more are intended")
+            if runner is None:
+                runner = plan.loop_body(body, env, carried)
+            if runner is not None:
+                going, outs = runner.run(i, carried)
+                plan.stats["direct_iterations"] += 1
+                for k in range(n_scan):
+                    scans[k].append(_own(outs[1 + n + k]))
+            else:
+                outs = _body(plan, body, [np.array(i, np.int64), np.array(going)] + carried, env)
+                going = bool(_scalar(outs[0], "the Loop body's condition"))
+                for k in range(n_scan):
+                    scans[k].append(outs[1 + n + k])
+            carried = outs[1:1 + n]
+            i += 1
+        results = carried if runner is None else [_own(c) for c in carried]
+    finally:
+        if runner is not None:
+            runner.release()
     for k, pieces in enumerate(scans):
         if pieces:
             results.append(np.stack(pieces))
