@@ -155,7 +155,10 @@ def _build_once(base: Path, name: str, failed: Path) -> bool:
         proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native_aot", str(base), name],
                               capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
-            why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            # The exception's line (what failed), else the last line the child wrote.
+            why = next((line for line in reversed(lines) if "Error" in line.split(":")[0]),
+                       lines[-1] if lines else f"exit status {proc.returncode}")
             _record_failure(failed, f"building {name}: {why}")
             return False
         return True
