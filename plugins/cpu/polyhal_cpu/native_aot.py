@@ -126,7 +126,7 @@ def _checked(name: str, compiled: Callable, ranks: list[int | None], jit: Callab
     def loop(*args):
         for i, ndim in arrays:
             a = args[i]
-            if a.dtype is not _F32 or a.ndim != ndim or not a.flags.c_contiguous:
+            if (a.dtype is not _F32 and a.dtype != _F32) or a.ndim != ndim or not a.flags.c_contiguous:
                 return jit(name)(*args)
         return compiled(*args)
 
