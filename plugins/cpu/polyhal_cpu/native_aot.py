@@ -41,6 +41,8 @@ import numpy as np
 
 _F32 = np.dtype(np.float32)
 _HERE = Path(__file__).resolve().parent
+#: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
+BUILD_TIMEOUT = 900
 #: The files whose text decides the compiled code (the loops, their signatures, these options).
 _SOURCES = ("native_loops.py", "native.py", "rational_erf.py", "native_aot.py")
 
@@ -152,8 +154,12 @@ def _build_once(base: Path, name: str, failed: Path) -> bool:
             return True  # another process built it while this one waited
         if failed.exists():
             return False
-        proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native_aot", str(base), name],
-                              capture_output=True, text=True, timeout=1800)
+        try:
+            proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native_aot", str(base), name],
+                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _record_failure(failed, f"building {name}: {type(exc).__name__}: {exc}")
+            return False
         if proc.returncode != 0:
             lines = [line for line in proc.stderr.splitlines() if line.strip()]
             # The exception's line (what failed), else the last line the child wrote.

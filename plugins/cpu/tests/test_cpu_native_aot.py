@@ -126,3 +126,11 @@ def test_a_failed_build_is_recorded_with_its_reason_and_the_jit_serves(tmp_path)
     (failed,) = tmp_path.glob("*.failed")
     assert "RuntimeError" in failed.read_text() and "compiler" in failed.read_text()
     assert not list(tmp_path.glob("*.so"))
+
+
+def test_every_loop_is_in_the_compiled_module(aot):
+    """A loop left to the JIT brings numba (~120 MB) into every process that runs it: each loop
+    of native_loops must be warmed (native._warm) with one signature, up to read-only arrays."""
+    from polyhal_cpu import native_loops
+
+    assert set(native_loops.__all__) <= set(dict(aot))
