@@ -235,3 +235,14 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+if __name__ == "__main__":  # the child process of native_aot that compiles the ahead-of-time module
+    import sys
+    from pathlib import Path
+
+    from polyhal_cpu.native_aot import build
+
+    if sys.argv[1:2] != ["build"] or len(sys.argv) != 4:
+        raise SystemExit("usage: python -m polyhal_cpu.native build CACHE_DIR MODULE_NAME")
+    build(Path(sys.argv[2]), sys.argv[3], _warm)

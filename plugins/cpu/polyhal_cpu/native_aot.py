@@ -157,7 +157,8 @@ def _build_once(base: Path, name: str, failed: Path) -> bool:
         if failed.exists():
             return False
         try:
-            proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native_aot", str(base), name],
+            # native's entry point runs build() with native._warm (this module imports no native).
+            proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native", "build", str(base), name],
                                   capture_output=True, text=True, timeout=BUILD_TIMEOUT)
         except (OSError, subprocess.TimeoutExpired) as exc:
             _record_failure(failed, f"building {name}: {type(exc).__name__}: {exc}")
@@ -179,9 +180,10 @@ def _record_failure(failed: Path, why: str) -> None:
         pass
 
 
-def build(base: Path, name: str) -> None:
+def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) -> None:
     """Compile the loops into ``base/<name>.so`` with ``base/<name>.json`` (each exported loop's
-    argument ranks, None for a scalar). Runs in a child process: it imports numba."""
+    argument ranks, None for a scalar); ``warm(loops)`` calls each JIT loop with the argument
+    types kernels pass, which gives the signatures. Runs in a child process: it imports numba."""
     import warnings
 
     import numba.pycc.compiler as pycc_compiler
@@ -191,10 +193,9 @@ def build(base: Path, name: str) -> None:
     from numba.pycc import CC
 
     from polyhal_cpu import native_loops
-    from polyhal_cpu.native import _warm
 
     loops = {loop: getattr(native_loops, loop) for loop in native_loops.__all__}
-    _warm(loops)
+    warm(loops)
     exported = {}
     with tempfile.TemporaryDirectory(prefix=name, dir=base) as tmp:
         with warnings.catch_warnings():
@@ -235,7 +236,3 @@ def _writable(t):
     from numba import types
 
     return t.copy(readonly=False) if isinstance(t, types.Array) else t
-
-
-if __name__ == "__main__":
-    build(Path(sys.argv[1]), sys.argv[2])
