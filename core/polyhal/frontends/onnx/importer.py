@@ -497,7 +497,8 @@ def _strip_weights(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray] | No
     weights would be held three or four times over); the copy they get declares each large
     initializer as a graph input of its type and shape instead. :func:`_restore_placeholders`
     turns those inputs back into data-less initializers that the importer fills from the
-    originals, so the weights exist once in the ModelProto and once as arrays, never more.
+    originals, so the weights exist once in the ModelProto and once as arrays, never more
+    (from a model file, only as arrays: :func:`_read` leaves them out of the ModelProto).
     """
     graph, arrays = model.graph, arrays or {}
     weights = {t.name: arrays.get(t.name, t) for t in graph.initializer if t.name in arrays or (
