@@ -2,6 +2,7 @@
 
 import numpy as np
 import onnx
+import pytest
 from onnx import helper, numpy_helper
 
 import polyhal.onnx
@@ -59,3 +60,65 @@ def test_builder_constant_copies_unless_told_not_to():
     assert not np.shares_memory(arrays[0], mine) and not np.shares_memory(arrays[1], frozen)
     assert not np.shares_memory(arrays[2], mine), "a writeable array is copied even with copy=False"
     assert arrays[3] is frozen or np.shares_memory(arrays[3], frozen)
+
+
+def test_a_model_file_s_weights_are_read_into_arrays_of_their_own(tmp_path):
+    """From a path, the large initializers go from the file into the program's arrays without a
+    parsed copy in between (the ModelProto gets placeholders); the results are those of bytes."""
+    model, w = _model()
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    program = polyhal.onnx.load(str(path))
+    (arr,) = [a for _, a in program.constants if a.nbytes == w.nbytes]
+    np.testing.assert_array_equal(arr, w)
+    root = arr
+    while root.base is not None:
+        root = root.base
+    assert isinstance(root, np.ndarray) and root.nbytes == w.nbytes and not arr.flags.writeable
+    x = np.ones((2, w.shape[0]), np.float32)
+    from_bytes = polyhal.onnx.load(model.SerializeToString())
+    np.testing.assert_array_equal(program.execute(program.compile("cpu:0"), {"x": x})["y"],
+                                  from_bytes.execute(from_bytes.compile("cpu:0"), {"x": x})["y"])
+
+
+def test_the_wire_reader_takes_only_large_plain_initializers(tmp_path):
+    from polyhal.frontends.onnx import wire
+
+    model, w = _model()
+    small = numpy_helper.from_array(np.arange(3, dtype=np.int64), "small")
+    strings = numpy_helper.from_array(np.array([b"a" * 2000], dtype=object), "strings")
+    model.graph.initializer.extend([small, strings])
+    path = tmp_path / "m.onnx"
+    onnx.save(model, path)
+    with open(path, "rb") as f:
+        stripped, arrays = wire.read_split(f, importer.STRIP_ABOVE)
+    assert set(arrays) == {"w"} and arrays["w"].dtype == np.float32
+    np.testing.assert_array_equal(arrays["w"], w.ravel())
+    light = onnx.ModelProto()
+    light.ParseFromString(stripped)
+    by_name = {t.name: t for t in light.graph.initializer}
+    assert not by_name["w"].raw_data and list(by_name["w"].dims) == list(w.shape)
+    assert by_name["small"] == small and by_name["strings"] == strings
+    assert [n.op_type for n in light.graph.node] == [n.op_type for n in model.graph.node]
+
+
+def test_a_file_the_wire_reader_does_not_follow_is_parsed_whole(tmp_path):
+    """A graph field written twice (protobuf merges the two) and a truncated file: the reader
+    steps aside, and protobuf's parse decides (a merged model loads; a truncated one is refused)."""
+    from polyhal.frontends.onnx import wire
+    from polyhal.frontends.onnx.errors import OnnxModelError
+
+    model, w = _model()
+    data = model.SerializeToString()
+    extra = onnx.ModelProto(graph=onnx.GraphProto(doc_string="merged")).SerializeToString()
+    (tmp_path / "twice.onnx").write_bytes(data + extra)
+    with open(tmp_path / "twice.onnx", "rb") as f:
+        assert wire.read_split(f, importer.STRIP_ABOVE) is None
+    program = polyhal.onnx.load(str(tmp_path / "twice.onnx"))
+    x = np.ones((2, w.shape[0]), np.float32)
+    np.testing.assert_allclose(program.execute(program.compile("cpu:0"), {"x": x})["y"], 2 * x @ w, rtol=1e-4)
+    (tmp_path / "cut.onnx").write_bytes(data[: len(data) // 2])
+    with open(tmp_path / "cut.onnx", "rb") as f:
+        assert wire.read_split(f, importer.STRIP_ABOVE) is None
+    with pytest.raises(OnnxModelError, match="truncated"):
+        polyhal.onnx.load(str(tmp_path / "cut.onnx"))

@@ -111,10 +111,10 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         fusions += attention + linear + gelu + folded + epilogues
     # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
     # tiling and placement, which then see the program's final element types.
-    chosen, specs = chosen_device(registry, selector, devices, kernels), registry.device_specs()
-    capabilities = {s.name: s.capabilities for s in specs}
+    # Specs by name (not the full list), so that a plan for cpu:0 loads no other backend's driver.
+    chosen = chosen_device(registry, selector, devices, kernels)
     program, precision_report = apply_precision(program, precision, lambda op: chosen((op,)),
-                                                lambda d, p: CAPABILITY[p] in capabilities[d])
+                                                lambda d, p: CAPABILITY[p] in registry.spec(d).capabilities)
     if data_tiling is not False:
         program = set_conv_encodings(set_encodings(program) if data_tiling else program)
     placement = place(program, registry, selector, devices, kernels)

@@ -20,9 +20,11 @@ at 128 the exponent field is all ones, which is inf, so overflow still gives inf
 
 **When.** float32 only (float64 keeps numpy's loops, float16 runs as float32), numba importable
 and ``POLYHAL_CPU_NATIVE`` not ``0``; operands are made C-contiguous first (a copy only for a
-strided one). Each loop is compiled on its first call (~0.2-0.6 s) and cached on disk beside
-its source (or in numba's user-wide cache directory where that is read-only), so later
-processes load it in milliseconds. The loops release the GIL.
+strided one). The loops release the GIL. They are compiled once per machine ahead of time
+into an extension module (:mod:`polyhal_cpu.native_aot`), so a process that runs them loads
+no compiler (numba in process costs ~120 MB); where that module cannot be had, each loop is
+JIT compiled in process on its first use (~0.2-0.6 s) and cached on disk beside its source (or
+in numba's user-wide cache directory where that is read-only).
 """
 
 from __future__ import annotations
@@ -62,6 +64,23 @@ def _compiled() -> dict[str, Callable]:
 
 
 def _build() -> dict[str, Callable]:
+    from polyhal_cpu.native_aot import load
+
+    return load(_jit_loop) or _jit_loops()
+
+
+_jit: dict[str, Callable] | None = None
+
+
+def _jit_loop(name: str) -> Callable:
+    """The JIT (numba) loop ``name``, for what the ahead-of-time module does not serve."""
+    global _jit
+    if _jit is None:
+        _jit = _jit_loops()
+    return _jit[name]
+
+
+def _jit_loops() -> dict[str, Callable]:
     from polyhal_cpu.threads import budget, configure_numba
 
     configure_numba()  # numba's pool size follows the thread budget
@@ -216,3 +235,14 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+if __name__ == "__main__":  # the child process of native_aot that compiles the ahead-of-time module
+    import sys
+    from pathlib import Path
+
+    from polyhal_cpu.native_aot import build
+
+    if sys.argv[1:2] != ["build"] or len(sys.argv) != 4:
+        raise SystemExit("usage: python -m polyhal_cpu.native build CACHE_DIR MODULE_NAME")
+    build(Path(sys.argv[2]), sys.argv[3], _warm)

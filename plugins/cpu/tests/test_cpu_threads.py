@@ -127,7 +127,7 @@ PROBE = """
     from threadpoolctl import threadpool_info
     from polyhal_cpu import native, parallel, threads
     polyhal.get_device("cpu:0")
-    native.available()  # imports numba the way the kernels do
+    native._jit_loops()  # imports numba the way the JIT loops do (the compiled module needs none)
     import numba
     blas = [i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"]
     print(json.dumps({"budget": threads.budget().size, "blas": blas, "pool": parallel.threads(),

@@ -49,6 +49,7 @@ from polyhal.frontends.onnx.dynamic import (
     DynamicOnnxProgram, InputSignature, bind_dims, check_input_names, feed_array,
 )
 from polyhal.frontends.onnx.staged import StagedOnnxProgram, needs_staging
+from polyhal.frontends.onnx.wire import read_split
 from polyhal.frontends.onnx.types import (
     STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
 )
@@ -395,9 +396,17 @@ class OnnxProgram(Program):
 def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
     """The ModelProto of ``model`` (path, bytes, file object or ModelProto) and a name for
     messages; OnnxModelError when it is not a readable ONNX model."""
-    base_dir = None
+    proto, source, _ = _read(model, split=False)
+    return proto, source
+
+
+def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.ndarray]]:
+    """:func:`read_model`, and with ``split`` a model file's large initializers read straight
+    into arrays (:mod:`polyhal.frontends.onnx.wire`): the ModelProto then holds them as
+    placeholders (name, type and dims, no data), and the arrays come third, by name."""
+    base_dir, arrays = None, {}
     if isinstance(model, onnx.ModelProto):
-        return model, model.graph.name or "<model>"
+        return model, model.graph.name or "<model>", arrays
     if isinstance(model, (bytes, bytearray, memoryview)):
         data, source = bytes(model), "<bytes>"
     elif hasattr(model, "read"):
@@ -414,7 +423,8 @@ def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
         if not os.path.isfile(path):
             raise OnnxModelError(f"{source}: no such file")
         with open(path, "rb") as f:
-            data = f.read()
+            taken = read_split(f, STRIP_ABOVE) if split else None
+            data, arrays = taken if taken is not None else (f.read(), {})
         base_dir = os.path.dirname(os.path.abspath(path))
     if not data:
         raise OnnxModelError(f"{source}: empty file, not an ONNX model")
@@ -433,7 +443,7 @@ def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
             load_external_data_for_model(proto, base_dir)
         except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # ValidationError: a path outside
             raise OnnxModelError(f"{source}: cannot load external tensor data: {_first_line(exc)}") from None
-    return proto, source
+    return proto, source, arrays
 
 
 def _has_external_data(model: onnx.ModelProto) -> bool:
@@ -477,19 +487,22 @@ def _same_ops_since(graph: onnx.GraphProto, old: int, new: int) -> bool:
 STRIP_ABOVE = 1024
 
 
-def _strip_weights(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto]]:
+def _strip_weights(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray] | None = None
+                   ) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto | np.ndarray]]:
     """A copy of ``model`` without the data of its large top-level initializers, and those
-    initializers by name (the TensorProtos of ``model`` itself, not copies).
+    initializers by name (the TensorProtos of ``model`` itself, not copies; for the
+    placeholders of initializers read into ``arrays``, the arrays).
 
     ONNX's checker and shape inference serialize the model and parse it back (a transformer's
     weights would be held three or four times over); the copy they get declares each large
     initializer as a graph input of its type and shape instead. :func:`_restore_placeholders`
     turns those inputs back into data-less initializers that the importer fills from the
-    originals, so the weights exist once in the ModelProto and once as arrays, never more.
+    originals, so the weights exist once in the ModelProto and once as arrays, never more
+    (from a model file, only as arrays: :func:`_read` leaves them out of the ModelProto).
     """
-    graph = model.graph
-    weights = {t.name: t for t in graph.initializer
-               if len(t.raw_data) > STRIP_ABOVE and t.data_location != onnx.TensorProto.EXTERNAL}
+    graph, arrays = model.graph, arrays or {}
+    weights = {t.name: arrays.get(t.name, t) for t in graph.initializer if t.name in arrays or (
+        len(t.raw_data) > STRIP_ABOVE and t.data_location != onnx.TensorProto.EXTERNAL)}
     if not weights:
         return model, {}
     light = onnx.ModelProto()
@@ -518,7 +531,7 @@ def _copy_field(dst: Any, fd: Any, value: Any) -> None:
 
 
 def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
-                          weights: Mapping[str, onnx.TensorProto]) -> onnx.ModelProto:
+                          weights: Mapping[str, onnx.TensorProto | np.ndarray]) -> onnx.ModelProto:
     """Undo :func:`_strip_weights` on the (inferred) copy: the inputs it added go, and every
     stripped initializer comes back in its place as a TensorProto with name, type and dims but
     no data (:meth:`_Importer._initializer` reads the data from ``weights``)."""
@@ -537,11 +550,15 @@ def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
     return model
 
 
-def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.TensorProto]) -> onnx.ModelProto:
+def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.TensorProto | np.ndarray]
+                       ) -> onnx.ModelProto:
     """``model`` with the data of its placeholder initializers copied back in from ``weights``."""
     for t in model.graph.initializer:
-        if t.name in weights:
-            t.CopyFrom(weights[t.name])
+        w = weights.get(t.name)
+        if isinstance(w, np.ndarray):
+            t.raw_data = w.tobytes()
+        elif w is not None:
+            t.CopyFrom(w)
     return model
 
 
@@ -610,10 +627,10 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
             (:class:`NeedsValue` when inputs must be given ``values``).
         OnnxInputError: ``shapes`` / ``values`` that do not fit the model.
     """
-    proto, read_as = read_model(model)
+    proto, read_as, arrays = _read(model, split=True)
     source = source or read_as
     opset = default_opset(proto, source)
-    light, weights = _strip_weights(proto) if validate else (proto, {})
+    light, weights = _strip_weights(proto, arrays) if validate else (proto, arrays)
     checked = _restore_placeholders(_validate(light, source), proto, weights) if validate else proto
     del light
     shapes, values, dims = shapes or {}, values or {}, {str(k): int(v) for k, v in (dims or {}).items()}
@@ -713,7 +730,7 @@ def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> lis
 
 class _Importer:
     def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name,
-                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, onnx.TensorProto] | None = None):
+                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, onnx.TensorProto | np.ndarray] | None = None):
         self.model = model
         self.weights = weights or {}
         self.fold_limit = fold_limit
@@ -858,7 +875,7 @@ class _Importer:
         graph = self.model.graph
         env: dict[str, Val] = {}
         for t in graph.initializer:
-            env[t.name] = self._initializer(self.weights.get(t.name, t))
+            env[t.name] = self._initializer(t, self.weights.get(t.name, t))
         for t in graph.sparse_initializer:
             env[t.values.name] = _Unsupported(f"sparse initializer {t.values.name!r}")
         declared_inputs = {}
@@ -950,11 +967,22 @@ class _Importer:
                            host_feeds=self.host_feeds, host_outputs=host_outputs, host_reads=host_reads,
                            slots=slots)
 
-    def _initializer(self, t: onnx.TensorProto) -> Val:
+    def _initializer(self, t: onnx.TensorProto, data: onnx.TensorProto | np.ndarray | None = None) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
-        the initializer is used, so unused ones do no harm)."""
+        the initializer is used, so unused ones do no harm). ``data``: the TensorProto holding
+        its data (default ``t``), or the flat array it was read into from the model file."""
         try:
-            return self._initializer_value(t, f"initializer {t.name!r}")
+            if not isinstance(data, np.ndarray):
+                return self._initializer_value(t if data is None else data, f"initializer {t.name!r}")
+            dtype = value_dtype(t.data_type, f"initializer {t.name!r}")
+            if data.size != int(np.prod(t.dims, dtype=np.int64)):
+                raise OnnxModelError(f"{self.source}: initializer {t.name!r} declares dims {list(t.dims)} "
+                                     f"but holds {data.size} elements")
+            arr = data.reshape(tuple(t.dims))  # a view of the read-only array the file was read into
+            if arr.dtype != dtype:
+                arr = arr.astype(dtype)
+                arr.flags.writeable = False
+            return arr
         except OnnxUnsupportedError as exc:
             return _Unsupported(str(exc))
 

@@ -1,0 +1,238 @@
+"""The loops of :mod:`polyhal_cpu.native_loops` compiled ahead of time into an extension module,
+so that a process running them loads no compiler.
+
+numba compiles in process: its first loop, even one loaded from numba's disk cache, costs the
+process ~120 MB of resident memory (LLVM's code pages, the JIT engine, numba's typing tables),
+more than a MobileNet's weights and activations together. So the loops are compiled once per
+machine, in a child process (~15 s), by numba's ahead-of-time compiler (``numba.pycc``) with
+the options the JIT uses (fastmath flags, numpy's error model, the GIL released, no bounds
+checks) for this host's CPU and the features it reports, into an extension module in the cache
+directory; later processes import it (~1 MB) and never import numba. Measured on a 2-core VM
+(AVX-512): each loop as fast as the JIT's (depthwise conv, epilogue, pool, GELU, layer norm,
+softmax on MobileNet/BERT shapes).
+
+**Signatures.** Each loop is exported with the one signature :func:`polyhal_cpu.native._warm`
+compiles it for (a read-only array typed as writable: the loops never write their inputs; a
+loop warmed with several signatures stays with the JIT). The compiled code reads arrays by
+their declared layout, and its argument conversion checks only the item size, so a call whose
+arrays are not float32, C-contiguous and of the declared rank goes to the JIT loop instead.
+
+**Cache.** ``$POLYHAL_CPU_CACHE_DIR`` (empty: no ahead-of-time module, the loops are JIT compiled
+in process as before), else ``$XDG_CACHE_HOME/polyhal/cpu``, else ``~/.cache/polyhal/cpu``. The
+module's name carries a hash of the loops' source, numba's and Python's versions and the CPU's
+model and flags; concurrent processes build it once (a file lock). A failed build (no C
+compiler, a numba without ``pycc``) is recorded as ``<name>.failed`` with the reason, and later
+processes go straight to the JIT; delete that file to try again. A directory that cannot be
+written costs only the module, never the loops.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+_F32 = np.dtype(np.float32)
+_HERE = Path(__file__).resolve().parent
+#: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
+BUILD_TIMEOUT = 900
+#: The files whose text decides the compiled code (the loops, their signatures, these options).
+_SOURCES = ("native_loops.py", "native.py", "rational_erf.py", "native_aot.py")
+
+
+def cache_dir() -> Path | None:
+    """Where the module is kept (None: ahead-of-time compilation off); see the module docstring."""
+    raw = os.environ.get("POLYHAL_CPU_CACHE_DIR")
+    if raw is not None:
+        return Path(raw) if raw.strip() else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "polyhal" / "cpu"
+
+
+def module_name() -> str:
+    """The extension module's name: ``polyhal_cpu_loops_<hash>`` over everything that decides its code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256()
+    for name in _SOURCES:
+        digest.update((_HERE / name).read_bytes())
+    try:
+        numba_version = version("numba")
+    except PackageNotFoundError:
+        numba_version = "none"
+    digest.update(f"{numba_version} {sys.version} {platform.machine()} {_cpu_identity()}".encode())
+    return "polyhal_cpu_loops_" + digest.hexdigest()[:16]
+
+
+def _cpu_identity() -> str:
+    """The CPU's model and feature flags (the module is compiled for this host's CPU)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    keep = ("model name", "flags", "Features", "CPU part")
+    return "\n".join(dict.fromkeys(line for line in lines if line.split(":")[0].strip() in keep))
+
+
+class CompiledLoops(dict):
+    """name -> callable: the ahead-of-time loops (each behind its argument check), and on first
+    use a JIT loop for any name the module lacks."""
+
+    def __init__(self, loops: dict[str, Callable], jit: Callable[[str], Callable], path: Path) -> None:
+        super().__init__(loops)
+        self._jit = jit
+        #: The extension module the loops come from.
+        self.path = path
+
+    def __missing__(self, name: str) -> Callable:
+        loop = self[name] = self._jit(name)
+        return loop
+
+
+def load(jit: Callable[[str], Callable]) -> CompiledLoops | None:
+    """The ahead-of-time loops, built first if this machine has none yet; None where they are off
+    or cannot be had (then the caller JIT compiles). ``jit(name)`` gives the JIT loop ``name``: it
+    serves calls the compiled signature does not fit and loops the module lacks."""
+    base = cache_dir()
+    if base is None:
+        return None
+    name = module_name()
+    path, meta, failed = (base / f"{name}.so", base / f"{name}.json", base / f"{name}.failed")
+    if not (path.exists() and meta.exists()):
+        if failed.exists() or not _build_once(base, name, failed):
+            return None
+    try:
+        ranks = json.loads(meta.read_text())
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (OSError, ImportError, ValueError) as exc:
+        _record_failure(failed, f"loading {path}: {exc}")
+        return None
+    loops = {loop: _checked(loop, getattr(module, loop), arg_ranks, jit) for loop, arg_ranks in ranks.items()}
+    return CompiledLoops(loops, jit, path)
+
+
+def _checked(name: str, compiled: Callable, ranks: list[int | None], jit: Callable[[str], Callable]) -> Callable:
+    """``compiled`` behind a check of its array arguments (float32, C-contiguous, the declared
+    rank); a call that fails it runs the JIT loop."""
+    arrays = tuple((i, ndim) for i, ndim in enumerate(ranks) if ndim is not None)
+
+    def loop(*args):
+        for i, ndim in arrays:
+            a = args[i]
+            if (a.dtype is not _F32 and a.dtype != _F32) or a.ndim != ndim or not a.flags.c_contiguous:
+                return jit(name)(*args)
+        return compiled(*args)
+
+    loop.__name__ = loop.__qualname__ = name
+    return loop
+
+
+def _build_once(base: Path, name: str, failed: Path) -> bool:
+    """Build the module in a child process, once across concurrent processes; whether it is there."""
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        lock = open(base / f"{name}.lock", "w")  # noqa: SIM115  (held for the build)
+    except OSError:
+        return False  # an unwritable cache directory: JIT in process
+    with lock:
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:
+            pass
+        if (base / f"{name}.so").exists():
+            return True  # another process built it while this one waited
+        if failed.exists():
+            return False
+        try:
+            # native's entry point runs build() with native._warm (this module imports no native).
+            proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native", "build", str(base), name],
+                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _record_failure(failed, f"building {name}: {type(exc).__name__}: {exc}")
+            return False
+        if proc.returncode != 0:
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            # The exception's line (what failed), else the last line the child wrote.
+            why = next((line for line in reversed(lines) if "Error" in line.split(":")[0]),
+                       lines[-1] if lines else f"exit status {proc.returncode}")
+            _record_failure(failed, f"building {name}: {why}")
+            return False
+        return True
+
+
+def _record_failure(failed: Path, why: str) -> None:
+    try:
+        failed.write_text(why + "\n(delete this file to try again)\n")
+    except OSError:
+        pass
+
+
+def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) -> None:
+    """Compile the loops into ``base/<name>.so`` with ``base/<name>.json`` (each exported loop's
+    argument ranks, None for a scalar); ``warm(loops)`` calls each JIT loop with the argument
+    types kernels pass, which gives the signatures. Runs in a child process: it imports numba."""
+    import warnings
+
+    import numba.pycc.compiler as pycc_compiler
+    from numba import types
+    from numba.core import codegen
+    from numba.core.compiler import Flags
+    from numba.pycc import CC
+
+    from polyhal_cpu import native_loops
+
+    loops = {loop: getattr(native_loops, loop) for loop in native_loops.__all__}
+    warm(loops)
+    exported = {}
+    with tempfile.TemporaryDirectory(prefix=name, dir=base) as tmp:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # pycc's pending deprecation
+            cc = CC(name, source_module=native_loops)
+        cc.output_dir, cc.target_cpu = tmp, "host"
+        options = dict(loops["relu"].targetoptions)
+        descriptor = loops["relu"].targetdescr
+        for loop, dispatcher in loops.items():
+            if dict(dispatcher.targetoptions) != options:
+                continue  # compiled with other options: left to the JIT
+            signatures = {tuple(_writable(t) for t in sig) for sig in dispatcher.signatures}
+            if len(signatures) != 1:
+                continue  # several (or no) signatures: left to the JIT
+            (args,) = signatures
+            cc.export(loop, types.void(*args))(dispatcher.py_func)
+            exported[loop] = [t.ndim if isinstance(t, types.Array) else None for t in args]
+
+        def jit_flags() -> Flags:
+            # pycc compiles with default flags; these are the JIT's (fastmath, nogil, ...).
+            flags = Flags()
+            descriptor.options.parse_as_flags(flags, options)
+            return flags
+
+        pycc_compiler.Flags = jit_flags
+        # pycc's "host" names the CPU model only, whose features LLVM assumes; a VM may hide some
+        # (AVX-512 on an AVX-512 model): take the features this host reports, as the JIT does.
+        codegen.AOTCPUCodegen._customize_tm_features = lambda self: codegen.get_host_cpu_features()
+        cc.compile()
+        built = next(Path(tmp).glob(f"{name}*.so"))
+        (Path(tmp) / "meta.json").write_text(json.dumps(exported))
+        # Metadata first: a reader takes the module only once both are there.
+        os.replace(Path(tmp) / "meta.json", base / f"{name}.json")
+        os.replace(built, base / f"{name}.so")
+
+
+def _writable(t):
+    from numba import types
+
+    return t.copy(readonly=False) if isinstance(t, types.Array) else t

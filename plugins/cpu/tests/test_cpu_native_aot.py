@@ -1,0 +1,136 @@
+"""The ahead-of-time module of the native loops: loaded without numba, the same results as the
+JIT loops, calls it does not fit sent to the JIT, and a module that cannot be had falls back."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+pytest.importorskip("numba")
+
+from polyhal_cpu import native, native_aot  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def aot():
+    loops = native_aot.load(native._jit_loop)
+    if loops is None:
+        pytest.skip("no ahead-of-time module here (see the .failed file in the cache directory)")
+    return loops
+
+
+def _child(code: str, env: dict[str, str] | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                         timeout=600, env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_process_running_a_depthwise_conv_loads_no_numba(aot):
+    got = _child("""
+        import json, sys
+        import numpy as np
+        from onnx import TensorProto, helper
+        import polyhal.onnx
+        from polyhal_cpu import native
+        rng = np.random.default_rng(0)
+        w = helper.make_tensor("w", TensorProto.FLOAT, (8, 1, 3, 3), rng.standard_normal(72).tolist())
+        graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], group=8)], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 8, 9, 9))],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, (1, 8, 7, 7))], [w])
+        program = polyhal.onnx.load(helper.make_model(graph))
+        y = program.execute(program.compile("cpu:0"), {"x": rng.standard_normal((1, 8, 9, 9), dtype=np.float32)})
+        print(json.dumps({"numba": "numba" in sys.modules, "llvmlite": "llvmlite" in sys.modules,
+                          "path": str(getattr(native._loops, "path", "")), "shape": list(np.shape(y["y"]))}))
+    """)
+    assert got == {"numba": False, "llvmlite": False, "path": str(aot.path), "shape": [1, 8, 7, 7]}
+
+
+def _results(loops) -> dict[str, np.ndarray]:
+    """Each public loop wrapper called once (with ``loops`` serving it) on seeded data: its output."""
+    rng = np.random.default_rng(1)
+    f = lambda *s: rng.standard_normal(s, dtype=np.float32)  # noqa: E731
+    x1, x2, img, scale, shift, y = f(1000), f(37, 129), f(2, 6, 11, 13), f(129), f(129), f(12, 40)
+    w, bias = f(6, 1, 3, 3), f(6)
+    w.flags.writeable = bias.flags.writeable = False  # weights are bound read-only
+    inv = np.full((5, 6), 1 / 9, np.float32)
+    calls = {
+        "gelu_tanh": (np.empty_like(x1), lambda o: native.gelu_tanh(x1, o)),
+        "gelu_erf": (np.empty_like(x1), lambda o: native.gelu_erf(x1, o)),
+        "relu": (np.empty_like(x1), lambda o: native.relu(x1, o)),
+        "softmax_rows": (np.empty_like(x2), lambda o: native.softmax_rows(x2, o)),
+        "layer_norm": (np.empty_like(x2), lambda o: native.layer_norm(x2, scale, shift, 1e-5, o)),
+        "depthwise": (np.empty((2, 6, 6, 7), np.float32),
+                      lambda o: native.depthwise(img, w, bias, None, o, (2, 2), (1, 1), (1, 1), 1, 0.0, 0.0)),
+        "pool2d": (np.empty((12, 5, 6), np.float32),
+                   lambda o: native.pool2d(img.reshape(12, 11, 13), o, inv, (3, 3), (2, 2), (0, 0), (1, 1), True)),
+        "im2col": (np.empty((54, 84), np.float32),
+                   lambda o: native.im2col(img, 0, o, (3, 3), (2, 2), (1, 1), (1, 1), (6, 7))),
+        "epilogue": (y.copy(), lambda o: native.epilogue(o, np.resize(bias, 12), None, 1, 0.0, 0.0)),
+    }
+    saved, native._loops = native._loops, loops
+    try:
+        for out, call in calls.values():
+            call(out)
+    finally:
+        native._loops = saved
+    return {name: out for name, (out, _) in calls.items()}
+
+
+def test_compiled_loops_give_the_jit_loops_results(aot):
+    ours, jits = _results(aot), _results(native._jit_loops())
+    for name, got in ours.items():
+        np.testing.assert_allclose(got, jits[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_a_call_the_compiled_signature_does_not_fit_runs_the_jit_loop(aot):
+    x = np.random.default_rng(2).standard_normal(64, dtype=np.float32)
+    out = np.zeros(64, np.float32)
+    aot["relu"](x[::2], out[::2])  # strided: the compiled loop would read the wrong elements
+    np.testing.assert_array_equal(out[::2], np.maximum(x[::2], 0))
+    assert not out[1::2].any()
+    m = np.random.default_rng(3).standard_normal((4, 5), dtype=np.float32)
+    got = np.empty((4, 5), np.float32)
+    aot["softmax_rows"](np.asfortranarray(m), got)
+    np.testing.assert_allclose(got, np.exp(m) / np.exp(m).sum(1, keepdims=True), rtol=1e-5)
+
+
+def test_no_module_where_it_is_off_failed_or_cannot_be_written(tmp_path, monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_CACHE_DIR", "")
+    assert native_aot.load(native._jit_loop) is None
+    monkeypatch.setenv("POLYHAL_CPU_CACHE_DIR", str(tmp_path))
+    failed = tmp_path / f"{native_aot.module_name()}.failed"
+    failed.write_text("building: no C compiler\n")
+    assert native_aot.load(native._jit_loop) is None  # recorded: no second attempt
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("POLYHAL_CPU_CACHE_DIR", str(blocked / "cpu"))
+    assert native_aot.load(native._jit_loop) is None
+
+
+def test_a_failed_build_is_recorded_with_its_reason_and_the_jit_serves(tmp_path):
+    got = _child("""
+        import json, sys
+        import numpy as np
+        from polyhal_cpu import native
+        x = np.arange(-3, 5, dtype=np.float32)
+        out = np.empty_like(x)
+        native.relu(x, out)
+        print(json.dumps({"aot": type(native._loops).__name__, "relu": out.tolist()}))
+    """, {"POLYHAL_CPU_CACHE_DIR": str(tmp_path), "CC": "false"})  # a C compiler that always fails
+    assert got == {"aot": "dict", "relu": [0, 0, 0, 0, 1, 2, 3, 4]}
+    (failed,) = tmp_path.glob("*.failed")
+    assert "RuntimeError" in failed.read_text() and "compiler" in failed.read_text()
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_every_loop_is_in_the_compiled_module(aot):
+    """A loop left to the JIT brings numba (~120 MB) into every process that runs it: each loop
+    of native_loops must be warmed (native._warm) with one signature, up to read-only arrays."""
+    from polyhal_cpu import native_loops
+
+    assert set(native_loops.__all__) <= set(dict(aot))
