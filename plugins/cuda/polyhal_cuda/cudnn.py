@@ -98,6 +98,7 @@ class _DeviceState:
         with device.activate():
             self.handle = cudnn.create_handle()
             cudnn.set_stream(self.handle, device.stream.ptr)
+        self.device = weakref.ref(device)  # the autotuner times plans on its stream
         self.plans: dict[Any, "CuDNNConv | None"] = {}
         self.reasons: dict[Any, str] = {}
         self.lock = threading.Lock()
@@ -188,7 +189,8 @@ class CuDNNConv:
             notes.append(cudnn.numerical_note.TENSOR_CORE)  # float32 on tensor cores is TF32
         g.deselect_numeric_notes(notes)
         g.check_support()
-        g.build_plans()
+        operands = {"x": conv.x, "w": conv.w, "b": bshape, "r": conv.y, "y": conv.y}
+        self.timings = _build_fastest(g, state, tensors, {n: operands[n] for n in tensors}, conv.dtype)
         self.graph, self.handle = g, state.handle
         self.operands = tuple(tensors)
         self._tensors = tuple(tensors.values())
@@ -197,6 +199,68 @@ class CuDNNConv:
 
     def run(self, ptrs: tuple[int, ...], workspace: int | None) -> None:
         self.graph.execute(dict(zip(self._tensors, ptrs)), workspace, handle=self.handle)
+
+
+#: Plans of cuDNN's ranked list that the autotuner times (the heuristics' first few: further down
+#: the list the engines are rarely faster, and each timing costs compile time).
+AUTOTUNE_CANDIDATES = 6
+#: Plans needing more workspace than this are not timed (nor chosen).
+AUTOTUNE_WORKSPACE = 256 << 20
+
+
+def _build_fastest(g: Any, state: _DeviceState, tensors: dict, shapes: dict, dtype: np.dtype) -> dict[str, float]:
+    """Build the fastest of the first :data:`AUTOTUNE_CANDIDATES` plans that build and pass the
+    filters, timed once here on scratch operands of the instance's shapes (cuDNN's heuristics
+    rank engines by a model; on small batches their first choice was several times slower than
+    the best, which timing finds, as ``torch.backends.cudnn.benchmark`` does). Returns the
+    timings (ms) by plan name; ``POLYHAL_CUDA_CUDNN_AUTOTUNE=0`` keeps the heuristics' choice."""
+    import os
+
+    import cupy as cp
+
+    built = []
+    if os.environ.get("POLYHAL_CUDA_CUDNN_AUTOTUNE", "1") not in ("0", "false", "no"):
+        for i in range(min(g.get_execution_plan_count(), AUTOTUNE_CANDIDATES)):
+            try:
+                g.build_plan_at_index(i)
+            except Exception:  # noqa: BLE001 - barred by a filter, or declined: not a candidate
+                continue
+            if g.get_workspace_size() <= AUTOTUNE_WORKSPACE:
+                built.append((i, int(g.get_workspace_size())))
+    device = state.device()
+    if len(built) < 2 or device is None:
+        if built:
+            g.build_plan_at_index(built[0][0])
+        else:
+            g.build_plans()  # the heuristics' first plan that builds (raises when there is none)
+        return {}
+    timings: dict[str, float] = {}
+    with device.activate():
+        rng = cp.random.default_rng(0)
+        arrays = {n: rng.standard_normal(shape, dtype=np.float64).astype(dtype) for n, shape in shapes.items()}
+        workspace = cp.empty(max(max(ws for _, ws in built), 1), np.uint8)
+        stream = device.stream
+        start, stop = cp.cuda.Event(), cp.cuda.Event()
+        pack = {tensors[n]: arrays[n].data.ptr for n in shapes}
+        best, best_ms = built[0][0], float("inf")
+        ws = workspace.data.ptr
+        for i, _ in built:
+            try:
+                for rep in range(6):  # one warm-up, five timed
+                    if rep == 1:
+                        start.record(stream)
+                    g.execute_plan_at_index(pack, ws, i, handle=state.handle)
+                stop.record(stream)
+                stop.synchronize()
+            except Exception:  # noqa: BLE001 - a plan that fails to run is not chosen
+                continue
+            ms = cp.cuda.get_elapsed_time(start, stop) / 5
+            timings[g.get_plan_name_at_index(i)] = ms
+            if ms < best_ms:
+                best, best_ms = i, ms
+        del arrays, workspace
+    g.build_plan_at_index(best)
+    return timings
 
 
 def _plan_name(g: Any) -> str:
@@ -289,6 +353,8 @@ def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple
     chosen when the plan is compiled)."""
     from polyhal_cuda import nn
 
+    if nn.is_depthwise(attrs, ins):
+        return ()  # the backend's own kernel: no scratch
     graph, _, _ = plan(device, op, attrs, ins, outs)
     problem = Problem(op, attrs, tuple(ins), tuple(outs))
     if graph is None:  # the im2col conv: its columns
@@ -306,15 +372,18 @@ def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple
 
 
 def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
-    """``fn(x, w[, b][, r], out)`` for one conv or fused_conv instance: cuDNN as far as it has an
-    engine, the elementwise epilogue for the rest, the im2col conv without one."""
+    """``fn(x, w[, b][, r], out)`` for one conv or fused_conv instance: a depthwise conv by the
+    backend's own kernel (:func:`polyhal_cuda.nn.is_depthwise`), others by cuDNN as far as it has
+    an engine, the elementwise epilogue for the rest, the im2col conv without one."""
     from polyhal_cuda import nn
     from polyhal_gpu.scratch import Scratch
 
-    graph, covers, why = plan(device, op, attrs, ins, outs)
     fused = op == "fused_conv"
     act = attrs["activation"] if fused else "none"
     alpha, beta = (float(attrs["alpha"]), float(attrs["beta"])) if fused else (0.0, 0.0)
+    if nn.is_depthwise(attrs, ins):
+        return nn.prepare_depthwise(device, attrs, ins, outs, act, alpha, beta)
+    graph, covers, why = plan(device, op, attrs, ins, outs)
     residual = fused and len(ins) == 4
     if graph is None:
         requests = scratch_requests(device, op, attrs, ins, outs)

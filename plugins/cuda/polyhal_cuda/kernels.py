@@ -53,6 +53,7 @@ from polyhal_cuda import attention, cudnn, portable, sorting, suppression
 from polyhal_gpu import storage
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
+from polyhal_gpu.launch import BLOCK, grid, multiprocessors
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
@@ -389,12 +390,63 @@ def _reshape(device, op, attrs, ins, outs, binding) -> Kernel:
 
 @register("concat")
 def _concat(device, op, attrs, ins, outs, binding) -> Kernel:
+    """One launch for all operands (cupy's concatenate makes one copy per operand: a DenseNet
+    concat of 30 feature maps took 90 us at batch 1). The instance's offsets are compiled in."""
     cp = _cupy()
     n, axis = len(ins), int(attrs["axis"]) % ins[0].rank
+    item = outs[0].dtype.itemsize
+    if item not in _BIT_TYPES or n > 256:
+        def concatenate(*arrays):
+            cp.concatenate(arrays[:n], axis=axis, out=arrays[n])
+        return concatenate
+    fn, name = _concat_function(device, [t.shape[axis] for t in ins], math.prod(outs[0].shape[axis + 1:]),
+                                _BIT_TYPES[item])
+    total = outs[0].size
+    shape = grid(total, multiprocessors(device))
+    count = np.int64(total)
 
-    def kernel(*arrays):
-        cp.concatenate(arrays[:n], axis=axis, out=arrays[n])
-    return kernel
+    def concat(*arrays):
+        if not all(a.flags.c_contiguous for a in arrays):
+            cp.concatenate(arrays[:n], axis=axis, out=arrays[n])
+            return
+        device.launch(fn, name, shape, (BLOCK,), (*arrays, count))
+    concat.kernel_name = f"{name} ({n} operands, one launch)"  # type: ignore[attr-defined]
+    return concat
+
+
+_BIT_TYPES = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int", 8: "unsigned long long"}
+
+
+def _concat_function(device, sizes: list[int], inner: int, ctype: str):
+    """The compiled concat of operands with ``sizes`` along the axis (``inner`` elements after
+    it): each output element finds its operand by the offsets, then copies its bits."""
+    total_axis = sum(sizes)
+    params = ", ".join(f"const T* __restrict__ in{k}" for k in range(len(sizes)))
+    branches, off = [], 0
+    for k, a in enumerate(sizes):
+        if a:
+            branches.append(f"if (c < {off + a}) {{ src = in{k}; a = {a}; off = {off}; }}")
+        off += a
+    body = " else ".join(branches)
+    source = (f"typedef {ctype} T;\n"
+              f"extern \"C\" __global__ void concat({params}, T* __restrict__ out, long long total) {{\n"
+              f"  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total;\n"
+              f"       i += (long long)gridDim.x * blockDim.x) {{\n"
+              f"    const long long o = i / {total_axis * inner}LL, r = i % {total_axis * inner}LL;\n"
+              f"    const long long c = r / {inner}LL, j = r % {inner}LL;\n"
+              f"    const T* src = in0; long long a = 1, off = 0;\n"
+              f"    {body}\n"
+              f"    out[i] = src[(o * a + (c - off)) * {inner}LL + j];\n"
+              f"  }}\n}}\n")
+
+    def build():
+        import cupy
+
+        mod = cupy.RawModule(code=source, options=("-std=c++17",))
+        mod.compile()
+        return mod
+
+    return device.module(("concat", source), build).get_function("concat"), "concat"
 
 
 @register("slice")

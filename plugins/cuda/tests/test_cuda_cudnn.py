@@ -25,6 +25,7 @@ CASES = {
     "dilation2": ((1, 4, 13, 13), (4, 4, 3, 3), dict(dilations=[2, 2], pads=[2, 2, 2, 2])),
     "groups2": ((2, 8, 9, 9), (6, 4, 3, 3), dict(group=2, pads=[1, 1, 1, 1])),
     "depthwise": ((2, 12, 10, 10), (12, 1, 5, 5), dict(group=12, pads=[2, 2, 2, 2], strides=[2, 2])),
+    "depthwise_dilated_asym": ((1, 6, 9, 11), (6, 1, 3, 3), dict(group=6, pads=[1, 0, 2, 1], dilations=[2, 1])),
     "nonsquare_kernel": ((1, 3, 8, 10), (5, 3, 2, 4), dict(pads=[0, 1, 1, 2])),
     "conv1d": ((2, 4, 20), (6, 4, 5), dict(pads=[2, 1], strides=[2])),
     "conv3d": ((1, 3, 6, 7, 5), (4, 3, 3, 3, 3), dict(pads=[1, 1, 1, 1, 1, 1])),
@@ -72,13 +73,15 @@ def test_conv_against_float64(cuda, rng, case, bias):
     want = _reference("conv", inputs, attrs)
     # fp32 means fp32: TF32 would be ~1e-3 here (10 mantissa bits)
     assert _rel_error(got, want) < 2e-6, (case, name, _rel_error(got, want), rng.seed_value)
-    if cudnn.usable():
+    if case.startswith("depthwise"):
+        assert name.startswith("depthwise conv"), name  # the backend's own kernel, cuDNN or not
+    elif cudnn.usable():
         assert name.startswith("cuDNN conv"), name
 
 
 @pytest.mark.parametrize("act", sorted(ACTS))
 @pytest.mark.parametrize("residual", [False, True])
-@pytest.mark.parametrize("case", ["3x3", "depthwise", "stride2_asym_pads"])
+@pytest.mark.parametrize("case", ["3x3", "depthwise", "depthwise_dilated_asym", "stride2_asym_pads"])
 def test_fused_conv_against_float64(cuda, rng, act, residual, case):
     xs, ws, extra = CASES[case]
     alpha, beta = ACTS[act]
@@ -92,7 +95,9 @@ def test_fused_conv_against_float64(cuda, rng, act, residual, case):
     want = _reference("fused_conv", inputs, attrs)
     assert np.isfinite(got).all(), name
     assert _rel_error(got, want) < 5e-6, (act, residual, case, name, _rel_error(got, want), rng.seed_value)
-    if cudnn.usable():
+    if case.startswith("depthwise"):
+        assert name.startswith("depthwise conv") and "+bias" in name, name
+    elif cudnn.usable():
         assert name.startswith("cuDNN conv+bias"), name
 
 
@@ -189,7 +194,7 @@ def test_im2col_conv_against_float64(cuda, rng, no_cudnn, monkeypatch, case, bud
     inputs = [rng.standard_normal(xs, dtype=np.float32), rng.standard_normal(ws, dtype=np.float32),
               rng.standard_normal(ws[0], dtype=np.float32)]
     got, name = _run(cuda, "conv", inputs, attrs)
-    assert name.startswith("conv (im2col into scratch"), name
+    assert name.startswith("depthwise conv" if case.startswith("depthwise") else "conv (im2col into scratch"), name
     assert _rel_error(got, _reference("conv", inputs, attrs)) < 2e-6, (case, _rel_error(got, _reference("conv", inputs, attrs)))
 
 
@@ -279,3 +284,20 @@ def test_pools_against_reference(cuda, rng, case, dtype):
         assert "pool<" in name, name
     tol = 2e-3 if dtype == np.float16 else 1e-6
     np.testing.assert_allclose(got.astype(np.float64), np.asarray(want, np.float64), rtol=tol, atol=tol)
+
+
+def test_the_fastest_plan_is_timed_and_chosen(cuda, monkeypatch):
+    """cuDNN's candidates are timed at compile time (the chosen one stays fp32-exact: the tests
+    above check the error); POLYHAL_CUDA_CUDNN_AUTOTUNE=0 keeps the heuristics' first plan."""
+    if not cudnn.usable():
+        pytest.skip("cuDNN is not usable here")
+    xs, ws, extra = (1, 32, 28, 28), (32, 32, 3, 3), dict(pads=[1, 1, 1, 1])
+    attrs = resolve_attrs("conv", _attrs(xs, ws, extra))
+    ins = (TensorType(xs, np.float32), TensorType(ws, np.float32))
+    outs = OPS["conv"].infer(ins, attrs)
+    graph, _, _ = cudnn.plan(cuda, "conv", attrs, ins, outs)
+    assert graph is not None and all(ms > 0 for ms in graph.timings.values())
+    monkeypatch.setenv("POLYHAL_CUDA_CUDNN_AUTOTUNE", "0")
+    with cuda.activate():
+        untuned = cudnn.CuDNNConv(cudnn._state(cuda), cudnn.Conv.of(attrs, ins, outs), False, False, "none", 0.0, 0.0)
+    assert untuned.timings == {}

@@ -221,3 +221,22 @@ def test_integer_division_by_zero_is_refused(cuda):
     np.testing.assert_array_equal(got, [3, -3, -1])
     with pytest.raises(ArithmeticDomainError, match="division by zero"):
         program.run({"a": a, "b": np.array([2, 0, 1])}, cuda.name)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.bool_, np.uint8])
+@pytest.mark.parametrize("axis", [0, 1, 2])
+def test_concat_is_one_launch_over_many_operands(cuda, rng, dtype, axis):
+    """A DenseNet-style concat: many operands of different sizes along the axis (one empty)."""
+    sizes = [3, 1, 0, 5, 2] * 6
+    shapes = [tuple(s if d == axis else (4, 3, 5)[d] for d in range(3)) for s in sizes]
+    arrays = [(rng.standard_normal(sh) * 10).astype(dtype) for sh in shapes]
+    b = polyhal.ProgramBuilder("concat")
+    ins = [b.input(f"x{i}", a.shape, a.dtype) for i, a in enumerate(arrays)]
+    b.output(b.op("concat", *ins, axis=axis))
+    got = polyhal.compile(b.build(), cuda.name)(*arrays).numpy()
+    np.testing.assert_array_equal(got, np.concatenate(arrays, axis=axis))
+    from polyhal.ir.types import TensorType
+
+    fn = cuda.prepare("concat", {"axis": axis}, tuple(TensorType(a.shape, a.dtype) for a in arrays),
+                      (TensorType(got.shape, got.dtype),))
+    assert "one launch" in getattr(fn, "inner", fn).kernel_name
