@@ -34,7 +34,7 @@ import numpy as np
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
+__all__ = ["ERF_P", "ERF_Q", "activate", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
            "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col",
            "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
 
@@ -85,6 +85,7 @@ def _warm(loops: dict[str, Callable]) -> None:
     loops["gelu_tanh"](v, v.copy())
     loops["gelu_erf"](v, v.copy(), ERF_P, ERF_Q)
     loops["relu"](v, v.copy())
+    loops["activate_row"](v.copy(), 1, *_F32_PAIR)
     loops["softmax_rows"](m, m.copy())
     for row in (v, ro):
         loops["layer_norm"](m, row, row, np.float32(1e-5), m.copy())
@@ -163,6 +164,11 @@ def activation_code(activation: str) -> int:
     from polyhal.ops.nn import ACTIVATIONS
 
     return list(ACTIVATIONS).index(activation)
+
+
+def activate(y: np.ndarray, act: int, alpha: float, beta: float) -> None:
+    """Activation ``act`` (:func:`activation_code`) over C-contiguous ``y``, in place."""
+    _compiled()["activate_row"](y.reshape(-1), act, np.float32(alpha), np.float32(beta))
 
 
 def epilogue(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,

@@ -148,6 +148,35 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
+@pytest.mark.parametrize("shapes", [
+    ((1, 13, 9, 8), (13, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),
+    ((2, 24, 11, 10), (24, 1, 5, 5), {"strides": [2, 2], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
+    ((1, 16, 12, 12), (16, 1, 3, 3), {"strides": [1, 2], "pads": [0, 1, 2, 0], "dilations": [2, 2]}),
+    ((1, 8, 9, 9), (8, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
+    ((1, 5, 4, 3), (5, 1, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 1]}),
+    ((2, 20, 6, 7), (12, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+])
+@pytest.mark.parametrize("activation", ["none", "relu", "hard_swish", "silu"])
+def test_blocked_conv_kernel(shapes, activation):
+    """The channel-blocked kernels (depthwise with every kernel width the loop special-cases,
+    edges, strides, dilations and asymmetric pads; pointwise as an accumulating GEMM) with and
+    without a residual, against the reference."""
+    xs, ws, geometry = shapes
+    group = xs[1] if ws[1] == 1 and ws[0] == xs[1] else 1
+    alpha, beta = {"hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    attrs = {**geometry, "group": group, "activation": activation, "alpha": alpha, "beta": beta}
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    x, w, bias = block(_f(*xs)), _f(*ws), _f(ws[0])
+    (plain,) = OPS["conv"].infer((TensorType(xs, np.float32), TensorType(ws, np.float32)), geometry | {"group": group})
+    for ins in ([x, w, bias], [x, w, bias, block(_f(*plain.shape))]):
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        (out_type,) = OPS["blocked_conv"].infer(types, attrs)
+        out = np.empty(out_type.shape, np.float32)
+        prepare("blocked_conv", attrs, types, (out_type,))(*ins, out)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
+
+
 def test_native_loops_serve_float32():
     assert native.available(np.float32) in (True, False)  # no numba: the numpy paths ran above
 
