@@ -331,21 +331,12 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     if fast and pointwise:
         act = native.activation_code(activation)
         pixels = n * h * wd
-        accumulate = blas.gemm(_F32)
 
         def gemm(x, w, *rest):
             out = rest[-1].reshape(pixels, m)
-            b = rest[0] if has_bias else zero_bias
-            # The bias (and residual) first, then the product accumulated onto it by BLAS (beta
-            # = 1): no pass over the result after the GEMM but the activation's.
-            if has_residual:
-                np.add(rest[1].reshape(pixels, m), b, out=out)
-            else:
-                np.copyto(out, b)
-            if accumulate is None or not accumulate(x.reshape(pixels, c), w.reshape(m, c).T, out, 1.0, 1.0):
-                out += np.matmul(x.reshape(pixels, c), w.reshape(m, c).T)
-            if act:
-                native.activate(out, act, alpha, beta)
+            np.matmul(x.reshape(pixels, c), w.reshape(m, c).T, out=out)
+            r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
+            native.epilogue_channels_last(out, rest[0] if has_bias else zero_bias, r, act, alpha, beta)
         return gemm
     # Anything else: the NCHW kernel between two relayouts.
     dense = TensorType((n, c, h, wd), x_t.dtype), TensorType((n, m, oh, ow), x_t.dtype)
