@@ -159,8 +159,9 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
 @pytest.mark.parametrize("activation", ["none", "relu", "hard_swish", "silu"])
 def test_blocked_conv_kernel(shapes, activation):
     """The channel-blocked kernels (depthwise with every kernel width the loop special-cases,
-    edges, strides, dilations and asymmetric pads; pointwise as an accumulating GEMM) with and
-    without a residual, against the reference."""
+    edges, strides, dilations and asymmetric pads; pointwise with writable weights and with
+    read-only ones, whose transpose the kernel keeps) with and without a residual, against the
+    reference."""
     xs, ws, geometry = shapes
     group = xs[1] if ws[1] == 1 and ws[0] == xs[1] else 1
     alpha, beta = {"hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
@@ -170,6 +171,7 @@ def test_blocked_conv_kernel(shapes, activation):
     (plain,) = OPS["conv"].infer((TensorType(xs, np.float32), TensorType(ws, np.float32)), geometry | {"group": group})
     frozen = w.copy()
     frozen.flags.writeable = False  # as a plan's constants: kernels may keep a relayout of them
+    x = block(_f(*xs))
     for ins in ([x, w, bias], [x, frozen, bias, block(_f(*plain.shape))]):
         types = tuple(TensorType(a.shape, a.dtype) for a in ins)
         (out_type,) = OPS["blocked_conv"].infer(types, attrs)
