@@ -34,9 +34,9 @@ import numpy as np
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "activate", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
            "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col",
-           "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
+           "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -85,13 +85,17 @@ def _warm(loops: dict[str, Callable]) -> None:
     loops["gelu_tanh"](v, v.copy())
     loops["gelu_erf"](v, v.copy(), ERF_P, ERF_Q)
     loops["relu"](v, v.copy())
-    loops["activate_row"](v.copy(), 1, *_F32_PAIR)
     loops["softmax_rows"](m, m.copy())
     for row in (v, ro):
         loops["layer_norm"](m, row, row, np.float32(1e-5), m.copy())
         loops["add_rows"](m.copy(), row)
     loops["exp2_shifted_rows"](m.copy(), np.float32(0.0), one.copy())
     loops["scale_rows"](m.copy(), one)
+    ro_m = m.copy()
+    ro_m.flags.writeable = False
+    for x in (m, ro_m):
+        for row in (one, ro[:2]):
+            loops["scale_shift_rows"](x, row, row, m.copy(), 1, *_F32_PAIR)
     # Convolutions: weights and biases are read-only constants; images may be either.
     img, none4 = np.zeros((1, 2, 3, 3), np.float32), np.zeros((0, 0, 0, 0), np.float32)
     w = np.zeros((2, 1, 1, 1), np.float32)
@@ -159,16 +163,18 @@ def add_rows(x: np.ndarray, row: np.ndarray) -> None:
     _compiled()["add_rows"](x, row)
 
 
+def scale_shift_rows(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray, act: int, alpha: float,
+                     beta: float) -> None:
+    """(rows, cols) ``out`` = activation ``act`` of x * scale[channel] + shift[channel], rows
+    being (image, channel) pairs."""
+    _compiled()["scale_shift_rows"](x, scale, shift, out, act, np.float32(alpha), np.float32(beta))
+
+
 def activation_code(activation: str) -> int:
     """The loops' code for ``activation`` (its index in :data:`polyhal.ops.nn.ACTIVATIONS`)."""
     from polyhal.ops.nn import ACTIVATIONS
 
     return list(ACTIVATIONS).index(activation)
-
-
-def activate(y: np.ndarray, act: int, alpha: float, beta: float) -> None:
-    """Activation ``act`` (:func:`activation_code`) over C-contiguous ``y``, in place."""
-    _compiled()["activate_row"](y.reshape(-1), act, np.float32(alpha), np.float32(beta))
 
 
 def epilogue(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,

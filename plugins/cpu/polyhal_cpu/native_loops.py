@@ -12,9 +12,9 @@ from numba import njit
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["activate_row", "add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
+__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
-           "scale_rows", "softmax_rows"]
+           "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -217,6 +217,21 @@ def epilogue(y, bias, residual, act, alpha, beta):
             for c in range(cols):
                 row[c] += b
         activate_row(row, act, alpha, beta)
+
+
+@_jit
+def scale_shift_rows(x, scale, shift, out, act, alpha, beta):
+    """(rows, cols) x into out, rows being (image, channel) pairs of ``scale``'s channels:
+    out = act(x * scale[channel] + shift[channel]), a row at a time (the activation's pass finds
+    it in L1)."""
+    rows, cols = x.shape
+    channels = scale.size
+    for r in range(rows):
+        a, b = scale[r % channels], shift[r % channels]
+        src, dst = x[r], out[r]
+        for t in range(cols):
+            dst[t] = src[t] * a + b
+        activate_row(dst, act, alpha, beta)
 
 
 @_jit
