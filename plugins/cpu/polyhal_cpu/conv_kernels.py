@@ -35,6 +35,7 @@ from 2.2x onnxruntime's time to ~1.1x, a MobileNetV3-style network from 13x to ~
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -305,27 +306,29 @@ def _frozen(a: np.ndarray) -> bool:
     return True
 
 
-class _Transposed:
-    """A pointwise conv's (M, C, 1, 1) weights as a C-contiguous (C, M) matrix, the GEMM's
-    right operand. A plan's weights are read-only constants: their transpose is made once, at
-    the first call, and kept while the kernel is given the same array (OpenBLAS multiplies by
-    a contiguous (C, M) ~10% faster than by the transposed view of (M, C), measured single
-    threaded on MobileNet's 1x1 convs); weights that may change (writable, or views of writable
-    memory) are transposed by strides per call."""
+class _Relaid:
+    """Weights in the arrangement a kernel wants (``arrange(w)``, a view), made C-contiguous.
+    A plan's weights are read-only constants: they are relaid once, at the first call, and the
+    copy kept while the kernel is given the same array. Weights that may change (writable, or
+    views of writable memory) are relaid per call, into ``into`` if given (declared scratch),
+    else left as the strided view."""
 
-    def __init__(self, m: int, c: int) -> None:
-        self.m, self.c = m, c
+    def __init__(self, arrange: Callable[[np.ndarray], np.ndarray]) -> None:
+        self.arrange = arrange
         self.source: np.ndarray | None = None
         self.copy: np.ndarray | None = None
 
-    def __call__(self, w: np.ndarray) -> np.ndarray:
+    def __call__(self, w: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
         if w is self.source:
             return self.copy
-        view = w.reshape(self.m, self.c).T
-        if not _frozen(w):
+        view = self.arrange(w)
+        if _frozen(w):
+            self.source, self.copy = w, np.ascontiguousarray(view)
+            return self.copy
+        if into is None:
             return view
-        self.source, self.copy = w, np.ascontiguousarray(view)
-        return self.copy
+        np.copyto(into, view)
+        return into
 
 
 def _taps_bytes(problem, _workgroup_size: int) -> int:
@@ -353,18 +356,21 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     if fast and group == c and cg == 1 and m == c:
         act = native.activation_code(activation)
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
+        channel_vectors = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0))
 
         def depthwise(x, w, *rest):
-            np.copyto(taps, w.reshape(c, kh, kw).transpose(1, 2, 0))
             r = rest[1][:, 0] if has_residual else None
-            native.depthwise_channels_last(np.ascontiguousarray(x[:, 0]), taps, rest[0] if has_bias else zero_bias,
-                                           r, rest[-1][:, 0], s, p[:2], d, act, alpha, beta)
+            native.depthwise_channels_last(np.ascontiguousarray(x[:, 0]), channel_vectors(w, taps),
+                                           rest[0] if has_bias else zero_bias, r, rest[-1][:, 0], s, p[:2], d, act,
+                                           alpha, beta)
         return depthwise
     if fast and pointwise:
         act = native.activation_code(activation)
         pixels = n * h * wd
 
-        transposed = _Transposed(m, c)
+        # OpenBLAS multiplies by a contiguous (C, M) ~10% faster than by the transposed view of
+        # (M, C) (measured single-threaded on MobileNet's 1x1 convs).
+        transposed = _Relaid(lambda w: w.reshape(m, c).T)
 
         def gemm(x, w, *rest):
             out = rest[-1].reshape(pixels, m)
