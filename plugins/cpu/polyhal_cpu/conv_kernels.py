@@ -306,6 +306,12 @@ def _frozen(a: np.ndarray) -> bool:
     return True
 
 
+#: Channels below which a stride-1 channel-blocked depthwise conv runs on flat output rows
+#: (:func:`polyhal_cpu.native.depthwise_flat_rows`); from 32 on, vectorising across the
+#: channels alone is as fast or faster (measured 56x56x72: 220 us against 244 us flat).
+FLAT_CHANNELS = 32
+
+
 class _Relaid:
     """Weights in the arrangement a kernel wants (``arrange(w)``, a view), made C-contiguous.
     A plan's weights are read-only constants: they are relaid once, at the first call, and the
@@ -352,11 +358,23 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     has_bias, has_residual = len(ins) >= 3, len(ins) == 4
     fast = x_t.dtype == _F32 and native.available(_F32)
     zero_bias = np.zeros(m, x_t.dtype)
+    zero_bias.flags.writeable = False  # a constant: what is relaid from it may be kept
     pointwise = (kh, kw) == (1, 1) and s == [1, 1] and not any(p) and group == 1
     if fast and group == c and cg == 1 and m == c:
         act = native.activation_code(activation)
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
         channel_vectors = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0))
+        if s == [1, 1] and c < FLAT_CHANNELS:
+            # taps and bias tiled along an output row (see native.depthwise_flat_rows)
+            tiled = _Relaid(lambda w: np.tile(w.reshape(c, kh, kw).transpose(1, 2, 0), (1, 1, ow)))
+            tiled_bias = _Relaid(lambda b: np.tile(b, ow))
+
+            def flat(x, w, *rest):
+                r = rest[1][:, 0] if has_residual else None
+                native.depthwise_flat_rows(np.ascontiguousarray(x[:, 0]), tiled(w), tiled_bias(rest[0] if has_bias
+                                                                                               else zero_bias),
+                                           r, rest[-1][:, 0], p[:2], d, act, alpha, beta)
+            return flat
 
         def depthwise(x, w, *rest):
             r = rest[1][:, 0] if has_residual else None

@@ -34,7 +34,7 @@ import numpy as np
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows",
            "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col",
            "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
@@ -117,6 +117,13 @@ def _warm(loops: dict[str, Callable]) -> None:
                                              1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
+    tiles = np.zeros((1, 1, 6), np.float32)  # (kh, kw, ow * C) for the 1x1 conv of a 3x3x2 map
+    ro_tiles = tiles.copy()
+    ro_tiles.flags.writeable = False
+    for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
+        for residual in (none4, nhwc):
+            for w, b in ((tiles, tiles[0, 0]), (ro_tiles, ro_tiles[0, 0]), (tiles, ro_tiles[0, 0])):
+                loops["depthwise_flat_rows"](x, w, b, residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
@@ -199,6 +206,15 @@ def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarr
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise"](x, w, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                              np.float32(alpha), np.float32(beta))
+
+
+def depthwise_flat_rows(x: np.ndarray, wtile: np.ndarray, btile: np.ndarray, residual: np.ndarray | None,
+                        out: np.ndarray, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+    """:func:`depthwise_channels_last` at stride 1 with the (kh, kw, C) taps and the bias tiled
+    along an output row: (kh, kw, ow * C) ``wtile`` and (ow * C,) ``btile``."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["depthwise_flat_rows"](x, wtile, btile, none, out, p[0], p[1], d[0], d[1], act,
+                                       np.float32(alpha), np.float32(beta))
 
 
 def col2im(cols: np.ndarray, out: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, size: tuple) -> None:

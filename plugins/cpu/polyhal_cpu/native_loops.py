@@ -12,7 +12,7 @@ from numba import njit
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "epilogue", "epilogue_channels_last",
+__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
            "scale_rows", "scale_shift_rows", "softmax_rows"]
 
@@ -574,3 +574,45 @@ def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw
                     for c in range(channels):
                         orow[xo, c] += rrow[xo, c]
             activate_row(orow.reshape(-1), act, alpha, beta)
+
+
+@_jit
+def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alpha, beta):
+    """:func:`depthwise_channels_last` at stride 1 for few channels: an output row (ow, C) is
+    one flat run of ow * C elements, and so is the input under each tap, so with the taps tiled
+    along a row (``wtile`` (kh, kw, ow * C), ``btile`` the bias likewise) each tap is one long
+    vectorised multiply-add. (Vectorised across 16 or 24 channels alone, the loop ran mostly in
+    its scalar remainder: 112x112x16 3x3 348 -> 185 us.)"""
+    n_img, height, width, channels = x.shape
+    kh, kw = wtile.shape[0], wtile.shape[1]
+    oh, ow = out.shape[1], out.shape[2]
+    has_residual = residual.shape[0] != 0
+    los, his = _valid_columns(ow, kw, 1, pw, dw, width)
+    rowlen = ow * channels
+    xf, of, rf = x.reshape(-1), out.reshape(-1), residual.reshape(-1)
+    for n in range(n_img):
+        for yo in range(oh):
+            o0 = (n * oh + yo) * rowlen
+            orow = of[o0:o0 + rowlen]
+            for t in range(rowlen):
+                orow[t] = btile[t]
+            for i in range(kh):
+                iy = yo - ph + i * dh
+                if iy < 0 or iy >= height:
+                    continue
+                x0 = (n * height + iy) * width * channels
+                for j in range(kw):
+                    lo, hi = los[j], his[j]
+                    if hi <= lo:
+                        continue
+                    length = (hi - lo) * channels
+                    dst = orow[lo * channels:hi * channels]
+                    s0 = x0 + (lo + j * dw - pw) * channels
+                    src, wv = xf[s0:s0 + length], wtile[i, j, lo * channels:hi * channels]
+                    for t in range(length):
+                        dst[t] += wv[t] * src[t]
+            if has_residual:
+                res = rf[o0:o0 + rowlen]
+                for t in range(rowlen):
+                    orow[t] += res[t]
+            activate_row(orow, act, alpha, beta)
