@@ -12,9 +12,9 @@ from numba import njit
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
-           "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu",
-           "scale_rows", "scale_shift_rows", "softmax_rows"]
+__all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
+           "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "im2col_phases",
+           "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -253,6 +253,33 @@ def _valid_columns(ow, kw, sw, pw, dw, width):
 
 
 @_jit
+def _phase_taps(kw, sw, pw, dw):
+    """For each kernel column j, (q, r) with j * dw - pw = q * sw + r, 0 <= r < sw: tap j reads
+    input column (xo + q) * sw + r, i.e. column xo + q of column phase r (:func:`_split_phases`)."""
+    qs, rs = np.empty(kw, np.int64), np.empty(kw, np.int64)
+    for j in range(kw):
+        off = j * dw - pw
+        q = off // sw
+        qs[j], rs[j] = q, off - q * sw
+    return qs, rs
+
+
+@_jit
+def _split_phases(src, height, width, sw, phases):
+    """The (height, width) plane ``src`` (flat) split into its ``sw`` column phases: phase p,
+    row y holds columns p, p + sw, ... of row y, at phases[(p * height + y) * ceil(width / sw)].
+    A strided read is not vectorised; after this split a horizontally strided window reads a
+    contiguous run of one phase."""
+    pwidth = (width + sw - 1) // sw
+    for y in range(height):
+        row = src[y * width:(y + 1) * width]
+        for p in range(sw):
+            dst = phases[(p * height + y) * pwidth:(p * height + y + 1) * pwidth]
+            for t in range((width - p + sw - 1) // sw):
+                dst[t] = row[p + t * sw]
+
+
+@_jit
 def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     """Images n0 .. n0 + nb of (N, C, H, W) x into (C * kh * kw, nb * oh * ow) columns: row
     (c, i, j) holds, for each image and output position, the input under tap (i, j) (0 in the
@@ -294,6 +321,52 @@ def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
                         else:
                             for t in range(hi - lo):
                                 dst[t] = xf[s0 + t * sw]
+
+
+@_jit
+def im2col_phases(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
+    """:func:`im2col` with a horizontal stride (sw > 1): each channel's planes are first split
+    into column phases (:func:`_split_phases`), so that every row of the columns is a contiguous
+    copy (ResNet's 7x7 stride-2 stem: 836 -> 283 us single-threaded). The split reads the whole
+    plane: it pays for kernels wider than 1 over long output rows, not for a 1x1 stride-2 conv
+    (a quarter of the plane) or 7-14 wide rows (:func:`polyhal_cpu.native.im2col` chooses). A loop of its own: the
+    branches in one loop made LLVM compile :func:`im2col`'s stride-1 copy ~1.3x slower."""
+    _, channels, height, width = x.shape
+    ncols = cols.shape[1]
+    plane = oh * ow
+    nb = ncols // plane
+    xf, cf = x.reshape(-1), cols.reshape(-1)
+    zero = f32(0.0)
+    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
+    qs, rs = _phase_taps(kw, sw, pw, dw)
+    pwidth = (width + sw - 1) // sw
+    span = sw * height * pwidth  # one image's phases of one channel
+    phases = np.empty(nb * span, np.float32)
+    for c in range(channels):
+        for b in range(nb):
+            xplane = ((n0 + b) * channels + c) * height * width
+            _split_phases(xf[xplane:xplane + height * width], height, width, sw, phases[b * span:(b + 1) * span])
+        for i in range(kh):
+            for j in range(kw):
+                r0 = ((c * kh + i) * kw + j) * ncols
+                lo, hi = los[j], his[j]
+                for b in range(nb):
+                    for yo in range(oh):
+                        d0 = r0 + b * plane + yo * ow
+                        row = cf[d0:d0 + ow]
+                        iy = yo * sh - ph + i * dh
+                        if iy < 0 or iy >= height or hi <= lo:
+                            for t in range(ow):
+                                row[t] = zero
+                            continue
+                        for t in range(lo):
+                            row[t] = zero
+                        for t in range(hi, ow):
+                            row[t] = zero
+                        s0 = ((b * sw + rs[j]) * height + iy) * pwidth + lo + qs[j]
+                        src, dst = phases[s0:s0 + hi - lo], row[lo:hi]
+                        for t in range(hi - lo):
+                            dst[t] = src[t]
 
 
 @_jit
@@ -376,7 +449,7 @@ def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     at a time, ResNet's first pool took ~10x onnxruntime's time). With a horizontal stride, each
     plane is first split into its ``sw`` column phases (phase r holds columns r, r + sw, ...), so
     that a tap reads a contiguous run of one phase rather than every sw-th element (a strided
-    read is not vectorised: ResNet's 3x3 stride-2 pool went ~4x faster)."""
+    read is not vectorised: ResNet's 3x3 stride-2 pool went 1018 -> 525 us single-threaded)."""
     rows, height, width = x.shape
     oh, ow = out.shape[1], out.shape[2]
     xf, of, vf = x.reshape(-1), out.reshape(-1), inv.reshape(-1)
@@ -384,20 +457,10 @@ def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     start = f32(-np.inf) if is_max else f32(0.0)
     pwidth = (width + sw - 1) // sw  # a phase's length
     phases = np.empty(sw * height * pwidth if sw > 1 else 0, np.float32)
-    # tap j reads input column (xo + q) * sw + r: phase r, from column xo + q of it
-    qs, rs = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        off = j * dw - pw
-        q = off // sw
-        qs[j], rs[j] = q, off - q * sw
+    qs, rs = _phase_taps(kw, sw, pw, dw)
     for r in range(rows):
         if sw > 1:
-            for iy in range(height):
-                src = xf[(r * height + iy) * width:(r * height + iy + 1) * width]
-                for p in range(sw):
-                    dst = phases[(p * height + iy) * pwidth:(p * height + iy + 1) * pwidth]
-                    for t in range((width - p + sw - 1) // sw):
-                        dst[t] = src[p + t * sw]
+            _split_phases(xf[r * height * width:(r + 1) * height * width], height, width, sw, phases)
         for yo in range(oh):
             o0 = (r * oh + yo) * ow
             row = of[o0:o0 + ow]
