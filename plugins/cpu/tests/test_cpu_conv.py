@@ -158,6 +158,7 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
     ((1, 5, 4, 3), (5, 1, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 1]}),
     ((1, 96, 11, 13), (96, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),  # 4 pixels
     ((2, 100, 9, 10), (100, 1, 5, 5), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
+    ((1, 96, 10, 14), (96, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
     ((2, 20, 6, 7), (12, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
 ])
 @pytest.mark.parametrize("activation", ["none", "relu", "hard_swish", "silu"])
