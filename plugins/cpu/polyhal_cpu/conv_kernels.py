@@ -293,8 +293,8 @@ def _shifted(g: _Conv, scratch, finish, has_bias: bool, has_residual: bool, zero
 # channels contiguous; polyhal.ir.encoding.ChannelBlockedLayout). Depthwise: a compiled loop
 # vectorised across the channels, which stays fast where NCHW rows are short (7x7 and 14x14
 # planes, stride 2: measured 2-4x faster than the NCHW loop on MobileNet's depthwise convs).
-# Pointwise: one GEMM as the pixels lie, (pixels, C) @ w^T (C, M) (the weights transposed by
-# strides, not copied), then a per-channel epilogue. Anything else converts to NCHW and back
+# Pointwise: one GEMM as the pixels lie, (pixels, C) @ w^T (C, M) (read-only weights transposed
+# once, see _Relaid), then a per-channel epilogue. Anything else converts to NCHW and back
 # around the NCHW kernel (a resolver only blocks chains of the first two kinds).
 
 def _frozen(a: np.ndarray) -> bool:
@@ -321,16 +321,19 @@ class _Relaid:
 
     def __init__(self, arrange: Callable[[np.ndarray], np.ndarray]) -> None:
         self.arrange = arrange
-        self.source: np.ndarray | None = None
-        self.copy: np.ndarray | None = None
+        # (weights, their copy) in one attribute, so that a kernel called from two threads never
+        # pairs one thread's weights with the other's copy
+        self.kept: tuple[np.ndarray, np.ndarray] | None = None
 
     def __call__(self, w: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
-        if w is self.source:
-            return self.copy
+        kept = self.kept
+        if kept is not None and kept[0] is w:
+            return kept[1]
         view = self.arrange(w)
         if _frozen(w):
-            self.source, self.copy = w, np.ascontiguousarray(view)
-            return self.copy
+            copy = np.ascontiguousarray(view)
+            self.kept = (w, copy)
+            return copy
         if into is None:
             return view
         np.copyto(into, view)
@@ -370,10 +373,10 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
             tiled_bias = _Relaid(lambda b: np.tile(b, ow))
 
             def flat(x, w, *rest):
+                b = tiled_bias(rest[0] if has_bias else zero_bias)
                 r = rest[1][:, 0] if has_residual else None
-                native.depthwise_flat_rows(np.ascontiguousarray(x[:, 0]), tiled(w), tiled_bias(rest[0] if has_bias
-                                                                                               else zero_bias),
-                                           r, rest[-1][:, 0], p[:2], d, act, alpha, beta)
+                native.depthwise_flat_rows(np.ascontiguousarray(x[:, 0]), tiled(w), b, r, rest[-1][:, 0], p[:2], d,
+                                           act, alpha, beta)
             return flat
 
         def depthwise(x, w, *rest):

@@ -96,9 +96,8 @@ def _warm(loops: dict[str, Callable]) -> None:
     loops["scale_rows"](m.copy(), one)
     ro_m = m.copy()
     ro_m.flags.writeable = False
-    for x in (m, ro_m):
-        for row in (one, ro[:2]):
-            loops["scale_shift_rows"](x, row, row, m.copy(), 1, *_F32_PAIR)
+    for x in (m, ro_m):  # scale and shift are a plan's constants
+        loops["scale_shift_rows"](x, ro[:2], ro[:2], m.copy(), 1, *_F32_PAIR)
     # Convolutions: weights and biases are read-only constants; images may be either.
     img, none4 = np.zeros((1, 2, 3, 3), np.float32), np.zeros((0, 0, 0, 0), np.float32)
     w = np.zeros((2, 1, 1, 1), np.float32)
@@ -121,13 +120,12 @@ def _warm(loops: dict[str, Callable]) -> None:
                                              1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
+    # Tiled taps and bias, kept by the kernel for a plan's read-only weights, are read-only; the
+    # map is a plan's intermediate (every signature warmed costs ~1 MB of resident code).
     tiles = np.zeros((1, 1, 6), np.float32)  # (kh, kw, ow * C) for the 1x1 conv of a 3x3x2 map
-    ro_tiles = tiles.copy()
-    ro_tiles.flags.writeable = False
-    for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
-        for residual in (none4, nhwc):
-            for w, b in ((tiles, tiles[0, 0]), (ro_tiles, ro_tiles[0, 0]), (tiles, ro_tiles[0, 0])):
-                loops["depthwise_flat_rows"](x, w, b, residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
+    tiles.flags.writeable = False
+    for residual in (none4, nhwc):
+        loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
