@@ -184,7 +184,10 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     matmul, contiguous = np.matmul, np.ascontiguousarray
 
     def finish(out, b, r):
-        """The epilogue, one pass over the (N * M, positions) output."""
+        """The epilogue, one pass over the (N * M, positions) output (none for a bare conv, as
+        DenseNet's 3x3 and transition convs are)."""
+        if not has_bias and r is None and activation == "none":
+            return
         if fast:
             native.epilogue(out.reshape(rows, length), b, None if r is None else contiguous(r).reshape(rows, length),
                             act_code, alpha, beta)

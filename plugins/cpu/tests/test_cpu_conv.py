@@ -66,11 +66,14 @@ CONVS = [
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
 @pytest.mark.parametrize("case", range(len(CONVS)))
-def test_conv_matches_onnxruntime(case, native_loops, tmp_path, monkeypatch):
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_matches_onnxruntime(case, native_loops, bias, tmp_path, monkeypatch):
+    """Every path, with a bias and without (a bare conv skips the epilogue's pass)."""
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
     xs, ws, attrs = CONVS[case]
-    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
-    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+    inits = {"w": _f(*ws), "b": _f(ws[0])} if bias else {"w": _f(*ws)}
+    node = helper.make_node("Conv", ["x", *inits], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, inits, tmp_path)
 
 
 @pytest.mark.parametrize("xs, ws, attrs", [
