@@ -9,7 +9,7 @@ import pytest
 
 import polyhal
 import polyhal.onnx
-from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -127,13 +127,14 @@ def test_depthwise_bn_hardswish(tmp_path):
 
 
 def test_weights_from_an_input_do_not_fold(tmp_path):
-    """BatchNormalization folds only into constant weights (its mul and add stay)."""
+    """BatchNormalization folds only into constant weights: its mul and add, and the ReLU after
+    them, become one scale_shift instead."""
     g = _Graph()
     y = g.node("Relu", g.conv_bn("x", weights="w"))
     path = g.save(tmp_path, y, [("w", (4, 4, 3, 3))])
     plan = _compile_and_compare(path, {"x": X, "w": _f(4, 4, 3, 3, scale=0.3)})
-    assert _ops(plan) == ["conv", "mul", "add", "relu"]
-    assert not plan.placement.fusions
+    assert _ops(plan) == ["conv", "scale_shift"]
+    assert [f.kind for f in plan.placement.fusions] == ["scale_shift"]
 
 
 def test_hard_sigmoid_after_a_conv_with_input_weights(tmp_path):
@@ -167,6 +168,47 @@ def test_gate_keeps_ops_unfused_and_passes_leave_their_input_alone(tmp_path):
     fused, changes = fuse_conv_epilogue(folded)
     assert [op.name for op in fused.ops] == ["fused_conv"] and changes[0].kind == "epilogue"
     assert [str(op) for op in program.ops] == before
+
+
+def _bn(g: _Graph, x: str, c: int = 8) -> str:
+    stats = [1 + 0.1 * _f(c), 0.1 * _f(c), 0.1 * _f(c), 1 + 0.1 * np.abs(_f(c))]
+    return g.node("BatchNormalization", x, *[g.const(s) for s in stats])
+
+
+@pytest.mark.parametrize("activation", [None, "Relu", "Sigmoid", "HardSwish"])
+def test_norm_after_a_concat_fuses_to_scale_shift(activation, tmp_path):
+    """DenseNet's layer: BatchNormalization and ReLU of a concatenation (no conv to fold into)
+    run as one scale_shift, then the conv."""
+    g = _Graph()
+    y = _bn(g, g.node("Concat", "x", g.node("Relu", "x"), axis=1))
+    if activation:
+        y = g.node(activation, y)
+    y = g.node("Conv", y, g.const(_f(4, 8, 1, 1, scale=0.3)))
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["relu", "concat", "scale_shift", "conv"]
+    op = plan.program.ops[2]
+    assert op.attr_dict["activation"] == {None: "none", "Relu": "relu", "Sigmoid": "sigmoid",
+                                          "HardSwish": "hard_swish"}[activation]
+    assert "fused scale_shift: mul + add" in plan.explain()
+
+
+def test_scale_shift_needs_two_of_scale_shift_activation_and_leaves_its_input_alone(tmp_path):
+    g = _Graph()
+    y = g.node("Mul", g.node("Add", "x", g.const(_f(1, 4, 1, 1))), "x")  # an add alone, then a product
+    program = polyhal.onnx.load(g.save(tmp_path, y))
+    same, none = fuse_scale_shift(program)
+    assert same is program and none == []
+    g = _Graph()
+    y = g.node("Relu", g.node("Mul", "x", g.const(_f(4, 1, 1))))  # a per-channel scale and ReLU
+    program = polyhal.onnx.load(g.save(tmp_path, y))
+    before = [str(op) for op in program.ops]
+    assert fuse_scale_shift(program, lambda fused, ops: False)[0] is program  # the gate says no
+    fused, changes = fuse_scale_shift(program)
+    assert [op.name for op in fused.ops] == ["scale_shift"] and changes[0].kind == "scale_shift"
+    assert [str(op) for op in program.ops] == before
+    (want,) = ort.InferenceSession(str(tmp_path / "m.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": X})
+    plan = polyhal.compile(fused, "cpu:0")
+    np.testing.assert_allclose(plan.run_numpy(X)[0], want, rtol=1e-5, atol=1e-6)
 
 
 def test_device_without_the_fused_kernel_keeps_conv(tmp_path):

@@ -22,7 +22,7 @@ from polyhal.passes.bufferize import bufferize
 from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
-from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
@@ -108,7 +108,8 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         # (after fuse_gelu, so that a GELU formula is one activation the epilogue can take).
         program, folded = fold_conv_affine(program)
         program, epilogues = fuse_conv_epilogue(program, fusible)
-        fusions += attention + linear + gelu + folded + epilogues
+        program, scale_shifts = fuse_scale_shift(program, fusible)  # what no conv took
+        fusions += attention + linear + gelu + folded + epilogues + scale_shifts
     # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
     # tiling and placement, which then see the program's final element types.
     # Specs by name (not the full list), so that a plan for cpu:0 loads no other backend's driver.

@@ -204,6 +204,45 @@ define("fused_conv", infer=_infer_fused_conv, reference=_ref_fused_conv, sample=
 """)
 
 
+# ---------------------------------------------------------------------------------- scale_shift
+
+def _infer_scale_shift(x: TensorType, scale: TensorType, shift: TensorType, *, activation, alpha, beta):
+    _check_activation(activation, alpha, beta)
+    check_dtype(x, FLOAT, 0)
+    if x.rank < 2:
+        raise ShapeError(f"operand 0 has rank {x.rank}; expected (batch, channels, ...) of rank >= 2")
+    for i, t in ((1, scale), (2, shift)):
+        if t.shape != (x.shape[1],) or t.dtype != x.dtype:
+            raise ShapeError(f"operand {i} is {t}; it must be one {x.dtype} per channel, shape ({x.shape[1]},)")
+    return (TensorType(x.shape, x.dtype),)
+
+
+def _ref_scale_shift(x, scale, shift, *, activation="none", alpha=0.0, beta=0.0):
+    per_channel = (1, -1) + (1,) * (x.ndim - 2)
+    y = wide(x) * wide(scale).reshape(per_channel) + wide(shift).reshape(per_channel)
+    return (narrow(apply_activation(y, activation, float(alpha), float(beta)), x.dtype),)
+
+
+def _sample_scale_shift(rng: np.random.Generator):
+    shape = tuple(int(v) for v in rng.integers(1, 6, size=int(rng.integers(2, 5))))
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    c = shape[1]
+    return [nonzero(rng, shape), nonzero(rng, (c,)), nonzero(rng, (c,))], \
+        {"activation": activation, "alpha": alpha, "beta": beta}
+
+
+define("scale_shift", infer=_infer_scale_shift, reference=_ref_scale_shift, sample=_sample_scale_shift, arity=3,
+       tolerance=(1e-4, 1e-5), fused=True, doc="""
+    activation(x * scale + shift) with one scale and one shift per channel: x is (N, C, ...),
+    scale and shift (C,) of x's type; ``activation``, ``alpha`` and ``beta`` as for ``fused_conv``.
+    What a BatchNormalization (a per-channel ``mul`` and ``add`` by constants) and the activation
+    after it become where no convolution before them takes the scale and shift into its weights
+    (DenseNet's norm and ReLU after each concatenation; :func:`polyhal.passes.fuse_conv.fuse_scale_shift`),
+    on devices that have its kernel: one pass over x instead of three.
+""")
+
+
 # ---------------------------------------------------------------------------------- blocked_conv
 
 def _unblocked(t: TensorType) -> TensorType:

@@ -19,6 +19,10 @@ here once). Activations are
 found as front ends emit them: ``relu``, ``sigmoid``, ``gelu``; Clip as ``maximum``/``minimum``
 by scalar constants; HardSigmoid as ``mul``, ``add``, then a clamp to [0, 1]; HardSwish as that
 times the input; SiLU as ``x * sigmoid(x)``.
+
+**Scale and shift.** A per-channel ``mul`` and ``add`` by constants that no conv before them
+takes (a BatchNormalization after a concatenation), with the activation after them, becomes one
+``scale_shift`` (:func:`fuse_scale_shift`): one pass over the tensor instead of three.
 """
 
 from __future__ import annotations
@@ -284,5 +288,77 @@ def fuse_conv_epilogue(program: Program, fusible: Fusible = always) -> tuple[Pro
             ins = (x, w, b) if residual is None else (x, w, b, residual)
             op = Op("dispatch", _FUSED[base.name], ins, chain[-1].outputs, canonical_attrs(attrs), base.affinity)
             changes.append(Fusion("epilogue", tuple(chain), (op,)))
+        ops.append(op)
+    return _drop_unused(dataclasses.replace(program, ops=ops, constants=constants)), changes
+
+
+# ---------------------------------------------------------------------------------- scale_shift
+
+def _by_channel_constant(op: Op, consts: dict[int, np.ndarray]) -> tuple[Value, np.ndarray] | None:
+    """(x, vector) when ``op`` is a float ``mul`` or ``add`` of a feature map x (N, C, spatial...)
+    and a constant that broadcasts along x's channels only, keeping x's type; else None. (Rank 2
+    is left alone: there "channels" are a matrix's last dim, a layer norm's gain and bias.)"""
+    if op.kind != "dispatch" or op.name not in ("mul", "add") or len(op.inputs) != 2:
+        return None
+    for x, c in (op.inputs, op.inputs[::-1]):
+        if x.id in consts or c.id not in consts or x.type.rank < 3 or x.type.dtype.kind != "f" \
+                or op.outputs[0].type != x.type:
+            continue
+        vec = _per_channel(c, consts[c.id], x)
+        if vec is not None:
+            return x, vec
+    return None
+
+
+def fuse_scale_shift(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
+    """``program`` with each per-channel ``mul`` by a constant, ``add`` of a constant (either or
+    both, in that order) and the activation after them -- at least two of the three -- fused into
+    one ``scale_shift`` where ``fusible`` allows, and what changed. Meant to run after
+    :func:`fold_conv_affine` and :func:`fuse_conv_epilogue`, which take the scales and
+    shifts and activations that follow a conv: what is left is a normalisation of a value no conv
+    produced (DenseNet's norm and ReLU after each concatenation)."""
+    match = _Matcher(program)
+    consts = match.consts
+    fused: dict[int, tuple[Op, list[Op], np.ndarray, np.ndarray, tuple]] = {}  # id(last op) -> ...
+    taken: set[int] = set()
+    for op in program.ops:
+        first = _by_channel_constant(op, consts)
+        if first is None or id(op) in taken:
+            continue
+        x, vec = first
+        match.affinity = op.affinity
+        m = x.type.shape[1]
+        scale, shift = (vec, np.zeros(m)) if op.name == "mul" else (np.ones(m), vec)
+        chain, y = [op], op.outputs[0]
+        if op.name == "mul":
+            add = match.only_user(y, ("add",))
+            second = add and _by_channel_constant(add, consts)
+            if second and second[0] is y:
+                shift = second[1]
+                chain.append(add)
+                y = add.outputs[0]
+        act = match.activation(y)
+        if act is not None:
+            chain.extend(act[3])
+        if len(chain) < 2 or any(id(o) in taken for o in chain) or not fusible("scale_shift", chain):
+            continue
+        taken.update(id(o) for o in chain)
+        fused[id(chain[-1])] = (op, chain, scale, shift, act[:3] if act else ("none", 0.0, 0.0))
+    if not fused:
+        return program, []
+    constants = list(program.constants)
+    ops, changes = [], []
+    for op in program.ops:
+        if id(op) in taken and id(op) not in fused:
+            continue
+        if id(op) in fused:
+            first, chain, scale, shift, (name, alpha, beta) = fused[id(op)]
+            x = _by_channel_constant(first, consts)[0]
+            dtype = x.type.dtype
+            ins = (x, _constant(x, "scale", scale.astype(dtype), constants),
+                   _constant(x, "shift", shift.astype(dtype), constants))
+            attrs = canonical_attrs({"activation": name, "alpha": float(alpha), "beta": float(beta)})
+            op = Op("dispatch", "scale_shift", ins, chain[-1].outputs, attrs, first.affinity)
+            changes.append(Fusion("scale_shift", tuple(chain), (op,)))
         ops.append(op)
     return _drop_unused(dataclasses.replace(program, ops=ops, constants=constants)), changes

@@ -31,8 +31,8 @@ class Fusion:
     ``kind`` names the rewrite: ``"attention"``, ``"linear"``, ``"gelu"``, ``"scaling"`` (a
     scalar scaling moved from a matmul's product onto its smaller operand), ``"constant"`` (ops of
     constant operands folded into a constant: ``new`` is empty), ``"batch_norm"`` (per-channel
-    scales and shifts folded into a conv's weights) or ``"epilogue"`` (a conv's or linear's residual
-    add and activation).
+    scales and shifts folded into a conv's weights), ``"epilogue"`` (a conv's or linear's residual
+    add and activation) or ``"scale_shift"`` (a per-channel scale, shift and activation).
     """
 
     kind: str

@@ -37,12 +37,15 @@ import numpy as np
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
-           "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col",
-           "layer_norm", "pool2d", "relu", "scale_rows", "softmax_rows"]
+           "depthwise_flat_rows", "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf",
+           "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
 _loops: dict[str, Callable] | None = None
+#: Output width from which a horizontally strided im2col splits the planes into column phases
+#: first (``im2col_phases``; below it, measured 256x28x28 3x3 stride 2: 387 -> 436 us).
+PHASE_MIN_WIDTH = 28
 
 
 def available(dtype=_F32) -> bool:
@@ -110,6 +113,10 @@ def _warm(loops: dict[str, Callable]) -> None:
         loops["add_rows"](m.copy(), row)
     loops["exp2_shifted_rows"](m.copy(), np.float32(0.0), one.copy())
     loops["scale_rows"](m.copy(), one)
+    ro_m = m.copy()
+    ro_m.flags.writeable = False
+    for x in (m, ro_m):  # scale and shift are a plan's constants
+        loops["scale_shift_rows"](x, ro[:2], ro[:2], m.copy(), 1, *_F32_PAIR)
     # Convolutions: weights and biases are read-only constants; images may be either.
     img, none4 = np.zeros((1, 2, 3, 3), np.float32), np.zeros((0, 0, 0, 0), np.float32)
     w = np.zeros((2, 1, 1, 1), np.float32)
@@ -118,6 +125,7 @@ def _warm(loops: dict[str, Callable]) -> None:
     ro_img.flags.writeable = False
     for x in (img, ro_img):
         loops["im2col"](x, 0, np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
+        loops["im2col_phases"](x, 0, np.zeros((2, 4), np.float32), 1, 1, 2, 2, 0, 0, 1, 1, 2, 2)
         loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
         for residual in (none4, img):
             loops["depthwise"](x, w, ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
@@ -131,6 +139,12 @@ def _warm(loops: dict[str, Callable]) -> None:
                                              1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
+    # Tiled taps and bias, kept by the kernel for a plan's read-only weights, are read-only; the
+    # map is a plan's intermediate (every signature warmed costs ~1 MB of resident code).
+    tiles = np.zeros((1, 1, 6), np.float32)  # (kh, kw, ow * C) for the 1x1 conv of a 3x3x2 map
+    tiles.flags.writeable = False
+    for residual in (none4, nhwc):
+        loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
@@ -177,6 +191,13 @@ def add_rows(x: np.ndarray, row: np.ndarray) -> None:
     _compiled()["add_rows"](x, row)
 
 
+def scale_shift_rows(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray, act: int, alpha: float,
+                     beta: float) -> None:
+    """(rows, cols) ``out`` = activation ``act`` of x * scale[channel] + shift[channel], rows
+    being (image, channel) pairs."""
+    _compiled()["scale_shift_rows"](x, scale, shift, out, act, np.float32(alpha), np.float32(beta))
+
+
 def activation_code(activation: str) -> int:
     """The loops' code for ``activation`` (its index in :data:`polyhal.ops.nn.ACTIVATIONS`)."""
     from polyhal.ops.nn import ACTIVATIONS
@@ -196,7 +217,10 @@ def im2col(x: np.ndarray, first: int, cols: np.ndarray, k: tuple, s: tuple, p: t
     """Images ``first`` .. ``first + nb`` of C-contiguous (N, C, H, W) ``x`` into (C * kh * kw,
     nb * oh * ow) ``cols`` (nb from its width) for a 2-D convolution with kernel ``k``, strides
     ``s``, begin pads ``p``, dilations ``d`` and output size ``out``."""
-    _compiled()["im2col"](x, first, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], out[0], out[1])
+    loops = _compiled()
+    phases = s[1] > 1 and k[1] > 1 and out[1] >= PHASE_MIN_WIDTH
+    loops["im2col_phases" if phases else "im2col"](x, first, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1],
+                                                   out[0], out[1])
 
 
 def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,
@@ -206,6 +230,15 @@ def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarr
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise"](x, w, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                              np.float32(alpha), np.float32(beta))
+
+
+def depthwise_flat_rows(x: np.ndarray, wtile: np.ndarray, btile: np.ndarray, residual: np.ndarray | None,
+                        out: np.ndarray, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+    """:func:`depthwise_channels_last` at stride 1 with the (kh, kw, C) taps and the bias tiled
+    along an output row: (kh, kw, ow * C) ``wtile`` and (ow * C,) ``btile``."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["depthwise_flat_rows"](x, wtile, btile, none, out, p[0], p[1], d[0], d[1], act,
+                                       np.float32(alpha), np.float32(beta))
 
 
 def col2im(cols: np.ndarray, out: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, size: tuple) -> None:

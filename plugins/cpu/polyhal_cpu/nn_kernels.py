@@ -1,5 +1,5 @@
 """CPU kernels of :mod:`polyhal.ops.nn` but the convolution family (:mod:`polyhal_cpu.conv_kernels`):
-linear, and attention (a group of heads at a time, its scores in planned scratch; see the notes
+linear, scale_shift, and attention (a group of heads at a time, its scores in planned scratch; see the notes
 above its kernel).
 """
 
@@ -134,6 +134,36 @@ def _attention_shape(ins: Types) -> tuple[int, int, int, int]:
 def _scores_bytes(problem, _workgroup_size: int) -> int:
     group, lq, lk, item = _attention_shape(problem.in_types)
     return group * lq * lk * item
+
+
+#: Elements per (image, channel) row from which scale_shift takes the compiled loop, a row at a
+#: time; shorter rows ((N, C) or tiny planes) go to numpy's broadcasting ufuncs.
+SCALE_SHIFT_ROW = 16
+
+
+@TABLE.register("scale_shift")
+@float16_via_float32
+def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    x_type = ins[0]
+    activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
+    n, c = x_type.shape[:2]
+    plane = math.prod(x_type.shape[2:])
+    if native.available(x_type.dtype) and plane >= SCALE_SHIFT_ROW:
+        act = native.activation_code(activation)
+
+        def kernel(x, scale, shift, out):
+            native.scale_shift_rows(np.ascontiguousarray(x).reshape(n * c, plane), scale, shift,
+                                    out.reshape(n * c, plane), act, alpha, beta)
+        return kernel
+    per_channel = (c,) + (1,) * (x_type.rank - 2)
+    act_numpy = numpy_activation(device, activation, alpha, beta, outs[0])
+
+    def kernel(x, scale, shift, out):
+        np.multiply(x, scale.reshape(per_channel), out=out)
+        out += shift.reshape(per_channel)
+        if act_numpy is not None:
+            act_numpy(out)
+    return kernel
 
 
 @TABLE.register("attention", "masked_attention", scratch=[

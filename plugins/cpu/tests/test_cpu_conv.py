@@ -59,16 +59,21 @@ CONVS = [
     ((2, 4, 13), (4, 1, 3), {"group": 4, "pads": [1, 1]}),                              # 1-D depthwise
     ((1, 2, 5, 4, 4), (4, 2, 2, 3, 1), {"strides": [1, 2, 1], "pads": [1, 0, 0, 1, 1, 0]}),  # 3-D
     ((1, 3, 4, 4), (2, 3, 4, 4), {}),                                                   # kernel = input
+    ((1, 3, 61, 60), (4, 3, 7, 7), {"strides": [2, 2], "pads": [3, 2, 3, 3]}),          # column phases
+    ((3, 2, 5, 90), (3, 2, 3, 3), {"strides": [1, 3], "pads": [1, 1, 1, 1], "dilations": [1, 2]}),  # stacked
 ]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
 @pytest.mark.parametrize("case", range(len(CONVS)))
-def test_conv_matches_onnxruntime(case, native_loops, tmp_path, monkeypatch):
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_matches_onnxruntime(case, native_loops, bias, tmp_path, monkeypatch):
+    """Every path, with a bias and without (a bare conv skips the epilogue's pass)."""
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
     xs, ws, attrs = CONVS[case]
-    node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
-    _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
+    inits = {"w": _f(*ws), "b": _f(ws[0])} if bias else {"w": _f(*ws)}
+    node = helper.make_node("Conv", ["x", *inits], ["y"], **attrs)
+    _against_onnxruntime(node, {"x": _f(*xs)}, inits, tmp_path)
 
 
 @pytest.mark.parametrize("xs, ws, attrs", [
@@ -146,6 +151,45 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
         prepare("fused_conv", attrs, types, (out_type,))(*ins, out)
         (want,) = OPS["fused_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
+
+
+@pytest.mark.parametrize("shapes", [
+    ((1, 13, 9, 8), (13, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),
+    ((2, 24, 11, 10), (24, 1, 5, 5), {"strides": [2, 2], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
+    ((1, 16, 12, 12), (16, 1, 3, 3), {"strides": [1, 2], "pads": [0, 1, 2, 0], "dilations": [2, 2]}),
+    ((1, 8, 9, 9), (8, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
+    ((1, 5, 4, 3), (5, 1, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 1]}),
+    ((1, 96, 11, 13), (96, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),  # 4 pixels
+    ((2, 100, 9, 10), (100, 1, 5, 5), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
+    ((1, 96, 10, 14), (96, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
+    ((2, 20, 6, 7), (12, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+])
+@pytest.mark.parametrize("activation", ["none", "relu", "hard_swish", "silu"])
+def test_blocked_conv_kernel(shapes, activation):
+    """The channel-blocked kernels (depthwise with every kernel width the loop special-cases,
+    edges, strides, dilations and asymmetric pads; pointwise with writable weights and with
+    read-only ones, whose transpose the kernel keeps) with and without a residual, against the
+    reference."""
+    xs, ws, geometry = shapes
+    group = xs[1] if ws[1] == 1 and ws[0] == xs[1] else 1
+    alpha, beta = {"hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    attrs = {**geometry, "group": group, "activation": activation, "alpha": alpha, "beta": beta}
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    w, bias = _f(*ws), _f(ws[0])
+    (plain,) = OPS["conv"].infer((TensorType(xs, np.float32), TensorType(ws, np.float32)), geometry | {"group": group})
+    frozen = w.copy()
+    frozen.flags.writeable = False  # as a plan's constants: kernels may keep a relayout of them
+    x = block(_f(*xs))
+    for ins in ([x, w, bias], [x, frozen, bias, block(_f(*plain.shape))]):
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        (out_type,) = OPS["blocked_conv"].infer(types, attrs)
+        kernel = prepare("blocked_conv", attrs, types, (out_type,))
+        for _ in range(2):  # the second call with other inputs: nothing of the first is reused wrongly
+            ins[0] = block(_f(*xs))
+            out = np.empty(out_type.shape, np.float32)
+            kernel(*ins, out)
+            (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
 def test_native_loops_serve_float32():
