@@ -352,7 +352,14 @@ def _same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
         np.testing.assert_array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]), what)
         return
     g, w = got.view(f"u{want.dtype.itemsize}"), want.view(f"u{want.dtype.itemsize}")
-    bad = np.nonzero(g != w)[0]
+    differ = g != w
+    if differ.any() and want.dtype in polyhal.ir.types.STORAGE_DTYPES and want.dtype.kind != "i":
+        # A nan's sign carries nothing (a GPU's float16 reads may drop it): nan for nan is
+        # equal, and so is float4's zero for a nan (it has no nan; ml_dtypes gives the zero the
+        # sign opposite to the nan's).
+        gf, wf = got.astype(np.float32), want.astype(np.float32)
+        differ &= ~((np.isnan(gf) & np.isnan(wf)) | ((gf == 0) & (wf == 0) & (want.dtype.name == "float4_e2m1fn")))
+    bad = np.nonzero(differ)[0]
     assert not bad.size, f"{what}: {bad.size} elements differ, e.g. at {bad[:5].tolist()}: {g[bad[:5]]} vs {w[bad[:5]]}"
 
 
@@ -372,13 +379,15 @@ def test_storage_type_casts(device, name):
     for target in (np.float32, np.float16, np.float64, np.bool_):
         if target == np.float64 and not fp64:
             continue
-        want = every.astype(target)
-        if target == np.float64 and "ftz" in device.spec.capabilities:
-            want = _flushed(decoded).astype(np.float64)  # bfloat16's float32 subnormals widen through float32
-        _same_bits(_cast_on(device, every, np.dtype(target)), want, f"{name} -> {np.dtype(target)}")
+        got, want = _cast_on(device, every, np.dtype(target)), every.astype(target)
+        if "ftz" in device.spec.capabilities:  # a float32 subnormal may read as zero there, or not
+            normal = ~(np.abs(decoded) < np.finfo(np.float32).tiny) | (decoded == 0)
+            got, want = got[normal], want[normal]
+        _same_bits(got, want, f"{name} -> {np.dtype(target)}")
     for target in (np.int8, np.int32, np.uint8, np.int64):  # out of range and nan: unspecified
         info = np.iinfo(target)
-        fine = np.isfinite(decoded) & (decoded >= info.min) & (decoded <= info.max)
+        wide = decoded.astype(np.float64)  # compared with max + 1 (int32's max is 2**31 in float32, int64's 2**63 in float64)
+        fine = np.isfinite(wide) & (wide >= info.min) & (wide < info.max + 1.0)
         _same_bits(_cast_on(device, every, np.dtype(target))[fine], every.astype(target)[fine],
                    f"{name} -> {np.dtype(target).name}")
     for other in ("float8_e4m3fn", "int4", "bfloat16"):  # storage to storage, through float32
@@ -388,11 +397,11 @@ def test_storage_type_casts(device, name):
             (want,) = OPS["cast"].reference(every, dtype=to.name)  # ml_dtypes, some pairs through float32
         _same_bits(_cast_on(device, every, to)[fine], want[fine], f"{name} -> {other}")
     for src, values in _storage_sources(dtype, rng).items():
-        if src == np.float64:
-            if not fp64:
-                continue
-            if "ftz" in device.spec.capabilities:  # float64 -> float32 subnormal flushes there
-                values = values[~(np.abs(values) < np.finfo(np.float32).tiny) | (values == 0)]
+        if src == np.float64 and not fp64:
+            continue
+        if src in (np.float32, np.float64) and "ftz" in device.spec.capabilities:
+            # float32 subnormals (read, or made from float64) are zero there, as the device declares
+            values = values[~(np.abs(values) < np.finfo(np.float32).tiny) | (values == 0)]
         with np.errstate(all="ignore"):
             want = values.astype(dtype)
         _same_bits(_cast_on(device, values, dtype), want, f"{src} -> {name}, seed {seed}")
