@@ -236,9 +236,10 @@ def test_storage_types_in_the_ir_and_dlpack():
     assert out.dtype == np.float32
     with pytest.raises(DTypeError, match="insert a 'cast'"):
         infer_types("maximum", [TensorType((2,), bf16), TensorType((2,), bf16)], {})
-    # DLPack 1.1's codes: bfloat16 4, float8 e4m3fn 10, e4m3fnuz 11, e5m2 12, e5m2fnuz 13.
+    # DLPack 1.1's codes: bfloat16 4, float8 e4m3fn 10, e4m3fnuz 11, e5m2 12, e5m2fnuz 13, e8m0fnu 14.
     for dt, code in ((bf16, (4, 16, 1)), (e4m3, (10, 8, 1)), (np.dtype(ml_dtypes.float8_e4m3fnuz), (11, 8, 1)),
-                     (np.dtype(ml_dtypes.float8_e5m2), (12, 8, 1)), (np.dtype(ml_dtypes.float8_e5m2fnuz), (13, 8, 1))):
+                     (np.dtype(ml_dtypes.float8_e5m2), (12, 8, 1)), (np.dtype(ml_dtypes.float8_e5m2fnuz), (13, 8, 1)),
+                     (np.dtype(ml_dtypes.float8_e8m0fnu), (14, 8, 1))):
         assert dlpack.dlpack_dtype(dt) == code
         assert dlpack.numpy_dtype(*code) == dt
     with pytest.raises(DLPackError, match="int4 has no DLPack equivalent"):

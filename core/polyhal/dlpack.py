@@ -203,15 +203,17 @@ _NUMPY_TYPES = {
     (_FLOAT, 16): np.float16, (_FLOAT, 32): np.float32, (_FLOAT, 64): np.float64,
     (_COMPLEX, 64): np.complex64, (_COMPLEX, 128): np.complex128, (_BOOL, 8): np.bool_,
 }
-#: ml_dtypes' types that DLPack (1.1) names: bfloat16 and the one-byte float8 codes.
+#: ml_dtypes' types that DLPack (1.1) names: bfloat16 and the one-byte float8 codes. (Its
+#: float4 and sub-byte integers are packed, two to a byte; ml_dtypes holds one per byte.)
 _ML_TYPES = {
     (_BFLOAT, 16): ml_dtypes.bfloat16, (10, 8): ml_dtypes.float8_e4m3fn,
     (11, 8): ml_dtypes.float8_e4m3fnuz, (12, 8): ml_dtypes.float8_e5m2,
-    (13, 8): ml_dtypes.float8_e5m2fnuz,
+    (13, 8): ml_dtypes.float8_e5m2fnuz, (14, 8): ml_dtypes.float8_e8m0fnu,
 }
 _ML_CODES = {np.dtype(t): key for key, t in _ML_TYPES.items()}
 _NUMPY_TYPES.update(_ML_TYPES)
-_SUPPORTED = "bool, (u)int8-64, float16/32/64, bfloat16, float8 (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz) or complex64/128"
+_SUPPORTED = ("bool, (u)int8-64, float16/32/64, bfloat16, float8 (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, e8m0fnu) or "
+              "complex64/128")
 
 
 def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
