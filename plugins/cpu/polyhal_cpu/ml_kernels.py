@@ -22,6 +22,7 @@ import os
 import numpy as np
 
 from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tree_epilogue
+from polyhal_cpu.parallel import parallel
 from polyhal_cpu.table import TABLE, Kernel, Types
 
 __all__ = ["tree_walk_numpy"]
@@ -67,7 +68,12 @@ def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, ro
 
 
 @TABLE.register("tree_ensemble")
+@parallel(split_inputs=lambda attrs, ins: (True,) + (False,) * (len(ins) - 1),
+          factor=lambda attrs, ins: 2.0 / max(ins[4].shape[0] * int(attrs["depth"]), 1))
 def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # Rows are independent: large batches run in pieces on the backend's threads (the walk
+    # releases the GIL); a row costs trees x depth branches, so the split starts at a few
+    # hundred rows for a GB model of 40 trees of depth 3.
     depth = int(attrs["depth"])
     aggregate, binary, transform = (str(attrs.get(k, d)) for k, d in
                                     (("aggregate", "sum"), ("binary", ""), ("post_transform", "none")))

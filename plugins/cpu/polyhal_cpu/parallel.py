@@ -67,12 +67,14 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
             n = threads()
             out = outs[0]
             least = MIN_ELEMENTS * (factor(attrs, ins) if callable(factor) else factor)
-            if n < 2 or out.size < least or any(o.shape != out.shape for o in outs):
+            if n < 2 or out.size < least:
                 return builder(device, op, attrs, ins, outs, scratch)
             rank = out.rank
             fixed = {a % rank for a in fixed_axes(attrs, ins)} if rank else set()
             axis = next((i for i, d in enumerate(out.shape) if d > 1), None)
-            if axis is None or axis in fixed or out.shape[axis] < 2:
+            # every output is cut along the same axis (a second output may have fewer dims after it)
+            if (axis is None or axis in fixed or out.shape[axis] < 2
+                    or any(o.shape[:axis + 1] != out.shape[:axis + 1] for o in outs)):
                 return builder(device, op, attrs, ins, outs, scratch)
             cut = split_inputs(attrs, ins) if split_inputs else tuple(t.shape == out.shape for t in ins)
             parts = min(n, out.shape[axis])
