@@ -69,7 +69,7 @@ def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, ro
 
 @TABLE.register("tree_ensemble")
 @parallel(split_inputs=lambda attrs, ins: (True,) + (False,) * (len(ins) - 1),
-          factor=lambda attrs, ins: 2.0 / max(ins[4].shape[0] * int(attrs["depth"]), 1))
+          factor=lambda attrs, ins: 2.0 / max(ins[4].shape[0] * int(attrs["depth"]), 1), pieces_per_thread=4)
 def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     # Rows are independent: large batches run in pieces on the backend's threads (the walk
     # releases the GIL); a row costs trees x depth branches, so the split starts at a few

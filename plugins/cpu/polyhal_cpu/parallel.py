@@ -23,6 +23,7 @@ piece handed to an idle pool thread right after one waited there for up to a sch
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -53,8 +54,13 @@ def _executor(n: int) -> ThreadPoolExecutor:
 
 def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, ins: (),
              split_inputs: Callable[[dict, tuple], tuple[bool, ...]] | None = None,
-             factor: float | Callable[[dict, tuple], float] = 1):
+             factor: float | Callable[[dict, tuple], float] = 1, pieces_per_thread: int = 1):
     """Decorate a builder so that its kernel runs in pieces along one axis on several threads.
+
+    The calling thread and the pool's threads take pieces from one counter until none is
+    left, so a pool thread that wakes late finds less work (or none) rather than holding the
+    caller up; ``pieces_per_thread`` > 1 cuts finer, which balances better where a thread's
+    hand-off costs as much as its piece (a thread that woke late then takes fewer pieces).
 
     ``fixed_axes(attrs, ins)`` are the output axes that must stay whole (a softmax's axis, a
     layer_norm's normalised axes); ``split_inputs(attrs, ins)`` says which inputs are cut like
@@ -77,7 +83,7 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
                     or any(o.shape[:axis + 1] != out.shape[:axis + 1] for o in outs)):
                 return builder(device, op, attrs, ins, outs, scratch)
             cut = split_inputs(attrs, ins) if split_inputs else tuple(t.shape == out.shape for t in ins)
-            parts = min(n, out.shape[axis])
+            parts = min(n * max(pieces_per_thread, 1), out.shape[axis])
             size = out.shape[axis]
             bounds = [(size * i // parts, size * (i + 1) // parts) for i in range(parts)]
             kernels = {}
@@ -103,8 +109,15 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
                     for piece in pieces:
                         run(*piece)
                     return
-                futures = [pool.submit(run, fn, where) for fn, where in pieces[1:]]
-                run(*pieces[0])
+                taken = itertools.count()  # next() on it is atomic under the GIL
+
+                def take() -> None:
+                    for i in iter(taken.__next__, None):
+                        if i >= len(pieces):
+                            return
+                        run(*pieces[i])
+                futures = [pool.submit(take) for _ in range(min(n, len(pieces)) - 1)]
+                take()
                 for f in futures:
                     f.result()
             return kernel
