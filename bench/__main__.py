@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                         "gpu_models)")
     parser.add_argument("--budget", type=float, default=None, metavar="S",
                         help="gpu_models: start no new model after S seconds (default 450)")
+    parser.add_argument("--loaded", action="store_true",
+                        help="real_models: also time each model with one core kept busy by another process")
     args = parser.parse_args(argv)
     return 1 if run_benchmarks(args.names, args) else 0
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import RESULTS, Row, machine
+from bench.harness import RESULTS, Row, busy_core, machine
 
 #: Batch sizes per model (CNNs have a symbolic ``batch`` dim; the transformers are fixed at 1 x 128).
 BATCHES = {"resnet50": (1, 8), "mobilenet_v3_large": (1, 8), "efficientnet_b0": (1, 8), "convnext_tiny": (1, 8),
@@ -149,8 +149,28 @@ def _p90(xs: list[float]) -> float:
     return float(np.percentile(xs, 90))
 
 
-def _case(name: str, batch: int, device: str, runs: int, warmup: int, workdir: Path) -> list[Row]:
-    """The time row and the memory row of one model at one batch size."""
+#: Under one busy core, polyhal's ratio to onnxruntime may worsen by this factor at most.
+LOADED_TARGET = 1.2
+
+
+def _alternating(ours, theirs, runs: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of both sides, in alternating blocks with a pause before each, so that
+    drift and other processes hit both alike and neither side starts on cores the other's
+    spinning threads still hold."""
+    tp, to = [], []
+    block = max(1, min(5, runs))
+    while len(tp) < runs:
+        time.sleep(0.3)
+        tp += _timed(ours, block)
+        time.sleep(0.3)
+        to += _timed(theirs, block)
+    return tp, to
+
+
+def _case(name: str, batch: int, device: str, runs: int, warmup: int, workdir: Path,
+          loaded: bool = False) -> list[Row]:
+    """The time row and the memory row of one model at one batch size (and with ``loaded``, the
+    ratio's change when another process keeps one core busy)."""
     import onnx
     import onnxruntime as ort
 
@@ -192,15 +212,17 @@ def _case(name: str, batch: int, device: str, runs: int, warmup: int, workdir: P
     extra["max_abs_err"] = max(errors)
     extra["rel_err"] = max(errors) / max(extra.get("output_max_abs", 0.0), 1e-30)
     _timed(lambda: program.execute(plan, feeds), max(warmup - 1, 0))
-    # Alternating blocks with a pause before each, so that drift and other processes hit both
-    # alike and neither side starts on cores the other's spinning threads still hold.
-    tp, to = [], []
-    block = max(1, min(5, runs))
-    while len(tp) < runs:
-        time.sleep(0.3)
-        tp += _timed(lambda: program.execute(plan, feeds), block)
-        time.sleep(0.3)
-        to += _timed(lambda: session.run(None, feeds), block)
+    tp, to = _alternating(lambda: program.execute(plan, feeds), lambda: session.run(None, feeds), runs)
+    loaded_row = None
+    if loaded:
+        with busy_core():
+            lp, lo = _alternating(lambda: program.execute(plan, feeds), lambda: session.run(None, feeds), runs)
+        idle = statistics.median(tp) / statistics.median(to)
+        busy = statistics.median(lp) / statistics.median(lo)
+        loaded_row = Row(f"{case} ratio under one busy core", "x", busy, idle, "its ratio with no load added",
+                         f"<= {LOADED_TARGET}x", busy <= LOADED_TARGET * idle,
+                         {"median_ms_polyhal_loaded": statistics.median(lp) * 1e3,
+                          "median_ms_onnxruntime_loaded": statistics.median(lo) * 1e3})
     extra.update(runs=len(tp), p90_ms_polyhal=_p90(tp) * 1e3, p90_ms_onnxruntime=_p90(to) * 1e3,
                  min_ms_polyhal=min(tp) * 1e3, min_ms_onnxruntime=min(to) * 1e3, threads=_threads(device),
                  ops=len(plan.program.ops), nodes=program.node_count)
@@ -210,6 +232,8 @@ def _case(name: str, batch: int, device: str, runs: int, warmup: int, workdir: P
     note = "" if ok_output else f" (outputs differ: rel err {extra['rel_err']:.2g})"
     rows = [Row(case + note, "ms", med_p * 1e3, med_o * 1e3, anchor, f"<= {TIME_TARGET}x",
                 ok_output and med_p <= TIME_TARGET * med_o, extra)]
+    if loaded_row is not None:
+        rows.append(loaded_row)
     mem_p, mem_o = _peak_memory("polyhal", path, device), _peak_memory("onnxruntime", path, device)
     if "error" in mem_p or "error" in mem_o:
         rows.append(Row(f"{case} peak memory: not measured ({mem_p.get('error') or mem_o.get('error')})", "MB",
@@ -264,7 +288,7 @@ def run(args) -> list[Row]:
                 continue
             for batch in BATCHES.get(name, (1,)):
                 t0 = time.perf_counter()
-                rows += _case(name, batch, device, runs, warmup, Path(tmp))
+                rows += _case(name, batch, device, runs, warmup, Path(tmp), getattr(args, "loaded", False))
                 print(f"real_models: {name} b{batch} took {time.perf_counter() - t0:.0f} s", file=sys.stderr,
                       flush=True)
     _detail(rows, args.suffix)
@@ -275,4 +299,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--memory":
         _memory_child(*sys.argv[2:])
     else:
-        raise SystemExit("usage: python -m bench real_models [--quick] [--models a,b] [--device cpu:0]")
+        raise SystemExit("usage: python -m bench real_models [--quick] [--models a,b] [--device cpu:0] [--loaded]")
