@@ -64,3 +64,13 @@ def test_run_refuses_what_a_staged_model_cannot_do(tmp_path, capsys):
     onnx.save(helper.make_model(seq_in, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "seq.onnx")
     assert cli_main(["run", str(tmp_path / "seq.onnx")]) != 0
     assert "cannot draw at random" in capsys.readouterr().err
+
+
+def test_run_passes_its_compile_options_to_a_staged_model(tmp_path, capsys):
+    """--precision reaches a staged model's plans as it does a static model's (bf16 is refused,
+    saying why, on both)."""
+    path = tmp_path / "if.onnx"
+    _if_model(path)
+    assert cli_main(["run", str(path), "--dim", "n=4", "--precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "bf16" in err and len(err.strip().splitlines()) == 1

@@ -33,7 +33,7 @@ import onnx
 
 from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments
-from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxUnsupportedError
+from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
 from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.frontends.onnx.types import STRING_DTYPE
@@ -261,29 +261,18 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     feeds = program.check_feeds(feeds)
 
     t0 = time.perf_counter()
-    options = {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True),
-               "precision": getattr(args, "precision", None)}
-    plan = program.compile(args.device, strict=args.strict, registry=registry, **options)
+    plan = program.compile(args.device, strict=args.strict, registry=registry, **_compile_options(args))
     t_compile = time.perf_counter() - t0
 
-    times = []
-    progress = _Progress(args.repeat) if args.repeat > 1 else None
     profiling = args.profile or args.trace
     try:
         with (plan.profiling(trace=args.trace) if profiling
               else contextlib.nullcontext()) as profile:
-            for i in range(args.repeat):
-                t0 = time.perf_counter()
-                outputs = program.execute(plan, feeds)
-                times.append(time.perf_counter() - t0)
-                if progress:
-                    progress.update(i + 1)
+            outputs, times = _run_repeatedly(program, plan, feeds, args.repeat)
     except PolyhalError:
         if args.trace:
             print(f"polyhal: the trace of the steps that ran is in {args.trace}", file=sys.stderr)
         raise
-    if progress:
-        progress.close()
 
     if args.output:
         out_dir = Path(args.output)
@@ -393,19 +382,9 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
         sources[name] = "random"
     feeds = program.check_feeds(feeds)
     t0 = time.perf_counter()
-    options = {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True)}
-    plan = program.compile(args.device, strict=args.strict, registry=registry, **options)
+    plan = program.compile(args.device, strict=args.strict, registry=registry, **_compile_options(args))
     t_compile = time.perf_counter() - t0
-    times = []
-    progress = _Progress(args.repeat) if args.repeat > 1 else None
-    for i in range(args.repeat):
-        t0 = time.perf_counter()
-        outputs = program.execute(plan, feeds)
-        times.append(time.perf_counter() - t0)
-        if progress:
-            progress.update(i + 1)
-    if progress:
-        progress.close()
+    outputs, times = _run_repeatedly(program, plan, feeds, args.repeat)
     flat = {}  # tensors by file name: a sequence's elements as NAME.0, NAME.1, ...
     for name, value in outputs.items():
         if isinstance(value, list):
@@ -463,6 +442,28 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
     print(f"{len(times)} run(s): median {timing['median_ms']:.3f} ms (load {timing['load_ms']:.1f} ms, first "
           f"segment compiles {timing['compile_ms']:.1f} ms; segments compile on first use)")
     return 0
+
+
+def _compile_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The compile options ``polyhal run``'s flags give (static and staged models alike)."""
+    return {"data_tiling": getattr(args, "data_tiling", None), "fuse": getattr(args, "fuse", True),
+            "precision": getattr(args, "precision", None)}
+
+
+def _run_repeatedly(program, plan, feeds: dict, repeat: int) -> tuple[dict, list[float]]:
+    """The last run's outputs and the seconds of each of ``repeat`` runs (a progress line on a
+    terminal for more than one)."""
+    times = []
+    progress = _Progress(repeat) if repeat > 1 else None
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        outputs = program.execute(plan, feeds)
+        times.append(time.perf_counter() - t0)
+        if progress:
+            progress.update(i + 1)
+    if progress:
+        progress.close()
+    return outputs, times
 
 
 def _kind(value: Any) -> str:
