@@ -80,16 +80,20 @@ PH_FN unsigned char ph_encode_float8_e4m3fn(float x) {
   return (unsigned char)(sign | (r > 0x7eu ? 0x7fu : r));  // inf, nan, overflow: nan
 }
 
-PH_FN float ph_decode_float8_e4m3fnuz(unsigned char b) {
+// The fnuz formats (e4m3fnuz, e5m2fnuz): no infinity, no -0, and 0x80 their one nan.
+PH_FN float ph_decode_fnuz(unsigned char b, int mantissa, int bias) {
   if (b == 0x80u) return ph_as_float(0xffc00000u);  // nan (negative, as ml_dtypes)
-  return ph_signed(ph_mini_decode(b & 0x7fu, 3, 8), b & 0x80u);
+  return ph_signed(ph_mini_decode(b & 0x7fu, mantissa, bias), b & 0x80u);
 }
-PH_FN unsigned char ph_encode_float8_e4m3fnuz(float x) {
+PH_FN unsigned char ph_encode_fnuz(float x, int mantissa, int bias) {
   const unsigned int u = ph_as_uint(x), a = u & 0x7fffffffu;
-  const unsigned int r = a >= 0x7f800000u ? 0x80u : ph_mini_encode(a, 3, 8);
+  const unsigned int r = a >= 0x7f800000u ? 0x80u : ph_mini_encode(a, mantissa, bias);
   if (r > 0x7fu) return 0x80u;                                 // inf, nan, overflow: nan
   return (unsigned char)(r ? r | ((u >> 24) & 0x80u) : 0u);   // no -0
 }
+
+PH_FN float ph_decode_float8_e4m3fnuz(unsigned char b) { return ph_decode_fnuz(b, 3, 8); }
+PH_FN unsigned char ph_encode_float8_e4m3fnuz(float x) { return ph_encode_fnuz(x, 3, 8); }
 
 PH_FN float ph_decode_float8_e5m2(unsigned char b) {
   const unsigned int a = b & 0x7fu;
@@ -104,16 +108,8 @@ PH_FN unsigned char ph_encode_float8_e5m2(float x) {
   return (unsigned char)(sign | (r > 0x7bu ? 0x7cu : r));     // overflow: inf
 }
 
-PH_FN float ph_decode_float8_e5m2fnuz(unsigned char b) {
-  if (b == 0x80u) return ph_as_float(0xffc00000u);  // nan (negative, as ml_dtypes)
-  return ph_signed(ph_mini_decode(b & 0x7fu, 2, 16), b & 0x80u);
-}
-PH_FN unsigned char ph_encode_float8_e5m2fnuz(float x) {
-  const unsigned int u = ph_as_uint(x), a = u & 0x7fffffffu;
-  const unsigned int r = a >= 0x7f800000u ? 0x80u : ph_mini_encode(a, 2, 16);
-  if (r > 0x7fu) return 0x80u;
-  return (unsigned char)(r ? r | ((u >> 24) & 0x80u) : 0u);
-}
+PH_FN float ph_decode_float8_e5m2fnuz(unsigned char b) { return ph_decode_fnuz(b, 2, 16); }
+PH_FN unsigned char ph_encode_float8_e5m2fnuz(float x) { return ph_encode_fnuz(x, 2, 16); }
 
 PH_FN float ph_decode_float4_e2m1fn(unsigned char b) {
   return ph_signed(ph_mini_decode(b & 0x7u, 1, 1), b & 0xf8u);  // any high bit is the sign (ml_dtypes)
