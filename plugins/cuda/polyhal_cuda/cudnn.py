@@ -11,8 +11,9 @@ Per op instance, when a plan is compiled, :func:`plan` builds one cuDNN graph --
 bias, the residual add and the activation as pointwise nodes -- lets cuDNN's heuristics rank
 its engines, drops those whose numerical notes say the result is not plain arithmetic in the
 operand type (``TENSOR_CORE`` for float32, i.e. TF32, and ``DOWN_CONVERT_INPUTS`` /
-``REDUCED_PRECISION_REDUCTION`` for every type: fp32 means fp32) and builds the first that
-remains. An instance compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`) keeps
+``REDUCED_PRECISION_REDUCTION`` for every type: fp32 means fp32), times the first few that
+remain on scratch operands of the instance's shapes and builds the fastest
+(:func:`_build_fastest`; ``POLYHAL_CUDA_CUDNN_AUTOTUNE=0``: the first). An instance compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`) keeps
 the ``TENSOR_CORE`` engines for float32; float16 convs compute in float (``COMPUTE``) and may use
 tensor cores, but never reduce in half precision. Its workspace is declared scratch (:func:`scratch_requests`), placed by the plan's
 bufferization, so nothing is allocated when it runs; the kernel only hands cuDNN the operand
@@ -21,8 +22,10 @@ pointers, on a handle bound to the device's stream, so a plan's CUDA graph captu
 Where the whole graph has no engine (an activation cuDNN's fusion engines do not take in this
 precision, say), the conv -- with the bias when it can -- runs as a cuDNN graph of its own and
 the rest of the epilogue as one elementwise kernel; where cuDNN has no engine for the conv
-itself (or is unusable), the im2col conv of :mod:`polyhal_cuda.nn` does. Every instance runs on
-the device; :attr:`CuDNNConv.path` says which way (``kernel_name``).
+itself (or is unusable), the im2col conv of :mod:`polyhal_cuda.nn` does. A depthwise conv never
+reaches cuDNN: the backend's own kernel (:func:`polyhal_cuda.nn.prepare_depthwise`) measured
+3-10x faster than its fp32-exact engines. Every instance runs on the device; the kernel's
+``kernel_name`` says which way.
 
 Data stays in polyhal's NCHW layout (cuDNN takes it through strides). Channels-last would let
 cuDNN pick its faster NHWC engines; that needs the layout chosen by the CUDA encoding resolver

@@ -18,8 +18,11 @@ Families and how they run:
 * matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
 * reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
-* conv and fused_conv (:mod:`.cudnn`): cuDNN graphs (conv + bias + residual + activation) when
-  ``nvidia-cudnn-frontend`` is installed, else the im2col conv of :mod:`.nn`;
+* conv and fused_conv (:mod:`.cudnn`): depthwise convs by a CUDA C kernel with the epilogue
+  fused (:mod:`.nn`); others as cuDNN graphs (conv + bias + residual + activation, the engine
+  timed per shape) when ``nvidia-cudnn-frontend`` is installed, else im2col into declared
+  scratch plus cuBLAS (:mod:`.nn`);
+* concat: one CUDA C launch over every operand;
 * conv_transpose (:mod:`.nn`): an index map plus cuBLAS and a scatter-add; the pools: one CUDA C
   kernel over a window map (float16 gathers with cupy);
 * data movement: cupy copies; ops that are pure gathers with a static pattern (pad, pack,

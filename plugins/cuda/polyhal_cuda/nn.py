@@ -199,9 +199,10 @@ def prepare_depthwise(device: "Device", attrs: dict, ins, outs, activation: str 
     dh, dw = _spatial(attrs["dilations"], 2, 1)
     has_bias, has_res = len(ins) >= 3, len(ins) == 4
     ctype = _DEPTHWISE_TYPES[out_t.dtype]
+    # a and b are the activation's alpha and beta (the names _ACTIVATION_C's formulas use)
     params = ["const T* __restrict__ x", "const T* __restrict__ w"] + (
-        ["const T* __restrict__ b"] if has_bias else []) + (["const T* __restrict__ r"] if has_res else []) + [
-        "T* __restrict__ y", "C a", "C bb"]
+        ["const T* __restrict__ bias"] if has_bias else []) + (["const T* __restrict__ r"] if has_res else []) + [
+        "T* __restrict__ y", "C a", "C b"]
     source = f"""typedef {ctype} T; typedef {ctype} C;
 template <typename C> __device__ C polyhal_unit(C h) {{ return h < (C)0 ? (C)0 : (h > (C)1 ? (C)1 : h); }}
 extern "C" __global__ void depthwise({", ".join(params)}) {{
@@ -212,7 +213,7 @@ extern "C" __global__ void depthwise({", ".join(params)}) {{
     const int c = (int)(nc % {C});
     const T* plane = x + nc * {H * W}LL;
     const T* f = w + c * {KH * KW};
-    C v = {"(C)b[c]" if has_bias else "(C)0"};
+    C v = {"(C)bias[c]" if has_bias else "(C)0"};
     #pragma unroll
     for (int kh = 0; kh < {KH}; ++kh) {{
       const int ih = oh * {sh} - {ph} + kh * {dh};
@@ -224,7 +225,7 @@ extern "C" __global__ void depthwise({", ".join(params)}) {{
       }}
     }}
     {"v += (C)r[i];" if has_res else ""}
-    {{ const C b = bb; (void)b; y[i] = (T)({_ACTIVATION_C[activation]}); }}
+    y[i] = (T)({_ACTIVATION_C[activation]});
   }}
 }}
 """
