@@ -296,7 +296,8 @@ def test_the_fastest_plan_is_timed_and_chosen(cuda, monkeypatch):
     ins = (TensorType(xs, np.float32), TensorType(ws, np.float32))
     outs = OPS["conv"].infer(ins, attrs)
     graph, _, _ = cudnn.plan(cuda, "conv", attrs, ins, outs)
-    assert graph is not None and all(ms > 0 for ms in graph.timings.values())
+    # (a 3x3 float32 conv has several fp32-exact engines: more than one is timed)
+    assert graph is not None and len(graph.timings) >= 2 and all(ms > 0 for ms in graph.timings.values())
     monkeypatch.setenv("POLYHAL_CUDA_CUDNN_AUTOTUNE", "0")
     with cuda.activate():
         untuned = cudnn.CuDNNConv(cudnn._state(cuda), cudnn.Conv.of(attrs, ins, outs), False, False, "none", 0.0, 0.0)
