@@ -309,3 +309,34 @@ def test_polyhal_allocator_env_errors(spec, match):
 def test_parse_size():
     assert parse_size("4096") == 4096 and parse_size("512MiB") == 512 * MiB and parse_size("1g") == 1 << 30
     assert parse_size("1.5k") == 1536 and parse_size("2GB") == 2 * 10**9
+
+
+def test_a_plan_whose_arena_exceeds_the_limit_names_the_plan_and_what_it_holds(dev, tmp_path):
+    import onnx
+    from onnx import TensorProto, helper
+
+    import polyhal.onnx
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [512, 1024])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [512, 1024])
+    graph = helper.make_graph([helper.make_node("Exp", ["x"], ["e"], name="big_exp"),
+                               helper.make_node("Neg", ["e"], ["n"]), helper.make_node("Relu", ["n"], ["y"])],
+                              "g", [x], [y])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    program = polyhal.onnx.load(str(path))
+    base = dev.allocator
+    lim = LimitingAdaptor(base, limit=MiB)  # the two 2 MiB intermediates do not fit
+    previous = set_device_allocator(dev, lim)
+    try:
+        with pytest.raises(polyhal.OutOfMemoryError) as exc:
+            program.compile("cpu:0")
+        msg = str(exc.value)
+        assert "could not allocate its" in msg and "arena" in msg and "%e" in msg and f"limit of {MiB} bytes" in msg
+        del exc
+        assert lim.used_bytes == 0  # nothing of the failed plan stays allocated
+    finally:
+        set_device_allocator(dev, previous)
+    plan = program.compile("cpu:0")  # the same program compiles once the memory is there
+    data = np.random.default_rng(0).standard_normal((512, 1024)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(plan(x=data)), np.maximum(-np.exp(data), 0))

@@ -189,7 +189,7 @@ class BufferPlan:
         """
         self._check_available(registry, name)
         specs = registry.specs_by_name()
-        arenas = [_allocate(registry, selector, specs, a) for a in self.arenas]
+        arenas = [self._allocate_arena(registry, selector, specs, i, name) for i in range(len(self.arenas))]
         values: dict[int, Tensor] = {}
         bindings: dict[int, dict[tuple[str, str], Any]] = {}
         for b in self.buffers:
@@ -209,6 +209,24 @@ class BufferPlan:
             scratch[i] = ScratchBinding(placed, bindings.get(i, {}))
         return Materialized(arenas, values, scratch)
 
+
+    def _allocate_arena(self, registry: "Registry", selector: Any, specs: Mapping, index: int, name: str) -> "Buffer":
+        """Arena ``index``; an allocator that refuses it (a limit, a device whose free memory went
+        to other work since :meth:`_check_available`, a cuDNN workspace larger than expected) gets
+        an :class:`~polyhal.errors.OutOfMemoryError` naming the plan and what the arena holds --
+        the allocator's own message names only a byte count. Arenas allocated before it are
+        dropped with the exception, so nothing stays allocated."""
+        arena = self.arenas[index]
+        try:
+            return _allocate(registry, selector, specs, arena)
+        except OutOfMemoryError as exc:
+            held = sorted((b for b in self.buffers if b.arena == index), key=lambda b: -b.nbytes)[:3]
+            what = ", ".join(f"{b.name} ({b.nbytes} bytes"
+                             + (f": {b.scratch.request.purpose}" if b.scratch is not None and b.scratch.request.purpose
+                                else "") + ")" for b in held)
+            raise OutOfMemoryError(
+                f"plan {name!r} could not allocate its {arena.nbytes}-byte arena of intermediates and kernel "
+                f"scratch on {arena.device}; the largest in it: {what}. {exc}") from exc
 
     def _check_available(self, registry: "Registry", name: str) -> None:
         need: dict[str, int] = {}

@@ -302,3 +302,48 @@ def test_the_fastest_plan_is_timed_and_chosen(cuda, monkeypatch):
     with cuda.activate():
         untuned = cudnn.CuDNNConv(cudnn._state(cuda), cudnn.Conv.of(attrs, ins, outs), False, False, "none", 0.0, 0.0)
     assert untuned.timings == {}
+
+
+def test_a_plan_beyond_the_memory_limit_names_its_arena_and_balances(cuda, rng, tmp_path):
+    """Workspace and intermediates that do not fit: an OutOfMemoryError naming the plan and what
+    its arena holds (a cuDNN workspace says so), nothing of the failed plan left allocated, and
+    the same program compiles and runs once the memory is there."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    import polyhal.onnx
+    from polyhal.hal.adaptors import LimitingAdaptor, set_device_allocator
+
+    w1 = rng.standard_normal((32, 32, 3, 3), dtype=np.float32) * 0.1
+    w2 = rng.standard_normal((32, 32, 3, 3), dtype=np.float32) * 0.1
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv_a"),
+         helper.make_node("Relu", ["c1"], ["r"]),
+         helper.make_node("Conv", ["r", "w2"], ["y"], pads=[1, 1, 1, 1], name="conv_b")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 32, 56, 56])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 32, 56, 56])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")])
+    path = tmp_path / "convs.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    program = polyhal.onnx.load(str(path))
+    limit = LimitingAdaptor(cuda.allocator, limit=w1.nbytes + w2.nbytes + (64 << 10))  # weights fit, 3 MB of activations do not
+    previous = set_device_allocator(cuda, limit)
+    try:
+        with pytest.raises(polyhal.OutOfMemoryError) as exc:
+            program.compile(cuda.spec.name)
+        msg = str(exc.value)
+        assert "could not allocate its" in msg and "arena" in msg and cuda.spec.name in msg, msg
+        assert "%c1" in msg or "%r" in msg or "workspace" in msg or "columns" in msg, msg
+        del exc
+        import gc
+        gc.collect()
+        assert limit.used_bytes == 0, limit.statistics
+    finally:
+        set_device_allocator(cuda, previous)
+    plan = program.compile(cuda.spec.name)
+    x = rng.standard_normal((8, 32, 56, 56), dtype=np.float32)
+    want = OPS["conv"].reference(np.maximum(OPS["conv"].reference(
+        x.astype(np.float64), w1.astype(np.float64), **_attrs(x.shape, w1.shape, dict(pads=[1, 1, 1, 1])))[0], 0),
+        w2.astype(np.float64), **_attrs(x.shape, w2.shape, dict(pads=[1, 1, 1, 1])))[0]
+    (got,) = program.execute(plan, {"x": x}).values()
+    assert _rel_error(np.asarray(got), want) < 1e-5
