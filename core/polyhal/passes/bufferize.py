@@ -26,7 +26,9 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    operand's bytes seen anew gets no buffer and no kernel: its result is a :class:`View` of the
    buffer that holds the operand, whose lifetime grows to cover the view's uses (IREE folds
    ``flow.tensor.reshape`` the same way). ``reshape`` and ``identity`` of a row-major operand
-   are row-major views on every device. ``transpose`` is a strided view on devices whose
+   are row-major views on every device, and so are a ``pad`` that pads nothing and a ``slice``
+   that keeps every element in place (Swin's window partition pads and crops by zero wherever
+   the feature map is a multiple of the window: each a copy of a whole feature map otherwise). ``transpose`` is a strided view on devices whose
    kernels take strided operands (:attr:`~polyhal.hal.device.Device.strided_views`: the CPU);
    elsewhere it stays a copy, as does a reshape of a strided view. A view needs an operand
    whose buffer the plan owns: the result of an op of the program, not a program input, a
@@ -49,6 +51,7 @@ from polyhal.hal.scratch import (
 )
 from polyhal.hal.tensor import Tensor
 from polyhal.ir.types import TensorType
+from polyhal.ops import normalize_slice
 
 if TYPE_CHECKING:
     from polyhal.hal.buffer import Buffer
@@ -72,7 +75,8 @@ _HOST_READ = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
 #: Ops whose result may be a view of the operand's bytes instead of a copy (see the module doc):
 #: "row-major" views are valid on every device and need a row-major operand; "strided" views
 #: only on devices with ``strided_views``.
-VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "transpose": "strided"}
+VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "transpose": "strided",
+                            "pad": "row-major", "slice": "row-major"}
 
 
 @dataclass
@@ -348,6 +352,8 @@ def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: di
             or out.type.encoding is not None or src.type.dtype != out.type.dtype
             or src.type.size != out.type.size):
         return None
+    if op.name in ("pad", "slice") and not _keeps_every_element(op):
+        return None
     strides = strides_of.get(src.id)  # None: src is row-major over the source's bytes
     if kind == "row-major":
         return None if strides is not None else View(out, source, None, index, op.name)
@@ -360,6 +366,15 @@ def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: di
     if not getattr(registry.get_device(op.device), "strided_views", False):
         return None
     return View(out, source, new, index, op.name)
+
+
+def _keeps_every_element(op: "Op") -> bool:
+    """Whether a ``pad`` or ``slice`` leaves its operand as it is (its result is the operand)."""
+    attrs, shape = dict(op.attrs), op.inputs[0].type.shape
+    if op.name == "pad":
+        return not any(int(p) for p in attrs["pads"])
+    index = normalize_slice(shape, attrs["starts"], attrs["ends"], attrs.get("axes"), attrs.get("steps"))
+    return all(range(*s.indices(d)) == range(d) for s, d in zip(index, shape))
 
 
 def _row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
