@@ -184,3 +184,46 @@ def test_a_pad_or_slice_that_moves_elements_is_still_a_copy():
     ex = np.exp(xs)
     want = np.concatenate([np.zeros((1, 6), np.float32), ex[:-1]]) + ex[::-1]
     np.testing.assert_allclose(plan(xs).numpy(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_the_split_of_q_k_and_v_is_three_views_at_offsets(monkeypatch, strided):
+    monkeypatch.setattr(CPUDevice, "strided_views", strided)
+    b = polyhal.ProgramBuilder("qkv")
+    x = b.input("x", (3, 4, 64))
+    qkv = b.exp(x)
+    q, k, v = (b.gather(qkv, b.constant(np.int64(i)), axis=0) for i in (0, 1, -1))
+    b.output(b.add(b.mul(q, k), v))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    views = {w.value.name: w for w in plan.buffer_plan.views}
+    assert sorted((w.offset, w.strides) for w in views.values()) == [(0, None), (256, None), (512, None)]
+    assert plan.buffer_plan.peak_bytes == (3 + 1) * 4 * 64 * 4  # exp's result and q * k: no copies of q, k, v
+    assert "256 elements in" in plan.explain()
+    xs = np.random.default_rng(4).uniform(-1, 1, (3, 4, 64)).astype(np.float32)
+    e = np.exp(xs)
+    np.testing.assert_allclose(plan(xs).numpy(), e[0] * e[1] + e[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_slices_are_views_where_their_layout_allows(monkeypatch, strided):
+    monkeypatch.setattr(CPUDevice, "strided_views", strided)
+    b = polyhal.ProgramBuilder("slices")
+    x = b.input("x", (8, 64))
+    e = b.exp(x)
+    rows = b.slice(e, starts=[2], ends=[4], axes=[0])  # row-major, 512 B in: a view everywhere
+    odd = b.slice(e, starts=[1], ends=[3], axes=[0])  # 256 B in: aligned as intermediates are
+    cols = b.slice(e, starts=[1], ends=[64], axes=[1], steps=[2])  # every other column: strided
+    shifted = b.slice(e, starts=[0, 1], ends=[2, 65], axes=[0, 1])  # rows cut short: strided, 1 element in
+    back = b.slice(e, starts=[3], ends=[-100], axes=[0], steps=[-1])  # a negative step: a copy
+    b.output(b.add(rows, odd), b.neg(cols), b.neg(shifted), b.neg(back))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    views = {w.value.name: (w.offset, w.strides) for w in plan.buffer_plan.views}
+    want = {"slice": (128, None), "slice1": (64, None)}
+    if strided:
+        want.update(slice2=(1, (64, 2)), slice3=(1, (64, 1)))
+    assert views == want
+    xs = np.random.default_rng(5).uniform(-1, 1, (8, 64)).astype(np.float32)
+    ex = np.exp(xs)
+    got = [t.numpy() for t in plan(xs)]
+    for g, w in zip(got, [ex[2:4] + ex[1:3], -ex[:, 1:64:2], -ex[:2, 1:], -ex[3::-1]]):
+        np.testing.assert_allclose(g, w, rtol=1e-6)
