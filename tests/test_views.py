@@ -210,18 +210,16 @@ def test_slices_are_views_where_their_layout_allows(monkeypatch, strided):
     b = polyhal.ProgramBuilder("slices")
     x = b.input("x", (8, 64))
     e = b.exp(x)
-    rows = b.slice(e, starts=[2], ends=[4], axes=[0])  # row-major, 512 B in: a view everywhere
+    rows = b.slice(e, starts=[2], ends=[4], axes=[0])  # row-major, 512 B in: a view on every device
     odd = b.slice(e, starts=[1], ends=[3], axes=[0])  # 256 B in: aligned as intermediates are
     cols = b.slice(e, starts=[1], ends=[64], axes=[1], steps=[2])  # every other column: strided
-    shifted = b.slice(e, starts=[0, 1], ends=[2, 65], axes=[0, 1])  # rows cut short: strided, 1 element in
+    shifted = b.slice(e, starts=[0, 1], ends=[2, 65], axes=[0, 1])  # rows cut short: strided
     back = b.slice(e, starts=[3], ends=[-100], axes=[0], steps=[-1])  # a negative step: a copy
     b.output(b.add(rows, odd), b.neg(cols), b.neg(shifted), b.neg(back))
     plan = polyhal.compile(b.build(), "cpu:0")
     views = {w.value.name: (w.offset, w.strides) for w in plan.buffer_plan.views}
-    want = {"slice": (128, None), "slice1": (64, None)}
-    if strided:
-        want.update(slice2=(1, (64, 2)), slice3=(1, (64, 1)))
-    assert views == want
+    # Strided blocks are copies even on the CPU (their consumers would copy them again).
+    assert views == {"slice": (128, None), "slice1": (64, None)}
     xs = np.random.default_rng(5).uniform(-1, 1, (8, 64)).astype(np.float32)
     ex = np.exp(xs)
     got = [t.numpy() for t in plan(xs)]

@@ -30,8 +30,10 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    partition pads by zero wherever the feature map is a multiple of the window: a copy of a
    whole feature map otherwise). A ``slice`` (positive steps) and a ``gather`` by a constant
    index of one element (attention's split of q, k and v) select a block of their operand: a
-   view at an offset into its bytes, row-major where the block is (at an offset aligned as
-   intermediates are, on devices without strided views), strided elsewhere. ``transpose`` is a strided view on devices whose
+   row-major view at an offset into its bytes where the block lies in order there (at an
+   offset aligned as intermediates are, on devices without strided views). A strided block
+   stays a copy even on the CPU: its consumers would make their own contiguous copies
+   (Swin-T b8 peaked 33 MB higher with them). ``transpose`` is a strided view on devices whose
    kernels take strided operands (:attr:`~polyhal.hal.device.Device.strided_views`: the CPU);
    elsewhere it stays a copy, as does a reshape of a strided view. A view needs an operand
    whose buffer the plan owns: the result of an op of the program, not a program input, a
@@ -76,11 +78,11 @@ _INTERMEDIATE = MemoryType.DEVICE_LOCAL
 _HOST_READ = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
 
 #: Ops whose result may be a view of the operand's bytes instead of a copy (see the module doc):
-#: "row-major" views are valid on every device and need a row-major operand; "strided" ones
-#: (a transpose, a selected block) are views wherever their result is row-major, and strided
-#: views only on devices with ``strided_views``.
+#: "row-major" views are valid on every device and need a row-major operand; a "strided" one
+#: (transpose) is a view wherever its result is row-major, and a strided view on devices with
+#: ``strided_views``; a "block" (slice, gather) is a view only where its result is row-major.
 VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "pad": "row-major",
-                            "transpose": "strided", "slice": "strided", "gather": "strided"}
+                            "transpose": "strided", "slice": "block", "gather": "block"}
 
 
 @dataclass
@@ -378,7 +380,7 @@ def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: di
         # as an intermediate's would be (kernels of other devices may rely on that).
         aligned = offset * src.type.dtype.itemsize % VALUE_ALIGNMENT == 0
         return View(out, source, None, index, op.name, offset) if aligned or strided else None
-    return View(out, source, new, index, op.name, offset) if strided else None
+    return View(out, source, new, index, op.name, offset) if strided and kind == "strided" else None
 
 
 def _selection(op: "Op", base: tuple[int, ...], constants: dict) -> tuple[tuple[int, ...], int] | None:
