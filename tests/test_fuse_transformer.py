@@ -194,6 +194,75 @@ def test_a_transposed_constant_weight_is_folded_into_a_view():
     np.testing.assert_allclose(plan(xs).numpy(), xs @ table.T, rtol=1e-5, atol=1e-5)
 
 
+def _tied(table, b=None):
+    """GPT-2's tied embedding: gather rows of the table, then the product with its transpose."""
+    b = b or polyhal.ProgramBuilder("tied")
+    ids = b.input("ids", (2, 5), "int64")
+    wte = b.constant(table, "wte")
+    h = b.tanh(b.gather(wte, ids, axis=0))  # (2, 5, d)
+    b.output(b.matmul(h, b.transpose(wte, perm=[1, 0])))  # (2, 5, vocab)
+    return b.build()
+
+
+def _tied_expected(table, ids):
+    return np.tanh(table[ids].astype(np.float64)) @ table.T.astype(np.float64)
+
+
+def test_a_tied_table_is_one_constant_the_lookup_reads_transposed():
+    rng = np.random.default_rng(6)
+    table = rng.standard_normal((50, 16)).astype(np.float32)
+    program = _tied(table)
+    folded, changes = fold_constant_transposes(program)
+    assert sorted(c.kind for c in changes) == ["constant", "gather"]
+    (view, data), = folded.constants  # the original is read by nothing any more: dropped
+    assert view.type.shape == (16, 50) and np.shares_memory(data, program.constants[0][1])
+    assert [op.name for op in folded.ops] == ["gather", "transpose", "tanh", "matmul"]
+    assert dict(folded.ops[0].attrs)["axis"] == 1 and folded.ops[0].inputs[0] is view
+    ids = rng.integers(-50, 50, (2, 5))
+    plan = polyhal.compile(program, "cpu:0")
+    np.testing.assert_allclose(plan(ids).numpy(), _tied_expected(table, ids), rtol=1e-5, atol=1e-5)
+    assert "gather: gather -> gather, transpose (%gather)" in plan.explain()
+
+
+def test_a_device_that_uploads_constants_holds_a_tied_table_once():
+    names = [s.name for s in polyhal.devices() if s.backend == "opencl"]
+    if not names:
+        pytest.skip("no OpenCL device")
+    rng = np.random.default_rng(8)
+    table = rng.standard_normal((64, 8)).astype(np.float32)
+    plan = polyhal.compile(_tied(table), names[0])
+    assert [t.shape for t in plan.constants] == [(8, 64)]  # one upload of the table, row-major
+    ids = rng.integers(0, 64, (2, 5))
+    np.testing.assert_allclose(plan(ids).numpy(), _tied_expected(table, ids), rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_also_read_by_other_ops_keeps_its_original_beside_the_view():
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    b = polyhal.ProgramBuilder("shared")
+    x = b.input("x", (2, 4))
+    wte = b.constant(table, "wte")
+    b.output(b.matmul(x, wte), b.transpose(wte, perm=[1, 0]), b.add(b.transpose(wte, perm=[1, 0]), b.constant(np.float32(1))))
+    folded, changes = fold_constant_transposes(b.build())
+    # One transpose is a program output and stays an op; the other folds; the matmul keeps the table.
+    assert [c.kind for c in changes] == ["constant"]
+    assert sorted(v.type.shape for v, _ in folded.constants) == [(), (3, 4), (4, 3)]
+
+
+def test_repeated_transposes_of_one_constant_share_one_view():
+    table = np.arange(12, dtype=np.float32).reshape(4, 3)
+    b = polyhal.ProgramBuilder("twice")
+    x = b.input("x", (2, 3))
+    wte = b.constant(table, "wte")
+    y = b.add(b.matmul(x, b.transpose(wte, perm=[1, 0])), b.matmul(b.neg(x), b.transpose(wte, perm=[1, 0])))
+    b.output(y)
+    folded, changes = fold_constant_transposes(b.build())
+    assert [c.kind for c in changes] == ["constant", "constant"]
+    (view, _), = folded.constants
+    assert [op.inputs[1] for op in folded.ops if op.name == "matmul"] == [view, view]
+    xs = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    np.testing.assert_allclose(polyhal.compile(b.build(), "cpu:0")(xs).numpy(), np.zeros((2, 4)), atol=1e-6)
+
+
 # --------------------------------------------------------------------------------- ONNX-made graphs
 
 def _onnx_block(gelu: str):

@@ -128,3 +128,100 @@ def test_views_on_one_device_feed_transfers_to_another():
     e_ = np.exp(xs + ys)
     want = OPS["attention"].reference(e_, -xs * xs, e_)[0] + xs
     np.testing.assert_allclose(plan(xs, ys).numpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def _windows_program(n=2, hw=8, c=4, win=4):
+    """Swin's window partition as its export writes it: a pad by zero (the map is a multiple of
+    the window), reshape and transpose into windows, an op per window, the way back, then a slice
+    that crops nothing."""
+    b = polyhal.ProgramBuilder("windows")
+    x = b.input("x", (n, hw, hw, c))
+    h = b.exp(x)
+    p = b.pad(h, pads=[0] * 8, value=0.0)
+    k = hw // win
+    w = b.reshape(p, shape=[n, k, win, k, win, c])
+    w = b.reshape(b.transpose(w, perm=[0, 1, 3, 2, 4, 5]), shape=[n * k * k, win * win, c])
+    w = b.reshape(b.tanh(w), shape=[n, k, k, win, win, c])
+    back = b.reshape(b.transpose(w, perm=[0, 1, 3, 2, 4, 5]), shape=[n, hw, hw, c])
+    crop = b.slice(back, starts=[0, 0], ends=[hw, 2 ** 62], axes=[1, 2])
+    b.output(b.add(crop, h))
+    return b.build()
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_a_pad_by_zero_and_a_slice_that_keeps_everything_are_views(monkeypatch, strided):
+    monkeypatch.setattr(CPUDevice, "strided_views", strided)
+    plan = polyhal.compile(_windows_program(), "cpu:0")
+    bp = plan.buffer_plan
+    assert {"pad", "slice"} <= {w.op for w in bp.views}
+    assert not {"%pad", "%slice"} & {b.name for b in bp.buffers}  # no bytes of their own
+    assert not {"pad", "slice"} & {op.name for op in plan._step_ops}  # and no kernel
+    x = np.random.default_rng(3).uniform(-1, 1, (2, 8, 8, 4)).astype(np.float32)
+    np.testing.assert_allclose(plan(x).numpy(), np.tanh(np.exp(x)) + np.exp(x), rtol=1e-6)
+
+
+def test_a_pad_by_zero_adds_nothing_to_the_arena():
+    b = polyhal.ProgramBuilder("pad0")
+    x = b.input("x", (16, 16))
+    e = b.exp(x)
+    b.output(b.add(b.pad(e, pads=[0, 0, 0, 0], value=0.0), e))  # a copy would be live beside e
+    plan = polyhal.compile(b.build(), "cpu:0")
+    assert plan.buffer_plan.peak_bytes == 16 * 16 * 4
+    xs = np.linspace(-1, 1, 256, dtype=np.float32).reshape(16, 16)
+    np.testing.assert_allclose(plan(xs).numpy(), 2 * np.exp(xs), rtol=1e-6)
+
+
+def test_a_pad_or_slice_that_moves_elements_is_still_a_copy():
+    b = polyhal.ProgramBuilder("moves")
+    x = b.input("x", (4, 6))
+    e = b.exp(x)
+    shifted = b.pad(e, pads=[1, 0, -1, 0], value=0.0)  # the same size, rows moved down by one
+    flipped = b.slice(e, starts=[-1], ends=[-2 ** 62], axes=[0], steps=[-1])  # the same size, reversed
+    b.output(b.add(shifted, flipped))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    assert not plan.buffer_plan.views
+    xs = np.linspace(-1, 1, 24, dtype=np.float32).reshape(4, 6)
+    ex = np.exp(xs)
+    want = np.concatenate([np.zeros((1, 6), np.float32), ex[:-1]]) + ex[::-1]
+    np.testing.assert_allclose(plan(xs).numpy(), want, rtol=1e-6)
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_the_split_of_q_k_and_v_is_three_views_at_offsets(monkeypatch, strided):
+    monkeypatch.setattr(CPUDevice, "strided_views", strided)
+    b = polyhal.ProgramBuilder("qkv")
+    x = b.input("x", (3, 4, 64))
+    qkv = b.exp(x)
+    q, k, v = (b.gather(qkv, b.constant(np.int64(i)), axis=0) for i in (0, 1, -1))
+    b.output(b.add(b.mul(q, k), v))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    views = {w.value.name: w for w in plan.buffer_plan.views}
+    assert sorted((w.offset, w.strides) for w in views.values()) == [(0, None), (256, None), (512, None)]
+    assert plan.buffer_plan.peak_bytes == (3 + 1) * 4 * 64 * 4  # exp's result and q * k: no copies of q, k, v
+    assert "256 elements in" in plan.explain()
+    xs = np.random.default_rng(4).uniform(-1, 1, (3, 4, 64)).astype(np.float32)
+    e = np.exp(xs)
+    np.testing.assert_allclose(plan(xs).numpy(), e[0] * e[1] + e[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_slices_are_views_where_their_layout_allows(monkeypatch, strided):
+    monkeypatch.setattr(CPUDevice, "strided_views", strided)
+    b = polyhal.ProgramBuilder("slices")
+    x = b.input("x", (8, 64))
+    e = b.exp(x)
+    rows = b.slice(e, starts=[2], ends=[4], axes=[0])  # row-major, 512 B in: a view on every device
+    odd = b.slice(e, starts=[1], ends=[3], axes=[0])  # 256 B in: aligned as intermediates are
+    cols = b.slice(e, starts=[1], ends=[64], axes=[1], steps=[2])  # every other column: strided
+    shifted = b.slice(e, starts=[0, 1], ends=[2, 65], axes=[0, 1])  # rows cut short: strided
+    back = b.slice(e, starts=[3], ends=[-100], axes=[0], steps=[-1])  # a negative step: a copy
+    b.output(b.add(rows, odd), b.neg(cols), b.neg(shifted), b.neg(back))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    views = {w.value.name: (w.offset, w.strides) for w in plan.buffer_plan.views}
+    # Strided blocks are copies even on the CPU (their consumers would copy them again).
+    assert views == {"slice": (128, None), "slice1": (64, None)}
+    xs = np.random.default_rng(5).uniform(-1, 1, (8, 64)).astype(np.float32)
+    ex = np.exp(xs)
+    got = [t.numpy() for t in plan(xs)]
+    for g, w in zip(got, [ex[2:4] + ex[1:3], -ex[:, 1:64:2], -ex[:2, 1:], -ex[3::-1]]):
+        np.testing.assert_allclose(g, w, rtol=1e-6)

@@ -209,6 +209,13 @@ class Plan:
                 tuple(self._steps), self._slots, tuple(self._input_slots), tuple(self._output_slots))
 
     def _step(self, op, slot_of: dict[int, int], dev, scratch=None) -> Callable[[], None]:
+        """The prepared step of ``op``; its ``writes`` attribute names the slots it writes (for
+        a device's replay, :meth:`~polyhal.hal.device.Device.record`)."""
+        step = self._prepared_step(op, slot_of, dev, scratch)
+        step.writes = tuple(slot_of[v.id] for v in op.outputs)  # type: ignore[attr-defined]
+        return step
+
+    def _prepared_step(self, op, slot_of: dict[int, int], dev, scratch=None) -> Callable[[], None]:
         slots = self._slots
         ins = [slot_of[v.id] for v in op.inputs]
         outs = [slot_of[v.id] for v in op.outputs]

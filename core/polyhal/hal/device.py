@@ -135,7 +135,9 @@ class Device:
         the result on every run, after binding the run's inputs and outputs into
         ``slots[input_slots]`` and ``slots[output_slots]`` (the other slots never change). A
         backend with command buffers or graphs captures the steps once and rebinds the inputs
-        and outputs on replay (CUDA: :mod:`polyhal_cuda.graphs`).
+        and outputs on replay (CUDA: :mod:`polyhal_cuda.graphs`). Each step's ``writes``
+        attribute is the tuple of slots it writes (a step writing only outputs may run outside
+        the replayed unit, straight into the caller's outputs).
         """
         return None
 

@@ -26,7 +26,14 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    operand's bytes seen anew gets no buffer and no kernel: its result is a :class:`View` of the
    buffer that holds the operand, whose lifetime grows to cover the view's uses (IREE folds
    ``flow.tensor.reshape`` the same way). ``reshape`` and ``identity`` of a row-major operand
-   are row-major views on every device. ``transpose`` is a strided view on devices whose
+   are row-major views on every device, and so is a ``pad`` that pads nothing (Swin's window
+   partition pads by zero wherever the feature map is a multiple of the window: a copy of a
+   whole feature map otherwise). A ``slice`` (positive steps) and a ``gather`` by a constant
+   index of one element (attention's split of q, k and v) select a block of their operand: a
+   row-major view at an offset into its bytes where the block lies in order there (at an
+   offset aligned as intermediates are, on devices without strided views). A strided block
+   stays a copy even on the CPU: its consumers would make their own contiguous copies
+   (Swin-T b8 peaked 33 MB higher with them). ``transpose`` is a strided view on devices whose
    kernels take strided operands (:attr:`~polyhal.hal.device.Device.strided_views`: the CPU);
    elsewhere it stays a copy, as does a reshape of a strided view. A view needs an operand
    whose buffer the plan owns: the result of an op of the program, not a program input, a
@@ -49,6 +56,7 @@ from polyhal.hal.scratch import (
 )
 from polyhal.hal.tensor import Tensor
 from polyhal.ir.types import TensorType
+from polyhal.ops import normalize_slice
 
 if TYPE_CHECKING:
     from polyhal.hal.buffer import Buffer
@@ -70,9 +78,11 @@ _INTERMEDIATE = MemoryType.DEVICE_LOCAL
 _HOST_READ = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
 
 #: Ops whose result may be a view of the operand's bytes instead of a copy (see the module doc):
-#: "row-major" views are valid on every device and need a row-major operand; "strided" views
-#: only on devices with ``strided_views``.
-VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "transpose": "strided"}
+#: "row-major" views are valid on every device and need a row-major operand; a "strided" one
+#: (transpose) is a view wherever its result is row-major, and a strided view on devices with
+#: ``strided_views``; a "block" (slice, gather) is a view only where its result is row-major.
+VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "pad": "row-major",
+                            "transpose": "strided", "slice": "block", "gather": "block"}
 
 
 @dataclass
@@ -106,13 +116,15 @@ class PlannedBuffer:
 class View:
     """An intermediate that is a view of another intermediate's buffer: no bytes of its own and
     no kernel. ``source`` owns the bytes (it is never a view itself); ``strides`` are the view's
-    element strides over them (``None``: row-major); ``op_index`` is the op it replaces."""
+    element strides over them (``None``: row-major), starting ``offset`` elements in;
+    ``op_index`` is the op it replaces."""
 
     value: "Value"
     source: "Value"
     strides: tuple[int, ...] | None
     op_index: int
     op: str = ""
+    offset: int = 0
 
 
 @dataclass
@@ -166,6 +178,7 @@ class BufferPlan:
                          f"({b.usage.describe()})")
         for w in self.views:
             how = "row-major" if w.strides is None else f"strides {list(w.strides)}"
+            how += f", {w.offset} elements in" if w.offset else ""
             lines.append(f"  view %{w.value.name} of %{w.source.name}'s buffer ({w.op} at op {w.op_index}, "
                          f"{how}): no copy")
         for vid, mt in self.output_memory.items():
@@ -202,7 +215,8 @@ class BufferPlan:
                 bindings.setdefault(b.op_index, {})[key] = view.native
         for w in self.views:
             src = values[w.source.id]
-            values[w.value.id] = Tensor(src.buffer, w.value.type, offset=src.offset, strides=w.strides)
+            values[w.value.id] = Tensor(src.buffer, w.value.type, offset=src.offset + w.offset * src.dtype.itemsize,
+                                        strides=w.strides)
         scratch = {}
         for i, assigned in self.scratch.items():
             placed = tuple(_with_offset(a, self.buffers, i) for a in assigned)
@@ -298,7 +312,8 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
     usage: dict[int, BufferUsage] = {}
     values: dict[int, "Value"] = {}
     owner: dict[int, "Value"] = {}  # view value id -> the value whose buffer it views
-    strides_of: dict[int, tuple[int, ...] | None] = {}  # view value id -> its element strides
+    layout: dict[int, tuple[tuple[int, ...] | None, int]] = {}  # view value id -> (strides, offset)
+    constants = {v.id: data for v, data in program.constants}
     for i, op in enumerate(ops):
         for v in op.inputs:
             vid = owner[v.id].id if v.id in owner else v.id
@@ -306,11 +321,11 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
                 last[vid] = i
                 usage[vid] |= (BufferUsage.TRANSFER_SOURCE if op.kind == "transfer"
                                else BufferUsage.DISPATCH_STORAGE_READ)
-        view = None if i in plan.scratch else _as_view(op, i, registry, values, owner, strides_of, output_ids)
+        view = None if i in plan.scratch else _as_view(op, i, registry, values, owner, layout, output_ids, constants)
         if view is not None:
             plan.views.append(view)
             owner[view.value.id] = view.source
-            strides_of[view.value.id] = view.strides
+            layout[view.value.id] = (view.strides, view.offset)
             continue
         for v in op.outputs:
             if v.id in output_ids:
@@ -354,30 +369,62 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
     return plan
 
 
-def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: dict, strides_of: dict,
-             output_ids: set) -> View | None:
+def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: dict, layout: dict,
+             output_ids: set, constants: dict) -> View | None:
     """The :class:`View` that replaces ``op``, or None when it must run (see the module doc)."""
     kind = VIEW_OPS.get(op.name)
-    if kind is None or op.kind != "dispatch" or len(op.inputs) != 1 or len(op.outputs) != 1:
+    if kind is None or op.kind != "dispatch" or not op.inputs or len(op.outputs) != 1:
         return None
-    (src,), (out,) = op.inputs, op.outputs
+    src, out = op.inputs[0], op.outputs[0]
     source = owner.get(src.id, src)
     if (out.id in output_ids or source.id not in values or src.type.encoding is not None
-            or out.type.encoding is not None or src.type.dtype != out.type.dtype
-            or src.type.size != out.type.size):
+            or out.type.encoding is not None or src.type.dtype != out.type.dtype or out.type.size == 0):
         return None
-    strides = strides_of.get(src.id)  # None: src is row-major over the source's bytes
+    strides, offset = layout.get(src.id, (None, 0))  # None: src is row-major over the source's bytes
     if kind == "row-major":
-        return None if strides is not None else View(out, source, None, index, op.name)
+        if (strides is not None or len(op.inputs) != 1 or src.type.size != out.type.size
+                or (op.name == "pad" and any(int(p) for p in dict(op.attrs)["pads"]))):
+            return None
+        return View(out, source, None, index, op.name, offset)
     base = strides if strides is not None else tuple(row_major_strides(src.type.shape))
-    perm = dict(op.attrs).get("perm")
-    perm = tuple(reversed(range(src.type.rank))) if perm is None else tuple(int(p) for p in perm)
-    new = tuple(base[p] for p in perm)
-    if _row_major(out.type.shape, new):
-        return View(out, source, None, index, op.name)  # it moves only dims of size 1
-    if not getattr(registry.get_device(op.device), "strided_views", False):
+    selected = _selection(op, base, constants)
+    if selected is None:
         return None
-    return View(out, source, new, index, op.name)
+    new, moved = selected
+    offset += moved
+    strided = getattr(registry.get_device(op.device), "strided_views", False)
+    if _row_major(out.type.shape, new):
+        # Its bytes lie in order from the offset: a row-major view wherever the offset is aligned
+        # as an intermediate's would be (kernels of other devices may rely on that).
+        aligned = offset * src.type.dtype.itemsize % VALUE_ALIGNMENT == 0
+        return View(out, source, None, index, op.name, offset) if aligned or strided else None
+    return View(out, source, new, index, op.name, offset) if strided and kind == "strided" else None
+
+
+def _selection(op: "Op", base: tuple[int, ...], constants: dict) -> tuple[tuple[int, ...], int] | None:
+    """The element strides of the result of a ``transpose``, ``slice`` or ``gather`` over its
+    operand's bytes (laid out by ``base``) and the offset it starts at; None where it is no view
+    (a slice with a negative step, a gather by more than one index or by a computed one)."""
+    attrs, shape = dict(op.attrs), op.inputs[0].type.shape
+    if op.name == "transpose":
+        perm = attrs.get("perm")
+        perm = tuple(reversed(range(len(shape)))) if perm is None else tuple(int(p) for p in perm)
+        return tuple(base[p] for p in perm), 0
+    if op.name == "slice":
+        index = normalize_slice(shape, attrs["starts"], attrs["ends"], attrs.get("axes"), attrs.get("steps"))
+        bounds = [s.indices(d) for s, d in zip(index, shape)]
+        if any(step <= 0 for _, _, step in bounds):
+            return None
+        return (tuple(b * step for b, (_, _, step) in zip(base, bounds)),
+                sum(b * start for b, (start, _, _) in zip(base, bounds)))
+    ids = constants.get(op.inputs[1].id) if len(op.inputs) == 2 else None
+    if ids is None or ids.size != 1:
+        return None
+    axis = int(attrs.get("axis", 0)) % len(shape)
+    i = int(ids.reshape(()))
+    if not -shape[axis] <= i < shape[axis]:
+        return None  # out of range: the kernel reports it
+    return base[:axis] + (base[axis],) * ids.ndim + base[axis + 1:], (i % shape[axis]) * base[axis]
 
 
 def _row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
@@ -399,20 +446,38 @@ def _scratch_alignment(registry: "Registry", device: str) -> int:
 def plan_offsets(buffers: list[PlannedBuffer]) -> int:
     """Give each buffer an offset so that buffers live at a common op never overlap; returns the
     arena size. Greedy by size: largest first, each at the lowest aligned gap among the
-    conflicting buffers already placed."""
-    placed: list[PlannedBuffer] = []
-    size = 0
-    for b in sorted(buffers, key=lambda b: (-b.nbytes, b.first, b.name)):
-        conflicts = sorted((p for p in placed if p.overlaps(b)), key=lambda p: p.offset)
-        offset = 0
-        for p in conflicts:
-            if offset + b.nbytes <= p.offset:
-                break  # fits in the gap before p
-            offset = max(offset, _align(p.offset + p.nbytes, b.alignment))
+    conflicting buffers already placed. How equal sizes are ordered matters (a gap left by one
+    no later buffer fits), and no one order wins everywhere, so both are tried and the smaller
+    arena is kept: the earliest first (ResNet-50 b8: 55 MB, 61 the other way) and the longest
+    lived first (Swin-T b16 on a GPU: 165 MB, the most live at once, 175 the other way)."""
+    best: tuple[int, list[int]] | None = None
+    for tie in (lambda b: (b.first, b.name), lambda b: (b.first - b.last, b.first, b.name)):
+        size, offsets = _greedy(buffers, tie)
+        if best is None or size < best[0]:
+            best = (size, offsets)
+    size, offsets = best if best is not None else (0, [])
+    for b, offset in zip(buffers, offsets):
         b.offset = offset
-        placed.append(b)
-        size = max(size, offset + b.nbytes)
     return size
+
+
+def _greedy(buffers: list[PlannedBuffer], tie) -> tuple[int, list[int]]:
+    """The arena size and each buffer's offset (in the order given) when placed largest first,
+    equal sizes ordered by ``tie``."""
+    placed: list[tuple[int, int, PlannedBuffer]] = []  # (offset, nbytes, buffer)
+    offsets = [0] * len(buffers)
+    size = 0
+    for i in sorted(range(len(buffers)), key=lambda i: (-buffers[i].nbytes, tie(buffers[i]))):
+        b = buffers[i]
+        offset = 0
+        for p_offset, p_nbytes, _ in sorted((p for p in placed if p[2].overlaps(b)), key=lambda p: p[0]):
+            if offset + b.nbytes <= p_offset:
+                break  # fits in the gap before p
+            offset = max(offset, _align(p_offset + p_nbytes, b.alignment))
+        offsets[i] = offset
+        placed.append((offset, b.nbytes, b))
+        size = max(size, offset + b.nbytes)
+    return size, offsets
 
 
 def _align(n: int, alignment: int) -> int:

@@ -35,7 +35,7 @@ import numpy as np
 from polyhal.ir.program import Op, Program, Value, uses_and_producers
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs
-from polyhal.passes.fusion import Fusible, Fusion, always
+from polyhal.passes.fusion import Fusible, Fusion, always, drop_unused_constants
 
 
 def _constants(program: Program) -> dict[int, np.ndarray]:
@@ -114,7 +114,7 @@ def fold_conv_affine(program: Program) -> tuple[Program, list[Fusion]]:
             op = Op("dispatch", "conv", (conv.inputs[0], w_val, b_val), chain[-1].outputs, conv.attrs, conv.affinity)
             changes.append(Fusion("batch_norm", (conv, *chain), (op,)))
         ops.append(op)
-    return _drop_unused(dataclasses.replace(program, ops=ops, constants=constants)), changes
+    return drop_unused_constants(dataclasses.replace(program, ops=ops, constants=constants)), changes
 
 
 def _constant(like: Value, suffix: str, data: np.ndarray, constants: list) -> Value:
@@ -124,12 +124,6 @@ def _constant(like: Value, suffix: str, data: np.ndarray, constants: list) -> Va
     value = Value(TensorType(data.shape, data.dtype), f"{like.name}_{suffix}", like.program_id)
     constants.append((value, data))
     return value
-
-
-def _drop_unused(program: Program) -> Program:
-    """``program`` without the constants no op or output reads any more (replaced weights)."""
-    read = {v.id for op in program.ops for v in op.inputs} | {v.id for v in program.outputs}
-    return dataclasses.replace(program, constants=[(v, d) for v, d in program.constants if v.id in read])
 
 
 # ---------------------------------------------------------------------------------- epilogue
@@ -289,7 +283,7 @@ def fuse_conv_epilogue(program: Program, fusible: Fusible = always) -> tuple[Pro
             op = Op("dispatch", _FUSED[base.name], ins, chain[-1].outputs, canonical_attrs(attrs), base.affinity)
             changes.append(Fusion("epilogue", tuple(chain), (op,)))
         ops.append(op)
-    return _drop_unused(dataclasses.replace(program, ops=ops, constants=constants)), changes
+    return drop_unused_constants(dataclasses.replace(program, ops=ops, constants=constants)), changes
 
 
 # ---------------------------------------------------------------------------------- scale_shift
@@ -361,4 +355,4 @@ def fuse_scale_shift(program: Program, fusible: Fusible = always) -> tuple[Progr
             op = Op("dispatch", "scale_shift", ins, chain[-1].outputs, attrs, first.affinity)
             changes.append(Fusion("scale_shift", tuple(chain), (op,)))
         ops.append(op)
-    return _drop_unused(dataclasses.replace(program, ops=ops, constants=constants)), changes
+    return drop_unused_constants(dataclasses.replace(program, ops=ops, constants=constants)), changes

@@ -30,7 +30,8 @@ class Fusion:
 
     ``kind`` names the rewrite: ``"attention"``, ``"linear"``, ``"gelu"``, ``"scaling"`` (a
     scalar scaling moved from a matmul's product onto its smaller operand), ``"constant"`` (ops of
-    constant operands folded into a constant: ``new`` is empty), ``"batch_norm"`` (per-channel
+    constant operands folded into a constant: ``new`` is empty), ``"gather"`` (a lookup in a table
+    moved onto the table's folded transposed view), ``"batch_norm"`` (per-channel
     scales and shifts folded into a conv's weights), ``"epilogue"`` (a conv's or linear's residual
     add and activation) or ``"scale_shift"`` (a per-channel scale, shift and activation).
     """
@@ -71,3 +72,12 @@ def splice(program: Program, replaced: dict[int, tuple[Sequence[Op], Sequence[Op
         elif id(op) not in removed:
             ops.append(op)
     return dataclasses.replace(program, ops=ops), changes
+
+
+def drop_unused_constants(program: Program) -> Program:
+    """``program`` without the constants no op or output reads any more (replaced weights, a
+    table only its folded views are read from): a plan would bind or upload them for nothing."""
+    read = {v.id for op in program.ops for v in op.inputs} | {v.id for v in program.outputs}
+    if all(v.id in read for v, _ in program.constants):
+        return program
+    return dataclasses.replace(program, constants=[(v, d) for v, d in program.constants if v.id in read])

@@ -328,6 +328,30 @@ def test_gather_of_one_index(axis):
         fn(data, np.array(data.shape[axis], np.int64), np.empty(out_type.shape, np.float32))
 
 
+@pytest.mark.parametrize("axis", [0, 1])
+def test_gather_from_a_strided_table_copies_none_of_it(axis):
+    """A lookup in a transposed table (a tied embedding read through its folded transpose)
+    against the reference, negative indices and out of range included; numpy's take would first
+    copy the whole table (tracemalloc sees what the kernel allocates)."""
+    import tracemalloc
+
+    table = np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32).T  # (512, 64), strided
+    idx = np.array([[1, -2, 7], [0, 5, -1]], np.int64)
+    out_type = OPS["gather"].infer((ttype(table), ttype(idx)), {"axis": axis})[0]
+    fn = prepare("gather", {"axis": axis}, (ttype(table), ttype(idx)), (out_type,))
+    out = np.empty(out_type.shape, np.float32)
+    tracemalloc.start()
+    try:
+        fn(table, idx, out)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(out, np.take(table, idx, axis=axis))
+    assert peak < table.nbytes // 4
+    with pytest.raises(IndexError):
+        fn(table, np.array([[0, table.shape[axis], 0]] * 2, np.int64), out)
+
+
 def test_large_matmul_uses_blas():
     """A 256x256 product is exact to float32 BLAS accuracy (and fast)."""
     rng = np.random.default_rng(5)

@@ -17,6 +17,11 @@
    caller's output arrays. These are device-to-device copies of the inputs and outputs only
    (documented cost: 2-3 µs of host time each, and their bytes at device bandwidth); the
    intermediates, kernels and scratch are the graph's own.
+4. The *eager tail*: the last steps that write only program outputs, each output larger than
+   a launch's worth of copying (:func:`eager_tail`), are left out of the graph and launched
+   after it, straight into the caller's outputs. A language model's logits (GPT-2 at batch 16:
+   393 MB) would otherwise be held twice -- in a buffer the graph owns and in the caller's
+   result -- and copied from one to the other on every call.
 
 Shapes never change for a compiled plan, so one graph serves every call. A step that cannot be
 captured (it synchronises with the host, or calls an API that capture forbids) makes the
@@ -56,6 +61,20 @@ def worth_capturing(steps: int, io_bytes: int) -> bool:
     return steps >= 2 and io_bytes / COPY_BPS < steps * STEP_LAUNCH_S
 
 
+def eager_tail(steps: Sequence[Callable[[], None]], slots: list, output_slots: Sequence[int]) -> int:
+    """How many of the last ``steps`` run after the graph instead of in it: a trailing run of steps
+    that write only ``output_slots`` (their ``writes`` attribute), each writing more bytes than
+    the copy out of a graph-owned buffer could move in the time an eager launch costs."""
+    outputs, n = set(output_slots), 0
+    for step in reversed(steps):
+        writes = getattr(step, "writes", None)
+        if (not writes or not set(writes) <= outputs
+                or sum(slots[i].nbytes for i in writes) < STEP_LAUNCH_S * COPY_BPS):
+            break
+        n += 1
+    return n
+
+
 class _KeepAllocator:
     """cupy allocator used during capture: every block it hands out stays owned by the graph."""
 
@@ -91,6 +110,7 @@ class GraphReplay:
         self._owned: list = []  # captured input/output buffers and capture-time blocks
         self._inputs: list[tuple[int, Any]] = []
         self._outputs: list[tuple[int, Any]] = []
+        self._tail: list[Callable[[], None]] = []  # steps launched after the graph (eager_tail)
 
     @property
     def mode(self) -> str:
@@ -123,23 +143,30 @@ class GraphReplay:
             dst = slots[slot]
             if dst is not buf and buf.nbytes:
                 runtime.memcpyAsync(dst.data.ptr, buf.data.ptr, buf.nbytes, 4, sptr)
+        for step in self._tail:
+            step()
         self.replays += 1
 
     # -- capture -----------------------------------------------------------------------------------
 
     def _try_capture(self) -> bool:
         slots = self.slots
-        io = sum(slots[i].nbytes for i in (*self.input_slots, *self.output_slots) if slots[i] is not None)
-        if not worth_capturing(len(self.steps), io):
+        tail = eager_tail(self.steps, slots, self.output_slots)
+        head = self.steps[:len(self.steps) - tail]
+        written = {i for step in self.steps[len(head):] for i in step.writes}
+        outputs = tuple(i for i in self.output_slots if i not in written)
+        io = sum(slots[i].nbytes for i in (*self.input_slots, *outputs) if slots[i] is not None)
+        if not worth_capturing(len(head), io):
             self._disable("not worth a graph: few steps or large inputs/outputs (POLYHAL_CUDA_GRAPHS=1 forces)")
             return False
-        return self._capture()
+        return self._capture(head, outputs)
 
-    def _capture(self) -> bool:
+    def _capture(self, head: list, outputs: tuple[int, ...]) -> bool:
+        """Capture ``head`` (the steps before the eager tail), which writes ``outputs``."""
         import cupy
 
         dev, slots = self.device, self.slots
-        bound = {i: slots[i] for i in (*self.input_slots, *self.output_slots)}
+        bound = {i: slots[i] for i in (*self.input_slots, *outputs)}
         if any(not getattr(a, "flags", None) or not a.flags.c_contiguous for a in bound.values()):
             self._disable("a bound input or output is not contiguous")
             return False
@@ -154,7 +181,7 @@ class GraphReplay:
                 with cupy.cuda.using_allocator(keep):
                     stream.begin_capture()
                     try:
-                        for step in self.steps:
+                        for step in head:
                             step()
                     finally:
                         # end_capture must run even if a step failed, or the stream stays in
@@ -169,7 +196,8 @@ class GraphReplay:
         for i, a in bound.items():
             slots[i] = a
         self._inputs = [(i, own[i]) for i in self.input_slots]
-        self._outputs = [(i, own[i]) for i in self.output_slots]
+        self._outputs = [(i, own[i]) for i in outputs]
+        self._tail = self.steps[len(head):]
         self._owned.extend(keep.blocks)
         self.graph = graph
         return True

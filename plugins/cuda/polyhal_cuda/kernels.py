@@ -25,9 +25,10 @@ Families and how they run:
 * concat: one CUDA C launch over every operand;
 * conv_transpose (:mod:`.nn`): an index map plus cuBLAS and a scatter-add; the pools: one CUDA C
   kernel over a window map (float16 gathers with cupy);
-* data movement: cupy copies; ops that are pure gathers with a static pattern (pad, pack,
-  unpack, expand) use an *index map* computed once at prepare time by running the op's own
-  numpy reference on an iota tensor, then one gather kernel per run;
+* data movement: cupy copies; a constant pad fills its border and copies the operand into its
+  interior; ops that are other pure gathers with a static pattern (edge and reflect pads, pack,
+  unpack) use an *index map* computed once at prepare time by running the op's own numpy
+  reference on an iota tensor, then one gather kernel per run;
 * gather/scatter families: cupy fancy indexing and ``cupyx`` scatter kernels;
 * sort, argsort, topk (:mod:`.sorting`) and non_max_suppression (:mod:`.suppression`): CUDA C with
   declared scratch (shared memory when it fits, global scratch otherwise);
@@ -500,10 +501,10 @@ def _index_map(op: str, attrs: dict, in_types: Types, pad_attr: str | None) -> n
 
 @register("pad", "pack", "unpack")
 def _gather_map(device, op, attrs, ins, outs, binding) -> Kernel:
+    if op == "pad" and attrs["mode"] == "constant":
+        return _constant_pad(attrs, ins[0], outs[0])
     cp = _cupy()
-    pad_attr = {"pad": "value", "pack": "padding_value"}.get(op)
-    if op == "pad" and attrs["mode"] != "constant":
-        pad_attr = None
+    pad_attr = "padding_value" if op == "pack" else None  # pad's edge and reflect modes pad from x
     mapping = _index_map(op, attrs, ins, pad_attr)
     has_pad = bool((mapping < 0).any())
     dtype = outs[0].dtype
@@ -522,6 +523,27 @@ def _gather_map(device, op, attrs, ins, outs, binding) -> Kernel:
             cp.take(x.reshape(-1), dmap, out=flat)
     kernel.index_map = mapping  # type: ignore[attr-defined]
     return kernel
+
+
+def _constant_pad(attrs: dict, x_t: TensorType, out_t: TensorType) -> Kernel:
+    """A constant pad without an index map (one int64 per result element, held by the plan: 38
+    MB for one Swin-T feature map at batch 16): the fill value where the result pads, then the
+    operand (cropped where a pad is negative) copied into the result's interior."""
+    rank = x_t.rank
+    pads = [int(p) for p in attrs["pads"]]
+    pairs = list(zip(pads[:rank], pads[rank:]))
+    crop = tuple(slice(max(-b, 0), d - max(-e, 0)) for d, (b, e) in zip(x_t.shape, pairs))
+    inner = tuple(slice(max(b, 0), d - max(e, 0)) for d, (b, e) in zip(out_t.shape, pairs))
+    fill = np.asarray(attrs["value"]).astype(out_t.dtype)[()]
+    pads_any = any(b > 0 or e > 0 for b, e in pairs)
+    copyto = _cupy().copyto
+
+    def pad(x, out):
+        if pads_any:
+            out.fill(fill)
+        copyto(out[inner], x[crop])
+    pad.kernel_name = "cupy fill + copy (constant pad)"  # type: ignore[attr-defined]
+    return pad
 
 
 @register("gather_elements")

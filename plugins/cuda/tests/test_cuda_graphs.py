@@ -49,6 +49,34 @@ def test_replay_rebinds_device_tensors_and_out(cuda, rng):
     assert plan.replay.mode == "graph"
 
 
+def test_steps_that_only_write_large_outputs_run_after_the_graph():
+    from polyhal_cuda.graphs import eager_tail
+
+    big, small = np.empty(4 << 20, np.float32), np.empty(16, np.float32)  # 16 MB: more than a launch's copy
+
+    def step(*writes):
+        fn = lambda: None  # noqa: E731
+        fn.writes = writes
+        return fn
+
+    slots = [small, big, big, small, big]  # inputs 0, intermediate 1, outputs 2 (big), 3 (small), 4 (big)
+    assert eager_tail([step(1), step(2), step(4)], slots, (2, 3, 4)) == 2
+    assert eager_tail([step(1), step(3), step(4)], slots, (2, 3, 4)) == 1  # a small output stays in the graph
+    assert eager_tail([step(2), step(1)], slots, (2, 3, 4)) == 0  # the last step writes an intermediate
+    assert eager_tail([step(2), lambda: None], slots, (2,)) == 0  # a step that says nothing stays in
+
+
+def test_a_large_output_is_written_in_place_not_copied_out_of_the_graph(cuda, rng):
+    n = 4 << 20  # 16 MB of float32: the last step runs after the graph, into the caller's output
+    plan = polyhal.compile(_chain(n, 6), cuda.name)
+    for i in range(4):
+        x, y = rng.standard_normal(n).astype(np.float32), rng.uniform(0.5, 1.5, n).astype(np.float32)
+        np.testing.assert_allclose(plan(x, y).numpy(), _ref(x, y, 6), rtol=1e-4, atol=1e-5, err_msg=f"call {i}")
+    replay = plan.replay
+    assert replay.mode == "graph", replay.reason
+    assert len(replay._tail) == 1 and replay._outputs == []  # no graph-owned copy of the output
+
+
 def test_sort_and_reductions_capture(cuda, rng):
     b = polyhal.ProgramBuilder("mix")
     x = b.input("x", (64, 300))

@@ -240,3 +240,15 @@ def test_concat_is_one_launch_over_many_operands(cuda, rng, dtype, axis):
     fn = cuda.prepare("concat", {"axis": axis}, tuple(TensorType(a.shape, a.dtype) for a in arrays),
                       (TensorType(got.shape, got.dtype),))
     assert "one launch" in getattr(fn, "inner", fn).kernel_name
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 0, 0, 0, 0], [1, 0, 2, 3, 1, 0], [-1, 2, 0, 1, -2, 3], [0, -1, 0, 0, 0, -2]])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.int64, np.bool_])
+def test_constant_pads_hold_no_index_map(cuda, rng, pads, dtype):
+    x = (rng.standard_normal((3, 5, 4)) * 4).astype(dtype)
+    attrs = {"pads": pads, "mode": "constant", "value": 1.0}
+    in_types = (TensorType(x.shape, x.dtype),)
+    fn = cuda.prepare("pad", attrs, in_types, OPS["pad"].infer(in_types, attrs))
+    kernel = getattr(fn, "inner", fn)
+    assert "constant pad" in kernel.kernel_name and not hasattr(kernel, "index_map")  # no map held
+    check(cuda, "pad", [x], attrs)
