@@ -36,6 +36,13 @@ Families and how they run:
 * grid_sample, roi_align, det, tree_ensemble, tfidf_vectorizer (:mod:`.portable`): the C kernels
   polyhal-opencl runs too (:mod:`polyhal_gpu.portable`), compiled with NVRTC.
 
+Operands that are views (the bufferize pass folds a transpose, a slice or a gather of one index
+into its consumers instead of copying) reach the kernels registered with ``views``: cupy's
+elementwise, reduction and copy kernels take any strides; the cuBLAS products take a matrix
+whose rows or columns are contiguous and batches at one stride (:func:`.blas.accepts_view`);
+attention copies strided q, k, v into its dense scratch. The others (the row-wise, convolution,
+pooling and sorting kernels, which address rows by pointer) get dense operands.
+
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
 this backend) still runs, through :func:`host_fallback` (download, the op's numpy reference,
 upload): correct, slow, never captured. :data:`HOST_FALLBACK` names them.
@@ -52,7 +59,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda import attention, cudnn, portable, sorting, suppression
+from polyhal_cuda import attention, blas, cudnn, portable, sorting, suppression
 from polyhal_gpu import storage
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
@@ -118,7 +125,7 @@ def _ufunc_kernel(ufunc: Any, nin: int) -> Kernel:
     return k2
 
 
-@register(*UFUNCS)
+@register(*UFUNCS, views=True)
 def _ufunc(device, op, attrs, ins, outs, binding) -> Kernel:
     kernel = _ufunc_kernel(getattr(_cupy(), UFUNCS[op]), len(ins))
     kernel.kernel_name = f"cupy.{UFUNCS[op]}"  # type: ignore[attr-defined]
@@ -156,12 +163,12 @@ def _ew(key: str, nin: int) -> Kernel:
     return kernel
 
 
-@register("relu", "sign", "sigmoid", "erf", "gelu", "where", "bit_shift", "mod")
+@register("relu", "sign", "sigmoid", "erf", "gelu", "where", "bit_shift", "mod", views=True)
 def _snippet(device, op, attrs, ins, outs, binding) -> Kernel:
     return _ew(snippet_key(op, attrs, ins[0].dtype), len(ins))
 
 
-@register("cast", "identity")
+@register("cast", "identity", views=True)
 def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
     src, dst = ins[0].dtype, outs[0].dtype
     if src != dst and (storage.is_storage(src) or storage.is_storage(dst)):
@@ -199,10 +206,8 @@ def _storage_cast(src: np.dtype, dst: np.dtype) -> Kernel:
 
 # ----------------------------------------------------------------------------------------- linalg
 
-@register("matmul")
+@register("matmul", views=blas.accepts_view)
 def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import blas
-
     tf32 = attrs["precision"] == "tf32"
     direct = blas.prepare_matmul(device, ins[0], ins[1], outs[0], tf32=tf32)
     if direct is not None:  # cuBLAS called directly: capturable into a CUDA graph
@@ -216,7 +221,7 @@ def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("gemm")
+@register("gemm", views=blas.accepts_view)
 def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
@@ -224,8 +229,6 @@ def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
     dtype = outs[0].dtype
     alpha_c, beta_c = dtype.type(alpha), dtype.type(beta)
     has_c = len(ins) == 3
-    from polyhal_cuda import blas
-
     direct = blas.prepare_gemm(device, ins[0], ins[1], outs[0], trans_a, trans_b, alpha, beta if has_c else 0.0,
                                tf32=attrs["precision"] == "tf32")
     if direct is not None:
@@ -265,7 +268,7 @@ _REDUCERS = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "amax", "
              "reduce_prod": "prod"}
 
 
-@register(*_REDUCERS)
+@register(*_REDUCERS, views=True)
 def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     axes, keepdims = normalize_axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
@@ -294,7 +297,7 @@ def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("argmax", "argmin")
+@register("argmax", "argmin", views=True)
 def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     fn = cp.argmax if op == "argmax" else cp.argmin
@@ -306,7 +309,7 @@ def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("cumsum", "cumprod")
+@register("cumsum", "cumprod", views=True)
 def _cumulative(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     axis = int(attrs["axis"]) % ins[0].rank
@@ -327,10 +330,8 @@ def _cumulative(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("linear")
+@register("linear", views=blas.accepts_view)
 def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import blas
-
     cp = _cupy()
     x_t, w_t, b_t = ins
     k, n = w_t.shape
@@ -353,7 +354,7 @@ def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
     return linear_cupy
 
 
-@register("bitcast")
+@register("bitcast", views=True)
 def _bitcast(device, op, attrs, ins, outs, binding) -> Kernel:
     copyto, src = _cupy().copyto, storage.bits_dtype(ins[0].dtype)
 
@@ -371,7 +372,7 @@ def _rowwise(device, op, attrs, ins, outs, binding) -> Kernel:
 
 # ----------------------------------------------------------------------------------------- shape
 
-@register("transpose")
+@register("transpose", views=True)
 def _transpose(device, op, attrs, ins, outs, binding) -> Kernel:
     copyto = _cupy().copyto
     rank = ins[0].rank
@@ -382,16 +383,16 @@ def _transpose(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("reshape")
+@register("reshape", views=True)
 def _reshape(device, op, attrs, ins, outs, binding) -> Kernel:
-    copyto, shape = _cupy().copyto, outs[0].shape
+    copyto = _cupy().copyto
 
     def kernel(x, out):
-        copyto(out, x.reshape(shape))
+        copyto(out.reshape(x.shape), x)  # out is dense, so this is a view of it: no temporary, even of a strided x
     return kernel
 
 
-@register("concat")
+@register("concat", views=True)
 def _concat(device, op, attrs, ins, outs, binding) -> Kernel:
     """One launch for all operands (cupy's concatenate makes one copy per operand: a DenseNet
     concat of 30 feature maps took 90 us at batch 1). The instance's offsets are compiled in."""
@@ -452,7 +453,7 @@ def _concat_function(device, sizes: list[int], inner: int, ctype: str):
     return device.module(("concat", source), build).get_function("concat"), "concat"
 
 
-@register("slice")
+@register("slice", views=True)
 def _slice(device, op, attrs, ins, outs, binding) -> Kernel:
     copyto = _cupy().copyto
     index = normalize_slice(ins[0].shape, attrs["starts"], attrs["ends"], attrs["axes"], attrs["steps"])
@@ -462,7 +463,7 @@ def _slice(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("gather")
+@register("gather", views=True)
 def _gather(device, op, attrs, ins, outs, binding) -> Kernel:
     take = _cupy().take
     axis = int(attrs["axis"]) % ins[0].rank
@@ -474,7 +475,7 @@ def _gather(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("expand")
+@register("expand", views=True)
 def _expand(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     shape = outs[0].shape
@@ -651,7 +652,7 @@ def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
 # ---------------------------------------------------------------------------- sorting, detection
 
 register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
-register("attention", scratch=attention.scratch_requests)(attention.prepare)
+register("attention", scratch=attention.scratch_requests, views=(0, 1, 2))(attention.prepare)
 register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
 
 
