@@ -16,6 +16,8 @@ Families and how they run:
   for or where the op's semantics differ from cupy's (relu, sigmoid, erf, gelu, sign, where,
   mod, bit_shift);
 * matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
+  linear through cuBLAS, or cublasLt with the bias in its epilogue where that measures faster
+  (:mod:`.blaslt`);
 * reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
 * conv and fused_conv (:mod:`.cudnn`): depthwise convs by a CUDA C kernel with the epilogue
@@ -59,7 +61,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda import attention, blas, cudnn, portable, sorting, suppression
+from polyhal_cuda import attention, blas, blaslt, cudnn, portable, sorting, suppression
 from polyhal_gpu import storage
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
@@ -347,7 +349,8 @@ def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
             copyto(o2, b)  # the bias, broadcast; cuBLAS adds x @ w to it
             direct(x.reshape(m, k), w, o2)
         linear.kernel_name = "cublasGemmStridedBatchedEx (linear)"  # type: ignore[attr-defined]
-        return linear
+        # cublasLt with the bias in its epilogue where it measures faster for this shape
+        return blaslt.prepare_linear(device, x_t.dtype, m, k, n, attrs["precision"] == "tf32", linear) or linear
 
     def linear_cupy(x, w, b, out):
         copyto(out, cp.matmul(x, w) + b, casting="unsafe")
