@@ -1,5 +1,6 @@
-"""Views in the bufferize pass: reshapes (every device) and transposes (devices whose kernels take
-strided operands) of intermediates share their operand's buffer and run no kernel."""
+"""Views in the bufferize pass: reshapes, transposes, slices and gathers of one constant index of
+intermediates share their operand's buffer and run no kernel, where every consumer accepts the
+view (``Device.accepts_view``; row-major views from offset 0 everywhere)."""
 
 from __future__ import annotations
 

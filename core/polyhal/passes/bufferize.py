@@ -64,7 +64,8 @@ if TYPE_CHECKING:
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
 
-__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch", "plan_offsets"]
+__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch", "plan_offsets",
+           "plan_views"]
 
 #: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
 VALUE_ALIGNMENT = 256
