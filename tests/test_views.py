@@ -1,5 +1,6 @@
-"""Views in the bufferize pass: reshapes (every device) and transposes (devices whose kernels take
-strided operands) of intermediates share their operand's buffer and run no kernel."""
+"""Views in the bufferize pass: reshapes, transposes, slices and gathers of one constant index of
+intermediates share their operand's buffer and run no kernel, where every consumer accepts the
+view (``Device.accepts_view``; row-major views from offset 0 everywhere)."""
 
 from __future__ import annotations
 
@@ -198,7 +199,7 @@ def test_the_split_of_q_k_and_v_is_three_views_at_offsets(monkeypatch, strided):
     views = {w.value.name: w for w in plan.buffer_plan.views}
     assert sorted((w.offset, w.strides) for w in views.values()) == [(0, None), (256, None), (512, None)]
     assert plan.buffer_plan.peak_bytes == (3 + 1) * 4 * 64 * 4  # exp's result and q * k: no copies of q, k, v
-    assert "256 elements in" in plan.explain()
+    assert "offset 256" in plan.explain()
     xs = np.random.default_rng(4).uniform(-1, 1, (3, 4, 64)).astype(np.float32)
     e = np.exp(xs)
     np.testing.assert_allclose(plan(xs).numpy(), e[0] * e[1] + e[2], rtol=1e-6)
@@ -225,3 +226,97 @@ def test_slices_are_views_where_their_layout_allows(monkeypatch, strided):
     got = [t.numpy() for t in plan(xs)]
     for g, w in zip(got, [ex[2:4] + ex[1:3], -ex[:, 1:64:2], -ex[:2, 1:], -ex[3::-1]]):
         np.testing.assert_allclose(g, w, rtol=1e-6)
+
+
+def _slices_and_gathers_program():
+    """qkv -> reshape (3, heads, seq, dh) -> gather q, k, v of one index -> slices of them."""
+    b = polyhal.ProgramBuilder("pick")
+    x = b.input("x", (12, 8))
+    qkv = b.reshape(b.exp(x), shape=[3, 2, 4, 4])  # row-major view
+    q = b.gather(qkv, b.constant(np.array(0, np.int64)), axis=0)  # (2, 4, 4) at offset 0
+    k = b.gather(qkv, b.constant(np.array(-2, np.int64)), axis=0)  # index 1, from the end
+    v = b.gather(qkv, b.constant(np.array([2], np.int64)), axis=0)  # (1, 2, 4, 4): keeps the axis
+    cols = b.slice(q, starts=[1], ends=[4], axes=[2], steps=[2])  # (2, 4, 2): strided
+    b.output(b.add(k, q), b.neg(v), b.mul(cols, cols))
+    return b.build()
+
+
+def _pick_expected(x):
+    qkv = np.exp(x.astype(np.float64)).reshape(3, 2, 4, 4)
+    q, k, v = qkv[0], qkv[1], qkv[2:3]
+    cols = q[:, :, 1:4:2]
+    return k + q, -v, cols * cols
+
+
+def test_slices_and_gathers_of_one_index_are_views_at_an_offset():
+    plan = polyhal.compile(_slices_and_gathers_program(), "cpu:0")
+    views = {w.value.name: w for w in plan.buffer_plan.views}
+    # the strided slice is a copy on the CPU (its loops would copy it again per run); the
+    # row-major blocks are views at any offset there
+    assert set(views) == {"reshape", "gather", "gather1", "gather2"}
+    assert (views["gather1"].offset, views["gather1"].strides) == (32, None)
+    assert views["gather2"].offset == 64 and "slice" in {op.name for op in plan._step_ops}
+    assert "offset 64" in plan.explain()
+    x = np.random.default_rng(3).uniform(-1, 1, (12, 8)).astype(np.float32)
+    for got, want in zip(plan(x), _pick_expected(x)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_views_are_made_only_where_every_consumer_accepts_them(monkeypatch):
+    """A device whose kernels take views for some ops only: neg and mul accept them, add does not."""
+    asked = []
+
+    def accepts_view(self, op, attrs, in_types, out_types, index, strides, offset):
+        asked.append(op)
+        return op in ("neg", "mul")
+
+    monkeypatch.setattr(CPUDevice, "strided_views", False)
+    monkeypatch.setattr(CPUDevice, "accepts_view", accepts_view)
+    plan = polyhal.compile(_slices_and_gathers_program(), "cpu:0")
+    views = {w.value.name for w in plan.buffer_plan.views}
+    # q (offset 0, row-major) is plain; k is read by add, which refuses it at offset 32; v and the
+    # slice are read by neg and mul only.
+    assert views == {"reshape", "gather", "gather2", "slice"}
+    assert "add" in asked
+    x = np.random.default_rng(4).uniform(-1, 1, (12, 8)).astype(np.float32)
+    for got, want in zip(plan(x), _pick_expected(x)):
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_refused_view_makes_views_of_it_views_of_its_copy(monkeypatch):
+    """transpose -> reshape (no copy needed) -> exp, where only the reshape kernel takes views."""
+    monkeypatch.setattr(CPUDevice, "strided_views", False)
+    monkeypatch.setattr(CPUDevice, "accepts_view",
+                        lambda self, op, attrs, ins, outs, index, strides, offset: op == "reshape")
+    b = polyhal.ProgramBuilder("chain")
+    x = b.input("x", (4, 3, 5))
+    t = b.transpose(b.neg(x), perm=[1, 0, 2])  # (3, 4, 5), strided
+    r = b.reshape(t, shape=[3, 2, 2, 5])  # splits the 4: no copy needed, still strided
+    b.output(b.exp(r))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    # exp refuses the strided reshape; the refused reshape is a kernel that reads the transpose,
+    # which the reshape kernel accepts: the transpose stays a view, the reshape copies.
+    assert {w.value.name for w in plan.buffer_plan.views} == {"transpose"}
+    xs = np.linspace(-1, 1, 60, dtype=np.float32).reshape(4, 3, 5)
+    np.testing.assert_allclose(plan(xs).numpy(), np.exp(-xs.transpose(1, 0, 2).reshape(3, 2, 2, 5)), rtol=1e-6)
+
+
+def test_reshaped_strides_match_numpy():
+    from polyhal.dlpack import reshaped_strides
+
+    a = np.arange(120.0).reshape(2, 3, 4, 5)
+    cases = [(a.transpose(1, 0, 2, 3), (3, 2, 20)), (a.transpose(1, 0, 2, 3), (6, 20)),
+             (a[:, :, ::2], (6, 2, 5)), (a[:, :, ::2], (2, 3, 10)), (a.transpose(0, 1, 3, 2), (6, 5, 4)),
+             (a.transpose(0, 1, 3, 2), (6, 20)), (a[:, 1], (1, 2, 1, 20, 1))]
+    for view, shape in cases:
+        got = reshaped_strides(view.shape, tuple(s // 8 for s in view.strides), shape)
+        try:
+            v = view.view()
+            v.shape = shape  # numpy's no-copy reshape, or AttributeError
+            want = tuple(s // 8 for s in v.strides)
+        except AttributeError:
+            want = None
+        if want is None or got is None:
+            assert got == want, (view.shape, view.strides, shape)
+        else:  # strides of dims of size 1 are free
+            assert all(g == w for g, w, d in zip(got, want, shape) if d != 1), (shape, got, want)

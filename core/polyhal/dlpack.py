@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
+import math
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from polyhal.errors import DLPackError
 __all__ = [
     "DLPACK_VERSION", "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED",
     "DLDeviceType", "ImportedTensor", "dlpack_dtype", "export_capsule", "from_capsule",
-    "numpy_dtype", "request_capsule",
+    "numpy_dtype", "request_capsule", "reshaped_strides", "row_major_strides",
 ]
 
 #: The (major, minor) DLPack version this module produces; it reads any 1.x.
@@ -256,6 +257,40 @@ def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(step)
         step *= max(extent, 1)
     return tuple(reversed(strides))
+
+
+def reshaped_strides(shape: tuple[int, ...], strides: tuple[int, ...], new_shape: tuple[int, ...]
+              ) -> tuple[int, ...] | None:
+    """Element strides that lay ``new_shape`` over the elements of a ``shape`` with element
+    ``strides`` in the same (row-major) order, or None when only a copy can (numpy's no-copy
+    reshape: dims merge only where they are contiguous among themselves)."""
+    if math.prod(shape) != math.prod(new_shape):
+        return None
+    if math.prod(shape) == 0:
+        return tuple(row_major_strides(new_shape))
+    old = [(d, s) for d, s in zip(shape, strides) if d != 1]
+    out = [0] * len(new_shape)
+    oi = ni = 0
+    while ni < len(new_shape) and oi < len(old):
+        oj, nj = oi + 1, ni + 1
+        o_size, n_size = old[oi][0], new_shape[ni]
+        while o_size != n_size:
+            if n_size < o_size:
+                n_size *= new_shape[nj]
+                nj += 1
+            else:
+                o_size *= old[oj][0]
+                oj += 1
+        for k in range(oi, oj - 1):  # the merged old dims must be contiguous among themselves
+            if old[k][1] != old[k + 1][0] * old[k + 1][1]:
+                return None
+        out[nj - 1] = old[oj - 1][1]
+        for k in range(nj - 1, ni, -1):
+            out[k - 1] = out[k] * new_shape[k]
+        oi, ni = oj, nj
+    for k in range(ni, len(new_shape)):  # trailing dims of size 1
+        out[k] = 1
+    return tuple(out)
 
 
 def export_capsule(*, data_ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,

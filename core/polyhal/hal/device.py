@@ -35,10 +35,9 @@ class Device:
     #: DLPack device type of this device's device-local memory (see polyhal.dlpack.DLDeviceType).
     dlpack_device_type: int = 1
 
-    #: Whether this device's kernels take strided (not row-major) operands. Then the bufferize
-    #: pass makes a ``transpose`` whose operand is an intermediate a strided view of that
-    #: operand's buffer instead of a copy (its consumers read the view). Results are always
-    #: written row-major.
+    #: Whether every kernel of this device takes strided (not row-major) operands at any offset
+    #: (then :meth:`accepts_view` says yes for every op; otherwise each kernel's registration
+    #: answers). Results are always written row-major.
     strided_views: bool = False
 
     def __init__(self, spec: DeviceSpec, allocator: Allocator | None = None) -> None:
@@ -62,6 +61,24 @@ class Device:
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+    def accepts_view(self, op: str, attrs: Mapping[str, Any], in_types: Sequence[TensorType],
+                     out_types: Sequence[TensorType], index: int, strides: tuple[int, ...], offset: int) -> bool:
+        """Whether this device's kernel for ``op`` reads its operand ``index`` as a view: element
+        ``strides`` over a buffer (not necessarily row-major), starting ``offset`` elements into it.
+
+        The bufferize pass asks before it makes a data-movement op (transpose, reshape, slice,
+        gather of one index) a view instead of a copy: it does so only when every consumer of the
+        result accepts the view (IREE's "fold the copy into the consumer"); otherwise the op
+        copies. Backends answer per op and operand -- a library GEMM takes a transposed matrix
+        through its op flag and leading dimension, an elementwise kernel any strides; the
+        default answers True on a device with :attr:`strided_views`, else what the kernel's
+        registration in :attr:`kernels` declared (``register(..., views=...)``).
+        """
+        if self.strided_views:
+            return True
+        return self.kernels is not None and self.kernels.accepts_view(op, attrs, in_types, out_types, index,
+                                                                      strides, offset)
 
     def memory_available(self) -> int | None:
         """Bytes this device could still allocate, as far as polyhal can tell; None if unknown.

@@ -30,6 +30,14 @@ whose launch shape depends on the instance). Prepared outside a plan, a kernel w
 the binding of the table's ``standalone(device, requests)``, or None when the table has none
 (then the builder allocates its scratch itself, once, at prepare -- never per call).
 
+A kernel that reads operands through any strides declares it where it is registered too,
+``register(..., views=...)``: ``True`` (every operand, any strides and offset: cupy's elementwise
+and reduction kernels), a set of operand indices, or a *viewer* ``viewer(op, attrs, in_types,
+out_types, index, strides, offset) -> bool`` (a library GEMM takes a transposed matrix through
+its op flag, not any strides). The bufferize pass asks it (``Device.accepts_view``) before it
+turns a transpose, slice or gather feeding the kernel into a view; undeclared kernels get
+row-major operands.
+
 What every ``prepare`` checks before a builder runs is written here, once: an op polyhal does
 not define, or one the table has no kernel for, is a KernelNotFoundError naming what the backend
 offers; encoded (non row-major) operands are refused, since kernels of a table take dense
@@ -55,7 +63,7 @@ from polyhal.hal.scratch import KernelInfo, Problem, ScratchBinding, ScratchDecl
 from polyhal.ir.types import STORAGE_DTYPES, TensorType, storage_bits
 from polyhal.ops import OPS, resolve_attrs
 
-__all__ = ["Builder", "Declarer", "Kernel", "KernelTable", "noop"]
+__all__ = ["Builder", "Declarer", "Kernel", "KernelTable", "Viewer", "noop"]
 
 #: A prepared kernel: ``fn(*inputs, *outputs)``, writing into the outputs.
 Kernel = Callable[..., None]
@@ -63,6 +71,9 @@ Kernel = Callable[..., None]
 Builder = Callable[..., Union[Kernel, None]]
 #: ``declarer(device, op, attrs, in_types, out_types) -> Sequence[ScratchRequest]``.
 Declarer = Callable[..., Sequence[ScratchRequest]]
+#: ``viewer(op, attrs, in_types, out_types, index, strides, offset) -> bool``: whether a kernel reads
+#: operand ``index`` as a view (element ``strides``, element ``offset``).
+Viewer = Callable[..., bool]
 #: ``standalone(device, requests) -> ScratchBinding``: scratch for a kernel prepared without a plan.
 Standalone = Callable[[Any, tuple[ScratchRequest, ...]], ScratchBinding]
 
@@ -95,6 +106,18 @@ def _as_bits(op: str, attrs: Mapping[str, Any], in_types: tuple, out_types: tupl
     return attrs, tuple(map(bits, in_types)), tuple(map(bits, out_types))
 
 
+def _viewer(views: bool | Iterable[int] | Viewer) -> Viewer | None:
+    """The viewer of a registration's ``views`` (None: no strided operand)."""
+    if views is False:
+        return None
+    if views is True:
+        return lambda *args: True
+    if callable(views):
+        return views
+    indices = frozenset(int(i) for i in views)
+    return lambda op, attrs, ins, outs, index, strides, offset: index in indices
+
+
 class KernelTable:
     """One backend's kernels: op -> builder, op -> scratch declaration.
 
@@ -118,16 +141,20 @@ class KernelTable:
         self.builders: dict[str, Builder] = {}
         #: op -> its kernel's scratch: ScratchDecls, or a declarer (ops with scratch only).
         self.declarations: dict[str, tuple[ScratchDecl, ...] | Declarer] = {}
+        #: op -> which strided operands its kernel reads (ops declared with ``views`` only).
+        self.viewers: dict[str, Viewer] = {}
 
     def __repr__(self) -> str:
         return f"<KernelTable {self.backend}: {len(self.builders)} ops>"
 
-    def register(self, *names: str, scratch: Sequence[ScratchDecl] | Declarer | None = None
-                 ) -> Callable[[Builder], Builder]:
+    def register(self, *names: str, scratch: Sequence[ScratchDecl] | Declarer | None = None,
+                 views: bool | Iterable[int] | Viewer = False) -> Callable[[Builder], Builder]:
         """Decorator: the builder of the ops ``names``; ``scratch``, the scratch its kernels
-        need (ScratchDecls, or a declarer; see the module docstring). An op registered twice,
-        or one that :data:`polyhal.ops.OPS` does not define, is a PluginError."""
+        need (ScratchDecls, or a declarer); ``views``, the strided operands they read (see the
+        module docstring). An op registered twice, or one that :data:`polyhal.ops.OPS` does not
+        define, is a PluginError."""
         decls = scratch if scratch is None or callable(scratch) else tuple(scratch)
+        viewer = _viewer(views)
 
         def deco(builder: Builder) -> Builder:
             for n in names:
@@ -140,8 +167,20 @@ class KernelTable:
                 self.builders[n] = builder
                 if decls:
                     self.declarations[n] = decls
+                if viewer is not None:
+                    self.viewers[n] = viewer
             return builder
         return deco
+
+    def accepts_view(self, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
+                     out_types: Sequence["TensorType"], index: int, strides: tuple[int, ...], offset: int) -> bool:
+        """Whether the kernel of ``op`` reads operand ``index`` as a view (the core's
+        ``Device.accepts_view``): what its registration declared, False for undeclared kernels."""
+        viewer = self.viewers.get(op)
+        if viewer is None:
+            return False
+        return bool(viewer(op, resolve_attrs(op, attrs), tuple(in_types), tuple(out_types), index, tuple(strides),
+                           offset))
 
     def holds_storage(self, op: str) -> bool:
         """Whether this table's kernel of ``op`` takes operands of the storage-only element types."""

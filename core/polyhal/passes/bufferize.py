@@ -22,24 +22,25 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    is built, through ``select_allocator``; the peak is the sum of their sizes, reported beside
    the unplanned peak (one buffer per intermediate and per global scratch, which is what a plan
    without this pass allocates).
-4. **Views** (before 3, as the ops are walked). An op of :data:`VIEW_OPS` whose result is its
-   operand's bytes seen anew gets no buffer and no kernel: its result is a :class:`View` of the
-   buffer that holds the operand, whose lifetime grows to cover the view's uses (IREE folds
-   ``flow.tensor.reshape`` the same way). ``reshape`` and ``identity`` of a row-major operand
-   are row-major views on every device, and so is a ``pad`` that pads nothing (Swin's window
-   partition pads by zero wherever the feature map is a multiple of the window: a copy of a
-   whole feature map otherwise). A ``slice`` (positive steps) and a ``gather`` by a constant
-   index of one element (attention's split of q, k and v) select a block of their operand: a
-   row-major view at an offset into its bytes where the block lies in order there (at an
-   offset aligned as intermediates are, on devices without strided views). A strided block
-   stays a copy even on the CPU: its consumers would make their own contiguous copies
-   (Swin-T b8 peaked 33 MB higher with them). ``transpose`` is a strided view on devices whose
-   kernels take strided operands (:attr:`~polyhal.hal.device.Device.strided_views`: the CPU);
-   elsewhere it stays a copy, as does a reshape of a strided view. A view needs an operand
-   whose buffer the plan owns: the result of an op of the program, not a program input, a
-   constant or a program output (those change per run or are handed to the caller), and it is
-   never itself a program output (those are fresh, row-major tensors per run): those cases
-   keep the op, which copies. The plan runs no step for an op whose result is a view.
+4. **Views** (before 2). An op of :data:`VIEW_OPS` whose result is its operand's bytes seen
+   anew gets no buffer and no kernel: its result is a :class:`View` of the buffer that holds the
+   operand (element strides and an element offset over it), whose lifetime grows to cover the
+   view's uses (IREE folds ``flow.tensor.reshape`` the same way, and folds a strided
+   ``tensor.extract_slice`` into its consumers). ``reshape`` and ``identity`` keep the operand's
+   layout (a reshape of a strided view only where no copy is needed, as numpy's); ``transpose``
+   permutes strides; ``slice`` with positive steps and ``gather`` of one constant index move the
+   offset and scale strides; a ``pad`` that pads nothing is the operand (Swin's window partition
+   pads by zero wherever the feature map is a multiple of the window). A view that is row-major
+   at an offset aligned as an intermediate's is valid everywhere (attention's split of q, k and v
+   on any device); any other is made only when every consumer accepts it
+   (:meth:`~polyhal.hal.device.Device.accepts_view`: the CPU's kernels take any strides, a CUDA
+   GEMM a transposed matrix, ...), decided to a fixed point (refusing one view turns views of it
+   into views of a copy, whose consumers are asked again); otherwise the op stays and copies. A
+   view needs an operand whose buffer the plan owns: the result of an op of the program, not a
+   program input, a constant or a program output (those change per run or are handed to the
+   caller), and it is never itself a program output (those are fresh, row-major tensors per
+   run): those cases keep the op, which copies. The plan runs no step for an op whose result
+   is a view.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from polyhal.dlpack import row_major_strides
+from polyhal.dlpack import reshaped_strides, row_major_strides
 from polyhal.errors import OutOfMemoryError, PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.scratch import (
@@ -65,7 +66,8 @@ if TYPE_CHECKING:
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
 
-__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch", "plan_offsets"]
+__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch", "plan_offsets",
+           "plan_views"]
 
 #: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
 VALUE_ALIGNMENT = 256
@@ -77,12 +79,13 @@ SCRATCH_ALIGNMENT = 4096
 _INTERMEDIATE = MemoryType.DEVICE_LOCAL
 _HOST_READ = MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE
 
-#: Ops whose result may be a view of the operand's bytes instead of a copy (see the module doc):
-#: "row-major" views are valid on every device and need a row-major operand; a "strided" one
-#: (transpose) is a view wherever its result is row-major, and a strided view on devices with
-#: ``strided_views``; a "block" (slice, gather) is a view only where its result is row-major.
-VIEW_OPS: dict[str, str] = {"reshape": "row-major", "identity": "row-major", "pad": "row-major",
-                            "transpose": "strided", "slice": "block", "gather": "block"}
+#: Ops whose result may be a view of the operand's bytes instead of a copy (see the module doc),
+#: and how the view's strides follow from the operand's: "reshape" keeps the layout, "transpose"
+#: permutes it, "slice" and "gather" (of one constant index) move the offset, and "pad" is a view
+#: only where it pads nothing (Swin's window partition pads by zero wherever the feature map is
+#: a multiple of the window: a copy of a whole feature map otherwise).
+VIEW_OPS: dict[str, str] = {"reshape": "reshape", "identity": "reshape", "pad": "pad", "transpose": "transpose",
+                            "slice": "slice", "gather": "gather"}
 
 
 @dataclass
@@ -116,7 +119,7 @@ class PlannedBuffer:
 class View:
     """An intermediate that is a view of another intermediate's buffer: no bytes of its own and
     no kernel. ``source`` owns the bytes (it is never a view itself); ``strides`` are the view's
-    element strides over them (``None``: row-major), starting ``offset`` elements in;
+    element strides over them (``None``: row-major) and ``offset`` the element it starts at;
     ``op_index`` is the op it replaces."""
 
     value: "Value"
@@ -125,6 +128,12 @@ class View:
     op_index: int
     op: str = ""
     offset: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """Row-major, at an offset aligned as an intermediate's would be: valid for every consumer
+        on every device (each reads its operands at such offsets in an arena anyway)."""
+        return self.strides is None and self.offset * self.value.type.dtype.itemsize % VALUE_ALIGNMENT == 0
 
 
 @dataclass
@@ -178,7 +187,7 @@ class BufferPlan:
                          f"({b.usage.describe()})")
         for w in self.views:
             how = "row-major" if w.strides is None else f"strides {list(w.strides)}"
-            how += f", {w.offset} elements in" if w.offset else ""
+            how += f", offset {w.offset}" if w.offset else ""
             lines.append(f"  view %{w.value.name} of %{w.source.name}'s buffer ({w.op} at op {w.op_index}, "
                          f"{how}): no copy")
         for vid, mt in self.output_memory.items():
@@ -311,9 +320,9 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
     last: dict[int, int] = {}
     usage: dict[int, BufferUsage] = {}
     values: dict[int, "Value"] = {}
-    owner: dict[int, "Value"] = {}  # view value id -> the value whose buffer it views
-    layout: dict[int, tuple[tuple[int, ...] | None, int]] = {}  # view value id -> (strides, offset)
-    constants = {v.id: data for v, data in program.constants}
+    views = plan_views(program, registry, frozenset(plan.scratch))
+    plan.views = [views[i] for i in sorted(views)]
+    owner = {w.value.id: w.source for w in plan.views}  # view value id -> the value whose buffer it views
     for i, op in enumerate(ops):
         for v in op.inputs:
             vid = owner[v.id].id if v.id in owner else v.id
@@ -321,11 +330,7 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
                 last[vid] = i
                 usage[vid] |= (BufferUsage.TRANSFER_SOURCE if op.kind == "transfer"
                                else BufferUsage.DISPATCH_STORAGE_READ)
-        view = None if i in plan.scratch else _as_view(op, i, registry, values, owner, layout, output_ids, constants)
-        if view is not None:
-            plan.views.append(view)
-            owner[view.value.id] = view.source
-            layout[view.value.id] = (view.strides, view.offset)
+        if i in views:
             continue
         for v in op.outputs:
             if v.id in output_ids:
@@ -369,62 +374,103 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
     return plan
 
 
-def _as_view(op: "Op", index: int, registry: "Registry", values: dict, owner: dict, layout: dict,
-             output_ids: set, constants: dict) -> View | None:
-    """The :class:`View` that replaces ``op``, or None when it must run (see the module doc)."""
+def plan_views(program, registry: "Registry", keep: frozenset[int] = frozenset()) -> dict[int, View]:
+    """The ops of ``program`` (by index) whose result is a :class:`View` (see the module doc);
+    ``keep``: ops that must run (they have scratch). Views are proposed in program order, then
+    each one that is not plain is checked against its consumers; refused ones copy, and the
+    proposal is made again until no consumer refuses."""
+    ops = program.ops
+    output_ids = {v.id for v in program.outputs}
+    owned = {v.id for op in ops for v in op.outputs if v.id not in output_ids}
+    constants = {v.id: data for v, data in program.constants}
+    consumers: dict[int, list[tuple[int, int]]] = {}
+    for j, op in enumerate(ops):
+        for k, v in enumerate(op.inputs):
+            consumers.setdefault(v.id, []).append((j, k))
+    refused = set(keep)
+    while True:
+        views: dict[int, View] = {}
+        of_value: dict[int, View] = {}
+        for i, op in enumerate(ops):
+            if i not in refused:
+                view = _as_view(op, i, of_value, owned, output_ids, constants)
+                if view is not None:
+                    views[i] = of_value[view.value.id] = view
+        bad = {i for i, w in views.items() if not w.plain and not all(
+            j in views or _accepts(registry, ops[j], k, w, ops[i]) for j, k in consumers.get(w.value.id, ()))}
+        if not bad:
+            return views
+        refused |= bad
+
+
+def _accepts(registry: "Registry", consumer: "Op", index: int, view: View, producer: "Op") -> bool:
+    """Whether ``consumer`` reads ``view`` as its operand ``index`` without a copy."""
+    if consumer.kind != "dispatch":  # a transfer or encode reads it through its device's copies
+        return bool(getattr(registry.get_device(producer.device), "strided_views", False))
+    device = registry.get_device(consumer.device)
+    if view.op in ("slice", "gather") and view.strides is not None and getattr(device, "strided_views", False):
+        # Such a device says yes to any strides, but its compiled loops copy a strided operand
+        # again, per run: a strided block stays a copy there (on the CPU, Swin-T b8 peaked 33 MB
+        # higher with them); transposes were measured to pay as views.
+        return False
+    strides = view.strides if view.strides is not None else tuple(row_major_strides(view.value.type.shape))
+    return bool(device.accepts_view(
+        consumer.name, dict(consumer.attrs), tuple(v.type for v in consumer.inputs),
+        tuple(v.type for v in consumer.outputs), index, strides, view.offset))
+
+
+def _as_view(op: "Op", index: int, of_value: dict, owned: set, output_ids: set, constants: dict) -> View | None:
+    """The :class:`View` that would replace ``op``, or None when it must run (see the module doc)."""
     kind = VIEW_OPS.get(op.name)
     if kind is None or op.kind != "dispatch" or not op.inputs or len(op.outputs) != 1:
         return None
-    src, out = op.inputs[0], op.outputs[0]
-    source = owner.get(src.id, src)
-    if (out.id in output_ids or source.id not in values or src.type.encoding is not None
-            or out.type.encoding is not None or src.type.dtype != out.type.dtype or out.type.size == 0):
+    src, (out,) = op.inputs[0], op.outputs
+    base = of_value.get(src.id)
+    source = base.source if base is not None else src
+    if (out.id in output_ids or source.id not in owned or src.type.encoding is not None
+            or out.type.encoding is not None or src.type.dtype != out.type.dtype
+            or len(op.inputs) != (2 if kind == "gather" else 1)):
         return None
-    strides, offset = layout.get(src.id, (None, 0))  # None: src is row-major over the source's bytes
-    if kind == "row-major":
-        if (strides is not None or len(op.inputs) != 1 or src.type.size != out.type.size
-                or (op.name == "pad" and any(int(p) for p in dict(op.attrs)["pads"]))):
+    strides = base.strides if base is not None and base.strides is not None else tuple(
+        row_major_strides(src.type.shape))
+    offset = base.offset if base is not None else 0
+    attrs = dict(op.attrs)
+    shape = src.type.shape
+    if kind == "pad":
+        if any(int(p) for p in attrs["pads"]):
             return None
-        return View(out, source, None, index, op.name, offset)
-    base = strides if strides is not None else tuple(row_major_strides(src.type.shape))
-    selected = _selection(op, base, constants)
-    if selected is None:
-        return None
-    new, moved = selected
-    offset += moved
-    strided = getattr(registry.get_device(op.device), "strided_views", False)
-    if _row_major(out.type.shape, new):
-        # Its bytes lie in order from the offset: a row-major view wherever the offset is aligned
-        # as an intermediate's would be (kernels of other devices may rely on that).
-        aligned = offset * src.type.dtype.itemsize % VALUE_ALIGNMENT == 0
-        return View(out, source, None, index, op.name, offset) if aligned or strided else None
-    return View(out, source, new, index, op.name, offset) if strided and kind == "strided" else None
-
-
-def _selection(op: "Op", base: tuple[int, ...], constants: dict) -> tuple[tuple[int, ...], int] | None:
-    """The element strides of the result of a ``transpose``, ``slice`` or ``gather`` over its
-    operand's bytes (laid out by ``base``) and the offset it starts at; None where it is no view
-    (a slice with a negative step, a gather by more than one index or by a computed one)."""
-    attrs, shape = dict(op.attrs), op.inputs[0].type.shape
-    if op.name == "transpose":
+        new = strides
+    elif kind == "reshape":
+        new = reshaped_strides(shape, strides, out.type.shape)
+    elif kind == "transpose":
         perm = attrs.get("perm")
-        perm = tuple(reversed(range(len(shape)))) if perm is None else tuple(int(p) for p in perm)
-        return tuple(base[p] for p in perm), 0
-    if op.name == "slice":
-        index = normalize_slice(shape, attrs["starts"], attrs["ends"], attrs.get("axes"), attrs.get("steps"))
-        bounds = [s.indices(d) for s, d in zip(index, shape)]
-        if any(step <= 0 for _, _, step in bounds):
+        perm = tuple(reversed(range(src.type.rank))) if perm is None else tuple(int(p) for p in perm)
+        new = tuple(strides[p] for p in perm)
+    elif kind == "slice":
+        index_ = normalize_slice(shape, attrs["starts"], attrs["ends"], attrs.get("axes"), attrs.get("steps"))
+        if any(s.step is not None and s.step <= 0 for s in index_):
+            return None  # a reversed slice would need negative strides
+        new = list(strides)
+        for axis, sl in enumerate(index_):
+            start, _stop, step = sl.indices(shape[axis])
+            if start < shape[axis]:
+                offset += start * strides[axis]
+            new[axis] = strides[axis] * step
+        new = tuple(new)
+    else:  # gather of one constant index along an axis
+        data = constants.get(op.inputs[1].id)
+        if data is None or data.size != 1 or data.dtype.kind not in "iu":
             return None
-        return (tuple(b * step for b, (_, _, step) in zip(base, bounds)),
-                sum(b * start for b, (start, _, _) in zip(base, bounds)))
-    ids = constants.get(op.inputs[1].id) if len(op.inputs) == 2 else None
-    if ids is None or ids.size != 1:
+        axis = int(attrs.get("axis", 0)) % src.type.rank
+        at = int(data.reshape(-1)[0])
+        at += shape[axis] if at < 0 else 0
+        if not 0 <= at < shape[axis]:
+            return None  # out of range: the kernel's semantics (and errors) apply
+        offset += at * strides[axis]
+        new = strides[:axis] + (strides[axis],) * data.ndim + strides[axis + 1:]
+    if new is None or len(new) != out.type.rank:
         return None
-    axis = int(attrs.get("axis", 0)) % len(shape)
-    i = int(ids.reshape(()))
-    if not -shape[axis] <= i < shape[axis]:
-        return None  # out of range: the kernel reports it
-    return base[:axis] + (base[axis],) * ids.ndim + base[axis + 1:], (i % shape[axis]) * base[axis]
+    return View(out, source, None if _row_major(out.type.shape, new) else new, index, op.name, offset)
 
 
 def _row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:

@@ -8,7 +8,9 @@ per call, and no CUDA graph): 4.5 ms for the example transformer block against 0
 Per call: the scores ``(B, Lq, Lk)`` = scale * q @ k^T (``cublasGemmStridedBatchedEx``, k read
 transposed), the probabilities by ``softmax_rows`` into a second buffer, then probabilities @ v
 into the output. q, k and v usually arrive as strided views of the heads of a projection; cuBLAS
-takes dense matrices, so those are first copied into dense scratch (one elementwise copy each).
+reads those whose matrices have contiguous rows (or columns) and sit at one batch stride as they
+are (:func:`.blas.operand_layout`), the others are first copied into dense scratch (one
+elementwise copy each).
 All of it -- scores, probabilities, the dense copies, a dense output where the output is a view
 -- is global scratch the plan's bufferization places (:func:`scratch_requests`); the kernel
 allocates nothing and is captured into the plan's CUDA graph like any other step.
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from polyhal.dlpack import reshaped_strides
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
 from polyhal.ir.types import TensorType
 
@@ -97,8 +100,11 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     def operand(x, name, shape):
         if x.flags.c_contiguous:
             return x.reshape(shape)
+        flat = reshaped_strides(x.shape, tuple(st // x.itemsize for st in x.strides), shape)
+        if flat is not None and blas.operand_layout(shape, flat) is not None:
+            return x.reshape(shape)  # no copy: cuBLAS reads the heads through ld and batch stride
         target = dense[name]
-        copyto(target.reshape(x.shape), x)  # a strided view (the heads of a projection)
+        copyto(target.reshape(x.shape), x)  # a view cuBLAS cannot read (batches at two strides)
         return target
 
     def attention(q, k, v, out):

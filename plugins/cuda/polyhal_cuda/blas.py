@@ -10,8 +10,12 @@ contraction compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`)
 ``CUBLAS_COMPUTE_32F_FAST_TF32`` per call instead, so TF32 is a per-op choice and never a
 handle-wide math mode that other plans on the device would inherit.
 
-Products it does not cover (integer types, partial batch broadcasting, non-contiguous
-operands) go through ``cupy.matmul`` as before; such plans run eagerly.
+Operands may be views (:func:`operand_layout`): a matrix whose rows or columns are contiguous
+goes to cuBLAS with the matching op flag and leading dimension, a batch whose matrices sit at
+one stride with that batch stride -- so a transpose of the last two dims, a slice of rows or
+columns, and the heads of a projection cost no copy. Products it does not cover (integer types,
+partial batch broadcasting, other operand layouts) go through ``cupy.matmul`` as before; such
+plans run eagerly.
 """
 
 from __future__ import annotations
@@ -114,6 +118,51 @@ def _batch(shape: tuple, out_batch: tuple, per: int) -> int | None:
     return None
 
 
+def operand_layout(shape: tuple, strides: tuple, trans: bool = False) -> tuple[int, int, int] | None:
+    """``(op, ld, batch_stride)`` with which cuBLAS reads an operand of ``shape`` laid out with
+    element ``strides`` (its matrix is the last two dims, transposed first with ``trans``;
+    batch dims before them), or None when it cannot: rows contiguous is ``OP_N`` with ``ld``
+    the row stride, columns contiguous ``OP_T`` with ``ld`` the column stride (our row-major
+    product is cuBLAS's column-major one, see :func:`_gemm_pointers`); the batch dims must sit
+    at one stride (0 when there is one matrix)."""
+    if len(shape) < 2:
+        return None
+    r, c = shape[-2:]
+    sr, sc = strides[-2:]
+    if trans:
+        r, c, sr, sc = c, r, sc, sr
+    if (c == 1 or sc == 1) and (r == 1 or sr >= max(c, 1)):
+        layout = (OP_N, sr if r > 1 else max(c, 1))
+    elif (r == 1 or sr == 1) and (c == 1 or sc >= max(r, 1)):
+        layout = (OP_T, sc if c > 1 else max(r, 1))
+    else:
+        return None
+    batch = [(d, st) for d, st in zip(shape[:-2], strides[:-2]) if d != 1]
+    for (_d, outer), (d, inner) in zip(batch, batch[1:]):
+        if outer != d * inner:
+            return None  # the matrices do not sit at one stride
+    return layout + (batch[-1][1] if batch else 0,)
+
+
+def accepts_view(op: str, attrs: dict, ins, outs, index: int, strides: tuple, offset: int) -> bool:
+    """Whether the cuBLAS kernel of ``op`` (matmul, gemm, linear) reads operand ``index`` as a view
+    of these element ``strides`` without a copy (a gemm's C and a linear's bias are copied into
+    the result, whatever their layout)."""
+    t = ins[index]
+    if op == "matmul":
+        return index < 2 and t.rank >= 2 and operand_layout(t.shape, strides) is not None
+    if op == "gemm":
+        return index == 2 or operand_layout(t.shape, strides, bool(attrs["trans_a" if index == 0 else "trans_b"])) \
+            is not None
+    if index == 0:  # linear's x: its leading dims must flatten to the rows of one matrix
+        from polyhal.dlpack import reshaped_strides
+
+        k = ins[1].shape[0]
+        flat = reshaped_strides(t.shape, strides, (t.size // k if k else 0, k))
+        return flat is not None and operand_layout((t.size // k if k else 0, k), flat) is not None
+    return index == 2 or operand_layout(t.shape, strides) is not None
+
+
 def prepare_matmul(device: "Device", a_t, b_t, out_t, *, tf32: bool = False):
     """A capturable ``fn(a, b, out)`` for numpy-style matmul, or None when not covered (``tf32``:
     float32 products on TF32 tensor cores)."""
@@ -162,12 +211,25 @@ def _gemm_call(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b, bat
         return None
 
     def run(a, b, out):
-        if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
-            raise CUDAError("cuBLAS path needs contiguous operands")
-        call(a.data.ptr, b.data.ptr, out.data.ptr)
+        if not out.flags.c_contiguous:
+            raise CUDAError("cuBLAS path needs a contiguous result")
+        if a.flags.c_contiguous and b.flags.c_contiguous:
+            call(a.data.ptr, b.data.ptr, out.data.ptr)
+            return
+        # a view (bufferize made it after accepts_view said yes): its own op flag, ld, batch stride
+        la = None if a.flags.c_contiguous else _layout_of(a, trans_a)
+        lb = None if b.flags.c_contiguous else _layout_of(b, trans_b)
+        if (la is None and not a.flags.c_contiguous) or (lb is None and not b.flags.c_contiguous):
+            raise CUDAError(f"cuBLAS cannot read operands of strides {a.strides} and {b.strides} (bytes)")
+        call(a.data.ptr, b.data.ptr, out.data.ptr, la, lb)
 
     run.consts = call.consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
     return run
+
+
+def _layout_of(x: Any, trans: bool) -> tuple[int, int, int] | None:
+    """:func:`operand_layout` of a strided cupy array (element strides from its byte strides)."""
+    return operand_layout(x.shape, tuple(st // x.itemsize for st in x.strides), trans)
 
 
 def prepare_strided(device: "Device", dtype: Any, m: int, n: int, k: int, batch: int, stride_a: int,
@@ -197,9 +259,12 @@ def _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b,
     op_a, ld_a = (OP_T, m) if trans_a else (OP_N, k)
     gemm = lib.cublasGemmStridedBatchedEx
 
-    def call(a_ptr: int, b_ptr: int, c_ptr: int) -> None:
-        status = gemm(handle, op_b, op_a, n, m, k, pa, b_ptr, dt, ld_b, stride_b, a_ptr, dt, ld_a,
-                      stride_a, pb, c_ptr, dt, n, stride_c, batch, ct, GEMM_DEFAULT)
+    def call(a_ptr: int, b_ptr: int, c_ptr: int, layout_a: tuple | None = None, layout_b: tuple | None = None
+             ) -> None:
+        oa, la, sa = layout_a or (op_a, ld_a, stride_a)
+        ob, lb, sb = layout_b or (op_b, ld_b, stride_b)
+        status = gemm(handle, ob, oa, n, m, k, pa, b_ptr, dt, lb, sb, a_ptr, dt, la, sa, pb, c_ptr, dt, n,
+                      stride_c, batch, ct, GEMM_DEFAULT)
         if status != 0:
             raise CUDAError(f"cublasGemmStridedBatchedEx failed with status {status}", status=status)
 

@@ -16,6 +16,8 @@ Families and how they run:
   for or where the op's semantics differ from cupy's (relu, sigmoid, erf, gelu, sign, where,
   mod, bit_shift);
 * matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
+  linear through cuBLAS, or cublasLt with the bias in its epilogue where that measures faster
+  (:mod:`.blaslt`);
 * reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
 * conv and fused_conv (:mod:`.cudnn`): depthwise convs by a CUDA C kernel with the epilogue
@@ -37,6 +39,13 @@ Families and how they run:
 * grid_sample, roi_align, det, tree_ensemble, tfidf_vectorizer (:mod:`.portable`): the C kernels
   polyhal-opencl runs too (:mod:`polyhal_gpu.portable`), compiled with NVRTC.
 
+Operands that are views (the bufferize pass folds a transpose, a slice or a gather of one index
+into its consumers instead of copying) reach the kernels registered with ``views``: cupy's
+elementwise, reduction and copy kernels take any strides; the cuBLAS products take a matrix
+whose rows or columns are contiguous and batches at one stride (:func:`.blas.accepts_view`);
+attention copies strided q, k, v into its dense scratch. The others (the row-wise, convolution,
+pooling and sorting kernels, which address rows by pointer) get dense operands.
+
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
 this backend) still runs, through :func:`host_fallback` (download, the op's numpy reference,
 upload): correct, slow, never captured. :data:`HOST_FALLBACK` names them.
@@ -53,7 +62,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda import attention, cudnn, portable, sorting, suppression
+from polyhal_cuda import attention, blas, blaslt, cudnn, portable, sorting, suppression
 from polyhal_gpu import storage
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
@@ -119,7 +128,7 @@ def _ufunc_kernel(ufunc: Any, nin: int) -> Kernel:
     return k2
 
 
-@register(*UFUNCS)
+@register(*UFUNCS, views=True)
 def _ufunc(device, op, attrs, ins, outs, binding) -> Kernel:
     kernel = _ufunc_kernel(getattr(_cupy(), UFUNCS[op]), len(ins))
     kernel.kernel_name = f"cupy.{UFUNCS[op]}"  # type: ignore[attr-defined]
@@ -157,12 +166,12 @@ def _ew(key: str, nin: int) -> Kernel:
     return kernel
 
 
-@register("relu", "sign", "sigmoid", "erf", "gelu", "where", "bit_shift", "mod")
+@register("relu", "sign", "sigmoid", "erf", "gelu", "where", "bit_shift", "mod", views=True)
 def _snippet(device, op, attrs, ins, outs, binding) -> Kernel:
     return _ew(snippet_key(op, attrs, ins[0].dtype), len(ins))
 
 
-@register("cast", "identity")
+@register("cast", "identity", views=True)
 def _cast(device, op, attrs, ins, outs, binding) -> Kernel:
     src, dst = ins[0].dtype, outs[0].dtype
     if src != dst and (storage.is_storage(src) or storage.is_storage(dst)):
@@ -200,10 +209,8 @@ def _storage_cast(src: np.dtype, dst: np.dtype) -> Kernel:
 
 # ----------------------------------------------------------------------------------------- linalg
 
-@register("matmul")
+@register("matmul", views=blas.accepts_view)
 def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import blas
-
     tf32 = attrs["precision"] == "tf32"
     direct = blas.prepare_matmul(device, ins[0], ins[1], outs[0], tf32=tf32)
     if direct is not None:  # cuBLAS called directly: capturable into a CUDA graph
@@ -217,7 +224,7 @@ def _matmul(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("gemm")
+@register("gemm", views=blas.accepts_view)
 def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
@@ -225,8 +232,6 @@ def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
     dtype = outs[0].dtype
     alpha_c, beta_c = dtype.type(alpha), dtype.type(beta)
     has_c = len(ins) == 3
-    from polyhal_cuda import blas
-
     direct = blas.prepare_gemm(device, ins[0], ins[1], outs[0], trans_a, trans_b, alpha, beta if has_c else 0.0,
                                tf32=attrs["precision"] == "tf32")
     if direct is not None:
@@ -266,7 +271,7 @@ _REDUCERS = {"reduce_sum": "sum", "reduce_mean": "mean", "reduce_max": "amax", "
              "reduce_prod": "prod"}
 
 
-@register(*_REDUCERS)
+@register(*_REDUCERS, views=True)
 def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     axes, keepdims = normalize_axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
@@ -295,7 +300,7 @@ def _reduce(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("argmax", "argmin")
+@register("argmax", "argmin", views=True)
 def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     fn = cp.argmax if op == "argmax" else cp.argmin
@@ -307,7 +312,7 @@ def _argext(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("cumsum", "cumprod")
+@register("cumsum", "cumprod", views=True)
 def _cumulative(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     axis = int(attrs["axis"]) % ins[0].rank
@@ -328,10 +333,8 @@ def _cumulative(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("linear")
+@register("linear", views=blas.accepts_view)
 def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
-    from polyhal_cuda import blas
-
     cp = _cupy()
     x_t, w_t, b_t = ins
     k, n = w_t.shape
@@ -347,14 +350,15 @@ def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
             copyto(o2, b)  # the bias, broadcast; cuBLAS adds x @ w to it
             direct(x.reshape(m, k), w, o2)
         linear.kernel_name = "cublasGemmStridedBatchedEx (linear)"  # type: ignore[attr-defined]
-        return linear
+        # cublasLt with the bias in its epilogue where it measures faster for this shape
+        return blaslt.prepare_linear(device, x_t.dtype, m, k, n, attrs["precision"] == "tf32", linear) or linear
 
     def linear_cupy(x, w, b, out):
         copyto(out, cp.matmul(x, w) + b, casting="unsafe")
     return linear_cupy
 
 
-@register("bitcast")
+@register("bitcast", views=True)
 def _bitcast(device, op, attrs, ins, outs, binding) -> Kernel:
     copyto, src = _cupy().copyto, storage.bits_dtype(ins[0].dtype)
 
@@ -372,7 +376,7 @@ def _rowwise(device, op, attrs, ins, outs, binding) -> Kernel:
 
 # ----------------------------------------------------------------------------------------- shape
 
-@register("transpose")
+@register("transpose", views=True)
 def _transpose(device, op, attrs, ins, outs, binding) -> Kernel:
     copyto = _cupy().copyto
     rank = ins[0].rank
@@ -383,16 +387,16 @@ def _transpose(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("reshape")
+@register("reshape", views=True)
 def _reshape(device, op, attrs, ins, outs, binding) -> Kernel:
-    copyto, shape = _cupy().copyto, outs[0].shape
+    copyto = _cupy().copyto
 
     def kernel(x, out):
-        copyto(out, x.reshape(shape))
+        copyto(out.reshape(x.shape), x)  # out is dense, so this is a view of it: no temporary, even of a strided x
     return kernel
 
 
-@register("concat")
+@register("concat", views=True)
 def _concat(device, op, attrs, ins, outs, binding) -> Kernel:
     """One launch for all operands (cupy's concatenate makes one copy per operand: a DenseNet
     concat of 30 feature maps took 90 us at batch 1). The instance's offsets are compiled in."""
@@ -453,7 +457,7 @@ def _concat_function(device, sizes: list[int], inner: int, ctype: str):
     return device.module(("concat", source), build).get_function("concat"), "concat"
 
 
-@register("slice")
+@register("slice", views=True)
 def _slice(device, op, attrs, ins, outs, binding) -> Kernel:
     copyto = _cupy().copyto
     index = normalize_slice(ins[0].shape, attrs["starts"], attrs["ends"], attrs["axes"], attrs["steps"])
@@ -463,7 +467,7 @@ def _slice(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("gather")
+@register("gather", views=True)
 def _gather(device, op, attrs, ins, outs, binding) -> Kernel:
     take = _cupy().take
     axis = int(attrs["axis"]) % ins[0].rank
@@ -475,7 +479,7 @@ def _gather(device, op, attrs, ins, outs, binding) -> Kernel:
     return kernel
 
 
-@register("expand")
+@register("expand", views=True)
 def _expand(device, op, attrs, ins, outs, binding) -> Kernel:
     cp = _cupy()
     shape = outs[0].shape
@@ -673,7 +677,7 @@ def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
 # ---------------------------------------------------------------------------- sorting, detection
 
 register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
-register("attention", scratch=attention.scratch_requests)(attention.prepare)
+register("attention", scratch=attention.scratch_requests, views=(0, 1, 2))(attention.prepare)
 register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
 
 

@@ -1,0 +1,40 @@
+"""linear through cublasLt with the bias in the epilogue, chosen per shape by timing (GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyhal.ir.types import TensorType
+
+
+@pytest.mark.parametrize("m,k,n", [(3152, 96, 384), (37, 50, 29), (1, 768, 8)])
+def test_every_algorithm_of_the_heuristics_computes_the_linear(cuda, cp, rng, m, k, n):
+    from polyhal_cuda import blas, blaslt
+
+    lib, handle = blaslt._library(), blaslt._handle(cuda)
+    call, algos = blaslt._matmul(lib, handle, blas.blas_for(cuda), cuda, m, k, n, False)
+    assert algos, "cublasLt offered no algorithm with a bias epilogue"
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
+    want = x.astype(np.float64) @ w + b
+    dx, dw, db = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+    for algo in algos:
+        out = cp.full((m, n), np.nan, np.float32)
+        call(algo, dx.data.ptr, dw.data.ptr, db.data.ptr, out.data.ptr)
+        np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-4, err_msg=f"seed {rng.seed_value}")
+
+
+def test_the_linear_kernel_takes_the_faster_path_and_views(cuda, cp, rng):
+    f = np.dtype(np.float32)
+    m, k, n = 512, 256, 384
+    fn = cuda.prepare("linear", {}, (TensorType((2, m // 2, k), f), TensorType((k, n), f), TensorType((n,), f)),
+                      (TensorType((2, m // 2, n), f),))
+    assert fn.inner.kernel_name in ("cublasLtMatmul (bias epilogue)", "cublasGemmStridedBatchedEx (linear)")
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, m // 2, k), (k, n), (n,)))
+    out = cp.full((2, m // 2, n), np.nan, np.float32)
+    fn(cp.asarray(x), cp.asarray(w), cp.asarray(b), out)
+    np.testing.assert_allclose(cp.asnumpy(out), x.astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
+    wide = cp.asarray(rng.standard_normal((2, m // 2, k + 8)).astype(np.float32))
+    view = wide[:, :, 3:k + 3]  # rows at a stride: the kernel falls back to cuBLAS with ld
+    fn(view, cp.asarray(w), cp.asarray(b), out)
+    np.testing.assert_allclose(cp.asnumpy(out), cp.asnumpy(view).astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
