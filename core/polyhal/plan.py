@@ -7,6 +7,7 @@ hot path binds the inputs, then loops over prepared steps that read and write a 
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from contextlib import contextmanager
@@ -226,7 +227,10 @@ class Plan:
             a, b, o = ins[0], ins[1], outs[0]
             return lambda: fn(slots[a], slots[b], slots[o])
         idx = ins + outs
-        return lambda: fn(*[slots[i] for i in idx])
+        if len(idx) < 2:
+            return lambda: fn(*[slots[i] for i in idx])
+        take = operator.itemgetter(*idx)  # the arguments in one C call (a list comprehension of 8: +0.3 us)
+        return lambda: fn(*take(slots))
 
     # -- running -----------------------------------------------------------------------------------
 

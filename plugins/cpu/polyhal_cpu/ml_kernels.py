@@ -106,26 +106,17 @@ def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.nd
     return feat, thr, np.ascontiguousarray(leaf_values[at.reshape(-1)])
 
 
-class _Completed:
-    """:func:`complete_trees` of a plan's constant node arrays, made at the first call and kept
-    while the kernel is given the same read-only arrays (arrays that may change are relaid per
-    call)."""
-
-    def __init__(self, depth: int) -> None:
-        self.depth = depth
-        # the arrays and what was made from them in one attribute, so that a kernel called from
-        # two threads never pairs one call's arrays with another's layout
-        self.kept: tuple | None = None
-
-    def __call__(self, nodes, thresholds, leaf_values, roots):
-        kept = self.kept
-        if kept is not None and kept[0] is nodes and kept[1] is thresholds and kept[2] is leaf_values \
-                and kept[3] is roots:
-            return kept[4]
-        layout = complete_trees(nodes, thresholds, leaf_values, roots, self.depth)
-        if all(frozen(a) for a in (nodes, thresholds, leaf_values, roots)):
-            self.kept = (nodes, thresholds, leaf_values, roots, layout)
-        return layout
+def _relay(kept: list, depth: int | None, nodes, thresholds, leaf_values, roots) -> tuple:
+    """``(nodes, thresholds, leaf_values, roots, complete trees or None)`` for a kernel's call,
+    kept in ``kept[0]`` where the arrays are read-only (a plan's constants: relaid at the first
+    call, then found by identity); arrays that may change are relaid per call. ``depth`` None:
+    the ensemble is too deep for complete trees. One tuple in one list item, so that a kernel
+    called from two threads never pairs one call's arrays with another's layout."""
+    layout = None if depth is None else complete_trees(nodes, thresholds, leaf_values, roots, depth)
+    entry = (nodes, thresholds, leaf_values, roots, layout)
+    if all(frozen(a) for a in entry[:4]):
+        kept[0] = entry
+    return entry
 
 
 def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, roots: np.ndarray,
@@ -177,16 +168,21 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
         params = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform),
                            *base], np.float64)
         walk, fast = loops.tree_ensemble, loops.compare_all
-        completed = _Completed(depth) if depth <= COMPARE_ALL_DEPTH else lambda *arrays: None
+        complete = depth if depth <= COMPARE_ALL_DEPTH else None
+        kept = [(None,) * 5]
         no_labels = np.zeros(0, np.int64)
 
-        def kernel(x, nodes, thresholds, leaf_values, roots, *rest):
-            labels, out, label_out = rest if len(rest) == 3 else (no_labels, rest[0], no_labels)
-            layout = completed(nodes, thresholds, leaf_values, roots)
+        # A batch of one costs ~1.5 us in the loop: this wrapper stays a few attribute reads.
+        def kernel(x, nodes, thresholds, leaf_values, roots, a, b=None, c=None):
+            out, labels, label_out = (a, no_labels, no_labels) if b is None else (b, a, c)
+            k = kept[0]
+            if k[0] is not nodes or k[1] is not thresholds or k[2] is not leaf_values or k[3] is not roots:
+                k = _relay(kept, complete, nodes, thresholds, leaf_values, roots)
+            layout = k[4]
             if layout is None:
                 walk(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
             else:
-                fast(x, *layout, params, out, labels, label_out)
+                fast(x, layout[0], layout[1], layout[2], params, out, labels, label_out)
         return kernel
 
     def kernel(x, nodes, thresholds, leaf_values, roots, *rest):
