@@ -131,7 +131,8 @@ def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
     ``x[feature] <= threshold``; a negative ``feature`` f reads feature ~f and sends nan to
     2i + 2 (else nan goes to 2i + 1). ``leaves`` float64 ``[T * 2**d, n_targets]``, tree t's
     leaves from row t * 2**d on. Batches of fewer than :data:`VECTOR_ROWS` rows (a batch of one)
-    walk each tree instead, without branches: vector loops that short run as scalar code."""
+    walk the trees instead, all of them a level at a time (independent loads that overlap):
+    vector loops that short run as scalar code."""
     trees, inner = feature.shape
     depth = 0
     while (1 << depth) - 1 < inner:
@@ -139,18 +140,20 @@ def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
     samples, features = x.shape
     n_targets = leaves.shape[1]
     aggregate = int(params[0])
-    if samples < VECTOR_ROWS:  # each row walks each tree, without branches
+    if samples < VECTOR_ROWS:  # the trees walk side by side, a level at a time, without branches
         acc = np.empty((1, max(n_targets, 2)), np.float64)
+        at = np.empty(trees, np.int64)
         for n in range(samples):
             _start(acc, 0, aggregate)
-            for t in range(trees):
-                i = 0
-                for _ in range(depth):
+            at[:] = 0
+            for _ in range(depth):
+                for t in range(trees):
+                    i = at[t]
                     f = feature[t, i]
-                    neg = f >> 31  # -1 for a negative f: read ~f, nan goes right
-                    v = x[n, f ^ neg]
-                    i = 2 * i + 1 + ((v > threshold[t, i]) | ((v != v) & (neg != 0)))
-                _aggregate(acc, 0, leaves, (t << depth) + i - inner, aggregate)
+                    v = x[n, f ^ (f >> 31)]  # a negative f reads ~f and sends nan right
+                    at[t] = 2 * i + 1 + (not v <= threshold[t, i] if f < 0 else v > threshold[t, i])
+            for t in range(trees):
+                _aggregate(acc, 0, leaves, (t << depth) + at[t] - inner, aggregate)
             _finish(acc, 0, n_targets, params, out, n, labels, label_out)
         return
     xt = np.zeros((features, BLOCK), x.dtype)
