@@ -3,7 +3,7 @@
 ``tree_ensemble`` walks all trees of all samples:
 
 * **native** (numba importable, ``POLYHAL_CPU_NATIVE`` not ``0``): compiled loops
-  (:mod:`polyhal_cpu.tree_loops`). Ensembles of depth <= 5 whose nodes all compare ``x`` against
+  (:mod:`polyhal_cpu.tree_loops`). Ensembles of depth <= 6 whose nodes all compare ``x`` against
   a threshold by order (every ONNX mode but BRANCH_EQ/BRANCH_NEQ) are relaid once as complete
   trees (:func:`complete_trees`) and run by :func:`~polyhal_cpu.tree_loops.compare_all`, which
   compares all of a tree's nodes for a block of rows with vector instructions and no branches
@@ -34,9 +34,10 @@ __all__ = ["complete_trees", "tree_walk_numpy"]
 
 _loops = None
 
-#: The deepest ensemble that runs as complete trees: a tree's nodes are the bits of an int32
-#: (2**5 - 1 = 31), and compares double with every level where a walk's grow by one.
-COMPARE_ALL_DEPTH = 5
+#: The deepest ensemble that runs as complete trees: a tree's nodes are the bits of an int64
+#: (2**6 - 1 = 63), and compares double with every level where a walk's grow by one (at depth
+#: 5, 100 random trees: 6 ns a tree and row against the walk's 48).
+COMPARE_ALL_DEPTH = 6
 #: Kernel time (ns) from which a batch is split across threads: a hand-off costs ~30-80 us, more
 #: on a loaded machine, so a split pays for itself only well above that.
 SPLIT_NS = 500_000
@@ -88,13 +89,14 @@ def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.nd
     a = np.where(none | every, inf, np.where(strict, below, t))
     nan_right = ((mode & 8) != 0) == swap  # nan goes to true_next iff bit 8; left is true_next iff not swap
     trees, inner = len(roots), 2 ** depth - 1
-    feat = np.zeros((trees, inner), np.int32)
+    itype = np.int32 if depth <= 5 else np.int64  # the loop's bit masks: one bit a node
+    feat = np.zeros((trees, inner), itype)
     thr = np.full((trees, inner), inf, t.dtype)
     at = roots.reshape(trees, 1)  # compact rows of the nodes at each heap position of a level
     for level in range(depth):
         lo, width = 2 ** level - 1, 2 ** level
         b = branch[at]
-        f = feature[at].astype(np.int32)
+        f = feature[at].astype(itype)
         feat[:, lo:lo + width] = np.where(b, np.where(nan_right[at], ~f, f), 0)
         thr[:, lo:lo + width] = np.where(b, a[at], inf)  # a leaf: both subtrees are it
         s = swap[at]

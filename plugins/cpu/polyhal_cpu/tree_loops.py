@@ -3,7 +3,7 @@
 
 Two loops share the per-row aggregation and epilogue:
 
-* :func:`compare_all` walks shallow ensembles (depth <= 5: a tree's nodes are the bits of an int32)
+* :func:`compare_all` walks shallow ensembles (depth <= 6: a tree's nodes are the bits of an int64)
   laid out as
   *complete* trees (:func:`polyhal_cpu.ml_kernels.complete_trees`): for a block of rows it
   compares every node of a tree at once -- one threshold against one feature column of the
@@ -125,14 +125,15 @@ def tree_ensemble(x, nodes, thresholds, leaf_values, roots, params, out, labels,
 
 @njit(**_opts)
 def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
-    """Every tree for every row of ``x``, over complete trees of depth d <= 5 (see the module
-    docstring): ``feature`` int32 ``[T, 2**d - 1]`` and ``threshold`` (x's type) per node in
+    """Every tree for every row of ``x``, over complete trees of depth d <= 6 (see the module
+    docstring): ``feature`` ``[T, 2**d - 1]`` and ``threshold`` (x's type) per node in
     heap order (node i's children are 2i + 1 and 2i + 2), a row going to 2i + 1 when
     ``x[feature] <= threshold``; a negative ``feature`` f reads feature ~f and sends nan to
     2i + 2 (else nan goes to 2i + 1). ``leaves`` float64 ``[T * 2**d, n_targets]``, tree t's
     leaves from row t * 2**d on. Batches of fewer than :data:`VECTOR_ROWS` rows (a batch of one)
     walk the trees instead, all of them a level at a time (independent loads that overlap):
-    vector loops that short run as scalar code."""
+    vector loops that short run as scalar code. ``feature``'s type is the bit masks' (int32 holds a
+    tree of depth 5, int64 one of depth 6), so shallow trees compare 8 rows to an AVX2 vector."""
     trees, inner = feature.shape
     depth = 0
     while (1 << depth) - 1 < inner:
@@ -157,8 +158,8 @@ def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
             _finish(acc, 0, n_targets, params, out, n, labels, label_out)
         return
     xt = np.zeros((features, BLOCK), x.dtype)
-    masks = np.empty(BLOCK, np.int32)
-    idx = np.empty(BLOCK, np.int32)
+    masks = np.empty(BLOCK, feature.dtype)
+    idx = np.empty(BLOCK, feature.dtype)
     acc = np.empty((BLOCK, max(n_targets, 2)), np.float64)
     for r0 in range(0, samples, BLOCK):
         rows = min(BLOCK, samples - r0)
@@ -172,14 +173,14 @@ def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
             for k in range(inner):
                 f = feature[t, k]
                 th = threshold[t, k]
-                bit = np.int32(k)
+                bit = feature.dtype.type(k)
                 if f >= 0:  # nan > th is false: nan goes to 2k + 1
                     for r in range(lanes):
-                        masks[r] |= np.int32(xt[f, r] > th) << bit
+                        masks[r] |= feature.dtype.type(xt[f, r] > th) << bit
                 else:  # not (nan <= th) is true: nan goes to 2k + 2
                     g = ~f
                     for r in range(lanes):
-                        masks[r] |= np.int32(not xt[g, r] <= th) << bit
+                        masks[r] |= feature.dtype.type(not xt[g, r] <= th) << bit
             idx[:lanes] = 0
             for _ in range(depth):
                 for r in range(lanes):

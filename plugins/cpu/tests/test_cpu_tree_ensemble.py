@@ -1,6 +1,6 @@
 """The CPU tree-ensemble loops: the compare-all loop over complete trees against the walk over
 the compact arrays and the op's reference, on random unbalanced trees of every branch mode,
-with nan and infinite inputs and thresholds, ties at thresholds, depths 0 to 5 and batches
+with nan and infinite inputs and thresholds, ties at thresholds, depths 0 to 6 and batches
 that do and do not fill the loop's row blocks; which ensembles the complete layout refuses;
 the layout kept for read-only constants only."""
 
@@ -95,7 +95,7 @@ def _run_both(x, nodes, thresholds, leaf_values, roots, labels, attrs):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("depth", [0, 1, 2, 3, 5])
+@pytest.mark.parametrize("depth", [0, 1, 2, 3, 5, 6])
 @pytest.mark.parametrize("samples", [1, 7, 20, 64, 131, 150])
 def test_compare_all_matches_the_walk(depth, dtype, samples):
     modes = [m for m in MODE_BITS.values() if m not in (2, 5)]  # all but EQ and NEQ
