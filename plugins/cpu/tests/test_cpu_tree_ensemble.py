@@ -186,3 +186,29 @@ def test_kernel_keeps_the_layout_of_read_only_constants_only(modes):
         assert len(calls) == 3
     finally:
         ml_kernels.complete_trees = real
+
+
+@pytest.mark.parametrize("samples", [100, 300])  # pieces of 12-13 rows (walked) and of 37-38 (compared)
+@pytest.mark.parametrize("modes", [None, [MODE_BITS["BRANCH_LEQ"], MODE_BITS["BRANCH_GT"]]],
+                         ids=["eq-walks", "compares-all"])
+def test_split_across_threads_matches_the_reference(monkeypatch, samples, modes):
+    from polyhal_cpu import parallel, threads
+
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)  # split even this small batch
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    rng = np.random.default_rng(11)
+    nodes, thresholds, leaf_values, roots, depth = unbalanced_ensemble(rng, 5, 6, 4, 1, np.float32, modes)
+    leaf_values = np.nan_to_num(leaf_values)
+    x = rng.choice(np.array(VALUES, np.float32), size=(samples, 5))
+    labels = np.array([4, 9], np.int64)
+    ins = [x, nodes, thresholds, leaf_values, roots, labels]
+    attrs = {"depth": depth, "binary": "probability", "post_transform": "logistic"}
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    out_types = infer_types("tree_ensemble", types, attrs)
+    outs = [np.empty(t.shape, t.dtype) for t in out_types]
+    prepare("tree_ensemble", attrs, types, out_types)(*ins, *outs)
+    want = OPS["tree_ensemble"].reference(*ins, **attrs)
+    np.testing.assert_allclose(outs[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(outs[1], want[1])
