@@ -23,7 +23,7 @@ VALUES = [-np.inf, -1.5, -0.5, -0.0, 0.0, 0.5, 1.5, np.inf, np.nan]
 
 def unbalanced_ensemble(rng, features: int, trees: int, depth: int, targets: int, dtype, modes=None):
     """Random trees in the compact form of polyhal.ops.ml, each of depth <= ``depth`` (leaves at
-    every level), every mode in ``modes`` (default: all of ONNX's) with and without the missing
+    every level, the root included), every mode in ``modes`` (default: all of ONNX's) with and without the missing
     bit, thresholds from :data:`VALUES` (nan, +-inf and ties included); also the deepest path."""
     modes = list(MODE_BITS.values()) if modes is None else modes
     nodes, thresholds, values, roots = [], [], [], []
@@ -33,7 +33,7 @@ def unbalanced_ensemble(rng, features: int, trees: int, depth: int, targets: int
         nodes.append(None)
         thresholds.append(float(rng.choice(VALUES)) if rng.random() < 0.8 else float(rng.standard_normal()))
         values.append(np.zeros(targets))
-        if level == depth or (level > 0 and rng.random() < 0.3):
+        if level == depth or rng.random() < (0.3 if level else 0.1):  # a root may be a leaf too
             nodes[row] = (0, LEAF, row, row)
             values[row] = np.where(rng.random(targets) < 0.2, np.nan, rng.standard_normal(targets))
             return row
@@ -149,8 +149,9 @@ def test_eq_neq_and_too_shallow_depth_keep_the_walk():
                                                                        modes=[MODE_BITS["BRANCH_LEQ"]])
     assert depth > 1 and ml_kernels.complete_trees(nodes, thresholds, leaf_values, roots, depth - 1) is None
     # a nan threshold makes EQ never true, which the layout can say
-    nodes[roots, 1] = MODE_BITS["BRANCH_NEQ"]
-    thresholds[roots] = np.nan
+    branches = roots[nodes[roots, 1] != LEAF]
+    nodes[branches, 1] = MODE_BITS["BRANCH_NEQ"]
+    thresholds[branches] = np.nan
     nodes[nodes[:, 1] == MODE_BITS["BRANCH_EQ"], 1] = MODE_BITS["BRANCH_LT"]
     assert ml_kernels.complete_trees(nodes, thresholds, leaf_values, roots, depth) is not None
 
