@@ -127,7 +127,7 @@ def test_tree_walk_matches_reference(native, dtype, monkeypatch):
     from polyhal_cpu import ml_kernels
 
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native)
-    monkeypatch.setattr(ml_kernels, "_loop", None)
+    monkeypatch.setattr(ml_kernels, "_loops", None)
     if native == "1" and ml_kernels._native() is None:
         pytest.skip("numba is not installed")
     rng = np.random.default_rng(3)

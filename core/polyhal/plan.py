@@ -7,6 +7,8 @@ hot path binds the inputs, then loops over prepared steps that read and write a 
 
 from __future__ import annotations
 
+import itertools
+import operator
 import threading
 import time
 from contextlib import contextmanager
@@ -180,6 +182,12 @@ class Plan:
         # per output, or None when some output lives elsewhere.
         self._host_outputs = ([(v.type.shape, v.type.dtype) for v in program.outputs]
                               if all(d.dlpack_device_type == 1 for d in self._output_devices) else None)
+        # What a run walks per input and per host output, zipped once here (a run of a small model
+        # costs a few microseconds, and each zip over parallel lists a few hundred nanoseconds).
+        self._input_binding = tuple(zip(program.inputs, self._input_slots, self._input_devices))
+        self._host_binding = (tuple((slot, shape, dtype) for slot, (shape, dtype)
+                                    in zip(self._output_slots, self._host_outputs))
+                              if self._host_outputs is not None else ())
         self.intermediates: list[Tensor] = []
         for op in program.ops:
             for v in op.outputs:
@@ -233,7 +241,10 @@ class Plan:
             a, b, o = ins[0], ins[1], outs[0]
             return lambda: fn(slots[a], slots[b], slots[o])
         idx = ins + outs
-        return lambda: fn(*[slots[i] for i in idx])
+        if len(idx) < 2:
+            return lambda: fn(*[slots[i] for i in idx])
+        take = operator.itemgetter(*idx)  # the arguments in one C call (a list comprehension of 8: +0.3 us)
+        return lambda: fn(*take(slots))
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -269,7 +280,7 @@ class Plan:
         slots = self._slots
         staging = self._staging
         try:
-            for value, slot, device, x in zip(self.program.inputs, self._input_slots, self._input_devices, inputs):
+            for (value, slot, device), x in zip(self._input_binding, inputs):
                 slots[slot] = _bind_input(value, device, x, staging)
             results = bind_outputs(out)
             if self.replay is not None:
@@ -284,15 +295,15 @@ class Plan:
 
     def _bind_host_outputs(self, out: None) -> list[np.ndarray]:
         slots, arrays = self._slots, []
-        for slot, (shape, dtype) in zip(self._output_slots, self._host_outputs):
+        for slot, shape, dtype in self._host_binding:
             slots[slot] = a = np.empty(shape, dtype)
             arrays.append(a)
         return arrays
 
     def _gather_inputs(self, args: tuple, kwargs: dict) -> Sequence[Any]:
         names = self._input_names
-        if not kwargs and len(args) == len(names) and all(x is not None for x in args):
-            return args  # the common positional call builds nothing
+        if not kwargs and len(args) == len(names) and all(map(operator.is_not, args, itertools.repeat(None))):
+            return args  # the common positional call builds nothing (and map runs in C: no generator)
         if len(args) > len(names):
             raise ProgramError(f"plan {self.program.name!r} takes {len(names)} inputs {list(names)}, got {len(args)}")
         values = list(args) + [None] * (len(names) - len(args))

@@ -43,7 +43,7 @@ from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
 from polyhal_cpu import blas, native
 from polyhal_cpu.scratch import array as scratch_array
-from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen, numpy_activation
 
 _F32 = np.dtype(np.float32)
 #: Output positions one GEMM of the im2col path aims for. A 14x14 or 7x7 plane alone leaves
@@ -300,15 +300,6 @@ def _shifted(g: _Conv, scratch, finish, has_bias: bool, has_residual: bool, zero
 # once, see _Relaid), then a per-channel epilogue. Anything else converts to NCHW and back
 # around the NCHW kernel (a resolver only blocks chains of the first two kinds).
 
-def _frozen(a: np.ndarray) -> bool:
-    """Whether nothing can write ``a``'s elements: it and every array it views are read-only."""
-    while isinstance(a, np.ndarray):
-        if a.flags.writeable:
-            return False
-        a = a.base
-    return True
-
-
 #: Channels below which a stride-1 channel-blocked depthwise conv runs on flat output rows
 #: (:func:`polyhal_cpu.native.depthwise_flat_rows`); from 32 on, vectorising across the
 #: channels alone is as fast or faster (measured 56x56x72: 220 us against 244 us flat).
@@ -333,7 +324,7 @@ class _Relaid:
         if kept is not None and kept[0] is w:
             return kept[1]
         view = self.arrange(w)
-        if _frozen(w):
+        if frozen(w):
             copy = np.ascontiguousarray(view)
             self.kept = (w, copy)
             return copy

@@ -1,18 +1,23 @@
 """CPU kernels of the classical ML ops (:mod:`polyhal.ops.ml`).
 
-``tree_ensemble`` walks all trees of all samples over the compact node arrays:
+``tree_ensemble`` walks all trees of all samples:
 
-* **native** (numba importable, ``POLYHAL_CPU_NATIVE`` not ``0``): one compiled loop per sample
-  and tree (:mod:`polyhal_cpu.tree_loops`), a branch per level, no temporaries. This is what
-  onnxruntime's tree kernels do; a numpy walk pays a dozen array calls per level.
+* **native** (numba importable, ``POLYHAL_CPU_NATIVE`` not ``0``): compiled loops
+  (:mod:`polyhal_cpu.tree_loops`). Ensembles of depth <= 6 whose nodes all compare ``x`` against
+  a threshold by order (every ONNX mode but BRANCH_EQ/BRANCH_NEQ) are relaid once as complete
+  trees (:func:`complete_trees`) and run by :func:`~polyhal_cpu.tree_loops.compare_all`, which
+  compares all of a tree's nodes for a block of rows with vector instructions and no branches
+  (gradient boosting's depth-3 trees: ~4x faster than a walk); the rest take the walk over the
+  compact arrays, a branch per level, as onnxruntime's tree kernels do.
 * **numpy** otherwise: the walk is vectorised over ``[samples, trees]`` -- ``depth`` steps, each
   a few gathers and compares over the whole batch at once (leaves point at themselves, so rows
   that arrive early stay put), then one gather of the leaf values and the op's epilogue
   (:func:`polyhal.ops.ml.tree_epilogue`).
 
-The node arrays are the op's constant operands, so a plan binds them once. Their structure was
-checked by the front end (rows in range, no cycles, ``depth`` the longest path), which the native
-loop relies on to terminate.
+The node arrays are the op's constant operands, so a plan binds them once (read-only: the
+complete trees made from them are kept while the kernel is given the same arrays). Their
+structure was checked by the front end (rows in range, no cycles, ``depth`` the longest path),
+which the walk relies on to terminate.
 """
 
 from __future__ import annotations
@@ -22,27 +27,98 @@ import os
 import numpy as np
 
 from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tree_epilogue
-from polyhal_cpu.parallel import parallel
-from polyhal_cpu.table import TABLE, Kernel, Types
+from polyhal_cpu.parallel import MIN_ELEMENTS, parallel
+from polyhal_cpu.table import TABLE, Kernel, Types, frozen
 
-__all__ = ["tree_walk_numpy"]
+__all__ = ["complete_trees", "tree_walk_numpy"]
 
-_loop = None
+_loops = None
+
+#: The deepest ensemble that runs as complete trees: a tree's nodes are the bits of an int64
+#: (2**6 - 1 = 63), and compares double with every level where a walk's grow by one (at depth
+#: 5, 100 random trees: 6 ns a tree and row against the walk's 48).
+COMPARE_ALL_DEPTH = 6
+#: Kernel time (ns) from which a batch is split across threads: a hand-off costs ~30-80 us, more
+#: on a loaded machine, so a split pays for itself only well above that.
+SPLIT_NS = 500_000
 
 
 def _native():
-    """The compiled walk, or None (numba missing or disabled by ``POLYHAL_CPU_NATIVE=0``)."""
-    global _loop
+    """The compiled loops module, or None (numba missing or disabled by ``POLYHAL_CPU_NATIVE=0``)."""
+    global _loops
     if os.environ.get("POLYHAL_CPU_NATIVE", "1").strip() == "0":
         return None
-    if _loop is None:
+    if _loops is None:
         try:
-            from polyhal_cpu.tree_loops import tree_ensemble
+            from polyhal_cpu import tree_loops
         except ImportError:
-            _loop = False
+            _loops = False
         else:
-            _loop = tree_ensemble
-    return _loop or None
+            _loops = tree_loops
+    return _loops or None
+
+
+def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.ndarray, roots: np.ndarray,
+                   depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The ensemble as complete trees of depth ``depth`` in heap order, each node sending a
+    row left (to 2i + 1) when ``x <= threshold`` -- ``(feature, threshold, leaves)`` as
+    :func:`polyhal_cpu.tree_loops.compare_all` takes them -- or None where a node's rule is not
+    of that form (BRANCH_EQ and BRANCH_NEQ) or a tree is deeper than ``depth``.
+
+    Every other rule sends to one child exactly the values up to some float ``a``: BRANCH_LEQ
+    t (a = t), BRANCH_LT t (a = the float below t), and BRANCH_GT/BRANCH_GTE with the children
+    swapped; a rule no value meets (a nan threshold, BRANCH_LT -inf) or every value meets
+    (BRANCH_GTE -inf) is "left when x <= inf" with the children in the order that gives it.
+    Comparing in x's type against ``a`` of x's type is exact, so the routing is the same for
+    every x. A nan x goes where ``nodes_missing_value_tracks_true`` says: the sign of
+    ``feature`` (a negative f reads feature ~f and sends nan right). A leaf above the last level
+    becomes a branch whose subtrees are all that leaf."""
+    feature, mode, true_next, false_next = (nodes[:, c] for c in range(4))
+    rule, t = mode & 7, thresholds
+    branch = mode != 0
+    if np.any(branch & ((rule == 2) | (rule == 5)) & ~np.isnan(t)):
+        return None
+    inf = np.array(np.inf, t.dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        below = np.nextafter(t, -inf)  # x < t  <=>  x <= below (t > -inf)
+    strict = (rule == 1) | (rule == 6)  # LT, GTE
+    # the set of x that goes to true_next: (-inf, a] (keep), its complement (swap), none or all
+    none = np.isnan(t) | (rule == 0) | ((rule == 1) & (t == -inf))
+    every = (rule == 7) | ((rule == 6) & (t == -inf))
+    swap = none | (~every & ((rule == 4) | (rule == 6)))
+    a = np.where(none | every, inf, np.where(strict, below, t))
+    nan_right = ((mode & 8) != 0) == swap  # nan goes to true_next iff bit 8; left is true_next iff not swap
+    trees, inner = len(roots), 2 ** depth - 1
+    itype = np.int32 if depth <= 5 else np.int64  # the loop's bit masks: one bit a node
+    feat = np.zeros((trees, inner), itype)
+    thr = np.full((trees, inner), inf, t.dtype)
+    at = roots.reshape(trees, 1)  # compact rows of the nodes at each heap position of a level
+    for level in range(depth):
+        lo, width = 2 ** level - 1, 2 ** level
+        b = branch[at]
+        f = feature[at].astype(itype)
+        feat[:, lo:lo + width] = np.where(b, np.where(nan_right[at], ~f, f), 0)
+        thr[:, lo:lo + width] = np.where(b, a[at], inf)  # a leaf: both subtrees are it
+        s = swap[at]
+        left = np.where(b, np.where(s, false_next[at], true_next[at]), at)
+        right = np.where(b, np.where(s, true_next[at], false_next[at]), at)
+        at = np.stack([left, right], axis=-1).reshape(trees, -1)
+    if np.any(branch[at]):
+        return None
+    return feat, thr, np.ascontiguousarray(leaf_values[at.reshape(-1)])
+
+
+def _relay(kept: list, depth: int | None, nodes, thresholds, leaf_values, roots) -> tuple:
+    """``(nodes, thresholds, leaf_values, roots, complete trees or None)`` for a kernel's call,
+    kept in ``kept[0]`` where the arrays are read-only (a plan's constants: relaid at the first
+    call, then found by identity); arrays that may change are relaid per call. ``depth`` None:
+    the ensemble is too deep for complete trees. One tuple in one list item, so that a kernel
+    called from two threads never pairs one call's arrays with another's layout."""
+    layout = None if depth is None else complete_trees(nodes, thresholds, leaf_values, roots, depth)
+    entry = (nodes, thresholds, leaf_values, roots, layout)
+    if all(frozen(a) for a in entry[:4]):
+        kept[0] = entry
+    return entry
 
 
 def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, roots: np.ndarray,
@@ -67,29 +143,48 @@ def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, ro
     return idx
 
 
+def _split_factor(attrs: dict, ins: Types) -> float:
+    """The :func:`~polyhal_cpu.parallel.parallel` factor: output elements (over MIN_ELEMENTS)
+    from which the kernel takes :data:`SPLIT_NS`. A row costs a tree ~0.25 ns per compare in
+    :func:`~polyhal_cpu.tree_loops.compare_all` (2**depth - 1 compares and depth steps), ~4 ns
+    per level in a walk (measured on a 2-core EPYC VM): a GB model of 40 trees of depth 3
+    splits from ~4,500 rows."""
+    trees, depth = ins[4].shape[0], int(attrs["depth"])
+    row_ns = trees * ((2 ** depth + depth) * 0.25 if depth <= COMPARE_ALL_DEPTH else 4.0 * depth)
+    columns = 2 if attrs.get("binary") else ins[3].shape[1]
+    return SPLIT_NS / max(row_ns, 1.0) * columns / MIN_ELEMENTS
+
+
 @TABLE.register("tree_ensemble")
-@parallel(split_inputs=lambda attrs, ins: (True,) + (False,) * (len(ins) - 1),
-          factor=lambda attrs, ins: 2.0 / max(ins[4].shape[0] * int(attrs["depth"]), 1), pieces_per_thread=4)
+@parallel(split_inputs=lambda attrs, ins: (True,) + (False,) * (len(ins) - 1), factor=_split_factor,
+          pieces_per_thread=4)
 def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    # Rows are independent: large batches run in pieces on the backend's threads (the walk
-    # releases the GIL); a row costs trees x depth branches, so the split starts at a few
-    # hundred rows for a GB model of 40 trees of depth 3.
+    # Rows are independent: large batches run in pieces on the backend's threads (the loops
+    # release the GIL).
     depth = int(attrs["depth"])
     aggregate, binary, transform = (str(attrs.get(k, d)) for k, d in
                                     (("aggregate", "sum"), ("binary", ""), ("post_transform", "none")))
     base = np.asarray(attrs.get("base", ()), np.float64)
-    loop = _native()
-    if loop is not None:
+    loops = _native()
+    if loops is not None:
         params = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform),
                            *base], np.float64)
+        walk, fast = loops.tree_ensemble, loops.compare_all
+        complete = depth if depth <= COMPARE_ALL_DEPTH else None
+        kept = [(None,) * 5]
         no_labels = np.zeros(0, np.int64)
-        if len(ins) == 5:
-            def kernel(x, nodes, thresholds, leaf_values, roots, out):
-                loop(x, nodes, thresholds, leaf_values, roots, params, out, no_labels, no_labels)
-            return kernel
 
-        def kernel(x, nodes, thresholds, leaf_values, roots, labels, out, label_out):
-            loop(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
+        # A batch of one costs ~1.5 us in the loop: this wrapper stays a few attribute reads.
+        def kernel(x, nodes, thresholds, leaf_values, roots, a, b=None, c=None):
+            out, labels, label_out = (a, no_labels, no_labels) if b is None else (b, a, c)
+            k = kept[0]
+            if k[0] is not nodes or k[1] is not thresholds or k[2] is not leaf_values or k[3] is not roots:
+                k = _relay(kept, complete, nodes, thresholds, leaf_values, roots)
+            layout = k[4]
+            if layout is None:
+                walk(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
+            else:
+                fast(x, layout[0], layout[1], layout[2], params, out, labels, label_out)
         return kernel
 
     def kernel(x, nodes, thresholds, leaf_values, roots, *rest):

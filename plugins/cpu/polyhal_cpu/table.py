@@ -19,7 +19,7 @@ from polyhal.ir.types import TensorType
 
 from polyhal_cpu import scratch
 
-__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "float16_via_float32", "numpy_activation"]
+__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "float16_via_float32", "frozen", "numpy_activation"]
 
 Types = tuple[TensorType, ...]
 
@@ -28,6 +28,17 @@ Types = tuple[TensorType, ...]
 TABLE = KernelTable("cpu", standalone=scratch.standalone, storage_types=True)  # ml_dtypes holds them
 
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+
+
+def frozen(a: np.ndarray) -> bool:
+    """Whether nothing can write ``a``'s elements: it and every array it views are read-only
+    (a plan's constants). A kernel may keep what it derives from such an array while it is
+    given the same array again."""
+    while isinstance(a, np.ndarray):
+        if a.flags.writeable:
+            return False
+        a = a.base
+    return True
 
 
 def float16_via_float32(builder: Builder) -> Builder:

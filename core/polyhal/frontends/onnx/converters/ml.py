@@ -828,9 +828,11 @@ def _zipmap(ctx: NodeContext) -> list:
 
     def finish(scores: np.ndarray) -> list[dict]:
         s = np.asarray(scores)
-        if len(labels) == 2 and len(s) > 8:  # a binary classifier's rows: dict displays build 2.5x
-            first, second = labels          # faster than dict(zip()) (slicing columns costs a few us)
-            return [{first: a, second: b} for a, b in zip(s[:, 0].tolist(), s[:, 1].tolist())]
+        if len(labels) == 2:  # a binary classifier's rows: dict displays build 2-3x faster than dict(zip())
+            first, second = labels
+            if len(s) > 8:  # from columns, which cost a few us to slice and then pay
+                return [{first: a, second: b} for a, b in zip(s[:, 0].tolist(), s[:, 1].tolist())]
+            return [{first: a, second: b} for a, b in s.tolist()]
         return [dict(zip(labels, row)) for row in s.tolist()]
 
     return [HostOutput(x, finish, "a sequence of maps (ZipMap)")]
