@@ -70,6 +70,52 @@ def test_keys_not_made_by_a_transpose_get_one():
     np.testing.assert_allclose(got, _reference(qs[None], kts.T[None], vs[None], 1.0)[0], rtol=1e-5, atol=1e-6)
 
 
+def _torch_heads(s=5, batch=3, h=2, d=4):
+    """torch's multi_head_attention_forward as its exporter writes it: q, k, v as thirds of a
+    packed (S, B, 3E) projection, each ``view(S, B*H, D).transpose(0, 1).view(B, H, S, D)``, and
+    SDPA scaling both q and kT by sqrt(1/sqrt(D))."""
+    e = h * d
+    b = polyhal.ProgramBuilder("mha")
+    x = b.input("x", (s, batch, 3 * e))
+    proj = b.reshape(b.mul(x, b.constant(np.float32(1.0), "one")), shape=[s, batch, 3, e])
+    c = b.constant(np.float32(d ** -0.25), "sqrt_scale")
+    heads = []
+    for i in range(3):
+        third = b.gather(proj, b.constant(np.int64(i), f"i{i}"), axis=2)
+        merged = b.reshape(third, shape=[s, batch * h, d])
+        heads.append(b.reshape(b.transpose(merged, perm=[1, 0, 2]), shape=[batch, h, s, d]))
+    q, k, v = heads
+    kt = b.mul(b.transpose(k, perm=[0, 1, 3, 2]), c)
+    p = b.softmax(b.matmul(b.mul(q, c), kt), axis=-1)
+    b.output(b.matmul(p, v))
+    return b.build(), (s, batch, h, d)
+
+
+def test_torch_heads_reach_attention_as_views_of_the_projection():
+    program, (s, batch, h, d) = _torch_heads()
+    fused, changes = fuse_attention(program)
+    (att,) = [op for op in fused.ops if op.name == "attention"]
+    assert dict(att.attrs)["scale"] == pytest.approx(d ** -0.5)  # both square roots folded
+    names = [op.name for op in fused.ops]
+    assert "mul" not in names[1:] and "softmax" not in names  # only the projection's mul stays
+    producer = {op.outputs[0].id: op for op in fused.ops}
+    for operand in att.inputs:  # each head: transpose(reshape(third, (S, B, H, D))), splits only
+        t = producer[operand.id]
+        assert t.name == "transpose" and dict(t.attrs)["perm"] == (1, 2, 0, 3)
+        r = producer[t.inputs[0].id]
+        assert r.name == "reshape" and r.outputs[0].type.shape == (s, batch, h, d)
+        assert producer[r.inputs[0].id].name == "gather"
+    assert len(changes) == 1
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((s, batch, 3 * h * d)).astype(np.float32)
+    want = polyhal.compile(program, "cpu:0")(x).numpy()
+    got = polyhal.compile(fused, "cpu:0")(x).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    thirds = x.reshape(s, batch, 3, h, d).transpose(2, 1, 3, 0, 4)  # (3, B, H, S, D)
+    ref = _reference(*(t.reshape(batch * h, s, d) for t in thirds), d ** -0.5).reshape(batch, h, s, d)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def test_the_onnx_transformer_block_fuses_on_the_cpu_only():
     pytest.importorskip("onnx")
     from pathlib import Path

@@ -104,6 +104,13 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
             chain.append(mul)
         chain.append(mm1)
         a, kt = mm1.inputs
+        post = dispatch(kt, "mul")  # kT = mul(k', c): torch's SDPA export scales q and kT by sqrt(c)
+        if post is not None and uses[kt.id] == 1 and post.affinity == mm1.affinity:
+            other = next((x for x in post.inputs if scalar(x) is None), None)
+            c = None if other is None or other.type != kt.type else scaling(post, other)
+            if c is not None:
+                kt, scale = other, scale * c
+                chain.append(post)
         v = mm2.inputs[1]
         if not (a.type.rank == kt.type.rank == v.type.rank == rank
                 and a.type.shape[:-2] == kt.type.shape[:-2] == v.type.shape[:-2]
@@ -124,13 +131,14 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
                 q, scale = other, scale * c
                 chain.append(pre)
         new: list[Op] = []
+        q, v = _split_heads(q, dispatch, uses, chain, new), _split_heads(v, dispatch, uses, chain, new)
         swap = tuple(range(rank - 2)) + (rank - 1, rank - 2)
         t = dispatch(kt, "transpose")
         if t is not None and uses[kt.id] == 1 and t.affinity == mm1.affinity:
             perm = dict(t.attrs).get("perm")
             perm = tuple(reversed(range(rank))) if perm is None else tuple(int(x) for x in perm)
-            src = t.inputs[0]
             chain.append(t)
+            src = _split_heads(t.inputs[0], dispatch, uses, chain, new)
             composed = tuple(perm[i] for i in swap)
             if composed == tuple(range(rank)):
                 k = src
@@ -148,6 +156,76 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
         replaced[id(mm2)] = [chain, new]
         removed.update(id(op) for op in chain)
     return splice(program, replaced, removed, "attention")
+
+
+def _split_heads(x: Value, dispatch, uses: dict, chain: list, new: list) -> Value:
+    """``x``, or the same tensor as a split of its source followed by one transpose when ``x`` is
+    ``reshape(transpose(reshape(src)))`` whose first reshape merges dims (appending the three ops
+    to ``chain`` and the two or three that replace them to ``new``).
+
+    torch's ``multi_head_attention_forward`` hands q, k and v to attention as
+    ``x.view(S, B * H, D).transpose(0, 1).view(B, H, S, D)`` of an (S, B, E) projection. Where x is
+    a strided view (the q, k or v third of a packed projection), merging B with H needs a copy;
+    ``transpose(reshape(x, (S, B, H, D)), (1, 2, 0, 3))`` is the same tensor with only splits, a
+    view of any layout, which a kernel taking two batch strides reads in place."""
+    r2 = dispatch(x, "reshape")
+    t = None if r2 is None else dispatch(r2.inputs[0], "transpose")
+    r1 = None if t is None else dispatch(t.inputs[0], "reshape")
+    if r1 is None or uses[x.id] != 1 or uses[r2.inputs[0].id] != 1 or uses[t.inputs[0].id] != 1 or len(
+            {r1.affinity, t.affinity, r2.affinity}) != 1:
+        return x
+    src, mid = r1.inputs[0], r1.outputs[0]
+    groups = _refinement(src.type.shape, mid.type.shape)
+    if groups is None or all(len(g) < 2 for g in groups):
+        return x  # no merge to undo (or no common split)
+    perm = dict(t.attrs).get("perm")
+    perm = tuple(reversed(range(mid.type.rank))) if perm is None else tuple(int(p) for p in perm)
+    fine = tuple(d for g in groups for d in g)
+    starts = [sum(len(g) for g in groups[:i]) for i in range(len(groups))]
+    order: list[int] = []
+    for p in perm:
+        order.extend(range(starts[p], starts[p] + len(groups[p])))
+    moved = tuple(fine[i] for i in order)
+    if moved != tuple(d for d in x.type.shape if d != 1):
+        return x
+    dtype, pid, aff = x.type.dtype, x.program_id, r2.affinity
+    split = Value(TensorType(fine, dtype), f"{x.name}_split", pid)
+    heads = x if moved == x.type.shape else Value(TensorType(moved, dtype), f"{x.name}_heads", pid)
+    ops = [Op("dispatch", "reshape", (src,), (split,), canonical_attrs({"shape": fine}), aff),
+           Op("dispatch", "transpose", (split,), (heads,), canonical_attrs({"perm": tuple(order)}), aff)]
+    if heads is not x:  # dims of size 1 back in place
+        ops.append(Op("dispatch", "reshape", (heads,), (x,), canonical_attrs({"shape": x.type.shape}), aff))
+    chain.extend((r1, t, r2))
+    new.extend(ops)
+    return x
+
+
+def _refinement(shape: tuple[int, ...], target: tuple[int, ...]) -> list[tuple[int, ...]] | None:
+    """For each dim of ``target``, the dims it is made of in the coarsest shape that both
+    ``shape`` and ``target`` are merges of (dims of size 1 dropped), or None when there is none
+    (a dim of one does not divide the other's) or a dim is empty."""
+    if 0 in shape or 0 in target:
+        return None
+    rest = [d for d in shape if d != 1]
+    groups: list[tuple[int, ...]] = []
+    i, left = 0, 1  # left: what remains of shape's current dim
+    for d in target:
+        group = []
+        while d != 1:
+            if left == 1:
+                if i == len(rest):
+                    return None
+                left, i = rest[i], i + 1
+            if left % d == 0:
+                group.append(d)
+                left, d = left // d, 1
+            elif d % left == 0:
+                group.append(left)
+                d, left = d // left, 1
+            else:
+                return None
+        groups.append(tuple(group))
+    return groups if left == 1 and i == len(rest) else None
 
 
 def _swapped(v: Value) -> TensorType:
