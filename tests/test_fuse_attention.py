@@ -77,7 +77,7 @@ def _torch_heads(s=5, batch=3, h=2, d=4):
     e = h * d
     b = polyhal.ProgramBuilder("mha")
     x = b.input("x", (s, batch, 3 * e))
-    proj = b.reshape(b.mul(x, b.constant(np.float32(1.0), "one")), shape=[s, batch, 3, e])
+    proj = b.reshape(b.mul(x, b.constant(np.float32(2.0), "two")), shape=[s, batch, 3, e])  # an op's result
     c = b.constant(np.float32(d ** -0.25), "sqrt_scale")
     heads = []
     for i in range(3):
@@ -111,7 +111,7 @@ def test_torch_heads_reach_attention_as_views_of_the_projection():
     want = polyhal.compile(program, "cpu:0")(x).numpy()
     got = polyhal.compile(fused, "cpu:0")(x).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-    thirds = x.reshape(s, batch, 3, h, d).transpose(2, 1, 3, 0, 4)  # (3, B, H, S, D)
+    thirds = 2 * x.reshape(s, batch, 3, h, d).transpose(2, 1, 3, 0, 4)  # (3, B, H, S, D)
     ref = _reference(*(t.reshape(batch * h, s, d) for t in thirds), d ** -0.5).reshape(batch, h, s, d)
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
 

@@ -397,10 +397,32 @@ def plan_views(program, registry: "Registry", keep: frozenset[int] = frozenset()
                 if view is not None:
                     views[i] = of_value[view.value.id] = view
         bad = {i for i, w in views.items() if not w.plain and not all(
-            j in views or _accepts(registry, ops[j], k, w, ops[i]) for j, k in consumers.get(w.value.id, ()))}
+            (j in views and not _block_reread(registry, ops, views, consumers, w, j))
+            or (j not in views and _accepts(registry, ops[j], k, w, ops[i]))
+            for j, k in consumers.get(w.value.id, ()))}
         if not bad:
             return views
         refused |= bad
+
+
+def _block_reread(registry: "Registry", ops, views: dict, consumers: dict, view: View, j: int) -> bool:
+    """Whether strided slice or gather ``view``, reshaped by view op ``j``, reaches (through views)
+    a kernel of a device that accepts any strides blindly: that device keeps the block a copy
+    (see :func:`_accepts`), and a reshape of the block is the same block (the split of torch's
+    attention heads, :mod:`polyhal.passes.fuse_attention`, reaches the CPU's attention as one)."""
+    if view.op not in ("slice", "gather") or view.strides is None or ops[j].name != "reshape":
+        return False
+    todo, seen = [views[j].value.id], set()
+    while todo:
+        for c, _k in consumers.get(todo.pop(), ()):
+            if c in seen:
+                continue
+            seen.add(c)
+            if c in views:
+                todo.append(views[c].value.id)
+            elif ops[c].kind == "dispatch" and getattr(registry.get_device(ops[c].device), "strided_views", False):
+                return True
+    return False
 
 
 def _accepts(registry: "Registry", consumer: "Op", index: int, view: View, producer: "Op") -> bool:

@@ -67,7 +67,9 @@ def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple
     kernel = KernelInfo("attention", "attention", 256, 1, "cuda")
     decls = [decl("scores", b * lq * lk, "scale * q @ k^T"), decl("probs", b * lq * lk, "softmax of the scores"),
              decl("q", b * lq * d, "dense copy of a strided q"), decl("k", b * lk * d, "dense copy of a strided k"),
-             decl("v", b * lk * dv, "dense copy of a strided v"), decl("out", b * lq * dv, "dense result before a strided output")]
+             decl("v", b * lk * dv, "dense copy of a strided v"), decl("out", b * lq * dv, "dense result before a strided output"),
+             ScratchDecl("pointers", shared=True, per_launch=6 * b * 8, spaces=gl, alignment=256,
+                         purpose="matrix addresses of both products where a batch sits at two strides")]
     problem = Problem(op, attrs, tuple(ins), tuple(outs))
     return tuple(d_.request(problem, kernel) for d_ in decls)
 
@@ -97,27 +99,109 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     copyto = cp.copyto
     flat_scores, flat_probs = scores.reshape(b * lq, lk), probs.reshape(b * lq, lk)
 
-    def operand(x, name, shape):
+    pointer_qk = blas.prepare_pointer_batched(device, dtype, lq, lk, d, b, alpha=scale, tf32=tf32)
+    pointer_pv = blas.prepare_pointer_batched(device, dtype, lq, dv, lk, b, tf32=tf32)
+    fill = _pointer_kernel(device)
+    pointers = int(s.ptr("pointers"))
+    item = dtype.itemsize
+
+    def operand(x, name, shape, trans):
+        """(x as a (batch, rows, cols) array cuBLAS reads at one batch stride, None) or, for a
+        batch at two strides, (None, its :func:`_two_level` description)."""
         if x.flags.c_contiguous:
-            return x.reshape(shape)
+            return x.reshape(shape), None
         flat = reshaped_strides(x.shape, tuple(st // x.itemsize for st in x.strides), shape)
         if flat is not None and blas.operand_layout(shape, flat) is not None:
-            return x.reshape(shape)  # no copy: cuBLAS reads the heads through ld and batch stride
+            return x.reshape(shape), None  # no copy: cuBLAS reads the heads through ld and batch stride
+        two = _two_level(x, trans) if pointer_qk is not None and pointer_pv is not None else None
+        if two is not None:
+            return None, two  # no copy: the products take the matrices' addresses
         target = dense[name]
-        copyto(target.reshape(x.shape), x)  # a view cuBLAS cannot read (batches at two strides)
-        return target
+        copyto(target.reshape(x.shape), x)  # a view cuBLAS cannot read at all
+        return target, None
+
+    def described(x3, trans):
+        op, ld, stride = blas._layout_of(x3, trans)
+        return x3.data.ptr, (op, ld), b, 0, stride * item
+
+    def product(slot, call, a, b_, c_ptr, rows, cols):
+        """The pointer arrays of one product (one small kernel), then the product."""
+        at = pointers + slot * 3 * b * 8
+        c = (c_ptr, None, b, 0, rows * cols * item)
+        args = [np.uint64(at), np.int32(b)]
+        for ptr, _layout, inner, outer, stride in (a, b_, c):
+            args += [np.uint64(ptr), np.int32(inner), np.int64(outer), np.int64(stride)]
+        device.launch(fill, "batch_pointers", ((b + 127) // 128,), (128,), tuple(args))
+        call(at, at + b * 8, at + 2 * b * 8, a[1], b_[1])
 
     def attention(q, k, v, out):
-        q3 = operand(q, "q", (b, lq, d))
-        k3 = operand(k, "k", (b, lk, d))
-        v3 = operand(v, "v", (b, lk, dv))
-        qk(q3, k3, scores)
-        softmax(flat_scores, flat_probs)
-        if out.flags.c_contiguous:
-            pv(probs, v3, out.reshape(b, lq, dv))
+        q3, q2 = operand(q, "q", (b, lq, d), False)
+        k3, k2 = operand(k, "k", (b, lk, d), True)
+        v3, v2 = operand(v, "v", (b, lk, dv), False)
+        if q2 is None and k2 is None:
+            qk(q3, k3, scores)
         else:
-            pv(probs, v3, out_dense)
+            product(0, pointer_qk, q2 or described(q3, False), k2 or described(k3, True), scores.data.ptr, lq, lk)
+        softmax(flat_scores, flat_probs)
+        target = out.reshape(b, lq, dv) if out.flags.c_contiguous else out_dense
+        if v2 is None:
+            pv(probs, v3, target)
+        else:
+            product(1, pointer_pv, described(probs, False), v2, target.data.ptr, lq, dv)
+        if target is out_dense:
             copyto(out, out_dense.reshape(out.shape))
 
     attention.kernel_name = "attention (cublasGemmStridedBatchedEx, softmax_rows, cublasGemmStridedBatchedEx)"  # type: ignore[attr-defined]
     return attention
+
+
+_POINTERS = r"""
+extern "C" __global__ void batch_pointers(unsigned long long out, int n,
+    unsigned long long a, int a_inner, long long a_outer, long long a_stride,
+    unsigned long long b, int b_inner, long long b_outer, long long b_stride,
+    unsigned long long c, int c_inner, long long c_outer, long long c_stride) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  unsigned long long* p = (unsigned long long*)out;
+  p[i] = a + (i / a_inner) * a_outer + (i % a_inner) * a_stride;
+  p[n + i] = b + (i / b_inner) * b_outer + (i % b_inner) * b_stride;
+  p[2 * n + i] = c + (i / c_inner) * c_outer + (i % c_inner) * c_stride;
+}
+"""
+
+
+def _pointer_kernel(device: "Device") -> Any:
+    """The kernel that writes a product's three arrays of matrix addresses: matrix i of an
+    operand at ``base + (i / inner) * outer + (i % inner) * stride`` (bytes)."""
+    def build():
+        import cupy
+
+        mod = cupy.RawModule(code=_POINTERS, options=("-std=c++17",))
+        mod.compile()
+        return mod
+
+    return device.module(("batch_pointers", _POINTERS), build).get_function("batch_pointers")
+
+
+def _two_level(x: Any, trans: bool) -> tuple | None:
+    """``(address, (op, ld), inner, outer, stride)`` of a strided array whose matrices (last two
+    dims, read transposed with ``trans``) cuBLAS reads with an op flag and leading dimension and
+    whose batch dims merge into at most two levels: matrix i at ``address + (i // inner) * outer
+    + (i % inner) * stride`` (bytes); None otherwise."""
+    item = x.itemsize
+    layout = blas.operand_layout(x.shape[-2:], tuple(st // item for st in x.strides[-2:]), trans)
+    if layout is None:
+        return None
+    levels: list[tuple[int, int]] = []
+    for n, st in zip(x.shape[:-2], x.strides[:-2]):
+        if n == 1:
+            continue
+        if levels and levels[-1][1] == n * st:
+            levels[-1] = (levels[-1][0] * n, st)  # contiguous with the level outside it: one level
+        else:
+            levels.append((n, st))
+    if len(levels) > 2:
+        return None
+    inner, stride = levels[-1] if levels else (1, 0)
+    outer = levels[0][1] if len(levels) == 2 else 0
+    return x.data.ptr, layout[:2], inner, outer, stride

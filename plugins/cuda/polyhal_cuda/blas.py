@@ -69,8 +69,9 @@ def _library() -> Any:
         lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
         lib.cublasGemmStridedBatchedEx.argtypes = [
             vp, i, i, i, i, i, vp, vp, i, i, ll, vp, i, i, ll, vp, vp, i, i, ll, i, i, i]
+        lib.cublasGemmBatchedEx.argtypes = [vp, i, i, i, i, i, vp, vp, i, i, vp, i, i, vp, vp, i, i, i, i, i]
         for fn in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
-                   lib.cublasGemmStridedBatchedEx):
+                   lib.cublasGemmStridedBatchedEx, lib.cublasGemmBatchedEx):
             fn.restype = ctypes.c_int
         _lib = lib
         return lib
@@ -267,6 +268,35 @@ def _gemm_pointers(device, dtype, m, n, k, trans_a, trans_b, stride_a, stride_b,
                       stride_c, batch, ct, GEMM_DEFAULT)
         if status != 0:
             raise CUDAError(f"cublasGemmStridedBatchedEx failed with status {status}", status=status)
+
+    call.consts = consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
+    return call
+
+
+def prepare_pointer_batched(device: "Device", dtype: Any, m: int, n: int, k: int, batch: int, *,
+                            alpha: float = 1.0, tf32: bool = False):
+    """``fn(a_ptrs, b_ptrs, c_ptrs, layout_a, layout_b)``: for ``i < batch``, the dense row-major
+    (m, n) matrix at ``c_ptrs[i]`` = alpha * (m, k) at ``a_ptrs[i]`` @ (k, n) at ``b_ptrs[i]``
+    (``cublasGemmBatchedEx``: device arrays of device addresses), each operand read with its
+    ``(op, ld)`` of :func:`operand_layout` -- for batches that sit at no one stride (the heads
+    of a packed projection: batch and head at two strides), where the strided-batched call
+    cannot reach them; None when not covered."""
+    dtype = np.dtype(dtype)
+    blas = blas_for(device)
+    if blas is None or dtype not in _DATA or 0 in (m, n, k, batch):
+        return None
+    lib, handle = blas.lib, blas.handle
+    consts = np.array([alpha, 0.0], _SCALAR[dtype])
+    pa, pb = consts.ctypes.data, consts.ctypes.data + consts.itemsize
+    dt, ct = _DATA[dtype], COMPUTE_32F_FAST_TF32 if tf32 and dtype == np.float32 else _COMPUTE[dtype]
+    gemm = lib.cublasGemmBatchedEx
+
+    def call(a_ptrs: int, b_ptrs: int, c_ptrs: int, layout_a: tuple, layout_b: tuple) -> None:
+        (oa, la), (ob, lb) = layout_a[:2], layout_b[:2]
+        status = gemm(handle, ob, oa, n, m, k, pa, b_ptrs, dt, lb, a_ptrs, dt, la, pb, c_ptrs, dt, n, batch, ct,
+                      GEMM_DEFAULT)
+        if status != 0:
+            raise CUDAError(f"cublasGemmBatchedEx failed with status {status}", status=status)
 
     call.consts = consts  # type: ignore[attr-defined]  (keeps the host scalars alive)
     return call

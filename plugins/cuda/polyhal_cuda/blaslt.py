@@ -92,9 +92,12 @@ def _handle(device: "Device") -> Any:
 
 
 def prepare_linear(device: "Device", dtype: Any, m: int, k: int, n: int, tf32: bool,
-                   fallback: Callable[..., None]) -> Callable[..., None] | None:
-    """``fn(x, w, bias, out)`` (x (m, k), w (k, n), bias (n,), out (m, n)) through cublasLt where
-    it measured faster than ``fallback`` (the cuBLAS path, same signature), else None."""
+                   fallback: Callable[..., None], *, trans_b: bool = False,
+                   alpha: float = 1.0) -> Callable[..., None] | None:
+    """``fn(x, w, bias, out)`` (x (m, k), w (k, n) -- (n, k) read transposed with ``trans_b``, as
+    ONNX's Gemm of a linear layer has it --, bias (n,), out (m, n) = alpha * x @ w + bias) through
+    cublasLt where it measured faster than ``fallback`` (the cuBLAS path, same signature), else
+    None."""
     if np.dtype(dtype) != np.float32 or 0 in (m, k, n):
         return None
     gemm = blas.blas_for(device)
@@ -102,12 +105,12 @@ def prepare_linear(device: "Device", dtype: Any, m: int, k: int, n: int, tf32: b
         return None
     try:
         lib, handle = _library(), _handle(device)
-        call, algos = _matmul(lib, handle, gemm, device, m, k, n, tf32)
+        call, algos = _matmul(lib, handle, gemm, device, m, k, n, tf32, trans_b, alpha)
     except Exception:  # noqa: BLE001 - no cublasLt (or no algorithm): the cuBLAS path
         return None
     if not algos:
         return None
-    choice = _fastest(device, m, k, n, fallback, call, algos)
+    choice = _fastest(device, m, k, n, fallback, call, algos, trans_b)
     if choice is None:
         return None
     algo = algos[choice]
@@ -122,20 +125,21 @@ def prepare_linear(device: "Device", dtype: Any, m: int, k: int, n: int, tf32: b
     return linear
 
 
-def _matmul(lib, handle, gemm, device, m, k, n, tf32):
+def _matmul(lib, handle, gemm, device, m, k, n, tf32, trans_b=False, alpha=1.0):
     """The descriptors of one instance and ``(call, algorithms)``: ``call(algo, x, w, bias, out)``
-    on device addresses; row-major out = x @ w is column-major out^T = w^T x^T (w is cuBLAS's A)."""
+    on device addresses; row-major out = x @ w is column-major out^T = w^T x^T (w is cuBLAS's A,
+    transposed once more where w is (n, k))."""
     vp, chk = ctypes.c_void_p, blas._check
     desc = vp()
     chk(lib.cublasLtMatmulDescCreate(ctypes.byref(desc), blas.COMPUTE_32F_FAST_TF32 if tf32 else _COMPUTE_32F,
                                      _R_32F), "cublasLtMatmulDescCreate")
-    op_n = ctypes.c_int32(blas.OP_N)
+    op_n, op_a = ctypes.c_int32(blas.OP_N), ctypes.c_int32(blas.OP_T if trans_b else blas.OP_N)
     epilogue = ctypes.c_uint32(_EPILOGUE_BIAS)
-    for attr, value in ((_DESC_TRANSA, op_n), (_DESC_TRANSB, op_n), (_DESC_EPILOGUE, epilogue)):
+    for attr, value in ((_DESC_TRANSA, op_a), (_DESC_TRANSB, op_n), (_DESC_EPILOGUE, epilogue)):
         chk(lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
             "cublasLtMatmulDescSetAttribute")
     layouts = []
-    for rows, cols in ((n, k), (k, m), (n, m)):  # w^T, x^T, out^T (column-major, dense)
+    for rows, cols in ((k, n) if trans_b else (n, k), (k, m), (n, m)):  # w^T (or w), x^T, out^T: column-major
         layout = vp()
         chk(lib.cublasLtMatrixLayoutCreate(ctypes.byref(layout), _R_32F, rows, cols, rows),
             "cublasLtMatrixLayoutCreate")
@@ -154,7 +158,7 @@ def _matmul(lib, handle, gemm, device, m, k, n, tf32):
                                            results, ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
     algos = [results[i].algo for i in range(count.value)
              if results[i].state == 0 and results[i].workspace_size <= blas.WORKSPACE]
-    consts = np.array([1.0, 0.0], np.float32)  # alpha, beta: host memory, read when the call is made
+    consts = np.array([alpha, 0.0], np.float32)  # alpha, beta: host memory, read when the call is made
     alpha, beta = consts.ctypes.data, consts.ctypes.data + 4
     workspace, stream, matmul = gemm._workspace.ptr, device.stream.ptr, lib.cublasLtMatmul
     bias_box = ctypes.c_void_p()
@@ -172,7 +176,7 @@ def _matmul(lib, handle, gemm, device, m, k, n, tf32):
     return call, algos
 
 
-def _fastest(device, m, k, n, fallback, call, algos) -> int | None:
+def _fastest(device, m, k, n, fallback, call, algos, trans_b=False) -> int | None:
     """Index of the fastest algorithm, or None when the cuBLAS path (``fallback``) is faster."""
     import cupy as cp
 
@@ -181,7 +185,7 @@ def _fastest(device, m, k, n, fallback, call, algos) -> int | None:
     best: int | None = None
     with device.activate(), cp.cuda.using_allocator(pool.malloc):
         rng = cp.random.default_rng(0)
-        x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((m, k), (k, n), (n,)))
+        x, w, b = (rng.standard_normal(s, dtype=np.float32) for s in ((m, k), (n, k) if trans_b else (k, n), (n,)))
         out = cp.empty((m, n), np.float32)
         stream = device.stream
         start, stop = cp.cuda.Event(), cp.cuda.Event()

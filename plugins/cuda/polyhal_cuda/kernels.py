@@ -16,8 +16,8 @@ Families and how they run:
   for or where the op's semantics differ from cupy's (relu, sigmoid, erf, gelu, sign, where,
   mod, bit_shift);
 * matmul, gemm, einsum, mmt4d: cuBLAS through cupy (``cupy.matmul(out=)``, ``cupy.einsum``);
-  linear through cuBLAS, or cublasLt with the bias in its epilogue where that measures faster
-  (:mod:`.blaslt`);
+  linear (and gemm with a bias row as C) through cuBLAS, or cublasLt with the bias in its epilogue
+  where that measures faster (:mod:`.blaslt`);
 * reductions, argmax/argmin, cumsum: cupy's reduction kernels (CUB where cupy uses it);
 * softmax and layer_norm: one CUDA C kernel per row (:mod:`.rowwise`), cupy ops otherwise;
 * conv and fused_conv (:mod:`.cudnn`): depthwise convs by a CUDA C kernel with the epilogue
@@ -243,6 +243,11 @@ def _gemm(device, op, attrs, ins, outs, binding) -> Kernel:
                 copyto(out, rest[0])  # C broadcast into the result; cuBLAS adds beta * it
             direct(a, b, out)
         gemm.kernel_name = "cublasGemmStridedBatchedEx"  # type: ignore[attr-defined]
+        m, n = outs[0].shape
+        if has_c and beta == 1.0 and not trans_a and ins[2].shape in ((n,), (1, n)):
+            # a linear layer's Gemm: cublasLt with C as the epilogue's bias where it measures faster
+            return blaslt.prepare_linear(device, dtype, m, ins[0].shape[1], n, attrs["precision"] == "tf32", gemm,
+                                         trans_b=trans_b, alpha=alpha) or gemm
         return gemm
 
     def kernel(a, b, *rest):

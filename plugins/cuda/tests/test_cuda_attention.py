@@ -56,3 +56,43 @@ def test_transformer_block_runs_on_the_gpu_as_one_graph(cuda, rng):
         got = program.execute(plan, {"x": x})["y"]
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4, err_msg=f"seed {rng.seed_value}")
     assert plan.replay is not None and plan.replay.mode == "graph", getattr(plan.replay, "reason", None)
+
+
+def test_heads_at_two_batch_strides_are_read_in_place(cuda, cp, rng, monkeypatch):
+    # torch's packed projection (S, B, 3, H, D): q, k and v as (B, H, S, D) views put batch and
+    # head at two strides (3E and D), which no one cuBLAS batch stride reaches: the products
+    # take the matrices' addresses, and nothing is copied.
+    s, b, h, d = 11, 3, 4, 8
+    proj = cp.asarray(rng.standard_normal((s, b, 3, h, d)).astype(np.float32))
+    q, k, v = (proj[:, :, i].transpose(1, 2, 0, 3) for i in range(3))
+    copies = []
+    real = cp.copyto
+    monkeypatch.setattr(cp, "copyto", lambda *a, **kw: (copies.append(a[1].shape), real(*a, **kw)))
+    t = TensorType((b, h, s, d), np.dtype(np.float32))
+    fn = cuda.prepare("attention", {"scale": 0.3}, (t, t, t), (t,))
+    out = cp.full((b, h, s, d), np.nan, np.float32)
+    fn(q, k, v, out)
+    assert copies == []
+    want = OPS["attention"].reference(*[cp.asnumpy(x) for x in (q, k, v)], scale=0.3)[0]
+    np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {rng.seed_value}")
+    fn(q, k, cp.ascontiguousarray(v), out)  # one product through addresses, the other strided
+    np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {rng.seed_value}")
+
+
+def test_torch_heads_compile_to_views_of_the_projection(cuda, rng):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
+    from test_fuse_attention import _torch_heads
+
+    import polyhal
+
+    program, (s, b, h, d) = _torch_heads(s=13, batch=3, h=4, d=8)
+    plan = polyhal.compile(program, cuda.name)
+    views = {w.value.name for w in plan.buffer_plan.views}
+    ops = [op for op in plan.program.ops if op.name in ("gather", "reshape", "transpose")]
+    assert ops and all(op.outputs[0].name in views for op in ops)  # no head is copied
+    x = rng.standard_normal((s, b, 3 * h * d)).astype(np.float32)
+    want = polyhal.compile(program, "cpu:0")(x).numpy()
+    for _ in range(3):  # eager, then the captured graph replayed
+        np.testing.assert_allclose(plan(x).numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {rng.seed_value}")

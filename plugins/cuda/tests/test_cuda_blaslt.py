@@ -38,3 +38,36 @@ def test_the_linear_kernel_takes_the_faster_path_and_views(cuda, cp, rng):
     view = wide[:, :, 3:k + 3]  # rows at a stride: the kernel falls back to cuBLAS with ld
     fn(view, cp.asarray(w), cp.asarray(b), out)
     np.testing.assert_allclose(cp.asnumpy(out), cp.asnumpy(view).astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
+
+
+def test_every_algorithm_computes_a_gemm_with_transposed_weights(cuda, cp, rng):
+    from polyhal_cuda import blas, blaslt
+
+    m, k, n = 197, 96, 72
+    lib, handle = blaslt._library(), blaslt._handle(cuda)
+    call, algos = blaslt._matmul(lib, handle, blas.blas_for(cuda), cuda, m, k, n, False, True, 0.5)
+    assert algos
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), (n,)))
+    want = 0.5 * (x.astype(np.float64) @ w.T) + b
+    dx, dw, db = cp.asarray(x), cp.asarray(w), cp.asarray(b)
+    for algo in algos:
+        out = cp.full((m, n), np.nan, np.float32)
+        call(algo, dx.data.ptr, dw.data.ptr, db.data.ptr, out.data.ptr)
+        np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-4, err_msg=f"seed {rng.seed_value}")
+
+
+@pytest.mark.parametrize("c_shape", [(384,), (1, 384)])
+def test_a_linear_layers_gemm_takes_the_bias_epilogue_path(cuda, cp, rng, c_shape):
+    # ONNX's Gemm(x, W, C, transB=1) of a linear layer: C as cublasLt's bias where that measures faster
+    f = np.dtype(np.float32)
+    m, k, n = 3152, 256, 384
+    fn = cuda.prepare("gemm", {"trans_b": 1}, (TensorType((m, k), f), TensorType((n, k), f), TensorType(c_shape, f)),
+                      (TensorType((m, n), f),))
+    assert fn.inner.kernel_name in ("cublasLtMatmul (bias epilogue)", "cublasGemmStridedBatchedEx")
+    x, w, c = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (n, k), c_shape))
+    out = cp.full((m, n), np.nan, np.float32)
+    fn(cp.asarray(x), cp.asarray(w), cp.asarray(c), out)
+    np.testing.assert_allclose(cp.asnumpy(out), x.astype(np.float64) @ w.T + c, rtol=1e-4, atol=1e-4)
+    full = TensorType((m, n), f)  # a C of the result's shape stays on cuBLAS's beta
+    fn = cuda.prepare("gemm", {"trans_b": 1}, (TensorType((m, k), f), TensorType((n, k), f), full), (full,))
+    assert fn.inner.kernel_name == "cublasGemmStridedBatchedEx"
