@@ -5,15 +5,18 @@ What ``polyhal.passes.fuse_attention`` makes of a self-attention head's MatMul, 
 MatMul. Without a kernel here the op went through the host fallback (a round trip through numpy
 per call, and no CUDA graph): 4.5 ms for the example transformer block against 0.35 ms in torch.
 
-Per call: the scores ``(B, Lq, Lk)`` = scale * q @ k^T (``cublasGemmStridedBatchedEx``, k read
-transposed), the probabilities by ``softmax_rows`` into a second buffer, then probabilities @ v
-into the output. q, k and v usually arrive as strided views of the heads of a projection; cuBLAS
-reads those whose matrices have contiguous rows (or columns) and sit at one batch stride as they
-are (:func:`.blas.operand_layout`), the others are first copied into dense scratch (one
-elementwise copy each).
-All of it -- scores, probabilities, the dense copies, a dense output where the output is a view
--- is global scratch the plan's bufferization places (:func:`scratch_requests`); the kernel
-allocates nothing and is captured into the plan's CUDA graph like any other step.
+Per call: the scores ``(B, Lq, Lk)`` = scale * q @ k^T (k read transposed), the probabilities
+by ``softmax_rows`` into a second buffer, then probabilities @ v into the output. q, k and v
+usually arrive as strided views of the heads of a projection (:func:`accepts_view` takes those
+cuBLAS can read; the bufferize pass copies any other): heads at one batch stride go to
+``cublasGemmStridedBatchedEx`` with that stride and their leading dimension
+(:func:`.blas.operand_layout`); heads at two strides -- batch and head of torch's packed (S, B,
+3, H, D) projection, which no one stride reaches -- to ``cublasGemmBatchedEx``, whose arrays of
+matrix addresses one small kernel writes per product (ViT-B/16 at batch 16 copied 36 heads per
+run before, 0.57 ms on an H200).
+The scores, the probabilities and the address arrays are global scratch the plan's
+bufferization places (:func:`scratch_requests`); the kernel allocates nothing and is captured
+into the plan's CUDA graph like any other step.
 
 float32 and float64 (the row kernel's types); float16 and empty shapes are left to the backend's
 fallback.
@@ -66,8 +69,6 @@ def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple
 
     kernel = KernelInfo("attention", "attention", 256, 1, "cuda")
     decls = [decl("scores", b * lq * lk, "scale * q @ k^T"), decl("probs", b * lq * lk, "softmax of the scores"),
-             decl("q", b * lq * d, "dense copy of a strided q"), decl("k", b * lk * d, "dense copy of a strided k"),
-             decl("v", b * lk * dv, "dense copy of a strided v"), decl("out", b * lq * dv, "dense result before a strided output"),
              ScratchDecl("pointers", shared=True, per_launch=6 * b * 8, spaces=gl, alignment=256,
                          purpose="matrix addresses of both products where a batch sits at two strides")]
     problem = Problem(op, attrs, tuple(ins), tuple(outs))
@@ -86,8 +87,6 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     s = Scratch(device, scratch_requests(device, op, attrs, ins, outs), binding, lambda a: a.data.ptr)
     view = lambda name, shape: array_view(int(s.ptr(name)), shape, dtype, s, device.ordinal)  # noqa: E731
     scores, probs = view("scores", (b, lq, lk)), view("probs", (b, lq, lk))
-    dense = {"q": view("q", (b, lq, d)), "k": view("k", (b, lk, d)), "v": view("v", (b, lk, dv))}
-    out_dense = view("out", (b, lq, dv))
     tf32 = attrs["precision"] == "tf32"
     qk = blas.prepare_batched(device, dtype, lq, lk, d, b, trans_b=True, alpha=scale, tf32=tf32)
     pv = blas.prepare_batched(device, dtype, lq, dv, lk, b, tf32=tf32)
@@ -96,16 +95,16 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
         return None
     softmax = rowwise.kernel(row_plan, function(device, rowwise.SOURCE, rowwise.EXPRESSIONS, row_plan.expression),
                              device.launch)
-    copyto = cp.copyto
     flat_scores, flat_probs = scores.reshape(b * lq, lk), probs.reshape(b * lq, lk)
-
     pointer_qk = blas.prepare_pointer_batched(device, dtype, lq, lk, d, b, alpha=scale, tf32=tf32)
     pointer_pv = blas.prepare_pointer_batched(device, dtype, lq, dv, lk, b, tf32=tf32)
+    if pointer_qk is None or pointer_pv is None:
+        return None
     fill = _pointer_kernel(device)
     pointers = int(s.ptr("pointers"))
     item = dtype.itemsize
 
-    def operand(x, name, shape, trans):
+    def operand(x, shape, trans):
         """(x as a (batch, rows, cols) array cuBLAS reads at one batch stride, None) or, for a
         batch at two strides, (None, its :func:`_two_level` description)."""
         if x.flags.c_contiguous:
@@ -113,12 +112,12 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
         flat = reshaped_strides(x.shape, tuple(st // x.itemsize for st in x.strides), shape)
         if flat is not None and blas.operand_layout(shape, flat) is not None:
             return x.reshape(shape), None  # no copy: cuBLAS reads the heads through ld and batch stride
-        two = _two_level(x, trans) if pointer_qk is not None and pointer_pv is not None else None
-        if two is not None:
-            return None, two  # no copy: the products take the matrices' addresses
-        target = dense[name]
-        copyto(target.reshape(x.shape), x)  # a view cuBLAS cannot read at all
-        return target, None
+        two = _two_level(x.shape, tuple(st // item for st in x.strides), trans)
+        if two is not None:  # no copy: the products take the matrices' addresses
+            layout, inner, outer, stride = two
+            return None, (x.data.ptr, layout, inner, outer * item, stride * item)
+        # Not from a plan (its views are what accepts_view allowed): a called kernel's operand.
+        return cp.ascontiguousarray(x).reshape(shape), None
 
     def described(x3, trans):
         op, ld, stride = blas._layout_of(x3, trans)
@@ -135,21 +134,22 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
         call(at, at + b * 8, at + 2 * b * 8, a[1], b_[1])
 
     def attention(q, k, v, out):
-        q3, q2 = operand(q, "q", (b, lq, d), False)
-        k3, k2 = operand(k, "k", (b, lk, d), True)
-        v3, v2 = operand(v, "v", (b, lk, dv), False)
+        q3, q2 = operand(q, (b, lq, d), False)
+        k3, k2 = operand(k, (b, lk, d), True)
+        v3, v2 = operand(v, (b, lk, dv), False)
         if q2 is None and k2 is None:
             qk(q3, k3, scores)
         else:
             product(0, pointer_qk, q2 or described(q3, False), k2 or described(k3, True), scores.data.ptr, lq, lk)
         softmax(flat_scores, flat_probs)
-        target = out.reshape(b, lq, dv) if out.flags.c_contiguous else out_dense
+        # a plan's outputs are dense; a called kernel's may not be
+        target = out.reshape(b, lq, dv) if out.flags.c_contiguous else cp.empty((b, lq, dv), dtype)
         if v2 is None:
             pv(probs, v3, target)
         else:
             product(1, pointer_pv, described(probs, False), v2, target.data.ptr, lq, dv)
-        if target is out_dense:
-            copyto(out, out_dense.reshape(out.shape))
+        if not out.flags.c_contiguous:
+            cp.copyto(out, target.reshape(out.shape))
 
     attention.kernel_name = "attention (cublasGemmStridedBatchedEx, softmax_rows, cublasGemmStridedBatchedEx)"  # type: ignore[attr-defined]
     return attention
@@ -183,17 +183,16 @@ def _pointer_kernel(device: "Device") -> Any:
     return device.module(("batch_pointers", _POINTERS), build).get_function("batch_pointers")
 
 
-def _two_level(x: Any, trans: bool) -> tuple | None:
-    """``(address, (op, ld), inner, outer, stride)`` of a strided array whose matrices (last two
-    dims, read transposed with ``trans``) cuBLAS reads with an op flag and leading dimension and
-    whose batch dims merge into at most two levels: matrix i at ``address + (i // inner) * outer
-    + (i % inner) * stride`` (bytes); None otherwise."""
-    item = x.itemsize
-    layout = blas.operand_layout(x.shape[-2:], tuple(st // item for st in x.strides[-2:]), trans)
+def _two_level(shape: tuple, strides: tuple, trans: bool) -> tuple | None:
+    """``((op, ld), inner, outer, stride)`` of an operand of ``shape`` and element ``strides``
+    whose matrices (last two dims, read transposed with ``trans``) cuBLAS reads with an op flag
+    and leading dimension and whose batch dims merge into at most two levels: matrix i at
+    element ``(i // inner) * outer + (i % inner) * stride``; None otherwise."""
+    layout = blas.operand_layout(shape[-2:], strides[-2:], trans)
     if layout is None:
         return None
     levels: list[tuple[int, int]] = []
-    for n, st in zip(x.shape[:-2], x.strides[:-2]):
+    for n, st in zip(shape[:-2], strides[:-2]):
         if n == 1:
             continue
         if levels and levels[-1][1] == n * st:
@@ -204,4 +203,12 @@ def _two_level(x: Any, trans: bool) -> tuple | None:
         return None
     inner, stride = levels[-1] if levels else (1, 0)
     outer = levels[0][1] if len(levels) == 2 else 0
-    return x.data.ptr, layout[:2], inner, outer, stride
+    return layout[:2], inner, outer, stride
+
+
+def accepts_view(op: str, attrs: dict, ins, outs, index: int, strides: tuple, offset: int) -> bool:
+    """Whether ``attention`` reads operand ``index`` (q, k or v) of these element ``strides`` in
+    place: its heads at one batch stride or two, each with contiguous rows or columns (anything
+    else is copied by the bufferize pass, so the kernel needs no scratch for copies)."""
+    t = ins[index]
+    return index < 3 and t.rank >= 2 and _two_level(t.shape, strides, index == 1) is not None

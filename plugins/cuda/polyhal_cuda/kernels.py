@@ -43,8 +43,9 @@ Operands that are views (the bufferize pass folds a transpose, a slice or a gath
 into its consumers instead of copying) reach the kernels registered with ``views``: cupy's
 elementwise, reduction and copy kernels take any strides; the cuBLAS products take a matrix
 whose rows or columns are contiguous and batches at one stride (:func:`.blas.accepts_view`);
-attention copies strided q, k, v into its dense scratch. The others (the row-wise, convolution,
-pooling and sorting kernels, which address rows by pointer) get dense operands.
+attention q, k and v whose heads sit at one batch stride or two (:func:`.attention.accepts_view`).
+The others (the row-wise, convolution, pooling and sorting kernels, which address rows by
+pointer) get dense operands.
 
 An op of :data:`polyhal.ops.OPS` without a CUDA kernel here (new ops added to the core after
 this backend) still runs, through :func:`host_fallback` (download, the op's numpy reference,
@@ -682,7 +683,7 @@ def _pool(device, op, attrs, ins, outs, binding) -> Kernel:
 # ---------------------------------------------------------------------------- sorting, detection
 
 register("sort", "argsort", "topk", scratch=sorting.scratch_requests)(sorting.prepare)
-register("attention", scratch=attention.scratch_requests, views=(0, 1, 2))(attention.prepare)
+register("attention", scratch=attention.scratch_requests, views=attention.accepts_view)(attention.prepare)
 register("non_max_suppression", scratch=suppression.scratch_requests)(suppression.prepare)
 
 

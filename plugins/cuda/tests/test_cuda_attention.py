@@ -65,12 +65,12 @@ def test_heads_at_two_batch_strides_are_read_in_place(cuda, cp, rng, monkeypatch
     s, b, h, d = 11, 3, 4, 8
     proj = cp.asarray(rng.standard_normal((s, b, 3, h, d)).astype(np.float32))
     q, k, v = (proj[:, :, i].transpose(1, 2, 0, 3) for i in range(3))
+    out = cp.full((b, h, s, d), np.nan, np.float32)
     copies = []
     real = cp.copyto
-    monkeypatch.setattr(cp, "copyto", lambda *a, **kw: (copies.append(a[1].shape), real(*a, **kw)))
+    monkeypatch.setattr(cp, "copyto", lambda *a, **kw: (copies.append(a), real(*a, **kw)))
     t = TensorType((b, h, s, d), np.dtype(np.float32))
     fn = cuda.prepare("attention", {"scale": 0.3}, (t, t, t), (t,))
-    out = cp.full((b, h, s, d), np.nan, np.float32)
     fn(q, k, v, out)
     assert copies == []
     want = OPS["attention"].reference(*[cp.asnumpy(x) for x in (q, k, v)], scale=0.3)[0]
@@ -96,3 +96,16 @@ def test_torch_heads_compile_to_views_of_the_projection(cuda, rng):
     want = polyhal.compile(program, "cpu:0")(x).numpy()
     for _ in range(3):  # eager, then the captured graph replayed
         np.testing.assert_allclose(plan(x).numpy(), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {rng.seed_value}")
+
+
+def test_attention_accepts_the_views_it_reads_in_place():
+    from polyhal_cuda.attention import accepts_view
+
+    s, b, h, d = 11, 3, 4, 8
+    t = TensorType((b, h, s, d), np.dtype(np.float32))
+    packed = (3 * h * d, d, b * 3 * h * d, 1)  # a third of torch's (S, B, 3, H, D): two strides
+    assert accepts_view("attention", {}, (t, t, t), (t,), 0, packed, 0)
+    assert accepts_view("attention", {}, (t, t, t), (t,), 1, (h * s * d, s * d, 1, s), 0)  # k^T dense
+    assert not accepts_view("attention", {}, (t, t, t), (t,), 2, packed[:3] + (2,), 0)  # no contiguous rows
+    t5 = TensorType((2, b, h, s, d), np.dtype(np.float32))  # three levels: the bufferize pass copies
+    assert not accepts_view("attention", {}, (t5, t5, t5), (t5,), 0, (10**6,) + packed, 0)
