@@ -35,7 +35,9 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    on any device); any other is made only when every consumer accepts it
    (:meth:`~polyhal.hal.device.Device.accepts_view`: the CPU's kernels take any strides, a CUDA
    GEMM a transposed matrix, ...), decided to a fixed point (refusing one view turns views of it
-   into views of a copy, whose consumers are asked again); otherwise the op stays and copies. A
+   into views of a copy, whose consumers are asked again; a strided slice or gather that a
+   reshape hands on towards a kernel of a device taking any strides counts as read by that
+   kernel); otherwise the op stays and copies. A
    view needs an operand whose buffer the plan owns: the result of an op of the program, not a
    program input, a constant or a program output (those change per run or are handed to the
    caller), and it is never itself a program output (those are fresh, row-major tensors per

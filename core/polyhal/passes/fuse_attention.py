@@ -18,12 +18,18 @@ The pass matches, for dispatches with one affinity:
   exporter) or the causal mask of a decoder (GPT-2, dynamo exporter; a constant once the front
   end folded its Trilu/Where/Expand), which makes the op ``masked_attention``;
 * ``p = softmax(s)`` over the last axis, ``s`` used by it alone;
-* ``o = matmul(p, v)``, ``p`` used by it alone, ``v`` (batch..., Lk, Dv).
+* ``o = matmul(p, v)``, ``p`` used by it alone, ``v`` (batch..., Lk, Dv);
+* optionally ``kT = mul(x, c)`` with a scalar constant ``c`` (folded into ``scale``): torch's
+  SDPA export scales both q and kT by the square root of the scale.
 
 ``k`` is ``kT`` with its last two dims swapped: a ``transpose`` op, which composes with the
 transpose that usually made ``kT`` (exporters transpose the keys' heads) into one, and which is
 a view, not a copy, on devices whose kernels take strided operands (see the bufferize pass).
-Values the match would remove but that something else reads keep their ops. A match is fused
+q, k and v that torch's ``multi_head_attention_forward`` wrote as ``view(S, B * H, D).transpose(0,
+1).view(B, H, S, D)`` of an (S, B, E) tensor are taken as ``transpose(view(S, B, H, D), (1, 2, 0,
+3))`` of it instead (:func:`_split_heads`): the same elements, but only splits, so a view where
+the tensor is itself a strided view (a third of a packed projection), which merging B with H is
+not. Values the match would remove but that something else reads keep their ops. A match is fused
 only where ``fusible("attention", ops)`` (``"masked_attention"``) says so (see
 :mod:`polyhal.passes.fusion`).
 """

@@ -63,7 +63,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
-from polyhal_cuda import attention, blas, blaslt, cudnn, portable, sorting, suppression
+from polyhal_cuda import attention, blas, blaslt, copies, cudnn, portable, sorting, suppression
 from polyhal_gpu import storage
 from polyhal_gpu.elementwise import PREAMBLE, SNIPPETS, snippet_key
 from polyhal_gpu.fallback import host_fallback as reference_on_host
@@ -384,21 +384,21 @@ def _rowwise(device, op, attrs, ins, outs, binding) -> Kernel:
 
 @register("transpose", views=True)
 def _transpose(device, op, attrs, ins, outs, binding) -> Kernel:
-    copyto = _cupy().copyto
+    copy = copies.prepare(device)  # a row at a time where the last axis stays (cupy's copy otherwise)
     rank = ins[0].rank
     perm = tuple(reversed(range(rank))) if attrs["perm"] is None else tuple(int(p) for p in attrs["perm"])
 
     def kernel(x, out):
-        copyto(out, x.transpose(perm))
+        copy(x.transpose(perm), out)
     return kernel
 
 
 @register("reshape", views=True)
 def _reshape(device, op, attrs, ins, outs, binding) -> Kernel:
-    copyto = _cupy().copyto
+    copy = copies.prepare(device)
 
     def kernel(x, out):
-        copyto(out.reshape(x.shape), x)  # out is dense, so this is a view of it: no temporary, even of a strided x
+        copy(x, out.reshape(x.shape))  # out is dense, so this is a view of it: no temporary, even of a strided x
     return kernel
 
 
