@@ -35,9 +35,9 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    on any device); any other is made only when every consumer accepts it
    (:meth:`~polyhal.hal.device.Device.accepts_view`: the CPU's kernels take any strides, a CUDA
    GEMM a transposed matrix, ...), decided to a fixed point (refusing one view turns views of it
-   into views of a copy, whose consumers are asked again; a strided slice or gather that a
-   reshape hands on towards a kernel of a device taking any strides counts as read by that
-   kernel); otherwise the op stays and copies. A
+   into views of a copy, whose consumers are asked again; a strided gather that a reshape
+   hands on towards a kernel of a device taking any strides counts as read by that kernel);
+   otherwise the op stays and copies. A
    view needs an operand whose buffer the plan owns: the result of an op of the program, not a
    program input, a constant or a program output (those change per run or are handed to the
    caller), and it is never itself a program output (those are fresh, row-major tensors per
@@ -408,11 +408,13 @@ def plan_views(program, registry: "Registry", keep: frozenset[int] = frozenset()
 
 
 def _block_reread(registry: "Registry", ops, views: dict, consumers: dict, view: View, j: int) -> bool:
-    """Whether strided slice or gather ``view``, reshaped by view op ``j``, reaches (through views)
-    a kernel of a device that accepts any strides blindly: that device keeps the block a copy
-    (see :func:`_accepts`), and a reshape of the block is the same block (the split of torch's
-    attention heads, :mod:`polyhal.passes.fuse_attention`, reaches the CPU's attention as one)."""
-    if view.op not in ("slice", "gather") or view.strides is None or ops[j].name != "reshape":
+    """Whether strided gather ``view``, reshaped by view op ``j``, reaches (through views) a kernel
+    of a device that accepts any strides blindly: that device keeps the block a copy (see
+    :func:`_accepts`), and a reshape of it is the same block -- the q, k or v third of torch's
+    packed attention projection, which :mod:`polyhal.passes.fuse_attention` splits into heads,
+    so that the CPU's attention reads the heads of a dense copy as it did before that split.
+    (Slices handed on by a reshape, GPT-2's heads, have long been views there and stay so.)"""
+    if view.op != "gather" or view.strides is None or ops[j].name != "reshape":
         return False
     todo, seen = [views[j].value.id], set()
     while todo:
