@@ -70,10 +70,11 @@ def test_keys_not_made_by_a_transpose_get_one():
     np.testing.assert_allclose(got, _reference(qs[None], kts.T[None], vs[None], 1.0)[0], rtol=1e-5, atol=1e-6)
 
 
-def _torch_heads(s=5, batch=3, h=2, d=4):
+def _torch_heads(s=5, batch=3, h=2, d=4, key_transpose_moved=False):
     """torch's multi_head_attention_forward as its exporter writes it: q, k, v as thirds of a
     packed (S, B, 3E) projection, each ``view(S, B*H, D).transpose(0, 1).view(B, H, S, D)``, and
-    SDPA scaling both q and kT by sqrt(1/sqrt(D))."""
+    SDPA scaling both q and kT by sqrt(1/sqrt(D)); ``key_transpose_moved``: kT as ONNX's optimizer
+    leaves it, ``view(S, B*H, D).transpose(1, 2, 0).view(B, H, D, S)``."""
     e = h * d
     b = polyhal.ProgramBuilder("mha")
     x = b.input("x", (s, batch, 3 * e))
@@ -83,25 +84,34 @@ def _torch_heads(s=5, batch=3, h=2, d=4):
     for i in range(3):
         third = b.gather(proj, b.constant(np.int64(i), f"i{i}"), axis=2)
         merged = b.reshape(third, shape=[s, batch * h, d])
-        heads.append(b.reshape(b.transpose(merged, perm=[1, 0, 2]), shape=[batch, h, s, d]))
+        if i == 1 and key_transpose_moved:
+            heads.append(b.reshape(b.transpose(merged, perm=[1, 2, 0]), shape=[batch, h, d, s]))
+        else:
+            heads.append(b.reshape(b.transpose(merged, perm=[1, 0, 2]), shape=[batch, h, s, d]))
     q, k, v = heads
-    kt = b.mul(b.transpose(k, perm=[0, 1, 3, 2]), c)
+    kt = b.mul(k if key_transpose_moved else b.transpose(k, perm=[0, 1, 3, 2]), c)
     p = b.softmax(b.matmul(b.mul(q, c), kt), axis=-1)
     b.output(b.matmul(p, v))
     return b.build(), (s, batch, h, d)
 
 
-def test_torch_heads_reach_attention_as_views_of_the_projection():
-    program, (s, batch, h, d) = _torch_heads()
+@pytest.mark.parametrize("moved", [False, True])
+def test_torch_heads_reach_attention_as_views_of_the_projection(moved):
+    program, (s, batch, h, d) = _torch_heads(key_transpose_moved=moved)
     fused, changes = fuse_attention(program)
     (att,) = [op for op in fused.ops if op.name == "attention"]
     assert dict(att.attrs)["scale"] == pytest.approx(d ** -0.5)  # both square roots folded
     names = [op.name for op in fused.ops]
     assert "mul" not in names[1:] and "softmax" not in names  # only the projection's mul stays
     producer = {op.outputs[0].id: op for op in fused.ops}
-    for operand in att.inputs:  # each head: transpose(reshape(third, (S, B, H, D))), splits only
+    for i, operand in enumerate(att.inputs):  # each head: transpose(reshape(third, (S, B, H, D))), splits only
         t = producer[operand.id]
-        assert t.name == "transpose" and dict(t.attrs)["perm"] == (1, 2, 0, 3)
+        if moved and i == 1:  # k: kT's split and transpose, transposed back
+            assert t.name == "transpose" and dict(t.attrs)["perm"] == (0, 1, 3, 2)
+            t = producer[t.inputs[0].id]
+            assert t.name == "transpose" and dict(t.attrs)["perm"] == (1, 2, 3, 0)
+        else:
+            assert t.name == "transpose" and dict(t.attrs)["perm"] == (1, 2, 0, 3)
         r = producer[t.inputs[0].id]
         assert r.name == "reshape" and r.outputs[0].type.shape == (s, batch, h, d)
         assert producer[r.inputs[0].id].name == "gather"

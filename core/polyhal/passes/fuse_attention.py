@@ -151,9 +151,10 @@ def fuse_attention(program: Program, fusible: Fusible = always) -> tuple[Program
             else:
                 k = Value(_swapped(kt), f"{kt.name}_k", kt.program_id)
                 new.append(Op("dispatch", "transpose", (src,), (k,), canonical_attrs({"perm": composed}), mm2.affinity))
-        else:
+        else:  # (torch's exporter may have moved SDPA's key transpose into the heads' one)
+            src = _split_heads(kt, dispatch, uses, chain, new)
             k = Value(_swapped(kt), f"{kt.name}_k", kt.program_id)
-            new.append(Op("dispatch", "transpose", (kt,), (k,), canonical_attrs({"perm": swap}), mm2.affinity))
+            new.append(Op("dispatch", "transpose", (src,), (k,), canonical_attrs({"perm": swap}), mm2.affinity))
         fused = "attention" if mask is None else "masked_attention"
         if not fusible(fused, in_program_order(program, chain)):
             continue

@@ -79,7 +79,8 @@ def test_heads_at_two_batch_strides_are_read_in_place(cuda, cp, rng, monkeypatch
     np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-5, err_msg=f"seed {rng.seed_value}")
 
 
-def test_torch_heads_compile_to_views_of_the_projection(cuda, rng):
+@pytest.mark.parametrize("moved", [False, True])
+def test_torch_heads_compile_to_views_of_the_projection(cuda, rng, moved):
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests"))
@@ -87,7 +88,7 @@ def test_torch_heads_compile_to_views_of_the_projection(cuda, rng):
 
     import polyhal
 
-    program, (s, b, h, d) = _torch_heads(s=13, batch=3, h=4, d=8)
+    program, (s, b, h, d) = _torch_heads(s=13, batch=3, h=4, d=8, key_transpose_moved=moved)
     plan = polyhal.compile(program, cuda.name)
     views = {w.value.name for w in plan.buffer_plan.views}
     ops = [op for op in plan.program.ops if op.name in ("gather", "reshape", "transpose")]
