@@ -158,22 +158,33 @@ def _reference(x, nodes, thresholds, leaf_values, roots, labels=None, *, depth, 
 
 
 def random_ensemble(rng: np.random.Generator, features: int, trees: int, depth: int, targets: int,
-                    dtype=_F32) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """A random complete ensemble in the compact form: ``(nodes, thresholds, leaf_values, roots)``,
-    every mode and the missing bit exercised (no zeros: leaf values of branches are never read)."""
-    modes = list(MODE_BITS.values())
+                    dtype=_F32, *, modes=None, thresholds_from=None, unbalanced: bool = False
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A random ensemble in the compact form: ``(nodes, thresholds, leaf_values, roots)``, every
+    mode of ``modes`` (default: all of ONNX's) with and without the missing bit.
+
+    By default the trees are complete and thresholds are values samples hit exactly (ties
+    exercise the == bit) or normal draws; leaf values of branches are never read and nonzero, as
+    conformance samples must be. ``unbalanced``: leaves at every level (the root included) and
+    a fifth of the leaf values nan ("no value" to min/max aggregates); ``thresholds_from``: the
+    values thresholds are drawn from (four in five; normal draws otherwise)."""
+    modes = list(MODE_BITS.values()) if modes is None else modes
     nodes, thresholds, values, roots = [], [], [], []
 
     def grow(level: int) -> int:
         row = len(nodes)
         nodes.append(None)
-        # Thresholds that samples hit exactly (ties exercise the == bit); a branch's values are
-        # never read, and are nonzero as conformance samples must be.
-        thresholds.append(float(rng.choice([0.5, -0.5, 1.5, rng.standard_normal()])))
-        values.append(rng.uniform(0.5, 2.0, targets))
-        if level == depth:
+        if thresholds_from is None:
+            thresholds.append(float(rng.choice([0.5, -0.5, 1.5, rng.standard_normal()])))
+            values.append(rng.uniform(0.5, 2.0, targets))
+        else:
+            thresholds.append(float(rng.choice(thresholds_from)) if rng.random() < 0.8
+                              else float(rng.standard_normal()))
+            values.append(np.zeros(targets))
+        if level == depth or (unbalanced and rng.random() < (0.3 if level else 0.1)):
             nodes[row] = (0, LEAF, row, row)
-            values[row] = rng.standard_normal(targets)
+            values[row] = (np.where(rng.random(targets) < 0.2, np.nan, rng.standard_normal(targets)) if unbalanced
+                           else rng.standard_normal(targets))
             return row
         mode = int(rng.choice(modes)) | (MISSING_TRUE if rng.random() < 0.5 else 0)
         t, f = grow(level + 1), grow(level + 1)

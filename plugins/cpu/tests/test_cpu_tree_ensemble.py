@@ -11,7 +11,7 @@ import pytest
 
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
-from polyhal.ops.ml import AGGREGATES, BINARY, LEAF, MISSING_TRUE, MODE_BITS, POST_TRANSFORMS
+from polyhal.ops.ml import AGGREGATES, BINARY, LEAF, MISSING_TRUE, MODE_BITS, POST_TRANSFORMS, random_ensemble
 
 tree_loops = pytest.importorskip("polyhal_cpu.tree_loops", reason="the compiled loops need numba")
 from polyhal_cpu import ml_kernels  # noqa: E402
@@ -22,31 +22,12 @@ VALUES = [-np.inf, -1.5, -0.5, -0.0, 0.0, 0.5, 1.5, np.inf, np.nan]
 
 
 def unbalanced_ensemble(rng, features: int, trees: int, depth: int, targets: int, dtype, modes=None):
-    """Random trees in the compact form of polyhal.ops.ml, each of depth <= ``depth`` (leaves at
-    every level, the root included), every mode in ``modes`` (default: all of ONNX's) with and without the missing
-    bit, thresholds from :data:`VALUES` (nan, +-inf and ties included); also the deepest path."""
-    modes = list(MODE_BITS.values()) if modes is None else modes
-    nodes, thresholds, values, roots = [], [], [], []
-
-    def grow(level: int) -> int:
-        row = len(nodes)
-        nodes.append(None)
-        thresholds.append(float(rng.choice(VALUES)) if rng.random() < 0.8 else float(rng.standard_normal()))
-        values.append(np.zeros(targets))
-        if level == depth or rng.random() < (0.3 if level else 0.1):  # a root may be a leaf too
-            nodes[row] = (0, LEAF, row, row)
-            values[row] = np.where(rng.random(targets) < 0.2, np.nan, rng.standard_normal(targets))
-            return row
-        mode = int(rng.choice(modes)) | (MISSING_TRUE if rng.random() < 0.5 else 0)
-        t, f = grow(level + 1), grow(level + 1)
-        nodes[row] = (int(rng.integers(features)), mode, t, f)
-        return row
-
-    for _ in range(trees):
-        roots.append(grow(0))
-    measured = max(_depth(np.array(nodes), r) for r in roots)
-    return (np.array(nodes, np.int64), np.array(thresholds, dtype), np.array(values, np.float64),
-            np.array(roots, np.int64), measured)
+    """Random trees of depth <= ``depth`` (leaves at every level, the root included), every mode
+    in ``modes`` with and without the missing bit, thresholds from :data:`VALUES` (nan, +-inf
+    and ties included); also the deepest path."""
+    nodes, thresholds, leaf_values, roots = random_ensemble(rng, features, trees, depth, targets, dtype, modes=modes,
+                                                            thresholds_from=VALUES, unbalanced=True)
+    return nodes, thresholds, leaf_values, roots, max(_depth(nodes, r) for r in roots)
 
 
 def _depth(nodes, i):
