@@ -13,7 +13,8 @@ from numba import njit
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
-           "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "im2col", "im2col_phases",
+           "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_tiles", "im2col",
+           "im2col_phases",
            "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
@@ -695,3 +696,217 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
                 for t in range(rowlen):
                     orow[t] += res[t]
             activate_row(orow, act, alpha, beta)
+
+
+# ------------------------------------------------------------------ convolution as packed GEMM
+#
+# out (M, positions) = W (M, K) @ B (K, positions) with K = C * taps, computed a tile of
+# GEMM_MR output channels x GEMM_NR positions at a time by a register-blocked micro-kernel
+# written in LLVM IR (:func:`_tile`): numba's own loops keep no accumulator tile in registers
+# (a 4 x 32 tile in numba reached ~7 GFLOP/s). The weights are packed once into panels of
+# GEMM_MR rows, k-major (:func:`polyhal_cpu.conv_kernels` keeps the packed copy of a plan's
+# constants); B is packed a panel of GEMM_NR columns at a time from the rows of a source array
+# (row k starts at ``rowoff[k]``): an image (1x1 convs), im2col columns, or a zero-padded image
+# read at each tap's offset (stride-1 convs: no im2col). Each tile is finished (bias, residual,
+# activation) while it is in L1, and only the output positions it covers are stored.
+
+GEMM_MR, GEMM_NR = 8, 32
+
+
+def _tile_codegen(context, builder, signature, args):
+    from llvmlite import ir
+
+    a, b, rowoff, k, c = args
+    i64, f32t = ir.IntType(64), ir.FloatType()
+    vec = ir.VectorType(f32t, 16)
+    fptr, vptr = f32t.as_pointer(), vec.as_pointer()
+    nv = GEMM_NR // 16
+    module = builder.module
+    fma = module.globals.get("llvm.fma.v16f32") or ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]),
+                                                               "llvm.fma.v16f32")
+    pa, pb, pc = builder.inttoptr(a, fptr), builder.inttoptr(b, fptr), builder.inttoptr(c, fptr)
+    offsets = builder.inttoptr(rowoff, i64.as_pointer())
+    i8p = ir.IntType(8).as_pointer()
+    i32t = ir.IntType(32)
+    prefetch = module.globals.get("llvm.prefetch") or ir.Function(
+        module, ir.FunctionType(ir.VoidType(), [i8p, i32t, i32t, i32t]), "llvm.prefetch")
+    zero = ir.Constant(vec, None)
+    undef = ir.Constant(vec, ir.Undefined)
+    splat = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
+    entry = builder.block
+    loop = builder.append_basic_block("tile.loop")
+    done = builder.append_basic_block("tile.done")
+    builder.cbranch(builder.icmp_signed(">", k, ir.Constant(i64, 0)), loop, done)
+    builder.position_at_end(loop)
+    kk = builder.phi(i64)
+    kk.add_incoming(ir.Constant(i64, 0), entry)
+    accs = []
+    for _ in range(GEMM_MR * nv):
+        acc = builder.phi(vec)
+        acc.add_incoming(zero, entry)
+        accs.append(acc)
+    brow = builder.gep(pb, [builder.load(builder.gep(offsets, [kk]), align=8)])
+    bv = [builder.load(builder.bitcast(builder.gep(brow, [ir.Constant(i64, 16 * v)]), vptr), align=4)
+          for v in range(nv)]
+    # B's rows lie far apart in memory (an image's planes): fetch the next tile's part of this
+    # row ahead, which the hardware prefetcher, following a handful of streams, does not
+    i8p = ir.IntType(8).as_pointer()
+    builder.call(prefetch, [builder.bitcast(builder.gep(brow, [ir.Constant(i64, GEMM_NR)]), i8p),
+                            ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
+                            ir.Constant(ir.IntType(32), 1)])
+    arow = builder.gep(pa, [builder.mul(kk, ir.Constant(i64, GEMM_MR))])
+    new = []
+    for r in range(GEMM_MR):
+        s = builder.load(builder.gep(arow, [ir.Constant(i64, r)]), align=4)
+        sv = builder.shuffle_vector(builder.insert_element(undef, s, ir.Constant(ir.IntType(32), 0)), undef, splat)
+        new += [builder.call(fma, [sv, bv[v], accs[r * nv + v]]) for v in range(nv)]
+    nxt = builder.add(kk, ir.Constant(i64, 1))
+    end = builder.block
+    kk.add_incoming(nxt, end)
+    for acc, value in zip(accs, new):
+        acc.add_incoming(value, end)
+    builder.cbranch(builder.icmp_signed("<", nxt, k), loop, done)
+    builder.position_at_end(done)
+    finals = []
+    for value in new:  # the phis first: LLVM wants them at the top of the block
+        final = builder.phi(vec)
+        final.add_incoming(zero, entry)
+        final.add_incoming(value, end)
+        finals.append(final)
+    for r in range(GEMM_MR):
+        for v in range(nv):
+            builder.store(finals[r * nv + v],
+                          builder.bitcast(builder.gep(pc, [ir.Constant(i64, r * GEMM_NR + 16 * v)]), vptr), align=4)
+    return context.get_dummy_value()
+
+
+def _tile_typer(typingctx, a, b, rowoff, k, c):
+    from numba import types
+
+    return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), _tile_codegen
+
+
+#: ``_tile(a, b, rowoff, k, c)`` (addresses; float32, int64 rowoff): the (GEMM_MR, GEMM_NR) tile
+#: at c (rows GEMM_NR apart) = A (k, GEMM_MR) packed @ B (k, GEMM_NR), B's row r being GEMM_NR
+#: values at b + rowoff[r] floats. The accumulators live in 2 * GEMM_MR vector registers across
+#: the k loop; each step loads GEMM_NR values of B and broadcasts GEMM_MR of A.
+def _make_tile():
+    from numba.extending import intrinsic
+
+    return intrinsic(_tile_typer)
+
+
+_tile = _make_tile()
+
+
+
+
+def _prefetch_codegen(context, builder, signature, args):
+    from llvmlite import ir
+
+    addr, write = args
+    i8p, i32t = ir.IntType(8).as_pointer(), ir.IntType(32)
+    module = builder.module
+    prefetch = module.globals.get("llvm.prefetch") or ir.Function(
+        module, ir.FunctionType(ir.VoidType(), [i8p, i32t, i32t, i32t]), "llvm.prefetch")
+    builder.call(prefetch, [builder.inttoptr(addr, i8p), ir.Constant(i32t, write), ir.Constant(i32t, 3),
+                            ir.Constant(i32t, 1)])
+    return context.get_dummy_value()
+
+
+def _make_prefetch(write: int):
+    from numba import types
+    from numba.extending import intrinsic
+
+    def typer(typingctx, addr):
+        return types.void(types.intp), lambda c, b, s, a: _prefetch_codegen(c, b, s, (a[0], write))
+    return intrinsic(typer)
+
+
+#: ``_prefetch_read(address)`` and ``_prefetch_write(address)``: fetch the line into cache ahead
+#: of a load or a store (never faults). A tile's output and residual lines, fetched before the
+#: tile runs, arrive while it computes: without, its stores waited on memory after it
+#: (a 256 x 3136 output with its residual: ~35% of the conv's time).
+_prefetch_read, _prefetch_write = _make_prefetch(0), _make_prefetch(1)
+
+@_jit
+def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, ctile, block, act, alpha, beta):
+    """out (M, oh * ow) = act(W @ B + bias[m] (+ residual (M, oh * ow), or (0, 0) for none)).
+
+    ``wp``: the weights packed (panels, K, GEMM_MR), zero rows past M. B's row k is ``src``
+    (flat) from ``rowoff[k]``; its columns 0 .. ncols are read. Column j is output position
+    (j // wide, j % wide), stored only if j % wide < ow (a padded image read flat has wide - ow
+    columns of junk per row; a plain matrix has wide = ow = ncols). The tiles read B where it
+    lies, but for a last panel narrower than GEMM_NR, copied into ``bpack`` (K * GEMM_NR) with
+    zeros past the columns; ``ctile`` (GEMM_MR * GEMM_NR) holds a tile before it is finished
+    (bias, residual, activation) into the output. Columns go by blocks of ``block`` (a multiple
+    of GEMM_NR, B's block staying in L2); for each panel of weights the block's tiles run left
+    to right, so that the output is written along GEMM_MR rows at a time (a column of tiles
+    down all M rows touched M rows' lines at once: 3-5x slower stores on a 56x56 plane)."""
+    m, positions = out.shape
+    kdim = rowoff.size
+    panels = wp.shape[0]
+    has_residual = residual.shape[0] != 0
+    of = out.reshape(-1)
+    rf = residual.reshape(-1)
+    nr = GEMM_NR
+    packed_rows = np.arange(kdim) * nr
+    wa, ba, ca, sa = wp.ctypes.data, bpack.ctypes.data, ctile.ctypes.data, src.ctypes.data
+    ra, pra = rowoff.ctypes.data, packed_rows.ctypes.data
+    oa, rsa = out.ctypes.data, residual.ctypes.data
+    zero = f32(0.0)
+    full = ncols // nr * nr
+    if full < ncols:
+        for k in range(kdim):
+            s0, d0 = rowoff[k] + full, k * nr
+            for t in range(ncols - full):
+                bpack[d0 + t] = src[s0 + t]
+            for t in range(ncols - full, nr):
+                bpack[d0 + t] = zero
+    for jb in range(0, ncols, block):
+        bw = min(block, ncols - jb)
+        for p in range(panels):
+            rows = min(GEMM_MR, m - p * GEMM_MR)
+            a = wa + p * kdim * GEMM_MR * 4
+            for j0 in range(jb, jb + bw, nr):
+                yo = j0 // wide
+                first = (p * GEMM_MR * positions + yo * ow + min(j0 - yo * wide, ow)) * 4
+                for r in range(rows):
+                    for line in range(0, nr * 4, 64):
+                        _prefetch_write(oa + first + r * positions * 4 + line)
+                        if has_residual:
+                            _prefetch_read(rsa + first + r * positions * 4 + line)
+                if j0 < full:
+                    _tile(a, sa + j0 * 4, ra, kdim, ca)
+                else:
+                    _tile(a, ba, pra, kdim, ca)
+                end = min(j0 + nr, ncols)
+                # the tile's columns as runs of output positions, one per output row they cross
+                j = j0
+                while j < end:
+                    yo = j // wide
+                    xo = j - yo * wide
+                    run_length = min(end - j, wide - xo)
+                    if xo < ow:
+                        n = min(run_length, ow - xo)
+                        pos = yo * ow + xo
+                        for r in range(rows):
+                            mo = p * GEMM_MR + r
+                            b = bias[mo]
+                            o0 = mo * positions + pos
+                            c0 = r * nr + j - j0
+                            dst, acc = of[o0:o0 + n], ctile[c0:c0 + n]
+                            if has_residual:
+                                res = rf[o0:o0 + n]
+                                for t in range(n):
+                                    dst[t] = acc[t] + b + res[t]
+                            else:
+                                for t in range(n):
+                                    dst[t] = acc[t] + b
+                            if act == 1:  # relu in line: a call per 32-value run costs as much again
+                                for t in range(n):
+                                    v = dst[t]
+                                    dst[t] = v if not v < zero else zero
+                            elif act != 0:
+                                activate_row(dst, act, alpha, beta)
+                    j += run_length

@@ -84,6 +84,7 @@ def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     """Several images' columns in one GEMM, grouped too, the last GEMM taking fewer images
     (2 + 2 + 1 images of 81 positions; 3 + 2 of 42)."""
     monkeypatch.setattr(conv_kernels, "GEMM_POSITIONS", 2 * 81)
+    monkeypatch.setattr(conv_kernels, "TILES", False)  # stride 1 would take the tiles path
     node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
@@ -96,8 +97,10 @@ def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
 ])
 def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     """Stride-1 convolutions as one accumulating GEMM per tap over a padded image (taken here
-    from 16 output positions up, so that small shapes take it)."""
+    from 16 output positions up, so that small shapes take it; the tiles path, which serves them
+    where the compiled loops run, turned off)."""
     monkeypatch.setattr(conv_kernels, "SHIFTED_POSITIONS", 16)
+    monkeypatch.setattr(conv_kernels, "TILES", False)
     out = TensorType(xs[:1] + ws[:1] + tuple(
         xs[2 + i] + attrs.get("pads", [0] * 4)[i] + attrs.get("pads", [0] * 4)[i + len(ws) - 2]
         - (ws[2 + i] - 1) * attrs.get("dilations", [1] * 2)[i] for i in range(len(ws) - 2)), np.float32)
@@ -108,9 +111,51 @@ def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
 
-def test_conv_columns_are_the_plans_scratch():
-    """The im2col path declares its columns (and, stacking images, the GEMM's product); a plan
-    binds them (bufferize lists them)."""
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 4, 9, 8), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),  # M below one panel of weights
+    ((1, 5, 10, 11), (13, 5, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),  # 2 panels, the last partial
+    ((2, 3, 29), (9, 3, 3), {"pads": [1, 2], "dilations": [2]}),  # 1-D
+    ((1, 4, 9, 9), (16, 4, 5, 5), {}),  # no padding
+    ((1, 3, 40, 37), (8, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # several column blocks (see below)
+    ((1, 2, 1, 1), (3, 2, 3, 3), {"pads": [1, 1, 1, 1]}),  # one output position
+])
+@pytest.mark.parametrize("fused", ["none", "bias", "residual"])
+def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
+    """Stride-1 convolutions by the register-tiled GEMM over a padded image: weights of a panel
+    and a half, columns of a partial tile and of several blocks (the block budget shrunk to two
+    tiles' worth), the padded width's junk columns skipped, each tile finished with its bias,
+    residual and activation, against the reference."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * ws[1] * int(np.prod(ws[2:])))
+    n = len(ws) - 2
+    attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
+    x, w = _f(*xs), _f(*ws)
+    w.flags.writeable = False  # a plan's constant: the packed copy is kept and reused
+    ins = [x, w] if fused == "none" else [x, w, _f(ws[0])]
+    op = "conv" if fused == "none" else "fused_conv"
+    if op == "fused_conv":
+        attrs |= {"activation": "relu" if fused == "residual" else "hard_swish", "alpha": 1 / 6, "beta": 0.5}
+    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    if fused == "residual":
+        ins.append(_f(*out_type.shape))
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+    assert geometry.path == "tiles"
+    kernel = prepare(op, attrs, types, (out_type,))
+    for _ in range(2):  # again with other images: the kept weights serve, the padding stays zero
+        ins[0] = _f(*xs)
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS[op].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_columns_are_the_plans_scratch(monkeypatch):
+    """The im2col path declares its columns (and, stacking images, the GEMM's product), the
+    tiles path its padded image, packed panel of B and tile; a plan binds them (bufferize lists
+    them)."""
+    monkeypatch.setattr(conv_kernels, "TILES", False)
     b = polyhal.ProgramBuilder("c")
     x = b.input("x", (1, 4, 9, 9))
     b.output(b.conv(x, b.constant(_f(8, 4, 3, 3)), strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1))
@@ -127,6 +172,13 @@ def test_conv_columns_are_the_plans_scratch():
                                                       TensorType((8, 4, 3, 3), np.float32)),
             (TensorType((4, 8, 9, 9), np.float32),))
         assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4]
+        monkeypatch.setattr(conv_kernels, "TILES", True)
+        req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
+            "conv", dict(plan.program.ops[0].attrs), (TensorType((4, 4, 9, 9), np.float32),
+                                                      TensorType((8, 4, 3, 3), np.float32)),
+            (TensorType((4, 8, 9, 9), np.float32),))
+        plane = 11 * 11 + 2  # the padded image, and the room the last taps read past its corner
+        assert [r.bytes_per_launch for r in req] == [4 * plane * 4, (4 * 9 + 8) * 32 * 4]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
