@@ -93,6 +93,8 @@ class _Conv:
             self.path = "pointwise"
         elif native2d and self.group == 1 and self.s == [1, 1] and TILES:
             self.path = "tiles"
+            #: output columns (over the padded width) per block of the tiles path
+            self.tiles_block = native.gemm_block(self.m, self.out_sp[0] * self.wide)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
         elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
@@ -121,9 +123,10 @@ class _Conv:
     def product_bytes(self) -> int:
         """Bytes of a stacked GEMM's product, (M, stack, positions), before it is laid out as
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
-        padded width; on the tiles path, of a packed panel of B and a tile (0 otherwise)."""
+        padded width; on the tiles path, of a packed panel of B and a block of tiles (0
+        otherwise)."""
         if self.path == "tiles":
-            return (self.c * self.taps + native.GEMM_MR) * native.GEMM_NR * self.dtype.itemsize
+            return native.gemm_tiles_bytes(self.m, self.c * self.taps, self.tiles_block)
         if self.path == "shifted":
             return self.m * self.out_sp[0] * self.wide * self.dtype.itemsize
         return self.m * self.stack * self.positions * self.dtype.itemsize if self.stack > 1 else 0
@@ -286,8 +289,8 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     kdim, positions = g.c * g.taps, g.positions
     (oh, ow), wide = g.out_sp, g.wide
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
-    work = scratch_array(scratch, "product", _F32, ((kdim + native.GEMM_MR) * native.GEMM_NR,))
-    bpack, ctile = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
+    work = scratch_array(scratch, "product", _F32, (native.gemm_tiles_bytes(g.m, kdim, g.tiles_block) // 4,))
+    bpack, cbuf = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
     buf = scratch_array(scratch, "columns", _F32, (g.c * g.plane,))
     hp = g.in_sp[0] + g.pb[0] + g.pe[0]
     inner = buf.reshape(g.c, g.plane)[:, :hp * wide].reshape(g.c, hp, wide)[
@@ -295,7 +298,6 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     taps = [i * g.d[0] * wide + j * g.d[1] for i in range(g.k[0]) for j in range(g.k[1])]
     rowoff = (np.arange(g.c)[:, None] * g.plane + np.asarray(taps)[None, :]).reshape(-1).astype(np.int64)
     ncols = oh * wide
-    block = native.gemm_block(kdim, ncols)
 
     def kernel(x, w, *rest):
         out = rest[-1]
@@ -307,8 +309,8 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         buf.fill(0)  # the borders; the interior is overwritten per image
         for n in range(g.batch):
             np.copyto(inner, x4[n])
-            native.gemm_tiles(wp, buf, rowoff, ncols, wide, ow, o3[n], b, None if r3 is None else r3[n], bpack, ctile,
-                              block, act, alpha, beta)
+            native.gemm_tiles(wp, buf, rowoff, ncols, wide, ow, o3[n], b, None if r3 is None else r3[n], bpack, cbuf,
+                              g.tiles_block, act, alpha, beta)
     return kernel
 
 

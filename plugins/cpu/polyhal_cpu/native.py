@@ -38,7 +38,7 @@ from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
            "depthwise_flat_rows", "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf",
-           "gelu_tanh", "gemm_block", "gemm_tiles", "im2col", "layer_norm", "pack_gemm_weights", "pool2d", "relu", "scale_rows",
+           "gelu_tanh", "gemm_block", "gemm_tiles", "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pool2d", "relu", "scale_rows",
            "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
@@ -232,8 +232,8 @@ def im2col(x: np.ndarray, first: int, cols: np.ndarray, k: tuple, s: tuple, p: t
 
 #: Rows of weights and columns of B per tile of :func:`gemm_tiles` (its micro-kernel's registers).
 GEMM_MR, GEMM_NR = 8, 32
-#: Bytes of B a column block of :func:`gemm_tiles` may span (read by every panel of weights: it
-#: should stay in L2 beside the output and residual streaming through).
+#: Bytes of the tiles of one column block of :func:`gemm_tiles` (M x block columns, accumulated
+#: over K in L2); the larger, the fewer times the weights are read.
 GEMM_BLOCK_BYTES = 256 << 10
 
 
@@ -247,22 +247,28 @@ def pack_gemm_weights(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(packed.reshape(panels, GEMM_MR, k).transpose(0, 2, 1))
 
 
-def gemm_block(k: int, ncols: int) -> int:
-    """Columns per block of :func:`gemm_tiles` for K = ``k`` (see GEMM_BLOCK_BYTES)."""
-    fit = max(1, GEMM_BLOCK_BYTES // (k * 4 * GEMM_NR))
+def gemm_block(m: int, ncols: int) -> int:
+    """Columns per block of :func:`gemm_tiles` for M = ``m`` (see GEMM_BLOCK_BYTES)."""
+    fit = max(1, GEMM_BLOCK_BYTES // (-(-m // GEMM_MR) * GEMM_MR * 4 * GEMM_NR))
     return min(fit, -(-ncols // GEMM_NR)) * GEMM_NR
 
 
+def gemm_tiles_bytes(m: int, k: int, block: int) -> int:
+    """Bytes of :func:`gemm_tiles`'s scratch: a packed panel of B (K x GEMM_NR) and the
+    tiles of a column block."""
+    return (k * GEMM_NR + -(-m // GEMM_MR) * GEMM_MR * block) * 4
+
+
 def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, wide: int, ow: int, out: np.ndarray,
-               bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray, ctile: np.ndarray, block: int,
+               bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray, cbuf: np.ndarray, block: int,
                act: int, alpha: float, beta: float) -> None:
     """(M, positions) ``out`` = activation ``act`` of packed weights ``wp`` @ B + bias[m] (+
     residual), B's row k being flat ``src`` from ``rowoff[k]`` (int64), columns 0 .. ncols,
     column j the output position (j // wide, j % wide) if j % wide < ow (else not stored);
-    ``bpack`` (K * GEMM_NR) and ``ctile`` (GEMM_MR * GEMM_NR) are scratch, ``block`` comes from
-    :func:`gemm_block`. See :func:`polyhal_cpu.native_loops.gemm_tiles`."""
+    ``bpack`` (K * GEMM_NR) and ``cbuf`` (M rounded up to GEMM_MR, times ``block``) are
+    scratch, ``block`` comes from :func:`gemm_block`. See :func:`polyhal_cpu.native_loops.gemm_tiles`."""
     none = np.zeros((0, 0), np.float32) if residual is None else residual
-    _compiled()["gemm_tiles"](wp, src, rowoff, ncols, wide, ow, out, bias, none, bpack, ctile, block, act,
+    _compiled()["gemm_tiles"](wp, src, rowoff, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
                               np.float32(alpha), np.float32(beta))
 
 

@@ -123,11 +123,11 @@ def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
 def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
     """Stride-1 convolutions by the register-tiled GEMM over a padded image: weights of a panel
     and a half, columns of a partial tile and of several blocks (the block budget shrunk to two
-    tiles' worth), the padded width's junk columns skipped, each tile finished with its bias,
-    residual and activation, against the reference."""
+    tiles' worth), the padded width's junk columns skipped, each tile
+    finished with its bias, residual and activation, against the reference."""
     if not native.available(np.float32):
         pytest.skip("the compiled loops are not available here")
-    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * ws[1] * int(np.prod(ws[2:])))
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
     n = len(ws) - 2
     attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
     x, w = _f(*xs), _f(*ws)
@@ -178,7 +178,8 @@ def test_conv_columns_are_the_plans_scratch(monkeypatch):
                                                       TensorType((8, 4, 3, 3), np.float32)),
             (TensorType((4, 8, 9, 9), np.float32),))
         plane = 11 * 11 + 2  # the padded image, and the room the last taps read past its corner
-        assert [r.bytes_per_launch for r in req] == [4 * plane * 4, (4 * 9 + 8) * 32 * 4]
+        block = 4 * 32  # columns: 9 rows over the padded width of 11 in 4 tiles, in one block
+        assert [r.bytes_per_launch for r in req] == [4 * plane * 4, (4 * 9 * 32 + 8 * block) * 4]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
