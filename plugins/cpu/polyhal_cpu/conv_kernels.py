@@ -91,10 +91,11 @@ class _Conv:
         pointwise = all(k == 1 for k in self.k) and all(v == 1 for v in self.s) and not any(p)
         if pointwise and self.group == 1:
             self.path = "pointwise"
-        elif native2d and self.group == 1 and self.s == [1, 1] and TILES:
+        elif native2d and self.group == 1 and self.taps > 1 and TILES:
             self.path = "tiles"
-            #: output columns (over the padded width) per block of the tiles path
-            self.tiles_block = native.gemm_block(self.m, self.out_sp[0] * self.wide)
+            self.phases = _Phases(self)
+            #: output columns (over a phase plane's width) per block of the tiles path
+            self.tiles_block = native.gemm_block(self.m, self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
         elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
@@ -111,10 +112,10 @@ class _Conv:
     @property
     def columns_bytes(self) -> int:
         """Bytes of the im2col columns of ``stack`` images; on the shifted path, of the weights
-        tap by tap and one padded image; on the tiles path, of one padded image (0 for the
-        paths without columns)."""
+        tap by tap and one padded image; on the tiles path, of one padded image's phase planes
+        (0 for the paths without columns)."""
         if self.path == "tiles":
-            return self.c * self.plane * self.dtype.itemsize
+            return self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
         return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
@@ -272,31 +273,75 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     return kernel
 
 
+class _Phases:
+    """The zero-padded image of the tiles path, split into the stride's phases: phase (a, b)
+    holds padded rows a, a + sh, ... and columns b, b + sw, ... (a plane of ``rows`` x
+    ``width``, stored in ``length`` floats: the room the last taps read past its corner). Tap
+    (i, j) of output position (yo, xo) reads padded (yo sh + i dh, xo sw + j dw), which is phase
+    (i dh mod sh, j dw mod sw) at (yo + i dh // sh, xo + j dw // sw): so in every phase plane,
+    read flat, a tap is a fixed offset from output position yo * width + xo, and a strided
+    convolution is a stride-1 one over the phase planes (only the phases some tap reads are
+    kept). At stride 1 there is one phase, the padded image itself."""
+
+    def __init__(self, g: _Conv) -> None:
+        (sh, sw), (dh, dw) = g.s, g.d
+        hp, wp = g.in_sp[0] + g.pb[0] + g.pe[0], g.in_sp[1] + g.pb[1] + g.pe[1]
+        self.rows, self.width = -(-hp // sh), -(-wp // sw)
+        taps = [(i * dh % sh, i * dh // sh, j * dw % sw, j * dw // sw) for i in range(g.k[0]) for j in range(g.k[1])]
+        #: the phases (a, b) some tap reads, in order
+        self.used = sorted({(a, b) for a, _, b, _ in taps})
+        self.length = self.rows * self.width + max(dx for *_, dx in taps)
+        index = {ab: n for n, ab in enumerate(self.used)}
+        #: per tap: its phase's index in ``used`` and its offset in that plane
+        self.taps = [(index[a, b], dy * self.width + dx) for a, dy, b, dx in taps]
+        #: per used phase: (its rows, its columns) in the plane and (rows, columns) of the image
+        #: they hold, as slices
+        self.fills = []
+        for a, b in self.used:
+            ys, xs = self._span(a, sh, g.pb[0], g.in_sp[0], self.rows), self._span(b, sw, g.pb[1], g.in_sp[1], self.width)
+            if ys is not None and xs is not None:
+                self.fills.append((index[a, b], ys[0], xs[0], ys[1], xs[1]))
+
+    @staticmethod
+    def _span(phase: int, stride: int, pad: int, size: int, count: int):
+        """The plane's slice of a phase that lies on the image, and the image's strided slice
+        it holds (None if none does)."""
+        lo = max(0, -(-(pad - phase) // stride))
+        hi = min(count, (size - 1 + pad - phase) // stride + 1)
+        if hi <= lo:
+            return None
+        first = phase + lo * stride - pad
+        return slice(lo, hi), slice(first, first + (hi - lo - 1) * stride + 1, stride)
+
+
 def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
            beta: float) -> Kernel:
-    """A stride-1 2-D convolution of one group by the compiled register-tiled GEMM
+    """A 2-D convolution of one group by the compiled register-tiled GEMM
     (:func:`polyhal_cpu.native.gemm_tiles`), one image at a time: ``out[n] (M, positions) = W
     (M, C * taps) @ B``, each tile finished (bias, residual, activation) as it is stored. As on
-    the shifted path, the image is copied into a zero-padded plane of width ``wide`` and B's
-    row (c, tap) is that plane read flat from the tap's offset: no im2col, and one GEMM instead
-    of a product per tap; the padded width's extra columns are simply not stored. The weights
-    are packed once (a plan's constants; weights that may change are packed per call).
+    the shifted path, the image is copied into a zero-padded plane (split into the stride's
+    phases, :class:`_Phases`) and B's row (c, tap) is that plane read flat from the tap's
+    offset: no im2col, and one GEMM instead of a product per tap; the plane width's extra
+    columns are simply not stored. The weights are packed once (a plan's constants; weights
+    that may change are packed per call).
 
     Measured single-threaded on a 2-core VM (AVX-512) against the paths it replaces: ResNet-50's
     3x3 convs 2.8-3.4 -> 2.3-3.0 ms, DenseNet's 128 -> 32 channel 3x3 convs at 56x56, 28x28 and
-    14x14 3.0 -> 2.3, 0.93 -> 0.63 and 0.32 -> 0.16 ms. For 1x1 and strided convolutions it was
-    no faster than OpenBLAS (slower with a residual over a 56x56 plane), so those keep their paths."""
+    14x14 3.0 -> 2.3, 0.93 -> 0.63 and 0.32 -> 0.16 ms; the 7x7 stride-2 stem 3.8 -> 3.0 ms and
+    3x3 stride-2 convs 2.9 -> 2.5 ms (im2col + OpenBLAS before). 1x1 convolutions keep their
+    BLAS paths: OpenBLAS was as fast or faster on them (over 56x56 planes with a residual, and
+    strided ones, 5-10%)."""
     kdim, positions = g.c * g.taps, g.positions
-    (oh, ow), wide = g.out_sp, g.wide
+    ph = g.phases
+    (oh, ow), wide = g.out_sp, ph.width
+    nphases = len(ph.used)
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
     work = scratch_array(scratch, "product", _F32, (native.gemm_tiles_bytes(g.m, kdim, g.tiles_block) // 4,))
     bpack, cbuf = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
-    buf = scratch_array(scratch, "columns", _F32, (g.c * g.plane,))
-    hp = g.in_sp[0] + g.pb[0] + g.pe[0]
-    inner = buf.reshape(g.c, g.plane)[:, :hp * wide].reshape(g.c, hp, wide)[
-        :, g.pb[0]:g.pb[0] + g.in_sp[0], g.pb[1]:g.pb[1] + g.in_sp[1]]
-    taps = [i * g.d[0] * wide + j * g.d[1] for i in range(g.k[0]) for j in range(g.k[1])]
-    rowoff = (np.arange(g.c)[:, None] * g.plane + np.asarray(taps)[None, :]).reshape(-1).astype(np.int64)
+    buf = scratch_array(scratch, "columns", _F32, (g.c * nphases * ph.length,))
+    planes = buf.reshape(g.c, nphases, ph.length)[:, :, :ph.rows * wide].reshape(g.c, nphases, ph.rows, wide)
+    fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
+    rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
     ncols = oh * wide
 
     def kernel(x, w, *rest):
@@ -306,9 +351,10 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         x4 = np.ascontiguousarray(x).reshape(g.as2d(x.shape))
         o3 = out.reshape(g.batch, g.m, positions)
         r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
-        buf.fill(0)  # the borders; the interior is overwritten per image
+        buf.fill(0)  # the borders; what lies on the image is overwritten per image
         for n in range(g.batch):
-            np.copyto(inner, x4[n])
+            for dst, src in fills:
+                np.copyto(dst, x4[n][src])
             native.gemm_tiles(wp, buf, rowoff, ncols, wide, ow, o3[n], b, None if r3 is None else r3[n], bpack, cbuf,
                               g.tiles_block, act, alpha, beta)
     return kernel

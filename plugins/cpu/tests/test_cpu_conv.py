@@ -118,10 +118,16 @@ def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     ((1, 4, 9, 9), (16, 4, 5, 5), {}),  # no padding
     ((1, 3, 40, 37), (8, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # several column blocks (see below)
     ((1, 2, 1, 1), (3, 2, 3, 3), {"pads": [1, 1, 1, 1]}),  # one output position
+    ((2, 3, 23, 20), (10, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),  # stride 2: four phases
+    ((1, 4, 13, 17), (9, 4, 3, 3), {"strides": [2, 3], "pads": [1, 0, 2, 1]}),  # 2 x 3 phases, uneven
+    ((1, 4, 15, 16), (8, 4, 3, 2), {"strides": [3, 2], "pads": [0, 1, 1, 0], "dilations": [2, 3]}),
+    ((1, 3, 12, 13), (5, 3, 1, 2), {"strides": [2, 2]}),  # not every phase read
+    ((2, 3, 30), (4, 3, 5), {"strides": [3], "pads": [2, 1]}),  # 1-D, strided
 ])
 @pytest.mark.parametrize("fused", ["none", "bias", "residual"])
 def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
-    """Stride-1 convolutions by the register-tiled GEMM over a padded image: weights of a panel
+    """Convolutions by the register-tiled GEMM over a padded image's phase planes (strides,
+    dilations, asymmetric pads; phases that no tap reads left out): weights of a panel
     and a half, columns of a partial tile and of several blocks (the block budget shrunk to two
     tiles' worth), the padded width's junk columns skipped, each tile
     finished with its bias, residual and activation, against the reference."""
