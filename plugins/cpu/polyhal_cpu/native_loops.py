@@ -801,34 +801,6 @@ _tile = _make_tile()
 
 
 
-def _prefetch_codegen(context, builder, signature, args):
-    from llvmlite import ir
-
-    addr, write = args
-    i8p, i32t = ir.IntType(8).as_pointer(), ir.IntType(32)
-    module = builder.module
-    prefetch = module.globals.get("llvm.prefetch") or ir.Function(
-        module, ir.FunctionType(ir.VoidType(), [i8p, i32t, i32t, i32t]), "llvm.prefetch")
-    builder.call(prefetch, [builder.inttoptr(addr, i8p), ir.Constant(i32t, write), ir.Constant(i32t, 3),
-                            ir.Constant(i32t, 1)])
-    return context.get_dummy_value()
-
-
-def _make_prefetch(write: int):
-    from numba import types
-    from numba.extending import intrinsic
-
-    def typer(typingctx, addr):
-        return types.void(types.intp), lambda c, b, s, a: _prefetch_codegen(c, b, s, (a[0], write))
-    return intrinsic(typer)
-
-
-#: ``_prefetch_read(address)`` and ``_prefetch_write(address)``: fetch the line into cache ahead
-#: of a load or a store (never faults). A tile's output and residual lines, fetched before the
-#: tile runs, arrive while it computes: without, its stores waited on memory after it
-#: (a 256 x 3136 output with its residual: ~35% of the conv's time).
-_prefetch_read, _prefetch_write = _make_prefetch(0), _make_prefetch(1)
-
 @_jit
 def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, block, act, alpha, beta):
     """out (M, oh * ow) = act(W @ B + bias[m] (+ residual (M, oh * ow), or (0, 0) for none)).
@@ -843,10 +815,11 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
     Columns go by blocks of ``block`` (a multiple of GEMM_NR). Each tile column of the block is
     computed down all M rows (its part of B, K x GEMM_NR, read once from memory and then from
     cache) into ``cbuf`` (panels * GEMM_MR * block); then the block's tiles are finished (bias,
-    residual, activation) into the output a panel of weights at a time, left to right, so that
-    the output is written along GEMM_MR rows at a time (stores down a column of tiles touched M
-    rows' lines at once: 3-5x slower on a 56x56 plane). Splitting K into L2-sized steps, as
-    BLAS does, measured no faster on ResNet's and DenseNet's 3x3 convs (K = 576 to 4608)."""
+    residual, activation) into the output an output channel at a time, left to right, so that
+    the output is written along its rows (stores down a column of tiles touched M rows' lines
+    at once: 3-5x slower on a 56x56 plane), and an activation other than relu runs once over
+    each row's span. Splitting K into L2-sized steps, as BLAS does, measured no faster on
+    ResNet's and DenseNet's 3x3 convs (K = 576 to 4608)."""
     m, positions = out.shape
     kdim = rowoff.size
     panels = wp.shape[0]
@@ -858,7 +831,6 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
     packed_rows = np.arange(kdim) * nr
     wa, ba, ca, sa = wp.ctypes.data, bpack.ctypes.data, cbuf.ctypes.data, src.ctypes.data
     ra, pra = rowoff.ctypes.data, packed_rows.ctypes.data
-    oa, rsa = out.ctypes.data, residual.ctypes.data
     zero = f32(0.0)
     full = ncols // nr * nr
     if full < ncols:
@@ -879,34 +851,28 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
                     _tile(wa + p * kdim * mr * 4, sa + j0 * 4, ra, kdim, c)
                 else:
                     _tile(wa + p * kdim * mr * 4, ba, pra, kdim, c)
+        # the block's first output position and the one past its last (positions grow with j)
+        y0, y1 = jb // wide, (jb + bw) // wide
+        pos_lo = y0 * ow + min(jb - y0 * wide, ow)
+        pos_hi = y1 * ow + min(jb + bw - y1 * wide, ow)
         for p in range(panels):
-            rows = min(mr, m - p * mr)
-            for q in range(tiles):
-                j0 = jb + q * nr
-                yo = j0 // wide
-                first = (p * mr * positions + yo * ow + min(j0 - yo * wide, ow)) * 4
-                for r in range(rows):
-                    for line in range(0, nr * 4, 64):
-                        _prefetch_write(oa + first + r * positions * 4 + line)
-                        if has_residual:
-                            _prefetch_read(rsa + first + r * positions * 4 + line)
-                tile = cbuf[(q * panels + p) * tile_size:(q * panels + p + 1) * tile_size]
-                end = min(j0 + nr, ncols)
-                # the tile's columns as runs of output positions, one per output row they cross
-                j = j0
-                while j < end:
-                    yo = j // wide
-                    xo = j - yo * wide
-                    run_length = min(end - j, wide - xo)
-                    if xo < ow:
-                        n = min(run_length, ow - xo)
-                        pos = yo * ow + xo
-                        for r in range(rows):
-                            mo = p * mr + r
-                            b = bias[mo]
-                            o0 = mo * positions + pos
-                            c0 = r * nr + j - j0
-                            dst, acc = of[o0:o0 + n], tile[c0:c0 + n]
+            for r in range(min(mr, m - p * mr)):
+                mo = p * mr + r
+                b = bias[mo]
+                for q in range(tiles):
+                    j0 = jb + q * nr
+                    t0 = (q * panels + p) * tile_size + r * nr
+                    end = min(j0 + nr, ncols)
+                    # the tile row's columns as runs of output positions, one per output row
+                    j = j0
+                    while j < end:
+                        yo = j // wide
+                        xo = j - yo * wide
+                        run_length = min(end - j, wide - xo)
+                        if xo < ow:
+                            n = min(run_length, ow - xo)
+                            o0 = mo * positions + yo * ow + xo
+                            dst, acc = of[o0:o0 + n], cbuf[t0 + j - j0:t0 + j - j0 + n]
                             if has_residual:
                                 res = rf[o0:o0 + n]
                                 for t in range(n):
@@ -914,10 +880,10 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
                             else:
                                 for t in range(n):
                                     dst[t] = acc[t] + b
-                            if act == 1:  # relu in line: a call per 32-value run costs as much again
+                            if act == 1:  # relu in line
                                 for t in range(n):
                                     v = dst[t]
                                     dst[t] = v if not v < zero else zero
-                            elif act != 0:
-                                activate_row(dst, act, alpha, beta)
-                    j += run_length
+                        j += run_length
+                if act > 1:  # the others over the row's span at once: a call per run cost ~2x
+                    activate_row(of[mo * positions + pos_lo:mo * positions + pos_hi], act, alpha, beta)

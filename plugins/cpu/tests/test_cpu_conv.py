@@ -134,6 +134,7 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
     if not native.available(np.float32):
         pytest.skip("the compiled loops are not available here")
     monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
+    monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)  # small shapes take it too
     n = len(ws) - 2
     attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
     x, w = _f(*xs), _f(*ws)
@@ -179,6 +180,7 @@ def test_conv_columns_are_the_plans_scratch(monkeypatch):
             (TensorType((4, 8, 9, 9), np.float32),))
         assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4]
         monkeypatch.setattr(conv_kernels, "TILES", True)
+        monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
         req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
             "conv", dict(plan.program.ops[0].attrs), (TensorType((4, 4, 9, 9), np.float32),
                                                       TensorType((8, 4, 3, 3), np.float32)),
