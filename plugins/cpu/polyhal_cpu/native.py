@@ -36,10 +36,11 @@ import numpy as np
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
-           "depthwise_flat_rows", "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf",
-           "gelu_tanh", "gemm_block", "gemm_tiles", "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pool2d", "relu", "scale_rows",
-           "scale_shift_rows", "softmax_rows"]
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
+           "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
+           "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
+           "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
+           "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -139,6 +140,14 @@ def _warm(loops: dict[str, Callable]) -> None:
             loops["gemm_tiles"](packed, src, np.arange(2), 4, 4, 4, np.zeros((1, 4), np.float32), ro[:1],
                                 residual[:1], np.zeros(2 * GEMM_NR, np.float32), np.zeros(GEMM_MR * GEMM_NR, np.float32),
                                 GEMM_NR, 1, *_F32_PAIR)
+    wide = np.zeros((2, GEMM_NR), np.float32)  # a channels-last 1x1 conv: 2 pixels, 4 -> GEMM_NR channels
+    ro_bias = wide[0].copy()
+    ro_bias.flags.writeable = False
+    for x in (m, ro_m):  # images of either kind
+        for residual in (m[:0, :0], wide):
+            loops["gemm_channels_last"](x, np.zeros((4, GEMM_NR), np.float32), wide.copy(), ro_bias, residual,
+                                        np.zeros(GEMM_MR * GEMM_NR, np.float32), np.zeros(GEMM_MR * 4, np.float32),
+                                        GEMM_MR, 1, *_F32_PAIR)
     nhwc = np.zeros((1, 3, 3, 2), np.float32)
     for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
         for residual in (none4, nhwc):
@@ -270,6 +279,38 @@ def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, 
     none = np.zeros((0, 0), np.float32) if residual is None else residual
     _compiled()["gemm_tiles"](wp, src, rowoff, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
                               np.float32(alpha), np.float32(beta))
+
+
+#: Bytes of the pixels' rows (input and tiles) one block of :func:`gemm_channels_last` spans.
+GEMM_ROWS_BLOCK_BYTES = 256 << 10
+
+
+def pad_channels(a: np.ndarray) -> np.ndarray:
+    """``a`` with its last axis zero-padded to a multiple of GEMM_NR (weights (C, M) and bias
+    (M,) as :func:`gemm_channels_last` reads them)."""
+    m = a.shape[-1]
+    padded = np.zeros(a.shape[:-1] + (-(-m // GEMM_NR) * GEMM_NR,), np.float32)
+    padded[..., :m] = a
+    return padded
+
+
+def channels_last_block(c: int, m: int, pixels: int) -> int:
+    """Pixels per block of :func:`gemm_channels_last` (see GEMM_ROWS_BLOCK_BYTES)."""
+    fit = max(1, GEMM_ROWS_BLOCK_BYTES // ((c + m) * 4 * GEMM_MR))
+    return min(fit, -(-pixels // GEMM_MR)) * GEMM_MR
+
+
+def gemm_channels_last(x: np.ndarray, wt: np.ndarray, out: np.ndarray, bias: np.ndarray,
+                       residual: np.ndarray | None, cbuf: np.ndarray, apad: np.ndarray, block: int, act: int,
+                       alpha: float, beta: float) -> None:
+    """(pixels, M) ``out`` = activation ``act`` of (pixels, C) ``x`` @ the weights + bias (+
+    residual), ``wt`` the (C, M) transposed weights and ``bias`` through :func:`pad_channels`,
+    ``block`` from :func:`channels_last_block`; ``cbuf`` (GEMM_MR x GEMM_NR) and ``apad``
+    (GEMM_MR x C) are scratch.
+    See :func:`polyhal_cpu.native_loops.gemm_channels_last`."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _compiled()["gemm_channels_last"](x, wt, out, bias, none, cbuf, apad, block, act, np.float32(alpha),
+                                      np.float32(beta))
 
 
 def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,

@@ -13,7 +13,8 @@ from numba import njit
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
-           "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_tiles", "im2col",
+           "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_channels_last",
+           "gemm_tiles", "im2col",
            "im2col_phases",
            "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
@@ -713,90 +714,115 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
 GEMM_MR, GEMM_NR = 8, 32
 
 
-def _tile_codegen(context, builder, signature, args):
-    from llvmlite import ir
+def _tile_codegen(strided: bool):
+    """The micro-kernel's IR: A packed (k-major panels of GEMM_MR rows) or, ``strided``, read
+    where it lies (row r at a + r * ars floats, consecutive along k), and then finished in
+    registers: + GEMM_NR values at ``bias`` (the same for every row), + row r of a residual at
+    ``res`` + r * ldr floats (ldr 0: one row for all), relu if ``relu``."""
+    def codegen(context, builder, signature, args):
+        from llvmlite import ir
 
-    a, b, rowoff, k, c = args
-    i64, f32t = ir.IntType(64), ir.FloatType()
-    vec = ir.VectorType(f32t, 16)
-    fptr, vptr = f32t.as_pointer(), vec.as_pointer()
-    nv = GEMM_NR // 16
-    module = builder.module
-    fma = module.globals.get("llvm.fma.v16f32") or ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]),
-                                                               "llvm.fma.v16f32")
-    pa, pb, pc = builder.inttoptr(a, fptr), builder.inttoptr(b, fptr), builder.inttoptr(c, fptr)
-    offsets = builder.inttoptr(rowoff, i64.as_pointer())
-    i8p = ir.IntType(8).as_pointer()
-    i32t = ir.IntType(32)
-    prefetch = module.globals.get("llvm.prefetch") or ir.Function(
-        module, ir.FunctionType(ir.VoidType(), [i8p, i32t, i32t, i32t]), "llvm.prefetch")
-    zero = ir.Constant(vec, None)
-    undef = ir.Constant(vec, ir.Undefined)
-    splat = ir.Constant(ir.VectorType(ir.IntType(32), 16), [0] * 16)
-    entry = builder.block
-    loop = builder.append_basic_block("tile.loop")
-    done = builder.append_basic_block("tile.done")
-    builder.cbranch(builder.icmp_signed(">", k, ir.Constant(i64, 0)), loop, done)
-    builder.position_at_end(loop)
-    kk = builder.phi(i64)
-    kk.add_incoming(ir.Constant(i64, 0), entry)
-    accs = []
-    for _ in range(GEMM_MR * nv):
-        acc = builder.phi(vec)
-        acc.add_incoming(zero, entry)
-        accs.append(acc)
-    brow = builder.gep(pb, [builder.load(builder.gep(offsets, [kk]), align=8)])
-    bv = [builder.load(builder.bitcast(builder.gep(brow, [ir.Constant(i64, 16 * v)]), vptr), align=4)
-          for v in range(nv)]
-    # B's rows lie far apart in memory (an image's planes): fetch the next tile's part of this
-    # row ahead, which the hardware prefetcher, following a handful of streams, does not
-    i8p = ir.IntType(8).as_pointer()
-    builder.call(prefetch, [builder.bitcast(builder.gep(brow, [ir.Constant(i64, GEMM_NR)]), i8p),
-                            ir.Constant(ir.IntType(32), 0), ir.Constant(ir.IntType(32), 3),
-                            ir.Constant(ir.IntType(32), 1)])
-    arow = builder.gep(pa, [builder.mul(kk, ir.Constant(i64, GEMM_MR))])
-    new = []
-    for r in range(GEMM_MR):
-        s = builder.load(builder.gep(arow, [ir.Constant(i64, r)]), align=4)
-        sv = builder.shuffle_vector(builder.insert_element(undef, s, ir.Constant(ir.IntType(32), 0)), undef, splat)
-        new += [builder.call(fma, [sv, bv[v], accs[r * nv + v]]) for v in range(nv)]
-    nxt = builder.add(kk, ir.Constant(i64, 1))
-    end = builder.block
-    kk.add_incoming(nxt, end)
-    for acc, value in zip(accs, new):
-        acc.add_incoming(value, end)
-    builder.cbranch(builder.icmp_signed("<", nxt, k), loop, done)
-    builder.position_at_end(done)
-    finals = []
-    for value in new:  # the phis first: LLVM wants them at the top of the block
-        final = builder.phi(vec)
-        final.add_incoming(zero, entry)
-        final.add_incoming(value, end)
-        finals.append(final)
-    for r in range(GEMM_MR):
-        for v in range(nv):
-            builder.store(finals[r * nv + v],
-                          builder.bitcast(builder.gep(pc, [ir.Constant(i64, r * GEMM_NR + 16 * v)]), vptr), align=4)
-    return context.get_dummy_value()
+        a, ars, b, rowoff, k, c, ldc = args[:7]
+        bias, res, ldr, relu = args[7:] if strided else (None,) * 4
+        i64, i32t, f32t = ir.IntType(64), ir.IntType(32), ir.FloatType()
+        vec = ir.VectorType(f32t, 16)
+        fptr, vptr, i8p = f32t.as_pointer(), vec.as_pointer(), ir.IntType(8).as_pointer()
+        nv = GEMM_NR // 16
+        module = builder.module
+        fma = module.globals.get("llvm.fma.v16f32") or ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]),
+                                                                   "llvm.fma.v16f32")
+        prefetch = module.globals.get("llvm.prefetch") or ir.Function(
+            module, ir.FunctionType(ir.VoidType(), [i8p, i32t, i32t, i32t]), "llvm.prefetch")
+        pa, pb, pc = builder.inttoptr(a, fptr), builder.inttoptr(b, fptr), builder.inttoptr(c, fptr)
+        offsets = builder.inttoptr(rowoff, i64.as_pointer())
+        arows = [builder.gep(pa, [builder.mul(ir.Constant(i64, r), ars)]) for r in range(GEMM_MR)] if strided else None
+        zero = ir.Constant(vec, None)
+        undef = ir.Constant(vec, ir.Undefined)
+        splat = ir.Constant(ir.VectorType(i32t, 16), [0] * 16)
+        entry = builder.block
+        loop = builder.append_basic_block("tile.loop")
+        done = builder.append_basic_block("tile.done")
+        builder.cbranch(builder.icmp_signed(">", k, ir.Constant(i64, 0)), loop, done)
+        builder.position_at_end(loop)
+        kk = builder.phi(i64)
+        kk.add_incoming(ir.Constant(i64, 0), entry)
+        accs = []
+        for _ in range(GEMM_MR * nv):
+            acc = builder.phi(vec)
+            acc.add_incoming(zero, entry)
+            accs.append(acc)
+        brow = builder.gep(pb, [builder.load(builder.gep(offsets, [kk]), align=8)])
+        bv = [builder.load(builder.bitcast(builder.gep(brow, [ir.Constant(i64, 16 * v)]), vptr), align=4)
+              for v in range(nv)]
+        # B's rows may lie far apart (an image's planes): fetch the next tile's part of this row
+        # ahead, which the hardware prefetcher, following a handful of streams, does not
+        builder.call(prefetch, [builder.bitcast(builder.gep(brow, [ir.Constant(i64, GEMM_NR)]), i8p),
+                                ir.Constant(i32t, 0), ir.Constant(i32t, 3), ir.Constant(i32t, 1)])
+        arow = None if strided else builder.gep(pa, [builder.mul(kk, ir.Constant(i64, GEMM_MR))])
+        new = []
+        for r in range(GEMM_MR):
+            where = builder.gep(arows[r], [kk]) if strided else builder.gep(arow, [ir.Constant(i64, r)])
+            sv = builder.shuffle_vector(builder.insert_element(undef, builder.load(where, align=4),
+                                                               ir.Constant(i32t, 0)), undef, splat)
+            new += [builder.call(fma, [sv, bv[v], accs[r * nv + v]]) for v in range(nv)]
+        nxt = builder.add(kk, ir.Constant(i64, 1))
+        end = builder.block
+        kk.add_incoming(nxt, end)
+        for acc, value in zip(accs, new):
+            acc.add_incoming(value, end)
+        builder.cbranch(builder.icmp_signed("<", nxt, k), loop, done)
+        builder.position_at_end(done)
+        finals = []
+        for value in new:  # the phis first: LLVM wants them at the top of the block
+            final = builder.phi(vec)
+            final.add_incoming(zero, entry)
+            final.add_incoming(value, end)
+            finals.append(final)
+        if strided:
+            pbias, pres = builder.inttoptr(bias, fptr), builder.inttoptr(res, fptr)
+            bvec = [builder.load(builder.bitcast(builder.gep(pbias, [ir.Constant(i64, 16 * v)]), vptr), align=4)
+                    for v in range(nv)]
+            bits = ir.VectorType(ir.IntType(1), 16)
+            clamp = builder.shuffle_vector(builder.insert_element(ir.Constant(bits, ir.Undefined), builder.icmp_signed(
+                "!=", relu, ir.Constant(i64, 0)), ir.Constant(i32t, 0)), ir.Constant(bits, ir.Undefined), splat)
+        for r in range(GEMM_MR):
+            crow = builder.gep(pc, [builder.mul(ir.Constant(i64, r), ldc)])
+            rrow = builder.gep(pres, [builder.mul(ir.Constant(i64, r), ldr)]) if strided else None
+            for v in range(nv):
+                value = finals[r * nv + v]
+                if strided:
+                    at = ir.Constant(i64, 16 * v)
+                    value = builder.fadd(builder.fadd(value, bvec[v]),
+                                         builder.load(builder.bitcast(builder.gep(rrow, [at]), vptr), align=4))
+                    # relu as the loops do it: a nan stays nan (an ordered compare is false for it)
+                    negative = builder.and_(builder.fcmp_ordered("<", value, zero), clamp)
+                    value = builder.select(negative, zero, value)
+                builder.store(value, builder.bitcast(builder.gep(crow, [ir.Constant(i64, 16 * v)]), vptr), align=4)
+        return context.get_dummy_value()
+    return codegen
 
 
-def _tile_typer(typingctx, a, b, rowoff, k, c):
+def _make_tile(strided: bool):
     from numba import types
-
-    return types.void(types.intp, types.intp, types.intp, types.intp, types.intp), _tile_codegen
-
-
-#: ``_tile(a, b, rowoff, k, c)`` (addresses; float32, int64 rowoff): the (GEMM_MR, GEMM_NR) tile
-#: at c (rows GEMM_NR apart) = A (k, GEMM_MR) packed @ B (k, GEMM_NR), B's row r being GEMM_NR
-#: values at b + rowoff[r] floats. The accumulators live in 2 * GEMM_MR vector registers across
-#: the k loop; each step loads GEMM_NR values of B and broadcasts GEMM_MR of A.
-def _make_tile():
     from numba.extending import intrinsic
 
-    return intrinsic(_tile_typer)
+    if strided:
+        def typer(typingctx, a, ars, b, rowoff, k, c, ldc, bias, res, ldr, relu):
+            return types.void(*[types.intp] * 11), _tile_codegen(True)
+    else:
+        def typer(typingctx, a, ars, b, rowoff, k, c, ldc):
+            return types.void(*[types.intp] * 7), _tile_codegen(False)
+    return intrinsic(typer)
 
 
-_tile = _make_tile()
+#: ``_tile(a, ars, b, rowoff, k, c, ldc)`` (addresses; float32, int64 rowoff): the (GEMM_MR,
+#: GEMM_NR) tile at c (rows ldc floats apart) = A (GEMM_MR, k) @ B (k, GEMM_NR), B's row r being
+#: GEMM_NR values at b + rowoff[r] floats; A packed (k-major, GEMM_MR values per k; ``ars``
+#: unused). ``_tile_strided(a, ars, b, rowoff, k, c, ldc, bias, res, ldr, relu)``: A's row r at
+#: a + r * ars floats, and the tile finished before it is stored (see :func:`_tile_codegen`).
+#: The accumulators live in 2 * GEMM_MR vector registers across the k loop; each step loads
+#: GEMM_NR values of B and broadcasts GEMM_MR of A.
+_tile, _tile_strided = _make_tile(False), _make_tile(True)
 
 
 
@@ -848,9 +874,9 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
             for p in range(panels):
                 c = ca + (q * panels + p) * tile_size * 4
                 if j0 < full:
-                    _tile(wa + p * kdim * mr * 4, sa + j0 * 4, ra, kdim, c)
+                    _tile(wa + p * kdim * mr * 4, 0, sa + j0 * 4, ra, kdim, c, nr)
                 else:
-                    _tile(wa + p * kdim * mr * 4, ba, pra, kdim, c)
+                    _tile(wa + p * kdim * mr * 4, 0, ba, pra, kdim, c, nr)
         # the block's first output position and the one past its last (positions grow with j)
         y0, y1 = jb // wide, (jb + bw) // wide
         pos_lo = y0 * ow + min(jb - y0 * wide, ow)
@@ -887,3 +913,77 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
                         j += run_length
                 if act > 1:  # the others over the row's span at once: a call per run cost ~2x
                     activate_row(of[mo * positions + pos_lo:mo * positions + pos_hi], act, alpha, beta)
+
+
+@_jit
+def _finish_rows(cbuf, of, rf, has_residual, relu, first, rows, m, j0, width):
+    """Output pixels first .. first + rows, channels j0 .. j0 + width, from the (GEMM_MR,
+    GEMM_NR) tile in ``cbuf`` (bias added): + residual, relu."""
+    zero = f32(0.0)
+    for r in range(rows):
+        o0 = (first + r) * m + j0
+        dst, acc = of[o0:o0 + width], cbuf[r * GEMM_NR:r * GEMM_NR + width]
+        if has_residual:
+            res = rf[o0:o0 + width]
+            for t in range(width):
+                dst[t] = acc[t] + res[t]
+        else:
+            for t in range(width):
+                dst[t] = acc[t]
+        if relu:
+            for t in range(width):
+                v = dst[t]
+                dst[t] = v if not v < zero else zero
+
+
+@_jit
+def gemm_channels_last(x, wt, out, bias, residual, cbuf, apad, block, act, alpha, beta):
+    """out (pixels, M) = act(x (pixels, C) @ W^T + bias (+ residual (pixels, M), or (0, 0))): a
+    1x1 convolution on channels-last storage by the micro-kernel, A being x's rows where they lie.
+
+    ``wt``: the weights transposed, (C, M rounded up to GEMM_NR), and ``bias`` (M rounded up),
+    zero past M. Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
+    and of the output stay in L2): for each GEMM_NR output channels, the block's pixels GEMM_MR
+    at a time, each tile stored into the output with its bias, residual and relu added in
+    registers (one pass over the output, as it is written); another activation then runs once
+    over the block's output. A tile that would reach past the output -- the last channels when M
+    is no multiple of GEMM_NR, the last pixels when fewer than GEMM_MR (their rows copied into
+    ``apad``, GEMM_MR * C, zeros after) -- goes to ``cbuf`` (GEMM_MR * GEMM_NR) and is finished
+    from there."""
+    pixels, cdim = x.shape
+    m = out.shape[1]
+    mpad = wt.shape[1]
+    mr, nr = GEMM_MR, GEMM_NR
+    has_residual = residual.shape[0] != 0
+    xf, of, rf = x.reshape(-1), out.reshape(-1), residual.reshape(-1)
+    rowoff = np.arange(cdim) * mpad
+    zeros = np.zeros(nr, np.float32)  # the residual row of a conv without one
+    xa, wa, oa, ca, pa, ra = x.ctypes.data, wt.ctypes.data, out.ctypes.data, cbuf.ctypes.data, apad.ctypes.data, \
+        rowoff.ctypes.data
+    ba, rsa, za = bias.ctypes.data, residual.ctypes.data, zeros.ctypes.data
+    relu = 1 if act == 1 else 0
+    zero = f32(0.0)
+    full, mfull = pixels // mr * mr, m // nr * nr
+    if full < pixels:
+        for r in range(mr):
+            dst = apad[r * cdim:(r + 1) * cdim]
+            if full + r < pixels:
+                src = xf[(full + r) * cdim:(full + r + 1) * cdim]
+                for t in range(cdim):
+                    dst[t] = src[t]
+            else:
+                for t in range(cdim):
+                    dst[t] = zero
+    for pb in range(0, pixels, block):
+        bp = min(block, pixels - pb)
+        for j0 in range(0, mpad, nr):
+            for q in range(pb, pb + bp, mr):
+                a = xa + q * cdim * 4 if q < full else pa
+                if q < full and j0 < mfull:
+                    _tile_strided(a, cdim, wa + j0 * 4, ra, cdim, oa + (q * m + j0) * 4, m, ba + j0 * 4,
+                                  rsa + (q * m + j0) * 4 if has_residual else za, m if has_residual else 0, relu)
+                else:
+                    _tile_strided(a, cdim, wa + j0 * 4, ra, cdim, ca, nr, ba + j0 * 4, za, 0, 0)
+                    _finish_rows(cbuf, of, rf, has_residual, relu, q, min(mr, pixels - q), m, j0, min(nr, m - j0))
+        if act > 1:
+            activate_row(of[pb * m:(pb + bp) * m], act, alpha, beta)

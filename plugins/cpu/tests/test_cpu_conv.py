@@ -253,6 +253,35 @@ def test_blocked_conv_kernel(shapes, activation):
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
+@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 1, 3), 32)])
+@pytest.mark.parametrize("activation", ["none", "relu", "silu"])
+def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
+    """Channel-blocked 1x1 convs by the micro-kernel: output channels of whole tiles and of a
+    last partial one (200 = 6 x 32 + 8), pixels of whole tiles and of a last partial one
+    (35 = 4 x 8 + 3, 3 of 8), several blocks of pixels (the block budget shrunk to one tile's
+    rows), with and without a residual, against the reference."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(native, "GEMM_ROWS_BLOCK_BYTES", 8 * (xs[1] + m) * 4)
+    attrs = {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1, "activation": activation,
+             "alpha": 0.0, "beta": 0.0}
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    w = _f(m, xs[1], 1, 1)
+    w.flags.writeable = False
+    x_t, w_t = TensorType((xs[0], 1, *xs[2:], xs[1]), np.float32), TensorType(w.shape, np.float32)
+    assert conv_kernels._pointwise_tiles(attrs, x_t, w_t) is not None
+    for residual in (False, True):
+        ins = [block(_f(*xs)), w, _f(m)]
+        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        if residual:
+            ins.append(_f(*out_type.shape))
+        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
+
+
 def test_native_loops_serve_float32():
     assert native.available(np.float32) in (True, False)  # no numba: the numpy paths ran above
 
