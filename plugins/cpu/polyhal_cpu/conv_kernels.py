@@ -468,10 +468,12 @@ def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int
     else None."""
     n, _, h, wd, c = x_t.shape
     m, pixels = w_t.shape[0], n * h * wd
-    # Output channels are computed GEMM_NR at a time: where padding M up would waste more than
-    # an eighth, OpenBLAS does better (measured: 16, 40 and 80 channels out 10-50% slower).
+    # Output channels are computed GEMM_NR at a time, pixels GEMM_MR at a time: where padding M
+    # up would waste more than an eighth, or there are fewer pixels than a tile has rows (the
+    # squeeze-excite convs of a 1x1 map, a matrix-vector product), OpenBLAS does better (measured:
+    # 16, 40 and 80 channels out 10-50% slower; a 1x1 map 240 -> 960 channels 4x slower).
     waste = -(-m // native.GEMM_NR) * native.GEMM_NR - m
-    if not (TILES and waste * 8 <= m and x_t.dtype == _F32 and native.available(_F32)
+    if not (TILES and waste * 8 <= m and pixels >= native.GEMM_MR and x_t.dtype == _F32 and native.available(_F32)
             and _blocked_pointwise(x_t, w_t, attrs)):
         return None
     return pixels, c, m, native.channels_last_block(c, m, pixels)

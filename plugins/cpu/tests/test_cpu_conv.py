@@ -253,12 +253,12 @@ def test_blocked_conv_kernel(shapes, activation):
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
-@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 1, 3), 32)])
+@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32)])
 @pytest.mark.parametrize("activation", ["none", "relu", "silu"])
 def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
     """Channel-blocked 1x1 convs by the micro-kernel: output channels of whole tiles and of a
     last partial one (200 = 6 x 32 + 8), pixels of whole tiles and of a last partial one
-    (35 = 4 x 8 + 3, 3 of 8), several blocks of pixels (the block budget shrunk to one tile's
+    (35 = 4 x 8 + 3, 9 = 8 + 1), several blocks of pixels (the block budget shrunk to one tile's
     rows), with and without a residual, against the reference."""
     if not native.available(np.float32):
         pytest.skip("the compiled loops are not available here")
