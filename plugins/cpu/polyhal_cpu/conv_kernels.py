@@ -94,7 +94,15 @@ class _Conv:
         self.wide = self.in_sp[-1] + self.pb[-1] + self.pe[-1]
         self.plane = (self.in_sp[0] + self.pb[0] + self.pe[0]) * self.wide + (self.k[-1] - 1) * self.d[-1]
         pointwise = all(k == 1 for k in self.k) and all(v == 1 for v in self.s) and not any(p)
-        if pointwise and self.group == 1:
+        # A 1x1 conv takes the tiles where its positions fill whole tiles but for at most an
+        # eighth (14x14 and 7x7 planes pad to 224 and 64: OpenBLAS did better there).
+        waste = -(-self.positions // native.GEMM_NR) * native.GEMM_NR - self.positions
+        if pointwise and self.group == 1 and native2d and waste * 8 <= self.positions and TILES:
+            self.path = "tiles"
+            #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
+            self.phases = None
+            self.tiles_block = native.gemm_block(self.m, self.positions)
+        elif pointwise and self.group == 1:
             self.path = "pointwise"
         elif native2d and self.group == 1 and self.taps > 1 and self.c * self.taps >= TILES_MIN_K and TILES:
             self.path = "tiles"
@@ -120,7 +128,7 @@ class _Conv:
         tap by tap and one padded image; on the tiles path, of one padded image's phase planes
         (0 for the paths without columns)."""
         if self.path == "tiles":
-            return self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
+            return 0 if self.phases is None else self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
         return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
@@ -338,16 +346,20 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     strided ones, 5-10%)."""
     kdim, positions = g.c * g.taps, g.positions
     ph = g.phases
-    (oh, ow), wide = g.out_sp, ph.width
-    nphases = len(ph.used)
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
     work = scratch_array(scratch, "product", _F32, (native.gemm_tiles_bytes(g.m, kdim, g.tiles_block) // 4,))
     bpack, cbuf = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
-    buf = scratch_array(scratch, "columns", _F32, (g.c * nphases * ph.length,))
-    planes = buf.reshape(g.c, nphases, ph.length)[:, :, :ph.rows * wide].reshape(g.c, nphases, ph.rows, wide)
-    fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
-    rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
-    ncols = oh * wide
+    if ph is None:  # a 1x1 conv: B is the image, (C, positions)
+        rowoff, ncols, wide, ow = np.arange(g.c, dtype=np.int64) * positions, positions, positions, positions
+        buf, fills = None, []
+    else:
+        (oh, ow), wide = g.out_sp, ph.width
+        nphases = len(ph.used)
+        buf = scratch_array(scratch, "columns", _F32, (g.c * nphases * ph.length,))
+        planes = buf.reshape(g.c, nphases, ph.length)[:, :, :ph.rows * wide].reshape(g.c, nphases, ph.rows, wide)
+        fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
+        rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
+        ncols = oh * wide
 
     def kernel(x, w, *rest):
         out = rest[-1]
@@ -356,12 +368,13 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         x4 = np.ascontiguousarray(x).reshape(g.as2d(x.shape))
         o3 = out.reshape(g.batch, g.m, positions)
         r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
-        buf.fill(0)  # the borders; what lies on the image is overwritten per image
+        if buf is not None:
+            buf.fill(0)  # the borders; what lies on the image is overwritten per image
         for n in range(g.batch):
             for dst, src in fills:
                 np.copyto(dst, x4[n][src])
-            native.gemm_tiles(wp, buf, rowoff, ncols, wide, ow, o3[n], b, None if r3 is None else r3[n], bpack, cbuf,
-                              g.tiles_block, act, alpha, beta)
+            native.gemm_tiles(wp, x4[n].reshape(-1) if buf is None else buf, rowoff, ncols, wide, ow, o3[n], b,
+                              None if r3 is None else r3[n], bpack, cbuf, g.tiles_block, act, alpha, beta)
     return kernel
 
 

@@ -714,16 +714,19 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
 GEMM_MR, GEMM_NR = 8, 32
 
 
-def _tile_codegen(strided: bool):
+def _tile_codegen(strided: bool, bias_of: str | None):
     """The micro-kernel's IR: A packed (k-major panels of GEMM_MR rows) or, ``strided``, read
-    where it lies (row r at a + r * ars floats, consecutive along k), and then finished in
-    registers: + GEMM_NR values at ``bias`` (the same for every row), + row r of a residual at
-    ``res`` + r * ldr floats (ldr 0: one row for all), relu if ``relu``."""
+    where it lies (row r at a + r * ars floats, consecutive along k); with ``bias_of``, finished
+    in registers before it is stored: + the bias (``"columns"``: GEMM_NR values at ``bias``, the
+    same for every row; ``"rows"``: row r's value at bias + r), + row r of a residual at ``res``
+    + r * ldr floats (ldr 0: one row for all), relu if ``relu``."""
+    fused = bias_of is not None
+
     def codegen(context, builder, signature, args):
         from llvmlite import ir
 
         a, ars, b, rowoff, k, c, ldc = args[:7]
-        bias, res, ldr, relu = args[7:] if strided else (None,) * 4
+        bias, res, ldr, relu = args[7:] if fused else (None,) * 4
         i64, i32t, f32t = ir.IntType(64), ir.IntType(32), ir.FloatType()
         vec = ir.VectorType(f32t, 16)
         fptr, vptr, i8p = f32t.as_pointer(), vec.as_pointer(), ir.IntType(8).as_pointer()
@@ -778,21 +781,26 @@ def _tile_codegen(strided: bool):
             final.add_incoming(zero, entry)
             final.add_incoming(value, end)
             finals.append(final)
-        if strided:
+        if fused:
             pbias, pres = builder.inttoptr(bias, fptr), builder.inttoptr(res, fptr)
-            bvec = [builder.load(builder.bitcast(builder.gep(pbias, [ir.Constant(i64, 16 * v)]), vptr), align=4)
-                    for v in range(nv)]
+            if bias_of == "columns":
+                bvec = [builder.load(builder.bitcast(builder.gep(pbias, [ir.Constant(i64, 16 * v)]), vptr), align=4)
+                        for v in range(nv)]
+            else:
+                bvec = [builder.shuffle_vector(builder.insert_element(undef, builder.load(builder.gep(
+                    pbias, [ir.Constant(i64, r)]), align=4), ir.Constant(i32t, 0)), undef, splat)
+                    for r in range(GEMM_MR)]
             bits = ir.VectorType(ir.IntType(1), 16)
             clamp = builder.shuffle_vector(builder.insert_element(ir.Constant(bits, ir.Undefined), builder.icmp_signed(
                 "!=", relu, ir.Constant(i64, 0)), ir.Constant(i32t, 0)), ir.Constant(bits, ir.Undefined), splat)
         for r in range(GEMM_MR):
             crow = builder.gep(pc, [builder.mul(ir.Constant(i64, r), ldc)])
-            rrow = builder.gep(pres, [builder.mul(ir.Constant(i64, r), ldr)]) if strided else None
+            rrow = builder.gep(pres, [builder.mul(ir.Constant(i64, r), ldr)]) if fused else None
             for v in range(nv):
                 value = finals[r * nv + v]
-                if strided:
+                if fused:
                     at = ir.Constant(i64, 16 * v)
-                    value = builder.fadd(builder.fadd(value, bvec[v]),
+                    value = builder.fadd(builder.fadd(value, bvec[v] if bias_of == "columns" else bvec[r]),
                                          builder.load(builder.bitcast(builder.gep(rrow, [at]), vptr), align=4))
                     # relu as the loops do it: a nan stays nan (an ordered compare is false for it)
                     negative = builder.and_(builder.fcmp_ordered("<", value, zero), clamp)
@@ -802,30 +810,57 @@ def _tile_codegen(strided: bool):
     return codegen
 
 
-def _make_tile(strided: bool):
+def _make_tile(strided: bool, bias_of: str | None):
     from numba import types
     from numba.extending import intrinsic
 
-    if strided:
+    if bias_of is not None:
         def typer(typingctx, a, ars, b, rowoff, k, c, ldc, bias, res, ldr, relu):
-            return types.void(*[types.intp] * 11), _tile_codegen(True)
+            return types.void(*[types.intp] * 11), _tile_codegen(strided, bias_of)
     else:
         def typer(typingctx, a, ars, b, rowoff, k, c, ldc):
-            return types.void(*[types.intp] * 7), _tile_codegen(False)
+            return types.void(*[types.intp] * 7), _tile_codegen(strided, None)
     return intrinsic(typer)
 
 
 #: ``_tile(a, ars, b, rowoff, k, c, ldc)`` (addresses; float32, int64 rowoff): the (GEMM_MR,
 #: GEMM_NR) tile at c (rows ldc floats apart) = A (GEMM_MR, k) @ B (k, GEMM_NR), B's row r being
 #: GEMM_NR values at b + rowoff[r] floats; A packed (k-major, GEMM_MR values per k; ``ars``
-#: unused). ``_tile_strided(a, ars, b, rowoff, k, c, ldc, bias, res, ldr, relu)``: A's row r at
-#: a + r * ars floats, and the tile finished before it is stored (see :func:`_tile_codegen`).
+#: unused). ``_tile_fused(a, ars, b, rowoff, k, c, ldc, bias, res, ldr, relu)``: the same, the
+#: tile finished before it is stored (a bias per row; see :func:`_tile_codegen`);
+#: ``_tile_strided`` (same arguments): A's row r at a + r * ars floats, a bias per column.
 #: The accumulators live in 2 * GEMM_MR vector registers across the k loop; each step loads
 #: GEMM_NR values of B and broadcasts GEMM_MR of A.
-_tile, _tile_strided = _make_tile(False), _make_tile(True)
+_tile, _tile_fused, _tile_strided = _make_tile(False, None), _make_tile(False, "rows"), _make_tile(True, "columns")
 
 
 
+
+
+def _prefetch_codegen(context, builder, signature, args):
+    from llvmlite import ir
+
+    (addr,) = args
+    i8p, i32t = ir.IntType(8).as_pointer(), ir.IntType(32)
+    module = builder.module
+    prefetch = module.globals.get("llvm.prefetch") or ir.Function(
+        module, ir.FunctionType(ir.VoidType(), [i8p, i32t, i32t, i32t]), "llvm.prefetch")
+    builder.call(prefetch, [builder.inttoptr(addr, i8p), ir.Constant(i32t, 0), ir.Constant(i32t, 3),
+                            ir.Constant(i32t, 1)])
+    return context.get_dummy_value()
+
+
+def _make_prefetch():
+    from numba import types
+    from numba.extending import intrinsic
+
+    def typer(typingctx, addr):
+        return types.void(types.intp), _prefetch_codegen
+    return intrinsic(typer)
+
+
+#: ``_prefetch(address)``: fetch the line into cache ahead of its use (never faults).
+_prefetch = _make_prefetch()
 
 @_jit
 def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, block, act, alpha, beta):
@@ -834,7 +869,8 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
     ``wp``: the weights packed (panels, K, GEMM_MR), zero rows past M. B's row k is ``src``
     (flat) from ``rowoff[k]``; its columns 0 .. ncols are read. Column j is output position
     (j // wide, j % wide), stored only if j % wide < ow (a padded image read flat has wide - ow
-    columns of junk per row; a plain matrix has wide = ow = ncols). The tiles read B where it
+    columns of junk per row; a plain matrix has wide = ow = ncols, and then its whole tiles are
+    finished in registers and stored straight into the output). The tiles read B where it
     lies, but for a last panel narrower than GEMM_NR, copied into ``bpack`` (K * GEMM_NR) with
     zeros past the columns.
 
@@ -857,8 +893,14 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
     packed_rows = np.arange(kdim) * nr
     wa, ba, ca, sa = wp.ctypes.data, bpack.ctypes.data, cbuf.ctypes.data, src.ctypes.data
     ra, pra = rowoff.ctypes.data, packed_rows.ctypes.data
+    zeros = np.zeros(nr, np.float32)  # the residual row of a conv without one
+    oa, bsa, rsa, za = out.ctypes.data, bias.ctypes.data, residual.ctypes.data, zeros.ctypes.data
+    relu = 1 if act == 1 else 0
     zero = f32(0.0)
     full = ncols // nr * nr
+    # a plain matrix (no junk columns): whole tiles go straight into the output, finished in
+    # registers; the rest through cbuf and the loop below
+    direct_panels = m // mr if wide == ow else 0
     if full < ncols:
         for k in range(kdim):
             s0, d0 = rowoff[k] + full, k * nr
@@ -869,11 +911,25 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
     for jb in range(0, ncols, block):
         bw = min(block, ncols - jb)
         tiles = (bw + nr - 1) // nr
-        for q in range(tiles):
-            j0 = jb + q * nr
-            for p in range(panels):
+        # a tile column down all M rows (its part of B read once from memory, then from cache);
+        # with direct stores a panel of rows left to right instead (the output written along its
+        # rows: stores down a column of tiles touched M rows' lines at once, ~1.5x slower)
+        outer, inner = (panels, tiles) if direct_panels else (tiles, panels)
+        for u in range(outer):
+            for v in range(inner):
+                p, q = (u, v) if direct_panels else (v, u)
+                j0 = jb + q * nr
                 c = ca + (q * panels + p) * tile_size * 4
-                if j0 < full:
+                if j0 < full and p < direct_panels:
+                    o0 = p * mr * positions + j0
+                    if has_residual:  # the next tile's residual, fetched while this one computes
+                        for r in range(mr):
+                            _prefetch(rsa + (o0 + r * positions + nr) * 4)
+                            _prefetch(rsa + (o0 + r * positions + nr + 16) * 4)
+                    _tile_fused(wa + p * kdim * mr * 4, 0, sa + j0 * 4, ra, kdim, oa + o0 * 4, positions,
+                                bsa + p * mr * 4, rsa + o0 * 4 if has_residual else za,
+                                positions if has_residual else 0, relu)
+                elif j0 < full:
                     _tile(wa + p * kdim * mr * 4, 0, sa + j0 * 4, ra, kdim, c, nr)
                 else:
                     _tile(wa + p * kdim * mr * 4, 0, ba, pra, kdim, c, nr)
@@ -887,6 +943,8 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
                 b = bias[mo]
                 for q in range(tiles):
                     j0 = jb + q * nr
+                    if j0 < full and p < direct_panels:
+                        continue  # stored finished
                     t0 = (q * panels + p) * tile_size + r * nr
                     end = min(j0 + nr, ncols)
                     # the tile row's columns as runs of output positions, one per output row

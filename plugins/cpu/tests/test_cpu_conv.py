@@ -123,14 +123,18 @@ def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     ((1, 4, 15, 16), (8, 4, 3, 2), {"strides": [3, 2], "pads": [0, 1, 1, 0], "dilations": [2, 3]}),
     ((1, 3, 12, 13), (5, 3, 1, 2), {"strides": [2, 2]}),  # not every phase read
     ((2, 3, 30), (4, 3, 5), {"strides": [3], "pads": [2, 1]}),  # 1-D, strided
+    ((2, 5, 8, 8), (13, 5, 1, 1), {}),  # 1x1: whole tiles stored finished, the last panel's 5 rows not
+    ((1, 7, 9, 30), (16, 7, 1, 1), {}),  # 1x1: 270 positions, 8 whole tiles and a partial one
+    ((2, 3, 64), (9, 3, 1), {}),  # 1x1, 1-D
 ])
 @pytest.mark.parametrize("fused", ["none", "bias", "residual"])
 def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
     """Convolutions by the register-tiled GEMM over a padded image's phase planes (strides,
     dilations, asymmetric pads; phases that no tap reads left out): weights of a panel
     and a half, columns of a partial tile and of several blocks (the block budget shrunk to two
-    tiles' worth), the padded width's junk columns skipped, each tile
-    finished with its bias, residual and activation, against the reference."""
+    tiles' worth), the padded width's junk columns skipped, each tile finished with its bias,
+    residual and activation (in registers where a 1x1 conv's tile is stored straight into the
+    output), against the reference."""
     if not native.available(np.float32):
         pytest.skip("the compiled loops are not available here")
     monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
