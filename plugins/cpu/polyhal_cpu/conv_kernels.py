@@ -1,9 +1,16 @@
 """CPU kernels of the convolution family: ``conv`` and ``fused_conv``, ``conv_transpose``, and
 max/average pooling.
 
-One dispatch per op, whatever its groups. A convolution takes one of four paths, chosen in
+One dispatch per op, whatever its groups. A convolution takes one of five paths, chosen in
 ``prepare`` from shapes and attributes:
 
+* **tiles** (2-D float32, one group, where the compiled loops run; not for 3-channel stems nor
+  for 1x1 convs whose positions leave a tile mostly empty): ``out[n] = W @ B`` by a
+  register-tiled GEMM micro-kernel (8 output channels x 32 positions in 16 AVX-512 registers,
+  LLVM IR through numba; :func:`polyhal_cpu.native.gemm_tiles`), B's rows read where they lie:
+  the image for a 1x1 conv, else a zero-padded copy split into the stride's phases, read at
+  each tap's offset (no im2col). Each tile is finished (bias, residual, activation) as it is
+  stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
   tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: one ``np.matmul`` (OpenBLAS's
   sgemm) over the batch, no copy;
@@ -11,9 +18,9 @@ One dispatch per op, whatever its groups. A convolution takes one of four paths,
   a compiled loop accumulating each output row tap by tap while it stays in L1, and finishing
   it (bias, residual, activation) before moving on (:func:`polyhal_cpu.native.depthwise`). A
   GEMM per channel would be ~C BLAS calls of a 1 x k^2 matrix each;
-* **shifted GEMMs** (stride 1, one group, planes from 28x28 up): no columns; the image is
-  padded once and each tap is one GEMM of its weights with a shifted view of the padded image,
-  accumulated by BLAS (see :func:`_shifted`);
+* **shifted GEMMs** (stride 1, one group, planes from 28x28 up, without the compiled loops): no
+  columns; the image is padded once and each tap is one GEMM of its weights with a shifted view
+  of the padded image, accumulated by BLAS (see :func:`_shifted`);
 * **im2col + GEMM** (everything else): the columns (C * k..., output positions) are written
   into the kernel's declared scratch (``columns``: planned by bufferization, never allocated in
   a run), then one ``np.matmul`` over the groups, ``(group, M/group, C/group * k) @ (group,
@@ -29,7 +36,10 @@ convolutions run as 2-D ones of unit height.
 
 Measured on a 2-core VM with one BLAS thread (``python -m bench cnn_models``): a ResNet-18 went
 from 2.2x onnxruntime's time to ~1.1x, a MobileNetV3-style network from 13x to ~1.5x in NCHW and
-~0.8-1.05x with its depthwise chains channel-blocked (``blocked_conv`` below).
+~0.8-1.05x with its depthwise chains channel-blocked (``blocked_conv`` below). The tiles path
+then took the real models (``bench/models``) from 1.41x to 1.32x onnxruntime's time for
+ResNet-50 and 1.34x to 1.14x for DenseNet-121 at batch 1, 1.32x to 1.27x and 1.51x to 1.32x at
+batch 8 (one thread each side, CPU time of alternating runs in one process).
 """
 
 from __future__ import annotations
@@ -128,7 +138,9 @@ class _Conv:
         tap by tap and one padded image; on the tiles path, of one padded image's phase planes
         (0 for the paths without columns)."""
         if self.path == "tiles":
-            return 0 if self.phases is None else self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
+            if self.phases is None:
+                return 0
+            return self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
         return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
@@ -311,7 +323,8 @@ class _Phases:
         #: they hold, as slices
         self.fills = []
         for a, b in self.used:
-            ys, xs = self._span(a, sh, g.pb[0], g.in_sp[0], self.rows), self._span(b, sw, g.pb[1], g.in_sp[1], self.width)
+            ys = self._span(a, sh, g.pb[0], g.in_sp[0], self.rows)
+            xs = self._span(b, sw, g.pb[1], g.in_sp[1], self.width)
             if ys is not None and xs is not None:
                 self.fills.append((index[a, b], ys[0], xs[0], ys[1], xs[1]))
 
@@ -553,9 +566,9 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
 
         def tiled(x, w, *rest):
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
-            native.gemm_channels_last(np.ascontiguousarray(x).reshape(pixels, c), packed(w), rest[-1].reshape(pixels, m),
-                                      padded_bias(rest[0] if has_bias else zero_bias), r, cbuf, apad, block, act, alpha,
-                                      beta)
+            native.gemm_channels_last(np.ascontiguousarray(x).reshape(pixels, c), packed(w),
+                                      rest[-1].reshape(pixels, m), padded_bias(rest[0] if has_bias else zero_bias), r,
+                                      cbuf, apad, block, act, alpha, beta)
         return tiled
     if fast and pointwise:
         act = native.activation_code(activation)

@@ -138,8 +138,8 @@ def _warm(loops: dict[str, Callable]) -> None:
     for src in (m.reshape(-1), ro_m.reshape(-1)):
         for residual in (m[:0, :0], m):
             loops["gemm_tiles"](packed, src, np.arange(2), 4, 4, 4, np.zeros((1, 4), np.float32), ro[:1],
-                                residual[:1], np.zeros(2 * GEMM_NR, np.float32), np.zeros(GEMM_MR * GEMM_NR, np.float32),
-                                GEMM_NR, 1, *_F32_PAIR)
+                                residual[:1], np.zeros(2 * GEMM_NR, np.float32),
+                                np.zeros(GEMM_MR * GEMM_NR, np.float32), GEMM_NR, 1, *_F32_PAIR)
     wide = np.zeros((2, GEMM_NR), np.float32)  # a channels-last 1x1 conv: 2 pixels, 4 -> GEMM_NR channels
     ro_bias = wide[0].copy()
     ro_bias.flags.writeable = False
