@@ -344,19 +344,19 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
            beta: float) -> Kernel:
     """A 2-D convolution of one group by the compiled register-tiled GEMM
     (:func:`polyhal_cpu.native.gemm_tiles`), one image at a time: ``out[n] (M, positions) = W
-    (M, C * taps) @ B``, each tile finished (bias, residual, activation) as it is stored. As on
-    the shifted path, the image is copied into a zero-padded plane (split into the stride's
-    phases, :class:`_Phases`) and B's row (c, tap) is that plane read flat from the tap's
-    offset: no im2col, and one GEMM instead of a product per tap; the plane width's extra
-    columns are simply not stored. The weights are packed once (a plan's constants; weights
-    that may change are packed per call).
+    (M, C * taps) @ B``, each tile finished (bias, residual, activation) as it is stored. A 1x1
+    conv's B is the image itself, (C, positions). Otherwise, as on the shifted path, the image is
+    copied into a zero-padded plane (split into the stride's phases, :class:`_Phases`) and B's
+    row (c, tap) is that plane read flat from the tap's offset: no im2col, and one GEMM instead
+    of a product per tap; the plane width's extra columns are simply not stored. The weights are
+    packed once (a plan's constants; weights that may change are packed per call).
 
     Measured single-threaded on a 2-core VM (AVX-512) against the paths it replaces: ResNet-50's
     3x3 convs 2.8-3.4 -> 2.3-3.0 ms, DenseNet's 128 -> 32 channel 3x3 convs at 56x56, 28x28 and
     14x14 3.0 -> 2.3, 0.93 -> 0.63 and 0.32 -> 0.16 ms; the 7x7 stride-2 stem 3.8 -> 3.0 ms and
-    3x3 stride-2 convs 2.9 -> 2.5 ms (im2col + OpenBLAS before). 1x1 convolutions keep their
-    BLAS paths: OpenBLAS was as fast or faster on them (over 56x56 planes with a residual, and
-    strided ones, 5-10%)."""
+    3x3 stride-2 convs 2.9 -> 2.5 ms (im2col + OpenBLAS before); 1x1 convs over 56x56 and 28x28
+    planes within noise of OpenBLAS each, a few percent faster over whole models. Strided 1x1
+    convs keep im2col + OpenBLAS (5-10% faster there)."""
     kdim, positions = g.c * g.taps, g.positions
     ph = g.phases
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
