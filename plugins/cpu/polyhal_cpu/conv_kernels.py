@@ -564,12 +564,12 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T))
         padded_bias = _Relaid(native.pad_channels)
 
-        def tiled(x, w, *rest):
+        def pointwise_tiles(x, w, *rest):
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
             native.gemm_channels_last(np.ascontiguousarray(x).reshape(pixels, c), packed(w),
                                       rest[-1].reshape(pixels, m), padded_bias(rest[0] if has_bias else zero_bias), r,
                                       cbuf, apad, block, act, alpha, beta)
-        return tiled
+        return pointwise_tiles
     if fast and pointwise:
         act = native.activation_code(activation)
         pixels = n * h * wd

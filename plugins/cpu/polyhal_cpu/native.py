@@ -239,6 +239,13 @@ def im2col(x: np.ndarray, first: int, cols: np.ndarray, k: tuple, s: tuple, p: t
                                                    out[0], out[1])
 
 
+def _contiguous(*arrays: np.ndarray) -> None:
+    """The GEMM loops address their operands' memory directly: C-contiguous ones only."""
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise ValueError(f"a C-contiguous array is needed here, got one of shape {a.shape} and strides {a.strides}")
+
+
 #: Rows of weights and columns of B per tile of :func:`gemm_tiles` (its micro-kernel's registers).
 GEMM_MR, GEMM_NR = 8, 32
 #: Bytes of the tiles of one column block of :func:`gemm_tiles` (M x block columns, accumulated
@@ -277,6 +284,7 @@ def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, 
     ``bpack`` (K * GEMM_NR) and ``cbuf`` (M rounded up to GEMM_MR, times ``block``) are
     scratch, ``block`` comes from :func:`gemm_block`. See :func:`polyhal_cpu.native_loops.gemm_tiles`."""
     none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _contiguous(wp, src, rowoff, out, bias, none, bpack, cbuf)
     _compiled()["gemm_tiles"](wp, src, rowoff, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
                               np.float32(alpha), np.float32(beta))
 
@@ -309,6 +317,7 @@ def gemm_channels_last(x: np.ndarray, wt: np.ndarray, out: np.ndarray, bias: np.
     (GEMM_MR x C) are scratch.
     See :func:`polyhal_cpu.native_loops.gemm_channels_last`."""
     none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _contiguous(x, wt, out, bias, none, cbuf, apad)
     _compiled()["gemm_channels_last"](x, wt, out, bias, none, cbuf, apad, block, act, np.float32(alpha),
                                       np.float32(beta))
 

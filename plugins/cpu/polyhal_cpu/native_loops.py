@@ -688,7 +688,10 @@ def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw
     span = (kw - 1) * dw
     # channels a vector register at a time: the tiles serve the pixels whose taps all lie
     # inside the image's width, DW_PIXELS at a time (the loops below the rest)
+    # (they address the arrays' memory directly: C-contiguous ones only)
     lanes = 16 if channels % 16 == 0 else 8 if channels % 8 == 0 else 0
+    if not (x.flags.c_contiguous and taps.flags.c_contiguous and bias.flags.c_contiguous and out.flags.c_contiguous):
+        lanes = 0
     quad = sw == 1 and dw == 1 and (kw == 3 or kw == 5 or kw == 7) and channels >= QUAD_CHANNELS
     # with quad: the first and last output columns whose taps all lie inside the image
     first, last = max(pw, 0), min(ow, width - kw + 1 + pw)
