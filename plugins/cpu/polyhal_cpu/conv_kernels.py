@@ -364,13 +364,27 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     bpack, cbuf = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
     if ph is None:  # a 1x1 conv: B is the image, (C, positions)
         rowoff, ncols, wide, ow = np.arange(g.c, dtype=np.int64) * positions, positions, positions, positions
-        buf, fills = None, []
+        buf, fills, borders = None, [], []
     else:
         (oh, ow), wide = g.out_sp, ph.width
         nphases = len(ph.used)
         buf = scratch_array(scratch, "columns", _F32, (g.c * nphases * ph.length,))
         planes = buf.reshape(g.c, nphases, ph.length)[:, :, :ph.rows * wide].reshape(g.c, nphases, ph.rows, wide)
         fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
+        # what no image value lands on: the padding around each phase's image part, the room
+        # past the planes' ends, and whole phases that lie in the padding (zeroed per call: the
+        # scratch is shared with other kernels)
+        flat = buf.reshape(g.c, nphases, ph.length)
+        borders = [flat[:, :, ph.rows * wide:]]
+        filled = {n: (ys, xs) for n, ys, xs, _, _ in ph.fills}
+        for n in range(nphases):
+            if n not in filled:
+                borders.append(planes[:, n])
+                continue
+            ys, xs = filled[n]
+            borders += [planes[:, n, :ys.start], planes[:, n, ys.stop:], planes[:, n, ys, :xs.start],
+                        planes[:, n, ys, xs.stop:]]
+        borders = [v for v in borders if v.size]
         rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
         ncols = oh * wide
 
@@ -381,10 +395,10 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         x4 = np.ascontiguousarray(x).reshape(g.as2d(x.shape))
         o3 = out.reshape(g.batch, g.m, positions)
         r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
-        if buf is not None:
-            buf.fill(0)  # the borders; what lies on the image is overwritten per image
+        for view in borders:
+            view.fill(0)
         for n in range(g.batch):
-            for dst, src in fills:
+            for dst, src in fills:  # what lies on the image, overwritten per image
                 np.copyto(dst, x4[n][src])
             native.gemm_tiles(wp, x4[n].reshape(-1) if buf is None else buf, rowoff, ncols, wide, ow, o3[n], b,
                               None if r3 is None else r3[n], bpack, cbuf, g.tiles_block, act, alpha, beta)

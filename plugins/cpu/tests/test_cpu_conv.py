@@ -15,6 +15,7 @@ from polyhal.ir.types import TensorType
 from polyhal_cpu import blas as polyhal_cpu_blas
 from polyhal_cpu import conv_kernels, native
 from polyhal_cpu.kernels import prepare
+from polyhal_cpu.scratch import standalone
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -153,8 +154,12 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
     types = tuple(TensorType(a.shape, a.dtype) for a in ins)
     geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
     assert geometry.path == "tiles"
-    kernel = prepare(op, attrs, types, (out_type,))
-    for _ in range(2):  # again with other images: the kept weights serve, the padding stays zero
+    requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
+    scratch = standalone(None, requests)
+    kernel = prepare(op, attrs, types, (out_type,), scratch)
+    for _ in range(2):  # again with other images: the kept weights serve, the padding is zeroed again
+        for request in requests:  # scratch shared with other kernels holds anything
+            scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
         ins[0] = _f(*xs)
         out = np.full(out_type.shape, np.nan, np.float32)
         kernel(*ins, out)
