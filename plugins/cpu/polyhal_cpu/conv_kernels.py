@@ -1,9 +1,16 @@
 """CPU kernels of the convolution family: ``conv`` and ``fused_conv``, ``conv_transpose``, and
 max/average pooling.
 
-One dispatch per op, whatever its groups. A convolution takes one of four paths, chosen in
+One dispatch per op, whatever its groups. A convolution takes one of five paths, chosen in
 ``prepare`` from shapes and attributes:
 
+* **tiles** (2-D float32, one group, where the compiled loops run; not for 3-channel stems nor
+  for 1x1 convs whose positions leave a tile mostly empty): ``out[n] = W @ B`` by a
+  register-tiled GEMM micro-kernel (8 output channels x 32 positions in 16 AVX-512 registers,
+  LLVM IR through numba; :func:`polyhal_cpu.native.gemm_tiles`), B's rows read where they lie:
+  the image for a 1x1 conv, else a zero-padded copy split into the stride's phases, read at
+  each tap's offset (no im2col). Each tile is finished (bias, residual, activation) as it is
+  stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
   tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: one ``np.matmul`` (OpenBLAS's
   sgemm) over the batch, no copy;
@@ -11,9 +18,9 @@ One dispatch per op, whatever its groups. A convolution takes one of four paths,
   a compiled loop accumulating each output row tap by tap while it stays in L1, and finishing
   it (bias, residual, activation) before moving on (:func:`polyhal_cpu.native.depthwise`). A
   GEMM per channel would be ~C BLAS calls of a 1 x k^2 matrix each;
-* **shifted GEMMs** (stride 1, one group, planes from 28x28 up): no columns; the image is
-  padded once and each tap is one GEMM of its weights with a shifted view of the padded image,
-  accumulated by BLAS (see :func:`_shifted`);
+* **shifted GEMMs** (stride 1, one group, planes from 28x28 up, without the compiled loops): no
+  columns; the image is padded once and each tap is one GEMM of its weights with a shifted view
+  of the padded image, accumulated by BLAS (see :func:`_shifted`);
 * **im2col + GEMM** (everything else): the columns (C * k..., output positions) are written
   into the kernel's declared scratch (``columns``: planned by bufferization, never allocated in
   a run), then one ``np.matmul`` over the groups, ``(group, M/group, C/group * k) @ (group,
@@ -29,7 +36,10 @@ convolutions run as 2-D ones of unit height.
 
 Measured on a 2-core VM with one BLAS thread (``python -m bench cnn_models``): a ResNet-18 went
 from 2.2x onnxruntime's time to ~1.1x, a MobileNetV3-style network from 13x to ~1.5x in NCHW and
-~0.8-1.05x with its depthwise chains channel-blocked (``blocked_conv`` below).
+~0.8-1.05x with its depthwise chains channel-blocked (``blocked_conv`` below). The tiles path
+then took the real models (``bench/models``) from 1.41x to 1.32x onnxruntime's time for
+ResNet-50 and 1.34x to 1.14x for DenseNet-121 at batch 1, 1.32x to 1.27x and 1.51x to 1.32x at
+batch 8 (one thread each side, CPU time of alternating runs in one process).
 """
 
 from __future__ import annotations
@@ -59,6 +69,14 @@ COLUMNS_BYTES = 16 << 20
 #: 56x56 128 -> 32 channels 39 -> 19 ms, 64 -> 64 27 -> 17 ms; 28x28 128 -> 32 6.9 -> 5.3 ms,
 #: 128 -> 128 13.5 -> 12.3 ms; at 14x14 the nine short GEMMs lose (12.4 -> 13.4 ms).
 SHIFTED_POSITIONS = 28 * 28
+#: Whether 2-D float32 convolutions of one group take the compiled register-tiled GEMM
+#: (:func:`_tiles`) where the compiled loops are available.
+TILES = True
+#: Multiply-adds per output value (C * taps) below which the tiles path is not taken: over the
+#: 3 channels of an image (EfficientNet's and MobileNet's 3x3 stems, K = 27) each tile has too
+#: little to compute for its own cost (measured 0.60 ms against im2col + OpenBLAS's 0.48 ms);
+#: ResNet's 7x7 stem (K = 147) gains.
+TILES_MIN_K = 64
 
 
 class _Conv:
@@ -85,8 +103,22 @@ class _Conv:
         # with the room the last taps read past the bottom-right corner.
         self.wide = self.in_sp[-1] + self.pb[-1] + self.pe[-1]
         self.plane = (self.in_sp[0] + self.pb[0] + self.pe[0]) * self.wide + (self.k[-1] - 1) * self.d[-1]
-        if all(k == 1 for k in self.k) and all(v == 1 for v in self.s) and not any(p) and self.group == 1:
+        pointwise = all(k == 1 for k in self.k) and all(v == 1 for v in self.s) and not any(p)
+        # A 1x1 conv takes the tiles where its positions fill whole tiles but for at most an
+        # eighth (14x14 and 7x7 planes pad to 224 and 64: OpenBLAS did better there).
+        waste = -(-self.positions // native.GEMM_NR) * native.GEMM_NR - self.positions
+        if pointwise and self.group == 1 and native2d and waste * 8 <= self.positions and TILES:
+            self.path = "tiles"
+            #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
+            self.phases = None
+            self.tiles_block = native.gemm_block(self.m, self.positions)
+        elif pointwise and self.group == 1:
             self.path = "pointwise"
+        elif native2d and self.group == 1 and self.taps > 1 and self.c * self.taps >= TILES_MIN_K and TILES:
+            self.path = "tiles"
+            self.phases = _Phases(self)
+            #: output columns (over a phase plane's width) per block of the tiles path
+            self.tiles_block = native.gemm_block(self.m, self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
         elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
@@ -103,7 +135,12 @@ class _Conv:
     @property
     def columns_bytes(self) -> int:
         """Bytes of the im2col columns of ``stack`` images; on the shifted path, of the weights
-        tap by tap and one padded image (0 for the paths without columns)."""
+        tap by tap and one padded image; on the tiles path, of one padded image's phase planes
+        (0 for the paths without columns)."""
+        if self.path == "tiles":
+            if self.phases is None:
+                return 0
+            return self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
         return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
@@ -112,7 +149,10 @@ class _Conv:
     def product_bytes(self) -> int:
         """Bytes of a stacked GEMM's product, (M, stack, positions), before it is laid out as
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
-        padded width (0 otherwise)."""
+        padded width; on the tiles path, of a packed panel of B and a block of tiles (0
+        otherwise)."""
+        if self.path == "tiles":
+            return native.gemm_tiles_bytes(self.m, self.c * self.taps, self.tiles_block)
         if self.path == "shifted":
             return self.m * self.out_sp[0] * self.wide * self.dtype.itemsize
         return self.m * self.stack * self.positions * self.dtype.itemsize if self.stack > 1 else 0
@@ -215,6 +255,8 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
         return kernel
 
+    if g.path == "tiles":
+        return _tiles(g, scratch, has_bias, has_residual, zero_bias, act_code, alpha, beta)
     k2 = g.cg * g.taps
     if g.path == "shifted":
         return _shifted(g, scratch, finish, has_bias, has_residual, zero_bias)
@@ -253,6 +295,113 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             numpy_fill(x4[n], cols)
             matmul(w3, cols, out=o4[n])
         finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+    return kernel
+
+
+class _Phases:
+    """The zero-padded image of the tiles path, split into the stride's phases: phase (a, b)
+    holds padded rows a, a + sh, ... and columns b, b + sw, ... (a plane of ``rows`` x
+    ``width``, stored in ``length`` floats: the room the last taps read past its corner). Tap
+    (i, j) of output position (yo, xo) reads padded (yo sh + i dh, xo sw + j dw), which is phase
+    (i dh mod sh, j dw mod sw) at (yo + i dh // sh, xo + j dw // sw): so in every phase plane,
+    read flat, a tap is a fixed offset from output position yo * width + xo, and a strided
+    convolution is a stride-1 one over the phase planes (only the phases some tap reads are
+    kept). At stride 1 there is one phase, the padded image itself."""
+
+    def __init__(self, g: _Conv) -> None:
+        (sh, sw), (dh, dw) = g.s, g.d
+        hp, wp = g.in_sp[0] + g.pb[0] + g.pe[0], g.in_sp[1] + g.pb[1] + g.pe[1]
+        self.rows, self.width = -(-hp // sh), -(-wp // sw)
+        taps = [(i * dh % sh, i * dh // sh, j * dw % sw, j * dw // sw) for i in range(g.k[0]) for j in range(g.k[1])]
+        #: the phases (a, b) some tap reads, in order
+        self.used = sorted({(a, b) for a, _, b, _ in taps})
+        self.length = self.rows * self.width + max(dx for *_, dx in taps)
+        index = {ab: n for n, ab in enumerate(self.used)}
+        #: per tap: its phase's index in ``used`` and its offset in that plane
+        self.taps = [(index[a, b], dy * self.width + dx) for a, dy, b, dx in taps]
+        #: per used phase: (its rows, its columns) in the plane and (rows, columns) of the image
+        #: they hold, as slices
+        self.fills = []
+        for a, b in self.used:
+            ys = self._span(a, sh, g.pb[0], g.in_sp[0], self.rows)
+            xs = self._span(b, sw, g.pb[1], g.in_sp[1], self.width)
+            if ys is not None and xs is not None:
+                self.fills.append((index[a, b], ys[0], xs[0], ys[1], xs[1]))
+
+    @staticmethod
+    def _span(phase: int, stride: int, pad: int, size: int, count: int):
+        """The plane's slice of a phase that lies on the image, and the image's strided slice
+        it holds (None if none does)."""
+        lo = max(0, -(-(pad - phase) // stride))
+        hi = min(count, (size - 1 + pad - phase) // stride + 1)
+        if hi <= lo:
+            return None
+        first = phase + lo * stride - pad
+        return slice(lo, hi), slice(first, first + (hi - lo - 1) * stride + 1, stride)
+
+
+def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
+           beta: float) -> Kernel:
+    """A 2-D convolution of one group by the compiled register-tiled GEMM
+    (:func:`polyhal_cpu.native.gemm_tiles`), one image at a time: ``out[n] (M, positions) = W
+    (M, C * taps) @ B``, each tile finished (bias, residual, activation) as it is stored. A 1x1
+    conv's B is the image itself, (C, positions). Otherwise, as on the shifted path, the image is
+    copied into a zero-padded plane (split into the stride's phases, :class:`_Phases`) and B's
+    row (c, tap) is that plane read flat from the tap's offset: no im2col, and one GEMM instead
+    of a product per tap; the plane width's extra columns are simply not stored. The weights are
+    packed once (a plan's constants; weights that may change are packed per call).
+
+    Measured single-threaded on a 2-core VM (AVX-512) against the paths it replaces: ResNet-50's
+    3x3 convs 2.8-3.4 -> 2.3-3.0 ms, DenseNet's 128 -> 32 channel 3x3 convs at 56x56, 28x28 and
+    14x14 3.0 -> 2.3, 0.93 -> 0.63 and 0.32 -> 0.16 ms; the 7x7 stride-2 stem 3.8 -> 3.0 ms and
+    3x3 stride-2 convs 2.9 -> 2.5 ms (im2col + OpenBLAS before); 1x1 convs over 56x56 and 28x28
+    planes within noise of OpenBLAS each, a few percent faster over whole models. Strided 1x1
+    convs keep im2col + OpenBLAS (5-10% faster there)."""
+    kdim, positions = g.c * g.taps, g.positions
+    ph = g.phases
+    packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
+    work = scratch_array(scratch, "product", _F32, (native.gemm_tiles_bytes(g.m, kdim, g.tiles_block) // 4,))
+    bpack, cbuf = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
+    if ph is None:  # a 1x1 conv: B is the image, (C, positions)
+        rowoff, ncols, wide, ow = np.arange(g.c, dtype=np.int64) * positions, positions, positions, positions
+        buf, fills, borders = None, [], []
+    else:
+        (oh, ow), wide = g.out_sp, ph.width
+        nphases = len(ph.used)
+        buf = scratch_array(scratch, "columns", _F32, (g.c * nphases * ph.length,))
+        planes = buf.reshape(g.c, nphases, ph.length)[:, :, :ph.rows * wide].reshape(g.c, nphases, ph.rows, wide)
+        fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
+        # what no image value lands on: the padding around each phase's image part, the room
+        # past the planes' ends, and whole phases that lie in the padding (zeroed per call: the
+        # scratch is shared with other kernels)
+        flat = buf.reshape(g.c, nphases, ph.length)
+        borders = [flat[:, :, ph.rows * wide:]]
+        filled = {n: (ys, xs) for n, ys, xs, _, _ in ph.fills}
+        for n in range(nphases):
+            if n not in filled:
+                borders.append(planes[:, n])
+                continue
+            ys, xs = filled[n]
+            borders += [planes[:, n, :ys.start], planes[:, n, ys.stop:], planes[:, n, ys, :xs.start],
+                        planes[:, n, ys, xs.stop:]]
+        borders = [v for v in borders if v.size]
+        rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
+        ncols = oh * wide
+
+    def kernel(x, w, *rest):
+        out = rest[-1]
+        wp = packed(w)
+        b = rest[0] if has_bias else zero_bias
+        x4 = np.ascontiguousarray(x).reshape(g.as2d(x.shape))
+        o3 = out.reshape(g.batch, g.m, positions)
+        r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
+        for view in borders:
+            view.fill(0)
+        for n in range(g.batch):
+            for dst, src in fills:  # what lies on the image, overwritten per image
+                np.copyto(dst, x4[n][src])
+            native.gemm_tiles(wp, x4[n].reshape(-1) if buf is None else buf, rowoff, ncols, wide, ow, o3[n], b,
+                              None if r3 is None else r3[n], bpack, cbuf, g.tiles_block, act, alpha, beta)
     return kernel
 
 
@@ -339,9 +488,41 @@ def _taps_bytes(problem, _workgroup_size: int) -> int:
     return w.shape[0] * math.prod(w.shape[2:]) * 4
 
 
+def _blocked_pointwise(x_t: TensorType, w_t: TensorType, attrs: dict) -> bool:
+    """Whether a blocked conv is a 1x1 one run as a GEMM as the pixels lie."""
+    return (tuple(w_t.shape[2:]) == (1, 1) and list(attrs["strides"]) == [1, 1] and not any(attrs["pads"])
+            and int(attrs["group"]) == 1)
+
+
+def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int, int, int, int] | None:
+    """(pixels, C, M, pixels per block) of a blocked 1x1 conv that takes the compiled tiles,
+    else None."""
+    n, _, h, wd, c = x_t.shape
+    m, pixels = w_t.shape[0], n * h * wd
+    # Output channels are computed GEMM_NR at a time, pixels GEMM_MR at a time: where padding M
+    # up would waste more than an eighth, or there are fewer pixels than a tile has rows (the
+    # squeeze-excite convs of a 1x1 map, a matrix-vector product), OpenBLAS does better (measured:
+    # 16, 40 and 80 channels out 10-50% slower; a 1x1 map 240 -> 960 channels 4x slower).
+    waste = -(-m // native.GEMM_NR) * native.GEMM_NR - m
+    if not (TILES and waste * 8 <= m and pixels >= native.GEMM_MR and x_t.dtype == _F32 and native.available(_F32)
+            and _blocked_pointwise(x_t, w_t, attrs)):
+        return None
+    return pixels, c, m, native.channels_last_block(c, m, pixels)
+
+
+def _rows_bytes(problem, _workgroup_size: int) -> int:
+    tiles = _pointwise_tiles(problem.attrs, *problem.in_types[:2])
+    if tiles is None:
+        return 0
+    _, c, _, _ = tiles
+    return native.GEMM_MR * (native.GEMM_NR + c) * 4
+
+
 @TABLE.register("blocked_conv", scratch=[
     ScratchDecl("taps", shared=True, per_launch=_taps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="a depthwise conv's weights as (kh, kw, C) channel vectors")])
+                purpose="a depthwise conv's weights as (kh, kw, C) channel vectors"),
+    ScratchDecl("rows", shared=True, per_launch=_rows_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a 1x1 conv's last pixels padded to a tile, and a tile reaching past the output")])
 def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_t, w_t = ins[0], ins[1]
     n, _, h, wd, c = x_t.shape
@@ -356,7 +537,7 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     fast = x_t.dtype == _F32 and native.available(_F32)
     zero_bias = np.zeros(m, x_t.dtype)
     zero_bias.flags.writeable = False  # a constant: what is relaid from it may be kept
-    pointwise = (kh, kw) == (1, 1) and s == [1, 1] and not any(p) and group == 1
+    pointwise = _blocked_pointwise(x_t, w_t, attrs)
     if fast and group == c and cg == 1 and m == c:
         act = native.activation_code(activation)
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
@@ -379,6 +560,21 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
                                            rest[0] if has_bias else zero_bias, r, rest[-1][:, 0], s, p[:2], d, act,
                                            alpha, beta)
         return depthwise
+    tiles = _pointwise_tiles(attrs, x_t, w_t)
+    if tiles is not None:
+        pixels, _, _, block = tiles
+        act = native.activation_code(activation)
+        rows = scratch_array(scratch, "rows", _F32, (native.GEMM_MR * (native.GEMM_NR + c),))
+        cbuf, apad = rows[:native.GEMM_MR * native.GEMM_NR], rows[native.GEMM_MR * native.GEMM_NR:]
+        packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T))
+        padded_bias = _Relaid(native.pad_channels)
+
+        def pointwise_tiles(x, w, *rest):
+            r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
+            native.gemm_channels_last(np.ascontiguousarray(x).reshape(pixels, c), packed(w),
+                                      rest[-1].reshape(pixels, m), padded_bias(rest[0] if has_bias else zero_bias), r,
+                                      cbuf, apad, block, act, alpha, beta)
+        return pointwise_tiles
     if fast and pointwise:
         act = native.activation_code(activation)
         pixels = n * h * wd
