@@ -6,11 +6,12 @@ above its kernel).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
-from polyhal_cpu import blas, native
+from polyhal_cpu import blas, native, parallel
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
@@ -26,22 +27,33 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
     # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
     add_rows = native.add_rows if native.available(x_type.dtype) else None
+    split = parallel.GemmSplit(rows, w_type.shape[1], w_type.shape[0])
 
-    def kernel(x, w, b, out):
-        # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
-        # copies a strided x). With BLAS's own GEMM the bias rows go in first and the product
-        # accumulates onto them (beta = 1): no pass over the result after it, and none inside
-        # BLAS to clear it.
-        xm, o = x.reshape(x2), out.reshape(o2)
+    def product(xm, w, b, o):
+        # With BLAS's own GEMM the bias rows go in first and the product accumulates onto them
+        # (beta = 1): no pass over the result after it, and none inside BLAS to clear it.
         if gemm is not None:
             copyto(o, b)
             if gemm(xm, w, o, 1.0, 1.0):
                 return
         matmul(blas_layout(xm), blas_layout(w), out=o)
-        if add_rows is not None and b.shape == o2[1:] and b.flags.c_contiguous:  # a (n,) bias row
+        if add_rows is not None and b.shape == o.shape[1:] and b.flags.c_contiguous:  # a (n,) bias row
             add_rows(o, b)
         else:
             add(o, b, out=o)
+
+    def kernel(x, w, b, out):
+        # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
+        # copies a strided x), in blocks of rows or columns (the bias cut alike).
+        xm, o = x.reshape(x2), out.reshape(o2)
+        if len(split) == 1:
+            product(xm, w, b, o)
+            return
+        bb = np.broadcast_to(b, o2)
+        if split.axis == 0:
+            parallel.run([partial(product, xm[lo:hi], w, bb[lo:hi], o[lo:hi]) for lo, hi in split.bounds])
+        else:
+            parallel.run([partial(product, xm, w[:, lo:hi], bb[:, lo:hi], o[:, lo:hi]) for lo, hi in split.bounds])
     return kernel
 
 
@@ -57,12 +69,15 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     shape2d = (outs[0].size // max(n, 1), n)
     if native.available(outs[0].dtype):
         act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
+        pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n)]
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
             product(x, w, b, out)
             r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
-            native.epilogue(out.reshape(shape2d), zero, r, act, alpha, beta)
+            o = out.reshape(shape2d)
+            parallel.run([partial(native.epilogue, o[rs], zero, None if r is None else r[rs], act, alpha, beta)
+                          for rs in pieces])
         return kernel
     finish = numpy_activation(device, activation, alpha, beta, outs[0])
 
@@ -150,10 +165,12 @@ def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
     plane = math.prod(x_type.shape[2:])
     if native.available(x_type.dtype) and plane >= SCALE_SHIFT_ROW:
         act = native.activation_code(activation)
+        pieces = parallel.grid(n, c, plane)  # images, or channel blocks of one image
 
         def kernel(x, scale, shift, out):
-            native.scale_shift_rows(np.ascontiguousarray(x).reshape(n * c, plane), scale, shift,
-                                    out.reshape(n * c, plane), act, alpha, beta)
+            x3, o3 = np.ascontiguousarray(x).reshape(n, c, plane), out.reshape(n, c, plane)
+            parallel.run([partial(native.scale_shift_rows, x3[ns, cs].reshape(-1, plane), scale[cs], shift[cs],
+                                  o3[ns, cs].reshape(-1, plane), act, alpha, beta) for ns, cs in pieces])
         return kernel
     per_channel = (c,) + (1,) * (x_type.rank - 2)
     act_numpy = numpy_activation(device, activation, alpha, beta, outs[0])
