@@ -60,11 +60,6 @@ COLUMNS_BYTES = 16 << 20
 #: 56x56 128 -> 32 channels 39 -> 19 ms, 64 -> 64 27 -> 17 ms; 28x28 128 -> 32 6.9 -> 5.3 ms,
 #: 128 -> 128 13.5 -> 12.3 ms; at 14x14 the nine short GEMMs lose (12.4 -> 13.4 ms).
 SHIFTED_POSITIONS = 28 * 28
-#: Output channels (per group) from which a convolution's GEMM is cut into blocks of rows, each
-#: piece then finishing its rows (the epilogue) while they are in cache; below it the GEMM is
-#: cut into blocks of columns (every piece packing all of the short weights, not all of the
-#: long columns) and the epilogue is a pass of its own.
-ROW_SPLIT_CHANNELS = 64
 
 
 class _Conv:
@@ -238,11 +233,14 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
                          g.s, g.pb, g.d, act_code, alpha, beta) for ns, cs, ms in pieces])
         return kernel
 
-    # Fused row pieces: each GEMM piece computes a block of output channels and finishes them.
+    # A GEMM is cut along its longer side (each piece packs all of the other operand: the
+    # shorter). Cut into blocks of output channels, each piece finishes its channels (the
+    # epilogue) while they are in cache; cut into blocks of positions, the epilogue is a pass
+    # of its own after the GEMM.
     fuse = fast and g.group == 1
 
     if g.path == "pointwise":
-        split = parallel.GemmSplit(g.m, length, g.c, axis=0 if g.m >= ROW_SPLIT_CHANNELS else None)
+        split = parallel.GemmSplit(g.m, length, g.c)
         by_rows = fuse and split.axis == 0
 
         def rows_piece(w2, xn, o3, b, r3, n, lo, hi):
@@ -273,8 +271,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         # one image's columns are built in blocks of channels (a stack of several, whose
         # columns interleave the images, in one piece); GEMMs in blocks of rows or columns
         column_blocks = [cs for _, cs in parallel.grid(1, g.c, g.taps * length, factor=2)] if stack == 1 else None
-        splits = {nb: parallel.GemmSplit(g.mg, nb * length, k2, axis=0 if g.mg >= ROW_SPLIT_CHANNELS else None,
-                                         batch=g.group)
+        splits = {nb: parallel.GemmSplit(g.mg, nb * length, k2, batch=g.group)
                   for nb in {stack, g.batch % stack or stack}}
 
         def columns(x4, n0, cols2, cs):

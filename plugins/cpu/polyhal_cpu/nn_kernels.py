@@ -116,8 +116,9 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
 #    GEMM instead of the (Lq, Lk) weights;
 #  * with numpy's OpenBLAS reachable (polyhal_cpu.blas), each GEMM is one strided batched call
 #    over the group's heads, reading q, k^T (through the transpose flag) and v in place and
-#    scaling by alpha: BLAS's threads share out the heads, which numpy's per-head calls never
-#    gave them (4 heads of 256 x 32: scores 240 -> ~100 µs, context 156 -> ~105 µs). For
+#    scaling by alpha: one call instead of numpy's per-head calls (4 heads of 256 x 32 on two
+#    BLAS threads: scores 240 -> ~100 µs, context 156 -> ~105 µs). A group's heads are cut into
+#    blocks run in parallel (polyhal_cpu.parallel), each through its own part of the scores. For
 #    float32 the shift, exp2 and row sums are one fused loop, as is the final row scaling
 #    (polyhal_cpu.native), and the score block is planned scratch, not allocated per call;
 #  * otherwise the scores' GEMM runs on a row-major copy of the scaled q and a row-major (D, Lk) copy of
@@ -226,6 +227,53 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
             matmul(qs[:, r0:r0 + block], kt, out=s[:, r0:r0 + block])
 
     buf = scratch_array(scratch, "scores", dtype, (group, lq, lk))
+    # a group's heads in blocks run in parallel, each through its own part of the score block
+    head_blocks = parallel.blocks(group, min(parallel.threads(), group * lq * lk * (d + dv) // parallel.GEMM_MACS))
+
+    def head_block(q3, k3, v3, o3, m3, m3_2, g0, g1, s):
+        """Heads g0..g1 through score block ``s``."""
+        scores(q3[g0:g1], k3[g0:g1], s)
+        if m3_2 is not None:
+            np.add(s, m3_2[g0:g1], out=s)
+        sample = s[:, ::8]
+        hi = float(hi_of(sample, axis=None))
+        if math.isfinite(hi):
+            shift = 0.0 if 0.0 <= hi <= top else hi
+            if exp2_rows is not None:  # one fused pass: shift, exp2 (no subnormals), row sums
+                sums = np.empty((g1 - g0, lq), dtype)
+                exp2_rows(s.reshape(-1, lk), shift, sums.reshape(-1))
+            else:
+                if shift:
+                    subtract(s, np.asarray(shift, dtype), out=s)
+                if float(lo_of(sample, axis=None)) < floor:
+                    maximum(s, floor_c, out=s)
+                exp2(s, out=s)
+                sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
+            ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM and math.isfinite(float(hi_of(sums, axis=None)))
+        else:  # an inf or nan among the scores: every row on its own
+            sums, ok = np.zeros((g1 - g0, lq), dtype), False
+        if not ok:
+            redo = ~((sums >= min_sum) & (sums < np.inf))  # nan too
+            for h in np.flatnonzero(redo.any(axis=1)).tolist():
+                rows = np.flatnonzero(redo[h])
+                r = matmul(q3[g0 + h][rows], k3[g0 + h].T)
+                multiply(r, scale_c, out=r)  # in natural units here: a finite mask stays finite
+                if m3 is not None:
+                    np.add(r, m3[g0 + h][rows], out=r)
+                subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
+                multiply(r, log2e, out=r)
+                maximum(r, floor_c, out=r)  # nan stays nan
+                exp2(r, out=r)
+                s[h, rows] = r
+                sums[h, rows] = add_reduce(r, axis=1)
+        og, vg = o3[g0:g1], v3[g0:g1]
+        if batched is None or not batched(s, vg, og):
+            matmul(s, vg, out=og)
+        if scale_rows is not None:  # rows of (lq, dv) divided by their sums, one fused loop
+            scale_rows(og.reshape((g1 - g0) * lq, dv), np.ascontiguousarray(sums).reshape(-1))
+        else:
+            np.reciprocal(sums, out=sums)
+            multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
 
     def kernel(q, k, v, *rest):
         out = rest[-1]
@@ -239,47 +287,6 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
             m3 = m3_2 = None
         for g0 in range(0, heads, group):
             g1 = min(heads, g0 + group)
-            s = buf[:g1 - g0]
-            scores(q3[g0:g1], k3[g0:g1], s)
-            if m3_2 is not None:
-                np.add(s, m3_2[g0:g1], out=s)
-            sample = s[:, ::8]
-            hi = float(hi_of(sample, axis=None))
-            if math.isfinite(hi):
-                shift = 0.0 if 0.0 <= hi <= top else hi
-                if exp2_rows is not None:  # one fused pass: shift, exp2 (no subnormals), row sums
-                    sums = np.empty((g1 - g0, lq), dtype)
-                    exp2_rows(s.reshape(-1, lk), shift, sums.reshape(-1))
-                else:
-                    if shift:
-                        subtract(s, np.asarray(shift, dtype), out=s)
-                    if float(lo_of(sample, axis=None)) < floor:
-                        maximum(s, floor_c, out=s)
-                    exp2(s, out=s)
-                    sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
-                ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM and math.isfinite(float(hi_of(sums, axis=None)))
-            else:  # an inf or nan among the scores: every row on its own
-                sums, ok = np.zeros((g1 - g0, lq), dtype), False
-            if not ok:
-                redo = ~((sums >= min_sum) & (sums < np.inf))  # nan too
-                for h in np.flatnonzero(redo.any(axis=1)).tolist():
-                    rows = np.flatnonzero(redo[h])
-                    r = matmul(q3[g0 + h][rows], k3[g0 + h].T)
-                    multiply(r, scale_c, out=r)  # in natural units here: a finite mask stays finite
-                    if m3 is not None:
-                        np.add(r, m3[g0 + h][rows], out=r)
-                    subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
-                    multiply(r, log2e, out=r)
-                    maximum(r, floor_c, out=r)  # nan stays nan
-                    exp2(r, out=r)
-                    s[h, rows] = r
-                    sums[h, rows] = add_reduce(r, axis=1)
-            og, vg = o3[g0:g1], v3[g0:g1]
-            if batched is None or not batched(s, vg, og):
-                matmul(s, vg, out=og)
-            if scale_rows is not None:  # rows of (lq, dv) divided by their sums, one fused loop
-                scale_rows(og.reshape((g1 - g0) * lq, dv), np.ascontiguousarray(sums).reshape(-1))
-            else:
-                np.reciprocal(sums, out=sums)
-                multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
+            parallel.run([partial(head_block, q3, k3, v3, o3, m3, m3_2, g0 + lo, min(g0 + hi, g1), buf[lo:hi])
+                          for lo, hi in head_blocks if g0 + lo < g1])
     return kernel

@@ -85,6 +85,8 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
      _geometry(stride=2, group=40, **_CONV) | {"pads": [2, 1, 2, 3]}),
     ("blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
+    ("attention", [(1, 5, 13, 8), (1, 5, 11, 8), (1, 5, 11, 6)], {"scale": None}),  # blocks of heads
+    ("masked_attention", [(2, 3, 13, 8), (2, 3, 11, 8), (2, 3, 11, 6), (2, 1, 13, 11)], {"scale": 0.3}),
     ("max_pool", [(2, 3, 11, 9)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
     ("avg_pool", [(1, 5, 9, 9)], {"kernel_shape": [2, 2], "strides": [1, 1], "pads": [0, 0, 0, 0]}),
     ("scale_shift", [(2, 5, 7, 6), (5,), (5,)], {"activation": "relu", "alpha": 0.0, "beta": 0.0}),
