@@ -60,6 +60,12 @@ COLUMNS_BYTES = 16 << 20
 #: 56x56 128 -> 32 channels 39 -> 19 ms, 64 -> 64 27 -> 17 ms; 28x28 128 -> 32 6.9 -> 5.3 ms,
 #: 128 -> 128 13.5 -> 12.3 ms; at 14x14 the nine short GEMMs lose (12.4 -> 13.4 ms).
 SHIFTED_POSITIONS = 28 * 28
+#: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
+#: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
+#: output, so that only the largest are worth a hand-off. (Per element, single-threaded: a 3x3
+#: depthwise conv ~1.8 ns NCHW and ~0.8 ns channel-blocked, a 3x3 max pool ~3 ns, im2col
+#: ~0.2-0.6 ns; their pieces' factors follow.)
+EPILOGUE_FACTOR = 16
 
 
 class _Conv:
@@ -185,7 +191,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     zero_bias = np.zeros(g.m, g.dtype)
     matmul, contiguous, run = np.matmul, np.ascontiguousarray, parallel.run
     has_epilogue = has_bias or has_residual or activation != "none"
-    epilogue_grid = parallel.grid(g.batch, g.m, length)
+    epilogue_grid = parallel.grid(g.batch, g.m, length, factor=EPILOGUE_FACTOR)
 
     def finish_part(o3, b, r3, ns, cs):
         """The compiled epilogue over images ``ns``, channels ``cs`` of the (N, M, positions) output."""
@@ -221,7 +227,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         mult = g.m // g.c  # output channels per input channel
         # pieces: images, or channel blocks of one image (each a C-contiguous block of x and out)
         pieces = [(ns, cs, cs if cs.start is None else slice(cs.start * mult, cs.stop * mult))
-                  for ns, cs in parallel.grid(g.batch, g.c, mult * length, factor=1 / 8)]
+                  for ns, cs in parallel.grid(g.batch, g.c, mult * length)]
 
         def kernel(x, w, *rest):
             out = rest[-1]
@@ -264,33 +270,26 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     k2 = g.cg * g.taps
     if g.path == "shifted":
         return _shifted(g, scratch, epilogue_tasks, has_bias, has_residual, zero_bias)
+    if g.native_columns and g.stack > 1:
+        return _stacked(g, scratch, finish_part, has_bias, has_residual, has_epilogue, zero_bias)
     if g.native_columns:
-        stack = g.stack
-        flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
-        product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,)) if stack > 1 else None
-        # one image's columns are built in blocks of channels (a stack of several, whose
-        # columns interleave the images, in one piece); GEMMs in blocks of rows or columns
-        column_blocks = [cs for _, cs in parallel.grid(1, g.c, g.taps * length, factor=2)] if stack == 1 else None
-        splits = {nb: parallel.GemmSplit(g.mg, nb * length, k2, batch=g.group)
-                  for nb in {stack, g.batch % stack or stack}}
+        flat = scratch_array(scratch, "columns", g.dtype, (g.group, k2, length))
+        # an image's columns are built in blocks of channels, its GEMM cut into rows or columns
+        column_blocks = [cs for _, cs in parallel.grid(1, g.c, g.taps * length, factor=4)]
+        split = parallel.GemmSplit(g.mg, length, k2, batch=g.group)
+        by_rows = fuse and split.axis == 0
 
-        def columns(x4, n0, cols2, cs):
-            if cs.start is None:
-                native.im2col(x4, n0, cols2, g.k, g.s, g.pb, g.d, g.out_sp)
-            else:
-                native.im2col(x4[n0:n0 + 1, cs], 0, cols2[cs.start * g.taps:cs.stop * g.taps], g.k, g.s, g.pb,
-                              g.d, g.out_sp)
+        def columns(x4, n, cs):
+            cols2 = flat.reshape(g.c * g.taps, length)
+            if cs.start is not None:
+                x4, cols2 = x4[:, cs], cols2[cs.start * g.taps:cs.stop * g.taps]
+            native.im2col(x4[n:n + 1], 0, cols2, g.k, g.s, g.pb, g.d, g.out_sp)
 
-        def rows_piece(w3, cols, o3, prod, b, r3, n0, nb, lo, hi):
-            """Output channels lo..hi of images n0..n0 + nb: their GEMM, then their epilogue."""
-            if prod is None:
-                matmul(w3[0, lo:hi], cols[0], out=o3[n0, lo:hi])
-            else:
-                matmul(w3[0, lo:hi], cols[0], out=prod[lo:hi])
-                np.copyto(o3[n0:n0 + nb, lo:hi], prod[lo:hi].reshape(hi - lo, nb, length).transpose(1, 0, 2))
+        def rows_piece(w3, o3, b, r3, n, lo, hi):
+            """Output channels lo..hi of image n: their GEMM, then their epilogue."""
+            matmul(w3[0, lo:hi], flat[0], out=o3[n, lo:hi])
             if has_epilogue:
-                for n in range(n0, n0 + nb):
-                    finish_part(o3, b, r3, slice(n, n + 1), slice(lo, hi))
+                finish_part(o3, b, r3, slice(n, n + 1), slice(lo, hi))
 
         def kernel(x, w, *rest):
             out = rest[-1]
@@ -299,23 +298,13 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             w3 = w.reshape(g.group, g.mg, k2)
             o3 = out.reshape(rows3)
             r3 = None if r is None else contiguous(r).reshape(rows3)
-            for n0 in range(0, g.batch, stack):
-                nb = min(stack, g.batch - n0)
-                cols = flat[:g.group * k2 * nb * length].reshape(g.group, k2, nb * length)
-                cols2 = cols.reshape(g.c * g.taps, nb * length)
-                run([partial(columns, x4, n0, cols2, cs) for cs in column_blocks or (slice(None),)])
-                split = splits[nb]
-                prod = None if nb == 1 else product[:g.m * nb * length].reshape(g.group, g.mg, nb * length)
-                if fuse and split.axis == 0:
-                    run([partial(rows_piece, w3, cols, o3, None if prod is None else prod[0], b, r3, n0, nb, lo, hi)
-                         for lo, hi in split.bounds])
-                    continue
-                if nb == 1:
-                    run(split.tasks(w3, cols, o3[n0].reshape(g.group, g.mg, length)))
-                    continue
-                run(split.tasks(w3, cols, prod))
-                np.copyto(o3[n0:n0 + nb], prod.reshape(g.m, nb, length).transpose(1, 0, 2))
-            if not (fuse and all(s.axis == 0 for s in splits.values())):
+            for n in range(g.batch):
+                run([partial(columns, x4, n, cs) for cs in column_blocks])
+                if by_rows:
+                    run([partial(rows_piece, w3, o3, b, r3, n, lo, hi) for lo, hi in split.bounds])
+                else:
+                    run(split.tasks(w3, flat, o3[n].reshape(g.group, g.mg, length)))
+            if not by_rows:
                 run(epilogue_tasks(out, b, r))
         return kernel
 
@@ -331,6 +320,45 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             numpy_fill(x4[n], cols)
             matmul(w3, cols, out=o4[n])
         finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+    return kernel
+
+
+def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool, has_epilogue: bool,
+             zero_bias: np.ndarray) -> Kernel:
+    """im2col + GEMM with the columns of ``g.stack`` images side by side in one GEMM (small
+    planes; see :data:`GEMM_POSITIONS`). In parallel, a stack is cut into sub-stacks of images,
+    each a piece of its own: its columns, GEMM, copy into the images' outputs and epilogue,
+    through its own part of the columns and product scratch (the images' columns interleave in a
+    stack's, so building them in parallel needs each piece to own whole images)."""
+    k2, length, stack = g.cg * g.taps, g.positions, g.stack
+    flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
+    product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,))
+    rows3 = (g.batch, g.m, length)
+    subs = {nb: parallel.blocks(nb, min(parallel.threads(), g.group * g.mg * nb * length * k2 // parallel.GEMM_MACS))
+            for nb in {stack, g.batch % stack or stack}}
+    contiguous, everything = np.ascontiguousarray, slice(None)
+
+    def piece(x4, w3, o3, b, r3, n0, i0, i1):
+        """Images n0 + i0 .. n0 + i1 of a stack starting at image n0."""
+        nb, first = i1 - i0, n0 + i0
+        cols = flat[g.group * k2 * i0 * length:g.group * k2 * i1 * length].reshape(g.group, k2, nb * length)
+        native.im2col(x4, first, cols.reshape(g.c * g.taps, nb * length), g.k, g.s, g.pb, g.d, g.out_sp)
+        prod = product[g.m * i0 * length:g.m * i1 * length].reshape(g.group, g.mg, nb * length)
+        np.matmul(w3, cols, out=prod)
+        np.copyto(o3[first:first + nb], prod.reshape(g.m, nb, length).transpose(1, 0, 2))
+        if has_epilogue:
+            for n in range(first, first + nb):
+                finish_part(o3, b, r3, slice(n, n + 1), everything)
+
+    def kernel(x, w, *rest):
+        b, r = rest[0] if has_bias else zero_bias, rest[1] if has_residual else None
+        x4 = contiguous(x).reshape(g.as2d(x.shape))
+        w3 = w.reshape(g.group, g.mg, k2)
+        o3 = rest[-1].reshape(rows3)
+        r3 = None if r is None else contiguous(r).reshape(rows3)
+        for n0 in range(0, g.batch, stack):
+            nb = min(stack, g.batch - n0)
+            parallel.run([partial(piece, x4, w3, o3, b, r3, n0, i0, i1) for i0, i1 in subs[nb]])
     return kernel
 
 
@@ -455,7 +483,7 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
         channel_vectors = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0))
         # pieces: images, or blocks of output rows of one image (C-contiguous views all)
-        grid = [(ns, ys, (ys.start or 0) * s[0] - p[0]) for ns, ys in parallel.grid(n, oh, ow * c, factor=1 / 8)]
+        grid = [(ns, ys, (ys.start or 0) * s[0] - p[0]) for ns, ys in parallel.grid(n, oh, ow * c, factor=2)]
 
         def pieces(x, r, out):
             """(input, residual, output, padding) of each piece: a block whose first output row
@@ -612,8 +640,8 @@ def _native_pool(x_type, out_type, n, s, p, d, k, inv):
     x3, o3 = (rows,) + x_type.shape[2:], (rows,) + out_type.shape[2:]
     is_max = inv is None
     inv = np.zeros((1, 1), _F32) if inv is None else np.ascontiguousarray(inv.reshape(out_type.shape[2:]), _F32)
-    # blocks of (image, channel) planes; a window reads ~k^2 inputs an output
-    pieces = [ns for ns, _ in parallel.grid(rows, 1, math.prod(out_type.shape[2:]), factor=1 / math.prod(k))]
+    # blocks of (image, channel) planes (~3 ns an output for a 3x3 window)
+    pieces = [ns for ns, _ in parallel.grid(rows, 1, math.prod(out_type.shape[2:]))]
 
     def kernel(x, out):
         xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)

@@ -69,7 +69,7 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     shape2d = (outs[0].size // max(n, 1), n)
     if native.available(outs[0].dtype):
         act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
-        pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n)]
+        pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n, factor=2)]
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
@@ -166,7 +166,7 @@ def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
     plane = math.prod(x_type.shape[2:])
     if native.available(x_type.dtype) and plane >= SCALE_SHIFT_ROW:
         act = native.activation_code(activation)
-        pieces = parallel.grid(n, c, plane)  # images, or channel blocks of one image
+        pieces = parallel.grid(n, c, plane, factor=16)  # images, or channel blocks of one image (~0.15 ns an element)
 
         def kernel(x, scale, shift, out):
             x3, o3 = np.ascontiguousarray(x).reshape(n, c, plane), out.reshape(n, c, plane)
