@@ -249,7 +249,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         split = parallel.GemmSplit(g.m, length, g.c)
         by_rows = fuse and split.axis == 0
 
-        def rows_piece(w2, xn, o3, b, r3, n, lo, hi):
+        def pointwise_rows(w2, xn, o3, b, r3, n, lo, hi):
             matmul(w2[lo:hi], xn, out=o3[n, lo:hi])
             if has_epilogue:
                 finish_part(o3, b, r3, slice(n, n + 1), slice(lo, hi))
@@ -334,7 +334,7 @@ def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool,
     flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
     product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,))
     rows3 = (g.batch, g.m, length)
-    subs = {nb: parallel.blocks(nb, min(parallel.threads(), g.group * g.mg * nb * length * k2 // parallel.GEMM_MACS))
+    subs = {nb: parallel.blocks(nb, parallel.gemm_pieces(g.mg, nb * length, k2, batch=g.group))
             for nb in {stack, g.batch % stack or stack}}
     contiguous, everything = np.ascontiguousarray, slice(None)
 

@@ -228,7 +228,7 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
 
     buf = scratch_array(scratch, "scores", dtype, (group, lq, lk))
     # a group's heads in blocks run in parallel, each through its own part of the score block
-    head_blocks = parallel.blocks(group, min(parallel.threads(), group * lq * lk * (d + dv) // parallel.GEMM_MACS))
+    head_blocks = parallel.blocks(group, parallel.gemm_pieces(lq, lk, d + dv, batch=group))
 
     def head_block(q3, k3, v3, o3, m3, m3_2, g0, g1, s):
         """Heads g0..g1 through score block ``s``."""

@@ -15,7 +15,7 @@ from other kernels) runs its pieces itself, one after another: parallelism is ne
 a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
 columns (N), whichever is longer (each piece packs all of the other operand, the shorter), each
 block one single-threaded sgemm on contiguous panels of its operands (numpy's matmul and
-:mod:`polyhal_cpu.blas` release the GIL), at least two alignment units wide. The compiled loops
+:mod:`polyhal_cpu.blas` release the GIL), whole alignment units wide. The compiled loops
 (:mod:`polyhal_cpu.native`, GIL released) are cut by their callers into C-contiguous pieces
 (images, channel blocks, blocks of output rows: the ahead-of-time loops take only C-contiguous
 arrays), and :func:`parallel` wraps the builders of row-wise numpy kernels (softmax,
@@ -23,7 +23,7 @@ layer_norm, GELU).
 
 **Grain.** Handing a piece to a pool thread and waiting for it costs ~30 µs, ~50-80 µs when the
 thread has gone idle (a 2-core VM), so only work of a couple of hundred microseconds is cut:
-GEMMs from :data:`GEMM_MACS` multiply-adds a piece, loops from :data:`MIN_ELEMENTS` output
+GEMM pieces of :data:`GEMM_PIECE_US` microseconds at least (estimated), loops from :data:`MIN_ELEMENTS` output
 elements times a kernel's ``factor`` (set from each loop's single-threaded cost per element:
 an epilogue pass is cut only when very large). Cutting costs a little even where the pieces
 run one after another: each GEMM piece packs the shorter operand again (measured 1-10% more
@@ -49,9 +49,14 @@ from polyhal_cpu.threads import budget
 
 #: Output elements below which a loop runs on the calling thread only.
 MIN_ELEMENTS = 1 << 16
-#: Multiply-adds of a GEMM piece at least: ~0.2 ms of single-threaded sgemm (~38 GMAC/s on a
-#: 2-core AVX-512 VM), several hand-offs' worth.
-GEMM_MACS = 1 << 23
+#: Microseconds of single-threaded sgemm a GEMM piece holds at least (a few hand-offs' worth),
+#: from its multiply-adds at :data:`GEMM_MACS_PER_US` (~38 GMAC/s on a 2-core AVX-512 VM).
+GEMM_PIECE_US, GEMM_MACS_PER_US = 100, 38_000
+#: Multiply-adds per byte of operands and result below which a GEMM is not cut: a thin product
+#: (a classifier's matrix-vector one, a stem convolution's 27-deep one) is bound by memory, and
+#: its halves on two cores took as long as the whole on one (32 x 12544 x 27: 0.3 ms either
+#: way; 64 x 3136 x 64 likewise, 2-core VM), where 64 x 3136 x 576 took half the time.
+GEMM_MIN_INTENSITY = 10
 #: Pieces per thread a GEMM is cut into where it is large enough: more balance better when a
 #: pool thread wakes late, fewer pack each panel fewer times.
 GEMM_PIECES_PER_THREAD = 1
@@ -156,20 +161,29 @@ def grid(outer: int, inner: int, each: int, factor: float = 1) -> list[tuple[sli
     return [(slice(o, o + 1), slice(lo, hi)) for o in range(outer) for lo, hi in blocks(inner, per)]
 
 
+def gemm_pieces(m: int, n: int, k: int, batch: int = 1) -> int:
+    """How many threads' worth of pieces ``batch`` (m, k) @ (k, n) float32 products are worth
+    (1: not cut): their estimated single-threaded time in :data:`GEMM_PIECE_US` units, at most
+    the thread budget; 1 for products bound by memory (:data:`GEMM_MIN_INTENSITY`)."""
+    n_threads = threads()
+    macs = m * n * k
+    if n_threads < 2 or macs < GEMM_MIN_INTENSITY * 4 * (m * k + k * n + m * n):
+        return 1
+    return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // GEMM_PIECE_US)))
+
+
 class GemmSplit:
     """How an (m, k) @ (k, n) product (``batch`` of them, cut alike) is cut, chosen at prepare
-    time from its shape: along ``axis`` (default: the longer of m and n), into pieces of at least :data:`GEMM_MACS`
-    multiply-adds, :data:`GEMM_PIECES_PER_THREAD` per thread at most, bounds multiples of
+    time from its shape: along ``axis`` (default: the longer of m and n), into
+    :func:`gemm_pieces` times :data:`GEMM_PIECES_PER_THREAD` pieces, bounds multiples of
     ``align``. ``axis`` is 0 (rows) or 1 (columns); ``bounds`` the pieces' (lo, hi) along it
     (one piece: not cut)."""
 
     def __init__(self, m: int, n: int, k: int, axis: int | None = None, batch: int = 1,
                  align: int = GEMM_ALIGN) -> None:
-        n_threads = threads()
-        parts = 1 if n_threads < 2 else min(n_threads * GEMM_PIECES_PER_THREAD, batch * m * n * k // GEMM_MACS)
+        parts = gemm_pieces(m, n, k, batch) * GEMM_PIECES_PER_THREAD
         self.axis = (0 if m >= n else 1) if axis is None else axis
-        extent = m if self.axis == 0 else n
-        self.bounds = blocks(extent, min(parts, extent // (2 * align)), align)
+        self.bounds = blocks(m if self.axis == 0 else n, parts, align)
 
     def __len__(self) -> int:
         return len(self.bounds)

@@ -52,7 +52,7 @@ def test_split_kernels_match_reference(monkeypatch, n_threads, name, shapes, att
 
 def _split_everything(monkeypatch, n_threads: str) -> None:
     """Cut every kernel as finely as it may be cut (the thresholds down to one element)."""
-    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_MACS", 1), ("GEMM_ALIGN", 1)):
+    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0)):
         monkeypatch.setattr(parallel, name, value)
     monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
     _reset_budget(monkeypatch)
@@ -117,9 +117,11 @@ def test_split_gemms_and_loops_equal_the_whole(monkeypatch, n_threads, name, sha
     np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
 
 
-def test_gemm_split_shapes():
+def test_gemm_split_shapes(monkeypatch):
     """Pieces cover the product once, along the longer side or the one asked for, aligned, and
-    a product too small for two pieces (or a budget of one thread) is not cut."""
+    a product too small for two pieces, or bound by memory, is not cut."""
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
     split = parallel.GemmSplit(1000, 40, 512)
     assert split.axis == 0 and split.bounds[0][0] == 0 and split.bounds[-1][1] == 1000
     assert all(lo % parallel.GEMM_ALIGN == 0 for lo, _ in split.bounds)
@@ -127,6 +129,7 @@ def test_gemm_split_shapes():
     assert parallel.GemmSplit(40, 1000, 512).axis == 1
     assert parallel.GemmSplit(40, 1000, 512, axis=0).axis == 0
     assert len(parallel.GemmSplit(8, 8, 8)) == 1
+    assert len(parallel.GemmSplit(1, 4096, 4096)) == 1  # a matrix-vector product: bound by memory
     assert parallel.blocks(10, 3) == [(0, 3), (3, 6), (6, 10)]
     assert parallel.blocks(10, 4, align=4) == [(0, 4), (4, 8), (8, 10)]
 
