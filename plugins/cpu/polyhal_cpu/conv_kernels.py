@@ -260,7 +260,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             w2, x3, o3 = w.reshape(g.m, g.c), x.reshape(g.batch, g.c, length), out.reshape(rows3)
             if by_rows:
                 r3 = None if r is None else contiguous(r).reshape(rows3)
-                run([partial(rows_piece, w2, x3[n], o3, b, r3, n, lo, hi)
+                run([partial(pointwise_rows, w2, x3[n], o3, b, r3, n, lo, hi)
                      for n in range(g.batch) for lo, hi in split.bounds])
                 return
             run([t for n in range(g.batch) for t in split.tasks(w2, x3[n], o3[n])])

@@ -70,11 +70,17 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("gemm", [(19, 37), (53, 19), (53,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
     ("gemm", [(61, 5), (5, 7)], {"alpha": 1.0, "beta": 1.0, "trans_a": 0, "trans_b": 0}),
     ("linear", [(2, 21, 17), (17, 33), (33,)], {}),
+    # results of 65536 elements and more take BLAS's accumulating GEMM (bias or C first)
+    ("linear", [(301, 17), (17, 257), (257,)], {}),
+    ("gemm", [(9, 263), (257, 9), (257,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
     ("fused_linear", [(21, 17), (17, 33), (33,), (21, 33)], {"activation": "gelu", "alpha": 0.0, "beta": 0.0}),
     ("conv", [(2, 5, 9, 9), (7, 5, 1, 1)], _geometry()),  # pointwise, column pieces
-    ("fused_conv", [(3, 5, 9, 9), (70, 5, 1, 1), (70,), (3, 70, 9, 9)], _geometry(**_CONV)),  # row pieces
+    ("fused_conv", [(3, 5, 9, 9), (70, 5, 1, 1), (70,), (3, 70, 9, 9)], _geometry(**_CONV)),  # column pieces
+    ("fused_conv", [(2, 5, 5, 5), (70, 5, 1, 1), (70,), (2, 70, 5, 5)], _geometry(**_CONV)),  # row pieces
     ("fused_conv", [(1, 6, 31, 29), (70, 6, 3, 3), (70,)], _geometry(pad=1, **_CONV)),  # shifted, per output rows
     ("fused_conv", [(1, 7, 11, 13), (66, 7, 3, 3), (66,)], _geometry(stride=2, pad=1)),  # im2col, row pieces
+    ("fused_conv", [(1, 3, 20, 21), (6, 3, 3, 3), (6,), (1, 6, 10, 11)], _geometry(stride=2, pad=1, **_CONV)),  # columns
+    ("conv", [(1, 6, 20, 21), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # one image, grouped
     ("fused_conv", [(5, 7, 6, 6), (66, 7, 3, 3), (66,), (5, 66, 3, 3)], _geometry(stride=2, pad=1)),  # stacked
     ("conv", [(5, 7, 6, 6), (9, 7, 3, 3)], _geometry(stride=2)),  # stacked images, column pieces
     ("conv", [(2, 6, 9, 9), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # grouped
