@@ -64,7 +64,7 @@ SHIFTED_POSITIONS = 28 * 28
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
 #: output, so that only the largest are worth a hand-off. (Per element, single-threaded: a 3x3
 #: depthwise conv ~1.8 ns NCHW and ~0.8 ns channel-blocked, a 3x3 max pool ~3 ns, im2col
-#: ~0.2-0.6 ns; their pieces' factors follow.)
+#: ~0.2-0.6 ns; their pieces' factors follow, a depthwise conv's scaled by its taps.)
 EPILOGUE_FACTOR = 16
 
 
@@ -227,7 +227,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         mult = g.m // g.c  # output channels per input channel
         # pieces: images, or channel blocks of one image (each a C-contiguous block of x and out)
         pieces = [(ns, cs, cs if cs.start is None else slice(cs.start * mult, cs.stop * mult))
-                  for ns, cs in parallel.grid(g.batch, g.c, mult * length)]
+                  for ns, cs in parallel.grid(g.batch, g.c, mult * length, factor=9 / g.taps)]
 
         def kernel(x, w, *rest):
             out = rest[-1]
@@ -483,7 +483,8 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
         channel_vectors = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0))
         # pieces: images, or blocks of output rows of one image (C-contiguous views all)
-        grid = [(ns, ys, (ys.start or 0) * s[0] - p[0]) for ns, ys in parallel.grid(n, oh, ow * c, factor=2)]
+        grid = [(ns, ys, (ys.start or 0) * s[0] - p[0])
+                for ns, ys in parallel.grid(n, oh, ow * c, factor=18 / (kh * kw))]
 
         def pieces(x, r, out):
             """(input, residual, output, padding) of each piece: a block whose first output row

@@ -79,7 +79,8 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("fused_conv", [(2, 5, 5, 5), (70, 5, 1, 1), (70,), (2, 70, 5, 5)], _geometry(**_CONV)),  # row pieces
     ("fused_conv", [(1, 6, 31, 29), (70, 6, 3, 3), (70,)], _geometry(pad=1, **_CONV)),  # shifted, per output rows
     ("fused_conv", [(1, 7, 11, 13), (66, 7, 3, 3), (66,)], _geometry(stride=2, pad=1)),  # im2col, row pieces
-    ("fused_conv", [(1, 3, 20, 21), (6, 3, 3, 3), (6,), (1, 6, 10, 11)], _geometry(stride=2, pad=1, **_CONV)),  # columns
+    ("fused_conv", [(1, 3, 20, 21), (6, 3, 3, 3), (6,), (1, 6, 10, 11)],
+     _geometry(stride=2, pad=1, **_CONV)),  # one image, column pieces
     ("conv", [(1, 6, 20, 21), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # one image, grouped
     ("fused_conv", [(5, 7, 6, 6), (66, 7, 3, 3), (66,), (5, 66, 3, 3)], _geometry(stride=2, pad=1)),  # stacked
     ("conv", [(5, 7, 6, 6), (9, 7, 3, 3)], _geometry(stride=2)),  # stacked images, column pieces
