@@ -23,9 +23,9 @@ layer_norm, GELU).
 
 **Grain.** Handing a piece to a pool thread and waiting for it costs ~30 µs, ~50-80 µs when the
 thread has gone idle (a 2-core VM), so only work of a couple of hundred microseconds is cut:
-GEMM pieces of :data:`GEMM_PIECE_US` microseconds at least (estimated), loops from :data:`MIN_ELEMENTS` output
-elements times a kernel's ``factor`` (set from each loop's single-threaded cost per element:
-an epilogue pass is cut only when very large). Cutting costs a little even where the pieces
+GEMM pieces of :data:`GEMM_PIECE_US` estimated microseconds at least, loops from
+:data:`MIN_ELEMENTS` output elements times a kernel's ``factor`` (set from each loop's
+single-threaded cost per element: an epilogue pass is cut only when very large). Cutting costs a little even where the pieces
 run one after another: each GEMM piece packs the shorter operand again (measured 1-10% more
 CPU time on ResNet/DenseNet convolutions, ~20% for a 28x28 shifted conv). While the budget is
 cut to one thread (other processes hold the cores) the pieces run one after another on the
@@ -58,7 +58,8 @@ GEMM_PIECE_US, GEMM_MACS_PER_US = 100, 38_000
 #: way; 64 x 3136 x 64 likewise, 2-core VM), where 64 x 3136 x 576 took half the time.
 GEMM_MIN_INTENSITY = 10
 #: Pieces per thread a GEMM is cut into where it is large enough: more balance better when a
-#: pool thread wakes late, fewer pack each panel fewer times.
+#: pool thread wakes late, fewer pack each panel fewer times (two a thread cost ~5-10% more CPU
+#: time than one on 64 x 3136 x 64, and balanced no better once the pool woke in ~40 us).
 GEMM_PIECES_PER_THREAD = 1
 #: Alignment of a GEMM piece's rows and columns (whole register blocks of sgemm's kernels).
 GEMM_ALIGN = 16
