@@ -28,9 +28,9 @@ GEMM pieces of :data:`GEMM_PIECE_US` estimated microseconds at least, loops from
 single-threaded cost per element: an epilogue pass is cut only when very large). Cutting
 costs a little even where the pieces run one after another: each GEMM piece packs the shorter
 operand again (measured 1-10% more CPU time on ResNet/DenseNet convolutions, ~20% for a 28x28
-shifted conv). While the budget is
-cut to one thread (other processes hold the cores) the pieces run one after another on the
-calling thread, and a budget of 1 (``POLYHAL_CPU_THREADS=1``) cuts nothing at prepare time.
+shifted conv). While the budget is cut to one thread (other processes hold the cores) the
+pieces run one after another on the calling thread, and a budget of 1
+(``POLYHAL_CPU_THREADS=1``) cuts nothing at prepare time.
 """
 
 from __future__ import annotations
