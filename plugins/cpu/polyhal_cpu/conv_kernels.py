@@ -46,12 +46,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
-from polyhal_cpu import blas, native
+from polyhal_cpu import blas, native, parallel
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen, numpy_activation
 
@@ -77,6 +78,13 @@ TILES = True
 #: little to compute for its own cost (measured 0.60 ms against im2col + OpenBLAS's 0.48 ms);
 #: ResNet's 7x7 stem (K = 147) gains.
 TILES_MIN_K = 64
+
+#: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
+#: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
+#: output, so that only the largest are worth a hand-off. (Per element, single-threaded: a 3x3
+#: depthwise conv ~1.8 ns NCHW and ~0.8 ns channel-blocked, a 3x3 max pool ~3 ns, im2col
+#: ~0.2-0.6 ns; their pieces' factors follow, a depthwise conv's scaled by its taps.)
+EPILOGUE_FACTOR = 16
 
 
 class _Conv:
@@ -220,8 +228,25 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     act_numpy = None if fast else numpy_activation(device, activation, alpha, beta, outs[0])
     shape2d = g.as2d(outs[0].shape)
     rows, length = g.batch * g.m, g.positions
+    rows3 = (g.batch, g.m, length)
     zero_bias = np.zeros(g.m, g.dtype)
-    matmul, contiguous = np.matmul, np.ascontiguousarray
+    matmul, contiguous, run = np.matmul, np.ascontiguousarray, parallel.run
+    has_epilogue = has_bias or has_residual or activation != "none"
+    epilogue_grid = parallel.grid(g.batch, g.m, length, factor=EPILOGUE_FACTOR)
+
+    def finish_part(o3, b, r3, ns, cs):
+        """The compiled epilogue over images ``ns``, channels ``cs`` of the (N, M, positions) output."""
+        native.epilogue(o3[ns, cs].reshape(-1, length), b[cs], None if r3 is None else r3[ns, cs].reshape(-1, length),
+                        act_code, alpha, beta)
+
+    def epilogue_tasks(out, b, r):
+        """The epilogue as pieces for :func:`polyhal_cpu.parallel.run` (none for a bare conv)."""
+        if not has_epilogue:
+            return []
+        if not fast:
+            return [partial(finish, out, b, r)]
+        r3 = None if r is None else contiguous(r).reshape(rows3)
+        return [partial(finish_part, out.reshape(rows3), b, r3, ns, cs) for ns, cs in epilogue_grid]
 
     def finish(out, b, r):
         """The epilogue, one pass over the (N * M, positions) output (none for a bare conv, as
@@ -240,47 +265,90 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             act_numpy(out)
 
     if g.path == "depthwise":
+        mult = g.m // g.c  # output channels per input channel
+        # pieces: images, or channel blocks of one image (each a C-contiguous block of x and out)
+        pieces = [(ns, cs, cs if cs.start is None else slice(cs.start * mult, cs.stop * mult))
+                  for ns, cs in parallel.grid(g.batch, g.c, mult * length, factor=9 / g.taps)]
+
         def kernel(x, w, *rest):
             out = rest[-1]
             b = rest[0] if has_bias else zero_bias
             r = contiguous(rest[1]).reshape(shape2d) if has_residual else None
-            native.depthwise(contiguous(x).reshape(g.as2d(x.shape)), contiguous(w).reshape(g.as2d(w.shape)), b, r,
-                             out.reshape(shape2d), g.s, g.pb, g.d, act_code, alpha, beta)
+            x4, w4, o4 = contiguous(x).reshape(g.as2d(x.shape)), contiguous(w).reshape(g.as2d(w.shape)), \
+                out.reshape(shape2d)
+            run([partial(native.depthwise, x4[ns, cs], w4[ms], b[ms], None if r is None else r[ns, ms], o4[ns, ms],
+                         g.s, g.pb, g.d, act_code, alpha, beta) for ns, cs, ms in pieces])
         return kernel
 
+    # A GEMM is cut along its longer side (each piece packs all of the other operand: the
+    # shorter). Cut into blocks of output channels, each piece finishes its channels (the
+    # epilogue) while they are in cache; cut into blocks of positions, the epilogue is a pass
+    # of its own after the GEMM.
+    fuse = fast and g.group == 1
+
     if g.path == "pointwise":
+        split = parallel.GemmSplit(g.m, length, g.c)
+        by_rows = fuse and split.axis == 0
+
+        def pointwise_rows(w2, xn, o3, b, r3, n, lo, hi):
+            matmul(w2[lo:hi], xn, out=o3[n, lo:hi])
+            if has_epilogue:
+                finish_part(o3, b, r3, slice(n, n + 1), slice(lo, hi))
+
         def kernel(x, w, *rest):
             out = rest[-1]
-            matmul(w.reshape(g.m, g.c), x.reshape(g.batch, g.c, length), out=out.reshape(g.batch, g.m, length))
-            finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+            b, r = rest[0] if has_bias else zero_bias, rest[1] if has_residual else None
+            w2, x3, o3 = w.reshape(g.m, g.c), x.reshape(g.batch, g.c, length), out.reshape(rows3)
+            if by_rows:
+                r3 = None if r is None else contiguous(r).reshape(rows3)
+                run([partial(pointwise_rows, w2, x3[n], o3, b, r3, n, lo, hi)
+                     for n in range(g.batch) for lo, hi in split.bounds])
+                return
+            run([t for n in range(g.batch) for t in split.tasks(w2, x3[n], o3[n])])
+            run(epilogue_tasks(out, b, r))
         return kernel
 
     if g.path == "tiles":
         return _tiles(g, scratch, has_bias, has_residual, zero_bias, act_code, alpha, beta)
     k2 = g.cg * g.taps
     if g.path == "shifted":
-        return _shifted(g, scratch, finish, has_bias, has_residual, zero_bias)
+        return _shifted(g, scratch, epilogue_tasks, has_bias, has_residual, zero_bias)
+    if g.native_columns and g.stack > 1:
+        return _stacked(g, scratch, finish_part, has_bias, has_residual, has_epilogue, zero_bias)
     if g.native_columns:
-        stack = g.stack
-        flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
-        product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,)) if stack > 1 else None
+        flat = scratch_array(scratch, "columns", g.dtype, (g.group, k2, length))
+        # an image's columns are built in blocks of channels, its GEMM cut into rows or columns
+        column_blocks = [cs for _, cs in parallel.grid(1, g.c, g.taps * length, factor=4)]
+        split = parallel.GemmSplit(g.mg, length, k2, batch=g.group)
+        by_rows = fuse and split.axis == 0
+
+        def columns(x4, n, cs):
+            cols2 = flat.reshape(g.c * g.taps, length)
+            if cs.start is not None:
+                x4, cols2 = x4[:, cs], cols2[cs.start * g.taps:cs.stop * g.taps]
+            native.im2col(x4[n:n + 1], 0, cols2, g.k, g.s, g.pb, g.d, g.out_sp)
+
+        def rows_piece(w3, o3, b, r3, n, lo, hi):
+            """Output channels lo..hi of image n: their GEMM, then their epilogue."""
+            matmul(w3[0, lo:hi], flat[0], out=o3[n, lo:hi])
+            if has_epilogue:
+                finish_part(o3, b, r3, slice(n, n + 1), slice(lo, hi))
 
         def kernel(x, w, *rest):
             out = rest[-1]
+            b, r = rest[0] if has_bias else zero_bias, rest[1] if has_residual else None
             x4 = contiguous(x).reshape(g.as2d(x.shape))
             w3 = w.reshape(g.group, g.mg, k2)
-            o3 = out.reshape(g.batch, g.m, length)
-            for n0 in range(0, g.batch, stack):
-                nb = min(stack, g.batch - n0)
-                cols = flat[:g.group * k2 * nb * length].reshape(g.group, k2, nb * length)
-                native.im2col(x4, n0, cols.reshape(g.c * g.taps, nb * length), g.k, g.s, g.pb, g.d, g.out_sp)
-                if nb == 1:
-                    matmul(w3, cols, out=o3[n0].reshape(g.group, g.mg, length))
-                    continue
-                prod = product[:g.m * nb * length].reshape(g.group, g.mg, nb * length)
-                matmul(w3, cols, out=prod)
-                np.copyto(o3[n0:n0 + nb], prod.reshape(g.m, nb, length).transpose(1, 0, 2))
-            finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+            o3 = out.reshape(rows3)
+            r3 = None if r is None else contiguous(r).reshape(rows3)
+            for n in range(g.batch):
+                run([partial(columns, x4, n, cs) for cs in column_blocks])
+                if by_rows:
+                    run([partial(rows_piece, w3, o3, b, r3, n, lo, hi) for lo, hi in split.bounds])
+                else:
+                    run(split.tasks(w3, flat, o3[n].reshape(g.group, g.mg, length)))
+            if not by_rows:
+                run(epilogue_tasks(out, b, r))
         return kernel
 
     cols = scratch_array(scratch, "columns", g.dtype, (g.group, k2, length))
@@ -405,13 +473,53 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     return kernel
 
 
-def _shifted(g: _Conv, scratch, finish, has_bias: bool, has_residual: bool, zero_bias: np.ndarray) -> Kernel:
+def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool, has_epilogue: bool,
+             zero_bias: np.ndarray) -> Kernel:
+    """im2col + GEMM with the columns of ``g.stack`` images side by side in one GEMM (small
+    planes; see :data:`GEMM_POSITIONS`). In parallel, a stack is cut into sub-stacks of images,
+    each a piece of its own: its columns, GEMM, copy into the images' outputs and epilogue,
+    through its own part of the columns and product scratch (the images' columns interleave in a
+    stack's, so building them in parallel needs each piece to own whole images)."""
+    k2, length, stack = g.cg * g.taps, g.positions, g.stack
+    flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
+    product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,))
+    rows3 = (g.batch, g.m, length)
+    subs = {nb: parallel.blocks(nb, parallel.gemm_pieces(g.mg, nb * length, k2, batch=g.group))
+            for nb in {stack, g.batch % stack or stack}}
+    contiguous, everything = np.ascontiguousarray, slice(None)
+
+    def piece(x4, w3, o3, b, r3, n0, i0, i1):
+        """Images n0 + i0 .. n0 + i1 of a stack starting at image n0."""
+        nb, first = i1 - i0, n0 + i0
+        cols = flat[g.group * k2 * i0 * length:g.group * k2 * i1 * length].reshape(g.group, k2, nb * length)
+        native.im2col(x4, first, cols.reshape(g.c * g.taps, nb * length), g.k, g.s, g.pb, g.d, g.out_sp)
+        prod = product[g.m * i0 * length:g.m * i1 * length].reshape(g.group, g.mg, nb * length)
+        np.matmul(w3, cols, out=prod)
+        np.copyto(o3[first:first + nb], prod.reshape(g.m, nb, length).transpose(1, 0, 2))
+        if has_epilogue:
+            for n in range(first, first + nb):
+                finish_part(o3, b, r3, slice(n, n + 1), everything)
+
+    def kernel(x, w, *rest):
+        b, r = rest[0] if has_bias else zero_bias, rest[1] if has_residual else None
+        x4 = contiguous(x).reshape(g.as2d(x.shape))
+        w3 = w.reshape(g.group, g.mg, k2)
+        o3 = rest[-1].reshape(rows3)
+        r3 = None if r is None else contiguous(r).reshape(rows3)
+        for n0 in range(0, g.batch, stack):
+            nb = min(stack, g.batch - n0)
+            parallel.run([partial(piece, x4, w3, o3, b, r3, n0, i0, i1) for i0, i1 in subs[nb]])
+    return kernel
+
+
+def _shifted(g: _Conv, scratch, epilogue_tasks, has_bias: bool, has_residual: bool, zero_bias: np.ndarray) -> Kernel:
     """A stride-1 2-D convolution without im2col. The image is copied once into a zero-padded
     plane of width ``wide``; read flat, output position (y, x) of that width sits at y * wide
     + x, and tap (i, j) reads the plane at that offset plus i * dh * wide + j * dw. So each
     tap is one GEMM of its (M, C) weights with a strided view of the padded planes (C rows, one
     row per channel), accumulated (BLAS's beta) into an (M, oh * wide) product whose last
-    ``wide - ow`` columns of each row are discarded when it is copied into the output."""
+    ``wide - ow`` columns of each row are discarded when it is copied into the output. The
+    pieces run in parallel are blocks of output rows (columns of the product, all taps each)."""
     gemm = blas.gemm(g.dtype)
     (oh, ow), (kh, kw), wide, plane, taps = g.out_sp, g.k, g.wide, g.plane, g.taps
     hp = g.in_sp[0] + g.pb[0] + g.pe[0]
@@ -422,20 +530,25 @@ def _shifted(g: _Conv, scratch, finish, has_bias: bool, has_residual: bool, zero
                                                           g.pb[1]:g.pb[1] + g.in_sp[1]]
     product = scratch_array(scratch, "product", g.dtype, (g.m, oh * wide))
     offsets = [i * g.d[0] * wide + j * g.d[1] for i in range(kh) for j in range(kw)]
-    length = oh * wide
+    split = parallel.GemmSplit(g.m, oh, g.c * taps * wide, axis=1, align=1)  # blocks of output rows
+    run = parallel.run
+
+    def rows_piece(o4, n, y0, y1):
+        lo, hi = y0 * wide, y1 * wide
+        for t, off in enumerate(offsets):
+            gemm(wt[t], padded[:, off + lo:off + hi], product[:, lo:hi], 1.0, 1.0 if t else 0.0)
+        np.copyto(o4[n, :, y0:y1], product[:, lo:hi].reshape(g.m, y1 - y0, wide)[:, :, :ow])
 
     def kernel(x, w, *rest):
         out = rest[-1]
         np.copyto(wt, w.reshape(g.m, g.c, taps).transpose(2, 0, 1))
-        o3 = out.reshape(g.batch, g.m, oh, ow)
+        o4 = out.reshape(g.batch, g.m, oh, ow)
         x4 = x.reshape(g.as2d(x.shape))
         padded.fill(0)  # the borders; the interior is overwritten per image
         for n in range(g.batch):
             np.copyto(inner, x4[n])
-            for t, off in enumerate(offsets):
-                gemm(wt[t], padded[:, off:off + length], product, 1.0, 1.0 if t else 0.0)
-            np.copyto(o3[n], product.reshape(g.m, oh, wide)[:, :, :ow])
-        finish(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None)
+            run([partial(rows_piece, o4, n, y0, y1) for y0, y1 in split.bounds])
+        run(epilogue_tasks(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None))
     return kernel
 
 
@@ -542,23 +655,32 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         act = native.activation_code(activation)
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
         channel_vectors = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0))
+        # pieces: images, or blocks of output rows of one image (C-contiguous views all)
+        grid = [(ns, ys, (ys.start or 0) * s[0] - p[0])
+                for ns, ys in parallel.grid(n, oh, ow * c, factor=18 / (kh * kw))]
+
+        def pieces(x, r, out):
+            """(input, residual, output, padding) of each piece: a block whose first output row
+            reads below the top padding takes the input from that row on, unpadded above."""
+            x4, o4, r4 = np.ascontiguousarray(x[:, 0]), out[:, 0], None if r is None else r[:, 0]
+            return [(x4[ns, max(top, 0):], None if r4 is None else r4[ns, ys], o4[ns, ys], (max(-top, 0), p[1]))
+                    for ns, ys, top in grid]
+
         if s == [1, 1] and c < FLAT_CHANNELS:
             # taps and bias tiled along an output row (see native.depthwise_flat_rows)
             tiled = _Relaid(lambda w: np.tile(w.reshape(c, kh, kw).transpose(1, 2, 0), (1, 1, ow)))
             tiled_bias = _Relaid(lambda b: np.tile(b, ow))
 
             def flat(x, w, *rest):
-                b = tiled_bias(rest[0] if has_bias else zero_bias)
-                r = rest[1][:, 0] if has_residual else None
-                native.depthwise_flat_rows(np.ascontiguousarray(x[:, 0]), tiled(w), b, r, rest[-1][:, 0], p[:2], d,
-                                           act, alpha, beta)
+                wt, bt = tiled(w), tiled_bias(rest[0] if has_bias else zero_bias)
+                parallel.run([partial(native.depthwise_flat_rows, xs, wt, bt, rs, os_, pad, d, act, alpha, beta)
+                              for xs, rs, os_, pad in pieces(x, rest[1] if has_residual else None, rest[-1])])
             return flat
 
         def depthwise(x, w, *rest):
-            r = rest[1][:, 0] if has_residual else None
-            native.depthwise_channels_last(np.ascontiguousarray(x[:, 0]), channel_vectors(w, taps),
-                                           rest[0] if has_bias else zero_bias, r, rest[-1][:, 0], s, p[:2], d, act,
-                                           alpha, beta)
+            vectors, b = channel_vectors(w, taps), rest[0] if has_bias else zero_bias
+            parallel.run([partial(native.depthwise_channels_last, xs, vectors, b, rs, os_, s, pad, d, act, alpha, beta)
+                          for xs, rs, os_, pad in pieces(x, rest[1] if has_residual else None, rest[-1])])
         return depthwise
     tiles = _pointwise_tiles(attrs, x_t, w_t)
     if tiles is not None:
@@ -583,11 +705,17 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         # (M, C) (measured single-threaded on MobileNet's 1x1 convs).
         transposed = _Relaid(lambda w: w.reshape(m, c).T)
 
+        split = parallel.GemmSplit(pixels, m, c, axis=0)  # blocks of pixels, each finished as it is made
+
+        def piece(x2, wt, b, r, out, lo, hi):
+            np.matmul(x2[lo:hi], wt, out=out[lo:hi])
+            native.epilogue_channels_last(out[lo:hi], b, None if r is None else r[lo:hi], act, alpha, beta)
+
         def gemm(x, w, *rest):
-            out = rest[-1].reshape(pixels, m)
-            np.matmul(x.reshape(pixels, c), transposed(w), out=out)
+            out, x2, wt = rest[-1].reshape(pixels, m), x.reshape(pixels, c), transposed(w)
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
-            native.epilogue_channels_last(out, rest[0] if has_bias else zero_bias, r, act, alpha, beta)
+            b = rest[0] if has_bias else zero_bias
+            parallel.run([partial(piece, x2, wt, b, r, out, lo, hi) for lo, hi in split.bounds])
         return gemm
     # Anything else: the NCHW kernel between two relayouts.
     dense = TensorType((n, c, h, wd), x_t.dtype), TensorType((n, m, oh, ow), x_t.dtype)
@@ -701,9 +829,12 @@ def _native_pool(x_type, out_type, n, s, p, d, k, inv):
     x3, o3 = (rows,) + x_type.shape[2:], (rows,) + out_type.shape[2:]
     is_max = inv is None
     inv = np.zeros((1, 1), _F32) if inv is None else np.ascontiguousarray(inv.reshape(out_type.shape[2:]), _F32)
+    # blocks of (image, channel) planes (~3 ns an output for a 3x3 window)
+    pieces = [ns for ns, _ in parallel.grid(rows, 1, math.prod(out_type.shape[2:]))]
 
     def kernel(x, out):
-        native.pool2d(np.ascontiguousarray(x).reshape(x3), out.reshape(o3), inv, k, s, p[:2], d, is_max)
+        xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)
+        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, k, s, p[:2], d, is_max) for ns in pieces])
     return kernel
 
 

@@ -1,42 +1,73 @@
-"""Running a kernel's independent pieces on several cores.
+"""The CPU backend's one pool: every large kernel runs in pieces on the calling thread and
+polyhal's threads, and nothing else runs threads on polyhal's behalf.
 
-numpy releases the GIL inside its loops, so the rows of a row-wise kernel (softmax, layer_norm)
-or the pieces of an elementwise one (gelu, sigmoid, erf) run in parallel on a small pool of
-threads. :func:`parallel` wraps a kernel *builder*: at prepare time it picks the axis to split
-(the first of size > 1, so that every piece of a C-contiguous output is itself C-contiguous, as
-kernels require) and builds one kernel per piece shape; the calling thread runs the first piece
-and the pool the others.
+**Pieces, one counter.** :func:`run` takes a kernel's pieces (thunks that write disjoint parts
+of the output) and runs them on the calling thread and ``active - 1`` pool threads (the thread
+budget, :mod:`polyhal_cpu.threads`): every thread takes the next piece from one counter until
+none is left, so a pool thread that wakes late finds less work (or none) rather than holding
+the caller up, and the caller waits for pieces, never for a thread that found none. Pool
+threads wait on a queue (a futex), never spin, and are ``SCHED_BATCH`` (:func:`_batch_policy`):
+on cores that other processes keep busy a woken pool thread queues rather than preempting the
+caller, which then takes the pieces itself. A piece that calls :func:`run` again (a kernel built
+from other kernels) runs its pieces itself, one after another: parallelism is never nested.
 
-The pool has one thread fewer than the CPU backend's thread budget (:mod:`polyhal_cpu.threads`;
-``POLYHAL_CPU_THREADS``; 1 disables splitting), and while the budget is cut to one thread
-because other processes keep the CPUs busy, the pieces run one after another on the calling
-thread. The pieces never call BLAS, so BLAS's threads and these never nest.
-Kernels smaller than :data:`MIN_ELEMENTS` (times the kernel's ``factor``) run whole: handing a
-piece to a thread and waiting for it costs ~30 µs, ~50-80 µs when the thread has gone idle
-(a 2-core VM), so a split pays only for work of a few hundred microseconds; kernels that
-spend little per element (tanh-GELU, sigmoid) split later than costly ones (erf). Note that
-in a plan with matmuls a split can cost more than it saves at any size: OpenBLAS's worker
-threads keep spinning on the other cores for a while (~0.1 s) after each BLAS call, and a
-piece handed to an idle pool thread right after one waited there for up to a scheduler slice
-(median 3x slower than unsplit, measured on a 2-core VM with a 262144-element GELU).
+**What is cut.** BLAS runs single-threaded (:mod:`polyhal_cpu.threads` pins it to one thread), so
+a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
+columns (N), whichever is longer (each piece packs all of the other operand, the shorter), each
+block one single-threaded sgemm on contiguous panels of its operands (numpy's matmul and
+:mod:`polyhal_cpu.blas` release the GIL), whole alignment units wide. The compiled loops
+(:mod:`polyhal_cpu.native`, GIL released) are cut by their callers into C-contiguous pieces
+(images, channel blocks, blocks of output rows: the ahead-of-time loops take only C-contiguous
+arrays), and :func:`parallel` wraps the builders of row-wise numpy kernels (softmax,
+layer_norm, GELU).
+
+**Grain.** Handing a piece to a pool thread and waiting for it costs ~30 µs, ~50-80 µs when the
+thread has gone idle (a 2-core VM), so only work of a couple of hundred microseconds is cut:
+GEMM pieces of :data:`GEMM_PIECE_US` estimated microseconds at least, loops from
+:data:`MIN_ELEMENTS` output elements times a kernel's ``factor`` (set from each loop's
+single-threaded cost per element: an epilogue pass is cut only when very large). Cutting
+costs a little even where the pieces run one after another: each GEMM piece packs the shorter
+operand again (measured 1-10% more CPU time on ResNet/DenseNet convolutions, ~20% for a 28x28
+shifted conv). While the budget is cut to one thread (other processes hold the cores) the
+pieces run one after another on the calling thread, and a budget of 1
+(``POLYHAL_CPU_THREADS=1``) cuts nothing at prepare time.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+
+import numpy as np
 
 from polyhal.ir.types import TensorType
 
 from polyhal_cpu.threads import budget
 
-#: Output elements below which a kernel runs on the calling thread only.
+#: Output elements below which a loop runs on the calling thread only.
 MIN_ELEMENTS = 1 << 16
+#: Microseconds of single-threaded sgemm a GEMM piece holds at least (a few hand-offs' worth),
+#: from its multiply-adds at :data:`GEMM_MACS_PER_US` (~38 GMAC/s on a 2-core AVX-512 VM).
+GEMM_PIECE_US, GEMM_MACS_PER_US = 100, 38_000
+#: Multiply-adds per byte of operands and result below which a GEMM is not cut: a thin product
+#: (a classifier's matrix-vector one, a stem convolution's 27-deep one) is bound by memory, and
+#: its halves on two cores took as long as the whole on one (32 x 12544 x 27: 0.3 ms either
+#: way; 64 x 3136 x 64 likewise, 2-core VM), where 64 x 3136 x 576 took half the time.
+GEMM_MIN_INTENSITY = 10
+#: Pieces per thread a GEMM is cut into where it is large enough: more balance better when a
+#: pool thread wakes late, fewer pack each panel fewer times (two a thread cost ~5-10% more CPU
+#: time than one on 64 x 3136 x 64, and balanced no better once the pool woke in ~40 us).
+GEMM_PIECES_PER_THREAD = 1
+#: Alignment of a GEMM piece's rows and columns (whole register blocks of sgemm's kernels).
+GEMM_ALIGN = 16
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
+_local = threading.local()  # .busy: this thread is running a piece (no nested splitting)
 
 
 def threads() -> int:
@@ -48,18 +79,139 @@ def _executor(n: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < n - 1:  # noqa: SLF001
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="polyhal-cpu")
+            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="polyhal-cpu", initializer=_batch_policy)
         return _pool
+
+
+def _batch_policy() -> None:
+    """Make the calling pool thread ``SCHED_BATCH`` (Linux): woken, it does not preempt the
+    thread that woke it. The scheduler puts a woken thread on an idle CPU if there is one, else
+    beside its waker -- which, as an ordinary thread, it would preempt, so that the caller's own
+    piece waited while the pool thread ran (measured on a 2-core VM whose other core was busy:
+    a GEMM cut in four took 1.35 ms against 1.13 ms whole). As a batch thread it waits there
+    instead, and the caller takes the pieces itself."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError):  # not Linux, or not allowed: an ordinary thread
+        pass
+
+
+def run(tasks: Sequence[Callable[[], object]]) -> None:
+    """Run ``tasks`` (thunks writing disjoint outputs) on the calling thread and the pool, each
+    thread taking the next from one counter; one after another on the calling thread when the
+    budget is cut to one thread, when there is one task, or inside another :func:`run`'s task."""
+    count = len(tasks)
+    state = budget()
+    if count < 2 or state.active < 2 or getattr(_local, "busy", False):
+        for task in tasks:
+            task()
+        return
+    # next() on a count is atomic under the GIL: one counter hands out pieces, one counts
+    # those finished, and the thread finishing the last wakes the caller. The caller waits for
+    # pieces, never for threads: a pool thread that wakes after the caller took every piece
+    # finds none and costs the caller nothing.
+    taken, finished = itertools.count(), itertools.count(1)
+    done, failed = threading.Event(), []
+
+    def take() -> None:
+        _local.busy = True
+        try:
+            for i in iter(taken.__next__, None):
+                if i >= count:
+                    return
+                try:
+                    tasks[i]()
+                except BaseException as exc:  # noqa: BLE001 -- raised again on the calling thread
+                    failed.append(exc)
+                if next(finished) == count:
+                    done.set()
+        finally:
+            _local.busy = False
+    pool = _executor(state.size)
+    for _ in range(min(state.active, count) - 1):
+        pool.submit(take)
+    take()
+    done.wait()
+    if failed:
+        raise failed[0]
+
+
+def blocks(size: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
+    """``range(size)`` as at most ``parts`` (lo, hi) blocks of near-equal length, every bound but
+    the last a multiple of ``align`` (fewer blocks where ``size`` is short)."""
+    units = -(-size // align)
+    parts = max(1, min(parts, units))
+    cuts = [min(size, (units * i // parts) * align) for i in range(parts + 1)]
+    return [(lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+
+
+def grid(outer: int, inner: int, each: int, factor: float = 1) -> list[tuple[slice, slice]]:
+    """(outer, inner) index slices cutting an array laid out as (outer, inner, ``each``
+    elements) into pieces that are each C-contiguous: blocks of whole ``outer`` rows (images),
+    or, where there are fewer rows than pieces, blocks of ``inner`` (channels, output rows)
+    within one row. Pieces hold :data:`MIN_ELEMENTS` (times ``factor``) elements at least,
+    twice as many pieces as threads at most; ``[(all, all)]`` (one piece) for small work."""
+    n_threads = threads()
+    total = outer * inner * each
+    parts = 1 if n_threads < 2 else min(2 * n_threads, int(total // max(MIN_ELEMENTS * factor, 1)))
+    everything = slice(None)
+    if parts < 2:
+        return [(everything, everything)]
+    if outer >= parts:
+        return [(slice(lo, hi), everything) for lo, hi in blocks(outer, parts)]
+    per = -(-parts // outer)
+    return [(slice(o, o + 1), slice(lo, hi)) for o in range(outer) for lo, hi in blocks(inner, per)]
+
+
+def gemm_pieces(m: int, n: int, k: int, batch: int = 1) -> int:
+    """How many threads' worth of pieces ``batch`` (m, k) @ (k, n) float32 products are worth
+    (1: not cut): their estimated single-threaded time in :data:`GEMM_PIECE_US` units, at most
+    the thread budget; 1 for products bound by memory (:data:`GEMM_MIN_INTENSITY`)."""
+    n_threads = threads()
+    macs = m * n * k
+    if n_threads < 2 or macs < GEMM_MIN_INTENSITY * 4 * (m * k + k * n + m * n):
+        return 1
+    return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // GEMM_PIECE_US)))
+
+
+class GemmSplit:
+    """How an (m, k) @ (k, n) product (``batch`` of them, cut alike) is cut, chosen at prepare
+    time from its shape: along ``axis`` (default: the longer of m and n), into
+    :func:`gemm_pieces` times :data:`GEMM_PIECES_PER_THREAD` pieces, bounds multiples of
+    ``align``. ``axis`` is 0 (rows) or 1 (columns); ``bounds`` the pieces' (lo, hi) along it
+    (one piece: not cut)."""
+
+    def __init__(self, m: int, n: int, k: int, axis: int | None = None, batch: int = 1,
+                 align: int = GEMM_ALIGN) -> None:
+        parts = gemm_pieces(m, n, k, batch) * GEMM_PIECES_PER_THREAD
+        self.axis = (0 if m >= n else 1) if axis is None else axis
+        self.bounds = blocks(m if self.axis == 0 else n, parts, align)
+
+    def __len__(self) -> int:
+        return len(self.bounds)
+
+    def tasks(self, a: np.ndarray, b: np.ndarray, out: np.ndarray,
+              call: Callable[[np.ndarray, np.ndarray, np.ndarray], object] | None = None) -> list[Callable[[], object]]:
+        """Thunks computing the pieces of ``out = a @ b`` (any leading batch dims) by ``call(a,
+        b, out)`` (default ``np.matmul(a, b, out=out)``) on views of the operands."""
+        call = call or _matmul
+        if self.axis == 0:
+            return [partial(call, a[..., lo:hi, :], b, out[..., lo:hi, :]) for lo, hi in self.bounds]
+        return [partial(call, a, b[..., lo:hi], out[..., lo:hi]) for lo, hi in self.bounds]
+
+
+def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    np.matmul(a, b, out=out)
 
 
 def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, ins: (),
              split_inputs: Callable[[dict, tuple], tuple[bool, ...]] | None = None,
              factor: float | Callable[[dict, tuple], float] = 1, pieces_per_thread: int = 1):
-    """Decorate a builder so that its kernel runs in pieces along one axis on several threads.
+    """Decorate a builder so that its kernel runs in pieces along one axis (by :func:`run`).
 
-    The calling thread and the pool's threads take pieces from one counter until none is
-    left, so a pool thread that wakes late finds less work (or none) rather than holding the
-    caller up; ``pieces_per_thread`` > 1 cuts finer, which balances better where a thread's
+    At prepare time it picks the axis to split (the first of size > 1, so that every piece of
+    a C-contiguous output is itself C-contiguous, as kernels require) and builds one kernel per
+    piece shape. ``pieces_per_thread`` > 1 cuts finer, which balances better where a thread's
     hand-off costs as much as its piece (a thread that woke late then takes fewer pieces).
 
     ``fixed_axes(attrs, ins)`` are the output axes that must stay whole (a softmax's axis, a
@@ -99,27 +251,11 @@ def parallel(fixed_axes: Callable[[dict, tuple], Iterable[int]] = lambda attrs, 
             head = (slice(None),) * axis
             pieces = [(kernels[hi - lo], head + (slice(lo, hi),)) for lo, hi in bounds]
             n_in = len(ins)
-            pool = _executor(n)
-            state = budget()
 
             def kernel(*arrays):
-                def run(fn, where):
+                def piece(fn, where):
                     fn(*[a[where] if f else a for a, f in zip(arrays[:n_in], cut)], *[o[where] for o in arrays[n_in:]])
-                if state.active < 2:  # other processes hold the other cores: no hand-offs
-                    for piece in pieces:
-                        run(*piece)
-                    return
-                taken = itertools.count()  # next() on it is atomic under the GIL
-
-                def take() -> None:
-                    for i in iter(taken.__next__, None):
-                        if i >= len(pieces):
-                            return
-                        run(*pieces[i])
-                futures = [pool.submit(take) for _ in range(min(n, len(pieces)) - 1)]
-                take()
-                for f in futures:
-                    f.result()
+                run([partial(piece, fn, where) for fn, where in pieces])
             return kernel
         build.__wrapped__ = builder
         return build

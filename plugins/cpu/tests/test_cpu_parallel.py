@@ -46,3 +46,131 @@ def test_split_kernels_match_reference(monkeypatch, n_threads, name, shapes, att
         for got, want in zip(outs, OPS[name].reference(*xs, **attrs)):
             tol = 2e-3 if dtype == np.float16 else 1e-5
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------- GEMMs and loops cut into pieces
+
+def _split_everything(monkeypatch, n_threads: str) -> None:
+    """Cut every kernel as finely as it may be cut (the thresholds down to one element)."""
+    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0)):
+        monkeypatch.setattr(parallel, name, value)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    _reset_budget(monkeypatch)
+
+
+def _geometry(stride=1, pad=0, group=1, **fused):
+    attrs = {"strides": [stride] * 2, "pads": [pad] * 4, "dilations": [1, 1], "group": group}
+    return attrs | ({"activation": "relu", "alpha": 0.0, "beta": 0.0} | fused if fused else {})
+
+
+_CONV = {"activation": "hard_swish", "alpha": 1 / 6, "beta": 0.5}
+SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is like another
+    ("matmul", [(37, 19), (19, 53)], {}),
+    ("matmul", [(3, 13, 19), (19, 7)], {}),  # collapsed to one (39, 19) @ (19, 7) GEMM
+    ("gemm", [(19, 37), (53, 19), (53,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
+    ("gemm", [(61, 5), (5, 7)], {"alpha": 1.0, "beta": 1.0, "trans_a": 0, "trans_b": 0}),
+    ("linear", [(2, 21, 17), (17, 33), (33,)], {}),
+    # results of 65536 elements and more take BLAS's accumulating GEMM (bias or C first)
+    ("linear", [(301, 17), (17, 257), (257,)], {}),
+    ("gemm", [(9, 263), (257, 9), (257,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
+    ("fused_linear", [(21, 17), (17, 33), (33,), (21, 33)], {"activation": "gelu", "alpha": 0.0, "beta": 0.0}),
+    ("conv", [(2, 5, 9, 9), (7, 5, 1, 1)], _geometry()),  # pointwise, column pieces
+    ("fused_conv", [(3, 5, 9, 9), (70, 5, 1, 1), (70,), (3, 70, 9, 9)], _geometry(**_CONV)),  # column pieces
+    ("fused_conv", [(2, 5, 5, 5), (70, 5, 1, 1), (70,), (2, 70, 5, 5)], _geometry(**_CONV)),  # row pieces
+    ("fused_conv", [(1, 6, 31, 29), (70, 6, 3, 3), (70,)], _geometry(pad=1, **_CONV)),  # shifted, per output rows
+    ("fused_conv", [(1, 7, 11, 13), (66, 7, 3, 3), (66,)], _geometry(stride=2, pad=1)),  # im2col, row pieces
+    ("fused_conv", [(1, 3, 20, 21), (6, 3, 3, 3), (6,), (1, 6, 10, 11)],
+     _geometry(stride=2, pad=1, **_CONV)),  # one image, column pieces
+    ("conv", [(1, 6, 20, 21), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # one image, grouped
+    ("fused_conv", [(5, 7, 6, 6), (66, 7, 3, 3), (66,), (5, 66, 3, 3)], _geometry(stride=2, pad=1)),  # stacked
+    ("conv", [(5, 7, 6, 6), (9, 7, 3, 3)], _geometry(stride=2)),  # stacked images, column pieces
+    ("conv", [(2, 6, 9, 9), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # grouped
+    ("fused_conv", [(3, 11, 9, 10), (11, 1, 3, 3), (11,), (3, 11, 5, 5)], _geometry(stride=2, pad=1, group=11)),
+    # channel-blocked (N, 1, H, W, C): depthwise on flat rows (few channels), vectorised across
+    # many channels (stride 2, asymmetric pads), pointwise in blocks of pixels
+    ("blocked_conv", [(1, 1, 9, 10, 13), (13, 1, 3, 3), (13,), (1, 1, 9, 10, 13)], _geometry(pad=1, group=13, **_CONV)),
+    ("blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
+     _geometry(stride=2, group=40, **_CONV) | {"pads": [2, 1, 2, 3]}),
+    ("blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
+    ("attention", [(1, 5, 13, 8), (1, 5, 11, 8), (1, 5, 11, 6)], {"scale": None}),  # blocks of heads
+    ("masked_attention", [(2, 3, 13, 8), (2, 3, 11, 8), (2, 3, 11, 6), (2, 1, 13, 11)], {"scale": 0.3}),
+    ("max_pool", [(2, 3, 11, 9)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("avg_pool", [(1, 5, 9, 9)], {"kernel_shape": [2, 2], "strides": [1, 1], "pads": [0, 0, 0, 0]}),
+    ("scale_shift", [(2, 5, 7, 6), (5,), (5,)], {"activation": "relu", "alpha": 0.0, "beta": 0.0}),
+]
+
+
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+@pytest.mark.parametrize("name, shapes, attrs", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_split_gemms_and_loops_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs):
+    """Every GEMM and compiled loop cut into its finest pieces gives what the whole kernel
+    (prepared with a budget of one thread, which cuts nothing) gives, and the reference."""
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    in_types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(in_types, attrs)
+    results = []
+    for threads_, cut in (("1", False), (n_threads, True)):
+        if cut:
+            _split_everything(monkeypatch, threads_)
+        else:
+            monkeypatch.setenv("POLYHAL_CPU_THREADS", threads_)
+            _reset_budget(monkeypatch)
+        out = np.full(out_type.shape, np.nan, np.float32)
+        prepare(name, attrs, in_types, (out_type,))(*xs, out)
+        results.append(out)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_gemm_split_shapes(monkeypatch):
+    """Pieces cover the product once, along the longer side or the one asked for, aligned, and
+    a product too small for two pieces, or bound by memory, is not cut."""
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    split = parallel.GemmSplit(1000, 40, 512)
+    assert split.axis == 0 and split.bounds[0][0] == 0 and split.bounds[-1][1] == 1000
+    assert all(lo % parallel.GEMM_ALIGN == 0 for lo, _ in split.bounds)
+    assert all(a[1] == b[0] for a, b in zip(split.bounds, split.bounds[1:]))
+    assert parallel.GemmSplit(40, 1000, 512).axis == 1
+    assert parallel.GemmSplit(40, 1000, 512, axis=0).axis == 0
+    assert len(parallel.GemmSplit(8, 8, 8)) == 1
+    assert len(parallel.GemmSplit(1, 4096, 4096)) == 1  # a matrix-vector product: bound by memory
+    assert parallel.blocks(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert parallel.blocks(10, 4, align=4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_budget_of_one_thread_cuts_nothing(monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "1")
+    _reset_budget(monkeypatch)
+    assert len(parallel.GemmSplit(4096, 4096, 4096)) == 1
+    assert parallel.grid(64, 64, 1 << 20) == [(slice(None), slice(None))]
+
+
+def test_pieces_run_on_the_pool_and_never_nest(monkeypatch):
+    """Pieces run on more than one thread; a piece that cuts its own work runs those pieces
+    itself; a failing piece's error reaches the caller after every piece has run."""
+    import threading
+    import time
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    threads.budget().active = 2
+    seen, inner = set(), []
+
+    def piece():
+        seen.add(threading.get_ident())
+        time.sleep(0.01)  # long enough for the pool thread to wake and take one
+        here = threading.get_ident()
+        parallel.run([lambda: inner.append(threading.get_ident() == here)] * 3)
+
+    parallel.run([piece] * 4)
+    assert len(seen) == 2 and inner == [True] * 12
+    ran = []
+
+    def bad():
+        raise ValueError("piece failed")
+    with pytest.raises(ValueError, match="piece failed"):
+        parallel.run([bad, lambda: ran.append(1), lambda: ran.append(2)])
+    assert sorted(ran) == [1, 2]
