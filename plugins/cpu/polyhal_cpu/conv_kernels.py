@@ -119,14 +119,13 @@ class _Conv:
             self.path = "tiles"
             #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
             self.phases = None
-            self.tiles_block = native.gemm_block(self.m, self.positions)
+            self.tiles_pieces = self._tile_pieces(self.positions)
         elif pointwise and self.group == 1:
             self.path = "pointwise"
         elif native2d and self.group == 1 and self.taps > 1 and self.c * self.taps >= TILES_MIN_K and TILES:
             self.path = "tiles"
             self.phases = _Phases(self)
-            #: output columns (over a phase plane's width) per block of the tiles path
-            self.tiles_block = native.gemm_block(self.m, self.out_sp[0] * self.phases.width)
+            self.tiles_pieces = self._tile_pieces(self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
         elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
@@ -139,6 +138,18 @@ class _Conv:
         stack = max(1, min(self.batch, GEMM_POSITIONS // max(self.positions, 1), COLUMNS_BYTES // max(one, 1)))
         #: Images whose columns go into one GEMM (the compiled im2col only; see GEMM_POSITIONS).
         self.stack = -(-self.batch // -(-self.batch // stack)) if native2d and self.path == "gemm" else 1
+
+    def _tile_pieces(self, ncols: int) -> list[tuple[int, int, int]]:
+        """The tiles path's pieces of one image's GEMM (M, ``ncols``) @ (C * taps): blocks of
+        whole panels of output channels (GEMM_MR rows), as (first row, last row + 1, columns
+        per block of :func:`polyhal_cpu.native.gemm_tiles`), as many as the product is worth
+        threads (:func:`polyhal_cpu.parallel.gemm_pieces`; one where it is not cut). Each piece
+        reads all of B (the image's planes, filled once per image, shared) and packs its own
+        panel of B and accumulates its own tiles (its own part of the ``product`` scratch)."""
+        parts = parallel.gemm_pieces(self.m, ncols, self.c * self.taps)
+        bounds = parallel.blocks(-(-self.m // native.GEMM_MR), parts)
+        rows = [(p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)) for p0, p1 in bounds]
+        return [(lo, hi, native.gemm_block(hi - lo, ncols)) for lo, hi in rows]
 
     @property
     def columns_bytes(self) -> int:
@@ -157,10 +168,11 @@ class _Conv:
     def product_bytes(self) -> int:
         """Bytes of a stacked GEMM's product, (M, stack, positions), before it is laid out as
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
-        padded width; on the tiles path, of a packed panel of B and a block of tiles (0
-        otherwise)."""
+        padded width; on the tiles path, of a packed panel of B and a block of tiles for each
+        piece the GEMM is cut into (0 otherwise)."""
         if self.path == "tiles":
-            return native.gemm_tiles_bytes(self.m, self.c * self.taps, self.tiles_block)
+            return sum(native.gemm_tiles_bytes(hi - lo, self.c * self.taps, block)
+                       for lo, hi, block in self.tiles_pieces)
         if self.path == "shifted":
             return self.m * self.out_sp[0] * self.wide * self.dtype.itemsize
         return self.m * self.stack * self.positions * self.dtype.itemsize if self.stack > 1 else 0
@@ -428,8 +440,16 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     kdim, positions = g.c * g.taps, g.positions
     ph = g.phases
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
-    work = scratch_array(scratch, "product", _F32, (native.gemm_tiles_bytes(g.m, kdim, g.tiles_block) // 4,))
-    bpack, cbuf = work[:kdim * native.GEMM_NR], work[kdim * native.GEMM_NR:]
+    work = scratch_array(scratch, "product", _F32, (g.product_bytes // 4,))
+    # per piece: its rows of the output (whole panels of the packed weights), and its own
+    # packed panel of B (bpack) and tiles (cbuf), consecutive parts of the product scratch
+    pieces, start = [], 0
+    for lo, hi, block in g.tiles_pieces:
+        end = start + native.gemm_tiles_bytes(hi - lo, kdim, block) // 4
+        part = work[start:end]
+        pieces.append((slice(lo, hi), slice(lo // native.GEMM_MR, -(-hi // native.GEMM_MR)),
+                       part[:kdim * native.GEMM_NR], part[kdim * native.GEMM_NR:], block))
+        start = end
     if ph is None:  # a 1x1 conv: B is the image, (C, positions)
         rowoff, ncols, wide, ow = np.arange(g.c, dtype=np.int64) * positions, positions, positions, positions
         buf, fills, borders = None, [], []
@@ -465,11 +485,17 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
         for view in borders:
             view.fill(0)
+
+        def tasks(n, src):
+            return [partial(native.gemm_tiles, wp[ps], src, rowoff, ncols, wide, ow, o3[n, ms], b[ms],
+                            None if r3 is None else r3[n, ms], bpack, cbuf, block, act, alpha, beta)
+                    for ms, ps, bpack, cbuf, block in pieces]
+        # image by image (its pieces share the image's planes, and each piece's scratch serves
+        # one image at a time)
         for n in range(g.batch):
             for dst, src in fills:  # what lies on the image, overwritten per image
                 np.copyto(dst, x4[n][src])
-            native.gemm_tiles(wp, x4[n].reshape(-1) if buf is None else buf, rowoff, ncols, wide, ow, o3[n], b,
-                              None if r3 is None else r3[n], bpack, cbuf, g.tiles_block, act, alpha, beta)
+            parallel.run(tasks(n, x4[n].reshape(-1) if buf is None else buf))
     return kernel
 
 
@@ -607,9 +633,10 @@ def _blocked_pointwise(x_t: TensorType, w_t: TensorType, attrs: dict) -> bool:
             and int(attrs["group"]) == 1)
 
 
-def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int, int, int, int] | None:
-    """(pixels, C, M, pixels per block) of a blocked 1x1 conv that takes the compiled tiles,
-    else None."""
+def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int, int, int, list] | None:
+    """(pixels, C, M, pieces) of a blocked 1x1 conv that takes the compiled tiles, else None;
+    the pieces are blocks of whole tiles' rows of pixels, (first, last + 1, pixels per block of
+    :func:`polyhal_cpu.native.gemm_channels_last`), as many as the product is worth threads."""
     n, _, h, wd, c = x_t.shape
     m, pixels = w_t.shape[0], n * h * wd
     # Output channels are computed GEMM_NR at a time, pixels GEMM_MR at a time: where padding M
@@ -620,15 +647,17 @@ def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int
     if not (TILES and waste * 8 <= m and pixels >= native.GEMM_MR and x_t.dtype == _F32 and native.available(_F32)
             and _blocked_pointwise(x_t, w_t, attrs)):
         return None
-    return pixels, c, m, native.channels_last_block(c, m, pixels)
+    bounds = parallel.blocks(pixels, parallel.gemm_pieces(pixels, m, c), native.GEMM_MR)
+    return pixels, c, m, [(lo, hi, native.channels_last_block(c, m, hi - lo)) for lo, hi in bounds]
 
 
 def _rows_bytes(problem, _workgroup_size: int) -> int:
+    """A tile's worth of output and of input rows (``rows``) for each piece of a blocked 1x1 conv."""
     tiles = _pointwise_tiles(problem.attrs, *problem.in_types[:2])
     if tiles is None:
         return 0
-    _, c, _, _ = tiles
-    return native.GEMM_MR * (native.GEMM_NR + c) * 4
+    _, c, _, pieces = tiles
+    return len(pieces) * native.GEMM_MR * (native.GEMM_NR + c) * 4
 
 
 @TABLE.register("blocked_conv", scratch=[
@@ -684,18 +713,22 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         return depthwise
     tiles = _pointwise_tiles(attrs, x_t, w_t)
     if tiles is not None:
-        pixels, _, _, block = tiles
+        pixels, _, _, pieces = tiles
         act = native.activation_code(activation)
-        rows = scratch_array(scratch, "rows", _F32, (native.GEMM_MR * (native.GEMM_NR + c),))
-        cbuf, apad = rows[:native.GEMM_MR * native.GEMM_NR], rows[native.GEMM_MR * native.GEMM_NR:]
+        each = native.GEMM_MR * (native.GEMM_NR + c)
+        rows = scratch_array(scratch, "rows", _F32, (len(pieces), each))
+        # per piece: its pixels, and its own tile (cbuf) and padded input rows (apad)
+        parts = [(slice(lo, hi), rows[i, :native.GEMM_MR * native.GEMM_NR], rows[i, native.GEMM_MR * native.GEMM_NR:],
+                  block) for i, (lo, hi, block) in enumerate(pieces)]
         packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T))
         padded_bias = _Relaid(native.pad_channels)
 
         def pointwise_tiles(x, w, *rest):
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
-            native.gemm_channels_last(np.ascontiguousarray(x).reshape(pixels, c), packed(w),
-                                      rest[-1].reshape(pixels, m), padded_bias(rest[0] if has_bias else zero_bias), r,
-                                      cbuf, apad, block, act, alpha, beta)
+            x2, out, wt = np.ascontiguousarray(x).reshape(pixels, c), rest[-1].reshape(pixels, m), packed(w)
+            b = padded_bias(rest[0] if has_bias else zero_bias)
+            parallel.run([partial(native.gemm_channels_last, x2[ps], wt, out[ps], b, None if r is None else r[ps],
+                                  cbuf, apad, block, act, alpha, beta) for ps, cbuf, apad, block in parts])
         return pointwise_tiles
     if fast and pointwise:
         act = native.activation_code(activation)

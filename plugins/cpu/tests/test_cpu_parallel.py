@@ -92,6 +92,9 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
      _geometry(stride=2, group=40, **_CONV) | {"pads": [2, 1, 2, 3]}),
     ("blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
+    # the register-tiled GEMMs cut into blocks of panels of output channels (the last partial)
+    # and of tiles' rows of pixels (the last partial), see TILE_CASES
+    ("blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)),
     ("attention", [(1, 5, 13, 8), (1, 5, 11, 8), (1, 5, 11, 6)], {"scale": None}),  # blocks of heads
     ("masked_attention", [(2, 3, 13, 8), (2, 3, 11, 8), (2, 3, 11, 6), (2, 1, 13, 11)], {"scale": 0.3}),
     ("max_pool", [(2, 3, 11, 9)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
@@ -122,6 +125,72 @@ def test_split_gemms_and_loops_equal_the_whole(monkeypatch, n_threads, name, sha
     np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
     (want,) = OPS[name].reference(*xs, **attrs)
     np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
+# Convolutions that take the tiles path (conv_kernels._tiles): M of whole panels and of a
+# partial last one, stride-1 and strided (phase planes), 1x1 (B the image itself), batches.
+TILE_CASES = [
+    ("fused_conv", [(1, 8, 13, 11), (37, 8, 3, 3), (37,), (1, 37, 13, 11)], _geometry(pad=1, **_CONV)),
+    ("fused_conv", [(2, 3, 23, 20), (21, 3, 7, 7), (21,)], _geometry(stride=2, pad=3)),
+    ("conv", [(3, 10, 9, 7), (50, 10, 3, 3)], _geometry(stride=2)),
+    ("fused_conv", [(2, 9, 8, 8), (29, 9, 1, 1), (29,), (2, 29, 8, 8)], _geometry(**_CONV)),
+]
+
+
+def _tile_conv(monkeypatch, name, shapes, attrs, n_threads, gemm_tiles):
+    """The conv cut as finely as it may be (budget ``n_threads``), its scratch filled with nan
+    first (shared with other kernels, it holds anything), the compiled tiles called through
+    ``gemm_tiles``: its output."""
+    from polyhal import registry
+    from polyhal_cpu import conv_kernels, native
+    from polyhal_cpu.scratch import standalone
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    _split_everything(monkeypatch, n_threads)
+    monkeypatch.setattr(native, "gemm_tiles", gemm_tiles)
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(types, attrs)
+    geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+    assert geometry.path == "tiles"
+    assert len(geometry.tiles_pieces) == min(int(n_threads), -(-shapes[1][0] // native.GEMM_MR))
+    requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
+    scratch = standalone(None, requests)
+    for request in requests:
+        scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    return out, want
+
+
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+@pytest.mark.parametrize("name, shapes, attrs", TILE_CASES, ids=[str(c[1][1]) for c in TILE_CASES])
+def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs):
+    """A tiled conv cut into blocks of output channels gives what the uncut one gives and the
+    reference; every piece of a run packs and accumulates in its own part of the scratch."""
+    from polyhal_cpu import native
+
+    whole, want = _tile_conv(monkeypatch, name, shapes, attrs, "1", native.gemm_tiles)
+    calls = []
+
+    def recording(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest):
+        calls.append((out, bpack, cbuf))
+        original(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest)
+    original = native.gemm_tiles
+    cut, _ = _tile_conv(monkeypatch, name, shapes, attrs, n_threads, recording)
+    np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cut, want, rtol=1e-4, atol=1e-4)
+    pieces = len(calls) // shapes[0][0]
+    assert pieces > 1
+    for image in range(shapes[0][0]):
+        run = calls[image * pieces:(image + 1) * pieces]
+        for i, (out_a, *scratch_a) in enumerate(run):
+            for out_b, *scratch_b in run[i + 1:]:
+                assert not np.shares_memory(out_a, out_b)
+                assert not any(np.shares_memory(a, b) for a in scratch_a for b in scratch_b)
 
 
 def test_gemm_split_shapes(monkeypatch):
