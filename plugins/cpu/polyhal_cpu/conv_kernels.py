@@ -146,7 +146,8 @@ class _Conv:
         threads (:func:`polyhal_cpu.parallel.gemm_pieces`; one where it is not cut). Each piece
         reads all of B (the image's planes, filled once per image, shared) and packs its own
         panel of B and accumulates its own tiles (its own part of the ``product`` scratch)."""
-        parts = parallel.gemm_pieces(self.m, ncols, self.c * self.taps)
+        b_size = None if self.phases is None else self.c * len(self.phases.used) * self.phases.length
+        parts = parallel.gemm_pieces(self.m, ncols, self.c * self.taps, b_size=b_size)
         bounds = parallel.blocks(-(-self.m // native.GEMM_MR), parts)
         rows = [(p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)) for p0, p1 in bounds]
         return [(lo, hi, native.gemm_block(hi - lo, ncols)) for lo, hi in rows]

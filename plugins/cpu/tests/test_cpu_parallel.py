@@ -92,6 +92,11 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
      _geometry(stride=2, group=40, **_CONV) | {"pads": [2, 1, 2, 3]}),
     ("blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
+    # the depthwise tiles (8 pixels x a vector register of channels) in blocks of output rows,
+    # a block's first rows reading the image from its own first row (top padding only above
+    # the first block), kernel rows clipped at the bottom
+    ("blocked_conv", [(1, 1, 9, 40, 32), (32, 1, 3, 3), (32,), (1, 1, 9, 40, 32)], _geometry(pad=1, group=32, **_CONV)),
+    ("blocked_conv", [(1, 1, 13, 41, 24), (24, 1, 5, 5), (24,)], _geometry(stride=2, pad=2, group=24, **_CONV)),
     # the register-tiled GEMMs cut into blocks of panels of output channels (the last partial)
     # and of tiles' rows of pixels (the last partial), see TILE_CASES
     ("blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)),
