@@ -145,10 +145,19 @@ class _Conv:
         per block of :func:`polyhal_cpu.native.gemm_tiles`), as many as the product is worth
         threads (:func:`polyhal_cpu.parallel.gemm_pieces`; one where it is not cut). Each piece
         reads all of B (the image's planes, filled once per image, shared) and packs its own
-        panel of B and accumulates its own tiles (its own part of the ``product`` scratch)."""
+        panel of B and accumulates its own tiles (its own part of the ``product`` scratch).
+
+        Where one image's GEMM is too small to cut but the batch's are worth several pieces
+        (DenseNet's 14x14 and 7x7 convs at batch 8), the pieces are blocks of images instead
+        (``tiles_images`` of them), each with its own planes and scratch."""
         b_size = None if self.phases is None else self.c * len(self.phases.used) * self.phases.length
         parts = parallel.gemm_pieces(self.m, ncols, self.c * self.taps, b_size=b_size)
         bounds = parallel.blocks(-(-self.m // native.GEMM_MR), parts)
+        #: blocks of images run as pieces of their own (1: images one after another)
+        self.tiles_images = 1
+        if len(bounds) == 1 and self.batch > 1:
+            self.tiles_images = len(parallel.blocks(self.batch, parallel.gemm_pieces(
+                self.m, ncols, self.c * self.taps, batch=self.batch, b_size=b_size)))
         rows = [(p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)) for p0, p1 in bounds]
         return [(lo, hi, native.gemm_block(hi - lo, ncols)) for lo, hi in rows]
 
@@ -156,11 +165,11 @@ class _Conv:
     def columns_bytes(self) -> int:
         """Bytes of the im2col columns of ``stack`` images; on the shifted path, of the weights
         tap by tap and one padded image; on the tiles path, of one padded image's phase planes
-        (0 for the paths without columns)."""
+        (0 for the paths without columns), one for each block of images run as a piece."""
         if self.path == "tiles":
             if self.phases is None:
                 return 0
-            return self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
+            return self.tiles_images * self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
         return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
@@ -170,10 +179,10 @@ class _Conv:
         """Bytes of a stacked GEMM's product, (M, stack, positions), before it is laid out as
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
         padded width; on the tiles path, of a packed panel of B and a block of tiles for each
-        piece the GEMM is cut into (0 otherwise)."""
+        piece the GEMM is cut into, or each block of images run as a piece (0 otherwise)."""
         if self.path == "tiles":
-            return sum(native.gemm_tiles_bytes(hi - lo, self.c * self.taps, block)
-                       for lo, hi, block in self.tiles_pieces)
+            return self.tiles_images * sum(native.gemm_tiles_bytes(hi - lo, self.c * self.taps, block)
+                                           for lo, hi, block in self.tiles_pieces)
         if self.path == "shifted":
             return self.m * self.out_sp[0] * self.wide * self.dtype.itemsize
         return self.m * self.stack * self.positions * self.dtype.itemsize if self.stack > 1 else 0
@@ -441,41 +450,47 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     kdim, positions = g.c * g.taps, g.positions
     ph = g.phases
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
-    work = scratch_array(scratch, "product", _F32, (g.product_bytes // 4,))
-    # per piece: its rows of the output (whole panels of the packed weights), and its own
-    # packed panel of B (bpack) and tiles (cbuf), consecutive parts of the product scratch
+    copies = g.tiles_images  # blocks of images run at once, each with its own planes and scratch
+    work = scratch_array(scratch, "product", _F32, (copies, g.product_bytes // 4 // copies))
+    # per piece of an image's GEMM: its rows of the output (whole panels of the packed
+    # weights), and its own packed panel of B (bpack) and tiles (cbuf), consecutive parts of
+    # the product scratch (of each copy's part)
     pieces, start = [], 0
     for lo, hi, block in g.tiles_pieces:
         end = start + native.gemm_tiles_bytes(hi - lo, kdim, block) // 4
-        part = work[start:end]
+        part = work[:, start:end]
         pieces.append((slice(lo, hi), slice(lo // native.GEMM_MR, -(-hi // native.GEMM_MR)),
-                       part[:kdim * native.GEMM_NR], part[kdim * native.GEMM_NR:], block))
+                       part[:, :kdim * native.GEMM_NR], part[:, kdim * native.GEMM_NR:], block))
         start = end
     if ph is None:  # a 1x1 conv: B is the image, (C, positions)
         rowoff, ncols, wide, ow = np.arange(g.c, dtype=np.int64) * positions, positions, positions, positions
-        buf, fills, borders = None, [], []
+        bufs, fills, borders = [None] * copies, [[]] * copies, [[]] * copies
     else:
         (oh, ow), wide = g.out_sp, ph.width
         nphases = len(ph.used)
-        buf = scratch_array(scratch, "columns", _F32, (g.c * nphases * ph.length,))
-        planes = buf.reshape(g.c, nphases, ph.length)[:, :, :ph.rows * wide].reshape(g.c, nphases, ph.rows, wide)
-        fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
-        # what no image value lands on: the padding around each phase's image part, the room
-        # past the planes' ends, and whole phases that lie in the padding (zeroed per call: the
-        # scratch is shared with other kernels)
-        flat = buf.reshape(g.c, nphases, ph.length)
-        borders = [flat[:, :, ph.rows * wide:]]
-        filled = {n: (ys, xs) for n, ys, xs, _, _ in ph.fills}
-        for n in range(nphases):
-            if n not in filled:
-                borders.append(planes[:, n])
-                continue
-            ys, xs = filled[n]
-            borders += [planes[:, n, :ys.start], planes[:, n, ys.stop:], planes[:, n, ys, :xs.start],
-                        planes[:, n, ys, xs.stop:]]
-        borders = [v for v in borders if v.size]
+        bufs = list(scratch_array(scratch, "columns", _F32, (copies, g.c * nphases * ph.length)))
+        fills, borders = zip(*(_phase_views(ph, g.c, buf) for buf in bufs))
         rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
         ncols = oh * wide
+
+    def image(x4, wp, o3, b, r3, n, copy):
+        """Image n through planes and scratch ``copy``: its planes filled, its GEMM's pieces."""
+        for dst, src in fills[copy]:  # what lies on the image, overwritten per image
+            np.copyto(dst, x4[n][src])
+        src = x4[n].reshape(-1) if bufs[copy] is None else bufs[copy]
+        return [partial(native.gemm_tiles, wp[ps], src, rowoff, ncols, wide, ow, o3[n, ms], b[ms],
+                        None if r3 is None else r3[n, ms], bpack[copy], cbuf[copy], block, act, alpha, beta)
+                for ms, ps, bpack, cbuf, block in pieces]
+
+    def images(x4, wp, o3, b, r3, n0, n1, copy):
+        """Images n0 .. n1 one after another, a piece of their own (whole GEMMs)."""
+        for view in borders[copy]:
+            view.fill(0)
+        for n in range(n0, n1):
+            for task in image(x4, wp, o3, b, r3, n, copy):
+                task()
+
+    groups = parallel.blocks(g.batch, copies)
 
     def kernel(x, w, *rest):
         out = rest[-1]
@@ -484,20 +499,35 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         x4 = np.ascontiguousarray(x).reshape(g.as2d(x.shape))
         o3 = out.reshape(g.batch, g.m, positions)
         r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
-        for view in borders:
+        if copies > 1:
+            parallel.run([partial(images, x4, wp, o3, b, r3, n0, n1, i) for i, (n0, n1) in enumerate(groups)])
+            return
+        for view in borders[0]:
             view.fill(0)
-
-        def tasks(n, src):
-            return [partial(native.gemm_tiles, wp[ps], src, rowoff, ncols, wide, ow, o3[n, ms], b[ms],
-                            None if r3 is None else r3[n, ms], bpack, cbuf, block, act, alpha, beta)
-                    for ms, ps, bpack, cbuf, block in pieces]
-        # image by image (its pieces share the image's planes, and each piece's scratch serves
-        # one image at a time)
-        for n in range(g.batch):
-            for dst, src in fills:  # what lies on the image, overwritten per image
-                np.copyto(dst, x4[n][src])
-            parallel.run(tasks(n, x4[n].reshape(-1) if buf is None else buf))
+        for n in range(g.batch):  # image by image, its GEMM's pieces sharing its planes
+            parallel.run(image(x4, wp, o3, b, r3, n, 0))
     return kernel
+
+
+def _phase_views(ph: _Phases, c: int, buf: np.ndarray) -> tuple[list, list]:
+    """Views of ``buf`` holding an image's phase planes: (plane view, the image's slices) to
+    fill per image, and what no image value lands on (zeroed per call: the scratch is shared
+    with other kernels): the padding around each phase's image part, the room past the planes'
+    ends, and whole phases that lie in the padding."""
+    nphases, wide = len(ph.used), ph.width
+    flat = buf.reshape(c, nphases, ph.length)
+    planes = flat[:, :, :ph.rows * wide].reshape(c, nphases, ph.rows, wide)
+    fills = [(planes[:, n, ys, xs], (slice(None), ys_in, xs_in)) for n, ys, xs, ys_in, xs_in in ph.fills]
+    borders = [flat[:, :, ph.rows * wide:]]
+    filled = {n: (ys, xs) for n, ys, xs, _, _ in ph.fills}
+    for n in range(nphases):
+        if n not in filled:
+            borders.append(planes[:, n])
+            continue
+        ys, xs = filled[n]
+        borders += [planes[:, n, :ys.start], planes[:, n, ys.stop:], planes[:, n, ys, :xs.start],
+                    planes[:, n, ys, xs.stop:]]
+    return fills, [v for v in borders if v.size]
 
 
 def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool, has_epilogue: bool,

@@ -139,6 +139,10 @@ TILE_CASES = [
     ("fused_conv", [(2, 3, 23, 20), (21, 3, 7, 7), (21,)], _geometry(stride=2, pad=3)),
     ("conv", [(3, 10, 9, 7), (50, 10, 3, 3)], _geometry(stride=2)),
     ("fused_conv", [(2, 9, 8, 8), (29, 9, 1, 1), (29,), (2, 29, 8, 8)], _geometry(**_CONV)),
+    # one panel of output channels: an image's GEMM is not cut, blocks of images are the pieces
+    ("fused_conv", [(5, 8, 9, 7), (6, 8, 3, 3), (6,), (5, 6, 9, 7)], _geometry(pad=1, **_CONV)),
+    ("conv", [(3, 9, 11, 10), (8, 9, 3, 3)], _geometry(stride=2, pad=1)),
+    ("conv", [(3, 70, 8, 8), (5, 70, 1, 1)], _geometry()),
 ]
 
 
@@ -160,7 +164,9 @@ def _tile_conv(monkeypatch, name, shapes, attrs, n_threads, gemm_tiles):
     (out_type,) = OPS[name].infer(types, attrs)
     geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
     assert geometry.path == "tiles"
-    assert len(geometry.tiles_pieces) == min(int(n_threads), -(-shapes[1][0] // native.GEMM_MR))
+    panels = -(-shapes[1][0] // native.GEMM_MR)
+    assert len(geometry.tiles_pieces) == min(int(n_threads), panels)
+    assert geometry.tiles_images == (min(int(n_threads), shapes[0][0]) if panels == 1 else 1)
     requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
     scratch = standalone(None, requests)
     for request in requests:
@@ -168,34 +174,41 @@ def _tile_conv(monkeypatch, name, shapes, attrs, n_threads, gemm_tiles):
     out = np.full(out_type.shape, np.nan, np.float32)
     prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
     (want,) = OPS[name].reference(*xs, **attrs)
-    return out, want
+    return out, want, geometry
 
 
 @pytest.mark.parametrize("n_threads", ["2", "3"])
 @pytest.mark.parametrize("name, shapes, attrs", TILE_CASES, ids=[str(c[1][1]) for c in TILE_CASES])
 def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs):
-    """A tiled conv cut into blocks of output channels gives what the uncut one gives and the
-    reference; every piece of a run packs and accumulates in its own part of the scratch."""
+    """A tiled conv cut into blocks of output channels (or of images) gives what the uncut one
+    gives and the reference; each piece that may run beside another packs and accumulates in
+    its own part of the scratch, reads its own planes, and writes its own part of the output."""
     from polyhal_cpu import native
 
-    whole, want = _tile_conv(monkeypatch, name, shapes, attrs, "1", native.gemm_tiles)
+    whole, want, _ = _tile_conv(monkeypatch, name, shapes, attrs, "1", native.gemm_tiles)
     calls = []
 
     def recording(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest):
-        calls.append((out, bpack, cbuf))
+        calls.append((out, src, bpack, cbuf))
         original(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest)
     original = native.gemm_tiles
-    cut, _ = _tile_conv(monkeypatch, name, shapes, attrs, n_threads, recording)
+    cut, _, geometry = _tile_conv(monkeypatch, name, shapes, attrs, n_threads, recording)
     np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cut, want, rtol=1e-4, atol=1e-4)
-    pieces = len(calls) // shapes[0][0]
-    assert pieces > 1
-    for image in range(shapes[0][0]):
-        run = calls[image * pieces:(image + 1) * pieces]
-        for i, (out_a, *scratch_a) in enumerate(run):
-            for out_b, *scratch_b in run[i + 1:]:
-                assert not np.shares_memory(out_a, out_b)
-                assert not any(np.shares_memory(a, b) for a in scratch_a for b in scratch_b)
+    assert len(calls) == shapes[0][0] * len(geometry.tiles_pieces)
+    for i, (out_a, *_) in enumerate(calls):
+        assert not any(np.shares_memory(out_a, out_b) for out_b, *_ in calls[i + 1:])
+    scratch = {bpack.ctypes.data: (bpack, cbuf) for _, _, bpack, cbuf in calls}
+    assert len(scratch) == len(geometry.tiles_pieces) * geometry.tiles_images > 1
+    parts = list(scratch.values())
+    for i, part_a in enumerate(parts):
+        for part_b in parts[i + 1:]:
+            assert not any(np.shares_memory(a, b) for a in part_a for b in part_b)
+    if geometry.tiles_images > 1 and geometry.phases is not None:  # each block of images its own planes
+        planes = {src.ctypes.data: src for _, src, _, _ in calls}
+        assert len(planes) == geometry.tiles_images
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(planes.values())
+                       for b in list(planes.values())[i + 1:])
 
 
 def test_gemm_split_shapes(monkeypatch):
