@@ -211,6 +211,48 @@ def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs
                        for b in list(planes.values())[i + 1:])
 
 
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
+    """A channel-blocked 1x1 conv's tiles cut into blocks of pixels (the last partial: 7 x 9 =
+    63 pixels) on nan-filled scratch give the uncut result and the reference, each block with
+    its own part of the ``rows`` scratch and of the output."""
+    from polyhal import registry
+    from polyhal_cpu import conv_kernels, native
+    from polyhal_cpu.scratch import standalone
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    name, shapes, attrs = "blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(types, attrs)
+    original, calls, results = native.gemm_channels_last, [], []
+
+    def recording(x, wt, out, bias, residual, cbuf, apad, *rest):
+        calls.append((out, cbuf, apad))
+        original(x, wt, out, bias, residual, cbuf, apad, *rest)
+    monkeypatch.setattr(native, "gemm_channels_last", recording)
+    for threads_ in ("1", n_threads):
+        _split_everything(monkeypatch, threads_)
+        assert len(conv_kernels._pointwise_tiles(attrs, *types[:2])[3]) == int(threads_)
+        requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
+        scratch = standalone(None, requests)
+        for request in requests:
+            scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+        out = np.full(out_type.shape, np.nan, np.float32)
+        calls.clear()
+        prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
+        results.append(out)
+    assert len(calls) == int(n_threads)
+    for i, part_a in enumerate(calls):
+        for part_b in calls[i + 1:]:
+            assert not any(np.shares_memory(a, b) for a in part_a for b in part_b)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
 def test_gemm_split_shapes(monkeypatch):
     """Pieces cover the product once, along the longer side or the one asked for, aligned, and
     a product too small for two pieces, or bound by memory, is not cut."""
