@@ -136,10 +136,12 @@ def test_split_gemms_and_loops_equal_the_whole(monkeypatch, n_threads, name, sha
 # partial last one, stride-1 and strided (phase planes), 1x1 (B the image itself), batches.
 TILE_CASES = [
     ("fused_conv", [(1, 8, 13, 11), (37, 8, 3, 3), (37,), (1, 37, 13, 11)], _geometry(pad=1, **_CONV)),
+    # batches: blocks of images, but batches of 2 by 3 threads cut by channels; one panel of
+    # output channels
     ("fused_conv", [(2, 3, 23, 20), (21, 3, 7, 7), (21,)], _geometry(stride=2, pad=3)),
+    ("fused_conv", [(2, 9, 9, 8), (29, 9, 3, 3), (29,), (2, 29, 9, 8)], _geometry(pad=1, **_CONV)),
     ("conv", [(3, 10, 9, 7), (50, 10, 3, 3)], _geometry(stride=2)),
     ("fused_conv", [(2, 9, 8, 8), (29, 9, 1, 1), (29,), (2, 29, 8, 8)], _geometry(**_CONV)),
-    # one panel of output channels: an image's GEMM is not cut, blocks of images are the pieces
     ("fused_conv", [(5, 8, 9, 7), (6, 8, 3, 3), (6,), (5, 6, 9, 7)], _geometry(pad=1, **_CONV)),
     ("conv", [(3, 9, 11, 10), (8, 9, 3, 3)], _geometry(stride=2, pad=1)),
     ("conv", [(3, 70, 8, 8), (5, 70, 1, 1)], _geometry()),
@@ -164,9 +166,10 @@ def _tile_conv(monkeypatch, name, shapes, attrs, n_threads, gemm_tiles):
     (out_type,) = OPS[name].infer(types, attrs)
     geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
     assert geometry.path == "tiles"
-    panels = -(-shapes[1][0] // native.GEMM_MR)
-    assert len(geometry.tiles_pieces) == min(int(n_threads), panels)
-    assert geometry.tiles_images == (min(int(n_threads), shapes[0][0]) if panels == 1 else 1)
+    # cut by channels, or (in a batch, where that gives as many pieces) into blocks of images
+    by_channels, by_images = min(int(n_threads), -(-shapes[1][0] // native.GEMM_MR)), min(int(n_threads), shapes[0][0])
+    images = by_images > 1 and by_images >= by_channels
+    assert (len(geometry.tiles_pieces), geometry.tiles_images) == ((1, by_images) if images else (by_channels, 1))
     requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
     scratch = standalone(None, requests)
     for request in requests:
