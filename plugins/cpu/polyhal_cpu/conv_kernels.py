@@ -452,9 +452,9 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     of the ``product`` scratch. Cut by channels, each piece reads all of B; cutting by columns
     would share B's reads but needs the output's row stride apart from its width, which the
     compiled loop does not take. In a batch, blocks of whole images are the pieces instead
-    (``g.tiles_images``; see :meth:`_Conv._tile_pieces`), each with its own planes and scratch. Measured
-    on the 2-core VM when its other core was free: ResNet-50's and DenseNet's 3x3 convs at b1
-    2.3-2.5 -> 1.4-1.5 ms.
+    (``g.tiles_images``; see :meth:`_Conv._tile_pieces`), each with its own planes and
+    scratch. Measured on the 2-core VM while its other core was free: ResNet-50's and
+    DenseNet's 3x3 convs at b1 2.3-2.5 -> 1.4-1.5 ms on two threads.
 
     Measured single-threaded on a 2-core VM (AVX-512) against the paths it replaces: ResNet-50's
     3x3 convs 2.8-3.4 -> 2.3-3.0 ms, DenseNet's 128 -> 32 channel 3x3 convs at 56x56, 28x28 and

@@ -225,7 +225,8 @@ def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
 
     if not native.available(np.float32):
         pytest.skip("the compiled loops are not available here")
-    name, shapes, attrs = "blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)
+    name, attrs = "blocked_conv", _geometry(**_CONV)
+    shapes = [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)]
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     types = tuple(TensorType(x.shape, x.dtype) for x in xs)
