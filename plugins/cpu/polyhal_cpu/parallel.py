@@ -38,8 +38,8 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -65,7 +65,17 @@ GEMM_PIECES_PER_THREAD = 1
 #: Alignment of a GEMM piece's rows and columns (whole register blocks of sgemm's kernels).
 GEMM_ALIGN = 16
 
-_pool: ThreadPoolExecutor | None = None
+#: Microseconds a pool thread spins after its work before it blocks, and the caller at most
+#: for the pool threads to leave a run, while the budget has two threads or more (module doc).
+SPIN_US = 1000
+#: Microseconds a spinning pool thread waits after it saw a run start before it takes the GIL,
+#: which the caller holds until its own first piece releases it (see the module doc).
+LINGER_US = 8
+#: ``flags`` index of the number of the last run published; pool thread ``w`` posts the number
+#: of the last run it left at ``8 * w`` (each on a cache line of its own).
+_STARTED, _SLOT = 0, 8
+
+_pool: "_Pool | None" = None
 _pool_lock = threading.Lock()
 _local = threading.local()  # .busy: this thread is running a piece (no nested splitting)
 
@@ -75,11 +85,93 @@ def threads() -> int:
     return budget().size
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
+class _Pool:
+    """The pool threads and how they wait for a run (see the module doc). A run is published
+    by setting ``job`` and then ``flags[_STARTED]`` to its number; a thread that left the last
+    one spins on that flag (compiled, GIL released: :func:`polyhal_cpu.native.spin_wait`) for
+    :data:`SPIN_US` while the budget's CPUs are free, then blocks on its own lock, which
+    :meth:`start` releases."""
+
+    def __init__(self) -> None:
+        from polyhal_cpu.threads import MAX_THREADS
+
+        self.flags = np.zeros(_SLOT * MAX_THREADS, np.int64)
+        self.job: tuple[int, Callable[[int], None]] | None = None
+        self.threads = 0
+        #: Held by the thread whose run the pool serves (another thread's runs go serially).
+        self.dispatch = threading.Lock()
+        self._sleeping: list[threading.Lock] = []  # gates of blocked threads, to release
+        self._mutex = threading.Lock()
+        from polyhal_cpu.native import spin_wait
+
+        self._spin = spin_wait()
+        per_round = _round_seconds(self._spin) if self._spin else 0.0
+        self.rounds = int(SPIN_US * 1e-6 / per_round) if per_round else 0
+        self.linger = int(LINGER_US * 1e-6 / per_round) if per_round else 0
+
+    def grow(self, n: int) -> None:
+        """Have ``n`` threads at least."""
+        while self.threads < n:
+            self.threads += 1
+            threading.Thread(target=self._serve, args=(self.threads,), name=f"polyhal-cpu-{self.threads}",
+                             daemon=True).start()
+
+    def start(self, job: Callable[[int], None], number: int, wake: int) -> None:
+        """Publish ``job`` as run ``number`` (to every thread that looks: ``job(w)`` on pool
+        thread ``w``) and release up to ``wake`` blocked threads."""
+        self.job = number, job
+        with self._mutex:  # a thread checks the flag under the mutex before it blocks
+            self.flags[_STARTED] = number
+            gates, self._sleeping[:wake] = self._sleeping[:wake], []
+        for gate in gates:
+            gate.release()
+
+    def wait(self, index: int, target: int, post: int = -1, value: int = 0, linger: int = 0) -> None:
+        """Spin (bounded, GIL released) until ``flags[index]`` reaches ``target`` if the
+        budget's CPUs are free of other work, returning at once when they are not; first store
+        ``value`` in ``flags[post]`` (``post`` >= 0) -- with the GIL released, so that a
+        thread spinning on it finds the GIL free."""
+        if self.rounds and budget().active >= 2:
+            self._spin(self.flags, post, value, index, target, self.rounds, linger)
+        elif post >= 0:
+            self.flags[post] = value
+
+    def _serve(self, w: int) -> None:
+        _batch_policy()
+        gate = threading.Lock()
+        gate.acquire()  # held: acquiring it again blocks until start() releases it
+        seen, left = int(self.flags[_STARTED]), -1
+        while True:
+            self.wait(_STARTED, seen + 1, _SLOT * w if left >= 0 else -1, left, self.linger)
+            with self._mutex:
+                blocked = self.flags[_STARTED] == seen
+                if blocked:
+                    self._sleeping.append(gate)
+            if blocked:
+                gate.acquire()
+            seen = int(self.flags[_STARTED])
+            if self.job is not None:
+                left, job = self.job
+                job(w)
+
+
+def _round_seconds(spin: Callable) -> float:
+    """Seconds one round of ``spin`` takes here (the fastest of three timings of 2000: a
+    preempted one reads long)."""
+    flags, rounds, best = np.zeros(2, np.int64), 2000, float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        spin(flags, -1, 0, 0, 1, rounds, 0)
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9) / rounds
+
+
+def _threads(n: int) -> _Pool:
     global _pool
     with _pool_lock:
-        if _pool is None or _pool._max_workers < n - 1:  # noqa: SLF001
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="polyhal-cpu", initializer=_batch_policy)
+        if _pool is None:
+            _pool = _Pool()
+        _pool.grow(n - 1)
         return _pool
 
 
@@ -102,23 +194,36 @@ def run(tasks: Sequence[Callable[[], object]]) -> None:
     budget is cut to one thread, when there is one task, or inside another :func:`run`'s task."""
     count = len(tasks)
     state = budget()
-    if count < 2 or state.active < 2 or getattr(_local, "busy", False):
+    pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
+    if pool is None or not pool.dispatch.acquire(blocking=False):
         for task in tasks:
             task()
         return
+    try:
+        _run(pool, tasks, min(state.active, count) - 1)
+    finally:
+        pool.dispatch.release()
+
+
+def _run(pool: _Pool, tasks: Sequence[Callable[[], object]], wake: int) -> None:
+    count = len(tasks)
     # next() on a count is atomic under the GIL: one counter hands out pieces, one counts
-    # those finished, and the thread finishing the last wakes the caller. The caller waits for
+    # those finished, and the thread finishing the last sets ``done``. The caller waits for
     # pieces, never for threads: a pool thread that wakes after the caller took every piece
     # finds none and costs the caller nothing.
-    taken, finished = itertools.count(), itertools.count(1)
-    done, failed = threading.Event(), []
+    taken, finished, seats = itertools.count(), itertools.count(1), itertools.count()
+    done, failed, joined = threading.Event(), [], []
+    number = int(pool.flags[_STARTED]) + 1
 
-    def take() -> None:
+    def take(publish: bool = False) -> None:
         _local.busy = True
         try:
             for i in iter(taken.__next__, None):
                 if i >= count:
                     return
+                if publish:  # as late as can be: see LINGER_US
+                    pool.start(help, number, wake)
+                    publish = False
                 try:
                     tasks[i]()
                 except BaseException as exc:  # noqa: BLE001 -- raised again on the calling thread
@@ -127,11 +232,19 @@ def run(tasks: Sequence[Callable[[], object]]) -> None:
                     done.set()
         finally:
             _local.busy = False
-    pool = _executor(state.size)
-    for _ in range(min(state.active, count) - 1):
-        pool.submit(take)
-    take()
+
+    def help(w: int) -> None:  # pool thread w's part: the first ``wake`` threads that look take pieces
+        if next(seats) < wake:
+            joined.append(w)
+            take()
+    take(publish=True)
+    # The pool threads that took part post the run's number once they are back in their spin,
+    # the GIL released: waiting for that (bounded) keeps the caller's next Python clear of
+    # theirs (a thread that finds the GIL taken sleeps, ~25 us to wake on a VM).
+    for w in tuple(joined):
+        pool.wait(_SLOT * w, number)
     done.wait()
+    pool.job = None  # the tasks' arrays are not kept alive until the next run
     if failed:
         raise failed[0]
 
