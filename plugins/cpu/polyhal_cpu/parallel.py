@@ -6,10 +6,31 @@ of the output) and runs them on the calling thread and ``active - 1`` pool threa
 budget, :mod:`polyhal_cpu.threads`): every thread takes the next piece from one counter until
 none is left, so a pool thread that wakes late finds less work (or none) rather than holding
 the caller up, and the caller waits for pieces, never for a thread that found none. Pool
-threads wait on a queue (a futex), never spin, and are ``SCHED_BATCH`` (:func:`_batch_policy`):
-on cores that other processes keep busy a woken pool thread queues rather than preempting the
-caller, which then takes the pieces itself. A piece that calls :func:`run` again (a kernel built
-from other kernels) runs its pieces itself, one after another: parallelism is never nested.
+threads are ``SCHED_BATCH`` (:func:`_batch_policy`): on cores that other processes keep busy a
+woken pool thread queues rather than preempting the caller, which then takes the pieces itself.
+A piece that calls :func:`run` again (a kernel built from other kernels) runs its pieces itself,
+one after another: parallelism is never nested.
+
+**Spin, then block.** A thread woken from a futex starts ~30-80 µs later on a VM (an idle vCPU
+halts, and waking it is an interrupt through the hypervisor), as long as many a kernel's half.
+So, as onnxruntime's pool does, a pool thread that leaves a run spins for the next one for
+:data:`SPIN_US` before it blocks on its own lock -- but only while the budget's CPUs are free
+of other processes' work (``Budget.active >= 2``); while they are shared it blocks at once, and
+nothing spins longer than the bound after the last run. The spin is compiled
+(:func:`polyhal_cpu.native.spin_wait`: an atomic load and a ``pause`` a round), with the GIL
+released, on a counter the caller bumps to publish a run (and it releases the locks of
+threads that blocked). The GIL decides the rest: a thread that asks for it while another
+holds it sleeps on a condition variable, and pays the same wake-up. So the caller publishes a
+run just before it calls its first piece, and a spinning thread that sees it waits
+:data:`LINGER_US` more (the caller's way into the piece's GIL-free code) before it takes the
+GIL; a pool thread posts that it left a run from inside its spin, the GIL released, and the
+caller waits for that (bounded) before it goes on, so that the two do not run Python at once.
+Measured on a 2-core VM (pool threads at the caller's real-time priority, median ms, one
+thread / the pool blocking / the pool spinning, in one process): ResNet-50 b1 105 / 72 / 69,
+EfficientNet-B0 b1 16.0 / 15.1 / 14.6, MobileNetV3-large b1 9.2 / 9.1 / 9.0 (its pieces are
+few and small); two 86 µs GEMM pieces 172 µs one after another, 148 µs on the blocking pool,
+107-131 µs spinning. Threaded OpenBLAS, whose workers spin for ~0.1 s in C and need no GIL, is
+still faster where kernels are small (MobileNetV3-large 6.9, EfficientNet-B0 12.3, ResNet-50 61).
 
 **What is cut.** BLAS runs single-threaded (:mod:`polyhal_cpu.threads` pins it to one thread), so
 a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
@@ -21,8 +42,9 @@ block one single-threaded sgemm on contiguous panels of its operands (numpy's ma
 arrays), and :func:`parallel` wraps the builders of row-wise numpy kernels (softmax,
 layer_norm, GELU).
 
-**Grain.** Handing a piece to a pool thread and waiting for it costs ~30 µs, ~50-80 µs when the
-thread has gone idle (a 2-core VM), so only work of a couple of hundred microseconds is cut:
+**Grain.** Handing a piece to a pool thread and waiting for it costs ~15-30 µs while it spins,
+~50-80 µs when it has blocked (a 2-core VM), so only work of a couple of hundred microseconds
+is cut (finer cuts, measured with the spin, made ResNet-50 and MobileNet slower):
 GEMM pieces of :data:`GEMM_PIECE_US` estimated microseconds at least, loops from
 :data:`MIN_ELEMENTS` output elements times a kernel's ``factor`` (set from each loop's
 single-threaded cost per element: an epilogue pass is cut only when very large). Cutting
@@ -173,6 +195,15 @@ def _threads(n: int) -> _Pool:
             _pool = _Pool()
         _pool.grow(n - 1)
         return _pool
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _batch_policy() -> None:
