@@ -25,12 +25,13 @@ run just before it calls its first piece, and a spinning thread that sees it wai
 :data:`LINGER_US` more (the caller's way into the piece's GIL-free code) before it takes the
 GIL; a pool thread posts that it left a run from inside its spin, the GIL released, and the
 caller waits for that (bounded) before it goes on, so that the two do not run Python at once.
-Measured on a 2-core VM (pool threads at the caller's real-time priority, median ms, one
-thread / the pool blocking / the pool spinning, in one process): ResNet-50 b1 105 / 72 / 69,
-EfficientNet-B0 b1 16.0 / 15.1 / 14.6, MobileNetV3-large b1 9.2 / 9.1 / 9.0 (its pieces are
-few and small); two 86 µs GEMM pieces 172 µs one after another, 148 µs on the blocking pool,
-107-131 µs spinning. Threaded OpenBLAS, whose workers spin for ~0.1 s in C and need no GIL, is
-still faster where kernels are small (MobileNetV3-large 6.9, EfficientNet-B0 12.3, ResNet-50 61).
+Measured on a 2-core VM whose other users kept it busy (load average 3-4; benchmark and pool
+threads at real-time priority; median ms, in one process taking turns: one thread / the pool
+blocking / the pool spinning): ResNet-50 b1 104-106 / 74-79 / 70-71, DenseNet-121 b1 84-86 /
+73-74 / 71; EfficientNet-B0 and MobileNetV3-large b1 moved by no more than the noise (~3%): few
+of their kernels are cut. Two 86 µs GEMM pieces: 172 µs one after another, ~150 µs on the
+blocking pool, 107-131 µs spinning. Threaded OpenBLAS (workers that spin in C for ~0.1 s and
+need no GIL) stays ahead where kernels are small: 61-85, 55-62, 12.2-13.7 and 7.0 ms.
 
 **What is cut.** BLAS runs single-threaded (:mod:`polyhal_cpu.threads` pins it to one thread), so
 a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
