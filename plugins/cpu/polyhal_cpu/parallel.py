@@ -223,7 +223,8 @@ def _batch_policy() -> None:
 def run(tasks: Sequence[Callable[[], object]]) -> None:
     """Run ``tasks`` (thunks writing disjoint outputs) on the calling thread and the pool, each
     thread taking the next from one counter; one after another on the calling thread when the
-    budget is cut to one thread, when there is one task, or inside another :func:`run`'s task."""
+    budget is cut to one thread, when there is one task, inside another :func:`run`'s task, or
+    while another thread's run holds the pool."""
     count = len(tasks)
     state = budget()
     pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
