@@ -161,6 +161,7 @@ def _warm(loops: dict[str, Callable]) -> None:
     tiles.flags.writeable = False
     for residual in (none4, nhwc):
         loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
+    loops["spin_wait"](np.zeros(2, np.int64), -1, 0, 0, 0, 1, 0)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
@@ -367,6 +368,13 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+def spin_wait() -> Callable[[np.ndarray, int, int, int, int, int, int], None] | None:
+    """The compiled ``spin_wait(flags, post, value, index, target, rounds, linger)`` of
+    :mod:`polyhal_cpu.native_loops` (``flags`` a C-contiguous int64 vector; the GIL released),
+    or None where the compiled loops are off (then :mod:`polyhal_cpu.parallel` never spins)."""
+    return _compiled()["spin_wait"] if available() else None
 
 
 if __name__ == "__main__":  # the child process of native_aot that compiles the ahead-of-time module

@@ -6,23 +6,75 @@ for a loop. Every loop takes float32 C-contiguous arrays and releases the GIL.
 
 from __future__ import annotations
 
+import platform
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
            "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_channels_last",
-           "gemm_tiles", "im2col",
-           "im2col_phases",
-           "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
+           "gemm_tiles", "im2col", "im2col_phases", "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows",
+           "softmax_rows", "spin_wait"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
 _jit = njit(fastmath={"contract", "arcp", "reassoc", "nsz", "afn"}, error_model="numpy", nogil=True,
             cache=True, boundscheck=False)
 f32, i32 = np.float32, np.int32
+
+
+# ------------------------------------------------------------------------------- the pool's wait
+
+@intrinsic
+def _load_acquire(typingctx, flags, index):
+    """``flags[index]`` (int64) by an atomic load: a plain load of memory the loop never writes
+    is hoisted out of the loop by LLVM, and the loop would never see another thread's store."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.load_atomic(builder.gep(array.data, [args[1]]), "acquire", 8)
+    return types.int64(flags, types.intp), codegen
+
+
+@intrinsic
+def _pause(typingctx):
+    """x86's ``pause`` (a spin-wait hint: the core backs off its speculative loads and leaves
+    issue slots to its hyper-thread sibling); nothing on other CPUs."""
+    def codegen(context, builder, signature, args):
+        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+            pause = builder.module.declare_intrinsic("llvm.x86.sse2.pause", fnty=ir.FunctionType(ir.VoidType(), []))
+            builder.call(pause, [])
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+@intrinsic
+def _store_release(typingctx, flags, index, value):
+    """``flags[index] = value`` (int64) by an atomic store that no earlier store passes."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.store_atomic(args[2], builder.gep(array.data, [args[1]]), "release", 8)
+        return context.get_dummy_value()
+    return types.void(flags, types.intp, types.int64), codegen
+
+
+@_jit
+def spin_wait(flags, post, value, index, target, rounds, linger):
+    """polyhal_cpu.parallel's bounded spin, the GIL released: store ``value`` in
+    ``flags[post]`` first (``post`` >= 0), then return once ``flags[index]`` has reached
+    ``target`` (and ``linger`` more rounds have passed), or after ``rounds`` looks at it, a
+    pause between two."""
+    if post >= 0:
+        _store_release(flags, post, value)
+    for _ in range(rounds):
+        if _load_acquire(flags, index) >= target:
+            for _ in range(linger):
+                _pause()
+            return
+        _pause()
 
 
 @_jit

@@ -6,10 +6,32 @@ of the output) and runs them on the calling thread and ``active - 1`` pool threa
 budget, :mod:`polyhal_cpu.threads`): every thread takes the next piece from one counter until
 none is left, so a pool thread that wakes late finds less work (or none) rather than holding
 the caller up, and the caller waits for pieces, never for a thread that found none. Pool
-threads wait on a queue (a futex), never spin, and are ``SCHED_BATCH`` (:func:`_batch_policy`):
-on cores that other processes keep busy a woken pool thread queues rather than preempting the
-caller, which then takes the pieces itself. A piece that calls :func:`run` again (a kernel built
-from other kernels) runs its pieces itself, one after another: parallelism is never nested.
+threads are ``SCHED_BATCH`` (:func:`_batch_policy`): on cores that other processes keep busy a
+woken pool thread queues rather than preempting the caller, which then takes the pieces itself.
+A piece that calls :func:`run` again (a kernel built from other kernels) runs its pieces itself,
+one after another: parallelism is never nested.
+
+**Spin, then block.** A thread woken from a futex starts ~30-80 µs later on a VM (an idle vCPU
+halts, and waking it is an interrupt through the hypervisor), as long as many a kernel's half.
+So, as onnxruntime's pool does, a pool thread that leaves a run spins for the next one for
+:data:`SPIN_US` before it blocks on its own lock -- but only while the budget's CPUs are free
+of other processes' work (``Budget.active >= 2``); while they are shared it blocks at once, and
+nothing spins longer than the bound after the last run. The spin is compiled
+(:func:`polyhal_cpu.native.spin_wait`: an atomic load and a ``pause`` a round), with the GIL
+released, on a counter the caller bumps to publish a run (and it releases the locks of
+threads that blocked). The GIL decides the rest: a thread that asks for it while another
+holds it sleeps on a condition variable, and pays the same wake-up. So the caller publishes a
+run just before it calls its first piece, and a spinning thread that sees it waits
+:data:`LINGER_US` more (the caller's way into the piece's GIL-free code) before it takes the
+GIL; a pool thread posts that it left a run from inside its spin, the GIL released, and the
+caller waits for that (bounded) before it goes on, so that the two do not run Python at once.
+Measured on a 2-core VM whose other users kept it busy (load average 3-4; benchmark and pool
+threads at real-time priority; median ms, in one process taking turns: one thread / the pool
+blocking / the pool spinning): ResNet-50 b1 104-106 / 74-79 / 70-71, DenseNet-121 b1 84-86 /
+73-74 / 71; EfficientNet-B0 and MobileNetV3-large b1 moved by no more than the noise (~3%): few
+of their kernels are cut. Two 86 µs GEMM pieces: 172 µs one after another, ~150 µs on the
+blocking pool, 107-131 µs spinning. Threaded OpenBLAS (workers that spin in C for ~0.1 s and
+need no GIL) stays ahead where kernels are small: 61-85, 55-62, 12.2-13.7 and 7.0 ms.
 
 **What is cut.** BLAS runs single-threaded (:mod:`polyhal_cpu.threads` pins it to one thread), so
 a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
@@ -21,8 +43,9 @@ block one single-threaded sgemm on contiguous panels of its operands (numpy's ma
 arrays), and :func:`parallel` wraps the builders of row-wise numpy kernels (softmax,
 layer_norm, GELU).
 
-**Grain.** Handing a piece to a pool thread and waiting for it costs ~30 µs, ~50-80 µs when the
-thread has gone idle (a 2-core VM), so only work of a couple of hundred microseconds is cut:
+**Grain.** Handing a piece to a pool thread and waiting for it costs ~15-30 µs while it spins,
+~50-80 µs when it has blocked (a 2-core VM), so only work of a couple of hundred microseconds
+is cut (finer cuts, measured with the spin, made ResNet-50 and MobileNet slower):
 GEMM pieces of :data:`GEMM_PIECE_US` estimated microseconds at least, loops from
 :data:`MIN_ELEMENTS` output elements times a kernel's ``factor`` (set from each loop's
 single-threaded cost per element: an epilogue pass is cut only when very large). Cutting
@@ -38,8 +61,8 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -65,7 +88,17 @@ GEMM_PIECES_PER_THREAD = 1
 #: Alignment of a GEMM piece's rows and columns (whole register blocks of sgemm's kernels).
 GEMM_ALIGN = 16
 
-_pool: ThreadPoolExecutor | None = None
+#: Microseconds a pool thread spins after its work before it blocks, and the caller at most
+#: for the pool threads to leave a run, while the budget has two threads or more (module doc).
+SPIN_US = 1000
+#: Microseconds a spinning pool thread waits after it saw a run start before it takes the GIL,
+#: which the caller holds until its own first piece releases it (see the module doc).
+LINGER_US = 8
+#: ``flags`` index of the number of the last run published; pool thread ``w`` posts the number
+#: of the last run it left at ``8 * w`` (each on a cache line of its own).
+_STARTED, _SLOT = 0, 8
+
+_pool: "_Pool | None" = None
 _pool_lock = threading.Lock()
 _local = threading.local()  # .busy: this thread is running a piece (no nested splitting)
 
@@ -75,12 +108,103 @@ def threads() -> int:
     return budget().size
 
 
-def _executor(n: int) -> ThreadPoolExecutor:
+class _Pool:
+    """The pool threads and how they wait for a run (see the module doc). A run is published
+    by setting ``job`` and then ``flags[_STARTED]`` to its number; a thread that left the last
+    one spins on that flag (compiled, GIL released: :func:`polyhal_cpu.native.spin_wait`) for
+    :data:`SPIN_US` while the budget's CPUs are free, then blocks on its own lock, which
+    :meth:`start` releases."""
+
+    def __init__(self) -> None:
+        from polyhal_cpu.threads import MAX_THREADS
+
+        self.flags = np.zeros(_SLOT * MAX_THREADS, np.int64)
+        self.job: tuple[int, Callable[[int], None]] | None = None
+        self.threads = 0
+        #: Held by the thread whose run the pool serves (another thread's runs go serially).
+        self.dispatch = threading.Lock()
+        self._sleeping: list[threading.Lock] = []  # gates of blocked threads, to release
+        self._mutex = threading.Lock()
+        from polyhal_cpu.native import spin_wait
+
+        self._spin = spin_wait()
+        per_round = _round_seconds(self._spin) if self._spin else 0.0
+        self.rounds = int(SPIN_US * 1e-6 / per_round) if per_round else 0
+        self.linger = int(LINGER_US * 1e-6 / per_round) if per_round else 0
+
+    def grow(self, n: int) -> None:
+        """Have ``n`` threads at least."""
+        while self.threads < n:
+            self.threads += 1
+            threading.Thread(target=self._serve, args=(self.threads,), name=f"polyhal-cpu-{self.threads}",
+                             daemon=True).start()
+
+    def start(self, job: Callable[[int], None], number: int, wake: int) -> None:
+        """Publish ``job`` as run ``number`` (to every thread that looks: ``job(w)`` on pool
+        thread ``w``) and release up to ``wake`` blocked threads."""
+        self.job = number, job
+        with self._mutex:  # a thread checks the flag under the mutex before it blocks
+            self.flags[_STARTED] = number
+            gates, self._sleeping[:wake] = self._sleeping[:wake], []
+        for gate in gates:
+            gate.release()
+
+    def wait(self, index: int, target: int, post: int = -1, value: int = 0, linger: int = 0) -> None:
+        """Spin (bounded, GIL released) until ``flags[index]`` reaches ``target`` if the
+        budget's CPUs are free of other work, returning at once when they are not; first store
+        ``value`` in ``flags[post]`` (``post`` >= 0) -- with the GIL released, so that a
+        thread spinning on it finds the GIL free."""
+        if self.rounds and budget().active >= 2:
+            self._spin(self.flags, post, value, index, target, self.rounds, linger)
+        elif post >= 0:
+            self.flags[post] = value
+
+    def _serve(self, w: int) -> None:
+        _batch_policy()
+        gate = threading.Lock()
+        gate.acquire()  # held: acquiring it again blocks until start() releases it
+        seen, left = int(self.flags[_STARTED]), -1
+        while True:
+            self.wait(_STARTED, seen + 1, _SLOT * w if left >= 0 else -1, left, self.linger)
+            with self._mutex:
+                blocked = self.flags[_STARTED] == seen
+                if blocked:
+                    self._sleeping.append(gate)
+            if blocked:
+                gate.acquire()
+            seen = int(self.flags[_STARTED])
+            if self.job is not None:
+                left, job = self.job
+                job(w)
+
+
+def _round_seconds(spin: Callable) -> float:
+    """Seconds one round of ``spin`` takes here (the fastest of three timings of 2000: a
+    preempted one reads long)."""
+    flags, rounds, best = np.zeros(2, np.int64), 2000, float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        spin(flags, -1, 0, 0, 1, rounds, 0)
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9) / rounds
+
+
+def _threads(n: int) -> _Pool:
     global _pool
     with _pool_lock:
-        if _pool is None or _pool._max_workers < n - 1:  # noqa: SLF001
-            _pool = ThreadPoolExecutor(max_workers=n - 1, thread_name_prefix="polyhal-cpu", initializer=_batch_policy)
+        if _pool is None:
+            _pool = _Pool()
+        _pool.grow(n - 1)
         return _pool
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _batch_policy() -> None:
@@ -99,26 +223,40 @@ def _batch_policy() -> None:
 def run(tasks: Sequence[Callable[[], object]]) -> None:
     """Run ``tasks`` (thunks writing disjoint outputs) on the calling thread and the pool, each
     thread taking the next from one counter; one after another on the calling thread when the
-    budget is cut to one thread, when there is one task, or inside another :func:`run`'s task."""
+    budget is cut to one thread, when there is one task, inside another :func:`run`'s task, or
+    while another thread's run holds the pool."""
     count = len(tasks)
     state = budget()
-    if count < 2 or state.active < 2 or getattr(_local, "busy", False):
+    pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
+    if pool is None or not pool.dispatch.acquire(blocking=False):
         for task in tasks:
             task()
         return
+    try:
+        _run(pool, tasks, min(state.active, count) - 1)
+    finally:
+        pool.dispatch.release()
+
+
+def _run(pool: _Pool, tasks: Sequence[Callable[[], object]], wake: int) -> None:
+    count = len(tasks)
     # next() on a count is atomic under the GIL: one counter hands out pieces, one counts
-    # those finished, and the thread finishing the last wakes the caller. The caller waits for
+    # those finished, and the thread finishing the last sets ``done``. The caller waits for
     # pieces, never for threads: a pool thread that wakes after the caller took every piece
     # finds none and costs the caller nothing.
-    taken, finished = itertools.count(), itertools.count(1)
-    done, failed = threading.Event(), []
+    taken, finished, seats = itertools.count(), itertools.count(1), itertools.count()
+    done, failed, joined = threading.Event(), [], []
+    number = int(pool.flags[_STARTED]) + 1
 
-    def take() -> None:
+    def take(publish: bool = False) -> None:
         _local.busy = True
         try:
             for i in iter(taken.__next__, None):
                 if i >= count:
                     return
+                if publish:  # as late as can be: see LINGER_US
+                    pool.start(help, number, wake)
+                    publish = False
                 try:
                     tasks[i]()
                 except BaseException as exc:  # noqa: BLE001 -- raised again on the calling thread
@@ -127,11 +265,19 @@ def run(tasks: Sequence[Callable[[], object]]) -> None:
                     done.set()
         finally:
             _local.busy = False
-    pool = _executor(state.size)
-    for _ in range(min(state.active, count) - 1):
-        pool.submit(take)
-    take()
+
+    def help(w: int) -> None:  # pool thread w's part: the first ``wake`` threads that look take pieces
+        if next(seats) < wake:
+            joined.append(w)
+            take()
+    take(publish=True)
+    # The pool threads that took part post the run's number once they are back in their spin,
+    # the GIL released: waiting for that (bounded) keeps the caller's next Python clear of
+    # theirs (a thread that finds the GIL taken sleeps, ~25 us to wake on a VM).
+    for w in tuple(joined):
+        pool.wait(_SLOT * w, number)
     done.wait()
+    pool.job = None  # the tasks' arrays are not kept alive until the next run
     if failed:
         raise failed[0]
 

@@ -28,13 +28,16 @@ thread right after a BLAS call waited behind a spinning BLAS worker (median 3x s
 unsplit, a 2-core VM). Measured on a 2-core VM with other processes running (load average ~9):
 a 128 x 512 x 512 sgemm took a median of 112 ms on two BLAS threads against 0.7 ms on one.
 And BLAS's threads served only the GEMMs, while the loops between them ran on one core. The
-price of a pool that never spins: a pool thread woken for a kernel starts ~40-80 µs later, where
-a spinning BLAS worker starts at once, so kernels under ~0.2 ms run on one core. Measured on a
-2-core VM with the benchmark at real-time priority (the machine otherwise busy), median ms,
-threaded BLAS before / this pool / one thread: ResNet-50 b1 57 / 61-63 / 102, DenseNet-121 b1
-55 / 62 / 84, DistilBERT 83 / 92 / 135; MobileNetV3-large b1, whose kernels are ~0.1-0.3 ms,
-6.8 / 9.3-9.9 / 9.3. With other processes running, threaded BLAS took 3-8x longer (ResNet-50
-b1 540-740 ms against 110-170 ms).
+price of pieces handed out in Python: a pool thread needs the GIL to start a piece, and one that
+finds it taken sleeps (~25 µs to wake on a VM), where a BLAS worker starts at once; pool threads
+spin for the next run while the budget's CPUs are free (:mod:`polyhal_cpu.parallel`), which
+saves the wake-up from a blocked thread but not the GIL, so kernels under ~0.2 ms run on one
+core. Measured on a 2-core VM with the benchmark at real-time priority (the machine otherwise
+busy), median ms, threaded BLAS before / this pool before it spun / one thread: ResNet-50 b1 57
+/ 61-63 / 102, DenseNet-121 b1 55 / 62 / 84, DistilBERT 83 / 92 / 135; MobileNetV3-large b1,
+whose kernels are ~0.1-0.3 ms, 6.8 / 9.3-9.9 / 9.3 (the spin: see polyhal_cpu.parallel). With
+other processes running, threaded BLAS took 3-8x longer (ResNet-50 b1 540-740 ms against
+110-170 ms).
 
 **Shared cores.** :meth:`Budget.adjust`, called once per plan run, looks every
 :data:`SAMPLE_SECONDS` at how busy the budget's CPUs were with *other* processes' work

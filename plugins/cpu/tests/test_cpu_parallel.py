@@ -307,3 +307,98 @@ def test_pieces_run_on_the_pool_and_never_nest(monkeypatch):
     with pytest.raises(ValueError, match="piece failed"):
         parallel.run([bad, lambda: ran.append(1), lambda: ran.append(2)])
     assert sorted(ran) == [1, 2]
+
+
+# ------------------------------------------------------------------ the pool's bounded spin
+
+def _until(condition, seconds: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _spinning_pool():
+    from polyhal_cpu import native
+
+    if native.spin_wait() is None:
+        pytest.skip("compiled loops off: the pool never spins")
+    pool = parallel._Pool()
+    pool.grow(1)
+    assert _until(lambda: len(pool._sleeping) == 1)  # a new thread blocks: it left no run
+    return pool
+
+
+def test_spin_wait_sees_another_threads_store_and_is_bounded():
+    """The compiled spin returns when another thread's store reaches the target, posts its
+    value first, and gives up after its rounds."""
+    import threading
+    import time
+
+    from polyhal_cpu import native
+
+    spin = native.spin_wait()
+    if spin is None:
+        pytest.skip("compiled loops off")
+    flags = np.zeros(16, np.int64)
+    setter = threading.Timer(0.05, flags.__setitem__, (0, 3))
+    setter.start()
+    t = time.perf_counter()
+    spin(flags, 8, 7, 0, 3, 1 << 40, 0)  # would spin for hours if it missed the store
+    assert time.perf_counter() - t >= 0.04 and flags[8] == 7
+    setter.join()
+    rounds = int(0.05 / parallel._round_seconds(spin))
+    t = time.perf_counter()
+    spin(flags, -1, 0, 0, 4, rounds, 0)  # never reached: returns after its rounds
+    assert 0.03 < time.perf_counter() - t < 2
+
+
+def test_pool_thread_spins_for_the_bound_then_blocks(monkeypatch):
+    """After a run a pool thread spins (is not blocked) and blocks once the bound has passed."""
+    import threading
+    import time
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    threads.budget().active = 2
+    pool = _spinning_pool()
+    pool.rounds = int(0.4 / parallel._round_seconds(pool._spin))  # a 0.4 s bound
+    ran = []
+
+    def piece():
+        ran.append(threading.get_ident())
+        time.sleep(0.02)  # long enough for the woken thread to take the other piece
+    parallel._run(pool, [piece, piece], 1)
+    left = time.monotonic()
+    assert len(set(ran)) == 2
+    time.sleep(0.1)
+    assert not pool._sleeping  # still spinning, within the bound
+    assert _until(lambda: len(pool._sleeping) == 1)
+    assert 0.25 < time.monotonic() - left < 5
+    parallel._run(pool, [piece, piece], 1)  # a blocked thread is woken by the next run
+    assert len(set(ran[2:])) == 2
+
+
+def test_pool_thread_never_spins_while_cores_are_shared(monkeypatch):
+    """With the budget cut to one thread (other processes hold the cores) a pool thread that
+    leaves a run blocks at once, however long its bound."""
+    import threading
+    import time
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    pool = _spinning_pool()
+    pool.rounds = int(30 / parallel._round_seconds(pool._spin))  # a 30 s bound
+    threads.budget().active = 1
+    ran = []
+
+    def piece():
+        ran.append(threading.get_ident())
+        time.sleep(0.02)
+    parallel._run(pool, [piece, piece], 1)
+    assert len(set(ran)) == 2  # it took part, woken from its lock
+    assert _until(lambda: len(pool._sleeping) == 1, seconds=2)
