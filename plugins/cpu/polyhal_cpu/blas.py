@@ -1,15 +1,20 @@
 """GEMM calls into the BLAS numpy itself runs on, for what ``np.matmul`` does not offer.
 
+BLAS runs on one thread (:mod:`polyhal_cpu.threads`): a large product is cut into blocks of rows
+or columns by :class:`polyhal_cpu.parallel.GemmSplit`, each block one of these calls (ctypes
+releases the GIL for the call, as numpy's matmul does), run on polyhal's pool.
+
 **Accumulating GEMM** (:func:`gemm`: ``C = alpha A B + beta C``). ``np.matmul(out=)`` always
 overwrites, so a bias or a residual is a second pass over the result -- and OpenBLAS clears C
 in a pass of its own before accumulating. A linear layer as "C = bias (a broadcast copy), then
 C += A B" skips both: 256 x 128 @ 128 x 512 with its bias took 213 µs as matmul + add and
 169 µs this way on a 2-core VM.
 
-**Strided batched GEMM** (:func:`batched_matmul`). ``np.matmul`` of stacked matrices calls BLAS once per matrix, and each small product (an
-attention head: 256 x 32 @ 32 x 256) is too short for BLAS's threads to help: on a 2-core VM
-four heads' scores took 240 µs in numpy against 94 µs in one ``cblas_sgemm_batch_strided``
-call, which spreads the batch over BLAS's threads. The batched call also takes any operand
+**Strided batched GEMM** (:func:`batched_matmul`). ``np.matmul`` of stacked matrices calls BLAS
+once per matrix, through numpy's loop, for products as small as an attention head's (256 x 32
+@ 32 x 256): on a 2-core VM four heads' scores took 240 µs in numpy against 94 µs in one
+``cblas_sgemm_batch_strided`` call (measured with two BLAS threads; BLAS now runs on one, and
+:mod:`polyhal_cpu.parallel` cuts a batch of heads into blocks instead). The batched call also takes any operand
 strides (a head of a (seq, heads * d) projection is a (seq, d) matrix with a leading dimension
 of heads * d) and a transpose flag, so neither the heads nor k's transpose need copying first.
 

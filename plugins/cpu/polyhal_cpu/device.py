@@ -27,7 +27,7 @@ class CPUDevice(Device):
     def __init__(self, spec: DeviceSpec) -> None:
         super().__init__(spec)
         self.native_allocator = self.allocator = CPUAllocator(self, spec.heaps)
-        threads.budget()  # BLAS is limited to the thread budget from the first device on
+        threads.budget()  # BLAS runs on one thread from the first device on (polyhal_cpu.threads)
 
     def record(self, steps, slots, input_slots, output_slots):
         """The plain step loop, after the thread budget's look at how busy the CPUs are (at most

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from fractions import Fraction
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -44,7 +45,8 @@ from polyhal_cpu import (  # noqa: F401
     vision_kernels,
 )
 from polyhal_cpu.blas import blas_layout
-from polyhal_cpu.parallel import parallel
+from polyhal_cpu.parallel import GemmSplit, parallel
+from polyhal_cpu.parallel import run as run_pieces
 from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
 
 __all__ = ["KERNEL_NAMES", "TABLE", "erf", "prepare"]
@@ -347,14 +349,21 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         # once per batch element instead (many small GEMMs, each with its own overhead).
         rows = math.prod(a_type.shape[:-1])
         a2, o2 = (rows, a_type.shape[-1]), (rows, b_type.shape[-1])
+        split = GemmSplit(rows, b_type.shape[-1], a_type.shape[-1])
 
         def collapsed(a, b, out):
             b = blas_layout(b)
-            if a.flags.c_contiguous:
-                matmul(a.reshape(a2), b, out=out.reshape(o2))  # views: out is C-contiguous
+            if a.flags.c_contiguous:  # views: out is C-contiguous
+                run_pieces(split.tasks(a.reshape(a2), b, out.reshape(o2)))
             else:
                 matmul(blas_layout(a), b, out=out)
         return collapsed
+    if a_type.rank == 2 and b_type.rank == 2:
+        split = GemmSplit(a_type.shape[0], b_type.shape[1], a_type.shape[1])
+
+        def plain(a, b, out):
+            run_pieces(split.tasks(blas_layout(a), blas_layout(b), out))
+        return plain
 
     def kernel(a, b, out):
         matmul(blas_layout(a), blas_layout(b), out=out)
@@ -370,22 +379,33 @@ def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     alpha_c, beta_c = _const(alpha, dtype), _const(beta, dtype)
     has_c = len(ins) == 3
     blas_gemm = blas.gemm(dtype, outs[0].size)  # None: numpy's matmul, then alpha and C
+    (m, n), k = outs[0].shape, ins[0].shape[0 if trans_a else 1]
+    split = GemmSplit(m, n, k)
 
-    def kernel(a, b, *rest):
-        out = rest[-1]
-        a, b = (a.T if trans_a else a), (b.T if trans_b else b)
+    def product(a, b, c, out):
         # BLAS's own GEMM does alpha A B + beta C in one call, onto C broadcast into out.
         if blas_gemm is not None:
-            if has_c:
-                np.copyto(out, rest[0])
-            if blas_gemm(a, b, out, alpha, beta if has_c else 0.0):
+            if c is not None:
+                np.copyto(out, c)
+            if blas_gemm(a, b, out, alpha, beta if c is not None else 0.0):
                 return
         np.matmul(blas_layout(a), blas_layout(b), out=out)
         if alpha != 1.0:
             np.multiply(out, alpha_c, out=out)
-        if has_c:
+        if c is not None:
             # beta * C is a temporary of C's size (usually a bias row), not of the result's.
-            np.add(out, rest[0] if beta == 1.0 else np.multiply(rest[0], beta_c), out=out)
+            np.add(out, c if beta == 1.0 else np.multiply(c, beta_c), out=out)
+
+    def kernel(a, b, *rest):
+        out = rest[-1]
+        a, b = (a.T if trans_a else a), (b.T if trans_b else b)
+        c = np.broadcast_to(rest[0], out.shape) if has_c else None
+        if split.axis == 0:  # blocks of rows (C's cut alike), or of columns
+            run_pieces([partial(product, a[lo:hi], b, None if c is None else c[lo:hi], out[lo:hi])
+                          for lo, hi in split.bounds])
+        else:
+            run_pieces([partial(product, a, b[:, lo:hi], None if c is None else c[:, lo:hi], out[:, lo:hi])
+                          for lo, hi in split.bounds])
     return kernel
 
 

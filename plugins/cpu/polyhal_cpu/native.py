@@ -36,9 +36,11 @@ import numpy as np
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "col2im", "depthwise", "depthwise_channels_last",
-           "depthwise_flat_rows", "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf",
-           "gelu_tanh", "im2col", "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
+           "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
+           "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
+           "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
+           "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -132,6 +134,20 @@ def _warm(loops: dict[str, Callable]) -> None:
     for residual in (m[:0, :0], m):
         loops["epilogue"](m.copy(), ro[:2], residual, 1, *_F32_PAIR)
     loops["col2im"](m, np.zeros((2, 1, 2), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 1, 4)
+    packed = np.zeros((1, 2, GEMM_MR), np.float32)  # packed weights: a copy the kernel keeps, writable
+    for src in (m.reshape(-1), ro_m.reshape(-1)):
+        for residual in (m[:0, :0], m):
+            loops["gemm_tiles"](packed, src, np.arange(2), 4, 4, 4, np.zeros((1, 4), np.float32), ro[:1],
+                                residual[:1], np.zeros(2 * GEMM_NR, np.float32),
+                                np.zeros(GEMM_MR * GEMM_NR, np.float32), GEMM_NR, 1, *_F32_PAIR)
+    wide = np.zeros((2, GEMM_NR), np.float32)  # a channels-last 1x1 conv: 2 pixels, 4 -> GEMM_NR channels
+    ro_bias = wide[0].copy()
+    ro_bias.flags.writeable = False
+    for x in (m, ro_m):  # images of either kind
+        for residual in (m[:0, :0], wide):
+            loops["gemm_channels_last"](x, np.zeros((4, GEMM_NR), np.float32), wide.copy(), ro_bias, residual,
+                                        np.zeros(GEMM_MR * GEMM_NR, np.float32), np.zeros(GEMM_MR * 4, np.float32),
+                                        GEMM_MR, 1, *_F32_PAIR)
     nhwc = np.zeros((1, 3, 3, 2), np.float32)
     for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
         for residual in (none4, nhwc):
@@ -145,6 +161,7 @@ def _warm(loops: dict[str, Callable]) -> None:
     tiles.flags.writeable = False
     for residual in (none4, nhwc):
         loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
+    loops["spin_wait"](np.zeros(2, np.int64), -1, 0, 0, 0, 1, 0)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
@@ -223,6 +240,89 @@ def im2col(x: np.ndarray, first: int, cols: np.ndarray, k: tuple, s: tuple, p: t
                                                    out[0], out[1])
 
 
+def _contiguous(*arrays: np.ndarray) -> None:
+    """The GEMM loops address their operands' memory directly: C-contiguous ones only."""
+    for a in arrays:
+        if not a.flags.c_contiguous:
+            raise ValueError(f"a C-contiguous array is needed here, got one of shape {a.shape} and strides {a.strides}")
+
+
+#: Rows of weights and columns of B per tile of :func:`gemm_tiles` (its micro-kernel's registers).
+GEMM_MR, GEMM_NR = 8, 32
+#: Bytes of the tiles of one column block of :func:`gemm_tiles` (M x block columns, accumulated
+#: over K in L2); the larger, the fewer times the weights are read.
+GEMM_BLOCK_BYTES = 256 << 10
+
+
+def pack_gemm_weights(w: np.ndarray) -> np.ndarray:
+    """(M, K) weights as :func:`gemm_tiles` reads them: (ceil(M / GEMM_MR), K, GEMM_MR), each
+    panel of GEMM_MR rows k-major, zero rows past M."""
+    m, k = w.shape
+    panels = -(-m // GEMM_MR)
+    packed = np.zeros((panels * GEMM_MR, k), np.float32)
+    packed[:m] = w
+    return np.ascontiguousarray(packed.reshape(panels, GEMM_MR, k).transpose(0, 2, 1))
+
+
+def gemm_block(m: int, ncols: int) -> int:
+    """Columns per block of :func:`gemm_tiles` for M = ``m`` (see GEMM_BLOCK_BYTES)."""
+    fit = max(1, GEMM_BLOCK_BYTES // (-(-m // GEMM_MR) * GEMM_MR * 4 * GEMM_NR))
+    return min(fit, -(-ncols // GEMM_NR)) * GEMM_NR
+
+
+def gemm_tiles_bytes(m: int, k: int, block: int) -> int:
+    """Bytes of :func:`gemm_tiles`'s scratch: a packed panel of B (K x GEMM_NR) and the
+    tiles of a column block."""
+    return (k * GEMM_NR + -(-m // GEMM_MR) * GEMM_MR * block) * 4
+
+
+def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, wide: int, ow: int, out: np.ndarray,
+               bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray, cbuf: np.ndarray, block: int,
+               act: int, alpha: float, beta: float) -> None:
+    """(M, positions) ``out`` = activation ``act`` of packed weights ``wp`` @ B + bias[m] (+
+    residual), B's row k being flat ``src`` from ``rowoff[k]`` (int64), columns 0 .. ncols,
+    column j the output position (j // wide, j % wide) if j % wide < ow (else not stored);
+    ``bpack`` (K * GEMM_NR) and ``cbuf`` (M rounded up to GEMM_MR, times ``block``) are
+    scratch, ``block`` comes from :func:`gemm_block`. See :func:`polyhal_cpu.native_loops.gemm_tiles`."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _contiguous(wp, src, rowoff, out, bias, none, bpack, cbuf)
+    _compiled()["gemm_tiles"](wp, src, rowoff, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
+                              np.float32(alpha), np.float32(beta))
+
+
+#: Bytes of the pixels' rows (input and tiles) one block of :func:`gemm_channels_last` spans.
+GEMM_ROWS_BLOCK_BYTES = 256 << 10
+
+
+def pad_channels(a: np.ndarray) -> np.ndarray:
+    """``a`` with its last axis zero-padded to a multiple of GEMM_NR (weights (C, M) and bias
+    (M,) as :func:`gemm_channels_last` reads them)."""
+    m = a.shape[-1]
+    padded = np.zeros(a.shape[:-1] + (-(-m // GEMM_NR) * GEMM_NR,), np.float32)
+    padded[..., :m] = a
+    return padded
+
+
+def channels_last_block(c: int, m: int, pixels: int) -> int:
+    """Pixels per block of :func:`gemm_channels_last` (see GEMM_ROWS_BLOCK_BYTES)."""
+    fit = max(1, GEMM_ROWS_BLOCK_BYTES // ((c + m) * 4 * GEMM_MR))
+    return min(fit, -(-pixels // GEMM_MR)) * GEMM_MR
+
+
+def gemm_channels_last(x: np.ndarray, wt: np.ndarray, out: np.ndarray, bias: np.ndarray,
+                       residual: np.ndarray | None, cbuf: np.ndarray, apad: np.ndarray, block: int, act: int,
+                       alpha: float, beta: float) -> None:
+    """(pixels, M) ``out`` = activation ``act`` of (pixels, C) ``x`` @ the weights + bias (+
+    residual), ``wt`` the (C, M) transposed weights and ``bias`` through :func:`pad_channels`,
+    ``block`` from :func:`channels_last_block`; ``cbuf`` (GEMM_MR x GEMM_NR) and ``apad``
+    (GEMM_MR x C) are scratch.
+    See :func:`polyhal_cpu.native_loops.gemm_channels_last`."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _contiguous(x, wt, out, bias, none, cbuf, apad)
+    _compiled()["gemm_channels_last"](x, wt, out, bias, none, cbuf, apad, block, act, np.float32(alpha),
+                                      np.float32(beta))
+
+
 def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,
               s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
     """2-D depthwise convolution of (N, C, H, W) ``x`` by (M, 1, kh, kw) ``w`` into ``out``, with
@@ -268,6 +368,13 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+def spin_wait() -> Callable[[np.ndarray, int, int, int, int, int, int], None] | None:
+    """The compiled ``spin_wait(flags, post, value, index, target, rounds, linger)`` of
+    :mod:`polyhal_cpu.native_loops` (``flags`` a C-contiguous int64 vector; the GIL released),
+    or None where the compiled loops are off (then :mod:`polyhal_cpu.parallel` never spins)."""
+    return _compiled()["spin_wait"] if available() else None
 
 
 if __name__ == "__main__":  # the child process of native_aot that compiles the ahead-of-time module

@@ -15,7 +15,8 @@ softmax on MobileNet/BERT shapes).
 compiles it for (a read-only array typed as writable: the loops never write their inputs; a
 loop warmed with several signatures stays with the JIT). The compiled code reads arrays by
 their declared layout, and its argument conversion checks only the item size, so a call whose
-arrays are not float32, C-contiguous and of the declared rank goes to the JIT loop instead.
+arrays are not of the declared element type (float32; int64 for index arrays), C-contiguous and
+of the declared rank goes to the JIT loop instead.
 
 **Cache.** ``$POLYHAL_CPU_CACHE_DIR`` (empty: no ahead-of-time module, the loops are JIT compiled
 in process as before), else ``$XDG_CACHE_HOME/polyhal/cpu``, else ``~/.cache/polyhal/cpu``. The
@@ -41,7 +42,6 @@ from pathlib import Path
 
 import numpy as np
 
-_F32 = np.dtype(np.float32)
 _HERE = Path(__file__).resolve().parent
 #: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
 BUILD_TIMEOUT = 900
@@ -111,26 +111,26 @@ def load(jit: Callable[[str], Callable]) -> CompiledLoops | None:
         if failed.exists() or not _build_once(base, name, failed):
             return None
     try:
-        ranks = json.loads(meta.read_text())
+        specs = json.loads(meta.read_text())
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     except (OSError, ImportError, ValueError) as exc:
         _record_failure(failed, f"loading {path}: {exc}")
         return None
-    loops = {loop: _checked(loop, getattr(module, loop), arg_ranks, jit) for loop, arg_ranks in ranks.items()}
+    loops = {loop: _checked(loop, getattr(module, loop), arg_specs, jit) for loop, arg_specs in specs.items()}
     return CompiledLoops(loops, jit, path)
 
 
-def _checked(name: str, compiled: Callable, ranks: list[int | None], jit: Callable[[str], Callable]) -> Callable:
-    """``compiled`` behind a check of its array arguments (float32, C-contiguous, the declared
-    rank); a call that fails it runs the JIT loop."""
-    arrays = tuple((i, ndim) for i, ndim in enumerate(ranks) if ndim is not None)
+def _checked(name: str, compiled: Callable, specs: list[list | None], jit: Callable[[str], Callable]) -> Callable:
+    """``compiled`` behind a check of its array arguments (C-contiguous, of the declared rank
+    and element type: float32, or int64 for index arrays); a call that fails it runs the JIT loop."""
+    arrays = tuple((i, spec[0], np.dtype(spec[1])) for i, spec in enumerate(specs) if spec is not None)
 
     def loop(*args):
-        for i, ndim in arrays:
+        for i, ndim, dtype in arrays:
             a = args[i]
-            if (a.dtype is not _F32 and a.dtype != _F32) or a.ndim != ndim or not a.flags.c_contiguous:
+            if (a.dtype is not dtype and a.dtype != dtype) or a.ndim != ndim or not a.flags.c_contiguous:
                 return jit(name)(*args)
         return compiled(*args)
 
@@ -182,7 +182,7 @@ def _record_failure(failed: Path, why: str) -> None:
 
 def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) -> None:
     """Compile the loops into ``base/<name>.so`` with ``base/<name>.json`` (each exported loop's
-    argument ranks, None for a scalar); ``warm(loops)`` calls each JIT loop with the argument
+    arguments: [rank, element type] of an array, None for a scalar); ``warm(loops)`` calls each JIT loop with the argument
     types kernels pass, which gives the signatures. Runs in a child process: it imports numba."""
     import warnings
 
@@ -212,7 +212,7 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
                 continue  # several (or no) signatures: left to the JIT
             (args,) = signatures
             cc.export(loop, types.void(*args))(dispatcher.py_func)
-            exported[loop] = [t.ndim if isinstance(t, types.Array) else None for t in args]
+            exported[loop] = [[t.ndim, str(t.dtype)] if isinstance(t, types.Array) else None for t in args]
 
         def jit_flags() -> Flags:
             # pycc compiles with default flags; these are the JIT's (fastmath, nogil, ...).

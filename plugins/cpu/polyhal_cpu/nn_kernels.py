@@ -6,11 +6,12 @@ above its kernel).
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
-from polyhal_cpu import blas, native
+from polyhal_cpu import blas, native, parallel
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
@@ -26,22 +27,33 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
     # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
     add_rows = native.add_rows if native.available(x_type.dtype) else None
+    split = parallel.GemmSplit(rows, w_type.shape[1], w_type.shape[0])
 
-    def kernel(x, w, b, out):
-        # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
-        # copies a strided x). With BLAS's own GEMM the bias rows go in first and the product
-        # accumulates onto them (beta = 1): no pass over the result after it, and none inside
-        # BLAS to clear it.
-        xm, o = x.reshape(x2), out.reshape(o2)
+    def product(xm, w, b, o):
+        # With BLAS's own GEMM the bias rows go in first and the product accumulates onto them
+        # (beta = 1): no pass over the result after it, and none inside BLAS to clear it.
         if gemm is not None:
             copyto(o, b)
             if gemm(xm, w, o, 1.0, 1.0):
                 return
         matmul(blas_layout(xm), blas_layout(w), out=o)
-        if add_rows is not None and b.shape == o2[1:] and b.flags.c_contiguous:  # a (n,) bias row
+        if add_rows is not None and b.shape == o.shape[1:] and b.flags.c_contiguous:  # a (n,) bias row
             add_rows(o, b)
         else:
             add(o, b, out=o)
+
+    def kernel(x, w, b, out):
+        # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
+        # copies a strided x), in blocks of rows or columns (the bias cut alike).
+        xm, o = x.reshape(x2), out.reshape(o2)
+        if len(split) == 1:
+            product(xm, w, b, o)
+            return
+        bb = np.broadcast_to(b, o2)
+        if split.axis == 0:
+            parallel.run([partial(product, xm[lo:hi], w, bb[lo:hi], o[lo:hi]) for lo, hi in split.bounds])
+        else:
+            parallel.run([partial(product, xm, w[:, lo:hi], bb[:, lo:hi], o[:, lo:hi]) for lo, hi in split.bounds])
     return kernel
 
 
@@ -57,12 +69,15 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     shape2d = (outs[0].size // max(n, 1), n)
     if native.available(outs[0].dtype):
         act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
+        pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n, factor=2)]
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
             product(x, w, b, out)
             r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
-            native.epilogue(out.reshape(shape2d), zero, r, act, alpha, beta)
+            o = out.reshape(shape2d)
+            parallel.run([partial(native.epilogue, o[rs], zero, None if r is None else r[rs], act, alpha, beta)
+                          for rs in pieces])
         return kernel
     finish = numpy_activation(device, activation, alpha, beta, outs[0])
 
@@ -101,8 +116,9 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
 #    GEMM instead of the (Lq, Lk) weights;
 #  * with numpy's OpenBLAS reachable (polyhal_cpu.blas), each GEMM is one strided batched call
 #    over the group's heads, reading q, k^T (through the transpose flag) and v in place and
-#    scaling by alpha: BLAS's threads share out the heads, which numpy's per-head calls never
-#    gave them (4 heads of 256 x 32: scores 240 -> ~100 µs, context 156 -> ~105 µs). For
+#    scaling by alpha: one call instead of numpy's per-head calls (4 heads of 256 x 32 on two
+#    BLAS threads: scores 240 -> ~100 µs, context 156 -> ~105 µs). A group's heads are cut into
+#    blocks run in parallel (polyhal_cpu.parallel), each through its own part of the scores. For
 #    float32 the shift, exp2 and row sums are one fused loop, as is the final row scaling
 #    (polyhal_cpu.native), and the score block is planned scratch, not allocated per call;
 #  * otherwise the scores' GEMM runs on a row-major copy of the scaled q and a row-major (D, Lk) copy of
@@ -150,10 +166,12 @@ def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
     plane = math.prod(x_type.shape[2:])
     if native.available(x_type.dtype) and plane >= SCALE_SHIFT_ROW:
         act = native.activation_code(activation)
+        pieces = parallel.grid(n, c, plane, factor=16)  # images, or channel blocks of one image (~0.15 ns an element)
 
         def kernel(x, scale, shift, out):
-            native.scale_shift_rows(np.ascontiguousarray(x).reshape(n * c, plane), scale, shift,
-                                    out.reshape(n * c, plane), act, alpha, beta)
+            x3, o3 = np.ascontiguousarray(x).reshape(n, c, plane), out.reshape(n, c, plane)
+            parallel.run([partial(native.scale_shift_rows, x3[ns, cs].reshape(-1, plane), scale[cs], shift[cs],
+                                  o3[ns, cs].reshape(-1, plane), act, alpha, beta) for ns, cs in pieces])
         return kernel
     per_channel = (c,) + (1,) * (x_type.rank - 2)
     act_numpy = numpy_activation(device, activation, alpha, beta, outs[0])
@@ -209,6 +227,53 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
             matmul(qs[:, r0:r0 + block], kt, out=s[:, r0:r0 + block])
 
     buf = scratch_array(scratch, "scores", dtype, (group, lq, lk))
+    # a group's heads in blocks run in parallel, each through its own part of the score block
+    head_blocks = parallel.blocks(group, parallel.gemm_pieces(lq, lk, d + dv, batch=group))
+
+    def head_block(q3, k3, v3, o3, m3, m3_2, g0, g1, s):
+        """Heads g0..g1 through score block ``s``."""
+        scores(q3[g0:g1], k3[g0:g1], s)
+        if m3_2 is not None:
+            np.add(s, m3_2[g0:g1], out=s)
+        sample = s[:, ::8]
+        hi = float(hi_of(sample, axis=None))
+        if math.isfinite(hi):
+            shift = 0.0 if 0.0 <= hi <= top else hi
+            if exp2_rows is not None:  # one fused pass: shift, exp2 (no subnormals), row sums
+                sums = np.empty((g1 - g0, lq), dtype)
+                exp2_rows(s.reshape(-1, lk), shift, sums.reshape(-1))
+            else:
+                if shift:
+                    subtract(s, np.asarray(shift, dtype), out=s)
+                if float(lo_of(sample, axis=None)) < floor:
+                    maximum(s, floor_c, out=s)
+                exp2(s, out=s)
+                sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
+            ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM and math.isfinite(float(hi_of(sums, axis=None)))
+        else:  # an inf or nan among the scores: every row on its own
+            sums, ok = np.zeros((g1 - g0, lq), dtype), False
+        if not ok:
+            redo = ~((sums >= min_sum) & (sums < np.inf))  # nan too
+            for h in np.flatnonzero(redo.any(axis=1)).tolist():
+                rows = np.flatnonzero(redo[h])
+                r = matmul(q3[g0 + h][rows], k3[g0 + h].T)
+                multiply(r, scale_c, out=r)  # in natural units here: a finite mask stays finite
+                if m3 is not None:
+                    np.add(r, m3[g0 + h][rows], out=r)
+                subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
+                multiply(r, log2e, out=r)
+                maximum(r, floor_c, out=r)  # nan stays nan
+                exp2(r, out=r)
+                s[h, rows] = r
+                sums[h, rows] = add_reduce(r, axis=1)
+        og, vg = o3[g0:g1], v3[g0:g1]
+        if batched is None or not batched(s, vg, og):
+            matmul(s, vg, out=og)
+        if scale_rows is not None:  # rows of (lq, dv) divided by their sums, one fused loop
+            scale_rows(og.reshape((g1 - g0) * lq, dv), np.ascontiguousarray(sums).reshape(-1))
+        else:
+            np.reciprocal(sums, out=sums)
+            multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
 
     def kernel(q, k, v, *rest):
         out = rest[-1]
@@ -222,47 +287,6 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
             m3 = m3_2 = None
         for g0 in range(0, heads, group):
             g1 = min(heads, g0 + group)
-            s = buf[:g1 - g0]
-            scores(q3[g0:g1], k3[g0:g1], s)
-            if m3_2 is not None:
-                np.add(s, m3_2[g0:g1], out=s)
-            sample = s[:, ::8]
-            hi = float(hi_of(sample, axis=None))
-            if math.isfinite(hi):
-                shift = 0.0 if 0.0 <= hi <= top else hi
-                if exp2_rows is not None:  # one fused pass: shift, exp2 (no subnormals), row sums
-                    sums = np.empty((g1 - g0, lq), dtype)
-                    exp2_rows(s.reshape(-1, lk), shift, sums.reshape(-1))
-                else:
-                    if shift:
-                        subtract(s, np.asarray(shift, dtype), out=s)
-                    if float(lo_of(sample, axis=None)) < floor:
-                        maximum(s, floor_c, out=s)
-                    exp2(s, out=s)
-                    sums = matmul(s, ones) if gemv else add_reduce(s, axis=2)
-                ok = float(lo_of(sums, axis=None)) >= _MIN_ROW_SUM and math.isfinite(float(hi_of(sums, axis=None)))
-            else:  # an inf or nan among the scores: every row on its own
-                sums, ok = np.zeros((g1 - g0, lq), dtype), False
-            if not ok:
-                redo = ~((sums >= min_sum) & (sums < np.inf))  # nan too
-                for h in np.flatnonzero(redo.any(axis=1)).tolist():
-                    rows = np.flatnonzero(redo[h])
-                    r = matmul(q3[g0 + h][rows], k3[g0 + h].T)
-                    multiply(r, scale_c, out=r)  # in natural units here: a finite mask stays finite
-                    if m3 is not None:
-                        np.add(r, m3[g0 + h][rows], out=r)
-                    subtract(r, hi_of(r, axis=1, keepdims=True), out=r)
-                    multiply(r, log2e, out=r)
-                    maximum(r, floor_c, out=r)  # nan stays nan
-                    exp2(r, out=r)
-                    s[h, rows] = r
-                    sums[h, rows] = add_reduce(r, axis=1)
-            og, vg = o3[g0:g1], v3[g0:g1]
-            if batched is None or not batched(s, vg, og):
-                matmul(s, vg, out=og)
-            if scale_rows is not None:  # rows of (lq, dv) divided by their sums, one fused loop
-                scale_rows(og.reshape((g1 - g0) * lq, dv), np.ascontiguousarray(sums).reshape(-1))
-            else:
-                np.reciprocal(sums, out=sums)
-                multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
+            parallel.run([partial(head_block, q3, k3, v3, o3, m3, m3_2, g0 + lo, min(g0 + hi, g1), buf[lo:hi])
+                          for lo, hi in head_blocks if g0 + lo < g1])
     return kernel

@@ -9,29 +9,43 @@ the quota in a few milliseconds and are throttled for the rest of each 100 ms pe
 count the user already gave BLAS (``OPENBLAS_NUM_THREADS``, ``OMP_NUM_THREADS``, ...) caps it
 too. ``POLYHAL_CPU_THREADS=N`` overrides all of this.
 
-**One pool at a time, never nested.** BLAS calls run on the calling thread with BLAS's own
-workers (limited to the budget through threadpoolctl); polyhal's row-splitting kernels
-(:mod:`polyhal_cpu.parallel`) run their pieces on polyhal's pool of budget - 1 threads and
-never call BLAS; the numba loops are serial (no ``prange``), so numba's own pool never starts
-on polyhal's behalf, and ``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports
-numba (unless the user set it), so that one started by other code stays within it too.
+**One pool, never nested.** Everything polyhal runs in parallel goes through one pool
+(:mod:`polyhal_cpu.parallel`): a large kernel -- a GEMM of a convolution or a matmul, a
+compiled loop (depthwise convolution, im2col, epilogue, pooling), a row-wise numpy kernel -- is
+cut into pieces that the calling thread and budget - 1 pool threads take from one counter. BLAS
+itself is pinned to one thread (threadpoolctl) and each GEMM piece is one single-threaded sgemm;
+the numba loops are serial (no ``prange``), so numba's own pool never starts on polyhal's
+behalf, and ``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports numba (unless the
+user set it), so that one started by other code stays within it too.
 
-**Shared cores.** A threaded OpenBLAS GEMM splits the product between its threads, which wait on
-each other's progress (busy-waiting, in its ``level3_thread.c``) several times per call, and its
-idle workers spin (on x86-64 a loop of ``nop``s, not ``sched_yield``) for 2^28 cycles, ~0.1-0.2
-s, after every call. While other processes keep the budget's CPUs busy, a worker that was
-descheduled holds up the whole call for scheduler slices, and the spinning ones take cores from
-everyone else. Measured on a 2-core VM with other processes running (load average ~9): a 128 x
-512 x 512 sgemm took a median of 112 ms on two BLAS threads against 0.7 ms on one; the README's
-main job, piped, ran at a median of 1 ms in most processes and 42-181 ms in some (one core kept
-busy), against 0.8-0.9 ms single-threaded. So :meth:`Budget.adjust`, called once per plan run,
-looks every :data:`SAMPLE_SECONDS` at how busy the budget's CPUs were with *other* processes'
-work (``/proc/stat`` for those CPUs minus this process's own CPU time, so that our own spinning
-does not count) and uses as many threads as there are CPUs left free (at least 1): with one of
-two cores busy elsewhere, BLAS and the pool run single-threaded and nothing spins; when the
-other work ends, the next sample restores the budget (idle, two threads ran the job at 0.56 ms
-against 0.78 ms on one). A sample (reading the two files) takes ~60 µs, at most five times a
-second; a run between samples pays a clock reading (~0.2 µs).
+**Why not BLAS's threads.** A threaded OpenBLAS GEMM splits the product between its threads,
+which wait on each other's progress (busy-waiting, in its ``level3_thread.c``) several times
+per call, and its idle workers spin (on x86-64 a loop of no-ops, not ``sched_yield``) for
+2^28 cycles, ~0.1-0.2 s, after every call. While other processes keep the budget's CPUs busy, a
+worker that was descheduled holds up the whole call for scheduler slices, and the spinning ones
+take cores from everyone else -- polyhal's own pool threads included: a piece handed to a pool
+thread right after a BLAS call waited behind a spinning BLAS worker (median 3x slower than
+unsplit, a 2-core VM). Measured on a 2-core VM with other processes running (load average ~9):
+a 128 x 512 x 512 sgemm took a median of 112 ms on two BLAS threads against 0.7 ms on one.
+And BLAS's threads served only the GEMMs, while the loops between them ran on one core. The
+price of pieces handed out in Python: a pool thread needs the GIL to start a piece, and one that
+finds it taken sleeps (~25 µs to wake on a VM), where a BLAS worker starts at once; pool threads
+spin for the next run while the budget's CPUs are free (:mod:`polyhal_cpu.parallel`), which
+saves the wake-up from a blocked thread but not the GIL, so kernels under ~0.2 ms run on one
+core. Measured on a 2-core VM with the benchmark at real-time priority (the machine otherwise
+busy), median ms, threaded BLAS before / this pool before it spun / one thread: ResNet-50 b1 57
+/ 61-63 / 102, DenseNet-121 b1 55 / 62 / 84, DistilBERT 83 / 92 / 135; MobileNetV3-large b1,
+whose kernels are ~0.1-0.3 ms, 6.8 / 9.3-9.9 / 9.3 (the spin: see polyhal_cpu.parallel). With
+other processes running, threaded BLAS took 3-8x longer (ResNet-50 b1 540-740 ms against
+110-170 ms).
+
+**Shared cores.** :meth:`Budget.adjust`, called once per plan run, looks every
+:data:`SAMPLE_SECONDS` at how busy the budget's CPUs were with *other* processes' work
+(``/proc/stat`` for those CPUs minus this process's own CPU time) and uses as many threads as
+there are CPUs left free (at least 1): with one of two cores busy elsewhere, the pool's pieces
+run one after another on the calling thread and nothing waits on a descheduled thread; when
+the other work ends, the next sample restores the budget. A sample (reading the two files)
+takes ~60 µs, at most five times a second; a run between samples pays a clock reading (~0.2 µs).
 """
 
 from __future__ import annotations
@@ -165,9 +179,9 @@ def free_cpus(cpus: int, others_busy: float, size: int) -> int:
 class Budget:
     """The CPU backend's thread budget and the threads in use now (see the module doc).
 
-    ``size`` is the budget; ``active`` the threads BLAS and polyhal's pool use at present
-    (``size``, or fewer while other processes keep the budget's CPUs busy). Made on first use
-    by :func:`budget`; BLAS is limited to ``active`` from then on.
+    ``size`` is the budget; ``active`` the threads polyhal's pool uses at present (``size``, or
+    fewer while other processes keep the budget's CPUs busy). Made on first use by
+    :func:`budget`; BLAS runs on one thread from then on.
     """
 
     def __init__(self, size: int, cpus: Iterable[int] | None, adaptive: bool) -> None:
@@ -180,7 +194,7 @@ class Budget:
         self._next = 0.0
         self._blas = None
         self._lock = threading.Lock()
-        self._apply(size)
+        self._pin_blas()
         if self._adaptive:  # the first sample now, so that the first run (after compiling) decides
             self._next = 0.0
             self.adjust()
@@ -209,26 +223,25 @@ class Budget:
             others = max(0.0, (sample[1] - last[1]) - (sample[2] - last[2])) / (sample[0] - last[0])
             active = free_cpus(len(self._cpus), others, self.size)
             if active != self.active:
-                self._apply(active)
+                self.active = active
         return self.active
 
     def refresh(self) -> None:
-        """Find the process's BLAS libraries again and limit them all (a library loaded since,
-        such as scipy's OpenBLAS, which importing numba brings, starts with a thread per core).
-        A scan takes a few milliseconds: called when the budget is made and after polyhal
-        imports numba."""
+        """Find the process's BLAS libraries again and pin them all to one thread (a library
+        loaded since, such as scipy's OpenBLAS, which importing numba brings, starts with a
+        thread per core). A scan takes a few milliseconds: called when the budget is made and
+        after polyhal imports numba."""
         self._blas = None
-        self._apply(self.active)
+        self._pin_blas()
 
-    def _apply(self, n: int) -> None:
-        self.active = n
+    def _pin_blas(self) -> None:
         try:
             if self._blas is None:
                 from threadpoolctl import ThreadpoolController
 
                 self._blas = ThreadpoolController().select(user_api="blas")
             if self._blas:
-                self._blas.limit(limits=n)
+                self._blas.limit(limits=1)
         except Exception:  # noqa: BLE001 -- no threadpoolctl, or it cannot inspect this process
             self._blas = False
 
@@ -238,7 +251,7 @@ _budget_lock = threading.Lock()
 
 
 def budget() -> Budget:
-    """The process's :class:`Budget`, made (and BLAS limited) on first call.
+    """The process's :class:`Budget`, made (and BLAS pinned to one thread) on first call.
 
     ``POLYHAL_CPU_THREADS`` fixes it: with the override no sampling happens and the size is
     used as given."""
@@ -257,7 +270,7 @@ def budget() -> Budget:
 
 def reset() -> None:
     """Forget the budget (tests; a changed ``POLYHAL_CPU_THREADS``): the next :func:`budget`
-    recomputes it and limits BLAS again."""
+    recomputes it and pins BLAS again."""
     global _budget
     with _budget_lock:
         _budget = None

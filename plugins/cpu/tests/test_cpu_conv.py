@@ -15,6 +15,7 @@ from polyhal.ir.types import TensorType
 from polyhal_cpu import blas as polyhal_cpu_blas
 from polyhal_cpu import conv_kernels, native
 from polyhal_cpu.kernels import prepare
+from polyhal_cpu.scratch import standalone
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -84,6 +85,7 @@ def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     """Several images' columns in one GEMM, grouped too, the last GEMM taking fewer images
     (2 + 2 + 1 images of 81 positions; 3 + 2 of 42)."""
     monkeypatch.setattr(conv_kernels, "GEMM_POSITIONS", 2 * 81)
+    monkeypatch.setattr(conv_kernels, "TILES", False)  # stride 1 would take the tiles path
     node = helper.make_node("Conv", ["x", "w", "b"], ["y"], **attrs)
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
@@ -96,8 +98,10 @@ def test_stacked_images_match_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
 ])
 def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     """Stride-1 convolutions as one accumulating GEMM per tap over a padded image (taken here
-    from 16 output positions up, so that small shapes take it)."""
+    from 16 output positions up, so that small shapes take it; the tiles path, which serves them
+    where the compiled loops run, turned off)."""
     monkeypatch.setattr(conv_kernels, "SHIFTED_POSITIONS", 16)
+    monkeypatch.setattr(conv_kernels, "TILES", False)
     out = TensorType(xs[:1] + ws[:1] + tuple(
         xs[2 + i] + attrs.get("pads", [0] * 4)[i] + attrs.get("pads", [0] * 4)[i + len(ws) - 2]
         - (ws[2 + i] - 1) * attrs.get("dilations", [1] * 2)[i] for i in range(len(ws) - 2)), np.float32)
@@ -108,9 +112,66 @@ def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
 
-def test_conv_columns_are_the_plans_scratch():
-    """The im2col path declares its columns (and, stacking images, the GEMM's product); a plan
-    binds them (bufferize lists them)."""
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((2, 4, 9, 8), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),  # M below one panel of weights
+    ((1, 5, 10, 11), (13, 5, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),  # 2 panels, the last partial
+    ((2, 3, 29), (9, 3, 3), {"pads": [1, 2], "dilations": [2]}),  # 1-D
+    ((1, 4, 9, 9), (16, 4, 5, 5), {}),  # no padding
+    ((1, 3, 40, 37), (8, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # several column blocks (see below)
+    ((1, 2, 1, 1), (3, 2, 3, 3), {"pads": [1, 1, 1, 1]}),  # one output position
+    ((2, 3, 23, 20), (10, 3, 7, 7), {"strides": [2, 2], "pads": [3, 3, 3, 3]}),  # stride 2: four phases
+    ((1, 4, 13, 17), (9, 4, 3, 3), {"strides": [2, 3], "pads": [1, 0, 2, 1]}),  # 2 x 3 phases, uneven
+    ((1, 4, 15, 16), (8, 4, 3, 2), {"strides": [3, 2], "pads": [0, 1, 1, 0], "dilations": [2, 3]}),
+    ((1, 3, 12, 13), (5, 3, 1, 2), {"strides": [2, 2]}),  # not every phase read
+    ((2, 3, 30), (4, 3, 5), {"strides": [3], "pads": [2, 1]}),  # 1-D, strided
+    ((2, 5, 8, 8), (13, 5, 1, 1), {}),  # 1x1: whole tiles stored finished, the last panel's 5 rows not
+    ((1, 7, 9, 30), (16, 7, 1, 1), {}),  # 1x1: 270 positions, 8 whole tiles and a partial one
+    ((2, 3, 64), (9, 3, 1), {}),  # 1x1, 1-D
+])
+@pytest.mark.parametrize("fused", ["none", "bias", "residual"])
+def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
+    """Convolutions by the register-tiled GEMM over a padded image's phase planes (strides,
+    dilations, asymmetric pads; phases that no tap reads left out): weights of a panel
+    and a half, columns of a partial tile and of several blocks (the block budget shrunk to two
+    tiles' worth), the padded width's junk columns skipped, each tile finished with its bias,
+    residual and activation (in registers where a 1x1 conv's tile is stored straight into the
+    output), against the reference."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
+    monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)  # small shapes take it too
+    n = len(ws) - 2
+    attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
+    x, w = _f(*xs), _f(*ws)
+    w.flags.writeable = False  # a plan's constant: the packed copy is kept and reused
+    ins = [x, w] if fused == "none" else [x, w, _f(ws[0])]
+    op = "conv" if fused == "none" else "fused_conv"
+    if op == "fused_conv":
+        attrs |= {"activation": "relu" if fused == "residual" else "hard_swish", "alpha": 1 / 6, "beta": 0.5}
+    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    if fused == "residual":
+        ins.append(_f(*out_type.shape))
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+    assert geometry.path == "tiles"
+    requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
+    scratch = standalone(None, requests)
+    kernel = prepare(op, attrs, types, (out_type,), scratch)
+    for _ in range(2):  # again with other images: the kept weights serve, the padding is zeroed again
+        for request in requests:  # scratch shared with other kernels holds anything
+            scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+        ins[0] = _f(*xs)
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS[op].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_conv_columns_are_the_plans_scratch(monkeypatch):
+    """The im2col path declares its columns (and, stacking images, the GEMM's product), the
+    tiles path its padded image, packed panel of B and tile; a plan binds them (bufferize lists
+    them)."""
+    monkeypatch.setattr(conv_kernels, "TILES", False)
     b = polyhal.ProgramBuilder("c")
     x = b.input("x", (1, 4, 9, 9))
     b.output(b.conv(x, b.constant(_f(8, 4, 3, 3)), strides=[1, 1], pads=[1, 1, 1, 1], dilations=[1, 1], group=1))
@@ -127,6 +188,15 @@ def test_conv_columns_are_the_plans_scratch():
                                                       TensorType((8, 4, 3, 3), np.float32)),
             (TensorType((4, 8, 9, 9), np.float32),))
         assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4]
+        monkeypatch.setattr(conv_kernels, "TILES", True)
+        monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
+        req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
+            "conv", dict(plan.program.ops[0].attrs), (TensorType((4, 4, 9, 9), np.float32),
+                                                      TensorType((8, 4, 3, 3), np.float32)),
+            (TensorType((4, 8, 9, 9), np.float32),))
+        plane = 11 * 11 + 2  # the padded image, and the room the last taps read past its corner
+        block = 4 * 32  # columns: 9 rows over the padded width of 11 in 4 tiles, in one block
+        assert [r.bytes_per_launch for r in req] == [4 * plane * 4, (4 * 9 * 32 + 8 * block) * 4]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
@@ -163,6 +233,9 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
     ((2, 100, 9, 10), (100, 1, 5, 5), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
     ((1, 96, 10, 14), (96, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
     ((2, 20, 6, 7), (12, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+    # depthwise tiles of 8 pixels x 8 or 16 channels, kernel rows clipped at the top and bottom
+    ((1, 24, 9, 40), (24, 1, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 2]}),
+    ((2, 32, 7, 30), (32, 1, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 1]}),
 ])
 @pytest.mark.parametrize("activation", ["none", "relu", "hard_swish", "silu"])
 def test_blocked_conv_kernel(shapes, activation):
@@ -190,6 +263,35 @@ def test_blocked_conv_kernel(shapes, activation):
             kernel(*ins, out)
             (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
+
+
+@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32)])
+@pytest.mark.parametrize("activation", ["none", "relu", "silu"])
+def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
+    """Channel-blocked 1x1 convs by the micro-kernel: output channels of whole tiles and of a
+    last partial one (200 = 6 x 32 + 8), pixels of whole tiles and of a last partial one
+    (35 = 4 x 8 + 3, 9 = 8 + 1), several blocks of pixels (the block budget shrunk to one tile's
+    rows), with and without a residual, against the reference."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(native, "GEMM_ROWS_BLOCK_BYTES", 8 * (xs[1] + m) * 4)
+    attrs = {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1], "group": 1, "activation": activation,
+             "alpha": 0.0, "beta": 0.0}
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    w = _f(m, xs[1], 1, 1)
+    w.flags.writeable = False
+    x_t, w_t = TensorType((xs[0], 1, *xs[2:], xs[1]), np.float32), TensorType(w.shape, np.float32)
+    assert conv_kernels._pointwise_tiles(attrs, x_t, w_t) is not None
+    for residual in (False, True):
+        ins = [block(_f(*xs)), w, _f(m)]
+        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        if residual:
+            ins.append(_f(*out_type.shape))
+        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
 
 
 def test_native_loops_serve_float32():

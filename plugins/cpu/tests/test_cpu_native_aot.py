@@ -50,6 +50,26 @@ def test_a_process_running_a_depthwise_conv_loads_no_numba(aot):
     assert got == {"numba": False, "llvmlite": False, "path": str(aot.path), "shape": [1, 8, 7, 7]}
 
 
+def test_a_process_running_a_tiled_conv_loads_no_numba(aot):
+    """The tiles' loops take an int64 index array beside float32 ones: the compiled module
+    serves them too (a dtype check that knew only float32 sent every call to the JIT)."""
+    got = _child("""
+        import json, sys
+        import numpy as np
+        from onnx import TensorProto, helper
+        import polyhal.onnx
+        rng = np.random.default_rng(0)
+        w = helper.make_tensor("w", TensorProto.FLOAT, (16, 16, 3, 3), rng.standard_normal(2304).tolist())
+        graph = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], "g",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, (1, 16, 9, 9))],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, (1, 16, 9, 9))], [w])
+        program = polyhal.onnx.load(helper.make_model(graph))
+        y = program.execute(program.compile("cpu:0"), {"x": rng.standard_normal((1, 16, 9, 9), dtype=np.float32)})
+        print(json.dumps({"numba": "numba" in sys.modules, "shape": list(np.shape(y["y"]))}))
+    """)
+    assert got == {"numba": False, "shape": [1, 16, 9, 9]}
+
+
 def _results(loops) -> dict[str, np.ndarray]:
     """Each public loop wrapper called once (with ``loops`` serving it) on seeded data: its output."""
     rng = np.random.default_rng(1)
@@ -71,6 +91,13 @@ def _results(loops) -> dict[str, np.ndarray]:
         "im2col": (np.empty((54, 84), np.float32),
                    lambda o: native.im2col(img, 0, o, (3, 3), (2, 2), (1, 1), (1, 1), (6, 7))),
         "epilogue": (y.copy(), lambda o: native.epilogue(o, np.resize(bias, 12), None, 1, 0.0, 0.0)),
+        # (6, 27) weights @ img's first 1080 values as (27, 40); (40 pixels, 27) of them @ (27, 32)
+        "gemm_tiles": (np.empty((6, 40), np.float32), lambda o: native.gemm_tiles(
+            native.pack_gemm_weights(f(6, 27)), img.reshape(-1), np.arange(27) * 40, 40, 40, 40, o, bias, None,
+            np.empty(27 * 32, np.float32), np.empty(8 * 64, np.float32), 64, 6, 0.0, 0.0)),
+        "gemm_channels_last": (np.empty((40, 32), np.float32), lambda o: native.gemm_channels_last(
+            img.reshape(-1)[:1080].reshape(40, 27), f(27, 32), o, f(32), f(40, 32), np.empty(8 * 32, np.float32),
+            np.empty(8 * 27, np.float32), 16, 6, 0.0, 0.0)),
     }
     saved, native._loops = native._loops, loops
     try:

@@ -46,3 +46,359 @@ def test_split_kernels_match_reference(monkeypatch, n_threads, name, shapes, att
         for got, want in zip(outs, OPS[name].reference(*xs, **attrs)):
             tol = 2e-3 if dtype == np.float16 else 1e-5
             np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------- GEMMs and loops cut into pieces
+
+def _split_everything(monkeypatch, n_threads: str) -> None:
+    """Cut every kernel as finely as it may be cut (the thresholds down to one element)."""
+    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0)):
+        monkeypatch.setattr(parallel, name, value)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    _reset_budget(monkeypatch)
+
+
+def _geometry(stride=1, pad=0, group=1, **fused):
+    attrs = {"strides": [stride] * 2, "pads": [pad] * 4, "dilations": [1, 1], "group": group}
+    return attrs | ({"activation": "relu", "alpha": 0.0, "beta": 0.0} | fused if fused else {})
+
+
+_CONV = {"activation": "hard_swish", "alpha": 1 / 6, "beta": 0.5}
+SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is like another
+    ("matmul", [(37, 19), (19, 53)], {}),
+    ("matmul", [(3, 13, 19), (19, 7)], {}),  # collapsed to one (39, 19) @ (19, 7) GEMM
+    ("gemm", [(19, 37), (53, 19), (53,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
+    ("gemm", [(61, 5), (5, 7)], {"alpha": 1.0, "beta": 1.0, "trans_a": 0, "trans_b": 0}),
+    ("linear", [(2, 21, 17), (17, 33), (33,)], {}),
+    # results of 65536 elements and more take BLAS's accumulating GEMM (bias or C first)
+    ("linear", [(301, 17), (17, 257), (257,)], {}),
+    ("gemm", [(9, 263), (257, 9), (257,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
+    ("fused_linear", [(21, 17), (17, 33), (33,), (21, 33)], {"activation": "gelu", "alpha": 0.0, "beta": 0.0}),
+    ("conv", [(2, 5, 9, 9), (7, 5, 1, 1)], _geometry()),  # pointwise, column pieces
+    ("fused_conv", [(3, 5, 9, 9), (70, 5, 1, 1), (70,), (3, 70, 9, 9)], _geometry(**_CONV)),  # column pieces
+    ("fused_conv", [(2, 5, 5, 5), (70, 5, 1, 1), (70,), (2, 70, 5, 5)], _geometry(**_CONV)),  # row pieces
+    ("fused_conv", [(1, 6, 31, 29), (70, 6, 3, 3), (70,)], _geometry(pad=1, **_CONV)),  # shifted, per output rows
+    ("fused_conv", [(1, 7, 11, 13), (66, 7, 3, 3), (66,)], _geometry(stride=2, pad=1)),  # im2col, row pieces
+    ("fused_conv", [(1, 3, 20, 21), (6, 3, 3, 3), (6,), (1, 6, 10, 11)],
+     _geometry(stride=2, pad=1, **_CONV)),  # one image, column pieces
+    ("conv", [(1, 6, 20, 21), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # one image, grouped
+    ("fused_conv", [(5, 7, 6, 6), (66, 7, 3, 3), (66,), (5, 66, 3, 3)], _geometry(stride=2, pad=1)),  # stacked
+    ("conv", [(5, 7, 6, 6), (9, 7, 3, 3)], _geometry(stride=2)),  # stacked images, column pieces
+    ("conv", [(2, 6, 9, 9), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # grouped
+    ("fused_conv", [(3, 11, 9, 10), (11, 1, 3, 3), (11,), (3, 11, 5, 5)], _geometry(stride=2, pad=1, group=11)),
+    # channel-blocked (N, 1, H, W, C): depthwise on flat rows (few channels), vectorised across
+    # many channels (stride 2, asymmetric pads), pointwise in blocks of pixels
+    ("blocked_conv", [(1, 1, 9, 10, 13), (13, 1, 3, 3), (13,), (1, 1, 9, 10, 13)], _geometry(pad=1, group=13, **_CONV)),
+    ("blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
+     _geometry(stride=2, group=40, **_CONV) | {"pads": [2, 1, 2, 3]}),
+    ("blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
+    # the depthwise tiles (8 pixels x a vector register of channels) in blocks of output rows,
+    # a block's first rows reading the image from its own first row (top padding only above
+    # the first block), kernel rows clipped at the bottom
+    ("blocked_conv", [(1, 1, 9, 40, 32), (32, 1, 3, 3), (32,), (1, 1, 9, 40, 32)], _geometry(pad=1, group=32, **_CONV)),
+    ("blocked_conv", [(1, 1, 13, 41, 24), (24, 1, 5, 5), (24,)], _geometry(stride=2, pad=2, group=24, **_CONV)),
+    # the register-tiled GEMMs cut into blocks of panels of output channels (the last partial)
+    # and of tiles' rows of pixels (the last partial), see TILE_CASES
+    ("blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)),
+    ("attention", [(1, 5, 13, 8), (1, 5, 11, 8), (1, 5, 11, 6)], {"scale": None}),  # blocks of heads
+    ("masked_attention", [(2, 3, 13, 8), (2, 3, 11, 8), (2, 3, 11, 6), (2, 1, 13, 11)], {"scale": 0.3}),
+    ("max_pool", [(2, 3, 11, 9)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ("avg_pool", [(1, 5, 9, 9)], {"kernel_shape": [2, 2], "strides": [1, 1], "pads": [0, 0, 0, 0]}),
+    ("scale_shift", [(2, 5, 7, 6), (5,), (5,)], {"activation": "relu", "alpha": 0.0, "beta": 0.0}),
+]
+
+
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+@pytest.mark.parametrize("name, shapes, attrs", SPLIT_CASES, ids=[c[0] for c in SPLIT_CASES])
+def test_split_gemms_and_loops_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs):
+    """Every GEMM and compiled loop cut into its finest pieces gives what the whole kernel
+    (prepared with a budget of one thread, which cuts nothing) gives, and the reference."""
+    rng = np.random.default_rng(1)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    in_types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(in_types, attrs)
+    results = []
+    for threads_, cut in (("1", False), (n_threads, True)):
+        if cut:
+            _split_everything(monkeypatch, threads_)
+        else:
+            monkeypatch.setenv("POLYHAL_CPU_THREADS", threads_)
+            _reset_budget(monkeypatch)
+        out = np.full(out_type.shape, np.nan, np.float32)
+        prepare(name, attrs, in_types, (out_type,))(*xs, out)
+        results.append(out)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
+# Convolutions that take the tiles path (conv_kernels._tiles): M of whole panels and of a
+# partial last one, stride-1 and strided (phase planes), 1x1 (B the image itself), batches.
+TILE_CASES = [
+    ("fused_conv", [(1, 8, 13, 11), (37, 8, 3, 3), (37,), (1, 37, 13, 11)], _geometry(pad=1, **_CONV)),
+    # batches: blocks of images, but batches of 2 by 3 threads cut by channels; one panel of
+    # output channels
+    ("fused_conv", [(2, 3, 23, 20), (21, 3, 7, 7), (21,)], _geometry(stride=2, pad=3)),
+    ("fused_conv", [(2, 9, 9, 8), (29, 9, 3, 3), (29,), (2, 29, 9, 8)], _geometry(pad=1, **_CONV)),
+    ("conv", [(3, 10, 9, 7), (50, 10, 3, 3)], _geometry(stride=2)),
+    ("fused_conv", [(2, 9, 8, 8), (29, 9, 1, 1), (29,), (2, 29, 8, 8)], _geometry(**_CONV)),
+    ("fused_conv", [(5, 8, 9, 7), (6, 8, 3, 3), (6,), (5, 6, 9, 7)], _geometry(pad=1, **_CONV)),
+    ("conv", [(3, 9, 11, 10), (8, 9, 3, 3)], _geometry(stride=2, pad=1)),
+    ("conv", [(3, 70, 8, 8), (5, 70, 1, 1)], _geometry()),
+]
+
+
+def _tile_conv(monkeypatch, name, shapes, attrs, n_threads, gemm_tiles):
+    """The conv cut as finely as it may be (budget ``n_threads``), its scratch filled with nan
+    first (shared with other kernels, it holds anything), the compiled tiles called through
+    ``gemm_tiles``: its output."""
+    from polyhal import registry
+    from polyhal_cpu import conv_kernels, native
+    from polyhal_cpu.scratch import standalone
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    _split_everything(monkeypatch, n_threads)
+    monkeypatch.setattr(native, "gemm_tiles", gemm_tiles)
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(types, attrs)
+    geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+    assert geometry.path == "tiles"
+    # cut by channels, or (in a batch, where that gives as many pieces) into blocks of images
+    by_channels, by_images = min(int(n_threads), -(-shapes[1][0] // native.GEMM_MR)), min(int(n_threads), shapes[0][0])
+    images = by_images > 1 and by_images >= by_channels
+    assert (len(geometry.tiles_pieces), geometry.tiles_images) == ((1, by_images) if images else (by_channels, 1))
+    requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
+    scratch = standalone(None, requests)
+    for request in requests:
+        scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    return out, want, geometry
+
+
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+@pytest.mark.parametrize("name, shapes, attrs", TILE_CASES, ids=[str(c[1][1]) for c in TILE_CASES])
+def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs):
+    """A tiled conv cut into blocks of output channels (or of images) gives what the uncut one
+    gives and the reference; each piece that may run beside another packs and accumulates in
+    its own part of the scratch, reads its own planes, and writes its own part of the output."""
+    from polyhal_cpu import native
+
+    whole, want, _ = _tile_conv(monkeypatch, name, shapes, attrs, "1", native.gemm_tiles)
+    calls = []
+
+    def recording(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest):
+        calls.append((out, src, bpack, cbuf))
+        original(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest)
+    original = native.gemm_tiles
+    cut, _, geometry = _tile_conv(monkeypatch, name, shapes, attrs, n_threads, recording)
+    np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(cut, want, rtol=1e-4, atol=1e-4)
+    assert len(calls) == shapes[0][0] * len(geometry.tiles_pieces)
+    for i, (out_a, *_) in enumerate(calls):
+        assert not any(np.shares_memory(out_a, out_b) for out_b, *_ in calls[i + 1:])
+    scratch = {bpack.ctypes.data: (bpack, cbuf) for _, _, bpack, cbuf in calls}
+    assert len(scratch) == len(geometry.tiles_pieces) * geometry.tiles_images > 1
+    parts = list(scratch.values())
+    for i, part_a in enumerate(parts):
+        for part_b in parts[i + 1:]:
+            assert not any(np.shares_memory(a, b) for a in part_a for b in part_b)
+    if geometry.tiles_images > 1 and geometry.phases is not None:  # each block of images its own planes
+        planes = {src.ctypes.data: src for _, src, _, _ in calls}
+        assert len(planes) == geometry.tiles_images
+        assert not any(np.shares_memory(a, b) for i, a in enumerate(planes.values())
+                       for b in list(planes.values())[i + 1:])
+
+
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
+    """A channel-blocked 1x1 conv's tiles cut into blocks of pixels (the last partial: 7 x 9 =
+    63 pixels) on nan-filled scratch give the uncut result and the reference, each block with
+    its own part of the ``rows`` scratch and of the output."""
+    from polyhal import registry
+    from polyhal_cpu import conv_kernels, native
+    from polyhal_cpu.scratch import standalone
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    name, attrs = "blocked_conv", _geometry(**_CONV)
+    shapes = [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)]
+    rng = np.random.default_rng(3)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(types, attrs)
+    original, calls, results = native.gemm_channels_last, [], []
+
+    def recording(x, wt, out, bias, residual, cbuf, apad, *rest):
+        calls.append((out, cbuf, apad))
+        original(x, wt, out, bias, residual, cbuf, apad, *rest)
+    monkeypatch.setattr(native, "gemm_channels_last", recording)
+    for threads_ in ("1", n_threads):
+        _split_everything(monkeypatch, threads_)
+        assert len(conv_kernels._pointwise_tiles(attrs, *types[:2])[3]) == int(threads_)
+        requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
+        scratch = standalone(None, requests)
+        for request in requests:
+            scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+        out = np.full(out_type.shape, np.nan, np.float32)
+        calls.clear()
+        prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
+        results.append(out)
+    assert len(calls) == int(n_threads)
+    for i, part_a in enumerate(calls):
+        for part_b in calls[i + 1:]:
+            assert not any(np.shares_memory(a, b) for a in part_a for b in part_b)
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
+def test_gemm_split_shapes(monkeypatch):
+    """Pieces cover the product once, along the longer side or the one asked for, aligned, and
+    a product too small for two pieces, or bound by memory, is not cut."""
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    split = parallel.GemmSplit(1000, 40, 512)
+    assert split.axis == 0 and split.bounds[0][0] == 0 and split.bounds[-1][1] == 1000
+    assert all(lo % parallel.GEMM_ALIGN == 0 for lo, _ in split.bounds)
+    assert all(a[1] == b[0] for a, b in zip(split.bounds, split.bounds[1:]))
+    assert parallel.GemmSplit(40, 1000, 512).axis == 1
+    assert parallel.GemmSplit(40, 1000, 512, axis=0).axis == 0
+    assert len(parallel.GemmSplit(8, 8, 8)) == 1
+    assert len(parallel.GemmSplit(1, 4096, 4096)) == 1  # a matrix-vector product: bound by memory
+    assert parallel.blocks(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert parallel.blocks(10, 4, align=4) == [(0, 4), (4, 8), (8, 10)]
+
+
+def test_budget_of_one_thread_cuts_nothing(monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "1")
+    _reset_budget(monkeypatch)
+    assert len(parallel.GemmSplit(4096, 4096, 4096)) == 1
+    assert parallel.grid(64, 64, 1 << 20) == [(slice(None), slice(None))]
+
+
+def test_pieces_run_on_the_pool_and_never_nest(monkeypatch):
+    """Pieces run on more than one thread; a piece that cuts its own work runs those pieces
+    itself; a failing piece's error reaches the caller after every piece has run."""
+    import threading
+    import time
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    threads.budget().active = 2
+    seen, inner = set(), []
+
+    def piece():
+        seen.add(threading.get_ident())
+        time.sleep(0.01)  # long enough for the pool thread to wake and take one
+        here = threading.get_ident()
+        parallel.run([lambda: inner.append(threading.get_ident() == here)] * 3)
+
+    parallel.run([piece] * 4)
+    assert len(seen) == 2 and inner == [True] * 12
+    ran = []
+
+    def bad():
+        raise ValueError("piece failed")
+    with pytest.raises(ValueError, match="piece failed"):
+        parallel.run([bad, lambda: ran.append(1), lambda: ran.append(2)])
+    assert sorted(ran) == [1, 2]
+
+
+# ------------------------------------------------------------------ the pool's bounded spin
+
+def _until(condition, seconds: float = 5.0) -> bool:
+    import time
+
+    end = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _spinning_pool():
+    from polyhal_cpu import native
+
+    if native.spin_wait() is None:
+        pytest.skip("compiled loops off: the pool never spins")
+    pool = parallel._Pool()
+    pool.grow(1)
+    assert _until(lambda: len(pool._sleeping) == 1)  # a new thread blocks: it left no run
+    return pool
+
+
+def test_spin_wait_sees_another_threads_store_and_is_bounded():
+    """The compiled spin returns when another thread's store reaches the target, posts its
+    value first, and gives up after its rounds."""
+    import threading
+    import time
+
+    from polyhal_cpu import native
+
+    spin = native.spin_wait()
+    if spin is None:
+        pytest.skip("compiled loops off")
+    flags = np.zeros(16, np.int64)
+    setter = threading.Timer(0.05, flags.__setitem__, (0, 3))
+    setter.start()
+    t = time.perf_counter()
+    spin(flags, 8, 7, 0, 3, 1 << 40, 0)  # would spin for hours if it missed the store
+    assert time.perf_counter() - t >= 0.04 and flags[8] == 7
+    setter.join()
+    rounds = int(0.05 / parallel._round_seconds(spin))
+    t = time.perf_counter()
+    spin(flags, -1, 0, 0, 4, rounds, 0)  # never reached: returns after its rounds
+    assert 0.03 < time.perf_counter() - t < 2
+
+
+def test_pool_thread_spins_for_the_bound_then_blocks(monkeypatch):
+    """After a run a pool thread spins (is not blocked) and blocks once the bound has passed."""
+    import threading
+    import time
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    threads.budget().active = 2
+    pool = _spinning_pool()
+    pool.rounds = int(0.4 / parallel._round_seconds(pool._spin))  # a 0.4 s bound
+    ran = []
+
+    def piece():
+        ran.append(threading.get_ident())
+        time.sleep(0.02)  # long enough for the woken thread to take the other piece
+    parallel._run(pool, [piece, piece], 1)
+    left = time.monotonic()
+    assert len(set(ran)) == 2
+    time.sleep(0.1)
+    assert not pool._sleeping  # still spinning, within the bound
+    assert _until(lambda: len(pool._sleeping) == 1)
+    assert 0.25 < time.monotonic() - left < 5
+    parallel._run(pool, [piece, piece], 1)  # a blocked thread is woken by the next run
+    assert len(set(ran[2:])) == 2
+
+
+def test_pool_thread_never_spins_while_cores_are_shared(monkeypatch):
+    """With the budget cut to one thread (other processes hold the cores) a pool thread that
+    leaves a run blocks at once, however long its bound."""
+    import threading
+    import time
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    pool = _spinning_pool()
+    pool.rounds = int(30 / parallel._round_seconds(pool._spin))  # a 30 s bound
+    threads.budget().active = 1
+    ran = []
+
+    def piece():
+        ran.append(threading.get_ident())
+        time.sleep(0.02)
+    parallel._run(pool, [piece, piece], 1)
+    assert len(set(ran)) == 2  # it took part, woken from its lock
+    assert _until(lambda: len(pool._sleeping) == 1, seconds=2)

@@ -136,14 +136,14 @@ PROBE = """
 
 
 @pytest.mark.parametrize("n", [1, 3])
-def test_override_reaches_blas_numba_and_the_pool(n):
+def test_override_reaches_numba_and_the_pool_and_blas_runs_on_one_thread(n):
     got = _probe({"POLYHAL_CPU_THREADS": str(n)}, PROBE)
     assert got["budget"] == n and got["pool"] == n and got["numba"] == n
-    assert got["blas"] and all(b == n for b in got["blas"]), got
+    assert got["blas"] and all(b == 1 for b in got["blas"]), got  # GEMMs are cut by polyhal's pool
 
 
 def test_default_budget_is_the_cpus_this_process_may_use():
     got = _probe({}, PROBE)
     assert got["budget"] == threads.available_cpus()
-    assert all(b <= got["budget"] for b in got["blas"]), got
+    assert got["blas"] and all(b == 1 for b in got["blas"]), got
     assert got["numba"] == got["budget"]
