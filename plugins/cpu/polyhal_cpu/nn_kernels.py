@@ -287,6 +287,8 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
             m3 = m3_2 = None
         for g0 in range(0, heads, group):
             g1 = min(heads, g0 + group)
-            parallel.run([partial(head_block, q3, k3, v3, o3, m3, m3_2, g0 + lo, min(g0 + hi, g1), buf[lo:hi])
+            # the last group may hold fewer heads: its last block (and its scores) is cut short
+            parallel.run([partial(head_block, q3, k3, v3, o3, m3, m3_2, g0 + lo, min(g0 + hi, g1),
+                                  buf[lo:min(hi, g1 - g0)])
                           for lo, hi in head_blocks if g0 + lo < g1])
     return kernel

@@ -402,3 +402,21 @@ def test_pool_thread_never_spins_while_cores_are_shared(monkeypatch):
     parallel._run(pool, [piece, piece], 1)
     assert len(set(ran)) == 2  # it took part, woken from its lock
     assert _until(lambda: len(pool._sleeping) == 1, seconds=2)
+
+
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+def test_split_attention_whose_last_group_of_heads_is_short(monkeypatch, n_threads):
+    """7 heads in groups of 3 (the last of one head): each block of the short group gets a score
+    block of its own length (Swin-T's 109 heads in groups of 83 failed on the broadcast)."""
+    from polyhal_cpu import nn_kernels
+
+    monkeypatch.setattr(nn_kernels, "_ATTENTION_GROUP", 3 * 13 * 11)
+    _split_everything(monkeypatch, n_threads)
+    rng = np.random.default_rng(2)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in ((1, 7, 13, 8), (1, 7, 11, 8), (1, 7, 11, 6))]
+    in_types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS["attention"].infer(in_types, {"scale": None})
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare("attention", {"scale": None}, in_types, (out_type,))(*xs, out)
+    (want,) = OPS["attention"].reference(*xs, scale=None)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
