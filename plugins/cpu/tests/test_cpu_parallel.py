@@ -406,11 +406,11 @@ def test_pool_thread_never_spins_while_cores_are_shared(monkeypatch):
 
 @pytest.mark.parametrize("n_threads", ["2", "3"])
 def test_split_attention_whose_last_group_of_heads_is_short(monkeypatch, n_threads):
-    """7 heads in groups of 3 (the last of one head): each block of the short group gets a score
+    """7 heads in groups of 4 (the last of three): each block of the short group gets a score
     block of its own length (Swin-T's 109 heads in groups of 83 failed on the broadcast)."""
     from polyhal_cpu import nn_kernels
 
-    monkeypatch.setattr(nn_kernels, "_ATTENTION_GROUP", 3 * 13 * 11)
+    monkeypatch.setattr(nn_kernels, "_ATTENTION_GROUP", 4 * 13 * 11)
     _split_everything(monkeypatch, n_threads)
     rng = np.random.default_rng(2)
     xs = [rng.standard_normal(s).astype(np.float32) for s in ((1, 7, 13, 8), (1, 7, 11, 8), (1, 7, 11, 6))]
