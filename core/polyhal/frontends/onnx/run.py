@@ -202,6 +202,24 @@ DEFAULT_DIM = 1
 
 # --------------------------------------------------------------------------------------- run
 
+def _print_outputs(outputs: dict, print_limit: int) -> None:
+    """Each output's type and values, ``print_limit`` elements at each end: tensors, sequences
+    (a staged model's) element by element, and empty optionals."""
+    with np.printoptions(threshold=2 * print_limit, edgeitems=print_limit, precision=5, linewidth=100):
+        for n, v in outputs.items():
+            if v is None:
+                print(f"  output {n}: optional, empty")
+            elif isinstance(v, list):
+                print(f"  output {n}: sequence of {len(v)} tensors")
+                for i, e in enumerate(v):
+                    print(f"    [{i}] {np.asarray(e).dtype}{list(np.shape(e))}: "
+                          + np.array2string(np.asarray(e)).replace("\n", "\n      "))
+            else:
+                v = np.asarray(v)
+                print(f"  output {n}: {v.dtype}{list(v.shape)}")
+                print("    " + np.array2string(v).replace("\n", "\n    "))
+
+
 def cmd_run(args: argparse.Namespace, registry) -> int:
     """Load, compile and run the model; print (or write) outputs, timings and placement."""
     apply_policy_arguments(args, registry)
@@ -319,10 +337,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(f"  input  {n}: {x.dtype}{list(x.shape)} (file, fixed at import)")
     for d in defaulted:
         print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
-    with np.printoptions(threshold=2 * args.print_limit, edgeitems=args.print_limit, precision=5, linewidth=100):
-        for n, v in outputs.items():
-            print(f"  output {n}: {v.dtype}{list(v.shape)}")
-            print("    " + np.array2string(v).replace("\n", "\n    "))
+    _print_outputs(outputs, args.print_limit)
     if args.output:
         print(f"outputs written to {args.output}/")
     if args.explain:
@@ -422,19 +437,7 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
         print(f"  input  {n}: {np.asarray(x).dtype}{list(np.shape(x))} ({sources[n]})")
     for d in defaulted:
         print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
-    with np.printoptions(threshold=2 * args.print_limit, edgeitems=args.print_limit, precision=5, linewidth=100):
-        for n, v in outputs.items():
-            if v is None:
-                print(f"  output {n}: optional, empty")
-            elif isinstance(v, list):
-                print(f"  output {n}: sequence of {len(v)} tensors")
-                for i, e in enumerate(v):
-                    print(f"    [{i}] {np.asarray(e).dtype}{list(np.shape(e))}: "
-                          + np.array2string(np.asarray(e)).replace("\n", "\n      "))
-            else:
-                v = np.asarray(v)
-                print(f"  output {n}: {v.dtype}{list(v.shape)}")
-                print("    " + np.array2string(v).replace("\n", "\n    "))
+    _print_outputs(outputs, args.print_limit)
     if args.output:
         print(f"outputs written to {args.output}/")
     if args.explain:
