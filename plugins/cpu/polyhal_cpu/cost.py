@@ -2,7 +2,8 @@
 links between its logical devices.
 
 Figures are deliberately simple: numpy runs an elementwise op on one thread at roughly a few
-GB/s, while matmul goes to a multithreaded BLAS. Logical CPU devices share the host's memory, so
+GB/s, while a matmul's single-threaded BLAS pieces run on every core of the backend's pool
+(:mod:`polyhal_cpu.parallel`). Logical CPU devices share the host's memory, so
 a transfer between two of them is one memcpy. ``polyhal.policies.cost.measure_link`` replaces the
 declared link figure with a measured one.
 """
@@ -14,7 +15,7 @@ import polyhal
 #: Bytes per second numpy streams through one core, and per-op dispatch latency.
 STREAM_BANDWIDTH = 6e9
 LAUNCH_LATENCY = 2e-6
-#: FLOP/s of one core: scalar-ish ufuncs vs BLAS (per core; BLAS uses every core).
+#: FLOP/s of one core: scalar-ish ufuncs vs BLAS (per core; a large product is cut over every core).
 UFUNC_FLOPS = 1e9
 BLAS_FLOPS_PER_CORE = 16e9
 #: A memcpy between logical CPU devices (same memory).
