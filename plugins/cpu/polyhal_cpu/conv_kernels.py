@@ -138,6 +138,8 @@ class _Conv:
         stack = max(1, min(self.batch, GEMM_POSITIONS // max(self.positions, 1), COLUMNS_BYTES // max(one, 1)))
         #: Images whose columns go into one GEMM (the compiled im2col only; see GEMM_POSITIONS).
         self.stack = -(-self.batch // -(-self.batch // stack)) if native2d and self.path == "gemm" else 1
+        #: Blocks of channels whose columns are built at once (one image per GEMM, compiled im2col).
+        self.column_blocks = [cs for _, cs in parallel.grid(1, self.c, self.taps * self.positions, factor=4)]
 
     def _tile_pieces(self, ncols: int) -> list[tuple[int, int, int]]:
         """The tiles path's pieces of one image's GEMM (M, ``ncols``) @ (C * taps): blocks of
@@ -180,6 +182,16 @@ class _Conv:
         return self.c * self.taps * self.positions * self.stack * self.dtype.itemsize if self.path == "gemm" else 0
 
     @property
+    def phases_bytes(self) -> int:
+        """Bytes of the column phases the compiled im2col splits a strided image's planes into
+        (:func:`polyhal_cpu.native.im2col_work`): one image's part for each image of a stack, or
+        for each block of channels built at once (pieces running together never share a part)."""
+        if self.path != "gemm" or not self.native_columns:
+            return 0
+        parts = self.stack if self.stack > 1 else len(self.column_blocks)
+        return parts * native.im2col_work(1, self.in_sp, self.k, self.s, self.out_sp) * self.dtype.itemsize
+
+    @property
     def product_bytes(self) -> int:
         """Bytes of a stacked GEMM's product, (M, stack, positions), before it is laid out as
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
@@ -205,6 +217,11 @@ def _columns_bytes(problem, _workgroup_size: int) -> int:
 def _product_bytes(problem, _workgroup_size: int) -> int:
     x, w = problem.in_types[:2]
     return _Conv(problem.attrs, x, w, problem.out_types[0]).product_bytes
+
+
+def _phases_bytes(problem, _workgroup_size: int) -> int:
+    x, w = problem.in_types[:2]
+    return _Conv(problem.attrs, x, w, problem.out_types[0]).phases_bytes
 
 
 def _numpy_columns(g: _Conv):
@@ -242,7 +259,10 @@ def _numpy_columns(g: _Conv):
                         "on the shifted path the weights tap by tap and one zero-padded image"),
     ScratchDecl("product", shared=True, per_launch=_product_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="the GEMM product before it is copied into the output: of stacked images "
-                        "(M, images, positions), or of the shifted path (M, rows * padded width)")])
+                        "(M, images, positions), or of the shifted path (M, rows * padded width)"),
+    ScratchDecl("phases", shared=True, per_launch=_phases_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a horizontally strided image's planes split into column phases by im2col, "
+                        "one part per piece building columns at once")])
 @float16_via_float32
 def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     g = _Conv(attrs, ins[0], ins[1], outs[0])
@@ -344,16 +364,18 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         return _stacked(g, scratch, finish_part, has_bias, has_residual, has_epilogue, zero_bias)
     if g.native_columns:
         flat = scratch_array(scratch, "columns", g.dtype, (g.group, k2, length))
-        # an image's columns are built in blocks of channels, its GEMM cut into rows or columns
-        column_blocks = [cs for _, cs in parallel.grid(1, g.c, g.taps * length, factor=4)]
+        # an image's columns are built in blocks of channels (each with its own part of the
+        # phases scratch), its GEMM cut into rows or columns
+        column_blocks = g.column_blocks
+        work = scratch_array(scratch, "phases", g.dtype, (len(column_blocks), g.phases_bytes // 4 // len(column_blocks)))
         split = parallel.GemmSplit(g.mg, length, k2, batch=g.group)
         by_rows = fuse and split.axis == 0
 
-        def columns(x4, n, cs):
+        def columns(x4, n, part, cs):
             cols2 = flat.reshape(g.c * g.taps, length)
             if cs.start is not None:
                 x4, cols2 = x4[:, cs], cols2[cs.start * g.taps:cs.stop * g.taps]
-            native.im2col(x4[n:n + 1], 0, cols2, g.k, g.s, g.pb, g.d, g.out_sp)
+            native.im2col(x4[n:n + 1], 0, cols2, work[part], g.k, g.s, g.pb, g.d, g.out_sp)
 
         def rows_piece(w3, o3, b, r3, n, lo, hi):
             """Output channels lo..hi of image n: their GEMM, then their epilogue."""
@@ -369,7 +391,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             o3 = out.reshape(rows3)
             r3 = None if r is None else contiguous(r).reshape(rows3)
             for n in range(g.batch):
-                run([partial(columns, x4, n, cs) for cs in column_blocks])
+                run([partial(columns, x4, n, i, cs) for i, cs in enumerate(column_blocks)])
                 if by_rows:
                     run([partial(rows_piece, w3, o3, b, r3, n, lo, hi) for lo, hi in split.bounds])
                 else:
@@ -555,6 +577,7 @@ def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool,
     k2, length, stack = g.cg * g.taps, g.positions, g.stack
     flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
     product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,))
+    work = scratch_array(scratch, "phases", g.dtype, (stack, g.phases_bytes // 4 // stack))  # a part per image
     rows3 = (g.batch, g.m, length)
     subs = {nb: parallel.blocks(nb, parallel.gemm_pieces(g.mg, nb * length, k2, batch=g.group))
             for nb in {stack, g.batch % stack or stack}}
@@ -564,7 +587,8 @@ def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool,
         """Images n0 + i0 .. n0 + i1 of a stack starting at image n0."""
         nb, first = i1 - i0, n0 + i0
         cols = flat[g.group * k2 * i0 * length:g.group * k2 * i1 * length].reshape(g.group, k2, nb * length)
-        native.im2col(x4, first, cols.reshape(g.c * g.taps, nb * length), g.k, g.s, g.pb, g.d, g.out_sp)
+        native.im2col(x4, first, cols.reshape(g.c * g.taps, nb * length), work[i0:i1].reshape(-1), g.k, g.s, g.pb,
+                      g.d, g.out_sp)
         prod = product[g.m * i0 * length:g.m * i1 * length].reshape(g.group, g.mg, nb * length)
         np.matmul(w3, cols, out=prod)
         np.copyto(o3[first:first + nb], prod.reshape(g.m, nb, length).transpose(1, 0, 2))
@@ -903,7 +927,27 @@ def _pool_geometry(attrs: dict, x_type, out_type):
     return n, s, p, d, k, widths, taps
 
 
-def _native_pool(x_type, out_type, n, s, p, d, k, inv):
+def _pool_pieces(x_type, out_type) -> list[slice]:
+    """A compiled pool's pieces: blocks of (image, channel) planes (~3 ns an output for a 3x3 window)."""
+    return [ns for ns, _ in parallel.grid(x_type.shape[0] * x_type.shape[1], 1, math.prod(out_type.shape[2:]))]
+
+
+def _pool_phases_bytes(problem, _workgroup_size: int) -> int:
+    """One plane split into column phases (:func:`polyhal_cpu.native.pool2d_work`) per piece of
+    a compiled 2-D pool."""
+    (x_type,), (out_type,) = problem.in_types[:1], problem.out_types
+    if problem.op == "lp_pool" or x_type.rank != 4 or x_type.dtype != _F32 or not native.available(_F32):
+        return 0
+    s = [int(v) for v in (problem.attrs.get("strides") or [1, 1])]
+    return len(_pool_pieces(x_type, out_type)) * native.pool2d_work(x_type.shape[2:], s) * 4
+
+
+#: The compiled pools' scratch: each piece splits its planes into column phases in its own part.
+_POOL_SCRATCH = [ScratchDecl("phases", shared=True, per_launch=_pool_phases_bytes, spaces=(MemorySpace.GLOBAL,),
+                             alignment=64, purpose="a plane split into column phases, one per piece of the pool")]
+
+
+def _native_pool(x_type, out_type, n, s, p, d, k, inv, scratch):
     """The compiled 2-D pooling loop for float32 (None elsewhere): ``fn(x, out)``."""
     if n != 2 or x_type.dtype != _F32 or not native.available(_F32):
         return None
@@ -911,20 +955,21 @@ def _native_pool(x_type, out_type, n, s, p, d, k, inv):
     x3, o3 = (rows,) + x_type.shape[2:], (rows,) + out_type.shape[2:]
     is_max = inv is None
     inv = np.zeros((1, 1), _F32) if inv is None else np.ascontiguousarray(inv.reshape(out_type.shape[2:]), _F32)
-    # blocks of (image, channel) planes (~3 ns an output for a 3x3 window)
-    pieces = [ns for ns, _ in parallel.grid(rows, 1, math.prod(out_type.shape[2:]))]
+    pieces = _pool_pieces(x_type, out_type)
+    work = scratch_array(scratch, "phases", _F32, (len(pieces), native.pool2d_work(x_type.shape[2:], s)))
 
     def kernel(x, out):
         xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)
-        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, k, s, p[:2], d, is_max) for ns in pieces])
+        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, work[i], k, s, p[:2], d, is_max)
+                      for i, ns in enumerate(pieces)])
     return kernel
 
 
-@TABLE.register("max_pool")
+@TABLE.register("max_pool", scratch=_POOL_SCRATCH)
 def _max_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
     n, s, p, d, k, widths, taps = _pool_geometry(attrs, x_type, outs[0])
-    fast = _native_pool(x_type, outs[0], n, s, p, d, k, None)
+    fast = _native_pool(x_type, outs[0], n, s, p, d, k, None, scratch)
     if fast is not None:
         return fast
     dt = x_type.dtype
@@ -938,7 +983,7 @@ def _max_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) ->
     return kernel
 
 
-@TABLE.register("avg_pool", "lp_pool")
+@TABLE.register("avg_pool", "lp_pool", scratch=_POOL_SCRATCH)
 @float16_via_float32
 def _avg_lp_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type = ins[0]
@@ -956,7 +1001,7 @@ def _avg_lp_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
         mask[(0, 0) + inner] = 1.0
         count = sum(mask[t] for t in taps)
         inv = (1.0 / np.maximum(count, 1.0)).astype(dtype)
-        fast = _native_pool(x_type, outs[0], n, s, p, d, k, inv)
+        fast = _native_pool(x_type, outs[0], n, s, p, d, k, inv, scratch)
         if fast is not None:
             return fast
 

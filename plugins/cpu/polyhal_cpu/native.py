@@ -39,8 +39,8 @@ from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
            "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
-           "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
-           "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
+           "gemm_tiles_bytes", "im2col", "im2col_work", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
+           "pool2d_work", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -127,8 +127,8 @@ def _warm(loops: dict[str, Callable]) -> None:
     ro_img.flags.writeable = False
     for x in (img, ro_img):
         loops["im2col"](x, 0, np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
-        loops["im2col_phases"](x, 0, np.zeros((2, 4), np.float32), 1, 1, 2, 2, 0, 0, 1, 1, 2, 2)
-        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
+        loops["im2col_phases"](x, 0, np.zeros((2, 4), np.float32), v.copy(), 1, 1, 2, 2, 0, 0, 1, 1, 2, 2)
+        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), v.copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
         for residual in (none4, img):
             loops["depthwise"](x, w, ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
@@ -230,14 +230,36 @@ def epilogue(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: 
     _compiled()["epilogue"](y, bias, none, act, np.float32(alpha), np.float32(beta))
 
 
-def im2col(x: np.ndarray, first: int, cols: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple, out: tuple) -> None:
+def _split_phases(k: tuple, s: tuple, out: tuple) -> bool:
+    """Whether :func:`im2col` splits the planes into column phases first (see PHASE_MIN_WIDTH)."""
+    return s[1] > 1 and k[1] > 1 and out[1] >= PHASE_MIN_WIDTH
+
+
+def im2col_work(images: int, size: tuple, k: tuple, s: tuple, out: tuple) -> int:
+    """Floats of the ``work`` scratch :func:`im2col` needs for ``images`` images of spatial
+    ``size`` (H, W): one channel's planes split into column phases (0 where it splits none)."""
+    return images * pool2d_work(size, s) if _split_phases(k, s, out) else 0
+
+
+def im2col(x: np.ndarray, first: int, cols: np.ndarray, work: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple,
+           out: tuple) -> None:
     """Images ``first`` .. ``first + nb`` of C-contiguous (N, C, H, W) ``x`` into (C * kh * kw,
     nb * oh * ow) ``cols`` (nb from its width) for a 2-D convolution with kernel ``k``, strides
-    ``s``, begin pads ``p``, dilations ``d`` and output size ``out``."""
+    ``s``, begin pads ``p``, dilations ``d`` and output size ``out``; ``work``: float32 scratch of
+    :func:`im2col_work` floats at least (the kernel allocates nothing)."""
     loops = _compiled()
-    phases = s[1] > 1 and k[1] > 1 and out[1] >= PHASE_MIN_WIDTH
-    loops["im2col_phases" if phases else "im2col"](x, first, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1],
-                                                   out[0], out[1])
+    if not _split_phases(k, s, out):
+        loops["im2col"](x, first, cols, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], out[0], out[1])
+        return
+    _work(work, im2col_work(cols.shape[1] // (out[0] * out[1]), x.shape[2:], k, s, out))
+    loops["im2col_phases"](x, first, cols, work, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], out[0], out[1])
+
+
+def _work(work: np.ndarray, floats: int) -> None:
+    """A compiled loop writes its scratch without bounds checks: check it is large enough."""
+    if work.dtype != _F32 or work.ndim != 1 or not work.flags.c_contiguous or work.size < floats:
+        raise ValueError(f"a C-contiguous float32 vector of {floats} elements at least is needed as scratch here, "
+                         f"got one of shape {work.shape} and dtype {work.dtype}")
 
 
 def _contiguous(*arrays: np.ndarray) -> None:
@@ -347,11 +369,19 @@ def col2im(cols: np.ndarray, out: np.ndarray, k: tuple, s: tuple, p: tuple, d: t
     _compiled()["col2im"](cols, out, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], size[0], size[1])
 
 
-def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, k: tuple, s: tuple, p: tuple, d: tuple,
-           is_max: bool) -> None:
+def pool2d_work(size: tuple, s: tuple) -> int:
+    """Floats of the ``work`` scratch :func:`pool2d` needs for planes of ``size`` (H, W) at
+    strides ``s``: one plane split into its column phases (0 at a horizontal stride of 1)."""
+    return s[1] * size[0] * -(-size[1] // s[1]) if s[1] > 1 else 0
+
+
+def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, work: np.ndarray, k: tuple, s: tuple, p: tuple,
+           d: tuple, is_max: bool) -> None:
     """Max or average 2-D pooling of (R, H, W) ``x`` into (R, oh, ow) ``out``; averages are
-    window sums times ``inv`` (oh, ow)."""
-    _compiled()["pool2d"](x, out, inv, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
+    window sums times ``inv`` (oh, ow); ``work``: float32 scratch of :func:`pool2d_work` floats
+    at least (the kernel allocates nothing)."""
+    _work(work, pool2d_work(x.shape[1:], s))
+    _compiled()["pool2d"](x, out, inv, work, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
 
 
 def epilogue_channels_last(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,

@@ -378,9 +378,10 @@ def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
 
 
 @_jit
-def im2col_phases(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
+def im2col_phases(x, n0, cols, phases, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     """:func:`im2col` with a horizontal stride (sw > 1): each channel's planes are first split
-    into column phases (:func:`_split_phases`), so that every row of the columns is a contiguous
+    into column phases (:func:`_split_phases`, into ``phases``: scratch of nb * sw * H *
+    ceil(W / sw) floats), so that every row of the columns is a contiguous
     copy (ResNet's 7x7 stride-2 stem: 836 -> 283 us single-threaded). The split reads the whole
     plane: it pays for kernels wider than 1 over long output rows, not for a 1x1 stride-2 conv
     (a quarter of the plane) or 7-14 wide rows (:func:`polyhal_cpu.native.im2col` chooses). A loop of its own: the
@@ -395,7 +396,6 @@ def im2col_phases(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     qs, rs = _phase_taps(kw, sw, pw, dw)
     pwidth = (width + sw - 1) // sw
     span = sw * height * pwidth  # one image's phases of one channel
-    phases = np.empty(nb * span, np.float32)
     for c in range(channels):
         for b in range(nb):
             xplane = ((n0 + b) * channels + c) * height * width
@@ -495,7 +495,7 @@ def col2im(cols, out, kh, kw, sh, sw, ph, pw, dh, dw, height, width):
 
 
 @_jit
-def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
+def pool2d(x, out, inv, phases, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     """Max (is_max) or average pooling of (R, H, W) x into (R, oh, ow) out; taps in the
     padding are skipped; average multiplies the window's sum by inv (oh, ow). Each output row
     is accumulated tap by tap over the output positions the tap reaches (flat offsets and views
@@ -503,14 +503,14 @@ def pool2d(x, out, inv, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     at a time, ResNet's first pool took ~10x onnxruntime's time). With a horizontal stride, each
     plane is first split into its ``sw`` column phases (phase r holds columns r, r + sw, ...), so
     that a tap reads a contiguous run of one phase rather than every sw-th element (a strided
-    read is not vectorised: ResNet's 3x3 stride-2 pool went 1018 -> 525 us single-threaded)."""
+    read is not vectorised: ResNet's 3x3 stride-2 pool went 1018 -> 525 us single-threaded).
+    ``phases``: scratch of sw * H * ceil(W / sw) floats where sw > 1 (else unused)."""
     rows, height, width = x.shape
     oh, ow = out.shape[1], out.shape[2]
     xf, of, vf = x.reshape(-1), out.reshape(-1), inv.reshape(-1)
     los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     start = f32(-np.inf) if is_max else f32(0.0)
     pwidth = (width + sw - 1) // sw  # a phase's length
-    phases = np.empty(sw * height * pwidth if sw > 1 else 0, np.float32)
     qs, rs = _phase_taps(kw, sw, pw, dw)
     for r in range(rows):
         if sw > 1:

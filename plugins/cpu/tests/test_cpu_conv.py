@@ -181,13 +181,13 @@ def test_conv_columns_are_the_plans_scratch(monkeypatch):
         "conv", dict(plan.program.ops[0].attrs), (TensorType((1, 4, 9, 9), np.float32),
                                                   TensorType((8, 4, 3, 3), np.float32)),
         (TensorType((1, 8, 9, 9), np.float32),))
-    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4, 0]
+    assert [r.bytes_per_launch for r in req] == [4 * 9 * 81 * 4, 0, 0]
     if native.available(np.float32):  # four images' columns into one GEMM
         req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
             "conv", dict(plan.program.ops[0].attrs), (TensorType((4, 4, 9, 9), np.float32),
                                                       TensorType((8, 4, 3, 3), np.float32)),
             (TensorType((4, 8, 9, 9), np.float32),))
-        assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4]
+        assert [r.bytes_per_launch for r in req] == [4 * 4 * 9 * 81 * 4, 8 * 4 * 81 * 4, 0]
         monkeypatch.setattr(conv_kernels, "TILES", True)
         monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
         req = polyhal.registry.default_registry().get_device("cpu:0").scratch(
@@ -196,7 +196,7 @@ def test_conv_columns_are_the_plans_scratch(monkeypatch):
             (TensorType((4, 8, 9, 9), np.float32),))
         plane = 11 * 11 + 2  # the padded image, and the room the last taps read past its corner
         block = 4 * 32  # columns: 9 rows over the padded width of 11 in 4 tiles, in one block
-        assert [r.bytes_per_launch for r in req] == [4 * plane * 4, (4 * 9 * 32 + 8 * block) * 4]
+        assert [r.bytes_per_launch for r in req] == [4 * plane * 4, (4 * 9 * 32 + 8 * block) * 4, 0]
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])

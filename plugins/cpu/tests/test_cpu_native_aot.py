@@ -87,9 +87,10 @@ def _results(loops) -> dict[str, np.ndarray]:
         "depthwise": (np.empty((2, 6, 6, 7), np.float32),
                       lambda o: native.depthwise(img, w, bias, None, o, (2, 2), (1, 1), (1, 1), 1, 0.0, 0.0)),
         "pool2d": (np.empty((12, 5, 6), np.float32),
-                   lambda o: native.pool2d(img.reshape(12, 11, 13), o, inv, (3, 3), (2, 2), (0, 0), (1, 1), True)),
+                   lambda o: native.pool2d(img.reshape(12, 11, 13), o, inv, np.empty(154, np.float32), (3, 3), (2, 2),
+                                            (0, 0), (1, 1), True)),
         "im2col": (np.empty((54, 84), np.float32),
-                   lambda o: native.im2col(img, 0, o, (3, 3), (2, 2), (1, 1), (1, 1), (6, 7))),
+                   lambda o: native.im2col(img, 0, o, np.empty(0, np.float32), (3, 3), (2, 2), (1, 1), (1, 1), (6, 7))),
         "epilogue": (y.copy(), lambda o: native.epilogue(o, np.resize(bias, 12), None, 1, 0.0, 0.0)),
         # (6, 27) weights @ img's first 1080 values as (27, 40); (40 pixels, 27) of them @ (27, 32)
         "gemm_tiles": (np.empty((6, 40), np.float32), lambda o: native.gemm_tiles(

@@ -420,3 +420,53 @@ def test_split_attention_whose_last_group_of_heads_is_short(monkeypatch, n_threa
     prepare("attention", {"scale": None}, in_types, (out_type,))(*xs, out)
     (want,) = OPS["attention"].reference(*xs, scale=None)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+PHASE_CASES = [  # strided planes split into column phases: im2col (a 3-channel stem, on the gemm path) and pools
+    ("conv", [(1, 3, 61, 60), (8, 3, 3, 3)], _geometry(stride=2, pad=1)),  # blocks of channels of one image
+    ("conv", [(2, 3, 61, 60), (8, 3, 3, 3)], _geometry(stride=2, pad=1)),  # a stack of images cut into images
+    ("max_pool", [(2, 5, 17, 19)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
+                                    "dilations": [1, 1], "ceil_mode": 0}),
+    ("avg_pool", [(1, 6, 16, 16)], {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [0, 0, 0, 0],
+                                    "dilations": [1, 1], "ceil_mode": 0, "count_include_pad": 0}),
+]
+
+
+@pytest.mark.parametrize("name, shapes, attrs", PHASE_CASES, ids=["im2col", "im2col-stack", "max_pool", "avg_pool"])
+def test_split_phases_are_declared_scratch(monkeypatch, name, shapes, attrs):
+    """A compiled loop that splits strided planes into column phases allocates nothing: it works
+    in its kernel's declared ``phases`` scratch (filled with nan first: shared with other
+    kernels, it holds anything), each piece that may run beside another in a part of its own."""
+    from polyhal import registry
+    from polyhal_cpu import conv_kernels, native
+    from polyhal_cpu.scratch import standalone
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    _split_everything(monkeypatch, "2")
+    loop = "im2col" if name == "conv" else "pool2d"
+    original, works = getattr(native, loop), []
+
+    def recording(*args):
+        works.append(args[3])
+        original(*args)
+    monkeypatch.setattr(native, loop, recording)
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    types = tuple(TensorType(x.shape, x.dtype) for x in xs)
+    (out_type,) = OPS[name].infer(types, attrs)
+    if name == "conv":
+        assert conv_kernels._Conv(attrs, types[0], types[1], out_type).path == "gemm"
+    requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
+    scratch = standalone(None, requests)
+    for request in requests:
+        scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+    phases = scratch.buffer("phases").view(np.float32)
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
+    (want,) = OPS[name].reference(*xs, **attrs)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    assert len(works) > 1 and all(np.shares_memory(work, phases) for work in works)
+    assert not np.isnan(phases).all()
+    for i, a in enumerate(works):  # every piece of one run may run beside every other
+        assert not any(np.shares_memory(a, b) for b in works[i + 1:])
