@@ -258,3 +258,82 @@ def test_plans_balance_the_allocator():
     assert dev.allocator.statistics.live_bytes > before  # the arena
     del plan
     assert dev.allocator.statistics.live_bytes == before
+
+
+def _dense_block(batch: int, layers: int = 3):
+    """A DenseNet-style block: each layer reads the concatenation of all the features before it
+    and adds one channel; the block's own concatenation feeds a last op."""
+    b = polyhal.ProgramBuilder("dense")
+    x = b.input("x", (batch, 2, 3, 4))
+    feats = [b.relu(x)]
+    for _ in range(layers):
+        c = b.concat(*feats, axis=1)
+        m = b.reduce_mean(c, axes=[1], keepdims=1)
+        feats.append(b.mul(m, m))
+    b.output(b.neg(b.concat(*feats, axis=1)))
+    return b.build()
+
+
+def _dense_reference(x: np.ndarray, layers: int = 3) -> np.ndarray:
+    feats = [np.maximum(x, 0)]
+    for _ in range(layers):
+        m = np.concatenate(feats, axis=1).mean(axis=1, keepdims=True)
+        feats.append(m * m)
+    return -np.concatenate(feats, axis=1)
+
+
+def _disjoint_while_live(plan) -> None:
+    bufs = plan.buffer_plan.buffers
+    for i, a in enumerate(bufs):
+        for c in bufs[i + 1:]:
+            if a.arena == c.arena and a.overlaps(c):
+                lo, hi = sorted((a, c), key=lambda q: q.offset)
+                assert lo.offset + lo.nbytes <= hi.offset
+
+
+def test_concatenations_in_place_share_one_block_buffer():
+    """At batch 1 every concatenation of the block runs no step: each feature's producer writes
+    into its slice of the last concatenation's buffer, the earlier concatenations are its
+    prefixes; the results are those of copying concats, run after run."""
+    plan = polyhal.compile(_dense_block(1), "cpu:0")
+    bp = plan.buffer_plan
+    concats = [i for i, op in enumerate(plan.program.ops) if op.name == "concat"]
+    assert len(concats) == 4 and bp.concats_in_place == frozenset(concats)
+    assert not any(op.name == "concat" for op in plan._step_ops)
+    last = plan.program.ops[concats[-1]].outputs[0]
+    placed = {p.value.id: p for p in bp.in_place}
+    features = plan.program.ops[concats[-1]].inputs
+    assert [placed[f.id].offset for f in features] == [0, 24, 36, 48]  # channels of 3 x 4 elements
+    assert all(placed[f.id].owner is last for f in features)
+    assert [placed[plan.program.ops[i].outputs[0].id].offset for i in concats[:-1]] == [0, 0, 0]  # prefixes
+    assert "in place into" in plan.explain()
+    _disjoint_while_live(plan)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        xs = rng.standard_normal((1, 2, 3, 4)).astype(np.float32)
+        np.testing.assert_allclose(plan(xs).numpy(), _dense_reference(xs), rtol=1e-6)
+
+
+def test_concatenations_stay_copies_where_slices_would_be_strided_or_clash():
+    """Batch 2 (each operand's slice strided), a concatenation that is the program's output, and
+    a value two concatenations want in different places: those copy, and results stay right."""
+    plan = polyhal.compile(_dense_block(2), "cpu:0")
+    assert not plan.buffer_plan.concats_in_place and not plan.buffer_plan.in_place
+    xs = np.random.default_rng(3).standard_normal((2, 2, 3, 4)).astype(np.float32)
+    np.testing.assert_allclose(plan(xs).numpy(), _dense_reference(xs), rtol=1e-6)
+
+    b = polyhal.ProgramBuilder("clash")
+    x = b.input("x", (1, 4, 8))
+    a, p, q = b.relu(x), b.exp(x), b.neg(x)
+    b.output(b.concat(a, p, axis=1))  # the program's output: a fresh tensor per run
+    b.output(b.exp(b.concat(p, q, axis=1)))
+    b.output(b.exp(b.concat(q, a, axis=1)))  # q first here, second above; a first in the output
+    plan = polyhal.compile(b.build(), "cpu:0")
+    assert len(plan.buffer_plan.concats_in_place) == 1  # the last one; then q clashes
+    xs = np.random.default_rng(4).standard_normal((1, 4, 8)).astype(np.float32)
+    ra, rp, rq = np.maximum(xs, 0), np.exp(xs), -xs
+    got = [t.numpy() for t in plan(xs)]
+    for g, want in zip(got, (np.concatenate([ra, rp], 1), np.exp(np.concatenate([rp, rq], 1)),
+                             np.exp(np.concatenate([rq, ra], 1)))):
+        np.testing.assert_allclose(g, want, rtol=1e-6)
+    _disjoint_while_live(plan)

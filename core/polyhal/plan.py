@@ -441,7 +441,7 @@ class Plan:
 
     def explain(self) -> str:
         """Placement, transfers and allocation decisions of this plan, as text."""
-        views = len(self.buffer_plan.views)
+        views = len(self.buffer_plan.views) + len(self.buffer_plan.in_place)
         lines = [f"plan @{self.program.name}: {self.dispatch_count} dispatches, "
                  f"{self.placement.transfers} transfers, {len(self.intermediates) - views} intermediate buffers "
                  + (f"and {views} views of them " if views else "") +

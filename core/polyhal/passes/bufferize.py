@@ -43,6 +43,17 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
    caller), and it is never itself a program output (those are fresh, row-major tensors per
    run): those cases keep the op, which copies. The plan runs no step for an op whose result
    is a view.
+5. **Concatenations in place** (with 4). Where a ``concat`` joins slices that lie contiguously in
+   its result (every dim before the axis is 1: a batch of one, channels), each operand's producer
+   writes straight into its slice of the result and the concat runs no step (bufferization's
+   concat-in-place, as TensorRT and oneDNN do). Later concatenations are placed first, so that
+   earlier ones of the same operands become prefixes of one buffer: DenseNet's dense block, whose
+   every layer concatenates all the features before it, keeps its features in one block buffer
+   rather than copying them again at each layer (:func:`plan_concats`). An operand placed so has
+   no bytes of its own (an :class:`InPlace`); the buffer it lies in lives from the first write into
+   it to the last read of any part of it. Only intermediates a dispatch of the same device writes,
+   each in one place; slices at offsets an intermediate's alignment allows, or anywhere on a device
+   whose kernels take any strides and offsets (``strided_views``).
 """
 
 from __future__ import annotations
@@ -68,8 +79,8 @@ if TYPE_CHECKING:
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
 
-__all__ = ["Arena", "BufferPlan", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch", "plan_offsets",
-           "plan_views"]
+__all__ = ["Arena", "BufferPlan", "InPlace", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch",
+           "plan_concats", "plan_offsets", "plan_views"]
 
 #: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
 VALUE_ALIGNMENT = 256
@@ -139,6 +150,17 @@ class View:
 
 
 @dataclass
+class InPlace:
+    """An intermediate that its producer writes straight into its slice of a concatenation's
+    buffer (see the module doc): no bytes of its own. ``owner`` owns the bytes (it is never placed
+    itself), ``offset`` is the element the value starts at in them, row-major."""
+
+    value: "Value"
+    owner: "Value"
+    offset: int
+
+
+@dataclass
 class Arena:
     """One allocation of a plan: a device, a memory type, a usage and a size."""
 
@@ -160,11 +182,16 @@ class BufferPlan:
     output_memory: dict[int, MemoryType] = field(default_factory=dict)
     #: intermediates that view another's buffer (in program order); their ops run no kernel.
     views: list[View] = field(default_factory=list)
+    #: intermediates written in place into a concatenation's buffer, and the concats that they
+    #: make steps with nothing to do (op indices).
+    in_place: list[InPlace] = field(default_factory=list)
+    concats_in_place: frozenset[int] = frozenset()
 
     @property
     def elided_ops(self) -> frozenset[int]:
-        """Indices of the ops whose result is a view: the plan runs no step for them."""
-        return frozenset(v.op_index for v in self.views)
+        """Indices of the ops whose result is a view, or a concatenation whose operands were
+        written in place: the plan runs no step for them."""
+        return frozenset(v.op_index for v in self.views) | self.concats_in_place
 
     @property
     def peak_bytes(self) -> int:
@@ -192,6 +219,10 @@ class BufferPlan:
             how += f", offset {w.offset}" if w.offset else ""
             lines.append(f"  view %{w.value.name} of %{w.source.name}'s buffer ({w.op} at op {w.op_index}, "
                          f"{how}): no copy")
+        for p in self.in_place:
+            lines.append(f"  %{p.value.name} written in place into %{p.owner.name}'s buffer at element {p.offset}")
+        if self.concats_in_place:
+            lines.append(f"  concats in place (no copy): ops {sorted(self.concats_in_place)}")
         for vid, mt in self.output_memory.items():
             if mt & MemoryType.HOST_VISIBLE:
                 lines.append(f"  output value #{vid}: {mt.describe()} (host reads it without a copy)")
@@ -224,6 +255,9 @@ class BufferPlan:
                 view = Tensor(buf, TensorType((b.nbytes,), "uint8"), offset=b.offset)
                 key = (b.scratch.request.kernel.name, b.scratch.request.name)
                 bindings.setdefault(b.op_index, {})[key] = view.native
+        for p in self.in_place:  # before the views: a view's source may lie in a concatenation's buffer
+            owner = values[p.owner.id]
+            values[p.value.id] = Tensor(owner.buffer, p.value.type, offset=owner.offset + p.offset * owner.dtype.itemsize)
         for w in self.views:
             src = values[w.source.id]
             values[w.value.id] = Tensor(src.buffer, w.value.type, offset=src.offset + w.offset * src.dtype.itemsize,
@@ -324,7 +358,11 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
     values: dict[int, "Value"] = {}
     views = plan_views(program, registry, frozenset(plan.scratch))
     plan.views = [views[i] for i in sorted(views)]
-    owner = {w.value.id: w.source for w in plan.views}  # view value id -> the value whose buffer it views
+    plan.in_place, plan.concats_in_place = plan_concats(program, registry, views)
+    owner = {p.value.id: p.owner for p in plan.in_place}  # value id -> the value whose buffer holds it
+    for w in plan.views:  # view value id -> the value whose buffer it views
+        owner[w.value.id] = owner.get(w.source.id, w.source)
+    elided = plan.elided_ops
     for i, op in enumerate(ops):
         for v in op.inputs:
             vid = owner[v.id].id if v.id in owner else v.id
@@ -332,15 +370,19 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
                 last[vid] = i
                 usage[vid] |= (BufferUsage.TRANSFER_SOURCE if op.kind == "transfer"
                                else BufferUsage.DISPATCH_STORAGE_READ)
-        if i in views:
+        if i in elided:
             continue
         for v in op.outputs:
             if v.id in output_ids:
                 continue
-            first[v.id] = last[v.id] = i
-            values[v.id] = v
-            usage[v.id] = (BufferUsage.TRANSFER_TARGET if op.kind == "transfer"
-                           else BufferUsage.DISPATCH_STORAGE_WRITE)
+            home = owner.get(v.id, v)  # written in place: the concatenation's buffer lives from here
+            if home.id not in first:
+                first[home.id] = i
+                values[home.id] = home
+                usage[home.id] = BufferUsage.NONE
+            last[home.id] = i
+            usage[home.id] |= (BufferUsage.TRANSFER_TARGET if op.kind == "transfer"
+                               else BufferUsage.DISPATCH_STORAGE_WRITE)
     for vid, v in values.items():
         plan.buffers.append(PlannedBuffer(
             f"%{v.name}", device_of[vid], max(v.type.nbytes, 1), first[vid], last[vid], _INTERMEDIATE,
@@ -405,6 +447,73 @@ def plan_views(program, registry: "Registry", keep: frozenset[int] = frozenset()
         if not bad:
             return views
         refused |= bad
+
+
+def plan_concats(program, registry: "Registry", views: Mapping[int, View]) -> tuple[list[InPlace], frozenset[int]]:
+    """The intermediates of ``program`` written in place into a concatenation's buffer, and the
+    concats (op indices) left with nothing to do (see the module doc); ``views``: the ops whose
+    result is a view (:func:`plan_views`), whose values stay as they are. Concats are taken last
+    first: one whose operands already lie, in order, in a later one's buffer is a slice of it."""
+    ops = program.ops
+    output_ids = {v.id for v in program.outputs}
+    producer: dict[int, int] = {}  # value id -> index of the op that writes it (not a view)
+    for i, op in enumerate(ops):
+        if i not in views:
+            for v in op.outputs:
+                producer[v.id] = i
+    viewed = {w.source.id for w in views.values()} | {w.value.id for w in views.values()}
+    home: dict[int, tuple["Value", int]] = {}  # value id -> (owner, element offset)
+    taken: dict[int, list[tuple[int, int]]] = {}  # owner id -> (offset, size) of what is written in it
+    concats: set[int] = set()
+    for i in range(len(ops) - 1, -1, -1):
+        op = ops[i]
+        if i in views or op.kind != "dispatch" or op.name != "concat" or len(op.outputs) != 1:
+            continue
+        out = op.outputs[0]
+        if out.id in output_ids or out.id in viewed or out.type.encoding is not None or out.type.nbytes == 0:
+            continue
+        axis = int(dict(op.attrs)["axis"]) % out.type.rank
+        if any(d != 1 for d in out.type.shape[:axis]):
+            continue  # the operands' slices would be strided
+        inner = 1
+        for d in out.type.shape[axis + 1:]:
+            inner *= d
+        owner, base = home.get(out.id, (out, 0))
+        starts, at = [], 0
+        for v in op.inputs:
+            starts.append(at)
+            at += v.type.shape[axis] * inner
+        placed = [(v, off) for v, off in zip(op.inputs, starts) if v.id in home]
+        if placed and out.id not in home:  # operands already in a later concatenation's buffer
+            v, off = placed[0]
+            owner, base = home[v.id][0], home[v.id][1] - off
+        device = registry.get_device(op.device)
+        anywhere = bool(getattr(device, "strided_views", False))
+        item = out.type.dtype.itemsize
+        fits = (len({v.id for v in op.inputs}) == len(op.inputs) and 0 <= base
+                and base + out.type.size <= owner.type.size and (anywhere or base * item % VALUE_ALIGNMENT == 0))
+        new = []
+        for v, off in zip(op.inputs, starts):
+            if v.id in home:
+                fits &= home[v.id] == (owner, base + off)
+                continue
+            j = producer.get(v.id)
+            fits &= (j is not None and ops[j].kind == "dispatch" and ops[j].device == op.device
+                     and v.id not in output_ids and v.id not in viewed and v.type.encoding is None
+                     and v.type.dtype == out.type.dtype and (anywhere or (base + off) * item % VALUE_ALIGNMENT == 0)
+                     and not any(o < base + off + v.type.size and base + off < o + n
+                                 for o, n in taken.get(owner.id, ())))
+            new.append((v, base + off))
+        if not fits:
+            continue
+        for v, off in new:
+            home[v.id] = (owner, off)
+            taken.setdefault(owner.id, []).append((off, v.type.size))
+        if owner is not out:
+            home[out.id] = (owner, base)
+        concats.add(i)
+    in_place = [InPlace(v, *home[v.id]) for op in ops for v in op.outputs if v.id in home]
+    return in_place, frozenset(concats)
 
 
 def _block_reread(registry: "Registry", ops, views: dict, consumers: dict, view: View, j: int) -> bool:
