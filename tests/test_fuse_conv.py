@@ -316,3 +316,23 @@ def test_squeeze_excite_block_stays_channel_blocked(tmp_path):
     ops = _ops(plan)
     assert ops.count("pack") == 1 and ops.count("unpack") == 1, ops
     assert ops.count("blocked_conv") == 4 and "reduce_mean" in ops and "mul" in ops
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_transition_pools_before_its_pointwise_conv(bias, tmp_path):
+    """DenseNet's transition: a 1x1 conv (with or without a bias) and a 2x2 average pool of its
+    result become the pool, then the conv of the pooled map (a quarter of the products); a pool
+    whose windows reach into padding, or of a 3x3 conv, keeps its place."""
+    g = _Graph()
+    w = [g.const(_f(6, 4, 1, 1, scale=0.3))] + ([g.const(_f(6))] if bias else [])
+    y = g.node("AveragePool", g.node("Conv", "x", *w), kernel_shape=[2, 2], strides=[2, 2])
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["avg_pool", "conv"]
+    pool, conv = plan.program.ops
+    assert pool.inputs[0].type.shape == (1, 4, 8, 8) and conv.inputs[0].type.shape == (1, 4, 4, 4)
+    assert "fused pool_first: conv + avg_pool -> avg_pool, conv" in plan.explain()
+    for k, pads in ((1, [1, 1, 1, 1]), (3, [0, 0, 0, 0])):
+        g = _Graph()
+        y = g.node("AveragePool", g.node("Conv", "x", g.const(_f(6, 4, k, k, scale=0.3)), pads=[k // 2] * 4),
+                   kernel_shape=[2, 2], strides=[2, 2], pads=pads)
+        assert _ops(_compile_and_compare(g.save(tmp_path, y), {"x": X})) == ["conv", "avg_pool"]

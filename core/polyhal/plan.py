@@ -24,7 +24,9 @@ from polyhal.passes.bufferize import bufferize
 from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
-from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift
+from polyhal.passes.fuse_conv import (
+    fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift, pool_before_pointwise_conv,
+)
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.materialize_encoding import materialize_encodings
@@ -111,7 +113,8 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         program, folded = fold_conv_affine(program)
         program, epilogues = fuse_conv_epilogue(program, fusible)
         program, scale_shifts = fuse_scale_shift(program, fusible)  # what no conv took
-        fusions += attention + linear + gelu + folded + epilogues + scale_shifts
+        program, pools_first = pool_before_pointwise_conv(program)
+        fusions += attention + linear + gelu + folded + epilogues + scale_shifts + pools_first
     # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
     # tiling and placement, which then see the program's final element types.
     # Specs by name (not the full list), so that a plan for cpu:0 loads no other backend's driver.

@@ -20,6 +20,13 @@ found as front ends emit them: ``relu``, ``sigmoid``, ``gelu``; Clip as ``maximu
 by scalar constants; HardSigmoid as ``mul``, ``add``, then a clamp to [0, 1]; HardSwish as that
 times the input; SiLU as ``x * sigmoid(x)``.
 
+**Pool first.** An average pool of a pointwise conv's result (1x1, stride 1, no padding, no
+activation), whose windows all lie inside the map, is the conv of the pooled input: both are
+linear per pixel, and a bias survives a mean. :func:`pool_before_pointwise_conv` swaps them, so
+that the conv runs on the pooled map: DenseNet's transitions (a 1x1 conv halving the channels,
+then a 2x2 average pool) compute a quarter of the products, as onnxruntime's graph does not
+but its kernels could not beat.
+
 **Scale and shift.** A per-channel ``mul`` and ``add`` by constants that no conv before them
 takes (a BatchNormalization after a concatenation), with the activation after them, becomes one
 ``scale_shift`` (:func:`fuse_scale_shift`): one pass over the tensor instead of three.
@@ -356,3 +363,54 @@ def fuse_scale_shift(program: Program, fusible: Fusible = always) -> tuple[Progr
             changes.append(Fusion("scale_shift", tuple(chain), (op,)))
         ops.append(op)
     return drop_unused_constants(dataclasses.replace(program, ops=ops, constants=constants)), changes
+
+
+# ------------------------------------------------------------------------------------ pool first
+
+def _pointwise(op: Op) -> bool:
+    """Whether ``op`` is a conv (or a fused one with no residual nor activation) of a 1x1 kernel,
+    stride 1 and no padding: a per-pixel linear map of its input."""
+    if op.kind != "dispatch" or op.name not in ("conv", "fused_conv"):
+        return False
+    attrs = dict(op.attrs)
+    if op.name == "fused_conv" and (len(op.inputs) > 3 or attrs["activation"] != "none"):
+        return False
+    w = op.inputs[1].type
+    return (all(k == 1 for k in w.shape[2:]) and all(int(v) == 1 for v in attrs.get("strides") or ())
+            and not any(int(v) for v in attrs.get("pads") or ()))
+
+
+def pool_before_pointwise_conv(program: Program) -> tuple[Program, list[Fusion]]:
+    """``program`` with each ``avg_pool`` (no padding, no ceil mode) that is the only reader of a
+    pointwise conv's result moved before that conv (see the module docstring), and what changed.
+    No new kernel is needed, so the swap always happens."""
+    uses, producer = uses_and_producers(program)
+    swaps: dict[int, tuple[Op, Op]] = {}  # id(pool) -> (conv, the pool and conv replacing both)
+    dropped: set[int] = set()
+    for op in program.ops:
+        if op.kind != "dispatch" or op.name != "avg_pool":
+            continue
+        attrs = dict(op.attrs)
+        conv = producer.get(op.inputs[0].id)
+        if (conv is None or not _pointwise(conv) or uses[conv.outputs[0].id] != 1 or conv.affinity != op.affinity
+                or any(int(v) for v in attrs.get("pads") or ()) or int(attrs.get("ceil_mode") or 0)):
+            continue
+        x, y = conv.inputs[0], op.outputs[0]
+        pooled = Value(TensorType((x.type.shape[:2]) + y.type.shape[2:], x.type.dtype), f"{x.name}_pooled",
+                       x.program_id)
+        swaps[id(op)] = (conv, Op("dispatch", "avg_pool", (x,), (pooled,), op.attrs, op.affinity),
+                         Op("dispatch", conv.name, (pooled,) + tuple(conv.inputs[1:]), (y,), conv.attrs, conv.affinity))
+        dropped.add(id(conv))
+    if not swaps:
+        return program, []
+    ops, changes = [], []
+    for op in program.ops:
+        if id(op) in dropped:
+            continue
+        if id(op) in swaps:
+            conv, pool, new_conv = swaps[id(op)]
+            ops += [pool, new_conv]
+            changes.append(Fusion("pool_first", (conv, op), (pool, new_conv)))
+            continue
+        ops.append(op)
+    return dataclasses.replace(program, ops=ops), changes
