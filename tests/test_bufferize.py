@@ -305,7 +305,8 @@ def test_concatenations_in_place_share_one_block_buffer():
     features = plan.program.ops[concats[-1]].inputs
     assert [placed[f.id].offset for f in features] == [0, 24, 36, 48]  # channels of 3 x 4 elements
     assert all(placed[f.id].owner is last for f in features)
-    assert [placed[plan.program.ops[i].outputs[0].id].offset for i in concats[:-1]] == [0, 0, 0]  # prefixes
+    prefixes = [placed[plan.program.ops[i].outputs[0].id] for i in concats[:-1]]
+    assert [(p.owner, p.offset) for p in prefixes] == [(last, 0)] * 3
     assert "in place into" in plan.explain()
     _disjoint_while_live(plan)
     rng = np.random.default_rng(2)

@@ -257,7 +257,8 @@ class BufferPlan:
                 bindings.setdefault(b.op_index, {})[key] = view.native
         for p in self.in_place:  # before the views: a view's source may lie in a concatenation's buffer
             owner = values[p.owner.id]
-            values[p.value.id] = Tensor(owner.buffer, p.value.type, offset=owner.offset + p.offset * owner.dtype.itemsize)
+            values[p.value.id] = Tensor(owner.buffer, p.value.type,
+                                        offset=owner.offset + p.offset * owner.dtype.itemsize)
         for w in self.views:
             src = values[w.source.id]
             values[w.value.id] = Tensor(src.buffer, w.value.type, offset=src.offset + w.offset * src.dtype.itemsize,

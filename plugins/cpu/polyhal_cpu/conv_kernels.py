@@ -367,7 +367,8 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         # an image's columns are built in blocks of channels (each with its own part of the
         # phases scratch), its GEMM cut into rows or columns
         column_blocks = g.column_blocks
-        work = scratch_array(scratch, "phases", g.dtype, (len(column_blocks), g.phases_bytes // 4 // len(column_blocks)))
+        parts = len(column_blocks)
+        work = scratch_array(scratch, "phases", g.dtype, (parts, g.phases_bytes // g.dtype.itemsize // parts))
         split = parallel.GemmSplit(g.mg, length, k2, batch=g.group)
         by_rows = fuse and split.axis == 0
 
@@ -577,7 +578,7 @@ def _stacked(g: _Conv, scratch, finish_part, has_bias: bool, has_residual: bool,
     k2, length, stack = g.cg * g.taps, g.positions, g.stack
     flat = scratch_array(scratch, "columns", g.dtype, (g.group * k2 * stack * length,))
     product = scratch_array(scratch, "product", g.dtype, (g.m * stack * length,))
-    work = scratch_array(scratch, "phases", g.dtype, (stack, g.phases_bytes // 4 // stack))  # a part per image
+    work = scratch_array(scratch, "phases", g.dtype, (stack, g.phases_bytes // g.dtype.itemsize // stack))  # per image
     rows3 = (g.batch, g.m, length)
     subs = {nb: parallel.blocks(nb, parallel.gemm_pieces(g.mg, nb * length, k2, batch=g.group))
             for nb in {stack, g.batch % stack or stack}}
