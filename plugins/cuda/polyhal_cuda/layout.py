@@ -12,7 +12,8 @@ encodes between the chain's links fold; only its edges (and ops that want NCHW, 
 a Flatten) pay a relayout, which ``plan.explain()`` lists.
 
 Where NHWC pays is measured, not assumed: ``POLYHAL_CUDA_LAYOUT`` is ``auto`` (default: the rule
-of :func:`choose`), ``nhwc`` (every chain) or ``nchw`` (none; every encode folds). Without cuDNN
+of :func:`choose`, from the measurements in :data:`MEASURED`: float32 stays NCHW, since without
+TF32 cuDNN's NHWC engines are slower; float16 chains of ordinary convs go NHWC), ``nhwc`` (every chain) or ``nchw`` (none; every encode folds). Without cuDNN
 maps stay NCHW (the im2col conv reads NCHW only). Explain shows the choice and its reason on
 each resolution line.
 """
@@ -27,6 +28,15 @@ import polyhal
 from polyhal.ir.encoding import ChannelBlockedLayout, FeatureMapEncoding, IdentityLayout
 from polyhal_gpu.enumeration import choice_from_env
 
+#: Why ``auto`` keeps float32 NCHW (one H200, cuDNN 9.19, fp32 without TF32, polyhal's plans
+#: side by side): the fp32-exact NHWC engines (no tensor cores) ran ResNet-50 b16 in 42.2 ms
+#: against 6.0 NCHW, b1 4.9 against 2.0; MobileNetV3-large b1/b16 2.2/4.9 against 0.93/1.8;
+#: EfficientNet-B0 4.7/16.5 against 1.4/4.3; ConvNeXt-T 1.36/8.7 against 1.14/6.5.
+MEASURED = "cuDNN's fp32-exact NHWC engines measured 1.2-7x slower than NCHW on an H200"
+#: float16 chains ``auto`` keeps channels-last (tensor-core engines; same H200, precision="fp16"):
+#: ResNet-50's dense chains ran b1/b16 in 0.55/1.65 ms against 1.09/3.11 NCHW; EfficientNet-B0's
+#: depthwise chains 0.91/3.69 against 1.08/3.14 (34 relayouts: not faster at b16), so they stay NCHW.
+NHWC_FP16_CHAINS = ("dense",)
 #: ``POLYHAL_CUDA_LAYOUT`` values.
 CHOICES = ("auto", "nhwc", "nchw")
 
@@ -43,9 +53,11 @@ def choose(device, encoding: FeatureMapEncoding, tensor_type) -> tuple[bool, str
         return False, "NCHW: without cuDNN convs run as im2col over NCHW"
     if choice != "auto":
         return choice == "nhwc", f"POLYHAL_CUDA_LAYOUT={choice}"
-    if tensor_type.dtype not in (np.dtype(np.float32), np.dtype(np.float16)):
-        return False, f"NCHW: cuDNN's NHWC engines were measured for float32/float16, not {tensor_type.dtype}"
-    return True, "NHWC: cuDNN's NHWC engines"
+    if tensor_type.dtype == np.dtype(np.float16) and encoding.chain in NHWC_FP16_CHAINS:
+        return True, "NHWC: cuDNN's float16 NHWC (tensor-core) engines measured ~2x faster"
+    return False, (f"NCHW: {MEASURED}; POLYHAL_CUDA_LAYOUT=nhwc forces channels-last"
+                   if tensor_type.dtype == np.dtype(np.float32) else
+                   f"NCHW: channels-last was not measured faster for {tensor_type.dtype}")
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,20 @@ def _spec(*caps):
 
 def test_resolver_choice_and_reasons(monkeypatch):
     t = TensorType((2, 8, 5, 5), F32, FeatureMapEncoding(chain="dense"))
+    kept = layout.resolve_encoding(_spec("cudnn"), t.encoding, t)  # auto: fp32 measured faster in NCHW
+    assert kept.is_identity_layout() and "measured" in kept.describe()
+    half = TensorType((2, 8, 5, 5), np.float16, FeatureMapEncoding(chain="dense"))
+    assert not layout.resolve_encoding(_spec("cudnn"), half.encoding, half).is_identity_layout()  # fp16: NHWC
+    half = TensorType((2, 8, 5, 5), np.float16, FeatureMapEncoding())
+    assert layout.resolve_encoding(_spec("cudnn"), half.encoding, half).is_identity_layout()  # depthwise: NCHW
+    monkeypatch.setenv("POLYHAL_CUDA_LAYOUT", "nhwc")
     got = layout.resolve_encoding(_spec("cudnn"), t.encoding, t)
     assert isinstance(got, layout.ChannelsLastLayout) and got.storage_type.shape == (2, 1, 5, 5, 8)
     assert "cuda NHWC -> 2x1x5x5x8" in got.describe()
     # the same bytes whichever chain the map is in: links between chains fold
     assert got.is_same_layout(layout.resolve_encoding(_spec("cudnn"), FeatureMapEncoding(), t))
     kept = layout.resolve_encoding(_spec(), t.encoding, t)
-    assert kept.is_identity_layout() and "without cuDNN" in kept.describe()
+    assert kept.is_identity_layout() and "without cuDNN" in kept.describe()  # even when forced
     monkeypatch.setenv("POLYHAL_CUDA_LAYOUT", "nchw")
     kept = layout.resolve_encoding(_spec("cudnn"), t.encoding, t)
     assert kept.is_identity_layout() and "POLYHAL_CUDA_LAYOUT=nchw" in kept.describe()
@@ -123,9 +130,9 @@ class _Graph:
         return self.node("Conv", x, w, self.const(0.1 * RNG.standard_normal(cout)), pads=[k // 2] * 4, group=group,
                          strides=[stride] * 2)
 
-    def save(self, tmp_path, y, shape):
+    def save(self, tmp_path, y, shape, rank=4):
         graph = helper.make_graph(self.nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, shape)],
-                                  [helper.make_tensor_value_info(y, TensorProto.FLOAT, None)], self.inits)
+                                  [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["a", "b", "c", "d"][:rank])], self.inits)
         path = tmp_path / "m.onnx"
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
         return path
@@ -138,7 +145,7 @@ def _resnet_block(tmp_path):
     r = g.node("Relu", g.conv(h, 16, 16))
     h = g.node("Relu", g.node("Add", g.conv(r, 16, 16), h))
     h = g.node("Relu", g.conv(h, 16, 32, stride=2))
-    return g.save(tmp_path, g.node("Flatten", g.node("GlobalAveragePool", h)), (2, 3, 12, 12))
+    return g.save(tmp_path, g.node("Flatten", g.node("GlobalAveragePool", h)), (2, 3, 12, 12), rank=2)
 
 
 def _mobile_block(tmp_path):
