@@ -284,6 +284,19 @@ def test_chains_without_a_depthwise_conv_stay_nchw(tmp_path):
     y = g.node("Relu", g.node("Add", g.conv_bn(g.node("Relu", g.conv_bn("x", k=1)), k=1), "x"))
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
     assert _ops(plan) == ["fused_conv", "fused_conv"]
+    # The chain is encoded (a channels-last device would keep it NHWC); the CPU keeps NCHW, so
+    # every encode folds, its filters included.
+    report = plan.placement.encodings
+    assert report.encodes and report.folded == len(report.encodes) and report.encode_dispatches == 0
+    explained = plan.explain()
+    assert "conv.feature_map<dense>" in explained and "identity by 'cpu'" in explained
+
+
+def test_a_lone_conv_is_not_encoded(tmp_path):
+    """A chain of one ordinary conv would pay a relayout at both ends for what it gains."""
+    g = _Graph()
+    plan = _compile_and_compare(g.save(tmp_path, g.node("Relu", g.conv_bn("x"))), {"x": X})
+    assert _ops(plan) == ["fused_conv"] and not plan.placement.encodings.encodes
 
 
 def test_blocked_layout_off_or_unavailable_falls_back_to_nchw(tmp_path, monkeypatch):

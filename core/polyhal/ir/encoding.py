@@ -31,8 +31,8 @@ from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.ir.types import COMPUTE_DTYPES, TensorType, as_dtype
 
 __all__ = [
-    "Encoding", "MatmulEncoding", "FeatureMapEncoding", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout",
-    "IdentityLayout", "PackedLayout", "ChannelBlockedLayout", "CHANNEL_BLOCKED_ELEMENTWISE", "packed_shape",
+    "Encoding", "MatmulEncoding", "FeatureMapEncoding", "CONV_CHAINS", "CONV_ROLES", "LHS", "RHS", "RESULT", "ROLE_NAMES", "Layout",
+    "IdentityLayout", "PackedLayout", "pack_split", "ChannelBlockedLayout", "CHANNEL_BLOCKED_ELEMENTWISE", "packed_shape",
     "dense_type",
 ]
 
@@ -147,21 +147,44 @@ class MatmulEncoding(Encoding):
         return f"#encoding<{self.describe()}>"
 
 
+#: What a :class:`FeatureMapEncoding`'s chain is made of: "depthwise" (it has a depthwise conv:
+#: MobileNet's and EfficientNet's blocks) or "dense" (ordinary convs only: ResNet's).
+CONV_CHAINS = ("depthwise", "dense")
+#: The conv operands a :class:`FeatureMapEncoding` describes: a feature map (input, residual or
+#: result) or a filter (the weights, (M, C/group, kh, kw)).
+CONV_ROLES = ("map", "filter")
+
+
 @dataclass(frozen=True)
 class FeatureMapEncoding(Encoding):
     """A float (N, C, H, W) activation flowing through a chain of convolutions: the input,
     residual or result of a conv. A device may store it channel-blocked
     (:class:`ChannelBlockedLayout`), as onnxruntime's NCHWc transformer does; chained convs then
-    hand the blocked form to each other and only the chain's edges pay a relayout."""
+    hand the blocked form to each other and only the chain's edges pay a relayout.
+
+    ``chain`` says what the chain is made of (:data:`CONV_CHAINS`), so that each device's
+    resolver can keep the layout only where it pays on that device (the CPU blocks depthwise
+    chains; cuDNN's channels-last engines serve dense chains too). ``role`` is ``"filter"`` for
+    a conv's weights (M, C/group, kh, kw), which a channels-last device stores (M, 1, kh, kw,
+    C/group), converted once at compile time."""
 
     op_type: str = "conv"
+    chain: str = "depthwise"
+    role: str = "map"
+
+    def __post_init__(self) -> None:
+        if self.chain not in CONV_CHAINS:
+            raise ProgramError(f"feature-map encoding: chain must be one of {CONV_CHAINS}, got {self.chain!r}")
+        if self.role not in CONV_ROLES:
+            raise ProgramError(f"feature-map encoding: role must be one of {CONV_ROLES}, got {self.role!r}")
 
     def check_type(self, tensor_type: TensorType) -> None:
         if tensor_type.rank != 4 or tensor_type.dtype.kind != "f":
             raise ShapeError(f"a {self.describe()} tensor is a float (N, C, H, W), got {tensor_type}")
 
     def describe(self) -> str:
-        return "conv.feature_map"
+        what = "conv.filter" if self.role == "filter" else "conv.feature_map"
+        return what if self.chain == "depthwise" else f"{what}<{self.chain}>"
 
     def __str__(self) -> str:
         return f"#encoding<{self.describe()}>"
@@ -284,6 +307,26 @@ def check_pack_attrs(shape: Sequence[int], inner_dims_pos: Sequence[int], inner_
         raise ShapeError(f"inner_tiles {list(inner_tiles)} must be >= 1")
     if outer_dims_perm is not None and sorted(outer_dims_perm) != list(range(rank)):
         raise ShapeError(f"outer_dims_perm {list(outer_dims_perm)} is not a permutation of 0..{rank - 1}")
+
+
+def pack_split(shape: tuple[int, ...], inner_dims_pos: tuple[int, ...], inner_tiles: tuple[int, ...],
+               outer_dims_perm: tuple[int, ...] | None = None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(split, order)`` such that packing an array ``x`` of ``shape`` is
+    ``x.reshape(split).transpose(order)`` (one strided copy, no index map), or None when some
+    tile does not divide its dim (the pack pads). Unpacking is the inverse transpose."""
+    if any(shape[p] % t for p, t in zip(inner_dims_pos, inner_tiles)):
+        return None
+    split, outer_axis, inner_axis = [], {}, {}
+    for d, size in enumerate(shape):
+        if d in inner_dims_pos:
+            tile = inner_tiles[inner_dims_pos.index(d)]
+            outer_axis[d], inner_axis[d] = len(split), len(split) + 1
+            split += [size // tile, tile]
+        else:
+            outer_axis[d] = len(split)
+            split.append(size)
+    perm = outer_dims_perm or tuple(range(len(shape)))
+    return tuple(split), tuple(outer_axis[d] for d in perm) + tuple(inner_axis[d] for d in inner_dims_pos)
 
 
 def pack_array(x: np.ndarray, inner_dims_pos: tuple[int, ...], inner_tiles: tuple[int, ...],

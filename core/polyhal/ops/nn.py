@@ -262,6 +262,8 @@ def _infer_blocked_conv(x: TensorType, w: TensorType, b: TensorType | None = Non
                         strides, pads, dilations, group, activation, alpha, beta):
     if b is None:
         b = TensorType((w.shape[0],), w.dtype)
+    if w.rank == 5:  # the filter channels-last too: (M, 1, kh, kw, C/group)
+        w = _unblocked(w)
     (out,) = _infer_fused_conv(_unblocked(x), w, b, None if r is None else _unblocked(r), strides=strides, pads=pads,
                                dilations=dilations, group=group, activation=activation, alpha=alpha, beta=beta)
     return (_blocked(out),)
@@ -270,6 +272,7 @@ def _infer_blocked_conv(x: TensorType, w: TensorType, b: TensorType | None = Non
 def _ref_blocked_conv(x, w, b=None, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
                       alpha=0.0, beta=0.0):
     unblock = lambda a: a[:, 0].transpose(0, 3, 1, 2)  # noqa: E731
+    w = unblock(w) if w.ndim == 5 else w
     args = (unblock(x), w, np.zeros(w.shape[0], w.dtype) if b is None else b) + (() if r is None else (unblock(r),))
     (y,) = _ref_fused_conv(*args, strides=strides, pads=pads, dilations=dilations, group=group,
                            activation=activation, alpha=alpha, beta=beta)
@@ -302,7 +305,8 @@ define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, s
        arity=(2, 4), tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
     ``fused_conv`` on channel-blocked storage (NCHWc with one block of all channels: (N, 1, H, W, C),
     each pixel's channels contiguous): x and the optional residual in that storage, w (M,
-    C/group, kh, kw) and the optional bias (M,) dense, the result (N, 1, OH, OW, M). 2-D only.
+    C/group, kh, kw) dense or in the same storage ((M, 1, kh, kw, C/group): cuDNN's channels-last
+    filters), the optional bias (M,) dense, the result (N, 1, OH, OW, M). 2-D only.
     What a conv between channel-blocked feature maps lowers to
     (:class:`polyhal.ir.encoding.ChannelBlockedLayout`); attributes as ``fused_conv``.
 """)

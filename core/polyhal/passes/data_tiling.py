@@ -15,7 +15,9 @@ the packed layout between its links (the unset/set pairs between them fold).
 Convolution chains get the same treatment (:func:`set_conv_encodings`): the feature maps
 between depthwise and pointwise convs (MobileNet's and EfficientNet's blocks) carry a
 :class:`~polyhal.ir.encoding.FeatureMapEncoding`, which the CPU resolves to a channel-blocked
-layout (NCHWc); the chain's links fold and only its edges pay a relayout.
+layout (NCHWc), and so do those of chains of ordinary convs (ResNet's), which CUDA with cuDNN
+resolves to channels-last (NHWC) and the CPU to NCHW; the chain's links fold and only its edges
+pay a relayout.
 
 Enabled with ``polyhal.compile(program, data_tiling=True)`` or ``polyhal demo --data-tiling``.
 """
@@ -70,9 +72,9 @@ def _encoded(v: Value, encoding, role: str) -> Value:
 
 def _chain_kind(op: Op) -> str | None:
     """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
-    polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
-    of those kinds, "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N
-    and C (and scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept);
+    polyhal.ir.encoding.ChannelBlockedLayout): "depthwise", "pointwise" or "general" (any other)
+    for 2-D float convs, "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one
+    N and C (and scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept);
     else None."""
     if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
         return None
@@ -98,7 +100,7 @@ def _chain_kind(op: Op) -> str | None:
     if w.shape[2:] == (1, 1) and group == 1 and list(a.get("strides") or [1, 1]) == [1, 1] \
             and not any(a.get("pads") or ()):
         return "pointwise"
-    return None
+    return "general"
 
 
 def _maps(op: Op) -> list[int]:
@@ -108,18 +110,8 @@ def _maps(op: Op) -> list[int]:
     return [i for i, v in enumerate(op.inputs) if v.type.rank > 0]
 
 
-def set_conv_encodings(program: Program) -> Program:
-    """A new program in which the feature maps of conv chains that contain a depthwise conv
-    (chains of depthwise and pointwise convs, elementwise ops over their maps and global average
-    pools -- squeeze-excite blocks -- linked through their feature maps) carry
-    :class:`~polyhal.ir.encoding.FeatureMapEncoding`: each op of such a chain reads encoded
-    maps and writes an encoded result, with encode ops around it. Convs of chains
-    without a depthwise conv are left alone (as GEMMs they run as fast in NCHW, and a blocked
-    layout would only add relayouts)."""
-    kinds = {id(op): k for op in program.ops if (k := _chain_kind(op)) is not None}
-    if "depthwise" not in kinds.values():
-        return program
-    # Chains: union-find over the convs linked by a feature map.
+def _chains(program: Program, kinds: dict[int, str]) -> dict[int, int]:
+    """Union-find over the ops of ``kinds`` linked by a feature map: op id -> its chain's root."""
     parent = {i: i for i in kinds}
 
     def find(i):
@@ -136,20 +128,58 @@ def set_conv_encodings(program: Program) -> Program:
             src = producer.get(v.id)
             if src is not None and id(src) in kinds:
                 parent[find(id(src))] = find(id(op))
-    blocked = {find(i) for i, k in kinds.items() if k == "depthwise"}
-    encoding = FeatureMapEncoding()
+    return {i: find(i) for i in kinds}
+
+
+#: Convs a chain of ordinary convs needs before its maps are encoded: a lone conv would pay a
+#: relayout at both of its ends for what it gains.
+DENSE_CHAIN_CONVS = 2
+
+
+def set_conv_encodings(program: Program) -> Program:
+    """A new program in which the feature maps of conv chains carry
+    :class:`~polyhal.ir.encoding.FeatureMapEncoding`: each op of such a chain reads encoded maps
+    and writes an encoded result, with encode ops around it. Each device's resolver decides
+    what the encodings become (see ``chain``): a resolver that keeps NCHW makes every encode fold.
+
+    - Chains that contain a depthwise conv (chains of depthwise and pointwise convs, elementwise
+      ops over their maps and global average pools -- squeeze-excite blocks -- linked through
+      their feature maps): ``chain="depthwise"``.
+    - Chains of other convs (and the same maps) with at least :data:`DENSE_CHAIN_CONVS` convs:
+      ``chain="dense"``, and their convs' filters ``role="filter"`` (a channels-last device
+      converts the constant weights once, at compile time).
+    """
+    kinds = {id(op): k for op in program.ops if (k := _chain_kind(op)) is not None}
+    if not any(k in ("depthwise", "pointwise", "general") for k in kinds.values()):
+        return program
+    thin = _chains(program, {i: k for i, k in kinds.items() if k != "general"})
+    with_depthwise = {thin[i] for i, k in kinds.items() if k == "depthwise"}
+    chain_of = {i: ("depthwise", root) for i, root in thin.items() if root in with_depthwise}
+    rest = _chains(program, {i: k for i, k in kinds.items() if i not in chain_of and k != "depthwise"})
+    convs: dict[int, int] = {}
+    for i, root in rest.items():
+        convs[root] = convs.get(root, 0) + (kinds[i] != "map")
+    chain_of.update((i, ("dense", root)) for i, root in rest.items() if convs[root] >= DENSE_CHAIN_CONVS)
+    if not chain_of:
+        return program
+    maps = {c: FeatureMapEncoding(chain=c) for c in ("depthwise", "dense")}
+    filters = FeatureMapEncoding(chain="dense", role="filter")
     ops: list[Op] = []
     for op in program.ops:
-        if id(op) not in kinds or find(id(op)) not in blocked:
+        if id(op) not in chain_of:
             ops.append(op)
             continue
+        chain = chain_of[id(op)][0]
         inputs = list(op.inputs)
-        for i in _maps(op):
-            enc = _encoded(inputs[i], encoding, "nchwc")
+        encoded = [(i, maps[chain], "nchwc") for i in _maps(op)]
+        if chain == "dense" and op.name in ("conv", "fused_conv"):
+            encoded.append((1, filters, "filter"))
+        for i, encoding, role in encoded:
+            enc = _encoded(inputs[i], encoding, role)
             ops.append(Op("encode", "encode", (inputs[i],), (enc,)))
             inputs[i] = enc
         (y,) = op.outputs
-        y_enc = _encoded(y, encoding, "nchwc")
+        y_enc = _encoded(y, maps[chain], "nchwc")
         ops.append(Op(op.kind, op.name, tuple(inputs), (y_enc,), op.attrs, op.affinity))
         ops.append(Op("encode", "encode", (y_enc,), (y,)))
     return dataclasses.replace(program, ops=ops)

@@ -62,7 +62,7 @@ def tile_size(dim: int, bound: int) -> int:
 @hookimpl
 def resolve_encoding(device, encoding, tensor_type):
     """Packed mmt4d layouts for float32/float64 matmul operands and channel-blocked layouts
-    (NCHWc, one block of all channels) for float32 conv feature maps on CPU devices with
+    (NCHWc, one block of all channels) for float32 feature maps of depthwise conv chains on CPU devices with
     ``"data-tiling"`` (the latter with the compiled loops); the identity layout for other
     matmul and feature-map encodings on CPU devices; ``None`` (defer) for other backends and
     for encodings this resolver does not know."""
@@ -71,7 +71,10 @@ def resolve_encoding(device, encoding, tensor_type):
     if isinstance(encoding, FeatureMapEncoding):
         # One block of all channels: BLAS wants a pointwise conv's contraction (the channels)
         # contiguous, and the depthwise loop vectorises across the block either way.
-        if "data-tiling" not in device.capabilities or not native.available(tensor_type.dtype):
+        # Chains of ordinary convs stay NCHW: as GEMMs they run as fast, and a blocked layout
+        # would only add relayouts.
+        if "data-tiling" not in device.capabilities or not native.available(tensor_type.dtype) \
+                or encoding.chain != "depthwise":
             return IdentityLayout(tensor_type)
         return ChannelBlockedLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="cpu")
     if not isinstance(encoding, MatmulEncoding):

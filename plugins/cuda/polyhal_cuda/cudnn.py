@@ -27,13 +27,17 @@ reaches cuDNN: the backend's own kernel (:func:`polyhal_cuda.nn.prepare_depthwis
 3-10x faster than its fp32-exact engines. Every instance runs on the device; the kernel's
 ``kernel_name`` says which way.
 
-Data stays in polyhal's NCHW layout (cuDNN takes it through strides). Channels-last would let
-cuDNN pick its faster NHWC engines; that needs the layout chosen by the CUDA encoding resolver
-(the conv operands' encodings), not a transpose in here.
+Layouts reach cuDNN through strides. ``conv`` / ``fused_conv`` read NCHW; ``blocked_conv`` -- a
+conv of a chain that the CUDA encoding resolver keeps channels-last (:mod:`polyhal_cuda.layout`)
+-- reads its maps as NHWC storage (N, 1, H, W, C) and its filter dense (M, C/g, kh, kw) or
+channels-last (M, 1, kh, kw, C/g), converted once at compile time; cuDNN then picks among its
+NHWC engines. Without an engine for the NHWC graph it runs the NCHW way on transposed copies
+(allocated while it runs; the kernel's name says so).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -133,6 +137,9 @@ class Conv:
     stride: tuple[int, ...]
     dilation: tuple[int, ...]
     dtype: np.dtype
+    #: Maps (x, residual, y) and the filter channels-last (NHWC / KRSC) instead of NCHW / KCRS.
+    maps_last: bool = False
+    filter_last: bool = False
 
     @classmethod
     def of(cls, attrs: dict, ins, outs) -> "Conv":
@@ -148,12 +155,32 @@ class Conv:
         return cls(tuple(x), tuple(w), tuple(y), pre, post, s, d, ins[0].dtype)
 
 
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
-    for dim in reversed(shape):
-        out.append(acc)
-        acc *= dim
-    return list(reversed(out))
+def _strides(shape: tuple[int, ...], channels_last: bool = False) -> list[int]:
+    """Strides of a dense (N, C, *spatial) tensor, or of one stored channels-last."""
+    order = (0, *range(2, len(shape)), 1) if channels_last else tuple(range(len(shape)))
+    out, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        out[d] = acc
+        acc *= shape[d]
+    return out
+
+
+def logical(op: str, attrs: dict, ins, outs) -> tuple[str, tuple, tuple, bool, bool]:
+    """``(op, ins, outs, maps_last, filter_last)`` of a conv instance in NCHW terms: a
+    ``blocked_conv``'s storage types (N, 1, H, W, C) become (N, C, H, W), and it is a ``conv``
+    (two or three operands, no activation) or a ``fused_conv``; others are as they are."""
+    if op != "blocked_conv":
+        return op, tuple(ins), tuple(outs), False, False
+    from polyhal.ir.types import TensorType
+
+    def unblock(t):
+        n, _, h, w, c = t.shape
+        return TensorType((n, c, h, w), t.dtype)
+
+    w_last = ins[1].rank == 5
+    lins = (unblock(ins[0]), unblock(ins[1]) if w_last else ins[1], *ins[2:3], *(unblock(r) for r in ins[3:4]))
+    fused = len(ins) == 4 or (len(ins) == 3 and attrs["activation"] != "none")
+    return ("fused_conv" if fused else "conv"), lins, (unblock(outs[0]),), True, w_last
 
 
 class CuDNNConv:
@@ -170,19 +197,20 @@ class CuDNNConv:
         g = cudnn.pygraph(io_data_type=dt, intermediate_data_type=ct, compute_data_type=ct, handle=state.handle)
         m = conv.w[0]
         bshape = (1, m) + (1,) * (len(conv.y) - 2)
-        tensors = {"x": g.tensor(name="x", dim=list(conv.x), stride=_strides(conv.x), data_type=dt),
-                   "w": g.tensor(name="w", dim=list(conv.w), stride=_strides(conv.w), data_type=dt)}
+        last = conv.maps_last
+        tensors = {"x": g.tensor(name="x", dim=list(conv.x), stride=_strides(conv.x, last), data_type=dt),
+                   "w": g.tensor(name="w", dim=list(conv.w), stride=_strides(conv.w, conv.filter_last), data_type=dt)}
         y = g.conv_fprop(image=tensors["x"], weight=tensors["w"], pre_padding=list(conv.pre),
                          post_padding=list(conv.post), stride=list(conv.stride), dilation=list(conv.dilation),
                          compute_data_type=ct, name="conv")
         if bias:
-            tensors["b"] = g.tensor(name="b", dim=list(bshape), stride=_strides(bshape), data_type=dt)
+            tensors["b"] = g.tensor(name="b", dim=list(bshape), stride=_strides(bshape, last), data_type=dt)
             y = g.bias(input=y, bias=tensors["b"], name="bias")
         if residual:
-            tensors["r"] = g.tensor(name="r", dim=list(conv.y), stride=_strides(conv.y), data_type=dt)
+            tensors["r"] = g.tensor(name="r", dim=list(conv.y), stride=_strides(conv.y, last), data_type=dt)
             y = g.add(a=y, b=tensors["r"], name="residual")
         y = _activation(g, y, activation, alpha, beta)
-        y.set_output(True).set_data_type(dt).set_dim(list(conv.y)).set_stride(_strides(conv.y))
+        y.set_output(True).set_data_type(dt).set_dim(list(conv.y)).set_stride(_strides(conv.y, last))
         tensors["y"] = y
         g.validate()
         g.build_operation_graph()
@@ -321,17 +349,18 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
     why = status()[1]
     if why:
         return None, (), why
+    key = _key(op, attrs, ins, outs)
+    op, ins, outs, maps_last, filter_last = logical(op, attrs, ins, outs)
     if ins[0].dtype not in DTYPES:
         return None, (), f"cuDNN convolves {', '.join(t.name for t in DTYPES)} here, not {ins[0].dtype.name}"
     if ins[0].rank not in (3, 4, 5) or any(t.size == 0 for t in (*ins, *outs)):
         return None, (), "cuDNN convolves 1-, 2- and 3-d non-empty operands"
     state = _state(device)
-    key = _key(op, attrs, ins, outs)
     with state.lock:
         if key in state.plans:
             found = state.plans[key]
             return found, (found.covers if found else ()), state.reasons.get(key, "")
-        conv = Conv.of(attrs, ins, outs)
+        conv = dataclasses.replace(Conv.of(attrs, ins, outs), maps_last=maps_last, filter_last=filter_last)
         alpha = float(attrs.get("alpha", 0.0))
         beta = float(attrs.get("beta", 0.0))
         failures = []
@@ -360,9 +389,12 @@ def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple
     chosen when the plan is compiled)."""
     from polyhal_cuda import nn
 
-    if nn.is_depthwise(attrs, ins):
+    lop, lins, louts, maps_last, _ = logical(op, attrs, ins, outs)
+    if nn.is_depthwise(attrs, lins):
         return ()  # the backend's own kernel: no scratch
     graph, _, _ = plan(device, op, attrs, ins, outs)
+    if graph is None and maps_last:  # the NCHW way, on transposed copies
+        return scratch_requests(device, lop, attrs, lins, louts)
     problem = Problem(op, attrs, tuple(ins), tuple(outs))
     if graph is None:  # the im2col conv: its columns
         columns = nn.columns_request(attrs, ins[:2], outs)
@@ -385,12 +417,17 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     from polyhal_cuda import nn
     from polyhal_gpu.scratch import Scratch
 
-    fused = op == "fused_conv"
+    lop, lins, louts, maps_last, filter_last = logical(op, attrs, ins, outs)
+    fused = lop == "fused_conv"
     act = attrs["activation"] if fused else "none"
     alpha, beta = (float(attrs["alpha"]), float(attrs["beta"])) if fused else (0.0, 0.0)
-    if nn.is_depthwise(attrs, ins):
-        return nn.prepare_depthwise(device, attrs, ins, outs, act, alpha, beta)
+    if nn.is_depthwise(attrs, lins):
+        return nn.prepare_depthwise(device, attrs, lins, louts, act, alpha, beta, channels_last=maps_last)
     graph, covers, why = plan(device, op, attrs, ins, outs)
+    if graph is None and maps_last:
+        return _through_nchw(prepare(device, lop, attrs, lins, louts, binding), filter_last, why)
+    instance = (op, attrs, ins, outs)  # what the graph and its scratch were planned for
+    op, ins, outs = lop, lins, louts
     residual = fused and len(ins) == 4
     if graph is None:
         requests = scratch_requests(device, op, attrs, ins, outs)
@@ -411,7 +448,7 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
         im2col_fused.kernel_name = f"fused_conv (im2col + cuBLAS + epilogue; {why})"  # type: ignore[attr-defined]
         return im2col_fused
 
-    requests = scratch_requests(device, op, attrs, ins, outs)
+    requests = scratch_requests(device, *instance)
     s = Scratch(device, requests, binding, lambda a: a.data.ptr)
     ws = int(s.ptrs["workspace"]) if requests else None
     bias, res_in_graph, act_in_graph = covers
@@ -438,7 +475,7 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
     else:
         tail = nn.epilogue(outs[0].dtype, rest_act, alpha, beta, bias=rest_bias, residual=rest_res)
         m = ins[1].shape[0]
-        bshape = (m,) + (1,) * (ins[0].rank - 2)
+        bshape = (m,) if maps_last else (m,) + (1,) * (ins[0].rank - 2)  # channels last: the last axis
 
         def cudnn_then_epilogue(*arrays):
             out = arrays[-1]
@@ -448,6 +485,26 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
         kernel = cudnn_then_epilogue
     kernel.scratch = keep  # type: ignore[attr-defined]
     covered = "+".join(n for n, on in (("bias", bias), ("residual", res_in_graph), (act_in_graph, act_in_graph != "none")) if on)
-    kernel.kernel_name = (f"cuDNN conv{'+' + covered if covered else ''} [{graph.engine}]"  # type: ignore[attr-defined]
+    kernel.kernel_name = (f"cuDNN {'NHWC ' if maps_last else ''}conv{'+' + covered if covered else ''} [{graph.engine}]"  # type: ignore[attr-defined]
                           + (" + epilogue" if rest_bias or rest_res or rest_act != "none" else ""))
     return kernel
+
+
+def _through_nchw(kernel, filter_last: bool, why: str):
+    """A channels-last conv that cuDNN has no NHWC engine for: ``kernel`` (the NCHW way) on
+    NCHW copies of the maps (and of a channels-last filter), the result copied back. The
+    copies are allocated while it runs: a fallback, and its name says so."""
+    import cupy as cp
+
+    def nchw(a):  # (N, 1, H, W, C) -> (N, C, H, W)
+        return cp.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))
+
+    def through_nchw(x, w, *rest):
+        out, extra = rest[-1], rest[:-1]  # extra: the bias, then the residual
+        y = cp.empty((out.shape[0], out.shape[4], out.shape[2], out.shape[3]), out.dtype)
+        kernel(nchw(x), nchw(w) if filter_last else w, *extra[:1], *(nchw(r) for r in extra[1:]), y)
+        cp.copyto(out[:, 0], y.transpose(0, 2, 3, 1))
+    through_nchw.scratch = kernel  # type: ignore[attr-defined]  (keeps the inner kernel's scratch)
+    through_nchw.kernel_name = (f"{getattr(kernel, 'kernel_name', 'conv')} on NCHW copies of channels-last "  # type: ignore[attr-defined]
+                                f"operands (no NHWC engine: {why})")
+    return through_nchw

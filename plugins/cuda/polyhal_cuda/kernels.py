@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 
 from polyhal.hal.kernels import KernelTable
+from polyhal.ir.encoding import pack_split
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
 
@@ -514,6 +515,10 @@ def _gather_map(device, op, attrs, ins, outs, binding) -> Kernel:
     if op == "pad" and attrs["mode"] == "constant":
         return _constant_pad(attrs, ins[0], outs[0])
     cp = _cupy()
+    if op in ("pack", "unpack"):
+        copy = _strided_relayout(op, attrs, ins[0], outs[0])
+        if copy is not None:
+            return copy
     pad_attr = "padding_value" if op == "pack" else None  # pad's edge and reflect modes pad from x
     mapping = _index_map(op, attrs, ins, pad_attr)
     has_pad = bool((mapping < 0).any())
@@ -533,6 +538,29 @@ def _gather_map(device, op, attrs, ins, outs, binding) -> Kernel:
             cp.take(x.reshape(-1), dmap, out=flat)
     kernel.index_map = mapping  # type: ignore[attr-defined]
     return kernel
+
+
+def _strided_relayout(op, attrs, x_t, out_t) -> Kernel | None:
+    """A pack or unpack whose tiles divide their dims (e.g. NCHW <-> NHWC) as one strided copy:
+    no index map (one int64 per element, held by the plan), or None where the pack pads."""
+    dense = x_t.shape if op == "pack" else out_t.shape
+    pos, tiles = tuple(attrs["inner_dims_pos"]), tuple(attrs["inner_tiles"])
+    perm = None if attrs["outer_dims_perm"] is None else tuple(attrs["outer_dims_perm"])
+    found = pack_split(tuple(dense), pos, tiles, perm)
+    if found is None:
+        return None
+    split, order = found
+    inverse = tuple(int(i) for i in np.argsort(order))
+    copyto = _cupy().copyto
+
+    if op == "pack":
+        def relayout(x, out):
+            copyto(out, x.reshape(split).transpose(order))
+    else:
+        def relayout(x, out):
+            copyto(out.reshape(split), x.transpose(inverse))
+    relayout.kernel_name = f"{op} (one strided copy)"  # type: ignore[attr-defined]
+    return relayout
 
 
 def _constant_pad(attrs: dict, x_t: TensorType, out_t: TensorType) -> Kernel:
@@ -663,7 +691,7 @@ def _scatter(device, op, attrs, ins, outs, binding) -> Kernel:
 # conv and fused_conv: cuDNN graphs where cuDNN is usable and has an engine, else the im2col
 # conv (plus one elementwise epilogue for fused_conv); see polyhal_cuda.cudnn. The plugin
 # advertises fused_conv only where cuDNN is usable, so the compile fuses only there.
-register("conv", "fused_conv", scratch=cudnn.scratch_requests)(cudnn.prepare)
+register("conv", "fused_conv", "blocked_conv", scratch=cudnn.scratch_requests)(cudnn.prepare)
 
 
 @register("conv_transpose")

@@ -187,9 +187,11 @@ def is_depthwise(attrs: dict, ins) -> bool:
 
 
 def prepare_depthwise(device: "Device", attrs: dict, ins, outs, activation: str = "none", alpha: float = 0.0,
-                      beta: float = 0.0):
+                      beta: float = 0.0, channels_last: bool = False):
     """``fn(x, w[, b][, r], out)``: a depthwise conv with its bias, residual and activation in
-    one CUDA C kernel (one thread per output element; the instance's geometry compiled in)."""
+    one CUDA C kernel (one thread per output element; the instance's geometry compiled in).
+    ``ins`` and ``outs`` are the NCHW types; with ``channels_last`` the maps are stored NHWC
+    (the channel is the fastest index, so neighbouring threads read neighbouring channels)."""
     x_t, w_t, out_t = ins[0], ins[1], outs[0]
     N, C, H, W = x_t.shape
     OH, OW = out_t.shape[2:]
@@ -199,6 +201,15 @@ def prepare_depthwise(device: "Device", attrs: dict, ins, outs, activation: str 
     dh, dw = _spatial(attrs["dilations"], 2, 1)
     has_bias, has_res = len(ins) >= 3, len(ins) == 4
     ctype = _DEPTHWISE_TYPES[out_t.dtype]
+    if channels_last:  # i runs over (n, oh, ow, c): a pixel's channels are adjacent
+        index = (f"const int c = (int)(i % {C}), ow = (int)((i / {C}) % {OW}), oh = (int)((i / {C * OW}) % {OH});\n"
+                 f"    const T* plane = x + (i / {C * OH * OW}LL) * {H * W * C}LL + c;")
+        pixel = f" * {C}"
+    else:  # i runs over (n, c, oh, ow)
+        index = (f"const int ow = (int)(i % {OW}), oh = (int)((i / {OW}) % {OH});\n"
+                 f"    const long long nc = i / {OH * OW}LL;\n    const int c = (int)(nc % {C});\n"
+                 f"    const T* plane = x + nc * {H * W}LL;")
+        pixel = ""
     # a and b are the activation's alpha and beta (the names _ACTIVATION_C's formulas use)
     params = ["const T* __restrict__ x", "const T* __restrict__ w"] + (
         ["const T* __restrict__ bias"] if has_bias else []) + (["const T* __restrict__ r"] if has_res else []) + [
@@ -208,10 +219,7 @@ template <typename C> __device__ C polyhal_unit(C h) {{ return h < (C)0 ? (C)0 :
 extern "C" __global__ void depthwise({", ".join(params)}) {{
   const long long total = {N * C * OH * OW}LL;
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += (long long)gridDim.x * blockDim.x) {{
-    const int ow = (int)(i % {OW}), oh = (int)((i / {OW}) % {OH});
-    const long long nc = i / {OH * OW}LL;
-    const int c = (int)(nc % {C});
-    const T* plane = x + nc * {H * W}LL;
+    {index}
     const T* f = w + c * {KH * KW};
     C v = {"(C)bias[c]" if has_bias else "(C)0"};
     #pragma unroll
@@ -221,7 +229,7 @@ extern "C" __global__ void depthwise({", ".join(params)}) {{
       #pragma unroll
       for (int kw = 0; kw < {KW}; ++kw) {{
         const int iw = ow * {sw} - {pw} + kw * {dw};
-        if (iw >= 0 && iw < {W}) v += (C)plane[ih * {W} + iw] * (C)__ldg(f + kh * {KW} + kw);
+        if (iw >= 0 && iw < {W}) v += (C)plane[(ih * {W} + iw){pixel}] * (C)__ldg(f + kh * {KW} + kw);
       }}
     }}
     {"v += (C)r[i];" if has_res else ""}
@@ -246,7 +254,7 @@ extern "C" __global__ void depthwise({", ".join(params)}) {{
 
     def depthwise(*arrays):
         launch(fn, "depthwise", shape, (BLOCK,), (*arrays, *scalars))
-    depthwise.kernel_name = f"depthwise conv {KH}x{KW}{'+bias' if has_bias else ''}" \
+    depthwise.kernel_name = f"depthwise conv {KH}x{KW}{' NHWC' if channels_last else ''}{'+bias' if has_bias else ''}" \
                             f"{'+residual' if has_res else ''}{'+' + activation if activation != 'none' else ''} (CUDA C)"
     return depthwise
 

@@ -27,6 +27,7 @@ from polyhal.hal.records import DeviceSpec
 
 from polyhal_cuda import cudnn
 from polyhal_cuda.kernels import KERNEL_NAMES
+from polyhal_cuda.layout import resolve_encoding  # noqa: F401  (hook: channels-last conv chains)
 from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
