@@ -13,7 +13,13 @@ its engines, drops those whose numerical notes say the result is not plain arith
 operand type (``TENSOR_CORE`` for float32, i.e. TF32, and ``DOWN_CONVERT_INPUTS`` /
 ``REDUCED_PRECISION_REDUCTION`` for every type: fp32 means fp32), times the first few that
 remain on scratch operands of the instance's shapes and builds the fastest
-(:func:`_build_fastest`; ``POLYHAL_CUDA_CUDNN_AUTOTUNE=0``: the first). An instance compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`) keeps
+(:func:`_build_fastest`; ``POLYHAL_CUDA_CUDNN_AUTOTUNE=0``: the first). Every plan it would
+choose is first checked on those operands against a float64 reference at sampled outputs
+(:func:`sampled_mismatch`): on an H200 (cuDNN 9.19) float16 NCHW graphs of EfficientNet-B0's and
+MobileNetV3's squeeze-excitation convs (1x1 maps, batch 16) returned wrong values -- sigmoid
+outputs in the thousands, then inf and NaN in the model's result --, and a plan that fails the
+check is never chosen (no plan passing: the graph is refused, and a less fused one or the im2col
+conv runs). An instance compiled with ``precision="tf32"`` (:mod:`polyhal.passes.precision`) keeps
 the ``TENSOR_CORE`` engines for float32; float16 convs compute in float (``COMPUTE``) and may use
 tensor cores, but never reduce in half precision. Its workspace is declared scratch (:func:`scratch_requests`), placed by the plan's
 bufferization, so nothing is allocated when it runs; the kernel only hands cuDNN the operand
@@ -221,7 +227,16 @@ class CuDNNConv:
         g.deselect_numeric_notes(notes)
         g.check_support()
         operands = {"x": conv.x, "w": conv.w, "b": bshape, "r": conv.y, "y": conv.y}
-        self.timings = _build_fastest(g, state, tensors, {n: operands[n] for n in tensors}, conv.dtype)
+        layouts = {"x": last, "w": conv.filter_last, "b": last, "r": last, "y": last}
+        tolerance = TOLERANCE["tf32" if tf32 and conv.dtype == np.float32 else conv.dtype.name]
+
+        def check(arrays: dict) -> str | None:
+            host = {n: _logical(a, operands[n], layouts[n]) for n, a in arrays.items()}
+            return sampled_mismatch(conv, host["x"], host["w"], host.get("b"), host.get("r"), host["y"], activation,
+                                    alpha, beta, tolerance)
+
+        self.timings, self.rejected = _build_fastest(g, state, tensors, {n: operands[n] for n in tensors},
+                                                     conv.dtype, check)
         self.graph, self.handle = g, state.handle
         self.operands = tuple(tensors)
         self._tensors = tuple(tensors.values())
@@ -239,63 +254,144 @@ AUTOTUNE_CANDIDATES = 6
 AUTOTUNE_WORKSPACE = 256 << 20
 
 
-def _build_fastest(g: Any, state: _DeviceState, tensors: dict, shapes: dict, dtype: np.dtype) -> dict[str, float]:
-    """Build the fastest of the first :data:`AUTOTUNE_CANDIDATES` plans that build and pass the
-    filters, timed once here on scratch operands of the instance's shapes (cuDNN's heuristics
-    rank engines by a model; on small batches their first choice was several times slower than
-    the best, which timing finds, as ``torch.backends.cudnn.benchmark`` does). Returns the
-    timings (ms) by plan name; ``POLYHAL_CUDA_CUDNN_AUTOTUNE=0`` keeps the heuristics' choice."""
-    import os
-
+def _build_fastest(g: Any, state: _DeviceState, tensors: dict, shapes: dict, dtype: np.dtype,
+                   check: Any = None) -> tuple[dict[str, float], dict[str, str]]:
+    """Build the fastest plan among the first :data:`AUTOTUNE_CANDIDATES` of cuDNN's ranked list
+    that build, pass the filters and give correct results, timed once here on scratch operands
+    of the instance's shapes (cuDNN's heuristics rank engines by a model; on small batches their
+    first choice was several times slower than the best, which timing finds, as
+    ``torch.backends.cudnn.benchmark`` does). ``check(arrays)`` (the operands by name, the
+    result under ``"y"``) says why a plan's result is wrong, or None; a wrong plan is never
+    chosen, and the search goes on down the list until one passes. Returns ``(timings in ms by
+    plan name, why each rejected plan was)``; ``POLYHAL_CUDA_CUDNN_AUTOTUNE=0`` keeps the first
+    correct plan. Raises when no plan builds or none gives correct results."""
     import cupy as cp
 
-    built = []
-    if os.environ.get("POLYHAL_CUDA_CUDNN_AUTOTUNE", "1") not in ("0", "false", "no"):
-        for i in range(min(g.get_execution_plan_count(), AUTOTUNE_CANDIDATES)):
-            try:
-                g.build_plan_at_index(i)
-            except Exception:  # noqa: BLE001 - barred by a filter, or declined: not a candidate
-                continue
-            if g.get_workspace_size() <= AUTOTUNE_WORKSPACE:
-                built.append((i, int(g.get_workspace_size())))
+    autotune = os.environ.get("POLYHAL_CUDA_CUDNN_AUTOTUNE", "1") not in ("0", "false", "no")
     device = state.device()
-    if len(built) < 2 or device is None:
-        if built:
-            g.build_plan_at_index(built[0][0])
-        else:
-            g.build_plans()  # the heuristics' first plan that builds (raises when there is none)
-        return {}
+    if device is None:  # the device is gone: nothing to time or check on
+        g.build_plans()
+        return {}, {}
     timings: dict[str, float] = {}
-    # The timing's operands and workspace come from a pool of their own, returned to the driver
-    # when the timing ends: a compile leaves no cached blocks behind.
+    rejected: dict[str, str] = {}
+    best, best_ms = None, float("inf")
+    # The operands and workspaces come from a pool of their own, returned to the driver when
+    # the search ends: a compile leaves no cached blocks behind.
     pool = cp.cuda.MemoryPool()
     with device.activate(), cp.cuda.using_allocator(pool.malloc):
         rng = cp.random.default_rng(0)
         arrays = {n: rng.standard_normal(shape, dtype=np.float64).astype(dtype) for n, shape in shapes.items()}
-        workspace = cp.empty(max(max(ws for _, ws in built), 1), np.uint8)
         stream = device.stream
         start, stop = cp.cuda.Event(), cp.cuda.Event()
         pack = {tensors[n]: arrays[n].data.ptr for n in shapes}
-        best, best_ms = built[0][0], float("inf")
-        ws = workspace.data.ptr
-        for i, _ in built:
+        for i in range(g.get_execution_plan_count()):
+            if best is not None and (not autotune or i >= AUTOTUNE_CANDIDATES):
+                break
             try:
-                for rep in range(6):  # one warm-up, five timed
-                    if rep == 1:
-                        start.record(stream)
-                    g.execute_plan_at_index(pack, ws, i, handle=state.handle)
-                stop.record(stream)
-                stop.synchronize()
-            except Exception:  # noqa: BLE001 - a plan that fails to run is not chosen
+                g.build_plan_at_index(i)
+            except Exception:  # noqa: BLE001 - barred by a filter, or declined: not a candidate
                 continue
-            ms = cp.cuda.get_elapsed_time(start, stop) / 5
-            timings[g.get_plan_name_at_index(i)] = ms
+            size = int(g.get_workspace_size())
+            name = str(g.get_plan_name_at_index(i))
+            if size > AUTOTUNE_WORKSPACE:
+                rejected[name] = f"workspace {size} B > {AUTOTUNE_WORKSPACE} B"
+                continue
+            workspace = cp.empty(max(size, 1), np.uint8)
+            ws = workspace.data.ptr
+            try:
+                arrays["y"].fill(np.nan)  # a plan that leaves outputs unwritten fails the check
+                g.execute_plan_at_index(pack, ws, i, handle=state.handle)
+                stream.synchronize()
+                why = check(arrays) if check is not None else None
+                if why is not None:
+                    rejected[name] = why
+                    continue
+                ms = 0.0
+                if autotune:
+                    start.record(stream)
+                    for _ in range(5):
+                        g.execute_plan_at_index(pack, ws, i, handle=state.handle)
+                    stop.record(stream)
+                    stop.synchronize()
+                    ms = cp.cuda.get_elapsed_time(start, stop) / 5
+            except Exception as exc:  # noqa: BLE001 - a plan that fails to run is not chosen
+                rejected[name] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                continue
+            timings[name] = ms
             if ms < best_ms:
                 best, best_ms = i, ms
-        del arrays, workspace, pack
+        del arrays, pack
     pool.free_all_blocks()
+    if best is None:
+        raise RuntimeError("no cuDNN plan gave correct results" + (": " + "; ".join(
+            f"{k}: {v}" for k, v in rejected.items()) if rejected else " (none builds)"))
     g.build_plan_at_index(best)
-    return timings
+    return timings, rejected
+
+
+#: Allowed error of a sampled output, relative to the sum of the magnitudes it adds up (products,
+#: bias, residual), by the instance's type: float16 in and out (float accumulation), float32
+#: without TF32, TF32, float64. A wrong engine misses by orders of magnitude more.
+TOLERANCE = {"float16": 1e-2, "float32": 1e-5, "tf32": 1e-2, "float64": 1e-12}
+#: Outputs :func:`sampled_mismatch` checks per plan.
+SAMPLES = 256
+
+
+def _logical(a: Any, shape: tuple, channels_last: bool) -> np.ndarray:
+    """A cupy operand of ``shape`` as cuDNN reads it (dense, NCHW or channels-last strides),
+    copied to the host as a numpy view indexed (N, C, spatial...)."""
+    flat = np.ascontiguousarray(a.get()).reshape(-1)
+    strides = tuple(st * flat.itemsize for st in _strides(shape, channels_last))
+    return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=False)
+
+
+def sampled_mismatch(conv: Conv, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, r: np.ndarray | None,
+                     y: np.ndarray, activation: str, alpha: float, beta: float, tolerance: float,
+                     samples: int = SAMPLES) -> str | None:
+    """Why ``y`` is not ``activation(conv(x, w) + b + r)`` (NCHW-indexed arrays of ``conv``'s
+    shapes, ``b`` as (1, M, 1...)), checked in float64 at ``samples`` outputs drawn at random
+    (the first and the last always among them); None when every one is within ``tolerance``
+    times the sum of the magnitudes it adds up. Cheap enough to run on every plan a compile
+    would choose: ``samples`` dot products of a filter's size."""
+    import itertools
+
+    from polyhal.ops.nn import apply_activation
+
+    n_out = int(np.prod(conv.y))
+    picks = np.unique(np.concatenate([[0, n_out - 1], np.random.default_rng(0).integers(0, n_out, samples)]))
+    idx = np.unravel_index(picks, conv.y)
+    n, m, spatial = idx[0], idx[1], idx[2:]
+    groups = conv.x[1] // conv.w[1]
+    cg = conv.w[1]
+    first = (m // (conv.w[0] // groups)) * cg
+    channels = first[:, None] + np.arange(cg)[None, :]               # (P, C/g)
+    acc = np.zeros(len(picks))
+    size = np.zeros(len(picks))
+    for k in itertools.product(*(range(s) for s in conv.w[2:])):
+        pos = [o * st - p + kk * d for o, st, p, kk, d in zip(spatial, conv.stride, conv.pre, k, conv.dilation)]
+        inside = np.all([(q >= 0) & (q < s) for q, s in zip(pos, conv.x[2:])], axis=0)
+        pos = [np.where(inside, q, 0) for q in pos]
+        xs = x[(n[:, None], channels, *(q[:, None] for q in pos))].astype(np.float64)
+        ws = w[(m[:, None], np.arange(cg)[None, :], *(np.full((1, 1), kk) for kk in k))].astype(np.float64)
+        terms = np.where(inside[:, None], xs * ws, 0.0)
+        acc += terms.sum(axis=1)
+        size += np.abs(terms).sum(axis=1)
+    if b is not None:
+        bias = b.reshape(-1)[m].astype(np.float64)
+        acc, size = acc + bias, size + np.abs(bias)
+    if r is not None:
+        res = r[idx].astype(np.float64)
+        acc, size = acc + res, size + np.abs(res)
+    want = apply_activation(acc, activation, alpha, beta)
+    got = y[idx].astype(np.float64)
+    err = np.abs(got - want)
+    bad = ~(err <= tolerance * (size + np.abs(want)) + 1e-30)  # NaN fails too
+    if not bad.any():
+        return None
+    j = int(np.argmax(np.where(bad, np.nan_to_num(err, nan=np.inf), -1.0)))
+    where = tuple(int(i[j]) for i in idx)
+    return (f"wrong result: {int(bad.sum())} of {len(picks)} sampled outputs off, e.g. y{list(where)} = "
+            f"{got[j]:.6g}, float64 reference {want[j]:.6g}")
 
 
 def _plan_name(g: Any) -> str:
@@ -360,7 +456,13 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
         if key in state.plans:
             found = state.plans[key]
             return found, (found.covers if found else ()), state.reasons.get(key, "")
-        conv = dataclasses.replace(Conv.of(attrs, ins, outs), maps_last=maps_last, filter_last=filter_last)
+        conv = Conv.of(attrs, ins, outs)
+        # Maps of one pixel (a squeeze-excitation's convs) are the same bytes in NCHW and NHWC:
+        # declared channels-last, the layout of the model's NHWC plan, which computed correctly
+        # where its float16 NCHW one did not (see the module docstring).
+        single = all(d == 1 for d in (*conv.x[2:], *conv.y[2:]))
+        conv = dataclasses.replace(conv, maps_last=maps_last or single,
+                                   filter_last=filter_last or (single and all(d == 1 for d in conv.w[2:])))
         alpha = float(attrs.get("alpha", 0.0))
         beta = float(attrs.get("beta", 0.0))
         failures = []

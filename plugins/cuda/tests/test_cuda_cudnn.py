@@ -347,3 +347,48 @@ def test_a_plan_beyond_the_memory_limit_names_its_arena_and_balances(cuda, rng, 
         w2.astype(np.float64), **_attrs(x.shape, w2.shape, dict(pads=[1, 1, 1, 1])))[0]
     (got,) = program.execute(plan, {"x": x}).values()
     assert _rel_error(np.asarray(got), want) < 1e-5
+
+
+# ------------------------------------------------------------ plans checked against a reference
+
+@pytest.mark.parametrize("case", ["3x3", "groups2", "stride2_asym_pads", "dilation2", "conv3d"])
+def test_sampled_mismatch_accepts_right_and_names_wrong_results(rng, case):
+    """The check every chosen cuDNN plan passes (no GPU needed): a correct fused result passes,
+    one wrong output among the samples, or a NaN, is named with its index."""
+    xs, ws, extra = CASES[case]
+    attrs = {**_attrs(xs, ws, extra), "activation": "silu", "alpha": 0.0, "beta": 0.0}
+    x, w, b = (rng.standard_normal(s) for s in (xs, ws, (ws[0],)))
+    (out,) = OPS["conv"].infer((TensorType(xs, np.float64), TensorType(ws, np.float64)), _attrs(xs, ws, extra))
+    r = rng.standard_normal(out.shape)
+    y = _reference("fused_conv", [x, w, b, r], attrs)
+    conv = cudnn.Conv.of(attrs, (TensorType(xs, np.float64), TensorType(ws, np.float64)), (out,))
+    if len(xs) == 3:
+        pytest.skip("1-d convs are checked as 2-d ones of height 1")
+    bias = b.reshape((1, -1) + (1,) * (len(xs) - 2))
+    assert cudnn.sampled_mismatch(conv, x, w, bias, r, y, "silu", 0.0, 0.0, 1e-12) is None
+    assert cudnn.sampled_mismatch(conv, x, w, bias, r, y, "none", 0.0, 0.0, 1e-12) is not None  # silu missing
+    wrong = y.copy()
+    wrong.reshape(-1)[-1] += 1.0  # the last output is always sampled
+    why = cudnn.sampled_mismatch(conv, x, w, bias, r, wrong, "silu", 0.0, 0.0, 1e-12)
+    assert why is not None and f"y{[d - 1 for d in wrong.shape]}" in why, why
+    wrong = y.copy()
+    wrong.reshape(-1)[0] = np.nan
+    assert "1 of" in cudnn.sampled_mismatch(conv, x, w, bias, r, wrong, "silu", 0.0, 0.0, 1e-12)
+
+
+@pytest.mark.parametrize("batch", [1, 16])
+@pytest.mark.parametrize("act, squeeze", [("silu", (1152, 48)), ("sigmoid", (48, 1152)), ("relu", (960, 240))])
+def test_float16_squeeze_excitation_convs(cuda, rng, batch, act, squeeze):
+    """Regression: the 1x1 convs of a squeeze-excitation block on 1x1 maps, float16 NCHW (what
+    EfficientNet-B0's and MobileNetV3's SE blocks compile to under precision="fp16"). On an H200
+    (cuDNN 9.19) the batch-16 graphs returned sigmoid outputs in the thousands -- the model's
+    output became NaN; every chosen plan is now checked against a float64 reference."""
+    c, m = squeeze
+    xs, ws = (batch, c, 1, 1), (m, c, 1, 1)
+    attrs = {**_attrs(xs, ws, {}), "activation": act, "alpha": 0.0, "beta": 0.0}
+    inputs = [rng.standard_normal(xs).astype(np.float16), (rng.standard_normal(ws) / np.sqrt(c)).astype(np.float16),
+              rng.standard_normal(m).astype(np.float16)]
+    got, name = _run(cuda, "fused_conv", inputs, attrs)
+    want = _reference("fused_conv", inputs, attrs)
+    assert np.isfinite(got).all(), name
+    assert _rel_error(got.astype(np.float64), want) < 4e-3, (name, _rel_error(got.astype(np.float64), want))
