@@ -181,3 +181,20 @@ def test_cli_precision_option(capsys):
     assert "precision fp16 (precision=)" in capsys.readouterr().out
     assert main(["run", str(EXAMPLES / "mlp.onnx"), "--dim", "batch=2", "--precision", "half"]) != 0
     assert "'half' is not a precision" in capsys.readouterr().err
+
+
+def test_fp16_lowers_attention_as_autocast_does(rng):
+    """attention computes in float16 (its kernels take the softmax in float32, as torch's
+    scaled_dot_product_attention under autocast); the float16 result stays close on the CPU."""
+    b = ProgramBuilder("heads")
+    q, k, v = (b.input(n, (2, 3, 9, 8), "float32") for n in "qkv")
+    b.output(b.attention(q, k, v))
+    program = b.build()
+    lowered = lower_precision(program, *ANYWHERE)
+    (att,) = [op for op in lowered.ops if op.name == "attention"]
+    assert [x.type.dtype.name for x in (*att.inputs, *att.outputs)] == ["float16"] * 4
+    assert "attention" in prec.LOWER and "attention" not in prec.KEEP_FLOAT32
+    feeds = [rng.standard_normal((2, 3, 9, 8)).astype(np.float32) for _ in range(3)]
+    want = OPS["attention"].reference(*[f.astype(np.float64) for f in feeds])[0]
+    got = polyhal.compile(program, "cpu:0", precision="fp16").run_numpy(*feeds)[0]
+    assert got.dtype == np.float32 and np.max(np.abs(got - want)) < 5e-3

@@ -15,12 +15,14 @@
 ``"fp16"``
     the program is rewritten (:func:`lower_precision`) so that its float32 compute runs in
     float16 where that is safe, following torch's autocast op lists: contractions (matmul,
-    gemm, linear, conv, conv_transpose, einsum) compute in float16 (their kernels accumulate in
-    float32: cuBLAS's 32F compute type, cuDNN's float compute type); ops that only move or map
+    gemm, linear, conv, conv_transpose, einsum, attention) compute in float16 (their kernels
+    accumulate in float32: cuBLAS's 32F compute type, cuDNN's float compute type; attention
+    kernels take their softmax in float32, as torch's scaled_dot_product_attention, which
+    autocast runs in float16, does); ops that only move or map
     values (elementwise arithmetic, activations, pooling, reshapes, concats, ...) follow the type
     of their operands, and run in float32 where a float32 operand meets a float16 one (torch's
     promotion); numerically sensitive ops stay float32 (:data:`KEEP_FLOAT32`: softmax,
-    layer_norm, attention, sums and means, exp/log/pow, cumulative sums, ...), and so does every
+    layer_norm, masked attention, sums and means, exp/log/pow, cumulative sums, ...), and so does every
     op not listed (sorting, detection, trees, ...). Constants (weights) are converted once, when
     the program is compiled, clipped to float16's finite range as onnxruntime's float16
     converter clips them; the program's inputs and outputs keep their float32 types, with casts
@@ -69,7 +71,8 @@ PRECISIONS = {
 CAPABILITY = {"fp32": "", "tf32": "tf32", "fp16": "fp16"}
 
 #: Ops that compute in float16 under "fp16" (torch autocast's float16 list: the products).
-LOWER = frozenset({"matmul", "gemm", "linear", "fused_linear", "conv", "fused_conv", "conv_transpose", "einsum"})
+LOWER = frozenset({"matmul", "gemm", "linear", "fused_linear", "conv", "fused_conv", "conv_transpose", "einsum",
+                   "attention"})
 #: Ops that run in the type of their float operands (torch autocast's promote rule): they map or
 #: move values without accumulating many of them.
 FOLLOW = frozenset({
@@ -81,9 +84,10 @@ FOLLOW = frozenset({
     "identity", "cast",
 })
 #: Ops named to stay float32 (with every op in neither list): a float16 result would lose what
-#: they compute (torch autocast's float32 list; softmax and attention normalise over long rows).
+#: they compute (torch autocast's float32 list; softmax normalises over long rows; a masked
+#: attention's additive mask may not survive float16).
 KEEP_FLOAT32 = frozenset({
-    "softmax", "layer_norm", "attention", "masked_attention", "reduce_sum", "reduce_mean", "reduce_prod",
+    "softmax", "layer_norm", "masked_attention", "reduce_sum", "reduce_mean", "reduce_prod",
     "cumsum", "cumprod", "exp", "log", "pow", "reciprocal", "sqrt", "acos", "asin", "acosh", "asinh", "atanh",
     "cosh", "sinh", "tan", "lp_pool", "det",
 })

@@ -18,8 +18,10 @@ The scores, the probabilities and the address arrays are global scratch the plan
 bufferization places (:func:`scratch_requests`); the kernel allocates nothing and is captured
 into the plan's CUDA graph like any other step.
 
-float32 and float64 (the row kernel's types); float16 and empty shapes are left to the backend's
-fallback.
+float32 and float64 (the row kernel's types); float16 casts its operands into float32 scratch
+around the float32 kernel. Where cuDNN is usable, each float16/float32 instance is also run through
+cuDNN's fused attention (:mod:`polyhal_cuda.sdpa`) when the plan is compiled, and the faster of the
+two correct ones is kept. Empty shapes are left to the backend's fallback.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from polyhal.dlpack import reshaped_strides
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
 from polyhal.ir.types import TensorType
 
-from polyhal_cuda import blas
+from polyhal_cuda import blas, sdpa
 from polyhal_cuda.allocator import array_view
 from polyhal_cuda.cuda_source import function
 from polyhal_gpu import rowwise
@@ -42,8 +44,13 @@ from polyhal_gpu.scratch import Scratch
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
-#: Element types with a kernel here.
-DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Element types with a kernel here: float32 and float64 compute in their type; float16 in
+#: float32 (its operands cast into scratch, the result cast back) or through cuDNN's SDPA.
+DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+#: Workspace declared for cuDNN's SDPA (it asked for 256 B at ViT-B/16's and GPT-2's shapes on
+#: an H200); a graph that wants more is not used.
+SDPA_WORKSPACE = 1 << 20
 
 
 def _dims(ins) -> tuple[int, int, int, int, int]:
@@ -61,30 +68,99 @@ def scratch_requests(device: "Device", op: str, attrs: dict, ins, outs) -> tuple
     if not covered(ins):
         return ()
     b, lq, lk, d, dv = _dims(ins)
-    item = ins[0].dtype.itemsize
+    dtype = ins[0].dtype
+    item = 4 if dtype == _F16 else dtype.itemsize  # float16 computes in float32
     gl = (MemorySpace.GLOBAL,)
 
-    def decl(name: str, elements: int, purpose: str) -> ScratchDecl:
-        return ScratchDecl(name, shared=True, per_launch=elements * item, spaces=gl, alignment=256, purpose=purpose)
+    def decl(name: str, elements: int, purpose: str, size: int = item) -> ScratchDecl:
+        return ScratchDecl(name, shared=True, per_launch=elements * size, spaces=gl, alignment=256, purpose=purpose)
 
     kernel = KernelInfo("attention", "attention", 256, 1, "cuda")
     decls = [decl("scores", b * lq * lk, "scale * q @ k^T"), decl("probs", b * lq * lk, "softmax of the scores"),
-             ScratchDecl("pointers", shared=True, per_launch=6 * b * 8, spaces=gl, alignment=256,
-                         purpose="matrix addresses of both products where a batch sits at two strides")]
+             decl("pointers", 6 * b, "matrix addresses of both products where a batch sits at two strides", 8)]
+    if dtype == _F16:
+        decls += [decl("q32", b * lq * d, "q in float32"), decl("k32", b * lk * d, "k in float32"),
+                  decl("v32", b * lk * dv, "v in float32"), decl("o32", b * lq * dv, "the result in float32")]
+    if dtype in sdpa.DTYPES and sdpa.enabled()[0]:
+        decls.append(decl("sdpa_workspace", SDPA_WORKSPACE, "cuDNN SDPA workspace", 1))
     problem = Problem(op, attrs, tuple(ins), tuple(outs))
     return tuple(d_.request(problem, kernel) for d_ in decls)
 
 
 def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = None):
-    """``fn(q, k, v, out)`` for one instance, or None for the fallback (see the module docstring)."""
-    import cupy as cp
-
+    """``fn(q, k, v, out)`` for one instance, or None for the fallback: cuDNN's SDPA where it
+    measured correct and faster (:func:`polyhal_cuda.sdpa.choose`), else the own kernel; its
+    ``kernel_name`` says which and why."""
     if not covered(ins):
         return None
     b, lq, lk, d, dv = _dims(ins)
     dtype = ins[0].dtype
     scale = 1.0 / math.sqrt(d) if attrs.get("scale") is None else float(attrs["scale"])
-    s = Scratch(device, scratch_requests(device, op, attrs, ins, outs), binding, lambda a: a.data.ptr)
+    requests = scratch_requests(device, op, attrs, ins, outs)
+    s = Scratch(device, requests, binding, lambda a: a.data.ptr)
+    own = _via_float32(device, attrs, ins, s, scale) if dtype == _F16 else _own(device, attrs, ins, s, scale)
+    if own is None:
+        return None
+    if "sdpa_workspace" not in s.ptrs:
+        why = "" if dtype not in sdpa.DTYPES else f" ({sdpa.enabled()[1]})"
+        own.kernel_name = f"attention: own kernel{why}: {own.kernel_name}"  # type: ignore[attr-defined]
+        return own
+    graph, note = sdpa.choose(device, ins, outs, scale, own, SDPA_WORKSPACE)
+    if graph is None:
+        own.kernel_name = f"attention: {note}: {own.kernel_name}"  # type: ignore[attr-defined]
+        return own
+    ws = int(s.ptr("sdpa_workspace"))
+    graphs: dict[tuple, Any] = {}
+
+    def attention(q, k, v, out):
+        key = (q.strides, k.strides, v.strides, out.strides)
+        if key not in graphs:  # the first call (eager, before any capture): the graph for these strides
+            try:
+                g = sdpa.graph_for(device, dtype, (q, k, v, out), scale)
+                graphs[key] = g if g.workspace <= SDPA_WORKSPACE else None
+            except Exception:  # noqa: BLE001 - strides cuDNN does not take: the own kernel
+                graphs[key] = None
+        g = graphs[key]
+        if g is None:
+            own(q, k, v, out)
+        else:
+            g.run(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, ws)
+
+    attention.kernel_name = f"attention: {note}"  # type: ignore[attr-defined]
+    attention.scratch = s  # type: ignore[attr-defined]
+    return attention
+
+
+def _via_float32(device: "Device", attrs: dict, ins, s: Scratch, scale: float):
+    """The own kernel for float16: q, k, v cast into float32 scratch, the float32 kernel, the
+    result cast back (softmax and products in float32, as torch's float16 attention computes)."""
+    import cupy as cp
+
+    inner = _own(device, attrs, tuple(TensorType(t.shape, _F32) for t in ins), s, scale)
+    if inner is None:
+        return None
+    dv = ins[2].shape[-1]
+    view = lambda name, shape: array_view(int(s.ptr(name)), shape, _F32, s, device.ordinal)  # noqa: E731
+    q32, k32, v32 = view("q32", ins[0].shape), view("k32", ins[1].shape), view("v32", ins[2].shape)
+    o32 = view("o32", ins[0].shape[:-1] + (dv,))
+
+    def attention_float32(q, k, v, out):
+        cp.copyto(q32, q)
+        cp.copyto(k32, k)
+        cp.copyto(v32, v)
+        inner(q32, k32, v32, o32)
+        cp.copyto(out, o32, casting="same_kind")
+
+    attention_float32.kernel_name = f"float16 cast to float32, {inner.kernel_name}"  # type: ignore[attr-defined]
+    return attention_float32
+
+
+def _own(device: "Device", attrs: dict, ins, s: Scratch, scale: float):
+    """``fn(q, k, v, out)``: the own kernel of the module docstring, in ``ins``' type."""
+    import cupy as cp
+
+    b, lq, lk, d, dv = _dims(ins)
+    dtype = ins[0].dtype
     view = lambda name, shape: array_view(int(s.ptr(name)), shape, dtype, s, device.ordinal)  # noqa: E731
     scores, probs = view("scores", (b, lq, lk)), view("probs", (b, lq, lk))
     tf32 = attrs["precision"] == "tf32"

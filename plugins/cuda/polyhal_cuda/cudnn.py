@@ -230,8 +230,11 @@ class CuDNNConv:
         layouts = {"x": last, "w": conv.filter_last, "b": last, "r": last, "y": last}
         tolerance = TOLERANCE["tf32" if tf32 and conv.dtype == np.float32 else conv.dtype.name]
 
+        inputs: dict = {}  # the operands' host copies, the same for every plan
+
         def check(arrays: dict) -> str | None:
-            host = {n: _logical(a, operands[n], layouts[n]) for n, a in arrays.items()}
+            host = {n: inputs[n] if n in inputs else _logical(a, operands[n], layouts[n]) for n, a in arrays.items()}
+            inputs.update((n, a) for n, a in host.items() if n != "y")
             return sampled_mismatch(conv, host["x"], host["w"], host.get("b"), host.get("r"), host["y"], activation,
                                     alpha, beta, tolerance)
 
@@ -587,8 +590,10 @@ def prepare(device: "Device", op: str, attrs: dict, ins, outs, binding: Any = No
         kernel = cudnn_then_epilogue
     kernel.scratch = keep  # type: ignore[attr-defined]
     covered = "+".join(n for n, on in (("bias", bias), ("residual", res_in_graph), (act_in_graph, act_in_graph != "none")) if on)
+    wrong = sum(why.startswith("wrong result") for why in graph.rejected.values())
     kernel.kernel_name = (f"cuDNN {'NHWC ' if maps_last else ''}conv{'+' + covered if covered else ''} [{graph.engine}]"  # type: ignore[attr-defined]
-                          + (" + epilogue" if rest_bias or rest_res or rest_act != "none" else ""))
+                          + (" + epilogue" if rest_bias or rest_res or rest_act != "none" else "")
+                          + (f" ({wrong} plan(s) with wrong results passed over)" if wrong else ""))
     return kernel
 
 

@@ -36,6 +36,10 @@ MEASURED = "cuDNN's fp32-exact NHWC engines measured 1.2-7x slower than NCHW on 
 #: float16 chains ``auto`` keeps channels-last (tensor-core engines; same H200, precision="fp16"):
 #: ResNet-50's dense chains ran b1/b16 in 0.55/1.65 ms against 1.09/3.11 NCHW; EfficientNet-B0's
 #: depthwise chains 0.91/3.69 against 1.08/3.14 (34 relayouts: not faster at b16), so they stay NCHW.
+#: Checked again on an H200 with the rule in place (NHWC against NCHW, ms, b1/b16): ResNet-50
+#: 0.56/1.54 against 1.02/3.09; EfficientNet-B0 0.85/3.74 against 0.91/3.23; MobileNetV3-large
+#: 0.67/2.16 against 0.63/1.74 (the NCHW b16 figures of the last two from before the fix to
+#: float16 one-pixel convs, :mod:`polyhal_cuda.cudnn`).
 NHWC_FP16_CHAINS = ("dense",)
 #: ``POLYHAL_CUDA_LAYOUT`` values.
 CHOICES = ("auto", "nhwc", "nchw")

@@ -25,7 +25,8 @@ def test_attention_on_strided_heads(cuda, cp, rng, dtype):
     assert not views[0].flags.c_contiguous
     t = TensorType((b, h, s, d), np.dtype(dtype))
     fn = cuda.prepare("attention", {"scale": 0.3}, (t, t, t), (t,))
-    assert "cublas" in fn.inner.kernel_name  # not the host fallback
+    name = fn.inner.kernel_name  # not the host fallback: the own kernel or cuDNN's, measured faster
+    assert "cublas" in name or "cuDNN SDPA (measured faster" in name, name
     out = cp.full((b, h, s, d), np.nan, dtype)
     fn(*views, out)
     want = OPS["attention"].reference(*[cp.asnumpy(v) for v in views], scale=0.3)[0]
@@ -40,8 +41,10 @@ def test_attention_scratch_is_declared(cuda):
     assert {"scores", "probs"} <= names
     assert all(r.spaces == (MemorySpace.GLOBAL,) for r in requests)
     assert next(r for r in requests if r.name == "scores").bytes_per_launch == 4 * 64 * 64 * 4
-    half = TensorType((4, 64, 32), np.float16)  # left to the fallback: nothing to declare
-    assert cuda.scratch("attention", {}, (half, half, half), (half,)) == ()
+    half = TensorType((4, 64, 32), np.float16)  # computed in float32: its operands cast into scratch
+    requests = {r.name: r for r in cuda.scratch("attention", {}, (half, half, half), (half,))}
+    assert {"scores", "probs", "q32", "k32", "v32", "o32"} <= set(requests)
+    assert requests["scores"].bytes_per_launch == 4 * 64 * 64 * 4 and requests["q32"].bytes_per_launch == 4 * 64 * 32 * 4
 
 
 def test_transformer_block_runs_on_the_gpu_as_one_graph(cuda, rng):
@@ -110,3 +113,49 @@ def test_attention_accepts_the_views_it_reads_in_place():
     assert not accepts_view("attention", {}, (t, t, t), (t,), 2, packed[:3] + (2,), 0)  # no contiguous rows
     t5 = TensorType((2, b, h, s, d), np.dtype(np.float32))  # three levels: the bufferize pass copies
     assert not accepts_view("attention", {}, (t5, t5, t5), (t5,), 0, (10**6,) + packed, 0)
+
+
+@pytest.mark.parametrize("sdpa", ["1", "0"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_attention_float16_and_cudnn_sdpa_against_float64(cuda, cp, rng, monkeypatch, sdpa, dtype):
+    """float16 attention (what precision="fp16" now lowers to) and cuDNN's SDPA: the kernel the
+    compile keeps -- cuDNN's where it measured faster and agreed with the own kernel, else the
+    own one (float16 through float32) -- says which, and both read torch's packed heads."""
+    from polyhal_cuda import sdpa as sdpa_module
+
+    monkeypatch.setenv("POLYHAL_CUDA_SDPA", sdpa)
+    s, b, h, d = 77, 4, 3, 64
+    proj = cp.asarray(rng.standard_normal((s, b, 3, h, d)).astype(dtype))
+    q, k, v = (proj[:, :, i].transpose(1, 2, 0, 3) for i in range(3))
+    t = TensorType((b, h, s, d), np.dtype(dtype))
+    fn = cuda.prepare("attention", {}, (t, t, t), (t,))
+    name = fn.inner.kernel_name
+    if sdpa == "0":
+        assert "own kernel (POLYHAL_CUDA_SDPA=0)" in name, name
+        assert ("float16 cast to float32" in name) == (dtype == np.float16), name
+    elif sdpa_module.enabled()[0]:
+        assert "measured faster" in name or "differs" in name, name  # timed against the own kernel
+    want = OPS["attention"].reference(*[cp.asnumpy(x).astype(np.float64) for x in (q, k, v)])[0]
+    tol = 4e-3 if dtype == np.float16 else 2e-5
+    for x in ((q, k, v), tuple(cp.ascontiguousarray(a) for a in (q, k, v))):  # packed heads, then dense
+        out = cp.full((b, h, s, d), np.nan, dtype)
+        fn(*x, out)
+        got = cp.asnumpy(out).astype(np.float64)
+        assert np.isfinite(got).all(), name
+        assert np.max(np.abs(got - want)) / np.max(np.abs(want)) < tol, (name, rng.seed_value)
+
+
+def test_sdpa_layouts_of_heads():
+    """How q, k, v reach cuDNN's (B, H, S, D) tensors: torch's packed heads at two strides, a
+    dense stack split by the head count, and what cuDNN cannot read (no GPU needed)."""
+    from polyhal_cuda.sdpa import bhsd, dense_strides, heads_of
+
+    s, b, h, d = 11, 3, 4, 8
+    packed = (3 * h * d, d, b * 3 * h * d, 1)
+    assert heads_of([((b, h, s, d), packed)]) == h
+    assert bhsd((b, h, s, d), packed, h) == ([b, h, s, d], list(packed))
+    dense = dense_strides((b * h, s, d))
+    assert heads_of([((b * h, s, d), dense)]) == b * h
+    assert bhsd((b * h, s, d), dense, h) == ([b, h, s, d], [h * s * d, s * d, d, 1])
+    assert bhsd((b, h, s, d), packed[:3] + (2,), h) is None  # no unit last stride
+    assert bhsd((2, b, h, s, d), (10**6,) + packed, h) is None  # three levels
