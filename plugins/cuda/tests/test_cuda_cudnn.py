@@ -302,6 +302,7 @@ def test_the_fastest_plan_is_timed_and_chosen(cuda, monkeypatch):
     with cuda.activate():
         untuned = cudnn.CuDNNConv(cudnn._state(cuda), cudnn.Conv.of(attrs, ins, outs), False, False, "none", 0.0, 0.0)
     assert untuned.timings == {}
+    assert not any(why.startswith("wrong result") for why in untuned.rejected.values())  # checked, not timed
 
 
 def test_a_plan_beyond_the_memory_limit_names_its_arena_and_balances(cuda, rng, tmp_path):
