@@ -44,7 +44,8 @@ def test_attention_scratch_is_declared(cuda):
     half = TensorType((4, 64, 32), np.float16)  # computed in float32: its operands cast into scratch
     requests = {r.name: r for r in cuda.scratch("attention", {}, (half, half, half), (half,))}
     assert {"scores", "probs", "q32", "k32", "v32", "o32"} <= set(requests)
-    assert requests["scores"].bytes_per_launch == 4 * 64 * 64 * 4 and requests["q32"].bytes_per_launch == 4 * 64 * 32 * 4
+    assert requests["scores"].bytes_per_launch == 4 * 64 * 64 * 4
+    assert requests["q32"].bytes_per_launch == 4 * 64 * 32 * 4
 
 
 def test_transformer_block_runs_on_the_gpu_as_one_graph(cuda, rng):
