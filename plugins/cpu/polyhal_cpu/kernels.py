@@ -45,7 +45,7 @@ from polyhal_cpu import (  # noqa: F401
     vision_kernels,
 )
 from polyhal_cpu.blas import blas_layout
-from polyhal_cpu.parallel import GemmSplit, parallel
+from polyhal_cpu.parallel import GemmSplit, parallel, run_gemms
 from polyhal_cpu.parallel import run as run_pieces
 from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
 
@@ -354,7 +354,12 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         def collapsed(a, b, out):
             b = blas_layout(b)
             if a.flags.c_contiguous:  # views: out is C-contiguous
-                run_pieces(split.tasks(a.reshape(a2), b, out.reshape(o2)))
+                a, out = a.reshape(a2), out.reshape(o2)
+                table = split.table(a, b, out)
+                if table is not None:
+                    run_gemms(table)
+                else:
+                    run_pieces(split.tasks(a, b, out))
             else:
                 matmul(blas_layout(a), b, out=out)
         return collapsed
@@ -362,7 +367,12 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         split = GemmSplit(a_type.shape[0], b_type.shape[1], a_type.shape[1])
 
         def plain(a, b, out):
-            run_pieces(split.tasks(blas_layout(a), blas_layout(b), out))
+            a, b = blas_layout(a), blas_layout(b)
+            table = split.table(a, b, out)
+            if table is not None:
+                run_gemms(table)
+            else:
+                run_pieces(split.tasks(a, b, out))
         return plain
 
     def kernel(a, b, out):
@@ -399,6 +409,10 @@ def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     def kernel(a, b, *rest):
         out = rest[-1]
         a, b = (a.T if trans_a else a), (b.T if trans_b else b)
+        table = split.table(a, b, out, alpha, beta, rest[0] if has_c else None)
+        if table is not None:  # C, then the product onto it, piece by piece in compiled code
+            run_gemms(table)
+            return
         c = np.broadcast_to(rest[0], out.shape) if has_c else None
         if split.axis == 0:  # blocks of rows (C's cut alike), or of columns
             run_pieces([partial(product, a[lo:hi], b, None if c is None else c[lo:hi], out[lo:hi])

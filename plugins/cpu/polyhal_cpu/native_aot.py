@@ -207,11 +207,12 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
         for loop, dispatcher in loops.items():
             if dict(dispatcher.targetoptions) != options:
                 continue  # compiled with other options: left to the JIT
-            signatures = {tuple(_writable(t) for t in sig) for sig in dispatcher.signatures}
+            signatures = {(sig.return_type, tuple(_writable(t) for t in sig.args))
+                          for sig in dispatcher.nopython_signatures}
             if len(signatures) != 1:
                 continue  # several (or no) signatures: left to the JIT
-            (args,) = signatures
-            cc.export(loop, types.void(*args))(dispatcher.py_func)
+            ((result, args),) = signatures
+            cc.export(loop, result(*args))(dispatcher.py_func)
             exported[loop] = [[t.ndim, str(t.dtype)] if isinstance(t, types.Array) else None for t in args]
 
         def jit_flags() -> Flags:

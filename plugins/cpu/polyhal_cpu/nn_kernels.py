@@ -42,18 +42,27 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         else:
             add(o, b, out=o)
 
-    def kernel(x, w, b, out):
+    def kernel(x, w, b, out, residual=None, act=0, alpha=0.0, beta=0.0):
         # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
-        # copies a strided x), in blocks of rows or columns (the bias cut alike).
+        # copies a strided x), in blocks of rows or columns (the bias cut alike), each block
+        # finished (bias, product, residual and activation) in compiled code on the pool's
+        # GEMM queue where it can be, else through numpy and ctypes (no residual or activation).
         xm, o = x.reshape(x2), out.reshape(o2)
+        table = split.table(xm, w, o, 1.0, 1.0, b, residual, act, alpha, beta)
+        if table is not None:
+            parallel.run_gemms(table)
+            return True
+        if residual is not None or act:
+            return False
         if len(split) == 1:
             product(xm, w, b, o)
-            return
+            return True
         bb = np.broadcast_to(b, o2)
         if split.axis == 0:
             parallel.run([partial(product, xm[lo:hi], w, bb[lo:hi], o[lo:hi]) for lo, hi in split.bounds])
         else:
             parallel.run([partial(product, xm, w[:, lo:hi], bb[:, lo:hi], o[:, lo:hi]) for lo, hi in split.bounds])
+        return True
     return kernel
 
 
@@ -73,8 +82,10 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
-            product(x, w, b, out)
             r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
+            if product(x, w, b, out, r, act, alpha, beta):  # all in the GEMM's pieces
+                return
+            product(x, w, b, out)
             o = out.reshape(shape2d)
             parallel.run([partial(native.epilogue, o[rs], zero, None if r is None else r[rs], act, alpha, beta)
                           for rs in pieces])

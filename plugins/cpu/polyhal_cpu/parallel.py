@@ -69,6 +69,7 @@ import numpy as np
 
 from polyhal.ir.types import TensorType
 
+from polyhal_cpu import native
 from polyhal_cpu.threads import budget
 
 #: Output elements below which a loop runs on the calling thread only.
@@ -88,6 +89,9 @@ GEMM_PIECES_PER_THREAD = 1
 #: Alignment of a GEMM piece's rows and columns (whole register blocks of sgemm's kernels).
 GEMM_ALIGN = 16
 
+#: Seconds the caller of a GEMM run sleeps between looks at a pool thread's unfinished piece,
+#: once it has spun for the pool's bound (a piece that long was descheduled).
+GEMM_POLL_S = 50e-6
 #: Microseconds a pool thread spins after its work before it blocks, and the caller at most
 #: for the pool threads to leave a run, while the budget has two threads or more (module doc).
 SPIN_US = 1000
@@ -125,9 +129,10 @@ class _Pool:
         self.dispatch = threading.Lock()
         self._sleeping: list[threading.Lock] = []  # gates of blocked threads, to release
         self._mutex = threading.Lock()
-        from polyhal_cpu.native import spin_wait
-
-        self._spin = spin_wait()
+        self._spin = native.spin_wait()
+        #: The compiled GEMM queue (see :func:`run_gemms`): its loops (None: off) and its vector.
+        self.gemms = native.gemm_queue() if self._spin else None
+        self.queue = np.zeros(native.Q_SIZE, np.int64)
         per_round = _round_seconds(self._spin) if self._spin else 0.0
         self.rounds = int(SPIN_US * 1e-6 / per_round) if per_round else 0
         self.linger = int(LINGER_US * 1e-6 / per_round) if per_round else 0
@@ -139,10 +144,11 @@ class _Pool:
             threading.Thread(target=self._serve, args=(self.threads,), name=f"polyhal-cpu-{self.threads}",
                              daemon=True).start()
 
-    def start(self, job: Callable[[int], None], number: int, wake: int) -> None:
+    def start(self, job: Callable[[int], None] | None, number: int, wake: int) -> None:
         """Publish ``job`` as run ``number`` (to every thread that looks: ``job(w)`` on pool
-        thread ``w``) and release up to ``wake`` blocked threads."""
-        self.job = number, job
+        thread ``w``; None for a GEMM run, published in :attr:`queue` first) and release up to
+        ``wake`` blocked threads."""
+        self.job = None if job is None else (number, job)
         with self._mutex:  # a thread checks the flag under the mutex before it blocks
             self.flags[_STARTED] = number
             gates, self._sleeping[:wake] = self._sleeping[:wake], []
@@ -165,7 +171,13 @@ class _Pool:
         gate.acquire()  # held: acquiring it again blocks until start() releases it
         seen, left = int(self.flags[_STARTED]), -1
         while True:
-            self.wait(_STARTED, seen + 1, _SLOT * w if left >= 0 else -1, left, self.linger)
+            post = _SLOT * w if left >= 0 else -1
+            if self.gemms is not None and self.rounds and budget().active >= 2:
+                # GEMM runs are served inside the spin, without the GIL (see run_gemms)
+                seen = self.gemms["serve_gemms"](self.flags, self.queue, post, left, _STARTED, seen, self.rounds,
+                                                 self.linger)
+            else:
+                self.wait(_STARTED, seen + 1, post, left, self.linger)
             with self._mutex:
                 blocked = self.flags[_STARTED] == seen
                 if blocked:
@@ -173,7 +185,9 @@ class _Pool:
             if blocked:
                 gate.acquire()
             seen = int(self.flags[_STARTED])
-            if self.job is not None:
+            if self.gemms is not None and self.queue[native.Q_RUN] == seen:
+                self.gemms["take_gemms"](self.queue, seen)
+            elif self.job is not None:
                 left, job = self.job
                 job(w)
 
@@ -282,6 +296,52 @@ def _run(pool: _Pool, tasks: Sequence[Callable[[], object]], wake: int) -> None:
         raise failed[0]
 
 
+def run_gemms(table: np.ndarray) -> None:
+    """Compute the GEMM pieces of ``table`` (rows of descriptors, :meth:`GemmSplit.table`) on
+    the calling thread and the pool, as :func:`run` does its tasks, but in compiled code: the
+    caller takes pieces from the queue in :func:`polyhal_cpu.native_loops.drive_gemms` and a
+    spinning pool thread from inside its spin, so neither runs Python, or needs the GIL, between
+    a piece and the next. (Handed out by :func:`run`, each piece cost ~80-100 us on a 2-core
+    VM: a pool thread takes the GIL to start its piece, and a thread that finds it taken sleeps
+    ~25 us.) A pool thread blocked on its lock is woken as for :func:`run`, and takes pieces
+    once it is back, the GIL released; a pool thread's piece the caller waits for, spinning for
+    the pool's bound, then sleeping."""
+    count = len(table)
+    state = budget()
+    pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
+    if pool is None or pool.gemms is None or not pool.dispatch.acquire(blocking=False):
+        _serial()(table)
+        return
+    try:
+        queue, number = pool.queue, int(pool.flags[_STARTED]) + 1
+        _publish(queue, table, number)
+        pool.start(None, number, min(state.active, count) - 1)
+        drive = pool.gemms["drive_gemms"]
+        while not drive(queue, number, pool.rounds):
+            time.sleep(GEMM_POLL_S)
+    finally:
+        pool.dispatch.release()
+
+
+_pieces: Callable[[np.ndarray], None] | None = None
+
+
+def _serial() -> Callable[[np.ndarray], None]:
+    """The compiled loop computing a table's pieces one after another on the calling thread."""
+    global _pieces
+    if _pieces is None:
+        _pieces = native.gemm_queue()["gemm_pieces"]
+    return _pieces
+
+
+def _publish(queue: np.ndarray, table: np.ndarray, number: int) -> None:
+    """Make ``table`` GEMM run ``number`` of ``queue`` (its number last: a thread that sees it
+    finds the rest in place)."""
+    queue[native.Q_DESC], queue[native.Q_COUNT] = table.ctypes.data, len(table)
+    queue[native.Q_FINISHED] = queue[native.Q_TAKEN] = number << native.RUN_SHIFT
+    queue[native.Q_RUN] = number
+
+
 def blocks(size: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """``range(size)`` as at most ``parts`` (lo, hi) blocks of near-equal length, every bound but
     the last a multiple of ``align`` (fewer blocks where ``size`` is short)."""
@@ -334,6 +394,8 @@ class GemmSplit:
         parts = gemm_pieces(m, n, k, batch) * GEMM_PIECES_PER_THREAD
         self.axis = (0 if m >= n else 1) if axis is None else axis
         self.bounds = blocks(m if self.axis == 0 else n, parts, align)
+        self._lo, self._hi = (np.array(e, np.int64) for e in zip(*self.bounds)) if self.bounds else ((), ())
+        self._tables: dict[tuple, tuple[np.ndarray, tuple] | None] = {}  # table()'s templates, by strides
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -346,6 +408,92 @@ class GemmSplit:
         if self.axis == 0:
             return [partial(call, a[..., lo:hi, :], b, out[..., lo:hi, :]) for lo, hi in self.bounds]
         return [partial(call, a, b[..., lo:hi], out[..., lo:hi]) for lo, hi in self.bounds]
+
+    def table(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: float = 1.0, beta: float = 0.0,
+              bias: np.ndarray | None = None, residual: np.ndarray | None = None, act: int = 0,
+              act_alpha: float = 0.0, act_beta: float = 0.0) -> np.ndarray | None:
+        """The pieces of ``out = act(alpha a @ b + beta bias + residual)`` for :func:`run_gemms`
+        (2-D float32 operands; ``bias`` broadcasts to ``out``'s shape: ``out`` is set to it
+        first, and BLAS adds ``alpha a @ b`` to ``beta`` times it; ``residual`` has ``out``'s
+        shape; ``act`` is a :func:`polyhal_cpu.native.activation_code`), or None where the
+        compiled queue is off, or an operand's strides are not ones BLAS reads in place (then
+        the caller computes it another way). Made from a template kept per operand strides:
+        a call costs a few microseconds (each operand's address, each piece's row)."""
+        operands = (a, b, out, bias, residual)
+        key = (a.strides, b.strides, out.strides, a.shape, b.shape, None if bias is None else (bias.shape, bias.strides),
+               None if residual is None else residual.strides, alpha, beta, act, act_alpha, act_beta)
+        made = self._tables.get(key, False)
+        if made is False:
+            made = self._tables[key] = self._template(*operands, alpha, beta, act, act_alpha, act_beta)
+        if made is None:
+            return None
+        template, fields = made
+        t = template.copy()
+        for field, x, offsets in fields:
+            address = operands[x].ctypes.data
+            for p, offset in enumerate(offsets):
+                t[p, field] = address + offset
+        return t
+
+    def _template(self, a, b, out, bias, residual, alpha, beta, act, act_alpha, act_beta):
+        """:meth:`table`'s descriptors but the operands' addresses, and (field, operand, each
+        piece's offset in bytes) to fill them in; None where the strides do not do."""
+        fn = _gemm_fn()
+        if fn is None or out.dtype != np.float32 or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+            return None
+        from polyhal_cpu import blas
+
+        la, lb, lc = blas.layout2(a), blas.layout2(b), blas.layout2(out)
+        if la is None or lb is None or lc is None or lc[0] != blas.NO_TRANS:
+            return None
+        if bias is not None:  # its strides as broadcast to out's shape (0 along a broadcast dim)
+            if bias.ndim > 2 or bias.dtype != np.float32:
+                return None
+            padded = (1,) * (2 - bias.ndim) + bias.shape, (0,) * (2 - bias.ndim) + bias.strides
+            bias_strides = tuple(0 if d == 1 else st for d, st in zip(*padded))
+        strides = [a.strides, b.strides, out.strides, bias_strides if bias is not None else (0, 0),
+                   residual.strides if residual is not None else (0, 0)]
+        if any(s % 4 or s < 0 for pair in strides for s in pair) or (residual is not None and strides[4][1] != 4):
+            return None
+        t = np.zeros((len(self.bounds), native.G_FIELDS), np.int64)
+        lo, hi, axis = self._lo, self._hi, self.axis
+        t[:, native.G_FN], t[:, native.G_WIDE] = fn
+        t[:, native.G_TA], t[:, native.G_LDA], t[:, native.G_TB], t[:, native.G_LDB] = *la, *lb
+        t[:, native.G_LDC] = lc[1]
+        (m, k), n = a.shape, b.shape[1]
+        t[:, native.G_M], t[:, native.G_N], t[:, native.G_K] = m, n, k
+        t[:, native.G_M if axis == 0 else native.G_N] = hi - lo
+        t[:, native.G_ALPHA], t[:, native.G_BETA] = _bits(alpha), _bits(beta if bias is not None else 0.0)
+        t[:, native.G_ACT], t[:, native.G_ACT_ALPHA], t[:, native.G_ACT_BETA] = act, _bits(act_alpha), _bits(act_beta)
+        t[:, native.G_BIAS_ROW], t[:, native.G_BIAS_COL] = strides[3][0] // 4, strides[3][1] // 4
+        t[:, native.G_LDR] = strides[4][0] // 4
+        # each piece starts at element (lo, 0) of A, C, bias and residual (blocks of rows), or
+        # at (0, lo) of B, C, bias and residual (blocks of columns)
+        cut = (axis == 0, axis == 1, True, True, True)
+        present = (True, True, True, bias is not None, residual is not None)
+        fields = [(field, x, [int(v) * strides[x][axis] if cut[x] else 0 for v in lo])
+                  for x, field in enumerate((native.G_A, native.G_B, native.G_C, native.G_BIAS, native.G_RES))
+                  if present[x]]
+        return t, fields
+
+
+def _bits(x: float) -> int:
+    """The bits of float32 ``x``, as the GEMM queue's descriptors hold a float."""
+    return int(np.float32(x).view(np.int32))
+
+
+_fn: tuple[int, int] | None | bool = False
+
+
+def _gemm_fn() -> tuple[int, int] | None:
+    """(address, 64-bit integers) of numpy's cblas_sgemm for the GEMM queue, or None where
+    the queue is off (no compiled loops, or no BLAS this backend can call)."""
+    global _fn
+    if _fn is False:
+        from polyhal_cpu import blas
+
+        _fn = blas.gemm_address() if native.gemm_queue() is not None else None
+    return _fn
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
