@@ -54,6 +54,7 @@ _NAMES = {
                            "scipy_cblas_dgemm_batch_strided", "cblas_dgemm_batch_strided64_"),
     ("gemm", np.dtype(np.float32)): ("cblas_sgemm", "scipy_cblas_sgemm64_", "scipy_cblas_sgemm", "cblas_sgemm64_"),
     ("gemm", np.dtype(np.float64)): ("cblas_dgemm", "scipy_cblas_dgemm64_", "scipy_cblas_dgemm", "cblas_dgemm64_"),
+    ("gemv", np.dtype(np.float32)): ("cblas_sgemv", "scipy_cblas_sgemv64_", "scipy_cblas_sgemv", "cblas_sgemv64_"),
 }
 
 _loaded: dict | None = None
@@ -112,6 +113,11 @@ def _find() -> dict:
                 fn.argtypes = [enum, enum, enum, index, index, index, scalar, ptr, index, ptr, index, scalar, ptr, index]
                 fn.restype = None
                 found.setdefault(("gemm", dtype), fn)
+        fn = _symbol(lib, _NAMES["gemv", np.dtype(np.float32)])
+        if fn is not None:  # called from compiled code only (gemm_address), through its address
+            fn.argtypes = [enum, enum, index, index, ctypes.c_float, ptr, index, ptr, index, ctypes.c_float, ptr, index]
+            fn.restype = None
+            found.setdefault(("gemv", np.dtype(np.float32)), fn)
     return found
 
 
@@ -186,13 +192,19 @@ def gemm(dtype: np.dtype, size: int | None = None) -> Callable[..., bool] | None
     return call
 
 
-def gemm_address() -> tuple[int, int] | None:
-    """(address, 1 if its integers are 64 bits wide else 0) of numpy's float32 cblas_sgemm,
-    for compiled code that calls it itself; None where this module finds none."""
-    fn = _load().get(("gemm", np.dtype(np.float32)))
+def gemm_address() -> tuple[int, int, int] | None:
+    """(address of cblas_sgemm, 1 if its integers are 64 bits wide else 0, address of
+    cblas_sgemv or 0) of numpy's BLAS, for compiled code that calls them itself; None where
+    this module finds no sgemm."""
+    found = _load()
+    fn, gemv = found.get(("gemm", np.dtype(np.float32))), found.get(("gemv", np.dtype(np.float32)))
     if fn is None:
         return None
-    return ctypes.cast(fn, ctypes.c_void_p).value, int(fn.argtypes[3] is ctypes.c_int64)
+    wide = fn.argtypes[3] is ctypes.c_int64
+    if gemv is not None and (gemv.argtypes[2] is ctypes.c_int64) != wide:
+        gemv = None
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    return address, int(wide), 0 if gemv is None else ctypes.cast(gemv, ctypes.c_void_p).value
 
 
 def blas_layout(a: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from polyhal_cpu.native import (G_A, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL, G_BIAS_ROW, G_C, G_FIELDS, G_FN,
-                                G_K, G_LDA, G_LDB, G_LDC, G_LDR, G_M, G_N, G_RES, G_ACT, G_ACT_ALPHA, G_ACT_BETA,
+                                G_GEMV, G_K, G_LDA, G_LDB, G_LDC, G_LDR, G_M, G_N, G_RES, G_ACT, G_ACT_ALPHA, G_ACT_BETA,
                                 G_TA, G_TB, G_WIDE, Q_COUNT, Q_DESC, Q_FINISHED, Q_RUN, Q_TAKEN, RUN_SHIFT)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
@@ -137,7 +137,10 @@ def _f32_bits(typingctx, bits):
 @intrinsic
 def _sgemm(typingctx, d):
     """Call the cblas_sgemm at ``d[G_FN]`` (row-major) with descriptor ``d``'s operands; its
-    integers are 64 bits wide where ``d[G_WIDE]`` is set, else 32 (the two OpenBLAS builds)."""
+    integers are 64 bits wide where ``d[G_WIDE]`` is set, else 32 (the two OpenBLAS builds).
+    Where M is 1 and ``d[G_GEMV]`` holds cblas_sgemv's address, C's row is op(B)^T times A's
+    row by that instead: OpenBLAS's sgemm packs all of B first, sgemv streams it once (1 x
+    960 @ 960 x 1280: ~4x faster)."""
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
         i32, i64, f32t = ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -160,12 +163,39 @@ def _sgemm(typingctx, d):
                               builder.inttoptr(field(G_A), fptr), size(G_LDA), builder.inttoptr(field(G_B), fptr),
                               size(G_LDB), real(G_BETA), builder.inttoptr(field(G_C), fptr), size(G_LDC)])
 
+        def gemv(idx):
+            # y (N) = alpha op(B)^T x + beta y: B as stored is (K, N) row-major (B^T x: "trans"),
+            # or (N, K) for a transposed B (then "no trans"); x is A's row (stride lda if A is transposed).
+            def size(value):
+                return value if idx is i64 else builder.trunc(value, i32)
+            fnty = ir.FunctionType(ir.VoidType(), [i32, i32, idx, idx, f32t, fptr, idx, fptr, idx, f32t, fptr, idx])
+            fn = builder.inttoptr(field(G_GEMV), fnty.as_pointer())
+            b_trans = builder.icmp_signed("==", field(G_TB), ir.Constant(i64, 112))
+            rows = builder.select(b_trans, field(G_N), field(G_K))
+            cols = builder.select(b_trans, field(G_K), field(G_N))
+            flag = builder.select(b_trans, ir.Constant(i32, 111), ir.Constant(i32, 112))
+            a_trans = builder.icmp_signed("==", field(G_TA), ir.Constant(i64, 112))
+            incx = builder.select(a_trans, field(G_LDA), ir.Constant(i64, 1))
+            builder.call(fn, [ir.Constant(i32, 101), flag, size(rows), size(cols), real(G_ALPHA),
+                              builder.inttoptr(field(G_B), fptr), size(field(G_LDB)), builder.inttoptr(field(G_A), fptr),
+                              size(incx), real(G_BETA), builder.inttoptr(field(G_C), fptr), size(ir.Constant(i64, 1))])
+
         wide = builder.icmp_signed("!=", field(G_WIDE), ir.Constant(i64, 0))
-        with builder.if_else(wide) as (then, otherwise):
-            with then:
-                call(i64)
-            with otherwise:
-                call(i32)
+        vector = builder.and_(builder.icmp_signed("==", field(G_M), ir.Constant(i64, 1)),
+                              builder.icmp_signed("!=", field(G_GEMV), ir.Constant(i64, 0)))
+        with builder.if_else(vector) as (is_vector, is_matrix):
+            with is_vector:
+                with builder.if_else(wide) as (then, otherwise):
+                    with then:
+                        gemv(i64)
+                    with otherwise:
+                        gemv(i32)
+            with is_matrix:
+                with builder.if_else(wide) as (then, otherwise):
+                    with then:
+                        call(i64)
+                    with otherwise:
+                        call(i32)
         return context.get_dummy_value()
     return types.void(d), codegen
 

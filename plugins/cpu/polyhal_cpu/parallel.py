@@ -457,7 +457,7 @@ class GemmSplit:
             return None
         t = np.zeros((len(self.bounds), native.G_FIELDS), np.int64)
         lo, hi, axis = self._lo, self._hi, self.axis
-        t[:, native.G_FN], t[:, native.G_WIDE] = fn
+        t[:, native.G_FN], t[:, native.G_WIDE], t[:, native.G_GEMV] = fn
         t[:, native.G_TA], t[:, native.G_LDA], t[:, native.G_TB], t[:, native.G_LDB] = *la, *lb
         t[:, native.G_LDC] = lc[1]
         (m, k), n = a.shape, b.shape[1]
@@ -482,12 +482,12 @@ def _bits(x: float) -> int:
     return int(np.float32(x).view(np.int32))
 
 
-_fn: tuple[int, int] | None | bool = False
+_fn: tuple[int, int, int] | None | bool = False
 
 
-def _gemm_fn() -> tuple[int, int] | None:
-    """(address, 64-bit integers) of numpy's cblas_sgemm for the GEMM queue, or None where
-    the queue is off (no compiled loops, or no BLAS this backend can call)."""
+def _gemm_fn() -> tuple[int, int, int] | None:
+    """:func:`polyhal_cpu.blas.gemm_address` for the GEMM queue, or None where the queue is off
+    (no compiled loops, or no BLAS this backend can call)."""
     global _fn
     if _fn is False:
         from polyhal_cpu import blas
