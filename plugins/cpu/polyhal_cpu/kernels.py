@@ -349,7 +349,7 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         # once per batch element instead (many small GEMMs, each with its own overhead).
         rows = math.prod(a_type.shape[:-1])
         a2, o2 = (rows, a_type.shape[-1]), (rows, b_type.shape[-1])
-        split = GemmSplit(rows, b_type.shape[-1], a_type.shape[-1])
+        split = GemmSplit(rows, b_type.shape[-1], a_type.shape[-1], queued=a_type.dtype == np.float32)
 
         def collapsed(a, b, out):
             b = blas_layout(b)
@@ -364,7 +364,7 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
                 matmul(blas_layout(a), b, out=out)
         return collapsed
     if a_type.rank == 2 and b_type.rank == 2:
-        split = GemmSplit(a_type.shape[0], b_type.shape[1], a_type.shape[1])
+        split = GemmSplit(a_type.shape[0], b_type.shape[1], a_type.shape[1], queued=a_type.dtype == np.float32)
 
         def plain(a, b, out):
             a, b = blas_layout(a), blas_layout(b)
@@ -390,7 +390,7 @@ def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     has_c = len(ins) == 3
     blas_gemm = blas.gemm(dtype, outs[0].size)  # None: numpy's matmul, then alpha and C
     (m, n), k = outs[0].shape, ins[0].shape[0 if trans_a else 1]
-    split = GemmSplit(m, n, k)
+    split = GemmSplit(m, n, k, queued=dtype == np.float32)
 
     def product(a, b, c, out):
         # BLAS's own GEMM does alpha A B + beta C in one call, onto C broadcast into out.

@@ -27,7 +27,7 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
     # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
     add_rows = native.add_rows if native.available(x_type.dtype) else None
-    split = parallel.GemmSplit(rows, w_type.shape[1], w_type.shape[0])
+    split = parallel.GemmSplit(rows, w_type.shape[1], w_type.shape[0], queued=x_type.dtype == np.float32)
 
     def product(xm, w, b, o):
         # With BLAS's own GEMM the bias rows go in first and the product accumulates onto them
