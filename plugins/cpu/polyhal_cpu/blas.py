@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-_ROW_MAJOR, NO_TRANS, _TRANS = 101, 111, 112
+_ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 #: Per-matrix multiply-adds at or below which :func:`batched_matmul` declines (see above).
 MIN_MACS = 100 ** 3
 #: Result elements from which accumulating in :func:`gemm` beats numpy's matmul and a pass after
@@ -134,7 +134,7 @@ def _layout(x: np.ndarray) -> tuple[int, int, int] | None:
     if (s2 == 1 or cols == 1) and (s1 >= cols or rows == 1):
         return NO_TRANS, max(s1 if rows > 1 else cols, cols, 1), stride
     if (s1 == 1 or rows == 1) and (s2 >= rows or cols == 1):
-        return _TRANS, max(s2 if cols > 1 else rows, rows, 1), stride
+        return TRANS, max(s2 if cols > 1 else rows, rows, 1), stride
     return None
 
 

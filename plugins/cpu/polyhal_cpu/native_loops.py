@@ -15,7 +15,8 @@ from numba.extending import intrinsic
 
 from polyhal_cpu.native import (G_A, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL, G_BIAS_ROW, G_C, G_FIELDS, G_FN,
                                 G_GEMV, G_K, G_LDA, G_LDB, G_LDC, G_LDR, G_M, G_N, G_RES, G_ACT, G_ACT_ALPHA, G_ACT_BETA,
-                                G_TA, G_TB, G_WIDE, Q_COUNT, Q_DESC, Q_FINISHED, Q_RUN, Q_TAKEN, RUN_SHIFT)
+                                G_TA, G_TB, G_WIDE, Q_COUNT, Q_DESC, Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT,
+                                SOFTMAX2)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
@@ -84,9 +85,10 @@ def spin_wait(flags, post, value, index, target, rounds, linger):
 #
 # A run of GEMM pieces (polyhal_cpu.parallel.run_gemms) is a table of descriptors (G_* fields,
 # int64; floats as their bits) that a pool thread serves from inside its compiled spin, so that
-# neither it nor the caller runs Python, or takes the GIL, for a piece. The queue (an int64
-# vector) holds the run's number at Q_RUN, its table's address and length at Q_DESC and
-# Q_COUNT, and two counters tagged with the run's number (number << RUN_SHIFT | count):
+# neither it nor the caller runs Python, or takes the GIL, for a piece. A piece is Q_STEPS
+# GEMMs one after another (an attention block: scores with a softmax epilogue, then their
+# product with v). The queue (an int64 vector) holds the run's number at Q_RUN, its table's
+# address, length and steps at Q_DESC, Q_COUNT and Q_STEPS, and two counters tagged with the run's number (number << RUN_SHIFT | count):
 # Q_TAKEN, the next piece (taken by compare-and-swap, so that a thread that looked at an older
 # run takes nothing of a newer one), and Q_FINISHED, the pieces done.
 
@@ -222,7 +224,10 @@ def gemm_piece(d):
     if m > 0 and n > 0:
         _sgemm(d)
     act, has_residual = d[G_ACT], d[G_RES] != 0
-    if act != 0 or has_residual:
+    if act == SOFTMAX2:
+        for r in range(m):
+            softmax2_row(carray(_f32_pointer(d[G_C] + r * ldc), n))
+    elif act != 0 or has_residual:
         alpha, beta, ldr = _f32_bits(d[G_ACT_ALPHA]), _f32_bits(d[G_ACT_BETA]), d[G_LDR] * 4
         for r in range(m):
             row = carray(_f32_pointer(d[G_C] + r * ldc), n)
@@ -234,8 +239,25 @@ def gemm_piece(d):
 
 
 @_jit
+def softmax2_row(y):
+    """In place over 1-D contiguous y (scores in base-2 units): 2^(y - max y) / its sum."""
+    n = y.size
+    top = y[0]
+    for j in range(1, n):
+        top = max(top, y[j])
+    total = f32(0.0)
+    for j in range(n):
+        e = exp2(y[j] - top)
+        y[j] = e
+        total += e
+    inv = f32(1.0) / total
+    for j in range(n):
+        y[j] *= inv
+
+
+@_jit
 def gemm_pieces(table):
-    """Compute every piece of (pieces, G_FIELDS) ``table``, one after another."""
+    """Compute every row of (rows, G_FIELDS) ``table``, one after another."""
     for i in range(table.shape[0]):
         gemm_piece(table[i])
 
@@ -249,9 +271,10 @@ def take_gemms(queue, run):
         i = tagged - (run << RUN_SHIFT)
         if i < 0 or i >= _load_acquire(queue, Q_COUNT):
             return
-        table = _load_acquire(queue, Q_DESC)
+        table, steps = _load_acquire(queue, Q_DESC), _load_acquire(queue, Q_STEPS)
         if _cas(queue, Q_TAKEN, tagged, tagged + 1):
-            gemm_piece(carray(_i64_pointer(table + i * G_FIELDS * 8), G_FIELDS))
+            for j in range(steps):
+                gemm_piece(carray(_i64_pointer(table + (i * steps + j) * G_FIELDS * 8), G_FIELDS))
             _fetch_add(queue, Q_FINISHED, 1)
 
 

@@ -302,7 +302,8 @@ def _run(pool: _Pool, tasks: Sequence[Callable[[], object]], wake: int) -> None:
 
 
 def run_gemms(table: np.ndarray) -> None:
-    """Compute the GEMM pieces of ``table`` (rows of descriptors, :meth:`GemmSplit.table`) on
+    """Compute the GEMM pieces of ``table`` (rows of descriptors, :meth:`GemmSplit.table`; or
+    (pieces, steps, descriptor): pieces of GEMMs run one after another) on
     the calling thread and the pool, as :func:`run` does its tasks, but in compiled code: the
     caller takes pieces from the queue in :func:`polyhal_cpu.native_loops.drive_gemms` and a
     spinning pool thread from inside its spin, so neither runs Python, or needs the GIL, between
@@ -315,7 +316,7 @@ def run_gemms(table: np.ndarray) -> None:
     state = budget()
     pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
     if pool is None or pool.gemms is None or not pool.dispatch.acquire(blocking=False):
-        _serial()(table)
+        _serial()(table.reshape(-1, native.G_FIELDS))
         return
     try:
         queue, number = pool.queue, int(pool.flags[_STARTED]) + 1
@@ -343,6 +344,7 @@ def _publish(queue: np.ndarray, table: np.ndarray, number: int) -> None:
     """Make ``table`` GEMM run ``number`` of ``queue`` (its number last: a thread that sees it
     finds the rest in place)."""
     queue[native.Q_DESC], queue[native.Q_COUNT] = table.ctypes.data, len(table)
+    queue[native.Q_STEPS] = table.shape[1] if table.ndim == 3 else 1
     queue[native.Q_FINISHED] = queue[native.Q_TAKEN] = number << native.RUN_SHIFT
     queue[native.Q_RUN] = number
 
@@ -401,7 +403,7 @@ class GemmSplit:
                  align: int = GEMM_ALIGN, queued: bool = False) -> None:
         # pieces for the GEMM queue (queued: the caller runs them by run_gemms where it can)
         # hand off in microseconds, and are cut finer
-        piece_us = GEMM_QUEUE_PIECE_US if queued and _gemm_fn() is not None else GEMM_PIECE_US
+        piece_us = GEMM_QUEUE_PIECE_US if queued and gemm_fn() is not None else GEMM_PIECE_US
         parts = gemm_pieces(m, n, k, batch, piece_us=piece_us) * GEMM_PIECES_PER_THREAD
         self.axis = (0 if m >= n else 1) if axis is None else axis
         self.bounds = blocks(m if self.axis == 0 else n, parts, align)
@@ -449,7 +451,7 @@ class GemmSplit:
     def _template(self, a, b, out, bias, residual, alpha, beta, act, act_alpha, act_beta):
         """:meth:`table`'s descriptors but the operands' addresses, and (field, operand, each
         piece's offset in bytes) to fill them in; None where the strides do not do."""
-        fn = _gemm_fn()
+        fn = gemm_fn()
         if fn is None or out.dtype != np.float32 or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
             return None
         from polyhal_cpu import blas
@@ -474,8 +476,8 @@ class GemmSplit:
         (m, k), n = a.shape, b.shape[1]
         t[:, native.G_M], t[:, native.G_N], t[:, native.G_K] = m, n, k
         t[:, native.G_M if axis == 0 else native.G_N] = hi - lo
-        t[:, native.G_ALPHA], t[:, native.G_BETA] = _bits(alpha), _bits(beta if bias is not None else 0.0)
-        t[:, native.G_ACT], t[:, native.G_ACT_ALPHA], t[:, native.G_ACT_BETA] = act, _bits(act_alpha), _bits(act_beta)
+        t[:, native.G_ALPHA], t[:, native.G_BETA] = float_bits(alpha), float_bits(beta if bias is not None else 0.0)
+        t[:, native.G_ACT], t[:, native.G_ACT_ALPHA], t[:, native.G_ACT_BETA] = act, float_bits(act_alpha), float_bits(act_beta)
         t[:, native.G_BIAS_ROW], t[:, native.G_BIAS_COL] = strides[3][0] // 4, strides[3][1] // 4
         t[:, native.G_LDR] = strides[4][0] // 4
         # each piece starts at element (lo, 0) of A, C, bias and residual (blocks of rows), or
@@ -488,7 +490,7 @@ class GemmSplit:
         return t, fields
 
 
-def _bits(x: float) -> int:
+def float_bits(x: float) -> int:
     """The bits of float32 ``x``, as the GEMM queue's descriptors hold a float."""
     return int(np.float32(x).view(np.int32))
 
@@ -496,7 +498,7 @@ def _bits(x: float) -> int:
 _fn: tuple[int, int, int] | None | bool = False
 
 
-def _gemm_fn() -> tuple[int, int, int] | None:
+def gemm_fn() -> tuple[int, int, int] | None:
     """:func:`polyhal_cpu.blas.gemm_address` for the GEMM queue, or None where the queue is off
     (no compiled loops, or no BLAS this backend can call)."""
     global _fn

@@ -420,7 +420,7 @@ def test_pool_thread_serves_gemm_runs_from_its_spin_and_its_lock(monkeypatch):
     _reset_budget(monkeypatch)
     threads.budget().active = 2
     pool = _spinning_pool()
-    if pool.gemms is None or parallel._gemm_fn() is None:
+    if pool.gemms is None or parallel.gemm_fn() is None:
         pytest.skip("no compiled GEMM queue here")
     from polyhal_cpu import native
 
