@@ -226,7 +226,7 @@ def gemm_piece(d):
     act, has_residual = d[G_ACT], d[G_RES] != 0
     if act == SOFTMAX2:
         for r in range(m):
-            softmax2_row(carray(_f32_pointer(d[G_C] + r * ldc), n))
+            softmax2_row(d[G_C] + r * ldc, n)
     elif act != 0 or has_residual:
         alpha, beta, ldr = _f32_bits(d[G_ACT_ALPHA]), _f32_bits(d[G_ACT_BETA]), d[G_LDR] * 4
         for r in range(m):
@@ -238,13 +238,37 @@ def gemm_piece(d):
             activate_row(row, act, alpha, beta)
 
 
+@intrinsic
+def _i32_pointer(typingctx, address):
+    """The int32 pointer at integer ``address`` (for ``carray``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
 @_jit
-def softmax2_row(y):
-    """In place over 1-D contiguous y (scores in base-2 units): 2^(y - max y) / its sum."""
-    n = y.size
-    top = y[0]
+def _row_max(address, n):
+    """The largest of the ``n`` float32 at ``address``, as an integer maximum of their bits
+    made monotonic (a negative float's magnitude bits flipped), which LLVM vectorises where a
+    float maximum needs no-nan fast-math; a positive nan comes out as the maximum, a negative
+    one never (either way it makes its row's exp2 pass nan, as the reference's row)."""
+    bits = carray(_i32_pointer(address), n)
+    top = np.int64(bits[0])
+    top ^= (top >> 31) & 0x7FFFFFFF
     for j in range(1, n):
-        top = max(top, y[j])
+        key = np.int64(bits[j])
+        key ^= (key >> 31) & 0x7FFFFFFF
+        top = key if key > top else top
+    top ^= (top >> 31) & 0x7FFFFFFF
+    return _f32_bits(top)
+
+
+@_jit
+def softmax2_row(address, n):
+    """In place over the ``n`` float32 at ``address`` (scores in base-2 units): 2^(y - max y)
+    / its sum."""
+    y = carray(_f32_pointer(address), n)
+    top = _row_max(address, n)
     total = f32(0.0)
     for j in range(n):
         e = exp2(y[j] - top)
