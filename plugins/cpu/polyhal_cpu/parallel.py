@@ -82,6 +82,11 @@ GEMM_PIECE_US, GEMM_MACS_PER_US = 100, 38_000
 #: on a 2-core VM (AVX-512), whole / two pieces, with bias: 64 x 128 x 128 30 / 22 us, 256 x
 #: 128 x 128 92 / 60 us, 256 x 256 x 256 340 / 200 us.
 GEMM_QUEUE_PIECE_US = 15
+#: :data:`GEMM_MIN_INTENSITY` for the GEMM queue's pieces: thin products are cut too, their
+#: halves taking less than the whole once handing them off costs little (2-core VM, whole / two
+#: pieces: 256 x 16 x 256 33 / 23 us; 1 x 1280 x 1000 with B in cache 68 / 44 us, from memory
+#: 385 / 357 us).
+GEMM_QUEUE_MIN_INTENSITY = 0
 #: Multiply-adds per byte of operands and result below which a GEMM is not cut: a thin product
 #: (a classifier's matrix-vector one, a stem convolution's 27-deep one) is bound by memory, and
 #: its halves on two cores took as long as the whole on one (32 x 12544 x 27: 0.3 ms either
@@ -377,16 +382,17 @@ def grid(outer: int, inner: int, each: int, factor: float = 1) -> list[tuple[sli
 
 
 def gemm_pieces(m: int, n: int, k: int, batch: int = 1, b_size: int | None = None,
-                piece_us: float | None = None) -> int:
+                piece_us: float | None = None, min_intensity: float | None = None) -> int:
     """How many threads' worth of pieces ``batch`` (m, k) @ (k, n) float32 products are worth
     (1: not cut): their estimated single-threaded time in :data:`GEMM_PIECE_US` units, at most
     the thread budget; 1 for products bound by memory (:data:`GEMM_MIN_INTENSITY`). ``b_size``:
     the elements the (k, n) operand is read from, where fewer than k * n (a convolution's taps
     reading one padded image at shifted offsets). ``piece_us``: the least estimated microseconds
-    of a piece (default :data:`GEMM_PIECE_US`)."""
+    of a piece (default :data:`GEMM_PIECE_US`); ``min_intensity``: default :data:`GEMM_MIN_INTENSITY`."""
     n_threads = threads()
     macs = m * n * k
-    if n_threads < 2 or macs < GEMM_MIN_INTENSITY * 4 * (m * k + (k * n if b_size is None else b_size) + m * n):
+    intensity = GEMM_MIN_INTENSITY if min_intensity is None else min_intensity
+    if n_threads < 2 or macs < intensity * 4 * (m * k + (k * n if b_size is None else b_size) + m * n):
         return 1
     least = GEMM_PIECE_US if piece_us is None else piece_us
     return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // least)))
@@ -402,9 +408,11 @@ class GemmSplit:
     def __init__(self, m: int, n: int, k: int, axis: int | None = None, batch: int = 1,
                  align: int = GEMM_ALIGN, queued: bool = False) -> None:
         # pieces for the GEMM queue (queued: the caller runs them by run_gemms where it can)
-        # hand off in microseconds, and are cut finer
-        piece_us = GEMM_QUEUE_PIECE_US if queued and gemm_fn() is not None else GEMM_PIECE_US
-        parts = gemm_pieces(m, n, k, batch, piece_us=piece_us) * GEMM_PIECES_PER_THREAD
+        # hand off in microseconds: they are cut finer, thin products too
+        if queued and gemm_fn() is not None:
+            parts = gemm_pieces(m, n, k, batch, piece_us=GEMM_QUEUE_PIECE_US, min_intensity=GEMM_QUEUE_MIN_INTENSITY)
+        else:
+            parts = gemm_pieces(m, n, k, batch) * GEMM_PIECES_PER_THREAD
         self.axis = (0 if m >= n else 1) if axis is None else axis
         self.bounds = blocks(m if self.axis == 0 else n, parts, align)
         self._lo, self._hi = (np.array(e, np.int64) for e in zip(*self.bounds)) if self.bounds else ((), ())
