@@ -14,7 +14,7 @@ from numba import carray, njit, types
 from numba.extending import intrinsic
 
 from polyhal_cpu.native import (G_A, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL, G_BIAS_ROW, G_C, G_FIELDS, G_FN,
-                                G_GEMV, G_K, G_LDA, G_LDB, G_LDC, G_LDR, G_M, G_N, G_RES, G_ACT, G_ACT_ALPHA, G_ACT_BETA,
+                                G_GEMV, G_K, G_KIND, KIND_LAYER_NORM, G_LDA, G_LDB, G_LDC, G_LDR, G_M, G_N, G_RES, G_ACT, G_ACT_ALPHA, G_ACT_BETA,
                                 G_TA, G_TB, G_WIDE, Q_COUNT, Q_DESC, Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT,
                                 SOFTMAX2)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
@@ -204,11 +204,15 @@ def _sgemm(typingctx, d):
 
 @_jit
 def gemm_piece(d):
-    """One piece of a run: C (M x N at d[G_C], row stride d[G_LDC]) = its bias (d[G_BIAS] != 0:
+    """One piece of a run (a layer norm's rows where d[G_KIND] says so, see native.G_KIND): C (M x N at d[G_C], row stride d[G_LDC]) = its bias (d[G_BIAS] != 0:
     element (r, j) at bias + 4 * (r * G_BIAS_ROW + j * G_BIAS_COL), a broadcast by zero
     strides), then C = alpha A B + beta C by BLAS, then, row by row, + the residual (d[G_RES]
     != 0, row stride d[G_LDR]) and activation d[G_ACT] (see activate_row)."""
     m, n = d[G_M], d[G_N]
+    if d[G_KIND] == KIND_LAYER_NORM:
+        layer_norm(carray(_f32_pointer(d[G_A]), (m, n)), carray(_f32_pointer(d[G_B]), n),
+                   carray(_f32_pointer(d[G_BIAS]), n), _f32_bits(d[G_ALPHA]), carray(_f32_pointer(d[G_C]), (m, n)))
+        return
     ldc = d[G_LDC] * 4
     if d[G_BIAS] != 0:
         sr, sc = d[G_BIAS_ROW] * 4, d[G_BIAS_COL] * 4

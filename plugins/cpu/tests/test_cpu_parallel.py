@@ -52,8 +52,12 @@ def test_split_kernels_match_reference(monkeypatch, n_threads, name, shapes, att
 
 def _split_everything(monkeypatch, n_threads: str) -> None:
     """Cut every kernel as finely as it may be cut (the thresholds down to one element)."""
-    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0)):
+    from polyhal_cpu import kernels
+
+    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0),
+                        ("GEMM_QUEUE_PIECE_US", 1e-9)):
         monkeypatch.setattr(parallel, name, value)
+    monkeypatch.setattr(kernels, "LAYER_NORM_PIECE", 1)
     monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
     _reset_budget(monkeypatch)
 
@@ -80,6 +84,8 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("gemm", [(1, 37), (53, 37), (53,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 0, "trans_b": 1}),
     ("gemm", [(37, 1), (37, 53)], {"alpha": 1.5, "beta": 1.0, "trans_a": 1, "trans_b": 0}),
     ("matmul", [(1, 1, 19), (19, 53)], {}),
+    ("layer_norm", [(3, 7, 19), (19,), (19,)], {"axis": -1, "epsilon": 1e-5}),  # blocks of rows, queued
+    ("layer_norm", [(5, 6, 7), (6, 7), (6, 7)], {"axis": 1, "epsilon": 1e-3}),
     # C broadcast along rows (a column) and a whole C
     ("gemm", [(61, 5), (5, 7), (61, 1)], {"alpha": 1.0, "beta": 0.5, "trans_a": 0, "trans_b": 0}),
     ("gemm", [(5, 61), (7, 5), (61, 7)], {"alpha": 2.0, "beta": -1.0, "trans_a": 1, "trans_b": 1}),
