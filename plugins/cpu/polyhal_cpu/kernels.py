@@ -39,6 +39,7 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_finite_cast
 from polyhal_cpu import blas, native
+from polyhal_cpu import queue_layout as layout
 # The other kernel modules register the rest of the op set in TABLE when imported.
 from polyhal_cpu import (  # noqa: F401
     conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels, text_kernels,
@@ -576,10 +577,10 @@ def _layer_norm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) 
         bounds = blocks(rows, min(threads(), rows * cols // LAYER_NORM_PIECE))
         queued = len(bounds) > 1 and gemm_fn() is not None
         if queued:
-            template = np.zeros((len(bounds), native.G_FIELDS), np.int64)
-            template[:, native.G_KIND], template[:, native.G_N] = native.KIND_LAYER_NORM, cols
-            template[:, native.G_M] = [hi - lo for lo, hi in bounds]
-            template[:, native.G_ALPHA] = float_bits(eps_f)
+            template = np.zeros((len(bounds), layout.G_FIELDS), np.int64)
+            template[:, layout.G_KIND], template[:, layout.G_N] = layout.KIND_LAYER_NORM, cols
+            template[:, layout.G_M] = [hi - lo for lo, hi in bounds]
+            template[:, layout.G_ALPHA] = float_bits(eps_f)
             offsets = [lo * cols * 4 for lo, _ in bounds]
 
         def fused_kernel(x, scale, bias, out):
@@ -591,8 +592,8 @@ def _layer_norm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) 
             t = template.copy()
             xa, oa = x2.ctypes.data, o2.ctypes.data
             for p, offset in enumerate(offsets):
-                t[p, native.G_A], t[p, native.G_C] = xa + offset, oa + offset
-            t[:, native.G_B], t[:, native.G_BIAS] = s.ctypes.data, b.ctypes.data
+                t[p, layout.G_A], t[p, layout.G_C] = xa + offset, oa + offset
+            t[:, layout.G_B], t[:, layout.G_BIAS] = s.ctypes.data, b.ctypes.data
             run_gemms(t)
         return fused_kernel
 

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from polyhal_cpu.queue_layout import G_FIELDS, Q_SIZE
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
@@ -373,20 +374,6 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
-
-
-#: The compiled GEMM queue (:func:`polyhal_cpu.native_loops.serve_gemms`): fields of the queue
-#: vector (counters each on a cache line of its own) and of a piece's descriptor (int64; floats
-#: as their bits), and the shift of a run's number in the tagged counters.
-Q_TAKEN, Q_FINISHED, Q_RUN, Q_COUNT, Q_DESC, Q_STEPS, Q_SIZE = 0, 8, 16, 17, 18, 19, 24
-(G_FN, G_WIDE, G_GEMV, G_TA, G_TB, G_M, G_N, G_K, G_ALPHA, G_A, G_LDA, G_B, G_LDB, G_BETA, G_C, G_LDC, G_BIAS,
- G_BIAS_ROW, G_BIAS_COL, G_RES, G_LDR, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_KIND, G_FIELDS) = range(26)
-#: G_KIND of a piece: a GEMM (the fields above), or a layer norm of G_M contiguous rows of G_N
-#: at G_A into G_C, scale at G_B, bias at G_BIAS, epsilon (bits) in G_ALPHA.
-KIND_GEMM, KIND_LAYER_NORM = 0, 1
-RUN_SHIFT = 16
-#: The GEMM queue's epilogue code (G_ACT) for a softmax of each row of scores in base-2 units.
-SOFTMAX2 = 64
 
 
 def gemm_queue() -> dict[str, Callable] | None:

@@ -46,7 +46,7 @@ _HERE = Path(__file__).resolve().parent
 #: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
 BUILD_TIMEOUT = 900
 #: The files whose text decides the compiled code (the loops, their signatures, these options).
-_SOURCES = ("native_loops.py", "native.py", "rational_erf.py", "native_aot.py")
+_SOURCES = ("native_loops.py", "native.py", "queue_layout.py", "rational_erf.py", "native_aot.py")
 
 
 def cache_dir() -> Path | None:

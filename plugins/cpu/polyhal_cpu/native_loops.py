@@ -13,10 +13,10 @@ from llvmlite import ir
 from numba import carray, njit, types
 from numba.extending import intrinsic
 
-from polyhal_cpu.native import (G_A, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL, G_BIAS_ROW, G_C, G_FIELDS, G_FN,
-                                G_GEMV, G_K, G_KIND, KIND_LAYER_NORM, G_LDA, G_LDB, G_LDC, G_LDR, G_M, G_N, G_RES, G_ACT, G_ACT_ALPHA, G_ACT_BETA,
-                                G_TA, G_TB, G_WIDE, Q_COUNT, Q_DESC, Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT,
-                                SOFTMAX2)
+from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
+                                      G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
+                                      G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_LAYER_NORM, Q_COUNT, Q_DESC,
+                                      Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
@@ -88,9 +88,10 @@ def spin_wait(flags, post, value, index, target, rounds, linger):
 # neither it nor the caller runs Python, or takes the GIL, for a piece. A piece is Q_STEPS
 # GEMMs one after another (an attention block: scores with a softmax epilogue, then their
 # product with v). The queue (an int64 vector) holds the run's number at Q_RUN, its table's
-# address, length and steps at Q_DESC, Q_COUNT and Q_STEPS, and two counters tagged with the run's number (number << RUN_SHIFT | count):
-# Q_TAKEN, the next piece (taken by compare-and-swap, so that a thread that looked at an older
-# run takes nothing of a newer one), and Q_FINISHED, the pieces done.
+# address, length and steps at Q_DESC, Q_COUNT and Q_STEPS, and two counters tagged with the
+# run's number (number << RUN_SHIFT | count): Q_TAKEN, the next piece (taken by
+# compare-and-swap, so that a thread that looked at an older run takes nothing of a newer one),
+# and Q_FINISHED, the pieces done.
 
 @intrinsic
 def _cas(typingctx, flags, index, expected, new):
@@ -179,8 +180,9 @@ def _sgemm(typingctx, d):
             a_trans = builder.icmp_signed("==", field(G_TA), ir.Constant(i64, 112))
             incx = builder.select(a_trans, field(G_LDA), ir.Constant(i64, 1))
             builder.call(fn, [ir.Constant(i32, 101), flag, size(rows), size(cols), real(G_ALPHA),
-                              builder.inttoptr(field(G_B), fptr), size(field(G_LDB)), builder.inttoptr(field(G_A), fptr),
-                              size(incx), real(G_BETA), builder.inttoptr(field(G_C), fptr), size(ir.Constant(i64, 1))])
+                              builder.inttoptr(field(G_B), fptr), size(field(G_LDB)),
+                              builder.inttoptr(field(G_A), fptr), size(incx), real(G_BETA),
+                              builder.inttoptr(field(G_C), fptr), size(ir.Constant(i64, 1))])
 
         wide = builder.icmp_signed("!=", field(G_WIDE), ir.Constant(i64, 0))
         vector = builder.and_(builder.icmp_signed("==", field(G_M), ir.Constant(i64, 1)),
@@ -204,10 +206,11 @@ def _sgemm(typingctx, d):
 
 @_jit
 def gemm_piece(d):
-    """One piece of a run (a layer norm's rows where d[G_KIND] says so, see native.G_KIND): C (M x N at d[G_C], row stride d[G_LDC]) = its bias (d[G_BIAS] != 0:
-    element (r, j) at bias + 4 * (r * G_BIAS_ROW + j * G_BIAS_COL), a broadcast by zero
-    strides), then C = alpha A B + beta C by BLAS, then, row by row, + the residual (d[G_RES]
-    != 0, row stride d[G_LDR]) and activation d[G_ACT] (see activate_row)."""
+    """One piece of a run (a layer norm's rows where d[G_KIND] says so, see queue_layout.G_KIND): C (M x N at
+    d[G_C], row stride d[G_LDC]) = its bias (d[G_BIAS] != 0: element (r, j) at bias + 4 * (r *
+    G_BIAS_ROW + j * G_BIAS_COL), a broadcast by zero strides), then C = alpha A B + beta C by BLAS,
+    then, row by row, + the residual (d[G_RES] != 0, row stride d[G_LDR]) and activation d[G_ACT]
+    (see activate_row)."""
     m, n = d[G_M], d[G_N]
     if d[G_KIND] == KIND_LAYER_NORM:
         layer_norm(carray(_f32_pointer(d[G_A]), (m, n)), carray(_f32_pointer(d[G_B]), n),

@@ -12,6 +12,7 @@ import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal_cpu import blas, native, parallel
+from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
@@ -339,7 +340,7 @@ class _QueuedAttention:
             return None
         template, offsets = made
         t = template.copy()
-        g = native
+        g = layout
         base = (q3.ctypes.data + g0 * q3.strides[0], k3.ctypes.data + g0 * k3.strides[0], buf.ctypes.data,
                 v3.ctypes.data + g0 * v3.strides[0], o3.ctypes.data + g0 * o3.strides[0])
         for (step, field), operand, off in zip(((0, g.G_A), (0, g.G_B), (0, g.G_C), (1, g.G_B), (1, g.G_C)),
@@ -352,7 +353,7 @@ class _QueuedAttention:
         fn = parallel.gemm_fn()
         if fn is None or any(x.strides[2] != 4 or min(x.strides) < 0 or x.strides[1] % 4 for x in (q3, k3, v3, o3)):
             return None
-        g = native
+        g = layout
         lk, d, dv = self.shape
         pieces = [(h, r0, r1) for h in range(heads) for r0, r1 in self.row_blocks]
         t = np.zeros((len(pieces), 2, g.G_FIELDS), np.int64)

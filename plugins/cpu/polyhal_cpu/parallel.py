@@ -85,6 +85,7 @@ import numpy as np
 from polyhal.ir.types import TensorType
 
 from polyhal_cpu import native
+from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.threads import budget
 
 #: Output elements below which a loop runs on the calling thread only.
@@ -162,7 +163,7 @@ class _Pool:
         self._spin = native.spin_wait()
         #: The compiled GEMM queue (see :func:`run_gemms`): its loops (None: off) and its vector.
         self.gemms = native.gemm_queue() if self._spin else None
-        self.queue = np.zeros(native.Q_SIZE, np.int64)
+        self.queue = np.zeros(layout.Q_SIZE, np.int64)
         per_round = _round_seconds(self._spin) if self._spin else 0.0
         self.rounds = int(SPIN_US * 1e-6 / per_round) if per_round else 0
         self.linger = int(LINGER_US * 1e-6 / per_round) if per_round else 0
@@ -216,7 +217,7 @@ class _Pool:
             if blocked:
                 gate.acquire()
             seen = int(self.flags[_STARTED])
-            if self.gemms is not None and self.queue[native.Q_RUN] == seen:
+            if self.gemms is not None and self.queue[layout.Q_RUN] == seen:
                 self.gemms["take_gemms"](self.queue, seen)
             elif self.job is not None:
                 left, job = self.job
@@ -337,12 +338,12 @@ def run_gemms(table: np.ndarray) -> None:
     VM: a pool thread takes the GIL to start its piece, and a thread that finds it taken sleeps
     ~25 us.) A pool thread blocked on its lock is woken as for :func:`run`, and takes pieces
     once it is back, the GIL released; a pool thread's piece the caller waits for, spinning for
-    the pool's bound, then sleeping."""
+    :data:`GEMM_WAIT_US`, then yielding its CPU between looks."""
     count = len(table)
     state = budget()
     pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
     if pool is None or pool.gemms is None or not pool.dispatch.acquire(blocking=False):
-        _serial()(table.reshape(-1, native.G_FIELDS))
+        _serial()(table.reshape(-1, layout.G_FIELDS))
         return
     queue, number, drive = pool.queue, int(pool.flags[_STARTED]) + 1, pool.gemms["drive_gemms"]
     try:
@@ -353,8 +354,8 @@ def run_gemms(table: np.ndarray) -> None:
     finally:
         # Pool threads read the table and write the operands through raw addresses: even when
         # interrupted (KeyboardInterrupt in the sleep), return only once their pieces are done.
-        done = (number << native.RUN_SHIFT) + count
-        while queue[native.Q_FINISHED] < done and queue[native.Q_RUN] == number:
+        done = (number << layout.RUN_SHIFT) + count
+        while queue[layout.Q_FINISHED] < done and queue[layout.Q_RUN] == number:
             time.sleep(GEMM_POLL_S)
         pool.dispatch.release()
 
@@ -373,10 +374,10 @@ def _serial() -> Callable[[np.ndarray], None]:
 def _publish(queue: np.ndarray, table: np.ndarray, number: int) -> None:
     """Make ``table`` GEMM run ``number`` of ``queue`` (its number last: a thread that sees it
     finds the rest in place)."""
-    queue[native.Q_DESC], queue[native.Q_COUNT] = table.ctypes.data, len(table)
-    queue[native.Q_STEPS] = table.shape[1] if table.ndim == 3 else 1
-    queue[native.Q_FINISHED] = queue[native.Q_TAKEN] = number << native.RUN_SHIFT
-    queue[native.Q_RUN] = number
+    queue[layout.Q_DESC], queue[layout.Q_COUNT] = table.ctypes.data, len(table)
+    queue[layout.Q_STEPS] = table.shape[1] if table.ndim == 3 else 1
+    queue[layout.Q_FINISHED] = queue[layout.Q_TAKEN] = number << layout.RUN_SHIFT
+    queue[layout.Q_RUN] = number
 
 
 def blocks(size: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
@@ -466,8 +467,9 @@ class GemmSplit:
         the caller computes it another way). Made from a template kept per operand strides:
         a call costs a few microseconds (each operand's address, each piece's row)."""
         operands = (a, b, out, bias, residual)
-        key = (a.strides, b.strides, out.strides, a.shape, b.shape, None if bias is None else (bias.shape, bias.strides),
-               None if residual is None else residual.strides, alpha, beta, act, act_alpha, act_beta)
+        key = (a.strides, b.strides, out.strides, a.shape, b.shape,
+               None if bias is None else (bias.shape, bias.strides), None if residual is None else residual.strides,
+               alpha, beta, act, act_alpha, act_beta)
         made = self._tables.get(key, False)
         if made is False:
             made = self._tables[key] = self._template(*operands, alpha, beta, act, act_alpha, act_beta)
@@ -501,24 +503,25 @@ class GemmSplit:
                    residual.strides if residual is not None else (0, 0)]
         if any(s % 4 or s < 0 for pair in strides for s in pair) or (residual is not None and strides[4][1] != 4):
             return None
-        t = np.zeros((len(self.bounds), native.G_FIELDS), np.int64)
+        t = np.zeros((len(self.bounds), layout.G_FIELDS), np.int64)
         lo, hi, axis = self._lo, self._hi, self.axis
-        t[:, native.G_FN], t[:, native.G_WIDE], t[:, native.G_GEMV] = fn
-        t[:, native.G_TA], t[:, native.G_LDA], t[:, native.G_TB], t[:, native.G_LDB] = *la, *lb
-        t[:, native.G_LDC] = lc[1]
+        t[:, layout.G_FN], t[:, layout.G_WIDE], t[:, layout.G_GEMV] = fn
+        t[:, layout.G_TA], t[:, layout.G_LDA], t[:, layout.G_TB], t[:, layout.G_LDB] = *la, *lb
+        t[:, layout.G_LDC] = lc[1]
         (m, k), n = a.shape, b.shape[1]
-        t[:, native.G_M], t[:, native.G_N], t[:, native.G_K] = m, n, k
-        t[:, native.G_M if axis == 0 else native.G_N] = hi - lo
-        t[:, native.G_ALPHA], t[:, native.G_BETA] = float_bits(alpha), float_bits(beta if bias is not None else 0.0)
-        t[:, native.G_ACT], t[:, native.G_ACT_ALPHA], t[:, native.G_ACT_BETA] = act, float_bits(act_alpha), float_bits(act_beta)
-        t[:, native.G_BIAS_ROW], t[:, native.G_BIAS_COL] = strides[3][0] // 4, strides[3][1] // 4
-        t[:, native.G_LDR] = strides[4][0] // 4
+        t[:, layout.G_M], t[:, layout.G_N], t[:, layout.G_K] = m, n, k
+        t[:, layout.G_M if axis == 0 else layout.G_N] = hi - lo
+        t[:, layout.G_ALPHA], t[:, layout.G_BETA] = float_bits(alpha), float_bits(beta if bias is not None else 0.0)
+        t[:, layout.G_ACT] = act
+        t[:, layout.G_ACT_ALPHA], t[:, layout.G_ACT_BETA] = float_bits(act_alpha), float_bits(act_beta)
+        t[:, layout.G_BIAS_ROW], t[:, layout.G_BIAS_COL] = strides[3][0] // 4, strides[3][1] // 4
+        t[:, layout.G_LDR] = strides[4][0] // 4
         # each piece starts at element (lo, 0) of A, C, bias and residual (blocks of rows), or
         # at (0, lo) of B, C, bias and residual (blocks of columns)
         cut = (axis == 0, axis == 1, True, True, True)
         present = (True, True, True, bias is not None, residual is not None)
         fields = [(field, x, [int(v) * strides[x][axis] if cut[x] else 0 for v in lo])
-                  for x, field in enumerate((native.G_A, native.G_B, native.G_C, native.G_BIAS, native.G_RES))
+                  for x, field in enumerate((layout.G_A, layout.G_B, layout.G_C, layout.G_BIAS, layout.G_RES))
                   if present[x]]
         return t, fields
 

@@ -80,7 +80,7 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("fused_linear", [(21, 17), (17, 33), (33,), (21, 33)], {"activation": "gelu", "alpha": 0.0, "beta": 0.0}),
     # one row: matrix-vector products (sgemv on the GEMM queue), cut into blocks of columns
     ("linear", [(1, 37), (37, 53), (53,)], {}),
-    ("fused_linear", [(1, 1, 40), (40, 70), (70,), (1, 1, 70)], {"activation": "hard_swish", "alpha": 1 / 6, "beta": 0.5}),
+    ("fused_linear", [(1, 1, 40), (40, 70), (70,), (1, 1, 70)], _CONV),
     ("gemm", [(1, 37), (53, 37), (53,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 0, "trans_b": 1}),
     ("gemm", [(37, 1), (37, 53)], {"alpha": 1.5, "beta": 1.0, "trans_a": 1, "trans_b": 0}),
     ("matmul", [(1, 1, 19), (19, 53)], {}),
@@ -429,6 +429,7 @@ def test_pool_thread_serves_gemm_runs_from_its_spin_and_its_lock(monkeypatch):
     if pool.gemms is None or parallel.gemm_fn() is None:
         pytest.skip("no compiled GEMM queue here")
     from polyhal_cpu import native
+    from polyhal_cpu import queue_layout as layout
 
     pool.rounds = int(5 / parallel._round_seconds(pool._spin))  # a 5 s bound
     rng = np.random.default_rng(3)
@@ -442,8 +443,8 @@ def test_pool_thread_serves_gemm_runs_from_its_spin_and_its_lock(monkeypatch):
         number = int(pool.flags[parallel._STARTED]) + 1
         parallel._publish(pool.queue, table, number)
         pool.start(None, number, 1)
-        done = (number << native.RUN_SHIFT) + 3
-        assert _until(lambda: pool.queue[native.Q_FINISHED] == done), woken
+        done = (number << layout.RUN_SHIFT) + 3
+        assert _until(lambda: pool.queue[layout.Q_FINISHED] == done), woken
         np.testing.assert_allclose(out, np.maximum(a @ b + bias, 0), rtol=1e-5, atol=1e-5)
         assert not pool._sleeping  # it spins on after the run
 
