@@ -37,7 +37,8 @@ need no GIL) stays ahead where kernels are small: 61-85, 55-62, 12.2-13.7 and 7.
 that finds it taken sleeps (~25 us to wake on a VM): a product cut in two paid ~80-100 us for
 it, as much as its halves saved on sub-millisecond products. So float32 products (linear,
 fused_linear, gemm, matmul, and unmasked attention as two GEMMs a piece with a softmax between)
-go through a compiled queue instead (:func:`run_gemms`): each piece a row of descriptors
+and layer norms go through a compiled queue instead (:func:`run_gemms`; its layout in
+:mod:`polyhal_cpu.queue_layout`): each piece a row of descriptors
 (operands' addresses, sizes, bias, residual, activation) that compiled code computes by
 calling BLAS's ``cblas_sgemm`` (``cblas_sgemv`` for one row) through its address, the caller
 from :func:`polyhal_cpu.native_loops.drive_gemms` and a spinning pool thread from inside its
