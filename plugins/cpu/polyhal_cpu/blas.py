@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-_ROW_MAJOR, _NO_TRANS, _TRANS = 101, 111, 112
+_ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 #: Per-matrix multiply-adds at or below which :func:`batched_matmul` declines (see above).
 MIN_MACS = 100 ** 3
 #: Result elements from which accumulating in :func:`gemm` beats numpy's matmul and a pass after
@@ -54,6 +54,7 @@ _NAMES = {
                            "scipy_cblas_dgemm_batch_strided", "cblas_dgemm_batch_strided64_"),
     ("gemm", np.dtype(np.float32)): ("cblas_sgemm", "scipy_cblas_sgemm64_", "scipy_cblas_sgemm", "cblas_sgemm64_"),
     ("gemm", np.dtype(np.float64)): ("cblas_dgemm", "scipy_cblas_dgemm64_", "scipy_cblas_dgemm", "cblas_dgemm64_"),
+    ("gemv", np.dtype(np.float32)): ("cblas_sgemv", "scipy_cblas_sgemv64_", "scipy_cblas_sgemv", "cblas_sgemv64_"),
 }
 
 _loaded: dict | None = None
@@ -112,6 +113,11 @@ def _find() -> dict:
                 fn.argtypes = [enum, enum, enum, index, index, index, scalar, ptr, index, ptr, index, scalar, ptr, index]
                 fn.restype = None
                 found.setdefault(("gemm", dtype), fn)
+        fn = _symbol(lib, _NAMES["gemv", np.dtype(np.float32)])
+        if fn is not None:  # called from compiled code only (gemm_address), through its address
+            fn.argtypes = [enum, enum, index, index, ctypes.c_float, ptr, index, ptr, index, ctypes.c_float, ptr, index]
+            fn.restype = None
+            found.setdefault(("gemv", np.dtype(np.float32)), fn)
     return found
 
 
@@ -126,9 +132,9 @@ def _layout(x: np.ndarray) -> tuple[int, int, int] | None:
     s0, s1, s2 = s0 // item, s1 // item, s2 // item
     stride = s0 if batch > 1 else 0
     if (s2 == 1 or cols == 1) and (s1 >= cols or rows == 1):
-        return _NO_TRANS, max(s1 if rows > 1 else cols, cols, 1), stride
+        return NO_TRANS, max(s1 if rows > 1 else cols, cols, 1), stride
     if (s1 == 1 or rows == 1) and (s2 >= rows or cols == 1):
-        return _TRANS, max(s2 if cols > 1 else rows, rows, 1), stride
+        return TRANS, max(s2 if cols > 1 else rows, rows, 1), stride
     return None
 
 
@@ -148,7 +154,7 @@ def batched_matmul(dtype: np.dtype) -> Callable[..., bool] | None:
         if m * n * k <= MIN_MACS:
             return False
         la, lb, lc = _layout(a), _layout(b), _layout(out)
-        if la is None or lb is None or lc is None or lc[0] != _NO_TRANS:
+        if la is None or lb is None or lc is None or lc[0] != NO_TRANS:
             return False
         fn(_ROW_MAJOR, la[0], lb[0], m, n, k, alpha, a.ctypes.data, la[1], la[2],
            b.ctypes.data, lb[1], lb[2], 0.0, out.ctypes.data, lc[1], lc[2], batch)
@@ -156,10 +162,10 @@ def batched_matmul(dtype: np.dtype) -> Callable[..., bool] | None:
     return matmul
 
 
-def _layout2(x: np.ndarray) -> tuple[int, int] | None:
+def layout2(x: np.ndarray) -> tuple[int, int] | None:
     """(transpose flag, leading dimension) of a 2-D view BLAS can read in place, or None."""
     if x.flags.c_contiguous:  # the common case, without the stride arithmetic
-        return _NO_TRANS, max(x.shape[1], 1)
+        return NO_TRANS, max(x.shape[1], 1)
     layout = _layout(x[None])
     return None if layout is None else layout[:2]
 
@@ -175,8 +181,8 @@ def gemm(dtype: np.dtype, size: int | None = None) -> Callable[..., bool] | None
         return None
 
     def call(a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: float = 1.0, beta: float = 0.0) -> bool:
-        la, lb, lc = _layout2(a), _layout2(b), _layout2(out)
-        if la is None or lb is None or lc is None or lc[0] != _NO_TRANS:
+        la, lb, lc = layout2(a), layout2(b), layout2(out)
+        if la is None or lb is None or lc is None or lc[0] != NO_TRANS:
             return False
         (m, k), n = a.shape, b.shape[1]
         if m and n:
@@ -184,6 +190,21 @@ def gemm(dtype: np.dtype, size: int | None = None) -> Callable[..., bool] | None
                beta, out.ctypes.data, lc[1])
         return True
     return call
+
+
+def gemm_address() -> tuple[int, int, int] | None:
+    """(address of cblas_sgemm, 1 if its integers are 64 bits wide else 0, address of
+    cblas_sgemv or 0) of numpy's BLAS, for compiled code that calls them itself; None where
+    this module finds no sgemm."""
+    found = _load()
+    fn, gemv = found.get(("gemm", np.dtype(np.float32))), found.get(("gemv", np.dtype(np.float32)))
+    if fn is None:
+        return None
+    wide = fn.argtypes[3] is ctypes.c_int64
+    if gemv is not None and (gemv.argtypes[2] is ctypes.c_int64) != wide:
+        gemv = None
+    address = ctypes.cast(fn, ctypes.c_void_p).value
+    return address, int(wide), 0 if gemv is None else ctypes.cast(gemv, ctypes.c_void_p).value
 
 
 def blas_layout(a: np.ndarray) -> np.ndarray:

@@ -34,6 +34,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from polyhal_cpu.queue_layout import G_FIELDS, Q_SIZE
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
@@ -162,6 +163,11 @@ def _warm(loops: dict[str, Callable]) -> None:
     for residual in (none4, nhwc):
         loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
     loops["spin_wait"](np.zeros(2, np.int64), -1, 0, 0, 0, 1, 0)
+    queue = np.zeros(Q_SIZE, np.int64)  # an empty GEMM run (no pieces): the queue's loops' types
+    loops["take_gemms"](queue, 0)
+    loops["gemm_pieces"](np.zeros((0, G_FIELDS), np.int64))
+    loops["drive_gemms"](queue, 0, 1)
+    loops["serve_gemms"](np.zeros(2, np.int64), queue, -1, 0, 0, 0, 1, 0)
 
 
 _F32_PAIR = (np.float32(0.0), np.float32(0.0))
@@ -398,6 +404,15 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+def gemm_queue() -> dict[str, Callable] | None:
+    """The compiled GEMM queue's loops (``serve_gemms``, ``take_gemms``, ``drive_gemms`` and
+    ``gemm_pieces``; see :mod:`polyhal_cpu.native_loops`), or None where the compiled loops are off."""
+    if not available():
+        return None
+    loops = _compiled()
+    return {name: loops[name] for name in ("serve_gemms", "take_gemms", "drive_gemms", "gemm_pieces")}
 
 
 def spin_wait() -> Callable[[np.ndarray, int, int, int, int, int, int], None] | None:

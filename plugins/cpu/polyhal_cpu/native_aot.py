@@ -46,7 +46,7 @@ _HERE = Path(__file__).resolve().parent
 #: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
 BUILD_TIMEOUT = 900
 #: The files whose text decides the compiled code (the loops, their signatures, these options).
-_SOURCES = ("native_loops.py", "native.py", "rational_erf.py", "native_aot.py")
+_SOURCES = ("native_loops.py", "native.py", "queue_layout.py", "rational_erf.py", "native_aot.py")
 
 
 def cache_dir() -> Path | None:
@@ -207,11 +207,12 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
         for loop, dispatcher in loops.items():
             if dict(dispatcher.targetoptions) != options:
                 continue  # compiled with other options: left to the JIT
-            signatures = {tuple(_writable(t) for t in sig) for sig in dispatcher.signatures}
+            signatures = {(sig.return_type, tuple(_writable(t) for t in sig.args))
+                          for sig in dispatcher.nopython_signatures}
             if len(signatures) != 1:
                 continue  # several (or no) signatures: left to the JIT
-            (args,) = signatures
-            cc.export(loop, types.void(*args))(dispatcher.py_func)
+            ((result, args),) = signatures
+            cc.export(loop, result(*args))(dispatcher.py_func)
             exported[loop] = [[t.ndim, str(t.dtype)] if isinstance(t, types.Array) else None for t in args]
 
         def jit_flags() -> Flags:

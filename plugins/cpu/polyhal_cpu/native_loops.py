@@ -10,15 +10,19 @@ import platform
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.extending import intrinsic
 
+from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
+                                      G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
+                                      G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_LAYER_NORM, Q_COUNT, Q_DESC,
+                                      Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue",
            "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_channels_last",
            "gemm_tiles", "im2col", "im2col_phases", "layer_norm", "pool2d", "relu", "scale_rows", "scale_shift_rows",
-           "softmax_rows", "spin_wait"]
+           "drive_gemms", "gemm_pieces", "serve_gemms", "softmax_rows", "spin_wait", "take_gemms"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -75,6 +79,272 @@ def spin_wait(flags, post, value, index, target, rounds, linger):
                 _pause()
             return
         _pause()
+
+
+# ------------------------------------------------------------- the pool's compiled GEMM queue
+#
+# A run of GEMM pieces (polyhal_cpu.parallel.run_gemms) is a table of descriptors (G_* fields,
+# int64; floats as their bits) that a pool thread serves from inside its compiled spin, so that
+# neither it nor the caller runs Python, or takes the GIL, for a piece. A piece is Q_STEPS
+# GEMMs one after another (an attention block: scores with a softmax epilogue, then their
+# product with v). The queue (an int64 vector) holds the run's number at Q_RUN, its table's
+# address, length and steps at Q_DESC, Q_COUNT and Q_STEPS, and two counters tagged with the
+# run's number (number << RUN_SHIFT | count): Q_TAKEN, the next piece (taken by
+# compare-and-swap, so that a thread that looked at an older run takes nothing of a newer one),
+# and Q_FINISHED, the pieces done.
+
+@intrinsic
+def _cas(typingctx, flags, index, expected, new):
+    """Atomically ``flags[index] = new`` if it holds ``expected``; whether it did."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        pair = builder.cmpxchg(builder.gep(array.data, [args[1]]), args[2], args[3], "acq_rel", "acquire")
+        return builder.extract_value(pair, 1)
+    return types.boolean(flags, types.intp, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _fetch_add(typingctx, flags, index, value):
+    """Atomically ``flags[index] += value``."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        builder.atomic_rmw("add", builder.gep(array.data, [args[1]]), args[2], "acq_rel")
+        return context.get_dummy_value()
+    return types.void(flags, types.intp, types.int64), codegen
+
+
+@intrinsic
+def _f32_pointer(typingctx, address):
+    """The float32 pointer at integer ``address`` (for ``carray``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.FloatType().as_pointer())
+    return types.CPointer(types.float32)(types.int64), codegen
+
+
+@intrinsic
+def _i64_pointer(typingctx, address):
+    """The int64 pointer at integer ``address`` (for ``carray``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+    return types.CPointer(types.int64)(types.int64), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, bits):
+    """The float32 whose bits are the low 32 of ``bits``."""
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+    return types.float32(types.int64), codegen
+
+
+@intrinsic
+def _sgemm(typingctx, d):
+    """Call the cblas_sgemm at ``d[G_FN]`` (row-major) with descriptor ``d``'s operands; its
+    integers are 64 bits wide where ``d[G_WIDE]`` is set, else 32 (the two OpenBLAS builds).
+    Where M is 1 and ``d[G_GEMV]`` holds cblas_sgemv's address, C's row is op(B)^T times A's
+    row by that instead: OpenBLAS's sgemm packs all of B first, sgemv streams it once (1 x
+    960 @ 960 x 1280: ~4x faster)."""
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        i32, i64, f32t = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        fptr = f32t.as_pointer()
+
+        def field(k):
+            return builder.load(builder.gep(array.data, [ir.Constant(i64, k)]))
+
+        def real(k):
+            return builder.bitcast(builder.trunc(field(k), i32), f32t)
+
+        def call(idx):
+            def size(k):
+                return field(k) if idx is i64 else builder.trunc(field(k), i32)
+            fnty = ir.FunctionType(ir.VoidType(), [i32, i32, i32, idx, idx, idx, f32t, fptr, idx, fptr, idx, f32t,
+                                                   fptr, idx])
+            fn = builder.inttoptr(field(G_FN), fnty.as_pointer())
+            builder.call(fn, [ir.Constant(i32, 101), builder.trunc(field(G_TA), i32),
+                              builder.trunc(field(G_TB), i32), size(G_M), size(G_N), size(G_K), real(G_ALPHA),
+                              builder.inttoptr(field(G_A), fptr), size(G_LDA), builder.inttoptr(field(G_B), fptr),
+                              size(G_LDB), real(G_BETA), builder.inttoptr(field(G_C), fptr), size(G_LDC)])
+
+        def gemv(idx):
+            # y (N) = alpha op(B)^T x + beta y: B as stored is (K, N) row-major (B^T x: "trans"),
+            # or (N, K) for a transposed B (then "no trans"); x is A's row (stride lda if A is transposed).
+            def size(value):
+                return value if idx is i64 else builder.trunc(value, i32)
+            fnty = ir.FunctionType(ir.VoidType(), [i32, i32, idx, idx, f32t, fptr, idx, fptr, idx, f32t, fptr, idx])
+            fn = builder.inttoptr(field(G_GEMV), fnty.as_pointer())
+            b_trans = builder.icmp_signed("==", field(G_TB), ir.Constant(i64, 112))
+            rows = builder.select(b_trans, field(G_N), field(G_K))
+            cols = builder.select(b_trans, field(G_K), field(G_N))
+            flag = builder.select(b_trans, ir.Constant(i32, 111), ir.Constant(i32, 112))
+            a_trans = builder.icmp_signed("==", field(G_TA), ir.Constant(i64, 112))
+            incx = builder.select(a_trans, field(G_LDA), ir.Constant(i64, 1))
+            builder.call(fn, [ir.Constant(i32, 101), flag, size(rows), size(cols), real(G_ALPHA),
+                              builder.inttoptr(field(G_B), fptr), size(field(G_LDB)),
+                              builder.inttoptr(field(G_A), fptr), size(incx), real(G_BETA),
+                              builder.inttoptr(field(G_C), fptr), size(ir.Constant(i64, 1))])
+
+        wide = builder.icmp_signed("!=", field(G_WIDE), ir.Constant(i64, 0))
+        vector = builder.and_(builder.icmp_signed("==", field(G_M), ir.Constant(i64, 1)),
+                              builder.icmp_signed("!=", field(G_GEMV), ir.Constant(i64, 0)))
+        with builder.if_else(vector) as (is_vector, is_matrix):
+            with is_vector:
+                with builder.if_else(wide) as (then, otherwise):
+                    with then:
+                        gemv(i64)
+                    with otherwise:
+                        gemv(i32)
+            with is_matrix:
+                with builder.if_else(wide) as (then, otherwise):
+                    with then:
+                        call(i64)
+                    with otherwise:
+                        call(i32)
+        return context.get_dummy_value()
+    return types.void(d), codegen
+
+
+@_jit
+def gemm_piece(d):
+    """One piece of a run (a layer norm's rows where d[G_KIND] says so, see queue_layout.G_KIND): C (M x N at
+    d[G_C], row stride d[G_LDC]) = its bias (d[G_BIAS] != 0: element (r, j) at bias + 4 * (r *
+    G_BIAS_ROW + j * G_BIAS_COL), a broadcast by zero strides), then C = alpha A B + beta C by BLAS,
+    then, row by row, + the residual (d[G_RES] != 0, row stride d[G_LDR]) and activation d[G_ACT]
+    (see activate_row)."""
+    m, n = d[G_M], d[G_N]
+    if d[G_KIND] == KIND_LAYER_NORM:
+        layer_norm(carray(_f32_pointer(d[G_A]), (m, n)), carray(_f32_pointer(d[G_B]), n),
+                   carray(_f32_pointer(d[G_BIAS]), n), _f32_bits(d[G_ALPHA]), carray(_f32_pointer(d[G_C]), (m, n)))
+        return
+    ldc = d[G_LDC] * 4
+    if d[G_BIAS] != 0:
+        sr, sc = d[G_BIAS_ROW] * 4, d[G_BIAS_COL] * 4
+        for r in range(m):
+            row = carray(_f32_pointer(d[G_C] + r * ldc), n)
+            if sc == 4:
+                src = carray(_f32_pointer(d[G_BIAS] + r * sr), n)
+                for j in range(n):
+                    row[j] = src[j]
+            else:  # a column (sc = 0) or a strided C
+                for j in range(n):
+                    row[j] = carray(_f32_pointer(d[G_BIAS] + r * sr + j * sc), 1)[0]
+    if m > 0 and n > 0:
+        _sgemm(d)
+    act, has_residual = d[G_ACT], d[G_RES] != 0
+    if act == SOFTMAX2:
+        for r in range(m):
+            softmax2_row(d[G_C] + r * ldc, n)
+    elif act != 0 or has_residual:
+        alpha, beta, ldr = _f32_bits(d[G_ACT_ALPHA]), _f32_bits(d[G_ACT_BETA]), d[G_LDR] * 4
+        for r in range(m):
+            row = carray(_f32_pointer(d[G_C] + r * ldc), n)
+            if has_residual:
+                res = carray(_f32_pointer(d[G_RES] + r * ldr), n)
+                for j in range(n):
+                    row[j] += res[j]
+            activate_row(row, act, alpha, beta)
+
+
+@intrinsic
+def _i32_pointer(typingctx, address):
+    """The int32 pointer at integer ``address`` (for ``carray``)."""
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(32).as_pointer())
+    return types.CPointer(types.int32)(types.int64), codegen
+
+
+@_jit
+def _row_max(address, n):
+    """The largest of the ``n`` float32 at ``address``, as an integer maximum of their bits
+    made monotonic (a negative float's magnitude bits flipped), which LLVM vectorises where a
+    float maximum needs no-nan fast-math; a positive nan comes out as the maximum, a negative
+    one never (either way it makes its row's exp2 pass nan, as the reference's row)."""
+    bits = carray(_i32_pointer(address), n)
+    top = np.int64(bits[0])
+    top ^= (top >> 31) & 0x7FFFFFFF
+    for j in range(1, n):
+        key = np.int64(bits[j])
+        key ^= (key >> 31) & 0x7FFFFFFF
+        top = key if key > top else top
+    top ^= (top >> 31) & 0x7FFFFFFF
+    return _f32_bits(top)
+
+
+@_jit
+def softmax2_row(address, n):
+    """In place over the ``n`` float32 at ``address`` (scores in base-2 units): 2^(y - max y)
+    / its sum."""
+    y = carray(_f32_pointer(address), n)
+    top = _row_max(address, n)
+    total = f32(0.0)
+    for j in range(n):
+        e = exp2(y[j] - top)
+        y[j] = e
+        total += e
+    inv = f32(1.0) / total
+    for j in range(n):
+        y[j] *= inv
+
+
+@_jit
+def gemm_pieces(table):
+    """Compute every row of (rows, G_FIELDS) ``table``, one after another."""
+    for i in range(table.shape[0]):
+        gemm_piece(table[i])
+
+
+@_jit
+def take_gemms(queue, run):
+    """Take and compute pieces of GEMM run ``run`` from ``queue`` until none is left (or the
+    queue has moved on to another run)."""
+    while True:
+        tagged = _load_acquire(queue, Q_TAKEN)
+        i = tagged - (run << RUN_SHIFT)
+        if i < 0 or i >= _load_acquire(queue, Q_COUNT):
+            return
+        table, steps = _load_acquire(queue, Q_DESC), _load_acquire(queue, Q_STEPS)
+        if _cas(queue, Q_TAKEN, tagged, tagged + 1):
+            for j in range(steps):
+                gemm_piece(carray(_i64_pointer(table + (i * steps + j) * G_FIELDS * 8), G_FIELDS))
+            _fetch_add(queue, Q_FINISHED, 1)
+
+
+@_jit
+def drive_gemms(queue, run, rounds):
+    """The caller's part of GEMM run ``run``: take pieces until none is left, then wait for those
+    other threads took (at most ``rounds`` pauses); whether every piece is done."""
+    take_gemms(queue, run)
+    done = (run << RUN_SHIFT) + _load_acquire(queue, Q_COUNT)
+    for _ in range(rounds):
+        if _load_acquire(queue, Q_FINISHED) >= done:
+            return True
+        _pause()
+    return _load_acquire(queue, Q_FINISHED) >= done
+
+
+@_jit
+def serve_gemms(flags, queue, post, value, index, seen, rounds, linger):
+    """A pool thread's spin (spin_wait's, the GIL released) that serves GEMM runs itself: store
+    ``value`` in ``flags[post]`` first (``post`` >= 0), then wait for ``flags[index]`` to pass
+    ``seen``; a GEMM run (``queue[Q_RUN]`` is its number) is served here and the wait goes on
+    (``rounds`` pauses again), any other returns after ``linger`` pauses. Returns the number of
+    the last run seen and served here (``seen`` if none)."""
+    if post >= 0:
+        _store_release(flags, post, value)
+    left = rounds
+    while left > 0:
+        started = _load_acquire(flags, index)
+        if started > seen:
+            if _load_acquire(queue, Q_RUN) != started:
+                for _ in range(linger):
+                    _pause()
+                return seen
+            take_gemms(queue, started)
+            seen, left = started, rounds
+        else:
+            _pause()
+            left -= 1
+    return seen
 
 
 @_jit

@@ -12,6 +12,7 @@ import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal_cpu import blas, native, parallel
+from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
@@ -27,7 +28,7 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
     # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
     add_rows = native.add_rows if native.available(x_type.dtype) else None
-    split = parallel.GemmSplit(rows, w_type.shape[1], w_type.shape[0])
+    split = parallel.GemmSplit(rows, w_type.shape[1], w_type.shape[0], queued=x_type.dtype == np.float32)
 
     def product(xm, w, b, o):
         # With BLAS's own GEMM the bias rows go in first and the product accumulates onto them
@@ -42,18 +43,27 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         else:
             add(o, b, out=o)
 
-    def kernel(x, w, b, out):
+    def kernel(x, w, b, out, residual=None, act=0, alpha=0.0, beta=0.0):
         # One GEMM over all leading dims (out is C-contiguous, so its reshape is a view; numpy
-        # copies a strided x), in blocks of rows or columns (the bias cut alike).
+        # copies a strided x), in blocks of rows or columns (the bias cut alike), each block
+        # finished (bias, product, residual and activation) in compiled code on the pool's
+        # GEMM queue where it can be, else through numpy and ctypes (no residual or activation).
         xm, o = x.reshape(x2), out.reshape(o2)
+        table = split.table(xm, w, o, 1.0, 1.0, b, residual, act, alpha, beta)
+        if table is not None:
+            parallel.run_gemms(table)
+            return True
+        if residual is not None or act:
+            return False
         if len(split) == 1:
             product(xm, w, b, o)
-            return
+            return True
         bb = np.broadcast_to(b, o2)
         if split.axis == 0:
             parallel.run([partial(product, xm[lo:hi], w, bb[lo:hi], o[lo:hi]) for lo, hi in split.bounds])
         else:
             parallel.run([partial(product, xm, w[:, lo:hi], bb[:, lo:hi], o[:, lo:hi]) for lo, hi in split.bounds])
+        return True
     return kernel
 
 
@@ -73,8 +83,10 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
-            product(x, w, b, out)
             r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
+            if product(x, w, b, out, r, act, alpha, beta):  # all in the GEMM's pieces
+                return
+            product(x, w, b, out)
             o = out.reshape(shape2d)
             parallel.run([partial(native.epilogue, o[rs], zero, None if r is None else r[rs], act, alpha, beta)
                           for rs in pieces])
@@ -275,10 +287,18 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
             np.reciprocal(sums, out=sums)
             multiply(og, sums.reshape(g1 - g0, lq, 1), out=og)
 
+    queued = _QueuedAttention(group, lq, lk, d, dv, alpha) if fused and op == "attention" else None
+
     def kernel(q, k, v, *rest):
         out = rest[-1]
         q3, k3 = q.reshape(heads, lq, d), k.reshape(heads, lk, d)  # views where the strides allow
         v3, o3 = v.reshape(heads, lk, dv), out.reshape(heads, lq, dv)
+        if queued is not None:
+            tables = [queued.table(q3, k3, v3, o3, buf, g0, min(heads, g0 + group)) for g0 in range(0, heads, group)]
+            if all(t is not None for t in tables):
+                for t in tables:
+                    parallel.run_gemms(t)
+                return
         if len(rest) == 2:  # masked_attention: the mask in the scores' base-2 units, broadcast
             m3 = np.broadcast_to(rest[0], scores_shape).reshape(heads, lq, lk)  # a view if heads share it
             with np.errstate(over="ignore"):  # a -3.4e38 "minus infinity" becomes -inf: weight 0
@@ -292,3 +312,62 @@ def _attention(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
                                   buf[lo:min(hi, g1 - g0)])
                           for lo, hi in head_blocks if g0 + lo < g1])
     return kernel
+
+
+class _QueuedAttention:
+    """Unmasked attention on the pool's compiled GEMM queue (:func:`polyhal_cpu.parallel.run_gemms`):
+    a group's heads in blocks of query rows, each piece two GEMMs -- its scores (scaled into
+    base-2 units) with a softmax of each row as their epilogue (the row's own maximum, exp2,
+    the weights normalised in L1), then the weights times v -- with no Python and no GIL
+    between them. (Run by :func:`~polyhal_cpu.parallel.run`, a piece's numpy steps took the
+    GIL between its BLAS calls, and each time one thread found it taken, it slept ~25 us.)"""
+
+    def __init__(self, group: int, lq: int, lk: int, d: int, dv: int, alpha: float) -> None:
+        self.lq, self.lk, self.alpha = lq, lk, alpha
+        parts = parallel.gemm_pieces(lq, lk, d + dv, batch=group, piece_us=parallel.GEMM_QUEUE_PIECE_US)
+        self.row_blocks = parallel.blocks(lq, -(-parts // group), 8 if lq >= 16 else 1)
+        self.shape = (lk, d, dv)
+        self._templates: dict = {}
+
+    def table(self, q3, k3, v3, o3, buf, g0: int, g1: int) -> np.ndarray | None:
+        """Heads g0..g1's pieces (``buf`` their scores), or None where the queue is off or an
+        operand's strides do not do (each matrix needs rows of unit stride)."""
+        key = (q3.strides, k3.strides, v3.strides, o3.strides, g1 - g0)
+        made = self._templates.get(key, False)
+        if made is False:
+            made = self._templates[key] = self._template(q3, k3, v3, o3, g1 - g0)
+        if made is None:
+            return None
+        template, offsets = made
+        t = template.copy()
+        g = layout
+        base = (q3.ctypes.data + g0 * q3.strides[0], k3.ctypes.data + g0 * k3.strides[0], buf.ctypes.data,
+                v3.ctypes.data + g0 * v3.strides[0], o3.ctypes.data + g0 * o3.strides[0])
+        for (step, field), operand, off in zip(((0, g.G_A), (0, g.G_B), (0, g.G_C), (1, g.G_B), (1, g.G_C)),
+                                               range(5), offsets):
+            t[:, step, field] = base[operand] + off
+        t[:, 1, g.G_A] = t[:, 0, g.G_C]
+        return t
+
+    def _template(self, q3, k3, v3, o3, heads: int):
+        fn = parallel.gemm_fn()
+        if fn is None or any(x.strides[2] != 4 or min(x.strides) < 0 or x.strides[1] % 4 for x in (q3, k3, v3, o3)):
+            return None
+        g = layout
+        lk, d, dv = self.shape
+        pieces = [(h, r0, r1) for h in range(heads) for r0, r1 in self.row_blocks]
+        t = np.zeros((len(pieces), 2, g.G_FIELDS), np.int64)
+        t[:, :, g.G_FN], t[:, :, g.G_WIDE], t[:, :, g.G_GEMV] = fn
+        t[:, :, g.G_TA] = blas.NO_TRANS
+        t[:, 0, g.G_TB], t[:, 1, g.G_TB] = blas.TRANS, blas.NO_TRANS
+        t[:, :, g.G_M] = [[r1 - r0] * 2 for _, r0, r1 in pieces]
+        t[:, 0, g.G_N], t[:, 0, g.G_K], t[:, 1, g.G_N], t[:, 1, g.G_K] = lk, d, dv, lk
+        t[:, 0, g.G_ALPHA], t[:, 1, g.G_ALPHA] = parallel.float_bits(self.alpha), parallel.float_bits(1.0)
+        t[:, 0, g.G_LDA], t[:, 0, g.G_LDB], t[:, 0, g.G_LDC] = q3.strides[1] // 4, k3.strides[1] // 4, lk
+        t[:, 1, g.G_LDA], t[:, 1, g.G_LDB], t[:, 1, g.G_LDC] = lk, v3.strides[1] // 4, o3.strides[1] // 4
+        t[:, 0, g.G_ACT] = g.SOFTMAX2
+        h, r0 = (np.array(c, np.int64) for c in zip(*[(h, r0) for h, r0, _ in pieces]))
+        # bytes from each operand's group start: q rows, k's head, the scores' rows, v's head, out rows
+        offsets = (h * q3.strides[0] + r0 * q3.strides[1], h * k3.strides[0], (h * self.lq + r0) * lk * 4,
+                   h * v3.strides[0], h * o3.strides[0] + r0 * o3.strides[1])
+        return t, offsets

@@ -33,6 +33,22 @@ of their kernels are cut. Two 86 µs GEMM pieces: 172 µs one after another, ~15
 blocking pool, 107-131 µs spinning. Threaded OpenBLAS (workers that spin in C for ~0.1 s and
 need no GIL) stays ahead where kernels are small: 61-85, 55-62, 12.2-13.7 and 7.0 ms.
 
+**GEMMs without Python.** A pool thread needs the GIL to start a piece of :func:`run`, and one
+that finds it taken sleeps (~25 us to wake on a VM): a product cut in two paid ~80-100 us for
+it, as much as its halves saved on sub-millisecond products. So float32 products (linear,
+fused_linear, gemm, matmul, and unmasked attention as two GEMMs a piece with a softmax between)
+and layer norms go through a compiled queue instead (:func:`run_gemms`; its layout in
+:mod:`polyhal_cpu.queue_layout`): each piece a row of descriptors
+(operands' addresses, sizes, bias, residual, activation) that compiled code computes by
+calling BLAS's ``cblas_sgemm`` (``cblas_sgemv`` for one row) through its address, the caller
+from :func:`polyhal_cpu.native_loops.drive_gemms` and a spinning pool thread from inside its
+spin (:func:`polyhal_cpu.native_loops.serve_gemms`), neither taking the GIL; a blocked pool
+thread is woken as for :func:`run`. Pieces are taken by a compare-and-swap on a counter tagged
+with the run's number, so a thread that looked at an older run takes nothing of a newer one.
+Measured on a 2-core VM (median, one process, the machine otherwise quiet): the MLP example
+0.64-0.87 -> 0.44-0.47 ms, the transformer block 1.38-1.80 -> 1.04-1.10 ms; a 256^3 product
+with bias 335 us whole, 196 us in two pieces (294 us on :func:`run`).
+
 **What is cut.** BLAS runs single-threaded (:mod:`polyhal_cpu.threads` pins it to one thread), so
 a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
 columns (N), whichever is longer (each piece packs all of the other operand, the shorter), each
@@ -69,6 +85,8 @@ import numpy as np
 
 from polyhal.ir.types import TensorType
 
+from polyhal_cpu import native
+from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.threads import budget
 
 #: Output elements below which a loop runs on the calling thread only.
@@ -76,6 +94,16 @@ MIN_ELEMENTS = 1 << 16
 #: Microseconds of single-threaded sgemm a GEMM piece holds at least (a few hand-offs' worth),
 #: from its multiply-adds at :data:`GEMM_MACS_PER_US` (~38 GMAC/s on a 2-core AVX-512 VM).
 GEMM_PIECE_US, GEMM_MACS_PER_US = 100, 38_000
+#: Microseconds of single-threaded sgemm a piece run on the compiled GEMM queue holds at least
+#: (:func:`run_gemms`: its hand-off costs a few microseconds while the pool spins). Measured
+#: on a 2-core VM (AVX-512), whole / two pieces, with bias: 64 x 128 x 128 30 / 22 us, 256 x
+#: 128 x 128 92 / 60 us, 256 x 256 x 256 340 / 200 us.
+GEMM_QUEUE_PIECE_US = 15
+#: :data:`GEMM_MIN_INTENSITY` for the GEMM queue's pieces: thin products are cut too, their
+#: halves taking less than the whole once handing them off costs little (2-core VM, whole / two
+#: pieces: 256 x 16 x 256 33 / 23 us; 1 x 1280 x 1000 with B in cache 68 / 44 us, from memory
+#: 385 / 357 us).
+GEMM_QUEUE_MIN_INTENSITY = 0
 #: Multiply-adds per byte of operands and result below which a GEMM is not cut: a thin product
 #: (a classifier's matrix-vector one, a stem convolution's 27-deep one) is bound by memory, and
 #: its halves on two cores took as long as the whole on one (32 x 12544 x 27: 0.3 ms either
@@ -88,6 +116,14 @@ GEMM_PIECES_PER_THREAD = 1
 #: Alignment of a GEMM piece's rows and columns (whole register blocks of sgemm's kernels).
 GEMM_ALIGN = 16
 
+#: Microseconds the caller of a GEMM run spins for the pool threads' pieces to finish before it
+#: yields its CPU between looks: a pool thread's piece still running then may be one that waits
+#: for this CPU (the other one busy elsewhere), and a spinning caller would hold it up for its
+#: whole spin (measured: DistilBERT 91-197 ms against 163 ms of run()'s blocking wait, with a
+#: 1 ms spin, one core busy elsewhere).
+GEMM_WAIT_US = 30
+#: Seconds between looks at a pool thread's unfinished piece once run_gemms was interrupted.
+GEMM_POLL_S = 50e-6
 #: Microseconds a pool thread spins after its work before it blocks, and the caller at most
 #: for the pool threads to leave a run, while the budget has two threads or more (module doc).
 SPIN_US = 1000
@@ -125,12 +161,14 @@ class _Pool:
         self.dispatch = threading.Lock()
         self._sleeping: list[threading.Lock] = []  # gates of blocked threads, to release
         self._mutex = threading.Lock()
-        from polyhal_cpu.native import spin_wait
-
-        self._spin = spin_wait()
+        self._spin = native.spin_wait()
+        #: The compiled GEMM queue (see :func:`run_gemms`): its loops (None: off) and its vector.
+        self.gemms = native.gemm_queue() if self._spin else None
+        self.queue = np.zeros(layout.Q_SIZE, np.int64)
         per_round = _round_seconds(self._spin) if self._spin else 0.0
         self.rounds = int(SPIN_US * 1e-6 / per_round) if per_round else 0
         self.linger = int(LINGER_US * 1e-6 / per_round) if per_round else 0
+        self.finish = int(GEMM_WAIT_US * 1e-6 / per_round) if per_round else 0
 
     def grow(self, n: int) -> None:
         """Have ``n`` threads at least."""
@@ -139,10 +177,11 @@ class _Pool:
             threading.Thread(target=self._serve, args=(self.threads,), name=f"polyhal-cpu-{self.threads}",
                              daemon=True).start()
 
-    def start(self, job: Callable[[int], None], number: int, wake: int) -> None:
+    def start(self, job: Callable[[int], None] | None, number: int, wake: int) -> None:
         """Publish ``job`` as run ``number`` (to every thread that looks: ``job(w)`` on pool
-        thread ``w``) and release up to ``wake`` blocked threads."""
-        self.job = number, job
+        thread ``w``; None for a GEMM run, published in :attr:`queue` first) and release up to
+        ``wake`` blocked threads."""
+        self.job = None if job is None else (number, job)
         with self._mutex:  # a thread checks the flag under the mutex before it blocks
             self.flags[_STARTED] = number
             gates, self._sleeping[:wake] = self._sleeping[:wake], []
@@ -165,7 +204,13 @@ class _Pool:
         gate.acquire()  # held: acquiring it again blocks until start() releases it
         seen, left = int(self.flags[_STARTED]), -1
         while True:
-            self.wait(_STARTED, seen + 1, _SLOT * w if left >= 0 else -1, left, self.linger)
+            post = _SLOT * w if left >= 0 else -1
+            if self.gemms is not None and self.rounds and budget().active >= 2:
+                # GEMM runs are served inside the spin, without the GIL (see run_gemms)
+                seen = self.gemms["serve_gemms"](self.flags, self.queue, post, left, _STARTED, seen, self.rounds,
+                                                 self.linger)
+            else:
+                self.wait(_STARTED, seen + 1, post, left, self.linger)
             with self._mutex:
                 blocked = self.flags[_STARTED] == seen
                 if blocked:
@@ -173,7 +218,9 @@ class _Pool:
             if blocked:
                 gate.acquire()
             seen = int(self.flags[_STARTED])
-            if self.job is not None:
+            if self.gemms is not None and self.queue[layout.Q_RUN] == seen:
+                self.gemms["take_gemms"](self.queue, seen)
+            elif self.job is not None:
                 left, job = self.job
                 job(w)
 
@@ -282,6 +329,58 @@ def _run(pool: _Pool, tasks: Sequence[Callable[[], object]], wake: int) -> None:
         raise failed[0]
 
 
+def run_gemms(table: np.ndarray) -> None:
+    """Compute the GEMM pieces of ``table`` (rows of descriptors, :meth:`GemmSplit.table`; or
+    (pieces, steps, descriptor): pieces of GEMMs run one after another) on
+    the calling thread and the pool, as :func:`run` does its tasks, but in compiled code: the
+    caller takes pieces from the queue in :func:`polyhal_cpu.native_loops.drive_gemms` and a
+    spinning pool thread from inside its spin, so neither runs Python, or needs the GIL, between
+    a piece and the next. (Handed out by :func:`run`, each piece cost ~80-100 us on a 2-core
+    VM: a pool thread takes the GIL to start its piece, and a thread that finds it taken sleeps
+    ~25 us.) A pool thread blocked on its lock is woken as for :func:`run`, and takes pieces
+    once it is back, the GIL released; a pool thread's piece the caller waits for, spinning for
+    :data:`GEMM_WAIT_US`, then yielding its CPU between looks."""
+    count = len(table)
+    state = budget()
+    pool = _threads(state.size) if count > 1 and state.active > 1 and not getattr(_local, "busy", False) else None
+    if pool is None or pool.gemms is None or not pool.dispatch.acquire(blocking=False):
+        _serial()(table.reshape(-1, layout.G_FIELDS))
+        return
+    queue, number, drive = pool.queue, int(pool.flags[_STARTED]) + 1, pool.gemms["drive_gemms"]
+    try:
+        _publish(queue, table, number)
+        pool.start(None, number, min(state.active, count) - 1)
+        while not drive(queue, number, pool.finish):
+            os.sched_yield()  # the pool thread may be waiting for this very CPU
+    finally:
+        # Pool threads read the table and write the operands through raw addresses: even when
+        # interrupted (KeyboardInterrupt in the sleep), return only once their pieces are done.
+        done = (number << layout.RUN_SHIFT) + count
+        while queue[layout.Q_FINISHED] < done and queue[layout.Q_RUN] == number:
+            time.sleep(GEMM_POLL_S)
+        pool.dispatch.release()
+
+
+_pieces: Callable[[np.ndarray], None] | None = None
+
+
+def _serial() -> Callable[[np.ndarray], None]:
+    """The compiled loop computing a table's pieces one after another on the calling thread."""
+    global _pieces
+    if _pieces is None:
+        _pieces = native.gemm_queue()["gemm_pieces"]
+    return _pieces
+
+
+def _publish(queue: np.ndarray, table: np.ndarray, number: int) -> None:
+    """Make ``table`` GEMM run ``number`` of ``queue`` (its number last: a thread that sees it
+    finds the rest in place)."""
+    queue[layout.Q_DESC], queue[layout.Q_COUNT] = table.ctypes.data, len(table)
+    queue[layout.Q_STEPS] = table.shape[1] if table.ndim == 3 else 1
+    queue[layout.Q_FINISHED] = queue[layout.Q_TAKEN] = number << layout.RUN_SHIFT
+    queue[layout.Q_RUN] = number
+
+
 def blocks(size: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
     """``range(size)`` as at most ``parts`` (lo, hi) blocks of near-equal length, every bound but
     the last a multiple of ``align`` (fewer blocks where ``size`` is short)."""
@@ -309,17 +408,21 @@ def grid(outer: int, inner: int, each: int, factor: float = 1) -> list[tuple[sli
     return [(slice(o, o + 1), slice(lo, hi)) for o in range(outer) for lo, hi in blocks(inner, per)]
 
 
-def gemm_pieces(m: int, n: int, k: int, batch: int = 1, b_size: int | None = None) -> int:
+def gemm_pieces(m: int, n: int, k: int, batch: int = 1, b_size: int | None = None,
+                piece_us: float | None = None, min_intensity: float | None = None) -> int:
     """How many threads' worth of pieces ``batch`` (m, k) @ (k, n) float32 products are worth
     (1: not cut): their estimated single-threaded time in :data:`GEMM_PIECE_US` units, at most
     the thread budget; 1 for products bound by memory (:data:`GEMM_MIN_INTENSITY`). ``b_size``:
     the elements the (k, n) operand is read from, where fewer than k * n (a convolution's taps
-    reading one padded image at shifted offsets)."""
+    reading one padded image at shifted offsets). ``piece_us``: the least estimated microseconds
+    of a piece (default :data:`GEMM_PIECE_US`); ``min_intensity``: default :data:`GEMM_MIN_INTENSITY`."""
     n_threads = threads()
     macs = m * n * k
-    if n_threads < 2 or macs < GEMM_MIN_INTENSITY * 4 * (m * k + (k * n if b_size is None else b_size) + m * n):
+    intensity = GEMM_MIN_INTENSITY if min_intensity is None else min_intensity
+    if n_threads < 2 or macs < intensity * 4 * (m * k + (k * n if b_size is None else b_size) + m * n):
         return 1
-    return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // GEMM_PIECE_US)))
+    least = GEMM_PIECE_US if piece_us is None else piece_us
+    return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // least)))
 
 
 class GemmSplit:
@@ -330,10 +433,17 @@ class GemmSplit:
     (one piece: not cut)."""
 
     def __init__(self, m: int, n: int, k: int, axis: int | None = None, batch: int = 1,
-                 align: int = GEMM_ALIGN) -> None:
-        parts = gemm_pieces(m, n, k, batch) * GEMM_PIECES_PER_THREAD
+                 align: int = GEMM_ALIGN, queued: bool = False) -> None:
+        # pieces for the GEMM queue (queued: the caller runs them by run_gemms where it can)
+        # hand off in microseconds: they are cut finer, thin products too
+        if queued and gemm_fn() is not None:
+            parts = gemm_pieces(m, n, k, batch, piece_us=GEMM_QUEUE_PIECE_US, min_intensity=GEMM_QUEUE_MIN_INTENSITY)
+        else:
+            parts = gemm_pieces(m, n, k, batch) * GEMM_PIECES_PER_THREAD
         self.axis = (0 if m >= n else 1) if axis is None else axis
         self.bounds = blocks(m if self.axis == 0 else n, parts, align)
+        self._lo, self._hi = (np.array(e, np.int64) for e in zip(*self.bounds)) if self.bounds else ((), ())
+        self._tables: dict[tuple, tuple[np.ndarray, tuple] | None] = {}  # table()'s templates, by strides
 
     def __len__(self) -> int:
         return len(self.bounds)
@@ -346,6 +456,94 @@ class GemmSplit:
         if self.axis == 0:
             return [partial(call, a[..., lo:hi, :], b, out[..., lo:hi, :]) for lo, hi in self.bounds]
         return [partial(call, a, b[..., lo:hi], out[..., lo:hi]) for lo, hi in self.bounds]
+
+    def table(self, a: np.ndarray, b: np.ndarray, out: np.ndarray, alpha: float = 1.0, beta: float = 0.0,
+              bias: np.ndarray | None = None, residual: np.ndarray | None = None, act: int = 0,
+              act_alpha: float = 0.0, act_beta: float = 0.0) -> np.ndarray | None:
+        """The pieces of ``out = act(alpha a @ b + beta bias + residual)`` for :func:`run_gemms`
+        (2-D float32 operands; ``bias`` broadcasts to ``out``'s shape: ``out`` is set to it
+        first, and BLAS adds ``alpha a @ b`` to ``beta`` times it; ``residual`` has ``out``'s
+        shape; ``act`` is a :func:`polyhal_cpu.native.activation_code`), or None where the
+        compiled queue is off, or an operand's strides are not ones BLAS reads in place (then
+        the caller computes it another way). Made from a template kept per operand strides:
+        a call costs a few microseconds (each operand's address, each piece's row)."""
+        operands = (a, b, out, bias, residual)
+        key = (a.strides, b.strides, out.strides, a.shape, b.shape,
+               None if bias is None else (bias.shape, bias.strides), None if residual is None else residual.strides,
+               alpha, beta, act, act_alpha, act_beta)
+        made = self._tables.get(key, False)
+        if made is False:
+            made = self._tables[key] = self._template(*operands, alpha, beta, act, act_alpha, act_beta)
+        if made is None:
+            return None
+        template, fields = made
+        t = template.copy()
+        for field, x, offsets in fields:
+            address = operands[x].ctypes.data
+            for p, offset in enumerate(offsets):
+                t[p, field] = address + offset
+        return t
+
+    def _template(self, a, b, out, bias, residual, alpha, beta, act, act_alpha, act_beta):
+        """:meth:`table`'s descriptors but the operands' addresses, and (field, operand, each
+        piece's offset in bytes) to fill them in; None where the strides do not do."""
+        fn = gemm_fn()
+        if fn is None or out.dtype != np.float32 or a.ndim != 2 or b.ndim != 2 or out.ndim != 2:
+            return None
+        from polyhal_cpu import blas
+
+        la, lb, lc = blas.layout2(a), blas.layout2(b), blas.layout2(out)
+        if la is None or lb is None or lc is None or lc[0] != blas.NO_TRANS:
+            return None
+        if bias is not None:  # its strides as broadcast to out's shape (0 along a broadcast dim)
+            if bias.ndim > 2 or bias.dtype != np.float32:
+                return None
+            padded = (1,) * (2 - bias.ndim) + bias.shape, (0,) * (2 - bias.ndim) + bias.strides
+            bias_strides = tuple(0 if d == 1 else st for d, st in zip(*padded))
+        strides = [a.strides, b.strides, out.strides, bias_strides if bias is not None else (0, 0),
+                   residual.strides if residual is not None else (0, 0)]
+        if any(s % 4 or s < 0 for pair in strides for s in pair) or (residual is not None and strides[4][1] != 4):
+            return None
+        t = np.zeros((len(self.bounds), layout.G_FIELDS), np.int64)
+        lo, hi, axis = self._lo, self._hi, self.axis
+        t[:, layout.G_FN], t[:, layout.G_WIDE], t[:, layout.G_GEMV] = fn
+        t[:, layout.G_TA], t[:, layout.G_LDA], t[:, layout.G_TB], t[:, layout.G_LDB] = *la, *lb
+        t[:, layout.G_LDC] = lc[1]
+        (m, k), n = a.shape, b.shape[1]
+        t[:, layout.G_M], t[:, layout.G_N], t[:, layout.G_K] = m, n, k
+        t[:, layout.G_M if axis == 0 else layout.G_N] = hi - lo
+        t[:, layout.G_ALPHA], t[:, layout.G_BETA] = float_bits(alpha), float_bits(beta if bias is not None else 0.0)
+        t[:, layout.G_ACT] = act
+        t[:, layout.G_ACT_ALPHA], t[:, layout.G_ACT_BETA] = float_bits(act_alpha), float_bits(act_beta)
+        t[:, layout.G_BIAS_ROW], t[:, layout.G_BIAS_COL] = strides[3][0] // 4, strides[3][1] // 4
+        t[:, layout.G_LDR] = strides[4][0] // 4
+        # each piece starts at element (lo, 0) of A, C, bias and residual (blocks of rows), or
+        # at (0, lo) of B, C, bias and residual (blocks of columns)
+        cut = (axis == 0, axis == 1, True, True, True)
+        present = (True, True, True, bias is not None, residual is not None)
+        fields = [(field, x, [int(v) * strides[x][axis] if cut[x] else 0 for v in lo])
+                  for x, field in enumerate((layout.G_A, layout.G_B, layout.G_C, layout.G_BIAS, layout.G_RES))
+                  if present[x]]
+        return t, fields
+
+
+def float_bits(x: float) -> int:
+    """The bits of float32 ``x``, as the GEMM queue's descriptors hold a float."""
+    return int(np.float32(x).view(np.int32))
+
+
+_fn: tuple[int, int, int] | None | bool = False
+
+
+def gemm_fn() -> tuple[int, int, int] | None:
+    """:func:`polyhal_cpu.blas.gemm_address` for the GEMM queue, or None where the queue is off
+    (no compiled loops, or no BLAS this backend can call)."""
+    global _fn
+    if _fn is False:
+        from polyhal_cpu import blas
+
+        _fn = blas.gemm_address() if native.gemm_queue() is not None else None
+    return _fn
 
 
 def _matmul(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:

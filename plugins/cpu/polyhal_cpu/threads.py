@@ -32,12 +32,13 @@ price of pieces handed out in Python: a pool thread needs the GIL to start a pie
 finds it taken sleeps (~25 µs to wake on a VM), where a BLAS worker starts at once; pool threads
 spin for the next run while the budget's CPUs are free (:mod:`polyhal_cpu.parallel`), which
 saves the wake-up from a blocked thread but not the GIL, so kernels under ~0.2 ms run on one
-core. Measured on a 2-core VM with the benchmark at real-time priority (the machine otherwise
-busy), median ms, threaded BLAS before / this pool before it spun / one thread: ResNet-50 b1 57
-/ 61-63 / 102, DenseNet-121 b1 55 / 62 / 84, DistilBERT 83 / 92 / 135; MobileNetV3-large b1,
-whose kernels are ~0.1-0.3 ms, 6.8 / 9.3-9.9 / 9.3 (the spin: see polyhal_cpu.parallel). With
-other processes running, threaded BLAS took 3-8x longer (ResNet-50 b1 540-740 ms against
-110-170 ms).
+core -- but for float32 GEMMs and attention, whose pieces the pool computes in compiled code
+without the GIL (:func:`polyhal_cpu.parallel.run_gemms`), cut from ~15 us of work. Measured on a
+2-core VM with the benchmark at real-time priority (the machine otherwise busy), median ms,
+threaded BLAS before / this pool before it spun / one thread: ResNet-50 b1 57 / 61-63 / 102,
+DenseNet-121 b1 55 / 62 / 84, DistilBERT 83 / 92 / 135; MobileNetV3-large b1, whose kernels are
+~0.1-0.3 ms, 6.8 / 9.3-9.9 / 9.3 (the spin: see polyhal_cpu.parallel). With other processes
+running, threaded BLAS took 3-8x longer (ResNet-50 b1 540-740 ms against 110-170 ms).
 
 **Shared cores.** :meth:`Budget.adjust`, called once per plan run, looks every
 :data:`SAMPLE_SECONDS` at how busy the budget's CPUs were with *other* processes' work

@@ -94,8 +94,15 @@ def _attention_cases():
     }
 
 
+@pytest.mark.parametrize("queue", [True, False], ids=["gemm queue", "numpy steps"])
 @pytest.mark.parametrize("case", list(_attention_cases()))
-def test_attention_edge_cases(case):
+def test_attention_edge_cases(case, queue, monkeypatch):
+    # float32 attention runs on the pool's compiled GEMM queue where there is one (its
+    # softmax an epilogue of the scores' GEMM); without it, as numpy and compiled steps
+    if not queue:
+        from polyhal_cpu import parallel
+
+        monkeypatch.setattr(parallel, "_fn", None)
     inputs, scale = _attention_cases()[case]
     (got,), (want,) = _run("attention", inputs, {} if scale is None else {"scale": scale})
     if inputs[0].dtype == np.float16:
@@ -108,8 +115,9 @@ def test_attention_edge_cases(case):
 def test_attention_scores_in_blocks_of_rows(case, monkeypatch):
     # Blocks of a few query rows for the scores' GEMM (and a shorter tail block), with the
     # transposing copy of k in several tiles: the same results as the reference.
-    from polyhal_cpu import nn_kernels
+    from polyhal_cpu import nn_kernels, parallel
 
+    monkeypatch.setattr(parallel, "_fn", None)  # numpy's steps: the GEMM queue has no such blocks
     monkeypatch.setattr(nn_kernels, "_ATTENTION_SCORE_MACS", 1)  # the fewest rows a block has: 16
     monkeypatch.setattr(nn_kernels, "_TRANSPOSE_TILE", 3)
     inputs, scale = _attention_cases()[case]

@@ -52,8 +52,12 @@ def test_split_kernels_match_reference(monkeypatch, n_threads, name, shapes, att
 
 def _split_everything(monkeypatch, n_threads: str) -> None:
     """Cut every kernel as finely as it may be cut (the thresholds down to one element)."""
-    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0)):
+    from polyhal_cpu import kernels
+
+    for name, value in (("MIN_ELEMENTS", 1), ("GEMM_PIECE_US", 1e-9), ("GEMM_ALIGN", 1), ("GEMM_MIN_INTENSITY", 0),
+                        ("GEMM_QUEUE_PIECE_US", 1e-9)):
         monkeypatch.setattr(parallel, name, value)
+    monkeypatch.setattr(kernels, "LAYER_NORM_PIECE", 1)
     monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
     _reset_budget(monkeypatch)
 
@@ -74,6 +78,17 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("linear", [(301, 17), (17, 257), (257,)], {}),
     ("gemm", [(9, 263), (257, 9), (257,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 1, "trans_b": 1}),
     ("fused_linear", [(21, 17), (17, 33), (33,), (21, 33)], {"activation": "gelu", "alpha": 0.0, "beta": 0.0}),
+    # one row: matrix-vector products (sgemv on the GEMM queue), cut into blocks of columns
+    ("linear", [(1, 37), (37, 53), (53,)], {}),
+    ("fused_linear", [(1, 1, 40), (40, 70), (70,), (1, 1, 70)], _CONV),
+    ("gemm", [(1, 37), (53, 37), (53,)], {"alpha": 0.5, "beta": 2.0, "trans_a": 0, "trans_b": 1}),
+    ("gemm", [(37, 1), (37, 53)], {"alpha": 1.5, "beta": 1.0, "trans_a": 1, "trans_b": 0}),
+    ("matmul", [(1, 1, 19), (19, 53)], {}),
+    ("layer_norm", [(3, 7, 19), (19,), (19,)], {"axis": -1, "epsilon": 1e-5}),  # blocks of rows, queued
+    ("layer_norm", [(5, 6, 7), (6, 7), (6, 7)], {"axis": 1, "epsilon": 1e-3}),
+    # C broadcast along rows (a column) and a whole C
+    ("gemm", [(61, 5), (5, 7), (61, 1)], {"alpha": 1.0, "beta": 0.5, "trans_a": 0, "trans_b": 0}),
+    ("gemm", [(5, 61), (7, 5), (61, 7)], {"alpha": 2.0, "beta": -1.0, "trans_a": 1, "trans_b": 1}),
     ("conv", [(2, 5, 9, 9), (7, 5, 1, 1)], _geometry()),  # pointwise, column pieces
     ("fused_conv", [(3, 5, 9, 9), (70, 5, 1, 1), (70,), (3, 70, 9, 9)], _geometry(**_CONV)),  # column pieces
     ("fused_conv", [(2, 5, 5, 5), (70, 5, 1, 1), (70,), (2, 70, 5, 5)], _geometry(**_CONV)),  # row pieces
@@ -402,6 +417,36 @@ def test_pool_thread_never_spins_while_cores_are_shared(monkeypatch):
     parallel._run(pool, [piece, piece], 1)
     assert len(set(ran)) == 2  # it took part, woken from its lock
     assert _until(lambda: len(pool._sleeping) == 1, seconds=2)
+
+
+def test_pool_thread_serves_gemm_runs_from_its_spin_and_its_lock(monkeypatch):
+    """A GEMM run published on the pool's queue is computed by the pool thread alone (the
+    caller takes no piece here): once woken from its lock, once from inside its spin."""
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    _reset_budget(monkeypatch)
+    threads.budget().active = 2
+    pool = _spinning_pool()
+    if pool.gemms is None or parallel.gemm_fn() is None:
+        pytest.skip("no compiled GEMM queue here")
+    from polyhal_cpu import native
+    from polyhal_cpu import queue_layout as layout
+
+    pool.rounds = int(5 / parallel._round_seconds(pool._spin))  # a 5 s bound
+    rng = np.random.default_rng(3)
+    a, b, bias = (rng.standard_normal(s).astype(np.float32) for s in ((37, 19), (19, 29), (29,)))
+    split = parallel.GemmSplit(37, 29, 19, axis=0, align=1)
+    split.bounds = parallel.blocks(37, 3)
+    split._lo, split._hi = (np.array(e, np.int64) for e in zip(*split.bounds))
+    for woken in ("from its lock", "from its spin"):
+        out = np.full((37, 29), np.nan, np.float32)
+        table = split.table(a, b, out, 1.0, 1.0, bias, None, native.activation_code("relu"))
+        number = int(pool.flags[parallel._STARTED]) + 1
+        parallel._publish(pool.queue, table, number)
+        pool.start(None, number, 1)
+        done = (number << layout.RUN_SHIFT) + 3
+        assert _until(lambda: pool.queue[layout.Q_FINISHED] == done), woken
+        np.testing.assert_allclose(out, np.maximum(a @ b + bias, 0), rtol=1e-5, atol=1e-5)
+        assert not pool._sleeping  # it spins on after the run
 
 
 @pytest.mark.parametrize("n_threads", ["2", "3"])
