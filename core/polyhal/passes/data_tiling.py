@@ -68,12 +68,20 @@ def _encoded(v: Value, encoding, role: str) -> Value:
     return Value(TensorType(v.type.shape, v.type.dtype, encoding), f"{v.name}.{role}", v.program_id)
 
 
+#: Input channels up to which a dense conv joins the chain of its result as its "stem": it reads
+#: its input (an RGB image) as it lies and writes the chain's layout, where converting the image
+#: costs as much as the conv (a 3-channel transpose is a strided gather: 0.18 ms at 224x224) and
+#: converting the result more (MobileNetV3's and EfficientNet's first convs, 16 and 32 channels
+#: at 112x112).
+STEM_CHANNELS = 4
+
+
 def _chain_kind(op: Op) -> str | None:
     """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
     polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
-    of those kinds, "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N
-    and C (and scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept);
-    else None."""
+    of those kinds, "stem" for another dense one of few input channels (:data:`STEM_CHANNELS`),
+    "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N and C (and
+    scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept); else None."""
     if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
         return None
     if op.name in CHANNEL_BLOCKED_ELEMENTWISE or op.name == "reduce_mean":
@@ -98,13 +106,16 @@ def _chain_kind(op: Op) -> str | None:
     if w.shape[2:] == (1, 1) and group == 1 and list(a.get("strides") or [1, 1]) == [1, 1] \
             and not any(a.get("pads") or ()):
         return "pointwise"
+    if group == 1 and x.shape[1] <= STEM_CHANNELS:
+        return "stem"
     return None
 
 
 def _maps(op: Op) -> list[int]:
-    """The operand positions of ``op`` that are feature maps of its chain."""
+    """The operand positions of ``op`` that are feature maps of its chain (a stem's input is
+    not: it reads its image as it lies)."""
     if op.name in ("conv", "fused_conv"):
-        return [0, *range(3, len(op.inputs))]
+        return [*([] if _chain_kind(op) == "stem" else [0]), *range(3, len(op.inputs))]
     return [i for i, v in enumerate(op.inputs) if v.type.rank > 0]
 
 

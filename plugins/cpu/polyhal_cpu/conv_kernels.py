@@ -702,7 +702,7 @@ def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int
 
 def _rows_bytes(problem, _workgroup_size: int) -> int:
     """A tile's worth of output and of input rows (``rows``) for each piece of a blocked 1x1 conv."""
-    tiles = _pointwise_tiles(problem.attrs, *problem.in_types[:2])
+    tiles = None if problem.in_types[0].rank == 4 else _pointwise_tiles(problem.attrs, *problem.in_types[:2])
     if tiles is None:
         return 0
     _, c, _, pieces = tiles
@@ -716,6 +716,8 @@ def _rows_bytes(problem, _workgroup_size: int) -> int:
                 purpose="a 1x1 conv's last pixels padded to a tile, and a tile reaching past the output")])
 def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_t, w_t = ins[0], ins[1]
+    if x_t.rank == 4:  # a chain's first conv, reading the image as it lies
+        return _image_conv(attrs, ins, outs) or _relaid_conv(device, attrs, ins, outs)
     n, _, h, wd, c = x_t.shape
     m, cg, kh, kw = w_t.shape
     _, _, oh, ow, _ = outs[0].shape
@@ -799,18 +801,67 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
             b = rest[0] if has_bias else zero_bias
             parallel.run([partial(piece, x2, wt, b, r, out, lo, hi) for lo, hi in split.bounds])
         return gemm
-    # Anything else: the NCHW kernel between two relayouts.
-    dense = TensorType((n, c, h, wd), x_t.dtype), TensorType((n, m, oh, ow), x_t.dtype)
+    return _relaid_conv(device, attrs, ins, outs)
+
+
+def _relaid_conv(device, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    """Any other blocked conv: the NCHW kernel between relayouts (of the input, unless it is an
+    image as it lies, and of the residual and the result)."""
+    x_t, w_t = ins[0], ins[1]
+    has_bias, has_residual = len(ins) >= 3, len(ins) == 4
+    n, _, oh, ow, m = outs[0].shape
+    dense = (x_t if x_t.rank == 4 else _unblocked(x_t)), TensorType((n, m, oh, ow), x_t.dtype)
     dense_ins = (dense[0], w_t, TensorType((m,), x_t.dtype)) + ((dense[1],) if has_residual else ())
     inner = TABLE.prepare(device, "fused_conv", {k: attrs[k] for k in attrs}, dense_ins, (dense[1],))
+    zero_bias = np.zeros(m, x_t.dtype)
+    unblock = lambda a: np.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))  # noqa: E731
 
     def relayout(x, w, *rest):
-        unblock = lambda a: np.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))  # noqa: E731
         y = np.empty(dense[1].shape, x_t.dtype)
         extra = (unblock(rest[1]),) if has_residual else ()
-        inner(unblock(x), w, rest[0] if has_bias else zero_bias, *extra, y)
+        inner(x if x_t.rank == 4 else unblock(x), w, rest[0] if has_bias else zero_bias, *extra, y)
         np.copyto(rest[-1][:, 0], y.transpose(0, 2, 3, 1))
     return relayout
+
+
+def _unblocked(t: TensorType) -> TensorType:
+    """The (N, C, H, W) type of a (N, 1, H, W, C) channel-blocked storage type."""
+    n, _, h, w, c = t.shape
+    return TensorType((n, c, h, w), t.dtype)
+
+
+def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
+    """A chain's first conv reading the image as it lies, (N, C, H, W), into a channels-last map
+    (see :func:`polyhal_cpu.native.conv_image_channels_last`): no relayout of the image and none
+    of the result. None where the compiled loops do not serve (float32, one group)."""
+    x_t, w_t = ins[0], ins[1]
+    n, c, h, wd = x_t.shape
+    m, _, kh, kw = w_t.shape
+    _, _, oh, ow, _ = outs[0].shape
+    s, p, d = ([int(v) for v in attrs[k]] for k in ("strides", "pads", "dilations"))
+    activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
+    has_bias, has_residual = len(ins) >= 3, len(ins) == 4
+    zero_bias = np.zeros(m, x_t.dtype)
+    zero_bias.flags.writeable = False
+    if not (x_t.dtype == _F32 and native.available(_F32) and int(attrs["group"]) == 1):
+        return None
+    act = native.activation_code(activation)
+    taps = _Relaid(lambda w: w.transpose(2, 1, 3, 0))  # (kh, C, kw, M)
+    # per tap (i, c, j): its input offset and its weights' offset (kernel rows outermost)
+    order = [(i, ch, j) for i in range(kh) for ch in range(c) for j in range(kw)]
+    xoff = np.array([ch * h * wd + i * d[0] * wd + j * d[1] for i, ch, j in order], np.int64)
+    woff = np.array([((i * c + ch) * kw + j) * m for i, ch, j in order], np.int64)
+    # pieces: blocks of images, or of output rows of one image
+    pieces = [((ns.start or 0, n if ns.stop is None else ns.stop), (ys.start or 0, oh if ys.stop is None else ys.stop))
+              for ns, ys in parallel.grid(n, oh, ow * m, factor=18 / (c * kh * kw))]
+
+    def image_conv(x, w, *rest):
+        wt, b = np.ascontiguousarray(taps(w)), rest[0] if has_bias else zero_bias
+        r = np.ascontiguousarray(rest[1][:, 0]) if has_residual else None
+        xs, out = np.ascontiguousarray(x), rest[-1][:, 0]
+        parallel.run([partial(native.conv_image_channels_last, xs, wt, xoff, woff, b, r, out, ns, ys, s, p[:2], d,
+                              act, alpha, beta) for ns, ys in pieces])
+    return image_conv
 
 
 # ------------------------------------------------------------------------------ conv_transpose

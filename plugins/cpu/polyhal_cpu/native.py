@@ -36,7 +36,8 @@ import numpy as np
 
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "conv_image_channels_last",
+           "depthwise",
            "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
            "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
@@ -161,6 +162,14 @@ def _warm(loops: dict[str, Callable]) -> None:
     tiles.flags.writeable = False
     for residual in (none4, nhwc):
         loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
+    # A network's first conv: the image as given (either kind), into a channels-last map.
+    image_taps = np.zeros((1, 2, 1, 8), np.float32)  # (kh, C, kw, M): a plan's constant relaid, writable
+    offsets = np.zeros(2, np.int64)
+    for x in (img, ro_img):
+        for residual in (none4, np.zeros((1, 3, 3, 8), np.float32)):
+            loops["conv_image_channels_last"](x, image_taps, offsets, offsets, ro_bias[:8], residual,
+                                              np.zeros((1, 3, 3, 8), np.float32), 0, 1, 0, 3, 1, 1, 0, 0, 1, 1, 1,
+                                              *_F32_PAIR)
     loops["spin_wait"](np.zeros(2, np.int64), -1, 0, 0, 0, 1, 0)
 
 
@@ -368,6 +377,18 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+def conv_image_channels_last(x: np.ndarray, taps: np.ndarray, xoff: np.ndarray, woff: np.ndarray, bias: np.ndarray,
+                             residual: np.ndarray | None, out: np.ndarray, ns: tuple, ys: tuple, s: tuple, p: tuple,
+                             d: tuple, act: int, alpha: float, beta: float) -> None:
+    """Images ``ns`` (first, last + 1), output rows ``ys`` of a dense 2-D convolution of (N, C, H,
+    W) ``x`` by (kh, C, kw, M) ``taps`` into channels-last (N, oh, ow, M) ``out``, with bias,
+    optional residual and activation ``act``; ``xoff``/``woff``: the taps' offsets (see
+    :func:`polyhal_cpu.native_loops.conv_image_channels_last`)."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["conv_image_channels_last"](x, taps, xoff, woff, bias, none, out, ns[0], ns[1], ys[0], ys[1], s[0],
+                                            s[1], p[0], p[1], d[0], d[1], act, np.float32(alpha), np.float32(beta))
 
 
 def spin_wait() -> Callable[[np.ndarray, int, int, int, int, int, int], None] | None:

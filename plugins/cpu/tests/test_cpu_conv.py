@@ -13,7 +13,7 @@ from polyhal.errors import ProgramError, ShapeError
 from polyhal.ops import OPS
 from polyhal.ir.types import TensorType
 from polyhal_cpu import blas as polyhal_cpu_blas
-from polyhal_cpu import conv_kernels, native
+from polyhal_cpu import conv_kernels, native, parallel, threads
 from polyhal_cpu.kernels import prepare
 from polyhal_cpu.scratch import standalone
 
@@ -263,6 +263,42 @@ def test_blocked_conv_kernel(shapes, activation):
             kernel(*ins, out)
             (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
+
+
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("xs, ws, geometry", [
+    ((1, 3, 37, 45), (16, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),  # a stem
+    ((2, 3, 21, 30), (32, 3, 3, 3), {"strides": [2, 2], "pads": [0, 1, 1, 0], "dilations": [1, 1]}),
+    ((1, 4, 13, 27), (24, 4, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 2]}),   # 8 lanes
+    ((2, 1, 11, 12), (5, 1, 3, 3), {"strides": [1, 2], "pads": [1, 0, 1, 2], "dilations": [1, 1]}),    # no tiles
+    ((1, 3, 9, 9), (16, 3, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),     # edges only
+])
+@pytest.mark.parametrize("activation", ["none", "hard_swish", "silu"])
+def test_blocked_conv_of_an_image(n_threads, xs, ws, geometry, activation, monkeypatch):
+    """A chain's first conv reading its (N, C, H, W) image as it lies into a channels-last map
+    (tiles of 8 pixels x 32, 16 or 8 channels, the last tile of a row moved left, edge pixels
+    tap by tap, kernel rows clipped at the top and bottom), with and without a residual, cut into
+    as many pieces as it may be, against the reference."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    alpha, beta = {"hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    attrs = {**geometry, "group": 1, "activation": activation, "alpha": alpha, "beta": beta}
+    w = _f(*ws)
+    w.flags.writeable = False
+    for residual in (False, True):
+        ins = [_f(*xs), w, _f(ws[0])]
+        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        if residual:
+            ins.append(_f(*out_type.shape))
+        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"residual {residual}")
 
 
 @pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32)])
