@@ -788,6 +788,13 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         # OpenBLAS multiplies by a contiguous (C, M) ~10% faster than by the transposed view of
         # (M, C) (measured single-threaded on MobileNet's 1x1 convs).
         transposed = _Relaid(lambda w: w.reshape(m, c).T)
+        if pixels < native.GEMM_MR:  # squeeze-excite convs over a 1x1 map: the weights read once
+            def matvec(x, w, *rest):
+                r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
+                native.matvec_channels_last(np.ascontiguousarray(x).reshape(pixels, c), transposed(w),
+                                            rest[0] if has_bias else zero_bias, r, rest[-1].reshape(pixels, m), act,
+                                            alpha, beta)
+            return matvec
 
         split = parallel.GemmSplit(pixels, m, c, axis=0)  # blocks of pixels, each finished as it is made
 

@@ -37,11 +37,10 @@ import numpy as np
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "conv_image_channels_last",
-           "depthwise",
-           "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
+           "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
-           "gemm_tiles_bytes", "im2col", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
-           "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
+           "gemm_tiles_bytes", "im2col", "layer_norm", "matvec_channels_last", "pack_gemm_weights", "pad_channels",
+           "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -162,6 +161,9 @@ def _warm(loops: dict[str, Callable]) -> None:
     tiles.flags.writeable = False
     for residual in (none4, nhwc):
         loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
+    for residual in (m[:0, :0], wide):  # a squeeze-excite 1x1 conv of one pixel: 4 -> GEMM_NR channels
+        loops["matvec_channels_last"](m[:1], np.zeros((4, GEMM_NR), np.float32), ro_bias, residual[:1], wide[:1].copy(),
+                                      1, *_F32_PAIR)
     # A network's first conv: the image as given (either kind), into a channels-last map.
     image_taps = np.zeros((1, 2, 1, 8), np.float32)  # (kh, C, kw, M): a plan's constant relaid, writable
     offsets = np.zeros(2, np.int64)
@@ -389,6 +391,14 @@ def conv_image_channels_last(x: np.ndarray, taps: np.ndarray, xoff: np.ndarray, 
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["conv_image_channels_last"](x, taps, xoff, woff, bias, none, out, ns[0], ns[1], ys[0], ys[1], s[0],
                                             s[1], p[0], p[1], d[0], d[1], act, np.float32(alpha), np.float32(beta))
+
+
+def matvec_channels_last(x: np.ndarray, wt: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
+                         out: np.ndarray, act: int, alpha: float, beta: float) -> None:
+    """(pixels, M) ``out`` = activation ``act`` of (pixels, C) ``x`` @ (C, M) ``wt`` + bias (+
+    residual), for a few pixels (see :func:`polyhal_cpu.native_loops.matvec_channels_last`)."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _compiled()["matvec_channels_last"](x, wt, bias, none, out, act, np.float32(alpha), np.float32(beta))
 
 
 def spin_wait() -> Callable[[np.ndarray, int, int, int, int, int, int], None] | None:

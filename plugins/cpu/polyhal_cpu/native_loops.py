@@ -17,8 +17,8 @@ from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
            "depthwise_flat_rows", "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf", "gelu_tanh",
-           "gemm_channels_last", "gemm_tiles", "im2col", "im2col_phases", "layer_norm", "pool2d", "relu", "scale_rows",
-           "scale_shift_rows", "softmax_rows", "spin_wait"]
+           "gemm_channels_last", "gemm_tiles", "im2col", "im2col_phases", "layer_norm", "matvec_channels_last",
+           "pool2d", "relu", "scale_rows", "scale_shift_rows", "softmax_rows", "spin_wait"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
 # "reassoc" lets LLVM vectorise the row sums (in any order, as numpy's pairwise sum does).
@@ -568,6 +568,34 @@ def epilogue_channels_last(y, bias, residual, act, alpha, beta):
                 for c in range(cols):
                     y[r, c] += bias[c]
         activate_row(flat[r0 * cols:r1 * cols], act, alpha, beta)
+
+
+@_jit
+def matvec_channels_last(x, wt, bias, residual, out, act, alpha, beta):
+    """out (pixels, M) = act(x (pixels, C) @ wt (C, M) + bias (+ residual (pixels, M), or
+    (0, 0))) for a few pixels (a squeeze-excite block's 1x1 convs over a 1x1 map): each row of
+    the weights is read once, from memory, and added into every pixel's output row, which stay
+    in L1 (a GEMM of one row packs all the weights first: OpenBLAS's sgemm took 60-100 us for
+    MobileNetV3's 960 -> 240 channels, memory-bound at ~0.9 MB)."""
+    pixels, cdim = x.shape
+    m = out.shape[1]
+    has_residual = residual.shape[0] != 0
+    for p in range(pixels):
+        orow = out[p]
+        for k in range(m):
+            orow[k] = bias[k]
+    for c in range(cdim):
+        wrow = wt[c]
+        for p in range(pixels):
+            v, orow = x[p, c], out[p]
+            for k in range(m):
+                orow[k] += v * wrow[k]
+    for p in range(pixels):
+        orow = out[p]
+        if has_residual:
+            for k in range(m):
+                orow[k] += residual[p, k]
+        activate_row(orow, act, alpha, beta)
 
 
 #: Channels from which the depthwise loop takes 4 output pixels at a time (below, the wider

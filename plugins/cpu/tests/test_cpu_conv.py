@@ -233,6 +233,9 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
     ((2, 100, 9, 10), (100, 1, 5, 5), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
     ((1, 96, 10, 14), (96, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
     ((2, 20, 6, 7), (12, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+    # squeeze-excite convs over a 1x1 map: fewer pixels than a tile's rows
+    ((1, 40, 1, 1), (24, 40, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+    ((3, 20, 1, 2), (37, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
     # depthwise tiles of 8 pixels x 8 or 16 channels, kernel rows clipped at the top and bottom
     ((1, 24, 9, 40), (24, 1, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 2]}),
     ((2, 32, 7, 30), (32, 1, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 1]}),
