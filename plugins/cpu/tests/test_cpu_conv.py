@@ -333,6 +333,18 @@ def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
 
 
+@pytest.mark.parametrize("shape", [(1, 1, 37, 29, 24), (3, 1, 5, 7, 13), (2, 1, 1, 1, 960)])
+def test_global_average_pool_of_a_blocked_map(shape):
+    """reduce_mean over the pixels of channel-blocked storage (a squeeze-excite block's pool),
+    as a matrix-vector product per image, against numpy's mean in float64."""
+    x = _f(*shape)
+    attrs = {"axes": [2, 3], "keepdims": True}
+    (out_type,) = OPS["reduce_mean"].infer((TensorType(shape, np.float32),), attrs)
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare("reduce_mean", attrs, (TensorType(shape, np.float32),), (out_type,))(x, out)
+    np.testing.assert_allclose(out, x.astype(np.float64).mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
+
+
 def test_native_loops_serve_float32():
     assert native.available(np.float32) in (True, False)  # no numba: the numpy paths ran above
 
