@@ -679,19 +679,31 @@ def _blocked_pointwise(x_t: TensorType, w_t: TensorType, attrs: dict) -> bool:
             and int(attrs["group"]) == 1)
 
 
+def _channel_multiple(m: int) -> int | None:
+    """What a blocked 1x1 conv's M output channels are padded to for the tiles (GEMM_NR, or 16
+    for tiles of 16 channels), or None where padding would waste more than a quarter.
+
+    Output channels are computed GEMM_NR (or 16) at a time, pixels GEMM_MR at a time. Where
+    padding M up wastes more (24 channels: as fast as OpenBLAS either way), or there are fewer
+    pixels than a tile has rows (the squeeze-excite convs of a 1x1 map, a matrix-vector
+    product), OpenBLAS's sgemm and an epilogue pass run it. Tiles of 16 channels serve the
+    projections to 16 * odd channels, which GEMM_NR-wide tiles padded by 16 (measured
+    single-threaded, MobileNetV3's: 16 channels at 112x112 135-179 -> 73 us, 80 at 14x14
+    75-93 -> 62-79 us, 112 at 14x14 303-340 -> 273 us; 40 at 28x28 5% faster, in 3 tiles of 16)."""
+    for multiple in (native.GEMM_NR, 16):
+        if (-(-m // multiple) * multiple - m) * 4 <= m:
+            return multiple
+    return None
+
+
 def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int, int, int, list] | None:
     """(pixels, C, M, pieces) of a blocked 1x1 conv that takes the compiled tiles, else None;
     the pieces are blocks of whole tiles' rows of pixels, (first, last + 1, pixels per block of
     :func:`polyhal_cpu.native.gemm_channels_last`), as many as the product is worth threads."""
     n, _, h, wd, c = x_t.shape
     m, pixels = w_t.shape[0], n * h * wd
-    # Output channels are computed GEMM_NR at a time, pixels GEMM_MR at a time: where padding M
-    # up would waste more than an eighth, or there are fewer pixels than a tile has rows (the
-    # squeeze-excite convs of a 1x1 map, a matrix-vector product), OpenBLAS does better (measured:
-    # 16, 40 and 80 channels out 10-50% slower; a 1x1 map 240 -> 960 channels 4x slower).
-    waste = -(-m // native.GEMM_NR) * native.GEMM_NR - m
-    if not (TILES and waste * 8 <= m and pixels >= native.GEMM_MR and x_t.dtype == _F32 and native.available(_F32)
-            and _blocked_pointwise(x_t, w_t, attrs)):
+    if not (TILES and _channel_multiple(m) and pixels >= native.GEMM_MR and x_t.dtype == _F32
+            and native.available(_F32) and _blocked_pointwise(x_t, w_t, attrs)):
         return None
     # Blocks of pixels, each reading all the weights: the thin products of few input channels
     # (EfficientNet's 16 -> 96 at 112x112, 24 -> 144 at 56x56) are bound by memory and are not
@@ -771,8 +783,9 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         # per piece: its pixels, and its own tile (cbuf) and padded input rows (apad)
         parts = [(slice(lo, hi), rows[i, :native.GEMM_MR * native.GEMM_NR], rows[i, native.GEMM_MR * native.GEMM_NR:],
                   block) for i, (lo, hi, block) in enumerate(pieces)]
-        packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T))
-        padded_bias = _Relaid(native.pad_channels)
+        multiple = _channel_multiple(m)
+        packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T, multiple))
+        padded_bias = _Relaid(partial(native.pad_channels, multiple=multiple))
 
         def pointwise_tiles(x, w, *rest):
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None

@@ -305,11 +305,11 @@ def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, 
 GEMM_ROWS_BLOCK_BYTES = 256 << 10
 
 
-def pad_channels(a: np.ndarray) -> np.ndarray:
-    """``a`` with its last axis zero-padded to a multiple of GEMM_NR (weights (C, M) and bias
-    (M,) as :func:`gemm_channels_last` reads them)."""
+def pad_channels(a: np.ndarray, multiple: int = GEMM_NR) -> np.ndarray:
+    """``a`` with its last axis zero-padded to a multiple of ``multiple`` (GEMM_NR, or 16 for
+    (GEMM_MR, 16) tiles; weights (C, M) and bias (M,) as :func:`gemm_channels_last` reads them)."""
     m = a.shape[-1]
-    padded = np.zeros(a.shape[:-1] + (-(-m // GEMM_NR) * GEMM_NR,), np.float32)
+    padded = np.zeros(a.shape[:-1] + (-(-m // multiple) * multiple,), np.float32)
     padded[..., :m] = a
     return padded
 

@@ -1052,7 +1052,7 @@ def conv_image_channels_last(x, taps, xoff, woff, bias, residual, out, n0, n1, y
 GEMM_MR, GEMM_NR = 8, 32
 
 
-def _tile_codegen(strided: bool, bias_of: str | None):
+def _tile_codegen(strided: bool, bias_of: str | None, nv: int = GEMM_NR // 16):
     """The micro-kernel's IR: A packed (k-major panels of GEMM_MR rows) or, ``strided``, read
     where it lies (row r at a + r * ars floats, consecutive along k); with ``bias_of``, finished
     in registers before it is stored: + the bias (``"columns"``: GEMM_NR values at ``bias``, the
@@ -1068,7 +1068,6 @@ def _tile_codegen(strided: bool, bias_of: str | None):
         i64, i32t, f32t = ir.IntType(64), ir.IntType(32), ir.FloatType()
         vec = ir.VectorType(f32t, 16)
         fptr, vptr, i8p = f32t.as_pointer(), vec.as_pointer(), ir.IntType(8).as_pointer()
-        nv = GEMM_NR // 16
         module = builder.module
         fma = module.globals.get("llvm.fma.v16f32") or ir.Function(module, ir.FunctionType(vec, [vec, vec, vec]),
                                                                    "llvm.fma.v16f32")
@@ -1148,13 +1147,13 @@ def _tile_codegen(strided: bool, bias_of: str | None):
     return codegen
 
 
-def _make_tile(strided: bool, bias_of: str | None):
+def _make_tile(strided: bool, bias_of: str | None, nv: int = GEMM_NR // 16):
     from numba import types
     from numba.extending import intrinsic
 
     if bias_of is not None:
         def typer(typingctx, a, ars, b, rowoff, k, c, ldc, bias, res, ldr, relu):
-            return types.void(*[types.intp] * 11), _tile_codegen(strided, bias_of)
+            return types.void(*[types.intp] * 11), _tile_codegen(strided, bias_of, nv)
     else:
         def typer(typingctx, a, ars, b, rowoff, k, c, ldc):
             return types.void(*[types.intp] * 7), _tile_codegen(strided, None)
@@ -1168,8 +1167,10 @@ def _make_tile(strided: bool, bias_of: str | None):
 #: tile finished before it is stored (a bias per row; see :func:`_tile_codegen`);
 #: ``_tile_strided`` (same arguments): A's row r at a + r * ars floats, a bias per column.
 #: The accumulators live in 2 * GEMM_MR vector registers across the k loop; each step loads
-#: GEMM_NR values of B and broadcasts GEMM_MR of A.
+#: GEMM_NR values of B and broadcasts GEMM_MR of A. ``_tile_strided16``: ``_tile_strided`` of
+#: (GEMM_MR, 16) tiles, for outputs of 16 * odd channels (16, 80, 112: no padding wasted).
 _tile, _tile_fused, _tile_strided = _make_tile(False, None), _make_tile(False, "rows"), _make_tile(True, "columns")
+_tile_strided16 = _make_tile(True, "columns", 1)
 
 
 
@@ -1312,13 +1313,13 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
 
 
 @_jit
-def _finish_rows(cbuf, of, rf, has_residual, relu, first, rows, m, j0, width):
-    """Output pixels first .. first + rows, channels j0 .. j0 + width, from the (GEMM_MR,
-    GEMM_NR) tile in ``cbuf`` (bias added): + residual, relu."""
+def _finish_rows(cbuf, of, rf, has_residual, relu, first, rows, m, j0, width, nr):
+    """Output pixels first .. first + rows, channels j0 .. j0 + width, from the (GEMM_MR, nr)
+    tile in ``cbuf`` (bias added): + residual, relu."""
     zero = f32(0.0)
     for r in range(rows):
         o0 = (first + r) * m + j0
-        dst, acc = of[o0:o0 + width], cbuf[r * GEMM_NR:r * GEMM_NR + width]
+        dst, acc = of[o0:o0 + width], cbuf[r * nr:r * nr + width]
         if has_residual:
             res = rf[o0:o0 + width]
             for t in range(width):
@@ -1337,8 +1338,8 @@ def gemm_channels_last(x, wt, out, bias, residual, cbuf, apad, block, act, alpha
     """out (pixels, M) = act(x (pixels, C) @ W^T + bias (+ residual (pixels, M), or (0, 0))): a
     1x1 convolution on channels-last storage by the micro-kernel, A being x's rows where they lie.
 
-    ``wt``: the weights transposed, (C, M rounded up to GEMM_NR), and ``bias`` (M rounded up),
-    zero past M. Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
+    ``wt``: the weights transposed, (C, M rounded up to GEMM_NR, or to 16 where that wastes
+    less: the tiles are then (GEMM_MR, 16)), and ``bias`` (M rounded up alike), zero past M. Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
     and of the output stay in L2): for each GEMM_NR output channels, the block's pixels GEMM_MR
     at a time, each tile stored into the output with its bias, residual and relu added in
     registers (one pass over the output, as it is written); another activation then runs once
@@ -1349,7 +1350,8 @@ def gemm_channels_last(x, wt, out, bias, residual, cbuf, apad, block, act, alpha
     pixels, cdim = x.shape
     m = out.shape[1]
     mpad = wt.shape[1]
-    mr, nr = GEMM_MR, GEMM_NR
+    # (GEMM_MR, 16) tiles where M is padded to 16 * an odd number only
+    mr, nr = GEMM_MR, GEMM_NR if mpad % GEMM_NR == 0 else 16
     has_residual = residual.shape[0] != 0
     xf, of, rf = x.reshape(-1), out.reshape(-1), residual.reshape(-1)
     rowoff = np.arange(cdim) * mpad
@@ -1375,11 +1377,14 @@ def gemm_channels_last(x, wt, out, bias, residual, cbuf, apad, block, act, alpha
         for j0 in range(0, mpad, nr):
             for q in range(pb, pb + bp, mr):
                 a = xa + q * cdim * 4 if q < full else pa
-                if q < full and j0 < mfull:
-                    _tile_strided(a, cdim, wa + j0 * 4, ra, cdim, oa + (q * m + j0) * 4, m, ba + j0 * 4,
-                                  rsa + (q * m + j0) * 4 if has_residual else za, m if has_residual else 0, relu)
+                direct = q < full and j0 < mfull
+                c, ldc = (oa + (q * m + j0) * 4, m) if direct else (ca, nr)
+                res, ldr = (rsa + (q * m + j0) * 4, m) if direct and has_residual else (za, 0)
+                if nr == 16:
+                    _tile_strided16(a, cdim, wa + j0 * 4, ra, cdim, c, ldc, ba + j0 * 4, res, ldr, relu if direct else 0)
                 else:
-                    _tile_strided(a, cdim, wa + j0 * 4, ra, cdim, ca, nr, ba + j0 * 4, za, 0, 0)
-                    _finish_rows(cbuf, of, rf, has_residual, relu, q, min(mr, pixels - q), m, j0, min(nr, m - j0))
+                    _tile_strided(a, cdim, wa + j0 * 4, ra, cdim, c, ldc, ba + j0 * 4, res, ldr, relu if direct else 0)
+                if not direct:
+                    _finish_rows(cbuf, of, rf, has_residual, relu, q, min(mr, pixels - q), m, j0, min(nr, m - j0), nr)
         if act > 1:
             activate_row(of[pb * m:(pb + bp) * m], act, alpha, beta)

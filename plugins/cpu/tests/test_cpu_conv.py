@@ -304,11 +304,13 @@ def test_blocked_conv_of_an_image(n_threads, xs, ws, geometry, activation, monke
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"residual {residual}")
 
 
-@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32)])
+@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32),
+                                   # tiles of 16 channels: whole ones, and a last partial one (40 = 2 x 16 + 8)
+                                   ((1, 24, 5, 7), 16), ((2, 13, 3, 5), 80), ((1, 9, 7, 7), 40), ((1, 17, 4, 3), 112)])
 @pytest.mark.parametrize("activation", ["none", "relu", "silu"])
 def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
     """Channel-blocked 1x1 convs by the micro-kernel: output channels of whole tiles and of a
-    last partial one (200 = 6 x 32 + 8), pixels of whole tiles and of a last partial one
+    last partial one (200 = 6 x 32 + 8; tiles of 32 channels or 16), pixels of whole tiles and of a last partial one
     (35 = 4 x 8 + 3, 9 = 8 + 1), several blocks of pixels (the block budget shrunk to one tile's
     rows), with and without a residual, against the reference."""
     if not native.available(np.float32):
