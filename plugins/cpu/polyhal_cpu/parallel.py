@@ -309,15 +309,18 @@ def grid(outer: int, inner: int, each: int, factor: float = 1) -> list[tuple[sli
     return [(slice(o, o + 1), slice(lo, hi)) for o in range(outer) for lo, hi in blocks(inner, per)]
 
 
-def gemm_pieces(m: int, n: int, k: int, batch: int = 1, b_size: int | None = None) -> int:
+def gemm_pieces(m: int, n: int, k: int, batch: int = 1, b_size: int | None = None,
+                min_intensity: float | None = None) -> int:
     """How many threads' worth of pieces ``batch`` (m, k) @ (k, n) float32 products are worth
     (1: not cut): their estimated single-threaded time in :data:`GEMM_PIECE_US` units, at most
-    the thread budget; 1 for products bound by memory (:data:`GEMM_MIN_INTENSITY`). ``b_size``:
-    the elements the (k, n) operand is read from, where fewer than k * n (a convolution's taps
-    reading one padded image at shifted offsets)."""
+    the thread budget; 1 for products bound by memory (below ``min_intensity`` multiply-adds a
+    byte, default :data:`GEMM_MIN_INTENSITY`). ``b_size``: the elements the (k, n) operand is
+    read from, where fewer than k * n (a convolution's taps reading one padded image at shifted
+    offsets)."""
     n_threads = threads()
     macs = m * n * k
-    if n_threads < 2 or macs < GEMM_MIN_INTENSITY * 4 * (m * k + (k * n if b_size is None else b_size) + m * n):
+    intensity = GEMM_MIN_INTENSITY if min_intensity is None else min_intensity
+    if n_threads < 2 or macs < intensity * 4 * (m * k + (k * n if b_size is None else b_size) + m * n):
         return 1
     return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // GEMM_PIECE_US)))
 
