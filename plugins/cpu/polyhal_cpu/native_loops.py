@@ -667,85 +667,91 @@ def _kernel_row(orow, xr, wr, xo, x0, width, dw, channels):
                 orow[xo, c] += wr[j, c] * xr[ix, c]
 
 
-#: Output pixels per depthwise tile (:func:`_dw_tile16`): one vector register each.
+#: Output pixels per conv tile (:func:`_tap_tile16`, :func:`_image_tile32`): a vector register
+#: (or two) each.
 DW_PIXELS = 8
 
 
-def _dw_codegen(lanes: int):
-    """IR of a depthwise tile: DW_PIXELS output pixels of one output row x ``lanes`` channels,
-    accumulated in registers over every tap of ``rows`` kernel rows, then stored once."""
+def _image_tile_codegen(lanes: int, nvec: int, broadcast: bool = True):
+    """IR of a dense conv's tile over an image's planes: DW_PIXELS output pixels of one output
+    row x ``nvec`` vectors of ``lanes`` output channels, accumulated in registers over taps
+    t0 .. t1 (tap t: the input value at x + xoff[t] + q * sp for pixel q, broadcast, times the
+    weights' vector at w + woff[t]), from the bias at ``ba``, then stored once. Not
+    ``broadcast``: a depthwise conv's tile, the input's vector of ``lanes`` channels at
+    x + xoff[t] + q * sp (one vector: ``nvec`` 1)."""
     def codegen(context, builder, signature, args):
         from llvmlite import ir
 
-        xa, sp, sj, si, wa, wj, wi, kw, rows, oa, op, ba = args
-        i64, f32t = ir.IntType(64), ir.FloatType()
+        xa, sp, xoff, wa, woff, t0, t1, oa, op, ba = args
+        i64, i32t, f32t = ir.IntType(64), ir.IntType(32), ir.FloatType()
         vec = ir.VectorType(f32t, lanes)
         fptr, vptr = f32t.as_pointer(), vec.as_pointer()
         name = f"llvm.fma.v{lanes}f32"
         fma = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vec, [vec] * 3), name)
-        px, pw, po = builder.inttoptr(xa, fptr), builder.inttoptr(wa, fptr), builder.inttoptr(oa, fptr)
+        px, pw, po, pb = (builder.inttoptr(a, fptr) for a in (xa, wa, oa, ba))
+        pxo, pwo = builder.inttoptr(xoff, i64.as_pointer()), builder.inttoptr(woff, i64.as_pointer())
+        undef = ir.Constant(vec, ir.Undefined)
+        splat = ir.Constant(ir.VectorType(i32t, lanes), [0] * lanes)
         load = lambda base, at: builder.load(builder.bitcast(builder.gep(base, [at]), vptr), align=4)  # noqa: E731
-        start = load(builder.inttoptr(ba, fptr), ir.Constant(i64, 0))
+        starts = [load(pb, ir.Constant(i64, lanes * v)) for v in range(nvec)]
         entry = builder.block
-        outer = builder.append_basic_block("dw.rows")
-        inner = builder.append_basic_block("dw.taps")
-        row_end = builder.append_basic_block("dw.row_end")
-        done = builder.append_basic_block("dw.done")
-        builder.cbranch(builder.icmp_signed(">", rows, ir.Constant(i64, 0)), outer, done)
-        builder.position_at_end(outer)
-        i = builder.phi(i64)
-        acc_o = [builder.phi(vec) for _ in range(DW_PIXELS)]
-        xrow, wrow = builder.gep(px, [builder.mul(i, si)]), builder.gep(pw, [builder.mul(i, wi)])
-        builder.branch(inner)
-        builder.position_at_end(inner)
-        j = builder.phi(i64)
-        acc_i = [builder.phi(vec) for _ in range(DW_PIXELS)]
-        wv = load(wrow, builder.mul(j, wj))
-        xj = builder.gep(xrow, [builder.mul(j, sj)])
-        new = [builder.call(fma, [load(xj, builder.mul(ir.Constant(i64, q), sp)), wv, acc_i[q]])
-               for q in range(DW_PIXELS)]
-        j1 = builder.add(j, ir.Constant(i64, 1))
-        builder.cbranch(builder.icmp_signed("<", j1, kw), inner, row_end)
-        j.add_incoming(ir.Constant(i64, 0), outer)
-        j.add_incoming(j1, inner)
+        loop = builder.append_basic_block("image.taps")
+        done = builder.append_basic_block("image.done")
+        builder.cbranch(builder.icmp_signed("<", t0, t1), loop, done)
+        builder.position_at_end(loop)
+        t = builder.phi(i64)
+        accs = [builder.phi(vec) for _ in range(DW_PIXELS * nvec)]
+        xt = builder.gep(px, [builder.load(builder.gep(pxo, [t]), align=8)])
+        wt = builder.gep(pw, [builder.load(builder.gep(pwo, [t]), align=8)])
+        wv = [load(wt, ir.Constant(i64, lanes * v)) for v in range(nvec)]
+        new = []
         for q in range(DW_PIXELS):
-            acc_i[q].add_incoming(acc_o[q], outer)
-            acc_i[q].add_incoming(new[q], inner)
-        builder.position_at_end(row_end)
-        i1 = builder.add(i, ir.Constant(i64, 1))
-        builder.cbranch(builder.icmp_signed("<", i1, rows), outer, done)
-        i.add_incoming(ir.Constant(i64, 0), entry)
-        i.add_incoming(i1, row_end)
-        for q in range(DW_PIXELS):
-            acc_o[q].add_incoming(start, entry)
-            acc_o[q].add_incoming(new[q], row_end)
+            at = builder.mul(ir.Constant(i64, q), sp)
+            if broadcast:
+                value = builder.load(builder.gep(xt, [at]), align=4)
+                xv = builder.shuffle_vector(builder.insert_element(undef, value, ir.Constant(i32t, 0)), undef, splat)
+            else:
+                xv = load(xt, at)
+            new += [builder.call(fma, [xv, wv[v], accs[q * nvec + v]]) for v in range(nvec)]
+        t_next = builder.add(t, ir.Constant(i64, 1))
+        builder.cbranch(builder.icmp_signed("<", t_next, t1), loop, done)
+        t.add_incoming(t0, entry)
+        t.add_incoming(t_next, loop)
+        for i, acc in enumerate(accs):
+            acc.add_incoming(starts[i % nvec], entry)
+            acc.add_incoming(new[i], loop)
         builder.position_at_end(done)
         finals = []
-        for q in range(DW_PIXELS):
+        for i in range(DW_PIXELS * nvec):  # the phis first: LLVM wants them at the top of the block
             final = builder.phi(vec)
-            final.add_incoming(start, entry)
-            final.add_incoming(new[q], row_end)
+            final.add_incoming(starts[i % nvec], entry)
+            final.add_incoming(new[i], loop)
             finals.append(final)
         for q in range(DW_PIXELS):
-            builder.store(finals[q], builder.bitcast(builder.gep(po, [builder.mul(ir.Constant(i64, q), op)]), vptr),
-                          align=4)
+            row = builder.gep(po, [builder.mul(ir.Constant(i64, q), op)])
+            for v in range(nvec):
+                builder.store(finals[q * nvec + v], builder.bitcast(builder.gep(row, [ir.Constant(i64, lanes * v)]),
+                                                                    vptr), align=4)
         return context.get_dummy_value()
     return codegen
 
 
-def _make_dw(lanes: int):
+def _make_image_tile(lanes: int, nvec: int, broadcast: bool = True):
     from numba import types
     from numba.extending import intrinsic
 
-    def typer(typingctx, xa, sp, sj, si, wa, wj, wi, kw, rows, oa, op, ba):
-        return types.void(*[types.intp] * 12), _dw_codegen(lanes)
+    def typer(typingctx, xa, sp, xoff, wa, woff, t0, t1, oa, op, ba):
+        return types.void(*[types.intp] * 10), _image_tile_codegen(lanes, nvec, broadcast)
     return intrinsic(typer)
 
 
-#: ``_dw_tile16(x, sp, sj, si, w, wj, wi, kw, rows, out, op, bias)`` (addresses, strides in
-#: floats): out pixel q (at out + q * op) = bias + the sum over kernel rows i < rows and taps j
-#: < kw of w[i * wi + j * wj] * x[q * sp + i * si + j * sj], 16 channels; ``_dw_tile8`` for 8.
-_dw_tile16, _dw_tile8 = _make_dw(16), _make_dw(8)
+#: ``_image_tile32(x, sp, xoff, w, woff, t0, t1, out, op, bias)`` (addresses; ``sp``, ``op``
+#: strides in floats; ``xoff``, ``woff`` int64 offsets in floats): see :func:`_image_tile_codegen`;
+#: 32 output channels at a time, ``_image_tile16`` 16 and ``_image_tile8`` 8.
+_image_tile32, _image_tile16, _image_tile8 = _make_image_tile(16, 2), _make_image_tile(16, 1), _make_image_tile(8, 1)
+#: ``_tap_tile16`` / ``_tap_tile8``: the same arguments, a depthwise conv's tile of 16 or 8
+#: channels (the input's vectors, not broadcast values).
+_tap_tile16, _tap_tile8 = _make_image_tile(16, 1, False), _make_image_tile(8, 1, False)
 
 @_jit
 def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
@@ -757,10 +763,12 @@ def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw
     channels four pixels at a time, sharing their input columns, up to 1.5x more; 7-wide rows
     four pixels at a time only), then the residual and the activation finish it while it is in L1.
     Where the channels come in whole vector registers (8 or 16), the pixels whose taps all lie
-    inside the image's width go DW_PIXELS at a time through :func:`_dw_tile16` / ``_dw_tile8``,
+    inside the image's width go DW_PIXELS at a time through :func:`_tap_tile16` / ``_tap_tile8``,
     which keep the pixels' sums in registers across all taps and store each once (measured
     single-threaded: EfficientNet's 56x56x144 3x3 0.49 -> 0.28 ms, 28x28x240 5x5 0.36 -> 0.20
-    ms; 7x7 planes, with no 8 such pixels, as before)."""
+    ms; 7x7 planes, with no 8 such pixels, as before). The tiles run one loop over the taps
+    through per-tap offsets (a loop over kernel rows and one over their taps, each carrying the
+    sums, measured 10-20% slower on MobileNetV3's 5x5 convs)."""
     n_img, height, width, channels = x.shape
     kh, kw = taps.shape[0], taps.shape[1]
     oh, ow = out.shape[1], out.shape[2]
@@ -778,23 +786,30 @@ def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw
     t0 = min((pw + sw - 1) // sw, ow)  # the tiles' pixels: t0 .. t1
     t1 = t0 + max(0, min(ow, (width - 1 - span + pw) // sw + 1) - t0) // DW_PIXELS * DW_PIXELS if lanes else t0
     xa, wa, oa, ba = x.ctypes.data, taps.ctypes.data, out.ctypes.data, bias.ctypes.data
+    # per tap (i, j): its input's and its weights' offsets, for the tiles' one loop over the taps
+    # (kernel rows inside the image are one run of them)
+    xoff, woff = np.empty(kh * kw, np.int64), np.empty(kh * kw, np.int64)
+    for i in range(kh):
+        for j in range(kw):
+            xoff[i * kw + j] = (i * dh * width + j * dw) * channels
+            woff[i * kw + j] = (i * kw + j) * channels
+    xoa, woa = xoff.ctypes.data, woff.ctypes.data
     for n in range(n_img):
         for yo in range(oh):
             orow = out[n, yo]
             if t1 > t0:
-                i0 = max(0, (ph - yo * sh + dh - 1) // dh)
-                i1 = min(kh, (height - 1 - yo * sh + ph) // dh + 1)
-                iy0 = yo * sh - ph + i0 * dh
+                top = yo * sh - ph
+                i0 = max(0, (-top + dh - 1) // dh)
+                i1 = max(i0, min(kh, (height - 1 - top) // dh + 1))
                 for xo in range(t0, t1, DW_PIXELS):
+                    base = xa + (((n * height + top) * width + xo * sw - pw) * channels) * 4
                     for c0 in range(0, channels, lanes):
-                        args = (xa + (((n * height + iy0) * width + xo * sw - pw) * channels + c0) * 4, sw * channels,
-                                dw * channels, dh * width * channels, wa + (i0 * kw * channels + c0) * 4, channels,
-                                kw * channels, kw, max(0, i1 - i0), oa + (((n * oh + yo) * ow + xo) * channels + c0) * 4,
-                                channels, ba + c0 * 4)
+                        args = (base + c0 * 4, sw * channels, xoa, wa + c0 * 4, woa, i0 * kw, i1 * kw,
+                                oa + (((n * oh + yo) * ow + xo) * channels + c0) * 4, channels, ba + c0 * 4)
                         if lanes == 16:
-                            _dw_tile16(*args)
+                            _tap_tile16(*args)
                         else:
-                            _dw_tile8(*args)
+                            _tap_tile8(*args)
             for xo in range(ow):
                 if xo < t0 or xo >= t1:
                     for c in range(channels):
@@ -890,77 +905,6 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
             activate_row(orow, act, alpha, beta)
 
 
-def _image_tile_codegen(lanes: int, nvec: int):
-    """IR of a dense conv's tile over an image's planes: DW_PIXELS output pixels of one output
-    row x ``nvec`` vectors of ``lanes`` output channels, accumulated in registers over taps
-    t0 .. t1 (tap t: the input value at x + xoff[t] + q * sp for pixel q, broadcast, times the
-    weights' vector at w + woff[t]), from the bias at ``ba``, then stored once."""
-    def codegen(context, builder, signature, args):
-        from llvmlite import ir
-
-        xa, sp, xoff, wa, woff, t0, t1, oa, op, ba = args
-        i64, i32t, f32t = ir.IntType(64), ir.IntType(32), ir.FloatType()
-        vec = ir.VectorType(f32t, lanes)
-        fptr, vptr = f32t.as_pointer(), vec.as_pointer()
-        name = f"llvm.fma.v{lanes}f32"
-        fma = builder.module.globals.get(name) or ir.Function(builder.module, ir.FunctionType(vec, [vec] * 3), name)
-        px, pw, po, pb = (builder.inttoptr(a, fptr) for a in (xa, wa, oa, ba))
-        pxo, pwo = builder.inttoptr(xoff, i64.as_pointer()), builder.inttoptr(woff, i64.as_pointer())
-        undef = ir.Constant(vec, ir.Undefined)
-        splat = ir.Constant(ir.VectorType(i32t, lanes), [0] * lanes)
-        load = lambda base, at: builder.load(builder.bitcast(builder.gep(base, [at]), vptr), align=4)  # noqa: E731
-        starts = [load(pb, ir.Constant(i64, lanes * v)) for v in range(nvec)]
-        entry = builder.block
-        loop = builder.append_basic_block("image.taps")
-        done = builder.append_basic_block("image.done")
-        builder.cbranch(builder.icmp_signed("<", t0, t1), loop, done)
-        builder.position_at_end(loop)
-        t = builder.phi(i64)
-        accs = [builder.phi(vec) for _ in range(DW_PIXELS * nvec)]
-        xt = builder.gep(px, [builder.load(builder.gep(pxo, [t]), align=8)])
-        wt = builder.gep(pw, [builder.load(builder.gep(pwo, [t]), align=8)])
-        wv = [load(wt, ir.Constant(i64, lanes * v)) for v in range(nvec)]
-        new = []
-        for q in range(DW_PIXELS):
-            value = builder.load(builder.gep(xt, [builder.mul(ir.Constant(i64, q), sp)]), align=4)
-            xv = builder.shuffle_vector(builder.insert_element(undef, value, ir.Constant(i32t, 0)), undef, splat)
-            new += [builder.call(fma, [xv, wv[v], accs[q * nvec + v]]) for v in range(nvec)]
-        t_next = builder.add(t, ir.Constant(i64, 1))
-        builder.cbranch(builder.icmp_signed("<", t_next, t1), loop, done)
-        t.add_incoming(t0, entry)
-        t.add_incoming(t_next, loop)
-        for i, acc in enumerate(accs):
-            acc.add_incoming(starts[i % nvec], entry)
-            acc.add_incoming(new[i], loop)
-        builder.position_at_end(done)
-        finals = []
-        for i in range(DW_PIXELS * nvec):  # the phis first: LLVM wants them at the top of the block
-            final = builder.phi(vec)
-            final.add_incoming(starts[i % nvec], entry)
-            final.add_incoming(new[i], loop)
-            finals.append(final)
-        for q in range(DW_PIXELS):
-            row = builder.gep(po, [builder.mul(ir.Constant(i64, q), op)])
-            for v in range(nvec):
-                builder.store(finals[q * nvec + v], builder.bitcast(builder.gep(row, [ir.Constant(i64, lanes * v)]),
-                                                                    vptr), align=4)
-        return context.get_dummy_value()
-    return codegen
-
-
-def _make_image_tile(lanes: int, nvec: int):
-    from numba import types
-    from numba.extending import intrinsic
-
-    def typer(typingctx, xa, sp, xoff, wa, woff, t0, t1, oa, op, ba):
-        return types.void(*[types.intp] * 10), _image_tile_codegen(lanes, nvec)
-    return intrinsic(typer)
-
-
-#: ``_image_tile32(x, sp, xoff, w, woff, t0, t1, out, op, bias)`` (addresses; ``sp``, ``op``
-#: strides in floats; ``xoff``, ``woff`` int64 offsets in floats): see :func:`_image_tile_codegen`;
-#: 32 output channels at a time, ``_image_tile16`` 16 and ``_image_tile8`` 8.
-_image_tile32, _image_tile16, _image_tile8 = _make_image_tile(16, 2), _make_image_tile(16, 1), _make_image_tile(8, 1)
 
 
 @_jit
