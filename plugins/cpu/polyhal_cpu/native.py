@@ -315,9 +315,14 @@ def pad_channels(a: np.ndarray, multiple: int = GEMM_NR) -> np.ndarray:
 
 
 def channels_last_block(c: int, m: int, pixels: int) -> int:
-    """Pixels per block of :func:`gemm_channels_last` (see GEMM_ROWS_BLOCK_BYTES)."""
+    """Pixels per block of :func:`gemm_channels_last` (see GEMM_ROWS_BLOCK_BYTES): the pixels'
+    tiles in blocks of near-equal size, as many as the budget needs, rounded (a block may hold
+    up to 1.5 times the budget): each block reads all the weights again, and a last block of a
+    tile or two (a 7x7 map's 49 pixels in blocks of 48 and 1) read them for little work."""
+    tiles = -(-pixels // GEMM_MR)
     fit = max(1, GEMM_ROWS_BLOCK_BYTES // ((c + m) * 4 * GEMM_MR))
-    return min(fit, -(-pixels // GEMM_MR)) * GEMM_MR
+    blocks = max(1, round(tiles / fit))
+    return -(-tiles // blocks) * GEMM_MR
 
 
 def gemm_channels_last(x: np.ndarray, wt: np.ndarray, out: np.ndarray, bias: np.ndarray,
