@@ -631,8 +631,11 @@ def _shifted(g: _Conv, scratch, epilogue_tasks, has_bias: bool, has_residual: bo
 # vectorised across the channels, which stays fast where NCHW rows are short (7x7 and 14x14
 # planes, stride 2: measured 2-4x faster than the NCHW loop on MobileNet's depthwise convs).
 # Pointwise: one GEMM as the pixels lie, (pixels, C) @ w^T (C, M) (read-only weights transposed
-# once, see _Relaid), then a per-channel epilogue. Anything else converts to NCHW and back
-# around the NCHW kernel (a resolver only blocks chains of the first two kinds).
+# once, see _Relaid): register tiles with the epilogue fused where M pads to whole tiles of 32
+# or 16 channels, else OpenBLAS and a per-channel epilogue; over fewer pixels than a tile has
+# rows (squeeze-excite convs of a 1x1 map), a matrix-vector loop reading each weight once. A
+# chain's stem reads its (N, C, H, W) image as it lies (_image_conv). Anything else converts to
+# NCHW and back around the NCHW kernel (a resolver only blocks chains of these kinds).
 
 #: Channels below which a stride-1 channel-blocked depthwise conv runs on flat output rows
 #: (:func:`polyhal_cpu.native.depthwise_flat_rows`); from 32 on, vectorising across the
