@@ -888,16 +888,32 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
                 if iy < 0 or iy >= height:
                     continue
                 x0 = (n * height + iy) * width * channels
-                for j in range(kw):
-                    lo, hi = los[j], his[j]
-                    if hi <= lo:
-                        continue
-                    length = (hi - lo) * channels
-                    dst = orow[lo * channels:hi * channels]
-                    s0 = x0 + (lo + j * dw - pw) * channels
-                    src, wv = xf[s0:s0 + length], wtile[i, j, lo * channels:hi * channels]
+                # a 3-wide kernel row's taps in one pass over the pixels all three reach (one
+                # load and store of the output for three multiply-adds), the rest tap by tap
+                c_lo, c_hi = (max(los[0], los[1], los[2]), min(his[0], his[1], his[2])) if kw == 3 else (0, 0)
+                if c_hi > c_lo:
+                    length = (c_hi - c_lo) * channels
+                    dst = orow[c_lo * channels:c_hi * channels]
+                    s0 = x0 + (c_lo - pw) * channels
+                    a, b, c = xf[s0:s0 + length], xf[s0 + dw * channels:s0 + dw * channels + length], \
+                        xf[s0 + 2 * dw * channels:s0 + 2 * dw * channels + length]
+                    wa_, wb, wc = wtile[i, 0, c_lo * channels:c_hi * channels], \
+                        wtile[i, 1, c_lo * channels:c_hi * channels], wtile[i, 2, c_lo * channels:c_hi * channels]
                     for t in range(length):
-                        dst[t] += wv[t] * src[t]
+                        dst[t] += wa_[t] * a[t] + wb[t] * b[t] + wc[t] * c[t]
+                for j in range(kw):
+                    for part in range(2):  # the tap's pixels below the common span, then above it
+                        lo, hi = (los[j], min(his[j], c_lo)) if part == 0 else (max(los[j], c_hi), his[j])
+                        if c_hi <= c_lo:  # no common span: the tap's whole range, once
+                            lo, hi = (los[j], his[j]) if part == 0 else (0, 0)
+                        if hi <= lo:
+                            continue
+                        length = (hi - lo) * channels
+                        dst = orow[lo * channels:hi * channels]
+                        s0 = x0 + (lo + j * dw - pw) * channels
+                        src, wv = xf[s0:s0 + length], wtile[i, j, lo * channels:hi * channels]
+                        for t in range(length):
+                            dst[t] += wv[t] * src[t]
             if has_residual:
                 res = rf[o0:o0 + rowlen]
                 for t in range(rowlen):

@@ -225,6 +225,10 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
 
 @pytest.mark.parametrize("shapes", [
     ((1, 13, 9, 8), (13, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),
+    # flat rows: a 3-wide kernel row's taps in one pass (dilated, asymmetric pads), and an image
+    # so narrow that no pixel is reached by all three
+    ((1, 12, 9, 11), (12, 1, 3, 3), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [2, 2]}),
+    ((2, 8, 5, 2), (8, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),
     ((2, 24, 11, 10), (24, 1, 5, 5), {"strides": [2, 2], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
     ((1, 16, 12, 12), (16, 1, 3, 3), {"strides": [1, 2], "pads": [0, 1, 2, 0], "dilations": [2, 2]}),
     ((1, 8, 9, 9), (8, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
