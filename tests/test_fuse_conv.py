@@ -45,8 +45,8 @@ class _Graph:
         stats = [1 + 0.1 * _f(cout), 0.1 * _f(cout), 0.1 * _f(cout), 1 + 0.1 * np.abs(_f(cout))]
         return self.node("BatchNormalization", y, *[self.const(s) for s in stats])
 
-    def save(self, tmp_path, y, extra_inputs=(), opset=17):
-        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, X.shape)]
+    def save(self, tmp_path, y, extra_inputs=(), opset=17, x_shape=X.shape):
+        inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in extra_inputs]
         graph = helper.make_graph(self.nodes, "g", inputs, [helper.make_tensor_value_info(y, TensorProto.FLOAT,
                                                                                              ["a", "b", "c", "d"])],
@@ -277,6 +277,17 @@ def test_depthwise_chain_stays_channel_blocked_between_its_convs(tmp_path):
     # profiles name the ONNX nodes of each blocked step
     nodes = [r["node"] for r in plan.profile(x=X).rows() if r["op"] == "blocked_conv"]
     assert len(nodes) == 3 and all("(Conv) + " in n for n in nodes), nodes
+
+
+def test_a_stem_conv_reads_its_image_as_it_lies_into_the_chain(tmp_path):
+    """A dense conv of an RGB image feeding a depthwise chain writes the chain's blocked layout
+    itself: no pack of the image, none of its result."""
+    g = _Graph()
+    h = g.node("HardSwish", g.node("Conv", "x", g.const(_f(8, 3, 3, 3)), g.const(_f(8)), pads=[1] * 4, strides=[2, 2]))
+    y = g.node("Add", g.conv_bn(g.node("Relu", g.conv_bn(h, 8, 8, group=8)), 8, 8, k=1), h)
+    x = _f(2, 3, 17, 15)
+    plan = _compile_and_compare(g.save(tmp_path, y, x_shape=x.shape), {"x": x})
+    assert _ops(plan) == ["blocked_conv", "blocked_conv", "blocked_conv", "unpack"]
 
 
 def test_chains_without_a_depthwise_conv_stay_nchw(tmp_path):

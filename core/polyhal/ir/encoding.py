@@ -506,7 +506,10 @@ class ChannelBlockedLayout(PackedLayout):
             return all(isinstance(x, ChannelBlockedLayout) and x.one_block for x in layouts)
 
         if op in ("conv", "fused_conv"):
-            if not blocked([in_layouts[0], out_layouts[0], *in_layouts[3:]]) \
+            # a chain's first conv may read its image as it lies (polyhal.passes.data_tiling's stems)
+            image = in_layouts[0].is_identity_layout() and in_layouts[0].tensor_type.rank == 4
+            maps = [out_layouts[0], *in_layouts[3:]] + ([] if image else [in_layouts[0]])
+            if not blocked(maps) \
                     or not all(x.is_identity_layout() for x in in_layouts[1:3]):
                 return None
             return ("blocked_conv", {"activation": "none", "alpha": 0.0, "beta": 0.0, **dict(attrs)})

@@ -264,8 +264,10 @@ def _infer_blocked_conv(x: TensorType, w: TensorType, b: TensorType | None = Non
         b = TensorType((w.shape[0],), w.dtype)
     if w.rank == 5:  # the filter channels-last too: (M, 1, kh, kw, C/group)
         w = _unblocked(w)
-    (out,) = _infer_fused_conv(_unblocked(x), w, b, None if r is None else _unblocked(r), strides=strides, pads=pads,
-                               dilations=dilations, group=group, activation=activation, alpha=alpha, beta=beta)
+    # x may be an image as it lies, (N, C, H, W): a chain's first conv (see blocked_conv's doc)
+    (out,) = _infer_fused_conv(x if x.rank == 4 else _unblocked(x), w, b, None if r is None else _unblocked(r),
+                               strides=strides, pads=pads, dilations=dilations, group=group, activation=activation,
+                               alpha=alpha, beta=beta)
     return (_blocked(out),)
 
 
@@ -273,7 +275,8 @@ def _ref_blocked_conv(x, w, b=None, r=None, *, strides=None, pads=None, dilation
                       alpha=0.0, beta=0.0):
     unblock = lambda a: a[:, 0].transpose(0, 3, 1, 2)  # noqa: E731
     w = unblock(w) if w.ndim == 5 else w
-    args = (unblock(x), w, np.zeros(w.shape[0], w.dtype) if b is None else b) + (() if r is None else (unblock(r),))
+    args = (x if x.ndim == 4 else unblock(x), w, np.zeros(w.shape[0], w.dtype) if b is None else b) + \
+        (() if r is None else (unblock(r),))
     (y,) = _ref_fused_conv(*args, strides=strides, pads=pads, dilations=dilations, group=group,
                            activation=activation, alpha=alpha, beta=beta)
     return (np.ascontiguousarray(y.transpose(0, 2, 3, 1)[:, None]),)
@@ -295,7 +298,8 @@ def _sample_blocked_conv(rng: np.random.Generator):
     activation = str(pick(rng, list(ACTIVATIONS)))
     alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
     block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
-    ins = [block(x), w, nonzero(rng, (m,))]
+    image = kind == "general" and rng.random() < 0.5  # a stem reading the image as it lies
+    ins = [x if image else block(x), w, nonzero(rng, (m,))]
     if rng.random() < 0.5:
         ins.append(block(nonzero(rng, out.shape)))
     return ins, {**attrs, "activation": activation, "alpha": alpha, "beta": beta}
@@ -307,7 +311,9 @@ define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, s
     each pixel's channels contiguous): x and the optional residual in that storage, w (M,
     C/group, kh, kw) dense or in the same storage ((M, 1, kh, kw, C/group): cuDNN's channels-last
     filters), the optional bias (M,) dense, the result (N, 1, OH, OW, M). 2-D only.
-    What a conv between channel-blocked feature maps lowers to
+    x may also be dense (N, C, H, W): a chain's first conv reading an image of few channels as it
+    lies (a network's stem), whose result is blocked. What a conv between channel-blocked feature
+    maps lowers to
     (:class:`polyhal.ir.encoding.ChannelBlockedLayout`); attributes as ``fused_conv``.
 """)
 

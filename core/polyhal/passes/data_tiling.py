@@ -70,12 +70,21 @@ def _encoded(v: Value, encoding, role: str) -> Value:
     return Value(TensorType(v.type.shape, v.type.dtype, encoding), f"{v.name}.{role}", v.program_id)
 
 
+#: Input channels up to which a dense conv joins the chain of its result as its "stem": it reads
+#: its input (an RGB image) as it lies and writes the chain's layout, where converting the image
+#: costs as much as the conv (a 3-channel transpose is a strided gather: 0.18 ms at 224x224) and
+#: converting the result more (MobileNetV3's and EfficientNet's first convs, 16 and 32 channels
+#: at 112x112).
+STEM_CHANNELS = 4
+
+
 def _chain_kind(op: Op) -> str | None:
     """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
-    polyhal.ir.encoding.ChannelBlockedLayout): "depthwise", "pointwise" or "general" (any other)
-    for 2-D float convs, "map" for an elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one
-    N and C (and scalars) or a global average pool (``reduce_mean`` over dims 2 and 3, kept);
-    else None."""
+    polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
+    of those kinds, "stem" for another dense one of few input channels (:data:`STEM_CHANNELS`),
+    "general" for any other 2-D float conv, "map" for an elementwise op over (N, C, H, W) /
+    (N, C, 1, 1) maps of one N and C (and scalars) or a global average pool (``reduce_mean`` over
+    dims 2 and 3, kept); else None."""
     if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
         return None
     if op.name in CHANNEL_BLOCKED_ELEMENTWISE or op.name == "reduce_mean":
@@ -100,13 +109,16 @@ def _chain_kind(op: Op) -> str | None:
     if w.shape[2:] == (1, 1) and group == 1 and list(a.get("strides") or [1, 1]) == [1, 1] \
             and not any(a.get("pads") or ()):
         return "pointwise"
+    if group == 1 and x.shape[1] <= STEM_CHANNELS:
+        return "stem"
     return "general"
 
 
-def _maps(op: Op) -> list[int]:
-    """The operand positions of ``op`` that are feature maps of its chain."""
+def _maps(op: Op, stem: bool = False) -> list[int]:
+    """The operand positions of ``op`` that are feature maps of its chain (a depthwise chain's
+    ``stem`` does not read its input as one: it reads its image as it lies)."""
     if op.name in ("conv", "fused_conv"):
-        return [0, *range(3, len(op.inputs))]
+        return [*([] if stem else [0]), *range(3, len(op.inputs))]
     return [i for i, v in enumerate(op.inputs) if v.type.rank > 0]
 
 
@@ -124,7 +136,7 @@ def _chains(program: Program, kinds: dict[int, str]) -> dict[int, int]:
     for op in program.ops:
         if id(op) not in kinds:
             continue
-        for v in (op.inputs[i] for i in _maps(op)):
+        for v in (op.inputs[i] for i in _maps(op, kinds[id(op)] == "stem")):
             src = producer.get(v.id)
             if src is not None and id(src) in kinds:
                 parent[find(id(src))] = find(id(op))
@@ -144,18 +156,21 @@ def set_conv_encodings(program: Program) -> Program:
 
     - Chains that contain a depthwise conv (chains of depthwise and pointwise convs, elementwise
       ops over their maps and global average pools -- squeeze-excite blocks -- linked through
-      their feature maps): ``chain="depthwise"``.
+      their feature maps, and a few-channel "stem" conv feeding them, whose image input stays
+      as it lies): ``chain="depthwise"``.
     - Chains of other convs (and the same maps) with at least :data:`DENSE_CHAIN_CONVS` convs:
       ``chain="dense"``, and their convs' filters ``role="filter"`` (a channels-last device
       converts the constant weights once, at compile time).
     """
     kinds = {id(op): k for op in program.ops if (k := _chain_kind(op)) is not None}
-    if not any(k in ("depthwise", "pointwise", "general") for k in kinds.values()):
+    if not any(k != "map" for k in kinds.values()):
         return program
     thin = _chains(program, {i: k for i, k in kinds.items() if k != "general"})
     with_depthwise = {thin[i] for i, k in kinds.items() if k == "depthwise"}
     chain_of = {i: ("depthwise", root) for i, root in thin.items() if root in with_depthwise}
-    rest = _chains(program, {i: k for i, k in kinds.items() if i not in chain_of and k != "depthwise"})
+    # A few-channel conv outside a depthwise chain is an ordinary one (ResNet's first conv).
+    rest = _chains(program, {i: "general" if k == "stem" else k for i, k in kinds.items()
+                             if i not in chain_of and k != "depthwise"})
     convs: dict[int, int] = {}
     for i, root in rest.items():
         convs[root] = convs.get(root, 0) + (kinds[i] != "map")
@@ -171,7 +186,8 @@ def set_conv_encodings(program: Program) -> Program:
             continue
         chain = chain_of[id(op)][0]
         inputs = list(op.inputs)
-        encoded = [(i, maps[chain], "nchwc") for i in _maps(op)]
+        stem = chain == "depthwise" and kinds[id(op)] == "stem"
+        encoded = [(i, maps[chain], "nchwc") for i in _maps(op, stem)]
         if chain == "dense" and op.name in ("conv", "fused_conv"):
             encoded.append((1, filters, "filter"))
         for i, encoding, role in encoded:

@@ -656,8 +656,11 @@ def _shifted(g: _Conv, scratch, epilogue_tasks, has_bias: bool, has_residual: bo
 # vectorised across the channels, which stays fast where NCHW rows are short (7x7 and 14x14
 # planes, stride 2: measured 2-4x faster than the NCHW loop on MobileNet's depthwise convs).
 # Pointwise: one GEMM as the pixels lie, (pixels, C) @ w^T (C, M) (read-only weights transposed
-# once, see _Relaid), then a per-channel epilogue. Anything else converts to NCHW and back
-# around the NCHW kernel (a resolver only blocks chains of the first two kinds).
+# once, see _Relaid): register tiles with the epilogue fused where M pads to whole tiles of 32
+# or 16 channels, else OpenBLAS and a per-channel epilogue; over fewer pixels than a tile has
+# rows (squeeze-excite convs of a 1x1 map), a matrix-vector loop reading each weight once. A
+# chain's stem reads its (N, C, H, W) image as it lies (_image_conv). Anything else converts to
+# NCHW and back around the NCHW kernel (a resolver only blocks chains of these kinds).
 
 #: Channels below which a stride-1 channel-blocked depthwise conv runs on flat output rows
 #: (:func:`polyhal_cpu.native.depthwise_flat_rows`); from 32 on, vectorising across the
@@ -704,30 +707,46 @@ def _blocked_pointwise(x_t: TensorType, w_t: TensorType, attrs: dict) -> bool:
             and int(attrs["group"]) == 1)
 
 
+def _channel_multiple(m: int) -> int | None:
+    """What a blocked 1x1 conv's M output channels are padded to for the tiles (GEMM_NR, or 16
+    for tiles of 16 channels), or None where padding would waste more than a quarter.
+
+    Output channels are computed GEMM_NR (or 16) at a time, pixels GEMM_MR at a time. Where
+    padding M up wastes more (24 channels: as fast as OpenBLAS either way), or there are fewer
+    pixels than a tile has rows (the squeeze-excite convs of a 1x1 map, a matrix-vector
+    product), OpenBLAS's sgemm and an epilogue pass run it. Tiles of 16 channels serve the
+    projections to 16 * odd channels, which GEMM_NR-wide tiles padded by 16 (measured
+    single-threaded, MobileNetV3's: 16 channels at 112x112 135-179 -> 73 us, 80 at 14x14
+    75-93 -> 62-79 us, 112 at 14x14 303-340 -> 273 us; 40 at 28x28 5% faster, in 3 tiles of 16)."""
+    for multiple in (native.GEMM_NR, 16):
+        if (-(-m // multiple) * multiple - m) * 4 <= m:
+            return multiple
+    return None
+
+
 def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int, int, int, list] | None:
     """(pixels, C, M, pieces) of a blocked 1x1 conv that takes the compiled tiles, else None;
     the pieces are blocks of whole tiles' rows of pixels, (first, last + 1, pixels per block of
     :func:`polyhal_cpu.native.gemm_channels_last`), as many as the product is worth threads."""
     n, _, h, wd, c = x_t.shape
     m, pixels = w_t.shape[0], n * h * wd
-    # Output channels are computed GEMM_NR at a time, pixels GEMM_MR at a time: where padding M
-    # up would waste more than an eighth, or there are fewer pixels than a tile has rows (the
-    # squeeze-excite convs of a 1x1 map, a matrix-vector product), OpenBLAS does better (measured:
-    # 16, 40 and 80 channels out 10-50% slower; a 1x1 map 240 -> 960 channels 4x slower).
-    waste = -(-m // native.GEMM_NR) * native.GEMM_NR - m
-    if not (TILES and waste * 8 <= m and pixels >= native.GEMM_MR and x_t.dtype == _F32 and native.available(_F32)
-            and _blocked_pointwise(x_t, w_t, attrs)):
+    if not (TILES and _channel_multiple(m) and pixels >= native.GEMM_MR and x_t.dtype == _F32
+            and native.available(_F32) and _blocked_pointwise(x_t, w_t, attrs)):
         return None
-    # Blocks of pixels, each reading all the weights: the thin products of few input channels
-    # (EfficientNet's 16 -> 96 at 112x112, 24 -> 144 at 56x56) are bound by memory and are not
-    # cut (measured cut in two on the 2-core VM: 0.75 -> 0.75-0.89 ms, 0.37 -> 0.39 ms).
-    bounds = parallel.blocks(pixels, parallel.gemm_pieces(pixels, m, c), native.GEMM_MR)
+    # Blocks of pixels, each reading all the weights, as many as the product's time is worth,
+    # thin ones included (few input or output channels: MobileNet's and EfficientNet's
+    # expansions and projections). Those took as long cut in two at batch 1 (EfficientNet's
+    # 16 -> 96 at 112x112 0.75 -> 0.75-0.89 ms), but at batch 8 cutting them took MobileNetV3
+    # 38.5 -> 30.8 ms and EfficientNet-B0 84.5 -> 68.6 ms while the VM's other core was free
+    # (batch 1 within noise either way; with the other core busy the pieces run one after
+    # another on the calling thread, at the cost of a few calls).
+    bounds = parallel.blocks(pixels, parallel.gemm_pieces(pixels, m, c, min_intensity=0), native.GEMM_MR)
     return pixels, c, m, [(lo, hi, native.channels_last_block(c, m, hi - lo)) for lo, hi in bounds]
 
 
 def _rows_bytes(problem, _workgroup_size: int) -> int:
     """A tile's worth of output and of input rows (``rows``) for each piece of a blocked 1x1 conv."""
-    tiles = _pointwise_tiles(problem.attrs, *problem.in_types[:2])
+    tiles = None if problem.in_types[0].rank == 4 else _pointwise_tiles(problem.attrs, *problem.in_types[:2])
     if tiles is None:
         return 0
     _, c, _, pieces = tiles
@@ -741,6 +760,8 @@ def _rows_bytes(problem, _workgroup_size: int) -> int:
                 purpose="a 1x1 conv's last pixels padded to a tile, and a tile reaching past the output")])
 def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_t, w_t = ins[0], ins[1]
+    if x_t.rank == 4:  # a chain's first conv, reading the image as it lies
+        return _image_conv(attrs, ins, outs) or _relaid_conv(device, attrs, ins, outs)
     n, _, h, wd, c = x_t.shape
     m, cg, kh, kw = w_t.shape
     _, _, oh, ow, _ = outs[0].shape
@@ -794,8 +815,9 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         # per piece: its pixels, and its own tile (cbuf) and padded input rows (apad)
         parts = [(slice(lo, hi), rows[i, :native.GEMM_MR * native.GEMM_NR], rows[i, native.GEMM_MR * native.GEMM_NR:],
                   block) for i, (lo, hi, block) in enumerate(pieces)]
-        packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T))
-        padded_bias = _Relaid(native.pad_channels)
+        multiple = _channel_multiple(m)
+        packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T, multiple))
+        padded_bias = _Relaid(partial(native.pad_channels, multiple=multiple))
 
         def pointwise_tiles(x, w, *rest):
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
@@ -811,6 +833,13 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         # OpenBLAS multiplies by a contiguous (C, M) ~10% faster than by the transposed view of
         # (M, C) (measured single-threaded on MobileNet's 1x1 convs).
         transposed = _Relaid(lambda w: w.reshape(m, c).T)
+        if pixels < native.GEMM_MR:  # squeeze-excite convs over a 1x1 map: the weights read once
+            def matvec(x, w, *rest):
+                r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
+                native.matvec_channels_last(np.ascontiguousarray(x).reshape(pixels, c), transposed(w),
+                                            rest[0] if has_bias else zero_bias, r, rest[-1].reshape(pixels, m), act,
+                                            alpha, beta)
+            return matvec
 
         split = parallel.GemmSplit(pixels, m, c, axis=0)  # blocks of pixels, each finished as it is made
 
@@ -824,18 +853,67 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
             b = rest[0] if has_bias else zero_bias
             parallel.run([partial(piece, x2, wt, b, r, out, lo, hi) for lo, hi in split.bounds])
         return gemm
-    # Anything else: the NCHW kernel between two relayouts.
-    dense = TensorType((n, c, h, wd), x_t.dtype), TensorType((n, m, oh, ow), x_t.dtype)
+    return _relaid_conv(device, attrs, ins, outs)
+
+
+def _relaid_conv(device, attrs: dict, ins: Types, outs: Types) -> Kernel:
+    """Any other blocked conv: the NCHW kernel between relayouts (of the input, unless it is an
+    image as it lies, and of the residual and the result)."""
+    x_t, w_t = ins[0], ins[1]
+    has_bias, has_residual = len(ins) >= 3, len(ins) == 4
+    n, _, oh, ow, m = outs[0].shape
+    dense = (x_t if x_t.rank == 4 else _unblocked(x_t)), TensorType((n, m, oh, ow), x_t.dtype)
     dense_ins = (dense[0], w_t, TensorType((m,), x_t.dtype)) + ((dense[1],) if has_residual else ())
     inner = TABLE.prepare(device, "fused_conv", {k: attrs[k] for k in attrs}, dense_ins, (dense[1],))
+    zero_bias = np.zeros(m, x_t.dtype)
+    unblock = lambda a: np.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))  # noqa: E731
 
     def relayout(x, w, *rest):
-        unblock = lambda a: np.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))  # noqa: E731
         y = np.empty(dense[1].shape, x_t.dtype)
         extra = (unblock(rest[1]),) if has_residual else ()
-        inner(unblock(x), w, rest[0] if has_bias else zero_bias, *extra, y)
+        inner(x if x_t.rank == 4 else unblock(x), w, rest[0] if has_bias else zero_bias, *extra, y)
         np.copyto(rest[-1][:, 0], y.transpose(0, 2, 3, 1))
     return relayout
+
+
+def _unblocked(t: TensorType) -> TensorType:
+    """The (N, C, H, W) type of a (N, 1, H, W, C) channel-blocked storage type."""
+    n, _, h, w, c = t.shape
+    return TensorType((n, c, h, w), t.dtype)
+
+
+def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
+    """A chain's first conv reading the image as it lies, (N, C, H, W), into a channels-last map
+    (see :func:`polyhal_cpu.native.conv_image_channels_last`): no relayout of the image and none
+    of the result. None where the compiled loops do not serve (float32, one group)."""
+    x_t, w_t = ins[0], ins[1]
+    n, c, h, wd = x_t.shape
+    m, _, kh, kw = w_t.shape
+    _, _, oh, ow, _ = outs[0].shape
+    s, p, d = ([int(v) for v in attrs[k]] for k in ("strides", "pads", "dilations"))
+    activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
+    has_bias, has_residual = len(ins) >= 3, len(ins) == 4
+    zero_bias = np.zeros(m, x_t.dtype)
+    zero_bias.flags.writeable = False
+    if not (x_t.dtype == _F32 and native.available(_F32) and int(attrs["group"]) == 1):
+        return None
+    act = native.activation_code(activation)
+    taps = _Relaid(lambda w: w.transpose(2, 1, 3, 0))  # (kh, C, kw, M)
+    # per tap (i, c, j): its input offset and its weights' offset (kernel rows outermost)
+    order = [(i, ch, j) for i in range(kh) for ch in range(c) for j in range(kw)]
+    xoff = np.array([ch * h * wd + i * d[0] * wd + j * d[1] for i, ch, j in order], np.int64)
+    woff = np.array([((i * c + ch) * kw + j) * m for i, ch, j in order], np.int64)
+    # pieces: blocks of images, or of output rows of one image
+    pieces = [((ns.start or 0, n if ns.stop is None else ns.stop), (ys.start or 0, oh if ys.stop is None else ys.stop))
+              for ns, ys in parallel.grid(n, oh, ow * m, factor=18 / (c * kh * kw))]
+
+    def image_conv(x, w, *rest):
+        wt, b = np.ascontiguousarray(taps(w)), rest[0] if has_bias else zero_bias
+        r = np.ascontiguousarray(rest[1][:, 0]) if has_residual else None
+        xs, out = np.ascontiguousarray(x), rest[-1][:, 0]
+        parallel.run([partial(native.conv_image_channels_last, xs, wt, xoff, woff, b, r, out, ns, ys, s, p[:2], d,
+                              act, alpha, beta) for ns, ys in pieces])
+    return image_conv
 
 
 # ------------------------------------------------------------------------------ conv_transpose

@@ -450,6 +450,17 @@ def _reduce_mean(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
     axes, keepdims = normalize_axes(attrs["axes"], x_type.rank), bool(attrs["keepdims"])
     count = _const(math.prod(x_type.shape[a] for a in axes), x_type.dtype)
     reduce = np.add.reduce
+    if (x_type.rank == 5 and x_type.shape[1] == 1 and axes == (2, 3) and keepdims and x_type.dtype == np.float32
+            and x_type.shape[2] * x_type.shape[3] > 0):
+        # A global average pool of channel-blocked storage (N, 1, H, W, C): one matrix-vector
+        # product per image, (H * W) @ (H * W, C). numpy's reduce adds the H * W rows of C
+        # one at a time (EfficientNet's 112x112x32 map: 380 -> 23 us).
+        n, _, h, w, c = x_type.shape
+        weights = np.full(h * w, 1 / (h * w), x_type.dtype)
+
+        def global_pool(x, out):
+            np.matmul(weights, x.reshape(n, h * w, c), out=out.reshape(n, c))
+        return global_pool
 
     def kernel(x, out):
         reduce(x, axis=axes, out=out, keepdims=keepdims)

@@ -37,11 +37,11 @@ import numpy as np
 from polyhal_cpu.queue_layout import G_FIELDS, Q_SIZE
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
-__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "depthwise",
-           "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
+__all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "conv_image_channels_last",
+           "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
            "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
-           "gemm_tiles_bytes", "im2col", "im2col_work", "layer_norm", "pack_gemm_weights", "pad_channels", "pool2d",
-           "pool2d_work", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
+           "gemm_tiles_bytes", "im2col", "im2col_work", "layer_norm", "matvec_channels_last", "pack_gemm_weights",
+           "pad_channels", "pool2d", "pool2d_work", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -162,6 +162,17 @@ def _warm(loops: dict[str, Callable]) -> None:
     tiles.flags.writeable = False
     for residual in (none4, nhwc):
         loops["depthwise_flat_rows"](nhwc, tiles, tiles[0, 0], residual, nhwc.copy(), 0, 0, 1, 1, 1, *_F32_PAIR)
+    for residual in (m[:0, :0], wide):  # a squeeze-excite 1x1 conv of one pixel: 4 -> GEMM_NR channels
+        loops["matvec_channels_last"](m[:1], np.zeros((4, GEMM_NR), np.float32), ro_bias, residual[:1], wide[:1].copy(),
+                                      1, *_F32_PAIR)
+    # A network's first conv: the image as given (either kind), into a channels-last map.
+    image_taps = np.zeros((1, 2, 1, 8), np.float32)  # (kh, C, kw, M): a plan's constant relaid, writable
+    offsets = np.zeros(2, np.int64)
+    for x in (img, ro_img):
+        for residual in (none4, np.zeros((1, 3, 3, 8), np.float32)):
+            loops["conv_image_channels_last"](x, image_taps, offsets, offsets, ro_bias[:8], residual,
+                                              np.zeros((1, 3, 3, 8), np.float32), 0, 1, 0, 3, 1, 1, 0, 0, 1, 1, 1,
+                                              *_F32_PAIR)
     loops["spin_wait"](np.zeros(2, np.int64), -1, 0, 0, 0, 1, 0)
     queue = np.zeros(Q_SIZE, np.int64)  # an empty GEMM run (no pieces): the queue's loops' types
     loops["take_gemms"](queue, 0)
@@ -322,19 +333,24 @@ def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, 
 GEMM_ROWS_BLOCK_BYTES = 256 << 10
 
 
-def pad_channels(a: np.ndarray) -> np.ndarray:
-    """``a`` with its last axis zero-padded to a multiple of GEMM_NR (weights (C, M) and bias
-    (M,) as :func:`gemm_channels_last` reads them)."""
+def pad_channels(a: np.ndarray, multiple: int = GEMM_NR) -> np.ndarray:
+    """``a`` with its last axis zero-padded to a multiple of ``multiple`` (GEMM_NR, or 16 for
+    (GEMM_MR, 16) tiles; weights (C, M) and bias (M,) as :func:`gemm_channels_last` reads them)."""
     m = a.shape[-1]
-    padded = np.zeros(a.shape[:-1] + (-(-m // GEMM_NR) * GEMM_NR,), np.float32)
+    padded = np.zeros(a.shape[:-1] + (-(-m // multiple) * multiple,), np.float32)
     padded[..., :m] = a
     return padded
 
 
 def channels_last_block(c: int, m: int, pixels: int) -> int:
-    """Pixels per block of :func:`gemm_channels_last` (see GEMM_ROWS_BLOCK_BYTES)."""
+    """Pixels per block of :func:`gemm_channels_last` (see GEMM_ROWS_BLOCK_BYTES): the pixels'
+    tiles in blocks of near-equal size, as many as the budget needs, rounded (a block may hold
+    up to 1.5 times the budget): each block reads all the weights again, and a last block of a
+    tile or two (a 7x7 map's 49 pixels in blocks of 48 and 1) read them for little work."""
+    tiles = -(-pixels // GEMM_MR)
     fit = max(1, GEMM_ROWS_BLOCK_BYTES // ((c + m) * 4 * GEMM_MR))
-    return min(fit, -(-pixels // GEMM_MR)) * GEMM_MR
+    blocks = max(1, round(tiles / fit))
+    return -(-tiles // blocks) * GEMM_MR
 
 
 def gemm_channels_last(x: np.ndarray, wt: np.ndarray, out: np.ndarray, bias: np.ndarray,
@@ -404,6 +420,26 @@ def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, r
     none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
     _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
+
+
+def conv_image_channels_last(x: np.ndarray, taps: np.ndarray, xoff: np.ndarray, woff: np.ndarray, bias: np.ndarray,
+                             residual: np.ndarray | None, out: np.ndarray, ns: tuple, ys: tuple, s: tuple, p: tuple,
+                             d: tuple, act: int, alpha: float, beta: float) -> None:
+    """Images ``ns`` (first, last + 1), output rows ``ys`` of a dense 2-D convolution of (N, C, H,
+    W) ``x`` by (kh, C, kw, M) ``taps`` into channels-last (N, oh, ow, M) ``out``, with bias,
+    optional residual and activation ``act``; ``xoff``/``woff``: the taps' offsets (see
+    :func:`polyhal_cpu.native_loops.conv_image_channels_last`)."""
+    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    _compiled()["conv_image_channels_last"](x, taps, xoff, woff, bias, none, out, ns[0], ns[1], ys[0], ys[1], s[0],
+                                            s[1], p[0], p[1], d[0], d[1], act, np.float32(alpha), np.float32(beta))
+
+
+def matvec_channels_last(x: np.ndarray, wt: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
+                         out: np.ndarray, act: int, alpha: float, beta: float) -> None:
+    """(pixels, M) ``out`` = activation ``act`` of (pixels, C) ``x`` @ (C, M) ``wt`` + bias (+
+    residual), for a few pixels (see :func:`polyhal_cpu.native_loops.matvec_channels_last`)."""
+    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    _compiled()["matvec_channels_last"](x, wt, bias, none, out, act, np.float32(alpha), np.float32(beta))
 
 
 def gemm_queue() -> dict[str, Callable] | None:

@@ -13,7 +13,7 @@ from polyhal.errors import ProgramError, ShapeError
 from polyhal.ops import OPS
 from polyhal.ir.types import TensorType
 from polyhal_cpu import blas as polyhal_cpu_blas
-from polyhal_cpu import conv_kernels, native
+from polyhal_cpu import conv_kernels, native, parallel, threads
 from polyhal_cpu.kernels import prepare
 from polyhal_cpu.scratch import standalone
 
@@ -225,6 +225,10 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
 
 @pytest.mark.parametrize("shapes", [
     ((1, 13, 9, 8), (13, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),
+    # flat rows: a 3-wide kernel row's taps in one pass (dilated, asymmetric pads), and an image
+    # so narrow that no pixel is reached by all three
+    ((1, 12, 9, 11), (12, 1, 3, 3), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [2, 2]}),
+    ((2, 8, 5, 2), (8, 1, 3, 3), {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),
     ((2, 24, 11, 10), (24, 1, 5, 5), {"strides": [2, 2], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
     ((1, 16, 12, 12), (16, 1, 3, 3), {"strides": [1, 2], "pads": [0, 1, 2, 0], "dilations": [2, 2]}),
     ((1, 8, 9, 9), (8, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
@@ -233,6 +237,9 @@ def test_fused_conv_kernel(shapes, activation, native_loops, monkeypatch):
     ((2, 100, 9, 10), (100, 1, 5, 5), {"strides": [1, 1], "pads": [2, 1, 2, 3], "dilations": [1, 1]}),
     ((1, 96, 10, 14), (96, 1, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),
     ((2, 20, 6, 7), (12, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+    # squeeze-excite convs over a 1x1 map: fewer pixels than a tile's rows
+    ((1, 40, 1, 1), (24, 40, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
+    ((3, 20, 1, 2), (37, 20, 1, 1), {"strides": [1, 1], "pads": [0, 0, 0, 0], "dilations": [1, 1]}),
     # depthwise tiles of 8 pixels x 8 or 16 channels, kernel rows clipped at the top and bottom
     ((1, 24, 9, 40), (24, 1, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 2]}),
     ((2, 32, 7, 30), (32, 1, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 1]}),
@@ -265,11 +272,49 @@ def test_blocked_conv_kernel(shapes, activation):
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
-@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32)])
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("xs, ws, geometry", [
+    ((1, 3, 37, 45), (16, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),  # a stem
+    ((2, 3, 21, 30), (32, 3, 3, 3), {"strides": [2, 2], "pads": [0, 1, 1, 0], "dilations": [1, 1]}),
+    ((1, 4, 13, 27), (24, 4, 5, 5), {"strides": [1, 1], "pads": [2, 2, 2, 2], "dilations": [1, 2]}),   # 8 lanes
+    ((2, 1, 11, 12), (5, 1, 3, 3), {"strides": [1, 2], "pads": [1, 0, 1, 2], "dilations": [1, 1]}),    # no tiles
+    ((1, 3, 9, 9), (16, 3, 7, 7), {"strides": [1, 1], "pads": [3, 3, 3, 3], "dilations": [1, 1]}),     # edges only
+])
+@pytest.mark.parametrize("activation", ["none", "hard_swish", "silu"])
+def test_blocked_conv_of_an_image(n_threads, xs, ws, geometry, activation, monkeypatch):
+    """A chain's first conv reading its (N, C, H, W) image as it lies into a channels-last map
+    (tiles of 8 pixels x 32, 16 or 8 channels, the last tile of a row moved left, edge pixels
+    tap by tap, kernel rows clipped at the top and bottom), with and without a residual, cut into
+    as many pieces as it may be, against the reference."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    alpha, beta = {"hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    attrs = {**geometry, "group": 1, "activation": activation, "alpha": alpha, "beta": beta}
+    w = _f(*ws)
+    w.flags.writeable = False
+    for residual in (False, True):
+        ins = [_f(*xs), w, _f(ws[0])]
+        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        if residual:
+            ins.append(_f(*out_type.shape))
+        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"residual {residual}")
+
+
+@pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32),
+                                   # tiles of 16 channels: whole ones, and a last partial one (40 = 2 x 16 + 8)
+                                   ((1, 24, 5, 7), 16), ((2, 13, 3, 5), 80), ((1, 9, 7, 7), 40), ((1, 17, 4, 3), 112)])
 @pytest.mark.parametrize("activation", ["none", "relu", "silu"])
 def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
     """Channel-blocked 1x1 convs by the micro-kernel: output channels of whole tiles and of a
-    last partial one (200 = 6 x 32 + 8), pixels of whole tiles and of a last partial one
+    last partial one (200 = 6 x 32 + 8; tiles of 32 channels or 16), pixels of whole tiles and of a last partial one
     (35 = 4 x 8 + 3, 9 = 8 + 1), several blocks of pixels (the block budget shrunk to one tile's
     rows), with and without a residual, against the reference."""
     if not native.available(np.float32):
@@ -292,6 +337,18 @@ def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
         kernel(*ins, out)
         (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 37, 29, 24), (3, 1, 5, 7, 13), (2, 1, 1, 1, 960)])
+def test_global_average_pool_of_a_blocked_map(shape):
+    """reduce_mean over the pixels of channel-blocked storage (a squeeze-excite block's pool),
+    as a matrix-vector product per image, against numpy's mean in float64."""
+    x = _f(*shape)
+    attrs = {"axes": [2, 3], "keepdims": True}
+    (out_type,) = OPS["reduce_mean"].infer((TensorType(shape, np.float32),), attrs)
+    out = np.full(out_type.shape, np.nan, np.float32)
+    prepare("reduce_mean", attrs, (TensorType(shape, np.float32),), (out_type,))(x, out)
+    np.testing.assert_allclose(out, x.astype(np.float64).mean(axis=(2, 3), keepdims=True), rtol=1e-5, atol=1e-6)
 
 
 def test_native_loops_serve_float32():
