@@ -149,6 +149,9 @@ class Conv:
     #: Maps (x, residual, y) and the filter channels-last (NHWC / KRSC) instead of NCHW / KCRS.
     maps_last: bool = False
     filter_last: bool = False
+    #: x dense NCHW though the other maps are channels-last: a ``blocked_conv`` stem reading its
+    #: image as it lies.
+    image_first: bool = False
 
     @classmethod
     def of(cls, attrs: dict, ins, outs) -> "Conv":
@@ -187,7 +190,7 @@ def logical(op: str, attrs: dict, ins, outs) -> tuple[str, tuple, tuple, bool, b
         return TensorType((n, c, h, w), t.dtype)
 
     w_last = ins[1].rank == 5
-    lins = (unblock(ins[0]), unblock(ins[1]) if w_last else ins[1], *ins[2:3], *(unblock(r) for r in ins[3:4]))
+    lins = (ins[0] if ins[0].rank == 4 else unblock(ins[0]), unblock(ins[1]) if w_last else ins[1], *ins[2:3], *(unblock(r) for r in ins[3:4]))
     fused = len(ins) == 4 or (len(ins) == 3 and attrs["activation"] != "none")
     return ("fused_conv" if fused else "conv"), lins, (unblock(outs[0]),), True, w_last
 
@@ -207,7 +210,8 @@ class CuDNNConv:
         m = conv.w[0]
         bshape = (1, m) + (1,) * (len(conv.y) - 2)
         last = conv.maps_last
-        tensors = {"x": g.tensor(name="x", dim=list(conv.x), stride=_strides(conv.x, last), data_type=dt),
+        x_last = last and not conv.image_first
+        tensors = {"x": g.tensor(name="x", dim=list(conv.x), stride=_strides(conv.x, x_last), data_type=dt),
                    "w": g.tensor(name="w", dim=list(conv.w), stride=_strides(conv.w, conv.filter_last), data_type=dt)}
         y = g.conv_fprop(image=tensors["x"], weight=tensors["w"], pre_padding=list(conv.pre),
                          post_padding=list(conv.post), stride=list(conv.stride), dilation=list(conv.dilation),
@@ -230,7 +234,7 @@ class CuDNNConv:
         g.deselect_numeric_notes(notes)
         g.check_support()
         operands = {"x": conv.x, "w": conv.w, "b": bshape, "r": conv.y, "y": conv.y}
-        layouts = {"x": last, "w": conv.filter_last, "b": last, "r": last, "y": last}
+        layouts = {"x": x_last, "w": conv.filter_last, "b": last, "r": last, "y": last}
         tolerance = TOLERANCE["tf32" if tf32 and conv.dtype == np.float32 else conv.dtype.name]
 
         inputs: dict = {}  # the operands' host copies, the same for every plan
@@ -453,6 +457,7 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
     if why:
         return None, (), why
     key = _key(op, attrs, ins, outs)
+    image_first = op == "blocked_conv" and ins[0].rank == 4
     op, ins, outs, maps_last, filter_last = logical(op, attrs, ins, outs)
     if ins[0].dtype not in DTYPES:
         return None, (), f"cuDNN convolves {', '.join(t.name for t in DTYPES)} here, not {ins[0].dtype.name}"
@@ -467,7 +472,7 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
         # Maps of one pixel (a squeeze-excitation's convs) are the same bytes in NCHW and NHWC:
         # declared channels-last, as cuDNN computes them correctly (see the module docstring).
         single = all(d == 1 for d in (*conv.x[2:], *conv.y[2:]))
-        conv = dataclasses.replace(conv, maps_last=maps_last or single,
+        conv = dataclasses.replace(conv, maps_last=maps_last or single, image_first=image_first and not single,
                                    filter_last=filter_last or (single and all(d == 1 for d in conv.w[2:])))
         alpha = float(attrs.get("alpha", 0.0))
         beta = float(attrs.get("beta", 0.0))
@@ -606,8 +611,8 @@ def _through_nchw(kernel, filter_last: bool, why: str):
     copies are allocated while it runs: a fallback, and its name says so."""
     import cupy as cp
 
-    def nchw(a):  # (N, 1, H, W, C) -> (N, C, H, W)
-        return cp.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))
+    def nchw(a):  # (N, 1, H, W, C) -> (N, C, H, W); a stem's image is NCHW already
+        return a if a.ndim == 4 else cp.ascontiguousarray(a[:, 0].transpose(0, 3, 1, 2))
 
     def through_nchw(x, w, *rest):
         out, extra = rest[-1], rest[:-1]  # extra: the bias, then the residual
