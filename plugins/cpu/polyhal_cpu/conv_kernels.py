@@ -53,6 +53,7 @@ import numpy as np
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
 from polyhal_cpu import blas, native, parallel
+from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen, numpy_activation
 
@@ -378,7 +379,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
                 x4, cols2 = x4[:, cs], cols2[cs.start * g.taps:cs.stop * g.taps]
             native.im2col(x4[n:n + 1], 0, cols2, work[part], g.k, g.s, g.pb, g.d, g.out_sp)
 
-        def rows_piece(w3, o3, b, r3, n, lo, hi):
+        def descspiece(w3, o3, b, r3, n, lo, hi):
             """Output channels lo..hi of image n: their GEMM, then their epilogue."""
             matmul(w3[0, lo:hi], flat[0], out=o3[n, lo:hi])
             if has_epilogue:
@@ -394,7 +395,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             for n in range(g.batch):
                 run([partial(columns, x4, n, i, cs) for i, cs in enumerate(column_blocks)])
                 if by_rows:
-                    run([partial(rows_piece, w3, o3, b, r3, n, lo, hi) for lo, hi in split.bounds])
+                    run([partial(descspiece, w3, o3, b, r3, n, lo, hi) for lo, hi in split.bounds])
                 else:
                     run(split.tasks(w3, flat, o3[n].reshape(g.group, g.mg, length)))
             if not by_rows:
@@ -630,7 +631,7 @@ def _shifted(g: _Conv, scratch, epilogue_tasks, has_bias: bool, has_residual: bo
     split = parallel.GemmSplit(g.m, oh, g.c * taps * wide, axis=1, align=1)  # blocks of output rows
     run = parallel.run
 
-    def rows_piece(o4, n, y0, y1):
+    def descspiece(o4, n, y0, y1):
         lo, hi = y0 * wide, y1 * wide
         for t, off in enumerate(offsets):
             gemm(wt[t], padded[:, off + lo:off + hi], product[:, lo:hi], 1.0, 1.0 if t else 0.0)
@@ -644,7 +645,7 @@ def _shifted(g: _Conv, scratch, epilogue_tasks, has_bias: bool, has_residual: bo
         padded.fill(0)  # the borders; the interior is overwritten per image
         for n in range(g.batch):
             np.copyto(inner, x4[n])
-            run([partial(rows_piece, o4, n, y0, y1) for y0, y1 in split.bounds])
+            run([partial(descspiece, o4, n, y0, y1) for y0, y1 in split.bounds])
         run(epilogue_tasks(out, rest[0] if has_bias else zero_bias, rest[1] if has_residual else None))
     return kernel
 
@@ -740,11 +741,11 @@ def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int
     # 38.5 -> 30.8 ms and EfficientNet-B0 84.5 -> 68.6 ms while the VM's other core was free
     # (batch 1 within noise either way; with the other core busy the pieces run one after
     # another on the calling thread, at the cost of a few calls).
-    bounds = parallel.blocks(pixels, parallel.gemm_pieces(pixels, m, c, min_intensity=0), native.GEMM_MR)
+    bounds = parallel.blocks(pixels, parallel.queue_parts(pixels * m * c / parallel.GEMM_MACS_PER_US), native.GEMM_MR)
     return pixels, c, m, [(lo, hi, native.channels_last_block(c, m, hi - lo)) for lo, hi in bounds]
 
 
-def _rows_bytes(problem, _workgroup_size: int) -> int:
+def _descsbytes(problem, _workgroup_size: int) -> int:
     """A tile's worth of output and of input rows (``rows``) for each piece of a blocked 1x1 conv."""
     tiles = None if problem.in_types[0].rank == 4 else _pointwise_tiles(problem.attrs, *problem.in_types[:2])
     if tiles is None:
@@ -756,7 +757,7 @@ def _rows_bytes(problem, _workgroup_size: int) -> int:
 @TABLE.register("blocked_conv", scratch=[
     ScratchDecl("taps", shared=True, per_launch=_taps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="a depthwise conv's weights as (kh, kw, C) channel vectors"),
-    ScratchDecl("rows", shared=True, per_launch=_rows_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+    ScratchDecl("rows", shared=True, per_launch=_descsbytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="a 1x1 conv's last pixels padded to a tile, and a tile reaching past the output")])
 def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_t, w_t = ins[0], ins[1]
@@ -778,33 +779,37 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     if fast and group == c and cg == 1 and m == c:
         act = native.activation_code(activation)
         taps = scratch_array(scratch, "taps", _F32, (kh, kw, c))
-        channel_vectors = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0))
-        # pieces: images, or blocks of output rows of one image (C-contiguous views all)
-        grid = [(ns, ys, (ys.start or 0) * s[0] - p[0])
-                for ns, ys in parallel.grid(n, oh, ow * c, factor=18 / (kh * kw))]
-
-        def pieces(x, r, out):
-            """(input, residual, output, padding) of each piece: a block whose first output row
-            reads below the top padding takes the input from that row on, unpadded above."""
-            x4, o4, r4 = np.ascontiguousarray(x[:, 0]), out[:, 0], None if r is None else r[:, 0]
-            return [(x4[ns, max(top, 0):], None if r4 is None else r4[ns, ys], o4[ns, ys], (max(-top, 0), p[1]))
-                    for ns, ys, top in grid]
-
-        if s == [1, 1] and c < FLAT_CHANNELS:
-            # taps and bias tiled along an output row (see native.depthwise_flat_rows)
-            tiled = _Relaid(lambda w: np.tile(w.reshape(c, kh, kw).transpose(1, 2, 0), (1, 1, ow)))
+        flat = s == [1, 1] and c < FLAT_CHANNELS
+        if flat:  # taps and bias tiled along an output row (see native.depthwise_flat_rows)
+            arranged = _Relaid(lambda w: np.tile(w.reshape(c, kh, kw).transpose(1, 2, 0), (1, 1, ow)))
             tiled_bias = _Relaid(lambda b: np.tile(b, ow))
-
-            def flat(x, w, *rest):
-                wt, bt = tiled(w), tiled_bias(rest[0] if has_bias else zero_bias)
-                parallel.run([partial(native.depthwise_flat_rows, xs, wt, bt, rs, os_, pad, d, act, alpha, beta)
-                              for xs, rs, os_, pad in pieces(x, rest[1] if has_residual else None, rest[-1])])
-            return flat
+        else:
+            arranged, tiled_bias = _Relaid(lambda w: w.reshape(c, kh, kw).transpose(1, 2, 0)), None
+        # pieces on the compiled queue: images, or blocks of output rows of one image, each
+        # reading the input from its first output row's top tap on (unpadded above)
+        parts = parallel.queue_parts(n * oh * ow * c * kh * kw / parallel.DEPTHWISE_TAPS_PER_US)
+        rows = np.zeros((len(parallel.cuts(n, oh, parts)), layout.G_FIELDS), np.int64)
+        x_at, out_at = [], []
+        for i, (n0, n1, y0, y1) in enumerate(parallel.cuts(n, oh, parts)):
+            top = y0 * s[0] - p[0]
+            x_at.append((n0 * h + max(top, 0)) * wd * c * 4)
+            out_at.append((n0 * oh + y0) * ow * c * 4)
+            rows[i, [layout.V_N, layout.V_H, layout.V_OH, layout.V_PH]] = n1 - n0, h - max(top, 0), y1 - y0, max(-top, 0)
+        rows[:, layout.G_KIND] = layout.KIND_DEPTHWISE_FLAT if flat else layout.KIND_DEPTHWISE
+        rows[:, layout.V_WIDTH], rows[:, layout.V_C], rows[:, layout.V_OW], rows[:, layout.V_M] = wd, c, ow, ow * c if flat else c
+        rows[:, layout.V_KH], rows[:, layout.V_KW], rows[:, layout.V_SH], rows[:, layout.V_SW] = kh, kw, *s
+        rows[:, layout.V_PW], rows[:, layout.V_DH], rows[:, layout.V_DW] = p[1], *d
+        _activation_fields(rows, act, alpha, beta)
+        table = parallel.PieceTable(rows, [(layout.V_X, 0, x_at), (layout.V_W, 1, [0] * len(rows)),
+                                           (layout.V_BIAS, 2, [0] * len(rows)), (layout.V_RES, 3, out_at),
+                                           (layout.V_OUT, 4, out_at)])
 
         def depthwise(x, w, *rest):
-            vectors, b = channel_vectors(w, taps), rest[0] if has_bias else zero_bias
-            parallel.run([partial(native.depthwise_channels_last, xs, vectors, b, rs, os_, s, pad, d, act, alpha, beta)
-                          for xs, rs, os_, pad in pieces(x, rest[1] if has_residual else None, rest[-1])])
+            if flat:
+                wt, b = arranged(w), tiled_bias(rest[0] if has_bias else zero_bias)
+            else:
+                wt, b = arranged(w, taps), rest[0] if has_bias else zero_bias
+            _run_table(table, x, wt, b, rest[1] if has_residual else None, rest[-1])
         return depthwise
     tiles = _pointwise_tiles(attrs, x_t, w_t)
     if tiles is not None:
@@ -819,12 +824,21 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         packed = _Relaid(lambda w: native.pad_channels(w.reshape(m, c).T, multiple))
         padded_bias = _Relaid(partial(native.pad_channels, multiple=multiple))
 
+        descs = np.zeros((len(parts), layout.G_FIELDS), np.int64)
+        descs[:, layout.G_KIND], descs[:, layout.V_C], descs[:, layout.V_M], descs[:, layout.V_OW] = \
+            layout.KIND_POINTWISE, c, -(-m // multiple) * multiple, m
+        for i, (ps, cbuf, apad, block) in enumerate(parts):
+            descs[i, [layout.V_N, layout.V_A, layout.V_B, layout.V_BLOCK]] = (ps.stop - ps.start, cbuf.ctypes.data,
+                                                                              apad.ctypes.data, block)
+        _activation_fields(descs, act, alpha, beta)
+        at = [lo * 4 for lo, _, _ in pieces]
+        table = parallel.PieceTable(descs, [(layout.V_X, 0, [a * c for a in at]), (layout.V_W, 1, [0] * len(at)),
+                                            (layout.V_BIAS, 2, [0] * len(at)), (layout.V_RES, 3, [a * m for a in at]),
+                                            (layout.V_OUT, 4, [a * m for a in at])], keep=(rows,))
+
         def pointwise_tiles(x, w, *rest):
-            r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
-            x2, out, wt = np.ascontiguousarray(x).reshape(pixels, c), rest[-1].reshape(pixels, m), packed(w)
-            b = padded_bias(rest[0] if has_bias else zero_bias)
-            parallel.run([partial(native.gemm_channels_last, x2[ps], wt, out[ps], b, None if r is None else r[ps],
-                                  cbuf, apad, block, act, alpha, beta) for ps, cbuf, apad, block in parts])
+            _run_table(table, x, packed(w), padded_bias(rest[0] if has_bias else zero_bias),
+                       rest[1] if has_residual else None, rest[-1])
         return pointwise_tiles
     if fast and pointwise:
         act = native.activation_code(activation)
@@ -854,6 +868,24 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
             parallel.run([partial(piece, x2, wt, b, r, out, lo, hi) for lo, hi in split.bounds])
         return gemm
     return _relaid_conv(device, attrs, ins, outs)
+
+
+def _activation_fields(rows: np.ndarray, act: int, alpha: float, beta: float) -> None:
+    """Set a convolution's pieces' activation fields (queue_layout's V_ACT, V_ALPHA, V_BETA)."""
+    rows[:, layout.V_ACT] = act
+    rows[:, layout.V_ALPHA], rows[:, layout.V_BETA] = parallel.float_bits(alpha), parallel.float_bits(beta)
+
+
+def _run_table(table: parallel.PieceTable, *operands: np.ndarray | None) -> None:
+    """Run a convolution's pieces (:class:`polyhal_cpu.parallel.PieceTable` of (input, weights,
+    bias, residual, output) and any others) on the compiled queue. Its loops address the arrays'
+    memory directly: each is made C-contiguous float32 (the output computed aside and copied
+    where it is not)."""
+    ins, out = [None if a is None else np.ascontiguousarray(a, _F32) for a in operands[:-1]], operands[-1]
+    dst = out if out.flags.c_contiguous and out.dtype == _F32 else np.empty(out.shape, _F32)
+    parallel.run_gemms(table(*ins, dst))
+    if dst is not out:
+        np.copyto(out, dst)
 
 
 def _relaid_conv(device, attrs: dict, ins: Types, outs: Types) -> Kernel:
@@ -903,16 +935,22 @@ def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
     order = [(i, ch, j) for i in range(kh) for ch in range(c) for j in range(kw)]
     xoff = np.array([ch * h * wd + i * d[0] * wd + j * d[1] for i, ch, j in order], np.int64)
     woff = np.array([((i * c + ch) * kw + j) * m for i, ch, j in order], np.int64)
-    # pieces: blocks of images, or of output rows of one image
-    pieces = [((ns.start or 0, n if ns.stop is None else ns.stop), (ys.start or 0, oh if ys.stop is None else ys.stop))
-              for ns, ys in parallel.grid(n, oh, ow * m, factor=18 / (c * kh * kw))]
+    # pieces on the compiled queue: blocks of images, or of output rows of one image
+    pieces = parallel.cuts(n, oh, parallel.queue_parts(n * oh * ow * m * c * kh * kw / parallel.GEMM_MACS_PER_US))
+    descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
+    descs[:, [layout.V_N0, layout.V_N1, layout.V_Y0, layout.V_Y1]] = pieces
+    descs[:, layout.G_KIND], descs[:, layout.V_A], descs[:, layout.V_B] = layout.KIND_IMAGE_CONV, xoff.ctypes.data, \
+        woff.ctypes.data
+    for field, value in zip((layout.V_N, layout.V_C, layout.V_H, layout.V_WIDTH, layout.V_KH, layout.V_KW, layout.V_M,
+                             layout.V_OH, layout.V_OW, layout.V_SH, layout.V_SW, layout.V_PH, layout.V_PW, layout.V_DH,
+                             layout.V_DW), (n, c, h, wd, kh, kw, m, oh, ow, *s, *p[:2], *d)):
+        descs[:, field] = value
+    _activation_fields(descs, act, alpha, beta)
+    table = parallel.PieceTable(descs, [(field, x, [0] * len(pieces)) for x, field in enumerate(
+        (layout.V_X, layout.V_W, layout.V_BIAS, layout.V_RES, layout.V_OUT))], keep=(xoff, woff))
 
     def image_conv(x, w, *rest):
-        wt, b = np.ascontiguousarray(taps(w)), rest[0] if has_bias else zero_bias
-        r = np.ascontiguousarray(rest[1][:, 0]) if has_residual else None
-        xs, out = np.ascontiguousarray(x), rest[-1][:, 0]
-        parallel.run([partial(native.conv_image_channels_last, xs, wt, xoff, woff, b, r, out, ns, ys, s, p[:2], d,
-                              act, alpha, beta) for ns, ys in pieces])
+        _run_table(table, x, taps(w), rest[0] if has_bias else zero_bias, rest[1] if has_residual else None, rest[-1])
     return image_conv
 
 

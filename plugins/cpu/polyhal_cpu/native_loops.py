@@ -15,8 +15,11 @@ from numba.extending import intrinsic
 
 from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
                                       G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
-                                      G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_LAYER_NORM, Q_COUNT, Q_DESC,
-                                      Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2)
+                                      G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT,
+                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, Q_COUNT, Q_DESC, Q_FINISHED,
+                                      Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA, V_B, V_BETA,
+                                      V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0, V_N1, V_OH,
+                                      V_OUT, V_OW, V_PH, V_PW, V_RES, V_SH, V_SW, V_W, V_WIDTH, V_X, V_Y0, V_Y1)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
@@ -212,6 +215,9 @@ def gemm_piece(d):
     G_BIAS_ROW + j * G_BIAS_COL), a broadcast by zero strides), then C = alpha A B + beta C by BLAS,
     then, row by row, + the residual (d[G_RES] != 0, row stride d[G_LDR]) and activation d[G_ACT]
     (see activate_row)."""
+    if d[G_KIND] >= KIND_POINTWISE:
+        conv_piece(d)
+        return
     m, n = d[G_M], d[G_N]
     if d[G_KIND] == KIND_LAYER_NORM:
         layer_norm(carray(_f32_pointer(d[G_A]), (m, n)), carray(_f32_pointer(d[G_B]), n),
@@ -244,6 +250,54 @@ def gemm_piece(d):
                 for j in range(n):
                     row[j] += res[j]
             activate_row(row, act, alpha, beta)
+
+
+@_jit
+def _f32_array(address, shape):
+    """The C-contiguous float32 array of ``shape`` at ``address``."""
+    return carray(_f32_pointer(address), shape)
+
+
+@_jit
+def conv_piece(d):
+    """One piece of a channels-last convolution (d[G_KIND] one of queue_layout's KIND_POINTWISE,
+    KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV; its fields the V_ ones): the loop the
+    kernel otherwise calls for it, on arrays made from the descriptor's addresses and shapes."""
+    kind, act, alpha, beta = d[G_KIND], d[V_ACT], _f32_bits(d[V_ALPHA]), _f32_bits(d[V_BETA])
+    has_residual, none = d[V_RES] != 0, d[V_RES] * 0  # none: a zero extent of the residual's type
+    if kind == KIND_POINTWISE:  # (pixels, C) @ (C, M padded) into (pixels, M)
+        pixels, c, mpad, m = d[V_N], d[V_C], d[V_M], d[V_OW]
+        gemm_channels_last(_f32_array(d[V_X], (pixels, c)), _f32_array(d[V_W], (c, mpad)),
+                           _f32_array(d[V_OUT], (pixels, m)), _f32_array(d[V_BIAS], mpad),
+                           _f32_array(d[V_RES] if has_residual else d[V_OUT],
+                                      (pixels, m) if has_residual else (none, none)),
+                           _f32_array(d[V_A], GEMM_MR * GEMM_NR), _f32_array(d[V_B], GEMM_MR * c), d[V_BLOCK],
+                           act, alpha, beta)
+        return
+    if kind == KIND_IMAGE_CONV:  # (N, C, H, W) by (kh, C, kw, M) into (N, oh, ow, M)
+        n, c, m, kh, kw = d[V_N], d[V_C], d[V_M], d[V_KH], d[V_KW]
+        out_shape = (n, d[V_OH], d[V_OW], m)
+        res_shape = out_shape if has_residual else (none, none, none, none)
+        conv_image_channels_last(_f32_array(d[V_X], (n, c, d[V_H], d[V_WIDTH])), _f32_array(d[V_W], (kh, c, kw, m)),
+                                 carray(_i64_pointer(d[V_A]), kh * c * kw), carray(_i64_pointer(d[V_B]), kh * c * kw),
+                                 _f32_array(d[V_BIAS], m),
+                                 _f32_array(d[V_RES] if has_residual else d[V_OUT], res_shape),
+                                 _f32_array(d[V_OUT], out_shape), d[V_N0], d[V_N1], d[V_Y0], d[V_Y1], d[V_SH],
+                                 d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW], act, alpha, beta)
+        return
+    # depthwise: (N, H, W, C) by (kh, kw, M) taps (M = C, or ow * C tiled) into (N, oh, ow, C)
+    n, c, m = d[V_N], d[V_C], d[V_M]
+    out_shape = (n, d[V_OH], d[V_OW], c)
+    x = _f32_array(d[V_X], (n, d[V_H], d[V_WIDTH], c))
+    taps, bias = _f32_array(d[V_W], (d[V_KH], d[V_KW], m)), _f32_array(d[V_BIAS], m)
+    residual = _f32_array(d[V_RES] if has_residual else d[V_OUT],
+                          out_shape if has_residual else (none, none, none, none))
+    out = _f32_array(d[V_OUT], out_shape)
+    if kind == KIND_DEPTHWISE_FLAT:
+        depthwise_flat_rows(x, taps, bias, residual, out, d[V_PH], d[V_PW], d[V_DH], d[V_DW], act, alpha, beta)
+    else:
+        depthwise_channels_last(x, taps, bias, residual, out, d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW],
+                                act, alpha, beta)
 
 
 @intrinsic

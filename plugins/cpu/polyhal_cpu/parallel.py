@@ -527,6 +527,53 @@ class GemmSplit:
         return t, fields
 
 
+#: Taps of a depthwise conv's output elements computed per microsecond single-threaded (2-core
+#: VM, AVX-512: EfficientNet's 56x56x144 3x3 280 us, 28x28x240 5x5 200 us), to estimate its time.
+DEPTHWISE_TAPS_PER_US = 15_000
+
+
+def queue_parts(us: float) -> int:
+    """How many pieces work of ``us`` estimated single-threaded microseconds is cut into on the
+    compiled queue (:func:`run_gemms`): pieces of :data:`GEMM_QUEUE_PIECE_US` at least, as many
+    as the thread budget at most (1: not cut)."""
+    n_threads = threads()
+    if n_threads < 2 or native.gemm_queue() is None:
+        return 1
+    return max(1, min(n_threads, int(us // GEMM_QUEUE_PIECE_US)))
+
+
+def cuts(outer: int, inner: int, parts: int) -> list[tuple[int, int, int, int]]:
+    """(outer, inner) ranges ``(o0, o1, i0, i1)`` cutting an (outer, inner, ...) C-contiguous
+    array into at most ``parts`` C-contiguous blocks: of whole outer rows (images) where there
+    are enough, else of inner rows (output rows) within each outer one."""
+    if outer >= parts:
+        return [(o0, o1, 0, inner) for o0, o1 in blocks(outer, parts)]
+    per = -(-parts // outer)
+    return [(o, o + 1, i0, i1) for o in range(outer) for i0, i1 in blocks(inner, per)]
+
+
+class PieceTable:
+    """Descriptor rows for :func:`run_gemms` made at prepare time, but for their operands'
+    addresses: ``fields`` are (field, operand, each row's offset in bytes), and a call with the
+    operands (None: absent, its field left 0) gives the rows with their addresses filled in.
+    ``keep``: the arrays whose addresses ``rows`` already hold (scratch, offsets), kept alive."""
+
+    def __init__(self, rows: np.ndarray, fields: Iterable[tuple[int, int, Sequence[int]]],
+                 keep: Sequence[np.ndarray] = ()) -> None:
+        self.rows, self.keep = rows, tuple(keep)
+        self.fields = [(field, x, np.asarray(offsets, np.int64)) for field, x, offsets in fields]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __call__(self, *operands: np.ndarray | None) -> np.ndarray:
+        t = self.rows.copy()
+        for field, x, offsets in self.fields:
+            if operands[x] is not None:
+                t[:, field] = operands[x].ctypes.data + offsets
+        return t
+
+
 def float_bits(x: float) -> int:
     """The bits of float32 ``x``, as the GEMM queue's descriptors hold a float."""
     return int(np.float32(x).view(np.int32))

@@ -8,10 +8,24 @@ fills the queue and its tables; it imports nothing.
 #: as their bits), and the shift of a run's number in the tagged counters.
 Q_TAKEN, Q_FINISHED, Q_RUN, Q_COUNT, Q_DESC, Q_STEPS, Q_SIZE = 0, 8, 16, 17, 18, 19, 24
 (G_FN, G_WIDE, G_GEMV, G_TA, G_TB, G_M, G_N, G_K, G_ALPHA, G_A, G_LDA, G_B, G_LDB, G_BETA, G_C, G_LDC, G_BIAS,
- G_BIAS_ROW, G_BIAS_COL, G_RES, G_LDR, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_KIND, G_FIELDS) = range(26)
+ G_BIAS_ROW, G_BIAS_COL, G_RES, G_LDR, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_KIND) = range(25)
+G_FIELDS = 32
 #: G_KIND of a piece: a GEMM (the fields above), or a layer norm of G_M contiguous rows of G_N
-#: at G_A into G_C, scale at G_B, bias at G_BIAS, epsilon (bits) in G_ALPHA.
+#: at G_A into G_C, scale at G_B, bias at G_BIAS, epsilon (bits) in G_ALPHA; or a piece of a
+#: channels-last convolution (the V_ fields below, :func:`polyhal_cpu.native_loops.conv_piece`).
 KIND_GEMM, KIND_LAYER_NORM = 0, 1
+#: Convolutions' kinds: a 1x1 conv's block of pixels (``gemm_channels_last``), a depthwise
+#: conv's block of output rows (``depthwise_channels_last``, or ``depthwise_flat_rows`` with
+#: its taps and bias tiled along a row), a first conv's images/rows (``conv_image_channels_last``).
+KIND_POINTWISE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV = 2, 3, 4, 5
+#: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
+#: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
+#: or tap offsets), the input's shape (N, H, W, C; (pixels, C) for a 1x1 conv), the output's
+#: (OH, OW, M), the weights' (KH, KW), strides, pads, dilations, activation (floats as bits),
+#: a 1x1 conv's pixel block, and a first conv's images N0 .. N1 and output rows Y0 .. Y1.
+(V_X, V_W, V_BIAS, V_RES, V_OUT, V_N, V_H, V_WIDTH, V_C, V_OH, V_OW, V_M, V_KH, V_KW, V_SH, V_SW, V_PH, V_PW, V_DH,
+ V_DW, V_ACT, V_ALPHA, V_BETA, V_A) = range(24)
+V_B, V_BLOCK, V_N0, V_N1, V_Y0, V_Y1 = range(G_KIND + 1, G_KIND + 7)
 RUN_SHIFT = 16
 #: The GEMM queue's epilogue code (G_ACT) for a softmax of each row of scores in base-2 units.
 SOFTMAX2 = 64
