@@ -232,10 +232,11 @@ def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs
 @pytest.mark.parametrize("n_threads", ["2", "3"])
 def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
     """A channel-blocked 1x1 conv's tiles cut into blocks of pixels (the last partial: 7 x 9 =
-    63 pixels) on nan-filled scratch give the uncut result and the reference, each block with
-    its own part of the ``rows`` scratch and of the output."""
+    63 pixels) on nan-filled scratch give the uncut result and the reference, each block (a
+    piece of the compiled queue) with its own part of the ``rows`` scratch and of the output."""
     from polyhal import registry
     from polyhal_cpu import conv_kernels, native
+    from polyhal_cpu import queue_layout as layout
     from polyhal_cpu.scratch import standalone
 
     if not native.available(np.float32):
@@ -246,12 +247,12 @@ def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
     xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     types = tuple(TensorType(x.shape, x.dtype) for x in xs)
     (out_type,) = OPS[name].infer(types, attrs)
-    original, calls, results = native.gemm_channels_last, [], []
+    original, tables, results = parallel.run_gemms, [], []
 
-    def recording(x, wt, out, bias, residual, cbuf, apad, *rest):
-        calls.append((out, cbuf, apad))
-        original(x, wt, out, bias, residual, cbuf, apad, *rest)
-    monkeypatch.setattr(native, "gemm_channels_last", recording)
+    def recording(table):
+        tables.append(table.copy())
+        original(table)
+    monkeypatch.setattr(parallel, "run_gemms", recording)
     for threads_ in ("1", n_threads):
         _split_everything(monkeypatch, threads_)
         assert len(conv_kernels._pointwise_tiles(attrs, *types[:2])[3]) == int(threads_)
@@ -260,16 +261,65 @@ def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
         for request in requests:
             scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
         out = np.full(out_type.shape, np.nan, np.float32)
-        calls.clear()
+        tables.clear()
         prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
         results.append(out)
-    assert len(calls) == int(n_threads)
-    for i, part_a in enumerate(calls):
-        for part_b in calls[i + 1:]:
-            assert not any(np.shares_memory(a, b) for a in part_a for b in part_b)
+    (table,) = tables
+    assert len(table) == int(n_threads) and (table[:, layout.G_KIND] == layout.KIND_POINTWISE).all()
+    for field in (layout.V_A, layout.V_B, layout.V_OUT):  # each piece its own tile, rows and output
+        assert len(set(table[:, field])) == len(table)
     np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
     (want,) = OPS[name].reference(*xs, **attrs)
     np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4)
+
+
+CONV_QUEUE_CASES = [  # (input, weights, geometry): odd sizes, each conv kind of the compiled queue
+    ((1, 3, 37, 45), (16, 3, 3, 3), _geometry(stride=2, pad=1, activation="hard_swish", alpha=1 / 6, beta=0.5)),
+    ((2, 3, 13, 11), (24, 3, 3, 3), _geometry(stride=2, pad=1, activation="relu")),  # stem, blocks of images
+    ((1, 40, 13, 11), (40, 1, 3, 3), _geometry(pad=1, group=40, activation="none")),  # depthwise, 8-channel tiles
+    ((1, 72, 15, 17), (72, 1, 5, 5), _geometry(stride=2, pad=2, group=72, activation="silu")),
+    ((3, 96, 7, 9), (96, 1, 3, 3), _geometry(pad=1, group=96, activation="relu")),  # blocks of images
+    ((1, 24, 19, 11), (24, 1, 3, 3), _geometry(pad=1, group=24, activation="relu")),  # flat rows
+    ((1, 24, 9, 7), (40, 24, 1, 1), _geometry(activation="none")),  # 1x1: 63 pixels, 16-channel tiles
+    ((2, 17, 5, 7), (64, 17, 1, 1), _geometry(activation="hard_swish", alpha=1 / 6, beta=0.5)),
+]
+
+
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("xs, ws, attrs", CONV_QUEUE_CASES)
+def test_blocked_convs_cut_on_the_compiled_queue(monkeypatch, n_threads, xs, ws, attrs):
+    """Channels-last convs cut into as many pieces of the compiled queue as there are threads
+    (blocks of output rows, of images, of pixels), with and without a residual, give the uncut
+    result and the reference."""
+    from polyhal_cpu import native
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    rng = np.random.default_rng(5)
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    x = rng.standard_normal(xs).astype(np.float32)
+    x = x if ws[2] == 3 and xs[1] == 3 else block(x)  # a stem reads its image as it lies
+    w = rng.standard_normal(ws).astype(np.float32)
+    w.flags.writeable = False
+    original, pieces = parallel.run_gemms, []
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (pieces.append(len(table)), original(table)))
+    for residual in (False, True):
+        ins = [x, w, rng.standard_normal(ws[0]).astype(np.float32)]
+        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        if residual:
+            ins.append(rng.standard_normal(out_type.shape).astype(np.float32))
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        results = []
+        for threads_ in ("1", n_threads):
+            _split_everything(monkeypatch, threads_)
+            out = np.full(out_type.shape, np.nan, np.float32)
+            pieces.clear()
+            prepare("blocked_conv", attrs, types, (out_type,))(*ins, out)
+            assert len(pieces) == 1 and (pieces[0] >= int(threads_) if threads_ != "1" else pieces[0] == 1)
+            results.append(out)
+        np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
 
 
 def test_gemm_split_shapes(monkeypatch):
@@ -446,6 +496,41 @@ def test_pool_thread_serves_gemm_runs_from_its_spin_and_its_lock(monkeypatch):
         done = (number << layout.RUN_SHIFT) + 3
         assert _until(lambda: pool.queue[layout.Q_FINISHED] == done), woken
         np.testing.assert_allclose(out, np.maximum(a @ b + bias, 0), rtol=1e-5, atol=1e-5)
+        assert not pool._sleeping  # it spins on after the run
+
+
+def test_pool_thread_serves_conv_pieces_from_its_spin_and_its_lock(monkeypatch):
+    """A channels-last conv's pieces (a 5x5 depthwise conv's blocks of output rows, its
+    residual and activation) published on the pool's queue are computed by the pool thread
+    alone, the GIL released: once woken from its lock, once from inside its spin."""
+    from polyhal_cpu import queue_layout as layout
+
+    _split_everything(monkeypatch, "3")
+    threads.budget().active = 2
+    pool = _spinning_pool()
+    if pool.gemms is None:
+        pytest.skip("no compiled queue here")
+    pool.rounds = int(5 / parallel._round_seconds(pool._spin))  # a 5 s bound
+    rng = np.random.default_rng(4)
+    attrs = _geometry(stride=2, pad=2, group=48, activation="silu")
+    block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
+    ins = [block(rng.standard_normal((1, 48, 17, 13)).astype(np.float32)),
+           rng.standard_normal((48, 1, 5, 5)).astype(np.float32), rng.standard_normal(48).astype(np.float32)]
+    (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    ins.append(rng.standard_normal(out_type.shape).astype(np.float32))
+    kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+    (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+    for woken in ("from its lock", "from its spin"):
+        tables, out = [], np.full(out_type.shape, np.nan, np.float32)
+        monkeypatch.setattr(parallel, "run_gemms", tables.append)  # the kernel's pieces, not run
+        kernel(*ins, out)
+        (table,) = tables
+        assert len(table) == 3 and (table[:, layout.G_KIND] == layout.KIND_DEPTHWISE).all()
+        number = int(pool.flags[parallel._STARTED]) + 1
+        parallel._publish(pool.queue, table, number)
+        pool.start(None, number, 1)
+        assert _until(lambda: pool.queue[layout.Q_FINISHED] == (number << layout.RUN_SHIFT) + 3), woken
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=woken)
         assert not pool._sleeping  # it spins on after the run
 
 
