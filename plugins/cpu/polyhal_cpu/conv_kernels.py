@@ -855,7 +855,9 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
                                             alpha, beta)
             return matvec
 
-        split = parallel.GemmSplit(pixels, m, c, axis=0)  # blocks of pixels, each finished as it is made
+        # blocks of pixels, each finished as it is made: on the compiled GEMM queue (bias,
+        # residual and activation in its epilogue) where BLAS can be called from it
+        split = parallel.GemmSplit(pixels, m, c, axis=0, queued=True)
 
         def piece(x2, wt, b, r, out, lo, hi):
             np.matmul(x2[lo:hi], wt, out=out[lo:hi])
@@ -865,6 +867,10 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
             out, x2, wt = rest[-1].reshape(pixels, m), x.reshape(pixels, c), transposed(w)
             r = np.ascontiguousarray(rest[1]).reshape(pixels, m) if has_residual else None
             b = rest[0] if has_bias else zero_bias
+            table = split.table(x2, wt, out, 1.0, 1.0, b, r, act, alpha, beta)
+            if table is not None:
+                parallel.run_gemms(table)
+                return
             parallel.run([partial(piece, x2, wt, b, r, out, lo, hi) for lo, hi in split.bounds])
         return gemm
     return _relaid_conv(device, attrs, ins, outs)

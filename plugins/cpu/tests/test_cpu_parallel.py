@@ -282,6 +282,7 @@ CONV_QUEUE_CASES = [  # (input, weights, geometry): odd sizes, each conv kind of
     ((1, 24, 19, 11), (24, 1, 3, 3), _geometry(pad=1, group=24, activation="relu")),  # flat rows
     ((1, 24, 9, 7), (40, 24, 1, 1), _geometry(activation="none")),  # 1x1: 63 pixels, 16-channel tiles
     ((2, 17, 5, 7), (64, 17, 1, 1), _geometry(activation="hard_swish", alpha=1 / 6, beta=0.5)),
+    ((1, 40, 9, 7), (24, 40, 1, 1), _geometry(activation="relu")),  # 1x1 by BLAS on the queue: 24 channels
 ]
 
 
