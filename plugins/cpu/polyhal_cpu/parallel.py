@@ -531,6 +531,8 @@ class GemmSplit:
 #: Taps of a depthwise conv's output elements computed per microsecond single-threaded (2-core
 #: VM, AVX-512: EfficientNet's 56x56x144 3x3 280 us, 28x28x240 5x5 200 us), to estimate its time.
 DEPTHWISE_TAPS_PER_US = 15_000
+#: Pieces per thread :func:`queue_parts` cuts work into at most.
+QUEUE_PIECES_PER_THREAD = 1
 
 
 def queue_parts(us: float) -> int:
@@ -540,7 +542,7 @@ def queue_parts(us: float) -> int:
     n_threads = threads()
     if n_threads < 2 or native.gemm_queue() is None:
         return 1
-    return max(1, min(n_threads, int(us // GEMM_QUEUE_PIECE_US)))
+    return max(1, min(n_threads * QUEUE_PIECES_PER_THREAD, int(us // GEMM_QUEUE_PIECE_US)))
 
 
 def cuts(outer: int, inner: int, parts: int) -> list[tuple[int, int, int, int]]:
