@@ -601,3 +601,25 @@ def test_split_phases_are_declared_scratch(monkeypatch, name, shapes, attrs):
     assert not np.isnan(phases).all()
     for i, a in enumerate(works):  # every piece of one run may run beside every other
         assert not any(np.shares_memory(a, b) for b in works[i + 1:])
+
+
+def test_piece_table_fills_addresses_and_keeps_a_plans_table():
+    """A PieceTable's rows get each operand's address plus the piece's offset (an absent
+    operand's field stays 0); the same arrays again give the same table, another array (a
+    caller's temporary, or a weight changed) its own address."""
+    rows = np.zeros((2, 4), np.int64)
+    rows[:, 3] = 7  # a field the table does not fill
+    table = parallel.PieceTable(rows, [(0, 0, [0, 40]), (1, 1, [0, 0]), (2, 2, [8, 16])])
+    x, out = np.zeros(20, np.float32), np.zeros(20, np.float32)
+    w = np.ones(3, np.float32)
+    w.flags.writeable = False
+    t = table(x, w, out)
+    np.testing.assert_array_equal(t, [[x.ctypes.data, w.ctypes.data, out.ctypes.data + 8, 7],
+                                      [x.ctypes.data + 40, w.ctypes.data, out.ctypes.data + 16, 7]])
+    assert table(x, w, out) is t
+    other = np.zeros(20, np.float32)
+    t2 = table(other, w, None)
+    assert t2 is not t and (t2[:, 0] == other.ctypes.data + np.array([0, 40])).all() and (t2[:, 2] == 0).all()
+    w2 = w.copy()
+    w2.flags.writeable = False
+    assert (table(other, w2, None)[:, 1] == w2.ctypes.data).all()
