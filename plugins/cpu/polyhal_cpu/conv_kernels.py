@@ -794,9 +794,11 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
             top = y0 * s[0] - p[0]
             x_at.append((n0 * h + max(top, 0)) * wd * c * 4)
             out_at.append((n0 * oh + y0) * ow * c * 4)
-            rows[i, [layout.V_N, layout.V_H, layout.V_OH, layout.V_PH]] = n1 - n0, h - max(top, 0), y1 - y0, max(-top, 0)
+            rows[i, [layout.V_N, layout.V_H, layout.V_OH, layout.V_PH]] = (n1 - n0, h - max(top, 0), y1 - y0,
+                                                                          max(-top, 0))
         rows[:, layout.G_KIND] = layout.KIND_DEPTHWISE_FLAT if flat else layout.KIND_DEPTHWISE
-        rows[:, layout.V_WIDTH], rows[:, layout.V_C], rows[:, layout.V_OW], rows[:, layout.V_M] = wd, c, ow, ow * c if flat else c
+        rows[:, layout.V_WIDTH], rows[:, layout.V_C], rows[:, layout.V_OW] = wd, c, ow
+        rows[:, layout.V_M] = ow * c if flat else c
         rows[:, layout.V_KH], rows[:, layout.V_KW], rows[:, layout.V_SH], rows[:, layout.V_SW] = kh, kw, *s
         rows[:, layout.V_PW], rows[:, layout.V_DH], rows[:, layout.V_DW] = p[1], *d
         _activation_fields(rows, act, alpha, beta)

@@ -16,10 +16,11 @@ from numba.extending import intrinsic
 from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
                                       G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
                                       G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT,
-                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, Q_COUNT, Q_DESC, Q_FINISHED,
-                                      Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA, V_B, V_BETA,
-                                      V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0, V_N1, V_OH,
-                                      V_OUT, V_OW, V_PH, V_PW, V_RES, V_SH, V_SW, V_W, V_WIDTH, V_X, V_Y0, V_Y1)
+                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, Q_COUNT, Q_DESC,
+                                      Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA,
+                                      V_B, V_BETA, V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0,
+                                      V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_SH, V_SW, V_W, V_WIDTH, V_X, V_Y0,
+                                      V_Y1)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
@@ -261,8 +262,9 @@ def _f32_array(address, shape):
 @_jit
 def conv_piece(d):
     """One piece of a channels-last convolution (d[G_KIND] one of queue_layout's KIND_POINTWISE,
-    KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV; its fields the V_ ones): the loop the
-    kernel otherwise calls for it, on arrays made from the descriptor's addresses and shapes."""
+    KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV; its fields the V_ ones):
+    the loop the kernel otherwise calls for it, on arrays made from the descriptor's addresses
+    and shapes."""
     kind, act, alpha, beta = d[G_KIND], d[V_ACT], _f32_bits(d[V_ALPHA]), _f32_bits(d[V_BETA])
     has_residual, none = d[V_RES] != 0, d[V_RES] * 0  # none: a zero extent of the residual's type
     if kind == KIND_POINTWISE:  # (pixels, C) @ (C, M padded) into (pixels, M)
