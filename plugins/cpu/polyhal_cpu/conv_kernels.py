@@ -734,13 +734,13 @@ def _pointwise_tiles(attrs: dict, x_t: TensorType, w_t: TensorType) -> tuple[int
     if not (TILES and _channel_multiple(m) and pixels >= native.GEMM_MR and x_t.dtype == _F32
             and native.available(_F32) and _blocked_pointwise(x_t, w_t, attrs)):
         return None
-    # Blocks of pixels, each reading all the weights, as many as the product's time is worth,
-    # thin ones included (few input or output channels: MobileNet's and EfficientNet's
-    # expansions and projections). Those took as long cut in two at batch 1 (EfficientNet's
-    # 16 -> 96 at 112x112 0.75 -> 0.75-0.89 ms), but at batch 8 cutting them took MobileNetV3
-    # 38.5 -> 30.8 ms and EfficientNet-B0 84.5 -> 68.6 ms while the VM's other core was free
-    # (batch 1 within noise either way; with the other core busy the pieces run one after
-    # another on the calling thread, at the cost of a few calls).
+    # Blocks of pixels, each reading all the weights, as many as the product's time is worth
+    # on the compiled queue, thin ones included (few input or output channels: MobileNet's and
+    # EfficientNet's expansions and projections). Handed out by parallel.run those took as
+    # long cut in two at batch 1 (EfficientNet's 16 -> 96 at 112x112 0.75 -> 0.75-0.89 ms); on
+    # the queue MobileNetV3's 16 -> 64 at 112x112 took 374 -> 193 us, 80 -> 200 at 14x14 90 ->
+    # 52-60 us (2-core VM; with the other core busy the pieces run one after another on the
+    # calling thread).
     bounds = parallel.blocks(pixels, parallel.queue_parts(pixels * m * c / parallel.GEMM_MACS_PER_US), native.GEMM_MR)
     return pixels, c, m, [(lo, hi, native.channels_last_block(c, m, hi - lo)) for lo, hi in bounds]
 

@@ -49,6 +49,18 @@ Measured on a 2-core VM (median, one process, the machine otherwise quiet): the 
 0.64-0.87 -> 0.44-0.47 ms, the transformer block 1.38-1.80 -> 1.04-1.10 ms; a 256^3 product
 with bias 335 us whole, 196 us in two pieces (294 us on :func:`run`).
 
+**Convolutions on the queue.** The channels-last convolutions' loops (1x1 tiles, depthwise,
+a first conv over the image; :func:`polyhal_cpu.native_loops.conv_piece`) take the same queue:
+a piece's descriptor holds its arrays' addresses and shapes (queue_layout's ``V_`` fields), the
+table made at prepare time and its addresses filled per call (:class:`PieceTable`), so that
+at batch 1 convolutions of a few tens of microseconds are cut too, from their estimated time
+(:func:`queue_parts`: blocks of output rows, images or pixels). Measured on a 2-core VM, whole /
+two pieces: MobileNetV3's 16 -> 64 1x1 conv at 112x112 374 / 193 us, 112x112x16 3x3 depthwise
+217 / 116 us, EfficientNet's 28x28x120 5x5 depthwise 138 / 82 us; on ``polyhal run --profile``
+most of MobileNetV3-large's b1 convolutions took 0.6-0.7x their one-thread time (those before,
+handed out by :func:`run` or not cut, ~1.0x), the model 8.1-9.3 -> 5.8-6.5 ms (onnxruntime,
+two threads: 3.8-4.3 ms), EfficientNet-B0 b1 15.3 -> 9.6 ms (7.5-8.3 ms).
+
 **What is cut.** BLAS runs single-threaded (:mod:`polyhal_cpu.threads` pins it to one thread), so
 a GEMM is cut here: :class:`GemmSplit` cuts the product into blocks of output rows (M) or
 columns (N), whichever is longer (each piece packs all of the other operand, the shorter), each
