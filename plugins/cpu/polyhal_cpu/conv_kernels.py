@@ -317,6 +317,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         # pieces: images, or channel blocks of one image (each a C-contiguous block of x and out)
         pieces = [(ns, cs, cs if cs.start is None else slice(cs.start * mult, cs.stop * mult))
                   for ns, cs in parallel.grid(g.batch, g.c, mult * length, factor=9 / g.taps)]
+        columns = native.column_table(g.out_sp[1], g.k[1], g.s[1], g.pb[1], g.d[1], g.in_sp[1])
 
         def kernel(x, w, *rest):
             out = rest[-1]
@@ -324,7 +325,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             r = contiguous(rest[1]).reshape(shape2d) if has_residual else None
             x4, w4, o4 = contiguous(x).reshape(g.as2d(x.shape)), contiguous(w).reshape(g.as2d(w.shape)), \
                 out.reshape(shape2d)
-            run([partial(native.depthwise, x4[ns, cs], w4[ms], b[ms], None if r is None else r[ns, ms], o4[ns, ms],
+            run([partial(native.depthwise, x4[ns, cs], w4[ms], columns, b[ms], None if r is None else r[ns, ms], o4[ns, ms],
                          g.s, g.pb, g.d, act_code, alpha, beta) for ns, cs, ms in pieces])
         return kernel
 
@@ -511,13 +512,14 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         fills, borders = zip(*(_phase_views(ph, g.c, buf) for buf in bufs))
         rowoff = np.array([(c * nphases + n) * ph.length + off for c in range(g.c) for n, off in ph.taps], np.int64)
         ncols = oh * wide
+    packed_rows = np.arange(kdim, dtype=np.int64) * native.GEMM_NR  # bpack's rows
 
     def image(x4, wp, o3, b, r3, n, copy):
         """Image n through planes and scratch ``copy``: its planes filled, its GEMM's pieces."""
         for dst, src in fills[copy]:  # what lies on the image, overwritten per image
             np.copyto(dst, x4[n][src])
         src = x4[n].reshape(-1) if bufs[copy] is None else bufs[copy]
-        return [partial(native.gemm_tiles, wp[ps], src, rowoff, ncols, wide, ow, o3[n, ms], b[ms],
+        return [partial(native.gemm_tiles, wp[ps], src, rowoff, packed_rows, ncols, wide, ow, o3[n, ms], b[ms],
                         None if r3 is None else r3[n, ms], bpack[copy], cbuf[copy], block, act, alpha, beta)
                 for ms, ps, bpack, cbuf, block in pieces]
 
@@ -801,10 +803,12 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         rows[:, layout.V_M] = ow * c if flat else c
         rows[:, layout.V_KH], rows[:, layout.V_KW], rows[:, layout.V_SH], rows[:, layout.V_SW] = kh, kw, *s
         rows[:, layout.V_PW], rows[:, layout.V_DH], rows[:, layout.V_DW] = p[1], *d
+        offsets = native.depthwise_offsets(kh, kw, d[0], d[1], wd, c)  # the taps' (flat rows: unused)
+        rows[:, layout.V_A] = offsets.ctypes.data
         _activation_fields(rows, act, alpha, beta)
         table = parallel.PieceTable(rows, [(layout.V_X, 0, x_at), (layout.V_W, 1, [0] * len(rows)),
                                            (layout.V_BIAS, 2, [0] * len(rows)), (layout.V_RES, 3, out_at),
-                                           (layout.V_OUT, 4, out_at)])
+                                           (layout.V_OUT, 4, out_at)], keep=(offsets,))
 
         def depthwise(x, w, *rest):
             if flat:
@@ -829,6 +833,8 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         descs = np.zeros((len(parts), layout.G_FIELDS), np.int64)
         descs[:, layout.G_KIND], descs[:, layout.V_C], descs[:, layout.V_M], descs[:, layout.V_OW] = \
             layout.KIND_POINTWISE, c, -(-m // multiple) * multiple, m
+        rowoff = np.arange(c, dtype=np.int64) * descs[0, layout.V_M]  # the padded weights' rows
+        descs[:, layout.V_ROWS] = rowoff.ctypes.data
         for i, (ps, cbuf, apad, block) in enumerate(parts):
             descs[i, [layout.V_N, layout.V_A, layout.V_B, layout.V_BLOCK]] = (ps.stop - ps.start, cbuf.ctypes.data,
                                                                               apad.ctypes.data, block)
@@ -836,7 +842,7 @@ def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
         at = [lo * 4 for lo, _, _ in pieces]
         table = parallel.PieceTable(descs, [(layout.V_X, 0, [a * c for a in at]), (layout.V_W, 1, [0] * len(at)),
                                             (layout.V_BIAS, 2, [0] * len(at)), (layout.V_RES, 3, [a * m for a in at]),
-                                            (layout.V_OUT, 4, [a * m for a in at])], keep=(rows,))
+                                            (layout.V_OUT, 4, [a * m for a in at])], keep=(rows, rowoff))
 
         def pointwise_tiles(x, w, *rest):
             _run_table(table, x, packed(w), padded_bias(rest[0] if has_bias else zero_bias),
@@ -1082,10 +1088,11 @@ def _native_pool(x_type, out_type, n, s, p, d, k, inv, scratch):
     inv = np.zeros((1, 1), _F32) if inv is None else np.ascontiguousarray(inv.reshape(out_type.shape[2:]), _F32)
     pieces = _pool_pieces(x_type, out_type)
     work = scratch_array(scratch, "phases", _F32, (len(pieces), native.pool2d_work(x_type.shape[2:], s)))
+    columns = native.column_table(out_type.shape[3], k[1], s[1], p[1], d[1], x_type.shape[3])
 
     def kernel(x, out):
         xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)
-        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, work[i], k, s, p[:2], d, is_max)
+        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, columns, work[i], k, s, p[:2], d, is_max)
                       for i, ns in enumerate(pieces)])
     return kernel
 

@@ -39,7 +39,7 @@ from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "conv_image_channels_last",
            "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
-           "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
+           "column_table", "depthwise_offsets", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
            "gemm_tiles_bytes", "im2col", "im2col_work", "layer_norm", "matvec_channels_last", "pack_gemm_weights",
            "pad_channels", "pool2d", "pool2d_work", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
@@ -57,6 +57,10 @@ def available(dtype=_F32) -> bool:
     if np.dtype(dtype) != _F32 or os.environ.get("POLYHAL_CPU_NATIVE", "1").strip() == "0":
         return False
     return bool(_compiled())
+
+
+#: The residual passed for none (empty: nothing reads it), made once rather than per call.
+_NONE2, _NONE4 = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32)
 
 
 def _compiled() -> dict[str, Callable]:
@@ -129,16 +133,16 @@ def _warm(loops: dict[str, Callable]) -> None:
     for x in (img, ro_img):
         loops["im2col"](x, 0, np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
         loops["im2col_phases"](x, 0, np.zeros((2, 4), np.float32), v.copy(), 1, 1, 2, 2, 0, 0, 1, 1, 2, 2)
-        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), v.copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
+        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), column_table(3, 1, 1, 0, 1, 3), v.copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
         for residual in (none4, img):
-            loops["depthwise"](x, w, ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
+            loops["depthwise"](x, w, column_table(3, 1, 1, 0, 1, 3), ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue"](m.copy(), ro[:2], residual, 1, *_F32_PAIR)
     loops["col2im"](m, np.zeros((2, 1, 2), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 1, 4)
     packed = np.zeros((1, 2, GEMM_MR), np.float32)  # packed weights: a copy the kernel keeps, writable
     for src in (m.reshape(-1), ro_m.reshape(-1)):
         for residual in (m[:0, :0], m):
-            loops["gemm_tiles"](packed, src, np.arange(2), 4, 4, 4, np.zeros((1, 4), np.float32), ro[:1],
+            loops["gemm_tiles"](packed, src, np.arange(2), np.arange(2) * GEMM_NR, 4, 4, 4, np.zeros((1, 4), np.float32), ro[:1],
                                 residual[:1], np.zeros(2 * GEMM_NR, np.float32),
                                 np.zeros(GEMM_MR * GEMM_NR, np.float32), GEMM_NR, 1, *_F32_PAIR)
     wide = np.zeros((2, GEMM_NR), np.float32)  # a channels-last 1x1 conv: 2 pixels, 4 -> GEMM_NR channels
@@ -146,13 +150,13 @@ def _warm(loops: dict[str, Callable]) -> None:
     ro_bias.flags.writeable = False
     for x in (m, ro_m):  # images of either kind
         for residual in (m[:0, :0], wide):
-            loops["gemm_channels_last"](x, np.zeros((4, GEMM_NR), np.float32), wide.copy(), ro_bias, residual,
+            loops["gemm_channels_last"](x, np.zeros((4, GEMM_NR), np.float32), np.arange(4) * GEMM_NR, wide.copy(), ro_bias, residual,
                                         np.zeros(GEMM_MR * GEMM_NR, np.float32), np.zeros(GEMM_MR * 4, np.float32),
                                         GEMM_MR, 1, *_F32_PAIR)
     nhwc = np.zeros((1, 3, 3, 2), np.float32)
     for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
         for residual in (none4, nhwc):
-            loops["depthwise_channels_last"](x, np.zeros((1, 1, 2), np.float32), ro[:2], residual, nhwc.copy(),
+            loops["depthwise_channels_last"](x, np.zeros((1, 1, 2), np.float32), depthwise_offsets(1, 1, 1, 1, 3, 2), ro[:2], residual, nhwc.copy(),
                                              1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
@@ -243,7 +247,7 @@ def epilogue(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: 
              beta: float) -> None:
     """In place over (rows, cols) ``y`` (rows: (image, channel) pairs): activation ``act`` of
     y + bias[channel] (+ residual, (rows, cols))."""
-    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    none = _NONE2 if residual is None else residual
     _compiled()["epilogue"](y, bias, none, act, np.float32(alpha), np.float32(beta))
 
 
@@ -315,17 +319,18 @@ def gemm_tiles_bytes(m: int, k: int, block: int) -> int:
     return (k * GEMM_NR + -(-m // GEMM_MR) * GEMM_MR * block) * 4
 
 
-def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, ncols: int, wide: int, ow: int, out: np.ndarray,
+def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, packed_rows: np.ndarray, ncols: int, wide: int, ow: int, out: np.ndarray,
                bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray, cbuf: np.ndarray, block: int,
                act: int, alpha: float, beta: float) -> None:
     """(M, positions) ``out`` = activation ``act`` of packed weights ``wp`` @ B + bias[m] (+
-    residual), B's row k being flat ``src`` from ``rowoff[k]`` (int64), columns 0 .. ncols,
+    residual), B's row k being flat ``src`` from ``rowoff[k]`` (int64), columns 0 .. ncols
+    (``packed_rows``: k * GEMM_NR for each k, int64, made once with ``rowoff``),
     column j the output position (j // wide, j % wide) if j % wide < ow (else not stored);
     ``bpack`` (K * GEMM_NR) and ``cbuf`` (M rounded up to GEMM_MR, times ``block``) are
     scratch, ``block`` comes from :func:`gemm_block`. See :func:`polyhal_cpu.native_loops.gemm_tiles`."""
-    none = np.zeros((0, 0), np.float32) if residual is None else residual
-    _contiguous(wp, src, rowoff, out, bias, none, bpack, cbuf)
-    _compiled()["gemm_tiles"](wp, src, rowoff, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
+    none = _NONE2 if residual is None else residual
+    _contiguous(wp, src, rowoff, packed_rows, out, bias, none, bpack, cbuf)
+    _compiled()["gemm_tiles"](wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
                               np.float32(alpha), np.float32(beta))
 
 
@@ -353,26 +358,28 @@ def channels_last_block(c: int, m: int, pixels: int) -> int:
     return -(-tiles // blocks) * GEMM_MR
 
 
-def gemm_channels_last(x: np.ndarray, wt: np.ndarray, out: np.ndarray, bias: np.ndarray,
+def gemm_channels_last(x: np.ndarray, wt: np.ndarray, rowoff: np.ndarray, out: np.ndarray, bias: np.ndarray,
                        residual: np.ndarray | None, cbuf: np.ndarray, apad: np.ndarray, block: int, act: int,
                        alpha: float, beta: float) -> None:
     """(pixels, M) ``out`` = activation ``act`` of (pixels, C) ``x`` @ the weights + bias (+
-    residual), ``wt`` the (C, M) transposed weights and ``bias`` through :func:`pad_channels`,
+    residual), ``wt`` the (C, M) transposed weights and ``bias`` through :func:`pad_channels`, ``rowoff``
+    the int64 offsets of wt's rows (k * its width, made once),
     ``block`` from :func:`channels_last_block`; ``cbuf`` (GEMM_MR x GEMM_NR) and ``apad``
     (GEMM_MR x C) are scratch.
     See :func:`polyhal_cpu.native_loops.gemm_channels_last`."""
-    none = np.zeros((0, 0), np.float32) if residual is None else residual
-    _contiguous(x, wt, out, bias, none, cbuf, apad)
-    _compiled()["gemm_channels_last"](x, wt, out, bias, none, cbuf, apad, block, act, np.float32(alpha),
+    none = _NONE2 if residual is None else residual
+    _contiguous(x, wt, rowoff, out, bias, none, cbuf, apad)
+    _compiled()["gemm_channels_last"](x, wt, rowoff, out, bias, none, cbuf, apad, block, act, np.float32(alpha),
                                       np.float32(beta))
 
 
-def depthwise(x: np.ndarray, w: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,
+def depthwise(x: np.ndarray, w: np.ndarray, columns: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,
               s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
     """2-D depthwise convolution of (N, C, H, W) ``x`` by (M, 1, kh, kw) ``w`` into ``out``, with
-    bias, optional residual and activation ``act`` applied as each output row is finished."""
-    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
-    _compiled()["depthwise"](x, w, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
+    bias, optional residual and activation ``act`` applied as each output row is finished; ``columns``: the
+    kernel columns' :func:`column_table`."""
+    none = _NONE4 if residual is None else residual
+    _compiled()["depthwise"](x, w, columns, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                              np.float32(alpha), np.float32(beta))
 
 
@@ -380,7 +387,7 @@ def depthwise_flat_rows(x: np.ndarray, wtile: np.ndarray, btile: np.ndarray, res
                         out: np.ndarray, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
     """:func:`depthwise_channels_last` at stride 1 with the (kh, kw, C) taps and the bias tiled
     along an output row: (kh, kw, ow * C) ``wtile`` and (ow * C,) ``btile``."""
-    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    none = _NONE4 if residual is None else residual
     _compiled()["depthwise_flat_rows"](x, wtile, btile, none, out, p[0], p[1], d[0], d[1], act,
                                        np.float32(alpha), np.float32(beta))
 
@@ -391,34 +398,55 @@ def col2im(cols: np.ndarray, out: np.ndarray, k: tuple, s: tuple, p: tuple, d: t
     _compiled()["col2im"](cols, out, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], size[0], size[1])
 
 
+def column_table(ow: int, kw: int, sw: int, pw: int, dw: int, width: int) -> np.ndarray:
+    """(4, kw) int64, made once when a kernel is prepared (the loops allocate nothing, and integer
+    divisions are slow in them): for each kernel column j over an input ``width`` wide, the
+    output range [lo, hi) whose input column (o * sw + j * dw - pw) lies in the image (rows 0,
+    1), and (q, r) with j * dw - pw = q * sw + r, 0 <= r < sw: its column phase (rows 2, 3)."""
+    start = np.arange(kw, dtype=np.int64) * dw - pw
+    lo = np.where(start >= 0, 0, (-start + sw - 1) // sw)
+    hi = np.where(start >= width, 0, np.minimum(ow, (width - 1 - start) // sw + 1))
+    q = start // sw
+    return np.stack([lo, np.maximum(lo, hi), q, start - q * sw])
+
+
+def depthwise_offsets(kh: int, kw: int, dh: int, dw: int, width: int, channels: int) -> np.ndarray:
+    """(2, kh * kw) int64, made once when a kernel is prepared: per tap (i, j) of
+    :func:`depthwise_channels_last` over an input ``width`` pixels wide, its input's offset (row
+    0) and its weights' (row 1), in floats."""
+    i, j = np.divmod(np.arange(kh * kw, dtype=np.int64), kw)
+    return np.stack([(i * dh * width + j * dw) * channels, (i * kw + j) * channels])
+
+
 def pool2d_work(size: tuple, s: tuple) -> int:
     """Floats of the ``work`` scratch :func:`pool2d` needs for planes of ``size`` (H, W) at
     strides ``s``: one plane split into its column phases (0 at a horizontal stride of 1)."""
     return s[1] * size[0] * -(-size[1] // s[1]) if s[1] > 1 else 0
 
 
-def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, work: np.ndarray, k: tuple, s: tuple, p: tuple,
+def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, columns: np.ndarray, work: np.ndarray, k: tuple, s: tuple, p: tuple,
            d: tuple, is_max: bool) -> None:
     """Max or average 2-D pooling of (R, H, W) ``x`` into (R, oh, ow) ``out``; averages are
     window sums times ``inv`` (oh, ow); ``work``: float32 scratch of :func:`pool2d_work` floats
-    at least (the kernel allocates nothing)."""
+    at least, ``columns`` the kernel columns' :func:`column_table` (the kernel allocates nothing)."""
     _work(work, pool2d_work(x.shape[1:], s))
-    _compiled()["pool2d"](x, out, inv, work, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
+    _compiled()["pool2d"](x, out, inv, columns, work, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
 
 
 def epilogue_channels_last(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,
                            beta: float) -> None:
     """In place over (pixels, C) ``y``: activation ``act`` of y + bias (+ residual)."""
-    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    none = _NONE2 if residual is None else residual
     _compiled()["epilogue_channels_last"](y, bias, none, act, np.float32(alpha), np.float32(beta))
 
 
-def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
+def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, offsets: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
                             out: np.ndarray, s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
     """2-D depthwise convolution of (N, H, W, C) ``x`` by (kh, kw, C) ``taps`` into (N, oh, ow, C)
-    ``out``, with bias, optional residual and activation ``act``."""
-    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
-    _compiled()["depthwise_channels_last"](x, taps, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
+    ``out``, with bias, optional residual and activation ``act``; ``offsets``: the taps'
+    :func:`depthwise_offsets`."""
+    none = _NONE4 if residual is None else residual
+    _compiled()["depthwise_channels_last"](x, taps, offsets, bias, none, out, s[0], s[1], p[0], p[1], d[0], d[1], act,
                                            np.float32(alpha), np.float32(beta))
 
 
@@ -429,7 +457,7 @@ def conv_image_channels_last(x: np.ndarray, taps: np.ndarray, xoff: np.ndarray, 
     W) ``x`` by (kh, C, kw, M) ``taps`` into channels-last (N, oh, ow, M) ``out``, with bias,
     optional residual and activation ``act``; ``xoff``/``woff``: the taps' offsets (see
     :func:`polyhal_cpu.native_loops.conv_image_channels_last`)."""
-    none = np.zeros((0, 0, 0, 0), np.float32) if residual is None else residual
+    none = _NONE4 if residual is None else residual
     _compiled()["conv_image_channels_last"](x, taps, xoff, woff, bias, none, out, ns[0], ns[1], ys[0], ys[1], s[0],
                                             s[1], p[0], p[1], d[0], d[1], act, np.float32(alpha), np.float32(beta))
 
@@ -438,7 +466,7 @@ def matvec_channels_last(x: np.ndarray, wt: np.ndarray, bias: np.ndarray, residu
                          out: np.ndarray, act: int, alpha: float, beta: float) -> None:
     """(pixels, M) ``out`` = activation ``act`` of (pixels, C) ``x`` @ (C, M) ``wt`` + bias (+
     residual), for a few pixels (see :func:`polyhal_cpu.native_loops.matvec_channels_last`)."""
-    none = np.zeros((0, 0), np.float32) if residual is None else residual
+    none = _NONE2 if residual is None else residual
     _compiled()["matvec_channels_last"](x, wt, bias, none, out, act, np.float32(alpha), np.float32(beta))
 
 

@@ -19,8 +19,8 @@ from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALP
                                       KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, Q_COUNT, Q_DESC,
                                       Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA,
                                       V_B, V_BETA, V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0,
-                                      V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_SH, V_SW, V_W, V_WIDTH, V_X, V_Y0,
-                                      V_Y1)
+                                      V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_ROWS, V_SH, V_SW, V_W, V_WIDTH, V_X,
+                                      V_Y0, V_Y1)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
@@ -270,7 +270,7 @@ def conv_piece(d):
     if kind == KIND_POINTWISE:  # (pixels, C) @ (C, M padded) into (pixels, M)
         pixels, c, mpad, m = d[V_N], d[V_C], d[V_M], d[V_OW]
         gemm_channels_last(_f32_array(d[V_X], (pixels, c)), _f32_array(d[V_W], (c, mpad)),
-                           _f32_array(d[V_OUT], (pixels, m)), _f32_array(d[V_BIAS], mpad),
+                           carray(_i64_pointer(d[V_ROWS]), c), _f32_array(d[V_OUT], (pixels, m)), _f32_array(d[V_BIAS], mpad),
                            _f32_array(d[V_RES] if has_residual else d[V_OUT],
                                       (pixels, m) if has_residual else (none, none)),
                            _f32_array(d[V_A], GEMM_MR * GEMM_NR), _f32_array(d[V_B], GEMM_MR * c), d[V_BLOCK],
@@ -298,7 +298,8 @@ def conv_piece(d):
     if kind == KIND_DEPTHWISE_FLAT:
         depthwise_flat_rows(x, taps, bias, residual, out, d[V_PH], d[V_PW], d[V_DH], d[V_DW], act, alpha, beta)
     else:
-        depthwise_channels_last(x, taps, bias, residual, out, d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW],
+        depthwise_channels_last(x, taps, carray(_i64_pointer(d[V_A]), (2, d[V_KH] * d[V_KW])), bias, residual, out,
+                                d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW],
                                 act, alpha, beta)
 
 
@@ -624,25 +625,12 @@ def _valid(o_count, start, stride, size):
 
 
 @_jit
-def _valid_columns(ow, kw, sw, pw, dw, width):
-    """For each kernel column j, the output range [lo, hi) whose input column lies in the
-    image (:func:`_valid`), once per call: integer divisions are slow in the loops."""
-    los, his = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        los[j], his[j] = _valid(ow, j * dw - pw, sw, width)
-    return los, his
-
-
-@_jit
-def _phase_taps(kw, sw, pw, dw):
-    """For each kernel column j, (q, r) with j * dw - pw = q * sw + r, 0 <= r < sw: tap j reads
-    input column (xo + q) * sw + r, i.e. column xo + q of column phase r (:func:`_split_phases`)."""
-    qs, rs = np.empty(kw, np.int64), np.empty(kw, np.int64)
-    for j in range(kw):
-        off = j * dw - pw
-        q = off // sw
-        qs[j], rs[j] = q, off - q * sw
-    return qs, rs
+def _phase_tap(j, sw, pw, dw):
+    """(q, r) with j * dw - pw = q * sw + r, 0 <= r < sw: kernel column j reads input column
+    (xo + q) * sw + r, i.e. column xo + q of column phase r (:func:`_split_phases`)."""
+    off = j * dw - pw
+    q = off // sw
+    return q, off - q * sw
 
 
 @_jit
@@ -673,12 +661,11 @@ def im2col(x, n0, cols, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     nb = ncols // plane
     xf, cf = x.reshape(-1), cols.reshape(-1)
     zero = f32(0.0)
-    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
     for c in range(channels):
         for i in range(kh):
             for j in range(kw):
                 r0 = ((c * kh + i) * kw + j) * ncols
-                lo, hi = los[j], his[j]
+                lo, hi = _valid(ow, j * dw - pw, sw, width)  # once per nb * oh rows: no table needed
                 for b in range(nb):
                     xplane = ((n0 + b) * channels + c) * height * width
                     for yo in range(oh):
@@ -719,8 +706,6 @@ def im2col_phases(x, n0, cols, phases, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
     nb = ncols // plane
     xf, cf = x.reshape(-1), cols.reshape(-1)
     zero = f32(0.0)
-    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
-    qs, rs = _phase_taps(kw, sw, pw, dw)
     pwidth = (width + sw - 1) // sw
     span = sw * height * pwidth  # one image's phases of one channel
     for c in range(channels):
@@ -730,7 +715,8 @@ def im2col_phases(x, n0, cols, phases, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
         for i in range(kh):
             for j in range(kw):
                 r0 = ((c * kh + i) * kw + j) * ncols
-                lo, hi = los[j], his[j]
+                lo, hi = _valid(ow, j * dw - pw, sw, width)  # once per nb * oh rows: no table needed
+                q, r = _phase_tap(j, sw, pw, dw)
                 for b in range(nb):
                     for yo in range(oh):
                         d0 = r0 + b * plane + yo * ow
@@ -744,18 +730,19 @@ def im2col_phases(x, n0, cols, phases, kh, kw, sh, sw, ph, pw, dh, dw, oh, ow):
                             row[t] = zero
                         for t in range(hi, ow):
                             row[t] = zero
-                        s0 = ((b * sw + rs[j]) * height + iy) * pwidth + lo + qs[j]
+                        s0 = ((b * sw + r) * height + iy) * pwidth + lo + q
                         src, dst = phases[s0:s0 + hi - lo], row[lo:hi]
                         for t in range(hi - lo):
                             dst[t] = src[t]
 
 
 @_jit
-def depthwise(x, w, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
+def depthwise(x, w, columns, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
     """Depthwise convolution with its epilogue: (N, C, H, W) x, (M, 1, kh, kw) w with M a
     multiple of C, (N, M, oh, ow) out; residual (N, M, oh, ow) or (0, 0, 0, 0). Each output row
     is accumulated tap by tap while it stays in L1, then finished (bias, residual, activation).
-    Flat offsets, not row views: a view costs reference counting per row."""
+    Flat offsets, not row views: a view costs reference counting per row. ``columns``: the kernel
+    columns' :func:`polyhal_cpu.native.column_table`."""
     n_img, channels, height, width = x.shape
     m_out, _, kh, kw = w.shape
     oh, ow = out.shape[2], out.shape[3]
@@ -763,7 +750,7 @@ def depthwise(x, w, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, bet
     has_residual = residual.shape[0] != 0
     xf, of, wf = x.reshape(-1), out.reshape(-1), w.reshape(-1)
     rf = residual.reshape(-1)
-    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
+    los, his = columns[0], columns[1]
     for n in range(n_img):
         for m in range(m_out):
             xplane = (n * channels + m // mult) * height * width
@@ -822,7 +809,7 @@ def col2im(cols, out, kh, kw, sh, sw, ph, pw, dh, dw, height, width):
 
 
 @_jit
-def pool2d(x, out, inv, phases, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
+def pool2d(x, out, inv, columns, phases, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     """Max (is_max) or average pooling of (R, H, W) x into (R, oh, ow) out; taps in the
     padding are skipped; average multiplies the window's sum by inv (oh, ow). Each output row
     is accumulated tap by tap over the output positions the tap reaches (flat offsets and views
@@ -831,14 +818,14 @@ def pool2d(x, out, inv, phases, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     plane is first split into its ``sw`` column phases (phase r holds columns r, r + sw, ...), so
     that a tap reads a contiguous run of one phase rather than every sw-th element (a strided
     read is not vectorised: ResNet's 3x3 stride-2 pool went 1018 -> 525 us single-threaded).
-    ``phases``: scratch of sw * H * ceil(W / sw) floats where sw > 1 (else unused)."""
+    ``phases``: scratch of sw * H * ceil(W / sw) floats where sw > 1 (else unused); ``columns``: the
+    kernel columns' :func:`polyhal_cpu.native.column_table`."""
     rows, height, width = x.shape
     oh, ow = out.shape[1], out.shape[2]
     xf, of, vf = x.reshape(-1), out.reshape(-1), inv.reshape(-1)
-    los, his = _valid_columns(ow, kw, sw, pw, dw, width)
+    los, his, qs, rs = columns[0], columns[1], columns[2], columns[3]
     start = f32(-np.inf) if is_max else f32(0.0)
     pwidth = (width + sw - 1) // sw  # a phase's length
-    qs, rs = _phase_taps(kw, sw, pw, dw)
     for r in range(rows):
         if sw > 1:
             _split_phases(xf[r * height * width:(r + 1) * height * width], height, width, sw, phases)
@@ -1081,7 +1068,7 @@ _image_tile32, _image_tile16, _image_tile8 = _make_image_tile(16, 2), _make_imag
 _tap_tile16, _tap_tile8 = _make_image_tile(16, 1, False), _make_image_tile(8, 1, False)
 
 @_jit
-def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
+def depthwise_channels_last(x, taps, offsets, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
     """Depthwise convolution of (N, H, W, C) x with (kh, kw, C) taps into (N, oh, ow, C) out,
     residual (N, oh, ow, C) or (0, 0, 0, 0), vectorised across the channels whatever the stride.
     Output row by output row: the row (ow, C) starts as the bias, each kernel row adds its taps
@@ -1115,12 +1102,8 @@ def depthwise_channels_last(x, taps, bias, residual, out, sh, sw, ph, pw, dh, dw
     xa, wa, oa, ba = x.ctypes.data, taps.ctypes.data, out.ctypes.data, bias.ctypes.data
     # per tap (i, j): its input's and its weights' offsets, for the tiles' one loop over the taps
     # (kernel rows inside the image are one run of them)
-    xoff, woff = np.empty(kh * kw, np.int64), np.empty(kh * kw, np.int64)
-    for i in range(kh):
-        for j in range(kw):
-            xoff[i * kw + j] = (i * dh * width + j * dw) * channels
-            woff[i * kw + j] = (i * kw + j) * channels
-    xoa, woa = xoff.ctypes.data, woff.ctypes.data
+    # (offsets (2, kh * kw): made once, by :func:`polyhal_cpu.native.depthwise_offsets`, when the kernel is prepared)
+    xoa, woa = offsets.ctypes.data, offsets.ctypes.data + kh * kw * 8
     for n in range(n_img):
         for yo in range(oh):
             orow = out[n, yo]
@@ -1201,7 +1184,6 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
     kh, kw = wtile.shape[0], wtile.shape[1]
     oh, ow = out.shape[1], out.shape[2]
     has_residual = residual.shape[0] != 0
-    los, his = _valid_columns(ow, kw, 1, pw, dw, width)
     rowlen = ow * channels
     xf, of, rf = x.reshape(-1), out.reshape(-1), residual.reshape(-1)
     for n in range(n_img):
@@ -1217,7 +1199,12 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
                 x0 = (n * height + iy) * width * channels
                 # a 3-wide kernel row's taps in one pass over the pixels all three reach (one
                 # load and store of the output for three multiply-adds), the rest tap by tap
-                c_lo, c_hi = (max(los[0], los[1], los[2]), min(his[0], his[1], his[2])) if kw == 3 else (0, 0)
+                # (each tap's valid range at stride 1: no division, no table)
+                c_lo, c_hi = 0, 0
+                if kw == 3:
+                    (l0, h0), (l1, h1), (l2, h2) = _valid(ow, -pw, 1, width), _valid(ow, dw - pw, 1, width), \
+                        _valid(ow, 2 * dw - pw, 1, width)
+                    c_lo, c_hi = max(l0, l1, l2), min(h0, h1, h2)
                 if c_hi > c_lo:
                     length = (c_hi - c_lo) * channels
                     dst = orow[c_lo * channels:c_hi * channels]
@@ -1229,10 +1216,11 @@ def depthwise_flat_rows(x, wtile, btile, residual, out, ph, pw, dh, dw, act, alp
                     for t in range(length):
                         dst[t] += wa_[t] * a[t] + wb[t] * b[t] + wc[t] * c[t]
                 for j in range(kw):
+                    tlo, thi = _valid(ow, j * dw - pw, 1, width)
                     for part in range(2):  # the tap's pixels below the common span, then above it
-                        lo, hi = (los[j], min(his[j], c_lo)) if part == 0 else (max(los[j], c_hi), his[j])
+                        lo, hi = (tlo, min(thi, c_lo)) if part == 0 else (max(tlo, c_hi), thi)
                         if c_hi <= c_lo:  # no common span: the tap's whole range, once
-                            lo, hi = (los[j], his[j]) if part == 0 else (0, 0)
+                            lo, hi = (tlo, thi) if part == 0 else (0, 0)
                         if hi <= lo:
                             continue
                         length = (hi - lo) * channels
@@ -1337,6 +1325,9 @@ def conv_image_channels_last(x, taps, xoff, woff, bias, residual, out, n0, n1, y
 # activation) while it is in L1, and only the output positions it covers are stored.
 
 GEMM_MR, GEMM_NR = 8, 32
+#: The residual row the tiles read for a conv without one (a global: numba freezes it into the
+#: compiled code, read-only, so no call allocates it).
+_ZERO_ROW = np.zeros(GEMM_NR, np.float32)
 
 
 def _tile_codegen(strided: bool, bias_of: str | None, nv: int = GEMM_NR // 16):
@@ -1489,11 +1480,13 @@ def _make_prefetch():
 _prefetch = _make_prefetch()
 
 @_jit
-def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, block, act, alpha, beta):
+def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residual, bpack, cbuf, block, act, alpha,
+               beta):
     """out (M, oh * ow) = act(W @ B + bias[m] (+ residual (M, oh * ow), or (0, 0) for none)).
 
     ``wp``: the weights packed (panels, K, GEMM_MR), zero rows past M. B's row k is ``src``
-    (flat) from ``rowoff[k]``; its columns 0 .. ncols are read. Column j is output position
+    (flat) from ``rowoff[k]``; its columns 0 .. ncols are read (``packed_rows``: k * GEMM_NR for
+    each k, the rows of ``bpack``; both made once, when the kernel is prepared). Column j is output position
     (j // wide, j % wide), stored only if j % wide < ow (a padded image read flat has wide - ow
     columns of junk per row; a plain matrix has wide = ow = ncols, and then its whole tiles are
     finished in registers and stored straight into the output). The tiles read B where it
@@ -1516,11 +1509,9 @@ def gemm_tiles(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbu
     rf = residual.reshape(-1)
     nr, mr = GEMM_NR, GEMM_MR
     tile_size = mr * nr
-    packed_rows = np.arange(kdim) * nr
     wa, ba, ca, sa = wp.ctypes.data, bpack.ctypes.data, cbuf.ctypes.data, src.ctypes.data
     ra, pra = rowoff.ctypes.data, packed_rows.ctypes.data
-    zeros = np.zeros(nr, np.float32)  # the residual row of a conv without one
-    oa, bsa, rsa, za = out.ctypes.data, bias.ctypes.data, residual.ctypes.data, zeros.ctypes.data
+    oa, bsa, rsa, za = out.ctypes.data, bias.ctypes.data, residual.ctypes.data, _ZERO_ROW.ctypes.data
     relu = 1 if act == 1 else 0
     zero = f32(0.0)
     full = ncols // nr * nr
@@ -1621,12 +1612,13 @@ def _finish_rows(cbuf, of, rf, has_residual, relu, first, rows, m, j0, width, nr
 
 
 @_jit
-def gemm_channels_last(x, wt, out, bias, residual, cbuf, apad, block, act, alpha, beta):
+def gemm_channels_last(x, wt, rowoff, out, bias, residual, cbuf, apad, block, act, alpha, beta):
     """out (pixels, M) = act(x (pixels, C) @ W^T + bias (+ residual (pixels, M), or (0, 0))): a
     1x1 convolution on channels-last storage by the micro-kernel, A being x's rows where they lie.
 
     ``wt``: the weights transposed, (C, M rounded up to GEMM_NR, or to 16 where that wastes
-    less: the tiles are then (GEMM_MR, 16)), and ``bias`` (M rounded up alike), zero past M. Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
+    less: the tiles are then (GEMM_MR, 16)), ``rowoff`` its rows' offsets (k * its width, int64, made once
+    when the kernel is prepared), and ``bias`` (M rounded up alike), zero past M. Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
     and of the output stay in L2): for each GEMM_NR output channels, the block's pixels GEMM_MR
     at a time, each tile stored into the output with its bias, residual and relu added in
     registers (one pass over the output, as it is written); another activation then runs once
@@ -1641,11 +1633,9 @@ def gemm_channels_last(x, wt, out, bias, residual, cbuf, apad, block, act, alpha
     mr, nr = GEMM_MR, GEMM_NR if mpad % GEMM_NR == 0 else 16
     has_residual = residual.shape[0] != 0
     xf, of, rf = x.reshape(-1), out.reshape(-1), residual.reshape(-1)
-    rowoff = np.arange(cdim) * mpad
-    zeros = np.zeros(nr, np.float32)  # the residual row of a conv without one
     xa, wa, oa, ca, pa, ra = x.ctypes.data, wt.ctypes.data, out.ctypes.data, cbuf.ctypes.data, apad.ctypes.data, \
         rowoff.ctypes.data
-    ba, rsa, za = bias.ctypes.data, residual.ctypes.data, zeros.ctypes.data
+    ba, rsa, za = bias.ctypes.data, residual.ctypes.data, _ZERO_ROW.ctypes.data
     relu = 1 if act == 1 else 0
     zero = f32(0.0)
     full, mfull = pixels // mr * mr, m // nr * nr
