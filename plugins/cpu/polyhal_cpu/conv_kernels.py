@@ -1092,7 +1092,7 @@ def _native_pool(x_type, out_type, n, s, p, d, k, inv, scratch):
 
     def kernel(x, out):
         xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)
-        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, columns, work[i], k, s, p[:2], d, is_max)
+        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, work[i], columns, k, s, p[:2], d, is_max)
                       for i, ns in enumerate(pieces)])
     return kernel
 

@@ -133,7 +133,7 @@ def _warm(loops: dict[str, Callable]) -> None:
     for x in (img, ro_img):
         loops["im2col"](x, 0, np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
         loops["im2col_phases"](x, 0, np.zeros((2, 4), np.float32), v.copy(), 1, 1, 2, 2, 0, 0, 1, 1, 2, 2)
-        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), column_table(3, 1, 1, 0, 1, 3), v.copy(), 1, 1, 1, 1, 0, 0, 1, 1, True)
+        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), v.copy(), column_table(3, 1, 1, 0, 1, 3), 1, 1, 1, 1, 0, 0, 1, 1, True)
         for residual in (none4, img):
             loops["depthwise"](x, w, column_table(3, 1, 1, 0, 1, 3), ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
@@ -424,13 +424,13 @@ def pool2d_work(size: tuple, s: tuple) -> int:
     return s[1] * size[0] * -(-size[1] // s[1]) if s[1] > 1 else 0
 
 
-def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, columns: np.ndarray, work: np.ndarray, k: tuple, s: tuple, p: tuple,
+def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, work: np.ndarray, columns: np.ndarray, k: tuple, s: tuple, p: tuple,
            d: tuple, is_max: bool) -> None:
     """Max or average 2-D pooling of (R, H, W) ``x`` into (R, oh, ow) ``out``; averages are
     window sums times ``inv`` (oh, ow); ``work``: float32 scratch of :func:`pool2d_work` floats
     at least, ``columns`` the kernel columns' :func:`column_table` (the kernel allocates nothing)."""
     _work(work, pool2d_work(x.shape[1:], s))
-    _compiled()["pool2d"](x, out, inv, columns, work, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
+    _compiled()["pool2d"](x, out, inv, work, columns, k[0], k[1], s[0], s[1], p[0], p[1], d[0], d[1], is_max)
 
 
 def epilogue_channels_last(y: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, act: int, alpha: float,

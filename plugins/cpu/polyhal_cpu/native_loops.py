@@ -809,7 +809,7 @@ def col2im(cols, out, kh, kw, sh, sw, ph, pw, dh, dw, height, width):
 
 
 @_jit
-def pool2d(x, out, inv, columns, phases, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
+def pool2d(x, out, inv, phases, columns, kh, kw, sh, sw, ph, pw, dh, dw, is_max):
     """Max (is_max) or average pooling of (R, H, W) x into (R, oh, ow) out; taps in the
     padding are skipped; average multiplies the window's sum by inv (oh, ow). Each output row
     is accumulated tap by tap over the output positions the tap reaches (flat offsets and views

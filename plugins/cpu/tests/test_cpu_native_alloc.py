@@ -78,7 +78,7 @@ _SCRIPT = textwrap.dedent("""
     columns = native.column_table(19, 3, 2, 0, 1, 40)
     calls += [
         (native.im2col, (img, 0, cols, work, (3, 3), (2, 2), (1, 1), (1, 1), (6, 20)), None),
-        (native.pool2d, (img.reshape(12, 11, 40), pool_out, np.zeros((1, 1), np.float32), columns, work, (3, 3),
+        (native.pool2d, (img.reshape(12, 11, 40), pool_out, np.zeros((1, 1), np.float32), work, columns, (3, 3),
                          (2, 2), (0, 0), (1, 1), True), None),
         (native.depthwise, (img, w, native.column_table(20, 3, 2, 1, 1, 40), f(6), None, dw_out, (2, 2), (1, 1),
                             (1, 1), 1, 0.0, 0.0), None),

@@ -206,9 +206,9 @@ def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs
     whole, want, _ = _tile_conv(monkeypatch, name, shapes, attrs, "1", native.gemm_tiles)
     calls = []
 
-    def recording(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest):
+    def recording(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest):
         calls.append((out, src, bpack, cbuf))
-        original(wp, src, rowoff, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest)
+        original(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest)
     original = native.gemm_tiles
     cut, _, geometry = _tile_conv(monkeypatch, name, shapes, attrs, n_threads, recording)
     np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-5)
