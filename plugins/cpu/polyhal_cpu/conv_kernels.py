@@ -317,7 +317,7 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         # pieces: images, or channel blocks of one image (each a C-contiguous block of x and out)
         pieces = [(ns, cs, cs if cs.start is None else slice(cs.start * mult, cs.stop * mult))
                   for ns, cs in parallel.grid(g.batch, g.c, mult * length, factor=9 / g.taps)]
-        columns = native.column_table(g.out_sp[1], g.k[1], g.s[1], g.pb[1], g.d[1], g.in_sp[1])
+        column_ranges = native.column_table(g.out_sp[1], g.k[1], g.s[1], g.pb[1], g.d[1], g.in_sp[1])
 
         def kernel(x, w, *rest):
             out = rest[-1]
@@ -325,8 +325,8 @@ def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
             r = contiguous(rest[1]).reshape(shape2d) if has_residual else None
             x4, w4, o4 = contiguous(x).reshape(g.as2d(x.shape)), contiguous(w).reshape(g.as2d(w.shape)), \
                 out.reshape(shape2d)
-            run([partial(native.depthwise, x4[ns, cs], w4[ms], columns, b[ms], None if r is None else r[ns, ms], o4[ns, ms],
-                         g.s, g.pb, g.d, act_code, alpha, beta) for ns, cs, ms in pieces])
+            run([partial(native.depthwise, x4[ns, cs], w4[ms], column_ranges, b[ms], None if r is None else r[ns, ms],
+                         o4[ns, ms], g.s, g.pb, g.d, act_code, alpha, beta) for ns, cs, ms in pieces])
         return kernel
 
     # A GEMM is cut along its longer side (each piece packs all of the other operand: the

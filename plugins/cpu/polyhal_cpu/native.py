@@ -39,7 +39,8 @@ from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "conv_image_channels_last",
            "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
-           "column_table", "depthwise_offsets", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block", "gemm_channels_last", "gemm_tiles",
+           "column_table", "depthwise_offsets", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block",
+           "gemm_channels_last", "gemm_tiles",
            "gemm_tiles_bytes", "im2col", "im2col_work", "layer_norm", "matvec_channels_last", "pack_gemm_weights",
            "pad_channels", "pool2d", "pool2d_work", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
 
@@ -133,31 +134,33 @@ def _warm(loops: dict[str, Callable]) -> None:
     for x in (img, ro_img):
         loops["im2col"](x, 0, np.zeros((2, 9), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 3, 3)
         loops["im2col_phases"](x, 0, np.zeros((2, 4), np.float32), v.copy(), 1, 1, 2, 2, 0, 0, 1, 1, 2, 2)
-        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), v.copy(), column_table(3, 1, 1, 0, 1, 3), 1, 1, 1, 1, 0, 0, 1, 1, True)
+        loops["pool2d"](x[0], img[0].copy(), m[:1, :1].copy(), v.copy(), column_table(3, 1, 1, 0, 1, 3), 1, 1, 1, 1, 0,
+                        0, 1, 1, True)
         for residual in (none4, img):
-            loops["depthwise"](x, w, column_table(3, 1, 1, 0, 1, 3), ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
+            loops["depthwise"](x, w, column_table(3, 1, 1, 0, 1, 3), ro, residual, img.copy(), 1, 1, 0, 0, 1, 1, 1,
+                               *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue"](m.copy(), ro[:2], residual, 1, *_F32_PAIR)
     loops["col2im"](m, np.zeros((2, 1, 2), np.float32), 1, 1, 1, 1, 0, 0, 1, 1, 1, 4)
     packed = np.zeros((1, 2, GEMM_MR), np.float32)  # packed weights: a copy the kernel keeps, writable
     for src in (m.reshape(-1), ro_m.reshape(-1)):
         for residual in (m[:0, :0], m):
-            loops["gemm_tiles"](packed, src, np.arange(2), np.arange(2) * GEMM_NR, 4, 4, 4, np.zeros((1, 4), np.float32), ro[:1],
-                                residual[:1], np.zeros(2 * GEMM_NR, np.float32),
+            loops["gemm_tiles"](packed, src, np.arange(2), np.arange(2) * GEMM_NR, 4, 4, 4,
+                                np.zeros((1, 4), np.float32), ro[:1], residual[:1], np.zeros(2 * GEMM_NR, np.float32),
                                 np.zeros(GEMM_MR * GEMM_NR, np.float32), GEMM_NR, 1, *_F32_PAIR)
     wide = np.zeros((2, GEMM_NR), np.float32)  # a channels-last 1x1 conv: 2 pixels, 4 -> GEMM_NR channels
     ro_bias = wide[0].copy()
     ro_bias.flags.writeable = False
     for x in (m, ro_m):  # images of either kind
         for residual in (m[:0, :0], wide):
-            loops["gemm_channels_last"](x, np.zeros((4, GEMM_NR), np.float32), np.arange(4) * GEMM_NR, wide.copy(), ro_bias, residual,
-                                        np.zeros(GEMM_MR * GEMM_NR, np.float32), np.zeros(GEMM_MR * 4, np.float32),
-                                        GEMM_MR, 1, *_F32_PAIR)
+            loops["gemm_channels_last"](x, np.zeros((4, GEMM_NR), np.float32), np.arange(4) * GEMM_NR, wide.copy(),
+                                        ro_bias, residual, np.zeros(GEMM_MR * GEMM_NR, np.float32),
+                                        np.zeros(GEMM_MR * 4, np.float32), GEMM_MR, 1, *_F32_PAIR)
     nhwc = np.zeros((1, 3, 3, 2), np.float32)
     for x in (nhwc, ro_img.reshape(1, 3, 3, 2)):
         for residual in (none4, nhwc):
-            loops["depthwise_channels_last"](x, np.zeros((1, 1, 2), np.float32), depthwise_offsets(1, 1, 1, 1, 3, 2), ro[:2], residual, nhwc.copy(),
-                                             1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
+            loops["depthwise_channels_last"](x, np.zeros((1, 1, 2), np.float32), depthwise_offsets(1, 1, 1, 1, 3, 2),
+                                             ro[:2], residual, nhwc.copy(), 1, 1, 0, 0, 1, 1, 1, *_F32_PAIR)
     for residual in (m[:0, :0], m):
         loops["epilogue_channels_last"](m.copy(), ro, residual, 1, *_F32_PAIR)
     # Tiled taps and bias, kept by the kernel for a plan's read-only weights, are read-only; the
@@ -319,9 +322,9 @@ def gemm_tiles_bytes(m: int, k: int, block: int) -> int:
     return (k * GEMM_NR + -(-m // GEMM_MR) * GEMM_MR * block) * 4
 
 
-def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, packed_rows: np.ndarray, ncols: int, wide: int, ow: int, out: np.ndarray,
-               bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray, cbuf: np.ndarray, block: int,
-               act: int, alpha: float, beta: float) -> None:
+def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, packed_rows: np.ndarray, ncols: int, wide: int,
+               ow: int, out: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray,
+               cbuf: np.ndarray, block: int, act: int, alpha: float, beta: float) -> None:
     """(M, positions) ``out`` = activation ``act`` of packed weights ``wp`` @ B + bias[m] (+
     residual), B's row k being flat ``src`` from ``rowoff[k]`` (int64), columns 0 .. ncols
     (``packed_rows``: k * GEMM_NR for each k, int64, made once with ``rowoff``),
@@ -373,8 +376,8 @@ def gemm_channels_last(x: np.ndarray, wt: np.ndarray, rowoff: np.ndarray, out: n
                                       np.float32(beta))
 
 
-def depthwise(x: np.ndarray, w: np.ndarray, columns: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, out: np.ndarray,
-              s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+def depthwise(x: np.ndarray, w: np.ndarray, columns: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
+              out: np.ndarray, s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
     """2-D depthwise convolution of (N, C, H, W) ``x`` by (M, 1, kh, kw) ``w`` into ``out``, with
     bias, optional residual and activation ``act`` applied as each output row is finished; ``columns``: the
     kernel columns' :func:`column_table`."""
@@ -424,8 +427,8 @@ def pool2d_work(size: tuple, s: tuple) -> int:
     return s[1] * size[0] * -(-size[1] // s[1]) if s[1] > 1 else 0
 
 
-def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, work: np.ndarray, columns: np.ndarray, k: tuple, s: tuple, p: tuple,
-           d: tuple, is_max: bool) -> None:
+def pool2d(x: np.ndarray, out: np.ndarray, inv: np.ndarray, work: np.ndarray, columns: np.ndarray, k: tuple, s: tuple,
+           p: tuple, d: tuple, is_max: bool) -> None:
     """Max or average 2-D pooling of (R, H, W) ``x`` into (R, oh, ow) ``out``; averages are
     window sums times ``inv`` (oh, ow); ``work``: float32 scratch of :func:`pool2d_work` floats
     at least, ``columns`` the kernel columns' :func:`column_table` (the kernel allocates nothing)."""
@@ -440,8 +443,9 @@ def epilogue_channels_last(y: np.ndarray, bias: np.ndarray, residual: np.ndarray
     _compiled()["epilogue_channels_last"](y, bias, none, act, np.float32(alpha), np.float32(beta))
 
 
-def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, offsets: np.ndarray, bias: np.ndarray, residual: np.ndarray | None,
-                            out: np.ndarray, s: tuple, p: tuple, d: tuple, act: int, alpha: float, beta: float) -> None:
+def depthwise_channels_last(x: np.ndarray, taps: np.ndarray, offsets: np.ndarray, bias: np.ndarray,
+                            residual: np.ndarray | None, out: np.ndarray, s: tuple, p: tuple, d: tuple, act: int,
+                            alpha: float, beta: float) -> None:
     """2-D depthwise convolution of (N, H, W, C) ``x`` by (kh, kw, C) ``taps`` into (N, oh, ow, C)
     ``out``, with bias, optional residual and activation ``act``; ``offsets``: the taps'
     :func:`depthwise_offsets`."""

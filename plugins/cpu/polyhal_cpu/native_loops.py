@@ -270,7 +270,8 @@ def conv_piece(d):
     if kind == KIND_POINTWISE:  # (pixels, C) @ (C, M padded) into (pixels, M)
         pixels, c, mpad, m = d[V_N], d[V_C], d[V_M], d[V_OW]
         gemm_channels_last(_f32_array(d[V_X], (pixels, c)), _f32_array(d[V_W], (c, mpad)),
-                           carray(_i64_pointer(d[V_ROWS]), c), _f32_array(d[V_OUT], (pixels, m)), _f32_array(d[V_BIAS], mpad),
+                           carray(_i64_pointer(d[V_ROWS]), c), _f32_array(d[V_OUT], (pixels, m)),
+                           _f32_array(d[V_BIAS], mpad),
                            _f32_array(d[V_RES] if has_residual else d[V_OUT],
                                       (pixels, m) if has_residual else (none, none)),
                            _f32_array(d[V_A], GEMM_MR * GEMM_NR), _f32_array(d[V_B], GEMM_MR * c), d[V_BLOCK],
@@ -1102,7 +1103,7 @@ def depthwise_channels_last(x, taps, offsets, bias, residual, out, sh, sw, ph, p
     xa, wa, oa, ba = x.ctypes.data, taps.ctypes.data, out.ctypes.data, bias.ctypes.data
     # per tap (i, j): its input's and its weights' offsets, for the tiles' one loop over the taps
     # (kernel rows inside the image are one run of them)
-    # (offsets (2, kh * kw): made once, by :func:`polyhal_cpu.native.depthwise_offsets`, when the kernel is prepared)
+    # (``offsets`` (2, kh * kw): made once, by :func:`polyhal_cpu.native.depthwise_offsets`)
     xoa, woa = offsets.ctypes.data, offsets.ctypes.data + kh * kw * 8
     for n in range(n_img):
         for yo in range(oh):
@@ -1486,7 +1487,8 @@ def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residua
 
     ``wp``: the weights packed (panels, K, GEMM_MR), zero rows past M. B's row k is ``src``
     (flat) from ``rowoff[k]``; its columns 0 .. ncols are read (``packed_rows``: k * GEMM_NR for
-    each k, the rows of ``bpack``; both made once, when the kernel is prepared). Column j is output position
+    each k, the rows of ``bpack``; both made once, when the kernel is prepared). Column j is output
+    position
     (j // wide, j % wide), stored only if j % wide < ow (a padded image read flat has wide - ow
     columns of junk per row; a plain matrix has wide = ow = ncols, and then its whole tiles are
     finished in registers and stored straight into the output). The tiles read B where it
@@ -1617,8 +1619,9 @@ def gemm_channels_last(x, wt, rowoff, out, bias, residual, cbuf, apad, block, ac
     1x1 convolution on channels-last storage by the micro-kernel, A being x's rows where they lie.
 
     ``wt``: the weights transposed, (C, M rounded up to GEMM_NR, or to 16 where that wastes
-    less: the tiles are then (GEMM_MR, 16)), ``rowoff`` its rows' offsets (k * its width, int64, made once
-    when the kernel is prepared), and ``bias`` (M rounded up alike), zero past M. Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
+    less: the tiles are then (GEMM_MR, 16)), ``rowoff`` its rows' offsets (k * its width, int64,
+    made once when the kernel is prepared), and ``bias`` (M rounded up alike), zero past M.
+    Pixels go by blocks of ``block`` (a multiple of GEMM_MR; the block's rows of x
     and of the output stay in L2): for each GEMM_NR output channels, the block's pixels GEMM_MR
     at a time, each tile stored into the output with its bias, residual and relu added in
     registers (one pass over the output, as it is written); another activation then runs once

@@ -20,7 +20,8 @@ KIND_GEMM, KIND_LAYER_NORM = 0, 1
 KIND_POINTWISE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV = 2, 3, 4, 5
 #: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
 #: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
-#: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C; (pixels, C) for a 1x1 conv), the output's
+#: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C;
+#: (pixels, C) for a 1x1 conv), the output's
 #: (OH, OW, M), the weights' (KH, KW), strides, pads, dilations, activation (floats as bits),
 #: a 1x1 conv's pixel block, and a first conv's images N0 .. N1 and output rows Y0 .. Y1.
 (V_X, V_W, V_BIAS, V_RES, V_OUT, V_N, V_H, V_WIDTH, V_C, V_OH, V_OW, V_M, V_KH, V_KW, V_SH, V_SW, V_PH, V_PW, V_DH,

@@ -85,20 +85,22 @@ def _results(loops) -> dict[str, np.ndarray]:
         "softmax_rows": (np.empty_like(x2), lambda o: native.softmax_rows(x2, o)),
         "layer_norm": (np.empty_like(x2), lambda o: native.layer_norm(x2, scale, shift, 1e-5, o)),
         "depthwise": (np.empty((2, 6, 6, 7), np.float32),
-                      lambda o: native.depthwise(img, w, native.column_table(7, 3, 2, 1, 1, 13), bias, None, o, (2, 2), (1, 1), (1, 1), 1, 0.0, 0.0)),
+                      lambda o: native.depthwise(img, w, native.column_table(7, 3, 2, 1, 1, 13), bias, None, o, (2, 2),
+                                                 (1, 1), (1, 1), 1, 0.0, 0.0)),
         "pool2d": (np.empty((12, 5, 6), np.float32),
                    lambda o: native.pool2d(img.reshape(12, 11, 13), o, inv, np.empty(154, np.float32),
-                                            native.column_table(6, 3, 2, 0, 1, 13), (3, 3), (2, 2), (0, 0), (1, 1), True)),
+                                           native.column_table(6, 3, 2, 0, 1, 13), (3, 3), (2, 2), (0, 0), (1, 1),
+                                           True)),
         "im2col": (np.empty((54, 84), np.float32),
                    lambda o: native.im2col(img, 0, o, np.empty(0, np.float32), (3, 3), (2, 2), (1, 1), (1, 1), (6, 7))),
         "epilogue": (y.copy(), lambda o: native.epilogue(o, np.resize(bias, 12), None, 1, 0.0, 0.0)),
         # (6, 27) weights @ img's first 1080 values as (27, 40); (40 pixels, 27) of them @ (27, 32)
         "gemm_tiles": (np.empty((6, 40), np.float32), lambda o: native.gemm_tiles(
-            native.pack_gemm_weights(f(6, 27)), img.reshape(-1), np.arange(27) * 40, np.arange(27) * 32, 40, 40, 40, o, bias, None,
-            np.empty(27 * 32, np.float32), np.empty(8 * 64, np.float32), 64, 6, 0.0, 0.0)),
+            native.pack_gemm_weights(f(6, 27)), img.reshape(-1), np.arange(27) * 40, np.arange(27) * 32, 40, 40, 40, o,
+            bias, None, np.empty(27 * 32, np.float32), np.empty(8 * 64, np.float32), 64, 6, 0.0, 0.0)),
         "gemm_channels_last": (np.empty((40, 32), np.float32), lambda o: native.gemm_channels_last(
-            img.reshape(-1)[:1080].reshape(40, 27), f(27, 32), np.arange(27) * 32, o, f(32), f(40, 32), np.empty(8 * 32, np.float32),
-            np.empty(8 * 27, np.float32), 16, 6, 0.0, 0.0)),
+            img.reshape(-1)[:1080].reshape(40, 27), f(27, 32), np.arange(27) * 32, o, f(32), f(40, 32),
+            np.empty(8 * 32, np.float32), np.empty(8 * 27, np.float32), 16, 6, 0.0, 0.0)),
     }
     saved, native._loops = native._loops, loops
     try:
