@@ -118,20 +118,19 @@ def _fetch_add(typingctx, flags, index, value):
     return types.void(flags, types.intp, types.int64), codegen
 
 
-@intrinsic
-def _f32_pointer(typingctx, address):
-    """The float32 pointer at integer ``address`` (for ``carray``)."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.FloatType().as_pointer())
-    return types.CPointer(types.float32)(types.int64), codegen
+def _pointer_at(element: types.Type, llvm_type: ir.Type):
+    """An intrinsic giving the ``element`` pointer at an integer address (for ``carray``)."""
+    @intrinsic
+    def pointer(typingctx, address):
+        def codegen(context, builder, signature, args):
+            return builder.inttoptr(args[0], llvm_type.as_pointer())
+        return types.CPointer(element)(types.int64), codegen
+    return pointer
 
 
-@intrinsic
-def _i64_pointer(typingctx, address):
-    """The int64 pointer at integer ``address`` (for ``carray``)."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-    return types.CPointer(types.int64)(types.int64), codegen
+_f32_pointer = _pointer_at(types.float32, ir.FloatType())
+_i64_pointer = _pointer_at(types.int64, ir.IntType(64))
+_i32_pointer = _pointer_at(types.int32, ir.IntType(32))
 
 
 @intrinsic
@@ -192,19 +191,19 @@ def _sgemm(typingctx, d):
         wide = builder.icmp_signed("!=", field(G_WIDE), ir.Constant(i64, 0))
         vector = builder.and_(builder.icmp_signed("==", field(G_M), ir.Constant(i64, 1)),
                               builder.icmp_signed("!=", field(G_GEMV), ir.Constant(i64, 0)))
+
+        def by_width(emit):  # BLAS with 64-bit integers (an ILP64 build) or 32-bit ones
+            with builder.if_else(wide) as (then, otherwise):
+                with then:
+                    emit(i64)
+                with otherwise:
+                    emit(i32)
+
         with builder.if_else(vector) as (is_vector, is_matrix):
             with is_vector:
-                with builder.if_else(wide) as (then, otherwise):
-                    with then:
-                        gemv(i64)
-                    with otherwise:
-                        gemv(i32)
+                by_width(gemv)
             with is_matrix:
-                with builder.if_else(wide) as (then, otherwise):
-                    with then:
-                        call(i64)
-                    with otherwise:
-                        call(i32)
+                by_width(call)
         return context.get_dummy_value()
     return types.void(d), codegen
 
@@ -302,14 +301,6 @@ def conv_piece(d):
         depthwise_channels_last(x, taps, carray(_i64_pointer(d[V_A]), (2, d[V_KH] * d[V_KW])), bias, residual, out,
                                 d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW],
                                 act, alpha, beta)
-
-
-@intrinsic
-def _i32_pointer(typingctx, address):
-    """The int32 pointer at integer ``address`` (for ``carray``)."""
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], ir.IntType(32).as_pointer())
-    return types.CPointer(types.int32)(types.int64), codegen
 
 
 @_jit
@@ -1069,6 +1060,18 @@ _image_tile32, _image_tile16, _image_tile8 = _make_image_tile(16, 2), _make_imag
 _tap_tile16, _tap_tile8 = _make_image_tile(16, 1, False), _make_image_tile(8, 1, False)
 
 @_jit
+def _finish_row(orow, residual, n, yo, has_residual, act, alpha, beta):
+    """A channels-last output row (pixels, channels) finished: row (n, yo) of the residual added,
+    then the activation."""
+    if has_residual:
+        rrow = residual[n, yo]
+        for xo in range(orow.shape[0]):
+            for c in range(orow.shape[1]):
+                orow[xo, c] += rrow[xo, c]
+    activate_row(orow.reshape(-1), act, alpha, beta)
+
+
+@_jit
 def depthwise_channels_last(x, taps, offsets, bias, residual, out, sh, sw, ph, pw, dh, dw, act, alpha, beta):
     """Depthwise convolution of (N, H, W, C) x with (kh, kw, C) taps into (N, oh, ow, C) out,
     residual (N, oh, ow, C) or (0, 0, 0, 0), vectorised across the channels whatever the stride.
@@ -1166,12 +1169,7 @@ def depthwise_channels_last(x, taps, offsets, bias, residual, out, sh, sw, ph, p
                     xo += 4
                 for xo in range(xo, ow):
                     _kernel_row(orow, xr, wr, xo, xo - pw, width, dw, channels)
-            if has_residual:
-                rrow = residual[n, yo]
-                for xo in range(ow):
-                    for c in range(channels):
-                        orow[xo, c] += rrow[xo, c]
-            activate_row(orow.reshape(-1), act, alpha, beta)
+            _finish_row(orow, residual, n, yo, has_residual, act, alpha, beta)
 
 
 @_jit
@@ -1305,12 +1303,7 @@ def conv_image_channels_last(x, taps, xoff, woff, bias, residual, out, n0, n1, y
                             v, wr = x[n, c, iy, ix], taps[i, c, j]
                             for k in range(m):
                                 orow[xo, k] += v * wr[k]
-            if has_residual:
-                rrow = residual[n, yo]
-                for xo in range(ow):
-                    for k in range(m):
-                        orow[xo, k] += rrow[xo, k]
-            activate_row(orow.reshape(-1), act, alpha, beta)
+            _finish_row(orow, residual, n, yo, has_residual, act, alpha, beta)
 
 
 # ------------------------------------------------------------------ convolution as packed GEMM

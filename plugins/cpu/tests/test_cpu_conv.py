@@ -272,6 +272,21 @@ def test_blocked_conv_kernel(shapes, activation):
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
+def _check_blocked_conv(x, w, attrs, atol):
+    """``blocked_conv`` of ``x`` by ``w`` (with a bias), without and with a residual, against
+    the reference."""
+    for residual in (False, True):
+        ins = [x, w, _f(w.shape[0])]
+        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        if residual:
+            ins.append(_f(*out_type.shape))
+        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel(*ins, out)
+        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=atol, err_msg=f"residual {residual}")
+
+
 @pytest.mark.parametrize("n_threads", ["1", "2", "3"])
 @pytest.mark.parametrize("xs, ws, geometry", [
     ((1, 3, 37, 45), (16, 3, 3, 3), {"strides": [2, 2], "pads": [1, 1, 1, 1], "dilations": [1, 1]}),  # a stem
@@ -296,16 +311,7 @@ def test_blocked_conv_of_an_image(n_threads, xs, ws, geometry, activation, monke
     attrs = {**geometry, "group": 1, "activation": activation, "alpha": alpha, "beta": beta}
     w = _f(*ws)
     w.flags.writeable = False
-    for residual in (False, True):
-        ins = [_f(*xs), w, _f(ws[0])]
-        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
-        if residual:
-            ins.append(_f(*out_type.shape))
-        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
-        out = np.full(out_type.shape, np.nan, np.float32)
-        kernel(*ins, out)
-        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"residual {residual}")
+    _check_blocked_conv(_f(*xs), w, attrs, atol=2e-5)
 
 
 @pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32),
@@ -327,16 +333,7 @@ def test_blocked_pointwise_tiles(xs, m, activation, monkeypatch):
     w.flags.writeable = False
     x_t, w_t = TensorType((xs[0], 1, *xs[2:], xs[1]), np.float32), TensorType(w.shape, np.float32)
     assert conv_kernels._pointwise_tiles(attrs, x_t, w_t) is not None
-    for residual in (False, True):
-        ins = [block(_f(*xs)), w, _f(m)]
-        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
-        if residual:
-            ins.append(_f(*out_type.shape))
-        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
-        out = np.full(out_type.shape, np.nan, np.float32)
-        kernel(*ins, out)
-        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
+    _check_blocked_conv(block(_f(*xs)), w, attrs, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", [(1, 1, 37, 29, 24), (3, 1, 5, 7, 13), (2, 1, 1, 1, 960)])
