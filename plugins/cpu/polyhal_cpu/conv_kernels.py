@@ -157,7 +157,10 @@ class _Conv:
         (measured at batch 8 on ResNet's 56x56 3x3 convs: 2-10% less CPU time than cut by
         channels, the same elsewhere)."""
         b_size = None if self.phases is None else self.c * len(self.phases.used) * self.phases.length
-        parts = parallel.gemm_pieces(self.m, ncols, self.c * self.taps, b_size=b_size)
+        if self.batch == 1 and native.gemm_queue() is not None:  # on the compiled queue: cut finer
+            parts = parallel.queue_parts(self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US)
+        else:
+            parts = parallel.gemm_pieces(self.m, ncols, self.c * self.taps, b_size=b_size)
         bounds = parallel.blocks(-(-self.m // native.GEMM_MR), parts)
         #: blocks of images run as pieces of their own (1: images one after another)
         self.tiles_images = 1
@@ -532,6 +535,7 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
                 task()
 
     groups = parallel.blocks(g.batch, copies)
+    table = _tiles_table(g, pieces, rowoff, packed_rows, ncols, wide, ow, act, alpha, beta) if copies == 1 else None
 
     def kernel(x, w, *rest):
         out = rest[-1]
@@ -546,8 +550,40 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         for view in borders[0]:
             view.fill(0)
         for n in range(g.batch):  # image by image, its GEMM's pieces sharing its planes
-            parallel.run(image(x4, wp, o3, b, r3, n, 0))
+            if table is None:
+                parallel.run(image(x4, wp, o3, b, r3, n, 0))
+                continue
+            for dst, src in fills[0]:
+                np.copyto(dst, x4[n][src])
+            parallel.run_gemms(table(x4[n] if bufs[0] is None else bufs[0], wp, np.ascontiguousarray(b, _F32),
+                                     None if r3 is None else r3[n], o3[n]))
     return kernel
+
+
+def _tiles_table(g: _Conv, pieces: list, rowoff: np.ndarray, packed_rows: np.ndarray, ncols: int, wide: int,
+                 ow: int, act: int, alpha: float, beta: float) -> parallel.PieceTable | None:
+    """The tiles path's pieces of one image's GEMM as descriptors of the compiled GEMM queue
+    (queue_layout's KIND_TILES; operands B's source, packed weights, bias, residual, output),
+    or None where the queue is off: a piece then goes through :func:`polyhal_cpu.parallel.run`,
+    ~80 us a hand-off on a 2-core VM, as long as many a batch-1 conv's half."""
+    if native.gemm_queue() is None:
+        return None
+    kdim, positions = g.c * g.taps, g.positions
+    size = g.columns_bytes // 4 if g.phases is not None else g.c * positions
+    descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
+    descs[:, layout.G_KIND], descs[:, layout.V_N], descs[:, layout.V_C] = layout.KIND_TILES, positions, kdim
+    descs[:, layout.V_N0], descs[:, layout.V_ROWS], descs[:, layout.V_N1] = size, rowoff.ctypes.data, \
+        packed_rows.ctypes.data
+    descs[:, layout.V_H], descs[:, layout.V_WIDTH], descs[:, layout.V_OW] = ncols, wide, ow
+    for i, (ms, ps, bpack, cbuf, block) in enumerate(pieces):
+        descs[i, [layout.V_M, layout.V_OH, layout.V_A, layout.V_B, layout.V_BLOCK]] = (
+            ms.stop - ms.start, ps.stop - ps.start, bpack[0].ctypes.data, cbuf[0].ctypes.data, block)
+    _activation_fields(descs, act, alpha, beta)
+    rows = [ms.start * positions * 4 for ms, *_ in pieces]
+    return parallel.PieceTable(descs, [(layout.V_X, 0, [0] * len(pieces)),
+                                       (layout.V_W, 1, [ps.start * kdim * native.GEMM_MR * 4 for _, ps, *_ in pieces]),
+                                       (layout.V_BIAS, 2, [ms.start * 4 for ms, *_ in pieces]),
+                                       (layout.V_RES, 3, rows), (layout.V_OUT, 4, rows)], keep=(rowoff, packed_rows))
 
 
 def _phase_views(ph: _Phases, c: int, buf: np.ndarray) -> tuple[list, list]:

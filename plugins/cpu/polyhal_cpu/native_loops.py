@@ -16,7 +16,7 @@ from numba.extending import intrinsic
 from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
                                       G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
                                       G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT,
-                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, Q_COUNT, Q_DESC,
+                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, KIND_TILES, Q_COUNT, Q_DESC,
                                       Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA,
                                       V_B, V_BETA, V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0,
                                       V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_ROWS, V_SH, V_SW, V_W, V_WIDTH, V_X,
@@ -261,11 +261,21 @@ def _f32_array(address, shape):
 @_jit
 def conv_piece(d):
     """One piece of a channels-last convolution (d[G_KIND] one of queue_layout's KIND_POINTWISE,
-    KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV; its fields the V_ ones):
-    the loop the kernel otherwise calls for it, on arrays made from the descriptor's addresses
-    and shapes."""
+    KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV, or an NCHW one's KIND_TILES; its
+    fields the V_ ones): the loop the kernel otherwise calls for it, on arrays made from the
+    descriptor's addresses and shapes."""
     kind, act, alpha, beta = d[G_KIND], d[V_ACT], _f32_bits(d[V_ALPHA]), _f32_bits(d[V_BETA])
     has_residual, none = d[V_RES] != 0, d[V_RES] * 0  # none: a zero extent of the residual's type
+    if kind == KIND_TILES:  # (M rows, K) packed @ B (K, columns) into (M rows, positions)
+        rows, positions, kdim, panels = d[V_M], d[V_N], d[V_C], d[V_OH]
+        gemm_tiles(_f32_array(d[V_W], (panels, kdim, GEMM_MR)), _f32_array(d[V_X], d[V_N0]),
+                   carray(_i64_pointer(d[V_ROWS]), kdim), carray(_i64_pointer(d[V_N1]), kdim), d[V_H],
+                   d[V_WIDTH], d[V_OW], _f32_array(d[V_OUT], (rows, positions)), _f32_array(d[V_BIAS], rows),
+                   _f32_array(d[V_RES] if has_residual else d[V_OUT],
+                              (rows, positions) if has_residual else (none, none)),
+                   _f32_array(d[V_A], kdim * GEMM_NR), _f32_array(d[V_B], panels * GEMM_MR * d[V_BLOCK]),
+                   d[V_BLOCK], act, alpha, beta)
+        return
     if kind == KIND_POINTWISE:  # (pixels, C) @ (C, M padded) into (pixels, M)
         pixels, c, mpad, m = d[V_N], d[V_C], d[V_M], d[V_OW]
         gemm_channels_last(_f32_array(d[V_X], (pixels, c)), _f32_array(d[V_W], (c, mpad)),

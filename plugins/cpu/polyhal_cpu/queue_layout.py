@@ -18,6 +18,13 @@ KIND_GEMM, KIND_LAYER_NORM = 0, 1
 #: conv's block of output rows (``depthwise_channels_last``, or ``depthwise_flat_rows`` with
 #: its taps and bias tiled along a row), a first conv's images/rows (``conv_image_channels_last``).
 KIND_POINTWISE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV = 2, 3, 4, 5
+#: An NCHW convolution's block of output-channel panels of one image (``gemm_tiles``): V_X
+#: B's source read flat (V_N0 floats), V_W its panels of the packed weights (V_OH panels of
+#: V_C = K rows), V_OUT and V_RES its output rows (V_M rows of V_N positions), V_BIAS its
+#: bias, V_A its packed panel of B and V_B its tiles (scratch), V_ROWS B's row offsets, V_N1
+#: the packed panel's row offsets, V_H the columns, V_WIDTH the plane's width, V_OW the
+#: output's, V_BLOCK the columns per block.
+KIND_TILES = 6
 #: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
 #: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
 #: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C;

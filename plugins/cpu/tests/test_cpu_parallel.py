@@ -160,6 +160,9 @@ TILE_CASES = [
     ("fused_conv", [(5, 8, 9, 7), (6, 8, 3, 3), (6,), (5, 6, 9, 7)], _geometry(pad=1, **_CONV)),
     ("conv", [(3, 9, 11, 10), (8, 9, 3, 3)], _geometry(stride=2, pad=1)),
     ("conv", [(3, 70, 8, 8), (5, 70, 1, 1)], _geometry()),
+    # batch 1 (the compiled queue's pieces): strided, and 1x1 with a residual
+    ("conv", [(1, 10, 9, 7), (50, 10, 3, 3)], _geometry(stride=2)),
+    ("fused_conv", [(1, 9, 8, 8), (29, 9, 1, 1), (29,), (1, 29, 8, 8)], _geometry(**_CONV)),
 ]
 
 
@@ -203,8 +206,11 @@ def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs
     its own part of the scratch, reads its own planes, and writes its own part of the output."""
     from polyhal_cpu import native
 
+    from polyhal_cpu import queue_layout as layout
+
     whole, want, _ = _tile_conv(monkeypatch, name, shapes, attrs, "1", native.gemm_tiles)
-    calls = []
+    calls, tables, run_gemms = [], [], parallel.run_gemms
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
 
     def recording(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residual, bpack, cbuf, *rest):
         calls.append((out, src, bpack, cbuf))
@@ -213,6 +219,14 @@ def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs
     cut, _, geometry = _tile_conv(monkeypatch, name, shapes, attrs, n_threads, recording)
     np.testing.assert_allclose(cut, whole, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(cut, want, rtol=1e-4, atol=1e-4)
+    if geometry.tiles_images == 1 and native.gemm_queue() is not None:  # image by image, on the compiled queue
+        assert not calls and len(tables) == shapes[0][0]
+        for table in tables:
+            assert len(table) == len(geometry.tiles_pieces) > 1
+            assert (table[:, layout.G_KIND] == layout.KIND_TILES).all()
+            for field in (layout.V_A, layout.V_B, layout.V_OUT, layout.V_W):  # own scratch, rows, panels
+                assert len(set(table[:, field])) == len(table)
+        return
     assert len(calls) == shapes[0][0] * len(geometry.tiles_pieces)
     for i, (out_a, *_) in enumerate(calls):
         assert not any(np.shares_memory(out_a, out_b) for out_b, *_ in calls[i + 1:])
