@@ -45,6 +45,21 @@ _lib: Any = None
 _lib_lock = threading.Lock()
 
 
+def mapped_library(name: str) -> ctypes.CDLL:
+    """The shared library whose file name starts with ``name`` (``"libcublas.so"``) as this
+    process already mapped it (the copy cupy loaded, found in ``/proc/self/maps``), else the
+    one the dynamic loader finds by ``name``."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1] if line.count("/") else ""
+                if path.rsplit("/", 1)[-1].startswith(name):
+                    return ctypes.CDLL(path)
+    except OSError:
+        pass
+    return ctypes.CDLL(name)
+
+
 def _library() -> Any:
     """libcublas as cupy loaded it (found in this process's mappings), with prototypes."""
     global _lib
@@ -53,16 +68,7 @@ def _library() -> Any:
             return _lib
         from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
 
-        path = None
-        try:
-            with open("/proc/self/maps") as maps:
-                for line in maps:
-                    if "libcublas.so" in line and "libcublasLt" not in line:
-                        path = line.split()[-1]
-                        break
-        except OSError:
-            pass
-        lib = ctypes.CDLL(path or "libcublas.so")
+        lib = mapped_library("libcublas.so")
         vp, i, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
         lib.cublasSetStream_v2.argtypes = [vp, vp]

@@ -57,13 +57,7 @@ def _library() -> Any:
         if _lib is not None:
             return _lib
         blas._library()  # libcublas links libcublasLt: loading it maps both
-        path = None
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                if "libcublasLt.so" in line:
-                    path = line.split()[-1]
-                    break
-        lib = ctypes.CDLL(path or "libcublasLt.so")
+        lib = blas.mapped_library("libcublasLt.so")
         vp, i, sz, p = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.POINTER
         protos = {
             "cublasLtCreate": [p(vp)],

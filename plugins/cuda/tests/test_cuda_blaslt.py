@@ -71,3 +71,18 @@ def test_a_linear_layers_gemm_takes_the_bias_epilogue_path(cuda, cp, rng, c_shap
     full = TensorType((m, n), f)  # a C of the result's shape stays on cuBLAS's beta
     fn = cuda.prepare("gemm", {"trans_b": 1}, (TensorType((m, k), f), TensorType((n, k), f), full), (full,))
     assert fn.inner.kernel_name == "cublasGemmStridedBatchedEx"
+
+
+def test_libraries_are_taken_as_this_process_mapped_them():
+    """cuBLAS and cuBLASLt are the copies already mapped (cupy's); a name prefix picks the file
+    (libm.so, not another library whose name merely contains it). Runs without a GPU."""
+    import ctypes
+
+    from polyhal_cuda import blas
+
+    with open("/proc/self/maps") as maps:
+        libm = next(line.split()[-1] for line in maps if line.split()[-1].rsplit("/", 1)[-1].startswith("libm.so"))
+    assert blas.mapped_library("libm.so")._name == libm
+    assert isinstance(blas.mapped_library("libm.so"), ctypes.CDLL)
+    with pytest.raises(OSError):
+        blas.mapped_library("libpolyhal-not-there.so")
