@@ -357,6 +357,8 @@ def _linear(device, op, attrs, ins, outs, binding) -> Kernel:
             copyto(o2, b)  # the bias, broadcast; cuBLAS adds x @ w to it
             direct(x.reshape(m, k), w, o2)
         linear.kernel_name = "cublasGemmStridedBatchedEx (linear)"  # type: ignore[attr-defined]
+        if b_t.shape != (n,):  # a scalar bias: cublasLt's bias epilogue reads n values
+            return linear
         # cublasLt with the bias in its epilogue where it measures faster for this shape
         return blaslt.prepare_linear(device, x_t.dtype, m, k, n, attrs["precision"] == "tf32", linear) or linear
 

@@ -24,6 +24,20 @@ def test_every_algorithm_of_the_heuristics_computes_the_linear(cuda, cp, rng, m,
         np.testing.assert_allclose(cp.asnumpy(out), want, rtol=1e-4, atol=1e-4, err_msg=f"seed {rng.seed_value}")
 
 
+@pytest.mark.parametrize("b_shape", [(), (1,)])
+@pytest.mark.parametrize("m,k,n", [(4, 8, 32), (64, 14, 30), (10, 11, 8)])
+def test_a_scalar_bias_is_broadcast_not_read_as_a_vector(cuda, cp, rng, m, k, n, b_shape):
+    # cublasLt's bias epilogue reads n values: a one-value bias must stay on the cuBLAS path
+    f = np.dtype(np.float32)
+    fn = cuda.prepare("linear", {}, (TensorType((m, k), f), TensorType((k, n), f), TensorType(b_shape, f)),
+                      (TensorType((m, n), f),))
+    assert fn.inner.kernel_name == "cublasGemmStridedBatchedEx (linear)"
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), b_shape))
+    out = cp.full((m, n), np.nan, np.float32)
+    fn(cp.asarray(x), cp.asarray(w), cp.asarray(b), out)
+    np.testing.assert_allclose(cp.asnumpy(out), x.astype(np.float64) @ w + b, rtol=1e-4, atol=1e-4)
+
+
 def test_the_linear_kernel_takes_the_faster_path_and_views(cuda, cp, rng):
     f = np.dtype(np.float32)
     m, k, n = 512, 256, 384
