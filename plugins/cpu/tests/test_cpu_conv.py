@@ -314,6 +314,35 @@ def test_blocked_conv_of_an_image(n_threads, xs, ws, geometry, activation, monke
     _check_blocked_conv(_f(*xs), w, attrs, atol=2e-5)
 
 
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("xs, m", [((1, 96, 14, 14), 128), ((3, 40, 7, 7), 52), ((2, 17, 6, 9), 5)])
+@pytest.mark.parametrize("activation", ["none", "relu", "silu"])
+def test_pointwise_conv_on_the_gemm_queue(n_threads, xs, m, activation, monkeypatch):
+    """A 1x1 conv whose planes leave tiles mostly empty (14x14, 7x7) takes the pointwise path:
+    its images' sgemms cut into blocks of output channels on the compiled queue, each starting
+    from the bias and ending with the residual and activation, as many pieces as it may be cut
+    into; the result is the reference's."""
+    if not native.available(np.float32) or parallel.gemm_fn() is None:
+        pytest.skip("the compiled GEMM queue is not available here")
+    monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 0.01)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    attrs = {"strides": [1, 1], "pads": [0] * 4, "dilations": [1, 1], "group": 1, "activation": activation,
+             "alpha": 0.0, "beta": 0.0}
+    x, w, bias = _f(*xs), _f(m, xs[1], 1, 1), _f(m)
+    w.flags.writeable = False
+    for ins in ([x, w, bias], [x, w, bias, _f(xs[0], m, *xs[2:])]):
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        assert conv_kernels._Conv(attrs, types[0], types[1], TensorType((xs[0], m) + xs[2:], np.float32)).path \
+            == "pointwise"
+        (out_type,) = OPS["fused_conv"].infer(types, attrs)
+        out = np.full(out_type.shape, np.nan, np.float32)
+        prepare("fused_conv", attrs, types, (out_type,))(*ins, out)
+        (want,) = OPS["fused_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
+
+
 @pytest.mark.parametrize("xs, m", [((1, 24, 5, 7), 200), ((2, 40, 4, 4), 64), ((1, 3, 3, 3), 32),
                                    # tiles of 16 channels: whole ones, and a last partial one (40 = 2 x 16 + 8)
                                    ((1, 24, 5, 7), 16), ((2, 13, 3, 5), 80), ((1, 9, 7, 7), 40), ((1, 17, 4, 3), 112)])
