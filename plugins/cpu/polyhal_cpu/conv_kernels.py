@@ -1130,9 +1130,21 @@ def _pool_geometry(attrs: dict, x_type, out_type):
     return n, s, p, d, k, widths, taps
 
 
-def _pool_pieces(x_type, out_type) -> list[slice]:
-    """A compiled pool's pieces: blocks of (image, channel) planes (~3 ns an output for a 3x3 window)."""
-    return [ns for ns, _ in parallel.grid(x_type.shape[0] * x_type.shape[1], 1, math.prod(out_type.shape[2:]))]
+#: Input elements a compiled 2-D pool reads per microsecond single-threaded, to estimate its
+#: time for the queue's cut (2-core AVX-512 VM: a 2x2 stride-2 average over 256x56x56 ~85 us,
+#: a 3x3 stride-2 max over 64x112x112 ~180 us; the general loop ~2-3x slower).
+POOL_INPUTS_PER_US = 5_000
+
+
+def _pool_pieces(x_type, out_type) -> list[tuple[int, int]]:
+    """A compiled pool's pieces: blocks of (image, channel) planes, as many as its estimated
+    time is worth on the compiled queue (:func:`polyhal_cpu.parallel.queue_parts`), else (the
+    queue off: :func:`polyhal_cpu.parallel.run`) as :func:`polyhal_cpu.parallel.grid` cuts."""
+    planes = x_type.shape[0] * x_type.shape[1]
+    if native.gemm_queue() is not None:
+        return parallel.blocks(planes, parallel.queue_parts(x_type.size / POOL_INPUTS_PER_US))
+    return [(ns.start or 0, planes if ns.stop is None else ns.stop)
+            for ns, _ in parallel.grid(planes, 1, math.prod(out_type.shape[2:]))]
 
 
 def _pool_phases_bytes(problem, _workgroup_size: int) -> int:
@@ -1151,22 +1163,42 @@ _POOL_SCRATCH = [ScratchDecl("phases", shared=True, per_launch=_pool_phases_byte
 
 
 def _native_pool(x_type, out_type, n, s, p, d, k, inv, scratch):
-    """The compiled 2-D pooling loop for float32 (None elsewhere): ``fn(x, out)``."""
+    """The compiled 2-D pooling loop for float32 (None elsewhere): ``fn(x, out)``, its pieces
+    (blocks of planes) on the compiled queue (queue_layout's KIND_POOL) where it is on; handed
+    out by :func:`polyhal_cpu.parallel.run` (~80 us a hand-off on a 2-core VM, as long as a
+    batch-1 pool's half) where it is off."""
     if n != 2 or x_type.dtype != _F32 or not native.available(_F32):
         return None
     rows = x_type.shape[0] * x_type.shape[1]
-    x3, o3 = (rows,) + x_type.shape[2:], (rows,) + out_type.shape[2:]
+    (h, w), (oh, ow) = x_type.shape[2:], out_type.shape[2:]
+    x3, o3 = (rows, h, w), (rows, oh, ow)
     is_max = inv is None
-    inv = np.zeros((1, 1), _F32) if inv is None else np.ascontiguousarray(inv.reshape(out_type.shape[2:]), _F32)
+    inv = np.zeros((1, 1), _F32) if inv is None else np.ascontiguousarray(inv.reshape(oh, ow), _F32)
     pieces = _pool_pieces(x_type, out_type)
-    work = scratch_array(scratch, "phases", _F32, (len(pieces), native.pool2d_work(x_type.shape[2:], s)))
-    columns = native.column_table(out_type.shape[3], k[1], s[1], p[1], d[1], x_type.shape[3])
+    size = native.pool2d_work((h, w), s)
+    work = scratch_array(scratch, "phases", _F32, (len(pieces), size))
+    columns = native.column_table(ow, k[1], s[1], p[1], d[1], w)
+    if native.gemm_queue() is None:
+        def kernel(x, out):
+            xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)
+            parallel.run([partial(native.pool2d, xs[lo:hi], os_[lo:hi], inv, work[i], columns, k, s, p[:2], d, is_max)
+                          for i, (lo, hi) in enumerate(pieces)])
+        return kernel
+    descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
+    descs[:, layout.G_KIND], descs[:, layout.V_ACT] = layout.KIND_POOL, int(is_max)
+    descs[:, [layout.V_H, layout.V_WIDTH, layout.V_OH, layout.V_OW]] = h, w, oh, ow
+    descs[:, [layout.V_KH, layout.V_KW, layout.V_SH, layout.V_SW]] = *k, *s
+    descs[:, [layout.V_PH, layout.V_PW, layout.V_DH, layout.V_DW]] = *p[:2], *d
+    descs[:, [layout.V_A, layout.V_M, layout.V_ROWS, layout.V_N0]] = inv.ctypes.data, inv.size, columns.ctypes.data, size
+    for i, (lo, hi) in enumerate(pieces):
+        descs[i, [layout.V_N, layout.V_B]] = hi - lo, work[i].ctypes.data
+    table = parallel.PieceTable(descs, [(layout.V_X, 0, [lo * h * w * 4 for lo, _ in pieces]),
+                                        (layout.V_OUT, 1, [lo * oh * ow * 4 for lo, _ in pieces])],
+                                keep=(inv, columns, work))
 
-    def kernel(x, out):
-        xs, os_ = np.ascontiguousarray(x).reshape(x3), out.reshape(o3)
-        parallel.run([partial(native.pool2d, xs[ns], os_[ns], inv, work[i], columns, k, s, p[:2], d, is_max)
-                      for i, ns in enumerate(pieces)])
-    return kernel
+    def queued(x, out):
+        _run_table(table, x, out)
+    return queued
 
 
 @TABLE.register("max_pool", scratch=_POOL_SCRATCH)

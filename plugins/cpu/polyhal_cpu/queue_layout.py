@@ -25,6 +25,11 @@ KIND_POINTWISE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV = 2, 3, 4, 
 #: the packed panel's row offsets, V_H the columns, V_WIDTH the plane's width, V_OW the
 #: output's, V_BLOCK the columns per block.
 KIND_TILES = 6
+#: A 2-D max or average pool's block of V_N (image, channel) planes (``pool2d``): V_X, V_OUT
+#: its planes, (V_H, V_WIDTH) and (V_OH, V_OW) their sizes, the window's V_KH .. V_DW, V_ACT 1
+#: for a max pool, V_A the average's divisors' reciprocals (V_M floats), V_B its scratch
+#: (``pool2d_work`` floats), V_ROWS its kernel columns' table (``column_table``).
+KIND_POOL = 9
 #: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
 #: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
 #: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C;

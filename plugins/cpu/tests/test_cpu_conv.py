@@ -427,6 +427,62 @@ def test_max_pool_keeps_nan(strides):
     np.testing.assert_allclose(out[~np.isnan(out)], want[~np.isnan(want)])
 
 
+POOL_CASES = [  # the 3x3 stride-2 max and 2x2 stride-2 average loops of their own, and the general one
+    ("max_pool", (2, 3, 13, 11), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 0}),
+    ("max_pool", (1, 4, 12, 13), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}),
+    ("max_pool", (1, 4, 10, 13), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 0, 0], "ceil_mode": 1}),
+    ("max_pool", (1, 3, 9, 8), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 1, 1, 0], "ceil_mode": 0}),
+    ("max_pool", (1, 3, 2, 3), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 0}),
+    ("max_pool", (1, 5, 11, 12), {"kernel_shape": [2, 2], "strides": [2, 2], "dilations": [2, 2], "ceil_mode": 1}),
+    ("avg_pool", (2, 5, 9, 11), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 0, "count_include_pad": 0}),
+    ("avg_pool", (1, 5, 9, 11), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1, "count_include_pad": 0}),
+    ("avg_pool", (1, 4, 8, 8), {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 0, 0], "ceil_mode": 0,
+                                "count_include_pad": 1}),
+    ("avg_pool", (1, 3, 7, 9), {"kernel_shape": [3, 3], "strides": [1, 1], "pads": [1, 1, 1, 1], "ceil_mode": 0,
+                                "count_include_pad": 1}),
+    ("avg_pool", (1, 3, 13, 10), {"kernel_shape": [3, 2], "strides": [2, 3], "dilations": [2, 1], "ceil_mode": 0,
+                                  "count_include_pad": 0}),
+]
+
+
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("op, shape, attrs", POOL_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(POOL_CASES)])
+def test_pools_on_the_queue_and_off_it(monkeypatch, n_threads, op, shape, attrs):
+    """A compiled 2-D pool cut into as many blocks of planes as it may be gives the reference
+    (nan windows pool to nan), on the compiled queue and, with the queue off, handed out by
+    parallel.run, the same values either way."""
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)
+    monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    attrs = {"pads": [0, 0, 0, 0], "dilations": [1, 1]} | attrs
+    x = _f(*shape)
+    if op == "max_pool":
+        x.reshape(-1)[::17] = np.nan
+    types = (TensorType(x.shape, x.dtype),)
+    (out_type,) = OPS[op].infer(types, attrs)
+    (want,) = OPS[op].reference(x, **attrs)
+    outs, tables, run_gemms, on = [], [], parallel.run_gemms, native.gemm_queue() is not None
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
+    for queued in (True, False):
+        if not queued:
+            monkeypatch.setattr(native, "gemm_queue", lambda: None)
+        out = np.full(out_type.shape, 7.0, np.float32)
+        prepare(op, attrs, types, (out_type,))(x, out)
+        outs.append(out)
+    if on:  # one run on the queue: a piece a thread (a plane each at most)
+        from polyhal_cpu import queue_layout as layout
+
+        assert len(tables) == 1 and (tables[0][:, layout.G_KIND] == layout.KIND_POOL).all()
+        assert len(tables[0]) == min(int(n_threads), shape[0] * shape[1])
+    np.testing.assert_array_equal(outs[0], outs[1])
+    np.testing.assert_array_equal(np.isnan(outs[0]), np.isnan(want))
+    np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-6)
+
+
 def test_global_average_pool_matches_onnxruntime(tmp_path):
     _against_onnxruntime(helper.make_node("GlobalAveragePool", ["x"], ["y"]), {"x": _f(2, 5, 7, 7)}, {}, tmp_path)
 

@@ -64,11 +64,17 @@ _SCRIPT = textwrap.dedent("""
         # dense convs by the compiled tiles (stride 1: shifted planes; stride 2: column phases)
         ("fused_conv", [f(5, 8, 9, 7), f(6, 8, 3, 3), f(6), f(5, 6, 9, 7)], geometry(pad=1, activation="relu")),
         ("conv", [f(3, 9, 11, 10), f(8, 9, 3, 3)], geometry(stride=2, pad=1)),
+        # pools as pieces of the compiled queue: 3x3 stride-2 max, 2x2 stride-2 average (loops of
+        # their own), and a general window
+        ("max_pool", [f(1, 5, 13, 12)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+        ("avg_pool", [f(1, 6, 12, 10)], {"kernel_shape": [2, 2], "strides": [2, 2], "count_include_pad": 0}),
+        ("avg_pool", [f(1, 6, 12, 10)], {"kernel_shape": [3, 3], "strides": [1, 2], "pads": [1, 1, 1, 1],
+                                         "count_include_pad": 1}),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
-        if name != "blocked_conv":
-            assert conv_kernels._Conv(attrs, types[0], types[1], out_type).path == "tiles"
+        if name.endswith("conv"):
+            assert name == "blocked_conv" or conv_kernels._Conv(attrs, types[0], types[1], out_type).path == "tiles"
         out = np.empty(out_type.shape, np.float32)
         calls.append((prepare(name, attrs, types, (out_type,)), xs, out))
     # the NCHW loops: im2col (with column phases), pooling (strided), depthwise

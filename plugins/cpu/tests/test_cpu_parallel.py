@@ -572,12 +572,15 @@ PHASE_CASES = [  # strided planes split into column phases: im2col (a 3-channel 
     ("conv", [(2, 3, 61, 60), (8, 3, 3, 3)], _geometry(stride=2, pad=1)),  # a stack of images cut into images
     ("max_pool", [(2, 5, 17, 19)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
                                     "dilations": [1, 1], "ceil_mode": 0}),
-    ("avg_pool", [(1, 6, 16, 16)], {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [0, 0, 0, 0],
+    ("avg_pool", [(1, 6, 16, 16)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1],
                                     "dilations": [1, 1], "ceil_mode": 0, "count_include_pad": 0}),
+    ("max_pool", [(1, 6, 16, 15)], {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [0, 0, 0, 0],
+                                    "dilations": [1, 1], "ceil_mode": 1}),
 ]
 
 
-@pytest.mark.parametrize("name, shapes, attrs", PHASE_CASES, ids=["im2col", "im2col-stack", "max_pool", "avg_pool"])
+@pytest.mark.parametrize("name, shapes, attrs", PHASE_CASES,
+                         ids=["im2col", "im2col-stack", "max_pool", "avg_pool", "max_pool-2x2"])
 def test_split_phases_are_declared_scratch(monkeypatch, name, shapes, attrs):
     """A compiled loop that splits strided planes into column phases allocates nothing: it works
     in its kernel's declared ``phases`` scratch (filled with nan first: shared with other
@@ -590,12 +593,13 @@ def test_split_phases_are_declared_scratch(monkeypatch, name, shapes, attrs):
         pytest.skip("the compiled loops are not available here")
     _split_everything(monkeypatch, "2")
     loop = "im2col" if name == "conv" else "pool2d"
-    original, works = getattr(native, loop), []
+    original, works, tables, run_gemms = getattr(native, loop), [], [], parallel.run_gemms
 
     def recording(*args):
         works.append(args[3])
         original(*args)
     monkeypatch.setattr(native, loop, recording)
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
     rng = np.random.default_rng(4)
     xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     types = tuple(TensorType(x.shape, x.dtype) for x in xs)
@@ -611,6 +615,13 @@ def test_split_phases_are_declared_scratch(monkeypatch, name, shapes, attrs):
     prepare(name, attrs, types, (out_type,), scratch)(*xs, out)
     (want,) = OPS[name].reference(*xs, **attrs)
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    if name != "conv" and native.gemm_queue() is not None:  # the pool's pieces on the compiled queue
+        from polyhal_cpu import queue_layout as layout
+
+        assert not works and len(tables) == 1 and len(tables[0]) > 1
+        base = phases.ctypes.data
+        works = [phases[(d[layout.V_B] - base) // 4:][:d[layout.V_N0]] for d in tables[0]]
+        assert all(0 <= d[layout.V_B] - base <= phases.nbytes - 4 * d[layout.V_N0] for d in tables[0])
     assert len(works) > 1 and all(np.shares_memory(work, phases) for work in works)
     assert not np.isnan(phases).all()
     for i, a in enumerate(works):  # every piece of one run may run beside every other
