@@ -1,5 +1,6 @@
-"""CPU kernels of the convolution family: ``conv`` and ``fused_conv``, ``conv_transpose``, and
-max/average pooling.
+"""CPU kernels of the convolution family: ``conv`` and ``fused_conv`` (and ``scale_shift_conv``,
+a conv reading its input through a per-channel scale, shift and activation: see
+:func:`_scale_shift_conv`), ``conv_transpose``, and max/average pooling.
 
 One dispatch per op, whatever its groups. A convolution takes one of five paths, chosen in
 ``prepare`` from shapes and attributes:
@@ -1078,8 +1079,8 @@ def _prologue_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> 
 def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     """A conv whose path takes the prologue in its input fill (:data:`PROLOGUE_FILLS`) does so;
     otherwise the prologue is ``scale_shift``'s kernel writing the normalised input into the
-    declared scratch, then the ``fused_conv`` kernel reads it (what the two ops did, minus a
-    dispatch and the intermediate's arena slot)."""
+    declared scratch, then the ``fused_conv`` kernel reads it: what the two ops did, minus a
+    dispatch. (scale_shift's kernel through the table, so that its pieces run as it runs them.)"""
     conv_attrs, conv_ins = _without_prologue(attrs, ins)
     g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
     fill = PROLOGUE_FILLS.get(g.path)
