@@ -54,7 +54,8 @@ def _instance(xs, ws, conv, pre, post, residual: bool):
 
 
 @pytest.mark.parametrize("native_loops", ["1", "0"])
-@pytest.mark.parametrize("xs, ws, conv, path", CASES, ids=[f"{c[3]}-{len(c[0]) - 2}d-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize("xs, ws, conv, path", CASES,
+                         ids=[f"{c[3]}-{len(c[0]) - 2}d-{i}" for i, c in enumerate(CASES)])
 def test_kernel_matches_reference(xs, ws, conv, path, native_loops, monkeypatch):
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
     for i, (pre, post) in enumerate(ACTIVATIONS):
@@ -66,7 +67,8 @@ def test_kernel_matches_reference(xs, ws, conv, path, native_loops, monkeypatch)
         out = np.full(out_type.shape, np.nan, np.float32)
         prepare("scale_shift_conv", attrs, types, (out_type,))(*ins, out)
         (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
-        np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5, err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5,
+                                   err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
 
 
 def test_in_a_plan_the_normalised_input_is_declared_scratch():
