@@ -9,7 +9,7 @@ import pytest
 
 import polyhal
 import polyhal.onnx
-from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_conv_prologue, fuse_scale_shift
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -178,18 +178,94 @@ def _bn(g: _Graph, x: str, c: int = 8) -> str:
 @pytest.mark.parametrize("activation", [None, "Relu", "Sigmoid", "HardSwish"])
 def test_norm_after_a_concat_fuses_to_scale_shift(activation, tmp_path):
     """DenseNet's layer: BatchNormalization and ReLU of a concatenation (no conv to fold into)
-    run as one scale_shift, then the conv."""
+    become one scale_shift, which the conv reading it takes as its prologue."""
     g = _Graph()
     y = _bn(g, g.node("Concat", "x", g.node("Relu", "x"), axis=1))
     if activation:
         y = g.node(activation, y)
     y = g.node("Conv", y, g.const(_f(4, 8, 1, 1, scale=0.3)))
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
-    assert _ops(plan) == ["relu", "concat", "scale_shift", "conv"]
+    assert _ops(plan) == ["relu", "concat", "scale_shift_conv"]
     op = plan.program.ops[2]
-    assert op.attr_dict["activation"] == {None: "none", "Relu": "relu", "Sigmoid": "sigmoid",
-                                          "HardSwish": "hard_swish"}[activation]
-    assert "fused scale_shift: mul + add" in plan.explain()
+    assert op.attr_dict["pre_activation"] == {None: "none", "Relu": "relu", "Sigmoid": "sigmoid",
+                                              "HardSwish": "hard_swish"}[activation]
+    assert op.attr_dict["activation"] == "none"
+    explained = plan.explain()
+    assert "fused scale_shift: mul + add" in explained
+    assert "fused prologue: scale_shift + conv -> scale_shift_conv" in explained
+
+
+def _normalised_convs(g: _Graph, x: str) -> str:
+    """Norm and ReLU, a 1x1 conv added to its input; norm and ReLU of that, a padded 3x3 conv
+    added to it, then a ReLU (no conv before a norm to fold it into)."""
+    y = g.node("Add", g.node("Conv", g.node("Relu", _bn(g, x)), g.const(_f(8, 8, 1, 1, scale=0.3))), x)
+    z = g.node("Conv", g.node("Relu", _bn(g, y)), g.const(_f(8, 8, 3, 3, scale=0.3)), g.const(_f(8)), pads=[1, 1, 1, 1])
+    return g.node("Relu", g.node("Add", z, y))
+
+
+def test_norm_before_convs_becomes_their_prologue(tmp_path):
+    """Each norm and ReLU read by one conv only becomes that conv's prologue, the conv's
+    epilogue (a residual add, an activation) kept; the 3x3 conv's zero padding pads the
+    normalised map (onnxruntime checks)."""
+    g = _Graph()
+    y = _normalised_convs(g, _normalised_convs(g, g.node("Concat", "x", g.node("Relu", "x"), axis=1)))
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["relu", "concat"] + ["scale_shift_conv"] * 4
+    ops = plan.program.ops[2:]
+    assert [(op.attr_dict["pre_activation"], op.attr_dict["activation"]) for op in ops] == \
+        [("relu", "none"), ("relu", "relu")] * 2
+    assert [op.attr_dict["pads"] for op in ops] == [(0, 0, 0, 0), (1, 1, 1, 1)] * 2
+    assert all(len(op.inputs) == 6 for op in ops)  # x, scale, shift, w, b (zeros for the 1x1), residual
+    assert [f.kind for f in plan.placement.fusions].count("prologue") == 4
+    # the convs form a dense chain, prologue or not, whose encodes all fold on the CPU
+    report = plan.placement.encodings
+    assert len(report.encodes) == 4 * 4 and report.folded == len(report.encodes) and report.encode_dispatches == 0
+
+
+def test_norm_read_twice_or_before_a_pool_keeps_its_scale_shift(tmp_path):
+    """A normalised map with a second reader is written for it anyway; DenseNet's transition
+    (norm, ReLU, 1x1 conv, 2x2 average pool) moves its pool before the conv, and the norm
+    feeding the pool stays a scale_shift."""
+    g = _Graph()
+    x = g.node("Concat", "x", g.node("Relu", "x"), axis=1)
+    n = g.node("Relu", _bn(g, x))
+    y = g.node("Add", g.node("Conv", n, g.const(_f(8, 8, 1, 1, scale=0.3))), n)
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["relu", "concat", "scale_shift", "fused_conv"]
+    g = _Graph()
+    x = g.node("Concat", "x", g.node("Relu", "x"), axis=1)
+    y = g.node("Conv", g.node("Relu", _bn(g, x)), g.const(_f(4, 8, 1, 1, scale=0.3)))
+    y = g.node("AveragePool", y, kernel_shape=[2, 2], strides=[2, 2])
+    plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
+    assert _ops(plan) == ["relu", "concat", "scale_shift", "avg_pool", "conv"]
+    assert "prologue" not in [f.kind for f in plan.placement.fusions]
+
+
+def test_prologue_asks_the_gate_and_leaves_its_input_alone():
+    """The pass asks ``fusible("scale_shift_conv", (scale_shift, conv))``; a no leaves the
+    program as it was, and a conv reading the normalised map other than as its input (a
+    residual) does not take it."""
+    b = polyhal.ProgramBuilder()
+    x = b.input("x", (1, 4, 6, 6))
+    scale, shift = b.constant(_f(4)), b.constant(_f(4))
+    n = b.op("scale_shift", x, scale, shift, activation="relu", alpha=0.0, beta=0.0)
+    w, bias = b.constant(_f(4, 4, 3, 3)), b.constant(_f(4))
+    y = b.op("conv", n, w, pads=[1, 1, 1, 1], group=1)  # no bias: the fused op gets zeros
+    m = b.op("scale_shift", y, scale, shift, activation="none", alpha=0.0, beta=0.0)
+    b.output(b.op("fused_conv", y, w, bias, m, pads=[1, 1, 1, 1], group=1, activation="relu", alpha=0.0, beta=0.0))
+    program = b.build()
+    before = [str(op) for op in program.ops]
+    asked = []
+    same, none = fuse_conv_prologue(program, lambda fused, ops: asked.append((fused, [o.name for o in ops])) or False)
+    assert same is program and none == [] and asked == [("scale_shift_conv", ["scale_shift", "conv"])]
+    fused, changes = fuse_conv_prologue(program)
+    assert [op.name for op in fused.ops] == ["scale_shift_conv", "scale_shift", "fused_conv"]
+    assert [c.kind for c in changes] == ["prologue"] and [str(op) for op in program.ops] == before
+    attrs = fused.ops[0].attr_dict
+    assert (attrs["pre_activation"], attrs["activation"], attrs["pads"]) == ("relu", "none", (1, 1, 1, 1))
+    xs = _f(1, 4, 6, 6)
+    want = polyhal.compile(program, "cpu:0", fuse=False).run_numpy(xs)[0]
+    np.testing.assert_allclose(polyhal.compile(fused, "cpu:0", fuse=False).run_numpy(xs)[0], want, rtol=1e-4, atol=1e-4)
 
 
 def test_scale_shift_needs_two_of_scale_shift_activation_and_leaves_its_input_alone(tmp_path):

@@ -25,7 +25,7 @@ from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
 from polyhal.passes.fuse_conv import (
-    fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift, pool_before_pointwise_conv,
+    fold_conv_affine, fuse_conv_epilogue, fuse_conv_prologue, fuse_scale_shift, pool_before_pointwise_conv,
 )
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
@@ -55,7 +55,8 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), each GELU
     formula one ``gelu`` op (:mod:`polyhal.passes.fuse_gelu`); per-channel scales and shifts after
     a conv with constant weights (BatchNormalization) fold into its weights, and a conv's or
-    linear's residual add and activation become one ``fused_conv`` / ``fused_linear``
+    linear's residual add and activation become one ``fused_conv`` / ``fused_linear``, and a
+    per-channel scale and shift before a conv its prologue (``scale_shift_conv``)
     (:mod:`polyhal.passes.fuse_conv`) -- fused ops wherever the device placement would choose for
     those ops has the fused kernel (:func:`polyhal.passes.placement.fusion_gate`). Before them,
     transposes of constants become transposed views of the data
@@ -114,7 +115,9 @@ def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, 
         program, epilogues = fuse_conv_epilogue(program, fusible)
         program, scale_shifts = fuse_scale_shift(program, fusible)  # what no conv took
         program, pools_first = pool_before_pointwise_conv(program)
-        fusions += attention + linear + gelu + folded + epilogues + scale_shifts + pools_first
+        # After the pools moved first: a norm that feeds a pool then stays a scale_shift.
+        program, prologues = fuse_conv_prologue(program, fusible)
+        fusions += attention + linear + gelu + folded + epilogues + scale_shifts + pools_first + prologues
     # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
     # tiling and placement, which then see the program's final element types.
     # Specs by name (not the full list), so that a plan for cpu:0 loads no other backend's driver.

@@ -156,13 +156,14 @@ def apply_activation(y: np.ndarray, activation: str, alpha: float, beta: float) 
     return _ref_gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")[0]
 
 
-def _check_activation(activation, alpha, beta) -> None:
+def _check_activation(activation, alpha, beta, prefix: str = "") -> None:
+    """Check an activation and its parameters, attributes named ``{prefix}activation`` etc."""
     if activation not in ACTIVATIONS:
-        raise ProgramError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    a, b = float_attr(alpha, "alpha"), float_attr(beta, "beta")
+        raise ProgramError(f"{prefix}activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    a, b = float_attr(alpha, f"{prefix}alpha"), float_attr(beta, f"{prefix}beta")
     if np.isnan(a) or np.isnan(b) or (activation != "clip" and not (np.isfinite(a) and np.isfinite(b))):
-        raise ProgramError(f"activation {activation!r}: alpha={alpha} and beta={beta} must be finite numbers "
-                           "(clip's bounds may be infinite)")
+        raise ProgramError(f"{prefix}activation {activation!r}: {prefix}alpha={alpha} and {prefix}beta={beta} must "
+                           "be finite numbers (clip's bounds may be infinite)")
 
 
 def _infer_fused_conv(x: TensorType, w: TensorType, b: TensorType, r: TensorType | None = None, *, strides, pads,
@@ -206,14 +207,19 @@ define("fused_conv", infer=_infer_fused_conv, reference=_ref_fused_conv, sample=
 
 # ---------------------------------------------------------------------------------- scale_shift
 
-def _infer_scale_shift(x: TensorType, scale: TensorType, shift: TensorType, *, activation, alpha, beta):
-    _check_activation(activation, alpha, beta)
+def _check_per_channel(x: TensorType, scale: TensorType, shift: TensorType) -> None:
+    """Check a float x (N, C, ...) and one scale and one shift of its type per channel."""
     check_dtype(x, FLOAT, 0)
     if x.rank < 2:
         raise ShapeError(f"operand 0 has rank {x.rank}; expected (batch, channels, ...) of rank >= 2")
     for i, t in ((1, scale), (2, shift)):
         if t.shape != (x.shape[1],) or t.dtype != x.dtype:
             raise ShapeError(f"operand {i} is {t}; it must be one {x.dtype} per channel, shape ({x.shape[1]},)")
+
+
+def _infer_scale_shift(x: TensorType, scale: TensorType, shift: TensorType, *, activation, alpha, beta):
+    _check_activation(activation, alpha, beta)
+    _check_per_channel(x, scale, shift)
     return (TensorType(x.shape, x.dtype),)
 
 
@@ -240,6 +246,50 @@ define("scale_shift", infer=_infer_scale_shift, reference=_ref_scale_shift, samp
     after it become where no convolution before them takes the scale and shift into its weights
     (DenseNet's norm and ReLU after each concatenation; :func:`polyhal.passes.fuse_conv.fuse_scale_shift`),
     on devices that have its kernel: one pass over x instead of three.
+""")
+
+
+# ----------------------------------------------------------------------------- scale_shift_conv
+
+def _infer_scale_shift_conv(x: TensorType, scale: TensorType, shift: TensorType, w: TensorType, b: TensorType,
+                            r: TensorType | None = None, *, strides, pads, dilations, group, activation, alpha, beta,
+                            pre_activation, pre_alpha, pre_beta):
+    _check_activation(pre_activation, pre_alpha, pre_beta, prefix="pre_")
+    out = _infer_fused_conv(x, w, b, r, strides=strides, pads=pads, dilations=dilations, group=group,
+                            activation=activation, alpha=alpha, beta=beta)
+    _check_per_channel(x, scale, shift)
+    return out
+
+
+def _ref_scale_shift_conv(x, scale, shift, w, b, r=None, *, strides=None, pads=None, dilations=None, group=1,
+                          activation="none", alpha=0.0, beta=0.0, pre_activation="none", pre_alpha=0.0, pre_beta=0.0):
+    (normalised,) = _ref_scale_shift(wide(x), wide(scale), wide(shift), activation=pre_activation, alpha=pre_alpha,
+                                     beta=pre_beta)  # in float64, as the conv reads it
+    (y,) = _ref_fused_conv(normalised, wide(w), wide(b), None if r is None else wide(r), strides=strides, pads=pads,
+                           dilations=dilations, group=group, activation=activation, alpha=alpha, beta=beta)
+    return (narrow(y, x.dtype),)
+
+
+def _sample_scale_shift_conv(rng: np.random.Generator):
+    (x, w, b, *r), attrs = _sample_fused_conv(rng)
+    pre = str(pick(rng, list(ACTIVATIONS)))
+    pre_alpha, pre_beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(pre, (0, 0))
+    c = x.shape[1]
+    return [x, nonzero(rng, (c,)), nonzero(rng, (c,)), w, b, *r], \
+        {**attrs, "pre_activation": pre, "pre_alpha": pre_alpha, "pre_beta": pre_beta}
+
+
+define("scale_shift_conv", infer=_infer_scale_shift_conv, reference=_ref_scale_shift_conv,
+       sample=_sample_scale_shift_conv, arity=(5, 6), tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
+    ``fused_conv`` with a prologue: fused_conv(scale_shift(x, scale, shift), w, b[, residual]),
+    the input normalised per channel as the conv reads it. Operands x (N, C, spatial...), scale
+    and shift (C,) of x's type, then w, b and the optional residual as for ``fused_conv``.
+    Attributes: the conv's (``strides``, ``pads``, ``dilations``, ``group``), its epilogue's
+    (``activation``, ``alpha``, ``beta``) and the prologue's (``pre_activation``, ``pre_alpha``,
+    ``pre_beta``: as ``scale_shift``'s ``activation``, ``alpha``, ``beta``). The padding pads the
+    normalised map: padded positions read 0, not ``act(shift)``. What a ``scale_shift`` whose
+    only reader is a conv becomes (DenseNet's norm and ReLU before each 1x1 conv;
+    :func:`polyhal.passes.fuse_conv.fuse_conv_prologue`), on devices that have its kernel.
 """)
 
 

@@ -78,13 +78,18 @@ def _encoded(v: Value, encoding, role: str) -> Value:
 STEM_CHANNELS = 4
 
 
+#: The convs of a chain -> the position of their filter (their bias follows it, then the
+#: optional residual; ``scale_shift_conv``'s scale and shift come before it).
+_FILTER = {"conv": 1, "fused_conv": 1, "scale_shift_conv": 3}
+
+
 def _chain_kind(op: Op) -> str | None:
     """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
     polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
     of those kinds, "stem" for another dense one of few input channels (:data:`STEM_CHANNELS`),
-    "general" for any other 2-D float conv, "map" for an elementwise op over (N, C, H, W) /
-    (N, C, 1, 1) maps of one N and C (and scalars) or a global average pool (``reduce_mean`` over
-    dims 2 and 3, kept); else None."""
+    "general" for any other 2-D float conv (a ``scale_shift_conv`` always), "map" for an
+    elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N and C (and scalars) or a
+    global average pool (``reduce_mean`` over dims 2 and 3, kept); else None."""
     if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
         return None
     if op.name in CHANNEL_BLOCKED_ELEMENTWISE or op.name == "reduce_mean":
@@ -97,11 +102,15 @@ def _chain_kind(op: Op) -> str | None:
             if sorted(a.get("axes") or ()) != [2, 3] or not a.get("keepdims", True):
                 return None
         return "map"
-    if op.name not in ("conv", "fused_conv"):
+    if op.name not in _FILTER:
         return None
-    x, w = op.inputs[0].type, op.inputs[1].type
+    x, w = op.inputs[0].type, op.inputs[_FILTER[op.name]].type
     if x.rank != 4 or x.dtype.kind != "f" or 0 in x.shape:
         return None
+    if op.name == "scale_shift_conv":
+        # It reads its input through its prologue: a dense chain's conv like any other, never
+        # a depthwise chain's (the channel-blocked layout has no kernel for it).
+        return "general"
     a = op.attr_dict
     group, m = int(a.get("group", 1)), w.shape[0]
     if group == x.shape[1] and w.shape[1] == 1 and m == group:
@@ -117,8 +126,8 @@ def _chain_kind(op: Op) -> str | None:
 def _maps(op: Op, stem: bool = False) -> list[int]:
     """The operand positions of ``op`` that are feature maps of its chain (a depthwise chain's
     ``stem`` does not read its input as one: it reads its image as it lies)."""
-    if op.name in ("conv", "fused_conv"):
-        return [*([] if stem else [0]), *range(3, len(op.inputs))]
+    if op.name in _FILTER:
+        return [*([] if stem else [0]), *range(_FILTER[op.name] + 2, len(op.inputs))]
     return [i for i, v in enumerate(op.inputs) if v.type.rank > 0]
 
 
@@ -188,8 +197,8 @@ def set_conv_encodings(program: Program) -> Program:
         inputs = list(op.inputs)
         stem = chain == "depthwise" and kinds[id(op)] == "stem"
         encoded = [(i, maps[chain], "nchwc") for i in _maps(op, stem)]
-        if chain == "dense" and op.name in ("conv", "fused_conv"):
-            encoded.append((1, filters, "filter"))
+        if chain == "dense" and op.name in _FILTER:
+            encoded.append((_FILTER[op.name], filters, "filter"))
         for i, encoding, role in encoded:
             enc = _encoded(inputs[i], encoding, role)
             ops.append(Op("encode", "encode", (inputs[i],), (enc,)))

@@ -33,8 +33,9 @@ class Fusion:
     constant operands folded into a constant: ``new`` is empty), ``"gather"`` (a lookup in a table
     moved onto the table's folded transposed view), ``"batch_norm"`` (per-channel
     scales and shifts folded into a conv's weights), ``"epilogue"`` (a conv's or linear's residual
-    add and activation), ``"scale_shift"`` (a per-channel scale, shift and activation) or
-    ``"pool_first"`` (an average pool moved before the pointwise conv it followed).
+    add and activation), ``"scale_shift"`` (a per-channel scale, shift and activation),
+    ``"pool_first"`` (an average pool moved before the pointwise conv it followed) or
+    ``"prologue"`` (a ``scale_shift`` taken into the conv that reads it).
     """
 
     kind: str

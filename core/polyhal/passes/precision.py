@@ -71,8 +71,8 @@ PRECISIONS = {
 CAPABILITY = {"fp32": "", "tf32": "tf32", "fp16": "fp16"}
 
 #: Ops that compute in float16 under "fp16" (torch autocast's float16 list: the products).
-LOWER = frozenset({"matmul", "gemm", "linear", "fused_linear", "conv", "fused_conv", "conv_transpose", "einsum",
-                   "attention"})
+LOWER = frozenset({"matmul", "gemm", "linear", "fused_linear", "conv", "fused_conv", "scale_shift_conv",
+                   "conv_transpose", "einsum", "attention"})
 #: Ops that run in the type of their float operands (torch autocast's promote rule): they map or
 #: move values without accumulating many of them.
 FOLLOW = frozenset({

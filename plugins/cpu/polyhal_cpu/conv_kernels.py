@@ -1,5 +1,6 @@
-"""CPU kernels of the convolution family: ``conv`` and ``fused_conv``, ``conv_transpose``, and
-max/average pooling.
+"""CPU kernels of the convolution family: ``conv`` and ``fused_conv`` (and ``scale_shift_conv``,
+a conv reading its input through a per-channel scale, shift and activation: see
+:func:`_scale_shift_conv`), ``conv_transpose``, and max/average pooling.
 
 One dispatch per op, whatever its groups. A convolution takes one of five paths, chosen in
 ``prepare`` from shapes and attributes:
@@ -50,7 +51,7 @@ from functools import partial
 
 import numpy as np
 
-from polyhal.hal.scratch import MemorySpace, ScratchDecl
+from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, ScratchRequest
 from polyhal.ir.types import TensorType
 from polyhal_cpu import blas, native, parallel
 from polyhal_cpu import queue_layout as layout
@@ -1038,6 +1039,64 @@ def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
     def image_conv(x, w, *rest):
         _run_table(table, x, taps(w), rest[0] if has_bias else zero_bias, rest[1] if has_residual else None, rest[-1])
     return image_conv
+
+
+# ---------------------------------------------------------------------------- scale_shift_conv
+
+#: Conv paths (:attr:`_Conv.path`) that apply a ``scale_shift_conv``'s prologue themselves, as
+#: they fill their own input (the tiles path's copy of the image into its planes could normalise
+#: each channel as it copies it): path -> builder of the whole op ``(device, op, attrs, ins,
+#: outs, scratch) -> Kernel``, given the scale_shift_conv's own attributes and operand types
+#: and the scratch its conv declares as a ``fused_conv``. It must not decline. Every other path
+#: reads a normalised copy of the input, written into scratch first (:func:`_scale_shift_conv`).
+PROLOGUE_FILLS: dict[str, Callable[..., Kernel]] = {}
+
+
+def _without_prologue(attrs: dict, ins: Types) -> tuple[dict, Types]:
+    """The ``fused_conv`` a ``scale_shift_conv`` is without its prologue: its attributes and
+    operand types (x, w, b[, residual])."""
+    return {k: v for k, v in attrs.items() if not k.startswith("pre_")}, (ins[0], *ins[3:])
+
+
+def _prologue_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
+    """The scratch of a ``scale_shift_conv``: its conv's, as that ``fused_conv`` declares it, and
+    the normalised input unless the conv's path applies the prologue itself."""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
+    requests = TABLE.scratch(device, "fused_conv", conv_attrs, conv_ins, outs)
+    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
+    if g.path in PROLOGUE_FILLS:
+        return requests
+    normalised = ScratchDecl("normalised", shared=True, per_launch=ins[0].size * g.dtype.itemsize,
+                             spaces=(MemorySpace.GLOBAL,), alignment=64,
+                             purpose="the input normalised by the prologue (x * scale + shift, activation), "
+                                     "which the conv then reads")
+    return (*requests, normalised.request(Problem(op, attrs, tuple(ins), tuple(outs)),
+                                          KernelInfo(f"{TABLE.backend}_{op}", op, backend=TABLE.backend)))
+
+
+@TABLE.register("scale_shift_conv", scratch=_prologue_scratch)
+@float16_via_float32
+def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A conv whose path takes the prologue in its input fill (:data:`PROLOGUE_FILLS`) does so;
+    otherwise the prologue is ``scale_shift``'s kernel writing the normalised input into the
+    declared scratch, then the ``fused_conv`` kernel reads it: what the two ops did, minus a
+    dispatch. (scale_shift's kernel through the table, so that its pieces run as it runs them.)"""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
+    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
+    fill = PROLOGUE_FILLS.get(g.path)
+    if fill is not None:
+        return fill(device, op, attrs, ins, outs, scratch)
+    x_type = ins[0]
+    normalise = TABLE.prepare(device, "scale_shift", {"activation": attrs["pre_activation"],
+                                                      "alpha": attrs["pre_alpha"], "beta": attrs["pre_beta"]},
+                              ins[:3], (x_type,))
+    conv = TABLE.prepare(device, "fused_conv", conv_attrs, conv_ins, outs, scratch)
+    normalised = scratch_array(scratch, "normalised", x_type.dtype, x_type.shape)
+
+    def kernel(x, scale, shift, w, b, *rest):
+        normalise(x, scale, shift, normalised)
+        conv(normalised, w, b, *rest)
+    return kernel
 
 
 # ------------------------------------------------------------------------------ conv_transpose

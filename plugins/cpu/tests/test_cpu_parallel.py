@@ -99,6 +99,11 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("conv", [(1, 6, 20, 21), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # one image, grouped
     ("fused_conv", [(5, 7, 6, 6), (66, 7, 3, 3), (66,), (5, 66, 3, 3)], _geometry(stride=2, pad=1)),  # stacked
     ("conv", [(5, 7, 6, 6), (9, 7, 3, 3)], _geometry(stride=2)),  # stacked images, column pieces
+    # a conv's prologue (the normalised input in scratch, cut as scale_shift is), then the conv cut
+    ("scale_shift_conv", [(1, 6, 13, 11), (6,), (6,), (37, 6, 3, 3), (37,), (1, 37, 13, 11)],
+     _geometry(pad=1, **_CONV) | {"pre_activation": "relu", "pre_alpha": 0.0, "pre_beta": 0.0}),
+    ("scale_shift_conv", [(2, 12, 7, 7), (12,), (12,), (29, 12, 1, 1), (29,)],
+     _geometry(**_CONV) | {"pre_activation": "clip", "pre_alpha": -0.5, "pre_beta": 0.5}),
     ("conv", [(2, 6, 9, 9), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # grouped
     ("fused_conv", [(3, 11, 9, 10), (11, 1, 3, 3), (11,), (3, 11, 5, 5)], _geometry(stride=2, pad=1, group=11)),
     # channel-blocked (N, 1, H, W, C): depthwise on flat rows (few channels), vectorised across

@@ -1,0 +1,105 @@
+"""The CPU's ``scale_shift_conv`` (polyhal_cpu.conv_kernels): a conv reading its input through a
+per-channel scale, shift and activation, against the float64 reference on each conv path, with
+and without the compiled loops, prepared alone and in a plan (its scratch planned there)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import polyhal
+from polyhal.ir.types import TensorType
+from polyhal.ops import OPS
+from polyhal_cpu import conv_kernels
+from polyhal_cpu.kernels import prepare
+from polyhal_cpu.table import TABLE
+
+RNG = np.random.default_rng(11)
+
+#: (x shape, w shape, conv attrs, the path the conv takes with the compiled loops)
+CASES = [
+    ((1, 8, 16, 16), (16, 8, 1, 1), {}, "tiles"),                                   # 1x1, B the image
+    ((2, 12, 7, 7), (20, 12, 1, 1), {}, "pointwise"),                               # 1x1 over a small plane
+    ((1, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}, "tiles"),               # 3x3, padded planes
+    ((2, 9, 11, 10), (10, 9, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}, "tiles"),
+    ((1, 6, 7, 7), (6, 1, 3, 3), {"group": 6, "pads": [1, 1, 1, 1]}, "depthwise"),
+    ((1, 6, 8, 8), (4, 3, 3, 3), {"group": 2, "pads": [1, 0, 0, 1]}, "gemm"),       # grouped im2col
+    ((2, 3, 13), (4, 3, 3), {"strides": [2], "pads": [1, 2]}, "gemm"),             # 1-D
+]
+#: (prologue activation, epilogue activation): the prologue's each, and an epilogue among them.
+ACTIVATIONS = [("relu", "none"), ("none", "relu"), ("sigmoid", "silu"), ("clip", "hard_swish"),
+               ("hard_swish", "clip"), ("gelu", "sigmoid"), ("silu", "gelu_tanh")]
+_PARAMS = {"clip": (-0.5, 0.7), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}
+
+
+def _f(*shape) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _instance(xs, ws, conv, pre, post, residual: bool):
+    """Operands and attributes of one scale_shift_conv; shifts away from zero, so that a kernel
+    padding the input before normalising it (reading act(shift) there, not 0) is caught."""
+    n = len(xs) - 2
+    attrs = {"strides": [1] * n, "pads": [0] * 2 * n, "dilations": [1] * n, "group": 1, **conv,
+             "activation": post, "alpha": _PARAMS.get(post, (0, 0))[0], "beta": _PARAMS.get(post, (0, 0))[1],
+             "pre_activation": pre, "pre_alpha": _PARAMS.get(pre, (0, 0))[0],
+             "pre_beta": _PARAMS.get(pre, (0, 0))[1]}
+    c = xs[1]
+    ins = [_f(*xs), (1 + 0.2 * _f(c)), (0.5 + np.abs(_f(c))).astype(np.float32), _f(*ws) * 0.3, _f(ws[0])]
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    (out_type,) = OPS["scale_shift_conv"].infer(types, attrs)
+    if residual:
+        ins.append(_f(*out_type.shape))
+    return ins, attrs, out_type
+
+
+@pytest.mark.parametrize("native_loops", ["1", "0"])
+@pytest.mark.parametrize("xs, ws, conv, path", CASES,
+                         ids=[f"{c[3]}-{len(c[0]) - 2}d-{i}" for i, c in enumerate(CASES)])
+def test_kernel_matches_reference(xs, ws, conv, path, native_loops, monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", native_loops)
+    for i, (pre, post) in enumerate(ACTIVATIONS):
+        ins, attrs, out_type = _instance(xs, ws, conv, pre, post, residual=i % 2 == 1)
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        if native_loops == "1":
+            conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
+            assert conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type).path == path
+        out = np.full(out_type.shape, np.nan, np.float32)
+        prepare("scale_shift_conv", attrs, types, (out_type,))(*ins, out)
+        (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5,
+                                   err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
+
+
+def test_in_a_plan_the_normalised_input_is_declared_scratch():
+    """Compiled, the kernel writes the normalised map into the scratch bufferization planned
+    (listed by explain), not into a value of the program, and runs again on the same buffers."""
+    ins, attrs, _ = _instance((1, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}, "relu", "relu", True)
+    b = polyhal.ProgramBuilder("prologue")
+    args = [b.input(f"x{i}", a.shape, a.dtype) for i, a in enumerate(ins)]
+    b.output(b.op("scale_shift_conv", *args, **attrs))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    assert "normalised" in plan.explain()
+    (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+    for _ in range(2):
+        np.testing.assert_allclose(plan.run_numpy(*ins)[0], want, rtol=1e-4, atol=3e-5)
+
+
+def test_a_path_that_fills_its_input_takes_the_prologue(monkeypatch):
+    """The seam for conv paths that normalise as they fill their own input: a path named in
+    PROLOGUE_FILLS builds the whole op, and no normalised copy is declared for it."""
+    ins, attrs, out_type = _instance((2, 12, 7, 7), (20, 12, 1, 1), {}, "relu", "none", False)
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    built = []
+
+    def fill(device, op, attrs_, ins_, outs_, scratch):
+        built.append((op, ins_))
+        return lambda *arrays: arrays[-1].fill(7.0)
+
+    names = lambda: [r.name for r in TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))]  # noqa: E731
+    assert "normalised" in names()
+    monkeypatch.setitem(conv_kernels.PROLOGUE_FILLS, "pointwise", fill)
+    assert "normalised" not in names()
+    out = np.empty(out_type.shape, np.float32)
+    prepare("scale_shift_conv", attrs, types, (out_type,))(*ins, out)
+    assert built == [("scale_shift_conv", types)] and (out == 7.0).all()
