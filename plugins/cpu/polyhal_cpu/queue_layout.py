@@ -25,6 +25,11 @@ KIND_POINTWISE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV = 2, 3, 4, 
 #: the packed panel's row offsets, V_H the columns, V_WIDTH the plane's width, V_OW the
 #: output's, V_BLOCK the columns per block.
 KIND_TILES = 6
+#: A scale_shift's block of (image, channel) rows (:func:`polyhal_cpu.native_loops.scale_shift_piece`):
+#: G_M rows of G_N elements at G_A into G_C, the G_K channels' scales at G_B and shifts at
+#: G_BIAS, the block's first row's channel in G_LDA, the activation in G_ACT (G_ACT_ALPHA,
+#: G_ACT_BETA as bits).
+KIND_SCALE_SHIFT = 8
 #: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
 #: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
 #: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C;
