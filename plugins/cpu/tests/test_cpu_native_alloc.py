@@ -64,10 +64,13 @@ _SCRIPT = textwrap.dedent("""
         # dense convs by the compiled tiles (stride 1: shifted planes; stride 2: column phases)
         ("fused_conv", [f(5, 8, 9, 7), f(6, 8, 3, 3), f(6), f(5, 6, 9, 7)], geometry(pad=1, activation="relu")),
         ("conv", [f(3, 9, 11, 10), f(8, 9, 3, 3)], geometry(stride=2, pad=1)),
+        # a norm and activation no conv took (pieces of the compiled queue; ReLU in the pass, or not)
+        ("scale_shift", [f(2, 5, 7, 6), f(5), f(5)], {"activation": "relu", "alpha": 0.0, "beta": 0.0}),
+        ("scale_shift", [f(1, 7, 4, 5), f(7), f(7)], {"activation": "silu", "alpha": 0.0, "beta": 0.0}),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
-        if name != "blocked_conv":
+        if name in ("conv", "fused_conv"):
             assert conv_kernels._Conv(attrs, types[0], types[1], out_type).path == "tiles"
         out = np.empty(out_type.shape, np.float32)
         calls.append((prepare(name, attrs, types, (out_type,)), xs, out))
@@ -99,8 +102,8 @@ _SCRIPT = textwrap.dedent("""
 
 def test_compiled_loops_allocate_nothing_per_call():
     """Depthwise (tiles, flat rows, strided), 1x1 and dense convs (the compiled tiles; the
-    channel-blocked ones as pieces of the compiled queue), im2col, pooling and the NCHW
-    depthwise loop, run again once warm: numba's runtime counts no allocation but the arrays'
+    channel-blocked ones as pieces of the compiled queue), scale_shift (pieces of the queue),
+    im2col, pooling and the NCHW depthwise loop, run again once warm: numba's runtime counts no allocation but the arrays'
     handles. (One thread: every piece on the calling thread, whose loops are counted.)"""
     from polyhal_cpu import native
 
