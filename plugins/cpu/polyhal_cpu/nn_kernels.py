@@ -167,6 +167,17 @@ def _scores_bytes(problem, _workgroup_size: int) -> int:
 #: Elements per (image, channel) row from which scale_shift takes the compiled loop, a row at a
 #: time; shorter rows ((N, C) or tiny planes) go to numpy's broadcasting ufuncs.
 SCALE_SHIFT_ROW = 16
+#: Nanoseconds per element of scale_shift's compiled loop on one thread, by activation, to
+#: estimate its time (:func:`parallel.queue_parts`): what it took in cache plus 0.1 for an input
+#: last written by the kernels before it (L3, or the other core's cache). Measured on a 2-core
+#: AVX-512 VM: in cache (256x28x28) 0.10 with none or a ReLU (in the loop's own pass), 0.14 with
+#: clip and the hard ones, 0.30 sigmoid and silu, 0.34 gelu_tanh, 0.74 gelu; in DenseNet-121 at
+#: batch 1 (ReLU) 0.15-0.3 on one thread (56x56x256 120-200 us). Its pieces take 15 us at least
+#: (:data:`parallel.GEMM_QUEUE_PIECE_US`), so DenseNet's are cut from ~75k elements (28x28 from
+#: 96 channels, 14x14 from 384); its 7x7 ones stay whole (cut, they took 5-10% longer). In the
+#: model, 0.1 and 0.35 for the ReLU did as well as 0.2; cutting none, or all, took longer.
+SCALE_SHIFT_NS = {"none": 0.2, "relu": 0.2, "clip": 0.25, "hard_sigmoid": 0.25, "hard_swish": 0.25, "sigmoid": 0.4,
+                  "silu": 0.4, "gelu_tanh": 0.45, "gelu": 0.85}
 
 
 @TABLE.register("scale_shift")
@@ -176,14 +187,16 @@ def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
     activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
     n, c = x_type.shape[:2]
     plane = math.prod(x_type.shape[2:])
-    if native.available(x_type.dtype) and plane >= SCALE_SHIFT_ROW:
-        act = native.activation_code(activation)
-        pieces = parallel.grid(n, c, plane, factor=16)  # images, or channel blocks of one image (~0.15 ns an element)
+    if native.available(x_type.dtype) and native.gemm_queue() is not None and plane >= SCALE_SHIFT_ROW:
+        # blocks of (image, channel) rows on the pool's compiled queue (handed out by run(), a
+        # piece cost ~80 us on a 2-core VM, as much as a batch-1 DenseNet's whole scale_shift)
+        us = n * c * plane * SCALE_SHIFT_NS.get(activation, max(SCALE_SHIFT_NS.values())) / 1000
+        table = _scale_shift_table(n, c, plane, parallel.queue_parts(us), native.activation_code(activation), alpha,
+                                   beta)
+        contiguous, run_gemms = np.ascontiguousarray, parallel.run_gemms
 
         def kernel(x, scale, shift, out):
-            x3, o3 = np.ascontiguousarray(x).reshape(n, c, plane), out.reshape(n, c, plane)
-            parallel.run([partial(native.scale_shift_rows, x3[ns, cs].reshape(-1, plane), scale[cs], shift[cs],
-                                  o3[ns, cs].reshape(-1, plane), act, alpha, beta) for ns, cs in pieces])
+            run_gemms(table(contiguous(x), contiguous(scale), contiguous(shift), out))
         return kernel
     per_channel = (c,) + (1,) * (x_type.rank - 2)
     act_numpy = numpy_activation(device, activation, alpha, beta, outs[0])
@@ -194,6 +207,23 @@ def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
         if act_numpy is not None:
             act_numpy(out)
     return kernel
+
+
+def _scale_shift_table(n: int, c: int, plane: int, parts: int, act: int, alpha: float,
+                       beta: float) -> parallel.PieceTable:
+    """scale_shift's pieces as descriptors of the compiled GEMM queue (queue_layout's
+    KIND_SCALE_SHIFT; operands x, scale, shift, out): ``parts`` blocks of its n * c rows of
+    ``plane`` elements (fewer where there are fewer rows)."""
+    bounds = parallel.blocks(n * c, parts)
+    descs = np.zeros((len(bounds), layout.G_FIELDS), np.int64)
+    descs[:, layout.G_KIND], descs[:, layout.G_N], descs[:, layout.G_K] = layout.KIND_SCALE_SHIFT, plane, c
+    descs[:, layout.G_M] = [hi - lo for lo, hi in bounds]
+    descs[:, layout.G_LDA] = [lo % c for lo, _ in bounds]
+    descs[:, layout.G_ACT] = act
+    descs[:, layout.G_ACT_ALPHA], descs[:, layout.G_ACT_BETA] = parallel.float_bits(alpha), parallel.float_bits(beta)
+    offsets, whole = [lo * plane * 4 for lo, _ in bounds], [0] * len(bounds)
+    return parallel.PieceTable(descs, [(layout.G_A, 0, offsets), (layout.G_B, 1, whole), (layout.G_BIAS, 2, whole),
+                                       (layout.G_C, 3, offsets)])
 
 
 @TABLE.register("attention", "masked_attention", scratch=[

@@ -30,6 +30,11 @@ KIND_TILES = 6
 #: for a max pool, V_A the average's divisors' reciprocals (V_M floats), V_B its scratch
 #: (``pool2d_work`` floats), V_ROWS its kernel columns' table (``column_table``).
 KIND_POOL = 9
+#: A scale_shift's block of (image, channel) rows (:func:`polyhal_cpu.native_loops.scale_shift_piece`):
+#: G_M rows of G_N elements at G_A into G_C, the G_K channels' scales at G_B and shifts at
+#: G_BIAS, the block's first row's channel in G_LDA, the activation in G_ACT (G_ACT_ALPHA,
+#: G_ACT_BETA as bits).
+KIND_SCALE_SHIFT = 8
 #: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
 #: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
 #: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C;

@@ -70,6 +70,9 @@ _SCRIPT = textwrap.dedent("""
         ("avg_pool", [f(1, 6, 12, 10)], {"kernel_shape": [2, 2], "strides": [2, 2], "count_include_pad": 0}),
         ("avg_pool", [f(1, 6, 12, 10)], {"kernel_shape": [3, 3], "strides": [1, 2], "pads": [1, 1, 1, 1],
                                          "count_include_pad": 1}),
+        # a norm and activation no conv took (pieces of the compiled queue; ReLU in the pass, or not)
+        ("scale_shift", [f(2, 5, 7, 6), f(5), f(5)], {"activation": "relu", "alpha": 0.0, "beta": 0.0}),
+        ("scale_shift", [f(1, 7, 4, 5), f(7), f(7)], {"activation": "silu", "alpha": 0.0, "beta": 0.0}),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
@@ -105,8 +108,8 @@ _SCRIPT = textwrap.dedent("""
 
 def test_compiled_loops_allocate_nothing_per_call():
     """Depthwise (tiles, flat rows, strided), 1x1 and dense convs (the compiled tiles; the
-    channel-blocked ones as pieces of the compiled queue), im2col, pooling and the NCHW
-    depthwise loop, run again once warm: numba's runtime counts no allocation but the arrays'
+    channel-blocked ones as pieces of the compiled queue), scale_shift (pieces of the queue),
+    im2col, pooling and the NCHW depthwise loop, run again once warm: numba's runtime counts no allocation but the arrays'
     handles. (One thread: every piece on the calling thread, whose loops are counted.)"""
     from polyhal_cpu import native
 

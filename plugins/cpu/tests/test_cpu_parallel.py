@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS
-from polyhal_cpu import parallel, threads
+from polyhal.ops.nn import ACTIVATIONS
+from polyhal_cpu import nn_kernels, parallel, threads
 from polyhal_cpu.kernels import prepare
 
 def _reset_budget(monkeypatch):
@@ -340,6 +343,57 @@ def test_blocked_convs_cut_on_the_compiled_queue(monkeypatch, n_threads, xs, ws,
         np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
         (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
+
+
+SCALE_SHIFT_SHAPES = [  # odd sizes: pieces of rows that start mid-image, a channel wrapping inside a piece
+    (3, 5, 7, 6),
+    (1, 37, 4, 5),
+    (2, 3, 17),  # rank 3
+    (2, 3, 2, 3, 3),  # rank 5: an 18-element plane
+    (2, 5, 3),  # rows too short for the compiled loop: numpy's broadcasting
+]
+_ACTIVATION_PARAMS = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}
+
+
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_scale_shift_on_the_compiled_queue(monkeypatch, n_threads, activation):
+    """scale_shift cut into as many blocks of (image, channel) rows on the compiled queue as
+    there are threads gives what numpy's path (the queue off) gives, and the reference, for
+    every activation it takes."""
+    from polyhal_cpu import native
+
+    if not native.available(np.float32):
+        pytest.skip("the compiled loops are not available here")
+    rng = np.random.default_rng(6)
+    alpha, beta = _ACTIVATION_PARAMS.get(activation, (0.0, 0.0))
+    attrs = {"activation": activation, "alpha": alpha, "beta": beta}
+    original, pieces = parallel.run_gemms, []
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (pieces.append(len(table)), original(table)))
+    for shape in SCALE_SHIFT_SHAPES:
+        c = shape[1]
+        ins = [rng.standard_normal(shape).astype(np.float32), rng.uniform(-2, 2, c).astype(np.float32),
+               rng.standard_normal(c).astype(np.float32)]
+        for constant in ins[1:]:
+            constant.flags.writeable = False  # a plan's constants
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        (out_type,) = OPS["scale_shift"].infer(types, attrs)
+        results = []
+        for queued in (False, True):
+            _split_everything(monkeypatch, n_threads)
+            with monkeypatch.context() as m:
+                if not queued:
+                    m.setattr(native, "gemm_queue", lambda: None)
+                kernel = prepare("scale_shift", attrs, types, (out_type,))
+            out = np.full(out_type.shape, np.nan, np.float32)
+            pieces.clear()
+            kernel(*ins, out)
+            short = math.prod(shape[2:]) < nn_kernels.SCALE_SHIFT_ROW
+            assert pieces == ([] if short or not queued else [min(int(n_threads), shape[0] * c)])
+            results.append(out)
+        np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-6, err_msg=str(shape))
+        (want,) = OPS["scale_shift"].reference(*ins, **attrs)
+        np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-5, err_msg=str(shape))
 
 
 def test_gemm_split_shapes(monkeypatch):
