@@ -79,6 +79,16 @@ TILES = True
 #: little to compute for its own cost (measured 0.60 ms against im2col + OpenBLAS's 0.48 ms);
 #: ResNet's 7x7 stem (K = 147) gains.
 TILES_MIN_K = 64
+#: Whether batch-1 stride-1 convs of the tiles path run as pieces that each fill their own slab
+#: of the padded image (:func:`_slabs`) where the compiled queue runs.
+SLABS = True
+#: Pieces per thread a slab-cut conv is cut into at most (the queue hands them out as threads
+#: come free; each fills its halo rows again).
+SLAB_PIECES_PER_THREAD = 2
+#: B's columns (output rows times the padded width) a block of output rows holds at least; a
+#: conv with fewer per piece is cut by panels of output channels too (each piece then filling
+#: the whole padded image).
+SLAB_MIN_COLUMNS = 128
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -120,13 +130,16 @@ class _Conv:
             self.path = "tiles"
             #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
             self.phases = None
+            self.tiles_slabs = None
             self.tiles_pieces = self._tile_pieces(self.positions)
         elif pointwise and self.group == 1:
             self.path = "pointwise"
         elif native2d and self.group == 1 and self.taps > 1 and self.c * self.taps >= TILES_MIN_K and TILES:
             self.path = "tiles"
             self.phases = _Phases(self)
-            self.tiles_pieces = self._tile_pieces(self.out_sp[0] * self.phases.width)
+            #: the pieces of a batch-1 stride-1 conv on the compiled queue (None: not cut so)
+            self.tiles_slabs = self._slab_pieces()
+            self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
         elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
@@ -172,6 +185,37 @@ class _Conv:
         rows = [(p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)) for p0, p1 in bounds]
         return [(lo, hi, native.gemm_block(hi - lo, ncols)) for lo, hi in rows]
 
+    def _slab_pieces(self) -> list[tuple[int, int, int, int, int]] | None:
+        """A batch-1 stride-1 conv's pieces on the compiled queue (:func:`_slabs`), as (first
+        output row, last + 1, first output channel, last + 1, columns per block of
+        :func:`polyhal_cpu.native.gemm_tiles`); None where it is not run so (a batch, a stride,
+        the queue off). Cut by output rows where a block of rows keeps SLAB_MIN_COLUMNS of B's
+        columns, else (or then also) by whole panels of output channels (see SLAB_MIN_COLUMNS)."""
+        if self.batch != 1 or self.s != [1, 1] or native.gemm_queue() is None or not SLABS:
+            return None
+        oh, wide = self.out_sp[0], self.phases.width
+        panels = -(-self.m // native.GEMM_MR)
+        kdim = self.c * self.taps
+        parts = 1
+        if parallel.threads() > 1:
+            us = self.m * oh * wide * kdim / parallel.GEMM_MACS_PER_US
+            parts = max(1, min(parallel.threads() * SLAB_PIECES_PER_THREAD, int(us // parallel.GEMM_QUEUE_PIECE_US)))
+        by_rows = max(1, min(parts, oh, oh * wide // SLAB_MIN_COLUMNS))
+        by_panels = max(1, min(panels, parts // by_rows))
+        pieces = []
+        for y0, y1 in parallel.blocks(oh, by_rows):
+            for p0, p1 in parallel.blocks(panels, by_panels):
+                m0, m1 = p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)
+                pieces.append((y0, y1, m0, m1, native.gemm_block(m1 - m0, (y1 - y0) * wide)))
+        return pieces
+
+    @property
+    def slab_pitch(self) -> int:
+        """Floats between a slab's channels (:func:`_slabs`): the padded rows the tallest block
+        of output rows reads, and the room its last taps read past them."""
+        rows = max(y1 - y0 for y0, y1, *_ in self.tiles_slabs) + (self.k[0] - 1) * self.d[0]
+        return rows * self.phases.width + (self.k[1] - 1) * self.d[1]
+
     @property
     def columns_bytes(self) -> int:
         """Bytes of the im2col columns of ``stack`` images; on the shifted path, of the weights
@@ -180,6 +224,8 @@ class _Conv:
         if self.path == "tiles":
             if self.phases is None:
                 return 0
+            if self.tiles_slabs:
+                return len(self.tiles_slabs) * self.c * self.slab_pitch * self.dtype.itemsize
             return self.tiles_images * self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
@@ -201,6 +247,9 @@ class _Conv:
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
         padded width; on the tiles path, of a packed panel of B and a block of tiles for each
         piece the GEMM is cut into, or each block of images run as a piece (0 otherwise)."""
+        if self.path == "tiles" and self.tiles_slabs:
+            return sum(native.gemm_tiles_bytes(m1 - m0, self.c * self.taps, block)
+                       for _, _, m0, m1, block in self.tiles_slabs)
         if self.path == "tiles":
             return self.tiles_images * sum(native.gemm_tiles_bytes(hi - lo, self.c * self.taps, block)
                                            for lo, hi, block in self.tiles_pieces)
@@ -490,6 +539,8 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     3x3 stride-2 convs 2.9 -> 2.5 ms (im2col + OpenBLAS before); 1x1 convs over 56x56 and 28x28
     planes within noise of OpenBLAS each, a few percent faster over whole models. Strided 1x1
     convs keep im2col + OpenBLAS (5-10% faster there)."""
+    if g.tiles_slabs:
+        return _slabs(g, scratch, has_bias, has_residual, zero_bias, act, alpha, beta)
     kdim, positions = g.c * g.taps, g.positions
     ph = g.phases
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
@@ -584,6 +635,60 @@ def _tiles_table(g: _Conv, pieces: list, rowoff: np.ndarray, packed_rows: np.nda
                                        (layout.V_W, 1, [ps.start * kdim * native.GEMM_MR * 4 for _, ps, *_ in pieces]),
                                        (layout.V_BIAS, 2, [ms.start * 4 for ms, *_ in pieces]),
                                        (layout.V_RES, 3, rows), (layout.V_OUT, 4, rows)], keep=(rowoff, packed_rows))
+
+
+def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
+           beta: float) -> Kernel:
+    """A batch-1 stride-1 conv of the tiles path as pieces of the compiled queue
+    (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``), each a block of output rows and of
+    output channels: it fills its own slab of the zero-padded image (its rows and the rows its
+    taps read below them, every slab with the same channel pitch, so one table of B's row
+    offsets serves all) from the image as it lies, in compiled code, then runs
+    :func:`polyhal_cpu.native.gemm_tiles` over it into its rows of the output (the output's row
+    stride, the positions, apart from the block's columns). Filling the whole padded image on
+    the calling thread before the pieces start (:func:`_tiles` elsewhere) cost a 128 -> 32
+    channel 28x28 conv 96 of its 445 us on two threads (the image last touched by the other
+    core); here each piece fills what it reads, in parallel, into its own slab (kept in cache
+    for its GEMM), at the cost of its taps' halo rows filled twice."""
+    kdim, positions, (oh, ow), wide = g.c * g.taps, g.positions, g.out_sp, g.phases.width
+    pieces, pitch, halo = g.tiles_slabs, g.slab_pitch, (g.k[0] - 1) * g.d[0]
+    packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
+    slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.c * pitch))
+    work = scratch_array(scratch, "product", _F32, (g.product_bytes // 4,))
+    rowoff = np.array([c * pitch + off for c in range(g.c) for _, off in g.phases.taps], np.int64)
+    packed_rows = np.arange(kdim, dtype=np.int64) * native.GEMM_NR  # bpack's rows
+    descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
+    for field, value in ((layout.G_KIND, layout.KIND_TILES_SLAB), (layout.V_N, positions), (layout.V_C, kdim),
+                         (layout.V_N0, g.c * pitch), (layout.V_ROWS, rowoff.ctypes.data),
+                         (layout.V_N1, packed_rows.ctypes.data), (layout.V_WIDTH, wide), (layout.V_OW, ow),
+                         (layout.V_KH, g.c), (layout.V_SH, g.in_sp[0]), (layout.V_SW, g.in_sp[1]),
+                         (layout.V_PH, g.pb[0]), (layout.V_PW, g.pb[1]), (layout.V_DW, pitch)):
+        descs[:, field] = value
+    start = 0
+    for i, (y0, y1, m0, m1, block) in enumerate(pieces):
+        end = start + native.gemm_tiles_bytes(m1 - m0, kdim, block) // 4
+        bpack, cbuf = work[start:start + kdim * native.GEMM_NR], work[start + kdim * native.GEMM_NR:end]
+        start = end
+        descs[i, [layout.V_M, layout.V_OH, layout.V_H, layout.V_A, layout.V_B, layout.V_BLOCK, layout.V_DH,
+                  layout.V_Y0, layout.V_Y1]] = (m1 - m0, -(-(m1 - m0) // native.GEMM_MR), (y1 - y0) * wide,
+                                                 bpack.ctypes.data, cbuf.ctypes.data, block, slabs[i].ctypes.data,
+                                                 y0, y1 - y0 + halo)
+    _activation_fields(descs, act, alpha, beta)
+    rows = [(m0 * positions + y0 * ow) * 4 for y0, _, m0, *_ in pieces]
+    table = parallel.PieceTable(descs, [(layout.V_X, 0, [0] * len(pieces)),
+                                        (layout.V_W, 1, [m0 * kdim * 4 for _, _, m0, *_ in pieces]),
+                                        (layout.V_BIAS, 2, [m0 * 4 for _, _, m0, *_ in pieces]),
+                                        (layout.V_RES, 3, rows), (layout.V_OUT, 4, rows)],
+                                keep=(rowoff, packed_rows, slabs, work))
+
+    def kernel(x, w, *rest):
+        # the operands held here: the pieces read them through raw addresses (weights that may
+        # change are packed per call)
+        x, wp = np.ascontiguousarray(x, _F32), packed(w)
+        b = np.ascontiguousarray(rest[0] if has_bias else zero_bias, _F32)
+        r = np.ascontiguousarray(rest[1]) if has_residual else None
+        parallel.run_gemms(table(x, wp, b, r, rest[-1]))
+    return kernel
 
 
 def _phase_views(ph: _Phases, c: int, buf: np.ndarray) -> tuple[list, list]:
