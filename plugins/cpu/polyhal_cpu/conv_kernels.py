@@ -85,10 +85,10 @@ SLABS = True
 #: Pieces per thread a slab-cut conv is cut into at most (the queue hands them out as threads
 #: come free; each fills its halo rows again).
 SLAB_PIECES_PER_THREAD = 2
-#: B's columns (output rows times the padded width) a block of output rows holds at least; a
-#: conv with fewer per piece is cut by panels of output channels too (each piece then filling
-#: the whole padded image).
-SLAB_MIN_COLUMNS = 128
+#: Tiles (GEMM_NR of B's columns: output rows times the padded width) a block of B's columns
+#: holds at least; a conv with fewer per piece is cut by panels of output channels too (each
+#: piece then filling the padded rows of its columns, the same for each panel).
+SLAB_MIN_TILES = 4
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -187,34 +187,47 @@ class _Conv:
 
     def _slab_pieces(self) -> list[tuple[int, int, int, int, int]] | None:
         """A batch-1 stride-1 conv's pieces on the compiled queue (:func:`_slabs`), as (first
-        output row, last + 1, first output channel, last + 1, columns per block of
+        column of B, last + 1, first output channel, last + 1, columns per block of
         :func:`polyhal_cpu.native.gemm_tiles`); None where it is not run so (a batch, a stride,
-        the queue off). Cut by output rows where a block of rows keeps SLAB_MIN_COLUMNS of B's
-        columns, else (or then also) by whole panels of output channels (see SLAB_MIN_COLUMNS)."""
+        the queue off). B's columns (output rows times the padded width) are cut into blocks of
+        whole tiles (GEMM_NR columns, the last partial), so that the pieces compute no more
+        tiles than the whole; where that leaves fewer blocks than pieces wanted (SLAB_MIN_TILES
+        tiles each at least), the output channels into blocks of whole panels as well."""
         if self.batch != 1 or self.s != [1, 1] or native.gemm_queue() is None or not SLABS:
             return None
-        oh, wide = self.out_sp[0], self.phases.width
-        panels = -(-self.m // native.GEMM_MR)
-        kdim = self.c * self.taps
+        ncols = self.out_sp[0] * self.phases.width
+        panels, tiles = -(-self.m // native.GEMM_MR), -(-ncols // native.GEMM_NR)
         parts = 1
         if parallel.threads() > 1:
-            us = self.m * oh * wide * kdim / parallel.GEMM_MACS_PER_US
+            us = self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US
             parts = max(1, min(parallel.threads() * SLAB_PIECES_PER_THREAD, int(us // parallel.GEMM_QUEUE_PIECE_US)))
-        by_rows = max(1, min(parts, oh, oh * wide // SLAB_MIN_COLUMNS))
-        by_panels = max(1, min(panels, parts // by_rows))
+        by_columns = max(1, min(parts, tiles // SLAB_MIN_TILES))
+        by_panels = max(1, min(panels, parts // by_columns))
         pieces = []
-        for y0, y1 in parallel.blocks(oh, by_rows):
+        for t0, t1 in parallel.blocks(tiles, by_columns):
+            j0, j1 = t0 * native.GEMM_NR, min(ncols, t1 * native.GEMM_NR)
             for p0, p1 in parallel.blocks(panels, by_panels):
                 m0, m1 = p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)
-                pieces.append((y0, y1, m0, m1, native.gemm_block(m1 - m0, (y1 - y0) * wide)))
+                pieces.append((j0, j1, m0, m1, native.gemm_block(m1 - m0, j1 - j0)))
         return pieces
+
+    def slab_rows(self, j0: int, j1: int) -> tuple[int, int]:
+        """The padded rows B's columns j0 .. j1 read: (the first, how many)."""
+        wide = self.phases.width
+        return j0 // wide, (j1 - 1) // wide - j0 // wide + 1 + (self.k[0] - 1) * self.d[0]
 
     @property
     def slab_pitch(self) -> int:
-        """Floats between a slab's channels (:func:`_slabs`): the padded rows the tallest block
-        of output rows reads, and the room its last taps read past them."""
-        rows = max(y1 - y0 for y0, y1, *_ in self.tiles_slabs) + (self.k[0] - 1) * self.d[0]
+        """Floats between a slab's channels (:func:`_slabs`): the padded rows the tallest piece
+        reads, and the room its last taps read past them."""
+        rows = max(self.slab_rows(j0, j1)[1] for j0, j1, *_ in self.tiles_slabs)
         return rows * self.phases.width + (self.k[1] - 1) * self.d[1]
+
+    @property
+    def slab_size(self) -> int:
+        """Floats of a slab: its channels, and room for a last partial tile's whole width past
+        the last row (read where it lies, not copied: see :func:`polyhal_cpu.native.gemm_tiles`)."""
+        return self.c * self.slab_pitch + native.GEMM_NR
 
     @property
     def columns_bytes(self) -> int:
@@ -225,7 +238,7 @@ class _Conv:
             if self.phases is None:
                 return 0
             if self.tiles_slabs:
-                return len(self.tiles_slabs) * self.c * self.slab_pitch * self.dtype.itemsize
+                return len(self.tiles_slabs) * self.slab_size * self.dtype.itemsize
             return self.tiles_images * self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
@@ -651,30 +664,32 @@ def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     core); here each piece fills what it reads, in parallel, into its own slab (kept in cache
     for its GEMM), at the cost of its taps' halo rows filled twice."""
     kdim, positions, (oh, ow), wide = g.c * g.taps, g.positions, g.out_sp, g.phases.width
-    pieces, pitch, halo = g.tiles_slabs, g.slab_pitch, (g.k[0] - 1) * g.d[0]
+    pieces, pitch = g.tiles_slabs, g.slab_pitch
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
-    slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.c * pitch))
+    slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.slab_size))
     work = scratch_array(scratch, "product", _F32, (g.product_bytes // 4,))
     rowoff = np.array([c * pitch + off for c in range(g.c) for _, off in g.phases.taps], np.int64)
     packed_rows = np.arange(kdim, dtype=np.int64) * native.GEMM_NR  # bpack's rows
     descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
     for field, value in ((layout.G_KIND, layout.KIND_TILES_SLAB), (layout.V_N, positions), (layout.V_C, kdim),
-                         (layout.V_N0, g.c * pitch), (layout.V_ROWS, rowoff.ctypes.data),
+                         (layout.V_N0, g.slab_size), (layout.V_ROWS, rowoff.ctypes.data),
                          (layout.V_N1, packed_rows.ctypes.data), (layout.V_WIDTH, wide), (layout.V_OW, ow),
                          (layout.V_KH, g.c), (layout.V_SH, g.in_sp[0]), (layout.V_SW, g.in_sp[1]),
                          (layout.V_PH, g.pb[0]), (layout.V_PW, g.pb[1]), (layout.V_DW, pitch)):
         descs[:, field] = value
     start = 0
-    for i, (y0, y1, m0, m1, block) in enumerate(pieces):
+    rows = []
+    for i, (j0, j1, m0, m1, block) in enumerate(pieces):
         end = start + native.gemm_tiles_bytes(m1 - m0, kdim, block) // 4
         bpack, cbuf = work[start:start + kdim * native.GEMM_NR], work[start + kdim * native.GEMM_NR:end]
         start = end
+        y0, count = g.slab_rows(j0, j1)
         descs[i, [layout.V_M, layout.V_OH, layout.V_H, layout.V_A, layout.V_B, layout.V_BLOCK, layout.V_DH,
-                  layout.V_Y0, layout.V_Y1]] = (m1 - m0, -(-(m1 - m0) // native.GEMM_MR), (y1 - y0) * wide,
-                                                 bpack.ctypes.data, cbuf.ctypes.data, block, slabs[i].ctypes.data,
-                                                 y0, y1 - y0 + halo)
+                  layout.V_Y0, layout.V_Y1, layout.V_KW]] = (
+            m1 - m0, -(-(m1 - m0) // native.GEMM_MR), j1 - j0, bpack.ctypes.data, cbuf.ctypes.data, block,
+            slabs[i].ctypes.data, y0, count, j0 - y0 * wide)
+        rows.append((m0 * positions + y0 * ow) * 4)  # its output from its first row
     _activation_fields(descs, act, alpha, beta)
-    rows = [(m0 * positions + y0 * ow) * 4 for y0, _, m0, *_ in pieces]
     table = parallel.PieceTable(descs, [(layout.V_X, 0, [0] * len(pieces)),
                                         (layout.V_W, 1, [m0 * kdim * 4 for _, _, m0, *_ in pieces]),
                                         (layout.V_BIAS, 2, [m0 * 4 for _, _, m0, *_ in pieces]),
