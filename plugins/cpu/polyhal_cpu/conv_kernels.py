@@ -82,13 +82,34 @@ TILES_MIN_K = 64
 #: Whether batch-1 stride-1 convs of the tiles path run as pieces that each fill their own slab
 #: of the padded image (:func:`_slabs`) where the compiled queue runs.
 SLABS = True
-#: Pieces per thread a slab-cut conv is cut into at most (the queue hands them out as threads
-#: come free; each fills its halo rows again).
-SLAB_PIECES_PER_THREAD = 2
-#: Tiles (GEMM_NR of B's columns: output rows times the padded width) a block of B's columns
-#: holds at least; a conv with fewer per piece is cut by panels of output channels too (each
-#: piece then filling the padded rows of its columns, the same for each panel).
-SLAB_MIN_TILES = 4
+#: How a slab-cut conv (:func:`_slabs`) is cut, one piece per thread (parallel.queue_parts):
+#: B's columns into blocks of whole tiles (at least SLAB_MIN_TILES each), but by panels of
+#: output channels first where the weights (M x C x taps floats, streamed down once for each
+#: tile column) pass SLAB_WEIGHTS_BYTES, about half the 1 MB L2 of the VM measured: two threads
+#: each streaming all of them from L3 lost to two pieces of half the panels, though each of
+#: these fills the whole padded image. Measured on the 2-core VM (AVX-512), two threads, best
+#: of alternating runs (the VM shared; old: panels cut, the plane filled by the caller in
+#: Python), 3x3 pad 1 batch 1:
+#:
+#: ==================  =======  ===================  ==================  ==================
+#: conv                old      by columns, 2 / 4    by panels, 2 / 4    chosen
+#: ==================  =======  ===================  ==================  ==================
+#: 128 -> 32, 56x56    1378 us  1234 / 1260 us                           columns, 2
+#: 128 -> 32, 28x28     438 us   325 / 330 us        339 / 367 us        columns, 2
+#: 128 -> 32, 14x14     115 us   106 / 109 us         97 / 111 us        columns, 2
+#: 128 -> 32, 7x7        75 us    64 us (2 tiles)     68 / 82 us         columns, 2
+#: 64 -> 64, 56x56     1859 us  1219 / 1387 us       1273 us (2x2)       columns, 2
+#: 128 -> 128, 28x28   1737 us  1460 us (4)         1187 / 1222 us       panels, 2
+#: 256 -> 256, 14x14   1384 us  1512 / 1472 us      1213 / 1252 us       panels, 2
+#: 512 -> 512, 7x7     1534 us  1408 us (2 tiles)   1383 / 1427 us       panels, 2
+#: ==================  =======  ===================  ==================  ==================
+#:
+#: Two pieces a thread balanced no better on a quiet VM (above; they helped only while the
+#: other core was busy elsewhere: 128 -> 32 56x56 2.5 against 3.4 ms). Cutting B's columns
+#: at whole tiles (not at output rows) computes no more tiles than the whole GEMM: cut at rows,
+#: each block's partial last tile cost ~20 us a piece at 28x28.
+SLAB_MIN_TILES = 1
+SLAB_WEIGHTS_BYTES = 512 << 10
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -139,6 +160,7 @@ class _Conv:
             self.phases = _Phases(self)
             #: the pieces of a batch-1 stride-1 conv on the compiled queue (None: not cut so)
             self.tiles_slabs = self._slab_pieces()
+            self.tiles_images = 1
             self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
@@ -189,19 +211,17 @@ class _Conv:
         """A batch-1 stride-1 conv's pieces on the compiled queue (:func:`_slabs`), as (first
         column of B, last + 1, first output channel, last + 1, columns per block of
         :func:`polyhal_cpu.native.gemm_tiles`); None where it is not run so (a batch, a stride,
-        the queue off). B's columns (output rows times the padded width) are cut into blocks of
-        whole tiles (GEMM_NR columns, the last partial), so that the pieces compute no more
-        tiles than the whole; where that leaves fewer blocks than pieces wanted (SLAB_MIN_TILES
-        tiles each at least), the output channels into blocks of whole panels as well."""
+        the queue off): B's columns (output rows times the padded width) in blocks of whole
+        tiles (GEMM_NR columns, the last partial), so that the pieces compute no more tiles than
+        the whole, and output channels in blocks of whole panels (see SLAB_MIN_TILES)."""
         if self.batch != 1 or self.s != [1, 1] or native.gemm_queue() is None or not SLABS:
             return None
         ncols = self.out_sp[0] * self.phases.width
         panels, tiles = -(-self.m // native.GEMM_MR), -(-ncols // native.GEMM_NR)
-        parts = 1
-        if parallel.threads() > 1:
-            us = self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US
-            parts = max(1, min(parallel.threads() * SLAB_PIECES_PER_THREAD, int(us // parallel.GEMM_QUEUE_PIECE_US)))
-        by_columns = max(1, min(parts, tiles // SLAB_MIN_TILES))
+        parts = parallel.queue_parts(self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US)
+        # panels first where the weights a piece streams per tile column would not stay in L2
+        by_panels = max(1, min(panels, parts, -(-self.m * self.c * self.taps * 4 // SLAB_WEIGHTS_BYTES)))
+        by_columns = max(1, min(parts // by_panels, tiles // SLAB_MIN_TILES))
         by_panels = max(1, min(panels, parts // by_columns))
         pieces = []
         for t0, t1 in parallel.blocks(tiles, by_columns):
@@ -653,16 +673,17 @@ def _tiles_table(g: _Conv, pieces: list, rowoff: np.ndarray, packed_rows: np.nda
 def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
            beta: float) -> Kernel:
     """A batch-1 stride-1 conv of the tiles path as pieces of the compiled queue
-    (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``), each a block of output rows and of
-    output channels: it fills its own slab of the zero-padded image (its rows and the rows its
-    taps read below them, every slab with the same channel pitch, so one table of B's row
-    offsets serves all) from the image as it lies, in compiled code, then runs
-    :func:`polyhal_cpu.native.gemm_tiles` over it into its rows of the output (the output's row
-    stride, the positions, apart from the block's columns). Filling the whole padded image on
-    the calling thread before the pieces start (:func:`_tiles` elsewhere) cost a 128 -> 32
-    channel 28x28 conv 96 of its 445 us on two threads (the image last touched by the other
-    core); here each piece fills what it reads, in parallel, into its own slab (kept in cache
-    for its GEMM), at the cost of its taps' halo rows filled twice."""
+    (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``, see SLAB_MIN_TILES), each a block of B's
+    columns (output rows times the padded width, cut at whole tiles) and of output channels: it
+    fills its own slab of the zero-padded image (the padded rows its columns' taps read; every
+    slab with the same channel pitch, so that one table of B's row offsets serves all) from
+    the image as it lies, in compiled code, then runs :func:`polyhal_cpu.native.gemm_tiles`
+    over it into its part of the output (the output's row stride, the positions, apart from
+    the block's columns). Filling the whole padded image on the calling thread before the
+    pieces start (:func:`_tiles` otherwise) cost a 128 -> 32 channel 28x28 conv 96 of its 445
+    us on two threads (the image last touched by the other core); here each piece fills what
+    it reads, in parallel, into its own slab (in cache for its GEMM), at the cost of the halo
+    rows filled twice."""
     kdim, positions, (oh, ow), wide = g.c * g.taps, g.positions, g.out_sp, g.phases.width
     pieces, pitch = g.tiles_slabs, g.slab_pitch
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
