@@ -64,11 +64,14 @@ _SCRIPT = textwrap.dedent("""
         # dense convs by the compiled tiles (stride 1: shifted planes; stride 2: column phases)
         ("fused_conv", [f(5, 8, 9, 7), f(6, 8, 3, 3), f(6), f(5, 6, 9, 7)], geometry(pad=1, activation="relu")),
         ("conv", [f(3, 9, 11, 10), f(8, 9, 3, 3)], geometry(stride=2, pad=1)),
+        # batch 1, stride 1: a piece of the compiled queue filling its own slab of the padded image
+        ("fused_conv", [f(1, 8, 9, 7), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)], geometry(pad=1, activation="relu")),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
         if name != "blocked_conv":
-            assert conv_kernels._Conv(attrs, types[0], types[1], out_type).path == "tiles"
+            g = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+            assert g.path == "tiles" and bool(g.tiles_slabs) == (xs[0].shape[0] == 1 and attrs["strides"] == [1, 1])
         out = np.empty(out_type.shape, np.float32)
         calls.append((prepare(name, attrs, types, (out_type,)), xs, out))
     # the NCHW loops: im2col (with column phases), pooling (strided), depthwise
