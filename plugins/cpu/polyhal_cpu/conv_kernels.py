@@ -9,7 +9,8 @@ One dispatch per op, whatever its groups. A convolution takes one of five paths,
   register-tiled GEMM micro-kernel (8 output channels x 32 positions in 16 AVX-512 registers,
   LLVM IR through numba; :func:`polyhal_cpu.native.gemm_tiles`), B's rows read where they lie:
   the image for a 1x1 conv, else a zero-padded copy split into the stride's phases, read at
-  each tap's offset (no im2col). Each tile is finished (bias, residual, activation) as it is
+  each tap's offset (no im2col; for one image at stride 1, each piece fills its own slab of
+  that plane, :func:`_slabs`). Each tile is finished (bias, residual, activation) as it is
   stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
   tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: one ``np.matmul`` (OpenBLAS's
@@ -104,7 +105,8 @@ SLABS = True
 #: 512 -> 512, 7x7     1534 us  1408 us (2 tiles)   1383 / 1427 us       panels, 2
 #: ==================  =======  ===================  ==================  ==================
 #:
-#: Two pieces a thread balanced no better on a quiet VM (above; they helped only while the
+#: (14x14: within the noise; medians 172 us by columns, 182 us by panels.) Two pieces a
+#: thread balanced no better on a quiet VM (above; they helped only while the
 #: other core was busy elsewhere: 128 -> 32 56x56 2.5 against 3.4 ms). Cutting B's columns
 #: at whole tiles (not at output rows) computes no more tiles than the whole GEMM: cut at rows,
 #: each block's partial last tile cost ~20 us a piece at 28x28.
@@ -564,7 +566,9 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     compiled loop does not take. In a batch, blocks of whole images are the pieces instead
     (``g.tiles_images``; see :meth:`_Conv._tile_pieces`), each with its own planes and
     scratch. Measured on the 2-core VM while its other core was free: ResNet-50's and
-    DenseNet's 3x3 convs at b1 2.3-2.5 -> 1.4-1.5 ms on two threads.
+    DenseNet's 3x3 convs at b1 2.3-2.5 -> 1.4-1.5 ms on two threads. A stride-1 conv of one
+    image on the compiled queue goes by :func:`_slabs` instead: each piece fills the part of
+    the padded plane it reads itself.
 
     Measured single-threaded on a 2-core VM (AVX-512) against the paths it replaces: ResNet-50's
     3x3 convs 2.8-3.4 -> 2.3-3.0 ms, DenseNet's 128 -> 32 channel 3x3 convs at 56x56, 28x28 and
@@ -684,7 +688,7 @@ def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     us on two threads (the image last touched by the other core); here each piece fills what
     it reads, in parallel, into its own slab (in cache for its GEMM), at the cost of the halo
     rows filled twice."""
-    kdim, positions, (oh, ow), wide = g.c * g.taps, g.positions, g.out_sp, g.phases.width
+    kdim, positions, ow, wide = g.c * g.taps, g.positions, g.out_sp[1], g.phases.width
     pieces, pitch = g.tiles_slabs, g.slab_pitch
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
     slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.slab_size))
