@@ -82,36 +82,35 @@ TILES = True
 TILES_MIN_K = 64
 #: Whether batch-1 stride-1 convs of the tiles path run as pieces that each fill their own slab
 #: of the padded image (:func:`_slabs`) where the compiled queue runs.
+#:
+#: Such a conv (:func:`_slabs`) is cut into one piece per thread (parallel.queue_parts):
+#: by whole panels of output channels where there are as many panels as pieces, each piece
+#: then filling the whole padded image, else also by blocks of B's columns (output rows times
+#: the padded width), cut at whole tiles so that the pieces compute no more tiles than the
+#: whole GEMM (cut at output rows, each block's partial last tile cost ~20 us a piece at
+#: 28x28). Measured on the 2-core VM (AVX-512), two threads while the other core was free
+#: (best of alternating runs; old: cut by panels, the plane filled by the caller in Python),
+#: 3x3 pad 1 batch 1, in us:
+#:
+#: ==================  ====  ===================  ===================
+#: conv                old   by columns, 2 / 4    by panels, 2 / 4
+#: ==================  ====  ===================  ===================
+#: 128 -> 32, 56x56    1356  1164 / 1185          **1150** / 1233
+#: 128 -> 32, 28x28     435   323 / 332            **318** / 341
+#: 128 -> 32, 14x14     114   106 / 108             **97** / 110
+#: 128 -> 32, 7x7        56    **38** / 43 (2x2)    39 / 47
+#: 64 -> 64, 56x56     1261  **1144** / 1205       1157 / 1183
+#: 128 -> 128, 28x28   1255  1228 / 1229           **1165** / 1191
+#: 256 -> 256, 14x14   1224  1361 / 1359           **1192** / 1214
+#: 512 -> 512, 7x7     1418  1371 / 1379           **1365** / 1397
+#: ==================  ====  ===================  ===================
+#:
+#: By panels, a piece streams only its panels' weights down each tile column (all of them
+#: from L3 for every tile column where they pass L2, as ResNet's 256 -> 256 ones do) and its
+#: work is as even as the panels are; by columns, as even as the tiles are (7 at 14x14: 3 and
+#: 4). Where columns won, it was by 1%. Two pieces a thread balanced worse on a quiet VM (they
+#: helped only while the other core was busy elsewhere: 128 -> 32 56x56 2.5 against 3.4 ms).
 SLABS = True
-#: How a slab-cut conv (:func:`_slabs`) is cut, one piece per thread (parallel.queue_parts):
-#: B's columns into blocks of whole tiles (at least SLAB_MIN_TILES each), but by panels of
-#: output channels first where the weights (M x C x taps floats, streamed down once for each
-#: tile column) pass SLAB_WEIGHTS_BYTES, about half the 1 MB L2 of the VM measured: two threads
-#: each streaming all of them from L3 lost to two pieces of half the panels, though each of
-#: these fills the whole padded image. Measured on the 2-core VM (AVX-512), two threads, best
-#: of alternating runs (the VM shared; old: panels cut, the plane filled by the caller in
-#: Python), 3x3 pad 1 batch 1:
-#:
-#: ==================  =======  ===================  ==================  ==================
-#: conv                old      by columns, 2 / 4    by panels, 2 / 4    chosen
-#: ==================  =======  ===================  ==================  ==================
-#: 128 -> 32, 56x56    1378 us  1234 / 1260 us                           columns, 2
-#: 128 -> 32, 28x28     438 us   325 / 330 us        339 / 367 us        columns, 2
-#: 128 -> 32, 14x14     115 us   106 / 109 us         97 / 111 us        columns, 2
-#: 128 -> 32, 7x7        75 us    64 us (2 tiles)     68 / 82 us         columns, 2
-#: 64 -> 64, 56x56     1859 us  1219 / 1387 us       1273 us (2x2)       columns, 2
-#: 128 -> 128, 28x28   1737 us  1460 us (4)         1187 / 1222 us       panels, 2
-#: 256 -> 256, 14x14   1384 us  1512 / 1472 us      1213 / 1252 us       panels, 2
-#: 512 -> 512, 7x7     1534 us  1408 us (2 tiles)   1383 / 1427 us       panels, 2
-#: ==================  =======  ===================  ==================  ==================
-#:
-#: (14x14: within the noise; medians 172 us by columns, 182 us by panels.) Two pieces a
-#: thread balanced no better on a quiet VM (above; they helped only while the
-#: other core was busy elsewhere: 128 -> 32 56x56 2.5 against 3.4 ms). Cutting B's columns
-#: at whole tiles (not at output rows) computes no more tiles than the whole GEMM: cut at rows,
-#: each block's partial last tile cost ~20 us a piece at 28x28.
-SLAB_MIN_TILES = 1
-SLAB_WEIGHTS_BYTES = 512 << 10
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -215,16 +214,14 @@ class _Conv:
         :func:`polyhal_cpu.native.gemm_tiles`); None where it is not run so (a batch, a stride,
         the queue off): B's columns (output rows times the padded width) in blocks of whole
         tiles (GEMM_NR columns, the last partial), so that the pieces compute no more tiles than
-        the whole, and output channels in blocks of whole panels (see SLAB_MIN_TILES)."""
+        the whole, and output channels in blocks of whole panels (see SLABS)."""
         if self.batch != 1 or self.s != [1, 1] or native.gemm_queue() is None or not SLABS:
             return None
         ncols = self.out_sp[0] * self.phases.width
         panels, tiles = -(-self.m // native.GEMM_MR), -(-ncols // native.GEMM_NR)
         parts = parallel.queue_parts(self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US)
-        # panels first where the weights a piece streams per tile column would not stay in L2
-        by_panels = max(1, min(panels, parts, -(-self.m * self.c * self.taps * 4 // SLAB_WEIGHTS_BYTES)))
-        by_columns = max(1, min(parts // by_panels, tiles // SLAB_MIN_TILES))
-        by_panels = max(1, min(panels, parts // by_columns))
+        by_panels = min(panels, parts)  # panels first (see SLABS)
+        by_columns = max(1, min(tiles, parts // by_panels))
         pieces = []
         for t0, t1 in parallel.blocks(tiles, by_columns):
             j0, j1 = t0 * native.GEMM_NR, min(ncols, t1 * native.GEMM_NR)
@@ -677,7 +674,7 @@ def _tiles_table(g: _Conv, pieces: list, rowoff: np.ndarray, packed_rows: np.nda
 def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
            beta: float) -> Kernel:
     """A batch-1 stride-1 conv of the tiles path as pieces of the compiled queue
-    (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``, see SLAB_MIN_TILES), each a block of B's
+    (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``, see SLABS), each a block of B's
     columns (output rows times the padded width, cut at whole tiles) and of output channels: it
     fills its own slab of the zero-padded image (the padded rows its columns' taps read; every
     slab with the same channel pitch, so that one table of B's row offsets serves all) from

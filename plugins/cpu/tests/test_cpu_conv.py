@@ -178,8 +178,8 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
 ])
 @pytest.mark.parametrize("fused", ["none", "bias", "residual"])
 @pytest.mark.parametrize("n_threads", ["2", "3"])
-@pytest.mark.parametrize("weights_bytes", [1 << 30, 1], ids=["columns", "panels"])
-def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, weights_bytes, monkeypatch):
+@pytest.mark.parametrize("per_thread", [1, 4], ids=["panels", "columns"])
+def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread, monkeypatch):
     """A batch-1 stride-1 conv on the compiled queue cut into pieces that each fill their own
     slab of the padded image (blocks of B's columns cut at whole tiles, from the middle of a
     padded row, and of output channels; several column blocks per piece, the block budget
@@ -191,8 +191,9 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, weights_by
         pytest.skip("the compiled queue is not available here")
     monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
     monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
-    monkeypatch.setattr(conv_kernels, "SLAB_WEIGHTS_BYTES", weights_bytes)
     monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)  # small convs cut too
+    # more pieces than panels: B's columns cut too
+    monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", per_thread)
     n = len(ws) - 2
     attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
     x, w = _f(*xs), _f(*ws)
@@ -214,9 +215,10 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, weights_by
         monkeypatch.setattr(threads, "_budget", None)
         geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
         assert geometry.path == "tiles" and geometry.tiles_slabs
-        columns = -(-out_type.shape[2] * geometry.phases.width // native.GEMM_NR)
-        cuts = min(int(budget), columns * -(-ws[0] // native.GEMM_MR))
-        assert len(geometry.tiles_slabs) <= int(budget) and (len(geometry.tiles_slabs) > 1) == (cuts > 1)
+        columns = -(-geometry.out_sp[0] * geometry.phases.width // native.GEMM_NR)
+        parts = 1 if budget == "1" else int(budget) * per_thread
+        panels = -(-ws[0] // native.GEMM_MR)
+        assert len(geometry.tiles_slabs) == min(panels, parts) * min(columns, max(1, parts // panels))
         requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
         scratch = standalone(None, requests)
         kernel = prepare(op, attrs, types, (out_type,), scratch)
