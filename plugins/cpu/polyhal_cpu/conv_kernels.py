@@ -83,34 +83,38 @@ TILES_MIN_K = 64
 #: Whether batch-1 stride-1 convs of the tiles path run as pieces that each fill their own slab
 #: of the padded image (:func:`_slabs`) where the compiled queue runs.
 #:
-#: Such a conv (:func:`_slabs`) is cut into one piece per thread (parallel.queue_parts):
-#: by whole panels of output channels where there are as many panels as pieces, each piece
-#: then filling the whole padded image, else also by blocks of B's columns (output rows times
-#: the padded width), cut at whole tiles so that the pieces compute no more tiles than the
-#: whole GEMM (cut at output rows, each block's partial last tile cost ~20 us a piece at
-#: 28x28). Measured on the 2-core VM (AVX-512), two threads while the other core was free
-#: (best of alternating runs; old: cut by panels, the plane filled by the caller in Python),
-#: 3x3 pad 1 batch 1, in us:
+#: Such a conv is cut into one piece per thread (parallel.queue_parts): into blocks of B's
+#: columns (output rows times the padded width), cut at whole tiles so that the pieces compute
+#: no more tiles than the whole GEMM (cut at output rows, each block's partial last tile cost
+#: ~20 us a piece at 28x28), and into blocks of whole panels of output channels where there are
+#: fewer tiles than pieces, or first where the weights pass SLAB_WEIGHTS_BYTES (each piece
+#: streams its panels' weights down each tile column: from L3 for each where they pass L2).
+#: A piece cut by panels fills all of the padded image; by columns, its rows. Measured on the
+#: 2-core VM (AVX-512), two threads while the other core was free (best of alternating runs;
+#: old: cut by panels, the plane filled by the caller in Python), 3x3 pad 1 batch 1, in us:
 #:
 #: ==================  ====  ===================  ===================
 #: conv                old   by columns, 2 / 4    by panels, 2 / 4
 #: ==================  ====  ===================  ===================
-#: 128 -> 32, 56x56    1356  1164 / 1185          **1150** / 1233
-#: 128 -> 32, 28x28     435   323 / 332            **318** / 341
-#: 128 -> 32, 14x14     114   106 / 108             **97** / 110
-#: 128 -> 32, 7x7        56    **38** / 43 (2x2)    39 / 47
-#: 64 -> 64, 56x56     1261  **1144** / 1205       1157 / 1183
+#: 128 -> 32, 56x56    1356  **1164** / 1185        1150 / 1233
+#: 128 -> 32, 28x28     435   **323** / 332          318 / 341
+#: 128 -> 32, 14x14     114   **106** / 108           97 / 110
+#: 128 -> 32, 7x7        56    **38** / 43 (2x2)      39 / 47
+#: 64 -> 64, 56x56     1261  **1144** / 1205        1157 / 1183
 #: 128 -> 128, 28x28   1255  1228 / 1229           **1165** / 1191
 #: 256 -> 256, 14x14   1224  1361 / 1359           **1192** / 1214
 #: 512 -> 512, 7x7     1418  1371 / 1379           **1365** / 1397
 #: ==================  ====  ===================  ===================
 #:
-#: By panels, a piece streams only its panels' weights down each tile column (all of them
-#: from L3 for every tile column where they pass L2, as ResNet's 256 -> 256 ones do) and its
-#: work is as even as the panels are; by columns, as even as the tiles are (7 at 14x14: 3 and
-#: 4). Where columns won, it was by 1%. Two pieces a thread balanced worse on a quiet VM (they
-#: helped only while the other core was busy elsewhere: 128 -> 32 56x56 2.5 against 3.4 ms).
+#: Alone, DenseNet's 128 -> 32 convs did as well or a little better by panels, but in the
+#: whole model (its image just written by the op before, its caches shared with the model's
+#: other data) by columns won: DenseNet-121 b1 39.5-40.4 ms against 40.3-41.0 ms by panels,
+#: 64.5 against 70-71 ms while the other core was busy elsewhere. Two pieces a thread balanced
+#: worse on a quiet VM (they helped only while the other core was busy: 128 -> 32 56x56 alone
+#: 2.5 against 3.4 ms).
 SLABS = True
+#: Bytes of weights (M x C x taps floats) above which a slab-cut conv is cut by panels first.
+SLAB_WEIGHTS_BYTES = 512 << 10
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -220,8 +224,10 @@ class _Conv:
         ncols = self.out_sp[0] * self.phases.width
         panels, tiles = -(-self.m // native.GEMM_MR), -(-ncols // native.GEMM_NR)
         parts = parallel.queue_parts(self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US)
-        by_panels = min(panels, parts)  # panels first (see SLABS)
+        # panels first only where the weights a piece streams per tile column pass L2 (see SLABS)
+        by_panels = max(1, min(panels, parts, -(-self.m * self.c * self.taps * 4 // SLAB_WEIGHTS_BYTES)))
         by_columns = max(1, min(tiles, parts // by_panels))
+        by_panels = max(1, min(panels, parts // by_columns))
         pieces = []
         for t0, t1 in parallel.blocks(tiles, by_columns):
             j0, j1 = t0 * native.GEMM_NR, min(ncols, t1 * native.GEMM_NR)

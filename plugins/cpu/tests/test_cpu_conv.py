@@ -178,8 +178,9 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
 ])
 @pytest.mark.parametrize("fused", ["none", "bias", "residual"])
 @pytest.mark.parametrize("n_threads", ["2", "3"])
-@pytest.mark.parametrize("per_thread", [1, 4], ids=["panels", "columns"])
-def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread, monkeypatch):
+@pytest.mark.parametrize("per_thread", [1, 4])
+@pytest.mark.parametrize("weights_bytes", [1 << 30, 1], ids=["columns", "panels"])
+def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread, weights_bytes, monkeypatch):
     """A batch-1 stride-1 conv on the compiled queue cut into pieces that each fill their own
     slab of the padded image (blocks of B's columns cut at whole tiles, from the middle of a
     padded row, and of output channels; several column blocks per piece, the block budget
@@ -192,8 +193,8 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread
     monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
     monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
     monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)  # small convs cut too
-    # more pieces than panels: B's columns cut too
     monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", per_thread)
+    monkeypatch.setattr(conv_kernels, "SLAB_WEIGHTS_BYTES", weights_bytes)  # cut by columns or panels first
     n = len(ws) - 2
     attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
     x, w = _f(*xs), _f(*ws)
@@ -215,10 +216,15 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread
         monkeypatch.setattr(threads, "_budget", None)
         geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
         assert geometry.path == "tiles" and geometry.tiles_slabs
-        columns = -(-geometry.out_sp[0] * geometry.phases.width // native.GEMM_NR)
+        # the pieces: blocks of whole tiles and whole panels, covering the GEMM once
+        ncols = geometry.out_sp[0] * geometry.phases.width
+        covered = np.zeros((-(-ws[0] // native.GEMM_MR), -(-ncols // native.GEMM_NR)), int)
+        for j0, j1, m0, m1, _ in geometry.tiles_slabs:
+            assert j0 % native.GEMM_NR == m0 % native.GEMM_MR == 0 and (j1 % native.GEMM_NR == 0 or j1 == ncols)
+            covered[m0 // native.GEMM_MR:-(-m1 // native.GEMM_MR), j0 // native.GEMM_NR:-(-j1 // native.GEMM_NR)] += 1
+        assert (covered == 1).all()
         parts = 1 if budget == "1" else int(budget) * per_thread
-        panels = -(-ws[0] // native.GEMM_MR)
-        assert len(geometry.tiles_slabs) == min(panels, parts) * min(columns, max(1, parts // panels))
+        assert len(geometry.tiles_slabs) <= parts and (len(geometry.tiles_slabs) > 1) == (parts > 1 < covered.size)
         requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
         scratch = standalone(None, requests)
         kernel = prepare(op, attrs, types, (out_type,), scratch)
