@@ -10,7 +10,8 @@ One dispatch per op, whatever its groups. A convolution takes one of five paths,
   register-tiled GEMM micro-kernel (8 output channels x 32 positions in 16 AVX-512 registers,
   LLVM IR through numba; :func:`polyhal_cpu.native.gemm_tiles`), B's rows read where they lie:
   the image for a 1x1 conv, else a zero-padded copy split into the stride's phases, read at
-  each tap's offset (no im2col). Each tile is finished (bias, residual, activation) as it is
+  each tap's offset (no im2col; for one image at stride 1, each piece fills its own slab of
+  that plane, :func:`_slabs`). Each tile is finished (bias, residual, activation) as it is
   stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
   tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: one ``np.matmul`` (OpenBLAS's
@@ -80,6 +81,41 @@ TILES = True
 #: little to compute for its own cost (measured 0.60 ms against im2col + OpenBLAS's 0.48 ms);
 #: ResNet's 7x7 stem (K = 147) gains.
 TILES_MIN_K = 64
+#: Whether batch-1 stride-1 convs of the tiles path run as pieces that each fill their own slab
+#: of the padded image (:func:`_slabs`) where the compiled queue runs.
+#:
+#: Such a conv is cut into one piece per thread (parallel.queue_parts): into blocks of B's
+#: columns (output rows times the padded width), cut at whole tiles so that the pieces compute
+#: no more tiles than the whole GEMM (cut at output rows, each block's partial last tile cost
+#: ~20 us a piece at 28x28), and into blocks of whole panels of output channels where there are
+#: fewer tiles than pieces, or first where the weights pass SLAB_WEIGHTS_BYTES (each piece
+#: streams its panels' weights down each tile column: from L3 for each where they pass L2).
+#: A piece cut by panels fills all of the padded image; by columns, its rows. Measured on the
+#: 2-core VM (AVX-512), two threads while the other core was free (best of alternating runs;
+#: old: cut by panels, the plane filled by the caller in Python), 3x3 pad 1 batch 1, in us:
+#:
+#: ==================  ====  ===================  ===================
+#: conv                old   by columns, 2 / 4    by panels, 2 / 4
+#: ==================  ====  ===================  ===================
+#: 128 -> 32, 56x56    1356  **1164** / 1185        1150 / 1233
+#: 128 -> 32, 28x28     435   **323** / 332          318 / 341
+#: 128 -> 32, 14x14     114   **106** / 108           97 / 110
+#: 128 -> 32, 7x7        56    **38** / 43 (2x2)      39 / 47
+#: 64 -> 64, 56x56     1261  **1144** / 1205        1157 / 1183
+#: 128 -> 128, 28x28   1255  1228 / 1229           **1165** / 1191
+#: 256 -> 256, 14x14   1224  1361 / 1359           **1192** / 1214
+#: 512 -> 512, 7x7     1418  1371 / 1379           **1365** / 1397
+#: ==================  ====  ===================  ===================
+#:
+#: Alone, DenseNet's 128 -> 32 convs did as well or a little better by panels, but in the
+#: whole model (its image just written by the op before, its caches shared with the model's
+#: other data) by columns won: DenseNet-121 b1 39.5-40.4 ms against 40.3-41.0 ms by panels,
+#: 64.5 against 70-71 ms while the other core was busy elsewhere. Two pieces a thread balanced
+#: worse on a quiet VM (they helped only while the other core was busy: 128 -> 32 56x56 alone
+#: 2.5 against 3.4 ms).
+SLABS = True
+#: Bytes of weights (M x C x taps floats) above which a slab-cut conv is cut by panels first.
+SLAB_WEIGHTS_BYTES = 512 << 10
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -121,13 +157,17 @@ class _Conv:
             self.path = "tiles"
             #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
             self.phases = None
+            self.tiles_slabs = None
             self.tiles_pieces = self._tile_pieces(self.positions)
         elif pointwise and self.group == 1:
             self.path = "pointwise"
         elif native2d and self.group == 1 and self.taps > 1 and self.c * self.taps >= TILES_MIN_K and TILES:
             self.path = "tiles"
             self.phases = _Phases(self)
-            self.tiles_pieces = self._tile_pieces(self.out_sp[0] * self.phases.width)
+            #: the pieces of a batch-1 stride-1 conv on the compiled queue (None: not cut so)
+            self.tiles_slabs = self._slab_pieces()
+            self.tiles_images = 1
+            self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
             self.path = "depthwise"
         elif (len(self.k) == 2 and self.group == 1 and self.s == [1, 1] and self.positions >= SHIFTED_POSITIONS
@@ -173,6 +213,48 @@ class _Conv:
         rows = [(p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)) for p0, p1 in bounds]
         return [(lo, hi, native.gemm_block(hi - lo, ncols)) for lo, hi in rows]
 
+    def _slab_pieces(self) -> list[tuple[int, int, int, int, int]] | None:
+        """A batch-1 stride-1 conv's pieces on the compiled queue (:func:`_slabs`), as (first
+        column of B, last + 1, first output channel, last + 1, columns per block of
+        :func:`polyhal_cpu.native.gemm_tiles`); None where it is not run so (a batch, a stride,
+        the queue off): B's columns (output rows times the padded width) in blocks of whole
+        tiles (GEMM_NR columns, the last partial), so that the pieces compute no more tiles than
+        the whole, and output channels in blocks of whole panels (see SLABS)."""
+        if self.batch != 1 or self.s != [1, 1] or native.gemm_queue() is None or not SLABS:
+            return None
+        ncols = self.out_sp[0] * self.phases.width
+        panels, tiles = -(-self.m // native.GEMM_MR), -(-ncols // native.GEMM_NR)
+        parts = parallel.queue_parts(self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US)
+        # panels first only where the weights a piece streams per tile column pass L2 (see SLABS)
+        by_panels = max(1, min(panels, parts, -(-self.m * self.c * self.taps * 4 // SLAB_WEIGHTS_BYTES)))
+        by_columns = max(1, min(tiles, parts // by_panels))
+        by_panels = max(1, min(panels, parts // by_columns))
+        pieces = []
+        for t0, t1 in parallel.blocks(tiles, by_columns):
+            j0, j1 = t0 * native.GEMM_NR, min(ncols, t1 * native.GEMM_NR)
+            for p0, p1 in parallel.blocks(panels, by_panels):
+                m0, m1 = p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)
+                pieces.append((j0, j1, m0, m1, native.gemm_block(m1 - m0, j1 - j0)))
+        return pieces
+
+    def slab_rows(self, j0: int, j1: int) -> tuple[int, int]:
+        """The padded rows B's columns j0 .. j1 read: (the first, how many)."""
+        wide = self.phases.width
+        return j0 // wide, (j1 - 1) // wide - j0 // wide + 1 + (self.k[0] - 1) * self.d[0]
+
+    @property
+    def slab_pitch(self) -> int:
+        """Floats between a slab's channels (:func:`_slabs`): the padded rows the tallest piece
+        reads, and the room its last taps read past them."""
+        rows = max(self.slab_rows(j0, j1)[1] for j0, j1, *_ in self.tiles_slabs)
+        return rows * self.phases.width + (self.k[1] - 1) * self.d[1]
+
+    @property
+    def slab_size(self) -> int:
+        """Floats of a slab: its channels, and room for a last partial tile's whole width past
+        the last row (read where it lies, not copied: see :func:`polyhal_cpu.native.gemm_tiles`)."""
+        return self.c * self.slab_pitch + native.GEMM_NR
+
     @property
     def columns_bytes(self) -> int:
         """Bytes of the im2col columns of ``stack`` images; on the shifted path, of the weights
@@ -181,6 +263,8 @@ class _Conv:
         if self.path == "tiles":
             if self.phases is None:
                 return 0
+            if self.tiles_slabs:
+                return len(self.tiles_slabs) * self.slab_size * self.dtype.itemsize
             return self.tiles_images * self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
@@ -202,6 +286,9 @@ class _Conv:
         (stack, M, positions) in the output; on the shifted path, of one image's output over the
         padded width; on the tiles path, of a packed panel of B and a block of tiles for each
         piece the GEMM is cut into, or each block of images run as a piece (0 otherwise)."""
+        if self.path == "tiles" and self.tiles_slabs:
+            return sum(native.gemm_tiles_bytes(m1 - m0, self.c * self.taps, block)
+                       for _, _, m0, m1, block in self.tiles_slabs)
         if self.path == "tiles":
             return self.tiles_images * sum(native.gemm_tiles_bytes(hi - lo, self.c * self.taps, block)
                                            for lo, hi, block in self.tiles_pieces)
@@ -519,7 +606,9 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     compiled loop does not take. In a batch, blocks of whole images are the pieces instead
     (``g.tiles_images``; see :meth:`_Conv._tile_pieces`), each with its own planes and
     scratch. Measured on the 2-core VM while its other core was free: ResNet-50's and
-    DenseNet's 3x3 convs at b1 2.3-2.5 -> 1.4-1.5 ms on two threads.
+    DenseNet's 3x3 convs at b1 2.3-2.5 -> 1.4-1.5 ms on two threads. A stride-1 conv of one
+    image on the compiled queue goes by :func:`_slabs` instead: each piece fills the part of
+    the padded plane it reads itself.
 
     Measured single-threaded on a 2-core VM (AVX-512) against the paths it replaces: ResNet-50's
     3x3 convs 2.8-3.4 -> 2.3-3.0 ms, DenseNet's 128 -> 32 channel 3x3 convs at 56x56, 28x28 and
@@ -527,6 +616,8 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     3x3 stride-2 convs 2.9 -> 2.5 ms (im2col + OpenBLAS before); 1x1 convs over 56x56 and 28x28
     planes within noise of OpenBLAS each, a few percent faster over whole models. Strided 1x1
     convs keep im2col + OpenBLAS (5-10% faster there)."""
+    if g.tiles_slabs:
+        return _slabs(g, scratch, has_bias, has_residual, zero_bias, act, alpha, beta)
     kdim, positions = g.c * g.taps, g.positions
     ph = g.phases
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
@@ -621,6 +712,63 @@ def _tiles_table(g: _Conv, pieces: list, rowoff: np.ndarray, packed_rows: np.nda
                                        (layout.V_W, 1, [ps.start * kdim * native.GEMM_MR * 4 for _, ps, *_ in pieces]),
                                        (layout.V_BIAS, 2, [ms.start * 4 for ms, *_ in pieces]),
                                        (layout.V_RES, 3, rows), (layout.V_OUT, 4, rows)], keep=(rowoff, packed_rows))
+
+
+def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
+           beta: float) -> Kernel:
+    """A batch-1 stride-1 conv of the tiles path as pieces of the compiled queue
+    (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``, see SLABS), each a block of B's
+    columns (output rows times the padded width, cut at whole tiles) and of output channels: it
+    fills its own slab of the zero-padded image (the padded rows its columns' taps read; every
+    slab with the same channel pitch, so that one table of B's row offsets serves all) from
+    the image as it lies, in compiled code, then runs :func:`polyhal_cpu.native.gemm_tiles`
+    over it into its part of the output (the output's row stride, the positions, apart from
+    the block's columns). Filling the whole padded image on the calling thread before the
+    pieces start (:func:`_tiles` otherwise) cost a 128 -> 32 channel 28x28 conv 96 of its 445
+    us on two threads (the image last touched by the other core); here each piece fills what
+    it reads, in parallel, into its own slab (in cache for its GEMM), at the cost of the halo
+    rows filled twice."""
+    kdim, positions, ow, wide = g.c * g.taps, g.positions, g.out_sp[1], g.phases.width
+    pieces, pitch = g.tiles_slabs, g.slab_pitch
+    packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
+    slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.slab_size))
+    work = scratch_array(scratch, "product", _F32, (g.product_bytes // 4,))
+    rowoff = np.array([c * pitch + off for c in range(g.c) for _, off in g.phases.taps], np.int64)
+    packed_rows = np.arange(kdim, dtype=np.int64) * native.GEMM_NR  # bpack's rows
+    descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
+    for field, value in ((layout.G_KIND, layout.KIND_TILES_SLAB), (layout.V_N, positions), (layout.V_C, kdim),
+                         (layout.V_N0, g.slab_size), (layout.V_ROWS, rowoff.ctypes.data),
+                         (layout.V_N1, packed_rows.ctypes.data), (layout.V_WIDTH, wide), (layout.V_OW, ow),
+                         (layout.V_KH, g.c), (layout.V_SH, g.in_sp[0]), (layout.V_SW, g.in_sp[1]),
+                         (layout.V_PH, g.pb[0]), (layout.V_PW, g.pb[1]), (layout.V_DW, pitch)):
+        descs[:, field] = value
+    start = 0
+    rows = []
+    for i, (j0, j1, m0, m1, block) in enumerate(pieces):
+        end = start + native.gemm_tiles_bytes(m1 - m0, kdim, block) // 4
+        bpack, cbuf = work[start:start + kdim * native.GEMM_NR], work[start + kdim * native.GEMM_NR:end]
+        start = end
+        y0, count = g.slab_rows(j0, j1)
+        descs[i, [layout.V_M, layout.V_OH, layout.V_H, layout.V_A, layout.V_B, layout.V_BLOCK, layout.V_DH,
+                  layout.V_Y0, layout.V_Y1, layout.V_KW]] = (
+            m1 - m0, -(-(m1 - m0) // native.GEMM_MR), j1 - j0, bpack.ctypes.data, cbuf.ctypes.data, block,
+            slabs[i].ctypes.data, y0, count, j0 - y0 * wide)
+        rows.append((m0 * positions + y0 * ow) * 4)  # its output from its first row
+    _activation_fields(descs, act, alpha, beta)
+    table = parallel.PieceTable(descs, [(layout.V_X, 0, [0] * len(pieces)),
+                                        (layout.V_W, 1, [m0 * kdim * 4 for _, _, m0, *_ in pieces]),
+                                        (layout.V_BIAS, 2, [m0 * 4 for _, _, m0, *_ in pieces]),
+                                        (layout.V_RES, 3, rows), (layout.V_OUT, 4, rows)],
+                                keep=(rowoff, packed_rows, slabs, work))
+
+    def kernel(x, w, *rest):
+        # the operands held here: the pieces read them through raw addresses (weights that may
+        # change are packed per call)
+        x, wp = np.ascontiguousarray(x, _F32), packed(w)
+        b = np.ascontiguousarray(rest[0] if has_bias else zero_bias, _F32)
+        r = np.ascontiguousarray(rest[1]) if has_residual else None
+        parallel.run_gemms(table(x, wp, b, r, rest[-1]))
+    return kernel
 
 
 def _phase_views(ph: _Phases, c: int, buf: np.ndarray) -> tuple[list, list]:

@@ -147,7 +147,7 @@ def _warm(loops: dict[str, Callable]) -> None:
         for residual in (m[:0, :0], m):
             loops["gemm_tiles"](packed, src, np.arange(2), np.arange(2) * GEMM_NR, 4, 4, 4,
                                 np.zeros((1, 4), np.float32), ro[:1], residual[:1], np.zeros(2 * GEMM_NR, np.float32),
-                                np.zeros(GEMM_MR * GEMM_NR, np.float32), GEMM_NR, 1, *_F32_PAIR)
+                                np.zeros(GEMM_MR * GEMM_NR, np.float32), GEMM_NR, 1, *_F32_PAIR, 0)
     wide = np.zeros((2, GEMM_NR), np.float32)  # a channels-last 1x1 conv: 2 pixels, 4 -> GEMM_NR channels
     ro_bias = wide[0].copy()
     ro_bias.flags.writeable = False
@@ -324,17 +324,18 @@ def gemm_tiles_bytes(m: int, k: int, block: int) -> int:
 
 def gemm_tiles(wp: np.ndarray, src: np.ndarray, rowoff: np.ndarray, packed_rows: np.ndarray, ncols: int, wide: int,
                ow: int, out: np.ndarray, bias: np.ndarray, residual: np.ndarray | None, bpack: np.ndarray,
-               cbuf: np.ndarray, block: int, act: int, alpha: float, beta: float) -> None:
+               cbuf: np.ndarray, block: int, act: int, alpha: float, beta: float, first: int = 0) -> None:
     """(M, positions) ``out`` = activation ``act`` of packed weights ``wp`` @ B + bias[m] (+
     residual), B's row k being flat ``src`` from ``rowoff[k]`` (int64), columns 0 .. ncols
     (``packed_rows``: k * GEMM_NR for each k, int64, made once with ``rowoff``),
-    column j the output position (j // wide, j % wide) if j % wide < ow (else not stored);
+    column j the output position (i // wide, i % wide), i = j + ``first``, if i % wide < ow
+    (else not stored; ``out``'s second extent its row stride);
     ``bpack`` (K * GEMM_NR) and ``cbuf`` (M rounded up to GEMM_MR, times ``block``) are
     scratch, ``block`` comes from :func:`gemm_block`. See :func:`polyhal_cpu.native_loops.gemm_tiles`."""
     none = _NONE2 if residual is None else residual
     _contiguous(wp, src, rowoff, packed_rows, out, bias, none, bpack, cbuf)
     _compiled()["gemm_tiles"](wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, none, bpack, cbuf, block, act,
-                              np.float32(alpha), np.float32(beta))
+                              np.float32(alpha), np.float32(beta), first)
 
 
 #: Bytes of the pixels' rows (input and tiles) one block of :func:`gemm_channels_last` spans.

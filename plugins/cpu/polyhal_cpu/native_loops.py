@@ -11,17 +11,18 @@ import platform
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
                                       G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
                                       G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT,
-                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, KIND_POOL, KIND_TILES, Q_COUNT, Q_DESC,
+                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, KIND_POOL, KIND_SCALE_SHIFT,
+                                      KIND_TILES, KIND_TILES_SLAB, Q_COUNT, Q_DESC,
                                       Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA,
                                       V_B, V_BETA, V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0,
                                       V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_ROWS, V_SH, V_SW, V_W, V_WIDTH, V_X,
                                       V_Y0, V_Y1)
-from polyhal_cpu.queue_layout import KIND_SCALE_SHIFT
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
@@ -132,6 +133,27 @@ def _pointer_at(element: types.Type, llvm_type: ir.Type):
 _f32_pointer = _pointer_at(types.float32, ir.FloatType())
 _i64_pointer = _pointer_at(types.int64, ir.IntType(64))
 _i32_pointer = _pointer_at(types.int32, ir.IntType(32))
+
+
+@intrinsic
+def _copy_bytes(typingctx, dst, src, n):
+    """Copy ``n`` bytes from address ``src`` to address ``dst`` (not overlapping): LLVM's memcpy,
+    which a loop of float stores does not become where numba cannot tell the arrays apart
+    (measured 3.5x slower for a padded image's rows)."""
+    def codegen(context, builder, signature, args):
+        bytes_ = ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], bytes_), builder.inttoptr(args[1], bytes_), args[2], 1)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
+@intrinsic
+def _zero_bytes(typingctx, dst, n):
+    """Zero ``n`` bytes from address ``dst`` (LLVM's memset)."""
+    def codegen(context, builder, signature, args):
+        cgutils.memset(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), args[1], 0)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64), codegen
 
 
 @intrinsic
@@ -276,15 +298,22 @@ def conv_piece(d):
                d[V_KH], kw, d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW], act != 0)
         return
     has_residual, none = d[V_RES] != 0, d[V_RES] * 0  # none: a zero extent of the residual's type
-    if kind == KIND_TILES:  # (M rows, K) packed @ B (K, columns) into (M rows, positions)
+    if kind == KIND_TILES or kind == KIND_TILES_SLAB:  # (M rows, K) packed @ B (K, columns) into (M rows, positions)
         rows, positions, kdim, panels = d[V_M], d[V_N], d[V_C], d[V_OH]
-        gemm_tiles(_f32_array(d[V_W], (panels, kdim, GEMM_MR)), _f32_array(d[V_X], d[V_N0]),
+        src, size, first = d[V_X], d[V_N0], 0
+        if kind == KIND_TILES_SLAB:  # B: the piece's own slab of the padded image, filled here
+            src = d[V_DH]
+            fill_slab(d[V_X], d[V_KH], d[V_SH], d[V_SW], src, size, d[V_Y0], d[V_Y1], d[V_PH], d[V_PW],
+                      d[V_WIDTH], d[V_DW])
+            first = d[V_KW]  # B's columns from this place in the slab's first row
+            src, size = src + first * 4, size - first
+        gemm_tiles(_f32_array(d[V_W], (panels, kdim, GEMM_MR)), _f32_array(src, size),
                    carray(_i64_pointer(d[V_ROWS]), kdim), carray(_i64_pointer(d[V_N1]), kdim), d[V_H],
                    d[V_WIDTH], d[V_OW], _f32_array(d[V_OUT], (rows, positions)), _f32_array(d[V_BIAS], rows),
                    _f32_array(d[V_RES] if has_residual else d[V_OUT],
                               (rows, positions) if has_residual else (none, none)),
                    _f32_array(d[V_A], kdim * GEMM_NR), _f32_array(d[V_B], panels * GEMM_MR * d[V_BLOCK]),
-                   d[V_BLOCK], act, alpha, beta)
+                   d[V_BLOCK], act, alpha, beta, first)
         return
     if kind == KIND_POINTWISE:  # (pixels, C) @ (C, M padded) into (pixels, M)
         pixels, c, mpad, m = d[V_N], d[V_C], d[V_M], d[V_OW]
@@ -1606,19 +1635,49 @@ def _make_prefetch():
 _prefetch = _make_prefetch()
 
 @_jit
+def fill_slab(x, c, h, w, slab, size, y0, rows, ph, pw, wide, pitch):
+    """Padded rows y0 .. y0 + rows of the float32 image at address ``x`` (c, h, w) with ``ph``
+    rows and ``pw`` columns of zeros before it (and zeros after it, to ``wide`` columns) into
+    the slab at address ``slab``: channel ci's rows from ci * ``pitch`` floats, zeros from their
+    end to the next channel's and from the last one's to ``size`` floats (the room the last taps
+    of :func:`gemm_tiles` read past a plane's corner, and its last partial tile past the last
+    row, for columns it does not store)."""
+    right = wide - pw - w
+    for ci in range(c):
+        base = slab + ci * pitch * 4
+        for r in range(rows):
+            row = base + r * wide * 4
+            iy = y0 + r - ph
+            if iy < 0 or iy >= h:
+                _zero_bytes(row, wide * 4)
+                continue
+            if pw > 0:
+                _zero_bytes(row, pw * 4)
+            _copy_bytes(row + pw * 4, x + (ci * h + iy) * w * 4, w * 4)
+            if right > 0:
+                _zero_bytes(row + (pw + w) * 4, right * 4)
+        if pitch > rows * wide:
+            _zero_bytes(base + rows * wide * 4, (pitch - rows * wide) * 4)
+    if size > c * pitch:
+        _zero_bytes(slab + c * pitch * 4, (size - c * pitch) * 4)
+
+
+@_jit
 def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residual, bpack, cbuf, block, act, alpha,
-               beta):
+               beta, first):
     """out (M, oh * ow) = act(W @ B + bias[m] (+ residual (M, oh * ow), or (0, 0) for none)).
 
     ``wp``: the weights packed (panels, K, GEMM_MR), zero rows past M. B's row k is ``src``
     (flat) from ``rowoff[k]``; its columns 0 .. ncols are read (``packed_rows``: k * GEMM_NR for
-    each k, the rows of ``bpack``; both made once, when the kernel is prepared). Column j is output
-    position
-    (j // wide, j % wide), stored only if j % wide < ow (a padded image read flat has wide - ow
-    columns of junk per row; a plain matrix has wide = ow = ncols, and then its whole tiles are
-    finished in registers and stored straight into the output). The tiles read B where it
-    lies, but for a last panel narrower than GEMM_NR, copied into ``bpack`` (K * GEMM_NR) with
-    zeros past the columns.
+    each k, the rows of ``bpack``; both made once, when the kernel is prepared). Column j is
+    output position (i // wide, i % wide), i = j + ``first``, stored only if i % wide < ow (a
+    padded image read flat has wide - ow columns of junk per row; a plain matrix has wide = ow =
+    ncols, and then its whole tiles are finished in registers and stored straight into the
+    output). ``positions`` (out's second extent) is only the output's row stride: a block of B's
+    columns from within a plane (``first`` its first one's place in its row) is stored through
+    an ``out`` that starts at its first row. The tiles read B where it
+    lies, but for a last panel narrower than GEMM_NR where ``src`` ends before its last row's
+    GEMM_NR columns: that one is copied into ``bpack`` (K * GEMM_NR) with zeros past the columns.
 
     Columns go by blocks of ``block`` (a multiple of GEMM_NR). Each tile column of the block is
     computed down all M rows (its part of B, K x GEMM_NR, read once from memory and then from
@@ -1645,13 +1704,20 @@ def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residua
     # a plain matrix (no junk columns): whole tiles go straight into the output, finished in
     # registers; the rest through cbuf and the loop below
     direct_panels = m // mr if wide == ow else 0
+    # tiles left of ``reads`` read B where it lies: a last partial one too where ``src`` has
+    # room for its whole width past every row's start (its columns past ncols are not stored);
+    # else it is copied into bpack first (~20 us for K = 1152 where the copy was a float loop)
+    reads = full
     if full < ncols:
+        reach = 0
         for k in range(kdim):
-            s0, d0 = rowoff[k] + full, k * nr
-            for t in range(ncols - full):
-                bpack[d0 + t] = src[s0 + t]
-            for t in range(ncols - full, nr):
-                bpack[d0 + t] = zero
+            reach = max(reach, rowoff[k])
+        if reach + full + nr <= src.size:
+            reads = full + nr
+        else:
+            for k in range(kdim):
+                _copy_bytes(ba + k * nr * 4, sa + (rowoff[k] + full) * 4, (ncols - full) * 4)
+                _zero_bytes(ba + (k * nr + ncols - full) * 4, (nr - ncols + full) * 4)
     for jb in range(0, ncols, block):
         bw = min(block, ncols - jb)
         tiles = (bw + nr - 1) // nr
@@ -1665,7 +1731,7 @@ def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residua
                 j0 = jb + q * nr
                 c = ca + (q * panels + p) * tile_size * 4
                 if j0 < full and p < direct_panels:
-                    o0 = p * mr * positions + j0
+                    o0 = p * mr * positions + first + j0
                     if has_residual:  # the next tile's residual, fetched while this one computes
                         for r in range(mr):
                             _prefetch(rsa + (o0 + r * positions + nr) * 4)
@@ -1673,14 +1739,15 @@ def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residua
                     _tile_fused(wa + p * kdim * mr * 4, 0, sa + j0 * 4, ra, kdim, oa + o0 * 4, positions,
                                 bsa + p * mr * 4, rsa + o0 * 4 if has_residual else za,
                                 positions if has_residual else 0, relu)
-                elif j0 < full:
+                elif j0 < reads:
                     _tile(wa + p * kdim * mr * 4, 0, sa + j0 * 4, ra, kdim, c, nr)
                 else:
                     _tile(wa + p * kdim * mr * 4, 0, ba, pra, kdim, c, nr)
         # the block's first output position and the one past its last (positions grow with j)
-        y0, y1 = jb // wide, (jb + bw) // wide
-        pos_lo = y0 * ow + min(jb - y0 * wide, ow)
-        pos_hi = y1 * ow + min(jb + bw - y1 * wide, ow)
+        i0, i1 = first + jb, first + jb + bw
+        y0, y1 = i0 // wide, i1 // wide
+        pos_lo = y0 * ow + min(i0 - y0 * wide, ow)
+        pos_hi = y1 * ow + min(i1 - y1 * wide, ow)
         for p in range(panels):
             for r in range(min(mr, m - p * mr)):
                 mo = p * mr + r
@@ -1694,8 +1761,8 @@ def gemm_tiles(wp, src, rowoff, packed_rows, ncols, wide, ow, out, bias, residua
                     # the tile row's columns as runs of output positions, one per output row
                     j = j0
                     while j < end:
-                        yo = j // wide
-                        xo = j - yo * wide
+                        yo = (j + first) // wide
+                        xo = j + first - yo * wide
                         run_length = min(end - j, wide - xo)
                         if xo < ow:
                             n = min(run_length, ow - xo)

@@ -25,6 +25,14 @@ KIND_POINTWISE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT, KIND_IMAGE_CONV = 2, 3, 4, 
 #: the packed panel's row offsets, V_H the columns, V_WIDTH the plane's width, V_OW the
 #: output's, V_BLOCK the columns per block.
 KIND_TILES = 6
+#: A stride-1 NCHW convolution's block of B's columns (V_H of them from the V_KW-th of padded
+#: row V_Y0: output rows times the padded width) and of output channels (V_M rows of panels at
+#: V_W), by ``gemm_tiles`` as for KIND_TILES, the output and residual at V_OUT, V_RES from the
+#: block's first channel and row (V_N the output's row stride). Its B is its own slab of the
+#: zero-padded image, filled first from the image (C, H, W) at V_X: V_KH channels of V_Y1 padded
+#: rows from padded row V_Y0, V_WIDTH wide, V_DW floats apart, at V_DH (scratch: V_N0 floats,
+#: zeros past the rows); V_SH, V_SW the image's height and width, V_PH, V_PW its top and left pads.
+KIND_TILES_SLAB = 7
 #: A 2-D max or average pool's block of V_N (image, channel) planes (``pool2d``): V_X, V_OUT
 #: its planes, (V_H, V_WIDTH) and (V_OH, V_OW) their sizes, the window's V_KH .. V_DW, V_ACT 1
 #: for a max pool, V_A the average's divisors' reciprocals (V_M floats), V_B its scratch

@@ -167,6 +167,84 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("xs, ws, attrs", [
+    ((1, 5, 13, 11), (13, 5, 3, 3), {"pads": [1, 2, 0, 1]}),  # asymmetric pads; 2 panels, the last partial
+    ((1, 4, 10, 37), (9, 4, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),  # blocks starting mid-row
+    ((1, 6, 9, 9), (16, 6, 5, 5), {"pads": [2, 2, 2, 2]}),
+    ((1, 5, 13, 11), (16, 5, 3, 1), {"pads": [1, 0, 2, 0]}),  # no junk columns: whole tiles stored in registers
+    ((1, 3, 7, 7), (24, 3, 3, 3), {"pads": [1, 1, 1, 1]}),  # two tiles: cut by panels too
+    ((1, 3, 29), (9, 3, 3), {"pads": [1, 2], "dilations": [2]}),  # 1-D
+    ((1, 2, 1, 1), (3, 2, 3, 3), {"pads": [1, 1, 1, 1]}),  # one output position
+])
+@pytest.mark.parametrize("fused", ["none", "bias", "residual"])
+@pytest.mark.parametrize("n_threads", ["2", "3"])
+@pytest.mark.parametrize("per_thread", [1, 4])
+@pytest.mark.parametrize("weights_bytes", [1 << 30, 1], ids=["columns", "panels"])
+def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread, weights_bytes, monkeypatch):
+    """A batch-1 stride-1 conv on the compiled queue cut into pieces that each fill their own
+    slab of the padded image (blocks of B's columns cut at whole tiles, from the middle of a
+    padded row, and of output channels; several column blocks per piece, the block budget
+    shrunk), on nan-filled scratch and output, with bias, residual and an activation finished
+    per tile: what one piece (one thread) gives, and the reference."""
+    from polyhal_cpu import queue_layout as layout
+
+    if not native.available(np.float32) or native.gemm_queue() is None:
+        pytest.skip("the compiled queue is not available here")
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
+    monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
+    monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)  # small convs cut too
+    monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", per_thread)
+    monkeypatch.setattr(conv_kernels, "SLAB_WEIGHTS_BYTES", weights_bytes)  # cut by columns or panels first
+    n = len(ws) - 2
+    attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
+    x, w = _f(*xs), _f(*ws)
+    w.flags.writeable = False
+    ins = [x, w] if fused == "none" else [x, w, _f(ws[0])]
+    op = "conv" if fused == "none" else "fused_conv"
+    if op == "fused_conv":
+        attrs |= {"activation": "relu" if fused == "residual" else "hard_swish", "alpha": 1 / 6, "beta": 0.5}
+    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    if fused == "residual":
+        ins.append(_f(*out_type.shape))
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    tables, run_gemms = [], parallel.run_gemms
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
+    results = []
+    for budget in ("1", n_threads):
+        monkeypatch.setenv("POLYHAL_CPU_THREADS", budget)
+        threads.reset()
+        monkeypatch.setattr(threads, "_budget", None)
+        geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+        assert geometry.path == "tiles" and geometry.tiles_slabs
+        # the pieces: blocks of whole tiles and whole panels, covering the GEMM once
+        ncols = geometry.out_sp[0] * geometry.phases.width
+        covered = np.zeros((-(-ws[0] // native.GEMM_MR), -(-ncols // native.GEMM_NR)), int)
+        for j0, j1, m0, m1, _ in geometry.tiles_slabs:
+            assert j0 % native.GEMM_NR == m0 % native.GEMM_MR == 0 and (j1 % native.GEMM_NR == 0 or j1 == ncols)
+            covered[m0 // native.GEMM_MR:-(-m1 // native.GEMM_MR), j0 // native.GEMM_NR:-(-j1 // native.GEMM_NR)] += 1
+        assert (covered == 1).all()
+        parts = 1 if budget == "1" else int(budget) * per_thread
+        assert len(geometry.tiles_slabs) <= parts and (len(geometry.tiles_slabs) > 1) == (parts > 1 < covered.size)
+        requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
+        scratch = standalone(None, requests)
+        kernel = prepare(op, attrs, types, (out_type,), scratch)
+        for _ in range(2):  # again with another image: every slab filled again, its padding too
+            for request in requests:
+                scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+            ins[0] = _f(*xs)
+            out = np.full(out_type.shape, np.nan, np.float32)
+            kernel(*ins, out)
+            (want,) = OPS[op].reference(*ins, **attrs)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+        results.append(out)
+        table = tables[-1]
+        assert len(table) == len(geometry.tiles_slabs) and (table[:, layout.G_KIND] == layout.KIND_TILES_SLAB).all()
+        for fields in ([layout.V_A], [layout.V_B], [layout.V_DH], [layout.V_OUT, layout.V_KW, layout.V_W]):
+            assert len({tuple(row) for row in table[:, fields]}) == len(table)  # own scratch, own part
+    whole = OPS[op].reference(*ins, **attrs)[0]
+    np.testing.assert_allclose(results[1], whole, rtol=1e-4, atol=1e-4)
+
+
 def test_conv_columns_are_the_plans_scratch(monkeypatch):
     """The im2col path declares its columns (and, stacking images, the GEMM's product), the
     tiles path its padded image, packed panel of B and tile; a plan binds them (bufferize lists

@@ -73,11 +73,14 @@ _SCRIPT = textwrap.dedent("""
         # a norm and activation no conv took (pieces of the compiled queue; ReLU in the pass, or not)
         ("scale_shift", [f(2, 5, 7, 6), f(5), f(5)], {"activation": "relu", "alpha": 0.0, "beta": 0.0}),
         ("scale_shift", [f(1, 7, 4, 5), f(7), f(7)], {"activation": "silu", "alpha": 0.0, "beta": 0.0}),
+        # batch 1, stride 1: a piece of the compiled queue filling its own slab of the padded image
+        ("fused_conv", [f(1, 8, 9, 7), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)], geometry(pad=1, activation="relu")),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
-        if name.endswith("conv"):
-            assert name == "blocked_conv" or conv_kernels._Conv(attrs, types[0], types[1], out_type).path == "tiles"
+        if name.endswith("conv") and name != "blocked_conv":
+            g = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+            assert g.path == "tiles" and bool(g.tiles_slabs) == (xs[0].shape[0] == 1 and attrs["strides"] == [1, 1])
         out = np.empty(out_type.shape, np.float32)
         calls.append((prepare(name, attrs, types, (out_type,)), xs, out))
     # the NCHW loops: im2col (with column phases), pooling (strided), depthwise

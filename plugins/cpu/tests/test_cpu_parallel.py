@@ -168,7 +168,8 @@ TILE_CASES = [
     ("fused_conv", [(5, 8, 9, 7), (6, 8, 3, 3), (6,), (5, 6, 9, 7)], _geometry(pad=1, **_CONV)),
     ("conv", [(3, 9, 11, 10), (8, 9, 3, 3)], _geometry(stride=2, pad=1)),
     ("conv", [(3, 70, 8, 8), (5, 70, 1, 1)], _geometry()),
-    # batch 1 (the compiled queue's pieces): strided, and 1x1 with a residual
+    # batch 1 (the compiled queue's pieces): strided, and 1x1 with a residual (stride-1 ones cut
+    # by their own slabs: the first case above)
     ("conv", [(1, 10, 9, 7), (50, 10, 3, 3)], _geometry(stride=2)),
     ("fused_conv", [(1, 9, 8, 8), (29, 9, 1, 1), (29,), (1, 29, 8, 8)], _geometry(**_CONV)),
 ]
@@ -195,7 +196,10 @@ def _tile_conv(monkeypatch, name, shapes, attrs, n_threads, gemm_tiles):
     # cut by channels, or (in a batch, where that gives as many pieces) into blocks of images
     by_channels, by_images = min(int(n_threads), -(-shapes[1][0] // native.GEMM_MR)), min(int(n_threads), shapes[0][0])
     images = by_images > 1 and by_images >= by_channels
-    assert (len(geometry.tiles_pieces), geometry.tiles_images) == ((1, by_images) if images else (by_channels, 1))
+    if geometry.tiles_slabs:  # batch 1, stride 1 on the compiled queue: blocks of B's columns (conv_kernels._slabs)
+        assert min(2, int(n_threads)) <= len(geometry.tiles_slabs) <= int(n_threads) and geometry.tiles_images == 1
+    else:
+        assert (len(geometry.tiles_pieces), geometry.tiles_images) == ((1, by_images) if images else (by_channels, 1))
     requests = registry.default_registry().get_device("cpu:0").scratch(name, attrs, types, (out_type,))
     scratch = standalone(None, requests)
     for request in requests:
@@ -229,11 +233,14 @@ def test_split_tiles_equal_the_whole(monkeypatch, n_threads, name, shapes, attrs
     np.testing.assert_allclose(cut, want, rtol=1e-4, atol=1e-4)
     if geometry.tiles_images == 1 and native.gemm_queue() is not None:  # image by image, on the compiled queue
         assert not calls and len(tables) == shapes[0][0]
+        slabs = bool(geometry.tiles_slabs)  # batch 1, stride 1: each piece fills its own slab
         for table in tables:
-            assert len(table) == len(geometry.tiles_pieces) > 1
-            assert (table[:, layout.G_KIND] == layout.KIND_TILES).all()
-            for field in (layout.V_A, layout.V_B, layout.V_OUT, layout.V_W):  # own scratch, rows, panels
-                assert len(set(table[:, field])) == len(table)
+            assert len(table) == len(geometry.tiles_slabs if slabs else geometry.tiles_pieces) > 1
+            assert (table[:, layout.G_KIND] == (layout.KIND_TILES_SLAB if slabs else layout.KIND_TILES)).all()
+            # own scratch (and slab), part of the output (rows, or columns from a place in a row), panels
+            for fields in ([layout.V_A], [layout.V_B], [layout.V_DH] if slabs else [layout.V_W],
+                           [layout.V_OUT, layout.V_KW, layout.V_W] if slabs else [layout.V_OUT]):
+                assert len({tuple(row) for row in table[:, fields]}) == len(table)
         return
     assert len(calls) == shapes[0][0] * len(geometry.tiles_pieces)
     for i, (out_a, *_) in enumerate(calls):
