@@ -669,7 +669,8 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
         out = rest[-1]
         wp = packed(w)
         b = rest[0] if has_bias else zero_bias
-        x4 = np.ascontiguousarray(x).reshape(g.as2d(x.shape))
+        xc = np.ascontiguousarray(x)
+        x4 = xc.reshape(g.as2d(x.shape))
         o3 = out.reshape(g.batch, g.m, positions)
         r3 = np.ascontiguousarray(rest[1]).reshape(g.batch, g.m, positions) if has_residual else None
         if copies > 1:
@@ -683,8 +684,12 @@ def _tiles(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
                 continue
             for dst, src in fills[0]:
                 np.copyto(dst, x4[n][src])
-            parallel.run_gemms(table(x4[n] if bufs[0] is None else bufs[0], wp, np.ascontiguousarray(b, _F32),
-                                     None if r3 is None else r3[n], o3[n]))
+            if g.batch == 1:  # the arrays as the plan passes them (the same on every run: the table is kept)
+                src, res, dst = xc, None if r3 is None else rest[1], out
+            else:
+                src, res, dst = x4[n], None if r3 is None else r3[n], o3[n]
+            parallel.run_gemms(table(src if bufs[0] is None else bufs[0], wp, np.ascontiguousarray(b, _F32),
+                                     None if res is None else np.ascontiguousarray(res), dst))
     return kernel
 
 
