@@ -525,7 +525,9 @@ def _pointwise_queued(g: _Conv, has_bias: bool, has_residual: bool, zero_bias: n
     if parallel.gemm_fn() is None:
         return None
     length = g.positions
-    split = parallel.GemmSplit(g.m, length, g.c, axis=0, queued=True)
+    first = _pointwise_pieces(g)[0]
+    by_columns = POINTWISE_COLUMNS and first[1] - first[0] < length
+    split = parallel.GemmSplit(g.m, length, g.c, axis=1 if by_columns else 0, queued=True)
     rows3 = (g.batch, g.m, length)
 
     def kernel(x, w, *rest):
@@ -1198,6 +1200,10 @@ def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
 #: and the scratch its conv declares as a ``fused_conv``. It must not decline. Every other path
 #: reads a normalised copy of the input, written into scratch first (:func:`_scale_shift_conv`).
 PROLOGUE_FILLS: dict[str, Callable[..., Kernel]] = {}
+#: Bytes of the ``normalised`` scratch a path of :data:`PROLOGUE_FILLS` declares all the same
+#: (its pieces' own normalised input, or room to fall back to the generic prologue): path ->
+#: ``fn(g, x_type)``. A path of PROLOGUE_FILLS not here declares none.
+PROLOGUE_SCRATCH: dict[str, Callable[[_Conv, TensorType], int]] = {}
 
 
 def _without_prologue(attrs: dict, ins: Types) -> tuple[dict, Types]:
@@ -1212,9 +1218,10 @@ def _prologue_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> 
     conv_attrs, conv_ins = _without_prologue(attrs, ins)
     requests = TABLE.scratch(device, "fused_conv", conv_attrs, conv_ins, outs)
     g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
-    if g.path in PROLOGUE_FILLS:
+    if g.path in PROLOGUE_FILLS and g.path not in PROLOGUE_SCRATCH:
         return requests
-    normalised = ScratchDecl("normalised", shared=True, per_launch=ins[0].size * g.dtype.itemsize,
+    size = PROLOGUE_SCRATCH[g.path](g, ins[0]) if g.path in PROLOGUE_FILLS else ins[0].size * g.dtype.itemsize
+    normalised = ScratchDecl("normalised", shared=True, per_launch=size,
                              spaces=(MemorySpace.GLOBAL,), alignment=64,
                              purpose="the input normalised by the prologue (x * scale + shift, activation), "
                                      "which the conv then reads")
@@ -1234,6 +1241,13 @@ def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scr
     fill = PROLOGUE_FILLS.get(g.path)
     if fill is not None:
         return fill(device, op, attrs, ins, outs, scratch)
+    return _normalised_then_conv(device, attrs, ins, outs, scratch)
+
+
+def _normalised_then_conv(device, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """The generic ``scale_shift_conv``: scale_shift's kernel into the ``normalised`` scratch,
+    then the ``fused_conv`` kernel reading it."""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
     x_type = ins[0]
     normalise = TABLE.prepare(device, "scale_shift", {"activation": attrs["pre_activation"],
                                                       "alpha": attrs["pre_alpha"], "beta": attrs["pre_beta"]},
@@ -1245,6 +1259,103 @@ def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scr
         normalise(x, scale, shift, normalised)
         conv(normalised, w, b, *rest)
     return kernel
+
+
+#: Positions a piece of a 1x1 conv on the pointwise path holds at least where it is cut by B's
+#: columns (blocks of positions); a plane with fewer per piece is cut by output channels.
+POINTWISE_MIN_COLUMNS = 64
+#: Whether a 1x1 conv on the pointwise path without a prologue is cut by positions where
+#: :func:`_pointwise_pieces` says so (else by output channels).
+POINTWISE_COLUMNS = True
+#: Pieces per thread a ``scale_shift_conv`` on the pointwise path is cut into.
+PROLOGUE_PIECES_PER_THREAD = 1
+
+
+def _pointwise_pieces(g: _Conv, per_thread: int = 1) -> list[tuple[int, int, int, int]]:
+    """One image's pieces of a 1x1 conv on the pointwise path, on the compiled queue: (first
+    position, last + 1, first output channel, last + 1), as many as its estimated time is worth
+    (pieces of GEMM_QUEUE_PIECE_US at least), ``per_thread`` a thread at most; by blocks of
+    positions where each holds POINTWISE_MIN_COLUMNS, else by blocks of output channels; both
+    cut at whole register blocks (GEMM_ALIGN)."""
+    us = g.m * g.positions * g.c / parallel.GEMM_MACS_PER_US
+    parts = 1 if parallel.queue_parts(us) < 2 else max(1, min(parallel.threads() * per_thread,
+                                                              int(us // parallel.GEMM_QUEUE_PIECE_US)))
+    if parts > 1 and g.positions // parts >= POINTWISE_MIN_COLUMNS:
+        return [(c0, c1, 0, g.m) for c0, c1 in parallel.blocks(g.positions, parts, parallel.GEMM_ALIGN)]
+    return [(0, g.positions, m0, m1) for m0, m1 in parallel.blocks(g.m, parts, parallel.GEMM_ALIGN)]
+
+
+def _prologue_part(g: _Conv, c0: int, c1: int) -> int:
+    """Floats of a prologue piece's normalised columns (all input channels of positions c0 ..
+    c1), rounded to whole cache lines so that pieces on different cores share none."""
+    return -(-g.c * (c1 - c0) // 16) * 16
+
+
+def _pointwise_prologue_bytes(g: _Conv, x_type: TensorType) -> int:
+    """The ``normalised`` scratch of :func:`_pointwise_prologue`: each image's pieces' own
+    normalised columns, and at least the whole input (the generic prologue's, where it falls
+    back to it)."""
+    parts = sum(_prologue_part(g, c0, c1) for c0, c1, _, _ in _pointwise_pieces(g, PROLOGUE_PIECES_PER_THREAD))
+    return max(g.batch * parts, x_type.size) * g.dtype.itemsize
+
+
+def _pointwise_prologue(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A ``scale_shift_conv`` on the pointwise path (1x1 convs over 14x14 and 7x7 planes, as
+    DenseNet's) as pieces of the compiled queue (queue_layout's KIND_PROLOGUE_GEMM): each a
+    block of positions (or, on planes too small to cut so, of output channels;
+    :func:`_pointwise_pieces`) that first normalises its columns of all the input's channels
+    into its own part of the ``normalised`` scratch (K x columns, contiguous), then computes its
+    block of the output by sgemm from the bias, and adds the residual and the activation. Cut by
+    positions, each core reads only its part of the input -- the part the op before wrote there,
+    when that was cut alike -- and normalises it just before its GEMM reads it. (The generic
+    prologue normalised the whole input in one piece before the conv's pieces, cut by output
+    channels, each read all of it: the scale_shift took 14 us on one thread but 59 us on two, its
+    input last read by the other core.) Falls back to the generic prologue where the queue is off."""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
+    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
+    fn = parallel.gemm_fn()
+    if fn is None or not native.available(g.dtype):
+        return _normalised_then_conv(device, attrs, ins, outs, scratch)
+    pieces = _pointwise_pieces(g, PROLOGUE_PIECES_PER_THREAD)
+    c, m, positions = g.c, g.m, g.positions
+    work = scratch_array(scratch, "normalised", _F32, (_pointwise_prologue_bytes(g, ins[0]) // 4,))
+    rows = len(pieces) * g.batch
+    descs = np.zeros((rows, layout.G_FIELDS), np.int64)
+    one = parallel.float_bits(1.0)
+    pre = native.activation_code(attrs["pre_activation"])
+    for field, value in ((layout.G_KIND, layout.KIND_PROLOGUE_GEMM), (layout.G_FN, fn[0]), (layout.G_WIDE, fn[1]),
+                         (layout.G_GEMV, fn[2]), (layout.G_TA, blas.NO_TRANS), (layout.G_TB, blas.NO_TRANS),
+                         (layout.G_K, c), (layout.G_LDA, c), (layout.G_LDC, positions), (layout.G_ALPHA, one),
+                         (layout.G_BETA, one), (layout.G_BIAS_ROW, 1), (layout.G_BIAS_COL, 0),
+                         (layout.G_LDR, positions), (layout.G_ACT, native.activation_code(attrs["activation"])),
+                         (layout.G_ACT_ALPHA, parallel.float_bits(float(attrs["alpha"]))),
+                         (layout.G_ACT_BETA, parallel.float_bits(float(attrs["beta"]))), (layout.P_LDX, positions),
+                         (layout.P_ACT, pre), (layout.P_ALPHA, parallel.float_bits(float(attrs["pre_alpha"]))),
+                         (layout.P_BETA, parallel.float_bits(float(attrs["pre_beta"])))):
+        descs[:, field] = value
+    start, x_at, w_at, b_at, out_at = 0, [], [], [], []
+    for n in range(g.batch):
+        for i, (c0, c1, m0, m1) in enumerate(pieces):
+            row = n * len(pieces) + i
+            descs[row, [layout.G_M, layout.G_N, layout.G_LDB, layout.G_B]] = (m1 - m0, c1 - c0, c1 - c0,
+                                                                             work[start:].ctypes.data)
+            start += _prologue_part(g, c0, c1)
+            x_at.append((n * c * positions + c0) * 4)
+            w_at.append(m0 * c * 4)
+            b_at.append(m0 * 4)
+            out_at.append(((n * m + m0) * positions + c0) * 4)
+    whole = [0] * rows
+    table = parallel.PieceTable(descs, [(layout.P_X, 0, x_at), (layout.P_SCALE, 1, whole),
+                                        (layout.P_SHIFT, 2, whole), (layout.G_A, 3, w_at), (layout.G_BIAS, 4, b_at),
+                                        (layout.G_RES, 5, out_at), (layout.G_C, 6, out_at)], keep=(work,))
+
+    def kernel(x, scale, shift, w, b, *rest):
+        _run_table(table, x, scale, shift, w, b, rest[0] if len(rest) == 2 else None, rest[-1])
+    return kernel
+
+
+PROLOGUE_FILLS["pointwise"] = _pointwise_prologue
+PROLOGUE_SCRATCH["pointwise"] = _pointwise_prologue_bytes
 
 
 # ------------------------------------------------------------------------------ conv_transpose
