@@ -525,9 +525,7 @@ def _pointwise_queued(g: _Conv, has_bias: bool, has_residual: bool, zero_bias: n
     if parallel.gemm_fn() is None:
         return None
     length = g.positions
-    first = _pointwise_pieces(g)[0]
-    by_columns = POINTWISE_COLUMNS and first[1] - first[0] < length
-    split = parallel.GemmSplit(g.m, length, g.c, axis=1 if by_columns else 0, queued=True)
+    split = parallel.GemmSplit(g.m, length, g.c, axis=0, queued=True)
     rows3 = (g.batch, g.m, length)
 
     def kernel(x, w, *rest):
@@ -1264,9 +1262,6 @@ def _normalised_then_conv(device, attrs: dict, ins: Types, outs: Types, scratch)
 #: Positions a piece of a 1x1 conv on the pointwise path holds at least where it is cut by B's
 #: columns (blocks of positions); a plane with fewer per piece is cut by output channels.
 POINTWISE_MIN_COLUMNS = 64
-#: Whether a 1x1 conv on the pointwise path without a prologue is cut by positions where
-#: :func:`_pointwise_pieces` says so (else by output channels).
-POINTWISE_COLUMNS = True
 #: Pieces per thread a ``scale_shift_conv`` on the pointwise path is cut into.
 PROLOGUE_PIECES_PER_THREAD = 1
 
@@ -1280,7 +1275,7 @@ def _pointwise_pieces(g: _Conv, per_thread: int = 1) -> list[tuple[int, int, int
     us = g.m * g.positions * g.c / parallel.GEMM_MACS_PER_US
     parts = 1 if parallel.queue_parts(us) < 2 else max(1, min(parallel.threads() * per_thread,
                                                               int(us // parallel.GEMM_QUEUE_PIECE_US)))
-    if parts > 1 and g.positions // parts >= POINTWISE_MIN_COLUMNS:
+    if parts > 1 and g.positions >= g.m and g.positions // parts >= POINTWISE_MIN_COLUMNS:
         return [(c0, c1, 0, g.m) for c0, c1 in parallel.blocks(g.positions, parts, parallel.GEMM_ALIGN)]
     return [(0, g.positions, m0, m1) for m0, m1 in parallel.blocks(g.m, parts, parallel.GEMM_ALIGN)]
 

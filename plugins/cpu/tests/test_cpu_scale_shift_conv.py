@@ -117,6 +117,7 @@ def test_a_path_that_fills_its_input_takes_the_prologue(monkeypatch):
     ((1, 40, 14, 14), 24, 16, 1),   # by blocks of positions (196 = 96 + 100; 65 + 65 + 66 cut at 16s)
     ((1, 40, 14, 14), 24, 16, 2),   # two pieces a thread
     ((1, 33, 7, 7), 40, 64, 1),     # too few positions a piece: by blocks of output channels
+    ((1, 8, 6, 6), 48, 4, 1),       # fewer positions than output channels: by blocks of channels
     ((2, 17, 5, 9), 35, 8, 1),      # a batch; 45 positions: odd blocks of columns
     ((1, 9, 5, 7), 1, 2, 1),        # one output channel (BLAS's matrix-vector product), 35 columns
 ])
@@ -144,9 +145,9 @@ def test_pointwise_prologue_on_the_gemm_queue(n_threads, xs, m, least, per_threa
         parts = int(n_threads) * per_thread
         if n_threads == "1":  # a budget of one thread cuts nothing
             assert len(pieces) == 1
-        else:  # by blocks of positions where each holds ``least``, else of output channels
+        else:  # by blocks of positions where each holds ``least`` and outnumber the channels
             assert len(pieces) > 1
-            assert all(m1 - m0 == m for *_, m0, m1 in pieces) == (g.positions // parts >= least)
+            assert all(m1 - m0 == m for *_, m0, m1 in pieces) == (g.positions // parts >= least and g.positions >= m)
         covered = np.zeros((m, g.positions), int)
         for c0, c1, m0, m1 in pieces:
             covered[m0:m1, c0:c1] += 1
