@@ -14,8 +14,10 @@ One dispatch per op, whatever its groups. A convolution takes one of five paths,
   that plane, :func:`_slabs`). Each tile is finished (bias, residual, activation) as it is
   stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
-  tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: one ``np.matmul`` (OpenBLAS's
-  sgemm) over the batch, no copy;
+  tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: OpenBLAS's sgemm, no copy, in
+  pieces of the compiled queue where it runs (:func:`_pointwise_queued`); with a
+  ``scale_shift_conv``'s prologue, each piece normalises its own columns of the input first
+  (:func:`_pointwise_prologue`);
 * **depthwise** (groups == input channels, one input channel per group; 2-D, float32, numba):
   a compiled loop accumulating each output row tap by tap while it stays in L1, and finishing
   it (bias, residual, activation) before moving on (:func:`polyhal_cpu.native.depthwise`). A
@@ -521,7 +523,17 @@ def _pointwise_queued(g: _Conv, has_bias: bool, has_residual: bool, zero_bias: n
     images' pieces go in one table. None where the queue is off. (Through
     :func:`polyhal_cpu.parallel.run`, each piece paid a Python hand-off of ~80 us: DenseNet's
     1x1 convs over 14x14 and 7x7 planes took 244 and 156 us at batch 1, where their sgemm
-    takes ~150 and ~60.)"""
+    takes ~150 and ~60.)
+
+    Cut by blocks of positions instead (as :func:`_pointwise_prologue` is, where they
+    outnumber the channels), it lost alone on the 2-core VM (batch 1, two threads, median us,
+    by channels / by positions): 14x14 C -> 128 for C = 256, 512, 768, 1024: 91 / 93, 159 / 165,
+    227 / 233, 303 / 305 (a second run, the other core busier: 162 / 159, 174 / 193, 243 / 259,
+    326 / 346); 7x7 (positions cut 32 + 17) 512 -> 128 56 / 65, 1024 -> 128 106 / 124;
+    ResNet-50's 1x1s (M >= positions: cut by channels either way under that rule) 1024 -> 256
+    at 14x14 1095 / 1091, 256 -> 1024 558 / 606, 2048 -> 512 at 7x7 632 / 853, 512 -> 2048
+    1242 / 1337. Without a prologue the pieces read the input where it lies (nothing written
+    first that the other core must fetch), so it stays cut by channels."""
     if parallel.gemm_fn() is None:
         return None
     length = g.positions
