@@ -14,8 +14,10 @@ One dispatch per op, whatever its groups. A convolution takes one of five paths,
   that plane, :func:`_slabs`). Each tile is finished (bias, residual, activation) as it is
   stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
-  tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: one ``np.matmul`` (OpenBLAS's
-  sgemm) over the batch, no copy;
+  tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: OpenBLAS's sgemm, no copy, in
+  pieces of the compiled queue where it runs (:func:`_pointwise_queued`); with a
+  ``scale_shift_conv``'s prologue, each piece normalises its own columns of the input first
+  (:func:`_pointwise_prologue`);
 * **depthwise** (groups == input channels, one input channel per group; 2-D, float32, numba):
   a compiled loop accumulating each output row tap by tap while it stays in L1, and finishing
   it (bias, residual, activation) before moving on (:func:`polyhal_cpu.native.depthwise`). A
@@ -521,7 +523,17 @@ def _pointwise_queued(g: _Conv, has_bias: bool, has_residual: bool, zero_bias: n
     images' pieces go in one table. None where the queue is off. (Through
     :func:`polyhal_cpu.parallel.run`, each piece paid a Python hand-off of ~80 us: DenseNet's
     1x1 convs over 14x14 and 7x7 planes took 244 and 156 us at batch 1, where their sgemm
-    takes ~150 and ~60.)"""
+    takes ~150 and ~60.)
+
+    Cut by blocks of positions instead (as :func:`_pointwise_prologue` is, where they
+    outnumber the channels), it lost alone on the 2-core VM (batch 1, two threads, median us,
+    by channels / by positions): 14x14 C -> 128 for C = 256, 512, 768, 1024: 91 / 93, 159 / 165,
+    227 / 233, 303 / 305 (a second run, the other core busier: 162 / 159, 174 / 193, 243 / 259,
+    326 / 346); 7x7 (positions cut 32 + 17) 512 -> 128 56 / 65, 1024 -> 128 106 / 124;
+    ResNet-50's 1x1s (M >= positions: cut by channels either way under that rule) 1024 -> 256
+    at 14x14 1095 / 1091, 256 -> 1024 558 / 606, 2048 -> 512 at 7x7 632 / 853, 512 -> 2048
+    1242 / 1337. Without a prologue the pieces read the input where it lies (nothing written
+    first that the other core must fetch), so it stays cut by channels."""
     if parallel.gemm_fn() is None:
         return None
     length = g.positions
@@ -1203,6 +1215,10 @@ def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
 #: and the scratch its conv declares as a ``fused_conv``. It must not decline. Every other path
 #: reads a normalised copy of the input, written into scratch first (:func:`_scale_shift_conv`).
 PROLOGUE_FILLS: dict[str, Callable[..., Kernel]] = {}
+#: Bytes of the ``normalised`` scratch a path of :data:`PROLOGUE_FILLS` declares all the same
+#: (its pieces' own normalised input, or room to fall back to the generic prologue): path ->
+#: ``fn(g, x_type)``. A path of PROLOGUE_FILLS not here declares none.
+PROLOGUE_SCRATCH: dict[str, Callable[[_Conv, TensorType], int]] = {}
 
 
 def _without_prologue(attrs: dict, ins: Types) -> tuple[dict, Types]:
@@ -1217,9 +1233,10 @@ def _prologue_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> 
     conv_attrs, conv_ins = _without_prologue(attrs, ins)
     requests = TABLE.scratch(device, "fused_conv", conv_attrs, conv_ins, outs)
     g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
-    if g.path in PROLOGUE_FILLS:
+    if g.path in PROLOGUE_FILLS and g.path not in PROLOGUE_SCRATCH:
         return requests
-    normalised = ScratchDecl("normalised", shared=True, per_launch=ins[0].size * g.dtype.itemsize,
+    size = PROLOGUE_SCRATCH[g.path](g, ins[0]) if g.path in PROLOGUE_FILLS else ins[0].size * g.dtype.itemsize
+    normalised = ScratchDecl("normalised", shared=True, per_launch=size,
                              spaces=(MemorySpace.GLOBAL,), alignment=64,
                              purpose="the input normalised by the prologue (x * scale + shift, activation), "
                                      "which the conv then reads")
@@ -1239,6 +1256,13 @@ def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scr
     fill = PROLOGUE_FILLS.get(g.path)
     if fill is not None:
         return fill(device, op, attrs, ins, outs, scratch)
+    return _normalised_then_conv(device, attrs, ins, outs, scratch)
+
+
+def _normalised_then_conv(device, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """The generic ``scale_shift_conv``: scale_shift's kernel into the ``normalised`` scratch,
+    then the ``fused_conv`` kernel reading it."""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
     x_type = ins[0]
     normalise = TABLE.prepare(device, "scale_shift", {"activation": attrs["pre_activation"],
                                                       "alpha": attrs["pre_alpha"], "beta": attrs["pre_beta"]},
@@ -1250,6 +1274,112 @@ def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scr
         normalise(x, scale, shift, normalised)
         conv(normalised, w, b, *rest)
     return kernel
+
+
+#: Positions a piece of a 1x1 conv on the pointwise path holds at least where it is cut by B's
+#: columns (blocks of positions); a plane with fewer per piece is cut by output channels, each
+#: piece then normalising all of the input. DenseNet's 7x7 ones (49 positions, 128 channels)
+#: so: alone, 768 -> 128 83 us by channels against 95 by columns (32 + 17), two threads on
+#: the 2-core VM; in the whole model block 4's 1x1 convs 1.57-1.63 ms against 1.71.
+POINTWISE_MIN_COLUMNS = 64
+#: Pieces per thread a ``scale_shift_conv`` on the pointwise path is cut into: two a thread
+#: balanced no better and packed each operand more (640 -> 128 at 14x14 alone 223 against 210
+#: us; DenseNet's block 3 1x1 convs 11% slower in the whole model, the VM busy).
+PROLOGUE_PIECES_PER_THREAD = 1
+
+
+def _pointwise_pieces(g: _Conv, per_thread: int = 1) -> list[tuple[int, int, int, int]]:
+    """One image's pieces of a 1x1 conv on the pointwise path, on the compiled queue: (first
+    position, last + 1, first output channel, last + 1), as many as its estimated time is worth
+    (pieces of GEMM_QUEUE_PIECE_US at least), ``per_thread`` a thread at most; by blocks of
+    positions where each holds POINTWISE_MIN_COLUMNS, else by blocks of output channels; both
+    cut at whole register blocks (GEMM_ALIGN)."""
+    us = g.m * g.positions * g.c / parallel.GEMM_MACS_PER_US
+    parts = 1 if parallel.queue_parts(us) < 2 else max(1, min(parallel.threads() * per_thread,
+                                                              int(us // parallel.GEMM_QUEUE_PIECE_US)))
+    if parts > 1 and g.positions >= g.m and g.positions // parts >= POINTWISE_MIN_COLUMNS:
+        return [(c0, c1, 0, g.m) for c0, c1 in parallel.blocks(g.positions, parts, parallel.GEMM_ALIGN)]
+    return [(0, g.positions, m0, m1) for m0, m1 in parallel.blocks(g.m, parts, parallel.GEMM_ALIGN)]
+
+
+def _prologue_part(g: _Conv, c0: int, c1: int) -> int:
+    """Floats of a prologue piece's normalised columns (all input channels of positions c0 ..
+    c1), rounded to whole cache lines so that pieces on different cores share none."""
+    return -(-g.c * (c1 - c0) // 16) * 16
+
+
+def _pointwise_prologue_bytes(g: _Conv, x_type: TensorType) -> int:
+    """The ``normalised`` scratch of :func:`_pointwise_prologue`: each image's pieces' own
+    normalised columns, and at least the whole input (the generic prologue's, where it falls
+    back to it)."""
+    parts = sum(_prologue_part(g, c0, c1) for c0, c1, _, _ in _pointwise_pieces(g, PROLOGUE_PIECES_PER_THREAD))
+    return max(g.batch * parts, x_type.size) * g.dtype.itemsize
+
+
+def _pointwise_prologue(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A ``scale_shift_conv`` on the pointwise path (1x1 convs over 14x14 and 7x7 planes, as
+    DenseNet's) as pieces of the compiled queue (queue_layout's KIND_PROLOGUE_GEMM): each a
+    block of positions (or, on planes too small to cut so, of output channels;
+    :func:`_pointwise_pieces`) that first normalises its columns of all the input's channels
+    into its own part of the ``normalised`` scratch (K x columns, contiguous), then computes its
+    block of the output by sgemm from the bias, and adds the residual and the activation. Cut by
+    positions, each core reads only its part of the input -- the part the op before wrote there,
+    when that was cut alike -- and normalises it just before its GEMM reads it. (The generic
+    prologue normalised the whole input in one piece before the conv's pieces, cut by output
+    channels, each read all of it: the scale_shift took 14 us on one thread but 59 us on two, its
+    input last read by the other core.) Falls back to the generic prologue where the queue is off.
+
+    Measured on the 2-core VM (AVX-512), batch 1, two threads while the other core was free,
+    generic prologue -> these pieces: BN + ReLU + 1x1 conv 640 -> 128 at 14x14 272-294 us
+    (scale_shift 67-72, the GEMM 182-198) -> 209-212 us, 768 -> 128 at 7x7 117-122 -> 85-92 us;
+    DenseNet-121 b1 34.1-35.7 against 36.0-37.6 ms (block 3's 1x1 convs 6.4-6.6 -> 5.3-5.4 ms,
+    block 4's 2.3 -> 1.6 ms; onnxruntime ~30.5-31); one thread (the VM busy) block 3 ~7% and
+    block 4 ~10% faster."""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
+    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
+    fn = parallel.gemm_fn()
+    if fn is None or not native.available(g.dtype):
+        return _normalised_then_conv(device, attrs, ins, outs, scratch)
+    pieces = _pointwise_pieces(g, PROLOGUE_PIECES_PER_THREAD)
+    c, m, positions = g.c, g.m, g.positions
+    work = scratch_array(scratch, "normalised", _F32, (_pointwise_prologue_bytes(g, ins[0]) // 4,))
+    rows = len(pieces) * g.batch
+    descs = np.zeros((rows, layout.G_FIELDS), np.int64)
+    one = parallel.float_bits(1.0)
+    pre = native.activation_code(attrs["pre_activation"])
+    for field, value in ((layout.G_KIND, layout.KIND_PROLOGUE_GEMM), (layout.G_FN, fn[0]), (layout.G_WIDE, fn[1]),
+                         (layout.G_GEMV, fn[2]), (layout.G_TA, blas.NO_TRANS), (layout.G_TB, blas.NO_TRANS),
+                         (layout.G_K, c), (layout.G_LDA, c), (layout.G_LDC, positions), (layout.G_ALPHA, one),
+                         (layout.G_BETA, one), (layout.G_BIAS_ROW, 1), (layout.G_BIAS_COL, 0),
+                         (layout.G_LDR, positions), (layout.G_ACT, native.activation_code(attrs["activation"])),
+                         (layout.G_ACT_ALPHA, parallel.float_bits(float(attrs["alpha"]))),
+                         (layout.G_ACT_BETA, parallel.float_bits(float(attrs["beta"]))), (layout.P_LDX, positions),
+                         (layout.P_ACT, pre), (layout.P_ALPHA, parallel.float_bits(float(attrs["pre_alpha"]))),
+                         (layout.P_BETA, parallel.float_bits(float(attrs["pre_beta"])))):
+        descs[:, field] = value
+    start, x_at, w_at, b_at, out_at = 0, [], [], [], []
+    for n in range(g.batch):
+        for i, (c0, c1, m0, m1) in enumerate(pieces):
+            row = n * len(pieces) + i
+            descs[row, [layout.G_M, layout.G_N, layout.G_LDB, layout.G_B]] = (m1 - m0, c1 - c0, c1 - c0,
+                                                                             work[start:].ctypes.data)
+            start += _prologue_part(g, c0, c1)
+            x_at.append((n * c * positions + c0) * 4)
+            w_at.append(m0 * c * 4)
+            b_at.append(m0 * 4)
+            out_at.append(((n * m + m0) * positions + c0) * 4)
+    whole = [0] * rows
+    table = parallel.PieceTable(descs, [(layout.P_X, 0, x_at), (layout.P_SCALE, 1, whole),
+                                        (layout.P_SHIFT, 2, whole), (layout.G_A, 3, w_at), (layout.G_BIAS, 4, b_at),
+                                        (layout.G_RES, 5, out_at), (layout.G_C, 6, out_at)], keep=(work,))
+
+    def kernel(x, scale, shift, w, b, *rest):
+        _run_table(table, x, scale, shift, w, b, rest[0] if len(rest) == 2 else None, rest[-1])
+    return kernel
+
+
+PROLOGUE_FILLS["pointwise"] = _pointwise_prologue
+PROLOGUE_SCRATCH["pointwise"] = _pointwise_prologue_bytes
 
 
 # ------------------------------------------------------------------------------ conv_transpose

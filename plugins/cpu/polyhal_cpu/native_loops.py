@@ -17,8 +17,9 @@ from numba.extending import intrinsic
 from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALPHA, G_B, G_BETA, G_BIAS, G_BIAS_COL,
                                       G_BIAS_ROW, G_C, G_FIELDS, G_FN, G_GEMV, G_K, G_KIND, G_LDA, G_LDB, G_LDC, G_LDR,
                                       G_M, G_N, G_RES, G_TA, G_TB, G_WIDE, KIND_DEPTHWISE, KIND_DEPTHWISE_FLAT,
-                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, KIND_POOL, KIND_SCALE_SHIFT,
-                                      KIND_TILES, KIND_TILES_SLAB, Q_COUNT, Q_DESC,
+                                      KIND_IMAGE_CONV, KIND_LAYER_NORM, KIND_POINTWISE, KIND_POOL, KIND_PROLOGUE_GEMM,
+                                      KIND_SCALE_SHIFT, KIND_TILES, KIND_TILES_SLAB, P_ACT, P_ALPHA, P_BETA, P_LDX,
+                                      P_SCALE, P_SHIFT, P_X, Q_COUNT, Q_DESC,
                                       Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA,
                                       V_B, V_BETA, V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0,
                                       V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_ROWS, V_SH, V_SW, V_W, V_WIDTH, V_X,
@@ -233,15 +234,19 @@ def _sgemm(typingctx, d):
 
 @_jit
 def gemm_piece(d):
-    """One piece of a run (a layer norm's or scale_shift's rows where G_KIND says so, see queue_layout): C (M x N at
+    """One piece of a run (a layer norm's or scale_shift's rows where G_KIND says so, see queue_layout;
+    with B made first by prologue_columns for KIND_PROLOGUE_GEMM): C (M x N at
     d[G_C], row stride d[G_LDC]) = its bias (d[G_BIAS] != 0: element (r, j) at bias + 4 * (r *
     G_BIAS_ROW + j * G_BIAS_COL), a broadcast by zero strides), then C = alpha A B + beta C by BLAS,
     then, row by row, + the residual (d[G_RES] != 0, row stride d[G_LDR]) and activation d[G_ACT]
     (see activate_row)."""
-    if d[G_KIND] == KIND_SCALE_SHIFT:
+    kind = d[G_KIND]
+    if kind == KIND_SCALE_SHIFT:
         scale_shift_piece(d)
         return
-    if d[G_KIND] >= KIND_POINTWISE:
+    if kind == KIND_PROLOGUE_GEMM:  # B made first, from the input through the prologue
+        prologue_columns(d)
+    elif kind >= KIND_POINTWISE:
         conv_piece(d)
         return
     m, n = d[G_M], d[G_N]
@@ -655,22 +660,28 @@ def scale_shift_block(x, scale, shift, out, first, act, alpha, beta):
     a time: a ReLU (or none) in the same pass (~30% faster than a second pass over the row:
     0.09 against 0.13 ns an element, in cache, 2-core AVX-512 VM), another activation in a
     second pass, which finds the row in L1."""
-    rows, cols = x.shape
+    rows = x.shape[0]
     channels = scale.size
-    c, zero = first, f32(0.0)
+    c = first
     for r in range(rows):
-        a, b = scale[c], shift[c]
-        src, dst = x[r], out[r]
-        if act == 1:
-            for t in range(cols):
-                v = src[t] * a + b
-                dst[t] = v if not v < zero else zero
-        else:
-            for t in range(cols):
-                dst[t] = src[t] * a + b
-            if act != 0:
-                activate_row(dst, act, alpha, beta)
+        scale_shift_row(x[r], out[r], scale[c], shift[c], act, alpha, beta)
         c = c + 1 if c + 1 < channels else 0
+
+
+@_jit
+def scale_shift_row(src, dst, a, b, act, alpha, beta):
+    """1-D ``dst`` = act(``src`` * a + b): a ReLU (or none) in the same pass, another
+    activation in a second pass over ``dst`` (in L1)."""
+    cols, zero = src.size, f32(0.0)
+    if act == 1:
+        for t in range(cols):
+            v = src[t] * a + b
+            dst[t] = v if not v < zero else zero
+    else:
+        for t in range(cols):
+            dst[t] = src[t] * a + b
+        if act != 0:
+            activate_row(dst, act, alpha, beta)
 
 
 @_jit
@@ -680,6 +691,18 @@ def scale_shift_piece(d):
     scale_shift_block(_f32_array(d[G_A], (rows, cols)), _f32_array(d[G_B], channels), _f32_array(d[G_BIAS], channels),
                       _f32_array(d[G_C], (rows, cols)), d[G_LDA], d[G_ACT], _f32_bits(d[G_ACT_ALPHA]),
                       _f32_bits(d[G_ACT_BETA]))
+
+
+@_jit
+def prologue_columns(d):
+    """A KIND_PROLOGUE_GEMM piece's B (queue_layout): its G_K channels' G_N columns of the input
+    at d[P_X] (d[P_LDX] floats apart) through the prologue, into G_K contiguous rows at d[G_B]."""
+    k, n, ldx = d[G_K], d[G_N], d[P_LDX] * 4
+    scale, shift = _f32_array(d[P_SCALE], k), _f32_array(d[P_SHIFT], k)
+    act, alpha, beta = d[P_ACT], _f32_bits(d[P_ALPHA]), _f32_bits(d[P_BETA])
+    for r in range(k):
+        scale_shift_row(_f32_array(d[P_X] + r * ldx, n), _f32_array(d[G_B] + r * n * 4, n), scale[r], shift[r], act,
+                        alpha, beta)
 
 
 @_jit

@@ -43,6 +43,16 @@ KIND_POOL = 9
 #: G_BIAS, the block's first row's channel in G_LDA, the activation in G_ACT (G_ACT_ALPHA,
 #: G_ACT_BETA as bits).
 KIND_SCALE_SHIFT = 8
+#: A 1x1 convolution's block of B's columns (positions) or of output channels with its input's
+#: prologue (a ``scale_shift_conv`` on the pointwise path, conv_kernels._pointwise_prologue):
+#: first the G_K channels of G_N columns of the input x (channel 0's first at P_X, P_LDX floats
+#: between channels) as act(x * scale[c] + shift[c]) (scales at P_SCALE, shifts at P_SHIFT, the
+#: activation P_ACT with P_ALPHA, P_BETA as bits) into B at G_B (the piece's own scratch, G_K
+#: rows of G_N: G_LDB = G_N), then the KIND_GEMM piece its G_ fields describe (C = W B + bias,
+#: then residual and activation).
+KIND_PROLOGUE_GEMM = 10
+P_X, P_LDX, P_SCALE, P_SHIFT, P_ACT, P_ALPHA, P_BETA = range(G_KIND + 1, G_KIND + 8)
+assert P_BETA < G_FIELDS
 #: A convolution piece's fields (G_KIND stays at its index): the operands' addresses (V_X the
 #: input, V_W the weights, V_RES 0 where there is none; V_A, V_B a kind's other arrays: scratch
 #: or tap offsets; V_ROWS a 1x1 conv's weights' row offsets), the input's shape (N, H, W, C;

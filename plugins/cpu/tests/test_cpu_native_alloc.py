@@ -75,10 +75,16 @@ _SCRIPT = textwrap.dedent("""
         ("scale_shift", [f(1, 7, 4, 5), f(7), f(7)], {"activation": "silu", "alpha": 0.0, "beta": 0.0}),
         # batch 1, stride 1: a piece of the compiled queue filling its own slab of the padded image
         ("fused_conv", [f(1, 8, 9, 7), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)], geometry(pad=1, activation="relu")),
+        # a 1x1 conv over a small plane with its input's prologue: pieces of the compiled queue
+        # normalising their columns into their scratch, then BLAS's sgemm
+        ("scale_shift_conv", [f(1, 12, 7, 7), f(12), f(12), f(20, 12, 1, 1), f(20), f(1, 20, 7, 7)],
+         geometry(activation="relu") | {"pre_activation": "silu", "pre_alpha": 0.0, "pre_beta": 0.0}),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
-        if name.endswith("conv") and name != "blocked_conv":
+        if name == "scale_shift_conv":
+            assert conv_kernels._Conv(attrs, types[0], types[3], out_type).path == "pointwise"
+        elif name.endswith("conv") and name != "blocked_conv":
             g = conv_kernels._Conv(attrs, types[0], types[1], out_type)
             assert g.path == "tiles" and bool(g.tiles_slabs) == (xs[0].shape[0] == 1 and attrs["strides"] == [1, 1])
         out = np.empty(out_type.shape, np.float32)
@@ -111,7 +117,8 @@ _SCRIPT = textwrap.dedent("""
 
 def test_compiled_loops_allocate_nothing_per_call():
     """Depthwise (tiles, flat rows, strided), 1x1 and dense convs (the compiled tiles; the
-    channel-blocked ones as pieces of the compiled queue), scale_shift (pieces of the queue),
+    channel-blocked ones as pieces of the compiled queue), scale_shift (pieces of the queue), a
+    scale_shift_conv on the pointwise path (pieces of the queue with their prologue),
     im2col, pooling and the NCHW depthwise loop, run again once warm: numba's runtime counts no allocation but the arrays'
     handles. (One thread: every piece on the calling thread, whose loops are counted.)"""
     from polyhal_cpu import native

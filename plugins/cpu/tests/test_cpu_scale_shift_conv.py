@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import polyhal
+from polyhal.hal.scratch import MemorySpace
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS
-from polyhal_cpu import conv_kernels
+from polyhal_cpu import conv_kernels, native, parallel, threads
 from polyhal_cpu.kernels import prepare
 from polyhal_cpu.table import TABLE
 
@@ -87,7 +88,8 @@ def test_in_a_plan_the_normalised_input_is_declared_scratch():
 
 def test_a_path_that_fills_its_input_takes_the_prologue(monkeypatch):
     """The seam for conv paths that normalise as they fill their own input: a path named in
-    PROLOGUE_FILLS builds the whole op, and no normalised copy is declared for it."""
+    PROLOGUE_FILLS builds the whole op, and no normalised copy is declared for it unless
+    PROLOGUE_SCRATCH names the path too (then of the size it says)."""
     ins, attrs, out_type = _instance((2, 12, 7, 7), (20, 12, 1, 1), {}, "relu", "none", False)
     types = tuple(TensorType(a.shape, a.dtype) for a in ins)
     built = []
@@ -99,7 +101,61 @@ def test_a_path_that_fills_its_input_takes_the_prologue(monkeypatch):
     names = lambda: [r.name for r in TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))]  # noqa: E731
     assert "normalised" in names()
     monkeypatch.setitem(conv_kernels.PROLOGUE_FILLS, "pointwise", fill)
+    monkeypatch.setitem(conv_kernels.PROLOGUE_SCRATCH, "pointwise", lambda g, x: 4 * x.size + 4)
+    (request,) = [r for r in TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))
+                  if r.name == "normalised"]
+    assert request.nbytes(MemorySpace.GLOBAL) == 4 * types[0].size + 4
+    monkeypatch.delitem(conv_kernels.PROLOGUE_SCRATCH, "pointwise")
     assert "normalised" not in names()
     out = np.empty(out_type.shape, np.float32)
     prepare("scale_shift_conv", attrs, types, (out_type,))(*ins, out)
     assert built == [("scale_shift_conv", types)] and (out == 7.0).all()
+
+
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("xs, m, least, per_thread", [
+    ((1, 40, 14, 14), 24, 16, 1),   # by blocks of positions (196 = 96 + 100; 65 + 65 + 66 cut at 16s)
+    ((1, 40, 14, 14), 24, 16, 2),   # two pieces a thread
+    ((1, 33, 7, 7), 40, 64, 1),     # too few positions a piece: by blocks of output channels
+    ((1, 8, 6, 6), 48, 4, 1),       # fewer positions than output channels: by blocks of channels
+    ((2, 17, 5, 9), 35, 8, 1),      # a batch; 45 positions: odd blocks of columns
+    ((1, 9, 5, 7), 1, 2, 1),        # one output channel (BLAS's matrix-vector product), 35 columns
+])
+def test_pointwise_prologue_on_the_gemm_queue(n_threads, xs, m, least, per_thread, monkeypatch):
+    """A scale_shift_conv on the pointwise path runs as pieces of the compiled queue that each
+    normalise their own columns of the input (or all of them, cut by output channels) before
+    their sgemm, with the bias, residual and activation: as many pieces as it may be cut into
+    (cutting forced down to tiny pieces), every prologue activation, against the reference."""
+    monkeypatch.setattr(parallel, "_fn", False)  # looked up again: not as a test without the loops left it
+    if not native.available(np.float32) or parallel.gemm_fn() is None:
+        pytest.skip("the compiled GEMM queue is not available here")
+    monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 0.001)
+    monkeypatch.setattr(conv_kernels, "POINTWISE_MIN_COLUMNS", least)
+    monkeypatch.setattr(conv_kernels, "PROLOGUE_PIECES_PER_THREAD", per_thread)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    for i, (pre, post) in enumerate(ACTIVATIONS):
+        ins, attrs, out_type = _instance(xs, (m, xs[1], 1, 1), {}, pre, post, residual=i % 2 == 0)
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
+        g = conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type)
+        assert g.path == "pointwise"
+        pieces = conv_kernels._pointwise_pieces(g, per_thread)
+        parts = int(n_threads) * per_thread
+        if n_threads == "1":  # a budget of one thread cuts nothing
+            assert len(pieces) == 1
+        else:  # by blocks of positions where each holds ``least`` and outnumber the channels
+            assert len(pieces) > 1
+            assert all(m1 - m0 == m for *_, m0, m1 in pieces) == (g.positions // parts >= least and g.positions >= m)
+        covered = np.zeros((m, g.positions), int)
+        for c0, c1, m0, m1 in pieces:
+            covered[m0:m1, c0:c1] += 1
+        assert (covered == 1).all()
+        out = np.full(out_type.shape, np.nan, np.float32)
+        kernel = prepare("scale_shift_conv", attrs, types, (out_type,))
+        for _ in range(2):
+            kernel(*ins, out)
+        (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5,
+                                   err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
