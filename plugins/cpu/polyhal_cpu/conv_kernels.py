@@ -116,11 +116,14 @@ TILES_MIN_K = 64
 SLABS = True
 #: Bytes of weights (M x C x taps floats) above which a slab-cut conv is cut by panels first.
 SLAB_WEIGHTS_BYTES = 512 << 10
-#: Bytes of weights (M x C floats) below which a batch-1 1x1 conv of the tiles path without a
-#: prologue is cut by blocks of B's columns (each piece reading its columns of the image where
-#: they lie) rather than by output-channel panels. (With a prologue it always is: its pieces
-#: fill their slabs through it, :func:`_slabs`.)
-POINTWISE_BY_COLUMNS = 0
+#: Output positions from which a batch-1 1x1 conv of the tiles path without a prologue is cut
+#: by blocks of B's columns (each piece reading its columns of the image where they lie)
+#: rather than by output-channel panels. (With a prologue it always is: its pieces fill their
+#: slabs through it, :func:`_slabs`.) Measured on the 2-core VM, two threads, run_gemms us, by
+#: panels / by columns (best of three alternating runs): 56x56 64 -> 256 497 / 498, 256 -> 64
+#: 492 / 483, 64 -> 64 128 / 128, 256 -> 128 973 / 965; 28x28 (24.5 tiles: by columns one piece
+#: has a tile more) 128 -> 512 491 / 512, 512 -> 128 478 / 490, 128 -> 128 126 / 134.
+POINTWISE_BY_COLUMNS = 56 * 56
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -166,7 +169,7 @@ class _Conv:
             self.phases = None
             # at batch 1 on the queue, by blocks of B's columns where a prologue is applied as
             # each piece fills its slab, or where that beat panels (see POINTWISE_BY_COLUMNS)
-            by_columns = prologue or self.m * self.c * 4 < POINTWISE_BY_COLUMNS
+            by_columns = prologue or self.positions >= POINTWISE_BY_COLUMNS
             self.tiles_slabs = self._slab_pieces(self.positions) if by_columns else None
             self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.positions)
         elif pointwise and self.group == 1:
@@ -269,10 +272,10 @@ class _Conv:
     @property
     def slab_pitch(self) -> int:
         """Floats between a slab's channels (:func:`_slabs`): the padded rows the tallest piece
-        reads, and the room its last taps read past them; a 1x1 conv's widest piece's columns
-        (to whole 64-byte lines)."""
+        reads, and the room its last taps read past them; a 1x1 conv's widest block of columns
+        (a piece's fills and computes a block at a time), to whole 64-byte lines."""
         if self.phases is None:
-            return -(-max(j1 - j0 for j0, j1, *_ in self.tiles_slabs) // 16) * 16
+            return -(-max(block for *_, block in self.tiles_slabs) // 16) * 16
         rows = max(self.slab_rows(j0, j1)[1] for j0, j1, *_ in self.tiles_slabs)
         return rows * self.phases.width + (self.k[1] - 1) * self.d[1]
 

@@ -298,14 +298,17 @@ def conv_piece(d):
                d[V_KH], kw, d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW], act != 0)
         return
     has_residual, none = d[V_RES] != 0, d[V_RES] * 0  # none: a zero extent of the residual's type
+    if kind == KIND_TILES_SLAB and d[V_C] == d[V_KH]:
+        pointwise_slab_piece(d)
+        return
     if kind == KIND_TILES or kind == KIND_TILES_SLAB:  # (M rows, K) packed @ B (K, columns) into (M rows, positions)
         rows, positions, kdim, panels = d[V_M], d[V_N], d[V_C], d[V_OH]
         src, size, first = d[V_X], d[V_N0], 0
         if kind == KIND_TILES_SLAB:  # B: the piece's own slab of the padded image, filled here
             src = d[V_DH]
             fill_slab(d[V_X], d[V_KH], d[V_SH], d[V_SW], d[V_PLANE], src, size, d[V_Y0], d[V_Y1], d[V_PH],
-                      d[V_PW], d[V_WIDTH], d[V_DW], d[V_SCALE],
-                      d[V_SHIFT], d[V_PRE_ACT], _f32_bits(d[V_PRE_ALPHA]), _f32_bits(d[V_PRE_BETA]))
+                      d[V_PW], d[V_WIDTH], d[V_DW], d[V_SCALE], d[V_SHIFT], d[V_PRE_ACT],
+                      _f32_bits(d[V_PRE_ALPHA]), _f32_bits(d[V_PRE_BETA]))
             first = d[V_KW]  # B's columns from this place in the slab's first row
             src, size = src + first * 4, size - first
         gemm_tiles(_f32_array(d[V_W], (panels, kdim, GEMM_MR)), _f32_array(src, size),
@@ -351,6 +354,34 @@ def conv_piece(d):
         depthwise_channels_last(x, taps, carray(_i64_pointer(d[V_A]), (2, d[V_KH] * d[V_KW])), bias, residual, out,
                                 d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW],
                                 act, alpha, beta)
+
+
+@_jit
+def pointwise_slab_piece(d):
+    """A 1x1 conv's KIND_TILES_SLAB piece (one tap: V_C = V_KH channels): its V_H columns of the
+    image (C, V_PLANE positions) at V_X, V_BLOCK at a time, each block filled into the slab
+    (C x V_BLOCK, V_DW floats apart; through the prologue where V_SCALE is set) and computed
+    while the slab is in L2 (a piece's whole columns filled first left them in L3: 160 channels
+    of 1568 columns, 1 MB)."""
+    rows, positions, c, panels, block = d[V_M], d[V_N], d[V_C], d[V_OH], d[V_BLOCK]
+    slab, size, pitch, has_residual = d[V_DH], d[V_N0], d[V_DW], d[V_RES] != 0
+    wp = _f32_array(d[V_W], (panels, c, GEMM_MR))
+    rowoff, packed_rows = carray(_i64_pointer(d[V_ROWS]), c), carray(_i64_pointer(d[V_N1]), c)
+    bias, bpack = _f32_array(d[V_BIAS], rows), _f32_array(d[V_A], c * GEMM_NR)
+    cbuf = _f32_array(d[V_B], panels * GEMM_MR * block)
+    act, alpha, beta = d[V_ACT], _f32_bits(d[V_ALPHA]), _f32_bits(d[V_BETA])
+    pre_alpha, pre_beta = _f32_bits(d[V_PRE_ALPHA]), _f32_bits(d[V_PRE_BETA])
+    ncols = d[V_H]
+    for j in range(0, ncols, block):
+        width = min(block, ncols - j)
+        fill_slab(d[V_X] + j * 4, c, 1, width, d[V_PLANE], slab, size, 0, 1, 0, 0, width, pitch, d[V_SCALE],
+                  d[V_SHIFT], d[V_PRE_ACT], pre_alpha, pre_beta)
+        # the block's output from its first column (the arrays reach past the output's end by
+        # those columns; the block's own are the only ones touched)
+        out = _f32_array(d[V_OUT] + j * 4, (rows, positions))
+        residual = _f32_array(d[V_RES] + j * 4, (rows, positions)) if has_residual else _f32_array(d[V_OUT], (0, 0))
+        gemm_tiles(wp, _f32_array(slab, size), rowoff, packed_rows, width, width, width, out, bias, residual, bpack,
+                   cbuf, block, act, alpha, beta, 0)
 
 
 @_jit

@@ -124,12 +124,14 @@ def test_slab_pieces_apply_the_prologue_as_they_fill(xs, ws, conv, n_threads, mo
     """At batch 1 on the compiled queue, each piece of the conv fills its slab through the
     prologue (queue_layout's KIND_TILES_SLAB with V_SCALE set): padding stays 0 (shifts away from
     zero catch a pad normalised), on nan-filled scratch and output, with and without residual,
-    every pre-activation; no normalised copy is declared; 1, 2 and 3 threads give the reference."""
+    every pre-activation, a 1x1 conv's pieces a block of columns at a time; no normalised copy
+    is declared; 1, 2 and 3 threads give the reference."""
     if not native.available(np.float32) or native.gemm_queue() is None:
         pytest.skip("the compiled queue is not available here")
     monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)  # small convs cut too
     monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", 1)
     monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))  # blocks of two tiles
     monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
     threads.reset()
     monkeypatch.setattr(threads, "_budget", None)
