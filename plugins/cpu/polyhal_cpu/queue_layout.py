@@ -35,8 +35,8 @@ KIND_TILES = 6
 #: channels, V_PH, V_PW its top and left pads. Where V_SCALE is not 0 the fill applies a
 #: prologue as it copies: x * scale[c] + shift[c] (V_SCALE, V_SHIFT: V_KH floats each), then
 #: activation V_PRE_ACT (V_PRE_ALPHA, V_PRE_BETA as bits); the padding stays 0. (A 1x1 conv's
-#: piece is a block of B's columns of the image (C, positions) read as an image of one row:
-#: V_X at its first column, V_SW = V_WIDTH = V_OW its columns, V_PLANE the positions.)
+#: piece (one tap: V_C = V_KH) is a block of V_H of the image's (C, V_PLANE positions) columns
+#: from V_X, filled and computed V_BLOCK columns at a time: its slab C x V_BLOCK, V_DW apart.)
 KIND_TILES_SLAB = 7
 #: A 2-D max or average pool's block of V_N (image, channel) planes (``pool2d``): V_X, V_OUT
 #: its planes, (V_H, V_WIDTH) and (V_OH, V_OW) their sizes, the window's V_KH .. V_DW, V_ACT 1
@@ -57,8 +57,8 @@ KIND_SCALE_SHIFT = 8
 (V_X, V_W, V_BIAS, V_RES, V_OUT, V_N, V_H, V_WIDTH, V_C, V_OH, V_OW, V_M, V_KH, V_KW, V_SH, V_SW, V_PH, V_PW, V_DH,
  V_DW, V_ACT, V_ALPHA, V_BETA, V_A) = range(24)
 V_B, V_BLOCK, V_N0, V_N1, V_Y0, V_Y1, V_ROWS = range(G_KIND + 1, G_KIND + 8)
-#: A slab piece's own fields past those (see KIND_TILES_SLAB): every index below G_FIELDS is
-#: taken by the slab kind (G_KIND included), hence the descriptor's 40 fields.
+#: A slab piece's own fields past those (see KIND_TILES_SLAB): the slab kind takes all 32 above
+#: (G_KIND's 24 included), hence descriptors of 40 fields (these 32 .. 37; 38 and 39 free).
 V_PLANE, V_SCALE, V_SHIFT, V_PRE_ACT, V_PRE_ALPHA, V_PRE_BETA = range(V_ROWS + 1, V_ROWS + 7)
 assert V_PRE_BETA < G_FIELDS
 RUN_SHIFT = 16
