@@ -124,7 +124,7 @@ SLAB_WEIGHTS_BYTES = 512 << 10
 #: panels / by columns (best of three alternating runs): 56x56 64 -> 256 497 / 498, 256 -> 64
 #: 492 / 483, 64 -> 64 128 / 128, 256 -> 128 973 / 965; 28x28 (24.5 tiles: by columns one piece
 #: has a tile more) 128 -> 512 491 / 512, 512 -> 128 478 / 490, 128 -> 128 126 / 134.
-POINTWISE_BY_COLUMNS = 56 * 56
+POINTWISE_BY_COLUMNS_FROM = 56 * 56
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -169,8 +169,8 @@ class _Conv:
             #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
             self.phases = None
             # at batch 1 on the queue, by blocks of B's columns where a prologue is applied as
-            # each piece fills its slab, or where that beat panels (see POINTWISE_BY_COLUMNS)
-            by_columns = prologue or self.positions >= POINTWISE_BY_COLUMNS
+            # each piece fills its slab, or where that beat panels (see POINTWISE_BY_COLUMNS_FROM)
+            by_columns = prologue or self.positions >= POINTWISE_BY_COLUMNS_FROM
             self.tiles_slabs = self._slab_pieces(self.positions) if by_columns else None
             self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.positions)
         elif pointwise and self.group == 1:

@@ -251,7 +251,7 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread
 @pytest.mark.parametrize("n_threads", ["1", "2", "3"])
 def test_pointwise_pieces_by_columns_read_the_image_in_place(xs, ws, fused, n_threads, monkeypatch):
     """A batch-1 1x1 conv on the compiled queue cut by blocks of the image's columns (see
-    POINTWISE_BY_COLUMNS): KIND_TILES pieces reading their columns where they lie (no slab, no
+    POINTWISE_BY_COLUMNS_FROM): KIND_TILES pieces reading their columns where they lie (no slab, no
     columns scratch), each into its own columns of the output, blocks of two tiles at a time;
     the reference on 1, 2 and 3 threads."""
     from polyhal_cpu import queue_layout as layout
@@ -260,7 +260,7 @@ def test_pointwise_pieces_by_columns_read_the_image_in_place(xs, ws, fused, n_th
         pytest.skip("the compiled queue is not available here")
     monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
     monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
-    monkeypatch.setattr(conv_kernels, "POINTWISE_BY_COLUMNS", 1)
+    monkeypatch.setattr(conv_kernels, "POINTWISE_BY_COLUMNS_FROM", 1)
     monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)
     monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", 1)
     monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
