@@ -775,12 +775,12 @@ def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     (``pre``: a scale_shift_conv's pre-activation code, alpha, beta; the kernel then takes
     ``(x, scale, shift, w, b[, residual], out)``) it fills its slab with them normalised, as a
     padded image's pieces do theirs (:func:`polyhal_cpu.native.fill_slab`); without, it reads
-    them where they lie (KIND_TILES at the block's first column). Measured on the 2-core VM
-    (run_gemms us, two threads; before: a scale_shift's pieces into a normalised copy, then the
-    conv's pieces cut by panels): BN + ReLU + 1x1 conv 160 -> 128 at 56x56 1269-1349 (scale_shift
-    64-88 of it) -> 650-706, 320 -> 128 at 28x28 630-690 -> 354-381; on one thread the same
-    (1262-1310 against 1255-1292: the fill costs what the scale_shift did); DenseNet-121 b1
-    36.2 -> 34.0 ms (medians of 15 alternating rounds in one process)."""
+    them where they lie (KIND_TILES at the block's first column). Measured on the 2-core VM,
+    two threads while the other core was free (before: a scale_shift's pieces into a normalised
+    copy, then the conv's pieces cut by panels), BN + ReLU + 1x1 conv, whole model in us: 160 ->
+    128 at 56x56 760-800 -> 650-730, 320 -> 128 at 28x28 380-395 -> 355-380; with the other
+    core busy 1320 -> 1250 and 647 -> 634 (one thread: the fill costs about what the scale_shift
+    did); DenseNet-121 b1 36.2 -> 34.0 ms (medians of 15 alternating rounds in one process)."""
     kdim, positions = g.c * g.taps, g.positions
     pieces, fills = g.tiles_slabs, g.fills_slabs
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
