@@ -780,7 +780,10 @@ def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     copy, then the conv's pieces cut by panels), BN + ReLU + 1x1 conv, whole model in us: 160 ->
     128 at 56x56 760-800 -> 650-730, 320 -> 128 at 28x28 380-395 -> 355-380; with the other
     core busy 1320 -> 1250 and 647 -> 634 (one thread: the fill costs about what the scale_shift
-    did); DenseNet-121 b1 36.2 -> 34.0 ms (medians of 15 alternating rounds in one process)."""
+    did); DenseNet-121 b1 36.2 -> 34.0 ms (medians of 12-15 alternating rounds in one process,
+    twice), of which per profile its dense blocks 1 and 2's 1x1 convs 4.3 -> 3.6 and 4.7 -> 4.0
+    ms and their 3x3 convs 8.2 -> 7.0 and 5.2 -> 4.2 ms: cut by columns as the 1x1 conv now is,
+    each core reads the part of the map it wrote (by panels, each core wrote every position)."""
     kdim, positions = g.c * g.taps, g.positions
     pieces, fills = g.tiles_slabs, g.fills_slabs
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
