@@ -11,8 +11,9 @@ One dispatch per op, whatever its groups. A convolution takes one of five paths,
   LLVM IR through numba; :func:`polyhal_cpu.native.gemm_tiles`), B's rows read where they lie:
   the image for a 1x1 conv, else a zero-padded copy split into the stride's phases, read at
   each tap's offset (no im2col; for one image at stride 1, each piece fills its own slab of
-  that plane, :func:`_slabs`). Each tile is finished (bias, residual, activation) as it is
-  stored (see :func:`_tiles`);
+  that plane, :func:`_slabs`, through a ``scale_shift_conv``'s prologue where there is one,
+  as does a 1x1 conv's piece with one, a slab of its block of the image's columns). Each tile
+  is finished (bias, residual, activation) as it is stored (see :func:`_tiles`);
 * **pointwise** (1x1, stride 1, no padding, one group): the convolution is a GEMM as the
   tensors lie, ``out[n] (M, HW) = w (M, C) @ x[n] (C, HW)``: OpenBLAS's sgemm, no copy, in
   pieces of the compiled queue where it runs (:func:`_pointwise_queued`); with a
@@ -118,6 +119,14 @@ TILES_MIN_K = 64
 SLABS = True
 #: Bytes of weights (M x C x taps floats) above which a slab-cut conv is cut by panels first.
 SLAB_WEIGHTS_BYTES = 512 << 10
+#: Output positions from which a batch-1 1x1 conv of the tiles path without a prologue is cut
+#: by blocks of B's columns (each piece reading its columns of the image where they lie)
+#: rather than by output-channel panels. (With a prologue it always is: its pieces fill their
+#: slabs through it, :func:`_slabs`.) Measured on the 2-core VM, two threads, run_gemms us, by
+#: panels / by columns (best of three alternating runs): 56x56 64 -> 256 497 / 498, 256 -> 64
+#: 492 / 483, 64 -> 64 128 / 128, 256 -> 128 973 / 965; 28x28 (24.5 tiles: by columns one piece
+#: has a tile more) 128 -> 512 491 / 512, 512 -> 128 478 / 490, 128 -> 128 126 / 134.
+POINTWISE_BY_COLUMNS_FROM = 56 * 56
 
 #: A compiled epilogue's pieces hold this many times parallel.MIN_ELEMENTS outputs at least: a
 #: pass costs ~0.12-0.35 ns an element (relu to silu, 2-core VM), ~100 us for a 256 x 56 x 56
@@ -130,7 +139,9 @@ EPILOGUE_FACTOR = 16
 class _Conv:
     """A convolution's geometry from its operand types and attributes (2-D for 1-D ones)."""
 
-    def __init__(self, attrs: dict, x: TensorType, w: TensorType, out: TensorType) -> None:
+    def __init__(self, attrs: dict, x: TensorType, w: TensorType, out: TensorType, prologue: bool = False) -> None:
+        #: whether the conv reads its input through a scale_shift_conv's prologue
+        self.prologue = prologue
         self.n = n = x.rank - 2
         s = [int(v) for v in (attrs.get("strides") or [1] * n)]
         p = [int(v) for v in (attrs.get("pads") or [0] * (2 * n))]
@@ -159,15 +170,18 @@ class _Conv:
             self.path = "tiles"
             #: the image's planes the tiles path reads (None: the image itself, for a 1x1 conv)
             self.phases = None
-            self.tiles_slabs = None
-            self.tiles_pieces = self._tile_pieces(self.positions)
+            # at batch 1 on the queue, by blocks of B's columns where a prologue is applied as
+            # each piece fills its slab, or where that beat panels (see POINTWISE_BY_COLUMNS_FROM)
+            by_columns = prologue or self.positions >= POINTWISE_BY_COLUMNS_FROM
+            self.tiles_slabs = self._slab_pieces(self.positions) if by_columns else None
+            self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.positions)
         elif pointwise and self.group == 1:
             self.path = "pointwise"
         elif native2d and self.group == 1 and self.taps > 1 and self.c * self.taps >= TILES_MIN_K and TILES:
             self.path = "tiles"
             self.phases = _Phases(self)
             #: the pieces of a batch-1 stride-1 conv on the compiled queue (None: not cut so)
-            self.tiles_slabs = self._slab_pieces()
+            self.tiles_slabs = self._slab_pieces(self.out_sp[0] * self.phases.width)
             self.tiles_images = 1
             self.tiles_pieces = [] if self.tiles_slabs else self._tile_pieces(self.out_sp[0] * self.phases.width)
         elif native2d and self.group == self.c and self.cg == 1:
@@ -215,16 +229,16 @@ class _Conv:
         rows = [(p0 * native.GEMM_MR, min(self.m, p1 * native.GEMM_MR)) for p0, p1 in bounds]
         return [(lo, hi, native.gemm_block(hi - lo, ncols)) for lo, hi in rows]
 
-    def _slab_pieces(self) -> list[tuple[int, int, int, int, int]] | None:
+    def _slab_pieces(self, ncols: int) -> list[tuple[int, int, int, int, int]] | None:
         """A batch-1 stride-1 conv's pieces on the compiled queue (:func:`_slabs`), as (first
         column of B, last + 1, first output channel, last + 1, columns per block of
         :func:`polyhal_cpu.native.gemm_tiles`); None where it is not run so (a batch, a stride,
         the queue off): B's columns (output rows times the padded width) in blocks of whole
         tiles (GEMM_NR columns, the last partial), so that the pieces compute no more tiles than
-        the whole, and output channels in blocks of whole panels (see SLABS)."""
+        the whole, and output channels in blocks of whole panels (see SLABS). ``ncols``: B's
+        columns (a 1x1 conv's: the positions)."""
         if self.batch != 1 or self.s != [1, 1] or native.gemm_queue() is None or not SLABS:
             return None
-        ncols = self.out_sp[0] * self.phases.width
         panels, tiles = -(-self.m // native.GEMM_MR), -(-ncols // native.GEMM_NR)
         parts = parallel.queue_parts(self.m * ncols * self.c * self.taps / parallel.GEMM_MACS_PER_US)
         # panels first only where the weights a piece streams per tile column pass L2 (see SLABS)
@@ -239,15 +253,32 @@ class _Conv:
                 pieces.append((j0, j1, m0, m1, native.gemm_block(m1 - m0, j1 - j0)))
         return pieces
 
+    @property
+    def fills_slabs(self) -> bool:
+        """Whether the pieces (``tiles_slabs``) fill slabs: of the padded image, or of a 1x1
+        conv's columns through its prologue (else they read a 1x1 conv's image where it lies)."""
+        return self.path == "tiles" and bool(self.tiles_slabs) and (self.phases is not None or self.prologue)
+
+    @property
+    def fill(self) -> str:
+        """The conv's path, or "slabs" where its pieces fill slabs (:data:`PROLOGUE_FILLS`)."""
+        return "slabs" if self.fills_slabs else self.path
+
     def slab_rows(self, j0: int, j1: int) -> tuple[int, int]:
-        """The padded rows B's columns j0 .. j1 read: (the first, how many)."""
+        """The padded rows B's columns j0 .. j1 read: (the first, how many); a 1x1 conv's piece
+        reads its columns as one row."""
+        if self.phases is None:
+            return 0, 1
         wide = self.phases.width
         return j0 // wide, (j1 - 1) // wide - j0 // wide + 1 + (self.k[0] - 1) * self.d[0]
 
     @property
     def slab_pitch(self) -> int:
         """Floats between a slab's channels (:func:`_slabs`): the padded rows the tallest piece
-        reads, and the room its last taps read past them."""
+        reads, and the room its last taps read past them; a 1x1 conv's widest block of columns
+        (a piece's fills and computes a block at a time), to whole 64-byte lines."""
+        if self.phases is None:
+            return -(-max(block for *_, block in self.tiles_slabs) // 16) * 16
         rows = max(self.slab_rows(j0, j1)[1] for j0, j1, *_ in self.tiles_slabs)
         return rows * self.phases.width + (self.k[1] - 1) * self.d[1]
 
@@ -263,10 +294,10 @@ class _Conv:
         tap by tap and one padded image; on the tiles path, of one padded image's phase planes
         (0 for the paths without columns), one for each block of images run as a piece."""
         if self.path == "tiles":
+            if self.fills_slabs:
+                return len(self.tiles_slabs) * self.slab_size * self.dtype.itemsize
             if self.phases is None:
                 return 0
-            if self.tiles_slabs:
-                return len(self.tiles_slabs) * self.slab_size * self.dtype.itemsize
             return self.tiles_images * self.c * len(self.phases.used) * self.phases.length * self.dtype.itemsize
         if self.path == "shifted":
             return (self.taps * self.m * self.c + self.c * self.plane) * self.dtype.itemsize
@@ -303,19 +334,26 @@ class _Conv:
         return shape[:2] + (1,) + shape[2:] if self.n == 1 else shape
 
 
-def _columns_bytes(problem, _workgroup_size: int) -> int:
+def _geometry(problem) -> _Conv:
+    """The conv of a ``conv``, ``fused_conv`` or ``scale_shift_conv`` problem (the last's
+    with its prologue: :func:`_scale_shift_conv`)."""
+    if problem.op == "scale_shift_conv":
+        attrs, ins = _without_prologue(problem.attrs, problem.in_types)
+        return _Conv(attrs, ins[0], ins[1], problem.out_types[0], prologue=True)
     x, w = problem.in_types[:2]
-    return _Conv(problem.attrs, x, w, problem.out_types[0]).columns_bytes
+    return _Conv(problem.attrs, x, w, problem.out_types[0])
+
+
+def _columns_bytes(problem, _workgroup_size: int) -> int:
+    return _geometry(problem).columns_bytes
 
 
 def _product_bytes(problem, _workgroup_size: int) -> int:
-    x, w = problem.in_types[:2]
-    return _Conv(problem.attrs, x, w, problem.out_types[0]).product_bytes
+    return _geometry(problem).product_bytes
 
 
 def _phases_bytes(problem, _workgroup_size: int) -> int:
-    x, w = problem.in_types[:2]
-    return _Conv(problem.attrs, x, w, problem.out_types[0]).phases_bytes
+    return _geometry(problem).phases_bytes
 
 
 def _numpy_columns(g: _Conv):
@@ -347,16 +385,20 @@ def _numpy_columns(g: _Conv):
     return fill
 
 
-@TABLE.register("conv", "fused_conv", scratch=[
+_CONV_SCRATCH = (
     ScratchDecl("columns", shared=True, per_launch=_columns_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="im2col columns of one or a few images (C * taps x images * output positions); "
-                        "on the shifted path the weights tap by tap and one zero-padded image"),
+                        "on the shifted path the weights tap by tap and one zero-padded image; on the "
+                        "tiles path at batch 1 each piece's slab of the padded image (or of its columns)"),
     ScratchDecl("product", shared=True, per_launch=_product_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="the GEMM product before it is copied into the output: of stacked images "
                         "(M, images, positions), or of the shifted path (M, rows * padded width)"),
     ScratchDecl("phases", shared=True, per_launch=_phases_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="a horizontally strided image's planes split into column phases by im2col, "
-                        "one part per piece building columns at once")])
+                        "one part per piece building columns at once"))
+
+
+@TABLE.register("conv", "fused_conv", scratch=list(_CONV_SCRATCH))
 @float16_via_float32
 def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     g = _Conv(attrs, ins[0], ins[1], outs[0])
@@ -732,7 +774,7 @@ def _tiles_table(g: _Conv, pieces: list, rowoff: np.ndarray, packed_rows: np.nda
 
 
 def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.ndarray, act: int, alpha: float,
-           beta: float) -> Kernel:
+           beta: float, pre: tuple[int, float, float] | None = None) -> Kernel:
     """A batch-1 stride-1 conv of the tiles path as pieces of the compiled queue
     (queue_layout's KIND_TILES_SLAB; ``g.tiles_slabs``, see SLABS), each a block of B's
     columns (output rows times the padded width, cut at whole tiles) and of output channels: it
@@ -744,47 +786,86 @@ def _slabs(g: _Conv, scratch, has_bias: bool, has_residual: bool, zero_bias: np.
     pieces start (:func:`_tiles` otherwise) cost a 128 -> 32 channel 28x28 conv 96 of its 445
     us on two threads (the image last touched by the other core); here each piece fills what
     it reads, in parallel, into its own slab (in cache for its GEMM), at the cost of the halo
-    rows filled twice."""
-    kdim, positions, ow, wide = g.c * g.taps, g.positions, g.out_sp[1], g.phases.width
-    pieces, pitch = g.tiles_slabs, g.slab_pitch
+    rows filled twice.
+
+    A 1x1 conv's piece is a block of the image's columns (C x its columns): with a prologue
+    (``pre``: a scale_shift_conv's pre-activation code, alpha, beta; the kernel then takes
+    ``(x, scale, shift, w, b[, residual], out)``) it fills its slab with them normalised, as a
+    padded image's pieces do theirs (:func:`polyhal_cpu.native.fill_slab`); without, it reads
+    them where they lie (KIND_TILES at the block's first column). Measured on the 2-core VM,
+    two threads while the other core was free (before: a scale_shift's pieces into a normalised
+    copy, then the conv's pieces cut by panels), BN + ReLU + 1x1 conv, whole model in us: 160 ->
+    128 at 56x56 760-800 -> 650-730, 320 -> 128 at 28x28 380-395 -> 355-380; with the other
+    core busy 1320 -> 1250 and 647 -> 634 (one thread: the fill costs about what the scale_shift
+    did); DenseNet-121 b1 36.2 -> 34.0 ms (medians of 12-15 alternating rounds in one process,
+    twice), of which per profile its dense blocks 1 and 2's 1x1 convs 4.3 -> 3.6 and 4.7 -> 4.0
+    ms and their 3x3 convs 8.2 -> 7.0 and 5.2 -> 4.2 ms: cut by columns as the 1x1 conv now is,
+    each core reads the part of the map it wrote (by panels, each core wrote every position)."""
+    kdim, positions = g.c * g.taps, g.positions
+    pieces, fills = g.tiles_slabs, g.fills_slabs
     packed = _Relaid(lambda w: native.pack_gemm_weights(w.reshape(g.m, kdim)))
-    slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.slab_size))
     work = scratch_array(scratch, "product", _F32, (g.product_bytes // 4,))
-    rowoff = np.array([c * pitch + off for c in range(g.c) for _, off in g.phases.taps], np.int64)
+    pitch = g.slab_pitch if fills else positions
+    slabs = scratch_array(scratch, "columns", _F32, (len(pieces), g.slab_size)) if fills else None
+    taps = g.phases.taps if g.phases is not None else [(0, 0)]
+    rowoff = np.array([c * pitch + off for c in range(g.c) for _, off in taps], np.int64)
     packed_rows = np.arange(kdim, dtype=np.int64) * native.GEMM_NR  # bpack's rows
     descs = np.zeros((len(pieces), layout.G_FIELDS), np.int64)
-    for field, value in ((layout.G_KIND, layout.KIND_TILES_SLAB), (layout.V_N, positions), (layout.V_C, kdim),
-                         (layout.V_N0, g.slab_size), (layout.V_ROWS, rowoff.ctypes.data),
-                         (layout.V_N1, packed_rows.ctypes.data), (layout.V_WIDTH, wide), (layout.V_OW, ow),
-                         (layout.V_KH, g.c), (layout.V_SH, g.in_sp[0]), (layout.V_SW, g.in_sp[1]),
-                         (layout.V_PH, g.pb[0]), (layout.V_PW, g.pb[1]), (layout.V_DW, pitch)):
+    for field, value in ((layout.G_KIND, layout.KIND_TILES_SLAB if fills else layout.KIND_TILES),
+                         (layout.V_N, positions), (layout.V_C, kdim), (layout.V_ROWS, rowoff.ctypes.data),
+                         (layout.V_N1, packed_rows.ctypes.data), (layout.V_KH, g.c), (layout.V_DW, pitch)):
         descs[:, field] = value
-    start = 0
-    rows = []
+    if g.phases is not None:  # the padded image's geometry (a 1x1 conv's pieces' own, below)
+        for field, value in ((layout.V_WIDTH, g.phases.width), (layout.V_OW, g.out_sp[1]),
+                             (layout.V_SH, g.in_sp[0]), (layout.V_SW, g.in_sp[1]),
+                             (layout.V_PLANE, g.in_sp[0] * g.in_sp[1]), (layout.V_PH, g.pb[0]),
+                             (layout.V_PW, g.pb[1])):
+            descs[:, field] = value
+    if pre is not None:
+        descs[:, layout.V_PRE_ACT] = pre[0]
+        descs[:, layout.V_PRE_ALPHA], descs[:, layout.V_PRE_BETA] = (parallel.float_bits(v) for v in pre[1:])
+    start, inputs, outputs = 0, [], []
     for i, (j0, j1, m0, m1, block) in enumerate(pieces):
         end = start + native.gemm_tiles_bytes(m1 - m0, kdim, block) // 4
         bpack, cbuf = work[start:start + kdim * native.GEMM_NR], work[start + kdim * native.GEMM_NR:end]
         start = end
         y0, count = g.slab_rows(j0, j1)
-        descs[i, [layout.V_M, layout.V_OH, layout.V_H, layout.V_A, layout.V_B, layout.V_BLOCK, layout.V_DH,
-                  layout.V_Y0, layout.V_Y1, layout.V_KW]] = (
-            m1 - m0, -(-(m1 - m0) // native.GEMM_MR), j1 - j0, bpack.ctypes.data, cbuf.ctypes.data, block,
-            slabs[i].ctypes.data, y0, count, j0 - y0 * wide)
-        rows.append((m0 * positions + y0 * ow) * 4)  # its output from its first row
+        descs[i, [layout.V_M, layout.V_OH, layout.V_H, layout.V_A, layout.V_B, layout.V_BLOCK]] = (
+            m1 - m0, -(-(m1 - m0) // native.GEMM_MR), j1 - j0, bpack.ctypes.data, cbuf.ctypes.data, block)
+        if fills:
+            descs[i, [layout.V_N0, layout.V_DH, layout.V_Y0, layout.V_Y1]] = (
+                g.slab_size, slabs[i].ctypes.data, y0, count)
+        if g.phases is None:  # a plain matrix of the block's columns (from its first one), one row
+            descs[i, [layout.V_WIDTH, layout.V_OW, layout.V_SH, layout.V_SW, layout.V_PLANE]] = (
+                j1 - j0, j1 - j0, 1, j1 - j0, positions)
+            if not fills:
+                descs[i, layout.V_N0] = g.c * positions - j0  # B read in place: the image from its column
+            inputs.append(j0 * 4)
+            outputs.append((m0 * positions + j0) * 4)
+        else:
+            descs[i, layout.V_KW] = j0 - y0 * g.phases.width  # its first column's place in its slab's first row
+            inputs.append(0)
+            outputs.append((m0 * positions + y0 * g.out_sp[1]) * 4)  # its output from its first row
     _activation_fields(descs, act, alpha, beta)
-    table = parallel.PieceTable(descs, [(layout.V_X, 0, [0] * len(pieces)),
+    table = parallel.PieceTable(descs, [(layout.V_X, 0, inputs),
                                         (layout.V_W, 1, [m0 * kdim * 4 for _, _, m0, *_ in pieces]),
                                         (layout.V_BIAS, 2, [m0 * 4 for _, _, m0, *_ in pieces]),
-                                        (layout.V_RES, 3, rows), (layout.V_OUT, 4, rows)],
-                                keep=(rowoff, packed_rows, slabs, work))
+                                        (layout.V_RES, 3, outputs), (layout.V_SCALE, 4, [0] * len(pieces)),
+                                        (layout.V_SHIFT, 5, [0] * len(pieces)), (layout.V_OUT, 6, outputs)],
+                                keep=(rowoff, packed_rows, work) + ((slabs,) if fills else ()))
 
-    def kernel(x, w, *rest):
+    def run(x, w, b, r, out, scale=None, shift=None):
         # the operands held here: the pieces read them through raw addresses (weights that may
         # change are packed per call)
-        x, wp = np.ascontiguousarray(x, _F32), packed(w)
-        b = np.ascontiguousarray(rest[0] if has_bias else zero_bias, _F32)
-        r = np.ascontiguousarray(rest[1]) if has_residual else None
-        parallel.run_gemms(table(x, wp, b, r, rest[-1]))
+        _run_table(table, x, packed(w), zero_bias if b is None else b, r, scale, shift, out)
+
+    if pre is not None:
+        def prologue_kernel(x, scale, shift, w, b, *rest):
+            run(x, w, b, rest[0] if has_residual else None, rest[-1], scale, shift)
+        return prologue_kernel
+
+    def kernel(x, w, *rest):
+        run(x, w, rest[0] if has_bias else None, rest[1] if has_residual else None, rest[-1])
     return kernel
 
 
@@ -1208,12 +1289,13 @@ def _image_conv(attrs: dict, ins: Types, outs: Types) -> Kernel | None:
 
 # ---------------------------------------------------------------------------- scale_shift_conv
 
-#: Conv paths (:attr:`_Conv.path`) that apply a ``scale_shift_conv``'s prologue themselves, as
-#: they fill their own input (the tiles path's copy of the image into its planes could normalise
-#: each channel as it copies it): path -> builder of the whole op ``(device, op, attrs, ins,
-#: outs, scratch) -> Kernel``, given the scale_shift_conv's own attributes and operand types
-#: and the scratch its conv declares as a ``fused_conv``. It must not decline. Every other path
-#: reads a normalised copy of the input, written into scratch first (:func:`_scale_shift_conv`).
+#: Conv paths (:attr:`_Conv.fill`: the path, or "slabs" where the pieces fill their own slabs)
+#: that apply a ``scale_shift_conv``'s prologue themselves, as they fill their own input: path
+#: -> builder of the whole op ``(device, op, attrs, ins, outs, scratch) -> Kernel``, given the
+#: scale_shift_conv's own attributes and operand types and the scratch its conv declares (the
+#: conv's scratch, evaluated for the conv with its prologue: :func:`_geometry`). It must not
+#: decline. Every other path reads a normalised copy of the input, written into scratch first
+#: (:func:`_scale_shift_conv`).
 PROLOGUE_FILLS: dict[str, Callable[..., Kernel]] = {}
 #: Bytes of the ``normalised`` scratch a path of :data:`PROLOGUE_FILLS` declares all the same
 #: (its pieces' own normalised input, or room to fall back to the generic prologue): path ->
@@ -1231,17 +1313,18 @@ def _prologue_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> 
     """The scratch of a ``scale_shift_conv``: its conv's, as that ``fused_conv`` declares it, and
     the normalised input unless the conv's path applies the prologue itself."""
     conv_attrs, conv_ins = _without_prologue(attrs, ins)
+    problem = Problem(op, attrs, tuple(ins), tuple(outs))
+    info = KernelInfo(f"{TABLE.backend}_{op}", op, backend=TABLE.backend)
+    g = _geometry(problem)
+    if g.fill in PROLOGUE_FILLS and g.fill not in PROLOGUE_SCRATCH:
+        return tuple(d.request(problem, info) for d in _CONV_SCRATCH)
     requests = TABLE.scratch(device, "fused_conv", conv_attrs, conv_ins, outs)
-    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
-    if g.path in PROLOGUE_FILLS and g.path not in PROLOGUE_SCRATCH:
-        return requests
-    size = PROLOGUE_SCRATCH[g.path](g, ins[0]) if g.path in PROLOGUE_FILLS else ins[0].size * g.dtype.itemsize
+    size = PROLOGUE_SCRATCH[g.fill](g, ins[0]) if g.fill in PROLOGUE_SCRATCH else ins[0].size * g.dtype.itemsize
     normalised = ScratchDecl("normalised", shared=True, per_launch=size,
                              spaces=(MemorySpace.GLOBAL,), alignment=64,
                              purpose="the input normalised by the prologue (x * scale + shift, activation), "
                                      "which the conv then reads")
-    return (*requests, normalised.request(Problem(op, attrs, tuple(ins), tuple(outs)),
-                                          KernelInfo(f"{TABLE.backend}_{op}", op, backend=TABLE.backend)))
+    return (*requests, normalised.request(problem, info))
 
 
 @TABLE.register("scale_shift_conv", scratch=_prologue_scratch)
@@ -1252,8 +1335,8 @@ def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scr
     declared scratch, then the ``fused_conv`` kernel reads it: what the two ops did, minus a
     dispatch. (scale_shift's kernel through the table, so that its pieces run as it runs them.)"""
     conv_attrs, conv_ins = _without_prologue(attrs, ins)
-    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0])
-    fill = PROLOGUE_FILLS.get(g.path)
+    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0], prologue=True)
+    fill = PROLOGUE_FILLS.get(g.fill)
     if fill is not None:
         return fill(device, op, attrs, ins, outs, scratch)
     return _normalised_then_conv(device, attrs, ins, outs, scratch)
@@ -1380,6 +1463,21 @@ def _pointwise_prologue(device, op: str, attrs: dict, ins: Types, outs: Types, s
 
 PROLOGUE_FILLS["pointwise"] = _pointwise_prologue
 PROLOGUE_SCRATCH["pointwise"] = _pointwise_prologue_bytes
+
+
+def _slabs_with_prologue(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A ``scale_shift_conv`` whose conv's pieces fill their own slabs (:func:`_slabs`): each
+    applies the prologue to what it copies (queue_layout's KIND_TILES_SLAB), so that no
+    normalised copy of the input is written nor read."""
+    conv_attrs, conv_ins = _without_prologue(attrs, ins)
+    g = _Conv(conv_attrs, conv_ins[0], conv_ins[1], outs[0], prologue=True)
+    act = native.activation_code(attrs["activation"])
+    pre = (native.activation_code(attrs["pre_activation"]), float(attrs["pre_alpha"]), float(attrs["pre_beta"]))
+    return _slabs(g, scratch, True, len(conv_ins) == 4, np.zeros(g.m, g.dtype), act, float(attrs["alpha"]),
+                  float(attrs["beta"]), pre)
+
+
+PROLOGUE_FILLS["slabs"] = _slabs_with_prologue
 
 
 # ------------------------------------------------------------------------------ conv_transpose

@@ -22,8 +22,8 @@ from polyhal_cpu.queue_layout import (G_A, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_ALP
                                       P_SCALE, P_SHIFT, P_X, Q_COUNT, Q_DESC,
                                       Q_FINISHED, Q_RUN, Q_STEPS, Q_TAKEN, RUN_SHIFT, SOFTMAX2, V_A, V_ACT, V_ALPHA,
                                       V_B, V_BETA, V_BIAS, V_BLOCK, V_C, V_DH, V_DW, V_H, V_KH, V_KW, V_M, V_N, V_N0,
-                                      V_N1, V_OH, V_OUT, V_OW, V_PH, V_PW, V_RES, V_ROWS, V_SH, V_SW, V_W, V_WIDTH, V_X,
-                                      V_Y0, V_Y1)
+                                      V_N1, V_OH, V_OUT, V_OW, V_PH, V_PLANE, V_PRE_ACT, V_PRE_ALPHA, V_PRE_BETA, V_PW,
+                                      V_RES, V_ROWS, V_SCALE, V_SH, V_SHIFT, V_SW, V_W, V_WIDTH, V_X, V_Y0, V_Y1)
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
@@ -303,13 +303,17 @@ def conv_piece(d):
                d[V_KH], kw, d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW], act != 0)
         return
     has_residual, none = d[V_RES] != 0, d[V_RES] * 0  # none: a zero extent of the residual's type
+    if kind == KIND_TILES_SLAB and d[V_C] == d[V_KH]:
+        pointwise_slab_piece(d)
+        return
     if kind == KIND_TILES or kind == KIND_TILES_SLAB:  # (M rows, K) packed @ B (K, columns) into (M rows, positions)
         rows, positions, kdim, panels = d[V_M], d[V_N], d[V_C], d[V_OH]
         src, size, first = d[V_X], d[V_N0], 0
         if kind == KIND_TILES_SLAB:  # B: the piece's own slab of the padded image, filled here
             src = d[V_DH]
-            fill_slab(d[V_X], d[V_KH], d[V_SH], d[V_SW], src, size, d[V_Y0], d[V_Y1], d[V_PH], d[V_PW],
-                      d[V_WIDTH], d[V_DW])
+            fill_slab(d[V_X], d[V_KH], d[V_SH], d[V_SW], d[V_PLANE], src, size, d[V_Y0], d[V_Y1], d[V_PH],
+                      d[V_PW], d[V_WIDTH], d[V_DW], d[V_SCALE], d[V_SHIFT], d[V_PRE_ACT],
+                      _f32_bits(d[V_PRE_ALPHA]), _f32_bits(d[V_PRE_BETA]))
             first = d[V_KW]  # B's columns from this place in the slab's first row
             src, size = src + first * 4, size - first
         gemm_tiles(_f32_array(d[V_W], (panels, kdim, GEMM_MR)), _f32_array(src, size),
@@ -355,6 +359,34 @@ def conv_piece(d):
         depthwise_channels_last(x, taps, carray(_i64_pointer(d[V_A]), (2, d[V_KH] * d[V_KW])), bias, residual, out,
                                 d[V_SH], d[V_SW], d[V_PH], d[V_PW], d[V_DH], d[V_DW],
                                 act, alpha, beta)
+
+
+@_jit
+def pointwise_slab_piece(d):
+    """A 1x1 conv's KIND_TILES_SLAB piece (one tap: V_C = V_KH channels): its V_H columns of the
+    image (C, V_PLANE positions) at V_X, V_BLOCK at a time, each block filled into the slab
+    (C x V_BLOCK, V_DW floats apart; through the prologue where V_SCALE is set) and computed
+    while the slab is in L2 (a piece's whole columns filled first left them in L3: 160 channels
+    of 1568 columns, 1 MB)."""
+    rows, positions, c, panels, block = d[V_M], d[V_N], d[V_C], d[V_OH], d[V_BLOCK]
+    slab, size, pitch, has_residual = d[V_DH], d[V_N0], d[V_DW], d[V_RES] != 0
+    wp = _f32_array(d[V_W], (panels, c, GEMM_MR))
+    rowoff, packed_rows = carray(_i64_pointer(d[V_ROWS]), c), carray(_i64_pointer(d[V_N1]), c)
+    bias, bpack = _f32_array(d[V_BIAS], rows), _f32_array(d[V_A], c * GEMM_NR)
+    cbuf = _f32_array(d[V_B], panels * GEMM_MR * block)
+    act, alpha, beta = d[V_ACT], _f32_bits(d[V_ALPHA]), _f32_bits(d[V_BETA])
+    pre_alpha, pre_beta = _f32_bits(d[V_PRE_ALPHA]), _f32_bits(d[V_PRE_BETA])
+    ncols = d[V_H]
+    for j in range(0, ncols, block):
+        width = min(block, ncols - j)
+        fill_slab(d[V_X] + j * 4, c, 1, width, d[V_PLANE], slab, size, 0, 1, 0, 0, width, pitch, d[V_SCALE],
+                  d[V_SHIFT], d[V_PRE_ACT], pre_alpha, pre_beta)
+        # the block's output from its first column (the arrays reach past the output's end by
+        # those columns; the block's own are the only ones touched)
+        out = _f32_array(d[V_OUT] + j * 4, (rows, positions))
+        residual = _f32_array(d[V_RES] + j * 4, (rows, positions)) if has_residual else _f32_array(d[V_OUT], (0, 0))
+        gemm_tiles(wp, _f32_array(slab, size), rowoff, packed_rows, width, width, width, out, bias, residual, bpack,
+                   cbuf, block, act, alpha, beta, 0)
 
 
 @_jit
@@ -1658,16 +1690,25 @@ def _make_prefetch():
 _prefetch = _make_prefetch()
 
 @_jit
-def fill_slab(x, c, h, w, slab, size, y0, rows, ph, pw, wide, pitch):
-    """Padded rows y0 .. y0 + rows of the float32 image at address ``x`` (c, h, w) with ``ph``
-    rows and ``pw`` columns of zeros before it (and zeros after it, to ``wide`` columns) into
-    the slab at address ``slab``: channel ci's rows from ci * ``pitch`` floats, zeros from their
-    end to the next channel's and from the last one's to ``size`` floats (the room the last taps
-    of :func:`gemm_tiles` read past a plane's corner, and its last partial tile past the last
-    row, for columns it does not store)."""
+def fill_slab(x, c, h, w, plane, slab, size, y0, rows, ph, pw, wide, pitch, scale, shift, act, alpha, beta):
+    """Padded rows y0 .. y0 + rows of the float32 image at address ``x`` (c channels ``plane``
+    floats apart, each h rows of w) with ``ph`` rows and ``pw`` columns of zeros before it (and
+    zeros after it, to ``wide`` columns) into the slab at address ``slab``: channel ci's rows
+    from ci * ``pitch`` floats, zeros from their end to the next channel's and from the last
+    one's to ``size`` floats (the room the last taps of :func:`gemm_tiles` read past a plane's
+    corner, and its last partial tile past the last row, for columns it does not store).
+
+    Where ``scale`` (an address; 0: none) is given, each value is copied as ``act(v *
+    scale[ci] + shift[ci])`` (a scale_shift_conv's prologue; the padding stays 0: the conv pads
+    the normalised map): a ReLU or none in the same pass, another activation in a second pass
+    over the row, in L1 (:func:`activate_row`)."""
     right = wide - pw - w
+    zero = f32(0.0)
     for ci in range(c):
         base = slab + ci * pitch * 4
+        a, b = f32(1.0), zero
+        if scale != 0:
+            a, b = _f32_array(scale, c)[ci], _f32_array(shift, c)[ci]
         for r in range(rows):
             row = base + r * wide * 4
             iy = y0 + r - ph
@@ -1676,7 +1717,20 @@ def fill_slab(x, c, h, w, slab, size, y0, rows, ph, pw, wide, pitch):
                 continue
             if pw > 0:
                 _zero_bytes(row, pw * 4)
-            _copy_bytes(row + pw * 4, x + (ci * h + iy) * w * 4, w * 4)
+            at = x + (ci * plane + iy * w) * 4
+            if scale == 0:
+                _copy_bytes(row + pw * 4, at, w * 4)
+            else:
+                src, dst = _f32_array(at, w), _f32_array(row + pw * 4, w)
+                if act == 1:
+                    for t in range(w):
+                        v = src[t] * a + b
+                        dst[t] = v if not v < zero else zero
+                else:
+                    for t in range(w):
+                        dst[t] = src[t] * a + b
+                    if act != 0:
+                        activate_row(dst, act, alpha, beta)
             if right > 0:
                 _zero_bytes(row + (pw + w) * 4, right * 4)
         if pitch > rows * wide:

@@ -9,7 +9,7 @@ fills the queue and its tables; it imports nothing.
 Q_TAKEN, Q_FINISHED, Q_RUN, Q_COUNT, Q_DESC, Q_STEPS, Q_SIZE = 0, 8, 16, 17, 18, 19, 24
 (G_FN, G_WIDE, G_GEMV, G_TA, G_TB, G_M, G_N, G_K, G_ALPHA, G_A, G_LDA, G_B, G_LDB, G_BETA, G_C, G_LDC, G_BIAS,
  G_BIAS_ROW, G_BIAS_COL, G_RES, G_LDR, G_ACT, G_ACT_ALPHA, G_ACT_BETA, G_KIND) = range(25)
-G_FIELDS = 32
+G_FIELDS = 40
 #: G_KIND of a piece: a GEMM (the fields above), or a layer norm of G_M contiguous rows of G_N
 #: at G_A into G_C, scale at G_B, bias at G_BIAS, epsilon (bits) in G_ALPHA; or a piece of a
 #: channels-last convolution (the V_ fields below, :func:`polyhal_cpu.native_loops.conv_piece`).
@@ -31,7 +31,12 @@ KIND_TILES = 6
 #: block's first channel and row (V_N the output's row stride). Its B is its own slab of the
 #: zero-padded image, filled first from the image (C, H, W) at V_X: V_KH channels of V_Y1 padded
 #: rows from padded row V_Y0, V_WIDTH wide, V_DW floats apart, at V_DH (scratch: V_N0 floats,
-#: zeros past the rows); V_SH, V_SW the image's height and width, V_PH, V_PW its top and left pads.
+#: zeros past the rows); V_SH, V_SW the image's height and width, V_PLANE the floats between its
+#: channels, V_PH, V_PW its top and left pads. Where V_SCALE is not 0 the fill applies a
+#: prologue as it copies: x * scale[c] + shift[c] (V_SCALE, V_SHIFT: V_KH floats each), then
+#: activation V_PRE_ACT (V_PRE_ALPHA, V_PRE_BETA as bits); the padding stays 0. (A 1x1 conv's
+#: piece (one tap: V_C = V_KH) is a block of V_H of the image's (C, V_PLANE positions) columns
+#: from V_X, filled and computed V_BLOCK columns at a time: its slab C x V_BLOCK, V_DW apart.)
 KIND_TILES_SLAB = 7
 #: A 2-D max or average pool's block of V_N (image, channel) planes (``pool2d``): V_X, V_OUT
 #: its planes, (V_H, V_WIDTH) and (V_OH, V_OW) their sizes, the window's V_KH .. V_DW, V_ACT 1
@@ -62,7 +67,10 @@ assert P_BETA < G_FIELDS
 (V_X, V_W, V_BIAS, V_RES, V_OUT, V_N, V_H, V_WIDTH, V_C, V_OH, V_OW, V_M, V_KH, V_KW, V_SH, V_SW, V_PH, V_PW, V_DH,
  V_DW, V_ACT, V_ALPHA, V_BETA, V_A) = range(24)
 V_B, V_BLOCK, V_N0, V_N1, V_Y0, V_Y1, V_ROWS = range(G_KIND + 1, G_KIND + 8)
-assert V_ROWS < G_FIELDS
+#: A slab piece's own fields past those (see KIND_TILES_SLAB): the slab kind takes all 32 above
+#: (G_KIND's 24 included), hence descriptors of 40 fields (these 32 .. 37; 38 and 39 free).
+V_PLANE, V_SCALE, V_SHIFT, V_PRE_ACT, V_PRE_ALPHA, V_PRE_BETA = range(V_ROWS + 1, V_ROWS + 7)
+assert V_PRE_BETA < G_FIELDS
 RUN_SHIFT = 16
 #: The GEMM queue's epilogue code (G_ACT) for a softmax of each row of scores in base-2 units.
 SOFTMAX2 = 64

@@ -245,6 +245,55 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread
     np.testing.assert_allclose(results[1], whole, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("xs, ws", [((1, 8, 16, 16), (16, 8, 1, 1)), ((1, 7, 9, 23), (20, 7, 1, 1))],
+                         ids=["whole-tiles", "partial-tile"])
+@pytest.mark.parametrize("fused", ["none", "residual"])
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+def test_pointwise_pieces_by_columns_read_the_image_in_place(xs, ws, fused, n_threads, monkeypatch):
+    """A batch-1 1x1 conv on the compiled queue cut by blocks of the image's columns (see
+    POINTWISE_BY_COLUMNS_FROM): KIND_TILES pieces reading their columns where they lie (no slab, no
+    columns scratch), each into its own columns of the output, blocks of two tiles at a time;
+    the reference on 1, 2 and 3 threads."""
+    from polyhal_cpu import queue_layout as layout
+
+    if not native.available(np.float32) or native.gemm_queue() is None:
+        pytest.skip("the compiled queue is not available here")
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
+    monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
+    monkeypatch.setattr(conv_kernels, "POINTWISE_BY_COLUMNS_FROM", 1)
+    monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)
+    monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", 1)
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    attrs = {"strides": [1, 1], "pads": [0] * 4, "dilations": [1, 1], "group": 1}
+    ins, op = [_f(*xs), _f(*ws)], "conv"
+    if fused == "residual":
+        ins.append(_f(ws[0]))
+        attrs |= {"activation": "relu", "alpha": 0.0, "beta": 0.0}
+        op = "fused_conv"
+    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    if fused == "residual":
+        ins.append(_f(*out_type.shape))
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    g = conv_kernels._Conv(attrs, types[0], types[1], out_type)
+    assert g.path == "tiles" and g.phases is None and len(g.tiles_slabs) == int(n_threads) and not g.fills_slabs
+    assert g.columns_bytes == 0
+    tables, run_gemms = [], parallel.run_gemms
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
+    requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
+    scratch = standalone(None, requests)
+    kernel = prepare(op, attrs, types, (out_type,), scratch)
+    for request in requests:
+        scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+    out = np.full(out_type.shape, np.nan, np.float32)
+    kernel(*ins, out)
+    (want,) = OPS[op].reference(*ins, **attrs)
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+    table = tables[-1]
+    assert (table[:, layout.G_KIND] == layout.KIND_TILES).all() and len({*table[:, layout.V_X]}) == len(table)
+
+
 def test_conv_columns_are_the_plans_scratch(monkeypatch):
     """The im2col path declares its columns (and, stacking images, the GEMM's product), the
     tiles path its padded image, packed panel of B and tile; a plan binds them (bufferize lists

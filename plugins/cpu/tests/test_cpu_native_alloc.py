@@ -79,11 +79,21 @@ _SCRIPT = textwrap.dedent("""
         # normalising their columns into their scratch, then BLAS's sgemm
         ("scale_shift_conv", [f(1, 12, 7, 7), f(12), f(12), f(20, 12, 1, 1), f(20), f(1, 20, 7, 7)],
          geometry(activation="relu") | {"pre_activation": "silu", "pre_alpha": 0.0, "pre_beta": 0.0}),
+        # a 1x1 conv over a 56x56 plane: pieces reading their blocks of columns where they lie
+        ("conv", [f(1, 8, 56, 56), f(16, 8, 1, 1)], geometry()),
+        # a scale_shift_conv whose slab pieces apply the prologue as they fill (a ReLU in the
+        # pass; a silu in a second pass over each row): a 3x3 conv's padded rows, a 1x1 conv's columns
+        ("scale_shift_conv", [f(1, 8, 9, 7), f(8), f(8), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)],
+         geometry(pad=1, activation="relu") | {"pre_activation": "relu", "pre_alpha": 0.0, "pre_beta": 0.0}),
+        ("scale_shift_conv", [f(1, 8, 16, 16), f(8), f(8), f(16, 8, 1, 1), f(16)],
+         geometry(activation="none") | {"pre_activation": "silu", "pre_alpha": 0.0, "pre_beta": 0.0}),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
         if name == "scale_shift_conv":
-            assert conv_kernels._Conv(attrs, types[0], types[3], out_type).path == "pointwise"
+            conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
+            assert conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type,
+                                      prologue=True).fill in ("slabs", "pointwise")
         elif name.endswith("conv") and name != "blocked_conv":
             g = conv_kernels._Conv(attrs, types[0], types[1], out_type)
             assert g.path == "tiles" and bool(g.tiles_slabs) == (xs[0].shape[0] == 1 and attrs["strides"] == [1, 1])

@@ -12,14 +12,16 @@ from polyhal.hal.scratch import MemorySpace
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS
 from polyhal_cpu import conv_kernels, native, parallel, threads
+from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.kernels import prepare
+from polyhal_cpu.scratch import standalone
 from polyhal_cpu.table import TABLE
 
 RNG = np.random.default_rng(11)
 
 #: (x shape, w shape, conv attrs, the path the conv takes with the compiled loops)
 CASES = [
-    ((1, 8, 16, 16), (16, 8, 1, 1), {}, "tiles"),                                   # 1x1, B the image
+    ((1, 8, 16, 16), (16, 8, 1, 1), {}, "tiles"),                                   # 1x1: slabs of columns
     ((2, 12, 7, 7), (20, 12, 1, 1), {}, "pointwise"),                               # 1x1 over a small plane
     ((1, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}, "tiles"),               # 3x3, padded planes
     ((2, 9, 11, 10), (10, 9, 3, 3), {"strides": [2, 2], "pads": [0, 1, 2, 1]}, "tiles"),
@@ -74,8 +76,9 @@ def test_kernel_matches_reference(xs, ws, conv, path, native_loops, monkeypatch)
 
 def test_in_a_plan_the_normalised_input_is_declared_scratch():
     """Compiled, the kernel writes the normalised map into the scratch bufferization planned
-    (listed by explain), not into a value of the program, and runs again on the same buffers."""
-    ins, attrs, _ = _instance((1, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}, "relu", "relu", True)
+    (listed by explain), not into a value of the program, and runs again on the same buffers
+    (a batch of two: no slabs to fill through the prologue)."""
+    ins, attrs, _ = _instance((2, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}, "relu", "relu", True)
     b = polyhal.ProgramBuilder("prologue")
     args = [b.input(f"x{i}", a.shape, a.dtype) for i, a in enumerate(ins)]
     b.output(b.op("scale_shift_conv", *args, **attrs))
@@ -159,3 +162,55 @@ def test_pointwise_prologue_on_the_gemm_queue(n_threads, xs, m, least, per_threa
         (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5,
                                    err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
+
+
+#: (x shape, w shape, conv attrs): batch-1 stride-1 convs whose queue pieces fill their own slabs
+SLAB_CASES = [
+    ((1, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}),           # the padded image's rows
+    ((1, 5, 13, 11), (13, 5, 3, 3), {"pads": [1, 2, 0, 1]}),           # asymmetric pads, 2 panels
+    ((1, 4, 10, 37), (9, 4, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),  # blocks from mid-row
+    ((1, 8, 16, 16), (16, 8, 1, 1), {}),                                # 1x1: blocks of the image's columns
+    ((1, 7, 9, 23), (20, 7, 1, 1), {}),                                 # 1x1, a last partial tile
+]
+
+
+@pytest.mark.parametrize("n_threads", ["1", "2", "3"])
+@pytest.mark.parametrize("xs, ws, conv", SLAB_CASES, ids=[f"slab-{i}" for i in range(len(SLAB_CASES))])
+def test_slab_pieces_apply_the_prologue_as_they_fill(xs, ws, conv, n_threads, monkeypatch):
+    """At batch 1 on the compiled queue, each piece of the conv fills its slab through the
+    prologue (queue_layout's KIND_TILES_SLAB with V_SCALE set): padding stays 0 (shifts away from
+    zero catch a pad normalised), on nan-filled scratch and output, with and without residual,
+    every pre-activation, a 1x1 conv's pieces a block of columns at a time; no normalised copy
+    is declared; 1, 2 and 3 threads give the reference."""
+    if not native.available(np.float32) or native.gemm_queue() is None:
+        pytest.skip("the compiled queue is not available here")
+    monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)  # small convs cut too
+    monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", 1)
+    monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)
+    monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))  # blocks of two tiles
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    tables, run_gemms = [], parallel.run_gemms
+    monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
+    for i, (pre, post) in enumerate(ACTIVATIONS + [("hard_sigmoid", "relu")]):
+        ins, attrs, out_type = _instance(xs, ws, conv, pre, post, residual=i % 2 == 0)
+        types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+        conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
+        g = conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type, prologue=True)
+        assert g.fill == "slabs" and len(g.tiles_slabs) == int(n_threads)
+        requests = TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))
+        assert "normalised" not in [r.name for r in requests]
+        scratch = standalone(None, requests)
+        kernel = prepare("scale_shift_conv", attrs, types, (out_type,), scratch)
+        for _ in range(2):  # again with another image: every slab filled again, its padding too
+            for request in requests:
+                scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+            ins[0] = _f(*xs)
+            out = np.full(out_type.shape, np.nan, np.float32)
+            kernel(*ins, out)
+            (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5, err_msg=f"{pre} -> conv -> {post}")
+        table = tables[-1]
+        assert (table[:, layout.G_KIND] == layout.KIND_TILES_SLAB).all() and (table[:, layout.V_SCALE] != 0).all()
+        assert len({tuple(row) for row in table[:, [layout.V_DH]]}) == len(table)  # own slabs
