@@ -187,7 +187,7 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
     import warnings
 
     import numba.pycc.compiler as pycc_compiler
-    from numba import types
+    from numba import typeof, types
     from numba.core import codegen
     from numba.core.compiler import Flags
     from numba.pycc import CC
@@ -195,7 +195,20 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
     from polyhal_cpu import native_loops
 
     loops = {loop: getattr(native_loops, loop) for loop in native_loops.__all__}
-    warm(loops)
+    # The signatures are those the warm-up calls each loop with, as recorded here: a dispatcher
+    # also gains the ones it is compiled for as a callee of another loop (conv_piece calls
+    # gemm_tiles with the arrays it makes from a descriptor), which, with numba's disk cache cold
+    # (a fresh machine), left such a loop to the JIT -- and any process calling it loaded numba
+    # (~120-300 MB resident).
+    called: dict[str, set] = {loop: set() for loop in loops}
+
+    def recording(loop: str, dispatcher: Callable) -> Callable:
+        def call(*args):
+            called[loop].add(tuple(_writable(typeof(a)) for a in args))
+            return dispatcher(*args)
+        return call
+
+    warm({loop: recording(loop, dispatcher) for loop, dispatcher in loops.items()})
     exported = {}
     with tempfile.TemporaryDirectory(prefix=name, dir=base) as tmp:
         with warnings.catch_warnings():
@@ -207,11 +220,11 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
         for loop, dispatcher in loops.items():
             if dict(dispatcher.targetoptions) != options:
                 continue  # compiled with other options: left to the JIT
-            signatures = {(sig.return_type, tuple(_writable(t) for t in sig.args))
-                          for sig in dispatcher.nopython_signatures}
-            if len(signatures) != 1:
-                continue  # several (or no) signatures: left to the JIT
-            ((result, args),) = signatures
+            if len(called[loop]) != 1:
+                continue  # warmed with several (or no) signatures: left to the JIT
+            (args,) = called[loop]
+            result = next(sig.return_type for sig in dispatcher.nopython_signatures
+                          if tuple(_writable(t) for t in sig.args) == args)
             cc.export(loop, result(*args))(dispatcher.py_func)
             exported[loop] = [[t.ndim, str(t.dtype)] if isinstance(t, types.Array) else None for t in args]
 
