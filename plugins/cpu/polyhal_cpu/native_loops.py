@@ -1721,16 +1721,7 @@ def fill_slab(x, c, h, w, plane, slab, size, y0, rows, ph, pw, wide, pitch, scal
             if scale == 0:
                 _copy_bytes(row + pw * 4, at, w * 4)
             else:
-                src, dst = _f32_array(at, w), _f32_array(row + pw * 4, w)
-                if act == 1:
-                    for t in range(w):
-                        v = src[t] * a + b
-                        dst[t] = v if not v < zero else zero
-                else:
-                    for t in range(w):
-                        dst[t] = src[t] * a + b
-                    if act != 0:
-                        activate_row(dst, act, alpha, beta)
+                scale_shift_row(_f32_array(at, w), _f32_array(row + pw * 4, w), a, b, act, alpha, beta)
             if right > 0:
                 _zero_bytes(row + (pw + w) * 4, right * 4)
         if pitch > rows * wide:

@@ -112,6 +112,25 @@ def test_shifted_path_matches_onnxruntime(xs, ws, attrs, tmp_path, monkeypatch):
     _against_onnxruntime(node, {"x": _f(*xs)}, {"w": _f(*ws), "b": _f(ws[0])}, tmp_path)
 
 
+def _tiles_instance(xs, ws, attrs, fused):
+    """A tiles-path case: (op, attrs, operands, their types, the output type) of a conv of an
+    image ``xs`` by read-only weights ``ws`` (a plan's constant: the packed copy is kept and
+    reused), bare (``fused`` "none"), with a bias and hard_swish ("bias"), or with a bias, a
+    residual and relu ("residual")."""
+    n = len(ws) - 2
+    attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
+    x, w = _f(*xs), _f(*ws)
+    w.flags.writeable = False
+    ins = [x, w] if fused == "none" else [x, w, _f(ws[0])]
+    op = "conv" if fused == "none" else "fused_conv"
+    if op == "fused_conv":
+        attrs |= {"activation": "relu" if fused == "residual" else "hard_swish", "alpha": 1 / 6, "beta": 0.5}
+    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    if fused == "residual":
+        ins.append(_f(*out_type.shape))
+    return op, attrs, ins, tuple(TensorType(a.shape, a.dtype) for a in ins), out_type
+
+
 @pytest.mark.parametrize("xs, ws, attrs", [
     ((2, 4, 9, 8), (6, 4, 3, 3), {"pads": [1, 1, 1, 1]}),  # M below one panel of weights
     ((1, 5, 10, 11), (13, 5, 3, 2), {"pads": [2, 0, 1, 3], "dilations": [2, 3]}),  # 2 panels, the last partial
@@ -140,18 +159,7 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
         pytest.skip("the compiled loops are not available here")
     monkeypatch.setattr(native, "GEMM_BLOCK_BYTES", 2 * 32 * 4 * 8 * -(-ws[0] // 8))
     monkeypatch.setattr(conv_kernels, "TILES_MIN_K", 1)  # small shapes take it too
-    n = len(ws) - 2
-    attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
-    x, w = _f(*xs), _f(*ws)
-    w.flags.writeable = False  # a plan's constant: the packed copy is kept and reused
-    ins = [x, w] if fused == "none" else [x, w, _f(ws[0])]
-    op = "conv" if fused == "none" else "fused_conv"
-    if op == "fused_conv":
-        attrs |= {"activation": "relu" if fused == "residual" else "hard_swish", "alpha": 1 / 6, "beta": 0.5}
-    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
-    if fused == "residual":
-        ins.append(_f(*out_type.shape))
-    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    op, attrs, ins, types, out_type = _tiles_instance(xs, ws, attrs, fused)
     geometry = conv_kernels._Conv(attrs, types[0], types[1], out_type)
     assert geometry.path == "tiles"
     requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
@@ -180,7 +188,8 @@ def test_tiles_path_matches_reference(xs, ws, attrs, fused, monkeypatch):
 @pytest.mark.parametrize("n_threads", ["2", "3"])
 @pytest.mark.parametrize("per_thread", [1, 4])
 @pytest.mark.parametrize("weights_bytes", [1 << 30, 1], ids=["columns", "panels"])
-def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread, weights_bytes, monkeypatch):
+def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread, weights_bytes, monkeypatch,
+                                     check_on_poisoned_scratch):
     """A batch-1 stride-1 conv on the compiled queue cut into pieces that each fill their own
     slab of the padded image (blocks of B's columns cut at whole tiles, from the middle of a
     padded row, and of output channels; several column blocks per piece, the block budget
@@ -195,18 +204,7 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread
     monkeypatch.setattr(parallel, "GEMM_QUEUE_PIECE_US", 1e-9)  # small convs cut too
     monkeypatch.setattr(parallel, "QUEUE_PIECES_PER_THREAD", per_thread)
     monkeypatch.setattr(conv_kernels, "SLAB_WEIGHTS_BYTES", weights_bytes)  # cut by columns or panels first
-    n = len(ws) - 2
-    attrs = {"strides": [1] * n, "pads": [0] * (2 * n), "dilations": [1] * n, "group": 1} | attrs
-    x, w = _f(*xs), _f(*ws)
-    w.flags.writeable = False
-    ins = [x, w] if fused == "none" else [x, w, _f(ws[0])]
-    op = "conv" if fused == "none" else "fused_conv"
-    if op == "fused_conv":
-        attrs |= {"activation": "relu" if fused == "residual" else "hard_swish", "alpha": 1 / 6, "beta": 0.5}
-    (out_type,) = OPS[op].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
-    if fused == "residual":
-        ins.append(_f(*out_type.shape))
-    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    op, attrs, ins, types, out_type = _tiles_instance(xs, ws, attrs, fused)
     tables, run_gemms = [], parallel.run_gemms
     monkeypatch.setattr(parallel, "run_gemms", lambda table: (tables.append(table.copy()), run_gemms(table)))
     results = []
@@ -228,15 +226,8 @@ def test_slab_pieces_match_the_whole(xs, ws, attrs, fused, n_threads, per_thread
         requests = polyhal.registry.default_registry().get_device("cpu:0").scratch(op, attrs, types, (out_type,))
         scratch = standalone(None, requests)
         kernel = prepare(op, attrs, types, (out_type,), scratch)
-        for _ in range(2):  # again with another image: every slab filled again, its padding too
-            for request in requests:
-                scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
-            ins[0] = _f(*xs)
-            out = np.full(out_type.shape, np.nan, np.float32)
-            kernel(*ins, out)
-            (want,) = OPS[op].reference(*ins, **attrs)
-            np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
-        results.append(out)
+        # again with another image: every slab filled again, its padding too
+        results.append(check_on_poisoned_scratch(kernel, scratch, requests, op, attrs, ins, lambda: _f(*xs), out_type))
         table = tables[-1]
         assert len(table) == len(geometry.tiles_slabs) and (table[:, layout.G_KIND] == layout.KIND_TILES_SLAB).all()
         for fields in ([layout.V_A], [layout.V_B], [layout.V_DH], [layout.V_OUT, layout.V_KW, layout.V_W]):

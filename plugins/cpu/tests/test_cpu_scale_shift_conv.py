@@ -176,7 +176,8 @@ SLAB_CASES = [
 
 @pytest.mark.parametrize("n_threads", ["1", "2", "3"])
 @pytest.mark.parametrize("xs, ws, conv", SLAB_CASES, ids=[f"slab-{i}" for i in range(len(SLAB_CASES))])
-def test_slab_pieces_apply_the_prologue_as_they_fill(xs, ws, conv, n_threads, monkeypatch):
+def test_slab_pieces_apply_the_prologue_as_they_fill(xs, ws, conv, n_threads, monkeypatch,
+                                                     check_on_poisoned_scratch):
     """At batch 1 on the compiled queue, each piece of the conv fills its slab through the
     prologue (queue_layout's KIND_TILES_SLAB with V_SCALE set): padding stays 0 (shifts away from
     zero catch a pad normalised), on nan-filled scratch and output, with and without residual,
@@ -203,14 +204,9 @@ def test_slab_pieces_apply_the_prologue_as_they_fill(xs, ws, conv, n_threads, mo
         assert "normalised" not in [r.name for r in requests]
         scratch = standalone(None, requests)
         kernel = prepare("scale_shift_conv", attrs, types, (out_type,), scratch)
-        for _ in range(2):  # again with another image: every slab filled again, its padding too
-            for request in requests:
-                scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
-            ins[0] = _f(*xs)
-            out = np.full(out_type.shape, np.nan, np.float32)
-            kernel(*ins, out)
-            (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
-            np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5, err_msg=f"{pre} -> conv -> {post}")
+        # again with another image: every slab filled again, its padding too
+        check_on_poisoned_scratch(kernel, scratch, requests, "scale_shift_conv", attrs, ins, lambda: _f(*xs), out_type,
+                                  atol=3e-5, msg=f"{pre} -> conv -> {post}")
         table = tables[-1]
         assert (table[:, layout.G_KIND] == layout.KIND_TILES_SLAB).all() and (table[:, layout.V_SCALE] != 0).all()
         assert len({tuple(row) for row in table[:, [layout.V_DH]]}) == len(table)  # own slabs

@@ -1,0 +1,28 @@
+"""Fixtures the CPU backend's tests share."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyhal.ops import OPS
+
+
+@pytest.fixture
+def check_on_poisoned_scratch():
+    """``check(kernel, scratch, requests, op, attrs, ins, fresh, out_type, atol=..., msg=...)``:
+    runs a prepared kernel twice, each time on scratch filled with NaN bytes and a new input 0
+    (``fresh()``), into a NaN-filled output, and compares it with the op's reference: a kernel
+    must fill what it reads of its scratch (a slab's padding too) on every call. Returns the
+    last output."""
+    def check(kernel, scratch, requests, op, attrs, ins, fresh, out_type, atol=1e-4, msg=""):
+        for _ in range(2):
+            for request in requests:
+                scratch.buffer(request.name).view(np.uint8)[:] = 0xFF  # nan
+            ins[0] = fresh()
+            out = np.full(out_type.shape, np.nan, np.float32)
+            kernel(*ins, out)
+            (want,) = OPS[op].reference(*ins, **attrs)
+            np.testing.assert_allclose(out, want, rtol=1e-4, atol=atol, err_msg=msg)
+        return out
+    return check
