@@ -578,24 +578,20 @@ def _pointwise_queued(g: _Conv, has_bias: bool, has_residual: bool, zero_bias: n
     first that the other core must fetch), so it stays cut by channels."""
     if parallel.gemm_fn() is None:
         return None
-    length = g.positions
-    split = parallel.GemmSplit(g.m, length, g.c, axis=0, queued=True)
-    rows3 = (g.batch, g.m, length)
+    length, f = g.positions, np.zeros  # arrays of the operands' shapes: the table is made here, once
+    image = (g.m * length, g.c * length)  # an image's floats of the output, of the input
+    table = parallel.GemmSplit(g.m, length, g.c, axis=0, queued=True).piece_table(
+        f((g.m, g.c), _F32), f((g.c, length), _F32), f((g.m, length), _F32), 1.0, 1.0, f((g.m, 1), _F32),
+        f((g.m, length), _F32) if has_residual else None, act, alpha, beta, batch=g.batch,
+        steps=(0, image[1] * 4, image[0] * 4, 0, image[0] * 4))
+    if table is None:
+        return None
 
     def kernel(x, w, *rest):
-        out = rest[-1]
-        b = (rest[0] if has_bias else zero_bias).reshape(g.m, 1)
-        w2, x3, o3 = w.reshape(g.m, g.c), np.ascontiguousarray(x).reshape(g.batch, g.c, length), out.reshape(rows3)
-        r3 = np.ascontiguousarray(rest[1]).reshape(rows3) if has_residual else None
-        tables = [split.table(w2, x3[n], o3[n], 1.0, 1.0, b, None if r3 is None else r3[n], act, alpha, beta)
-                  for n in range(g.batch)]
-        if any(t is None for t in tables):  # strides BLAS cannot read in place: image by image, by numpy
-            for n in range(g.batch):
-                np.matmul(w2, x3[n], out=o3[n])
-            native.epilogue(o3.reshape(-1, length), b.reshape(-1), None if r3 is None else r3.reshape(-1, length),
-                            act, alpha, beta)
-            return
-        parallel.run_gemms(tables[0] if g.batch == 1 else np.concatenate(tables))
+        # (the arrays as the plan passes them: the same on every run, so the table is kept)
+        c = np.ascontiguousarray
+        parallel.run_gemms(table(c(w, _F32), c(x, _F32), rest[-1], c(rest[0] if has_bias else zero_bias, _F32),
+                                 c(rest[1], _F32) if has_residual else None))
     return kernel
 
 

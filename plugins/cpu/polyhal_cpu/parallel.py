@@ -498,6 +498,22 @@ class GemmSplit:
                 t[p, field] = at + offset
         return t
 
+    def piece_table(self, a, b, out, alpha: float = 1.0, beta: float = 0.0, bias: np.ndarray | None = None,
+                    residual: np.ndarray | None = None, act: int = 0, act_alpha: float = 0.0, act_beta: float = 0.0,
+                    batch: int = 1, steps: Sequence[int] = (0, 0, 0, 0, 0)) -> PieceTable | None:
+        """:meth:`table`'s pieces made once, when a kernel is prepared, for ``batch`` products that
+        lie one after another: arrays of the operands' shapes and strides stand for them here,
+        product n's operand i lies ``n * steps[i]`` bytes after the first's, and the table is
+        called with the first's operands (a, b, out, bias, residual) on each run (kept while the
+        same arrays come). None where :meth:`table` would give None."""
+        made = self._template(a, b, out, bias, residual, alpha, beta, act, act_alpha, act_beta)
+        if made is None:
+            return None
+        template, fields = made
+        return PieceTable(np.tile(template, (batch, 1)),
+                          [(field, x, [o + n * steps[x] for n in range(batch) for o in offsets])
+                           for field, x, offsets in fields])
+
     def _template(self, a, b, out, bias, residual, alpha, beta, act, act_alpha, act_beta):
         """:meth:`table`'s descriptors but the operands' addresses, and (field, operand, each
         piece's offset in bytes) to fill them in; None where the strides do not do."""
