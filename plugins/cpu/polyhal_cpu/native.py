@@ -42,7 +42,7 @@ __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "co
            "column_table", "depthwise_offsets", "exp2_shifted_rows", "gelu_erf", "gelu_tanh", "gemm_block",
            "gemm_channels_last", "gemm_tiles",
            "gemm_tiles_bytes", "im2col", "im2col_work", "layer_norm", "matvec_channels_last", "pack_gemm_weights",
-           "pad_channels", "pool2d", "pool2d_work", "relu", "scale_rows", "scale_shift_rows", "softmax_rows"]
+           "pad_channels", "pool2d", "pool2d_work", "relu", "scale_rows", "softmax_rows"]
 
 _F32 = np.dtype(np.float32)
 
@@ -123,8 +123,6 @@ def _warm(loops: dict[str, Callable]) -> None:
     loops["scale_rows"](m.copy(), one)
     ro_m = m.copy()
     ro_m.flags.writeable = False
-    for x in (m, ro_m):  # scale and shift are a plan's constants
-        loops["scale_shift_rows"](x, ro[:2], ro[:2], m.copy(), 1, *_F32_PAIR)
     # Convolutions: weights and biases are read-only constants; images may be either.
     img, none4 = np.zeros((1, 2, 3, 3), np.float32), np.zeros((0, 0, 0, 0), np.float32)
     w = np.zeros((2, 1, 1, 1), np.float32)
@@ -230,13 +228,6 @@ def scale_rows(x: np.ndarray, factors: np.ndarray) -> None:
 def add_rows(x: np.ndarray, row: np.ndarray) -> None:
     """Add (cols,) ``row`` to every row of (rows, cols) ``x``, in place."""
     _compiled()["add_rows"](x, row)
-
-
-def scale_shift_rows(x: np.ndarray, scale: np.ndarray, shift: np.ndarray, out: np.ndarray, act: int, alpha: float,
-                     beta: float) -> None:
-    """(rows, cols) ``out`` = activation ``act`` of x * scale[channel] + shift[channel], rows
-    being (image, channel) pairs."""
-    _compiled()["scale_shift_rows"](x, scale, shift, out, act, np.float32(alpha), np.float32(beta))
 
 
 def activation_code(activation: str) -> int:

@@ -29,7 +29,7 @@ from polyhal_cpu.rational_erf import ERF_P, ERF_Q
 __all__ = ["add_rows", "col2im", "conv_image_channels_last", "depthwise", "depthwise_channels_last",
            "depthwise_flat_rows", "drive_gemms", "epilogue", "epilogue_channels_last", "exp2_shifted_rows", "gelu_erf",
            "gelu_tanh", "gemm_channels_last", "gemm_pieces", "gemm_tiles", "im2col", "im2col_phases", "layer_norm",
-           "matvec_channels_last", "pool2d", "relu", "scale_rows", "scale_shift_rows", "serve_gemms", "softmax_rows",
+           "matvec_channels_last", "pool2d", "relu", "scale_rows", "serve_gemms", "softmax_rows",
            "spin_wait", "take_gemms"]
 
 # No "nnan"/"ninf": nan and inf keep their IEEE meaning (a nan input gives a nan result).
@@ -680,16 +680,9 @@ def epilogue(y, bias, residual, act, alpha, beta):
 
 
 @_jit
-def scale_shift_rows(x, scale, shift, out, act, alpha, beta):
-    """(rows, cols) x into out, rows being (image, channel) pairs of ``scale``'s channels:
-    out = act(x * scale[channel] + shift[channel])."""
-    scale_shift_block(x, scale, shift, out, 0, act, alpha, beta)
-
-
-@_jit
 def scale_shift_block(x, scale, shift, out, first, act, alpha, beta):
-    """:func:`scale_shift_rows` of a block of rows whose first is of channel ``first``, a row at
-    a time: a ReLU (or none) in the same pass (~30% faster than a second pass over the row:
+    """(rows, cols) x into out, rows being (image, channel) pairs of ``scale``'s channels, the
+    first of channel ``first``: out = act(x * scale[channel] + shift[channel]), a row at a time: a ReLU (or none) in the same pass (~30% faster than a second pass over the row:
     0.09 against 0.13 ns an element, in cache, 2-core AVX-512 VM), another activation in a
     second pass, which finds the row in L1."""
     rows = x.shape[0]
