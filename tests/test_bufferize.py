@@ -57,34 +57,34 @@ def test_default_policy_fastest_space_that_fits(registry):
     small = request("a", shared=False, thread_bytes=16)
     shared = request("b", wg_bytes=512)
     big = request("c", wg_bytes=4096)
-    placed = place_scratch(registry, spec(), (small, shared, big))
+    placed = place_scratch(registry.pm, spec(), (small, shared, big))
     assert [a.space for a in placed] == [MemorySpace.PRIVATE, MemorySpace.WORKGROUP, MemorySpace.GLOBAL]
     assert placed[2].nbytes == 4 * 4096 and placed[2].plugin == "polyhal.policies.memory_space"
 
 
 def test_workgroup_memory_is_shared_by_a_kernels_scratches(registry):
     a, b = request("a", wg_bytes=700), request("b", wg_bytes=700)  # 1400 > 1024 together
-    placed = place_scratch(registry, spec(), (a, b))
+    placed = place_scratch(registry.pm, spec(), (a, b))
     assert [p.space for p in placed] == [MemorySpace.WORKGROUP, MemorySpace.GLOBAL]
     other = request("c", wg_bytes=700, kernel="k2")  # another kernel starts afresh
-    assert place_scratch(registry, spec(), (a, other))[1].space is MemorySpace.WORKGROUP
+    assert place_scratch(registry.pm, spec(), (a, other))[1].space is MemorySpace.WORKGROUP
 
 
 def test_private_data_too_big_for_registers_goes_to_workgroup_memory(registry):
     r = request("p", shared=False, thread_bytes=128, wg=4)  # 128 B > 64 B private, 512 B per group
-    (a,) = place_scratch(registry, spec(), (r,))
+    (a,) = place_scratch(registry.pm, spec(), (r,))
     assert a.space is MemorySpace.WORKGROUP and a.nbytes == 512
 
 
 def test_per_launch_scratch_is_global_only(registry):
-    (a,) = place_scratch(registry, spec(), (request("mask", launch=100),))
+    (a,) = place_scratch(registry.pm, spec(), (request("mask", launch=100),))
     assert a.space is MemorySpace.GLOBAL and a.nbytes == 100
 
 
 def test_scratch_that_fits_nowhere_names_kernel_size_and_limit(registry):
     r = request("tile", wg_bytes=1 << 20, groups=8, spaces=(MemorySpace.WORKGROUP, MemorySpace.GLOBAL))
     with pytest.raises(ScratchError) as info:
-        place_scratch(registry, spec(), (r,))
+        place_scratch(registry.pm, spec(), (r,))
     msg = str(info.value)
     assert "'tile'" in msg and "kernel 'k'" in msg and "fake:0" in msg
     assert "needs 1048576 B/workgroup, limit 1024" in msg and f"needs {8 << 20} B, limit {1 << 20}" in msg
@@ -100,10 +100,10 @@ class ForceGlobal:
 
 def test_a_policy_plugin_overrides_the_default(registry):
     registry.register(ForceGlobal(), name="force-global")
-    (a,) = place_scratch(registry, spec(), (request("b", wg_bytes=16),))
+    (a,) = place_scratch(registry.pm, spec(), (request("b", wg_bytes=16),))
     assert a.space is MemorySpace.GLOBAL and a.plugin == "force-global"
     # It defers where the kernel has no global code: the default answers.
-    (b,) = place_scratch(registry, spec(), (request("c", wg_bytes=16, spaces=(MemorySpace.WORKGROUP,)),))
+    (b,) = place_scratch(registry.pm, spec(), (request("c", wg_bytes=16, spaces=(MemorySpace.WORKGROUP,)),))
     assert b.space is MemorySpace.WORKGROUP and b.plugin == "polyhal.policies.memory_space"
 
 
@@ -120,7 +120,7 @@ def test_bad_policy_answers_are_errors(registry, answer, match):
 
     registry.register(Bad(), name="bad")
     with pytest.raises(polyhal.PolyhalError, match=match):
-        place_scratch(registry, spec(), (request("s", wg_bytes=4096),))
+        place_scratch(registry.pm, spec(), (request("s", wg_bytes=4096),))
 
 
 # -- plans -----------------------------------------------------------------------------------------

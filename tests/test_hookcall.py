@@ -84,7 +84,7 @@ def test_resolve_encoding_wrapper_sees_and_changes_the_answer(reg, style):
     reg.register(_wrapper("resolve_encoding", style, lambda layout: IdentityLayout(layout.tensor_type), seen),
                  name="wrapper")
     t = TensorType((8, 16), "float32", MatmulEncoding(LHS, ("float32",) * 3, (8, 8, 16)))
-    resolution = LayoutResolver(reg).resolve("cpu:0", t)
+    resolution = LayoutResolver(reg.specs_by_name(), reg.pm).resolve("cpu:0", t)
     assert len(seen) == 1 and not seen[0].is_identity_layout()  # the CPU resolver's packed layout
     assert resolution.layout.is_identity_layout() and resolution.plugin == "wrapper"
 
@@ -96,7 +96,7 @@ def test_select_memory_space_wrapper_sees_and_changes_the_answer(reg, style):
     req = ScratchDecl("tile", True, 64, 0, ()).request(Problem("op", {}, (), ()), KernelInfo("k", "op", 32, 4))
     spec = polyhal.DeviceSpec(name="fake:0", backend="fake", rank=0, factory=lambda s: None,
                               heaps=reg.device_specs()[0].heaps, workgroup_bytes=1024)
-    (placed,) = place_scratch(reg, spec, (req,))
+    (placed,) = place_scratch(reg.pm, spec, (req,))
     assert seen == [MemorySpace.WORKGROUP]  # the default policy's answer
     assert placed.space is MemorySpace.GLOBAL and placed.plugin == "wrapper"
 

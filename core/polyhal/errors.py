@@ -49,6 +49,11 @@ class PrecisionError(PolyhalError, ValueError):
     """A compile precision that polyhal does not know, or that nothing can compute in."""
 
 
+class PipelineError(PolyhalError, ValueError):
+    """A compile pipeline whose passes cannot run in the order given (a requirement no earlier
+    pass provides), or a malformed pass record."""
+
+
 class KernelNotFoundError(PolyhalError, LookupError):
     """No candidate device offers a kernel for an op."""
 

@@ -25,7 +25,7 @@ from polyhal.errors import PluginError
 
 #: Hooks whose implementations are called for every plugin and whose answers are collected
 #: (registration): one failing plugin is recorded and skipped instead of failing the call.
-COLLECTED_HOOKS = frozenset({"register_devices", "report_unavailable"})
+COLLECTED_HOOKS = frozenset({"register_devices", "report_unavailable", "register_passes"})
 
 
 class HookAnswer(NamedTuple):

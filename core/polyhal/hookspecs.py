@@ -14,7 +14,7 @@ which see and may replace an answer) and ``pm.add_hookcall_monitoring`` work as 
 are called while compiling and when a device is created, never while a plan runs.
 
 Hooks are grouped under banner comments: device registration, allocation policy, cost model,
-allocators, bufferization policy (memory spaces), encoding resolution, so a plugin author learns
+allocators, bufferization policy (memory spaces), encoding resolution, compile passes, so a plugin author learns
 the whole contract from this one file.
 """
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from polyhal.hal.scratch import KernelInfo, MemoryLimits, MemorySpace, ScratchRequest
     from polyhal.ir.encoding import Encoding, Layout
     from polyhal.ir.types import TensorType
+    from polyhal.passes.pipeline import PassRegistration
 
 #: The plugin API version this core implements. Plugins declare the one they were written for.
 API_VERSION = 1
@@ -321,4 +322,40 @@ def resolve_encoding(device: "DeviceSpec", encoding: "Encoding", tensor_type: "T
             if encoding.operand_index == RHS:   # (K, N) -> (N1, K1, N0, K0)
                 return PackedLayout(tensor_type, (1, 0), (8, 8), outer_dims_perm=(1, 0))
             return PackedLayout(tensor_type, (0, 1), (8, 8))   # LHS / RESULT -> (M1, X1, M0, X0)
+    """
+
+
+# --------------------------------------------------------------------------------------------------
+# Compile passes
+# --------------------------------------------------------------------------------------------------
+
+@hookspec
+def register_passes() -> Iterable["PassRegistration"]:
+    """Compile passes this plugin adds to every compile's pipeline (onnxruntime's EPs add graph
+    transformers the same way; the passes run on :class:`polyhal.Target`, so a pass sees the
+    compile's devices, kernel sets and policies).
+
+    Called for every plugin (not firstresult); results are concatenated in registration order
+    and inserted into :data:`polyhal.passes.pipeline.DEFAULT_PIPELINE` (see that module for the
+    order and the properties each built-in pass requires and provides). A record that is not a
+    :class:`polyhal.PassRegistration`, or whose pass cannot go where it asks (an unknown anchor,
+    a requirement no earlier pass provides), is left out with a warning naming the plugin; the
+    other plugins' passes still run. A pass's own exception fails that compile, naming the pass.
+
+    :returns: :class:`polyhal.PassRegistration` records: ``PassRegistration(pass_, after=name)``
+        or ``before=name``; ``pass_`` is a :class:`polyhal.Pass` (name, ``run(compilation,
+        target)``, ``requires``, ``provides``).
+
+    Example (rewrite my device's conv + relu chains, before placement, on programs that would
+    run on my device)::
+
+        from polyhal import Pass, PassRegistration
+
+        def fuse_conv_relu(compilation, target):
+            compilation.program = my_rewrite(compilation.program, target.fusible)
+
+        @polyhal.hookimpl
+        def register_passes():
+            return [PassRegistration(Pass("mydev-conv-relu", fuse_conv_relu, requires=("unplaced",)),
+                                     after="fuse-conv-epilogue")]
     """

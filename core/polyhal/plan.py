@@ -20,26 +20,17 @@ from polyhal.errors import DTypeError, LifetimeError, PluginError, ProgramError,
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
-from polyhal.passes.bufferize import bufferize
-from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
-from polyhal.passes.fold_constants import fold_constant_transposes
-from polyhal.passes.fuse_attention import fuse_attention
-from polyhal.passes.fuse_conv import (
-    fold_conv_affine, fuse_conv_epilogue, fuse_conv_prologue, fuse_scale_shift, pool_before_pointwise_conv,
-)
-from polyhal.passes.fuse_gelu import fuse_gelu
-from polyhal.passes.fuse_linear import fuse_linear
-from polyhal.passes.materialize_encoding import materialize_encodings
-from polyhal.passes.placement import Placement, chosen_device, fusion_gate, kernel_sets, place
-from polyhal.passes.precision import CAPABILITY, apply_precision, resolve_precision
-from polyhal.policy import selector_for
+from polyhal.passes.pipeline import Compilation, Pipeline
+from polyhal.passes.placement import Placement
+from polyhal.passes.precision import resolve_precision
 from polyhal.profile import Profile, StepEvent, StepInfo
 from polyhal.registry import Registry, default_registry
+from polyhal.target import Target
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
             registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None,
-            precision: str | None = None) -> "Plan":
+            precision: str | None = None, pipeline: Pipeline | None = None) -> "Plan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
@@ -76,21 +67,30 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     outputs stay float32). It applies after fusion, per op on the device placement would choose;
     a device without the precision computes in float32, and ``plan.explain()`` says what changed.
     An unknown precision (or ``"bf16"``, which no device computes in) is a PrecisionError.
+
+    The passes run in the order of ``pipeline`` (default: :data:`polyhal.passes.pipeline.DEFAULT_PIPELINE`
+    with the passes plugins register through ``register_passes``), each on the compile's
+    :class:`~polyhal.target.Target`; ``plan.explain()`` lists each pass, its time and what it
+    changed. Pass your own pipeline (``DEFAULT_PIPELINE.insert(Pass(...), after=...)``) to add a pass.
     """
     resolve_precision(precision)  # an unknown precision fails here, before anything is built
+    if pipeline is not None:
+        pipeline.validate()
     if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
         # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
         # input shape itself, through this function.
-        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling, precision=precision)
+        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling, precision=precision,
+                               pipeline=pipeline)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
+    options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline)
     if devices:
-        return _compile_on(program, tuple(devices), registry, fuse, data_tiling, precision)
+        return _compile_on(program, Target.build(registry, tuple(devices), **options), registry)
     while True:
         devices = tuple(registry.default_devices())
         try:
-            return _compile_on(program, devices, registry, fuse, data_tiling, precision)
+            return _compile_on(program, Target.build(registry, devices, **options), registry)
         except PluginError:
             # A device of the default list failed to create (recorded and warned about by the
             # registry): place again without it; anything else is the caller's to see.
@@ -98,39 +98,9 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
                 raise
 
 
-def _compile_on(program: Program, devices: tuple[str, ...], registry: Registry, fuse: bool,
-                data_tiling: bool | None, precision: str | None) -> "Plan":
-    selector, kernels = selector_for(registry), kernel_sets(registry)
-    fusions = None
-    if fuse:
-        fusible = fusion_gate(registry, selector, devices, kernels)
-        program, fusions = fold_constant_transposes(program)
-        # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
-        program, attention = fuse_attention(program, fusible)
-        program, linear = fuse_linear(program, fusible)
-        program, gelu = fuse_gelu(program, fusible)
-        # BatchNormalization's scale and shift into the conv weights first, then the epilogue
-        # (after fuse_gelu, so that a GELU formula is one activation the epilogue can take).
-        program, folded = fold_conv_affine(program)
-        program, epilogues = fuse_conv_epilogue(program, fusible)
-        program, scale_shifts = fuse_scale_shift(program, fusible)  # what no conv took
-        program, pools_first = pool_before_pointwise_conv(program)
-        # After the pools moved first: a norm that feeds a pool then stays a scale_shift.
-        program, prologues = fuse_conv_prologue(program, fusible)
-        fusions += attention + linear + gelu + folded + epilogues + scale_shifts + pools_first + prologues
-    # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
-    # tiling and placement, which then see the program's final element types.
-    # Specs by name (not the full list), so that a plan for cpu:0 loads no other backend's driver.
-    chosen = chosen_device(registry, selector, devices, kernels)
-    program, precision_report = apply_precision(program, precision, lambda op: chosen((op,)),
-                                                lambda d, p: CAPABILITY[p] in registry.spec(d).capabilities)
-    if data_tiling is not False:
-        program = set_conv_encodings(set_encodings(program) if data_tiling else program)
-    placement = place(program, registry, selector, devices, kernels)
-    placement.fusions = fusions
-    placement.precision = precision_report
-    placement = materialize_encodings(placement, registry)
-    return Plan(placement, registry, devices)
+def _compile_on(program: Program, target: Target, registry: Registry) -> "Plan":
+    """Run ``target``'s pipeline over ``program`` and bind the result into a Plan."""
+    return Plan(target.pipeline.run(program, target), target, registry)
 
 
 class Plan:
@@ -142,10 +112,18 @@ class Plan:
     arrays. A plan is not re-entrant: concurrent calls are serialised.
     """
 
-    def __init__(self, placement: Placement, registry: Registry, devices: Sequence[str] = ()) -> None:
-        self.placement = placement
+    def __init__(self, compilation: Compilation, target: Target, registry: Registry) -> None:
+        placement = compilation.placement
+        if placement is None or compilation.buffer_plan is None:
+            raise ProgramError(f"the compile pipeline {target.pipeline.names} did not place and bufferize the "
+                               "program; a pipeline must keep the 'place' and 'bufferize' passes")
+        self.placement: Placement = placement
+        #: What the compile passes did (one record per pass) and their notes, for explain.
+        self.compilation = compilation
+        #: The compile's Target (devices, kernel sets and policies the passes used).
+        self.target = target
         #: The ordered device list the plan was compiled for (explain says which lacked an op).
-        self.devices = tuple(devices)
+        self.devices = target.devices
         self.program = program = placement.program
         self.registry = registry
         self._lock = threading.Lock()
@@ -178,8 +156,8 @@ class Plan:
         # Intermediates and global kernel scratch live in arenas that bufferize planned (bytes
         # reused where lifetimes do not overlap), allocated once, here; outputs are fresh per run
         # (or given by out=), in the memory type bufferize chose for a host reader.
-        self.buffer_plan = bufferize(placement, registry)
-        self._buffers = self.buffer_plan.materialize(registry, selector_for(registry), program.name)
+        self.buffer_plan = compilation.buffer_plan
+        self._buffers = self.buffer_plan.materialize(registry, target.selector, program.name)
         self._output_memory = [self.buffer_plan.output_memory[v.id] for v in program.outputs]
         # What a run allocates for each output (what tensor.empty would, resolved once).
         self._output_alloc = [(d, max(v.type.nbytes, 1), mt, v.type)
@@ -470,7 +448,17 @@ class Plan:
         if self.placement.encodings is not None:
             lines.extend(self.placement.encodings.explain_lines())
         lines.extend("  " + line for line in self.buffer_plan.explain().splitlines())  # bufferize's decisions
+        lines.extend(self.explain_passes())
         return "\n".join(lines)
+
+    def explain_passes(self) -> list[str]:
+        """The compile pipeline as run: each pass, its time and what it changed, and passes' notes."""
+        records = self.compilation.records
+        total = sum(r.seconds for r in records)
+        lines = [f"  passes ({len(records)}, {total * 1e3:.1f} ms):"]
+        lines.extend(f"    {r.explain()}" for r in records)
+        lines.extend(f"  note: {note}" for note in self.compilation.notes)
+        return lines
 
     def __str__(self) -> str:
         return str(self.program)

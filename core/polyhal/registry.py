@@ -165,6 +165,7 @@ class Registry:
         self._devices: dict[str, Device] = {}
         self._broken: dict[str, PluginFailure] = {}  # devices whose factory raised
         self._listeners: list[Callable[[], Any]] = []
+        self._plugin_passes: tuple[int, list[tuple[str, Any]]] | None = None  # (generation, records)
         self._preference = _env_list("POLYHAL_BACKENDS")
         #: The memoizing allocator selector of this registry (made by polyhal.policy.selector_for);
         #: kept here so that it lives and dies with its registry.
@@ -284,6 +285,26 @@ class Registry:
         self._broken.clear()  # a changed set of plugins may create the device now
         for callback in list(self._listeners):
             callback()
+
+    # -- compile passes ----------------------------------------------------------------------------
+
+    def plugin_passes(self) -> list[tuple[str, Any]]:
+        """``(plugin, record)`` for every record the ``register_passes`` hook returned, in
+        registration order (read once per registry generation). A plugin whose hook raises is
+        recorded as a failure (``polyhal plugins`` shows it) and contributes nothing."""
+        with self._lock:
+            cached = self._plugin_passes
+            if cached is not None and cached[0] == self.generation:
+                return list(cached[1])
+            answers, failures = self.pm.each_answer("register_passes")
+            for plugin, exc in failures:
+                reason = f"register_passes raised {type(exc).__name__}: {exc}"
+                self._fail(plugin, reason, "passes")
+                warnings.warn(f"polyhal: plugin {plugin!r} adds no compile passes: {reason}", RuntimeWarning,
+                              stacklevel=3)
+            found = [(plugin, record) for plugin, records in answers for record in records]
+            self._plugin_passes = (self.generation, found)
+            return list(found)
 
     # -- devices -----------------------------------------------------------------------------------
 

@@ -76,8 +76,10 @@ if TYPE_CHECKING:
     from polyhal.hal.buffer import Buffer
     from polyhal.hal.records import DeviceSpec
     from polyhal.ir.program import Op, Value
+    from polyhal.hookcall import PluginManager
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
+    from polyhal.target import Target
 
 __all__ = ["Arena", "BufferPlan", "InPlace", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch",
            "plan_concats", "plan_offsets", "plan_views"]
@@ -333,33 +335,33 @@ def _allocate(registry: "Registry", selector: Any, specs: Mapping, arena: Arena)
 
 # -- the pass ------------------------------------------------------------------------------------------
 
-def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
+def bufferize(placement: "Placement", target: "Target") -> BufferPlan:
     """Place every scratch and plan every intermediate of a placed program (see the module doc)."""
     program = placement.program
     ops = program.ops
     plan = BufferPlan()
     device_of = placement.value_device
     output_ids = {v.id for v in program.outputs}
-    host_read = _host_read_memory(registry)
+    host_read = _host_read_memory(target)
 
     # 1. scratch
     for i, op in enumerate(ops):
         if op.kind != "dispatch":
             continue
-        device = registry.get_device(op.device)
+        device = target.device(op.device)
         requests = tuple(device.scratch(op.name, dict(op.attrs), tuple(v.type for v in op.inputs),
                                         tuple(v.type for v in op.outputs)) or ())
         if requests:
-            plan.scratch[i] = place_scratch(registry, device.spec, requests)
+            plan.scratch[i] = place_scratch(target.hooks, device.spec, requests)
 
     # 2. lifetimes and memory types of intermediates; views (4) share their source's buffer
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     usage: dict[int, BufferUsage] = {}
     values: dict[int, "Value"] = {}
-    views = plan_views(program, registry, frozenset(plan.scratch))
+    views = plan_views(program, target, frozenset(plan.scratch))
     plan.views = [views[i] for i in sorted(views)]
-    plan.in_place, plan.concats_in_place = plan_concats(program, registry, views)
+    plan.in_place, plan.concats_in_place = plan_concats(program, target, views)
     owner = {p.value.id: p.owner for p in plan.in_place}  # value id -> the value whose buffer holds it
     for w in plan.views:  # view value id -> the value whose buffer it views
         owner[w.value.id] = owner.get(w.source.id, w.source)
@@ -394,7 +396,7 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
                 plan.buffers.append(PlannedBuffer(
                     f"{a.request.kernel.name}.{a.request.name}", ops[i].device, max(a.nbytes, 1), i, i,
                     _INTERMEDIATE, BufferUsage.DISPATCH_STORAGE, scratch=a, op_index=i,
-                    alignment=max(_scratch_alignment(registry, ops[i].device), a.request.alignment, VALUE_ALIGNMENT)))
+                    alignment=max(_scratch_alignment(target, ops[i].device), a.request.alignment, VALUE_ALIGNMENT)))
     for v in program.outputs:
         plan.output_memory[v.id] = host_read(device_of.get(v.id))
 
@@ -419,7 +421,7 @@ def bufferize(placement: "Placement", registry: "Registry") -> BufferPlan:
     return plan
 
 
-def plan_views(program, registry: "Registry", keep: frozenset[int] = frozenset()) -> dict[int, View]:
+def plan_views(program, target: "Target", keep: frozenset[int] = frozenset()) -> dict[int, View]:
     """The ops of ``program`` (by index) whose result is a :class:`View` (see the module doc);
     ``keep``: ops that must run (they have scratch). Views are proposed in program order, then
     each one that is not plain is checked against its consumers; refused ones copy, and the
@@ -442,15 +444,15 @@ def plan_views(program, registry: "Registry", keep: frozenset[int] = frozenset()
                 if view is not None:
                     views[i] = of_value[view.value.id] = view
         bad = {i for i, w in views.items() if not w.plain and not all(
-            (j in views and not _block_reread(registry, ops, views, consumers, w, j))
-            or (j not in views and _accepts(registry, ops[j], k, w, ops[i]))
+            (j in views and not _block_reread(target, ops, views, consumers, w, j))
+            or (j not in views and _accepts(target, ops[j], k, w, ops[i]))
             for j, k in consumers.get(w.value.id, ()))}
         if not bad:
             return views
         refused |= bad
 
 
-def plan_concats(program, registry: "Registry", views: Mapping[int, View]) -> tuple[list[InPlace], frozenset[int]]:
+def plan_concats(program, target: "Target", views: Mapping[int, View]) -> tuple[list[InPlace], frozenset[int]]:
     """The intermediates of ``program`` written in place into a concatenation's buffer, and the
     concats (op indices) left with nothing to do (see the module doc); ``views``: the ops whose
     result is a view (:func:`plan_views`), whose values stay as they are. Concats are taken last
@@ -488,7 +490,7 @@ def plan_concats(program, registry: "Registry", views: Mapping[int, View]) -> tu
         if placed and out.id not in home:  # operands already in a later concatenation's buffer
             v, off = placed[0]
             owner, base = home[v.id][0], home[v.id][1] - off
-        device = registry.get_device(op.device)
+        device = target.device(op.device)
         anywhere = bool(getattr(device, "strided_views", False))
         item = out.type.dtype.itemsize
         fits = (len({v.id for v in op.inputs}) == len(op.inputs) and 0 <= base
@@ -517,7 +519,7 @@ def plan_concats(program, registry: "Registry", views: Mapping[int, View]) -> tu
     return in_place, frozenset(concats)
 
 
-def _block_reread(registry: "Registry", ops, views: dict, consumers: dict, view: View, j: int) -> bool:
+def _block_reread(target: "Target", ops, views: dict, consumers: dict, view: View, j: int) -> bool:
     """Whether strided gather ``view``, reshaped by view op ``j``, reaches (through views) a kernel
     of a device that accepts any strides blindly: that device keeps the block a copy (see
     :func:`_accepts`), and a reshape of it is the same block -- the q, k or v third of torch's
@@ -534,16 +536,16 @@ def _block_reread(registry: "Registry", ops, views: dict, consumers: dict, view:
             seen.add(c)
             if c in views:
                 todo.append(views[c].value.id)
-            elif ops[c].kind == "dispatch" and getattr(registry.get_device(ops[c].device), "strided_views", False):
+            elif ops[c].kind == "dispatch" and getattr(target.device(ops[c].device), "strided_views", False):
                 return True
     return False
 
 
-def _accepts(registry: "Registry", consumer: "Op", index: int, view: View, producer: "Op") -> bool:
+def _accepts(target: "Target", consumer: "Op", index: int, view: View, producer: "Op") -> bool:
     """Whether ``consumer`` reads ``view`` as its operand ``index`` without a copy."""
     if consumer.kind != "dispatch":  # a transfer or encode reads it through its device's copies
-        return bool(getattr(registry.get_device(producer.device), "strided_views", False))
-    device = registry.get_device(consumer.device)
+        return bool(getattr(target.device(producer.device), "strided_views", False))
+    device = target.device(consumer.device)
     if view.op in ("slice", "gather") and view.strides is not None and getattr(device, "strided_views", False):
         # Such a device says yes to any strides, but its compiled loops copy a strided operand
         # again, per run: a strided block stays a copy there (on the CPU, Swin-T b8 peaked 33 MB
@@ -621,8 +623,8 @@ def _row_major(shape: tuple[int, ...], strides: tuple[int, ...]) -> bool:
     return True
 
 
-def _scratch_alignment(registry: "Registry", device: str) -> int:
-    return int(registry.get_device(device).spec.limits.get("scratch_alignment", SCRATCH_ALIGNMENT))
+def _scratch_alignment(target: "Target", device: str) -> int:
+    return int(target.device(device).spec.limits.get("scratch_alignment", SCRATCH_ALIGNMENT))
 
 
 def plan_offsets(buffers: list[PlannedBuffer]) -> int:
@@ -666,7 +668,7 @@ def _align(n: int, alignment: int) -> int:
     return -(-n // alignment) * alignment
 
 
-def _host_read_memory(registry: "Registry"):
+def _host_read_memory(target: "Target"):
     """memory type of program outputs on a device: host-visible where that is device memory too."""
     cache: dict[str | None, MemoryType] = {}
 
@@ -674,7 +676,7 @@ def _host_read_memory(registry: "Registry"):
         if device_name not in cache:
             mt = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL
             if device_name is not None:
-                device = registry.get_device(device_name)
+                device = target.device(device_name)
                 # Only where host-visible memory *is* the device's memory (capability
                 # "unified-memory"): a discrete GPU's managed memory would migrate pages on every
                 # kernel write, far dearer than the copy on read.
@@ -687,7 +689,7 @@ def _host_read_memory(registry: "Registry"):
     return memory
 
 
-def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[ScratchRequest, ...]
+def place_scratch(hooks: "PluginManager", spec: "DeviceSpec", requests: tuple[ScratchRequest, ...]
                   ) -> tuple[ScratchAssignment, ...]:
     """Ask ``select_memory_space`` for each request, in order, with the limits its kernel has
     left; validate and return the assignments. Raises ScratchError when one fits nowhere."""
@@ -696,7 +698,7 @@ def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[Scra
     out = []
     for req in requests:
         limits = left.get(req.kernel.name, limits_of)
-        answer = registry.pm.first_answer(
+        answer = hooks.first_answer(
             "select_memory_space", where=lambda: f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
             device=spec, kernel=req.kernel, scratch=req, limits=limits)
         space, plugin = None, answer.plugin or ""

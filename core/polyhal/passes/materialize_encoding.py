@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
 
 import numpy as np
 
@@ -42,8 +42,9 @@ from polyhal.ops import canonical_attrs, infer_types
 
 if TYPE_CHECKING:
     from polyhal.hal.records import DeviceSpec
+    from polyhal.hookcall import PluginManager
     from polyhal.passes.placement import Placement
-    from polyhal.registry import Registry
+    from polyhal.target import Target
 
 #: Plugin name of the built-in identity resolver (registered by the registry, runs last).
 IDENTITY_RESOLVER = "polyhal.policies.identity_encoding"
@@ -67,9 +68,9 @@ class Resolution:
 class LayoutResolver:
     """Calls ``resolve_encoding`` once per (device, encoded type) and checks what comes back."""
 
-    def __init__(self, registry: "Registry") -> None:
-        self.registry = registry
-        self._specs = registry.specs_by_name()
+    def __init__(self, specs: Mapping[str, "DeviceSpec"], hooks: "PluginManager") -> None:
+        self._specs = specs
+        self._hooks = hooks
         self._memo: dict[tuple[str, TensorType], Resolution] = {}
 
     def resolve(self, device: str, tensor_type: TensorType) -> Resolution:
@@ -91,7 +92,7 @@ class LayoutResolver:
         check = getattr(encoding, "check_type", None)
         if check is not None:
             check(dense_type(t))  # an encoding on a type it cannot describe fails here, clearly
-        answer = self.registry.pm.first_answer("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
+        answer = self._hooks.first_answer("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
                                                device=spec, encoding=encoding, tensor_type=t)
         layout, plugin = answer.value, answer.plugin
         if layout is None:
@@ -100,7 +101,7 @@ class LayoutResolver:
         _check_layout(plugin, spec, t, layout)
         note = ""
         if plugin == IDENTITY_RESOLVER:
-            has_own = any(i.plugin_name == spec.plugin for i in self.registry.pm.hook.resolve_encoding.get_hookimpls())
+            has_own = any(i.plugin_name == spec.plugin for i in self._hooks.hook.resolve_encoding.get_hookimpls())
             note = (f"the resolver of plugin {spec.plugin!r} does not know {_describe(encoding)}: identity "
                     "layout" if has_own else
                     f"plugin {spec.plugin!r} has no encoding resolver: identity layout")
@@ -208,7 +209,7 @@ def has_encodings(program: Program) -> bool:
                for op in program.ops) or any(v.type.encoding is not None for v in program.outputs)
 
 
-def materialize_encodings(placement: "Placement", registry: "Registry") -> "Placement":
+def materialize_encodings(placement: "Placement", target: "Target") -> "Placement":
     """Resolve, fold and convert every encoding of a placed program (see the module doc).
 
     Returns a placement whose program has no encode ops and no encoded types, with an
@@ -217,7 +218,7 @@ def materialize_encodings(placement: "Placement", registry: "Registry") -> "Plac
     """
     if not has_encodings(placement.program):
         return _with_report(placement, EncodingReport())
-    return _Materializer(placement, registry).run()
+    return _Materializer(placement, target).run()
 
 
 def _with_report(placement: "Placement", report: EncodingReport, **changes: Any) -> "Placement":
@@ -239,11 +240,11 @@ class _Form:
 
 
 class _Materializer:
-    def __init__(self, placement: "Placement", registry: "Registry") -> None:
+    def __init__(self, placement: "Placement", target: "Target") -> None:
         self.placement = placement
         self.program = placement.program
-        self.registry = registry
-        self.resolver = LayoutResolver(registry)
+        self.target = target
+        self.resolver = target.layouts
         self.value_device: dict[int, str] = dict(placement.value_device)
         self.report = EncodingReport()
         self.ops: list[Op] = []
@@ -290,7 +291,7 @@ class _Materializer:
         return value
 
     def need_kernel(self, device: str, name: str, why: str) -> None:
-        if name not in self.registry.get_device(device).kernel_names:
+        if name not in self.target.kernels(device):
             raise KernelNotFoundError(
                 f"{device} has no kernel for {name!r}, needed to {why}; a resolver that returns a "
                 f"non-identity layout for a device must only do so where the device can {name} it")
@@ -455,7 +456,7 @@ class _Materializer:
                 lowered = layout.materialize_dispatch(op.name, op.attr_dict, ins, outs)
                 if lowered is not None:
                     break
-        if lowered is not None and lowered[0] in self.registry.get_device(device).kernel_names:
+        if lowered is not None and lowered[0] in self.target.kernels(device):
 
             name, attrs = lowered
             inputs = tuple(self.storage[v.id] for v in op.inputs)
@@ -508,7 +509,7 @@ class _Materializer:
         device = self.device_of(src)
         out = Value(src.type, name, src.program_id)
         self.value_device[out.id] = device
-        if "reshape" in self.registry.get_device(device).kernel_names:
+        if "reshape" in self.target.kernels(device):
 
             self.ops.append(Op("dispatch", "reshape", (src,), (out,), canonical_attrs({"shape": src.type.shape}),
                                None, device))

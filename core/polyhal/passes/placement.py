@@ -12,15 +12,17 @@ placed with the encode's first consumer, so data is packed where it is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from polyhal.errors import KernelNotFoundError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import Affinity
 from polyhal.passes.fusion import Fusion
-from polyhal.policy import AllocatorDecision, AllocatorSelector, Workload
-from polyhal.registry import Registry
+from polyhal.policy import AllocatorDecision, Workload
+
+if TYPE_CHECKING:
+    from polyhal.target import Target
 
 #: What placement asks the allocation policy for: results of dispatches.
 RESULT_MEMORY = MemoryType.DEVICE_LOCAL
@@ -43,81 +45,12 @@ class Placement:
     precision: Any = None
 
 
-#: ``device name -> the ops it has kernels for``.
-KernelSets = Callable[[str], frozenset]
-
-
-def kernel_sets(registry: Registry) -> KernelSets:
-    """``device name -> its kernel set``, read once per device from its DeviceSpec (nothing is
-    created); an unknown name raises DeviceNotFoundError listing the devices."""
-    cache: dict[str, frozenset] = {}
-
-    def kernels(device: str) -> frozenset:
-        found = cache.get(device)
-        if found is None:
-            found = cache[device] = registry.kernel_names(device)
-        return found
-
-    return kernels
-
-
-def candidates(op_names: Sequence[str], affinity: Affinity, kernels: KernelSets) -> list[str]:
-    """The devices of ``affinity``, in order, that have a kernel for every op of ``op_names``."""
-    return [d for d in affinity.devices if all(name in kernels(d) for name in op_names)]
-
-
-def chosen_device(registry: Registry, selector: AllocatorSelector, devices: tuple[str, ...],
-                  kernels: KernelSets) -> Callable[[Sequence[Op]], str | None]:
-    """``chosen(ops) -> device name``: the device placement would choose for ``ops`` as they are
-    (None when no device has all their kernels), for passes that decide before placement.
-
-    That device is the ``select_allocator`` decision for the results of the last of ``ops``
-    among the devices of their affinity (or ``devices``) that have every one of their kernels,
-    as :func:`place` asks it.
-    """
-    specs = registry.specs_by_name()
-
-    def chosen(ops: Sequence[Op]) -> str | None:
-        last = ops[-1]
-        affinity = last.affinity or Affinity(devices)
-        names = candidates(dict.fromkeys(op.name for op in ops), affinity, kernels)
-        if not names:
-            return None
-        workload = Workload(last.name, tuple(v.type for v in last.inputs), tuple(v.type for v in last.outputs),
-                            last.attrs, (None,) * len(last.inputs))
-        return selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
-                               RESULT_MEMORY, RESULT_USAGE, 0, devices=devices, workload=workload).device_name
-
-    return chosen
-
-
-def fusion_gate(registry: Registry, selector: AllocatorSelector, devices: tuple[str, ...],
-                kernels: KernelSets) -> Callable[[str, Sequence[Op]], bool]:
-    """The fusion passes' question "fuse ``ops`` into one op ``fused``?", answered by placement:
-    yes when the device that placement would choose for ``ops`` unfused
-    (:func:`chosen_device`) has a ``fused`` kernel.
-
-    So a fused op never pulls work away from the device the policy prefers (a device earlier
-    in ``devices`` that lacks the fused kernel keeps the unfused ops), and since placement
-    offers an op only to devices with its kernel, a fused op runs only where its kernel exists.
-    """
-    chosen = chosen_device(registry, selector, devices, kernels)
-
-    def fusible(fused: str, ops: Sequence[Op]) -> bool:
-        device = chosen(ops)
-        return device is not None and fused in kernels(device)
-
-    return fusible
-
-
-def place(program: Program, registry: Registry, selector: AllocatorSelector,
-          default_devices: tuple[str, ...], kernels: KernelSets | None = None) -> Placement:
+def place(program: Program, target: "Target") -> Placement:
     """Assign devices and insert transfers; returns a new Program (the input is not modified).
 
-    ``kernels`` gives each device's kernel set (default: :func:`kernel_sets`); only the devices
-    that ops are placed on are created, later, by the plan."""
-    specs = registry.specs_by_name()
-    kernels = kernels or kernel_sets(registry)
+    Each device's kernel set comes from the target (from its spec); only the devices that ops
+    are placed on are created, later, by the plan."""
+    specs, selector, default_devices = target.specs, target.selector, target.devices
     value_device: dict[int, str] = {}
     copies: dict[tuple[int, str], Value] = {}
     placed_ops: list[Op] = []
@@ -163,11 +96,11 @@ def place(program: Program, registry: Registry, selector: AllocatorSelector,
                 place_encode(op, home)
             continue
         affinity = op.affinity or Affinity(default_devices)
-        names = candidates((op.name,), affinity, kernels)
+        names = target.candidates((op.name,), affinity)
         if not names:
             raise KernelNotFoundError(
                 f"no device of {affinity} has a kernel for op {op.name!r}; devices with it: "
-                f"{[n for n in specs if op.name in kernels(n)] or 'none'}")
+                f"{[n for n in specs if op.name in target.kernels(n)] or 'none'}")
         # The op as the cost policy sees it: operand types and where each operand lives so far
         # (None: a program input, bound at run time wherever the op lands).
         workload = Workload(op.name, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),

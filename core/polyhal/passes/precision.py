@@ -167,14 +167,15 @@ DeviceOf = Callable[[Op], "str | None"]
 Capable = Callable[[str, str], bool]
 
 
-def apply_precision(program: Program, precision: str | None, device_of: DeviceOf, capable: Capable
-                    ) -> tuple[Program, PrecisionReport]:
-    """``program`` under ``precision`` (resolved by :func:`resolve_precision`), and the report.
+def apply_precision(program: Program, precision: str | tuple[str, str] | None, device_of: DeviceOf,
+                    capable: Capable) -> tuple[Program, PrecisionReport]:
+    """``program`` under ``precision`` (resolved by :func:`resolve_precision`, or already resolved:
+    a ``(name, source)`` pair), and the report.
 
     ``device_of`` says where placement would run an op, ``capable`` whether a device computes in
     a precision (its capability tags). Warns (:class:`PrecisionWarning`, once per precision and
     device set) when the precision is not fp32 and no op could take it."""
-    name, source = resolve_precision(precision)
+    name, source = precision if isinstance(precision, tuple) else resolve_precision(precision)
     report = PrecisionReport(name, source)
     if name == "tf32":
         program = allow_tf32(program, device_of, capable, report)

@@ -53,7 +53,7 @@ class Scratch:
         from polyhal.passes.bufferize import place_scratch
         from polyhal.registry import default_registry
 
-        for a in place_scratch(default_registry(), device.spec, tuple(requests)):
+        for a in place_scratch(default_registry().pm, device.spec, tuple(requests)):
             self.spaces[a.request.name] = a.space
             if a.space is MemorySpace.GLOBAL:
                 buf = device.allocator.allocate(max(a.nbytes, 1), MemoryType.DEVICE_LOCAL)

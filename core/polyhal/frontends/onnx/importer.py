@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import dataclasses
+import functools
 import ctypes.util
 import os
 from dataclasses import dataclass, field
@@ -57,7 +58,6 @@ from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import STORAGE_DTYPES, TensorType
 from polyhal.ops import OPS, infer_types
-from polyhal.passes.placement import kernel_sets
 from polyhal.plan import compile as polyhal_compile
 from polyhal.registry import default_registry
 
@@ -216,7 +216,7 @@ class OnnxProgram(Program):
         # Every device is listed only when needed: a program given cpu:0 loads no other driver.
         every = lambda: tuple(s.name for s in registry.device_specs())  # noqa: E731
         requested = tuple(devices) if devices else every()
-        kernels = kernel_sets(registry)  # device kernel sets, from the specs: nothing is created
+        kernels = functools.cache(registry.kernel_names)  # kernel sets, from the specs: nothing is created
         for name in requested:
             kernels(name)  # unknown names fail here, listing the devices
         missing = [op for op in self.ops

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -322,7 +323,8 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
             report["placement"] = _placement_records(program, plan)
             report["explain"] = program.explain(plan)
         if args.profile:
-            report["profile"] = {"steps": profile.rows(), "by_op": profile.by_op()}
+            report["profile"] = {"steps": profile.rows(), "by_op": profile.by_op(),
+                                 "passes": [dataclasses.asdict(r) for r in _pass_records(plan)]}
         if args.trace:
             report["trace"] = str(args.trace)
         json.dump(report, sys.stdout, indent=2, default=str)
@@ -344,6 +346,11 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         print(program.explain(plan))
     if args.profile:
         print(profile.table())
+        records = _pass_records(plan)
+        if records:
+            print(f"compile passes ({sum(r.seconds for r in records) * 1e3:.1f} ms):")
+            for r in records:
+                print(f"  {r.explain()}")
     if args.trace:
         print(f"trace of {len(profile.events)} steps written to {args.trace} (open it in https://ui.perfetto.dev)")
     if len(times) > 1:
@@ -524,3 +531,10 @@ class _Progress:
     def close(self) -> None:
         if self.tty:
             print(file=sys.stderr)
+
+
+def _pass_records(plan: Any) -> list:
+    """The compile pipeline's records of ``plan`` (each pass's time and what it changed); none for
+    a plan compiled per input shape (dynamic dims), which compiles at run time."""
+    compilation = getattr(plan, "compilation", None)
+    return list(compilation.records) if compilation is not None else []

@@ -1,0 +1,355 @@
+"""The compile pipeline: the passes as a declared list, each with what it requires and provides.
+
+A compile (:func:`polyhal.compile`) builds a :class:`~polyhal.target.Target` and runs its
+:class:`Pipeline` over a :class:`Compilation` (the program and what passes record about it).
+:data:`DEFAULT_PIPELINE` is the whole order in one place::
+
+    fold-constant-transposes, fuse-attention, fuse-linear, fuse-gelu, fold-conv-affine,
+    fuse-conv-epilogue, fuse-scale-shift, pool-before-pointwise-conv, fuse-conv-prologue
+        (the fusions: only with compile(fuse=True))
+    precision -> set-encodings -> place -> materialize-encodings -> bufferize
+
+Each :class:`Pass` names the properties it ``requires`` and ``provides`` (and those it
+``invalidates``: ``place`` ends the ``"unplaced"`` phase in which passes rewrite the program
+freely). The pipeline is checked before it runs: a pass whose requirement no earlier pass
+provides is a :class:`~polyhal.errors.PipelineError` naming both passes. A pass that is
+disabled for a compile (a fusion under ``fuse=False``) still counts as providing its properties:
+"every attention head that should be fused is fused" holds vacuously when none is.
+
+Inserting a pass, in code::
+
+    from polyhal.passes.pipeline import DEFAULT_PIPELINE, Pass
+
+    def count_matmuls(compilation, target):
+        compilation.notes.append(f"{sum(op.name == 'matmul' for op in compilation.program.ops)} matmuls")
+
+    pipeline = DEFAULT_PIPELINE.insert(Pass("count-matmuls", count_matmuls, requires=("unplaced",)),
+                                       after="fuse-linear")
+    plan = polyhal.compile(program, pipeline=pipeline)
+
+or from a plugin, for every compile, through the ``register_passes`` hook (see
+:mod:`polyhal.hookspecs`), which returns :class:`PassRegistration` records (a pass and where it
+goes). ``plan.explain()`` lists each pass with its time and what it changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+
+from polyhal.errors import PipelineError
+from polyhal.ir.program import Program
+from polyhal.passes.bufferize import BufferPlan, bufferize
+from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
+from polyhal.passes.fold_constants import fold_constant_transposes
+from polyhal.passes.fuse_attention import fuse_attention
+from polyhal.passes.fuse_conv import (
+    fold_conv_affine, fuse_conv_epilogue, fuse_conv_prologue, fuse_scale_shift, pool_before_pointwise_conv,
+)
+from polyhal.passes.fuse_gelu import fuse_gelu
+from polyhal.passes.fuse_linear import fuse_linear
+from polyhal.passes.fusion import Fusion
+from polyhal.passes.materialize_encoding import materialize_encodings
+from polyhal.passes.placement import Placement, place
+from polyhal.passes.precision import PrecisionReport, apply_precision
+
+if TYPE_CHECKING:
+    from polyhal.target import Target
+
+__all__ = ["Compilation", "DEFAULT_PIPELINE", "Pass", "PassRecord", "PassRegistration", "Pipeline"]
+
+#: The property every pipeline starts with: ops carry no device yet, and passes may rewrite them.
+UNPLACED = "unplaced"
+
+
+@dataclass
+class Compilation:
+    """What a pipeline works on: the program and what the passes have recorded about it.
+
+    Program-level passes replace :attr:`program`; ``place`` sets :attr:`placement` (whose
+    program later passes replace); ``bufferize`` sets :attr:`buffer_plan`.
+    """
+
+    program: Program
+    #: Set by ``place``: the placed program, a device per value, the allocation decisions.
+    placement: Placement | None = None
+    #: What the fusion passes did, in order; None when the compile was asked not to fuse.
+    fusions: list[Fusion] | None = field(default_factory=list)
+    #: What the precision policy did.
+    precision: PrecisionReport | None = None
+    #: Set by ``bufferize``: memory spaces of scratch, buffer reuse, arenas.
+    buffer_plan: BufferPlan | None = None
+    #: One record per pass run (or skipped), in order: explain's pipeline section.
+    records: list["PassRecord"] = field(default_factory=list)
+    #: Free-form lines a pass wants ``plan.explain()`` to show (a user's pass, a plugin's).
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def current_program(self) -> Program:
+        """The program as it stands: the placed one once ``place`` ran."""
+        return self.placement.program if self.placement is not None else self.program
+
+    def add_fusions(self, fusions: Iterable[Fusion]) -> None:
+        """Record what a fusion pass did (kept in pass order, for explain)."""
+        if self.fusions is None:
+            self.fusions = []
+        self.fusions.extend(fusions)
+
+
+#: ``run(compilation, target)``: a pass updates the compilation in place.
+PassFn = Callable[[Compilation, "Target"], None]
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One compile pass: a name, the function that runs it, and its contract.
+
+    ``requires``: properties that must hold before it runs (an earlier pass provides each;
+    ``"unplaced"`` holds from the start until ``place``). ``provides``: properties that hold after
+    it. ``invalidates``: properties that no longer hold after it. ``enabled(target)`` says whether
+    it runs in a compile (a disabled pass is listed as skipped, ``disabled_by`` saying why). The first line of the function's
+    docstring is the pass's description unless ``doc`` is given.
+    """
+
+    name: str
+    run: PassFn
+    requires: tuple[str, ...] = ()
+    provides: tuple[str, ...] = ()
+    invalidates: tuple[str, ...] = ()
+    enabled: Callable[["Target"], bool] = field(default=lambda target: True, compare=False, repr=False)
+    doc: str = ""
+    #: What turns the pass off, for explain (``"compile(fuse=False)"``).
+    disabled_by: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise PipelineError(f"a pass needs a non-empty name, got {self.name!r}")
+        if not callable(self.run):
+            raise PipelineError(f"pass {self.name!r}: run must be callable run(compilation, target), got {self.run!r}")
+        for attr in ("requires", "provides", "invalidates"):
+            value = getattr(self, attr)
+            if isinstance(value, str) or not all(isinstance(p, str) for p in value):
+                raise PipelineError(f"pass {self.name!r}: {attr} must be a tuple of property names, got {value!r}")
+            object.__setattr__(self, attr, tuple(value))
+
+    @property
+    def description(self) -> str:
+        """One line saying what the pass does."""
+        text = self.doc or (self.run.__doc__ or "")
+        return text.strip().splitlines()[0] if text.strip() else ""
+
+
+@dataclass(frozen=True)
+class PassRegistration:
+    """A plugin's pass and where it goes (``register_passes`` returns these): right ``after`` the
+    named pass, or right ``before`` it (exactly one of the two)."""
+
+    pass_: Pass
+    after: str | None = None
+    before: str | None = None
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did in one compile: its time, the op count before and after, its notes."""
+
+    name: str
+    seconds: float
+    ops_before: int
+    ops_after: int
+    ran: bool = True
+    detail: str = ""
+
+    def explain(self) -> str:
+        """One line for ``plan.explain()``."""
+        if not self.ran:
+            return f"{self.name}: skipped{f' ({self.detail})' if self.detail else ''}"
+        change = (f"{self.ops_before} -> {self.ops_after} ops" if self.ops_before != self.ops_after
+                  else f"{self.ops_after} ops")
+        return f"{self.name}: {self.seconds * 1e3:.2f} ms, {change}" + (f"; {self.detail}" if self.detail else "")
+
+
+class Pipeline(Sequence[Pass]):
+    """An ordered, validated list of passes (immutable: :meth:`insert` and :meth:`remove` return
+    new pipelines)."""
+
+    def __init__(self, passes: Iterable[Pass]) -> None:
+        self._passes = tuple(passes)
+        names = [p.name for p in self._passes]
+        for p in self._passes:
+            if not isinstance(p, Pass):
+                raise PipelineError(f"a pipeline holds Pass records, got {p!r}")
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise PipelineError(f"pass names must be unique in a pipeline; {dupes} appear more than once")
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._passes[index]
+
+    def __len__(self) -> int:
+        return len(self._passes)
+
+    def __iter__(self) -> Iterator[Pass]:
+        return iter(self._passes)
+
+    @property
+    def names(self) -> list[str]:
+        """The pass names, in order."""
+        return [p.name for p in self._passes]
+
+    def _index(self, name: str, role: str) -> int:
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise PipelineError(f"no pass named {name!r} to insert {role}; passes: {self.names}") from None
+
+    def insert(self, new: Pass, *, after: str | None = None, before: str | None = None) -> "Pipeline":
+        """A pipeline with ``new`` right after (or before) the pass named so; validated."""
+        if (after is None) == (before is None):
+            raise PipelineError(f"inserting pass {new.name!r}: give exactly one of after= or before=")
+        at = self._index(after, "after") + 1 if after is not None else self._index(before, "before")
+        pipeline = Pipeline([*self._passes[:at], new, *self._passes[at:]])
+        pipeline.validate()
+        return pipeline
+
+    def remove(self, name: str) -> "Pipeline":
+        """A pipeline without the pass ``name``; validated (a pass that needed it fails here)."""
+        at = self._index(name, "remove")
+        pipeline = Pipeline([*self._passes[:at], *self._passes[at + 1:]])
+        pipeline.validate()
+        return pipeline
+
+    def validate(self) -> None:
+        """Check that each pass's requirements hold where it runs; raises PipelineError naming
+        the pass and the pass that provides (or invalidated) what it needs."""
+        holds = {UNPLACED}
+        ended_by: dict[str, str] = {}
+        for i, p in enumerate(self._passes):
+            for need in p.requires:
+                if need in holds:
+                    continue
+                later = [q.name for q in self._passes[i + 1:] if need in q.provides]
+                if need in ended_by:
+                    why = f"pass {ended_by[need]!r} (earlier) ends it"
+                    fix = f"; move {p.name!r} before {ended_by[need]!r}"
+                elif later:
+                    why = f"pass {later[0]!r} provides it, but runs later"
+                    fix = f"; move {p.name!r} after {later[0]!r}"
+                else:
+                    why, fix = "no pass of the pipeline provides it", ""
+                raise PipelineError(f"pass {p.name!r} requires {need!r}: {why}{fix} (order: {self.names})")
+            for gone in p.invalidates:
+                holds.discard(gone)
+                ended_by[gone] = p.name
+            for made in p.provides:
+                holds.add(made)
+                ended_by.pop(made, None)
+
+    def run(self, program: Program, target: "Target") -> Compilation:
+        """Run every enabled pass on ``program`` (not modified) for ``target``; the result's
+        ``records`` say what each did."""
+        compilation = Compilation(program, fusions=[] if target.fuse else None)
+        clock = time.perf_counter
+        for p in self._passes:
+            before = len(compilation.current_program.ops)
+            if not p.enabled(target):
+                compilation.records.append(PassRecord(p.name, 0.0, before, before, ran=False, detail=p.disabled_by))
+                continue
+            fusions = len(compilation.fusions or ())
+            t0 = clock()
+            try:
+                p.run(compilation, target)
+            except Exception as exc:
+                if hasattr(exc, "add_note"):  # Python 3.11+: the traceback says which pass failed
+                    exc.add_note(f"(in compile pass {p.name!r})")
+                raise
+            took = clock() - t0
+            after = len(compilation.current_program.ops)
+            made = len(compilation.fusions or ()) - fusions
+            compilation.records.append(PassRecord(p.name, took, before, after,
+                                                  detail=f"{made} rewrites" if made else ""))
+        return compilation
+
+
+# ------------------------------------------------------------------------------------------------
+# The built-in passes
+# ------------------------------------------------------------------------------------------------
+
+def _fusion(name: str, fn: Callable[..., tuple[Program, list[Fusion]]], *, gated: bool = True,
+            requires: tuple[str, ...] = (), provides: str) -> Pass:
+    """A program-level fusion pass: ``fn(program[, fusible]) -> (program, fusions)``."""
+    def run(c: Compilation, target: "Target") -> None:
+        c.program, fusions = fn(c.program, target.fusible) if gated else fn(c.program)
+        c.add_fusions(fusions)
+
+    return Pass(name, run, requires=(UNPLACED, *requires), provides=(provides,), enabled=lambda target: target.fuse,
+                doc=(fn.__doc__ or "").strip().splitlines()[0], disabled_by="compile(fuse=False)")
+
+
+def _precision(c: Compilation, target: "Target") -> None:
+    """float32 work in the requested precision (tf32 / fp16) on the devices that can, per op."""
+    c.program, c.precision = apply_precision(
+        c.program, (target.precision, target.precision_source), lambda op: target.chosen_device((op,)),
+        target.supports_precision)
+
+
+def _set_encodings(c: Compilation, target: "Target") -> None:
+    """Wrap values in encodings (data tiling): conv chains by default, matmuls too with data_tiling=True."""
+    if target.data_tiling is not False:
+        c.program = set_conv_encodings(set_encodings(c.program) if target.data_tiling else c.program)
+
+
+def _place(c: Compilation, target: "Target") -> None:
+    """A device for every op (select_allocator among those with its kernel); transfers where values cross."""
+    c.placement = place(c.program, target)
+    c.placement.fusions = c.fusions
+    c.placement.precision = c.precision
+
+
+def _materialize(c: Compilation, target: "Target") -> None:
+    """Encodings resolved per device; encode ops folded, or pack/unpack where layouts differ."""
+    c.placement = materialize_encodings(c.placement, target)
+
+
+def _bufferize(c: Compilation, target: "Target") -> None:
+    """Memory spaces for kernel scratch, memory types and reuse for intermediates, arenas."""
+    c.buffer_plan = bufferize(c.placement, target)
+
+
+#: The passes every compile runs, in order (plugins' passes are inserted into it per compile).
+DEFAULT_PIPELINE = Pipeline([
+    _fusion("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views"),
+    # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
+    _fusion("fuse-attention", fuse_attention, requires=("constant-views",), provides="attention-fused"),
+    _fusion("fuse-linear", fuse_linear, requires=("attention-fused",), provides="linear-fused"),
+    _fusion("fuse-gelu", fuse_gelu, provides="gelu-fused"),
+    # BatchNormalization's scale and shift into the conv weights first, then the epilogue (after
+    # fuse-gelu, so that a GELU formula is one activation the epilogue can take).
+    _fusion("fold-conv-affine", fold_conv_affine, gated=False, provides="conv-affine-folded"),
+    _fusion("fuse-conv-epilogue", fuse_conv_epilogue, requires=("gelu-fused", "conv-affine-folded", "linear-fused"),
+            provides="conv-epilogues-fused"),
+    _fusion("fuse-scale-shift", fuse_scale_shift, requires=("conv-epilogues-fused",), provides="scale-shifts-fused"),
+    _fusion("pool-before-pointwise-conv", pool_before_pointwise_conv, gated=False, provides="pools-first"),
+    # After the pools moved first: a norm that feeds a pool then stays a scale_shift.
+    _fusion("fuse-conv-prologue", fuse_conv_prologue, requires=("scale-shifts-fused", "pools-first"),
+            provides="conv-prologues-fused"),
+    # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
+    # tiling and placement, which then see the program's final element types.
+    Pass("precision", _precision, requires=(UNPLACED, "conv-prologues-fused"), provides=("precision",)),
+    Pass("set-encodings", _set_encodings, requires=(UNPLACED, "precision"), provides=("encodings-set",)),
+    Pass("place", _place, requires=(UNPLACED, "encodings-set"), provides=("placed",), invalidates=(UNPLACED,)),
+    Pass("materialize-encodings", _materialize, requires=("placed",), provides=("encodings-materialized",)),
+    Pass("bufferize", _bufferize, requires=("placed", "encodings-materialized"), provides=("buffers-planned",)),
+])
+
+
+def replace_pass(pipeline: Pipeline, name: str, **changes: Any) -> Pipeline:
+    """``pipeline`` with pass ``name`` changed (``dataclasses.replace`` of its record); validated."""
+    passes = [dataclasses.replace(p, **changes) if p.name == name else p for p in pipeline]
+    if not any(p.name == name for p in pipeline):
+        raise PipelineError(f"no pass named {name!r}; passes: {pipeline.names}")
+    result = Pipeline(passes)
+    result.validate()
+    return result
