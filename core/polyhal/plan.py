@@ -454,9 +454,14 @@ class Plan:
     def explain_passes(self) -> list[str]:
         """The compile pipeline as run: each pass, its time and what it changed, and passes' notes."""
         records = self.compilation.records
-        total = sum(r.seconds for r in records)
-        lines = [f"  passes ({len(records)}, {total * 1e3:.1f} ms):"]
-        lines.extend(f"    {r.explain()}" for r in records)
+        ran = [r for r in records if r.ran]
+        lines = [f"  passes ({len(ran)} run, {sum(r.seconds for r in ran) * 1e3:.1f} ms):"]
+        lines.extend(f"    {r.explain()}" for r in ran)
+        skipped: dict[str, int] = {}
+        for r in records:
+            if not r.ran:
+                skipped[r.detail] = skipped.get(r.detail, 0) + 1
+        lines.extend(f"    {n} passes skipped{f' ({why})' if why else ''}" for why, n in skipped.items())
         lines.extend(f"  note: {note}" for note in self.compilation.notes)
         return lines
 
