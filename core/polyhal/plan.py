@@ -25,13 +25,20 @@ from polyhal.passes.placement import Placement
 from polyhal.passes.precision import resolve_precision
 from polyhal.profile import Profile, StepEvent, StepInfo
 from polyhal.registry import Registry, default_registry
+from polyhal.specialization import Specialization, SpecializationCache
 from polyhal.target import Target
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
             registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None,
-            precision: str | None = None, pipeline: Pipeline | None = None) -> "Plan":
+            precision: str | None = None, pipeline: Pipeline | None = None,
+            cache_size: int | None = None) -> "Plan | PolymorphicPlan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
+
+    A program with symbolic dims (``ProgramBuilder.input("x", ("batch", 256))``) gives a
+    :class:`PolymorphicPlan`: each call binds its inputs' shapes to the symbols and runs the
+    plan compiled (with these options) for that binding, made on first use and kept in a
+    bounded cache of ``cache_size`` plans (default ``POLYHAL_SHAPE_CACHE``, else 16).
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
     every device that can be created, best-ranked first). Each op's candidates are those of the
@@ -76,11 +83,13 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     resolve_precision(precision)  # an unknown precision fails here, before anything is built
     if pipeline is not None:
         pipeline.validate()
-    if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
-        # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
-        # input shape itself, through this function.
-        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling, precision=precision,
-                               pipeline=pipeline)
+    if not isinstance(program, Program):
+        raise ProgramError(f"polyhal.compile takes a Program (from ProgramBuilder or a front end such as "
+                           f"polyhal.onnx.load), got {type(program).__name__}; a front end's own program "
+                           "compiles with its .compile()")
+    if not program.is_static:
+        options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline)
+        return PolymorphicPlan(program, lambda p: compile(p, devices, registry=registry, **options), cache_size)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
@@ -285,21 +294,7 @@ class Plan:
         return arrays
 
     def _gather_inputs(self, args: tuple, kwargs: dict) -> Sequence[Any]:
-        names = self._input_names
-        if not kwargs and len(args) == len(names) and all(map(operator.is_not, args, itertools.repeat(None))):
-            return args  # the common positional call builds nothing (and map runs in C: no generator)
-        if len(args) > len(names):
-            raise ProgramError(f"plan {self.program.name!r} takes {len(names)} inputs {list(names)}, got {len(args)}")
-        values = list(args) + [None] * (len(names) - len(args))
-        for k, x in kwargs.items():
-            if k not in names:
-                raise ProgramError(f"plan {self.program.name!r} has no input {k!r}; inputs: {list(names)}")
-            values[names.index(k)] = x
-        missing = [n for n, x in zip(names, values) if x is None]
-        if missing:
-            raise ProgramError(f"plan {self.program.name!r} is missing inputs {missing}; pass them by "
-                               "position or by name")
-        return values
+        return gather_inputs(self.program.name, self._input_names, args, kwargs)
 
     def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
         values = self.program.outputs
@@ -459,6 +454,94 @@ class Plan:
         lines.extend(f"    {r.explain()}" for r in records)
         lines.extend(f"  note: {note}" for note in self.compilation.notes)
         return lines
+
+    def __str__(self) -> str:
+        return str(self.program)
+
+
+def gather_inputs(name: str, names: tuple[str, ...], args: tuple, kwargs: dict) -> Sequence[Any]:
+    """A call's inputs in order, from ``args`` (by position) and ``kwargs`` (by name) for a plan
+    of program ``name`` whose inputs are ``names``; ProgramError for extra, unknown or missing ones."""
+    if not kwargs and len(args) == len(names) and all(map(operator.is_not, args, itertools.repeat(None))):
+        return args  # the common positional call builds nothing (and map runs in C: no generator)
+    if len(args) > len(names):
+        raise ProgramError(f"plan {name!r} takes {len(names)} inputs {list(names)}, got {len(args)}")
+    values = list(args) + [None] * (len(names) - len(args))
+    for k, x in kwargs.items():
+        if k not in names:
+            raise ProgramError(f"plan {name!r} has no input {k!r}; inputs: {list(names)}")
+        values[names.index(k)] = x
+    missing = [n for n, x in zip(names, values) if x is None]
+    if missing:
+        raise ProgramError(f"plan {name!r} is missing inputs {missing}; pass them by position or by name")
+    return values
+
+
+class PolymorphicPlan:
+    """A compiled program with symbolic dims: call it like a :class:`Plan`.
+
+    Each call looks up the plan for its inputs' shapes (one key tuple and one lookup in a bounded
+    LRU :class:`~polyhal.specialization.SpecializationCache`); on a miss it binds the shapes to
+    the symbols (:meth:`Program.bind <polyhal.ir.program.Program.bind>`: a symbol at two sizes
+    is a ShapeError naming it and both sizes), specializes the program to that binding
+    (:meth:`Program.specialize <polyhal.ir.program.Program.specialize>`) and compiles it through
+    the ordinary pipeline. A binding the cache evicted is compiled again (and counted again as a
+    miss); ``cache`` holds the statistics and :meth:`explain` prints them.
+    """
+
+    def __init__(self, program: Program, compile: Callable[[Program], Plan], cache_size: int | None = None) -> None:
+        #: The program as built, with its symbolic dims.
+        self.program = program
+        self.cache: SpecializationCache[Specialization] = SpecializationCache(cache_size)
+        self._compile = compile
+        self._names = tuple(v.name for v in program.inputs)
+
+    def specialization(self, *args: Any, **kwargs: Any) -> Specialization:
+        """The specialization (concrete program and plan) for these inputs (positionally or by
+        name), made on first use."""
+        return self.lookup(gather_inputs(self.program.name, self._names, args, kwargs))
+
+    def lookup(self, inputs: Sequence[Any]) -> Specialization:
+        """The specialization for ``inputs`` (one per program input, in order)."""
+        try:
+            key = tuple([x.shape for x in inputs])
+        except AttributeError:
+            key = tuple(np.shape(x) for x in inputs)
+        found = self.cache.get(key)
+        return found if found is not None else self.cache.put(key, self._make(key))
+
+    def _make(self, shapes: tuple[tuple[int, ...], ...]) -> Specialization:
+        program = self.program.specialize(self.program.bind(shapes))
+        return Specialization(program, self._compile(program))
+
+    def __call__(self, *args: Any, out: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
+        inputs = gather_inputs(self.program.name, self._names, args, kwargs)
+        return self.lookup(inputs).plan(*inputs, out=out)
+
+    run = __call__
+
+    def run_numpy(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        """As :meth:`Plan.run_numpy`, through the plan of these inputs' shapes."""
+        inputs = gather_inputs(self.program.name, self._names, args, kwargs)
+        return self.lookup(inputs).plan.run_numpy(*inputs)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The cached plans, least recently used first."""
+        return [s.plan for s in self.cache.values()]
+
+    def explain(self) -> str:
+        """The symbolic program's inputs, the cache's statistics and shapes, and the most recently
+        used plan's explanation."""
+        names = self._names
+        lines = [f"polymorphic plan @{self.program.name}({', '.join(repr(v) for v in self.program.inputs)}): "
+                 "a plan per binding of " + ", ".join(self.program.symbols),
+                 self.cache.explain(lambda key: ", ".join(f"{n}{list(s)}" for n, s in zip(names, key)))]
+        specs = self.cache.values()
+        if specs:
+            lines.append("most recent specialization:")
+            lines.append(specs[-1].plan.explain())
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         return str(self.program)
