@@ -89,7 +89,7 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
                            "compiles with its .compile()")
     if not program.is_static:
         options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline)
-        return PolymorphicPlan(program, lambda p: compile(p, devices, registry=registry, **options), cache_size)
+        return PolymorphicPlan.of(program, lambda p: compile(p, devices, registry=registry, **options), cache_size)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
@@ -489,17 +489,34 @@ class PolymorphicPlan:
     miss); ``cache`` holds the statistics and :meth:`explain` prints them.
     """
 
-    def __init__(self, program: Program, compile: Callable[[Program], Plan], cache_size: int | None = None) -> None:
-        #: The program as built, with its symbolic dims.
-        self.program = program
-        self.cache: SpecializationCache[Specialization] = SpecializationCache(cache_size)
-        self._compile = compile
-        self._names = tuple(v.name for v in program.inputs)
+    def __init__(self, name: str, input_names: Sequence[str], make: Callable[[tuple], Specialization],
+                 cache: SpecializationCache[Specialization], *, symbols: Sequence[str] = ()) -> None:
+        self.name = name
+        self.cache = cache
+        #: The symbolic dims a call binds.
+        self.symbols = tuple(symbols)
+        self._make = make
+        self._names = tuple(input_names)
+
+    @classmethod
+    def of(cls, program: Program, compile: Callable[[Program], Plan], cache_size: int | None = None
+           ) -> "PolymorphicPlan":
+        """The polymorphic plan of ``program`` (with symbolic dims), each specialization of which
+        ``compile`` compiles."""
+        def make(shapes: tuple[tuple[int, ...], ...]) -> Specialization:
+            concrete = program.specialize(program.bind(shapes))
+            return Specialization(concrete, compile(concrete))
+
+        return cls(program.name, [v.name for v in program.inputs], make, SpecializationCache(cache_size),
+                   symbols=program.symbols)
+
+    def _gather(self, args: tuple, kwargs: dict) -> Sequence[Any]:
+        return gather_inputs(self.name, self._names, args, kwargs)
 
     def specialization(self, *args: Any, **kwargs: Any) -> Specialization:
         """The specialization (concrete program and plan) for these inputs (positionally or by
         name), made on first use."""
-        return self.lookup(gather_inputs(self.program.name, self._names, args, kwargs))
+        return self.lookup(self._gather(args, kwargs))
 
     def lookup(self, inputs: Sequence[Any]) -> Specialization:
         """The specialization for ``inputs`` (one per program input, in order)."""
@@ -510,19 +527,15 @@ class PolymorphicPlan:
         found = self.cache.get(key)
         return found if found is not None else self.cache.put(key, self._make(key))
 
-    def _make(self, shapes: tuple[tuple[int, ...], ...]) -> Specialization:
-        program = self.program.specialize(self.program.bind(shapes))
-        return Specialization(program, self._compile(program))
-
     def __call__(self, *args: Any, out: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
-        inputs = gather_inputs(self.program.name, self._names, args, kwargs)
+        inputs = self._gather(args, kwargs)
         return self.lookup(inputs).plan(*inputs, out=out)
 
     run = __call__
 
     def run_numpy(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
         """As :meth:`Plan.run_numpy`, through the plan of these inputs' shapes."""
-        inputs = gather_inputs(self.program.name, self._names, args, kwargs)
+        inputs = self._gather(args, kwargs)
         return self.lookup(inputs).plan.run_numpy(*inputs)
 
     @property
@@ -534,17 +547,13 @@ class PolymorphicPlan:
         """The symbolic program's inputs, the cache's statistics and shapes, and the most recently
         used plan's explanation."""
         names = self._names
-        lines = [f"polymorphic plan @{self.program.name}({', '.join(repr(v) for v in self.program.inputs)}): "
-                 "a plan per binding of " + ", ".join(self.program.symbols),
+        lines = [f"polymorphic plan @{self.name}: a plan per binding of {', '.join(self.symbols)}",
                  self.cache.explain(lambda key: ", ".join(f"{n}{list(s)}" for n, s in zip(names, key)))]
         specs = self.cache.values()
         if specs:
             lines.append("most recent specialization:")
             lines.append(specs[-1].plan.explain())
         return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return str(self.program)
 
 
 def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]) -> Any:

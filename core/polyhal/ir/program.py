@@ -149,12 +149,17 @@ class Program:
                     types = infer_types(op.name, [v.type for v in ins], dict(op.attrs))
                 except PolyhalError as exc:
                     bound = ", ".join(f"{k}={n}" for k, n in sizes.items())
-                    raise type(exc)(f"program {self.name!r} specialized to {bound}: {exc}") from None
+                    raise type(exc)(f"program {self.name!r} specialized to {bound}: {self.origin(op)}: {exc}") from None
             else:  # encode and transfer keep the operand's shape
                 types = tuple(TensorType(ins[0].type.shape, ins[0].type.dtype, v.type.encoding) for v in op.outputs)
             outs = tuple(concrete(v, t) for v, t in zip(op.outputs, types))
             ops.append(Op(op.kind, op.name, ins, outs, op.attrs, op.affinity, op.device))
         return dataclasses.replace(self, inputs=inputs, ops=ops, outputs=[values.get(v.id, v) for v in self.outputs])
+
+    def origin(self, op: Op) -> str:
+        """What messages call ``op``: its first result (a front end's program names its source,
+        as the ONNX one names the node)."""
+        return f"%{op.outputs[0].name}" if op.outputs else op.name
 
     def __str__(self) -> str:
         head = ", ".join(repr(v) for v in self.inputs)
