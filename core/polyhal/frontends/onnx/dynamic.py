@@ -33,6 +33,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from polyhal.errors import ProgramError
 from polyhal.frontends.onnx.errors import OnnxInputError
 from polyhal.frontends.onnx.types import STRING_DTYPE, as_strings
 from polyhal.plan import PolymorphicPlan
@@ -232,21 +233,10 @@ class DynamicPlan(PolymorphicPlan):
         self.source = program
 
     def _gather(self, args: tuple, kwargs: dict) -> Sequence[Any]:
-        names = self._names
-        if not kwargs and len(args) == len(names):
-            return args
-        values = list(args) + [None] * (len(names) - len(args))
-        if len(args) > len(names):
-            raise OnnxInputError(f"{self.source.source}: the model takes {len(names)} inputs {list(names)}, "
-                                 f"got {len(args)}")
-        for k, x in kwargs.items():
-            if k not in names:
-                raise OnnxInputError(f"{self.source.source}: the model has no input {k!r}; inputs: {list(names)}")
-            values[names.index(k)] = x
-        missing = [n for n, x in zip(names, values) if x is None]
-        if missing:
-            raise OnnxInputError(f"{self.source.source}: missing input(s) {missing}")
-        return values
+        try:
+            return super()._gather(args, kwargs)
+        except ProgramError as exc:  # the model's inputs: an input error of the model
+            raise OnnxInputError(str(exc)) from None
 
     def explain(self) -> str:
         """Cache statistics, the cached shapes, and the most recently used plan's explanation."""
