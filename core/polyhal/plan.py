@@ -294,7 +294,10 @@ class Plan:
         return arrays
 
     def _gather_inputs(self, args: tuple, kwargs: dict) -> Sequence[Any]:
-        return gather_inputs(self.program.name, self._input_names, args, kwargs)
+        names = self._input_names
+        if not kwargs and len(args) == len(names) and all(map(operator.is_not, args, itertools.repeat(None))):
+            return args  # the common positional call: no further function call (a plan call costs ~3 us)
+        return gather_inputs(self.program.name, names, args, kwargs)
 
     def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
         values = self.program.outputs
