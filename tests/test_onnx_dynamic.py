@@ -66,8 +66,11 @@ def test_load_once_run_any_batch_compiles_once_per_shape(batch):
     assert program.run({"x": x, "b": b})["y"].shape == (2, 4)
 
 
-def test_polyhal_compile_accepts_a_dynamic_program():
-    plan = polyhal.compile(ponnx.load(matmul_model("batch")), "cpu:0")
+def test_the_model_is_one_core_program_with_symbolic_dims():
+    # polyhal.compile takes the model's one program (symbolic dims) and specializes it per shape.
+    dynamic = ponnx.load(matmul_model("batch"))
+    assert dynamic.reimport == "" and str(dynamic.program.inputs[0].type) == "tensor<batchx3xfloat32>"
+    plan = polyhal.compile(dynamic.program, "cpu:0")
     x, b = feeds(5)
     np.testing.assert_allclose(plan(x=x, b=b).numpy(), expected(x, b), rtol=1e-5, atol=1e-6)
 
@@ -169,3 +172,33 @@ def test_cli_run_draws_dynamic_dims_at_one_and_says_so(capsys, tmp_path):
     assert cli_main(["run", str(path), "--input", f"x={tmp_path / 'x.npy'}", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)  # batch from the file, b drawn to match
     assert report["default_dims"] == [] and report["outputs"][0]["shape"] == [5, 4]
+
+
+def test_specializations_come_from_the_one_program_not_a_reimport():
+    dynamic = ponnx.load(matmul_model("batch"))
+
+    def reimport(shapes):
+        raise AssertionError(f"re-imported for {shapes}")
+
+    dynamic._specialize = reimport  # the model's ops allow symbolic dims: nothing is imported again
+    plan = dynamic.compile("cpu:0")
+    for n in (2, 7):
+        x, b = feeds(n)
+        np.testing.assert_allclose(plan(x, b).numpy(), expected(x, b), rtol=1e-5, atol=1e-6)
+        assert plan.specialization(x, b).program.origins == dynamic.program.origins
+    assert "one program with symbolic dims" in dynamic.explain(plan)
+
+
+def test_a_shape_read_of_a_symbol_falls_back_to_a_reimport_per_shape():
+    # Shape(x) feeding Reshape: the shape is data computed from the symbol, which the importer
+    # folds to a constant only for a concrete size.
+    model = model_of([helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Reshape", ["x", "s"], ["y"])],
+                     [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])])
+    dynamic = ponnx.load(model)
+    assert dynamic.program is None and "(Shape): dim batch is symbolic" in dynamic.reimport
+    plan = dynamic.compile("cpu:0")
+    for n in (1, 3):
+        x = np.arange(4 * n, dtype=np.float32).reshape(n, 4)
+        np.testing.assert_array_equal(plan(x).numpy(), x)
+    assert plan.cache.misses == 2 and "imported per input shape: " in dynamic.explain(plan)

@@ -25,13 +25,20 @@ from polyhal.passes.placement import Placement
 from polyhal.passes.precision import resolve_precision
 from polyhal.profile import Profile, StepEvent, StepInfo
 from polyhal.registry import Registry, default_registry
+from polyhal.specialization import Specialization, SpecializationCache
 from polyhal.target import Target
 
 
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
             registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None,
-            precision: str | None = None, pipeline: Pipeline | None = None) -> "Plan":
+            precision: str | None = None, pipeline: Pipeline | None = None,
+            cache_size: int | None = None) -> "Plan | PolymorphicPlan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
+
+    A program with symbolic dims (``ProgramBuilder.input("x", ("batch", 256))``) gives a
+    :class:`PolymorphicPlan`: each call binds its inputs' shapes to the symbols and runs the
+    plan compiled (with these options) for that binding, made on first use and kept in a
+    bounded cache of ``cache_size`` plans (default ``POLYHAL_SHAPE_CACHE``, else 16).
 
     ``devices`` is the ordered candidate list for ops without an affinity of their own (default:
     every device that can be created, best-ranked first). Each op's candidates are those of the
@@ -76,11 +83,13 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     resolve_precision(precision)  # an unknown precision fails here, before anything is built
     if pipeline is not None:
         pipeline.validate()
-    if not isinstance(program, Program) and callable(getattr(program, "compile", None)):
-        # A shape-polymorphic program (polyhal.onnx's DynamicOnnxProgram) compiles a plan per
-        # input shape itself, through this function.
-        return program.compile(devices, registry=registry, fuse=fuse, data_tiling=data_tiling, precision=precision,
-                               pipeline=pipeline)
+    if not isinstance(program, Program):
+        raise ProgramError(f"polyhal.compile takes a Program (from ProgramBuilder or a front end such as "
+                           f"polyhal.onnx.load), got {type(program).__name__}; a front end's own program "
+                           "compiles with its .compile()")
+    if not program.is_static:
+        options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline)
+        return PolymorphicPlan.of(program, lambda p: compile(p, devices, registry=registry, **options), cache_size)
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
@@ -287,19 +296,8 @@ class Plan:
     def _gather_inputs(self, args: tuple, kwargs: dict) -> Sequence[Any]:
         names = self._input_names
         if not kwargs and len(args) == len(names) and all(map(operator.is_not, args, itertools.repeat(None))):
-            return args  # the common positional call builds nothing (and map runs in C: no generator)
-        if len(args) > len(names):
-            raise ProgramError(f"plan {self.program.name!r} takes {len(names)} inputs {list(names)}, got {len(args)}")
-        values = list(args) + [None] * (len(names) - len(args))
-        for k, x in kwargs.items():
-            if k not in names:
-                raise ProgramError(f"plan {self.program.name!r} has no input {k!r}; inputs: {list(names)}")
-            values[names.index(k)] = x
-        missing = [n for n, x in zip(names, values) if x is None]
-        if missing:
-            raise ProgramError(f"plan {self.program.name!r} is missing inputs {missing}; pass them by "
-                               "position or by name")
-        return values
+            return args  # the common positional call: no further function call (a plan call costs ~3 us)
+        return gather_inputs(self.program.name, names, args, kwargs)
 
     def _bind_outputs(self, out: Sequence[Tensor] | None) -> list[Tensor]:
         values = self.program.outputs
@@ -467,6 +465,103 @@ class Plan:
 
     def __str__(self) -> str:
         return str(self.program)
+
+
+def gather_inputs(name: str, names: tuple[str, ...], args: tuple, kwargs: dict) -> Sequence[Any]:
+    """A call's inputs in order, from ``args`` (by position) and ``kwargs`` (by name) for a plan
+    of program ``name`` whose inputs are ``names``; ProgramError for extra, unknown or missing ones."""
+    if not kwargs and len(args) == len(names) and all(map(operator.is_not, args, itertools.repeat(None))):
+        return args  # the common positional call builds nothing (and map runs in C: no generator)
+    if len(args) > len(names):
+        raise ProgramError(f"plan {name!r} takes {len(names)} inputs {list(names)}, got {len(args)}")
+    values = list(args) + [None] * (len(names) - len(args))
+    for k, x in kwargs.items():
+        if k not in names:
+            raise ProgramError(f"plan {name!r} has no input {k!r}; inputs: {list(names)}")
+        values[names.index(k)] = x
+    missing = [n for n, x in zip(names, values) if x is None]
+    if missing:
+        raise ProgramError(f"plan {name!r} is missing inputs {missing}; pass them by position or by name")
+    return values
+
+
+class PolymorphicPlan:
+    """A compiled program with symbolic dims: call it like a :class:`Plan`.
+
+    Each call looks up the plan for its inputs' shapes (one key tuple and one lookup in a bounded
+    LRU :class:`~polyhal.specialization.SpecializationCache`); on a miss it binds the shapes to
+    the symbols (:meth:`Program.bind <polyhal.ir.program.Program.bind>`: a symbol at two sizes
+    is a ShapeError naming it and both sizes), specializes the program to that binding
+    (:meth:`Program.specialize <polyhal.ir.program.Program.specialize>`) and compiles it through
+    the ordinary pipeline. A binding the cache evicted is compiled again (and counted again as a
+    miss); ``cache`` holds the statistics and :meth:`explain` prints them.
+    """
+
+    def __init__(self, name: str, input_names: Sequence[str], make: Callable[[tuple], Specialization],
+                 cache: SpecializationCache[Specialization], *, symbols: Sequence[str] = ()) -> None:
+        self.name = name
+        self.cache = cache
+        #: The symbolic dims a call binds.
+        self.symbols = tuple(symbols)
+        self._make = make
+        self._names = tuple(input_names)
+
+    @classmethod
+    def of(cls, program: Program, compile: Callable[[Program], Plan], cache_size: int | None = None
+           ) -> "PolymorphicPlan":
+        """The polymorphic plan of ``program`` (with symbolic dims), each specialization of which
+        ``compile`` compiles."""
+        def make(shapes: tuple[tuple[int, ...], ...]) -> Specialization:
+            concrete = program.specialize(program.bind(shapes))
+            return Specialization(concrete, compile(concrete))
+
+        return cls(program.name, [v.name for v in program.inputs], make, SpecializationCache(cache_size),
+                   symbols=program.symbols)
+
+    def _gather(self, args: tuple, kwargs: dict) -> Sequence[Any]:
+        return gather_inputs(self.name, self._names, args, kwargs)
+
+    def specialization(self, *args: Any, **kwargs: Any) -> Specialization:
+        """The specialization (concrete program and plan) for these inputs (positionally or by
+        name), made on first use."""
+        return self.lookup(self._gather(args, kwargs))
+
+    def lookup(self, inputs: Sequence[Any]) -> Specialization:
+        """The specialization for ``inputs`` (one per program input, in order)."""
+        try:
+            key = tuple([x.shape for x in inputs])
+        except AttributeError:
+            key = tuple(np.shape(x) for x in inputs)
+        found = self.cache.get(key)
+        return found if found is not None else self.cache.put(key, self._make(key))
+
+    def __call__(self, *args: Any, out: Sequence[Tensor] | None = None, **kwargs: Any) -> Any:
+        inputs = self._gather(args, kwargs)
+        return self.lookup(inputs).plan(*inputs, out=out)
+
+    run = __call__
+
+    def run_numpy(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
+        """As :meth:`Plan.run_numpy`, through the plan of these inputs' shapes."""
+        inputs = self._gather(args, kwargs)
+        return self.lookup(inputs).plan.run_numpy(*inputs)
+
+    @property
+    def plans(self) -> list[Plan]:
+        """The cached plans, least recently used first."""
+        return [s.plan for s in self.cache.values()]
+
+    def explain(self) -> str:
+        """The symbolic program's inputs, the cache's statistics and shapes, and the most recently
+        used plan's explanation."""
+        names = self._names
+        lines = [f"polymorphic plan @{self.name}: a plan per binding of {', '.join(self.symbols)}",
+                 self.cache.explain(lambda key: ", ".join(f"{n}{list(s)}" for n, s in zip(names, key)))]
+        specs = self.cache.values()
+        if specs:
+            lines.append("most recent specialization:")
+            lines.append(specs[-1].plan.explain())
+        return "\n".join(lines)
 
 
 def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]) -> Any:

@@ -20,17 +20,26 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
 from polyhal.errors import ProgramError
 
-__all__ = ["DEFAULT_CAPACITY", "SpecializationCache", "cache_capacity"]
+__all__ = ["DEFAULT_CAPACITY", "Specialization", "SpecializationCache", "cache_capacity"]
 
 #: Specializations kept per polymorphic plan unless told otherwise: a serving process sees a
 #: handful of batch sizes; each specialization holds its plan's arenas, so the bound is memory.
 DEFAULT_CAPACITY = 16
 
 V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One concrete shape signature: the program specialized to it and its compiled plan."""
+
+    program: Any  # polyhal.ir.program.Program (or a front end's subclass)
+    plan: Any  # polyhal.plan.Plan
 
 
 def cache_capacity(value: int | str | None = None) -> int:

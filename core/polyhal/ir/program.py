@@ -7,14 +7,16 @@ into a :class:`~polyhal.plan.Plan` by :func:`polyhal.compile`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from polyhal.errors import ProgramError
-from polyhal.ir.types import Affinity, TensorType, as_dtype, as_shape
+from polyhal.errors import PolyhalError, ProgramError, ShapeError
+from polyhal.ir.types import Affinity, SymbolicDim, TensorType, as_dtype, as_shape
 from polyhal.ir.encoding import Encoding
 from polyhal.ops import OPS, canonical_attrs, infer_types
 
@@ -83,6 +85,82 @@ class Program:
     outputs: list[Value]
     constants: list[tuple[Value, np.ndarray]] = field(default_factory=list)
 
+    # -- symbolic dims ------------------------------------------------------------------------
+
+    @property
+    def is_static(self) -> bool:
+        """True when no input has a symbolic dim (then no value has one)."""
+        return all(v.type.is_static for v in self.inputs)
+
+    @property
+    def symbols(self) -> list[str]:
+        """The named symbolic dims of the inputs, in order of first use."""
+        return list(dict.fromkeys(d.name for v in self.inputs for d in v.type.shape if isinstance(d, SymbolicDim)))
+
+    def bind(self, shapes: Sequence[Sequence[int]]) -> dict[str, int]:
+        """The size of each symbolic dim given one call's input ``shapes`` (in input order).
+
+        ShapeError when a shape has the wrong rank, a fixed dim another size, or a symbol two
+        sizes (the message names the dim, both sizes and where each came from).
+        """
+        if len(shapes) != len(self.inputs):
+            raise ProgramError(f"program {self.name!r} takes {len(self.inputs)} inputs, got {len(shapes)} shapes")
+        sizes: dict[str, tuple[int, str]] = {}
+        for v, shape in zip(self.inputs, shapes):
+            want = v.type.shape
+            if len(shape) != len(want):
+                raise ShapeError(f"input %{v.name} expects rank {len(want)} ({v.type}), got shape {tuple(shape)}")
+            for axis, (dim, got) in enumerate(zip(want, shape)):
+                where = f"input %{v.name} dim {axis}"
+                if isinstance(dim, SymbolicDim):
+                    seen = sizes.setdefault(dim.name, (int(got), where))
+                    if seen[0] != got:
+                        raise ShapeError(f"symbolic dim {dim.name!r} has two sizes in one call: {seen[0]} ({seen[1]}) "
+                                         f"and {got} ({where}); give every use of a symbol the same size")
+                elif dim != got:
+                    raise ShapeError(f"{where} is fixed at {dim} ({v.type}), got {got} (shape {tuple(shape)})")
+        return {name: size for name, (size, _) in sizes.items()}
+
+    def specialize(self, sizes: Mapping[str, int]) -> "Program":
+        """This program with each named symbolic dim at its size in ``sizes`` and every op's
+        result types inferred again from the concrete operands (derived dims become sizes).
+
+        Values keep their names and ids, so what a front end keyed by value id (the ONNX
+        importer's ``origins``) still holds; a subclass's other fields are kept as they are.
+        ShapeError when an op does not hold at these sizes (says which sizes).
+        """
+        missing = [s for s in self.symbols if s not in sizes]
+        if missing:
+            raise ShapeError(f"program {self.name!r}: no size for symbolic dim(s) {missing}")
+        values: dict[int, Value] = {}
+
+        def concrete(v: Value, t: TensorType) -> Value:
+            values[v.id] = new = Value(t, v.name, v.program_id, v.id)
+            return new
+
+        inputs = [concrete(v, TensorType(tuple(sizes[d.name] if isinstance(d, SymbolicDim) else d
+                                               for d in v.type.shape), v.type.dtype, v.type.encoding))
+                  for v in self.inputs]
+        ops = []
+        for op in self.ops:
+            ins = tuple(values.get(v.id, v) for v in op.inputs)
+            if op.kind == "dispatch":
+                try:
+                    types = infer_types(op.name, [v.type for v in ins], dict(op.attrs))
+                except PolyhalError as exc:
+                    bound = ", ".join(f"{k}={n}" for k, n in sizes.items())
+                    raise type(exc)(f"program {self.name!r} specialized to {bound}: {self.origin(op)}: {exc}") from None
+            else:  # encode and transfer keep the operand's shape
+                types = tuple(TensorType(ins[0].type.shape, ins[0].type.dtype, v.type.encoding) for v in op.outputs)
+            outs = tuple(concrete(v, t) for v, t in zip(op.outputs, types))
+            ops.append(Op(op.kind, op.name, ins, outs, op.attrs, op.affinity, op.device))
+        return dataclasses.replace(self, inputs=inputs, ops=ops, outputs=[values.get(v.id, v) for v in self.outputs])
+
+    def origin(self, op: Op) -> str:
+        """What messages call ``op``: its first result (a front end's program names its source,
+        as the ONNX one names the node)."""
+        return f"%{op.outputs[0].name}" if op.outputs else op.name
+
     def __str__(self) -> str:
         head = ", ".join(repr(v) for v in self.inputs)
         body = "\n".join([f"  %{v.name} = constant : {v.type}" for v, _ in self.constants]
@@ -145,7 +223,13 @@ class ProgramBuilder:
         return name
 
     def input(self, name: str, shape: Any, dtype: Any = "float32") -> Value:
-        """Declare a program input of a static shape and element type."""
+        """Declare a program input of a shape and element type.
+
+        A dim may be a name instead of a size (``b.input("x", ("batch", 256))``): a symbolic
+        dim, the same dim wherever the name is used. Each call of the compiled program binds it
+        to the size its inputs have, and runs a plan specialized for those sizes (see
+        :func:`polyhal.compile`).
+        """
         if name in self._names:
             raise ProgramError(f"program {self.name!r} already has a value named {name!r}")
         self._names.add(name)

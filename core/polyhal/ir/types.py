@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
+import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import ml_dtypes
 import numpy as np
@@ -61,17 +63,111 @@ def as_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
-def as_shape(shape: Any) -> tuple[int, ...]:
-    """Normalise ``shape`` to a tuple of non-negative ints."""
-    if isinstance(shape, (int, np.integer)):
+class SymbolicDimError(ShapeError):
+    """A question about a symbolic dim that only its size can answer (its arithmetic, its order,
+    or whether it equals a number or another symbol): raised while inferring types over symbolic
+    dims, where it means "not expressible here", so that the op's result dims become derived
+    dims (see :func:`polyhal.ops.infer_types`). Specialize the program to ask it of sizes."""
+
+
+_derived_ids = itertools.count(1)
+
+
+class SymbolicDim:
+    """A dim whose size is known only when a program is called: a *named* dim (``"batch"``),
+    bound from the inputs' shapes, or a *derived* dim, an op's result dim that the core cannot
+    write in terms of named dims (``?``: re-inferred when the program is specialized).
+
+    Two symbolic dims are the same dim when they have the same name; everything else about a
+    size (arithmetic, order, equality with a number or another symbol) raises
+    :class:`SymbolicDimError`, so that an op's type inference never guesses a size. ``hint`` is a
+    sample size, the same for every use of the dim, with which inference probes an op whose
+    result it cannot express (it never decides a plan's shapes).
+    """
+
+    __slots__ = ("name", "derived", "hint")
+
+    def __init__(self, name: str, *, derived: bool = False, hint: int | None = None) -> None:
+        if not isinstance(name, str) or not name:
+            raise ShapeError(f"a symbolic dim needs a non-empty name, got {name!r}")
+        self.name = name
+        self.derived = derived
+        # Sample sizes of named dims are distinct primes above any common size, so that probing an
+        # op with them neither hits a special case (1, a power of two) nor joins two symbols.
+        self.hint = hint if hint is not None else _PROBE_SIZES[zlib.crc32(name.encode()) % len(_PROBE_SIZES)]
+
+    @classmethod
+    def fresh(cls, hint: int) -> "SymbolicDim":
+        """A new derived dim (its sample size ``hint``)."""
+        return cls(f"?{next(_derived_ids)}", derived=True, hint=hint)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SymbolicDim):
+            if other.name == self.name:
+                return True
+        elif not isinstance(other, (int, np.integer)):
+            return NotImplemented
+        raise SymbolicDimError(f"whether dim {self} equals {other} depends on the sizes bound when the program "
+                               "is called")
+
+    def __ne__(self, other: object) -> bool:
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def _unknown(self, *_: Any) -> Any:
+        raise SymbolicDimError(f"dim {self} is symbolic: its size is known only when the program is specialized "
+                               "to the inputs' shapes")
+
+    __lt__ = __le__ = __gt__ = __ge__ = _unknown
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _unknown
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __truediv__ = __rtruediv__ = __neg__ = _unknown
+    __int__ = __index__ = __float__ = _unknown
+
+    def __repr__(self) -> str:
+        return "?" if self.derived else self.name
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        return (_symbolic_dim, (self.name, self.derived, self.hint))
+
+
+def _symbolic_dim(name: str, derived: bool, hint: int) -> SymbolicDim:
+    return SymbolicDim(name, derived=derived, hint=hint)
+
+
+_PROBE_SIZES = (1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049, 1051, 1061, 1063, 1069, 1087, 1091, 1093, 1097)
+
+#: One dim of a shape: a size, or a :class:`SymbolicDim`.
+Dim = Union[int, SymbolicDim]
+
+
+def as_shape(shape: Any) -> tuple[Dim, ...]:
+    """Normalise ``shape`` to a tuple of dims: non-negative ints, and symbolic dims (a name
+    such as ``"batch"`` or a :class:`SymbolicDim`)."""
+    if isinstance(shape, (int, np.integer, str, SymbolicDim)):
         shape = (shape,)
     try:
-        dims = tuple(int(d) for d in shape)
+        dims = tuple(d if isinstance(d, SymbolicDim) else SymbolicDim(d) if isinstance(d, str) else int(d)
+                     for d in shape)
     except TypeError as exc:
-        raise ShapeError(f"shape {shape!r} is not a sequence of ints") from exc
-    if any(d < 0 for d in dims):
+        raise ShapeError(f"shape {shape!r} is not a sequence of ints (or names of symbolic dims)") from exc
+    if any(type(d) is int and d < 0 for d in dims):
         raise ShapeError(f"shape {dims} has a negative dimension")
     return dims
+
+
+def is_static(shape: tuple[Dim, ...]) -> bool:
+    """True when every dim of ``shape`` is a size (no :class:`SymbolicDim`)."""
+    return not any(isinstance(d, SymbolicDim) for d in shape)
+
+
+def hinted(shape: tuple[Dim, ...]) -> tuple[int, ...]:
+    """``shape`` with each symbolic dim replaced by its sample size (see :class:`SymbolicDim`)."""
+    return tuple(d.hint if isinstance(d, SymbolicDim) else d for d in shape)
 
 
 @dataclass(frozen=True)
@@ -79,10 +175,11 @@ class TensorType:
     """The static type of a tensor value: shape, element type and an optional encoding.
 
     The encoding (an immutable, hashable attribute, see the encodings issue) says how the
-    logical tensor is laid out in memory; ``None`` means the dense row-major layout.
+    logical tensor is laid out in memory; ``None`` means the dense row-major layout. A dim may be
+    symbolic (:class:`SymbolicDim`): such a type has no size until its program is specialized.
     """
 
-    shape: tuple[int, ...]
+    shape: tuple[Dim, ...]
     dtype: np.dtype
     encoding: Any = None
 
@@ -93,6 +190,11 @@ class TensorType:
     @property
     def rank(self) -> int:
         return len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        """True when every dim is a size (no symbolic dim)."""
+        return is_static(self.shape)
 
     @property
     def size(self) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from polyhal.errors import DTypeError, PolyhalError, ProgramError, ShapeError
-from polyhal.ir.types import COMPUTE_DTYPES, TensorType
+from polyhal.ir.types import COMPUTE_DTYPES, SymbolicDim, SymbolicDimError, TensorType, hinted
 
 __all__ = [
     "CONTRACTION_PRECISIONS", "OpDef", "OPS", "REQUIRED", "get_op", "infer_types", "canonical_attrs", "resolve_attrs",
@@ -100,8 +100,35 @@ def get_op(name: str) -> OpDef:
 
 def infer_types(name: str, input_types: Sequence[TensorType], attrs: Mapping[str, Any] | None = None
                 ) -> tuple[TensorType, ...]:
-    """Check the operand count, operand types and attributes of op ``name``; return output types."""
-    return get_op(name).infer(tuple(input_types), attrs or {})
+    """Check the operand count, operand types and attributes of op ``name``; return output types.
+
+    Operands may have symbolic dims (:class:`~polyhal.ir.types.SymbolicDim`). The op's inference
+    then runs on them as they are: dims it passes through, equal symbols, broadcasting against 1
+    or a size, matmul, reductions and a reshape's -1 keep their names. Where it would need a
+    symbol's size (arithmetic, a comparison it cannot decide), it is run again with every
+    symbolic dim at its sample size (``hint``) to check operands and attributes and learn the
+    results' rank, and each result dim becomes a *derived* dim, re-inferred from the concrete
+    sizes when the program is specialized. An error in that probe is the op's error for every
+    size of the symbols.
+    """
+    op = get_op(name)
+    input_types = tuple(input_types)
+    attrs = attrs or {}
+    if all(not isinstance(t, TensorType) or t.is_static for t in input_types):
+        return op.infer(input_types, attrs)
+    try:
+        return op.infer(input_types, attrs)
+    except SymbolicDimError:
+        pass
+    probe = tuple(TensorType(hinted(t.shape), t.dtype, t.encoding) for t in input_types)
+    try:
+        results = op.infer(probe, attrs)
+    except PolyhalError as exc:
+        sizes = dict.fromkeys(f"{d}={d.hint}" for t in input_types for d in t.shape if isinstance(d, SymbolicDim))
+        raise type(exc)(f"{exc} (inferred with the symbolic dims at sample sizes {', '.join(sizes)}: the op must "
+                        "hold for every size they take; where it holds for one size only, give that size "
+                        "instead of a symbol)") from None
+    return tuple(TensorType(tuple(SymbolicDim.fresh(d) for d in t.shape), t.dtype, t.encoding) for t in results)
 
 
 def resolve_attrs(name: str, attrs: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -288,13 +315,41 @@ def fmt_shape(shape: Sequence[int]) -> str:
 
 
 def broadcast(*shapes: Sequence[int]) -> tuple[int, ...]:
-    """numpy broadcasting of ``shapes``; ShapeError naming them when they do not broadcast."""
+    """numpy broadcasting of ``shapes``; ShapeError naming them when they do not broadcast.
+
+    Symbolic dims broadcast too: a symbol against 1 or itself stays the symbol, against a size
+    ``n`` other than 1 gives ``n`` (the symbol must be 1 or ``n``, which specialization checks);
+    two different symbols give a derived dim (either may be 1).
+    """
+    shapes = [tuple(s) for s in shapes]
     try:
-        return tuple(np.broadcast_shapes(*map(tuple, shapes)))
+        if all(not isinstance(d, SymbolicDim) for s in shapes for d in s):
+            return tuple(np.broadcast_shapes(*shapes))
+        return tuple(_broadcast_dim([s[i] for s in shapes if len(s) >= -i])
+                     for i in range(-max(map(len, shapes)), 0))
     except ValueError:
         listed = [fmt_shape(s) for s in shapes]
         text = " and ".join(listed) if len(listed) == 2 else ", ".join(listed[:-1]) + " and " + listed[-1]
         raise ShapeError(f"shapes {text} do not broadcast") from None
+
+
+def _broadcast_dim(dims: list) -> Any:
+    """One axis of :func:`broadcast` with symbolic dims (ValueError where sizes conflict)."""
+    result: Any = 1
+    for d in dims:
+        if isinstance(d, SymbolicDim):
+            if isinstance(result, SymbolicDim):
+                if result.name != d.name:  # either may be 1: a derived dim (its sample size: the larger)
+                    result = SymbolicDim.fresh(max(result.hint, d.hint))
+            elif result == 1:
+                result = d
+            # else a size n != 1 stays: the symbol must be 1 or n
+        elif d != 1:
+            if isinstance(result, SymbolicDim) or result == 1:
+                result = d
+            elif result != d:
+                raise ValueError(f"{result} and {d}")
+    return result
 
 
 def int_attr(value: Any, name: str) -> int:

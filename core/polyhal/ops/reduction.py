@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 
 from polyhal.errors import ProgramError, ShapeError
-from polyhal.ir.types import TensorType
+from polyhal.ir.types import SymbolicDim, TensorType
 from polyhal.ops._base import (
     ANY, FLOAT, NUMERIC, bool_attr, check_dtype, check_same_dtype, define, float_attr, fmt_shape,
     narrow, nonzero, normalize_axes, normalize_axis, pick, random_shape, wide, with_ties,
@@ -26,7 +26,8 @@ def _reduced_shape(shape: tuple[int, ...], axes: tuple[int, ...], keepdims: bool
 
 def _check_not_empty(shape: tuple[int, ...], axes: tuple[int, ...]) -> None:
     # max/min/argmax of nothing have no value, and a mean of nothing is 0/0: refuse statically.
-    empty = [a for a in axes if shape[a] == 0]
+    # (a symbolic dim is checked when the program is specialized to its size)
+    empty = [a for a in axes if not isinstance(shape[a], SymbolicDim) and shape[a] == 0]
     if empty:
         raise ShapeError(f"cannot reduce over empty axis {empty[0]} of shape {fmt_shape(shape)}")
 

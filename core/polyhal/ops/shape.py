@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from polyhal.errors import ProgramError, ShapeError
-from polyhal.ir.types import TensorType
+from polyhal.ir.types import SymbolicDim, SymbolicDimError, TensorType
 from polyhal.ops._base import (
     INDEX, check_dtype, check_same_dtype, define, fmt_shape, int_list_attr, nonzero,
     normalize_axis, pick, prod, random_shape,
@@ -52,6 +52,8 @@ def _infer_reshape(x: TensorType, *, shape):
     if any(d < -1 for d in dims) or dims.count(-1) > 1:
         raise ShapeError(f"shape {list(dims)} is invalid: dims must be >= 0, with at most one -1")
     known = prod(d for d in dims if d != -1)
+    if not x.is_static:
+        return (TensorType(_symbolic_reshape(x.shape, dims, known), x.dtype),)
     if -1 in dims:
         if known == 0 or x.size % known:
             raise ShapeError(f"cannot reshape {fmt_shape(x.shape)} ({x.size} elements) to {list(dims)}: "
@@ -61,6 +63,17 @@ def _infer_reshape(x: TensorType, *, shape):
         raise ShapeError(f"cannot reshape {fmt_shape(x.shape)} ({x.size} elements) to "
                          f"{fmt_shape(dims)} ({known} elements)")
     return (TensorType(dims, x.dtype),)
+
+
+def _symbolic_reshape(shape: tuple, dims: tuple[int, ...], known: int) -> tuple:
+    """A reshape's result dims for an operand with symbolic dims: its -1 takes the operand's one
+    symbol when the sizes on both sides match (``(batch, 16, 16) -> (-1, 256)`` is ``(batch,
+    256)``); any other result depends on the symbols' sizes (SymbolicDimError)."""
+    symbols = [d for d in shape if isinstance(d, SymbolicDim)]
+    if -1 in dims and len(symbols) == 1 and known and prod(d for d in shape if not isinstance(d, SymbolicDim)) == known:
+        return tuple(symbols[0] if d == -1 else d for d in dims)
+    raise SymbolicDimError(f"reshape of {fmt_shape(shape)} to {list(dims)}: the result depends on the sizes of "
+                           f"{', '.join(map(str, symbols))}")
 
 
 def _ref_reshape(x, *, shape):

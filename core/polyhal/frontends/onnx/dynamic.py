@@ -2,22 +2,28 @@
 
 :func:`polyhal.onnx.load` returns an :class:`OnnxProgram` (static shapes) when every input
 dim is known: fixed in the model, or given with ``shapes=``, ``dims=`` or ``default_dim=``.
-Otherwise it returns a :class:`DynamicOnnxProgram`: the validated model and its input
-signature. Its :meth:`~DynamicOnnxProgram.compile` gives a :class:`DynamicPlan` that, called
-with inputs of a shape it has not seen, imports the model for that shape, compiles it (one
-compile) and caches the pair in a bounded LRU :class:`~polyhal.specialization.SpecializationCache`;
-a call with a shape seen before costs one lookup (the shape dispatch, measured by
-``python -m bench dynamic_shapes``).
+Otherwise it returns a :class:`DynamicOnnxProgram`: the validated model, its input signature
+and, where the model's ops allow it, :attr:`~DynamicOnnxProgram.program`: the model imported
+once as a core program with symbolic dims (``float[batch,256]`` is ``tensor<batchx256xfloat32>``).
+Its :meth:`~DynamicOnnxProgram.compile` gives a :class:`DynamicPlan` (a core
+:class:`~polyhal.plan.PolymorphicPlan`) that, called with inputs of a shape it has not seen,
+specializes that program to the shape (:meth:`polyhal.ir.program.Program.specialize`: types
+inferred again, nothing re-imported), compiles it (one compile) and caches the pair in a
+bounded LRU :class:`~polyhal.specialization.SpecializationCache`; a call with a shape seen
+before costs one lookup (the shape dispatch, measured by ``python -m bench dynamic_shapes``).
+
+Where the import needs a symbol's size -- a ``Shape`` of a symbolic dim, a shape computed from
+one (a Reshape's target, an Expand, a ConstantOfShape), an attribute that would hold it, or
+inputs and outputs the host makes (strings, run-time lengths) -- the model is imported per
+concrete shape instead, as it was before the core had symbolic dims;
+:attr:`~DynamicOnnxProgram.reimport` says why and ``explain`` prints it. The front end only
+translates: the core's importer folds shape subgraphs into constants, and a shape computed from
+a symbol has no constant.
 
 How ``dims=`` fits: a symbol given in ``dims=`` is *bound*: every call must use that size for
 it (an error names the dim and both sizes otherwise); symbols not given are free and take the
 size of each call's inputs. A symbol that appears in several inputs (or twice in one) must have
 one size within a call, and a dim the model fixes must have that size.
-
-Why specialize rather than compile with dynamic dims: polyhal plans plan their buffers and
-prepare their kernels for static shapes (arenas sized once, BLAS layouts and CUDA graphs chosen
-per shape), and the importer folds shape computations into constants; a model with symbolic
-dims is therefore imported and compiled per concrete shape, which every backend supports alike.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from polyhal.errors import ProgramError
 from polyhal.frontends.onnx.errors import OnnxInputError
 from polyhal.frontends.onnx.types import STRING_DTYPE, as_strings
-from polyhal.specialization import SpecializationCache
+from polyhal.plan import PolymorphicPlan
+from polyhal.specialization import Specialization, SpecializationCache
 
 __all__ = ["DynamicOnnxProgram", "DynamicPlan", "InputSignature", "Specialization", "bind_dims"]
 
@@ -45,14 +53,6 @@ class InputSignature:
     dtype: np.dtype
     dims: tuple[Dim, ...] | None
     declared: str
-
-
-@dataclass(frozen=True)
-class Specialization:
-    """One concrete shape signature: the program imported for it and its compiled plan."""
-
-    program: Any  # OnnxProgram
-    plan: Any  # polyhal.Plan
 
 
 def check_input_names(source: str, feeds: Mapping[str, Any], names: Sequence[str],
@@ -115,12 +115,18 @@ class DynamicOnnxProgram:
 
     def __init__(self, *, source: str, opset: int, signature: Sequence[InputSignature],
                  output_names: Sequence[str], bound: Mapping[str, int],
-                 specialize: Callable[[Mapping[str, tuple[int, ...]]], Any]) -> None:
+                 specialize: Callable[[Mapping[str, tuple[int, ...]]], Any], program: Any = None,
+                 reimport: str = "") -> None:
         self.source = source
         self.opset = opset
         self.signature = tuple(signature)
         self.output_names = list(output_names)
         self.bound = dict(bound)
+        #: The model as one OnnxProgram with symbolic dims, specialized per shape by the core;
+        #: None when it is imported per shape (``reimport`` says why).
+        self.program = program
+        #: Why the model is imported per shape ("" when :attr:`program` serves every shape).
+        self.reimport = reimport
         self._specialize = specialize
 
     @property
@@ -156,6 +162,8 @@ class DynamicOnnxProgram:
             shapes = [tuple(int(d) for d in shapes[n]) for n in self.input_names]
         shapes = [tuple(int(d) for d in s) for s in shapes]
         self.bind(shapes)
+        if self.program is not None:
+            return self.program.specialize(self.program.bind(shapes))
         return self._specialize(dict(zip(self.input_names, shapes)))
 
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -197,7 +205,9 @@ class DynamicOnnxProgram:
     def explain(self, plan: "DynamicPlan | None" = None) -> str:
         """The input signature; with ``plan``, its shape cache and the latest specialization's
         explanation."""
-        lines = [f"model {self.source}: opset {self.opset}, shape-polymorphic (a plan per input shape)"]
+        how = (f"imported per input shape: {self.reimport}" if self.program is None
+               else "one program with symbolic dims, specialized per input shape")
+        lines = [f"model {self.source}: opset {self.opset}, shape-polymorphic ({how})"]
         for s in self.signature:
             lines.append(f"  input {s.name!r}: {s.declared}")
         if self.bound:
@@ -207,68 +217,26 @@ class DynamicOnnxProgram:
         return "\n".join(lines)
 
 
-class DynamicPlan:
+class DynamicPlan(PolymorphicPlan):
     """A compiled shape-polymorphic model: call it like a :class:`~polyhal.plan.Plan`.
 
-    Each call finds the plan for its inputs' shapes in the cache (one tuple and one lookup), or
-    on a miss checks the shapes against the model, imports and compiles the model for them and
-    caches the result. ``cache`` holds the statistics (hits, misses, evictions); :meth:`explain`
-    prints them with the cached shapes.
+    The core's :class:`~polyhal.plan.PolymorphicPlan` (one key tuple and one cache lookup per
+    call), with the model's own checks: on a miss the shapes are checked against the model's
+    signature (OnnxInputError naming the input, the dim and both sizes), then the model's
+    program is specialized to them (or imported for them) and compiled. ``cache`` holds the
+    statistics (hits, misses, evictions); :meth:`explain` prints them with the cached shapes.
     """
 
     def __init__(self, program: DynamicOnnxProgram, make: Callable[[tuple], Specialization],
                  cache: SpecializationCache[Specialization]) -> None:
+        super().__init__(program.source, program.input_names, make, cache, symbols=program.symbols)
         self.source = program
-        self.cache = cache
-        self._make = make
-        self._names = tuple(program.input_names)
-
-    def specialization(self, *args: Any, **kwargs: Any) -> Specialization:
-        """The specialization for these inputs (positionally or by name), made on first use."""
-        return self.lookup(self._gather(args, kwargs))
-
-    def lookup(self, inputs: Sequence[Any]) -> Specialization:
-        """The specialization for ``inputs`` (one per model input, in order): one key tuple
-        and one cache lookup on a hit."""
-        try:
-            key = tuple([x.shape for x in inputs])
-        except AttributeError:
-            key = tuple(np.shape(x) for x in inputs)
-        found = self.cache.get(key)
-        return found if found is not None else self.cache.put(key, self._make(key))
-
-    def __call__(self, *args: Any, out: Any = None, **kwargs: Any) -> Any:
-        inputs = self._gather(args, kwargs)
-        return self.specialization(*inputs).plan(*inputs, out=out)
-
-    run = __call__
-
-    def run_numpy(self, *args: Any, **kwargs: Any) -> tuple[np.ndarray, ...]:
-        """As :meth:`polyhal.plan.Plan.run_numpy`, through the plan of these inputs' shapes."""
-        inputs = self._gather(args, kwargs)
-        return self.specialization(*inputs).plan.run_numpy(*inputs)
 
     def _gather(self, args: tuple, kwargs: dict) -> Sequence[Any]:
-        names = self._names
-        if not kwargs and len(args) == len(names):
-            return args
-        values = list(args) + [None] * (len(names) - len(args))
-        if len(args) > len(names):
-            raise OnnxInputError(f"{self.source.source}: the model takes {len(names)} inputs {list(names)}, "
-                                 f"got {len(args)}")
-        for k, x in kwargs.items():
-            if k not in names:
-                raise OnnxInputError(f"{self.source.source}: the model has no input {k!r}; inputs: {list(names)}")
-            values[names.index(k)] = x
-        missing = [n for n, x in zip(names, values) if x is None]
-        if missing:
-            raise OnnxInputError(f"{self.source.source}: missing input(s) {missing}")
-        return values
-
-    @property
-    def plans(self) -> list[Any]:
-        """The cached plans, least recently used first."""
-        return [s.plan for s in self.cache.values()]
+        try:
+            return super()._gather(args, kwargs)
+        except ProgramError as exc:  # the model's inputs: an input error of the model
+            raise OnnxInputError(str(exc)) from None
 
     def explain(self) -> str:
         """Cache statistics, the cached shapes, and the most recently used plan's explanation."""

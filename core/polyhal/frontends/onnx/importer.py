@@ -14,9 +14,11 @@ What it does, in order:
    disappear and what remains is the model's real data flow;
 5. checks every result against the type ONNX declared or inferred for it.
 
-polyhal programs have static shapes. Inputs with symbolic dims take their shape from
-``shapes=``, ``dims=`` or ``default_dim``; a model whose dims stay open loads as a
-:class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, imported per input shape.
+Inputs with symbolic dims take their shape from ``shapes=``, ``dims=`` or ``default_dim``; a
+model whose dims stay open loads as a
+:class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`: one program with symbolic dims
+(the core specializes it per call's shapes), or, where a node needs a symbol's size at import
+(a ``Shape`` read of a symbolic dim, a shape computed from one), imported per input shape.
 Operands that decide a shape (Reshape's ``shape``, TopK's
 ``k``, ...) must be known at import time, and when they come from graph inputs those inputs
 must be given values with ``values=`` (:class:`NeedsValue` names them).
@@ -31,7 +33,7 @@ import functools
 import ctypes.util
 import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import ml_dtypes
 import numpy as np
@@ -56,7 +58,7 @@ from polyhal.frontends.onnx.types import (
 )
 from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
-from polyhal.ir.types import STORAGE_DTYPES, TensorType
+from polyhal.ir.types import STORAGE_DTYPES, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
 from polyhal.plan import compile as polyhal_compile
 from polyhal.registry import default_registry
@@ -671,8 +673,39 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         return program
     if needs_staging(checked, any_host_op=True):
         return staged()  # staging specializes each segment to the shapes it sees
+    symbolic, reimport = _import_symbolic(specialize, signature, dims)
     return DynamicOnnxProgram(source=source, opset=opset, signature=signature, bound=dims,
-                              output_names=[o.name for o in checked.graph.output], specialize=specialize)
+                              output_names=[o.name for o in checked.graph.output], specialize=specialize,
+                              program=symbolic, reimport=reimport)
+
+
+def _import_symbolic(specialize: Callable[[Mapping[str, tuple]], OnnxProgram], signature: Sequence[InputSignature],
+                     bound: Mapping[str, int]) -> tuple[OnnxProgram | None, str]:
+    """The model imported once with its open dims symbolic (a named dim by its name, an unnamed
+    one as ``input[axis]``, one symbol each; ``dims=`` sizes put in), and ``""``; or None and
+    why the model must be imported per shape: a node needs a symbolic dim's size at import
+    (``Shape`` of it, a shape computed from it), or the model has inputs or outputs the host
+    makes, whose code reads concrete shapes."""
+    shapes = {s.name: tuple(bound.get(d, d) if isinstance(d, str) else f"{s.name}[{axis}]" if d is None else d
+                            for axis, d in enumerate(s.dims)) for s in signature if s.dims is not None}
+    if len(shapes) < len(signature):
+        return None, "an input declares no rank"
+    try:
+        program = specialize(shapes)
+    except PolyhalError as exc:
+        return None, _first_line(exc)
+    if program.string_inputs or program.host_feeds or program.host_outputs or program.trims or program.finishes:
+        return None, "the host makes some of its inputs or outputs (strings, run-time lengths, ZipMap)"
+    symbolic = [op for op in program.ops if _has_symbol(op.attrs)]
+    if symbolic:
+        return None, f"an op's attribute holds a symbolic dim ({program.origin(symbolic[0])})"
+    return program, ""
+
+
+def _has_symbol(attrs: Any) -> bool:
+    if isinstance(attrs, SymbolicDim):
+        return True
+    return isinstance(attrs, tuple) and any(map(_has_symbol, attrs))
 
 
 def _trim_heap() -> None:
@@ -736,7 +769,8 @@ class _Importer:
         self.fold_limit = fold_limit
         self.source = source
         self.opset = opset
-        self.shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
+        # (a str dim is a symbolic dim: the import of a DynamicOnnxProgram's one program)
+        self.shapes = {k: tuple(d if isinstance(d, str) else int(d) for d in v) for k, v in shapes.items()}
         self.values = dict(values)
         self.dims = {str(k): int(v) for k, v in dims.items()}
         self.default_dim = default_dim
@@ -1126,7 +1160,9 @@ class _Importer:
             if want is not None and want != t.dtype:
                 raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
                                      f"{_fmt_declared(elem, dims, tp)} but computes {t.dtype}")
-        if dims is not None and (len(dims) != t.rank or any(d is not None and d != s for d, s in zip(dims, t.shape))):
+        # (a symbolic dim is checked by the op's inference when the program is specialized)
+        if dims is not None and (len(dims) != t.rank or any(d is not None and not isinstance(s, SymbolicDim) and d != s
+                                                            for d, s in zip(dims, t.shape))):
             raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
                                  f"{_fmt_declared(elem, dims, tp)} but the data gives shape {list(t.shape)} "
                                  "(declared shapes contradict the data)")

@@ -38,7 +38,14 @@ Compared with compiling control flow into the plan, this keeps every plan static
 planning, fusion, graph replay all still apply inside a segment) and works on every device
 alike; the price is one plan dispatch per segment and per iteration, plus the host op itself
 (``python -m bench control_flow`` measures it: a few microseconds per Loop iteration on top
-of the body plan's call). A Loop runs at most ``POLYHAL_LOOP_LIMIT``
+of the body plan's call). Why this stays the front end's own interpreter rather than a core construct (decided with the
+core's symbolic dims, issue 26): what the core would gain is ``If``/``Loop`` for ProgramBuilder
+programs; what it would cost is region-carrying ops in the IR, which every pass (placement,
+fusion, encodings, bufferize's liveness and arenas, replay) would have to walk or refuse, and a
+plan whose buffers depend on the branch taken -- for behaviour that already runs here at a few
+microseconds per iteration on top of static, fully optimized segment plans. The segments use the
+core's specialization cache, and the data-dependent sizes they cut to are concrete, so nothing in
+the core is missing for them. A ``Loop`` runs at most ``POLYHAL_LOOP_LIMIT``
 (:data:`LOOP_LIMIT`) iterations, so a corrupt or hostile trip count fails with a clear error
 instead of running for ever.
 """
