@@ -43,6 +43,7 @@ from polyhal.hal.adaptors import MemoryTypeRouter
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.device import Device
 from polyhal.hal.records import DeviceSpec, Heap
+from polyhal.hal.scratch import MemoryLimits, MemorySpacePolicy, ScratchError, ScratchRequest
 from polyhal.hookcall import PluginManager
 
 #: Entry-point group of backend plugins (filtered by POLYHAL_BACKENDS).
@@ -448,8 +449,19 @@ class Registry:
                 warnings.warn(f"polyhal: device {spec.name} is not used: {reason}", RuntimeWarning, stacklevel=4)
                 raise PluginError(reason) from exc
             self._wrap_allocators(dev)
+            dev.memory_space_policy = self.memory_space_policy(spec)
             self._devices[spec.name] = dev
             return dev
+
+    def memory_space_policy(self, spec: DeviceSpec) -> MemorySpacePolicy:
+        """The memory-space policy of ``spec``'s device: this registry's ``select_memory_space``
+        hook (see :mod:`polyhal.hal.scratch`); each device this registry creates places by it."""
+        def select(request: ScratchRequest, limits: MemoryLimits) -> tuple[Any, str]:
+            answer = self.pm.first_answer(
+                "select_memory_space", where=lambda: f"for {request.kernel} scratch {request.name!r}",
+                passthrough=(ScratchError,), device=spec, kernel=request.kernel, scratch=request, limits=limits)
+            return answer.value, answer.plugin or ""
+        return select
 
     def kernel_names(self, device: str) -> frozenset[str]:
         """The ops device ``device`` has kernels for, from its DeviceSpec: nothing is created,

@@ -12,6 +12,7 @@ from polyhal.hal.allocator import Allocator
 from polyhal.hal.flags import MemoryAccess
 from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import DeviceSpec
+from polyhal.hal.scratch import MemoryLimits, MemorySpacePolicy, ScratchAssignment, place_scratch
 
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
@@ -134,6 +135,21 @@ class Device:
         if self.kernels is None:
             return ()
         return self.kernels.scratch(self, op, attrs, in_types, out_types)
+
+    #: How this device's scratch is placed (:data:`~polyhal.hal.scratch.MemorySpacePolicy`): the
+    #: registry that creates the device sets its ``select_memory_space`` hook here; a device made
+    #: outside a registry places by the core's default rule (:func:`~polyhal.hal.scratch.first_fit`).
+    memory_space_policy: MemorySpacePolicy | None = None
+
+    def place_scratch(self, requests: Sequence["ScratchRequest"]) -> tuple[ScratchAssignment, ...]:
+        """Place ``requests`` (what :meth:`scratch` declared for one op instance) in memory spaces
+        by this device's :attr:`memory_space_policy`, within its :class:`~polyhal.hal.scratch.MemoryLimits`.
+
+        The bufferize pass calls it when a plan is compiled; a backend that prepares a kernel
+        outside a plan calls it too, so that both place alike. Raises
+        :class:`~polyhal.hal.scratch.ScratchError` when a scratch fits nowhere.
+        """
+        return place_scratch(tuple(requests), MemoryLimits.of(self.spec), self.name, self.memory_space_policy)
 
     def view(self, tensor: "Tensor") -> Any:
         """The native object kernels take for ``tensor`` (numpy view, pyopencl array, cupy array)."""
