@@ -124,3 +124,16 @@ def test_a_backend_reaching_into_the_compiler_is_caught(tmp_path):
                          capture_output=True, text=True)
     assert run.returncode != 0 and "polyhal_gpu.reach -> polyhal.passes" in run.stdout, run.stdout[-3000:]
     assert "polyhal_gpu.reach -> polyhal\n" not in run.stdout  # the public API is allowed
+
+
+def test_import_polyhal_leaves_the_heavy_dependencies_out():
+    """ml_dtypes (the storage types) and onnx (the front end) are imported when first needed,
+    not by ``import polyhal`` (bench/import_time.py times it); both still work once asked for."""
+    paths = os.pathsep.join(str(p) for p in PACKAGES.values())
+    probe = ("import sys, polyhal\n"
+             "print(sorted(m for m in ('ml_dtypes', 'onnx') if m in sys.modules))\n"
+             "print(polyhal.TensorType((2,), 'bfloat16'), 'ml_dtypes' in sys.modules)\n")
+    run = subprocess.run([sys.executable, "-c", probe], env=dict(os.environ, PYTHONPATH=paths),
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.splitlines() == ["[]", "tensor<2xbfloat16> True"]

@@ -31,9 +31,8 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from importlib import metadata
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import pluggy
 
@@ -45,6 +44,9 @@ from polyhal.hal.device import Device
 from polyhal.hal.records import DeviceSpec, Heap
 from polyhal.hal.scratch import MemoryLimits, MemorySpacePolicy, ScratchError, ScratchRequest
 from polyhal.hookcall import PluginManager
+
+if TYPE_CHECKING:
+    from importlib import metadata
 
 #: Entry-point group of backend plugins (filtered by POLYHAL_BACKENDS).
 BACKENDS_GROUP = "polyhal.backends"
@@ -183,6 +185,8 @@ class Registry:
 
     def load_entry_points(self) -> None:
         """Load every backend (respecting POLYHAL_BACKENDS) and every policy plugin."""
+        from importlib import metadata  # here, not at import: it costs more than the rest of polyhal's registry
+
         wanted = self._preference
         backends = {ep.name: ep for ep in metadata.entry_points(group=BACKENDS_GROUP)}
         if wanted is not None:

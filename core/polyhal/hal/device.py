@@ -10,13 +10,13 @@ import numpy as np
 from polyhal.errors import KernelNotFoundError
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.flags import MemoryAccess
-from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import DeviceSpec
 from polyhal.hal.scratch import MemoryLimits, MemorySpacePolicy, ScratchAssignment, place_scratch
 
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
     from polyhal.hal.buffer import Buffer
+    from polyhal.hal.kernels import KernelTable
     from polyhal.hal.scratch import ScratchBinding, ScratchRequest
     from polyhal.hal.tensor import Tensor
     from polyhal.ir.types import TensorType
