@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from polyhal.dlpack import DLDeviceType
 from polyhal.errors import KernelNotFoundError
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.flags import MemoryAccess
@@ -56,6 +57,12 @@ class Device:
         return self.spec.name
 
     @property
+    def is_host(self) -> bool:
+        """Whether this device's memory is the host's own (DLPack device type CPU): numpy arrays
+        over it are used in place, and data moves between two such devices by a host copy."""
+        return self.dlpack_device_type == DLDeviceType.CPU
+
+    @property
     def ordinal(self) -> int:
         """The device's index within its backend (used as the DLPack device id)."""
         return int(self.spec.limits.get("ordinal", 0))
@@ -90,7 +97,7 @@ class Device:
         before an allocation that the OS would overcommit and a kernel would then fault on.
         Backends with a native query (``cudaMemGetInfo``) may override it.
         """
-        if self.dlpack_device_type == 1:
+        if self.is_host:
             return host_memory_available()
         total = self.spec.limits.get("global_mem_size")
         if not isinstance(total, int) or self.allocator is None:

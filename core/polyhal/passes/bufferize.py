@@ -677,7 +677,7 @@ def _host_read_memory(registry: "Registry"):
                 # Only where host-visible memory *is* the device's memory (capability
                 # "unified-memory"): a discrete GPU's managed memory would migrate pages on every
                 # kernel write, far dearer than the copy on read.
-                if device.dlpack_device_type != 1 and "unified-memory" in device.spec.capabilities and any(
+                if not device.is_host and "unified-memory" in device.spec.capabilities and any(
                         h.serves(_HOST_READ, BufferUsage.DEFAULT) for h in device.spec.heaps):
                     mt = _HOST_READ
             cache[device_name] = mt
