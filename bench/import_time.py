@@ -69,5 +69,5 @@ def run(args) -> list[Row]:
     _write_importtime(importtime_table(), args.suffix)
     return [Row("import polyhal (fresh interpreter, median)", "ms", p * 1e3, a * 1e3, "import numpy, pluggy",
                 f"<= {TARGET_RATIO:g}x", p <= TARGET_RATIO * a,
-                {"runs": repeat, "polyhal_ms": [round(s * 1e3, 1) for s in polyhal_s],
+                {"runs": repeat, "load_average": os.getloadavg(), "polyhal_ms": [round(s * 1e3, 1) for s in polyhal_s],
                  "anchor_ms": [round(s * 1e3, 1) for s in anchor_s]})]

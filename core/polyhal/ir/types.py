@@ -62,7 +62,7 @@ class DTypeSet(Set):
         return len(self._base) + len(self._names)
 
     def __hash__(self) -> int:
-        return hash((self._names, self._base))
+        return hash(frozenset(self))  # as the frozenset it equals
 
     @classmethod
     def _from_iterable(cls, it: Iterable[np.dtype]) -> frozenset[np.dtype]:
