@@ -9,9 +9,9 @@ import polyhal
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.records import DeviceSpec, Heap
 from polyhal.hal.scratch import (
-    KernelInfo, MemoryLimits, MemorySpace, Problem, ScratchDecl, ScratchError, ScratchRequest,
+    KernelInfo, MemoryLimits, MemorySpace, Problem, ScratchDecl, ScratchError, ScratchRequest, place_scratch,
 )
-from polyhal.passes.bufferize import PlannedBuffer, place_scratch, plan_offsets
+from polyhal.passes.bufferize import PlannedBuffer, plan_offsets
 from polyhal.registry import Registry
 
 HEAP = Heap(MemoryType.DEVICE_LOCAL | MemoryType.HOST_VISIBLE, BufferUsage.DEFAULT, 1 << 20)
@@ -32,6 +32,11 @@ def request(name="s", *, shared=True, wg_bytes=0, thread_bytes=0, wg=32, groups=
 @pytest.fixture
 def registry():
     return Registry(autoload=False)
+
+
+def place(registry: Registry, spec: DeviceSpec, requests) -> tuple:
+    """Place ``requests`` on ``spec``'s device as a device that ``registry`` created would."""
+    return place_scratch(requests, MemoryLimits.of(spec), spec.name, registry.memory_space_policy(spec))
 
 
 # -- declarations ----------------------------------------------------------------------------------
@@ -57,34 +62,34 @@ def test_default_policy_fastest_space_that_fits(registry):
     small = request("a", shared=False, thread_bytes=16)
     shared = request("b", wg_bytes=512)
     big = request("c", wg_bytes=4096)
-    placed = place_scratch(registry.pm, spec(), (small, shared, big))
+    placed = place(registry, spec(), (small, shared, big))
     assert [a.space for a in placed] == [MemorySpace.PRIVATE, MemorySpace.WORKGROUP, MemorySpace.GLOBAL]
     assert placed[2].nbytes == 4 * 4096 and placed[2].plugin == "polyhal.policies.memory_space"
 
 
 def test_workgroup_memory_is_shared_by_a_kernels_scratches(registry):
     a, b = request("a", wg_bytes=700), request("b", wg_bytes=700)  # 1400 > 1024 together
-    placed = place_scratch(registry.pm, spec(), (a, b))
+    placed = place(registry, spec(), (a, b))
     assert [p.space for p in placed] == [MemorySpace.WORKGROUP, MemorySpace.GLOBAL]
     other = request("c", wg_bytes=700, kernel="k2")  # another kernel starts afresh
-    assert place_scratch(registry.pm, spec(), (a, other))[1].space is MemorySpace.WORKGROUP
+    assert place(registry, spec(), (a, other))[1].space is MemorySpace.WORKGROUP
 
 
 def test_private_data_too_big_for_registers_goes_to_workgroup_memory(registry):
     r = request("p", shared=False, thread_bytes=128, wg=4)  # 128 B > 64 B private, 512 B per group
-    (a,) = place_scratch(registry.pm, spec(), (r,))
+    (a,) = place(registry, spec(), (r,))
     assert a.space is MemorySpace.WORKGROUP and a.nbytes == 512
 
 
 def test_per_launch_scratch_is_global_only(registry):
-    (a,) = place_scratch(registry.pm, spec(), (request("mask", launch=100),))
+    (a,) = place(registry, spec(), (request("mask", launch=100),))
     assert a.space is MemorySpace.GLOBAL and a.nbytes == 100
 
 
 def test_scratch_that_fits_nowhere_names_kernel_size_and_limit(registry):
     r = request("tile", wg_bytes=1 << 20, groups=8, spaces=(MemorySpace.WORKGROUP, MemorySpace.GLOBAL))
     with pytest.raises(ScratchError) as info:
-        place_scratch(registry.pm, spec(), (r,))
+        place(registry, spec(), (r,))
     msg = str(info.value)
     assert "'tile'" in msg and "kernel 'k'" in msg and "fake:0" in msg
     assert "needs 1048576 B/workgroup, limit 1024" in msg and f"needs {8 << 20} B, limit {1 << 20}" in msg
@@ -100,11 +105,61 @@ class ForceGlobal:
 
 def test_a_policy_plugin_overrides_the_default(registry):
     registry.register(ForceGlobal(), name="force-global")
-    (a,) = place_scratch(registry.pm, spec(), (request("b", wg_bytes=16),))
+    (a,) = place(registry, spec(), (request("b", wg_bytes=16),))
     assert a.space is MemorySpace.GLOBAL and a.plugin == "force-global"
     # It defers where the kernel has no global code: the default answers.
-    (b,) = place_scratch(registry.pm, spec(), (request("c", wg_bytes=16, spaces=(MemorySpace.WORKGROUP,)),))
+    (b,) = place(registry, spec(), (request("c", wg_bytes=16, spaces=(MemorySpace.WORKGROUP,)),))
     assert b.space is MemorySpace.WORKGROUP and b.plugin == "polyhal.policies.memory_space"
+
+
+class ForceWorkgroup:
+    @polyhal.hookimpl
+    def select_memory_space(self, device, kernel, scratch, limits):
+        return MemorySpace.WORKGROUP if scratch.allows(MemorySpace.WORKGROUP) else None
+
+
+def _registry_with_device(*policies) -> Registry:
+    from polyhal_cpu.allocator import host_heap
+    from polyhal_cpu.device import CPUDevice
+
+    class Host:
+        @polyhal.hookimpl
+        def register_devices(self):
+            return [DeviceSpec(name="host:0", backend="host", rank=0, factory=CPUDevice, heaps=(host_heap(),),
+                               workgroup_bytes=1024)]
+
+    reg = Registry(autoload=False)
+    reg.register(Host(), name="host")
+    for i, policy in enumerate(policies):
+        reg.register(policy, name=f"policy{i}")
+    return reg
+
+
+def test_a_device_places_scratch_by_the_policy_of_the_registry_that_made_it():
+    """Outside a plan (a backend preparing a kernel by itself), scratch is placed by the device's
+    own registry -- not by the default registry, which has no such policy."""
+    from polyhal_gpu.scratch import Scratch
+
+    unshared = request("t", shared=False, thread_bytes=16)
+    device = _registry_with_device(ForceWorkgroup()).get_device("host:0")
+    (a,) = device.place_scratch((unshared,))
+    assert a.space is MemorySpace.WORKGROUP and a.plugin == "policy0"
+    # The GPU backends' Scratch (prepared without a plan's binding) asks the same device.
+    assert Scratch(device, (unshared,), None, id).spaces == {"t": MemorySpace.WORKGROUP}
+    # Another registry's device, without the policy, takes the default: the fastest space.
+    plain = _registry_with_device().get_device("host:0")
+    assert Scratch(plain, (unshared,), None, id).spaces == {"t": MemorySpace.PRIVATE}
+
+
+def test_a_device_made_outside_a_registry_places_scratch_first_fit():
+    from polyhal_cpu.allocator import host_heap
+    from polyhal_cpu.device import CPUDevice
+
+    device = CPUDevice(DeviceSpec(name="loose:0", backend="host", rank=0, factory=CPUDevice, heaps=(host_heap(),),
+                                  workgroup_bytes=1024))
+    small, big = request("a", shared=False, thread_bytes=16), request("b", wg_bytes=4096)
+    assert [(a.space, a.plugin) for a in device.place_scratch((small, big))] == [
+        (MemorySpace.PRIVATE, "first fit"), (MemorySpace.GLOBAL, "first fit")]
 
 
 @pytest.mark.parametrize("answer, match", [
@@ -120,7 +175,7 @@ def test_bad_policy_answers_are_errors(registry, answer, match):
 
     registry.register(Bad(), name="bad")
     with pytest.raises(polyhal.PolyhalError, match=match):
-        place_scratch(registry.pm, spec(), (request("s", wg_bytes=4096),))
+        place(registry, spec(), (request("s", wg_bytes=4096),))
 
 
 # -- plans -----------------------------------------------------------------------------------------

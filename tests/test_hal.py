@@ -206,3 +206,15 @@ def test_torch_roundtrip_if_installed():
     assert t.device.buffer_address(t.buffer) == x.data_ptr()
     y = torch.from_dlpack(t)
     assert y.data_ptr() == x.data_ptr()
+
+
+def test_is_host_says_whether_a_device_memory_is_the_hosts():
+    from polyhal.dlpack import DLDeviceType
+
+    assert polyhal.get_device("cpu:0").is_host
+    spec = polyhal.get_device("cpu:0").spec
+
+    class Discrete(polyhal.Device):
+        dlpack_device_type = DLDeviceType.CUDA
+
+    assert not Discrete(spec).is_host

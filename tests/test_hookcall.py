@@ -10,11 +10,10 @@ import pytest
 import polyhal
 from polyhal import BufferUsage, MemoryType
 from polyhal.hal.adaptors import StatisticsAdaptor
-from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
+from polyhal.hal.scratch import KernelInfo, MemoryLimits, MemorySpace, Problem, ScratchDecl, place_scratch
 from polyhal.hookcall import PluginManager
 from polyhal.ir.encoding import LHS, IdentityLayout, MatmulEncoding
 from polyhal.ir.types import TensorType
-from polyhal.passes.bufferize import place_scratch
 from polyhal.passes.materialize_encoding import LayoutResolver
 from polyhal.policy import AllocatorSelector, selector_for
 
@@ -96,7 +95,7 @@ def test_select_memory_space_wrapper_sees_and_changes_the_answer(reg, style):
     req = ScratchDecl("tile", True, 64, 0, ()).request(Problem("op", {}, (), ()), KernelInfo("k", "op", 32, 4))
     spec = polyhal.DeviceSpec(name="fake:0", backend="fake", rank=0, factory=lambda s: None,
                               heaps=reg.device_specs()[0].heaps, workgroup_bytes=1024)
-    (placed,) = place_scratch(reg.pm, spec, (req,))
+    (placed,) = place_scratch((req,), MemoryLimits.of(spec), spec.name, reg.memory_space_policy(spec))
     assert seen == [MemorySpace.WORKGROUP]  # the default policy's answer
     assert placed.space is MemorySpace.GLOBAL and placed.plugin == "wrapper"
 
@@ -166,3 +165,37 @@ def test_direct_pluggy_calls_still_work(reg):
                                         flags=0) == 0
     assert isinstance(reg.pm, PluginManager)
     assert any(isinstance(s, polyhal.DeviceSpec) for specs in reg.pm.hook.register_devices() for s in specs)
+
+
+def test_installed_pluggy_is_within_the_pin_the_recording_layer_needs():
+    """polyhal.hookcall sets its recording layer as each HookImpl's ``function`` (which pluggy types
+    Final): pyproject.toml pins the pluggy releases that allows (.ci/run runs the rest of this
+    file against pluggy's newest release, ``-k "not within_the_pin"``)."""
+    import tomllib
+    from pathlib import Path
+
+    import pluggy
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (pin,) = [Requirement(d) for d in deps if Requirement(d).name == "pluggy"]
+    assert pin.specifier.contains(pluggy.__version__), (pluggy.__version__, str(pin))
+    assert "<" in str(pin.specifier), "pluggy needs an upper bound: HookImpl.function is Final in pluggy's types"
+
+
+def test_recording_layer_keeps_each_implementations_signature_and_answer(reg):
+    """What the layer relies on, for the installed pluggy: HookImpl.function is what pluggy calls,
+    and the argnames pluggy read from the plugin's function stay."""
+    class Answers:
+        @polyhal.hookimpl
+        def select_allocator(self, candidates, memory_type):
+            return len(candidates) - 1
+
+    plugin = Answers()
+    reg.register(plugin, name="answers")
+    (impl,) = [i for i in reg.pm.hook.select_allocator.get_hookimpls() if i.plugin is plugin]
+    assert impl.function is not plugin.select_allocator and impl.argnames == ("candidates", "memory_type")
+    specs = reg.device_specs()
+    answer = reg.pm.first_answer("select_allocator", candidates=tuple((s, -1) for s in specs), memory_type=DL,
+                                 buffer_usage=BufferUsage.DEFAULT, flags=0)
+    assert (answer.value, answer.plugin, answer.answered) == (len(specs) - 1, "answers", "answers")

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from polyhal.passes.kernel_lint import KernelLintError, check, lint, lint_file, scan, shipped_sources
+from polyhal.hal.kernel_lint import KernelLintError, check, lint, lint_file, scan, shipped_sources
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -2,37 +2,66 @@
 
 Backends are plugins discovered through entry points; three policies (allocator selection,
 encodings, memory spaces) are pluggy hooks. See README.md for a tour.
+
+The compiler side -- the op set, programs, passes and plans (``Program``, ``ProgramBuilder``,
+``KernelTable``, ``compile``, ``Plan``, ``run_op``) -- is imported on first use, so that
+``import polyhal`` costs little more than numpy for what needs only devices and buffers
+(``polyhal devices``, a backend's own import); bench/import_time.py holds it to that.
 """
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
     DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelNotFoundError,
     MappingError, OutOfMemoryError, PluginError, PipelineError, PolyhalError, PrecisionError, ProgramError, ShapeError,
 )
-from polyhal.eager import run_op
 from polyhal.hal.allocator import Allocator, AllocatorStatistics
 from polyhal.hal.buffer import Buffer
 from polyhal.hal.device import Device
 from polyhal.hal.flags import BufferCompatibility, BufferKind, BufferUsage, MemoryAccess, MemoryType
-from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import ANY_QUEUE, DeviceSpec, Heap
 from polyhal.hal.tensor import Tensor
 from polyhal.hookspecs import API_VERSION, hookimpl, hookspec
-from polyhal.ir.program import Program, ProgramBuilder
 from polyhal.ir.types import Affinity, Optimal, TensorType
-from polyhal.passes.pipeline import DEFAULT_PIPELINE, Compilation, Pass, PassRegistration, Pipeline
-from polyhal.plan import Plan, compile
 from polyhal.registry import Registry, default_registry, devices, get_device
-from polyhal.target import Target
+
+if TYPE_CHECKING:
+    from polyhal.eager import run_op
+    from polyhal.hal.kernels import KernelTable
+    from polyhal.ir.program import Program, ProgramBuilder
+    from polyhal.passes.pipeline import DEFAULT_PIPELINE, Compilation, Pass, PassRegistration, Pipeline
+    from polyhal.plan import Plan, compile
+    from polyhal.target import Target
 
 __version__ = "0.1.0"
 
+#: Names imported on first use (PEP 562), and the module of each.
+_ON_FIRST_USE = {"KernelTable": "polyhal.hal.kernels", "Plan": "polyhal.plan", "Program": "polyhal.ir.program",
+                 "ProgramBuilder": "polyhal.ir.program", "compile": "polyhal.plan", "run_op": "polyhal.eager",
+                 "Target": "polyhal.target", **dict.fromkeys(
+                     ("DEFAULT_PIPELINE", "Compilation", "Pass", "PassRegistration", "Pipeline"), "polyhal.passes.pipeline")}
+
 __all__ = [
-    "API_VERSION", "ANY_QUEUE", "Compilation", "DEFAULT_PIPELINE", "Pass", "PassRegistration", "Pipeline", "Target", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
-    "BufferCompatibility", "BufferKind", "BufferUsage", "DLPackError", "DTypeError", "Device",
-    "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError", "KernelTable",
-    "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Plan",
-    "PipelineError", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
-    "ShapeError", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
+    "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
+    "BufferCompatibility", "BufferKind", "BufferUsage", "Compilation", "DEFAULT_PIPELINE", "DLPackError", "DTypeError",
+    "Device", "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError",
+    "KernelTable", "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Pass",
+    "PassRegistration", "Pipeline", "PipelineError", "Plan", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
+    "ShapeError", "Target", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
     "empty", "from_dlpack", "get_device", "hookimpl", "hookspec", "run_op",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _ON_FIRST_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'polyhal' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # once: later lookups find it without this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_ON_FIRST_USE))

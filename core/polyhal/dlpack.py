@@ -30,10 +30,10 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from polyhal.errors import DLPackError
+from polyhal.ir.types import STORAGE_DTYPES, storage_dtype
 
 __all__ = [
     "DLPACK_VERSION", "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED",
@@ -206,13 +206,12 @@ _NUMPY_TYPES = {
 }
 #: ml_dtypes' types that DLPack (1.1) names: bfloat16 and the one-byte float8 codes. (Its
 #: float4 and sub-byte integers are packed, two to a byte; ml_dtypes holds one per byte.)
+#: By name, so that ml_dtypes is imported only when one of them is met.
 _ML_TYPES = {
-    (_BFLOAT, 16): ml_dtypes.bfloat16, (10, 8): ml_dtypes.float8_e4m3fn,
-    (11, 8): ml_dtypes.float8_e4m3fnuz, (12, 8): ml_dtypes.float8_e5m2,
-    (13, 8): ml_dtypes.float8_e5m2fnuz, (14, 8): ml_dtypes.float8_e8m0fnu,
+    (_BFLOAT, 16): "bfloat16", (10, 8): "float8_e4m3fn", (11, 8): "float8_e4m3fnuz", (12, 8): "float8_e5m2",
+    (13, 8): "float8_e5m2fnuz", (14, 8): "float8_e8m0fnu",
 }
-_ML_CODES = {np.dtype(t): key for key, t in _ML_TYPES.items()}
-_NUMPY_TYPES.update(_ML_TYPES)
+_ML_CODES = {name: key for key, name in _ML_TYPES.items()}
 _SUPPORTED = ("bool, (u)int8-64, float16/32/64, bfloat16, float8 (e4m3fn, e4m3fnuz, e5m2, e5m2fnuz, e8m0fnu) or "
               "complex64/128")
 
@@ -224,8 +223,8 @@ def dlpack_dtype(dtype: Any) -> tuple[int, int, int]:
     except TypeError as exc:
         raise DLPackError(f"{dtype!r} is not a numpy dtype; pass e.g. numpy.dtype('float32')"
                           ) from exc
-    if dt in _ML_CODES:
-        return (*_ML_CODES[dt], 1)
+    if dt in STORAGE_DTYPES and dt.name in _ML_CODES:
+        return (*_ML_CODES[dt.name], 1)
     code = _KIND_CODES.get(dt.kind) if dt.kind != "V" else None
     if code is None or (code, dt.itemsize * 8) not in _NUMPY_TYPES:
         # int4, float4, ...: ml_dtypes keeps one element per byte, DLPack's 4-bit codes are packed.
@@ -242,6 +241,8 @@ def numpy_dtype(code: int, bits: int, lanes: int) -> np.dtype:
     if lanes != 1:
         raise DLPackError(f"DLPack vector types (lanes={lanes}) are not supported; have the "
                           "producer export lanes=1 with a trailing dimension instead")
+    if (code, bits) in _ML_TYPES:
+        return storage_dtype(_ML_TYPES[(code, bits)])
     if (code, bits) not in _NUMPY_TYPES:
         raise DLPackError(f"DLPack element type (code={code}, bits={bits}) is not supported; "
                           f"convert to {_SUPPORTED} on the producer side")

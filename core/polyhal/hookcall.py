@@ -12,6 +12,14 @@ implementations is given a thin recording layer (pluggy still calls it, in its o
 :meth:`PluginManager.first_answer` / :meth:`PluginManager.each_answer` read what was recorded
 during their call. The layer costs one Python call per implementation per hook call; hooks are
 called at compile time and device creation only, never while a plan runs.
+
+pluggy has no public way to see each implementation's answer: ``add_hookcall_monitoring`` and
+tracing see a whole call, and a wrapper sees only the final answer. So the layer is set as the
+``HookImpl.function`` that pluggy calls (typed ``Final`` there, a plain slot at run time), and
+wrappers are driven step by step as pluggy drives them. Both hold for pluggy 1.5 to 1.7;
+pyproject.toml pins ``pluggy>=1.5,<2``, tests/test_hookcall.py checks what the layer relies on,
+and .ci/run runs that file against pluggy's newest release too, so that a release that breaks
+it is seen before the pin is lifted.
 """
 
 from __future__ import annotations

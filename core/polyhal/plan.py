@@ -150,7 +150,7 @@ class Plan:
         self.constants: list[Tensor] = []
         for v, data in program.constants:
             device = dev(v)
-            if device.dlpack_device_type == 1:
+            if device.is_host:
                 self._slots[slot_of[v.id]] = data
             else:
                 t = asarray(data, data.dtype, device)
@@ -174,7 +174,7 @@ class Plan:
         # Outputs that live in host memory can be plain numpy arrays for run_numpy: (shape, dtype)
         # per output, or None when some output lives elsewhere.
         self._host_outputs = ([(v.type.shape, v.type.dtype) for v in program.outputs]
-                              if all(d.dlpack_device_type == 1 for d in self._output_devices) else None)
+                              if all(d.is_host for d in self._output_devices) else None)
         # What a run walks per input and per host output, zipped once here (a run of a small model
         # costs a few microseconds, and each zip over parallel lists a few hundred nanoseconds).
         self._input_binding = tuple(zip(program.inputs, self._input_slots, self._input_devices))
@@ -583,7 +583,7 @@ def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]
         raise DTypeError(f"input %{value.name} expects {t.dtype}, got {arr.dtype}; cast it with .astype('{t.dtype}')")
     if arr.shape != t.shape:
         raise ShapeError(f"input %{value.name} expects shape {t.shape}, got {arr.shape}")
-    if device.dlpack_device_type == 1:  # host memory: numpy arrays are used in place
+    if device.is_host:  # host memory: numpy arrays are used in place
         return arr
     staged = staging.get(value.id)
     if staged is None:
@@ -593,7 +593,7 @@ def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]
 
 
 def _transfer_step(src: Device, dst: Device, slots: list, a: int, b: int, value: Value) -> Callable[[], None]:
-    if src.dlpack_device_type == 1 and dst.dlpack_device_type == 1:
+    if src.is_host and dst.is_host:
         return lambda: np.copyto(slots[b], slots[a])
     staging = np.empty(value.type.shape, value.type.dtype)
 

@@ -31,9 +31,8 @@ import threading
 import warnings
 import weakref
 from dataclasses import dataclass
-from importlib import metadata
 from collections.abc import Mapping
-from typing import Any, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
 
 import pluggy
 
@@ -43,7 +42,11 @@ from polyhal.hal.adaptors import MemoryTypeRouter
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.device import Device
 from polyhal.hal.records import DeviceSpec, Heap
+from polyhal.hal.scratch import MemoryLimits, MemorySpacePolicy, ScratchError, ScratchRequest
 from polyhal.hookcall import PluginManager
+
+if TYPE_CHECKING:
+    from importlib import metadata
 
 #: Entry-point group of backend plugins (filtered by POLYHAL_BACKENDS).
 BACKENDS_GROUP = "polyhal.backends"
@@ -183,6 +186,8 @@ class Registry:
 
     def load_entry_points(self) -> None:
         """Load every backend (respecting POLYHAL_BACKENDS) and every policy plugin."""
+        from importlib import metadata  # here, not at import: it costs more than the rest of polyhal's registry
+
         wanted = self._preference
         backends = {ep.name: ep for ep in metadata.entry_points(group=BACKENDS_GROUP)}
         if wanted is not None:
@@ -469,8 +474,19 @@ class Registry:
                 warnings.warn(f"polyhal: device {spec.name} is not used: {reason}", RuntimeWarning, stacklevel=4)
                 raise PluginError(reason) from exc
             self._wrap_allocators(dev)
+            dev.memory_space_policy = self.memory_space_policy(spec)
             self._devices[spec.name] = dev
             return dev
+
+    def memory_space_policy(self, spec: DeviceSpec) -> MemorySpacePolicy:
+        """The memory-space policy of ``spec``'s device: this registry's ``select_memory_space``
+        hook (see :mod:`polyhal.hal.scratch`); each device this registry creates places by it."""
+        def select(request: ScratchRequest, limits: MemoryLimits) -> tuple[Any, str]:
+            answer = self.pm.first_answer(
+                "select_memory_space", where=lambda: f"for {request.kernel} scratch {request.name!r}",
+                passthrough=(ScratchError,), device=spec, kernel=request.kernel, scratch=request, limits=limits)
+            return answer.value, answer.plugin or ""
+        return select
 
     def kernel_names(self, device: str) -> frozenset[str]:
         """The ops device ``device`` has kernels for, from its DeviceSpec: nothing is created,

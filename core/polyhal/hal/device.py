@@ -7,15 +7,17 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import numpy as np
 
+from polyhal.dlpack import DLDeviceType
 from polyhal.errors import KernelNotFoundError
 from polyhal.hal.allocator import Allocator
 from polyhal.hal.flags import MemoryAccess
-from polyhal.hal.kernels import KernelTable
 from polyhal.hal.records import DeviceSpec
+from polyhal.hal.scratch import MemoryLimits, MemorySpacePolicy, ScratchAssignment, place_scratch
 
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
     from polyhal.hal.buffer import Buffer
+    from polyhal.hal.kernels import KernelTable
     from polyhal.hal.scratch import ScratchBinding, ScratchRequest
     from polyhal.hal.tensor import Tensor
     from polyhal.ir.types import TensorType
@@ -55,6 +57,12 @@ class Device:
         return self.spec.name
 
     @property
+    def is_host(self) -> bool:
+        """Whether this device's memory is the host's own (DLPack device type CPU): numpy arrays
+        over it are used in place, and data moves between two such devices by a host copy."""
+        return self.dlpack_device_type == DLDeviceType.CPU
+
+    @property
     def ordinal(self) -> int:
         """The device's index within its backend (used as the DLPack device id)."""
         return int(self.spec.limits.get("ordinal", 0))
@@ -89,7 +97,7 @@ class Device:
         before an allocation that the OS would overcommit and a kernel would then fault on.
         Backends with a native query (``cudaMemGetInfo``) may override it.
         """
-        if self.dlpack_device_type == 1:
+        if self.is_host:
             return host_memory_available()
         total = self.spec.limits.get("global_mem_size")
         if not isinstance(total, int) or self.allocator is None:
@@ -134,6 +142,21 @@ class Device:
         if self.kernels is None:
             return ()
         return self.kernels.scratch(self, op, attrs, in_types, out_types)
+
+    #: How this device's scratch is placed (:data:`~polyhal.hal.scratch.MemorySpacePolicy`): the
+    #: registry that creates the device sets its ``select_memory_space`` hook here; a device made
+    #: outside a registry places by the core's default rule (:func:`~polyhal.hal.scratch.first_fit`).
+    memory_space_policy: MemorySpacePolicy | None = None
+
+    def place_scratch(self, requests: Sequence["ScratchRequest"]) -> tuple[ScratchAssignment, ...]:
+        """Place ``requests`` (what :meth:`scratch` declared for one op instance) in memory spaces
+        by this device's :attr:`memory_space_policy`, within its :class:`~polyhal.hal.scratch.MemoryLimits`.
+
+        The bufferize pass calls it when a plan is compiled; a backend that prepares a kernel
+        outside a plan calls it too, so that both place alike. Raises
+        :class:`~polyhal.hal.scratch.ScratchError` when a scratch fits nowhere.
+        """
+        return place_scratch(tuple(requests), MemoryLimits.of(self.spec), self.name, self.memory_space_policy)
 
     def view(self, tensor: "Tensor") -> Any:
         """The native object kernels take for ``tensor`` (numpy view, pyopencl array, cupy array)."""

@@ -25,6 +25,8 @@ limits -- never a crash at run time.
 
 This module is backend-neutral: the CPU, OpenCL and CUDA backends all declare scratch with
 these records and receive the decisions as a :class:`ScratchBinding` in ``Device.prepare``.
+:func:`place_scratch` is the placement itself, shared by the bufferize pass and by a backend
+that prepares a kernel outside a plan (``Device.place_scratch``, by the device's own policy).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, Union
 
-from polyhal.errors import ProgramError
+from polyhal.errors import PluginError, ProgramError
 from polyhal.hal.flags import MemoryType
 
 if TYPE_CHECKING:
@@ -41,8 +43,9 @@ if TYPE_CHECKING:
     from polyhal.ir.types import TensorType
 
 __all__ = [
-    "DEFAULT_PRIVATE_BYTES", "KernelInfo", "MemoryLimits", "MemorySpace", "Problem", "ScratchAssignment",
-    "ScratchBinding", "ScratchDecl", "ScratchError", "ScratchRequest", "requests_for",
+    "DEFAULT_PRIVATE_BYTES", "KernelInfo", "MemoryLimits", "MemorySpace", "MemorySpacePolicy", "Problem",
+    "ScratchAssignment", "ScratchBinding", "ScratchDecl", "ScratchError", "ScratchRequest", "first_fit",
+    "place_scratch", "requests_for",
 ]
 
 #: Private bytes per thread assumed when a device does not say (``DeviceSpec.limits["private_bytes"]``):
@@ -290,3 +293,76 @@ def requests_for(problem: Problem, kernels: Sequence[tuple[KernelInfo, Sequence[
                  ) -> tuple[ScratchRequest, ...]:
     """Evaluate every declaration of every kernel of an op instance (helper for backends)."""
     return tuple(d.request(problem, k) for k, decls in kernels for d in decls)
+
+
+#: A memory-space policy: ``policy(request, limits) -> (answer, who)``, where ``answer`` is a
+#: :class:`MemorySpace` (or its value) or None when nothing fits, and ``who`` names the plugin that
+#: answered. A registry's policy asks its ``select_memory_space`` hook; None means :func:`first_fit`.
+MemorySpacePolicy = Callable[[ScratchRequest, MemoryLimits], "tuple[Any, str]"]
+
+#: Who decided, in a :class:`ScratchAssignment`, when no policy was given.
+FIRST_FIT = "first fit"
+
+
+def first_fit(request: ScratchRequest, limits: MemoryLimits) -> MemorySpace | None:
+    """The core's default rule: the first space of the request's own order of preference that the
+    data may live in and that ``limits`` has room for; None when none has."""
+    return next((space for space in request.spaces if limits.fits(request, space)), None)
+
+
+def place_scratch(requests: Sequence[ScratchRequest], limits: MemoryLimits, device: str,
+                  policy: MemorySpacePolicy | None = None) -> tuple[ScratchAssignment, ...]:
+    """Place each request, in order, by ``policy`` (default :func:`first_fit`) within the limits
+    its kernel has left (``limits`` less what the kernel's earlier scratches took), and validate
+    each answer. ``device`` names the device in errors.
+
+    Raises :class:`ScratchError` when a request fits no space it allows (naming kernel, size and
+    every limit) or the policy put it where it may not go or does not fit, and
+    :class:`~polyhal.errors.PluginError` when the policy answers something that is not a space.
+    """
+    left: dict[str, MemoryLimits] = {}
+    out = []
+    for req in requests:
+        room = left.get(req.kernel.name, limits)
+        if policy is None:
+            answer, plugin = first_fit(req, room), FIRST_FIT
+        else:
+            answer, plugin = policy(req, room)
+        space = None
+        if answer is not None:
+            try:
+                space = MemorySpace(answer)
+            except ValueError:
+                raise PluginError(f"plugin {plugin!r} returned {answer!r} from select_memory_space; "
+                                  f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
+                                  "or None") from None
+        if space is None:
+            raise ScratchError(_fits_nowhere(device, req, room))
+        if not req.allows(space):
+            raise ScratchError(
+                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the "
+                f"kernel allows only {[s.value for s in req.spaces if req.allows(s)]}"
+                + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
+        nbytes, limit = req.nbytes(space), room.limit(space)
+        if nbytes > limit:
+            raise ScratchError(
+                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: "
+                f"{nbytes} B exceeds the {limit} B left there on {device}")
+        out.append(ScratchAssignment(req, space, nbytes, limit, plugin))
+        left[req.kernel.name] = room.minus(space, nbytes)
+    return tuple(out)
+
+
+def _fits_nowhere(device: str, req: ScratchRequest, limits: MemoryLimits) -> str:
+    tried = []
+    for s in req.spaces:
+        if s is MemorySpace.PRIVATE and not req.allows(s):
+            tried.append("private: not allowed for shared data")
+            continue
+        unit = {MemorySpace.PRIVATE: "B/thread", MemorySpace.WORKGROUP: "B/workgroup",
+                MemorySpace.GLOBAL: "B"}[s]
+        tried.append(f"{s}: needs {req.nbytes(s)} {unit}, limit {limits.limit(s)} {unit}")
+    return (f"scratch {req.name!r} of {req.kernel} fits no memory space on {device}: "
+            + "; ".join(tried)
+            + ". Use a smaller problem (split the tensor), another device, or a memory-space policy "
+              "with a kernel variant that allows more spaces")

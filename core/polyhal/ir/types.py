@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 import zlib
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Iterable, Union
 
-import ml_dtypes
 import numpy as np
 
 from polyhal.errors import DTypeError, ShapeError
@@ -23,20 +24,69 @@ COMPUTE_DTYPES = frozenset(
     )
 )
 
-#: Low-precision storage types, as ml_dtypes defines them for numpy: bfloat16, the float8
-#: variants, float4 and the sub-byte integers. A value of one is held one element per byte (two
-#: for bfloat16), as ml_dtypes' arrays are; programs store, move and ``cast`` them, and compute
-#: after a cast to a compute type (float32 holds every one of them exactly). The CPU backend
-#: computes with them; the GPU backends convert (cast) and move them (their kernel tables
-#: declare which ops take them: :class:`polyhal.hal.kernels.KernelTable`).
-STORAGE_DTYPES = frozenset(
-    np.dtype(getattr(ml_dtypes, n))
-    for n in (
-        "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-        "float4_e2m1fn", "int4", "uint4", "int2", "uint2",
-    )
+#: The low-precision storage types by name, as ml_dtypes defines them for numpy: bfloat16, the
+#: float8 variants, float4 and the sub-byte integers.
+STORAGE_DTYPE_NAMES = (
+    "bfloat16", "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn", "int4", "uint4", "int2", "uint2",
 )
 
+
+class DTypeSet(Set):
+    """A frozen set of numpy dtypes: ``base`` and ml_dtypes' types named ``names``, with ml_dtypes
+    imported only when needed.
+
+    ml_dtypes takes longer to import than numpy (its extension builds every type and its casts),
+    and most programs never use a storage type, so ``import polyhal`` leaves it out. A dtype of
+    ml_dtypes can only exist once ml_dtypes is imported (by polyhal, by the caller, by onnx), so
+    membership answers from ``base`` alone until then; enumerating the set imports it.
+    """
+
+    def __init__(self, names: Iterable[str], base: frozenset[np.dtype] = frozenset()) -> None:
+        self._names = tuple(names)
+        self._base = base
+        self._all: frozenset[np.dtype] | None = None
+
+    def _load(self) -> frozenset[np.dtype]:
+        if self._all is None:
+            self._all = self._base | {storage_dtype(n) for n in self._names}
+        return self._all
+
+    def __contains__(self, dtype: object) -> bool:
+        if dtype in self._base:
+            return True
+        return "ml_dtypes" in sys.modules and dtype in self._load()
+
+    def __iter__(self) -> Iterator[np.dtype]:
+        return iter(self._load())
+
+    def __len__(self) -> int:
+        return len(self._base) + len(self._names)
+
+    def __hash__(self) -> int:
+        return hash(frozenset(self))  # as the frozenset it equals
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[np.dtype]) -> frozenset[np.dtype]:
+        return frozenset(it)  # what | & - make of it: a plain frozenset
+
+    def __repr__(self) -> str:
+        return f"DTypeSet({sorted(map(str, self._base)) + list(self._names)})"
+
+
+#: Low-precision storage types (:data:`STORAGE_DTYPE_NAMES`). A value of one is held one element
+#: per byte (two for bfloat16), as ml_dtypes' arrays are; programs store, move and ``cast`` them,
+#: and compute after a cast to a compute type (float32 holds every one of them exactly). The CPU
+#: backend computes with them; the GPU backends convert (cast) and move them (their kernel tables
+#: declare which ops take them: :class:`polyhal.hal.kernels.KernelTable`).
+STORAGE_DTYPES = DTypeSet(STORAGE_DTYPE_NAMES)
+
+
+def storage_dtype(name: str) -> np.dtype:
+    """The storage type called ``name`` (one of :data:`STORAGE_DTYPE_NAMES`), importing ml_dtypes."""
+    import ml_dtypes
+
+    return np.dtype(getattr(ml_dtypes, name))
 
 
 def storage_bits(dtype: Any) -> np.dtype:
@@ -47,11 +97,13 @@ def storage_bits(dtype: Any) -> np.dtype:
 
 
 #: Element types a program may use: the compute types and the storage types.
-SUPPORTED_DTYPES = COMPUTE_DTYPES | STORAGE_DTYPES
+SUPPORTED_DTYPES = DTypeSet(STORAGE_DTYPE_NAMES, COMPUTE_DTYPES)
 
 
 def as_dtype(dtype: Any) -> np.dtype:
     """Normalise ``dtype`` (a numpy dtype, type or name) and check polyhal supports it."""
+    if isinstance(dtype, str) and dtype in STORAGE_DTYPE_NAMES:
+        return storage_dtype(dtype)  # numpy knows the name only once ml_dtypes is imported
     try:
         dt = np.dtype(dtype)
     except TypeError as exc:

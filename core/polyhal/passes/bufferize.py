@@ -4,9 +4,11 @@ Runs after placement, at plan-compile time, and decides every byte a plan will t
 
 1. **Scratch placement.** For each dispatch, the device states what its kernel needs
    (:meth:`~polyhal.hal.device.Device.scratch`: :class:`~polyhal.hal.scratch.ScratchRequest`
-   records). Each request goes to the ``select_memory_space`` hook with the limits the kernel
-   has left; the answer is validated (the kernel must have code for that space and it must
-   fit) and recorded as a :class:`~polyhal.hal.scratch.ScratchAssignment`. A scratch that fits
+   records). The device places them (:meth:`~polyhal.hal.device.Device.place_scratch`, shared
+   with backends that prepare a kernel outside a plan): each request goes to its registry's
+   ``select_memory_space`` hook with the limits the kernel has left; the answer is validated
+   (the kernel must have code for that space and it must fit) and recorded as a
+   :class:`~polyhal.hal.scratch.ScratchAssignment`. A scratch that fits
    no space is a :class:`~polyhal.hal.scratch.ScratchError` naming kernel, size and limits.
 2. **Memory types.** Every intermediate gets the memory type and usage its producer and
    consumers need (device-local storage for dispatches; transfer source/target for copies).
@@ -63,25 +65,21 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from polyhal.dlpack import reshaped_strides, row_major_strides
-from polyhal.errors import OutOfMemoryError, PluginError
+from polyhal.errors import OutOfMemoryError
 from polyhal.hal.flags import BufferUsage, MemoryType
-from polyhal.hal.scratch import (
-    MemoryLimits, MemorySpace, Problem, ScratchAssignment, ScratchBinding, ScratchError, ScratchRequest,
-)
+from polyhal.hal.scratch import MemorySpace, Problem, ScratchAssignment, ScratchBinding
 from polyhal.hal.tensor import Tensor
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_slice
 
 if TYPE_CHECKING:
     from polyhal.hal.buffer import Buffer
-    from polyhal.hal.records import DeviceSpec
     from polyhal.ir.program import Op, Value
-    from polyhal.hookcall import PluginManager
     from polyhal.passes.placement import Placement
     from polyhal.registry import Registry
     from polyhal.target import Target
 
-__all__ = ["Arena", "BufferPlan", "InPlace", "PlannedBuffer", "VIEW_OPS", "View", "bufferize", "place_scratch",
+__all__ = ["Arena", "BufferPlan", "InPlace", "PlannedBuffer", "VIEW_OPS", "View", "bufferize",
            "plan_concats", "plan_offsets", "plan_views"]
 
 #: Byte alignment of intermediates inside an arena (covers every element type and vector loads).
@@ -352,7 +350,7 @@ def bufferize(placement: "Placement", target: "Target") -> BufferPlan:
         requests = tuple(device.scratch(op.name, dict(op.attrs), tuple(v.type for v in op.inputs),
                                         tuple(v.type for v in op.outputs)) or ())
         if requests:
-            plan.scratch[i] = place_scratch(target.hooks, device.spec, requests)
+            plan.scratch[i] = device.place_scratch(requests)
 
     # 2. lifetimes and memory types of intermediates; views (4) share their source's buffer
     first: dict[int, int] = {}
@@ -680,65 +678,13 @@ def _host_read_memory(target: "Target"):
                 # Only where host-visible memory *is* the device's memory (capability
                 # "unified-memory"): a discrete GPU's managed memory would migrate pages on every
                 # kernel write, far dearer than the copy on read.
-                if device.dlpack_device_type != 1 and "unified-memory" in device.spec.capabilities and any(
+                if not device.is_host and "unified-memory" in device.spec.capabilities and any(
                         h.serves(_HOST_READ, BufferUsage.DEFAULT) for h in device.spec.heaps):
                     mt = _HOST_READ
             cache[device_name] = mt
         return cache[device_name]
 
     return memory
-
-
-def place_scratch(hooks: "PluginManager", spec: "DeviceSpec", requests: tuple[ScratchRequest, ...]
-                  ) -> tuple[ScratchAssignment, ...]:
-    """Ask ``select_memory_space`` for each request, in order, with the limits its kernel has
-    left; validate and return the assignments. Raises ScratchError when one fits nowhere."""
-    limits_of = MemoryLimits.of(spec)
-    left: dict[str, MemoryLimits] = {}
-    out = []
-    for req in requests:
-        limits = left.get(req.kernel.name, limits_of)
-        answer = hooks.first_answer(
-            "select_memory_space", where=lambda: f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
-            device=spec, kernel=req.kernel, scratch=req, limits=limits)
-        space, plugin = None, answer.plugin or ""
-        if answer.value is not None:
-            try:
-                space = MemorySpace(answer.value)
-            except ValueError:
-                raise PluginError(f"plugin {plugin!r} returned {answer.value!r} from select_memory_space; "
-                                  f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
-                                  "or None") from None
-        if space is None:
-            raise ScratchError(_nowhere(spec, req, limits))
-        if not req.allows(space):
-            raise ScratchError(
-                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the "
-                f"kernel allows only {[s.value for s in req.spaces if req.allows(s)]}"
-                + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
-        nbytes, limit = req.nbytes(space), limits.limit(space)
-        if nbytes > limit:
-            raise ScratchError(
-                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: "
-                f"{nbytes} B exceeds the {limit} B left there on {spec.name}")
-        out.append(ScratchAssignment(req, space, nbytes, limit, plugin))
-        left[req.kernel.name] = limits.minus(space, nbytes)
-    return tuple(out)
-
-
-def _nowhere(spec: "DeviceSpec", req: ScratchRequest, limits: MemoryLimits) -> str:
-    tried = []
-    for s in req.spaces:
-        if s is MemorySpace.PRIVATE and not req.allows(s):
-            tried.append("private: not allowed for shared data")
-            continue
-        unit = {MemorySpace.PRIVATE: "B/thread", MemorySpace.WORKGROUP: "B/workgroup",
-                MemorySpace.GLOBAL: "B"}[s]
-        tried.append(f"{s}: needs {req.nbytes(s)} {unit}, limit {limits.limit(s)} {unit}")
-    return (f"scratch {req.name!r} of {req.kernel} fits no memory space on {spec.name}: "
-            + "; ".join(tried)
-            + ". Use a smaller problem (split the tensor), another device, or a memory-space policy "
-              "with a kernel variant that allows more spaces")
 
 
 def problem_of(op: "Op") -> Problem:

@@ -10,6 +10,7 @@ kernel's earlier scratches took). ``None`` when nothing fits: the bufferize pass
 
 from __future__ import annotations
 
+from polyhal.hal.scratch import first_fit
 from polyhal.hookspecs import API_VERSION, hookimpl
 
 POLYHAL_API_VERSION = API_VERSION
@@ -18,7 +19,4 @@ POLYHAL_API_VERSION = API_VERSION
 @hookimpl
 def select_memory_space(device, kernel, scratch, limits):
     """First space of ``scratch.spaces`` that ``limits`` fits (private only for unshared data)."""
-    for space in scratch.spaces:
-        if limits.fits(scratch, space):
-            return space
-    return None
+    return first_fit(scratch, limits)

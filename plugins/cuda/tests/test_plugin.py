@@ -154,20 +154,20 @@ def test_sort_path_choice(shape, axis, op, path):
 
 
 def test_sort_scratch_declarations_are_placed_by_the_policy():
-    from polyhal.hal.scratch import MemorySpace
+    from polyhal.hal.scratch import MemoryLimits, MemorySpace, place_scratch
     from polyhal.ir.types import TensorType
-    from polyhal.passes.bufferize import place_scratch
 
     from polyhal_cuda import sorting
 
     dev = _FakeDevice()
     small = sorting.scratch_requests(dev, "argsort", {"axis": -1, "descending": True},
                                      (TensorType((64, 256), np.float32),), (TensorType((64, 256), np.int64),))
-    (a,) = place_scratch(polyhal.default_registry().pm, dev.spec, small)
+    policy = polyhal.default_registry().memory_space_policy(dev.spec)
+    (a,) = place_scratch(small, MemoryLimits.of(dev.spec), dev.spec.name, policy)
     assert a.space is MemorySpace.WORKGROUP and a.nbytes == 256 * 8
     big = sorting.scratch_requests(dev, "sort", {"axis": 0, "descending": False},
                                    (TensorType((1 << 20,), np.float32),), (TensorType((1 << 20,), np.float32),))
-    placed = place_scratch(polyhal.default_registry().pm, dev.spec, big)
+    placed = place_scratch(big, MemoryLimits.of(dev.spec), dev.spec.name, policy)
     assert {p.request.name for p in placed} == ({"keys", "aux"} if sorting.RADIX_IMPL == "onesweep"
                                                 else {"keys", "hist", "totals"})
     assert all(p.space is MemorySpace.GLOBAL for p in placed)

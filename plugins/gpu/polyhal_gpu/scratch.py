@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from polyhal.hal.flags import MemoryType
 from polyhal.hal.scratch import MemorySpace
 
 #: Bytes of shared memory left for a kernel's static ``__shared__`` variables.
@@ -49,11 +50,7 @@ class Scratch:
                     self._keep.append(buf)
                     self.ptrs[req.name] = int(address(buf))
             return
-        from polyhal.hal.flags import MemoryType
-        from polyhal.passes.bufferize import place_scratch
-        from polyhal.registry import default_registry
-
-        for a in place_scratch(default_registry().pm, device.spec, tuple(requests)):
+        for a in device.place_scratch(requests):
             self.spaces[a.request.name] = a.space
             if a.space is MemorySpace.GLOBAL:
                 buf = device.allocator.allocate(max(a.nbytes, 1), MemoryType.DEVICE_LOCAL)

@@ -268,7 +268,7 @@ def _generated_sources():
 
 def test_every_generated_hip_source_is_clean():
     """No kernel allocates (the core's kernel lint, as for OpenCL and CUDA sources)."""
-    from polyhal.passes.kernel_lint import lint
+    from polyhal.hal.kernel_lint import lint
 
     names = []
     for name, source in _generated_sources():

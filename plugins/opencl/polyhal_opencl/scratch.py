@@ -8,7 +8,7 @@
   arrays, ``__local`` arrays, or a global buffer parameter);
 * every other generator's recipe is read: each entry of ``Recipe.scratch`` is a GLOBAL request
   (``recipe.scratch<i>``), and each fixed-size ``__local`` array of the generated source (found
-  by :mod:`polyhal.passes.kernel_lint`, its extent evaluated with the source's ``#define``\\ s) is
+  by :mod:`polyhal.hal.kernel_lint`, its extent evaluated with the source's ``#define``\\ s) is
   a WORKGROUP-only request of its kernel, so that a local array larger than the device's local
   memory is a compile-time :class:`~polyhal.hal.scratch.ScratchError`, not a failed launch.
 
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from polyhal.hal.flags import MemoryType
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchBinding, ScratchDecl, ScratchRequest
 from polyhal.ops import resolve_attrs
-from polyhal.passes import kernel_lint
+from polyhal.hal import kernel_lint
 
 from polyhal_opencl import generators
 from polyhal_opencl.codegen import DeviceTraits, Launch, Recipe

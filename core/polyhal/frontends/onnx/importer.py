@@ -536,7 +536,7 @@ def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
                           weights: Mapping[str, onnx.TensorProto | np.ndarray]) -> onnx.ModelProto:
     """Undo :func:`_strip_weights` on the (inferred) copy: the inputs it added go, and every
     stripped initializer comes back in its place as a TensorProto with name, type and dims but
-    no data (:meth:`_Importer._initializer` reads the data from ``weights``)."""
+    no data (:meth:`_Importer.initializer` reads the data from ``weights``)."""
     if not weights:
         return model
     declared = {i.name for i in original.graph.input}
@@ -909,7 +909,7 @@ class _Importer:
         graph = self.model.graph
         env: dict[str, Val] = {}
         for t in graph.initializer:
-            env[t.name] = self._initializer(t, self.weights.get(t.name, t))
+            env[t.name] = self.initializer(t, self.weights.get(t.name, t))
         for t in graph.sparse_initializer:
             env[t.values.name] = _Unsupported(f"sparse initializer {t.values.name!r}")
         declared_inputs = {}
@@ -935,7 +935,7 @@ class _Importer:
             env[vi.name] = self._graph_input(vi, elem, dims)
             if not isinstance(env[vi.name], np.ndarray):
                 feed_names.append(vi.name)
-        self._walk(graph.node, env, self.opsets, "")
+        self.convert_nodes(graph.node, env, self.opsets, "")
         outputs, names, counts, slots = [], [], [], []
         trims: dict[int, int] = {}
         trim_axes: dict[int, int] = {}
@@ -1001,13 +1001,13 @@ class _Importer:
                            host_feeds=self.host_feeds, host_outputs=host_outputs, host_reads=host_reads,
                            slots=slots)
 
-    def _initializer(self, t: onnx.TensorProto, data: onnx.TensorProto | np.ndarray | None = None) -> Val:
+    def initializer(self, t: onnx.TensorProto, data: onnx.TensorProto | np.ndarray | None = None) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
         the initializer is used, so unused ones do no harm). ``data``: the TensorProto holding
         its data (default ``t``), or the flat array it was read into from the model file."""
         try:
             if not isinstance(data, np.ndarray):
-                return self._initializer_value(t if data is None else data, f"initializer {t.name!r}")
+                return self.tensor_value(t if data is None else data, f"initializer {t.name!r}")
             dtype = value_dtype(t.data_type, f"initializer {t.name!r}")
             if data.size != int(np.prod(t.dims, dtype=np.int64)):
                 raise OnnxModelError(f"{self.source}: initializer {t.name!r} declares dims {list(t.dims)} "
@@ -1020,7 +1020,9 @@ class _Importer:
         except OnnxUnsupportedError as exc:
             return _Unsupported(str(exc))
 
-    def _initializer_value(self, t: onnx.TensorProto, what: str) -> np.ndarray:
+    def tensor_value(self, t: onnx.TensorProto, what: str) -> np.ndarray:
+        """The data of tensor ``t`` (an initializer, a tensor attribute) as a read-only array;
+        ``what`` names it in errors."""
         dtype = value_dtype(t.data_type, what)
         if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
             raise OnnxModelError(f"{self.source}: {what} keeps its data in an external file; load the model "
@@ -1093,8 +1095,8 @@ class _Importer:
         if len(dims) != len(shape) or any(d is not None and d != s for d, s in zip(dims, shape)):
             raise OnnxInputError(f"{self.source}: {what} is declared {decl}, which shape {tuple(shape)} does not fit")
 
-    def _walk(self, nodes: Iterable[onnx.NodeProto], env: dict, opsets: Mapping[str, int], prefix: str,
-              check_declared: bool = True) -> None:
+    def convert_nodes(self, nodes: Iterable[onnx.NodeProto], env: dict, opsets: Mapping[str, int], prefix: str,
+                      check_declared: bool = True) -> None:
         """Convert ``nodes`` in order into ``env``. Function bodies and subgraphs are walked with
         a ``prefix`` for their labels and without the graph's declared types (their names are
         their own)."""

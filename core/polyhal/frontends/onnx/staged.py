@@ -624,7 +624,7 @@ def _on_host(v: Any) -> np.ndarray:
 def _host_array(t: Tensor) -> Any:
     """A plan's result tensor as the next run takes it most cheaply: in host memory, the numpy
     array over it (used in place), else the tensor itself (bound on its device)."""
-    if t.device.dlpack_device_type == 1 and isinstance(t.native, np.ndarray):
+    if t.device.is_host and isinstance(t.native, np.ndarray):
         return t.native
     return t
 

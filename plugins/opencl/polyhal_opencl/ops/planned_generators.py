@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from polyhal.hal.scratch import MemoryLimits, MemorySpace, Problem, ScratchError
-from polyhal.passes.bufferize import _nowhere
+from polyhal.hal.scratch import MemoryLimits, MemorySpace, Problem, place_scratch, requests_for
 
 from polyhal_opencl.codegen import DeviceTraits, Recipe, private_bytes
 from polyhal_opencl.ops import nms_bitmask, rowsort, sorting
@@ -22,24 +21,10 @@ __all__ = ["GENERATORS", "default_spaces", "memory_limits"]
 
 
 def default_spaces(problem: Problem, decls, limits: MemoryLimits) -> dict[tuple[str, str], MemorySpace]:
-    """First-fit placements (the core's default policy) of ``decls`` within ``limits``."""
-    out = {}
-    left: dict[str, MemoryLimits] = {}
-    for kernel, ds in decls:
-        for d in ds:
-            req = d.request(problem, kernel)
-            lim = left.get(kernel.name, limits)
-            space = next((s for s in req.spaces if lim.fits(req, s)), None)
-            if space is None:
-                raise ScratchError(_nowhere(_Named(kernel.backend or "opencl"), req, lim))
-            out[(kernel.name, req.name)] = space
-            left[kernel.name] = lim.minus(space, req.nbytes(space))
-    return out
-
-
-class _Named:
-    def __init__(self, name: str) -> None:
-        self.name = name
+    """First-fit placements (the core's default rule) of ``decls`` within ``limits``."""
+    device = next((k.backend for k, _ in decls if k.backend), "opencl")
+    return {(a.request.kernel.name, a.request.name): a.space
+            for a in place_scratch(requests_for(problem, decls), limits, device)}
 
 
 def memory_limits(traits: DeviceTraits, kind: str) -> MemoryLimits:

@@ -15,7 +15,8 @@ import collections
 import numpy as np
 import onnx
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import NeedsStaging, NeedsValue, OnnxModelError, OnnxUnsupportedError
 
@@ -29,10 +30,10 @@ def _run_body(ctx: NodeContext, body: onnx.GraphProto, bound: list, tag: str) ->
         raise OnnxModelError(f"the body takes {len(body.input)} inputs, the node gives it {len(bound)}")
     env = collections.ChainMap({}, dict(ctx.env))
     for t in body.initializer:
-        env[t.name] = ctx.importer._initializer(t)
+        env[t.name] = ctx.initializer(t)
     for vi, v in zip(body.input, bound):
         env[vi.name] = v
-    ctx.importer._walk(body.node, env, ctx.opsets, f"{ctx.label}/{tag}/", check_declared=False)
+    ctx.convert_nodes(body.node, env, scope=tag)
     missing = [o.name for o in body.output if o.name not in env]
     if missing:
         raise OnnxModelError(f"the body's output {missing[0]!r} is not computed")

@@ -14,7 +14,8 @@ import math
 
 import numpy as np
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.elementwise import cast
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxUnsupportedError

@@ -11,7 +11,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import np_dtype
 

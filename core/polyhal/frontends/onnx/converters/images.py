@@ -16,7 +16,8 @@ import io
 
 import numpy as np
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.errors import OnnxInputError, OnnxModelError, OnnxUnsupportedError
 
 #: ImageDecoder's pixel formats and the Pillow mode each decodes to.

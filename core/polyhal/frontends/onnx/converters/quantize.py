@@ -14,7 +14,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.elementwise import _FLOAT8, cast, onnx_cast
 from polyhal.frontends.onnx.converters.nn import _spatial_attrs
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape

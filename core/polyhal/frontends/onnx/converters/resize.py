@@ -17,7 +17,8 @@ import math
 
 import numpy as np
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import ints, norm_axis
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from polyhal.frontends.onnx.converters import Decline, NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import Decline, converter
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import STRING, STRING_DTYPE, HostValue, is_strings, np_dtype
 

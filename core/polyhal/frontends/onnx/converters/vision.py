@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from polyhal.frontends.onnx.converters import NodeContext, converter
+from polyhal.frontends.onnx.converters.context import NodeContext
+from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.signal import dft_matrix
 from polyhal.frontends.onnx.converters.tensor import ints, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError

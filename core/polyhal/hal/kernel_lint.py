@@ -508,7 +508,7 @@ def shipped_sources(roots: Iterable[str | Path]) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m polyhal.passes.kernel_lint PATH...``: lint files or directories; exit 1 on findings."""
+    """``python -m polyhal.hal.kernel_lint PATH...``: lint files or directories; exit 1 on findings."""
     paths = list(argv if argv is not None else sys.argv[1:]) or ["."]
     bad = 0
     for p in shipped_sources(paths) + [Path(p) for p in paths if Path(p).is_file()]:
