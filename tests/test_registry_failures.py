@@ -266,7 +266,7 @@ def test_a_failing_memory_space_policy_is_skipped(fresh_registry):
 
 # -- POLYHAL_PLUGIN_TIMEOUT --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("value", ["nan", "-1", "abc", "-inf"])
+@pytest.mark.parametrize("value", ["nan", "-1", "-inf"])  # "abc": tests/test_plugin_isolation.py
 def test_a_bad_plugin_timeout_names_the_variable(fresh_registry, install_plugin, value):
     install_plugin("any", "POLYHAL_API_VERSION = 1\n")
     with pytest.raises(PluginError, match=f"POLYHAL_PLUGIN_TIMEOUT={value!r} .*seconds"):
@@ -311,8 +311,12 @@ def test_a_kernel_raising_at_run_time_names_device_op_and_plugin(fresh_registry,
 
 @pytest.mark.parametrize("args", [(64, "HOST_VISIBLE"), (64, MemoryType.HOST_VISIBLE, "TRANSFER"), (64, 2.0)])
 def test_string_memory_types_are_refused_as_polyhal_errors(args):
-    with pytest.raises(IncompatibleBufferError, match="MemoryType|BufferUsage"):
-        polyhal.get_device("cpu:0").allocator.allocate(*args)
+    allocator = polyhal.get_device("cpu:0").allocator
+    adaptor = AllocatorAdaptor(allocator)
+    adaptor.allocate(64, MemoryType.HOST_VISIBLE, BufferUsage.TRANSFER).release()  # the adaptor's fast path is warm
+    for a in (allocator, adaptor):
+        with pytest.raises(IncompatibleBufferError, match="must be polyhal.(MemoryType|BufferUsage) flags"):
+            a.allocate(*args)
 
 
 # -- plugins that hang or end the process at import --------------------------------------------------

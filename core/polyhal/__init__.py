@@ -6,7 +6,7 @@ encodings, memory spaces) are pluggy hooks. See README.md for a tour.
 
 from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
-    DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelNotFoundError,
+    DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelError, KernelNotFoundError,
     MappingError, OutOfMemoryError, PluginError, PolyhalError, PrecisionError, ProgramError, ShapeError,
 )
 from polyhal.eager import run_op
@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
     "BufferCompatibility", "BufferKind", "BufferUsage", "DLPackError", "DTypeError", "Device",
-    "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError", "KernelTable",
+    "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelError", "KernelNotFoundError", "KernelTable",
     "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Plan",
     "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
     "ShapeError", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
