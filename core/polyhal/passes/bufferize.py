@@ -63,7 +63,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from polyhal.dlpack import reshaped_strides, row_major_strides
-from polyhal.errors import OutOfMemoryError, PluginError
+from polyhal.errors import OutOfMemoryError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.scratch import (
     MemoryLimits, MemorySpace, Problem, ScratchAssignment, ScratchBinding, ScratchError, ScratchRequest,
@@ -696,32 +696,36 @@ def place_scratch(registry: "Registry", spec: "DeviceSpec", requests: tuple[Scra
     out = []
     for req in requests:
         limits = left.get(req.kernel.name, limits_of)
-        answer = registry.pm.first_answer(
+        # A plugin that raises or places the scratch where it cannot go is skipped, with a warning.
+        answer = registry.policy_answer(
             "select_memory_space", where=lambda: f"for {req.kernel} scratch {req.name!r}", passthrough=(ScratchError,),
-            device=spec, kernel=req.kernel, scratch=req, limits=limits)
-        space, plugin = None, answer.plugin or ""
-        if answer.value is not None:
-            try:
-                space = MemorySpace(answer.value)
-            except ValueError:
-                raise PluginError(f"plugin {plugin!r} returned {answer.value!r} from select_memory_space; "
-                                  f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
-                                  "or None") from None
-        if space is None:
+            check=lambda a: _misplaced(a, spec, req, limits), device=spec, kernel=req.kernel, scratch=req, limits=limits)
+        if answer.value is None:
             raise ScratchError(_nowhere(spec, req, limits))
-        if not req.allows(space):
-            raise ScratchError(
-                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the "
-                f"kernel allows only {[s.value for s in req.spaces if req.allows(s)]}"
-                + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
+        space, plugin = MemorySpace(answer.value), answer.plugin or ""
         nbytes, limit = req.nbytes(space), limits.limit(space)
-        if nbytes > limit:
-            raise ScratchError(
-                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: "
-                f"{nbytes} B exceeds the {limit} B left there on {spec.name}")
         out.append(ScratchAssignment(req, space, nbytes, limit, plugin))
         left[req.kernel.name] = limits.minus(space, nbytes)
     return tuple(out)
+
+
+def _misplaced(answer: Any, spec: "DeviceSpec", req: ScratchRequest, limits: MemoryLimits) -> str | None:
+    """What is wrong with a select_memory_space answer (None: a space the scratch may take and fits)."""
+    plugin = answer.plugin
+    try:
+        space = MemorySpace(answer.value)
+    except ValueError:
+        return (f"plugin {plugin!r} returned {answer.value!r} from select_memory_space; it must return a "
+                f"MemorySpace ({', '.join(s.value for s in MemorySpace)}) or None")
+    if not req.allows(space):
+        return (f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the kernel "
+                f"allows only {[s.value for s in req.spaces if req.allows(s)]}"
+                + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
+    nbytes, limit = req.nbytes(space), limits.limit(space)
+    if nbytes > limit:
+        return (f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: {nbytes} B exceeds "
+                f"the {limit} B left there on {spec.name}")
+    return None
 
 
 def _nowhere(spec: "DeviceSpec", req: ScratchRequest, limits: MemoryLimits) -> str:
