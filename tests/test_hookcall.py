@@ -130,8 +130,9 @@ def test_wrapper_exceptions_and_errors_name_the_plugin(reg):
 
     reg.register(Raises(), name="raiser")
     spec = reg.device_specs()[0]
-    with pytest.raises(polyhal.PluginError, match="plugin 'raiser' raised in select_allocator.*no decision today"):
-        AllocatorSelector(reg).select(((spec, -1),), DL, BufferUsage.DEFAULT)
+    with pytest.warns(RuntimeWarning, match="plugin 'raiser' raised in select_allocator.*no decision today.*skipped"):
+        d = AllocatorSelector(reg).select(((spec, -1),), DL, BufferUsage.DEFAULT)
+    assert d.plugin != "raiser"
 
 
 def test_monitoring_sees_every_hook_call(reg):
