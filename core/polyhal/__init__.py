@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
-    DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelNotFoundError,
+    DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelError, KernelNotFoundError,
     MappingError, OutOfMemoryError, PluginError, PipelineError, PolyhalError, PrecisionError, ProgramError, ShapeError,
 )
 from polyhal.hal.allocator import Allocator, AllocatorStatistics
@@ -46,7 +46,8 @@ _ON_FIRST_USE = {"KernelTable": "polyhal.hal.kernels", "Plan": "polyhal.plan", "
 __all__ = [
     "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
     "BufferCompatibility", "BufferKind", "BufferUsage", "Compilation", "DEFAULT_PIPELINE", "DLPackError", "DTypeError",
-    "Device", "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError",
+    "Device", "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelError",
+    "KernelNotFoundError",
     "KernelTable", "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Pass",
     "PassRegistration", "Pipeline", "PipelineError", "Plan", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
     "ShapeError", "Target", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",

@@ -14,7 +14,24 @@ class PolyhalError(Exception):
 
 
 class PluginError(PolyhalError):
-    """A plugin failed to load, declared an incompatible API, or broke the hook contract."""
+    """A plugin failed to load, declared an incompatible API, or broke the hook contract.
+
+    ``plugin`` names the plugin at fault when it is known (a hook implementation that raised).
+    """
+
+    def __init__(self, *args: object, plugin: str | None = None) -> None:
+        super().__init__(*args)
+        self.plugin = plugin
+
+
+class KernelError(PolyhalError, RuntimeError):
+    """A kernel raised while a plan ran; the message names device, op and plugin, and the
+    kernel's own exception is chained (``__cause__``)."""
+
+    def __init__(self, message: str, *, device: str | None = None, op: str | None = None,
+                 plugin: str | None = None) -> None:
+        super().__init__(message)
+        self.device, self.op, self.plugin = device, op, plugin
 
 
 class DeviceNotFoundError(PolyhalError, LookupError):

@@ -210,7 +210,7 @@ class PluginManager(pluggy.PluginManager):
             who = f"plugin {call.raised!r}" if call.raised else "a plugin"
             where = where() if callable(where) else where
             raise PluginError(f"{who} raised in {hook}{' ' + where if where else ''}: "
-                              f"{type(exc).__name__}: {exc}") from exc
+                              f"{type(exc).__name__}: {exc}", plugin=call.raised) from exc
         finally:
             self._pop()
         plugin = call.plugin if value is not None and value is call.value else None

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from polyhal.errors import DTypeError, LifetimeError, PluginError, ProgramError, ShapeError
+from polyhal.errors import DTypeError, KernelError, LifetimeError, PluginError, PolyhalError, ProgramError, ShapeError
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
@@ -276,15 +276,58 @@ class Plan:
             for (value, slot, device), x in zip(self._input_binding, inputs):
                 slots[slot] = _bind_input(value, device, x, staging)
             results = bind_outputs(out)
-            if self.replay is not None:
-                self.replay()
-            else:
-                for step in self._steps:
-                    step()
+            # The try costs nothing while no kernel raises (zero-cost exceptions): the failing
+            # step is looked for only on the way out.
+            try:
+                if self.replay is not None:
+                    self.replay()
+                else:
+                    for step in self._steps:
+                        step()
+            except PolyhalError:
+                raise
+            except Exception as exc:
+                raise self._kernel_error(exc) from exc
         finally:
             for i in self._input_slots:
                 slots[i] = None  # do not keep the caller's arrays alive
         return results
+
+    def _kernel_error(self, exc: Exception) -> KernelError:
+        """``exc``, raised by a step, as a KernelError naming the op, its device and plugin. The step
+        is the one whose frame is in the traceback (its code and closure are those of a step)."""
+        index = None
+        tb = exc.__traceback__
+        while tb is not None and index is None:
+            frame, tb = tb.tb_frame, tb.tb_next
+            for i, step in enumerate(self._steps):
+                closure = getattr(step, "__closure__", None)
+                if closure and getattr(step, "__code__", None) is frame.f_code and all(
+                        frame.f_locals.get(name, closure) is cell.cell_contents
+                        for name, cell in zip(frame.f_code.co_freevars, closure)):
+                    index = i
+                    break
+        what = f"{type(exc).__name__}: {exc}"
+        if index is None:  # replayed as one unit (a CUDA graph): the plan's one device is all we know
+            device = next(iter({op.device for op in self._step_ops}), None)
+            return KernelError(f"plan {self.program.name!r} on device {device} (plugin {self._plugin_of(device)!r}) "
+                               f"raised {what}", device=device, plugin=self._plugin_of(device))
+        op = self._step_ops[index]
+        device = self.placement.value_device[op.outputs[0].id]
+        plugin = self._plugin_of(device)
+        if op.kind == "transfer":
+            source = self.placement.value_device[op.inputs[0].id]
+            message = f"transfer of {op.inputs[0]} from {source} to device {device} (plugin {plugin!r})"
+        else:
+            message = f"kernel {op.name!r} on device {device} (plugin {plugin!r})"
+        return KernelError(f"{message} raised {what} (plan {self.program.name!r}, step {index})",
+                           device=device, op=op.name, plugin=plugin)
+
+    def _plugin_of(self, device: str | None) -> str | None:
+        try:
+            return self.registry.spec(device).plugin if device is not None else None
+        except PolyhalError:
+            return None
 
     def _bind_host_outputs(self, out: None) -> list[np.ndarray]:
         slots, arrays = self._slots, []

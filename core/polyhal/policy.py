@@ -194,23 +194,17 @@ class AllocatorSelector:
         previous = _enter(sel)
         try:
             # User plugins answer first (registered later); of the built-ins only the active policy answers.
-            answer = self.registry.pm.first_answer(
+            # A plugin that raises or answers out of range is skipped, with a warning.
+            answer = self.registry.policy_answer(
                 "select_allocator", where=lambda: f"for {MemoryType(memory_type).describe()} memory",
-                candidates=offered, memory_type=memory_type, buffer_usage=usage, flags=flags)
+                check=lambda a: _bad_index(a, offered), candidates=offered, memory_type=memory_type,
+                buffer_usage=usage, flags=flags)
         finally:
             _enter(previous)
         result, plugin = answer.value, answer.plugin
         if result is None:
             result, plugin = 0, CORE_DEFAULT
             sel.reason = "no select_allocator plugin answered; the core takes the first candidate"
-        elif not isinstance(result, int) or isinstance(result, bool):
-            raise PluginError(
-                f"plugin {plugin!r} returned {result!r} from select_allocator; it must "
-                "return an int index into candidates, or None to defer")
-        elif not 0 <= result < len(offered):
-            raise PluginError(
-                f"plugin {plugin!r} returned index {result} from select_allocator, but "
-                f"there are {len(offered)} candidates ({[c[0].name for c in offered]})")
         elif answer.changed_by_wrapper:
             sel.reason = (f"{plugin}'s hook wrapper replaced {answer.answered}'s answer"
                           + (f" ({sel.reason})" if sel.reason else ""))
@@ -306,6 +300,18 @@ class AllocationSite:
 
 #: What a site holds before its first resolution (an epoch no selector has).
 _UNRESOLVED: Any = type("_Unresolved", (), {"epoch": -1})()
+
+
+def _bad_index(answer: Any, offered: Candidates) -> str | None:
+    """What is wrong with a select_allocator answer (None: a valid index into ``offered``)."""
+    result = answer.value
+    if not isinstance(result, int) or isinstance(result, bool):
+        return (f"plugin {answer.plugin!r} returned {result!r} from select_allocator; it must return an int "
+                "index into candidates, or None to defer")
+    if not 0 <= result < len(offered):
+        return (f"plugin {answer.plugin!r} returned index {result} from select_allocator, but there are "
+                f"{len(offered)} candidates ({[c[0].name for c in offered]})")
+    return None
 
 
 def _cannot_serve(spec: DeviceSpec, memory_type: MemoryType, usage: BufferUsage) -> str | None:

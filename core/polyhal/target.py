@@ -87,7 +87,7 @@ class Target:
             pipeline = _with_plugin_passes(DEFAULT_PIPELINE, registry)
         pipeline.validate()
         return cls(tuple(devices), registry.specs_by_name(), selector_for(registry),
-                   LayoutResolver(registry.specs_by_name(), registry.pm), registry.pm, precision, source,
+                   LayoutResolver(registry.specs_by_name(), registry.pm, registry.policy_answer), registry.pm, precision, source,
                    fuse, data_tiling, pipeline, registry.kernel_names, registry.get_device)
 
     # -- devices and kernels ---------------------------------------------------------------------

@@ -133,7 +133,7 @@ class AllocatorAdaptor(Allocator):
     def allocate(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
                  usage: BufferUsage = BufferUsage.DEFAULT) -> Buffer:
         """As :meth:`Allocator.allocate`; a request seen before skips re-validating its flags."""
-        fast = self._fast.get((int(memory_type), int(usage)))
+        fast = self._fast.get((memory_type, usage))  # flags hash as their ints; anything else misses and is refused
         if fast is None or type(nbytes) is not int or not 0 < nbytes <= fast[0].max_allocation_size:
             buf = super().allocate(nbytes, memory_type, usage)  # validates, with its error messages
             self._fast[(int(memory_type), int(usage))] = (buf.heap, buf.usage)

@@ -135,6 +135,10 @@ class Allocator:
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise IncompatibleBufferError(f"allocation size must be an int number of bytes, got {nbytes!r}")
         for flags, kind in ((memory_type, MemoryType), (usage, BufferUsage)):
+            if not isinstance(flags, int) or isinstance(flags, bool):  # "HOST_VISIBLE", 2.0: int() would guess
+                example = flags if isinstance(flags, str) and flags in kind.__members__ else next(iter(kind)).name
+                raise IncompatibleBufferError(f"{kind.__name__} must be polyhal.{kind.__name__} flags, got {flags!r}; "
+                                              f"write e.g. polyhal.{kind.__name__}.{example}")
             undefined = int(flags) & ~_DEFINED_BITS[kind]
             if undefined:  # a typo'd or foreign constant would otherwise be served as if it meant nothing
                 raise IncompatibleBufferError(

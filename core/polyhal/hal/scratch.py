@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_PRIVATE_BYTES", "KernelInfo", "MemoryLimits", "MemorySpace", "MemorySpacePolicy", "Problem",
     "ScratchAssignment", "ScratchBinding", "ScratchDecl", "ScratchError", "ScratchRequest", "first_fit",
-    "place_scratch", "requests_for",
+    "check_placement", "place_scratch", "requests_for",
 ]
 
 #: Private bytes per thread assumed when a device does not say (``DeviceSpec.limits["private_bytes"]``):
@@ -328,29 +328,36 @@ def place_scratch(requests: Sequence[ScratchRequest], limits: MemoryLimits, devi
             answer, plugin = first_fit(req, room), FIRST_FIT
         else:
             answer, plugin = policy(req, room)
-        space = None
-        if answer is not None:
-            try:
-                space = MemorySpace(answer)
-            except ValueError:
-                raise PluginError(f"plugin {plugin!r} returned {answer!r} from select_memory_space; "
-                                  f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
-                                  "or None") from None
-        if space is None:
+        if answer is None:
             raise ScratchError(_fits_nowhere(device, req, room))
-        if not req.allows(space):
-            raise ScratchError(
-                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the "
-                f"kernel allows only {[s.value for s in req.spaces if req.allows(s)]}"
-                + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
+        space = check_placement(answer, plugin, req, room, device)
         nbytes, limit = req.nbytes(space), room.limit(space)
-        if nbytes > limit:
-            raise ScratchError(
-                f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: "
-                f"{nbytes} B exceeds the {limit} B left there on {device}")
         out.append(ScratchAssignment(req, space, nbytes, limit, plugin))
         left[req.kernel.name] = room.minus(space, nbytes)
     return tuple(out)
+
+
+def check_placement(answer: Any, plugin: str, req: ScratchRequest, limits: MemoryLimits, device: str) -> MemorySpace:
+    """The space a policy's (non-None) ``answer`` names for ``req``, validated: a
+    :class:`~polyhal.errors.PluginError` when it is not a MemorySpace, a :class:`ScratchError` when
+    the request may not live there or does not fit what ``limits`` leaves."""
+    try:
+        space = MemorySpace(answer)
+    except ValueError:
+        raise PluginError(f"plugin {plugin!r} returned {answer!r} from select_memory_space; "
+                          f"it must return a MemorySpace ({', '.join(s.value for s in MemorySpace)}) "
+                          "or None") from None
+    if not req.allows(space):
+        raise ScratchError(
+            f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory, but the "
+            f"kernel allows only {[s.value for s in req.spaces if req.allows(s)]}"
+            + (" (shared data cannot be private)" if space is MemorySpace.PRIVATE else ""))
+    nbytes, limit = req.nbytes(space), limits.limit(space)
+    if nbytes > limit:
+        raise ScratchError(
+            f"plugin {plugin!r} put scratch {req.name!r} of {req.kernel} in {space} memory: "
+            f"{nbytes} B exceeds the {limit} B left there on {device}")
+    return space
 
 
 def _fits_nowhere(device: str, req: ScratchRequest, limits: MemoryLimits) -> str:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
@@ -68,9 +68,13 @@ class Resolution:
 class LayoutResolver:
     """Calls ``resolve_encoding`` once per (device, encoded type) and checks what comes back."""
 
-    def __init__(self, specs: Mapping[str, "DeviceSpec"], hooks: "PluginManager") -> None:
+    def __init__(self, specs: Mapping[str, "DeviceSpec"], hooks: "PluginManager",
+                 policy_answer: Callable[..., Any]) -> None:
         self._specs = specs
         self._hooks = hooks
+        #: How the hook is asked: ``Registry.policy_answer`` (a plugin that fails is skipped with a
+        #: warning, and the next one decides).
+        self._policy = policy_answer
         self._memo: dict[tuple[str, TensorType], Resolution] = {}
 
     def resolve(self, device: str, tensor_type: TensorType) -> Resolution:
@@ -92,13 +96,14 @@ class LayoutResolver:
         check = getattr(encoding, "check_type", None)
         if check is not None:
             check(dense_type(t))  # an encoding on a type it cannot describe fails here, clearly
-        answer = self._hooks.first_answer("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
-                                               device=spec, encoding=encoding, tensor_type=t)
+        # A resolver that raises or returns a layout that does not fit is skipped, with a warning.
+        answer = self._policy("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
+                              check=lambda a: _bad_layout(a.plugin, spec, t, a.value),
+                              device=spec, encoding=encoding, tensor_type=t)
         layout, plugin = answer.value, answer.plugin
         if layout is None:
             raise PluginError("no resolve_encoding implementation returned a layout (is the identity resolver "
                               f"{IDENTITY_RESOLVER!r} unregistered?)")
-        _check_layout(plugin, spec, t, layout)
         note = ""
         if plugin == IDENTITY_RESOLVER:
             has_own = any(i.plugin_name == spec.plugin for i in self._hooks.hook.resolve_encoding.get_hookimpls())
@@ -113,19 +118,21 @@ def _describe(encoding: Any) -> str:
     return describe() if callable(describe) else str(encoding)
 
 
-def _check_layout(plugin: str, spec: "DeviceSpec", t: TensorType, layout: Any) -> None:
+def _bad_layout(plugin: str | None, spec: "DeviceSpec", t: TensorType, layout: Any) -> str | None:
+    """What is wrong with a resolve_encoding answer (None: a layout of ``t``)."""
     where = f"plugin {plugin!r} returned {layout!r} from resolve_encoding for {t} on {spec.name}"
     if not isinstance(layout, Layout):
-        raise PluginError(f"{where}; it must return a polyhal.ir.encoding.Layout (e.g. IdentityLayout("
-                          "tensor_type) or a PackedLayout), or None to defer to the next resolver")
+        return (f"{where}; it must return a polyhal.ir.encoding.Layout (e.g. IdentityLayout(tensor_type) or a "
+                "PackedLayout), or None to defer to the next resolver")
     lt = layout.tensor_type
     if not isinstance(lt, TensorType) or lt.shape != t.shape or lt.dtype != t.dtype:
-        raise PluginError(f"{where}; the layout is for {lt}, not for the {t.shape} {t.dtype} tensor asked about")
+        return f"{where}; the layout is for {lt}, not for the {t.shape} {t.dtype} tensor asked about"
     st = layout.storage_type
     if not isinstance(st, TensorType) or st.dtype != t.dtype or st.encoding is not None:
-        raise PluginError(f"{where}; its storage_type {st!r} must be a dense {t.dtype} TensorType")
+        return f"{where}; its storage_type {st!r} must be a dense {t.dtype} TensorType"
     if not layout.is_identity_layout() and (layout.pack_op() is None or layout.unpack_op() is None):
-        raise PluginError(f"{where}; a layout that is not the identity must name its pack_op and unpack_op")
+        return f"{where}; a layout that is not the identity must name its pack_op and unpack_op"
+    return None
 
 
 # ------------------------------------------------------------------------------------------------

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from polyhal.errors import PluginError
 from polyhal.hal.tensor import empty
 from polyhal.hookspecs import API_VERSION, hookimpl
 from polyhal.policies.context import Workload, current
@@ -54,15 +53,23 @@ _measured_lock = threading.Lock()
 
 
 def _first_answer(registry: "Registry", hook: str, **kwargs: Any) -> tuple[Any, str | None]:
-    """The firstresult ``hook``'s answer as seconds or bytes per second, and the plugin that gave it."""
-    answer = registry.pm.first_answer(hook, **kwargs)
-    value = answer.value
-    if value is None:
+    """The firstresult ``hook``'s answer as seconds or bytes per second, and the plugin that gave it;
+    a plugin that raises or answers no number >= 0 (NaN included) is skipped with a warning."""
+    answer = registry.policy_answer(hook, check=lambda a: _not_a_cost(hook, a), **kwargs)
+    if answer.value is None:
         return None, None
+    return float(answer.value), answer.plugin
+
+
+def _not_a_cost(hook: str, answer: Any) -> str | None:
+    value = answer.value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
-        raise PluginError(f"plugin {answer.plugin!r} returned {value!r} from {hook}; it must return a "
-                          "number >= 0 (math.inf for 'cannot'), or None to defer")
-    return float(value), answer.plugin
+        return (f"plugin {answer.plugin!r} returned {value!r} from {hook}; it must return a number >= 0 "
+                "(math.inf for 'cannot'), or None to defer")
+    if hook == "link_bandwidth" and value == 0:
+        return (f"plugin {answer.plugin!r} declared a link bandwidth of 0; return math.inf for free links and a "
+                "positive number otherwise")
+    return None
 
 
 def kernel_time(registry: "Registry", spec: "DeviceSpec", workload: Workload) -> tuple[float, str]:
@@ -85,9 +92,6 @@ def link_bandwidth(registry: "Registry", src: "DeviceSpec", dst: "DeviceSpec") -
         return measured, "measured"
     value, plugin = _first_answer(registry, "link_bandwidth", src=src, dst=dst)
     if value is not None:
-        if value == 0:
-            raise PluginError(f"plugin {plugin!r} declared a link bandwidth of 0 from {src.name} to {dst.name}; "
-                              "return math.inf for free links and a positive number otherwise")
         return value, f"declared by {plugin}"
     declared = [float(s.limits["link_bandwidth"]) for s in (src, dst) if s.limits.get("link_bandwidth")]
     if declared:
