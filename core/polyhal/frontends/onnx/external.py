@@ -158,14 +158,17 @@ def _inside(folder: str, location: str, what: str) -> str:
     if refused:
         raise OnnxModelError(f"{what} keeps its data in {location!r}, which {refused}; external data must be a "
                              "file inside the model's folder, named relative to it (no name that points outside)")
-    target = os.path.realpath(os.path.join(folder, location))
+    try:
+        target = os.path.realpath(os.path.join(folder, location), strict=True)
+    except OSError as exc:  # missing, a dangling link, a loop of links, a name too long
+        raise OnnxModelError(f"{what} keeps its data in {location!r}, which cannot be opened in the model's folder "
+                             f"({folder}): {exc.strerror}; copy the model's data files beside it") from None
     if os.path.commonpath([folder, target]) != folder:
         raise OnnxModelError(f"{what} keeps its data in {location!r}, a symbolic link that points outside the "
                              f"model's folder ({folder}); external data must be a file inside that folder")
     if not os.path.isfile(target):
-        missing = "does not exist" if not os.path.lexists(target) else "is not a regular file"
-        raise OnnxModelError(f"{what} keeps its data in {location!r}, which {missing} in the model's folder "
-                             f"({folder}); copy the model's data files beside it")
+        raise OnnxModelError(f"{what} keeps its data in {location!r}, which is not a regular file; external data "
+                             "must be a file inside the model's folder")
     return os.path.relpath(target, folder)
 
 
