@@ -32,9 +32,9 @@ def _external(name: str, array: np.ndarray, location: str, offset: int | None = 
     return t
 
 
-def _model(nodes, inputs=(), outputs=F4, initializers=(), **kw) -> onnx.ModelProto:
+def _model(nodes, inputs=(), outputs=F4, initializers=(), functions=(), **kw) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", list(inputs), list(outputs), initializer=list(initializers), **kw)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], functions=list(functions))
 
 
 def _if_model(then_initializer: onnx.TensorProto) -> onnx.ModelProto:
@@ -256,6 +256,17 @@ def test_constant_values_at_the_top_and_in_a_body(tmp_path):
     with pytest.raises(OnnxModelError, match="Constant node 't' attribute 'value' keeps its data in '/etc/hostname', "
                                              "which is an absolute path"):
         load(_save(tmp_path / "body", model))
+
+
+def test_a_constant_in_a_model_local_function(tmp_path):
+    const = helper.make_node("Constant", [], ["o"], value=_external("v", K, "../w.bin"))
+    function = helper.make_function("local", "F", [], ["o"], [const], [helper.make_opsetid("", 17)])
+    model = _model([helper.make_node("F", [], ["y"], domain="local")], functions=[function])
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    (tmp_path / "w.bin").write_bytes(K.tobytes())
+    with pytest.raises(OnnxModelError, match=r"function 'F' > Constant node 'o' attribute 'value' keeps its data in "
+                                             r"'\.\./w\.bin', which has a '\.\.' component"):
+        load(_save(tmp_path / "m", model))
 
 
 def test_sparse_initializer_data_is_checked_too(tmp_path):

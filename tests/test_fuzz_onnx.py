@@ -5,6 +5,13 @@ A seeded mutator changes the example models (dims, attributes, tensor bytes and 
 inputs and op types, truncation). It runs in a child process with a memory limit, so a crash or
 a runaway allocation fails the test instead of the session. ``POLYHAL_FUZZ=N`` runs N mutants
 (default 40); the seed comes from ``POLYHAL_SEED`` (shown in pytest's header) to reproduce a run.
+
+A second fuzzer writes model folders to disk: models with external data at every depth (If and
+Loop bodies, nested bodies, Constant values, a staged program, the examples), mutated in the
+proto and in the folder, loaded through the path. Each must end in a polyhal error or a run that
+onnxruntime agrees with, and no file outside the model's folder may be opened (inotify watches
+the folders around it, and the working directory holds files of the data files' names).
+``POLYHAL_FUZZ=N`` runs N of those too (default 24).
 """
 
 from __future__ import annotations

@@ -38,6 +38,10 @@ from polyhal.frontends.onnx.errors import OnnxModelError, first_line
 
 __all__ = ["load_external_data", "tensor_array"]
 
+_ATTR = onnx.AttributeProto
+#: Attribute types that hold tensors, or graphs that may.
+_HOLDS_TENSORS = frozenset({_ATTR.TENSOR, _ATTR.TENSORS, _ATTR.SPARSE_TENSOR, _ATTR.SPARSE_TENSORS, _ATTR.GRAPH,
+                            _ATTR.GRAPHS})
 #: Bits per element of the types ONNX packs several to a byte.
 _SUB_BYTE_BITS = {getattr(onnx.TensorProto, name): bits for name, bits in [
     ("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)] if hasattr(onnx.TensorProto, name)}
@@ -58,7 +62,7 @@ def load_external_data(model: onnx.ModelProto, folder: str | None, source: str) 
         what = f"{source}: {where}"
         if folder is None:
             raise OnnxModelError(f"{what} keeps its data in an external file ({_location(tensor)!r}), and a model "
-                                 "read from bytes or given as a ModelProto has no folder to find it in; load the "
+                                 "given as bytes, a file object or a ModelProto has no folder to find it in; load the "
                                  "model from its path (polyhal.onnx.load('folder/model.onnx'), polyhal run PATH)")
         _read(tensor, folder, what)
 
@@ -75,7 +79,9 @@ def tensor_array(tensor: onnx.TensorProto, what: str) -> np.ndarray:
 def _tensors(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
     """(where, tensor) for every TensorProto of ``model``, at every depth: initializers and
     sparse initializers of the graph and of every subgraph, and tensor attributes of every node
-    (graphs, functions and training graphs alike). A stack, not recursion: nesting is data."""
+    (graphs, functions and training graphs alike). A stack, not recursion: nesting is data.
+    Attributes are taken by their type, as everything that reads them does (a tensor set on an
+    attribute of another type is never read); labels are made only for what is yielded."""
     stack: list[tuple[str, onnx.GraphProto | onnx.FunctionProto]] = [("", model.graph)]
     stack += [(f"function {f.name!r} > ", f) for f in model.functions]
     stack += [(f"training graph {g.name!r} > ", g) for t in model.training_info for g in (t.initialization, t.algorithm)]
@@ -87,20 +93,24 @@ def _tensors(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
             for s in graph.sparse_initializer:
                 yield from _sparse(f"{where}sparse initializer {s.values.name!r}", s)
         for node in graph.node:
-            label = f"{where}{node.op_type} node {node.name or (node.output[0] if node.output else '')!r}"
             for a in node.attribute:
+                if a.type not in _HOLDS_TENSORS:
+                    continue
+                label = f"{where}{node.op_type} node {node.name or (node.output[0] if node.output else '')!r}"
                 here = f"{label} attribute {a.name!r}"
-                if a.HasField("t"):
+                if a.type == _ATTR.TENSOR:
                     yield here, a.t
-                for t in a.tensors:
-                    yield here, t
-                if a.HasField("sparse_tensor"):
+                elif a.type == _ATTR.TENSORS:
+                    yield from ((here, t) for t in a.tensors)
+                elif a.type == _ATTR.SPARSE_TENSOR:
                     yield from _sparse(here, a.sparse_tensor)
-                for s in a.sparse_tensors:
-                    yield from _sparse(here, s)
-                if a.HasField("g"):
+                elif a.type == _ATTR.SPARSE_TENSORS:
+                    for s in a.sparse_tensors:
+                        yield from _sparse(here, s)
+                elif a.type == _ATTR.GRAPH:
                     stack.append((f"{label} > {a.name} > ", a.g))
-                stack.extend((f"{label} > {a.name}[{i}] > ", g) for i, g in enumerate(a.graphs))
+                else:
+                    stack.extend((f"{label} > {a.name}[{i}] > ", g) for i, g in enumerate(a.graphs))
 
 
 def _sparse(where: str, sparse: onnx.SparseTensorProto) -> Iterator[tuple[str, onnx.TensorProto]]:
