@@ -263,6 +263,7 @@ def write_folder(m, files, special):
             f.write(data)
     for name, how in special.items():
         path = os.path.join(FOLDER, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         if how == "dir":
             os.makedirs(path)
         elif how == "fifo":
