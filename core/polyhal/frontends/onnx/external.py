@@ -143,8 +143,8 @@ def _read(tensor: onnx.TensorProto, folder: str, what: str) -> None:
     if length != need:
         raise OnnxModelError(f"{what} needs {need} bytes for its type and dims {list(tensor.dims)}, but its "
                              f"external data in {info.location!r} holds {length}; the file is not this model's")
-    # onnx opens the link-free path beneath the folder without following links (a link swapped
-    # in since the checks above is refused) and checks offset and length against the file again.
+    # onnx reads the link-free path: onnx 1.23 opens it beneath the folder following no link (so
+    # a link swapped in since the checks above is refused) and checks offset and length again.
     for entry in tensor.external_data:
         if entry.key == "location":
             entry.value = relative
