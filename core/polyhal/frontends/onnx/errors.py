@@ -50,3 +50,10 @@ class NeedsStaging(OnnxUnsupportedError):
 class StrictPlacementError(OnnxUnsupportedError, ProgramError):
     """``strict=True`` (``polyhal run --strict``): a node's op has no kernel on the requested
     devices, and polyhal was told not to run it elsewhere."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type's name when it has none), for
+    messages that quote a library's error."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -40,13 +40,13 @@ import numpy as np
 import onnx
 from google.protobuf.message import DecodeError, Message
 from onnx import helper, numpy_helper
-from onnx.external_data_helper import load_external_data_for_model
 
 from polyhal.errors import DTypeError, PolyhalError
 from polyhal.frontends.onnx.errors import (
     NeedsStaging, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
-    StrictPlacementError,
+    StrictPlacementError, first_line as _first_line,
 )
+from polyhal.frontends.onnx.external import load_external_data, tensor_array
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import (
     DynamicOnnxProgram, InputSignature, bind_dims, check_input_names, feed_array,
@@ -408,7 +408,9 @@ def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.n
     placeholders (name, type and dims, no data), and the arrays come third, by name."""
     base_dir, arrays = None, {}
     if isinstance(model, onnx.ModelProto):
-        return model, model.graph.name or "<model>", arrays
+        source = model.graph.name or "<model>"
+        load_external_data(model, None, source)  # refuses external data (no folder): changes nothing
+        return model, source, arrays
     if isinstance(model, (bytes, bytearray, memoryview)):
         data, source = bytes(model), "<bytes>"
     elif hasattr(model, "read"):
@@ -440,16 +442,8 @@ def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.n
         what = "no graph" if not proto.HasField("graph") else "no IR version"
         raise OnnxModelError(f"{source}: not an ONNX model ({len(data)} bytes decode, but with {what}); "
                              "is the file truncated, or another format?")
-    if base_dir is not None and _has_external_data(proto):
-        try:
-            load_external_data_for_model(proto, base_dir)
-        except (OSError, ValueError, onnx.checker.ValidationError) as exc:  # ValidationError: a path outside
-            raise OnnxModelError(f"{source}: cannot load external tensor data: {_first_line(exc)}") from None
+    load_external_data(proto, base_dir, source)  # every tensor at every depth, from the model's folder only
     return proto, source, arrays
-
-
-def _has_external_data(model: onnx.ModelProto) -> bool:
-    return any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
 
 
 def default_opset(model: onnx.ModelProto, source: str) -> int:
@@ -581,11 +575,6 @@ def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
         return onnx.shape_inference.infer_shapes(model, data_prop=True)
     except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
         return model
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 # ------------------------------------------------------------------------------------ load
@@ -1024,11 +1013,10 @@ class _Importer:
         """The data of tensor ``t`` (an initializer, a tensor attribute) as a read-only array;
         ``what`` names it in errors."""
         dtype = value_dtype(t.data_type, what)
-        if t.data_location == onnx.TensorProto.EXTERNAL and not t.raw_data:
-            raise OnnxModelError(f"{self.source}: {what} keeps its data in an external file; load the model "
-                                 "from its path so that the file can be found")
         try:
-            arr = numpy_helper.to_array(t)
+            arr = tensor_array(t, f"{self.source}: {what}")
+        except OnnxModelError:
+            raise
         except Exception as exc:  # noqa: BLE001  (malformed tensors raise anything)
             raise OnnxModelError(f"{self.source}: {what} is malformed: {_first_line(exc)}") from None
         if tuple(arr.shape) != tuple(t.dims):

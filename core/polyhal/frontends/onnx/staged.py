@@ -60,9 +60,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxModelError, OnnxRunError
+from polyhal.frontends.onnx.external import tensor_array
 from polyhal.hal.tensor import Tensor
 from polyhal.specialization import SpecializationCache
 
@@ -163,7 +164,7 @@ class _GraphInfo:
     def __init__(self, graph: onnx.GraphProto) -> None:
         self.graph = graph
         self.nodes = list(graph.node)
-        self.initializers = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+        self.initializers = {t.name: tensor_array(t, f"initializer {t.name!r}") for t in graph.initializer}
         self.last_use: dict[str, int] = {}
         for i, node in enumerate(self.nodes):
             for name in _reads(node):
