@@ -48,7 +48,8 @@ RECORD_LIMIT = 1 << 20
 LOCK_POLL = 0.1
 #: Bits that let someone other than the owner change a file or a folder's entries.
 _OTHERS_WRITE = stat.S_IWGRP | stat.S_IWOTH
-_OPEN_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+#: Never follow a link, never wait on a FIFO, never leak into a child.
+_OPEN_FLAGS = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 _warned: set[str] = set()
 
@@ -74,8 +75,9 @@ def _distrust(st: os.stat_result, regular: bool) -> str | None:
     """Why a file (``regular``) or folder with status ``st`` is not to be trusted; None: it is."""
     if regular and not stat.S_ISREG(st.st_mode):
         return "not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    uid = os.geteuid() if hasattr(os, "geteuid") else st.st_uid  # Windows: no owners to compare
+    if st.st_uid != uid:
+        return f"owned by uid {st.st_uid}, not by this user (uid {uid})"
     if st.st_mode & _OTHERS_WRITE:
         who = "group- and world" if st.st_mode & _OTHERS_WRITE == _OTHERS_WRITE else (
             "group" if st.st_mode & stat.S_IWGRP else "world")
@@ -101,9 +103,8 @@ class CodeCache:
         missing, and this user's, writable by nobody else. Warns once where it is refused."""
         try:
             self._make(self.folder.absolute())
-            why = _distrust(os.stat(self.folder), regular=False)
-            if why is None and not stat.S_ISDIR(os.stat(self.folder).st_mode):
-                why = "not a folder"
+            st = os.stat(self.folder)  # through a link: ~/.cache may lie on another disk
+            why = _distrust(st, regular=False) if stat.S_ISDIR(st.st_mode) else "not a folder"
         except OSError as exc:
             why = f"cannot be made or read ({exc.strerror or exc})"
         if why is not None:
