@@ -489,5 +489,5 @@ if __name__ == "__main__":  # the child process of native_aot that compiles the 
     from polyhal_cpu.native_aot import build
 
     if sys.argv[1:2] != ["build"] or len(sys.argv) != 4:
-        raise SystemExit("usage: python -m polyhal_cpu.native build CACHE_DIR MODULE_NAME")
+        raise SystemExit("usage: python -m polyhal_cpu.native build BUILD_FOLDER MODULE_NAME")
     build(Path(sys.argv[2]), sys.argv[3], _warm)

@@ -21,10 +21,17 @@ of the declared rank goes to the JIT loop instead.
 **Cache.** ``$POLYHAL_CPU_CACHE_DIR`` (empty: no ahead-of-time module, the loops are JIT compiled
 in process as before), else ``$XDG_CACHE_HOME/polyhal/cpu``, else ``~/.cache/polyhal/cpu``. The
 module's name carries a hash of the loops' source, numba's and Python's versions and the CPU's
-model and flags; concurrent processes build it once (a file lock). A failed build (no C
-compiler, a numba without ``pycc``) is recorded as ``<name>.failed`` with the reason, and later
-processes go straight to the JIT; delete that file to try again. A directory that cannot be
-written costs only the module, never the loops.
+model and flags. The folder is a :class:`polyhal.codecache.CodeCache`: this user's, ``0700``,
+files ``0600``, whatever the umask; a folder or file of another user, or writable by others, is
+refused with one warning; the module's sha256, recorded when it was built (with its loops'
+signatures, ``<name>.json``), is checked before it is loaded, so a truncated, corrupt or planted
+module is never mapped (it is built again). Concurrent processes build it once (a lock file,
+waited on for LOCK_TIMEOUT seconds at most; then, as where the lock path is not a file, the
+process runs on the JIT). Each build gets a private folder, removed afterwards, and by the next
+build where the builder was killed. A failed build (no C compiler, a numba without ``pycc``) is
+recorded as ``<name>.failed`` with the reason and warned about once per process; processes run on
+the JIT until RETRY_AFTER seconds have passed (or that file is deleted), then try again. A folder
+that cannot be written costs only the module, never the loops.
 """
 
 from __future__ import annotations
@@ -36,15 +43,23 @@ import os
 import platform
 import subprocess
 import sys
-import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from polyhal.codecache import CodeCache, default_folder, warn_once
+
 _HERE = Path(__file__).resolve().parent
 #: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
 BUILD_TIMEOUT = 900
+#: Seconds a process waits for another one's build of the module (~15-100 s) before it runs on the JIT.
+LOCK_TIMEOUT = 180
+#: Seconds after a failed build before a process tries again (a C compiler installed since).
+RETRY_AFTER = 3600
+#: What a process does without the module (the end of every warning about it).
+FALLBACK = "the CPU runs on numba's JIT (~3x the resident memory)"
 #: The files whose text decides the compiled code (the loops, their signatures, these options).
 _SOURCES = ("native_loops.py", "native.py", "queue_layout.py", "rational_erf.py", "native_aot.py")
 
@@ -54,8 +69,7 @@ def cache_dir() -> Path | None:
     raw = os.environ.get("POLYHAL_CPU_CACHE_DIR")
     if raw is not None:
         return Path(raw) if raw.strip() else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "polyhal" / "cpu"
+    return default_folder("cpu")
 
 
 def module_name() -> str:
@@ -102,24 +116,59 @@ def load(jit: Callable[[str], Callable]) -> CompiledLoops | None:
     """The ahead-of-time loops, built first if this machine has none yet; None where they are off
     or cannot be had (then the caller JIT compiles). ``jit(name)`` gives the JIT loop ``name``: it
     serves calls the compiled signature does not fit and loops the module lacks."""
-    base = cache_dir()
-    if base is None:
+    folder = cache_dir()
+    if folder is None:
+        return None
+    cache = CodeCache(folder, "polyhal-cpu", "POLYHAL_CPU_CACHE_DIR", FALLBACK)
+    if not cache.ready():
         return None
     name = module_name()
-    path, meta, failed = (base / f"{name}.so", base / f"{name}.json", base / f"{name}.failed")
-    if not (path.exists() and meta.exists()):
-        if failed.exists() or not _build_once(base, name, failed):
-            return None
+    specs = _verified(cache, name) or _build_once(cache, name)
+    if specs is None:
+        return None
+    path = cache.path(f"{name}.so")
     try:
-        specs = json.loads(meta.read_text())
         spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except (OSError, ImportError, ValueError) as exc:
-        _record_failure(failed, f"loading {path}: {exc}")
+    except (OSError, ImportError) as exc:
+        _report_failure(cache, name, f"loading {path}: {exc}", record=True)
+        cache.remove(f"{name}.so")
         return None
-    loops = {loop: _checked(loop, getattr(module, loop), arg_specs, jit) for loop, arg_specs in specs.items()}
+    loops = {loop: _checked(loop, getattr(module, loop), arg_specs, jit)
+             for loop, arg_specs in specs.items() if hasattr(module, loop)}  # a loop it lacks: the JIT's
     return CompiledLoops(loops, jit, path)
+
+
+def _verified(cache: CodeCache, name: str) -> dict[str, list] | None:
+    """The module's loops and their argument specs if the module is there, trusted and as built
+    (see :meth:`polyhal.codecache.CodeCache.verify`), and its record well formed; else None."""
+    meta = cache.verify(f"{name}.so")
+    if meta is None:
+        return None
+    loops = meta.get("loops")
+    if not (isinstance(loops, dict) and all(isinstance(k, str) and _valid_specs(v) for k, v in loops.items())):
+        warn_once(f"polyhal-cpu: cached {cache.path(name + '.json')} refused: its loops are not "
+                  "{name: [[rank, dtype] or null, ...]}; compiling it again")
+        return None
+    return loops
+
+
+def _valid_specs(specs) -> bool:
+    """Whether ``specs`` is a loop's argument list as build() records it: [rank, element type]
+    of an array, None for a scalar."""
+    if not isinstance(specs, list):
+        return False
+    for spec in specs:
+        if spec is None:
+            continue
+        if not (isinstance(spec, list) and len(spec) == 2 and type(spec[0]) is int and isinstance(spec[1], str)):
+            return False
+        try:
+            np.dtype(spec[1])
+        except TypeError:
+            return False
+    return True
 
 
 def _checked(name: str, compiled: Callable, specs: list[list | None], jit: Callable[[str], Callable]) -> Callable:
@@ -138,52 +187,84 @@ def _checked(name: str, compiled: Callable, specs: list[list | None], jit: Calla
     return loop
 
 
-def _build_once(base: Path, name: str, failed: Path) -> bool:
-    """Build the module in a child process, once across concurrent processes; whether it is there."""
-    try:
-        base.mkdir(parents=True, exist_ok=True)
-        lock = open(base / f"{name}.lock", "w")  # noqa: SIM115  (held for the build)
-    except OSError:
-        return False  # an unwritable cache directory: JIT in process
-    with lock:
-        try:
-            import fcntl
+def _build_once(cache: CodeCache, name: str) -> dict[str, list] | None:
+    """Build the module in a child process, once across concurrent processes; its loops' specs
+    (:func:`_verified`), or None where it cannot be had (warned once)."""
+    with cache.lock(f"{name}.lock", LOCK_TIMEOUT) as held:
+        if not held:
+            return None
+        specs = _verified(cache, name)
+        if specs is not None:
+            return specs  # another process built it while this one waited
+        failure = cache.read_record(f"{name}.failed")
+        if (failure is not None and isinstance(failure.get("reason"), str)
+                and isinstance(failure.get("at"), (int, float)) and time.time() - failure["at"] < RETRY_AFTER):
+            _report_failure(cache, name, failure["reason"], record=False)
+            return None
+        cache.remove(f"{name}.so")  # a refused one: never left to be found again
+        with cache.build_folder(name) as folder:
+            why = _compile(folder, name)
+            if why is None:
+                cache.store(f"{name}.so", next(folder.glob(f"{name}*.so")), {"loops": _exported(folder)})
+        if why is not None:
+            _report_failure(cache, name, why, record=True)
+            return None
+        cache.path(f"{name}.failed").unlink(missing_ok=True)
+        return _verified(cache, name)
 
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except ImportError:
+
+def _compile(folder: Path, name: str) -> str | None:
+    """Run the child that compiles the module into ``folder``; why it failed, or None."""
+    try:
+        # native's entry point runs build() with native._warm (this module imports no native).
+        # TMPDIR: pycc's and the C compiler's own temporary files go in the build folder too.
+        proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native", "build", str(folder), name],
+                              capture_output=True, text=True, timeout=BUILD_TIMEOUT,
+                              env={**os.environ, "TMPDIR": str(folder)})
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    if proc.returncode != 0:
+        # The exception's line (what failed), else the last line the child wrote.
+        return next((line for line in reversed(lines) if "Error" in line.split(":")[0]),
+                    lines[-1] if lines else f"exit status {proc.returncode}")
+    if not (list(folder.glob(f"{name}*.so")) and isinstance(_exported(folder), dict)):
+        return "the build left no module and loops.json"
+    return None
+
+
+def _exported(folder: Path) -> dict | None:
+    """The loops.json the child wrote beside the module (None if it is missing or not JSON)."""
+    try:
+        return json.loads((folder / "loops.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+#: Advice for a failed build, by a word of its reason.
+_FIXES = (("compiler", "install a C compiler (gcc or clang) or set CC to one"),
+          ("pycc", "install a numba that ships numba.pycc"))
+
+
+def _report_failure(cache: CodeCache, name: str, why: str, record: bool) -> None:
+    """Warn once that the module cannot be had and why; ``record``: keep the reason in
+    ``<name>.failed`` for later processes (which then skip building until RETRY_AFTER)."""
+    failed = cache.path(f"{name}.failed")
+    if record:
+        try:
+            cache.write_record(failed.name, {"reason": why, "at": time.time()})
+        except OSError:
             pass
-        if (base / f"{name}.so").exists():
-            return True  # another process built it while this one waited
-        if failed.exists():
-            return False
-        try:
-            # native's entry point runs build() with native._warm (this module imports no native).
-            proc = subprocess.run([sys.executable, "-m", "polyhal_cpu.native", "build", str(base), name],
-                                  capture_output=True, text=True, timeout=BUILD_TIMEOUT)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            _record_failure(failed, f"building {name}: {type(exc).__name__}: {exc}")
-            return False
-        if proc.returncode != 0:
-            lines = [line for line in proc.stderr.splitlines() if line.strip()]
-            # The exception's line (what failed), else the last line the child wrote.
-            why = next((line for line in reversed(lines) if "Error" in line.split(":")[0]),
-                       lines[-1] if lines else f"exit status {proc.returncode}")
-            _record_failure(failed, f"building {name}: {why}")
-            return False
-        return True
+    fix = next((advice for word, advice in _FIXES if word in why.lower()), "see the reason")
+    warn_once(f"polyhal-cpu: the compiled loops cannot be had ({why}); {FALLBACK}; to fix: {fix}; a build is "
+              f"tried again {RETRY_AFTER // 60} minutes after it failed (at once if {failed} is deleted)")
 
 
-def _record_failure(failed: Path, why: str) -> None:
-    try:
-        failed.write_text(why + "\n(delete this file to try again)\n")
-    except OSError:
-        pass
-
-
-def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) -> None:
-    """Compile the loops into ``base/<name>.so`` with ``base/<name>.json`` (each exported loop's
-    arguments: [rank, element type] of an array, None for a scalar); ``warm(loops)`` calls each JIT loop with the argument
-    types kernels pass, which gives the signatures. Runs in a child process: it imports numba."""
+def build(folder: Path, name: str, warm: Callable[[dict[str, Callable]], None]) -> None:
+    """Compile the loops into ``folder/<name>*.so`` with ``folder/loops.json`` (each exported loop's
+    arguments: [rank, element type] of an array, None for a scalar); ``warm(loops)`` calls each JIT
+    loop with the argument types kernels pass, which gives the signatures. Runs in a child process
+    (it imports numba), in a build folder of the cache that the parent moves the module from."""
     import warnings
 
     import numba.pycc.compiler as pycc_compiler
@@ -210,40 +291,35 @@ def build(base: Path, name: str, warm: Callable[[dict[str, Callable]], None]) ->
 
     warm({loop: recording(loop, dispatcher) for loop, dispatcher in loops.items()})
     exported = {}
-    with tempfile.TemporaryDirectory(prefix=name, dir=base) as tmp:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # pycc's pending deprecation
-            cc = CC(name, source_module=native_loops)
-        cc.output_dir, cc.target_cpu = tmp, "host"
-        options = dict(loops["relu"].targetoptions)
-        descriptor = loops["relu"].targetdescr
-        for loop, dispatcher in loops.items():
-            if dict(dispatcher.targetoptions) != options:
-                continue  # compiled with other options: left to the JIT
-            if len(called[loop]) != 1:
-                continue  # warmed with several (or no) signatures: left to the JIT
-            (args,) = called[loop]
-            result = next(sig.return_type for sig in dispatcher.nopython_signatures
-                          if tuple(_writable(t) for t in sig.args) == args)
-            cc.export(loop, result(*args))(dispatcher.py_func)
-            exported[loop] = [[t.ndim, str(t.dtype)] if isinstance(t, types.Array) else None for t in args]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # pycc's pending deprecation
+        cc = CC(name, source_module=native_loops)
+    cc.output_dir, cc.target_cpu = str(folder), "host"
+    options = dict(loops["relu"].targetoptions)
+    descriptor = loops["relu"].targetdescr
+    for loop, dispatcher in loops.items():
+        if dict(dispatcher.targetoptions) != options:
+            continue  # compiled with other options: left to the JIT
+        if len(called[loop]) != 1:
+            continue  # warmed with several (or no) signatures: left to the JIT
+        (args,) = called[loop]
+        result = next(sig.return_type for sig in dispatcher.nopython_signatures
+                      if tuple(_writable(t) for t in sig.args) == args)
+        cc.export(loop, result(*args))(dispatcher.py_func)
+        exported[loop] = [[t.ndim, str(t.dtype)] if isinstance(t, types.Array) else None for t in args]
 
-        def jit_flags() -> Flags:
-            # pycc compiles with default flags; these are the JIT's (fastmath, nogil, ...).
-            flags = Flags()
-            descriptor.options.parse_as_flags(flags, options)
-            return flags
+    def jit_flags() -> Flags:
+        # pycc compiles with default flags; these are the JIT's (fastmath, nogil, ...).
+        flags = Flags()
+        descriptor.options.parse_as_flags(flags, options)
+        return flags
 
-        pycc_compiler.Flags = jit_flags
-        # pycc's "host" names the CPU model only, whose features LLVM assumes; a VM may hide some
-        # (AVX-512 on an AVX-512 model): take the features this host reports, as the JIT does.
-        codegen.AOTCPUCodegen._customize_tm_features = lambda self: codegen.get_host_cpu_features()
-        cc.compile()
-        built = next(Path(tmp).glob(f"{name}*.so"))
-        (Path(tmp) / "meta.json").write_text(json.dumps(exported))
-        # Metadata first: a reader takes the module only once both are there.
-        os.replace(Path(tmp) / "meta.json", base / f"{name}.json")
-        os.replace(built, base / f"{name}.so")
+    pycc_compiler.Flags = jit_flags
+    # pycc's "host" names the CPU model only, whose features LLVM assumes; a VM may hide some
+    # (AVX-512 on an AVX-512 model): take the features this host reports, as the JIT does.
+    codegen.AOTCPUCodegen._customize_tm_features = lambda self: codegen.get_host_cpu_features()
+    cc.compile()
+    (folder / "loops.json").write_text(json.dumps(exported))
 
 
 def _writable(t):

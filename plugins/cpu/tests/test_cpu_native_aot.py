@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -134,12 +135,15 @@ def test_no_module_where_it_is_off_failed_or_cannot_be_written(tmp_path, monkeyp
     assert native_aot.load(native._jit_loop) is None
     monkeypatch.setenv("POLYHAL_CPU_CACHE_DIR", str(tmp_path))
     failed = tmp_path / f"{native_aot.module_name()}.failed"
-    failed.write_text("building: no C compiler\n")
-    assert native_aot.load(native._jit_loop) is None  # recorded: no second attempt
+    failed.write_text(json.dumps({"reason": "building: no C compiler", "at": time.time()}))
+    failed.chmod(0o600)
+    with pytest.warns(RuntimeWarning, match="no C compiler"):
+        assert native_aot.load(native._jit_loop) is None  # recorded: no second attempt for RETRY_AFTER
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv("POLYHAL_CPU_CACHE_DIR", str(blocked / "cpu"))
-    assert native_aot.load(native._jit_loop) is None
+    with pytest.warns(RuntimeWarning, match="cannot be made"):
+        assert native_aot.load(native._jit_loop) is None
 
 
 def test_a_failed_build_is_recorded_with_its_reason_and_the_jit_serves(tmp_path):

@@ -17,7 +17,9 @@ process (no worker; for a process that loads no other LLVM).
 Cache: a compile is keyed by (source text, options, architecture, runtime version, name
 expressions) -- in memory for the process, and on disk under ``POLYHAL_HIP_CACHE_DIR``
 (default ``~/.cache/polyhal/hip``; ``off`` disables it), so a later process loads the code
-object instead of compiling again. A failed compile raises
+object instead of compiling again. The folder is a :class:`polyhal.codecache.CodeCache`: private
+to this user, each code object checked against the sha256 recorded beside it before it is
+loaded; a folder or file it refuses is warned about once and the kernel compiled again. A failed compile raises
 :class:`~polyhal_hip.errors.HipCompileError` carrying the compiler log, and is not cached.
 
 :func:`compile_isolated` runs one compile in a child process: hiprtc of some ROCm versions
@@ -37,6 +39,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
+
+from polyhal.codecache import CodeCache, default_folder
 
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
@@ -82,7 +86,7 @@ def cache_dir() -> Path | None:
         return None
     if raw:
         return Path(raw)
-    return Path(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache"))) / "polyhal" / "hip"
+    return default_folder("hip")
 
 
 def cache_key(text: str, options: Sequence[str], arch: str, runtime_version: int,
@@ -138,32 +142,30 @@ class Compiler:
             return worker()
         return self.runtime
 
-    def _paths(self, key: str) -> tuple[Path, Path] | None:
-        base = cache_dir()
-        if base is None:
-            return None
-        return base / f"{key}.co", base / f"{key}.json"
+    @staticmethod
+    def _disk() -> CodeCache | None:
+        folder = cache_dir()
+        return None if folder is None else CodeCache(folder, "polyhal-hip", "POLYHAL_HIP_CACHE_DIR",
+                                                      "kernels are compiled again")
 
     def _load(self, key: str) -> CompileResult | None:
-        paths = self._paths(key)
-        if paths is None or not paths[0].exists() or not paths[1].exists():
+        disk = self._disk()
+        found = None if disk is None else disk.load(f"{key}.co")
+        if found is None:
             return None
-        try:
-            meta = json.loads(paths[1].read_text())
-            return CompileResult(paths[0].read_bytes(), dict(meta.get("lowered", {})), meta.get("log", ""))
-        except (OSError, ValueError):
-            return None
+        code, meta = found
+        lowered, log = meta.get("lowered", {}), meta.get("log", "")
+        if not (isinstance(lowered, dict) and all(isinstance(v, str) for v in lowered.values())
+                and isinstance(log, str)):
+            return None  # a record of another shape: compile again (and store over it)
+        return CompileResult(code, lowered, log)
 
     def _store(self, key: str, result: CompileResult) -> None:
-        paths = self._paths(key)
-        if paths is None:
+        disk = self._disk()
+        if disk is None or not disk.ready():
             return
         try:
-            paths[0].parent.mkdir(parents=True, exist_ok=True)
-            tmp = paths[0].with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(result.code)
-            tmp.replace(paths[0])
-            paths[1].write_text(json.dumps({"lowered": result.lowered, "log": result.log}))
+            disk.store(f"{key}.co", bytes(result.code), {"lowered": result.lowered, "log": result.log})
         except OSError:
             pass  # the disk cache is an optimisation only
 

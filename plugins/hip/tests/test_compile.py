@@ -216,3 +216,24 @@ def test_cache_key_parts():
     assert base != compiler.cache_key("src", ("-O3",), "gfx908", 50221153, ())
     assert base != compiler.cache_key("src", ("-O3",), "gfx90a", 60241133, ())
     assert base == compiler.cache_key("src", ("-O3",), "gfx90a", 50221153, ())
+
+
+def test_the_disk_cache_trusts_only_what_it_stored(tmp_path, monkeypatch):
+    """A code object that differs from the sha256 recorded when it was stored (corrupt, or
+    planted) is compiled again; a folder others may write is not used at all (issue 27)."""
+    from polyhal.codecache import CacheWarning
+
+    monkeypatch.setenv("POLYHAL_HIP_CACHE_DIR", str(tmp_path / "hip"))
+    good = compiler.Compiler(CountingRuntime()).compile("k1", "k.hip", "gfx90a")
+    (code,) = (tmp_path / "hip").glob("*.co")
+    assert oct(code.stat().st_mode & 0o777) == "0o600" and oct((tmp_path / "hip").stat().st_mode & 0o777) == "0o700"
+    code.write_bytes(b"\x7fELF planted")
+    rt = CountingRuntime()
+    with pytest.warns(CacheWarning, match="sha256|bytes where"):
+        again = compiler.Compiler(rt).compile("k1", "k.hip", "gfx90a")
+    assert rt.count == 1 and again.code == good.code  # compiled again, and stored over it
+    (tmp_path / "hip").chmod(0o777)
+    rt = CountingRuntime()
+    with pytest.warns(CacheWarning, match="world-writable"):
+        compiler.Compiler(rt).compile("k1", "k.hip", "gfx90a")
+    assert rt.count == 1

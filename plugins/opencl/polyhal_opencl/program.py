@@ -11,8 +11,12 @@ the same shapes is compiled again, in this process or a later one. :class:`Progr
   program rebuilt from source.
 
 The cache directory is ``$POLYHAL_OPENCL_CACHE_DIR`` if set (empty disables the disk cache),
-else ``$XDG_CACHE_HOME/polyhal/opencl``, else ``~/.cache/polyhal/opencl``. Disk errors (a
-read-only home, a full disk) only cost the cache, never the build.
+else ``$XDG_CACHE_HOME/polyhal/opencl``, else ``~/.cache/polyhal/opencl``. It is a
+:class:`polyhal.codecache.CodeCache` (a binary may hold host code -- PoCL's are shared
+libraries it loads): private to this user, each binary checked against the sha256 recorded
+beside it before the driver sees it; a folder or binary it refuses is warned about once and
+the program built from source. Disk errors (a read-only home, a full disk) only cost the cache,
+never the build.
 
 A build failure raises :class:`~polyhal_opencl.errors.CLBuildError` with the full build log.
 """
@@ -21,13 +25,14 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from polyhal.codecache import CodeCache, default_folder
 
 from polyhal_opencl.errors import CLBuildError, check, translate
 
@@ -43,8 +48,7 @@ def default_cache_dir() -> Path | None:
     explicit = os.environ.get("POLYHAL_OPENCL_CACHE_DIR")
     if explicit is not None:
         return Path(explicit) if explicit.strip() else None
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "polyhal" / "opencl"
+    return default_folder("opencl")
 
 
 @dataclass
@@ -65,6 +69,8 @@ class ProgramCache:
         import pyopencl as cl
 
         self.context, self.cl_device, self.cache_dir = context, cl_device, cache_dir
+        self._disk = None if cache_dir is None else CodeCache(
+            cache_dir, "polyhal-opencl", "POLYHAL_OPENCL_CACHE_DIR", "programs are built from source")
         self.statistics = CacheStatistics()
         self._programs: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
@@ -94,23 +100,25 @@ class ProgramCache:
 
     # -- disk ------------------------------------------------------------------------------------
 
-    def _path(self, source: str, options: str) -> Path | None:
-        return None if self.cache_dir is None else self.cache_dir / f"{self.key(source, options)}.bin"
-
     def _load(self, source: str, options: str) -> Any | None:
         import pyopencl as cl
 
-        path = self._path(source, options)
-        if path is None or not path.is_file():
+        if self._disk is None:
+            return None
+        name = f"{self.key(source, options)}.bin"
+        if not self._disk.path(name).exists():
+            return None
+        found = self._disk.load(name)
+        if found is None:  # refused (warned): build from source, and store over it
+            self.statistics.disk_errors += 1
             return None
         try:
-            binary = path.read_bytes()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", cl.CompilerWarning)
-                program = cl.Program(self.context, [self.cl_device], [binary]).build(options, cache_dir=False)
-        except Exception:  # noqa: BLE001 - a corrupt or foreign binary: forget it, build from source
+                program = cl.Program(self.context, [self.cl_device], [found[0]]).build(options, cache_dir=False)
+        except Exception:  # noqa: BLE001 - a binary the driver rejects: forget it, build from source
             self.statistics.disk_errors += 1
-            path.unlink(missing_ok=True)
+            self._disk.remove(name)
             return None
         self.statistics.disk_hits += 1
         return program
@@ -118,20 +126,13 @@ class ProgramCache:
     def _store(self, program: Any, source: str, options: str) -> None:
         import pyopencl as cl
 
-        path = self._path(source, options)
-        if path is None:
+        if self._disk is None:
             return
         try:
             (binary,) = program.get_info(cl.program_info.BINARIES)
-            if not binary:
-                return
-            path.parent.mkdir(parents=True, exist_ok=True)
-            # Write then rename, so a concurrent reader never sees half a binary.
-            fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(binary)
-            os.replace(tmp, path)
-            self.statistics.disk_writes += 1
+            if binary and self._disk.ready():
+                self._disk.store(f"{self.key(source, options)}.bin", bytes(binary))
+                self.statistics.disk_writes += 1
         except Exception:  # noqa: BLE001 - the disk cache is an optimisation only
             self.statistics.disk_errors += 1
 

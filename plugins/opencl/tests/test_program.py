@@ -65,3 +65,19 @@ def test_cache_dir_from_environment(monkeypatch, tmp_path):
     monkeypatch.delenv("POLYHAL_OPENCL_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / "polyhal" / "opencl"
+
+
+def test_disk_cache_is_private_and_refuses_a_folder_others_may_write(dev, tmp_path):
+    """Binaries are written 0600 in a 0700 folder; a folder others may write is not read (a
+    planted PoCL binary is host code) -- the program is built from source (issue 27)."""
+    from polyhal.codecache import CacheWarning
+
+    folder = tmp_path / "a" / "opencl"
+    ProgramCache(dev.context, dev.cl_device, folder).get(SOURCE)
+    (path,) = folder.glob("*.bin")
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and oct(folder.stat().st_mode & 0o777) == "0o700"
+    folder.chmod(0o777)
+    cache = ProgramCache(dev.context, dev.cl_device, folder)
+    with pytest.warns(CacheWarning, match="world-writable"):
+        cache.get(SOURCE)
+    assert (cache.statistics.builds, cache.statistics.disk_hits) == (1, 0)
