@@ -105,7 +105,8 @@ def _usage(message: str) -> PolyhalError:
 
 
 #: ``POLYHAL_INPUT_LIMIT``: the most bytes the ``--input`` files may expand to in all (e.g.
-#: ``8GiB``); by default the host's available memory.
+#: ``8GiB``); by default the host's available memory, or the process's memory limit where that
+#: is smaller (``ulimit -v``).
 INPUT_LIMIT_VARIABLE = "POLYHAL_INPUT_LIMIT"
 
 
@@ -131,7 +132,7 @@ def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:
                          "are meant to be that large")
         try:
             data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile) as exc:
             raise _usage(f"--input {spec}: cannot read {path!r} as .npy/.npz: {exc}") from None
         if isinstance(data, np.lib.npyio.NpzFile):
             try:
@@ -144,7 +145,7 @@ def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:
                         feeds[name] = data[data.files[0]]
                     else:
                         raise _usage(f"--input {spec}: {path} holds {data.files}, none called {name!r}")
-            except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:  # a corrupt member
+            except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile) as exc:  # a corrupt member
                 raise _usage(f"--input {spec}: cannot read {path!r} as .npz: {exc}") from None
         elif name is None:
             raise _usage(f"--input {spec}: a .npy file needs a name (NAME={path})")
@@ -199,7 +200,7 @@ def _input_limit() -> int | None:
     """The input limit in bytes (see :data:`INPUT_LIMIT_VARIABLE`); None when it is unknown."""
     value = os.environ.get(INPUT_LIMIT_VARIABLE, "").strip()
     if not value:
-        return host_memory_available()
+        return _memory_for_inputs()
     try:
         limit = parse_size(value)
     except (TypeError, ValueError):
@@ -209,9 +210,24 @@ def _input_limit() -> int | None:
     return limit
 
 
+def _memory_for_inputs() -> int | None:
+    """The host's available memory, or less where the process's address space or data segment
+    is limited (``ulimit -v`` / ``-d``): what the arrays can take at most."""
+    limits = [host_memory_available()]
+    try:
+        import resource
+
+        limits += [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_DATA)]
+        limits = [n for n in limits if n != resource.RLIM_INFINITY]
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        pass
+    known = [n for n in limits if n is not None]
+    return min(known) if known else None
+
+
 def _limit_source() -> str:
     return (INPUT_LIMIT_VARIABLE if os.environ.get(INPUT_LIMIT_VARIABLE, "").strip()
-            else f"the host's available memory; {INPUT_LIMIT_VARIABLE} sets another")
+            else f"the memory this process may use; {INPUT_LIMIT_VARIABLE} sets another")
 
 
 #: Elements drawn per step by :func:`random_input`: its temporaries stay a few MiB at any size.
