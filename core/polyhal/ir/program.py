@@ -213,13 +213,18 @@ class ProgramBuilder:
         self._outputs: list[Value] = []
         self._constants: list[tuple[Value, np.ndarray]] = []
         self._names: set[str] = set()
+        # base -> the suffix its next fresh name tries first: every smaller one is taken (names are
+        # never given back), so a chain of n adds names them in O(n), not O(n^2).
+        self._suffix: dict[str, int] = {}
 
     def _fresh(self, base: str) -> str:
-        name, n = base, 0
+        n = self._suffix.get(base, 0)
+        name = f"{base}{n}" if n else base
         while name in self._names:
             n += 1
             name = f"{base}{n}"
         self._names.add(name)
+        self._suffix[base] = n + 1
         return name
 
     def input(self, name: str, shape: Any, dtype: Any = "float32") -> Value:

@@ -60,7 +60,7 @@ from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import STORAGE_DTYPES, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
-from polyhal.plan import compile as polyhal_compile
+from polyhal.plan import compile as polyhal_compile, cycle_collection_paused
 from polyhal.registry import default_registry
 
 #: The default-domain opsets the importer accepts (ONNX 1.23's opset 28 is the newest it was
@@ -631,7 +631,8 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         importer = _Importer(checked, source, opset, {**shapes, **concrete}, values, dims, default_dim, name, limit,
                              weights)
         try:
-            return importer.run()
+            with cycle_collection_paused():  # as compile does: the program's objects outlive young generations
+                return importer.run()
         except PolyhalError:
             raise
         except RecursionError:

@@ -26,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
 from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.frontends.onnx.types import STRING_DTYPE
+from polyhal.hal.adaptors import parse_size
 from polyhal.hal.device import host_memory_available
 
 
@@ -103,34 +105,130 @@ def _usage(message: str) -> PolyhalError:
     return OnnxInputError(message)
 
 
+#: ``POLYHAL_INPUT_LIMIT``: the most bytes the ``--input`` files may expand to in all (e.g.
+#: ``8GiB``); by default the host's available memory, or the process's memory limit where that
+#: is smaller (``ulimit -v``).
+INPUT_LIMIT_VARIABLE = "POLYHAL_INPUT_LIMIT"
+
+
 def read_inputs(specs: list[str]) -> dict[str, np.ndarray]:
-    """Arrays from ``--input`` arguments (NAME=FILE.npy, NAME=FILE.npz, FILE.npz)."""
+    """Arrays from ``--input`` arguments (NAME=FILE.npy, NAME=FILE.npz, FILE.npz).
+
+    Each file's sizes are checked before anything is decompressed or allocated (see
+    :func:`input_nbytes`): the arrays of all of them together must fit the input limit
+    (:data:`INPUT_LIMIT_VARIABLE`), so that a small .npz that expands to gigabytes is refused
+    in a line instead of exhausting memory."""
     feeds: dict[str, np.ndarray] = {}
+    limit, total = _input_limit(), 0
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep:
             name, path = None, spec
         if not os.path.isfile(path):
             raise _usage(f"--input {spec}: no such file {path!r}")
+        total += input_nbytes(path, spec)
+        if limit is not None and total > limit:
+            raise _usage(f"--input {spec}: the input files expand to {total} bytes, more than the input limit of "
+                         f"{limit} bytes ({_limit_source()}); set {INPUT_LIMIT_VARIABLE} (e.g. 8GiB) if they "
+                         "are meant to be that large")
         try:
             data = np.load(path, allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
+        except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile) as exc:
             raise _usage(f"--input {spec}: cannot read {path!r} as .npy/.npz: {exc}") from None
         if isinstance(data, np.lib.npyio.NpzFile):
-            with data:
-                if name is None:
-                    feeds.update({k: data[k] for k in data.files})
-                elif name in data.files:
-                    feeds[name] = data[name]
-                elif len(data.files) == 1:
-                    feeds[name] = data[data.files[0]]
-                else:
-                    raise _usage(f"--input {spec}: {path} holds {data.files}, none called {name!r}")
+            try:
+                with data:
+                    if name is None:
+                        feeds.update({k: data[k] for k in data.files})
+                    elif name in data.files:
+                        feeds[name] = data[name]
+                    elif len(data.files) == 1:
+                        feeds[name] = data[data.files[0]]
+                    else:
+                        raise _usage(f"--input {spec}: {path} holds {data.files}, none called {name!r}")
+            except (OSError, ValueError, EOFError, MemoryError, zipfile.BadZipFile) as exc:  # a corrupt member
+                raise _usage(f"--input {spec}: cannot read {path!r} as .npz: {exc}") from None
         elif name is None:
             raise _usage(f"--input {spec}: a .npy file needs a name (NAME={path})")
         else:
             feeds[name] = data
     return feeds
+
+
+def input_nbytes(path: str, spec: str = "") -> int:
+    """The bytes that ``np.load(path)`` would allocate, read from the file's declared sizes
+    without decompressing or allocating anything: a .npz's members' uncompressed sizes as its zip
+    directory declares them (Python's zipfile never inflates a member past that), a .npy's
+    header shape times item size. A header that declares more data than its file (or zip member)
+    holds is refused: numpy would allocate what the header says before finding the data short."""
+    what = f"--input {spec or path}"
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip: what np.load takes as .npz
+                with zipfile.ZipFile(f) as zf:
+                    total = 0
+                    for info in zf.infolist():
+                        total += info.file_size
+                        if info.filename.endswith(".npy"):
+                            with zf.open(info) as member:
+                                _npy_data_nbytes(member, info.file_size, f"{what}: member {info.filename!r}")
+                    return total
+            f.seek(0)
+            return _npy_data_nbytes(f, os.fstat(f.fileno()).st_size, what)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        if isinstance(exc, OnnxInputError):
+            raise
+        raise _usage(f"{what}: cannot read {path!r} as .npy/.npz: {exc}") from None
+
+
+def _npy_data_nbytes(f, size: int, what: str) -> int:
+    """The data bytes that the .npy header at the start of ``f`` declares, checked against the
+    ``size`` bytes the file holds in all."""
+    version = np.lib.format.read_magic(f)
+    # Version 3.0 differs from 2.0 only in the header's text encoding (UTF-8 field names), which
+    # changes no shape or item size.
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, _fortran, dtype = read_header(f)
+    nbytes = math.prod(shape) * dtype.itemsize
+    held = size - f.tell()
+    if not dtype.hasobject and nbytes > held:
+        raise _usage(f"{what}: its header declares a {dtype}{list(shape)} array of {nbytes} bytes, but only {held} "
+                     "bytes of data follow it; the file is truncated or forged")
+    return nbytes
+
+
+def _input_limit() -> int | None:
+    """The input limit in bytes (see :data:`INPUT_LIMIT_VARIABLE`); None when it is unknown."""
+    value = os.environ.get(INPUT_LIMIT_VARIABLE, "").strip()
+    if not value:
+        return _memory_for_inputs()
+    try:
+        limit = parse_size(value)
+    except (TypeError, ValueError):
+        limit = -1
+    if limit < 0:
+        raise _usage(f"{INPUT_LIMIT_VARIABLE}={value!r} is not a size in bytes; write e.g. 8589934592 or 8GiB")
+    return limit
+
+
+def _memory_for_inputs() -> int | None:
+    """The host's available memory, or less where the process's address space or data segment
+    is limited (``ulimit -v`` / ``-d``): what the arrays can take at most."""
+    limits = [host_memory_available()]
+    try:
+        import resource
+
+        limits += [resource.getrlimit(r)[0] for r in (resource.RLIMIT_AS, resource.RLIMIT_DATA)]
+        limits = [n for n in limits if n != resource.RLIM_INFINITY]
+    except (ImportError, OSError, ValueError):  # no resource module (Windows)
+        pass
+    known = [n for n in limits if n is not None]
+    return min(known) if known else None
+
+
+def _limit_source() -> str:
+    return (INPUT_LIMIT_VARIABLE if os.environ.get(INPUT_LIMIT_VARIABLE, "").strip()
+            else f"the memory this process may use; {INPUT_LIMIT_VARIABLE} sets another")
 
 
 #: Elements drawn per step by :func:`random_input`: its temporaries stay a few MiB at any size.
