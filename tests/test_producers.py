@@ -1,0 +1,124 @@
+"""Trust in producers: what another library, a file or a model hands polyhal is checked before use.
+
+Forged DLPack capsules (real PyCapsules over structs filled in by hand with ctypes), ``polyhal
+run --output`` and planted symlinks, model-provided names printed by the CLI, non-UTF-8 string
+inputs, and the integer edge cases of Div, Mod and Split.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import polyhal
+from polyhal import dlpack
+from polyhal.errors import DLPackError
+
+# ------------------------------------------------------------------------- forged DLPack capsules
+
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_capsule_get_name = ctypes.PYFUNCTYPE(ctypes.c_char_p, ctypes.py_object)(("PyCapsule_GetName", ctypes.pythonapi))
+
+
+class Forged:
+    """A real DLPack capsule over a ``DLManagedTensorVersioned`` (or legacy ``DLManagedTensor``)
+    that a test fills in: ``base``'s memory and layout unless a field is given. It keeps the
+    structs and ``base`` alive and counts calls of its deleter."""
+
+    def __init__(self, base: np.ndarray, *, versioned: bool = True, ndim: int | None = None,
+                 shape: list[int] | None = None, strides: list[int] | None = None, data: int | None = None,
+                 byte_offset: int = 0, readonly: bool = False) -> None:
+        self.base, self.deleted = base, 0
+        shape = list(base.shape) if shape is None else shape
+        strides = [s // base.itemsize for s in base.strides] if strides is None else strides
+        self.shape = (ctypes.c_int64 * max(len(shape), 1))(*shape)
+        self.strides = (ctypes.c_int64 * max(len(strides), 1))(*strides)
+        self.deleter = dlpack._Deleter(self._delete)
+        managed = dlpack.DLManagedTensorVersioned() if versioned else dlpack.DLManagedTensor()
+        if versioned:
+            managed.version = dlpack.DLPackVersion(1, 0)
+            managed.flags = dlpack.DLPACK_FLAG_BITMASK_READ_ONLY if readonly else 0
+        managed.deleter = self.deleter
+        t = managed.dl_tensor
+        t.data = base.ctypes.data if data is None else data
+        t.device = dlpack.DLDevice(dlpack.DLDeviceType.CPU, 0)
+        t.ndim = len(shape) if ndim is None else ndim
+        t.dtype = dlpack.DLDataType(*dlpack.dlpack_dtype(base.dtype))
+        t.shape = ctypes.cast(self.shape, ctypes.POINTER(ctypes.c_int64))
+        t.strides = ctypes.cast(self.strides, ctypes.POINTER(ctypes.c_int64))
+        t.byte_offset = byte_offset
+        self.managed = managed
+        self.name = b"dltensor_versioned" if versioned else b"dltensor"
+        self.capsule = _capsule_new(ctypes.addressof(managed), self.name, None)
+
+    def _delete(self, _ptr: int) -> None:
+        self.deleted += 1
+
+    @property
+    def consumed(self) -> bool:
+        return _capsule_get_name(self.capsule).startswith(b"used_")
+
+
+_BASE = np.arange(12, dtype=np.float32).reshape(3, 4)
+FORGERIES = {
+    "ndim past numpy's bound": dict(ndim=(1 << 31) - 1),
+    "ndim 65": dict(ndim=65),
+    "negative extent": dict(shape=[3, -4]),
+    "NULL data with elements": dict(data=0),
+    "strides past the address space": dict(strides=[1 << 60, 1]),
+    "byte_offset past the address space": dict(byte_offset=(1 << 64) - 8),
+    "extents past any memory": dict(shape=[1 << 40, 1 << 40], strides=[1, 1]),
+    "a pointer near the end of the address space": dict(data=(1 << 64) - 16),
+    "strides that reach before address 0": dict(data=64, strides=[-4096, 1]),
+}
+
+
+@pytest.mark.parametrize("versioned", [True, False], ids=["versioned", "legacy"])
+@pytest.mark.parametrize("forgery", FORGERIES, ids=[k.replace(" ", "-") for k in FORGERIES])
+def test_forged_capsule_is_refused_and_left_to_its_producer(forgery, versioned):
+    forged = Forged(_BASE.copy(), versioned=versioned, **FORGERIES[forgery])
+    with pytest.raises(DLPackError, match="malformed DLPack tensor"):
+        polyhal.from_dlpack(forged.capsule)
+    # Refused before it was consumed: the producer still owns it, and its deleter was not called.
+    assert not forged.consumed and forged.deleted == 0
+
+
+def test_forged_capsule_with_empty_shape_and_null_data_imports():
+    """DLPack allows NULL data for a tensor without elements (torch exports such): no byte is read."""
+    forged = Forged(np.zeros((0, 3), np.float32), data=0)
+    t = polyhal.from_dlpack(forged.capsule)
+    assert t.shape == (0, 3) and forged.consumed
+    del t
+
+
+def test_honest_forged_capsule_imports_the_same_bytes():
+    """The forging itself is sound: an honest description of a strided view imports exactly."""
+    base = np.arange(24, dtype=np.int32).reshape(4, 6)
+    forged = Forged(base, shape=[2, 3], strides=[12, 2], byte_offset=4)  # base[::2, 1::2]
+    t = polyhal.from_dlpack(forged.capsule)
+    np.testing.assert_array_equal(t.numpy(), base[::2, 1::2])
+    del t
+
+
+class _LyingArray(np.ndarray):
+    """A numpy array whose ``__dlpack__`` describes more memory than the array has."""
+
+    def __dlpack__(self, **_kw):
+        self.forged = Forged(np.asarray(self), shape=[self.shape[0] * 1024])
+        return self.forged.capsule
+
+
+def test_producer_that_overstates_its_memory_is_refused():
+    lying = np.arange(8, dtype=np.float64).view(_LyingArray)
+    with pytest.raises(DLPackError, match="outside the memory its producer exposes"):
+        polyhal.from_dlpack(lying)
+    assert not lying.forged.consumed
+
+
+def test_numpy_views_within_their_memory_import():
+    base = np.arange(60, dtype=np.float32).reshape(5, 12)
+    for view in (base[1:4, 2:9:3], base[:, ::5], base[4:], base.T):
+        np.testing.assert_array_equal(polyhal.from_dlpack(view).numpy(), view)
