@@ -73,6 +73,7 @@ FORGERIES = {
     "extents past any memory": dict(shape=[1 << 40, 1 << 40], strides=[1, 1]),
     "a pointer near the end of the address space": dict(data=(1 << 64) - 16),
     "strides that reach before address 0": dict(data=64, strides=[-4096, 1]),
+    "a stride past any memory on an extent of 1": dict(shape=[1, 4], strides=[1 << 62, 1]),
 }
 
 

@@ -472,9 +472,12 @@ def _checked_layout(t: DLTensor, itemsize: int, within: tuple[int, int] | None
         raise DLPackError(f"malformed DLPack tensor: shape {shape} has a negative extent; the producer is broken")
     strides = tuple(t.strides[:ndim]) if t.strides else row_major_strides(shape)
     size = math.prod(shape)
-    if size * itemsize > sys.maxsize:
+    if math.prod(max(n, 1) for n in shape) * itemsize > sys.maxsize:  # even when empty, as numpy
         raise DLPackError(f"malformed DLPack tensor: shape {shape} of {itemsize}-byte elements is more memory "
                           "than an address space holds; the producer is broken")
+    if any(abs(s) * itemsize > sys.maxsize for s in strides):  # numpy's byte strides would overflow
+        raise DLPackError(f"malformed DLPack tensor: element strides {strides} of {itemsize}-byte elements "
+                          "step further than an address space holds; the producer is broken")
     if not size:
         return shape, strides  # no byte is read, so the pointer and strides cannot mislead
     if not t.data:
