@@ -123,3 +123,128 @@ def test_numpy_views_within_their_memory_import():
     base = np.arange(60, dtype=np.float32).reshape(5, 12)
     for view in (base[1:4, 2:9:3], base[:, ::5], base[4:], base.T):
         np.testing.assert_array_equal(polyhal.from_dlpack(view).numpy(), view)
+
+
+# ------------------------------------------------------------------------- integer edge cases
+
+onnx = pytest.importorskip("onnx")
+from onnx import TensorProto as T  # noqa: E402
+from onnx import helper  # noqa: E402
+
+import polyhal.onnx as ponnx  # noqa: E402
+from polyhal.errors import ArithmeticDomainError  # noqa: E402
+from polyhal.frontends.onnx.errors import OnnxInputError, OnnxModelError  # noqa: E402
+
+_ONNX_TYPES = {np.int8: T.INT8, np.uint8: T.UINT8, np.int32: T.INT32, np.int64: T.INT64, np.float32: T.FLOAT}
+
+
+def _binary(op: str, dtype, n: int, *, constant_b=None, **attrs):
+    """A model ``y = op(a, b)`` over ``n`` elements of ``dtype``; ``b`` an initializer if given."""
+    elem = _ONNX_TYPES[dtype]
+    inits = [] if constant_b is None else [onnx.numpy_helper.from_array(np.asarray(constant_b, dtype), "b")]
+    inputs = [helper.make_tensor_value_info("a", elem, [n])]
+    if constant_b is None:
+        inputs.append(helper.make_tensor_value_info("b", elem, [n]))
+    graph = helper.make_graph([helper.make_node(op, ["a", "b"], ["y"], **attrs)], "g", inputs,
+                              [helper.make_tensor_value_info("y", elem, [n])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _ort(model, feeds):
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.int64])
+@pytest.mark.parametrize("fmod", [0, 1])
+def test_integer_mod_by_zero_is_refused_as_onnxruntime_refuses_it(dtype, fmod):
+    feeds = {"a": np.array([7, 5, 2], dtype), "b": np.array([3, 0, 1], dtype)}
+    with pytest.raises(Exception, match="modulo by zero"):
+        _ort(_binary("Mod", dtype, 3, fmod=fmod), feeds)
+    with pytest.raises(ArithmeticDomainError, match="mod by zero"):
+        ponnx.load(_binary("Mod", dtype, 3, fmod=fmod)).run(feeds, "cpu:0")
+    with pytest.raises(ArithmeticDomainError, match="mod by zero"):  # folded at import: the same answer
+        ponnx.load(_binary("Mod", dtype, 3, constant_b=feeds["b"], fmod=fmod)).run({"a": feeds["a"]}, "cpu:0")
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int32, np.int64])
+def test_integer_division_by_zero_is_refused_as_onnxruntime_refuses_it(dtype):
+    feeds = {"a": np.array([7, 5, 2], dtype), "b": np.array([3, 0, 1], dtype)}
+    with pytest.raises(Exception, match="division by zero"):
+        _ort(_binary("Div", dtype, 3), feeds)
+    with pytest.raises(ArithmeticDomainError, match="division by zero"):
+        ponnx.load(_binary("Div", dtype, 3)).run(feeds, "cpu:0")
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64])
+def test_minimum_divided_by_minus_one_is_refused(dtype):
+    """onnxruntime dies of SIGFPE here (x86's idiv traps), so there is nothing to match: refused."""
+    low = np.iinfo(dtype).min
+    feeds = {"a": np.array([low, 9], dtype), "b": np.array([-1, 2], dtype)}
+    with pytest.raises(ArithmeticDomainError, match="outside the range of"):
+        ponnx.load(_binary("Div", dtype, 2)).run(feeds, "cpu:0")
+    ok = {"a": np.array([low, -9], dtype), "b": np.array([1, 2], dtype)}  # the edges that fit still divide
+    np.testing.assert_array_equal(ponnx.load(_binary("Div", dtype, 2)).run(ok, "cpu:0")["y"],
+                                  np.array([low, -4], dtype))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64])
+@pytest.mark.parametrize("fmod", [0, 1])
+def test_minimum_mod_minus_one_is_zero_as_in_onnxruntime(dtype, fmod):
+    feeds = {"a": np.array([np.iinfo(dtype).min, -7], dtype), "b": np.array([-1, 3], dtype)}
+    model = _binary("Mod", dtype, 2, fmod=fmod)
+    np.testing.assert_array_equal(ponnx.load(model).run(feeds, "cpu:0")["y"], _ort(model, feeds)[0])
+
+
+def test_float_division_and_mod_by_zero_keep_their_ieee_results():
+    feeds = {"a": np.array([1, -1, 0], np.float32), "b": np.zeros(3, np.float32)}
+    with np.errstate(all="ignore"):
+        np.testing.assert_array_equal(ponnx.load(_binary("Div", np.float32, 3)).run(feeds, "cpu:0")["y"],
+                                      feeds["a"] / feeds["b"])
+        got = ponnx.load(_binary("Mod", np.float32, 3, fmod=1)).run(feeds, "cpu:0")["y"]
+    assert np.isnan(got).all()
+
+
+def _split_model(sizes, opset):
+    x = helper.make_tensor_value_info("x", T.FLOAT, [4])
+    outs = [helper.make_tensor_value_info(f"y{i}", T.FLOAT, [None]) for i in range(len(sizes))]
+    if opset < 13:
+        node, inits = helper.make_node("Split", ["x"], [o.name for o in outs], axis=0, split=sizes), []
+    else:
+        node = helper.make_node("Split", ["x", "s"], [o.name for o in outs], axis=0)
+        inits = [helper.make_tensor("s", T.INT64, [len(sizes)], sizes)]
+    graph = helper.make_graph([node], "g", [x], outs, initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("opset", [11, 18])
+@pytest.mark.parametrize("sizes", [[-1, 5], [5, -1], [6, -2]])
+def test_negative_split_sizes_are_refused_as_onnxruntime_refuses_them(sizes, opset):
+    x = {"x": np.arange(4, dtype=np.float32)}
+    if opset >= 13:
+        with pytest.raises(Exception, match="must be >= 0"):
+            _ort(_split_model(sizes, opset), x)
+    with pytest.raises(OnnxModelError, match="must be >= 0"):
+        ponnx.load(_split_model(sizes, opset)).run(x, "cpu:0")
+
+
+# ------------------------------------------------------------------------- string inputs
+
+def _strings_model():
+    graph = helper.make_graph([helper.make_node("StringConcat", ["s", "s"], ["y"])], "g",
+                              [helper.make_tensor_value_info("s", T.STRING, [2])],
+                              [helper.make_tensor_value_info("y", T.STRING, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize("feed", [np.array([b"ok", b"\xff\xfe"], dtype="S"), np.array([b"ok", b"\xc3"], dtype=object)],
+                         ids=["S-array", "object-array"])
+def test_non_utf8_string_input_is_a_polyhal_error(feed):
+    with pytest.raises(OnnxInputError, match=r"element \[1\] .* is not UTF-8"):
+        ponnx.load(_strings_model()).run({"s": feed}, "cpu:0")
+
+
+def test_utf8_bytes_still_decode():
+    got = ponnx.load(_strings_model()).run({"s": np.array(["é".encode(), b"x"], dtype=object)}, "cpu:0")
+    assert got["y"].tolist() == ["éé", "xx"]
