@@ -207,8 +207,9 @@ def test_float_division_and_mod_by_zero_keep_their_ieee_results():
 
 
 def _split_model(sizes, opset):
-    x = helper.make_tensor_value_info("x", T.FLOAT, [4])
-    outs = [helper.make_tensor_value_info(f"y{i}", T.FLOAT, [None]) for i in range(len(sizes))]
+    # A symbolic dim: with a fixed one, onnx's shape inference would contradict the data first.
+    x = helper.make_tensor_value_info("x", T.FLOAT, ["n"])
+    outs = [helper.make_tensor_value_info(f"y{i}", T.FLOAT, [f"n{i}"]) for i in range(len(sizes))]
     if opset < 13:
         node, inits = helper.make_node("Split", ["x"], [o.name for o in outs], axis=0, split=sizes), []
     else:
@@ -248,3 +249,87 @@ def test_non_utf8_string_input_is_a_polyhal_error(feed):
 def test_utf8_bytes_still_decode():
     got = ponnx.load(_strings_model()).run({"s": np.array(["é".encode(), b"x"], dtype=object)}, "cpu:0")
     assert got["y"].tolist() == ["éé", "xx"]
+
+
+# ------------------------------------------------------------------------- the CLI: --output and names
+
+import os  # noqa: E402
+
+from polyhal.cli import main as cli_main  # noqa: E402
+
+
+def _relu_model(path, x="x", y="y", node="relu"):
+    graph = helper.make_graph([helper.make_node("Relu", [x], [y], name=node)], "g",
+                              [helper.make_tensor_value_info(x, T.FLOAT, [3])],
+                              [helper.make_tensor_value_info(y, T.FLOAT, [3])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), path)
+    return str(path)
+
+
+def test_output_refuses_a_symlink_planted_at_an_output_file(tmp_path, capsys):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "y.npy").symlink_to(victim)
+    assert cli_main(["run", _relu_model(tmp_path / "m.onnx"), "--device", "cpu:0", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "y.npy is a symbolic link" in err and len(err.strip().splitlines()) == 1
+    assert victim.read_text() == "precious"
+
+
+def test_output_replaces_a_hard_link_instead_of_writing_through_it(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    out = tmp_path / "out"
+    out.mkdir()
+    os.link(victim, out / "y.npy")
+    assert cli_main(["run", _relu_model(tmp_path / "m.onnx"), "--device", "cpu:0", "--output", str(out)]) == 0
+    assert victim.read_text() == "precious"
+    assert np.load(out / "y.npy").shape == (3,) and not any(p.name.endswith(".tmp") for p in out.iterdir())
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0,
+                    reason="making a symbolic link owned by another user needs root (lchown)")
+@pytest.mark.parametrize("where", ["output folder", "parent"])
+def test_output_refuses_a_symlink_another_user_owns(tmp_path, capsys, where):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "shared"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    os.lchown(link, 54321, 54321)  # as if another user had planted it
+    out = link if where == "output folder" else link / "out"
+    assert cli_main(["run", _relu_model(tmp_path / "m.onnx"), "--device", "cpu:0", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "symbolic link owned by another user (uid 54321)" in err and len(err.strip().splitlines()) == 1
+    assert not any(elsewhere.rglob("*.npy"))
+
+
+def test_own_symlinked_output_folder_still_works(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real", target_is_directory=True)
+    assert cli_main(["run", _relu_model(tmp_path / "m.onnx"), "--device", "cpu:0",
+                     "--output", str(tmp_path / "link")]) == 0
+    assert (tmp_path / "real" / "y.npy").exists()
+
+
+ESCAPE = "\x1b]0;owned\x07\x1b[2J\r\u202e"
+
+
+def test_model_names_are_printed_escaped(tmp_path, capsys):
+    model = _relu_model(tmp_path / "m.onnx", x="in" + ESCAPE, y="out" + ESCAPE, node="n" + ESCAPE)
+    assert cli_main(["run", model, "--device", "cpu:0", "--explain", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert not any(c in out for c in "\x1b\x07\r\u202e")
+    assert "out\\x1b]0;owned\\x07\\x1b[2J\\r\\u202e" in out and "in\\x1b" in out and "n\\x1b" in out
+
+
+def test_model_names_in_errors_are_printed_escaped(tmp_path, capsys):
+    graph = helper.make_graph([helper.make_node("Split", ["x", "s"], ["a", "b"], axis=0, name="evil" + ESCAPE)], "g",
+                              [helper.make_tensor_value_info("x", T.FLOAT, [4])],
+                              [helper.make_tensor_value_info(n, T.FLOAT, [None]) for n in "ab"],
+                              initializer=[helper.make_tensor("s", T.INT64, [2], [-1, 5])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]), tmp_path / "m.onnx")
+    assert cli_main(["run", str(tmp_path / "m.onnx"), "--device", "cpu:0"]) == 2
+    err = capsys.readouterr().err
+    assert "evil\\x1b" in err and not any(c in err for c in "\x1b\x07\r\u202e")
