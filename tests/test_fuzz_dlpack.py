@@ -26,6 +26,10 @@ import numpy as np
 import polyhal
 from polyhal import dlpack
 from polyhal.errors import DLPackError, PolyhalError
+try:
+    from numpy.lib.array_utils import byte_bounds  # numpy >= 2
+except ImportError:
+    from numpy import byte_bounds
 
 seed, count = int(sys.argv[1]), int(sys.argv[2])
 rng = random.Random(seed)
@@ -114,7 +118,7 @@ for i in range(count):
     t.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
     t.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
     mutate(t, managed, versioned)
-    lo, hi = np.lib.array_utils.byte_bounds(arr)
+    lo, hi = byte_bounds(arr)
     want = expected(t, managed, versioned, lo, hi)
     producer = arr.view(Producer)
     producer.capsule = capsule

@@ -36,6 +36,11 @@ import numpy as np
 
 from polyhal.errors import DLPackError
 
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds  # numpy >= 2
+except ImportError:  # numpy 1.26
+    from numpy import byte_bounds as _byte_bounds
+
 __all__ = [
     "DLPACK_VERSION", "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED",
     "DLDeviceType", "ImportedTensor", "MAX_NDIM", "dlpack_dtype", "export_capsule", "from_capsule",
@@ -503,7 +508,7 @@ def producer_bounds(obj: Any) -> tuple[int, int] | None:
     :func:`from_capsule` as ``within``, it refuses a producer whose capsule reaches further."""
     if not isinstance(obj, np.ndarray):
         return None
-    return np.lib.array_utils.byte_bounds(obj)
+    return _byte_bounds(obj)
 
 
 def request_capsule(obj: Any, *, max_version: tuple[int, int] | None = DLPACK_VERSION,
