@@ -15,7 +15,7 @@ import numpy as np
 
 from polyhal.errors import PolyhalError, UsageError
 from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
-                             demo_program)
+                             demo_program, printable)
 from polyhal.ops import OPS
 from polyhal.plan import compile
 from polyhal.policy import selector_for
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     except PolyhalError as exc:  # a CLI prints the error, not a traceback
-        print(f"polyhal: error: {exc}", file=sys.stderr)
+        print(f"polyhal: error: {printable(str(exc))}", file=sys.stderr)  # it may quote a model's names
         return 2
 
 

@@ -25,6 +25,7 @@ import ctypes
 import enum
 import itertools
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -35,10 +36,15 @@ import numpy as np
 from polyhal.errors import DLPackError
 from polyhal.ir.types import STORAGE_DTYPES, storage_dtype
 
+try:
+    from numpy.lib.array_utils import byte_bounds as _byte_bounds  # numpy >= 2
+except ImportError:  # numpy 1.26
+    from numpy import byte_bounds as _byte_bounds
+
 __all__ = [
     "DLPACK_VERSION", "DLPACK_FLAG_BITMASK_READ_ONLY", "DLPACK_FLAG_BITMASK_IS_COPIED",
-    "DLDeviceType", "ImportedTensor", "dlpack_dtype", "export_capsule", "from_capsule",
-    "numpy_dtype", "request_capsule", "reshaped_strides", "row_major_strides",
+    "DLDeviceType", "ImportedTensor", "MAX_NDIM", "dlpack_dtype", "export_capsule", "from_capsule",
+    "numpy_dtype", "producer_bounds", "request_capsule", "reshaped_strides", "row_major_strides",
 ]
 
 #: The (major, minor) DLPack version this module produces; it reads any 1.x.
@@ -394,11 +400,15 @@ class ImportedTensor:
             self._finalizer()
 
 
-def from_capsule(capsule: Any) -> ImportedTensor:
+def from_capsule(capsule: Any, *, within: tuple[int, int] | None = None) -> ImportedTensor:
     """Consume a ``"dltensor_versioned"`` or ``"dltensor"`` capsule and describe its memory.
 
     The capsule is renamed ``"used_..."`` so the producer's destructor leaves the memory alone;
-    from then on the returned tensor is responsible for calling the deleter.
+    from then on the returned tensor is responsible for calling the deleter. A tensor the
+    producer describes impossibly (see :data:`MAX_NDIM`, negative extents, a NULL data pointer
+    with elements, bytes past the end of the address space, or outside ``within``, the
+    ``[start, end)`` addresses of the memory the producer exposes, where that is known: see
+    :func:`producer_bounds`) raises DLPackError and leaves the capsule unconsumed.
     """
     if type(capsule) is not _CAPSULE_TYPE:
         raise DLPackError(f"expected a DLPack capsule, got {type(capsule).__name__}; "
@@ -425,15 +435,11 @@ def from_capsule(capsule: Any) -> ImportedTensor:
         else:
             raise DLPackError(f"capsule named {name!r} is not a DLPack tensor; expected "
                               "'dltensor_versioned' or 'dltensor'")
-        # Read everything before renaming: on error the capsule stays unconsumed and the
-        # producer's destructor frees it.
+        # Read and check everything before renaming: on error the capsule stays unconsumed
+        # and the producer's destructor frees it.
         t = managed.dl_tensor
-        if t.ndim < 0 or (t.ndim > 0 and not t.shape):
-            raise DLPackError(f"malformed DLPack tensor: ndim={t.ndim}, shape pointer "
-                              f"{'set' if t.shape else 'NULL'}; the producer is broken")
         dtype = numpy_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes)
-        shape = tuple(t.shape[i] for i in range(t.ndim))
-        strides = tuple(t.strides[i] for i in range(t.ndim)) if t.strides else row_major_strides(shape)
+        shape, strides = _checked_layout(t, dtype.itemsize, within)
         dev_type = t.device.device_type
         if dev_type in DLDeviceType._value2member_map_:
             dev_type = DLDeviceType(dev_type)
@@ -449,6 +455,61 @@ def from_capsule(capsule: Any) -> ImportedTensor:
     if deleter_ptr:  # DLPack allows a NULL deleter when there is nothing to free
         imported._finalizer = weakref.finalize(imported, _call_deleter, deleter_ptr, managed_ptr)
     return imported
+
+
+#: The most dimensions an imported tensor may have: numpy's (``NPY_MAXDIMS``), past which numpy
+#: refuses a DLPack tensor too, and a bound on how far a lying ``ndim`` makes us read.
+MAX_NDIM = 64
+_ADDRESS_END = 1 << (8 * ctypes.sizeof(ctypes.c_void_p))
+
+
+def _checked_layout(t: DLTensor, itemsize: int, within: tuple[int, int] | None
+                    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape and element strides of ``t``, refused (DLPackError) where the producer's
+    description cannot be right: what numpy's ``from_dlpack`` refuses (too many dimensions,
+    negative extents, more bytes than an address space holds), and the bytes the element
+    strides reach lying outside the address space or outside ``within``."""
+    ndim = t.ndim
+    if not 0 <= ndim <= MAX_NDIM or (ndim and not t.shape):
+        raise DLPackError(f"malformed DLPack tensor: ndim={ndim} with a {'set' if t.shape else 'NULL'} shape "
+                          f"pointer (polyhal, like numpy, reads 0 to {MAX_NDIM} dimensions); the producer is broken")
+    shape = tuple(t.shape[:ndim])
+    if any(n < 0 for n in shape):
+        raise DLPackError(f"malformed DLPack tensor: shape {shape} has a negative extent; the producer is broken")
+    strides = tuple(t.strides[:ndim]) if t.strides else row_major_strides(shape)
+    size = math.prod(shape)
+    if math.prod(max(n, 1) for n in shape) * itemsize > sys.maxsize:  # even when empty, as numpy
+        raise DLPackError(f"malformed DLPack tensor: shape {shape} of {itemsize}-byte elements is more memory "
+                          "than an address space holds; the producer is broken")
+    if any(abs(s) * itemsize > sys.maxsize for s in strides):  # numpy's byte strides would overflow
+        raise DLPackError(f"malformed DLPack tensor: element strides {strides} of {itemsize}-byte elements "
+                          "step further than an address space holds; the producer is broken")
+    if not size:
+        return shape, strides  # no byte is read, so the pointer and strides cannot mislead
+    if not t.data:
+        raise DLPackError(f"malformed DLPack tensor: a NULL data pointer for {size} elements (shape {shape}); "
+                          "the producer is broken")
+    start = t.data + t.byte_offset
+    first = start + itemsize * sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    end = start + itemsize * (sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + 1)
+    lo, hi = within if within is not None else (0, _ADDRESS_END)
+    if first < lo or end > hi or end - first > sys.maxsize:  # the last: no ssize_t can index it
+        where = (f"outside the memory its producer exposes [{lo:#x}, {hi:#x})" if within is not None
+                 else "more than an address space holds" if lo <= first and end <= hi
+                 else "outside the address space")
+        raise DLPackError(f"malformed DLPack tensor: shape {shape} with element strides {strides} from address "
+                          f"{start:#x} (byte_offset {t.byte_offset}) reaches bytes [{first:#x}, {end:#x}), {where}; "
+                          "the producer is broken")
+    return shape, strides
+
+
+def producer_bounds(obj: Any) -> tuple[int, int] | None:
+    """The ``[start, end)`` addresses of the memory ``obj`` exposes, where that is known (a numpy
+    array's, whose ``__dlpack__`` exports exactly that memory); None otherwise. Passed to
+    :func:`from_capsule` as ``within``, it refuses a producer whose capsule reaches further."""
+    if not isinstance(obj, np.ndarray):
+        return None
+    return _byte_bounds(obj)
 
 
 def request_capsule(obj: Any, *, max_version: tuple[int, int] | None = DLPACK_VERSION,

@@ -25,13 +25,23 @@ from polyhal.policy import decision_record, explain_records, format_decisions, s
 if TYPE_CHECKING:
     from polyhal.registry import Registry
 
-__all__ = ["add_explain_parser", "add_policy_arguments", "apply_policy_arguments", "cmd_explain",
+__all__ = ["add_explain_parser", "add_policy_arguments", "apply_policy_arguments", "cmd_explain", "printable",
            "decision_record", "demo_program", "explain_records", "format_decisions"]
 
 
 # --------------------------------------------------------------------------------------------------
 # Command line
 # --------------------------------------------------------------------------------------------------
+
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: every control or format character but newline
+    (escape sequences, carriage returns, bidirectional overrides) shown as its Python escape
+    (``\\x1b``), so that a name a model or a file provides cannot rewrite the screen. The CLI
+    prints every model-provided name through it."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in text)
+
 
 def add_policy_arguments(parser: argparse.ArgumentParser) -> None:
     """``--policy``, ``--device-lead-allocator``, ``--oom-fallback`` (override the environment)."""

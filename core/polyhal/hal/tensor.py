@@ -211,7 +211,8 @@ def from_dlpack(obj: Any, owner_of: "Callable[[tuple[int, int]], Device]", *, de
         return Tensor(obj.buffer, obj.type, obj.offset, obj.strides, obj.readonly)
     capsule = obj if type(obj).__name__ == "PyCapsule" else dlpack.request_capsule(
         obj, copy=True if copy else None, stream=_consumer_stream(obj, owner_of))
-    imported = dlpack.from_capsule(capsule)
+    # A copy the producer made lies outside the memory it exposes, so only a view is bounded.
+    imported = dlpack.from_capsule(capsule, within=None if copy else dlpack.producer_bounds(obj))
     try:
         if any(s < 0 for s in imported.strides):
             raise DLPackError(f"the DLPack tensor has negative strides {imported.strides} (a reversed view), which "

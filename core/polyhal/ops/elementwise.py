@@ -199,12 +199,26 @@ def _infer_cast(x: TensorType, *, dtype, strict=False):
     return (TensorType(x.shape, as_dtype(dtype)),)
 
 
-def check_finite_cast(x: np.ndarray, dtype: np.dtype) -> None:
-    """Refuse converting nan/inf to an integer type (``cast`` with ``strict=True``): the ONNX
-    front end's integer Div is a float division and this cast, so x / 0 is refused here, as
-    onnxruntime refuses it ("Integer division by zero")."""
-    if np.dtype(dtype).kind in "iub" and np.asarray(x).dtype.kind == "f" and not np.isfinite(x).all():
+def check_strict_cast(x: np.ndarray, dtype: np.dtype) -> None:
+    """Refuse converting to an integer type a float that has no value there (``cast`` with
+    ``strict=True``): nan/inf, and (truncated toward zero) values outside the type's range. The
+    ONNX front end's integer Div is a float division and this cast, so x / 0 is refused here, as
+    onnxruntime refuses it ("Integer division by zero"), and so is the minimum divided by -1,
+    which kills onnxruntime (SIGFPE). Two reductions, no per-element Python."""
+    dtype, x = np.dtype(dtype), np.asarray(x)
+    if dtype.kind not in "iub" or x.dtype.kind != "f" or not x.size:
+        return
+    low, high = float(x.min()), float(x.max())  # nan propagates into both
+    if not (math.isfinite(low) and math.isfinite(high)):
         raise ArithmeticDomainError(nonfinite_cast_message(dtype))
+    if dtype.kind == "b":
+        return
+    info = np.iinfo(dtype)
+    if math.trunc(low) < info.min or math.trunc(high) > info.max:  # Python compares these exactly
+        raise ArithmeticDomainError(
+            f"{low if math.trunc(low) < info.min else high:.17g} is outside the range of {dtype} ([{info.min}, "
+            f"{info.max}]): an integer division overflowed (e.g. {info.min} / -1; onnxruntime dies of SIGFPE "
+            "there); keep quotients in range, or divide in a wider type")
 
 
 def nonfinite_cast_message(dtype) -> str:
@@ -215,7 +229,7 @@ def nonfinite_cast_message(dtype) -> str:
 
 def _ref_cast(x, *, dtype, strict=False):
     if strict:
-        check_finite_cast(x, as_dtype(dtype))
+        check_strict_cast(x, as_dtype(dtype))
     return (cast_source(np.asarray(x), as_dtype(dtype)).astype(as_dtype(dtype)),)
 
 
@@ -241,6 +255,7 @@ define("cast", infer=_infer_cast, reference=_ref_cast, sample=_sample_cast, arit
     Convert to element type ``dtype`` (numpy's unsafe casting: floats truncate toward zero when
     converted to integers, integers wrap, nonzero is True). Converting nan/inf or an out-of-range
     float to an integer type gives an unspecified value; with ``strict=True`` converting nan/inf
-    to an integer raises :class:`~polyhal.errors.ArithmeticDomainError` (the CPU backend and
-    import-time folding honour it; other backends may give the unspecified value).
+    (or, on the CPU, a value outside the integer type's range) to an integer raises
+    :class:`~polyhal.errors.ArithmeticDomainError` (the CPU backend and import-time folding honour
+    it; other backends may give the unspecified value).
 """)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from polyhal.errors import DTypeError, ProgramError
+from polyhal.errors import ArithmeticDomainError, DTypeError, ProgramError
 from polyhal.ir.types import TensorType, as_dtype
 from polyhal.ops._base import (
     FLOAT, NUMERIC, bool_attr, broadcast, check_dtype, check_same_dtype, define, narrow, nonzero,
@@ -121,7 +121,16 @@ def _infer_mod(x: TensorType, y: TensorType, *, fmod):
     return (TensorType(broadcast(x.shape, y.shape), dtype),)
 
 
+def check_integer_divisor(y: np.ndarray) -> None:
+    """Refuse an integer ``mod`` by zero (as onnxruntime does: "Integer modulo by zero") rather
+    than give numpy's 0; one reduction over ``y``, nothing for float divisors."""
+    if y.dtype.kind in "iu" and not y.all():
+        raise ArithmeticDomainError(f"integer mod by zero (the {y.dtype} divisor holds 0; onnxruntime refuses it "
+                                    "too); keep divisors nonzero, or compute the remainder in floats")
+
+
 def _ref_mod(x, y, *, fmod=False):
+    check_integer_divisor(np.asarray(y))
     fn = np.fmod if fmod else np.mod
     with np.errstate(all="ignore"):
         return (narrow(fn(wide(x), wide(y)), x.dtype),)
@@ -142,7 +151,8 @@ def _sample_mod(rng: np.random.Generator):
 
 define("mod", infer=_infer_mod, reference=_ref_mod, sample=_sample_mod, arity=2, tolerance=(1e-5, 1e-5), doc="""
     Remainder of x / y. fmod=True: the sign of x (C fmod; floats and integers); fmod=False: the
-    sign of y (floored, Python's %; integers only). Integer division by zero gives 0.
+    sign of y (floored, Python's %; integers only). An integer y holding 0 raises
+    :class:`~polyhal.errors.ArithmeticDomainError` on the CPU (other backends may give 0).
 """)
 
 

@@ -37,7 +37,7 @@ from numpy.polynomial import chebyshev
 
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
-from polyhal.ops.elementwise import cast_source, check_finite_cast
+from polyhal.ops.elementwise import cast_source, check_strict_cast
 from polyhal_cpu import blas, native
 from polyhal_cpu import queue_layout as layout
 # The other kernel modules register the rest of the op set in TABLE when imported.
@@ -324,7 +324,7 @@ def _cast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         target = outs[0].dtype
 
         def strict_kernel(x, out):
-            check_finite_cast(x, target)
+            check_strict_cast(x, target)
             copyto(out, x, casting="unsafe")
         return strict_kernel
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from polyhal.ops.mathfn import check_integer_divisor
 from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
 
 _UNARY = {
@@ -36,9 +37,14 @@ TABLE.register(*_BINARY)(binary_ufuncs(_BINARY))
 @TABLE.register("mod")
 def _mod(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     ufunc = np.fmod if attrs["fmod"] else np.mod
+    if ins[1].dtype.kind in "iu":
+        def integer_kernel(x, y, out):
+            check_integer_divisor(y)  # numpy would give 0 for x % 0
+            ufunc(x, y, out=out)
+        return integer_kernel
 
     def kernel(x, y, out):
-        with np.errstate(divide="ignore", invalid="ignore"):  # integer x % 0 is 0 in numpy
+        with np.errstate(divide="ignore", invalid="ignore"):  # fmod(x, 0) is nan, as IEEE says
             ufunc(x, y, out=out)
     return kernel
 

@@ -23,6 +23,8 @@ import dataclasses
 import json
 import math
 import os
+import secrets
+import stat
 import statistics
 import sys
 import time
@@ -34,7 +36,7 @@ import numpy as np
 import onnx
 
 from polyhal.errors import PolyhalError
-from polyhal.explain import add_policy_arguments, apply_policy_arguments
+from polyhal.explain import add_policy_arguments, apply_policy_arguments, printable
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
 from polyhal.frontends.onnx.staged import StagedOnnxProgram
@@ -307,15 +309,15 @@ def _print_outputs(outputs: dict, print_limit: int) -> None:
     with np.printoptions(threshold=2 * print_limit, edgeitems=print_limit, precision=5, linewidth=100):
         for n, v in outputs.items():
             if v is None:
-                print(f"  output {n}: optional, empty")
+                print(f"  output {printable(n)}: optional, empty")
             elif isinstance(v, list):
-                print(f"  output {n}: sequence of {len(v)} tensors")
+                print(f"  output {printable(n)}: sequence of {len(v)} tensors")
                 for i, e in enumerate(v):
                     print(f"    [{i}] {np.asarray(e).dtype}{list(np.shape(e))}: "
                           + np.array2string(np.asarray(e)).replace("\n", "\n      "))
             else:
                 v = np.asarray(v)
-                print(f"  output {n}: {v.dtype}{list(v.shape)}")
+                print(f"  output {printable(n)}: {v.dtype}{list(v.shape)}")
                 print("    " + np.array2string(v).replace("\n", "\n    "))
 
 
@@ -326,12 +328,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         raise _usage(f"--repeat must be >= 1, got {args.repeat}")
 
     if args.output:  # before the work: an unwritable --output should not cost a run
-        try:
-            Path(args.output).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise _usage(f"--output {args.output}: cannot create the directory ({exc.strerror or exc})") from None
-        if not os.access(args.output, os.W_OK):
-            raise _usage(f"--output {args.output}: the directory is not writable")
+        os.close(_open_output_dir(args.output))
 
     t0 = time.perf_counter()
     model, _ = read_model(args.model)
@@ -392,14 +389,7 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
         raise
 
     if args.output:
-        out_dir = Path(args.output)
-        for name, value in outputs.items():
-            try:
-                if isinstance(value, np.ndarray) and value.dtype == STRING_DTYPE:
-                    value = value.astype(np.str_)  # strings as numpy str: readable without pickle
-                np.save(out_dir / f"{_file_name(name)}.npy", value)
-            except OSError as exc:
-                raise _usage(f"--output {args.output}: cannot write {name!r}: {exc.strerror or exc}") from None
+        write_outputs(args.output, outputs)
     devices_used = sorted({op.device for op in plan.program.ops if op.kind == "dispatch" and op.device})
     timing = {"load_ms": t_load * 1e3, "compile_ms": t_compile * 1e3, "runs": len(times),
               "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3}
@@ -432,18 +422,18 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
     print(f"{args.model}: opset {program.opset}, {program.node_count} nodes -> {len(program.ops)} ops on "
           f"{', '.join(devices_used) or '(none)'}")
     for n, x in feeds.items():
-        print(f"  input  {n}: {x.dtype}{list(x.shape)} ({sources[n]})")
+        print(f"  input  {printable(n)}: {x.dtype}{list(x.shape)} ({sources[n]})")
     for n, x in program.frozen.items():
-        print(f"  input  {n}: {x.dtype}{list(x.shape)} (file, fixed at import)")
+        print(f"  input  {printable(n)}: {x.dtype}{list(x.shape)} (file, fixed at import)")
     for d in defaulted:
-        print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
+        print(f"  dim    {printable(d['dim'])} = {d['size']} (default; give --dim/--shape to change it)")
     _print_outputs(outputs, args.print_limit)
     if args.output:
         print(f"outputs written to {args.output}/")
     if args.explain:
-        print(program.explain(plan))
+        print(printable(program.explain(plan)))
     if args.profile:
-        print(profile.table())
+        print(printable(profile.table()))
         records = _pass_records(plan)
         if records:
             print(f"compile passes ({sum(r.seconds for r in records) * 1e3:.1f} ms):")
@@ -512,12 +502,7 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
         elif value is not None:
             flat[name] = np.asarray(value)
     if args.output:
-        for name, value in flat.items():
-            try:
-                np.save(Path(args.output) / f"{_file_name(name)}.npy",
-                        value.astype(np.str_) if value.dtype == STRING_DTYPE else value)
-            except OSError as exc:
-                raise _usage(f"--output {args.output}: cannot write {name!r}: {exc.strerror or exc}") from None
+        write_outputs(args.output, flat)
     timing = {"load_ms": t_load * 1e3, "compile_ms": t_compile * 1e3, "runs": len(times),
               "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3}
     if args.json:
@@ -539,14 +524,14 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
         return 0
     print(f"{args.model}: opset {program.opset}, staged (device plans joined by host control flow)")
     for n, x in feeds.items():
-        print(f"  input  {n}: {np.asarray(x).dtype}{list(np.shape(x))} ({sources[n]})")
+        print(f"  input  {printable(n)}: {np.asarray(x).dtype}{list(np.shape(x))} ({sources[n]})")
     for d in defaulted:
-        print(f"  dim    {d['dim']} = {d['size']} (default; give --dim/--shape to change it)")
+        print(f"  dim    {printable(d['dim'])} = {d['size']} (default; give --dim/--shape to change it)")
     _print_outputs(outputs, args.print_limit)
     if args.output:
         print(f"outputs written to {args.output}/")
     if args.explain:
-        print(program.explain(plan))
+        print(printable(program.explain(plan)))
     print(f"{len(times)} run(s): median {timing['median_ms']:.3f} ms (load {timing['load_ms']:.1f} ms, first "
           f"segment compiles {timing['compile_ms']:.1f} ms; segments compile on first use)")
     return 0
@@ -572,6 +557,63 @@ def _run_repeatedly(program, plan, feeds: dict, repeat: int) -> tuple[dict, list
     if progress:
         progress.close()
     return outputs, times
+
+
+# ------------------------------------------------------------------------------------ output
+
+def _open_output_dir(path: str) -> int:
+    """Create the ``--output`` folder (and its parents) and open it; a usage error where it cannot
+    be, is not writable, or where a component of the path is a symbolic link that another user
+    (not root) owns: such a link, planted in a shared folder, would send the outputs anywhere."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _usage(f"--output {path}: cannot create the directory ({exc.strerror or exc})") from None
+    prefix = Path(os.getcwd(), path)  # as given: ".." must be resolved by the kernel, through the links
+    for depth in range(1, len(prefix.parts) + 1):
+        try:
+            info = os.lstat(Path(*prefix.parts[:depth]))
+        except OSError as exc:
+            raise _usage(f"--output {path}: cannot inspect it ({exc.strerror or exc})") from None
+        if stat.S_ISLNK(info.st_mode) and info.st_uid not in (os.getuid(), 0):
+            raise _usage(f"--output {path}: {printable(str(Path(*prefix.parts[:depth])))} is a symbolic link owned "
+                         f"by another user (uid {info.st_uid}), which polyhal does not write through; choose a folder "
+                         "you own")
+    if not os.access(path, os.W_OK):
+        raise _usage(f"--output {path}: the directory is not writable")
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def write_outputs(path: str, arrays: dict[str, Any]) -> None:
+    """Save each array as ``path/NAME.npy`` (string tensors as numpy ``str``, readable without
+    pickle). Each file is written to a fresh name (``O_EXCL | O_NOFOLLOW``) in the opened folder
+    and renamed over ``NAME.npy``, so neither a symbolic link nor a hard link planted there is
+    written through; a symbolic link at ``NAME.npy`` is refused."""
+    folder = _open_output_dir(path)
+    try:
+        for name, value in arrays.items():
+            value = np.asarray(value)
+            if value.dtype == STRING_DTYPE:
+                value = value.astype(np.str_)
+            file = f"{_file_name(name)}.npy"
+            try:
+                if stat.S_ISLNK(os.lstat(file, dir_fd=folder).st_mode):
+                    raise _usage(f"--output {path}: {file} is a symbolic link, which polyhal does not write "
+                                 "through; remove it or choose another folder")
+            except FileNotFoundError:
+                pass
+            temporary = f".{file}.{secrets.token_hex(6)}.tmp"
+            try:
+                fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666, dir_fd=folder)
+                with os.fdopen(fd, "wb") as f:
+                    np.save(f, value)
+                os.replace(temporary, file, src_dir_fd=folder, dst_dir_fd=folder)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=folder)
+                raise _usage(f"--output {path}: cannot write {name!r}: {exc.strerror or exc}") from None
+    finally:
+        os.close(folder)
 
 
 def _kind(value: Any) -> str:

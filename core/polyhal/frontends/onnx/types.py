@@ -75,7 +75,8 @@ def is_strings(x: Any) -> bool:
 def as_strings(x: Any, what: str) -> np.ndarray:
     """``x`` as an array of Python ``str`` (dtype object): from numpy ``str_``/``bytes_``
     arrays (bytes decode as UTF-8), object arrays of str/bytes, or lists. OnnxInputError
-    naming ``what`` for anything else (numbers are not silently turned into text)."""
+    naming ``what`` for anything else (numbers are not silently turned into text) and for
+    bytes that are not UTF-8."""
     arr = np.asarray(x, dtype=object if isinstance(x, (list, tuple)) else None)
     if arr.dtype.kind not in "OUS":
         raise OnnxInputError(f"{what} holds strings, got an array of {arr.dtype}; give a numpy array of str "
@@ -84,7 +85,13 @@ def as_strings(x: Any, what: str) -> np.ndarray:
     flat = out.reshape(-1)
     for i, item in enumerate(arr.reshape(-1)):
         if isinstance(item, bytes):
-            item = item.decode("utf-8")
+            try:
+                item = item.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                index = tuple(int(k) for k in np.unravel_index(i, arr.shape)) if arr.ndim else ()
+                raise OnnxInputError(f"{what}: element {list(index)} ({item[:32]!r}) is not UTF-8 ({exc.reason} at "
+                                     f"byte {exc.start}); ONNX strings are UTF-8: decode the bytes with their own "
+                                     "encoding and pass str") from None
         elif not isinstance(item, str):
             raise OnnxInputError(f"{what} holds strings, got an element of type {type(item).__name__} "
                                  f"({item!r}); give a numpy array of str")

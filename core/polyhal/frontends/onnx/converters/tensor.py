@@ -138,10 +138,14 @@ def _split(ctx: NodeContext) -> list:
         split = ctx.const(1, "the split sizes")
     if split is not None:
         sizes = ints(split)
+        if any(size < 0 for size in sizes):  # they would still add up, as slices from the end
+            raise OnnxModelError(f"split sizes {sizes} must be >= 0 (onnxruntime refuses them too)")
         if sum(sizes) != dim or len(sizes) != n:
             raise OnnxModelError(f"split sizes {sizes} do not add up to dim {dim} over {n} outputs")
     elif ctx.opset >= 18 and ctx.has_attr("num_outputs"):
         k = int(ctx.attr("num_outputs"))
+        if k < 1:
+            raise OnnxModelError(f"Split's num_outputs must be >= 1, got {k}")
         chunk = -(-dim // k)
         sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(k)]
     else:
