@@ -20,7 +20,8 @@ from polyhal.hal.tensor import Tensor
 from polyhal.hookspecs import API_VERSION, hookimpl, hookspec
 from polyhal.ir.program import Program, ProgramBuilder
 from polyhal.ir.types import Affinity, Optimal, TensorType
-from polyhal.passes.pipeline import DEFAULT_PIPELINE, Compilation, Pass, PassRegistration, Pipeline
+from polyhal.passes.fusion import Fusion
+from polyhal.passes.pipeline import DEFAULT_PIPELINE, Compilation, Pass, PassRegistration, Pipeline, fusion_pass
 from polyhal.plan import Plan, compile
 from polyhal.registry import Registry, default_registry, devices, get_device
 from polyhal.target import Target
@@ -28,11 +29,11 @@ from polyhal.target import Target
 __version__ = "0.1.0"
 
 __all__ = [
-    "API_VERSION", "ANY_QUEUE", "Compilation", "DEFAULT_PIPELINE", "Pass", "PassRegistration", "Pipeline", "Target", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
+    "API_VERSION", "ANY_QUEUE", "Compilation", "DEFAULT_PIPELINE", "Fusion", "Pass", "PassRegistration", "Pipeline", "Target", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
     "BufferCompatibility", "BufferKind", "BufferUsage", "DLPackError", "DTypeError", "Device",
     "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelNotFoundError", "KernelTable",
     "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Plan",
     "PipelineError", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
     "ShapeError", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
-    "empty", "from_dlpack", "get_device", "hookimpl", "hookspec", "run_op",
+    "empty", "from_dlpack", "fusion_pass", "get_device", "hookimpl", "hookspec", "run_op",
 ]
