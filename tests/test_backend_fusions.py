@@ -10,6 +10,7 @@ for.
 
 from __future__ import annotations
 
+import importlib
 import os
 import re
 import subprocess
@@ -232,16 +233,28 @@ def test_backend_op_names_are_namespaced_and_clashes_are_refused():
     import polyhal_cpu.ops  # noqa: F401  (defines the CPU's own ops)
 
     schema = dict(infer=lambda x: (x,), reference=lambda x: (x,), sample=lambda rng: ([], {}), arity=1)
-    with pytest.raises(PluginError, match=r"cannot define op 'conv'.*'mine\.<name>'.*'conv' is a core op"):
-        KernelTable("mine").define("conv", **schema)
-    with pytest.raises(PluginError, match=r"cannot define op 'other\.thing'.*'mine\.<name>'"):
+    with pytest.raises(PluginError, match=r"mine \(.*test_backend_fusions\): cannot define op 'other\.thing': a "
+                                          r"backend's own op is named 'mine\.<name>'"):
         KernelTable("mine").define("other.thing", **schema)
-    with pytest.raises(PluginError, match=r"cpu \(.*test_backend_fusions\): op 'cpu\.scale_shift_conv' is already "
-                                          r"defined by backend 'cpu' in polyhal_cpu\.ops; two plugins share"):
+    with pytest.raises(PluginError, match=r"cannot define op 'conv': a backend's own op is named 'mine\.<name>'; "
+                                          r"'conv' is the core \(polyhal\.ops\.nn\)'s"):
+        KernelTable("mine").define("conv", **schema)
+    with pytest.raises(PluginError, match=r"cannot define op 'mine\.conv': it would shadow the core "
+                                          r"\(polyhal\.ops\.nn\)'s op 'conv'; register a kernel for 'conv'"):
+        KernelTable("mine").define("mine.conv", **schema)
+    with pytest.raises(PluginError, match=r"cannot define op 'cpu\.blocked_conv': a backend's own op is named "
+                                          r"'mine\.<name>'; 'cpu\.blocked_conv' is backend 'cpu' \(polyhal_cpu\.ops\)'s"):
+        KernelTable("mine").define("cpu.blocked_conv", **schema)
+    with pytest.raises(PluginError, match=r"cpu \(.*test_backend_fusions\): cannot define op 'cpu\.scale_shift_conv': "
+                                          r"it is already backend 'cpu' \(polyhal_cpu\.ops\)'s; two plugins share"):
         KernelTable("cpu").define("cpu.scale_shift_conv", **schema)
-    with pytest.raises(PluginError, match=r"'cpu\.blocked_conv': it is backend 'cpu'.s own op \(defined in "
-                                          r"polyhal_cpu\.ops\)"):
+    with pytest.raises(PluginError, match=r"cannot register a kernel for 'cpu\.blocked_conv': it is backend 'cpu' "
+                                          r"\(polyhal_cpu\.ops\)'s own op"):
         KernelTable("mine").register("cpu.blocked_conv")(lambda *a: None)
+    # the module that defined an op may define it again (a plugin imported anew)
+    before = OPS["cpu.blocked_conv"]
+    importlib.reload(polyhal_cpu.ops)
+    assert OPS["cpu.blocked_conv"] is not before and OPS["cpu.blocked_conv"].backend == "cpu"
     # a fallback serves the core op set, never a backend's own op
     table = KernelTable("mine", fallback=lambda *a: (lambda *arrays: None))
     assert table.kernel_names == frozenset(n for n, d in core_ops().items() if not d.fused)

@@ -184,11 +184,9 @@ class KernelTable:
                     raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: no such op is defined "
                                       f"(a backend's own op is defined first: TABLE.define('{self.backend}.<name>', "
                                       "...))")
-                owner = OPS[n].backend
-                if owner is not None and owner != self.backend:
-                    raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: it is backend {owner!r}'s "
-                                      f"own op (defined in {_DEFINED_IN.get(n, '?')}); a table serves core ops "
-                                      f"and its own ({self.backend}.*)")
+                if OPS[n].backend not in (None, self.backend):
+                    raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: it is {_owner(n)}'s own "
+                                      f"op; a table serves core ops and its own ({self.backend}.*)")
                 if n in self.builders:
                     raise PluginError(f"{self.backend}: op {n!r} has two kernels, "
                                       f"{_name(self.builders[n])} and {_name(builder)}; register one")
@@ -201,28 +199,34 @@ class KernelTable:
         return deco
 
     def define(self, name: str, *, infer: Callable[..., Any], reference: Callable[..., Any],
-               sample: Callable[..., Any], arity: int | tuple[int, int | None], tolerance: tuple[float, float] = DEFAULT_TOLERANCE,
-               doc: str = "", fused: bool = True, contraction: bool = False) -> Any:
+               sample: Callable[..., Any], arity: int | tuple[int, int | None],
+               tolerance: tuple[float, float] = DEFAULT_TOLERANCE, doc: str = "", fused: bool = True,
+               contraction: bool = False) -> Any:
         """Define an op of this backend's own (see the module docstring): ``name`` is
         ``"<backend>.<op>"``; the other arguments are :func:`polyhal.ops._base.define`'s (``fused``
         defaults to True: such ops are what this backend's passes and layouts create). Returns
-        the :class:`~polyhal.ops.OpDef`. A name outside this backend's namespace, or one already
-        defined (a core op, another backend's, or this backend's from another module), is a
-        PluginError naming both definitions; the module that defined it may define it again
-        (a re-imported plugin)."""
+        the :class:`~polyhal.ops.OpDef`.
+
+        A PluginError naming both definitions refuses a name outside this backend's namespace,
+        one whose ``<op>`` is a core op's name (serve the core op instead: register a kernel for
+        it), and one already defined by another module (another backend's op, or a second plugin
+        with this backend's name); the module that defined it may define it again (a re-imported
+        plugin)."""
         module = sys._getframe(1).f_globals.get("__name__", "?")  # the plugin module defining it, for messages
+        me = f"{self.backend} ({module}): cannot define op {name!r}"
         prefix = f"{self.backend}."
-        if not isinstance(name, str) or not name.startswith(prefix) or not name[len(prefix):].isidentifier():
-            core = f"; {name!r} is a core op (polyhal.ops) and cannot be defined again" if name in OPS \
-                and OPS[name].backend is None else ""
-            raise PluginError(f"{self.backend} ({module}): cannot define op {name!r}: a backend's own op is named "
-                              f"'{prefix}<name>' (e.g. {prefix}{str(name).rsplit('.', 1)[-1]}){core}")
         existing = OPS.get(name)
+        if not isinstance(name, str) or not name.startswith(prefix) or not name[len(prefix):].isidentifier():
+            taken = f"; {name!r} is {_owner(name)}'s" if existing is not None else ""
+            raise PluginError(f"{me}: a backend's own op is named '{prefix}<name>'{taken}")
+        short = name[len(prefix):]
+        if short in OPS and OPS[short].backend is None:
+            raise PluginError(f"{me}: it would shadow {_owner(short)}'s op {short!r}; register a kernel for {short!r} "
+                              "to serve it, or give your op a name of its own")
         if existing is not None:
             if _DEFINED_IN.get(name) != module:
-                raise PluginError(f"{self.backend} ({module}): op {name!r} is already defined by backend "
-                                  f"{existing.backend!r} in {_DEFINED_IN.get(name, '?')}; two plugins share the backend "
-                                  f"name {self.backend!r}: rename one backend (its KernelTable and devices)")
+                raise PluginError(f"{me}: it is already {_owner(name)}'s; two plugins share the backend name "
+                                  f"{self.backend!r}: rename one backend (its KernelTable and devices)")
             del OPS[name]  # the same module, imported again: its definition replaces the old one
         opdef = define(name, infer=infer, reference=reference, sample=sample, arity=arity, tolerance=tolerance,
                        doc=doc, fused=fused, contraction=contraction, backend=self.backend)
@@ -314,6 +318,13 @@ class KernelTable:
             raise KernelNotFoundError(f"{self.backend}: the kernel of {op!r} has no code for "
                                       f"{', '.join(map(str, in_types))} -> {', '.join(map(str, out_types))}")
         return self.fallback(device, op, resolved, in_types, out_types, scratch or None)
+
+
+def _owner(op: str) -> str:
+    """Who defined ``op``, for messages: ``the core (polyhal.ops.nn)``, ``backend 'cpu' (polyhal_cpu.ops)``."""
+    opdef = OPS[op]
+    where = _DEFINED_IN.get(op) or getattr(opdef.reference, "__module__", "?")
+    return f"{'the core' if opdef.backend is None else f'backend {opdef.backend!r}'} ({where})"
 
 
 def _name(f: Any) -> str:

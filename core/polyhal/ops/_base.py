@@ -226,6 +226,7 @@ def _without_precision(reference: Callable[..., Any]) -> Callable[..., Any]:
     def ref(*inputs: Any, precision: str = "fp32", **attrs: Any) -> Any:
         return reference(*inputs, **attrs)
     ref.__name__, ref.__qualname__, ref.__doc__ = reference.__name__, reference.__qualname__, reference.__doc__
+    ref.__module__ = reference.__module__
     return ref
 
 

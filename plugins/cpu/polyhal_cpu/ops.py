@@ -28,15 +28,6 @@ from polyhal_cpu.table import TABLE
 
 __all__ = ["BLOCKED_CONV", "SCALE_SHIFT_CONV"]
 
-#: The prologue's attributes -> ``scale_shift``'s.
-_PROLOGUE = {"pre_activation": "activation", "pre_alpha": "alpha", "pre_beta": "beta"}
-
-
-def _split(attrs: dict) -> tuple[dict, dict]:
-    """``(fused_conv's attributes, scale_shift's)`` of a scale_shift_conv's."""
-    return ({k: v for k, v in attrs.items() if k not in _PROLOGUE},
-            {_PROLOGUE[k]: v for k, v in attrs.items() if k in _PROLOGUE})
-
 
 def _infer_scale_shift_conv(x, scale, shift, w, b, r=None, *, strides, pads, dilations, group, activation, alpha,
                             beta, pre_activation, pre_alpha, pre_beta):
