@@ -229,25 +229,34 @@ def test_a_claim_without_a_kernel_is_refused_and_the_compile_goes_on(install_plu
     np.testing.assert_allclose(plan.run_numpy(x, y)[0], np.maximum(x + y, 0), rtol=1e-6)
 
 
-def test_backend_op_names_are_namespaced_and_clashes_are_refused():
+#: (backend, op it defines, what the refusal says): names outside the namespace, a core op's
+#: name, another backend's op, a second plugin with the CPU's backend name.
+REFUSED_NAMES = [
+    ("mine", "other.thing", r"mine \(.*test_backend_fusions\): cannot define op 'other\.thing': a backend's own op "
+                            r"is named 'mine\.<name>'$"),
+    ("mine", "conv", r"cannot define op 'conv': a backend's own op is named 'mine\.<name>'; 'conv' is the core "
+                     r"\(polyhal\.ops\.nn\)'s"),
+    ("mine", "mine.conv", r"cannot define op 'mine\.conv': it would shadow the core \(polyhal\.ops\.nn\)'s op "
+                          r"'conv'; register a kernel for 'conv'"),
+    ("mine", "cpu.blocked_conv", r"a backend's own op is named 'mine\.<name>'; 'cpu\.blocked_conv' is backend 'cpu' "
+                                 r"\(polyhal_cpu\.ops\)'s"),
+    ("cpu", "cpu.scale_shift_conv", r"cpu \(.*test_backend_fusions\): cannot define op 'cpu\.scale_shift_conv': it is "
+                                    r"already backend 'cpu' \(polyhal_cpu\.ops\)'s; two plugins share"),
+]
+
+
+@pytest.mark.parametrize("backend, name, refusal", REFUSED_NAMES)
+def test_a_backend_op_name_outside_its_namespace_or_taken_is_refused(backend, name, refusal):
     import polyhal_cpu.ops  # noqa: F401  (defines the CPU's own ops)
 
-    schema = dict(infer=lambda x: (x,), reference=lambda x: (x,), sample=lambda rng: ([], {}), arity=1)
-    with pytest.raises(PluginError, match=r"mine \(.*test_backend_fusions\): cannot define op 'other\.thing': a "
-                                          r"backend's own op is named 'mine\.<name>'"):
-        KernelTable("mine").define("other.thing", **schema)
-    with pytest.raises(PluginError, match=r"cannot define op 'conv': a backend's own op is named 'mine\.<name>'; "
-                                          r"'conv' is the core \(polyhal\.ops\.nn\)'s"):
-        KernelTable("mine").define("conv", **schema)
-    with pytest.raises(PluginError, match=r"cannot define op 'mine\.conv': it would shadow the core "
-                                          r"\(polyhal\.ops\.nn\)'s op 'conv'; register a kernel for 'conv'"):
-        KernelTable("mine").define("mine.conv", **schema)
-    with pytest.raises(PluginError, match=r"cannot define op 'cpu\.blocked_conv': a backend's own op is named "
-                                          r"'mine\.<name>'; 'cpu\.blocked_conv' is backend 'cpu' \(polyhal_cpu\.ops\)'s"):
-        KernelTable("mine").define("cpu.blocked_conv", **schema)
-    with pytest.raises(PluginError, match=r"cpu \(.*test_backend_fusions\): cannot define op 'cpu\.scale_shift_conv': "
-                                          r"it is already backend 'cpu' \(polyhal_cpu\.ops\)'s; two plugins share"):
-        KernelTable("cpu").define("cpu.scale_shift_conv", **schema)
+    with pytest.raises(PluginError, match=refusal):
+        KernelTable(backend).define(name, infer=lambda x: (x,), reference=lambda x: (x,),
+                                    sample=lambda rng: ([], {}), arity=1)
+
+
+def test_a_table_serves_core_ops_and_its_own():
+    import polyhal_cpu.ops
+
     with pytest.raises(PluginError, match=r"cannot register a kernel for 'cpu\.blocked_conv': it is backend 'cpu' "
                                           r"\(polyhal_cpu\.ops\)'s own op"):
         KernelTable("mine").register("cpu.blocked_conv")(lambda *a: None)

@@ -179,13 +179,13 @@ def check_claims(plugin: str, pass_: Pass, registry: "Registry") -> None:
     kernels for). Else a PluginError naming the plugin, the pass and each op, and what to do."""
     if not pass_.creates:
         return
+    specs = registry.specs_of_plugin(plugin)  # asks that plugin only: no other backend's driver loads
     served: set[str] = set()
-    for spec in registry.device_specs():
-        if spec.plugin == plugin:
-            try:
-                served |= registry.kernel_names(spec.name)
-            except PolyhalError:  # a device that cannot be created serves nothing; `polyhal devices` says why
-                pass
+    for spec in specs:
+        try:
+            served |= spec.kernel_names if spec.kernel_names is not None else registry.kernel_names(spec.name)
+        except PolyhalError:  # a device that cannot be created serves nothing; `polyhal devices` says why
+            pass
     missing = [op for op in pass_.creates if op not in served]
     if not missing:
         return
@@ -196,7 +196,7 @@ def check_claims(plugin: str, pass_: Pass, registry: "Registry") -> None:
         f"no device of plugin {plugin!r} has a kernel for {', '.join(repr(op) for op in missing if op in OPS)} "
         f"(register one: @TABLE.register(name))" if len(undefined) < len(missing) else "",
     ]))
-    devices = [s.name for s in registry.device_specs() if s.plugin == plugin]
+    devices = [s.name for s in specs]
     raise PluginError(f"pass {pass_.name!r} claims a fusion into {', '.join(map(repr, missing))}, which plugin "
                       f"{plugin!r} cannot run: {why}; its devices: {', '.join(devices) or 'none'}. The compile goes "
                       "on without that fusion")
