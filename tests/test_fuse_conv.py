@@ -9,7 +9,9 @@ import pytest
 
 import polyhal
 import polyhal.onnx
-from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_conv_prologue, fuse_scale_shift
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift
+from polyhal.passes.fusion import always
+from polyhal_cpu.fusions import fuse_conv_prologue
 
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
@@ -123,7 +125,7 @@ def test_depthwise_bn_hardswish(tmp_path):
     assert _ops(plan) == ["fused_conv"]
     # By default the depthwise conv runs channel-blocked: a relayout at each edge of the graph.
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
-    assert _ops(plan) == ["pack", "blocked_conv", "unpack"]
+    assert _ops(plan) == ["pack", "cpu.blocked_conv", "unpack"]
 
 
 def test_weights_from_an_input_do_not_fold(tmp_path):
@@ -185,14 +187,15 @@ def test_norm_after_a_concat_fuses_to_scale_shift(activation, tmp_path):
         y = g.node(activation, y)
     y = g.node("Conv", y, g.const(_f(4, 8, 1, 1, scale=0.3)))
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
-    assert _ops(plan) == ["relu", "concat", "scale_shift_conv"]
+    assert _ops(plan) == ["relu", "concat", "cpu.scale_shift_conv"]
     op = plan.program.ops[2]
     assert op.attr_dict["pre_activation"] == {None: "none", "Relu": "relu", "Sigmoid": "sigmoid",
                                               "HardSwish": "hard_swish"}[activation]
     assert op.attr_dict["activation"] == "none"
     explained = plan.explain()
     assert "fused scale_shift: mul + add" in explained
-    assert "fused prologue: scale_shift + conv -> scale_shift_conv" in explained
+    assert "fused prologue: scale_shift + conv -> cpu.scale_shift_conv" in explained
+    assert "cpu-fuse-conv-prologue:" in explained  # the CPU's own pass, which it registers
 
 
 def _normalised_convs(g: _Graph, x: str) -> str:
@@ -210,16 +213,16 @@ def test_norm_before_convs_becomes_their_prologue(tmp_path):
     g = _Graph()
     y = _normalised_convs(g, _normalised_convs(g, g.node("Concat", "x", g.node("Relu", "x"), axis=1)))
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
-    assert _ops(plan) == ["relu", "concat"] + ["scale_shift_conv"] * 4
+    assert _ops(plan) == ["relu", "concat"] + ["cpu.scale_shift_conv"] * 4
     ops = plan.program.ops[2:]
     assert [(op.attr_dict["pre_activation"], op.attr_dict["activation"]) for op in ops] == \
         [("relu", "none"), ("relu", "relu")] * 2
     assert [op.attr_dict["pads"] for op in ops] == [(0, 0, 0, 0), (1, 1, 1, 1)] * 2
     assert all(len(op.inputs) == 6 for op in ops)  # x, scale, shift, w, b (zeros for the 1x1), residual
     assert [f.kind for f in plan.placement.fusions].count("prologue") == 4
-    # the convs form a dense chain, prologue or not, whose encodes all fold on the CPU
+    # convs with a prologue are the CPU's own ops, outside the core's conv chains: no encodes
     report = plan.placement.encodings
-    assert len(report.encodes) == 4 * 4 and report.folded == len(report.encodes) and report.encode_dispatches == 0
+    assert report.encodes == [] and report.encode_dispatches == 0
 
 
 def test_norm_read_twice_or_before_a_pool_keeps_its_scale_shift(tmp_path):
@@ -242,7 +245,7 @@ def test_norm_read_twice_or_before_a_pool_keeps_its_scale_shift(tmp_path):
 
 
 def test_prologue_asks_the_gate_and_leaves_its_input_alone():
-    """The pass asks ``fusible("scale_shift_conv", (scale_shift, conv))``; a no leaves the
+    """The pass asks ``fusible("cpu.scale_shift_conv", (scale_shift, conv))``; a no leaves the
     program as it was, and a conv reading the normalised map other than as its input (a
     residual) does not take it."""
     b = polyhal.ProgramBuilder()
@@ -257,9 +260,9 @@ def test_prologue_asks_the_gate_and_leaves_its_input_alone():
     before = [str(op) for op in program.ops]
     asked = []
     same, none = fuse_conv_prologue(program, lambda fused, ops: asked.append((fused, [o.name for o in ops])) or False)
-    assert same is program and none == [] and asked == [("scale_shift_conv", ["scale_shift", "conv"])]
-    fused, changes = fuse_conv_prologue(program)
-    assert [op.name for op in fused.ops] == ["scale_shift_conv", "scale_shift", "fused_conv"]
+    assert same is program and none == [] and asked == [("cpu.scale_shift_conv", ["scale_shift", "conv"])]
+    fused, changes = fuse_conv_prologue(program, always)
+    assert [op.name for op in fused.ops] == ["cpu.scale_shift_conv", "scale_shift", "fused_conv"]
     assert [c.kind for c in changes] == ["prologue"] and [str(op) for op in program.ops] == before
     attrs = fused.ops[0].attr_dict
     assert (attrs["pre_activation"], attrs["activation"], attrs["pads"]) == ("relu", "none", (1, 1, 1, 1))
@@ -345,13 +348,13 @@ def _inverted_residual(tmp_path):
 
 def test_depthwise_chain_stays_channel_blocked_between_its_convs(tmp_path):
     plan = _compile_and_compare(_inverted_residual(tmp_path), {"x": X})
-    assert _ops(plan) == ["pack", "blocked_conv", "blocked_conv", "blocked_conv", "unpack"]
+    assert _ops(plan) == ["pack", "cpu.blocked_conv", "cpu.blocked_conv", "cpu.blocked_conv", "unpack"]
     report = plan.placement.encodings
     assert report.encode_dispatches == 2  # the graph's two edges
     explained = plan.explain()
     assert "channel-blocked<NCHW8c" in explained and "a set/unset pair" in explained
     # profiles name the ONNX nodes of each blocked step
-    nodes = [r["node"] for r in plan.profile(x=X).rows() if r["op"] == "blocked_conv"]
+    nodes = [r["node"] for r in plan.profile(x=X).rows() if r["op"] == "cpu.blocked_conv"]
     assert len(nodes) == 3 and all("(Conv) + " in n for n in nodes), nodes
 
 
@@ -363,7 +366,7 @@ def test_a_stem_conv_reads_its_image_as_it_lies_into_the_chain(tmp_path):
     y = g.node("Add", g.conv_bn(g.node("Relu", g.conv_bn(h, 8, 8, group=8)), 8, 8, k=1), h)
     x = _f(2, 3, 17, 15)
     plan = _compile_and_compare(g.save(tmp_path, y, x_shape=x.shape), {"x": x})
-    assert _ops(plan) == ["blocked_conv", "blocked_conv", "blocked_conv", "unpack"]
+    assert _ops(plan) == ["cpu.blocked_conv", "cpu.blocked_conv", "cpu.blocked_conv", "unpack"]
 
 
 def test_chains_without_a_depthwise_conv_stay_nchw(tmp_path):
@@ -400,7 +403,7 @@ def test_blocked_layout_on_a_device_without_it_is_explained(tmp_path):
     if "opencl:0" not in names:
         pytest.skip("no OpenCL device here")
     plan = _compile_and_compare(_inverted_residual(tmp_path), {"x": X}, device="opencl:0")
-    assert "blocked_conv" not in _ops(plan) and "pack" not in _ops(plan)
+    assert "cpu.blocked_conv" not in _ops(plan) and "pack" not in _ops(plan)
     assert "identity layout" in plan.explain()
 
 
@@ -415,7 +418,7 @@ def test_squeeze_excite_block_stays_channel_blocked(tmp_path):
     plan = _compile_and_compare(g.save(tmp_path, y), {"x": X})
     ops = _ops(plan)
     assert ops.count("pack") == 1 and ops.count("unpack") == 1, ops
-    assert ops.count("blocked_conv") == 4 and "reduce_mean" in ops and "mul" in ops
+    assert ops.count("cpu.blocked_conv") == 4 and "reduce_mean" in ops and "mul" in ops
 
 
 @pytest.mark.parametrize("bias", [False, True])

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from polyhal.eager import run_op
     from polyhal.hal.kernels import KernelTable
     from polyhal.ir.program import Program, ProgramBuilder
-    from polyhal.passes.pipeline import DEFAULT_PIPELINE, Compilation, Pass, PassRegistration, Pipeline
+    from polyhal.passes.fusion import Fusion
+    from polyhal.passes.pipeline import DEFAULT_PIPELINE, Compilation, Pass, PassRegistration, Pipeline, fusion_pass
     from polyhal.plan import Plan, compile
     from polyhal.target import Target
 
@@ -40,18 +41,19 @@ __version__ = "0.1.0"
 #: Names imported on first use (PEP 562), and the module of each.
 _ON_FIRST_USE = {"KernelTable": "polyhal.hal.kernels", "Plan": "polyhal.plan", "Program": "polyhal.ir.program",
                  "ProgramBuilder": "polyhal.ir.program", "compile": "polyhal.plan", "run_op": "polyhal.eager",
-                 "Target": "polyhal.target", **dict.fromkeys(
-                     ("DEFAULT_PIPELINE", "Compilation", "Pass", "PassRegistration", "Pipeline"), "polyhal.passes.pipeline")}
+                 "Target": "polyhal.target", "Fusion": "polyhal.passes.fusion", **dict.fromkeys(
+                     ("DEFAULT_PIPELINE", "Compilation", "Pass", "PassRegistration", "Pipeline", "fusion_pass"),
+                     "polyhal.passes.pipeline")}
 
 __all__ = [
     "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
     "BufferCompatibility", "BufferKind", "BufferUsage", "Compilation", "DEFAULT_PIPELINE", "DLPackError", "DTypeError",
-    "Device", "DeviceNotFoundError", "DeviceSpec", "Heap", "IncompatibleBufferError", "KernelError",
+    "Device", "DeviceNotFoundError", "DeviceSpec", "Fusion", "Heap", "IncompatibleBufferError", "KernelError",
     "KernelNotFoundError",
     "KernelTable", "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Pass",
     "PassRegistration", "Pipeline", "PipelineError", "Plan", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
     "ShapeError", "Target", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
-    "empty", "from_dlpack", "get_device", "hookimpl", "hookspec", "run_op",
+    "empty", "from_dlpack", "fusion_pass", "get_device", "hookimpl", "hookspec", "run_op",
 ]
 
 

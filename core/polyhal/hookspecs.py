@@ -342,20 +342,27 @@ def register_passes() -> Iterable["PassRegistration"]:
     a requirement no earlier pass provides), is left out with a warning naming the plugin; the
     other plugins' passes still run. A pass's own exception fails that compile, naming the pass.
 
+    A backend claims a fusion this way (as onnxruntime's execution providers claim the nodes they
+    fuse): its pass, made with :func:`polyhal.fusion_pass`, names in ``creates`` the ops it may
+    create -- usually the backend's own (:meth:`polyhal.KernelTable.define`) -- and asks
+    ``target.fusible(op, ops)`` before each rewrite. A pass that claims an op none of the
+    plugin's devices has a kernel for is left out with a warning naming the plugin and the op.
+
     :returns: :class:`polyhal.PassRegistration` records: ``PassRegistration(pass_, after=name)``
         or ``before=name``; ``pass_`` is a :class:`polyhal.Pass` (name, ``run(compilation,
         target)``, ``requires``, ``provides``).
 
-    Example (rewrite my device's conv + relu chains, before placement, on programs that would
-    run on my device)::
+    Example (fuse add + relu into my device's own op, where placement puts them on my device)::
 
-        from polyhal import Pass, PassRegistration
+        from polyhal import PassRegistration, fusion_pass
 
-        def fuse_conv_relu(compilation, target):
-            compilation.program = my_rewrite(compilation.program, target.fusible)
+        def fuse_add_relu(program, fusible):  # relu(add(x, y)) into mydev.add_relu
+            ...  # for each match: if fusible("mydev.add_relu", (add, relu)): rewrite it
+            return new_program, fusions  # fusions: polyhal.Fusion records, for explain
 
         @polyhal.hookimpl
         def register_passes():
-            return [PassRegistration(Pass("mydev-conv-relu", fuse_conv_relu, requires=("unplaced",)),
-                                     after="fuse-conv-epilogue")]
+            return [PassRegistration(fusion_pass("mydev-add-relu", fuse_add_relu, creates=("mydev.add_relu",),
+                                                 provides="mydev-add-relu-fused"),
+                                     after="pool-before-pointwise-conv")]
     """

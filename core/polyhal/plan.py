@@ -75,10 +75,10 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     each matmul with a bias add one ``linear`` op (:mod:`polyhal.passes.fuse_linear`), each GELU
     formula one ``gelu`` op (:mod:`polyhal.passes.fuse_gelu`); per-channel scales and shifts after
     a conv with constant weights (BatchNormalization) fold into its weights, and a conv's or
-    linear's residual add and activation become one ``fused_conv`` / ``fused_linear``, and a
-    per-channel scale and shift before a conv its prologue (``scale_shift_conv``)
-    (:mod:`polyhal.passes.fuse_conv`) -- fused ops wherever the device placement would choose for
-    those ops has the fused kernel (:func:`polyhal.passes.placement.fusion_gate`). Before them,
+    linear's residual add and activation become one ``fused_conv`` / ``fused_linear``
+    (:mod:`polyhal.passes.fuse_conv`), and backends add fusions of their own (``register_passes``)
+    -- fused ops wherever the device placement would choose for those ops has the fused kernel
+    (:meth:`polyhal.Target.fusible`). Before them,
     transposes of constants become transposed views of the data
     (:mod:`polyhal.passes.fold_constants`). ``plan.explain()`` lists what was fused.
 

@@ -491,6 +491,18 @@ class Registry:
             f"unknown device {name!r}; available: {[s.name for s in self.device_specs()] or 'none'} "
             "(run `polyhal devices` to see every device and plugin)")
 
+    def specs_of_plugin(self, plugin: str) -> list[DeviceSpec]:
+        """The devices plugin ``plugin`` registers. Until every device has been listed, only that
+        plugin is asked, as :meth:`spec` asks only a device's backend (checking one plugin's
+        claims loads no other backend's driver); else, or where that plugin alone cannot answer
+        (it registers no device, or another plugin wraps ``register_devices``), the full list."""
+        with self._lock:
+            if self._specs is None:
+                found = self._specs_of_backend(plugin)
+                if found:
+                    return list(found.values())
+            return [s for s in self.device_specs() if s.plugin == plugin]
+
     def specs_by_name(self) -> Mapping[str, DeviceSpec]:
         """A read-only mapping ``device name -> spec`` that looks names up through :meth:`spec`
         (iterating it lists every device)."""

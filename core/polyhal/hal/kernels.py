@@ -50,10 +50,26 @@ and never the fallback. A table that converts them also moves them: an op of
 :data:`MOVES_ELEMENTS` (reshape, gather, pad, where, ...: no arithmetic on the values) runs as its
 kernel for the unsigned integers of the same width (:func:`polyhal.ir.types.storage_bits`), which
 moves the same bits. An instance whose outputs are all empty gets :func:`noop`.
+
+**A backend's own ops.** The core op set (:func:`polyhal.ops.core_ops`) is what every backend
+could serve. An op that exists for one backend's trick -- a fused form only its kernels have, a
+conv on a storage only its layouts produce -- is defined by that backend, on its table, under its
+own namespace, and created only by its own fusion passes (``register_passes``) or layouts::
+
+    TABLE.define("mydev.add_relu", infer=..., reference=..., sample=..., arity=2, fused=True)
+
+    @TABLE.register("mydev.add_relu")
+    def _add_relu(device, op, attrs, in_types, out_types, scratch): ...
+
+as onnxruntime's execution providers keep their fused kernels in a domain of their own
+(``com.microsoft.nchwc``). The schema is an ordinary :class:`~polyhal.ops.OpDef` (type inference,
+attributes, a reference the conformance suite checks the kernel against, a sampler), in
+:data:`polyhal.ops.OPS` once the plugin is imported; no fallback serves it.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, Union
 
 import numpy as np
@@ -62,6 +78,7 @@ from polyhal.errors import KernelNotFoundError, PluginError
 from polyhal.hal.scratch import KernelInfo, Problem, ScratchBinding, ScratchDecl, ScratchRequest
 from polyhal.ir.types import STORAGE_DTYPES, TensorType, storage_bits
 from polyhal.ops import OPS, resolve_attrs
+from polyhal.ops._base import DEFAULT_TOLERANCE, define
 
 __all__ = ["Builder", "Declarer", "Kernel", "KernelTable", "Viewer", "noop"]
 
@@ -83,6 +100,11 @@ def noop(*arrays: Any) -> None:
 
 
 noop.capturable = True  # type: ignore[attr-defined]  (a graph may capture it: it does nothing)
+
+
+#: ``op name -> module`` that defined each backend's own op (:meth:`KernelTable.define`), for
+#: messages and so that a re-imported plugin module may define its ops again.
+_DEFINED_IN: dict[str, str] = {}
 
 
 #: Ops that only move elements, never compute with their values: a table that converts the
@@ -159,8 +181,12 @@ class KernelTable:
         def deco(builder: Builder) -> Builder:
             for n in names:
                 if n not in OPS:
-                    raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: polyhal.ops defines "
-                                      "no such op (define it with polyhal.ops.define first)")
+                    raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: no such op is defined "
+                                      f"(a backend's own op is defined first: TABLE.define('{self.backend}.<name>', "
+                                      "...))")
+                if OPS[n].backend not in (None, self.backend):
+                    raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: it is {_owner(n)}'s own "
+                                      f"op; a table serves core ops and its own ({self.backend}.*)")
                 if n in self.builders:
                     raise PluginError(f"{self.backend}: op {n!r} has two kernels, "
                                       f"{_name(self.builders[n])} and {_name(builder)}; register one")
@@ -171,6 +197,41 @@ class KernelTable:
                     self.viewers[n] = viewer
             return builder
         return deco
+
+    def define(self, name: str, *, infer: Callable[..., Any], reference: Callable[..., Any],
+               sample: Callable[..., Any], arity: int | tuple[int, int | None],
+               tolerance: tuple[float, float] = DEFAULT_TOLERANCE, doc: str = "", fused: bool = True,
+               contraction: bool = False) -> Any:
+        """Define an op of this backend's own (see the module docstring): ``name`` is
+        ``"<backend>.<op>"``; the other arguments are :func:`polyhal.ops._base.define`'s (``fused``
+        defaults to True: such ops are what this backend's passes and layouts create). Returns
+        the :class:`~polyhal.ops.OpDef`.
+
+        A PluginError naming both definitions refuses a name outside this backend's namespace,
+        one whose ``<op>`` is a core op's name (serve the core op instead: register a kernel for
+        it), and one already defined by another module (another backend's op, or a second plugin
+        with this backend's name); the module that defined it may define it again (a re-imported
+        plugin)."""
+        module = sys._getframe(1).f_globals.get("__name__", "?")  # the plugin module defining it, for messages
+        me = f"{self.backend} ({module}): cannot define op {name!r}"
+        prefix = f"{self.backend}."
+        existing = OPS.get(name)
+        if not isinstance(name, str) or not name.startswith(prefix) or not name[len(prefix):].isidentifier():
+            taken = f"; {name!r} is {_owner(name)}'s" if existing is not None else ""
+            raise PluginError(f"{me}: a backend's own op is named '{prefix}<name>'{taken}")
+        short = name[len(prefix):]
+        if short in OPS and OPS[short].backend is None:
+            raise PluginError(f"{me}: it would shadow {_owner(short)}'s op {short!r}; register a kernel for {short!r} "
+                              "to serve it, or give your op a name of its own")
+        if existing is not None:
+            if _DEFINED_IN.get(name) != module:
+                raise PluginError(f"{me}: it is already {_owner(name)}'s; two plugins share the backend name "
+                                  f"{self.backend!r}: rename one backend (its KernelTable and devices)")
+            del OPS[name]  # the same module, imported again: its definition replaces the old one
+        opdef = define(name, infer=infer, reference=reference, sample=sample, arity=arity, tolerance=tolerance,
+                       doc=doc, fused=fused, contraction=contraction, backend=self.backend)
+        _DEFINED_IN[name] = module
+        return opdef
 
     def accepts_view(self, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
                      out_types: Sequence["TensorType"], index: int, strides: tuple[int, ...], offset: int) -> bool:
@@ -189,13 +250,14 @@ class KernelTable:
     @property
     def kernel_names(self) -> frozenset[str]:
         """The ops this table prepares: the registered ones, and with a fallback every other op
-        of :data:`polyhal.ops.OPS` but the fused forms."""
+        of the core set but the fused forms."""
         return frozenset(self.builders) | self.fallback_ops if self.fallback is not None else frozenset(self.builders)
 
     @property
     def fallback_ops(self) -> frozenset[str]:
-        """Ops without a builder that a fallback would run (fused forms excepted)."""
-        return frozenset(n for n, d in OPS.items() if not d.fused) - frozenset(self.builders)
+        """Core ops without a builder that a fallback would run (fused forms excepted; a
+        backend's own ops never: their kernels are the point)."""
+        return frozenset(n for n, d in OPS.items() if not d.fused and d.backend is None) - frozenset(self.builders)
 
     def scratch(self, device: Any, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
                 out_types: Sequence["TensorType"]) -> tuple[ScratchRequest, ...]:
@@ -217,7 +279,7 @@ class KernelTable:
         the checks of the module docstring, then the op's builder, or the fallback where there is
         none or it declines. ``scratch`` is the plan's binding of the kernel's declared scratch."""
         builder = self.builders.get(op)
-        if builder is None and (self.fallback is None or op not in OPS or OPS[op].fused):
+        if builder is None and (self.fallback is None or op not in OPS or OPS[op].fused or OPS[op].backend):
             unknown = " (polyhal.ops defines no such op)" if op not in OPS else ""
             raise KernelNotFoundError(f"{self.backend}: no kernel for op {op!r}{unknown}; this backend has kernels "
                                       f"for {', '.join(sorted(self.kernel_names)) or 'no op'}")
@@ -256,6 +318,13 @@ class KernelTable:
             raise KernelNotFoundError(f"{self.backend}: the kernel of {op!r} has no code for "
                                       f"{', '.join(map(str, in_types))} -> {', '.join(map(str, out_types))}")
         return self.fallback(device, op, resolved, in_types, out_types, scratch or None)
+
+
+def _owner(op: str) -> str:
+    """Who defined ``op``, for messages: ``the core (polyhal.ops.nn)``, ``backend 'cpu' (polyhal_cpu.ops)``."""
+    opdef = OPS[op]
+    where = _DEFINED_IN.get(op) or getattr(opdef.reference, "__module__", "?")
+    return f"{'the core' if opdef.backend is None else f'backend {opdef.backend!r}'} ({where})"
 
 
 def _name(f: Any) -> str:

@@ -487,11 +487,16 @@ class ChannelBlockedLayout(PackedLayout):
 
     With one block of all channels (storage (N, 1, H, W, C): the channels of each pixel
     contiguous), ops whose feature maps are all blocked run on the storage: convs as
-    ``blocked_conv``, the :data:`CHANNEL_BLOCKED_ELEMENTWISE` ops as themselves (a (N, C, 1, 1)
-    map is stored (N, 1, 1, 1, C), so broadcasting over pixels still lines up), and a global
-    average pool (``reduce_mean`` over dims 2 and 3, kept) over the storage's dims 2 and 3.
-    Other ops run dense between an unpack and a pack.
+    ``conv_op`` (the resolving backend's own op for a conv on this storage, defined with
+    :data:`polyhal.ops.nn.CHANNEL_BLOCKED_CONV`; None: convs run dense between an unpack and a
+    pack), the :data:`CHANNEL_BLOCKED_ELEMENTWISE` ops as themselves (a (N, C, 1, 1) map is
+    stored (N, 1, 1, 1, C), so broadcasting over pixels still lines up), and a global average
+    pool (``reduce_mean`` over dims 2 and 3, kept) over the storage's dims 2 and 3. Other ops
+    run dense between an unpack and a pack.
     """
+
+    #: The op a conv between maps of this layout lowers to (the resolving backend's own), or None.
+    conv_op: str | None = None
 
     @property
     def one_block(self) -> bool:
@@ -509,10 +514,10 @@ class ChannelBlockedLayout(PackedLayout):
             # a chain's first conv may read its image as it lies (polyhal.passes.data_tiling's stems)
             image = in_layouts[0].is_identity_layout() and in_layouts[0].tensor_type.rank == 4
             maps = [out_layouts[0], *in_layouts[3:]] + ([] if image else [in_layouts[0]])
-            if not blocked(maps) \
+            if self.conv_op is None or not blocked(maps) \
                     or not all(x.is_identity_layout() for x in in_layouts[1:3]):
                 return None
-            return ("blocked_conv", {"activation": "none", "alpha": 0.0, "beta": 0.0, **dict(attrs)})
+            return self.conv_on_storage(attrs)
         if op in CHANNEL_BLOCKED_ELEMENTWISE:
             maps = [x for x in (*in_layouts, *out_layouts) if x.tensor_type.rank > 0]
             return (op, dict(attrs)) if blocked(maps) and all(x.tensor_type.rank == 4 for x in maps) else None
@@ -520,6 +525,10 @@ class ChannelBlockedLayout(PackedLayout):
                 and sorted(attrs.get("axes") or ()) == [2, 3] and attrs.get("keepdims", True):
             return ("reduce_mean", {**dict(attrs), "axes": (2, 3), "keepdims": True})
         return None
+
+    def conv_on_storage(self, attrs) -> tuple[str, dict]:
+        """``(conv_op, attributes)`` of a ``conv`` or ``fused_conv`` with ``attrs`` on this storage."""
+        return (self.conv_op, {"activation": "none", "alpha": 0.0, "beta": 0.0, **dict(attrs)})
 
     def describe(self) -> str:
         t = self.tensor_type

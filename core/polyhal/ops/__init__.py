@@ -18,7 +18,12 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
   scatter_nd, cumsum, cumprod, argmin, reduce_prod, einsum
 * :mod:`~polyhal.ops.ml`: tree_ensemble (ai.onnx.ml's tree ensembles as one compact array walk)
 * :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear, attention
+  (and the fused forms fused_conv, fused_linear, scale_shift, masked_attention)
 * :mod:`~polyhal.ops.vision`: grid_sample, roi_align
+
+Backends define ops of their own besides (:meth:`polyhal.KernelTable.define`), named
+``<backend>.<op>``; they join :data:`OPS` when the plugin is imported, and :func:`core_ops`
+leaves them out.
 
 Usage::
 
@@ -29,7 +34,8 @@ Usage::
 from __future__ import annotations
 
 from polyhal.ops._base import (
-    CONTRACTION_PRECISIONS, OPS, REQUIRED, OpDef, canonical_attrs, get_op, infer_types, normalize_axes, resolve_attrs,
+    CONTRACTION_PRECISIONS, OPS, REQUIRED, OpDef, canonical_attrs, core_ops, get_op, infer_types, normalize_axes,
+    resolve_attrs,
 )
 
 # Importing the families registers their ops in OPS.
@@ -42,6 +48,6 @@ from polyhal.ops import text  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402
 
 __all__ = [
-    "CONTRACTION_PRECISIONS", "OPS", "OpDef", "REQUIRED", "canonical_attrs", "get_op", "infer_types", "normalize_axes",
+    "CONTRACTION_PRECISIONS", "OPS", "OpDef", "REQUIRED", "canonical_attrs", "core_ops", "get_op", "infer_types", "normalize_axes",
     "normalize_slice", "resolve_attrs",
 ]

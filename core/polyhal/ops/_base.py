@@ -25,7 +25,7 @@ from polyhal.errors import DTypeError, PolyhalError, ProgramError, ShapeError
 from polyhal.ir.types import COMPUTE_DTYPES, SymbolicDim, SymbolicDimError, TensorType, hinted
 
 __all__ = [
-    "CONTRACTION_PRECISIONS", "OpDef", "OPS", "REQUIRED", "get_op", "infer_types", "canonical_attrs", "resolve_attrs",
+    "CONTRACTION_PRECISIONS", "OpDef", "OPS", "REQUIRED", "core_ops", "get_op", "infer_types", "canonical_attrs", "resolve_attrs",
 ]
 
 #: (rtol, atol) used to compare float32 results against the reference unless an op says otherwise.
@@ -65,6 +65,10 @@ class OpDef:
             float32 accumulation) where the device has them. As XLA's ``precision_config`` on dot
             and convolution: the compile's precision option sets it
             (:mod:`polyhal.passes.precision`); the reference ignores it.
+        backend: None for an op of the core set, which every backend may serve; else the
+            backend whose own op this is (``"mydev"`` for ``mydev.add_relu``): defined by
+            that backend's kernel table (:meth:`polyhal.hal.kernels.KernelTable.define`), named
+            ``"<backend>.<name>"``, created only by that backend's fusion passes or layouts.
     """
 
     name: str
@@ -78,13 +82,21 @@ class OpDef:
     defaults: Mapping[str, Any] = field(default_factory=dict, compare=False)
     fused: bool = False
     contraction: bool = False
+    backend: str | None = None
 
 
 #: The values of a contraction's ``precision`` attribute (see :attr:`OpDef.contraction`).
 CONTRACTION_PRECISIONS = ("fp32", "tf32")
 
-#: Every op of the core op set, by name.
+#: Every defined op, by name: the core op set, and the ops backends define for themselves
+#: (``OpDef.backend``; :func:`core_ops` leaves those out).
 OPS: dict[str, OpDef] = {}
+
+
+def core_ops() -> dict[str, OpDef]:
+    """The core op set: the ops of :data:`OPS` that are no backend's own (what every backend
+    could serve, and what a kernel table's fallback serves)."""
+    return {n: d for n, d in OPS.items() if d.backend is None}
 
 
 def get_op(name: str) -> OpDef:
@@ -179,6 +191,7 @@ def define(
     doc: str = "",
     fused: bool = False,
     contraction: bool = False,
+    backend: str | None = None,
 ) -> OpDef:
     """Build the :class:`OpDef` for ``name`` and register it in :data:`OPS`.
 
@@ -187,7 +200,9 @@ def define(
     ``(min, max)`` range, ``max=None`` for unbounded), fills in defaults, rejects unknown
     attributes and prefixes the op name to every error it raises. ``reference``'s keyword-only
     parameters declare the attributes. A ``contraction`` also takes ``precision`` (see
-    :attr:`OpDef.contraction`), which its infer and reference never see.
+    :attr:`OpDef.contraction`), which its infer and reference never see. ``backend``: see
+    :attr:`OpDef.backend` (backends define their ops through their kernel table, which checks
+    the name). A name defined twice is a ProgramError.
     """
     lo, hi = (arity, arity) if isinstance(arity, int) else arity
     declared = {
@@ -225,7 +240,7 @@ def define(
 
     checked_infer.__doc__ = f"Infer the output types of {name!r}."
     op = OpDef(name, lo if lo == hi else None, checked_infer, reference, sample, tolerance,
-               inspect.cleandoc(doc), defaults, fused, contraction)
+               inspect.cleandoc(doc), defaults, fused, contraction, backend)
     if name in OPS:
         raise ProgramError(f"op {name!r} is defined twice")
     OPS[name] = op
@@ -238,6 +253,7 @@ def _without_precision(reference: Callable[..., Any]) -> Callable[..., Any]:
     def ref(*inputs: Any, precision: str = "fp32", **attrs: Any) -> Any:
         return reference(*inputs, **attrs)
     ref.__name__, ref.__qualname__, ref.__doc__ = reference.__name__, reference.__qualname__, reference.__doc__
+    ref.__module__ = reference.__module__
     return ref
 
 

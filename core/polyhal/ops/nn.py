@@ -9,6 +9,7 @@ ends). The references loop over output positions in float64; they are the oracle
 from __future__ import annotations
 
 import itertools
+import types
 
 import numpy as np
 
@@ -156,13 +157,21 @@ def apply_activation(y: np.ndarray, activation: str, alpha: float, beta: float) 
     return _ref_gelu(y, approximate="tanh" if activation == "gelu_tanh" else "none")[0]
 
 
-def _check_activation(activation, alpha, beta, prefix: str = "") -> None:
-    """Check an activation and its parameters, attributes named ``{prefix}activation`` etc."""
+def sample_activation(rng: np.random.Generator) -> dict:
+    """A random activation of :data:`ACTIVATIONS` with parameters that exercise it:
+    ``{"activation", "alpha", "beta"}`` (samplers of ops with an epilogue or a prologue)."""
+    activation = str(pick(rng, list(ACTIVATIONS)))
+    alpha, beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(activation, (0, 0))
+    return {"activation": activation, "alpha": alpha, "beta": beta}
+
+
+def _check_activation(activation, alpha, beta) -> None:
+    """Check an activation and its parameters."""
     if activation not in ACTIVATIONS:
-        raise ProgramError(f"{prefix}activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
-    a, b = float_attr(alpha, f"{prefix}alpha"), float_attr(beta, f"{prefix}beta")
+        raise ProgramError(f"activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+    a, b = float_attr(alpha, "alpha"), float_attr(beta, "beta")
     if np.isnan(a) or np.isnan(b) or (activation != "clip" and not (np.isfinite(a) and np.isfinite(b))):
-        raise ProgramError(f"{prefix}activation {activation!r}: {prefix}alpha={alpha} and {prefix}beta={beta} must "
+        raise ProgramError(f"activation {activation!r}: alpha={alpha} and beta={beta} must "
                            "be finite numbers (clip's bounds may be infinite)")
 
 
@@ -249,51 +258,7 @@ define("scale_shift", infer=_infer_scale_shift, reference=_ref_scale_shift, samp
 """)
 
 
-# ----------------------------------------------------------------------------- scale_shift_conv
-
-def _infer_scale_shift_conv(x: TensorType, scale: TensorType, shift: TensorType, w: TensorType, b: TensorType,
-                            r: TensorType | None = None, *, strides, pads, dilations, group, activation, alpha, beta,
-                            pre_activation, pre_alpha, pre_beta):
-    _check_activation(pre_activation, pre_alpha, pre_beta, prefix="pre_")
-    out = _infer_fused_conv(x, w, b, r, strides=strides, pads=pads, dilations=dilations, group=group,
-                            activation=activation, alpha=alpha, beta=beta)
-    _check_per_channel(x, scale, shift)
-    return out
-
-
-def _ref_scale_shift_conv(x, scale, shift, w, b, r=None, *, strides=None, pads=None, dilations=None, group=1,
-                          activation="none", alpha=0.0, beta=0.0, pre_activation="none", pre_alpha=0.0, pre_beta=0.0):
-    (normalised,) = _ref_scale_shift(wide(x), wide(scale), wide(shift), activation=pre_activation, alpha=pre_alpha,
-                                     beta=pre_beta)  # in float64, as the conv reads it
-    (y,) = _ref_fused_conv(normalised, wide(w), wide(b), None if r is None else wide(r), strides=strides, pads=pads,
-                           dilations=dilations, group=group, activation=activation, alpha=alpha, beta=beta)
-    return (narrow(y, x.dtype),)
-
-
-def _sample_scale_shift_conv(rng: np.random.Generator):
-    (x, w, b, *r), attrs = _sample_fused_conv(rng)
-    pre = str(pick(rng, list(ACTIVATIONS)))
-    pre_alpha, pre_beta = {"clip": (-0.5, 1.5), "hard_sigmoid": (0.2, 0.5), "hard_swish": (1 / 6, 0.5)}.get(pre, (0, 0))
-    c = x.shape[1]
-    return [x, nonzero(rng, (c,)), nonzero(rng, (c,)), w, b, *r], \
-        {**attrs, "pre_activation": pre, "pre_alpha": pre_alpha, "pre_beta": pre_beta}
-
-
-define("scale_shift_conv", infer=_infer_scale_shift_conv, reference=_ref_scale_shift_conv,
-       sample=_sample_scale_shift_conv, arity=(5, 6), tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
-    ``fused_conv`` with a prologue: fused_conv(scale_shift(x, scale, shift), w, b[, residual]),
-    the input normalised per channel as the conv reads it. Operands x (N, C, spatial...), scale
-    and shift (C,) of x's type, then w, b and the optional residual as for ``fused_conv``.
-    Attributes: the conv's (``strides``, ``pads``, ``dilations``, ``group``), its epilogue's
-    (``activation``, ``alpha``, ``beta``) and the prologue's (``pre_activation``, ``pre_alpha``,
-    ``pre_beta``: as ``scale_shift``'s ``activation``, ``alpha``, ``beta``). The padding pads the
-    normalised map: padded positions read 0, not ``act(shift)``. What a ``scale_shift`` whose
-    only reader is a conv becomes (DenseNet's norm and ReLU before each 1x1 conv;
-    :func:`polyhal.passes.fuse_conv.fuse_conv_prologue`), on devices that have its kernel.
-""")
-
-
-# ---------------------------------------------------------------------------------- blocked_conv
+# ------------------------------------------------------------------ conv on channel-blocked maps
 
 def _unblocked(t: TensorType) -> TensorType:
     """The (N, C, H, W) type of a (N, 1, H, W, C) channel-blocked storage type."""
@@ -308,21 +273,21 @@ def _blocked(t: TensorType) -> TensorType:
     return TensorType((n, 1, h, w, c), t.dtype)
 
 
-def _infer_blocked_conv(x: TensorType, w: TensorType, b: TensorType | None = None, r: TensorType | None = None, *,
-                        strides, pads, dilations, group, activation, alpha, beta):
+def _infer_on_blocked(x: TensorType, w: TensorType, b: TensorType | None = None, r: TensorType | None = None, *,
+                      strides, pads, dilations, group, activation, alpha, beta):
     if b is None:
         b = TensorType((w.shape[0],), w.dtype)
     if w.rank == 5:  # the filter channels-last too: (M, 1, kh, kw, C/group)
         w = _unblocked(w)
-    # x may be an image as it lies, (N, C, H, W): a chain's first conv (see blocked_conv's doc)
+    # x may be an image as it lies, (N, C, H, W): a chain's first conv (see CHANNEL_BLOCKED_CONV's doc)
     (out,) = _infer_fused_conv(x if x.rank == 4 else _unblocked(x), w, b, None if r is None else _unblocked(r),
                                strides=strides, pads=pads, dilations=dilations, group=group, activation=activation,
                                alpha=alpha, beta=beta)
     return (_blocked(out),)
 
 
-def _ref_blocked_conv(x, w, b=None, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
-                      alpha=0.0, beta=0.0):
+def _ref_on_blocked(x, w, b=None, r=None, *, strides=None, pads=None, dilations=None, group=1, activation="none",
+                    alpha=0.0, beta=0.0):
     unblock = lambda a: a[:, 0].transpose(0, 3, 1, 2)  # noqa: E731
     w = unblock(w) if w.ndim == 5 else w
     args = (x if x.ndim == 4 else unblock(x), w, np.zeros(w.shape[0], w.dtype) if b is None else b) + \
@@ -332,7 +297,7 @@ def _ref_blocked_conv(x, w, b=None, r=None, *, strides=None, pads=None, dilation
     return (np.ascontiguousarray(y.transpose(0, 2, 3, 1)[:, None]),)
 
 
-def _sample_blocked_conv(rng: np.random.Generator):
+def _sample_on_blocked(rng: np.random.Generator):
     n, c = int(rng.integers(1, 3)), int(pick(rng, [3, 4, 8]))
     kind = pick(rng, ["depthwise", "pointwise", "general"])
     k = 1 if kind == "pointwise" else int(pick(rng, [3, 5]))
@@ -355,8 +320,13 @@ def _sample_blocked_conv(rng: np.random.Generator):
     return ins, {**attrs, "activation": activation, "alpha": alpha, "beta": beta}
 
 
-define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, sample=_sample_blocked_conv,
-       arity=(2, 4), tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
+#: The schema of a conv on channel-blocked storage: :func:`polyhal.ops.define`'s arguments but the
+#: name. Not an op of the core set: a backend whose layouts lower convs between channel-blocked
+#: maps (:class:`polyhal.ir.encoding.ChannelBlockedLayout`'s ``conv_op``) defines it as its own op
+#: with these, ``TABLE.define("mydev.nchwc_conv", **CHANNEL_BLOCKED_CONV)``, and serves it.
+CHANNEL_BLOCKED_CONV = types.MappingProxyType(dict(
+    infer=_infer_on_blocked, reference=_ref_on_blocked, sample=_sample_on_blocked, arity=(2, 4),
+    tolerance=(1e-4, 1e-5), fused=True, contraction=True, doc="""
     ``fused_conv`` on channel-blocked storage (NCHWc with one block of all channels: (N, 1, H, W, C),
     each pixel's channels contiguous): x and the optional residual in that storage, w (M,
     C/group, kh, kw) dense or in the same storage ((M, 1, kh, kw, C/group): cuDNN's channels-last
@@ -365,7 +335,7 @@ define("blocked_conv", infer=_infer_blocked_conv, reference=_ref_blocked_conv, s
     lies (a network's stem), whose result is blocked. What a conv between channel-blocked feature
     maps lowers to
     (:class:`polyhal.ir.encoding.ChannelBlockedLayout`); attributes as ``fused_conv``.
-""")
+"""))
 
 
 # ------------------------------------------------------------------------------- conv_transpose

@@ -79,15 +79,16 @@ STEM_CHANNELS = 4
 
 
 #: The convs of a chain -> the position of their filter (their bias follows it, then the
-#: optional residual; ``scale_shift_conv``'s scale and shift come before it).
-_FILTER = {"conv": 1, "fused_conv": 1, "scale_shift_conv": 3}
+#: optional residual). A backend's own conv ops (the CPU's conv with a prologue) take no part:
+#: a chain ends at them.
+_FILTER = {"conv": 1, "fused_conv": 1}
 
 
 def _chain_kind(op: Op) -> str | None:
     """What ``op`` is in a conv chain whose feature maps a channel-blocked layout serves (see
     polyhal.ir.encoding.ChannelBlockedLayout): "depthwise" or "pointwise" for 2-D float convs
     of those kinds, "stem" for another dense one of few input channels (:data:`STEM_CHANNELS`),
-    "general" for any other 2-D float conv (a ``scale_shift_conv`` always), "map" for an
+    "general" for any other 2-D float conv, "map" for an
     elementwise op over (N, C, H, W) / (N, C, 1, 1) maps of one N and C (and scalars) or a
     global average pool (``reduce_mean`` over dims 2 and 3, kept); else None."""
     if op.kind != "dispatch" or any(v.type.encoding is not None for v in (*op.inputs, *op.outputs)):
@@ -107,10 +108,6 @@ def _chain_kind(op: Op) -> str | None:
     x, w = op.inputs[0].type, op.inputs[_FILTER[op.name]].type
     if x.rank != 4 or x.dtype.kind != "f" or 0 in x.shape:
         return None
-    if op.name == "scale_shift_conv":
-        # It reads its input through its prologue: a dense chain's conv like any other, never
-        # a depthwise chain's (the channel-blocked layout has no kernel for it).
-        return "general"
     a = op.attr_dict
     group, m = int(a.get("group", 1)), w.shape[0]
     if group == x.shape[1] and w.shape[1] == 1 and m == group:

@@ -31,12 +31,8 @@ but its kernels could not beat.
 takes (a BatchNormalization after a concatenation), with the activation after them, becomes one
 ``scale_shift`` (:func:`fuse_scale_shift`): one pass over the tensor instead of three.
 
-**Prologue.** A ``scale_shift`` whose only reader is a 2-D conv (as its input) becomes that
-conv's prologue, one ``scale_shift_conv`` (:func:`fuse_conv_prologue`), wherever
-``fusible("scale_shift_conv", ops)`` says so: a kernel may normalise the input as it reads it
-instead of writing the normalised map and reading it again (DenseNet's norm and ReLU before
-each 1x1 conv). It runs after :func:`pool_before_pointwise_conv`, so that a transition's norm
-feeds the average pool moved before its conv, and stays a ``scale_shift`` of its own.
+A backend's own conv fusions live with the backend: the CPU's prologue (a ``scale_shift`` taken
+into the conv that reads it) is ``polyhal_cpu.fusions``, registered through ``register_passes``.
 """
 
 from __future__ import annotations
@@ -368,60 +364,6 @@ def fuse_scale_shift(program: Program, fusible: Fusible = always) -> tuple[Progr
             attrs = canonical_attrs({"activation": name, "alpha": float(alpha), "beta": float(beta)})
             op = Op("dispatch", "scale_shift", ins, chain[-1].outputs, attrs, first.affinity)
             changes.append(Fusion("scale_shift", tuple(chain), (op,)))
-        ops.append(op)
-    return drop_unused_constants(dataclasses.replace(program, ops=ops, constants=constants)), changes
-
-
-# ------------------------------------------------------------------------------------- prologue
-
-def _prologue_conv(op: Op, uses, users: dict[int, list[Op]]) -> Op | None:
-    """The conv that ``op``, a float 2-D ``scale_shift``, is the prologue of: the one reader of
-    its result, a same-affinity ``conv`` or ``fused_conv`` reading it as its input; else None."""
-    if op.kind != "dispatch" or op.name != "scale_shift" or op.inputs[0].type.rank != 4 \
-            or op.inputs[0].type.dtype.kind != "f":
-        return None
-    y = op.outputs[0]
-    readers = users.get(y.id, ())
-    if uses[y.id] != 1 or len(readers) != 1:
-        return None
-    conv = readers[0]
-    ok = conv.kind == "dispatch" and conv.name in ("conv", "fused_conv") and conv.affinity == op.affinity \
-        and conv.inputs[0] is y
-    return conv if ok else None
-
-
-def fuse_conv_prologue(program: Program, fusible: Fusible = always) -> tuple[Program, list[Fusion]]:
-    """``program`` with each ``scale_shift`` whose only reader is a 2-D conv (or fused conv)
-    taken into it as its prologue, one ``scale_shift_conv``, where ``fusible`` allows (see the
-    module docstring), and what changed. Meant to run after :func:`fuse_scale_shift` and
-    :func:`pool_before_pointwise_conv`."""
-    uses, _ = uses_and_producers(program)
-    users = _users(program)
-    fused: dict[int, tuple[Op, Op]] = {}  # id(conv) -> (scale_shift, conv)
-    for op in program.ops:
-        conv = _prologue_conv(op, uses, users)
-        if conv is not None and fusible("scale_shift_conv", (op, conv)):
-            fused[id(conv)] = (op, conv)
-    if not fused:
-        return program, []
-    dropped = {id(ss) for ss, _ in fused.values()}
-    constants = list(program.constants)
-    ops, changes = [], []
-    for op in program.ops:
-        if id(op) in dropped:
-            continue
-        if id(op) in fused:
-            ss, conv = fused[id(op)]
-            w = conv.inputs[1]
-            b = conv.inputs[2] if len(conv.inputs) >= 3 else _constant(
-                w, "zero_bias", np.zeros(w.type.shape[0], w.type.dtype), constants)
-            pre = ss.attr_dict
-            attrs = {"activation": "none", "alpha": 0.0, "beta": 0.0, **conv.attr_dict,
-                     "pre_activation": pre["activation"], "pre_alpha": float(pre["alpha"]),
-                     "pre_beta": float(pre["beta"])}
-            ins = (*ss.inputs, w, b, *conv.inputs[3:])
-            op = Op("dispatch", "scale_shift_conv", ins, conv.outputs, canonical_attrs(attrs), conv.affinity)
-            changes.append(Fusion("prologue", (ss, conv), (op,)))
         ops.append(op)
     return drop_unused_constants(dataclasses.replace(program, ops=ops, constants=constants)), changes
 

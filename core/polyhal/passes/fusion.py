@@ -34,8 +34,8 @@ class Fusion:
     moved onto the table's folded transposed view), ``"batch_norm"`` (per-channel
     scales and shifts folded into a conv's weights), ``"epilogue"`` (a conv's or linear's residual
     add and activation), ``"scale_shift"`` (a per-channel scale, shift and activation),
-    ``"pool_first"`` (an average pool moved before the pointwise conv it followed) or
-    ``"prologue"`` (a ``scale_shift`` taken into the conv that reads it).
+    ``"pool_first"`` (an average pool moved before the pointwise conv it followed); a backend's
+    pass names its own (the CPU's ``"prologue"``: a ``scale_shift`` taken into the conv that reads it).
     """
 
     kind: str

@@ -5,8 +5,9 @@ A compile (:func:`polyhal.compile`) builds a :class:`~polyhal.target.Target` and
 :data:`DEFAULT_PIPELINE` is the whole order in one place::
 
     fold-constant-transposes, fuse-attention, fuse-linear, fuse-gelu, fold-conv-affine,
-    fuse-conv-epilogue, fuse-scale-shift, pool-before-pointwise-conv, fuse-conv-prologue
-        (the fusions: only with compile(fuse=True))
+    fuse-conv-epilogue, fuse-scale-shift, pool-before-pointwise-conv
+        (the fusions: only with compile(fuse=True); backends add their own here, e.g. the
+        CPU's cpu-fuse-conv-prologue after pool-before-pointwise-conv)
     precision -> set-encodings -> place -> materialize-encodings -> bufferize
 
 Each :class:`Pass` names the properties it ``requires`` and ``provides`` (and those it
@@ -30,6 +31,16 @@ Inserting a pass, in code::
 or from a plugin, for every compile, through the ``register_passes`` hook (see
 :mod:`polyhal.hookspecs`), which returns :class:`PassRegistration` records (a pass and where it
 goes). ``plan.explain()`` lists each pass with its time and what it changed.
+
+**Backends claim fusions** (as onnxruntime's execution providers claim nodes in
+``GetCapability``, fused groups with ``EpGraphSupportInfo_AddNodesToFuse``): a fusion that only
+one backend's kernels make worth it is that backend's pass, made with :func:`fusion_pass` and
+naming in ``creates`` the ops it may create -- the backend's own ops
+(:meth:`polyhal.hal.kernels.KernelTable.define`). It asks ``target.fusible(op, ops)`` before each
+rewrite, so a fused op lands only where placement would put the ops and that device has its
+kernel. A plugin's pass that creates an op none of the plugin's devices has a kernel for is
+left out, with a warning naming the plugin and the op (:class:`polyhal.Target` checks when it
+builds the pipeline); the compile goes on without that fusion.
 """
 
 from __future__ import annotations
@@ -45,9 +56,7 @@ from polyhal.passes.bufferize import BufferPlan, bufferize
 from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
-from polyhal.passes.fuse_conv import (
-    fold_conv_affine, fuse_conv_epilogue, fuse_conv_prologue, fuse_scale_shift, pool_before_pointwise_conv,
-)
+from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift, pool_before_pointwise_conv
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
 from polyhal.passes.fusion import Fusion
@@ -58,7 +67,7 @@ from polyhal.passes.precision import PrecisionReport, apply_precision
 if TYPE_CHECKING:
     from polyhal.target import Target
 
-__all__ = ["Compilation", "DEFAULT_PIPELINE", "Pass", "PassRecord", "PassRegistration", "Pipeline"]
+__all__ = ["Compilation", "DEFAULT_PIPELINE", "Pass", "PassRecord", "PassRegistration", "Pipeline", "fusion_pass"]
 
 #: The property every pipeline starts with: ops carry no device yet, and passes may rewrite them.
 UNPLACED = "unplaced"
@@ -122,13 +131,16 @@ class Pass:
     doc: str = ""
     #: What turns the pass off, for explain (``"compile(fuse=False)"``).
     disabled_by: str = ""
+    #: The ops the pass may create (a fusion's fused ops). A plugin's pass claims them: the
+    #: plugin's devices must have their kernels (see the module docstring).
+    creates: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise PipelineError(f"a pass needs a non-empty name, got {self.name!r}")
         if not callable(self.run):
             raise PipelineError(f"pass {self.name!r}: run must be callable run(compilation, target), got {self.run!r}")
-        for attr in ("requires", "provides", "invalidates"):
+        for attr in ("requires", "provides", "invalidates", "creates"):
             value = getattr(self, attr)
             if isinstance(value, str) or not all(isinstance(p, str) for p in value):
                 raise PipelineError(f"pass {self.name!r}: {attr} must be a tuple of property names, got {value!r}")
@@ -277,15 +289,21 @@ class Pipeline(Sequence[Pass]):
 # The built-in passes
 # ------------------------------------------------------------------------------------------------
 
-def _fusion(name: str, fn: Callable[..., tuple[Program, list[Fusion]]], *, gated: bool = True,
-            requires: tuple[str, ...] = (), provides: str) -> Pass:
-    """A program-level fusion pass: ``fn(program[, fusible]) -> (program, fusions)``."""
+def fusion_pass(name: str, fn: Callable[..., tuple[Program, list[Fusion]]], *, gated: bool = True,
+                requires: tuple[str, ...] = (), provides: str, creates: tuple[str, ...] = ()) -> Pass:
+    """A program-level fusion pass: ``fn(program, fusible) -> (program, fusions)`` (``fn(program)``
+    when not ``gated``: a rewrite that needs no new kernel), run before placement and only with
+    ``compile(fuse=True)``; ``fusible`` is ``target.fusible``, ``fusions`` the
+    :class:`~polyhal.passes.fusion.Fusion` records explain lists. ``creates``: the ops ``fn`` may
+    create (a backend's claim; see the module docstring). The first line of ``fn``'s docstring
+    describes the pass."""
     def run(c: Compilation, target: "Target") -> None:
         c.program, fusions = fn(c.program, target.fusible) if gated else fn(c.program)
         c.add_fusions(fusions)
 
     return Pass(name, run, requires=(UNPLACED, *requires), provides=(provides,), enabled=lambda target: target.fuse,
-                doc=(fn.__doc__ or "").strip().splitlines()[0], disabled_by="compile(fuse=False)")
+                doc=next(iter((fn.__doc__ or "").strip().splitlines()), ""), disabled_by="compile(fuse=False)",
+                creates=tuple(creates))
 
 
 def _precision(c: Compilation, target: "Target") -> None:
@@ -320,24 +338,22 @@ def _bufferize(c: Compilation, target: "Target") -> None:
 
 #: The passes every compile runs, in order (plugins' passes are inserted into it per compile).
 DEFAULT_PIPELINE = Pipeline([
-    _fusion("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views"),
+    fusion_pass("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views"),
     # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
-    _fusion("fuse-attention", fuse_attention, requires=("constant-views",), provides="attention-fused"),
-    _fusion("fuse-linear", fuse_linear, requires=("attention-fused",), provides="linear-fused"),
-    _fusion("fuse-gelu", fuse_gelu, provides="gelu-fused"),
+    fusion_pass("fuse-attention", fuse_attention, requires=("constant-views",), provides="attention-fused"),
+    fusion_pass("fuse-linear", fuse_linear, requires=("attention-fused",), provides="linear-fused"),
+    fusion_pass("fuse-gelu", fuse_gelu, provides="gelu-fused"),
     # BatchNormalization's scale and shift into the conv weights first, then the epilogue (after
     # fuse-gelu, so that a GELU formula is one activation the epilogue can take).
-    _fusion("fold-conv-affine", fold_conv_affine, gated=False, provides="conv-affine-folded"),
-    _fusion("fuse-conv-epilogue", fuse_conv_epilogue, requires=("gelu-fused", "conv-affine-folded", "linear-fused"),
-            provides="conv-epilogues-fused"),
-    _fusion("fuse-scale-shift", fuse_scale_shift, requires=("conv-epilogues-fused",), provides="scale-shifts-fused"),
-    _fusion("pool-before-pointwise-conv", pool_before_pointwise_conv, gated=False, provides="pools-first"),
-    # After the pools moved first: a norm that feeds a pool then stays a scale_shift.
-    _fusion("fuse-conv-prologue", fuse_conv_prologue, requires=("scale-shifts-fused", "pools-first"),
-            provides="conv-prologues-fused"),
+    fusion_pass("fold-conv-affine", fold_conv_affine, gated=False, provides="conv-affine-folded"),
+    fusion_pass("fuse-conv-epilogue", fuse_conv_epilogue,
+                requires=("gelu-fused", "conv-affine-folded", "linear-fused"), provides="conv-epilogues-fused"),
+    fusion_pass("fuse-scale-shift", fuse_scale_shift, requires=("conv-epilogues-fused",), provides="scale-shifts-fused"),
+    fusion_pass("pool-before-pointwise-conv", pool_before_pointwise_conv, gated=False, provides="pools-first"),
+    # (Backends insert their own fusions here, after the core's: the CPU's conv prologue.)
     # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
     # tiling and placement, which then see the program's final element types.
-    Pass("precision", _precision, requires=(UNPLACED, "conv-prologues-fused"), provides=("precision",)),
+    Pass("precision", _precision, requires=(UNPLACED, "scale-shifts-fused", "pools-first"), provides=("precision",)),
     Pass("set-encodings", _set_encodings, requires=(UNPLACED, "precision"), provides=("encodings-set",)),
     Pass("place", _place, requires=(UNPLACED, "encodings-set"), provides=("placed",), invalidates=(UNPLACED,)),
     Pass("materialize-encodings", _materialize, requires=("placed",), provides=("encodings-materialized",)),

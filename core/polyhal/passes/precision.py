@@ -70,9 +70,10 @@ PRECISIONS = {
 #: The device capability (``DeviceSpec.capabilities`` tag) each precision needs.
 CAPABILITY = {"fp32": "", "tf32": "tf32", "fp16": "fp16"}
 
-#: Ops that compute in float16 under "fp16" (torch autocast's float16 list: the products).
-LOWER = frozenset({"matmul", "gemm", "linear", "fused_linear", "conv", "fused_conv", "scale_shift_conv",
-                   "conv_transpose", "einsum", "attention"})
+#: Core ops that compute in float16 under "fp16" (torch autocast's float16 list: the products).
+#: A backend's own contractions (``OpDef.contraction``: a conv with a prologue) do too.
+LOWER = frozenset({"matmul", "gemm", "linear", "fused_linear", "conv", "fused_conv", "conv_transpose", "einsum",
+                   "attention"})
 #: Ops that run in the type of their float operands (torch autocast's promote rule): they map or
 #: move values without accumulating many of them.
 FOLLOW = frozenset({
@@ -191,6 +192,12 @@ def apply_precision(program: Program, precision: str | tuple[str, str] | None, d
     return program, report
 
 
+def _backend_contraction(name: str) -> bool:
+    """Whether op ``name`` is a backend's own contraction (which lowers as :data:`LOWER` does)."""
+    opdef = OPS.get(name)
+    return opdef is not None and opdef.backend is not None and opdef.contraction
+
+
 def _float32_contraction(op: Op) -> bool:
     return (op.kind == "dispatch" and op.name in OPS and OPS[op.name].contraction
             and any(v.type.dtype == _F32 for v in op.inputs))
@@ -274,7 +281,7 @@ def lower_precision(program: Program, device_of: DeviceOf, capable: Capable,
         is_low = [v.id in lowered for v in floats]
         mode = "keep"
         if op.kind == "dispatch" and floats:
-            if op.name in LOWER:
+            if op.name in LOWER or _backend_contraction(op.name):
                 mode = "lower"
             elif op.name in FOLLOW:
                 # Promotion: a float32 operand computed at run time keeps the op in float32;

@@ -1,6 +1,7 @@
-"""CPU kernels of the convolution family: ``conv`` and ``fused_conv`` (and ``scale_shift_conv``,
-a conv reading its input through a per-channel scale, shift and activation: see
-:func:`_scale_shift_conv`), ``conv_transpose``, and max/average pooling.
+"""CPU kernels of the convolution family: ``conv`` and ``fused_conv`` (and the CPU's own
+``cpu.scale_shift_conv``, a conv reading its input through a per-channel scale, shift and
+activation: see :func:`_scale_shift_conv`; and ``cpu.blocked_conv``, on channel-blocked maps),
+``conv_transpose``, and max/average pooling.
 
 One dispatch per op, whatever its groups. A convolution takes one of five paths, chosen in
 ``prepare`` from shapes and attributes:
@@ -41,7 +42,7 @@ convolutions run as 2-D ones of unit height.
 
 Measured on a 2-core VM with one BLAS thread (``python -m bench cnn_models``): a ResNet-18 went
 from 2.2x onnxruntime's time to ~1.1x, a MobileNetV3-style network from 13x to ~1.5x in NCHW and
-~0.8-1.05x with its depthwise chains channel-blocked (``blocked_conv`` below). The tiles path
+~0.8-1.05x with its depthwise chains channel-blocked (``cpu.blocked_conv`` below). The tiles path
 then took the real models (``bench/models``) from 1.41x to 1.32x onnxruntime's time for
 ResNet-50 and 1.34x to 1.14x for DenseNet-121 at batch 1, 1.32x to 1.27x and 1.51x to 1.32x at
 batch 8 (one thread each side, CPU time of alternating runs in one process).
@@ -59,6 +60,7 @@ from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, S
 from polyhal.ir.types import TensorType
 from polyhal_cpu import blas, native, parallel
 from polyhal_cpu import queue_layout as layout
+from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen, numpy_activation
 
@@ -337,7 +339,7 @@ class _Conv:
 def _geometry(problem) -> _Conv:
     """The conv of a ``conv``, ``fused_conv`` or ``scale_shift_conv`` problem (the last's
     with its prologue: :func:`_scale_shift_conv`)."""
-    if problem.op == "scale_shift_conv":
+    if problem.op == SCALE_SHIFT_CONV:
         attrs, ins = _without_prologue(problem.attrs, problem.in_types)
         return _Conv(attrs, ins[0], ins[1], problem.out_types[0], prologue=True)
     x, w = problem.in_types[:2]
@@ -1071,7 +1073,7 @@ def _descsbytes(problem, _workgroup_size: int) -> int:
     return len(pieces) * native.GEMM_MR * (native.GEMM_NR + c) * 4
 
 
-@TABLE.register("blocked_conv", scratch=[
+@TABLE.register(BLOCKED_CONV, scratch=[
     ScratchDecl("taps", shared=True, per_launch=_taps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="a depthwise conv's weights as (kh, kw, C) channel vectors"),
     ScratchDecl("rows", shared=True, per_launch=_descsbytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
@@ -1323,7 +1325,7 @@ def _prologue_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> 
     return (*requests, normalised.request(problem, info))
 
 
-@TABLE.register("scale_shift_conv", scratch=_prologue_scratch)
+@TABLE.register(SCALE_SHIFT_CONV, scratch=_prologue_scratch)
 @float16_via_float32
 def _scale_shift_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     """A conv whose path takes the prologue in its input fill (:data:`PROLOGUE_FILLS`) does so;

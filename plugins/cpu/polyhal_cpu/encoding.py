@@ -36,6 +36,7 @@ from polyhal.ir.encoding import (
     LHS, RESULT, RHS, ChannelBlockedLayout, FeatureMapEncoding, IdentityLayout, MatmulEncoding, PackedLayout,
 )
 from polyhal_cpu import native
+from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.table import TABLE, float16_via_float32
 
 #: Tile bound when a device does not say (``limits["data_tile"]``). numpy's unit of fast work
@@ -76,7 +77,7 @@ def resolve_encoding(device, encoding, tensor_type):
         if "data-tiling" not in device.capabilities or not native.available(tensor_type.dtype) \
                 or encoding.chain != "depthwise":
             return IdentityLayout(tensor_type)
-        return ChannelBlockedLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="cpu")
+        return ChannelBlockedLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="cpu", conv_op=BLOCKED_CONV)
     if not isinstance(encoding, MatmulEncoding):
         return None
     if "data-tiling" not in device.capabilities or tensor_type.dtype not in TILED_TYPES:

@@ -380,13 +380,13 @@ def test_blocked_conv_kernel(shapes, activation):
     x = block(_f(*xs))
     for ins in ([x, w, bias], [x, frozen, bias, block(_f(*plain.shape))]):
         types = tuple(TensorType(a.shape, a.dtype) for a in ins)
-        (out_type,) = OPS["blocked_conv"].infer(types, attrs)
-        kernel = prepare("blocked_conv", attrs, types, (out_type,))
+        (out_type,) = OPS["cpu.blocked_conv"].infer(types, attrs)
+        kernel = prepare("cpu.blocked_conv", attrs, types, (out_type,))
         for _ in range(2):  # the second call with other inputs: nothing of the first is reused wrongly
             ins[0] = block(_f(*xs))
             out = np.empty(out_type.shape, np.float32)
             kernel(*ins, out)
-            (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+            (want,) = OPS["cpu.blocked_conv"].reference(*ins, **attrs)
             np.testing.assert_allclose(out, want, rtol=1e-4, atol=2e-5, err_msg=f"{activation} {len(ins)} inputs")
 
 
@@ -395,13 +395,13 @@ def _check_blocked_conv(x, w, attrs, atol):
     the reference."""
     for residual in (False, True):
         ins = [x, w, _f(w.shape[0])]
-        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        (out_type,) = OPS["cpu.blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
         if residual:
             ins.append(_f(*out_type.shape))
-        kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+        kernel = prepare("cpu.blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
         out = np.full(out_type.shape, np.nan, np.float32)
         kernel(*ins, out)
-        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        (want,) = OPS["cpu.blocked_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=atol, err_msg=f"residual {residual}")
 
 

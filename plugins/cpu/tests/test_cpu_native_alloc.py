@@ -52,15 +52,15 @@ _SCRIPT = textwrap.dedent("""
     for name, xs, attrs in [
         # channel-blocked: depthwise (whole vectors of channels: the tiles; few: flat rows;
         # strided), then 1x1 convs (the compiled tiles), each with a residual
-        ("blocked_conv", [block(f(1, 32, 9, 40)), f(32, 1, 3, 3), f(32), f(1, 1, 9, 40, 32)],
+        ("cpu.blocked_conv", [block(f(1, 32, 9, 40)), f(32, 1, 3, 3), f(32), f(1, 1, 9, 40, 32)],
          geometry(pad=1, group=32, activation="relu")),
-        ("blocked_conv", [block(f(1, 13, 9, 10)), f(13, 1, 3, 3), f(13), f(1, 1, 9, 10, 13)],
+        ("cpu.blocked_conv", [block(f(1, 13, 9, 10)), f(13, 1, 3, 3), f(13), f(1, 1, 9, 10, 13)],
          geometry(pad=1, group=13, activation="relu")),
-        ("blocked_conv", [block(f(1, 24, 13, 41)), f(24, 1, 5, 5), f(24)],
+        ("cpu.blocked_conv", [block(f(1, 24, 13, 41)), f(24, 1, 5, 5), f(24)],
          geometry(stride=2, pad=2, group=24, activation="silu")),
-        ("blocked_conv", [block(f(1, 24, 7, 9)), f(64, 24, 1, 1), f(64), f(1, 1, 7, 9, 64)],
+        ("cpu.blocked_conv", [block(f(1, 24, 7, 9)), f(64, 24, 1, 1), f(64), f(1, 1, 7, 9, 64)],
          geometry(activation="relu")),
-        ("blocked_conv", [block(f(2, 17, 5, 7)), f(40, 17, 1, 1), f(40)], geometry(activation="relu")),
+        ("cpu.blocked_conv", [block(f(2, 17, 5, 7)), f(40, 17, 1, 1), f(40)], geometry(activation="relu")),
         # dense convs by the compiled tiles (stride 1: shifted planes; stride 2: column phases)
         ("fused_conv", [f(5, 8, 9, 7), f(6, 8, 3, 3), f(6), f(5, 6, 9, 7)], geometry(pad=1, activation="relu")),
         ("conv", [f(3, 9, 11, 10), f(8, 9, 3, 3)], geometry(stride=2, pad=1)),
@@ -77,24 +77,24 @@ _SCRIPT = textwrap.dedent("""
         ("fused_conv", [f(1, 8, 9, 7), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)], geometry(pad=1, activation="relu")),
         # a 1x1 conv over a small plane with its input's prologue: pieces of the compiled queue
         # normalising their columns into their scratch, then BLAS's sgemm
-        ("scale_shift_conv", [f(1, 12, 7, 7), f(12), f(12), f(20, 12, 1, 1), f(20), f(1, 20, 7, 7)],
+        ("cpu.scale_shift_conv", [f(1, 12, 7, 7), f(12), f(12), f(20, 12, 1, 1), f(20), f(1, 20, 7, 7)],
          geometry(activation="relu") | {"pre_activation": "silu", "pre_alpha": 0.0, "pre_beta": 0.0}),
         # a 1x1 conv over a 56x56 plane: pieces reading their blocks of columns where they lie
         ("conv", [f(1, 8, 56, 56), f(16, 8, 1, 1)], geometry()),
         # a scale_shift_conv whose slab pieces apply the prologue as they fill (a ReLU in the
         # pass; a silu in a second pass over each row): a 3x3 conv's padded rows, a 1x1 conv's columns
-        ("scale_shift_conv", [f(1, 8, 9, 7), f(8), f(8), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)],
+        ("cpu.scale_shift_conv", [f(1, 8, 9, 7), f(8), f(8), f(6, 8, 3, 3), f(6), f(1, 6, 9, 7)],
          geometry(pad=1, activation="relu") | {"pre_activation": "relu", "pre_alpha": 0.0, "pre_beta": 0.0}),
-        ("scale_shift_conv", [f(1, 8, 16, 16), f(8), f(8), f(16, 8, 1, 1), f(16)],
+        ("cpu.scale_shift_conv", [f(1, 8, 16, 16), f(8), f(8), f(16, 8, 1, 1), f(16)],
          geometry(activation="none") | {"pre_activation": "silu", "pre_alpha": 0.0, "pre_beta": 0.0}),
     ]:
         types = tuple(TensorType(x.shape, x.dtype) for x in xs)
         (out_type,) = OPS[name].infer(types, attrs)
-        if name == "scale_shift_conv":
+        if name == "cpu.scale_shift_conv":
             conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
             assert conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type,
                                       prologue=True).fill in ("slabs", "pointwise")
-        elif name.endswith("conv") and name != "blocked_conv":
+        elif name.endswith("conv") and name != "cpu.blocked_conv":
             g = conv_kernels._Conv(attrs, types[0], types[1], out_type)
             assert g.path == "tiles" and bool(g.tiles_slabs) == (xs[0].shape[0] == 1 and attrs["strides"] == [1, 1])
         out = np.empty(out_type.shape, np.float32)

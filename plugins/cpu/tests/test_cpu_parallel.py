@@ -103,26 +103,26 @@ SPLIT_CASES = [  # (op, input shapes, attrs): odd sizes, so that no piece is lik
     ("fused_conv", [(5, 7, 6, 6), (66, 7, 3, 3), (66,), (5, 66, 3, 3)], _geometry(stride=2, pad=1)),  # stacked
     ("conv", [(5, 7, 6, 6), (9, 7, 3, 3)], _geometry(stride=2)),  # stacked images, column pieces
     # a conv's prologue (the normalised input in scratch, cut as scale_shift is), then the conv cut
-    ("scale_shift_conv", [(1, 6, 13, 11), (6,), (6,), (37, 6, 3, 3), (37,), (1, 37, 13, 11)],
+    ("cpu.scale_shift_conv", [(1, 6, 13, 11), (6,), (6,), (37, 6, 3, 3), (37,), (1, 37, 13, 11)],
      _geometry(pad=1, **_CONV) | {"pre_activation": "relu", "pre_alpha": 0.0, "pre_beta": 0.0}),
-    ("scale_shift_conv", [(2, 12, 7, 7), (12,), (12,), (29, 12, 1, 1), (29,)],
+    ("cpu.scale_shift_conv", [(2, 12, 7, 7), (12,), (12,), (29, 12, 1, 1), (29,)],
      _geometry(**_CONV) | {"pre_activation": "clip", "pre_alpha": -0.5, "pre_beta": 0.5}),
     ("conv", [(2, 6, 9, 9), (9, 2, 3, 3)], _geometry(stride=2, group=3)),  # grouped
     ("fused_conv", [(3, 11, 9, 10), (11, 1, 3, 3), (11,), (3, 11, 5, 5)], _geometry(stride=2, pad=1, group=11)),
     # channel-blocked (N, 1, H, W, C): depthwise on flat rows (few channels), vectorised across
     # many channels (stride 2, asymmetric pads), pointwise in blocks of pixels
-    ("blocked_conv", [(1, 1, 9, 10, 13), (13, 1, 3, 3), (13,), (1, 1, 9, 10, 13)], _geometry(pad=1, group=13, **_CONV)),
-    ("blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
+    ("cpu.blocked_conv", [(1, 1, 9, 10, 13), (13, 1, 3, 3), (13,), (1, 1, 9, 10, 13)], _geometry(pad=1, group=13, **_CONV)),
+    ("cpu.blocked_conv", [(2, 1, 11, 10, 40), (40, 1, 5, 5), (40,)],
      _geometry(stride=2, group=40, **_CONV) | {"pads": [2, 1, 2, 3]}),
-    ("blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
+    ("cpu.blocked_conv", [(2, 1, 6, 7, 20), (12, 20, 1, 1), (12,), (2, 1, 6, 7, 12)], _geometry(**_CONV)),
     # the depthwise tiles (8 pixels x a vector register of channels) in blocks of output rows,
     # a block's first rows reading the image from its own first row (top padding only above
     # the first block), kernel rows clipped at the bottom
-    ("blocked_conv", [(1, 1, 9, 40, 32), (32, 1, 3, 3), (32,), (1, 1, 9, 40, 32)], _geometry(pad=1, group=32, **_CONV)),
-    ("blocked_conv", [(1, 1, 13, 41, 24), (24, 1, 5, 5), (24,)], _geometry(stride=2, pad=2, group=24, **_CONV)),
+    ("cpu.blocked_conv", [(1, 1, 9, 40, 32), (32, 1, 3, 3), (32,), (1, 1, 9, 40, 32)], _geometry(pad=1, group=32, **_CONV)),
+    ("cpu.blocked_conv", [(1, 1, 13, 41, 24), (24, 1, 5, 5), (24,)], _geometry(stride=2, pad=2, group=24, **_CONV)),
     # the register-tiled GEMMs cut into blocks of panels of output channels (the last partial)
     # and of tiles' rows of pixels (the last partial), see TILE_CASES
-    ("blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)),
+    ("cpu.blocked_conv", [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)], _geometry(**_CONV)),
     ("attention", [(1, 5, 13, 8), (1, 5, 11, 8), (1, 5, 11, 6)], {"scale": None}),  # blocks of heads
     ("masked_attention", [(2, 3, 13, 8), (2, 3, 11, 8), (2, 3, 11, 6), (2, 1, 13, 11)], {"scale": 0.3}),
     ("max_pool", [(2, 3, 11, 9)], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
@@ -270,7 +270,7 @@ def test_split_blocked_pointwise_tiles_own_their_rows(monkeypatch, n_threads):
 
     if not native.available(np.float32):
         pytest.skip("the compiled loops are not available here")
-    name, attrs = "blocked_conv", _geometry(**_CONV)
+    name, attrs = "cpu.blocked_conv", _geometry(**_CONV)
     shapes = [(1, 1, 7, 9, 24), (64, 24, 1, 1), (64,), (1, 1, 7, 9, 64)]
     rng = np.random.default_rng(3)
     xs = [rng.standard_normal(s).astype(np.float32) for s in shapes]
@@ -335,7 +335,7 @@ def test_blocked_convs_cut_on_the_compiled_queue(monkeypatch, n_threads, xs, ws,
     monkeypatch.setattr(parallel, "run_gemms", lambda table: (pieces.append(len(table)), original(table)))
     for residual in (False, True):
         ins = [x, w, rng.standard_normal(ws[0]).astype(np.float32)]
-        (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+        (out_type,) = OPS["cpu.blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
         if residual:
             ins.append(rng.standard_normal(out_type.shape).astype(np.float32))
         types = tuple(TensorType(a.shape, a.dtype) for a in ins)
@@ -344,11 +344,11 @@ def test_blocked_convs_cut_on_the_compiled_queue(monkeypatch, n_threads, xs, ws,
             _split_everything(monkeypatch, threads_)
             out = np.full(out_type.shape, np.nan, np.float32)
             pieces.clear()
-            prepare("blocked_conv", attrs, types, (out_type,))(*ins, out)
+            prepare("cpu.blocked_conv", attrs, types, (out_type,))(*ins, out)
             assert len(pieces) == 1 and (pieces[0] >= int(threads_) if threads_ != "1" else pieces[0] == 1)
             results.append(out)
         np.testing.assert_allclose(results[1], results[0], rtol=1e-5, atol=1e-5)
-        (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+        (want,) = OPS["cpu.blocked_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(results[1], want, rtol=1e-4, atol=1e-4, err_msg=f"residual {residual}")
 
 
@@ -597,10 +597,10 @@ def test_pool_thread_serves_conv_pieces_from_its_spin_and_its_lock(monkeypatch):
     block = lambda a: np.ascontiguousarray(a.transpose(0, 2, 3, 1)[:, None])  # noqa: E731
     ins = [block(rng.standard_normal((1, 48, 17, 13)).astype(np.float32)),
            rng.standard_normal((48, 1, 5, 5)).astype(np.float32), rng.standard_normal(48).astype(np.float32)]
-    (out_type,) = OPS["blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
+    (out_type,) = OPS["cpu.blocked_conv"].infer(tuple(TensorType(a.shape, a.dtype) for a in ins), attrs)
     ins.append(rng.standard_normal(out_type.shape).astype(np.float32))
-    kernel = prepare("blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
-    (want,) = OPS["blocked_conv"].reference(*ins, **attrs)
+    kernel = prepare("cpu.blocked_conv", attrs, tuple(TensorType(a.shape, a.dtype) for a in ins), (out_type,))
+    (want,) = OPS["cpu.blocked_conv"].reference(*ins, **attrs)
     for woken in ("from its lock", "from its spin"):
         tables, out = [], np.full(out_type.shape, np.nan, np.float32)
         monkeypatch.setattr(parallel, "run_gemms", tables.append)  # the kernel's pieces, not run

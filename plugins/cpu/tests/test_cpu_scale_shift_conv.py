@@ -50,7 +50,7 @@ def _instance(xs, ws, conv, pre, post, residual: bool):
     c = xs[1]
     ins = [_f(*xs), (1 + 0.2 * _f(c)), (0.5 + np.abs(_f(c))).astype(np.float32), _f(*ws) * 0.3, _f(ws[0])]
     types = tuple(TensorType(a.shape, a.dtype) for a in ins)
-    (out_type,) = OPS["scale_shift_conv"].infer(types, attrs)
+    (out_type,) = OPS["cpu.scale_shift_conv"].infer(types, attrs)
     if residual:
         ins.append(_f(*out_type.shape))
     return ins, attrs, out_type
@@ -68,8 +68,8 @@ def test_kernel_matches_reference(xs, ws, conv, path, native_loops, monkeypatch)
             conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
             assert conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type).path == path
         out = np.full(out_type.shape, np.nan, np.float32)
-        prepare("scale_shift_conv", attrs, types, (out_type,))(*ins, out)
-        (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+        prepare("cpu.scale_shift_conv", attrs, types, (out_type,))(*ins, out)
+        (want,) = OPS["cpu.scale_shift_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5,
                                    err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
 
@@ -81,10 +81,10 @@ def test_in_a_plan_the_normalised_input_is_declared_scratch():
     ins, attrs, _ = _instance((2, 16, 9, 8), (12, 16, 3, 3), {"pads": [1, 1, 1, 1]}, "relu", "relu", True)
     b = polyhal.ProgramBuilder("prologue")
     args = [b.input(f"x{i}", a.shape, a.dtype) for i, a in enumerate(ins)]
-    b.output(b.op("scale_shift_conv", *args, **attrs))
+    b.output(b.op("cpu.scale_shift_conv", *args, **attrs))
     plan = polyhal.compile(b.build(), "cpu:0")
     assert "normalised" in plan.explain()
-    (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+    (want,) = OPS["cpu.scale_shift_conv"].reference(*ins, **attrs)
     for _ in range(2):
         np.testing.assert_allclose(plan.run_numpy(*ins)[0], want, rtol=1e-4, atol=3e-5)
 
@@ -101,18 +101,18 @@ def test_a_path_that_fills_its_input_takes_the_prologue(monkeypatch):
         built.append((op, ins_))
         return lambda *arrays: arrays[-1].fill(7.0)
 
-    names = lambda: [r.name for r in TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))]  # noqa: E731
+    names = lambda: [r.name for r in TABLE.scratch(None, "cpu.scale_shift_conv", attrs, types, (out_type,))]  # noqa: E731
     assert "normalised" in names()
     monkeypatch.setitem(conv_kernels.PROLOGUE_FILLS, "pointwise", fill)
     monkeypatch.setitem(conv_kernels.PROLOGUE_SCRATCH, "pointwise", lambda g, x: 4 * x.size + 4)
-    (request,) = [r for r in TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))
+    (request,) = [r for r in TABLE.scratch(None, "cpu.scale_shift_conv", attrs, types, (out_type,))
                   if r.name == "normalised"]
     assert request.nbytes(MemorySpace.GLOBAL) == 4 * types[0].size + 4
     monkeypatch.delitem(conv_kernels.PROLOGUE_SCRATCH, "pointwise")
     assert "normalised" not in names()
     out = np.empty(out_type.shape, np.float32)
-    prepare("scale_shift_conv", attrs, types, (out_type,))(*ins, out)
-    assert built == [("scale_shift_conv", types)] and (out == 7.0).all()
+    prepare("cpu.scale_shift_conv", attrs, types, (out_type,))(*ins, out)
+    assert built == [("cpu.scale_shift_conv", types)] and (out == 7.0).all()
 
 
 @pytest.mark.parametrize("n_threads", ["1", "2", "3"])
@@ -156,10 +156,10 @@ def test_pointwise_prologue_on_the_gemm_queue(n_threads, xs, m, least, per_threa
             covered[m0:m1, c0:c1] += 1
         assert (covered == 1).all()
         out = np.full(out_type.shape, np.nan, np.float32)
-        kernel = prepare("scale_shift_conv", attrs, types, (out_type,))
+        kernel = prepare("cpu.scale_shift_conv", attrs, types, (out_type,))
         for _ in range(2):
             kernel(*ins, out)
-        (want,) = OPS["scale_shift_conv"].reference(*ins, **attrs)
+        (want,) = OPS["cpu.scale_shift_conv"].reference(*ins, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=3e-5,
                                    err_msg=f"{pre} -> conv -> {post}, {len(ins)} inputs")
 
@@ -200,12 +200,12 @@ def test_slab_pieces_apply_the_prologue_as_they_fill(xs, ws, conv, n_threads, mo
         conv_attrs, conv_types = conv_kernels._without_prologue(attrs, types)
         g = conv_kernels._Conv(conv_attrs, conv_types[0], conv_types[1], out_type, prologue=True)
         assert g.fill == "slabs" and len(g.tiles_slabs) == int(n_threads)
-        requests = TABLE.scratch(None, "scale_shift_conv", attrs, types, (out_type,))
+        requests = TABLE.scratch(None, "cpu.scale_shift_conv", attrs, types, (out_type,))
         assert "normalised" not in [r.name for r in requests]
         scratch = standalone(None, requests)
-        kernel = prepare("scale_shift_conv", attrs, types, (out_type,), scratch)
+        kernel = prepare("cpu.scale_shift_conv", attrs, types, (out_type,), scratch)
         # again with another image: every slab filled again, its padding too
-        check_on_poisoned_scratch(kernel, scratch, requests, "scale_shift_conv", attrs, ins, lambda: _f(*xs), out_type,
+        check_on_poisoned_scratch(kernel, scratch, requests, "cpu.scale_shift_conv", attrs, ins, lambda: _f(*xs), out_type,
                                   atol=3e-5, msg=f"{pre} -> conv -> {post}")
         table = tables[-1]
         assert (table[:, layout.G_KIND] == layout.KIND_TILES_SLAB).all() and (table[:, layout.V_SCALE] != 0).all()

@@ -36,7 +36,7 @@ reaches cuDNN: the backend's own kernel (:func:`polyhal_cuda.nn.prepare_depthwis
 3-10x faster than its fp32-exact engines. Every instance runs on the device; the kernel's
 ``kernel_name`` says which way.
 
-Layouts reach cuDNN through strides. ``conv`` / ``fused_conv`` read NCHW; ``blocked_conv`` -- a
+Layouts reach cuDNN through strides. ``conv`` / ``fused_conv`` read NCHW; ``cuda.blocked_conv`` -- a
 conv of a chain that the CUDA encoding resolver keeps channels-last (:mod:`polyhal_cuda.layout`)
 -- reads its maps as NHWC storage (N, 1, H, W, C) and its filter dense (M, C/g, kh, kw) or
 channels-last (M, 1, kh, kw, C/g), converted once at compile time; cuDNN then picks among its
@@ -57,6 +57,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
+
+#: CUDA's own op for a conv on channels-last (NHWC) maps and filters (schema:
+#: :data:`polyhal.ops.nn.CHANNEL_BLOCKED_CONV`, defined on the table in :mod:`polyhal_cuda.kernels`):
+#: what :class:`polyhal_cuda.layout.ChannelsLastLayout` lowers convs to.
+BLOCKED_CONV = "cuda.blocked_conv"
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
@@ -179,9 +184,9 @@ def _strides(shape: tuple[int, ...], channels_last: bool = False) -> list[int]:
 
 def logical(op: str, attrs: dict, ins, outs) -> tuple[str, tuple, tuple, bool, bool]:
     """``(op, ins, outs, maps_last, filter_last)`` of a conv instance in NCHW terms: a
-    ``blocked_conv``'s storage types (N, 1, H, W, C) become (N, C, H, W), and it is a ``conv``
+    :data:`BLOCKED_CONV`'s storage types (N, 1, H, W, C) become (N, C, H, W), and it is a ``conv``
     (two or three operands, no activation) or a ``fused_conv``; others are as they are."""
-    if op != "blocked_conv":
+    if op != BLOCKED_CONV:
         return op, tuple(ins), tuple(outs), False, False
     from polyhal.ir.types import TensorType
 
@@ -457,7 +462,7 @@ def plan(device: "Device", op: str, attrs: dict, ins, outs) -> tuple["CuDNNConv 
     if why:
         return None, (), why
     key = _key(op, attrs, ins, outs)
-    image_first = op == "blocked_conv" and ins[0].rank == 4
+    image_first = op == BLOCKED_CONV and ins[0].rank == 4
     op, ins, outs, maps_last, filter_last = logical(op, attrs, ins, outs)
     if ins[0].dtype not in DTYPES:
         return None, (), f"cuDNN convolves {', '.join(t.name for t in DTYPES)} here, not {ins[0].dtype.name}"

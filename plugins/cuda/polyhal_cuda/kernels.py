@@ -63,6 +63,7 @@ from polyhal.hal.kernels import KernelTable
 from polyhal.ir.encoding import pack_split
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, normalize_axes, normalize_slice
+from polyhal.ops.nn import CHANNEL_BLOCKED_CONV
 
 from polyhal_cuda import attention, blas, blaslt, copies, cudnn, portable, sorting, suppression
 from polyhal_gpu import storage
@@ -693,7 +694,8 @@ def _scatter(device, op, attrs, ins, outs, binding) -> Kernel:
 # conv and fused_conv: cuDNN graphs where cuDNN is usable and has an engine, else the im2col
 # conv (plus one elementwise epilogue for fused_conv); see polyhal_cuda.cudnn. The plugin
 # advertises fused_conv only where cuDNN is usable, so the compile fuses only there.
-register("conv", "fused_conv", "blocked_conv", scratch=cudnn.scratch_requests)(cudnn.prepare)
+TABLE.define(cudnn.BLOCKED_CONV, **CHANNEL_BLOCKED_CONV)  # the channels-last convs of polyhal_cuda.layout
+register("conv", "fused_conv", cudnn.BLOCKED_CONV, scratch=cudnn.scratch_requests)(cudnn.prepare)
 
 
 @register("conv_transpose")

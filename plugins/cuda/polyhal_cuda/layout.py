@@ -5,7 +5,7 @@ maps of conv chains with :class:`~polyhal.ir.encoding.FeatureMapEncoding` (and, 
 ordinary convs, the filters). Here a CUDA device with cuDNN resolves them to
 :class:`ChannelsLastLayout`: a map (N, C, H, W) is stored (N, 1, H, W, C) -- NHWC bytes -- and a
 filter (M, C/g, kh, kw) as (M, 1, kh, kw, C/g) -- cuDNN's KRSC --, converted once when the plan
-is compiled. Convs between such maps lower to ``blocked_conv`` (cuDNN graphs over NHWC strides,
+is compiled. Convs between such maps lower to ``cuda.blocked_conv`` (cuDNN graphs over NHWC strides,
 :mod:`polyhal_cuda.cudnn`; depthwise convs by the backend's own kernel, reading NHWC), the
 elementwise ops and global average pools of the chain run on the storage as they are, and the
 encodes between the chain's links fold; only its edges (and ops that want NCHW, e.g. a pool or
@@ -26,6 +26,7 @@ import numpy as np
 
 import polyhal
 from polyhal.ir.encoding import ChannelBlockedLayout, FeatureMapEncoding, IdentityLayout
+from polyhal_cuda.cudnn import BLOCKED_CONV
 from polyhal_gpu.enumeration import choice_from_env
 
 #: Why ``auto`` keeps float32 NCHW (one H200, cuDNN 9.19, fp32 without TF32, polyhal's plans
@@ -80,7 +81,7 @@ class ChannelsLastLayout(ChannelBlockedLayout):
             w = in_layouts[1]
             if all(last(x) for x in (in_layouts[0], out_layouts[0], *in_layouts[3:])) \
                     and (w.is_identity_layout() or last(w)) and all(x.is_identity_layout() for x in in_layouts[2:3]):
-                return ("blocked_conv", {"activation": "none", "alpha": 0.0, "beta": 0.0, **dict(attrs)})
+                return self.conv_on_storage(attrs)
             return None
         return super().materialize_dispatch(op, attrs, in_layouts, out_layouts)
 
@@ -112,4 +113,4 @@ def resolve_encoding(device, encoding, tensor_type):
     last, why = choose(device, encoding, tensor_type)
     if not last:
         return KeptLayout(tensor_type, why)
-    return ChannelsLastLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="", why=why)
+    return ChannelsLastLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="", conv_op=BLOCKED_CONV, why=why)

@@ -76,14 +76,14 @@ def test_blocked_conv_matches_the_reference(cuda, case, filter_last):
     if res:
         ins.append(_block(RNG.standard_normal((n, m, oh, oh)).astype(F32)))
     in_types = tuple(TensorType(a.shape, a.dtype) for a in ins)
-    (out_t,) = OPS["blocked_conv"].infer(in_types, attrs)
-    fn = cuda.prepare("blocked_conv", attrs, in_types, (out_t,))
+    (out_t,) = OPS["cuda.blocked_conv"].infer(in_types, attrs)
+    fn = cuda.prepare("cuda.blocked_conv", attrs, in_types, (out_t,))
     with cuda.activate():
         dev = [cp.asarray(a) for a in ins]
         out = cp.full(out_t.shape, np.nan, F32)
     fn(*dev, out)
     cuda.synchronize()
-    (want,) = OPS["blocked_conv"].reference(*[a.astype(np.float64) for a in ins], **attrs)
+    (want,) = OPS["cuda.blocked_conv"].reference(*[a.astype(np.float64) for a in ins], **attrs)
     got = cp.asnumpy(out)
     assert np.abs(got - want).max() <= 1e-5 * max(np.abs(want).max(), 1), case
     name = getattr(getattr(fn, "inner", fn), "kernel_name", "")
@@ -175,11 +175,11 @@ def test_chains_stay_nhwc_and_match_onnxruntime(cuda, tmp_path, monkeypatch, bui
         (got,) = program.execute(plan, feeds).values()
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     ops = [op.name for op in plans["nhwc"].program.ops if op.kind == "dispatch"]
-    assert "blocked_conv" in ops and "fused_conv" not in ops[1:], ops
+    assert "cuda.blocked_conv" in ops and "fused_conv" not in ops[1:], ops
     report = plans["nhwc"].placement.encodings
     # a relayout only at the chain's edges: into it, and out of it before the Flatten / output
     assert report.encode_dispatches <= 3 and report.folded >= len(report.encodes) - 3, plans["nhwc"].explain()
     assert "cuda NHWC" in plans["nhwc"].explain()
     nchw_ops = [op.name for op in plans["nchw"].program.ops if op.kind == "dispatch"]
-    assert "blocked_conv" not in nchw_ops and plans["nchw"].placement.encodings.encode_dispatches == 0
+    assert "cuda.blocked_conv" not in nchw_ops and plans["nchw"].placement.encodings.encode_dispatches == 0
     assert "POLYHAL_CUDA_LAYOUT=nchw" in plans["nchw"].explain()
