@@ -25,7 +25,6 @@ from polyhal_cpu.cost import estimate_cost, link_bandwidth  # noqa: F401  (hooks
 from polyhal_cpu.device import CPUDevice
 from polyhal_cpu.encoding import DEFAULT_TILE
 from polyhal_cpu.encoding import resolve_encoding  # noqa: F401  (hook: the data-tiling resolver)
-from polyhal_cpu.fusions import registrations
 from polyhal_cpu.kernels import KERNEL_NAMES
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
@@ -88,4 +87,8 @@ def register_devices():
 @polyhal.hookimpl
 def register_passes():
     """The CPU's own fusion (a conv's prologue, ``cpu.scale_shift_conv``): see :mod:`polyhal_cpu.fusions`."""
+    # Imported here, at the first compile: fusion passes build on the compiler, which listing
+    # devices (`polyhal devices`) does not load.
+    from polyhal_cpu.fusions import registrations
+
     return registrations()
