@@ -6,8 +6,8 @@
 // * each element is one byte (two for bfloat16), as ml_dtypes stores them; a sub-byte integer
 //   keeps its value in the low bits (int4 -1 is 0x0F) and decoding ignores the high bits;
 // * float32 -> a float type rounds to nearest even, subnormals kept (a float64 or an integer of
-//   more than 24 bits rounds once, from its own value: see ph_round_to_odd); beyond the largest finite
-//   value (after rounding) gives inf where the type has one (bfloat16, e5m2), else nan (e4m3fn:
+//   more than 24 bits rounds once, from its own value: see ph_round_to_odd); beyond the largest
+//   finite value (after rounding) gives inf where the type has one (bfloat16, e5m2), else nan (e4m3fn:
 //   S.1111.111; the fnuz types: 0x80), and float4e2m1 (no inf, no nan) saturates to +-6; inf
 //   likewise. nan keeps its sign (bfloat16 0x7fc0, e4m3fn 0x7f, e5m2 0x7e), is 0x80 for fnuz, and
 //   for float4e2m1 is a zero of the opposite sign (ml_dtypes' choice); the fnuz types have no -0.
@@ -16,7 +16,7 @@
 //   ties (1.5 * 2**e) up, 2**-127 for anything smaller; zero, negatives, inf, nan and overflow
 //   give nan;
 // * a real -> sub-byte integer truncates toward zero, and is 0 where that is outside the type's
-//   range (nan and inf too; ml_dtypes 0.7 on, where earlier versions wrapped): polyhal_gpu.storage's
+//   range, nan and inf too (ml_dtypes 0.7 on; earlier versions wrapped): polyhal_gpu.storage's
 //   cast_expr checks the range before it converts; an integer keeps its low bits (wraps).
 // No standard headers (NVRTC has none); no float arithmetic where bits decide (a device that
 // flushes subnormals would change them).
