@@ -366,15 +366,24 @@ def _same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert not bad.size, f"{what}: {bad.size} elements differ, e.g. at {bad[:5].tolist()}: {g[bad[:5]]} vs {w[bad[:5]]}"
 
 
+def _require_storage_casts(device: polyhal.Device) -> None:
+    """Skip unless ``device``'s cast converts the storage-only element types."""
+    table = device.kernels
+    if table is None or "cast" not in device.kernel_names or not table.holds_storage("cast"):
+        pytest.skip(f"{device.name} does not convert the storage-only element types")
+
+
+def _storage_dtype(name: str) -> np.dtype:
+    return np.dtype(next(d for d in polyhal.ir.types.STORAGE_DTYPES if d.name == name))
+
+
 @pytest.mark.parametrize("name", sorted(d.name for d in polyhal.ir.types.STORAGE_DTYPES))
 def test_storage_type_casts(device, name):
     """cast to and from a storage-only type is bit-exact with ml_dtypes' astype (the op's
     reference), on every device whose kernels convert them: every bit pattern decoded, and the
     values where rounding, overflow and the special values decide encoded."""
-    table = device.kernels
-    if table is None or "cast" not in device.kernel_names or not table.holds_storage("cast"):
-        pytest.skip(f"{device.name} does not convert the storage-only element types")
-    dtype = np.dtype(next(d for d in polyhal.ir.types.STORAGE_DTYPES if d.name == name))
+    _require_storage_casts(device)
+    dtype = _storage_dtype(name)
     rng, seed = _fresh_rng()
     fp64 = "fp64" in device.spec.capabilities
     every = np.arange(1 << (8 * dtype.itemsize), dtype=f"u{dtype.itemsize}").view(dtype)
@@ -409,3 +418,39 @@ def test_storage_type_casts(device, name):
             want = values.astype(dtype)
         _same_bits(_cast_on(device, values, dtype), want, f"{src} -> {name}, seed {seed}")
 
+
+def test_storage_casts_at_the_edges(device):
+    """The rules test_storage_type_casts finds only by chance in its random values, spelled out
+    (ml_dtypes 0.7's): a real to a sub-byte integer truncates toward zero and is 0 outside the
+    type's range, nan and inf too; float64 and integers wider than float32's 24 bits round once,
+    straight to the type (through float32 to nearest, the values just off a tie would move); a
+    float32 subnormal to float8e8m0 is 2**-126 from 1.5 * 2**-127 on."""
+    _require_storage_casts(device)
+    fp64, ftz = "fp64" in device.spec.capabilities, "ftz" in device.spec.capabilities
+    reals = [7.9, 8.0, -8.0, -8.9, -9.0, 15.5, 16.0, -0.5, 1.9, -2.5, np.nan, np.inf, -np.inf, 3e9]
+    truncated = {"int4": [7, 0, -8, -8, 0, 0, 0, 0, 1, -2, 0, 0, 0, 0],
+                 "uint4": [7, 8, 0, 0, 0, 15, 0, 0, 1, 0, 0, 0, 0, 0],
+                 "int2": [0, 0, 0, 0, 0, 0, 0, 0, 1, -2, 0, 0, 0, 0],
+                 "uint2": [0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0]}
+    cases = [(np.array(reals, real), name, np.array(want, np.int8).astype(_storage_dtype(name)))
+             for name, want in truncated.items() for real in ([np.float32, np.float64] if fp64 else [np.float32])]
+    # Just off a tie: bfloat16's between 1 and 1 + 2**-7, float8e4m3fn's between 1 and 1.125,
+    # and (for an integer) bfloat16's between 2**30 and 2**30 + 2**23 and float8e8m0's between
+    # 2**25 and 2**26 (1.5 * 2**25); float64 2**-200 is float8e8m0's smallest, 2**-127, not nan.
+    wide = [([1 + 2.0 ** -8 + 2.0 ** -40, 1 + 2.0 ** -8 - 2.0 ** -40], "bfloat16", [0x3F81, 0x3F80]),
+            ([1.0625 + 2.0 ** -40, 1.0625 - 2.0 ** -40], "float8_e4m3fn", [0x39, 0x38])]
+    if not ftz:
+        wide.append(([2.0 ** -200, 1.0], "float8_e8m0fnu", [0, 127]))
+    cases += [(np.array(x), name, np.array(bits, f"u{_storage_dtype(name).itemsize}").view(_storage_dtype(name)))
+              for x, name, bits in (wide if fp64 else [])]
+    ints = [2 ** 30 + 2 ** 22 + 1, 2 ** 30 + 2 ** 22 - 1, 3 * 2 ** 24 - 1]
+    for integer in (np.int32, np.uint32, np.int64, np.uint64):
+        cases.append((np.array(ints, integer), "bfloat16", np.array([0x4E81, 0x4E80, 0x4C40], np.uint16)
+                      .view(_storage_dtype("bfloat16"))))
+        cases.append((np.array(ints, integer), "float8_e8m0fnu", np.array([157, 157, 152], np.uint8)
+                      .view(_storage_dtype("float8_e8m0fnu"))))
+    if not ftz:  # float32 subnormals: 2**-127, just under 1.5 * 2**-127, 1.5 * 2**-127, just under 2**-126
+        cases.append((np.array([0x400000, 0x5FFFFF, 0x600000, 0x7FFFFF], np.uint32).view(np.float32),
+                      "float8_e8m0fnu", np.array([0, 0, 1, 1], np.uint8).view(_storage_dtype("float8_e8m0fnu"))))
+    for x, name, want in cases:
+        _same_bits(_cast_on(device, x, _storage_dtype(name)), want, f"{x.dtype} {x.tolist()} -> {name}")

@@ -21,6 +21,7 @@ import functools
 from importlib import resources
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from polyhal.ir.types import STORAGE_DTYPES, storage_bits
@@ -32,6 +33,10 @@ STORAGE_OPS = frozenset({"cast", "identity", "bitcast"})
 #: The sub-byte integer types: decoded to ``int``, encoded from ``int`` (wrapping).
 #: (ml_dtypes' types all report numpy kind 'V'.)
 _INTEGER = frozenset(d for d in STORAGE_DTYPES if d.name in ("int4", "uint4", "int2", "uint2"))
+#: The sources wider than float32 (C type in ``c/storage_types.h``): rounded to float32 to odd,
+#: so that encoding them rounds once, from their own value.
+_WIDE = {np.dtype(np.float64): "double", np.dtype(np.int32): "int", np.dtype(np.uint32): "unsigned int",
+         np.dtype(np.int64): "ph_long", np.dtype(np.uint64): "ph_ulong"}
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,7 +61,10 @@ def cast_expr(src: Any, dst: Any, value: str) -> str:
     a compute source's value (float for float16); the result is a storage destination's bits,
     or for a compute destination a value its store converts as C does (float to integer
     truncates; nonzero is true for bool). Every conversion between a storage type and another
-    type goes through float32 (exact for all of them), as ml_dtypes' does."""
+    type goes through float32 (exact for all of them); a float64 or wide integer gets there
+    rounded to odd, so that it rounds once, as ml_dtypes (0.7 on) rounds it. A real converted to
+    a sub-byte integer truncates toward zero, and is 0 where that leaves the type's range (nan
+    and inf too), as in ml_dtypes 0.7; integers wrap."""
     src, dst = np.dtype(src), np.dtype(dst)
     real = src.kind == "f"
     if src in STORAGE_DTYPES:
@@ -64,9 +72,12 @@ def cast_expr(src: Any, dst: Any, value: str) -> str:
         value = f"ph_decode_{src.name}({value})"
     if dst in STORAGE_DTYPES:
         if dst not in _INTEGER:
+            if src in _WIDE:
+                value = f"ph_round_to_odd(ph_rtz({value}), ({_WIDE[src]})ph_rtz({value}) != ({value}))"
             return f"ph_encode_{dst.name}((float)({value}))"
-        if real:  # truncate to int32; nan and values outside it give 0, as int32's minimum wraps to
-            value = f"(({value}) >= -2147483648.0f && ({value}) < 2147483648.0f ? (int)({value}) : 0)"
+        if real:  # range checked before converting: C leaves (int) of nan and large values undefined
+            info = ml_dtypes.iinfo(dst)
+            value = f"(({value}) > {info.min - 1}.0f && ({value}) < {info.max + 1}.0f ? (int)({value}) : 0)"
         return f"ph_encode_{dst.name}((int)({value}))"
     if dst.kind == "b":
         return f"(({value}) != 0)"

@@ -5,6 +5,7 @@ compiler of some ROCm versions aborts the process for an architecture it does no
 Every kernel source is compiled: polyhal-gpu's ``rowwise.cu``, ``sort.cu`` (the whole file, with
 the bitonic instance HIP launches),
 ``nms.cu`` behind ``compat.h``, its portable C (``c/*.c``: one instance of each op, as planned),
+its storage conversions (``c/storage_types.h``: every cast, as CUDA compiles them),
 and polyhal-hip's ``elementwise.hip`` (an instance built from
 an expression and one from a polyhal-gpu snippet), ``reduce.hip`` and ``matmul.hip``. The
 architectures are ``POLYHAL_HIP_TEST_ARCHS`` (default ``gfx90a,gfx908,gfx1030``: CDNA2,
@@ -43,6 +44,7 @@ def representative_sources() -> list[tuple[str, str, tuple[str, ...]]]:
         ("matmul.hip float16", kernels.matmul_source(F16), ()),
     ]
     out.extend((f"{k.name} (polyhal-gpu portable C)", k.source, ()) for k in portable_kernels())
+    out.append(("storage_types.h (polyhal-gpu), every cast", storage_casts_source(), ()))
     if ALL:
         from polyhal_gpu.sorting import KEY_CTYPE
 
@@ -73,6 +75,24 @@ def portable_kernels() -> list:
         else:
             raise AssertionError(f"no sample of {op} has a portable kernel")
     return out
+
+
+def storage_casts_source() -> str:
+    """polyhal-gpu's storage conversions (C++ where CUDA compiles them; HIP holds no storage
+    types, but hiprtc is the C++ GPU compiler CI has): a kernel for each cast to and from each
+    storage type, as polyhal_gpu.storage writes it."""
+    from polyhal.ir.types import STORAGE_DTYPES
+    from polyhal_gpu import storage
+
+    names = {"float32": "float", "float64": "double", "int8": "signed char", "int32": "int", "uint32": "unsigned int",
+             "int64": "long long", "uint64": "unsigned long long", "bool": "bool"}
+    ctype = {np.dtype(n): c for n, c in names.items()}
+    ctype.update((d, "unsigned short" if d.itemsize == 2 else "unsigned char") for d in STORAGE_DTYPES)
+    pairs = [(a, b) for a in ctype for b in ctype if a != b and (a in STORAGE_DTYPES or b in STORAGE_DTYPES)]
+    return compiler.wrap(storage.source() + "".join(
+        f'extern "C" __global__ void polyhal_cast{i}(const {ctype[a]}* x, {ctype[b]}* y) {{\n'
+        f"  y[threadIdx.x] = ({ctype[b]})({storage.cast_expr(a, b, 'x[threadIdx.x]')});\n}}\n"
+        for i, (a, b) in enumerate(pairs)))
 
 
 @pytest.fixture(scope="module")

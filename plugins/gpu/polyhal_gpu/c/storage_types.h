@@ -5,16 +5,19 @@
 //
 // * each element is one byte (two for bfloat16), as ml_dtypes stores them; a sub-byte integer
 //   keeps its value in the low bits (int4 -1 is 0x0F) and decoding ignores the high bits;
-// * float32 -> a float type rounds to nearest even, subnormals kept; beyond the largest finite
-//   value (after rounding) gives inf where the type has one (bfloat16, e5m2), else nan (e4m3fn:
+// * float32 -> a float type rounds to nearest even, subnormals kept (a float64 or an integer of
+//   more than 24 bits rounds once, from its own value: see ph_round_to_odd); beyond the largest
+//   finite value (after rounding) gives inf where the type has one (bfloat16, e5m2), else nan (e4m3fn:
 //   S.1111.111; the fnuz types: 0x80), and float4e2m1 (no inf, no nan) saturates to +-6; inf
 //   likewise. nan keeps its sign (bfloat16 0x7fc0, e4m3fn 0x7f, e5m2 0x7e), is 0x80 for fnuz, and
 //   for float4e2m1 is a zero of the opposite sign (ml_dtypes' choice); the fnuz types have no -0.
 //   ONNX's saturate=1 is a clamp before this conversion (the front end's);
-// * float8e8m0 holds 2**(e-127), e = 0..254, 255 is nan; from float32 the exponent rounds to
-//   nearest, ties up, and zero, negatives, inf, nan and overflow give nan;
-// * a real -> sub-byte integer truncates toward zero to int32 (0 outside its range, and for nan),
-//   then keeps the low bits (wraps), as integers do.
+// * float8e8m0 holds 2**(e-127), e = 0..254, 255 is nan; from float32 the nearer power of two,
+//   ties (1.5 * 2**e) up, 2**-127 for anything smaller; zero, negatives, inf, nan and overflow
+//   give nan;
+// * a real -> sub-byte integer truncates toward zero, and is 0 where that is outside the type's
+//   range, nan and inf too (ml_dtypes 0.7 on; earlier versions wrapped): polyhal_gpu.storage's
+//   cast_expr checks the range before it converts; an integer keeps its low bits (wraps).
 // No standard headers (NVRTC has none); no float arithmetic where bits decide (a device that
 // flushes subnormals would change them).
 
@@ -22,11 +25,30 @@
 #define PH_FN inline
 #define ph_as_uint(x) as_uint(x)
 #define ph_as_float(x) as_float(x)
+#define ph_rtz(x) convert_float_rtz(x)
+typedef long ph_long;
+typedef ulong ph_ulong;
 #else  // CUDA (NVRTC) and HIP (hiprtc)
 #define PH_FN __device__ __forceinline__
 #define ph_as_uint(x) __float_as_uint(x)
 #define ph_as_float(x) __uint_as_float(x)
+typedef long long ph_long;
+typedef unsigned long long ph_ulong;
+// x as float32, rounded toward zero (OpenCL's convert_float_rtz).
+PH_FN float ph_rtz(double x) { return __double2float_rz(x); }
+PH_FN float ph_rtz(int x) { return __int2float_rz(x); }
+PH_FN float ph_rtz(unsigned int x) { return __uint2float_rz(x); }
+PH_FN float ph_rtz(ph_long x) { return __ll2float_rz(x); }
+PH_FN float ph_rtz(ph_ulong x) { return __ull2float_rz(x); }
 #endif
+
+// A float64 or a wide integer x as float32 rounded to odd, from t = ph_rtz(x): t with its last
+// bit set where it is not x (nan stays nan). Rounding that to a type of at most 21 mantissa bits
+// (every type here) rounds x once, as ml_dtypes does; rounding to nearest twice would move the
+// values just off a tie (float64 1 + 2**-8 + 2**-40 is bfloat16 1 + 2**-7, not 1).
+PH_FN float ph_round_to_odd(float t, int inexact) {
+  return inexact ? ph_as_float(ph_as_uint(t) | 1u) : t;
+}
 
 // v >> s rounded to nearest even, 1 <= s <= 31 (v < 2**31).
 PH_FN unsigned int ph_rne_shift(unsigned int v, int s) {
@@ -128,7 +150,7 @@ PH_FN float ph_decode_float8_e8m0fnu(unsigned char b) {
 PH_FN unsigned char ph_encode_float8_e8m0fnu(float x) {
   const unsigned int u = ph_as_uint(x);
   if (u == 0u || u >= 0x7f800000u) return 0xffu;              // zero, negative, inf, nan
-  if (u < 0x800000u) return u > 0x400000u ? 1u : 0u;          // subnormal: above 2**-127 is 2**-126 (ml_dtypes)
+  if (u < 0x800000u) return u >= 0x600000u ? 1u : 0u;         // subnormal: 2**-127, or 2**-126 from 1.5 * 2**-127
   const unsigned int r = (u + 0x400000u) >> 23;               // ties round up (ml_dtypes)
   return (unsigned char)(r > 0xfeu ? 0xffu : r);
 }
