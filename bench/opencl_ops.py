@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 import polyhal
+from polyhal.testing.settings import BenchSettings
 from bench.harness import DeviceAbsent, Row
 
 CHAIN = 64
@@ -211,7 +212,7 @@ def run(args) -> list[Row]:
           f"{anchor.name} {row.extra['tflops_anchor']:.3g})")
     del a, b
 
-    if gpu and os.environ.get("POLYHAL_BENCH_OPENCL_SWEEP"):
+    if gpu and BenchSettings.from_env().opencl_sweep:
         _sweep_blocks(dev, n, anchor, rounds)
 
     # 3. Row softmax, 4096x1024.
