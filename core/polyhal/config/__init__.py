@@ -170,15 +170,18 @@ class Names(Kind):
 
 
 class Choice(Kind):
-    """One of ``values`` (compared in lower case)."""
+    """One of ``values`` (compared in lower case); ``aliases`` maps other words to values."""
 
-    def __init__(self, *values: str) -> None:
-        self.values = values
+    def __init__(self, *values: str, aliases: Mapping[str, str] | None = None) -> None:
+        self.values, self.aliases = values, dict(aliases or {})
         self.name = "enum: " + " \\| ".join(values)
-        self.what = "one of " + ", ".join(values)
+        self.what = "one of " + ", ".join(values) + "".join(
+            f" ({', '.join(k for k, v in self.aliases.items() if v == value)} = {value})"
+            for value in values if value in self.aliases.values())
 
     def parse(self, raw: str) -> str:
         word = raw.lower()
+        word = self.aliases.get(word, word)
         if word not in self.values:
             raise ValueError(raw)
         return word

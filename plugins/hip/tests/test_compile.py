@@ -14,7 +14,6 @@ CDNA1 wave64 and RDNA2 wave32). With ``POLYHAL_HIP_TEST_COMPILE=all`` every bito
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -24,9 +23,10 @@ from polyhal_gpu import rowwise
 from polyhal_hip import compiler, kernels
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
+from polyhal_hip.settings import HIPTestSettings
 
-ARCHS = [a.strip() for a in os.environ.get("POLYHAL_HIP_TEST_ARCHS", "gfx90a,gfx908,gfx1030").split(",") if a.strip()]
-ALL = os.environ.get("POLYHAL_HIP_TEST_COMPILE", "") == "all"
+ARCHS = list(HIPTestSettings.from_env().archs)
+ALL = HIPTestSettings.from_env().compile == "all"
 F16, F32, F64, I64 = (np.dtype(t) for t in ("float16", "float32", "float64", "int64"))
 
 
