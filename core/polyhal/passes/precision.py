@@ -131,7 +131,7 @@ def resolve_precision(precision: str | None) -> tuple[str, str]:
         raise PrecisionError(f"{where}: no device computes in bfloat16: polyhal's op set holds it as a "
                              "storage-only type (arithmetic needs a 'cast' to a compute type first); use "
                              "'fp16' (float16 compute, float32 accumulation) or 'tf32'")
-    return name, source
+    return name, "precision="
 
 
 @dataclass

@@ -250,7 +250,7 @@ def budget() -> Budget:
     if _budget is None:
         with _budget_lock:
             if _budget is None:
-                fixed = bool(os.environ.get(ENV, "").strip())
+                fixed = CPUSettings.from_env().threads is not None
                 try:
                     cpus = os.sched_getaffinity(0)
                 except (AttributeError, OSError):
