@@ -22,7 +22,7 @@ class TestSettings(Settings, component="tests"):
         shown="drawn per session")
     fuzz: int | None = setting(
         "POLYHAL_FUZZ", Integer(low=0), None,
-        "mutated models each ONNX fuzz test runs (tests/test_fuzz_onnx.py)", shown="40 (24 on disk)")
+        "mutated inputs each fuzz test runs (tests/test_fuzz_*.py)", shown="per test (40 ONNX models, 24 on disk)")
 
 
 @dataclass(frozen=True)
