@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import statistics
+from unittest.mock import patch
 
 import numpy as np
 
@@ -59,17 +60,9 @@ def _encode_dispatches(plan) -> int:
 
 def run(args) -> list[Row]:
     # Two CPU devices, cpu:0 tiles and cpu:1 does not; the registry is this benchmark's own.
-    saved = {k: os.environ.get(k) for k in ("POLYHAL_CPU_DEVICES", "POLYHAL_CPU_DATA_TILING")}
-    os.environ.update(POLYHAL_CPU_DEVICES="2", POLYHAL_CPU_DATA_TILING="cpu:0")
-    try:
+    with patch.dict(os.environ, POLYHAL_CPU_DEVICES="2", POLYHAL_CPU_DATA_TILING="cpu:0"):
         registry = Registry()
         registry.device_specs()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     rng = np.random.default_rng(0)
     feeds = [rng.standard_normal((M, D), np.float32)] + \
         [(rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32) for _ in range(LINKS)]

@@ -121,7 +121,9 @@ def machine() -> dict:
         info["numpy"] = numpy.__version__
     except ImportError:
         pass
-    gpu = os.environ.get("POLYHAL_BENCH_GPU")
+    from polyhal.testing.settings import BenchSettings
+
+    gpu = BenchSettings.from_env().gpu
     if gpu:
         info["gpu"] = gpu
     return info

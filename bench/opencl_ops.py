@@ -27,10 +27,12 @@ from __future__ import annotations
 import os
 import statistics
 import time
+from unittest.mock import patch
 
 import numpy as np
 
 import polyhal
+from polyhal.testing.settings import BenchSettings
 from bench.harness import DeviceAbsent, Row
 
 CHAIN = 64
@@ -211,7 +213,7 @@ def run(args) -> list[Row]:
           f"{anchor.name} {row.extra['tflops_anchor']:.3g})")
     del a, b
 
-    if gpu and os.environ.get("POLYHAL_BENCH_OPENCL_SWEEP"):
+    if gpu and BenchSettings.from_env().opencl_sweep:
         _sweep_blocks(dev, n, anchor, rounds)
 
     # 3. Row softmax, 4096x1024.
@@ -257,9 +259,8 @@ def _sweep_blocks(dev, n: int, anchor: _Anchor, rounds: int) -> None:
     ins = [polyhal.asarray(a, device=dev), polyhal.asarray(b, device=dev)]
     out = polyhal.empty((n, n), "float32", dev)
     want = a.astype(np.float64) @ b.astype(np.float64)
-    saved = os.environ.get("POLYHAL_OPENCL_GPU_BLOCK")
     print(f"opencl_ops: sweep of GPU block shapes for the {n}² matmul (POLYHAL_OPENCL_GPU_BLOCK):")
-    try:
+    with patch.dict(os.environ):  # restored afterwards
         for block in SWEEP:
             os.environ["POLYHAL_OPENCL_GPU_BLOCK"] = block
             try:
@@ -273,8 +274,3 @@ def _sweep_blocks(dev, n: int, anchor: _Anchor, rounds: int) -> None:
                       + ("" if ok else "  WRONG RESULT"))
             except Exception as exc:  # noqa: BLE001 - a shape the device cannot run
                 print(f"  {block:>16}: failed ({type(exc).__name__}: {exc})".splitlines()[0])
-    finally:
-        if saved is None:
-            os.environ.pop("POLYHAL_OPENCL_GPU_BLOCK", None)
-        else:
-            os.environ["POLYHAL_OPENCL_GPU_BLOCK"] = saved

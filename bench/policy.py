@@ -9,6 +9,7 @@ allocate+free of 1 MiB at most 1 µs on the CPU backend (anchor: ``np.empty`` of
 from __future__ import annotations
 
 import os
+from unittest.mock import patch
 
 import numpy as np
 
@@ -39,18 +40,11 @@ class _CountCalls:
 def run(args) -> list[Row]:
     repeat = 5 if args.quick else 30
     rows: list[Row] = []
-    saved = os.environ.get("POLYHAL_CPU_DEVICES")
-    os.environ["POLYHAL_CPU_DEVICES"] = "2"  # two logical devices: every decision has a choice
-    try:
+    with patch.dict(os.environ, POLYHAL_CPU_DEVICES="2"):  # two logical devices: every decision has a choice
         reg = Registry()
         rows += _decisions(reg, repeat)
         rows += _plan_hook_calls(reg, repeat)
         rows += _pool(reg.get_device("cpu:0"), repeat)
-    finally:
-        if saved is None:
-            os.environ.pop("POLYHAL_CPU_DEVICES", None)
-        else:
-            os.environ["POLYHAL_CPU_DEVICES"] = saved
     return rows
 
 

@@ -18,6 +18,8 @@ import os
 import subprocess
 import sys
 
+from polyhal.testing.settings import TestSettings
+
 MEMORY_LIMIT = 3 << 30
 
 CHILD = r"""
@@ -151,7 +153,7 @@ def test_mutated_capsules_import_correctly_or_give_polyhal_errors():
     from polyhal.testing.plugin import session_seed
 
     seed = session_seed()
-    count = int(os.environ.get("POLYHAL_FUZZ") or 300)
+    count = TestSettings.from_env().fuzz or 300
 
     def limit_memory():
         import resource

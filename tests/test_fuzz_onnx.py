@@ -23,6 +23,8 @@ import sys
 
 import pytest
 
+from polyhal.testing.settings import TestSettings
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEMORY_LIMIT = 3 << 30  # address space of the child; polyhal's own structures stay far below it
 
@@ -387,9 +389,15 @@ def _fuzz(child: str, count: int, *args: str) -> dict:
     return outcomes
 
 
+def _count(default: int) -> int:
+    """Mutations per fuzz test: ``POLYHAL_FUZZ``, else ``default``."""
+    count = TestSettings.from_env().fuzz
+    return default if count is None else count
+
+
 def test_mutated_models_give_results_or_polyhal_errors():
     models = [os.path.join(ROOT, "examples", n) for n in ("mlp.onnx", "transformer_block.onnx")]
-    _fuzz(CHILD, int(os.environ.get("POLYHAL_FUZZ") or 40), *models)
+    _fuzz(CHILD, _count(40), *models)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="watches reads with Linux's inotify")
@@ -400,4 +408,4 @@ def test_mutated_model_folders_never_read_outside_and_run_right(tmp_path):
     # error or a run that onnx's reference evaluator agrees with, and no file outside the model's
     # folder is ever opened (the working directory holds files of the same names).
     examples = [os.path.join(ROOT, "examples", n) for n in ("mlp.onnx", "detection_postprocess.onnx")]
-    _fuzz(DISK_CHILD, int(os.environ.get("POLYHAL_FUZZ") or 24), str(tmp_path), *examples)
+    _fuzz(DISK_CHILD, _count(24), str(tmp_path), *examples)

@@ -346,7 +346,7 @@ def test_a_loop_that_never_ends_stops_at_the_limit(monkeypatch):
 
 def test_loop_limit_setting_is_checked(monkeypatch):
     monkeypatch.setenv("POLYHAL_LOOP_LIMIT", "lots")
-    with pytest.raises(ponnx.OnnxInputError, match="POLYHAL_LOOP_LIMIT"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_LOOP_LIMIT='lots' is not an integer >= 0"):
         loop_limit()
 
 

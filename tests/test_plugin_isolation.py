@@ -133,7 +133,7 @@ def test_system_exit_at_import_is_a_failure(fresh_registry, install_plugin):
 
 def test_bad_timeout_value_is_a_clear_error(fresh_registry, install_plugin):
     install_plugin("any", "POLYHAL_API_VERSION = 1\n")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_PLUGIN_TIMEOUT='soon' is not a number"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_PLUGIN_TIMEOUT=.soon. is not a number"):
         fresh_registry(POLYHAL_PLUGIN_TIMEOUT="soon")
 
 

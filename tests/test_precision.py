@@ -47,7 +47,10 @@ def test_resolve_precision(monkeypatch):
     assert prec.resolve_precision(None) == ("tf32", prec.ENV)
     assert prec.resolve_precision("fp32") == ("fp32", "precision=")  # the option wins over the env
     monkeypatch.setenv(prec.ENV, "half")
-    with pytest.raises(PrecisionError, match="POLYHAL_PRECISION='half' is not a precision; use one of fp32, tf32, fp16"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_PRECISION='half' is not one of fp32, tf32, fp16"):
+        prec.resolve_precision(None)
+    monkeypatch.setenv(prec.ENV, "bf16")
+    with pytest.raises(polyhal.ConfigError, match="bf16 is storage-only"):
         prec.resolve_precision(None)
     with pytest.raises(PrecisionError, match="no device computes in bfloat16.*use 'fp16'"):
         prec.resolve_precision("bf16")

@@ -273,7 +273,7 @@ def test_a_failing_memory_space_policy_is_skipped(fresh_registry):
 @pytest.mark.parametrize("value", ["nan", "-1", "-inf"])  # "abc": tests/test_plugin_isolation.py
 def test_a_bad_plugin_timeout_names_the_variable(fresh_registry, install_plugin, value):
     install_plugin("any", "POLYHAL_API_VERSION = 1\n")
-    with pytest.raises(PluginError, match=f"POLYHAL_PLUGIN_TIMEOUT={value!r} .*seconds"):
+    with pytest.raises(polyhal.ConfigError, match=f"POLYHAL_PLUGIN_TIMEOUT={value!r} .*seconds"):
         fresh_registry(POLYHAL_PLUGIN_TIMEOUT=value)
 
 

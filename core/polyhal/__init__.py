@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
-    DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelError, KernelNotFoundError,
+    ConfigError, DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelError, KernelNotFoundError,
     MappingError, OutOfMemoryError, PluginError, PipelineError, PolyhalError, PrecisionError, ProgramError, ShapeError,
 )
 from polyhal.hal.allocator import Allocator, AllocatorStatistics
@@ -47,7 +47,7 @@ _ON_FIRST_USE = {"KernelTable": "polyhal.hal.kernels", "Plan": "polyhal.plan", "
 
 __all__ = [
     "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
-    "BufferCompatibility", "BufferKind", "BufferUsage", "Compilation", "DEFAULT_PIPELINE", "DLPackError", "DTypeError",
+    "BufferCompatibility", "BufferKind", "BufferUsage", "Compilation", "ConfigError", "DEFAULT_PIPELINE", "DLPackError", "DTypeError",
     "Device", "DeviceNotFoundError", "DeviceSpec", "Fusion", "Heap", "IncompatibleBufferError", "KernelError",
     "KernelNotFoundError",
     "KernelTable", "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Pass",

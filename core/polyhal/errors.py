@@ -90,3 +90,12 @@ class DLPackError(PolyhalError, BufferError):
 
 class UsageError(PolyhalError, ValueError):
     """A command-line argument or option value that cannot be used (the CLI exits 2)."""
+
+
+class ConfigError(PolyhalError, ValueError):
+    """An environment variable whose value polyhal cannot use; the message names the variable,
+    the value and what it accepts. ``variable`` and ``value`` say which."""
+
+    def __init__(self, message: str, *, variable: str | None = None, value: str | None = None) -> None:
+        super().__init__(message)
+        self.variable, self.value = variable, value

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import pluggy
 
 from polyhal import hookspecs
+from polyhal.config import Flag, Names, Number, Settings, Text, setting
 from polyhal.errors import DeviceNotFoundError, PluginError
 from polyhal.hal.adaptors import MemoryTypeRouter
 from polyhal.hal.allocator import Allocator
@@ -96,9 +97,28 @@ class PluginFailure:
     device: str | None = None
 
 
+@dataclass(frozen=True)
+class RegistrySettings(Settings, component="registry"):
+    """The registry's environment (see the module's docstring), read by each new Registry."""
+
+    backends: tuple[str, ...] | None = setting(
+        "POLYHAL_BACKENDS", Names(), None,
+        "allow-list of backend entry points, also the order of preference; a backend named here that "
+        "cannot load is an error", shown="every installed backend")
+    disable_autoload: bool = setting("POLYHAL_DISABLE_AUTOLOAD", Flag(), False,
+                                     "load no entry points at all (register plugins in code)")
+    plugin_timeout: float = setting(
+        "POLYHAL_PLUGIN_TIMEOUT", Number("seconds", low=0), DEFAULT_PLUGIN_TIMEOUT,
+        "seconds one plugin may take to import (0: no limit, on the calling thread; inf: no limit)",
+        hint=f"set e.g. {DEFAULT_PLUGIN_TIMEOUT:g}, 0 to import on the calling thread without a limit, "
+             "or inf to wait without a limit")
+    log: str = setting("POLYHAL_LOG", Text(), "",
+                       "log polyhal at this level (debug, info, ...) to stderr, each entry point before its import")
+
+
 def configure_logging(level: str | int | None = None) -> None:
     """Send polyhal's log to stderr at ``level`` (default: ``POLYHAL_LOG``; unset: no handler)."""
-    level = level if level is not None else os.environ.get("POLYHAL_LOG", "").strip()
+    level = level if level is not None else RegistrySettings.from_env().log
     if not level:
         return
     if isinstance(level, str):
@@ -111,22 +131,6 @@ def configure_logging(level: str | int | None = None) -> None:
         handler._polyhal = True  # type: ignore[attr-defined]
         log.addHandler(handler)
     log.setLevel(level)
-
-
-def _plugin_timeout() -> float:
-    """POLYHAL_PLUGIN_TIMEOUT in seconds: >= 0, ``inf`` allowed (no limit on the loader thread)."""
-    raw = os.environ.get("POLYHAL_PLUGIN_TIMEOUT", "").strip()
-    if not raw:
-        return DEFAULT_PLUGIN_TIMEOUT
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value >= 0:  # also NaN
-        raise PluginError(f"POLYHAL_PLUGIN_TIMEOUT={raw!r} is not a number of seconds >= 0; set e.g. "
-                          f"{DEFAULT_PLUGIN_TIMEOUT:g}, 0 to import on the calling thread without a limit, "
-                          "or inf to wait without a limit")
-    return value
 
 
 #: Thread id -> entry point being imported on that thread (default_registry refuses those threads).
@@ -180,11 +184,6 @@ def _load_with_timeout(ep: metadata.EntryPoint, timeout: float) -> Any:
     if error is not None:
         raise error
     return box["plugin"]
-
-
-def _env_list(name: str) -> list[str] | None:
-    raw = os.environ.get(name, "").strip()
-    return [p.strip() for p in raw.split(",") if p.strip()] if raw else None
 
 
 class ImportBreadcrumbs:
@@ -309,7 +308,8 @@ class Registry:
         self._broken: dict[str, PluginFailure] = {}  # devices whose factory raised
         self._listeners: list[Callable[[], Any]] = []
         self._plugin_passes: tuple[int, list[tuple[str, Any]]] | None = None  # (generation, records)
-        self._preference = _env_list("POLYHAL_BACKENDS")
+        settings = RegistrySettings.from_env()
+        self._preference = list(settings.backends) if settings.backends else None
         #: The memoizing allocator selector of this registry (made by polyhal.policy.selector_for);
         #: kept here so that it lives and dies with its registry.
         self.allocator_selector: Any = None
@@ -318,7 +318,7 @@ class Registry:
         for name in BUILTIN_PLUGINS:
             self.pm.register(importlib.import_module(name), name=name)
         if autoload is None:
-            autoload = os.environ.get("POLYHAL_DISABLE_AUTOLOAD", "") not in ("1", "true", "yes")
+            autoload = not settings.disable_autoload
         if autoload:
             self.load_entry_points()
 
@@ -337,7 +337,7 @@ class Registry:
                     f"POLYHAL_BACKENDS names {missing}, which is not installed; installed backends: "
                     f"{sorted(backends) or 'none'}. Install the plugin (e.g. pip install polyhal-{missing[0]}) "
                     "or remove it from POLYHAL_BACKENDS")
-        timeout = _plugin_timeout()
+        timeout = RegistrySettings.from_env().plugin_timeout
         crumbs = ImportBreadcrumbs()
         for left in crumbs.left_by_ended_processes():
             warnings.warn(

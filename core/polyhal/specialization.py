@@ -17,12 +17,12 @@ The capacity is ``capacity=`` where the cache is made, else ``POLYHAL_SHAPE_CACH
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Generic, Hashable, TypeVar
 
+from polyhal.config import Integer, Settings, setting
 from polyhal.errors import ProgramError
 
 __all__ = ["DEFAULT_CAPACITY", "Specialization", "SpecializationCache", "cache_capacity"]
@@ -32,6 +32,14 @@ __all__ = ["DEFAULT_CAPACITY", "Specialization", "SpecializationCache", "cache_c
 DEFAULT_CAPACITY = 16
 
 V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class ShapeCacheSettings(Settings, component="shape cache"):
+    """The environment's capacity of the caches made without one (read as each cache is made)."""
+
+    capacity: int = setting("POLYHAL_SHAPE_CACHE", Integer(low=1), DEFAULT_CAPACITY,
+                            "shape specializations (compiled plans) kept per polymorphic program")
 
 
 @dataclass(frozen=True)
@@ -45,7 +53,7 @@ class Specialization:
 def cache_capacity(value: int | str | None = None) -> int:
     """The capacity to use: ``value`` if given, else ``POLYHAL_SHAPE_CACHE``, else the default."""
     if value is None:
-        value = os.environ.get("POLYHAL_SHAPE_CACHE", "").strip() or DEFAULT_CAPACITY
+        return ShapeCacheSettings.from_env().capacity
     try:
         capacity = int(value)
     except (TypeError, ValueError):

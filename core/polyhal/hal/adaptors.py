@@ -54,6 +54,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, TextIO
 
+from polyhal.config import parse_size  # noqa: F401  (re-exported: the allocator spec sizes)
 from polyhal.errors import OutOfMemoryError, PluginError
 from polyhal.hal.allocator import Allocator, AllocatorStatistics, out_of_memory
 from polyhal.hal.buffer import Buffer
@@ -622,21 +623,6 @@ def set_device_allocator(device: "Device", allocator: Allocator) -> Allocator:
         raise ValueError(f"{allocator!r} allocates for {allocator.device.name}, not {device.name}")
     previous, device.allocator = device.allocator, allocator
     return previous
-
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
-               "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tib": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"512MiB"``, ``"1g"``, ``"1000000"`` -> bytes."""
-    raw = text.strip().lower().replace("_", "")
-    digits = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = raw[len(digits):].strip()
-    try:
-        return int(float(digits) * _SIZE_UNITS[unit])
-    except (ValueError, KeyError):
-        raise ValueError(f"{text!r} is not a size; write e.g. 4096, 512MiB or 2GiB") from None
 
 
 def parse_adaptor_spec(spec: str) -> list[Callable[[Allocator], Allocator]]:

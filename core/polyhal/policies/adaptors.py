@@ -8,18 +8,29 @@ limit over the pool, statistics over that, logging outermost). Names are those o
 
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
+from polyhal.config import Settings, Text, setting
 from polyhal.hal.adaptors import parse_adaptor_spec
 from polyhal.hookspecs import API_VERSION, hookimpl
 
 POLYHAL_API_VERSION = API_VERSION
 
 
+@dataclass(frozen=True)
+class AllocatorSettings(Settings, component="allocator"):
+    """The allocator adaptors the environment asks for, read as each device's allocator is made."""
+
+    adaptors: str = setting(
+        "POLYHAL_ALLOCATOR", Text(), "",
+        "adaptors over every device's allocator, innermost first: pool[=MAX], limit=SIZE, stats, "
+        "log[=PATH], fault=N (e.g. pool,limit=512MiB,stats)")
+
+
 @hookimpl
 def wrap_allocator(device, memory_type, allocator):
     """Stack the adaptors named in ``POLYHAL_ALLOCATOR`` (None when it is unset)."""
-    spec = os.environ.get("POLYHAL_ALLOCATOR", "").strip()
+    spec = AllocatorSettings.from_env().adaptors
     if not spec:
         return None
     for make in parse_adaptor_spec(spec):

@@ -20,26 +20,20 @@ neither is still computed once per (candidates, memory type, usage, flags): read
 makes a decision depend on them (like an HTTP ``Vary`` header).
 
 The active built-in policy and its settings are a :class:`PolicyConfig` per registry, read from
-the environment on first use and changed with :func:`configure_policy` (which drops every
-memoized decision of that registry):
-
-``POLYHAL_POLICY=first|lead|rank|cost``
-    The built-in policy that answers after every user plugin has deferred (default ``first``).
-``POLYHAL_DEVICE_LEAD_ALLOCATOR=N``
-    The ``lead`` policy's device: the Nth (from 0) of the ``--device`` list. Setting it without
-    ``POLYHAL_POLICY`` selects the ``lead`` policy (IREE's ``--device_lead_allocator``).
-``POLYHAL_OOM_FALLBACK=1``
-    When the chosen device is out of memory, try the other candidates in the policy's order.
+the environment (:class:`PolicySettings`: ``POLYHAL_POLICY``, ``POLYHAL_DEVICE_LEAD_ALLOCATOR``,
+``POLYHAL_OOM_FALLBACK``) on first use and changed with :func:`configure_policy` (which drops every
+memoized decision of that registry). Setting the lead allocator without a policy selects the
+``lead`` policy (IREE's ``--device_lead_allocator``).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Sequence
 
+from polyhal.config import Choice, Flag, Integer, Settings, setting
 from polyhal.errors import PluginError
 from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.records import Workload  # noqa: F401  (re-exported: policies take it from here)
@@ -90,20 +84,27 @@ class PolicyConfig:
 
     @classmethod
     def from_env(cls) -> "PolicyConfig":
-        """``POLYHAL_POLICY``, ``POLYHAL_DEVICE_LEAD_ALLOCATOR`` and ``POLYHAL_OOM_FALLBACK``."""
-        policy = os.environ.get("POLYHAL_POLICY", "").strip().lower()
-        raw_lead = os.environ.get("POLYHAL_DEVICE_LEAD_ALLOCATOR", "").strip()
-        lead = None
-        if raw_lead:
-            try:
-                lead = int(raw_lead)
-            except ValueError:
-                raise PluginError(f"POLYHAL_DEVICE_LEAD_ALLOCATOR={raw_lead!r} is not a device index; "
-                                  "set it to the position (from 0) of a device in the --device list") from None
-        if not policy:
-            policy = "lead" if lead is not None else "first"
-        fallback = os.environ.get("POLYHAL_OOM_FALLBACK", "").strip().lower() in ("1", "true", "yes", "on")
-        return cls(policy, lead, fallback)
+        """The configuration :class:`PolicySettings` gives."""
+        env = PolicySettings.from_env()
+        policy = env.policy or ("lead" if env.lead_allocator is not None else "first")
+        return cls(policy, env.lead_allocator, env.oom_fallback)
+
+
+@dataclass(frozen=True)
+class PolicySettings(Settings, component="policy"):
+    """The environment's policy settings, read once per registry (:func:`policy_config`)."""
+
+    policy: str | None = setting(
+        "POLYHAL_POLICY", Choice(*BUILTIN_POLICIES), None,
+        "the built-in device policy that answers after every user plugin has deferred (--policy)",
+        shown="first (lead where POLYHAL_DEVICE_LEAD_ALLOCATOR is set)")
+    lead_allocator: int | None = setting(
+        "POLYHAL_DEVICE_LEAD_ALLOCATOR", Integer(low=0), None,
+        "the lead policy's device: the Nth (from 0) of the --device list (--device-lead-allocator)",
+        hint="set it to the position (from 0) of a device in the --device list")
+    oom_fallback: bool = setting(
+        "POLYHAL_OOM_FALLBACK", Flag(), False,
+        "when the chosen device is out of memory, try the other candidates in the policy's order")
 
 
 _configs: "weakref.WeakKeyDictionary[Registry, PolicyConfig]" = weakref.WeakKeyDictionary()

@@ -56,7 +56,7 @@ def _fresh_rng() -> tuple[np.random.Generator, int]:
     """A generator seeded from the session's ``POLYHAL_SEED`` (shown in pytest's header; set it
     to reproduce a run) and the running test's id, so each test's samples are the same whatever
     else runs. The seed goes into every failure message."""
-    base = int(os.environ.get("POLYHAL_SEED") or session_seed())
+    base = session_seed()
     test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
     seed = (base ^ zlib.crc32(test.encode())) & 0xFFFFFFFF
     return np.random.default_rng(seed), seed

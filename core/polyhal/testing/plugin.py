@@ -29,9 +29,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def session_seed() -> int:
     """The base seed of this session's random samples: ``POLYHAL_SEED`` if set, else drawn once
     (and then kept in ``POLYHAL_SEED``, so that the header shows it and subprocesses share it)."""
-    if not os.environ.get("POLYHAL_SEED"):
-        os.environ["POLYHAL_SEED"] = str(int.from_bytes(os.urandom(4), "little"))
-    return int(os.environ["POLYHAL_SEED"])
+    from polyhal.testing.settings import TestSettings
+
+    seed = TestSettings.from_env().seed
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+        os.environ["POLYHAL_SEED"] = str(seed)
+    return seed
 
 
 def pytest_report_header(config: pytest.Config) -> str:

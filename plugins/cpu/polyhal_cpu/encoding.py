@@ -37,12 +37,9 @@ from polyhal.ir.encoding import (
 )
 from polyhal_cpu import native
 from polyhal_cpu.ops import BLOCKED_CONV
+from polyhal_cpu.settings import DEFAULT_TILE
 from polyhal_cpu.table import TABLE, float16_via_float32
 
-#: Tile bound when a device does not say (``limits["data_tile"]``). numpy's unit of fast work
-#: is a BLAS call, not a register tile, so tiles are BLAS-sized (IREE's CPU tiles, 16x16, would
-#: make one Python-level call per 256 elements).
-DEFAULT_TILE = 256
 #: Tiles are multiples of this (when a dim needs several tiles), for aligned SIMD rows.
 TILE_QUANTUM = 8
 #: Element types the CPU tiles: the BLAS types. Others resolve to the identity layout.

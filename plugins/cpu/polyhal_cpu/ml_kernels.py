@@ -22,12 +22,12 @@ which the walk relies on to terminate.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 
 from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tree_epilogue
 from polyhal_cpu.parallel import MIN_ELEMENTS, parallel
+from polyhal_cpu.settings import CPUSettings
 from polyhal_cpu.table import TABLE, Kernel, Types, frozen
 
 __all__ = ["complete_trees", "tree_walk_numpy"]
@@ -46,7 +46,7 @@ SPLIT_NS = 500_000
 def _native():
     """The compiled loops module, or None (numba missing or disabled by ``POLYHAL_CPU_NATIVE=0``)."""
     global _loops
-    if os.environ.get("POLYHAL_CPU_NATIVE", "1").strip() == "0":
+    if not CPUSettings.from_env().native:
         return None
     if _loops is None:
         try:

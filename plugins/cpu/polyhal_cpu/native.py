@@ -29,13 +29,13 @@ in numba's user-wide cache directory where that is read-only).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 import numpy as np
 
 from polyhal_cpu.queue_layout import G_FIELDS, Q_SIZE
 from polyhal_cpu.rational_erf import ERF_P, ERF_Q
+from polyhal_cpu.settings import CPUSettings
 
 __all__ = ["ERF_P", "ERF_Q", "add_rows", "available", "channels_last_block", "col2im", "conv_image_channels_last",
            "depthwise", "depthwise_channels_last", "depthwise_flat_rows", "epilogue", "epilogue_channels_last",
@@ -55,7 +55,7 @@ PHASE_MIN_WIDTH = 28
 def available(dtype=_F32) -> bool:
     """Whether the compiled loops serve ``dtype`` here (numba importable, float32, not disabled
     by ``POLYHAL_CPU_NATIVE=0``)."""
-    if np.dtype(dtype) != _F32 or os.environ.get("POLYHAL_CPU_NATIVE", "1").strip() == "0":
+    if np.dtype(dtype) != _F32 or not CPUSettings.from_env().native:
         return False
     return bool(_compiled())
 

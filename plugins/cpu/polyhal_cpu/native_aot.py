@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from polyhal.codecache import CodeCache, default_folder, warn_once
+from polyhal_cpu.settings import CPUSettings
 
 _HERE = Path(__file__).resolve().parent
 #: Seconds the child compiling the module may take (~15 s on a loaded 2-core VM).
@@ -66,9 +67,9 @@ _SOURCES = ("native_loops.py", "native.py", "queue_layout.py", "rational_erf.py"
 
 def cache_dir() -> Path | None:
     """Where the module is kept (None: ahead-of-time compilation off); see the module docstring."""
-    raw = os.environ.get("POLYHAL_CPU_CACHE_DIR")
+    raw = CPUSettings.from_env().cache_dir
     if raw is not None:
-        return Path(raw) if raw.strip() else None
+        return Path(raw) if raw else None
     return default_folder("cpu")
 
 

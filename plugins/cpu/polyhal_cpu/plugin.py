@@ -6,7 +6,7 @@ placement and every device policy can be exercised on a machine without accelera
 Data tiling (:mod:`polyhal_cpu.encoding`): ``POLYHAL_CPU_DATA_TILING`` is ``all`` (default),
 ``none``, or a comma-separated list of the CPU devices that tile (``cpu:0``); the others resolve
 every encoding to the identity layout. ``POLYHAL_CPU_DATA_TILE`` bounds the tile size (default
-128).
+:data:`~polyhal_cpu.settings.DEFAULT_TILE`). Every variable: :class:`~polyhal_cpu.settings.CPUSettings`.
 
 Threads: numpy's BLAS, numba and the backend's own pool share one budget, the CPUs this process
 may use, cut while other processes keep them busy (``POLYHAL_CPU_THREADS`` overrides; see
@@ -23,27 +23,17 @@ from polyhal.hal.records import DeviceSpec
 from polyhal_cpu.allocator import host_heap
 from polyhal_cpu.cost import estimate_cost, link_bandwidth  # noqa: F401  (hooks of the cost policy)
 from polyhal_cpu.device import CPUDevice
-from polyhal_cpu.encoding import DEFAULT_TILE
 from polyhal_cpu.encoding import resolve_encoding  # noqa: F401  (hook: the data-tiling resolver)
 from polyhal_cpu.kernels import KERNEL_NAMES
+from polyhal_cpu.settings import CPUSettings
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
 
-def _device_count() -> int:
-    raw = os.environ.get("POLYHAL_CPU_DEVICES", "1")
-    try:
-        n = int(raw)
-    except ValueError:
-        raise polyhal.PluginError(f"POLYHAL_CPU_DEVICES={raw!r} is not an integer; set it to a count such as 2")
-    if not 1 <= n <= 64:
-        raise polyhal.PluginError(f"POLYHAL_CPU_DEVICES={n} is outside 1..64")
-    return n
-
-
 def _data_tiling(names: list[str]) -> tuple[set[str], int]:
     """The CPU devices that tile (POLYHAL_CPU_DATA_TILING), and the tile bound."""
-    raw = os.environ.get("POLYHAL_CPU_DATA_TILING", "all").strip()
+    settings = CPUSettings.from_env()
+    raw = settings.data_tiling.strip()
     if raw.lower() in ("all", "1", "yes", "true"):
         tiled = set(names)
     elif raw.lower() in ("none", "0", "no", "false", ""):
@@ -52,23 +42,17 @@ def _data_tiling(names: list[str]) -> tuple[set[str], int]:
         tiled = {n.strip() for n in raw.split(",") if n.strip()}
         unknown = sorted(tiled - set(names))
         if unknown:
-            raise polyhal.PluginError(f"POLYHAL_CPU_DATA_TILING names {unknown}, which are not CPU devices "
-                                      f"({names}); use all, none or a list such as cpu:0")
-    raw_tile = os.environ.get("POLYHAL_CPU_DATA_TILE", str(DEFAULT_TILE))
-    try:
-        tile = int(raw_tile)
-    except ValueError:
-        tile = 0
-    if tile < 1:
-        raise polyhal.PluginError(f"POLYHAL_CPU_DATA_TILE={raw_tile!r} is not a positive integer; set it to e.g. 128")
-    return tiled, tile
+            raise polyhal.ConfigError(f"POLYHAL_CPU_DATA_TILING names {unknown}, which are not CPU devices "
+                                      f"({names}); use all, none or a list such as cpu:0",
+                                      variable="POLYHAL_CPU_DATA_TILING", value=raw)
+    return tiled, settings.data_tile
 
 
 @polyhal.hookimpl
 def register_devices():
     """One DeviceSpec per logical CPU device; creating the device is deferred to first use."""
     heap = host_heap()
-    names = [f"cpu:{i}" for i in range(_device_count())]
+    names = [f"cpu:{i}" for i in range(CPUSettings.from_env().devices)]
     tiled, tile = _data_tiling(names)
     return [
         DeviceSpec(
@@ -80,7 +64,7 @@ def register_devices():
             dlpack_devices=frozenset({(1, 0)}) if i == 0 else frozenset(),
             description=f"numpy on the host CPU ({os.cpu_count()} cores)", kernel_names=KERNEL_NAMES,
         )
-        for i in range(_device_count())
+        for i in range(len(names))
     ]
 
 

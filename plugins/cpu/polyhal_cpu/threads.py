@@ -57,13 +57,10 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from polyhal.errors import PluginError
+from polyhal_cpu.settings import MAX_THREADS, CPUSettings  # noqa: F401  (MAX_THREADS re-exported)
 
-ENV = "POLYHAL_CPU_THREADS"
 #: Environment variables through which a user may already have limited BLAS/OpenMP threads.
 BLAS_ENVS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS")
-#: Largest budget (and polyhal pool) this backend uses.
-MAX_THREADS = 64
 #: Seconds between two looks at how busy the budget's CPUs are.
 SAMPLE_SECONDS = 0.2
 
@@ -135,15 +132,8 @@ def budget_size(environ: Mapping[str, str] | None = None, cpus: int | None = Non
     :data:`BLAS_ENVS` that is set. A ``POLYHAL_CPU_THREADS`` that is not a positive integer is
     an error that says what to write."""
     environ = os.environ if environ is None else environ
-    raw = environ.get(ENV, "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise PluginError(f"{ENV}={raw!r} is not a positive integer; set it to the number of threads the "
-                              f"CPU backend may use (e.g. {ENV}=1), or unset it for the CPUs this process may use")
+    n = CPUSettings.from_env(environ).threads
+    if n is not None:
         return min(n, MAX_THREADS)
     n = available_cpus() if cpus is None else cpus
     for name in BLAS_ENVS:
@@ -260,7 +250,7 @@ def budget() -> Budget:
     if _budget is None:
         with _budget_lock:
             if _budget is None:
-                fixed = bool(os.environ.get(ENV, "").strip())
+                fixed = CPUSettings.from_env().threads is not None
                 try:
                     cpus = os.sched_getaffinity(0)
                 except (AttributeError, OSError):

@@ -73,7 +73,7 @@ def test_resolver_gives_identity_or_defers(registry):
 
 
 @pytest.mark.parametrize("env,match", [({"POLYHAL_CPU_DATA_TILING": "cpu:7"}, "not CPU devices"),
-                                       ({"POLYHAL_CPU_DATA_TILE": "0"}, "positive integer")])
+                                       ({"POLYHAL_CPU_DATA_TILE": "0"}, "POLYHAL_CPU_DATA_TILE='0' is not an integer >= 1")])
 def test_bad_tiling_environment_is_reported(registry, env, match):
     reg = registry(**env)
     assert not reg.device_specs()

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from polyhal.errors import PluginError
+from polyhal.errors import ConfigError
 from polyhal_cpu import threads
 
 
@@ -66,7 +66,7 @@ def test_budget_size_from_environment():
 
 @pytest.mark.parametrize("raw", ["0", "-2", "two"])
 def test_bad_override_says_what_to_write(raw):
-    with pytest.raises(PluginError, match=r"POLYHAL_CPU_THREADS=.* is not a positive integer; set it"):
+    with pytest.raises(ConfigError, match=r"POLYHAL_CPU_THREADS=.* is not an integer >= 1; set it to the number"):
         threads.budget_size({"POLYHAL_CPU_THREADS": raw}, cpus=2)
 
 

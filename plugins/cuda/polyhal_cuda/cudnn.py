@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
+from polyhal_cuda.settings import CUDASettings
 
 #: CUDA's own op for a conv on channels-last (NHWC) maps and filters (schema:
 #: :data:`polyhal.ops.nn.CHANNEL_BLOCKED_CONV`, defined on the table in :mod:`polyhal_cuda.kernels`):
@@ -66,8 +66,6 @@ BLOCKED_CONV = "cuda.blocked_conv"
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
-#: What ``POLYHAL_CUDA_CUDNN`` turns off with (``0``/``off``/``false``/``no``).
-_OFF = ("0", "off", "false", "no")
 INSTALL_HINT = "pip install 'polyhal-cuda[cudnn]' (nvidia-cudnn-frontend)"
 #: Element types cuDNN convolves here, and the type they compute in.
 DTYPES = {np.dtype(np.float32): "FLOAT", np.dtype(np.float16): "HALF", np.dtype(np.float64): "DOUBLE"}
@@ -98,7 +96,7 @@ def _probe() -> tuple[str | None, str]:
 def status() -> tuple[str | None, str]:
     """``(version, "")`` when cuDNN is usable, else ``(None, why not)`` (loads the library once
     per process; ``POLYHAL_CUDA_CUDNN=0`` turns it off)."""
-    if os.environ.get("POLYHAL_CUDA_CUDNN", "1").strip().lower() in _OFF:
+    if not CUDASettings.from_env().cudnn:
         return None, "POLYHAL_CUDA_CUDNN=0 turned cuDNN off"
     return _probe()
 
@@ -282,7 +280,7 @@ def _build_fastest(g: Any, state: _DeviceState, tensors: dict, shapes: dict, dty
     correct plan. Raises when no plan builds or none gives correct results."""
     import cupy as cp
 
-    autotune = os.environ.get("POLYHAL_CUDA_CUDNN_AUTOTUNE", "1") not in ("0", "false", "no")
+    autotune = CUDASettings.from_env().cudnn_autotune
     device = state.device()
     if device is None:  # the device is gone: nothing to time or check on
         g.build_plans()

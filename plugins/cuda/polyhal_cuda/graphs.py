@@ -34,8 +34,9 @@ below the estimated launch time saved; ``POLYHAL_CUDA_GRAPHS=0`` disables, ``=1`
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from polyhal_cuda.settings import CUDASettings
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
@@ -48,8 +49,7 @@ COPY_BPS = 1.5e12
 
 def graphs_setting() -> str:
     """``POLYHAL_CUDA_GRAPHS``: ``auto`` (default), ``1`` (always capture) or ``0`` (never)."""
-    raw = os.environ.get("POLYHAL_CUDA_GRAPHS", "auto").strip().lower()
-    return {"": "auto", "true": "1", "yes": "1", "on": "1", "false": "0", "no": "0", "off": "0"}.get(raw, raw)
+    return CUDASettings.from_env().graphs
 
 
 def worth_capturing(steps: int, io_bytes: int) -> bool:

@@ -27,7 +27,7 @@ import numpy as np
 import polyhal
 from polyhal.ir.encoding import ChannelBlockedLayout, FeatureMapEncoding, IdentityLayout
 from polyhal_cuda.cudnn import BLOCKED_CONV
-from polyhal_gpu.enumeration import choice_from_env
+from polyhal_cuda.settings import LAYOUTS, CUDASettings
 
 #: Why ``auto`` keeps float32 NCHW (one H200, cuDNN 9.19, fp32 without TF32, polyhal's plans
 #: side by side): the fp32-exact NHWC engines (no tensor cores) ran ResNet-50 b16 in 42.2 ms
@@ -43,12 +43,12 @@ MEASURED = "cuDNN's fp32-exact NHWC engines measured 1.2-7x slower than NCHW on 
 #: float16 one-pixel convs, :mod:`polyhal_cuda.cudnn`).
 NHWC_FP16_CHAINS = ("dense",)
 #: ``POLYHAL_CUDA_LAYOUT`` values.
-CHOICES = ("auto", "nhwc", "nchw")
+CHOICES = LAYOUTS
 
 
 def layout_choice() -> str:
     """``POLYHAL_CUDA_LAYOUT``: ``auto`` (default), ``nhwc`` or ``nchw``."""
-    return choice_from_env("POLYHAL_CUDA_LAYOUT", CHOICES, "auto")
+    return CUDASettings.from_env().layout
 
 
 def choose(device, encoding: FeatureMapEncoding, tensor_type) -> tuple[bool, str]:

@@ -28,25 +28,23 @@ from polyhal.hal.records import DeviceSpec
 from polyhal_cuda import cudnn
 from polyhal_cuda.kernels import KERNEL_NAMES
 from polyhal_cuda.layout import resolve_encoding  # noqa: F401  (hook: channels-last conv chains)
-from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
+from polyhal_cuda.settings import DEFAULT_RANK, POOLS, CUDASettings  # noqa: F401  (re-exported)
+from polyhal_gpu.enumeration import Enumeration
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
-#: Default rank of every CUDA GPU (see the module docstring).
-DEFAULT_RANK = 200
 #: DLPack device types (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
 DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 2, 3, 13
-POOLS = ("caching", "async")
 INSTALL_HINT = ("install cupy for your CUDA driver: pip install 'polyhal-cuda[cuda13]' "
                 "(or [cuda12]), i.e. cupy-cuda13x / cupy-cuda12x")
 
 def _rank() -> int:
-    return rank_from_env("POLYHAL_CUDA_RANK", DEFAULT_RANK)
+    return CUDASettings.from_env().rank
 
 
 def pool_kind() -> str:
     """``POLYHAL_CUDA_POOL``: ``caching`` (default) or ``async``."""
-    return choice_from_env("POLYHAL_CUDA_POOL", POOLS, "caching")
+    return CUDASettings.from_env().pool
 
 
 def _text(value: Any) -> str:

@@ -26,10 +26,11 @@ float32 between casts); torch's float16 eager 3.22 ms.
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from polyhal_cuda.settings import CUDASettings
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
@@ -38,14 +39,13 @@ if TYPE_CHECKING:
 DTYPES = {np.dtype(np.float16): "HALF", np.dtype(np.float32): "FLOAT"}
 #: Largest allowed difference from the own kernel, relative to its largest magnitude.
 TOLERANCE = {np.dtype(np.float16): 5e-3, np.dtype(np.float32): 2e-5}
-_OFF = ("0", "off", "false", "no")
 
 
 def enabled() -> tuple[bool, str]:
     """``(usable, why not)``: cuDNN usable and ``POLYHAL_CUDA_SDPA`` not off."""
     from polyhal_cuda import cudnn
 
-    if os.environ.get("POLYHAL_CUDA_SDPA", "1").strip().lower() in _OFF:
+    if not CUDASettings.from_env().sdpa:
         return False, "POLYHAL_CUDA_SDPA=0"
     why = cudnn.status()[1]
     return (not why), why

@@ -17,12 +17,12 @@ the global part itself.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from polyhal_cuda.cuda_source import function
+from polyhal_cuda.settings import CUDATuningSettings
 from polyhal_gpu import sorting as portable
 from polyhal_gpu.launch import BLOCK, NULL, grid, multiprocessors
 from polyhal_gpu.scratch import Scratch
@@ -36,7 +36,7 @@ FORCE_PATH: str | None = None
 #: Warp-aggregated digit counting in the classic upsweep (``POLYHAL_CUDA_RADIX_AGG=1`` enables).
 #: Off by default: plain shared-memory atomics measured faster on an H100 (16M float32 keys:
 #: 0.90 ms against 1.13 ms with aggregation; bench/results/cuda_sort-h100.md).
-AGGREGATE = os.environ.get("POLYHAL_CUDA_RADIX_AGG", "0") not in ("0", "false", "no", "")
+AGGREGATE = CUDATuningSettings.from_env().radix_aggregate
 #: The radix implementation (``POLYHAL_CUDA_RADIX``): "onesweep" (default: one histogram kernel
 #: up front, then one kernel per pass with a decoupled look-back) or "classic" (upsweep, scan and
 #: scatter per pass; kept for comparison and as the path of sorts of 2**30 elements or more).
@@ -49,7 +49,7 @@ AGGREGATE = os.environ.get("POLYHAL_CUDA_RADIX_AGG", "0") not in ("0", "false", 
 #: operand loads back to back instead of behind a per-item branch 0.50 ms; 16-byte loads in the
 #: histogram and 384 x 17 tiles (three blocks per SM) 0.44 ms, i.e. 0.83x cupy.sort. argsort
 #: (payload carried): classic 1.25 ms, onesweep 0.66 ms (cupy.argsort 0.95 ms).
-RADIX_IMPL = os.environ.get("POLYHAL_CUDA_RADIX", "onesweep")
+RADIX_IMPL = CUDATuningSettings.from_env().radix
 #: The onesweep kernel's (threads, items, match) per (key width, payload)
 #: (:data:`polyhal_gpu.sorting.ONESWEEP_SHAPES`; tools/sort_tune.py tries others).
 ONESWEEP_SHAPES = dict(portable.ONESWEEP_SHAPES)

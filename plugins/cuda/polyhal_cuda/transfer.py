@@ -36,16 +36,17 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from polyhal_cuda.errors import check
+from polyhal_cuda.settings import CUDATuningSettings
 
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
 #: Bytes per staging buffer (each worker has two).
-CHUNK = int(os.environ.get("POLYHAL_CUDA_STAGING_CHUNK", 4 << 20))
+CHUNK = CUDATuningSettings.from_env().staging_chunk
 #: Copies up to this size go straight through cudaMemcpyAsync.
 SMALL = 4 << 20
 #: Host threads that stage a large copy, each with its own stream and buffers.
-WORKERS = int(os.environ.get("POLYHAL_CUDA_STAGING_THREADS", max(1, min(16, os.cpu_count() or 2))))
+WORKERS = CUDATuningSettings.from_env().staging_threads or max(1, min(16, os.cpu_count() or 2))
 
 _H2D, _D2H, _DEFAULT = 1, 2, 4  # cudaMemcpyKind
 

@@ -47,7 +47,7 @@ def test_resolver_choice_and_reasons(monkeypatch):
     kept = layout.resolve_encoding(_spec("cudnn"), t.encoding, t)
     assert kept.is_identity_layout() and "POLYHAL_CUDA_LAYOUT=nchw" in kept.describe()
     monkeypatch.setenv("POLYHAL_CUDA_LAYOUT", "sideways")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_CUDA_LAYOUT"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_CUDA_LAYOUT"):
         layout.resolve_encoding(_spec("cudnn"), t.encoding, t)
     assert layout.resolve_encoding(_spec("cudnn"), object(), t) is None
     assert layout.resolve_encoding(DeviceSpec(name="cpu:0", backend="cpu", rank=0, factory=None),

@@ -73,10 +73,10 @@ def test_importing_the_package_does_not_import_cupy(no_cupy):
 
 def test_bad_pool_setting_is_refused(monkeypatch):
     monkeypatch.setenv("POLYHAL_CUDA_POOL", "bogus")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_CUDA_POOL"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_CUDA_POOL"):
         plugin.pool_kind()
     monkeypatch.setenv("POLYHAL_CUDA_RANK", "high")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_CUDA_RANK"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_CUDA_RANK"):
         plugin._rank()
 
 

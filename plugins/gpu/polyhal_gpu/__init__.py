@@ -32,7 +32,7 @@ module                 what
                        conversions that OpenCL C compiles too
 :mod:`.memory`         allocator and DLPack commons: usage masks, memory types,
                        ``allocate(kind=...)``, the extent of an imported tensor
-:mod:`.enumeration`    plugin commons: the enumeration record, rank and pool from the environment
+:mod:`.enumeration`    plugin commons: the enumeration record
 =====================  ===========================================================================
 
 What a backend brings (the contract): a *device* with ``spec`` (``limits["multiprocessors"]``,

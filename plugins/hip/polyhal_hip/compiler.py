@@ -32,7 +32,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import subprocess
 import sys
 import threading
@@ -44,6 +43,7 @@ from polyhal.codecache import CodeCache, default_folder
 
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
+from polyhal_hip.settings import HIPSettings
 
 if TYPE_CHECKING:
     pass
@@ -81,7 +81,7 @@ def options_for(arch: str, extra: Sequence[str] = ()) -> tuple[str, ...]:
 
 def cache_dir() -> Path | None:
     """``POLYHAL_HIP_CACHE_DIR`` (``off``: no disk cache)."""
-    raw = os.environ.get("POLYHAL_HIP_CACHE_DIR", "").strip()
+    raw = HIPSettings.from_env().cache_dir
     if raw.lower() in ("off", "0", "none"):
         return None
     if raw:
@@ -185,10 +185,7 @@ def compiler_for(runtime: Runtime) -> Compiler:
 
 def compile_mode() -> str:
     """``POLYHAL_HIP_COMPILE``: ``process`` (default: a worker process) or ``inprocess``."""
-    raw = os.environ.get("POLYHAL_HIP_COMPILE", "process").strip().lower() or "process"
-    if raw not in ("process", "inprocess"):
-        raise HipCompileError(f"POLYHAL_HIP_COMPILE={raw!r}; use process (default) or inprocess")
-    return raw
+    return HIPSettings.from_env().compile
 
 
 class CompileWorker:

@@ -28,7 +28,6 @@ stream, waited for by the consumer's (``hipStreamWaitEvent``).
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
@@ -46,6 +45,7 @@ from polyhal_hip import runtime as hip
 from polyhal_hip.allocator import MANAGED_MEMORY, PINNED_MEMORY, HIPAllocator, HipMemory
 from polyhal_hip.array import HipArray
 from polyhal_hip.errors import HipError
+from polyhal_hip.settings import HIPSettings
 
 if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
@@ -67,12 +67,7 @@ class KernelLaunchError(HipError):
 def host_dlpack_type() -> int:
     """DLPack device type of pinned host memory: CPU (default) or kDLROCMHost
     (``POLYHAL_HIP_HOST_DLPACK=rocm_host``)."""
-    raw = os.environ.get("POLYHAL_HIP_HOST_DLPACK", "cpu").strip().lower()
-    if raw in ("", "cpu"):
-        return DL_CPU
-    if raw in ("rocm_host", "rocmhost", "11"):
-        return DL_ROCM_HOST
-    raise PolyhalError(f"POLYHAL_HIP_HOST_DLPACK={raw!r}; use cpu (default) or rocm_host")
+    return DL_ROCM_HOST if HIPSettings.from_env().host_dlpack == "rocm_host" else DL_CPU
 
 
 class _Activation:

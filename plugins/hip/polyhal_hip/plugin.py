@@ -26,25 +26,24 @@ import functools
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
-from polyhal_gpu.enumeration import Enumeration, choice_from_env, rank_from_env
+from polyhal_gpu.enumeration import Enumeration
 from polyhal_hip import runtime
 from polyhal_hip.kernels import KERNEL_NAMES
+from polyhal_hip.settings import DEFAULT_RANK, POOLS, HIPSettings  # noqa: F401  (re-exported)
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
-DEFAULT_RANK = 200
 #: DLPack device types of ROCm memory (kDLROCM, kDLROCMHost).
 DL_ROCM, DL_ROCM_HOST = 10, 11
-POOLS = ("device", "async")
 
 
 def _rank() -> int:
-    return rank_from_env("POLYHAL_HIP_RANK", DEFAULT_RANK)
+    return HIPSettings.from_env().rank
 
 
 def pool_kind() -> str:
     """``POLYHAL_HIP_POOL``: ``device`` (default) or ``async``."""
-    return choice_from_env("POLYHAL_HIP_POOL", POOLS, "device")
+    return HIPSettings.from_env().pool
 
 
 def _create(spec: DeviceSpec):

@@ -15,19 +15,19 @@ CDNA1 wave64 and RDNA2 wave32). With ``POLYHAL_HIP_TEST_COMPILE=all`` every bito
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
 
-from polyhal.errors import KernelNotFoundError
+from polyhal.errors import ConfigError, KernelNotFoundError
 from polyhal_gpu import rowwise
 from polyhal_hip import compiler, kernels
 from polyhal_hip.errors import HipCompileError
 from polyhal_hip.runtime import CompileResult, Runtime
+from polyhal_hip.settings import HIPTestSettings
 
-ARCHS = [a.strip() for a in os.environ.get("POLYHAL_HIP_TEST_ARCHS", "gfx90a,gfx908,gfx1030").split(",") if a.strip()]
-ALL = os.environ.get("POLYHAL_HIP_TEST_COMPILE", "") == "all"
+ARCHS = list(HIPTestSettings.from_env().archs)
+ALL = HIPTestSettings.from_env().compile == "all"
 F16, F32, F64, I64 = (np.dtype(t) for t in ("float16", "float32", "float64", "int64"))
 
 
@@ -175,7 +175,7 @@ def test_the_real_runtime_compiles_through_the_worker(real_compiler, monkeypatch
     monkeypatch.setenv("POLYHAL_HIP_COMPILE", "inprocess")
     assert c._backend() is real_compiler
     monkeypatch.setenv("POLYHAL_HIP_COMPILE", "threads")
-    with pytest.raises(HipCompileError, match="POLYHAL_HIP_COMPILE"):
+    with pytest.raises(ConfigError, match="POLYHAL_HIP_COMPILE='threads' is not one of process, inprocess"):
         c._backend()
 
 

@@ -11,7 +11,6 @@ every op (each kernel instance is a ~0.5 s compile).
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -24,8 +23,9 @@ from polyhal_hip import kernels, launch
 from polyhal_hip.array import HipArray
 from polyhal_hip.device import KernelLaunchError
 from polyhal_hip.errors import HipCompileError, HipError
+from polyhal_hip.settings import HIPTestSettings
 
-ALL = os.environ.get("POLYHAL_HIP_TEST_OPS", "") == "all"
+ALL = HIPTestSettings.from_env().ops == "all"
 #: One op per kernel family, compiled in CI.
 CI_OPS = {"add", "where", "gelu", "mod", "cast", "exp", "reduce_sum", "reduce_max", "matmul", "softmax",
           "layer_norm", "transpose", "slice", "expand", "sort", "topk", "non_max_suppression"}

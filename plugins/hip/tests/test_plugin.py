@@ -74,11 +74,11 @@ def test_rank_and_pool_environment(make_fake, monkeypatch):
     (spec,) = plugin.register_devices()
     assert spec.rank == 7 and spec.heaps[0].kind is BufferKind.ASYNC and spec.limits["pool"] == "async"
     monkeypatch.setenv("POLYHAL_HIP_POOL", "bogus")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_HIP_POOL"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_HIP_POOL"):
         plugin.register_devices()
     monkeypatch.setenv("POLYHAL_HIP_POOL", "device")
     monkeypatch.setenv("POLYHAL_HIP_RANK", "high")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_HIP_RANK"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_HIP_RANK"):
         plugin.register_devices()
 
 

@@ -30,7 +30,6 @@ releases every cached buffer, and an allocation that fails trims and retries onc
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections import defaultdict
@@ -44,6 +43,7 @@ from polyhal.hal.flags import BUFFER_USAGE, MAPPABLE_BUFFER_USAGE, BufferKind, B
 from polyhal.hal.records import Heap
 
 from polyhal_opencl.errors import check
+from polyhal_opencl.settings import OpenCLSettings
 
 # pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
 # lists no device and says why (plugin.enumerate_devices).
@@ -140,12 +140,9 @@ class BufferPool:
 
 
 def _pool_limit(cl_device: Any) -> int:
-    raw = os.environ.get("POLYHAL_OPENCL_POOL_BYTES")
-    if raw is not None and raw.strip():
-        try:
-            return max(int(raw), 0)
-        except ValueError:
-            raise ValueError(f"POLYHAL_OPENCL_POOL_BYTES={raw!r} is not a byte count") from None
+    limit = OpenCLSettings.from_env().pool_bytes
+    if limit is not None:
+        return limit
     return min(256 << 20, int(cl_device.global_mem_size) // 8)
 
 

@@ -19,7 +19,6 @@ device and a reason from :func:`report_unavailable`; nothing raises.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +30,7 @@ from polyhal_opencl.codegen import private_bytes
 from polyhal_opencl.device import CLDevice
 from polyhal_opencl.errors import status_name
 from polyhal_opencl.kernels import KERNEL_NAMES
+from polyhal_opencl.settings import OpenCLSettings
 
 # pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
 # lists no device and says why (plugin.enumerate_devices).
@@ -64,15 +64,16 @@ def device_kind(cl_device: Any) -> str:
 
 
 def _rank_overrides() -> tuple[int | None, dict[str, int]]:
-    raw = os.environ.get("POLYHAL_OPENCL_RANK", "").strip()
+    raw = OpenCLSettings.from_env().rank
     every, by_name = None, {}
     for item in filter(None, (p.strip() for p in raw.split(","))):
         name, _, value = item.rpartition("=")
         try:
             rank = int(value)
         except ValueError:
-            raise polyhal.PluginError(
-                f"POLYHAL_OPENCL_RANK entry {item!r} is not 'N' or 'opencl:<n>=N' with an integer N") from None
+            raise polyhal.ConfigError(
+                f"POLYHAL_OPENCL_RANK entry {item!r} is not 'N' or 'opencl:<n>=N' with an integer N",
+                variable="POLYHAL_OPENCL_RANK", value=raw) from None
         if name:
             by_name[name] = rank
         else:

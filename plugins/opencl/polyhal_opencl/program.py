@@ -24,7 +24,6 @@ A build failure raises :class:`~polyhal_opencl.errors.CLBuildError` with the ful
 from __future__ import annotations
 
 import hashlib
-import os
 import threading
 import warnings
 from collections import OrderedDict
@@ -35,6 +34,7 @@ from typing import Any
 from polyhal.codecache import CodeCache, default_folder
 
 from polyhal_opencl.errors import CLBuildError, check, translate
+from polyhal_opencl.settings import OpenCLSettings
 
 # pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
 # lists no device and says why (plugin.enumerate_devices).
@@ -45,9 +45,9 @@ MEMORY_ENTRIES = 512
 
 def default_cache_dir() -> Path | None:
     """Where program binaries are cached (None: disk cache disabled); see the module docstring."""
-    explicit = os.environ.get("POLYHAL_OPENCL_CACHE_DIR")
+    explicit = OpenCLSettings.from_env().cache_dir
     if explicit is not None:
-        return Path(explicit) if explicit.strip() else None
+        return Path(explicit) if explicit else None
     return default_folder("opencl")
 
 

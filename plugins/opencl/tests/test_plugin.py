@@ -48,7 +48,7 @@ def test_rank_override(monkeypatch, cl_spec):
     ranks = {s.name: s.rank for s in plugin.enumerate_devices().specs}
     assert ranks[cl_spec.name] == 250 and all(r == 7 for n, r in ranks.items() if n != cl_spec.name)
     monkeypatch.setenv("POLYHAL_OPENCL_RANK", "high")
-    with pytest.raises(polyhal.PluginError, match="POLYHAL_OPENCL_RANK"):
+    with pytest.raises(polyhal.ConfigError, match="POLYHAL_OPENCL_RANK"):
         plugin.enumerate_devices()
 
 

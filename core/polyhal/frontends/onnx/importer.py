@@ -41,12 +41,14 @@ import onnx
 from google.protobuf.message import DecodeError, Message
 from onnx import helper, numpy_helper
 
+from polyhal.config import parse_size
 from polyhal.errors import DTypeError, PolyhalError
 from polyhal.frontends.onnx.errors import (
     NeedsStaging, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError, first_line as _first_line,
 )
 from polyhal.frontends.onnx.external import load_external_data, tensor_array
+from polyhal.frontends.onnx.settings import FOLD_LIMIT, OnnxSettings
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import (
     DynamicOnnxProgram, InputSignature, bind_dims, check_input_names, feed_array,
@@ -56,7 +58,6 @@ from polyhal.frontends.onnx.wire import read_split
 from polyhal.frontends.onnx.types import (
     STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
 )
-from polyhal.hal.adaptors import parse_size
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import STORAGE_DTYPES, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
@@ -69,17 +70,10 @@ MIN_OPSET, MAX_OPSET = 7, 28
 SUPPORTED_OPSETS = range(MIN_OPSET, MAX_OPSET + 1)
 
 _DEFAULT_DOMAINS = ("", "ai.onnx")
-#: Largest result (bytes) an op may produce by folding at import: above it the op stays in the
-#: program and runs on a device, so a tiny model cannot make the import itself take gigabytes
-#: (``ConstantOfShape([2**29]) -> ReduceSum``). ``POLYHAL_FOLD_LIMIT`` (e.g. ``64MiB``) or
-#: ``load(..., fold_limit=)`` changes it; shape computations must fold, so keep it above a few KiB.
-FOLD_LIMIT = 32 << 20
-
-
 def _fold_limit(value: int | str | None = None) -> int:
     """The fold limit in bytes: ``value`` if given, else ``POLYHAL_FOLD_LIMIT``, else :data:`FOLD_LIMIT`."""
     if value is None:
-        value = os.environ.get("POLYHAL_FOLD_LIMIT", "").strip() or FOLD_LIMIT
+        return OnnxSettings.from_env().fold_limit
     try:
         limit = parse_size(value) if isinstance(value, str) else int(value)
     except (TypeError, ValueError):

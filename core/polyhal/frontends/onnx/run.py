@@ -39,9 +39,9 @@ from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments, printable
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.settings import OnnxSettings
 from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.frontends.onnx.types import STRING_DTYPE
-from polyhal.hal.adaptors import parse_size
 from polyhal.hal.device import host_memory_available
 
 
@@ -201,16 +201,8 @@ def _npy_data_nbytes(f, size: int, what: str) -> int:
 
 def _input_limit() -> int | None:
     """The input limit in bytes (see :data:`INPUT_LIMIT_VARIABLE`); None when it is unknown."""
-    value = os.environ.get(INPUT_LIMIT_VARIABLE, "").strip()
-    if not value:
-        return _memory_for_inputs()
-    try:
-        limit = parse_size(value)
-    except (TypeError, ValueError):
-        limit = -1
-    if limit < 0:
-        raise _usage(f"{INPUT_LIMIT_VARIABLE}={value!r} is not a size in bytes; write e.g. 8589934592 or 8GiB")
-    return limit
+    limit = OnnxSettings.from_env().input_limit
+    return _memory_for_inputs() if limit is None else limit
 
 
 def _memory_for_inputs() -> int | None:
@@ -229,7 +221,7 @@ def _memory_for_inputs() -> int | None:
 
 
 def _limit_source() -> str:
-    return (INPUT_LIMIT_VARIABLE if os.environ.get(INPUT_LIMIT_VARIABLE, "").strip()
+    return (INPUT_LIMIT_VARIABLE if OnnxSettings.from_env().input_limit is not None
             else f"the memory this process may use; {INPUT_LIMIT_VARIABLE} sets another")
 
 

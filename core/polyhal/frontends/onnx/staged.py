@@ -53,7 +53,6 @@ instead of running for ever.
 from __future__ import annotations
 
 import collections
-import os
 import threading
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -64,6 +63,7 @@ from onnx import helper
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxModelError, OnnxRunError
 from polyhal.frontends.onnx.external import tensor_array
+from polyhal.frontends.onnx.settings import LOOP_LIMIT, OnnxSettings
 from polyhal.hal.tensor import Tensor
 from polyhal.specialization import SpecializationCache
 
@@ -79,14 +79,10 @@ HOST_OPS = frozenset({
 #: Ops whose result length is data: a segment ends after them, so later ops see the real size.
 SPLIT_AFTER = frozenset({"NonZero", "Unique", "Compress", "NonMaxSuppression"})
 
-#: Most iterations one Loop node runs unless ``POLYHAL_LOOP_LIMIT`` says otherwise.
-LOOP_LIMIT = 1_000_000
-
-
 def loop_limit(value: int | str | None = None) -> int:
     """The Loop iteration limit: ``value``, else ``POLYHAL_LOOP_LIMIT``, else :data:`LOOP_LIMIT`."""
     if value is None:
-        value = os.environ.get("POLYHAL_LOOP_LIMIT", "").strip() or LOOP_LIMIT
+        return OnnxSettings.from_env().loop_limit
     try:
         limit = int(value)
     except (TypeError, ValueError):

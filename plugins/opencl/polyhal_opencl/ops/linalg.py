@@ -24,19 +24,20 @@ pyclblast is not used: PyPI has only its source, which needs the CLBlast C libra
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from polyhal.errors import ConfigError
 from polyhal.ops._base import broadcast
 
 from polyhal_opencl.codegen import (
     Arg, CType, DeviceTraits, Launch, Recipe, broadcast_strides, cl_source, collapse, ctype,
     defines, dense_strides, header, index_type, offsets_code, param, prologue, round_up,
 )
+from polyhal_opencl.settings import MATMUL_VARIANTS, OpenCLSettings
 
 #: Variant names (see the module docstring).
-VARIANTS = ("gpu128", "gpu64", "cpu_outer", "cpu_dot", "portable")
+VARIANTS = MATMUL_VARIANTS
 #: GPU block configurations: (BM, BN, BK, TM, TN); 256 work-items each. gpu128's BK of 16 came
 #: from a sweep on an H100 through NVIDIA's OpenCL (4096² float32: BK 8 gave 26 TFLOP/s, BK 16
 #: 33 TFLOP/s, cuBLAS 50; bench/results/opencl_ops-h100.md).
@@ -85,21 +86,22 @@ def gpu_block(variant: str) -> tuple[int, int, int, int, int]:
     """(BM, BN, BK, TM, TN) of a GPU variant; ``POLYHAL_OPENCL_GPU_BLOCK=BM,BN,BK,TM,TN``
     replaces it (for tuning on a new GPU without editing code), checked against what
     ``cl/sgemm.cl`` can run."""
-    raw = os.environ.get("POLYHAL_OPENCL_GPU_BLOCK", "").strip()
+    raw = OpenCLSettings.from_env().gpu_block
     if not raw:
         return GPU_BLOCKS[variant]
     try:
         bm, bn, bk, tm, tn = (int(v) for v in raw.split(","))
     except ValueError:
-        raise ValueError(f"POLYHAL_OPENCL_GPU_BLOCK={raw!r} is not five integers BM,BN,BK,TM,TN") from None
+        raise ConfigError(f"POLYHAL_OPENCL_GPU_BLOCK={raw!r} is not five integers BM,BN,BK,TM,TN",
+                          variable="POLYHAL_OPENCL_GPU_BLOCK", value=raw) from None
     threads = (bm // max(tm, 1)) * (bn // max(tn, 1))
     if (min(bm, bn, bk, tm, tn) <= 0 or tm % 4 or tn % 4 or bk % 4 or bm % tm or bn % tn
             or (bm * bk // 4) % threads or (bn * bk // 4) % threads or bm * bk // 4 < threads
             or bn * bk // 4 < threads):
-        raise ValueError(
+        raise ConfigError(
             f"POLYHAL_OPENCL_GPU_BLOCK={raw!r}: TM, TN and BK must be multiples of 4, BM and BN multiples of TM "
             f"and TN, and each slab's float4 groups (BM*BK/4 and BN*BK/4) a multiple of the "
-            f"(BM/TM)*(BN/TN) = {threads} work-items")
+            f"(BM/TM)*(BN/TN) = {threads} work-items", variable="POLYHAL_OPENCL_GPU_BLOCK", value=raw)
     return bm, bn, bk, tm, tn
 
 
@@ -114,8 +116,8 @@ def choose(t: CType, out: CType, p: Problem, traits: DeviceTraits) -> str:
     if t.store != "float" or out.store != "float" or p.k == 0 or p.m * p.n * p.nbatch == 0:
         return "portable"
     dot = p.sa[1] == 1 and p.sb[0] == 1  # both operands k-contiguous: what cpu_dot reads
-    forced = os.environ.get("POLYHAL_OPENCL_MATMUL", "").strip()
-    if forced in VARIANTS:
+    forced = OpenCLSettings.from_env().matmul
+    if forced is not None:
         if forced in GPU_BLOCKS and not _gpu_fits(traits, forced):
             return "portable"
         return "cpu_outer" if forced == "cpu_dot" and not dot else forced

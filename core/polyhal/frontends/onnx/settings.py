@@ -1,0 +1,31 @@
+"""The ONNX front end's settings from the environment: how much it folds at import, how long a
+Loop may run, how large ``polyhal run``'s input files may be (each read where it is used)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from polyhal.config import Integer, Settings, Size, setting
+
+__all__ = ["FOLD_LIMIT", "LOOP_LIMIT", "OnnxSettings"]
+
+#: Largest result (bytes) an op may produce by folding at import: above it the op stays in the
+#: program and runs on a device, so a tiny model cannot make the import itself take gigabytes
+#: (``ConstantOfShape([2**29]) -> ReduceSum``). Shape computations must fold: keep it above a few KiB.
+FOLD_LIMIT = 32 << 20
+#: Most iterations one Loop node runs, so a corrupt or hostile trip count fails clearly.
+LOOP_LIMIT = 1_000_000
+
+
+@dataclass(frozen=True)
+class OnnxSettings(Settings, component="ONNX front end"):
+    """The limits the ONNX front end reads from the environment."""
+
+    fold_limit: int = setting("POLYHAL_FOLD_LIMIT", Size(), FOLD_LIMIT,
+                              "largest result an op may fold to at import (load(..., fold_limit=) wins)")
+    loop_limit: int = setting("POLYHAL_LOOP_LIMIT", Integer(low=0), LOOP_LIMIT,
+                              "most iterations one ONNX Loop node runs")
+    input_limit: int | None = setting(
+        "POLYHAL_INPUT_LIMIT", Size(), None,
+        "most bytes the --input files of polyhal run may expand to in all",
+        shown="the memory the process may use")
