@@ -14,7 +14,7 @@ from polyhal.hal.scratch import KernelInfo, MemoryLimits, MemorySpace, Problem, 
 from polyhal.hookcall import PluginManager
 from polyhal.ir.encoding import LHS, IdentityLayout, MatmulEncoding
 from polyhal.ir.types import TensorType
-from polyhal.passes.materialize_encoding import LayoutResolver
+from polyhal.policies.layouts import LayoutResolver
 from polyhal.policy import AllocatorSelector, selector_for
 
 DL = MemoryType.DEVICE_LOCAL

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from polyhal.hal.scratch import KernelInfo, MemoryLimits, MemorySpace, ScratchRequest
     from polyhal.ir.encoding import Encoding, Layout
     from polyhal.ir.types import TensorType
-    from polyhal.passes.pipeline import PassRegistration
 
 #: The plugin API version this core implements. Plugins declare the one they were written for.
 API_VERSION = 1
@@ -330,7 +329,7 @@ def resolve_encoding(device: "DeviceSpec", encoding: "Encoding", tensor_type: "T
 # --------------------------------------------------------------------------------------------------
 
 @hookspec
-def register_passes() -> Iterable["PassRegistration"]:
+def register_passes() -> Iterable[object]:
     """Compile passes this plugin adds to every compile's pipeline (onnxruntime's EPs add graph
     transformers the same way; the passes run on :class:`polyhal.Target`, so a pass sees the
     compile's devices, kernel sets and policies).

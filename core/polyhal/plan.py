@@ -21,9 +21,9 @@ from polyhal.errors import DTypeError, KernelError, LifetimeError, PluginError, 
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.ir.program import Program, Value
-from polyhal.passes.pipeline import Compilation, Pipeline
+from polyhal.passes.pipeline import Compilation, Pipeline, pipeline_for
 from polyhal.passes.placement import Placement
-from polyhal.passes.precision import resolve_precision
+from polyhal.policies.precision import resolve_precision
 from polyhal.profile import Profile, StepEvent, StepInfo
 from polyhal.registry import Registry, default_registry
 from polyhal.specialization import Specialization, SpecializationCache
@@ -115,15 +115,16 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
-    options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline)
+    pipeline = pipeline if pipeline is not None else pipeline_for(registry)
+    options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision)
     if devices:
         with cycle_collection_paused():
-            return _compile_on(program, Target.build(registry, tuple(devices), **options), registry)
+            return _compile_on(program, pipeline, Target.build(registry, tuple(devices), **options), registry)
     while True:
         devices = tuple(registry.default_devices())
         try:
             with cycle_collection_paused():
-                return _compile_on(program, Target.build(registry, devices, **options), registry)
+                return _compile_on(program, pipeline, Target.build(registry, devices, **options), registry)
         except PluginError:
             # A device of the default list failed to create (recorded and warned about by the
             # registry): place again without it; anything else is the caller's to see.
@@ -131,9 +132,9 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
                 raise
 
 
-def _compile_on(program: Program, target: Target, registry: Registry) -> "Plan":
-    """Run ``target``'s pipeline over ``program`` and bind the result into a Plan."""
-    return Plan(target.pipeline.run(program, target), target, registry)
+def _compile_on(program: Program, pipeline: Pipeline, target: Target, registry: Registry) -> "Plan":
+    """Run ``pipeline`` over ``program`` for ``target`` and bind the result into a Plan."""
+    return Plan(pipeline.run(program, target), target, registry)
 
 
 class Plan:
@@ -148,7 +149,7 @@ class Plan:
     def __init__(self, compilation: Compilation, target: Target, registry: Registry) -> None:
         placement = compilation.placement
         if placement is None or compilation.buffer_plan is None:
-            raise ProgramError(f"the compile pipeline {target.pipeline.names} did not place and bufferize the "
+            raise ProgramError(f"the compile pipeline {[r.name for r in compilation.records]} did not place and bufferize the "
                                "program; a pipeline must keep the 'place' and 'bufferize' passes")
         self.placement: Placement = placement
         #: What the compile passes did (one record per pass) and their notes, for explain.

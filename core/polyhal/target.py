@@ -17,18 +17,14 @@ backend's driver.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
+from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.records import DeviceSpec
 from polyhal.ir.types import Affinity
-from polyhal.passes.materialize_encoding import LayoutResolver
-from polyhal.errors import PipelineError, PluginError, PolyhalError
-from polyhal.ops import OPS
-from polyhal.passes.pipeline import DEFAULT_PIPELINE, Pass, PassRegistration, Pipeline
-from polyhal.passes.placement import RESULT_MEMORY, RESULT_USAGE
-from polyhal.passes.precision import CAPABILITY, resolve_precision
+from polyhal.policies.layouts import LayoutResolver
+from polyhal.policies.precision import CAPABILITY, resolve_precision
 from polyhal.policy import AllocatorSelector, Workload, selector_for
 
 if TYPE_CHECKING:
@@ -37,7 +33,11 @@ if TYPE_CHECKING:
     from polyhal.ir.program import Op
     from polyhal.registry import Registry
 
-__all__ = ["Target", "check_claims"]
+__all__ = ["RESULT_MEMORY", "RESULT_USAGE", "Target"]
+
+#: What placement asks the allocation policy for: results of dispatches.
+RESULT_MEMORY = MemoryType.DEVICE_LOCAL
+RESULT_USAGE = BufferUsage.DEFAULT
 
 
 @dataclass(eq=False)
@@ -67,29 +67,20 @@ class Target:
     fuse: bool = True
     #: ``compile(data_tiling=...)``: None (conv chains only), True (matmuls too) or False.
     data_tiling: bool | None = None
-    #: The passes this compile runs, in order.
-    pipeline: Pipeline = DEFAULT_PIPELINE
     _kernel_names: Callable[[str], frozenset] = field(default=frozenset, repr=False)
     _create: Callable[[str], "Device"] | None = field(default=None, repr=False)
     _kernels: dict[str, frozenset] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, registry: "Registry", devices: Sequence[str], *, fuse: bool = True,
-              data_tiling: bool | None = None, precision: str | None = None,
-              pipeline: Pipeline | None = None) -> "Target":
-        """The target of a compile onto ``devices`` (in order) with ``registry``'s plugins.
-
-        ``pipeline`` defaults to :data:`~polyhal.passes.pipeline.DEFAULT_PIPELINE` with the passes
-        that plugins register (``register_passes``) inserted where each asks. An unknown precision
-        is a PrecisionError; a pipeline whose passes' requirements are not met a PipelineError.
-        """
+              data_tiling: bool | None = None, precision: str | None = None) -> "Target":
+        """The target of a compile onto ``devices`` (in order) with ``registry``'s plugins; an
+        unknown precision is a PrecisionError."""
         precision, source = resolve_precision(precision)
-        if pipeline is None:
-            pipeline = _with_plugin_passes(DEFAULT_PIPELINE, registry)
-        pipeline.validate()
-        return cls(tuple(devices), registry.specs_by_name(), selector_for(registry),
-                   LayoutResolver(registry.specs_by_name(), registry.pm, registry.policy_answer), registry.pm, precision, source,
-                   fuse, data_tiling, pipeline, registry.kernel_names, registry.get_device)
+        specs = registry.specs_by_name()
+        return cls(tuple(devices), specs, selector_for(registry),
+                   LayoutResolver(specs, registry.pm, registry.policy_answer), registry.pm, precision, source,
+                   fuse, data_tiling, registry.kernel_names, registry.get_device)
 
     # -- devices and kernels ---------------------------------------------------------------------
 
@@ -153,50 +144,5 @@ class Target:
 
     def __repr__(self) -> str:
         return (f"Target(devices={list(self.devices)}, precision={self.precision!r}, fuse={self.fuse}, "
-                f"data_tiling={self.data_tiling}, passes={len(self.pipeline)})")
+                f"data_tiling={self.data_tiling})")
 
-
-def _with_plugin_passes(pipeline: Pipeline, registry: "Registry") -> Pipeline:
-    """``pipeline`` with the passes plugins register (``register_passes``) inserted in registration
-    order. A record that is not a PassRegistration, that cannot go where it asks, or whose pass
-    claims ops the plugin has no kernel for (:func:`check_claims`), is left out with a warning
-    naming the plugin: one plugin's bad pass does not stop every compile."""
-    for plugin, record in registry.plugin_passes():
-        try:
-            if not isinstance(record, PassRegistration):
-                raise PipelineError(f"register_passes must return PassRegistration records, got {record!r}")
-            check_claims(plugin, record.pass_, registry)
-            pipeline = pipeline.insert(record.pass_, after=record.after, before=record.before)
-        except (PipelineError, PluginError) as exc:
-            warnings.warn(f"polyhal: a compile pass of plugin {plugin!r} is left out: {exc}", RuntimeWarning,
-                          stacklevel=4)
-    return pipeline
-
-
-def check_claims(plugin: str, pass_: Pass, registry: "Registry") -> None:
-    """Check the claim of plugin ``plugin``'s ``pass_``: every op it ``creates`` is defined and
-    has a kernel on one of the plugin's devices (as onnxruntime's EPs claim only nodes they have
-    kernels for). Else a PluginError naming the plugin, the pass and each op, and what to do."""
-    if not pass_.creates:
-        return
-    specs = registry.specs_of_plugin(plugin)  # asks that plugin only: no other backend's driver loads
-    served: set[str] = set()
-    for spec in specs:
-        try:
-            served |= spec.kernel_names if spec.kernel_names is not None else registry.kernel_names(spec.name)
-        except PolyhalError:  # a device that cannot be created serves nothing; `polyhal devices` says why
-            pass
-    missing = [op for op in pass_.creates if op not in served]
-    if not missing:
-        return
-    undefined = [op for op in missing if op not in OPS]
-    why = "; ".join(filter(None, [
-        f"{', '.join(map(repr, undefined))} {'is' if len(undefined) == 1 else 'are'} not defined (a backend defines "
-        "its own ops on its kernel table: TABLE.define(name, ...))" if undefined else "",
-        f"no device of plugin {plugin!r} has a kernel for {', '.join(repr(op) for op in missing if op in OPS)} "
-        f"(register one: @TABLE.register(name))" if len(undefined) < len(missing) else "",
-    ]))
-    devices = [s.name for s in specs]
-    raise PluginError(f"pass {pass_.name!r} claims a fusion into {', '.join(map(repr, missing))}, which plugin "
-                      f"{plugin!r} cannot run: {why}; its devices: {', '.join(devices) or 'none'}. The compile goes "
-                      "on without that fusion")

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,101 +39,11 @@ from polyhal.ir.encoding import IdentityLayout, Layout, dense_type
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs, infer_types
+from polyhal.policies.layouts import Resolution, describe_encoding
 
 if TYPE_CHECKING:
-    from polyhal.hal.records import DeviceSpec
-    from polyhal.hookcall import PluginManager
     from polyhal.passes.placement import Placement
     from polyhal.target import Target
-
-#: Plugin name of the built-in identity resolver (registered by the registry, runs last).
-IDENTITY_RESOLVER = "polyhal.policies.identity_encoding"
-
-
-# ------------------------------------------------------------------------------------------------
-# Resolution
-# ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Resolution:
-    """The layout one device gives one encoded tensor type, who chose it, and any fallback note."""
-
-    device: str
-    tensor_type: TensorType
-    layout: Layout
-    plugin: str
-    note: str = ""
-
-
-class LayoutResolver:
-    """Calls ``resolve_encoding`` once per (device, encoded type) and checks what comes back."""
-
-    def __init__(self, specs: Mapping[str, "DeviceSpec"], hooks: "PluginManager",
-                 policy_answer: Callable[..., Any]) -> None:
-        self._specs = specs
-        self._hooks = hooks
-        #: How the hook is asked: ``Registry.policy_answer`` (a plugin that fails is skipped with a
-        #: warning, and the next one decides).
-        self._policy = policy_answer
-        self._memo: dict[tuple[str, TensorType], Resolution] = {}
-
-    def resolve(self, device: str, tensor_type: TensorType) -> Resolution:
-        """The resolution of ``tensor_type`` (identity for an unencoded type) on ``device``."""
-        key = (device, tensor_type)
-        found = self._memo.get(key)
-        if found is None:
-            found = self._memo[key] = self._compute(self._specs[device], tensor_type)
-        return found
-
-    def resolutions(self) -> list[Resolution]:
-        """Every resolution made, in order (explain)."""
-        return [r for r in self._memo.values() if r.tensor_type.encoding is not None]
-
-    def _compute(self, spec: "DeviceSpec", t: TensorType) -> Resolution:
-        encoding = t.encoding
-        if encoding is None:
-            return Resolution(spec.name, t, IdentityLayout(t), "")
-        check = getattr(encoding, "check_type", None)
-        if check is not None:
-            check(dense_type(t))  # an encoding on a type it cannot describe fails here, clearly
-        # A resolver that raises or returns a layout that does not fit is skipped, with a warning.
-        answer = self._policy("resolve_encoding", where=lambda: f"for {encoding} on {spec.name}",
-                              check=lambda a: _bad_layout(a.plugin, spec, t, a.value),
-                              device=spec, encoding=encoding, tensor_type=t)
-        layout, plugin = answer.value, answer.plugin
-        if layout is None:
-            raise PluginError("no resolve_encoding implementation returned a layout (is the identity resolver "
-                              f"{IDENTITY_RESOLVER!r} unregistered?)")
-        note = ""
-        if plugin == IDENTITY_RESOLVER:
-            has_own = any(i.plugin_name == spec.plugin for i in self._hooks.hook.resolve_encoding.get_hookimpls())
-            note = (f"the resolver of plugin {spec.plugin!r} does not know {_describe(encoding)}: identity "
-                    "layout" if has_own else
-                    f"plugin {spec.plugin!r} has no encoding resolver: identity layout")
-        return Resolution(spec.name, t, layout, plugin, note)
-
-
-def _describe(encoding: Any) -> str:
-    describe = getattr(encoding, "describe", None)
-    return describe() if callable(describe) else str(encoding)
-
-
-def _bad_layout(plugin: str | None, spec: "DeviceSpec", t: TensorType, layout: Any) -> str | None:
-    """What is wrong with a resolve_encoding answer (None: a layout of ``t``)."""
-    where = f"plugin {plugin!r} returned {layout!r} from resolve_encoding for {t} on {spec.name}"
-    if not isinstance(layout, Layout):
-        return (f"{where}; it must return a polyhal.ir.encoding.Layout (e.g. IdentityLayout(tensor_type) or a "
-                "PackedLayout), or None to defer to the next resolver")
-    lt = layout.tensor_type
-    if not isinstance(lt, TensorType) or lt.shape != t.shape or lt.dtype != t.dtype:
-        return f"{where}; the layout is for {lt}, not for the {t.shape} {t.dtype} tensor asked about"
-    st = layout.storage_type
-    if not isinstance(st, TensorType) or st.dtype != t.dtype or st.encoding is not None:
-        return f"{where}; its storage_type {st!r} must be a dense {t.dtype} TensorType"
-    if not layout.is_identity_layout() and (layout.pack_op() is None or layout.unpack_op() is None):
-        return f"{where}; a layout that is not the identity must name its pack_op and unpack_op"
-    return None
-
 
 # ------------------------------------------------------------------------------------------------
 # Report (explain)
@@ -162,7 +72,7 @@ class EncodeRecord:
 
 
 def _enc(t: TensorType) -> str:
-    return "none" if t.encoding is None else _describe(t.encoding)
+    return "none" if t.encoding is None else describe_encoding(t.encoding)
 
 
 @dataclass
@@ -197,7 +107,7 @@ class EncodingReport:
             groups.setdefault(key, []).append(r)
         for group in groups.values():
             r = group[0]
-            what = (f"{_describe(r.tensor_type.encoding)} {r.tensor_type.shape}" if len(group) == 1
+            what = (f"{describe_encoding(r.tensor_type.encoding)} {r.tensor_type.shape}" if len(group) == 1
                     else f"{len(group)} encodings")
             lines.append(f"    resolve {what} on {r.device}: {r.layout.describe()} by {r.plugin!r}"
                          + (f" ({r.note})" if r.note else ""))

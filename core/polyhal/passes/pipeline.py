@@ -47,11 +47,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
-from polyhal.errors import PipelineError
+from polyhal.errors import PipelineError, PluginError, PolyhalError
 from polyhal.ir.program import Program
+from polyhal.ops import OPS
 from polyhal.passes.bufferize import BufferPlan, bufferize
 from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
 from polyhal.passes.fold_constants import fold_constant_transposes
@@ -65,9 +67,11 @@ from polyhal.passes.placement import Placement, place
 from polyhal.passes.precision import PrecisionReport, apply_precision
 
 if TYPE_CHECKING:
+    from polyhal.registry import Registry
     from polyhal.target import Target
 
-__all__ = ["Compilation", "DEFAULT_PIPELINE", "Pass", "PassRecord", "PassRegistration", "Pipeline", "fusion_pass"]
+__all__ = ["Compilation", "DEFAULT_PIPELINE", "Pass", "PassRecord", "PassRegistration", "Pipeline", "fusion_pass",
+           "pipeline_for"]
 
 #: The property every pipeline starts with: ops carry no device yet, and passes may rewrite them.
 UNPLACED = "unplaced"
@@ -369,3 +373,50 @@ def replace_pass(pipeline: Pipeline, name: str, **changes: Any) -> Pipeline:
     result = Pipeline(passes)
     result.validate()
     return result
+
+
+def pipeline_for(registry: "Registry", pipeline: Pipeline | None = None) -> Pipeline:
+    """``pipeline`` (default :data:`DEFAULT_PIPELINE`) with the passes ``registry``'s plugins register
+    (``register_passes``) inserted in registration order. A record that is not a PassRegistration, that cannot go where it asks, or whose pass
+    claims ops the plugin has no kernel for (:func:`_check_claims`), is left out with a warning
+    naming the plugin: one plugin's bad pass does not stop every compile."""
+    pipeline = DEFAULT_PIPELINE if pipeline is None else pipeline
+    for plugin, record in registry.plugin_passes():
+        try:
+            if not isinstance(record, PassRegistration):
+                raise PipelineError(f"register_passes must return PassRegistration records, got {record!r}")
+            _check_claims(plugin, record.pass_, registry)
+            pipeline = pipeline.insert(record.pass_, after=record.after, before=record.before)
+        except (PipelineError, PluginError) as exc:
+            warnings.warn(f"polyhal: a compile pass of plugin {plugin!r} is left out: {exc}", RuntimeWarning,
+                          stacklevel=4)
+    return pipeline
+
+
+def _check_claims(plugin: str, pass_: Pass, registry: "Registry") -> None:
+    """Check the claim of plugin ``plugin``'s ``pass_``: every op it ``creates`` is defined and
+    has a kernel on one of the plugin's devices (as onnxruntime's EPs claim only nodes they have
+    kernels for). Else a PluginError naming the plugin, the pass and each op, and what to do."""
+    if not pass_.creates:
+        return
+    specs = registry.specs_of_plugin(plugin)  # asks that plugin only: no other backend's driver loads
+    served: set[str] = set()
+    for spec in specs:
+        try:
+            served |= spec.kernel_names if spec.kernel_names is not None else registry.kernel_names(spec.name)
+        except PolyhalError:  # a device that cannot be created serves nothing; `polyhal devices` says why
+            pass
+    missing = [op for op in pass_.creates if op not in served]
+    if not missing:
+        return
+    undefined = [op for op in missing if op not in OPS]
+    why = "; ".join(filter(None, [
+        f"{', '.join(map(repr, undefined))} {'is' if len(undefined) == 1 else 'are'} not defined (a backend defines "
+        "its own ops on its kernel table: TABLE.define(name, ...))" if undefined else "",
+        f"no device of plugin {plugin!r} has a kernel for {', '.join(repr(op) for op in missing if op in OPS)} "
+        f"(register one: @TABLE.register(name))" if len(undefined) < len(missing) else "",
+    ]))
+    devices = [s.name for s in specs]
+    raise PluginError(f"pass {pass_.name!r} claims a fusion into {', '.join(map(repr, missing))}, which plugin "
+                      f"{plugin!r} cannot run: {why}; its devices: {', '.join(devices) or 'none'}. The compile goes "
+                      "on without that fusion")

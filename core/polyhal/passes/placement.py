@@ -12,21 +12,15 @@ placed with the encode's first consumer, so data is packed where it is used.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from polyhal.errors import KernelNotFoundError
-from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import Affinity
 from polyhal.passes.fusion import Fusion
 from polyhal.policy import AllocatorDecision, Workload
+from polyhal.target import RESULT_MEMORY, RESULT_USAGE, Target
 
-if TYPE_CHECKING:
-    from polyhal.target import Target
-
-#: What placement asks the allocation policy for: results of dispatches.
-RESULT_MEMORY = MemoryType.DEVICE_LOCAL
-RESULT_USAGE = BufferUsage.DEFAULT
 
 
 @dataclass

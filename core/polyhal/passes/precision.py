@@ -50,38 +50,15 @@ from typing import Callable
 
 import numpy as np
 
-from polyhal.config import Choice, Settings, setting
-from polyhal.errors import PrecisionError
 from polyhal.ir.program import Op, Program, Value
 from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, canonical_attrs, infer_types
+from polyhal.policies.precision import CAPABILITY, ENV, PRECISIONS, resolve_precision
 
-__all__ = ["ENV", "FOLLOW", "KEEP_FLOAT32", "LOWER", "PRECISIONS", "PrecisionReport", "PrecisionWarning",
-           "allow_tf32", "apply_precision", "lower_precision", "resolve_precision"]
-
-#: The environment variable giving the precision of compiles that do not pass one.
-ENV = "POLYHAL_PRECISION"
-#: Precision name -> what it means, as messages and explain say it.
-PRECISIONS = {
-    "fp32": "float32 computes in float32",
-    "tf32": "float32 contractions may use TF32 tensor cores",
-    "fp16": "float32 compute runs in float16 where safe",
-}
-
-
-@dataclass(frozen=True)
-class PrecisionSettings(Settings, component="precision"):
-    """The precision of compiles that pass none (read at each compile)."""
-
-    precision: str | None = setting(
-        ENV, Choice(*PRECISIONS), None,
-        "how float32 work of compiles without precision= may compute: "
-        + "; ".join(f"{k}: {v}" for k, v in PRECISIONS.items()), shown="fp32",
-        hint="bf16 is storage-only (no device computes in it); unset it for fp32")
-
-
-#: The device capability (``DeviceSpec.capabilities`` tag) each precision needs.
-CAPABILITY = {"fp32": "", "tf32": "tf32", "fp16": "fp16"}
+# ENV, PRECISIONS, CAPABILITY and resolve_precision (the policy itself) live in
+# polyhal.policies.precision, below the passes, where the compile Target reads them.
+__all__ = ["CAPABILITY", "ENV", "FOLLOW", "KEEP_FLOAT32", "LOWER", "PRECISIONS", "PrecisionReport",
+           "PrecisionWarning", "allow_tf32", "apply_precision", "lower_precision", "resolve_precision"]
 
 #: Core ops that compute in float16 under "fp16" (torch autocast's float16 list: the products).
 #: A backend's own contractions (``OpDef.contraction``: a conv with a prologue) do too.
@@ -113,26 +90,6 @@ _warned: set[tuple[str, tuple[str, ...]]] = set()
 
 class PrecisionWarning(UserWarning):
     """A requested precision that no op of the program could take on the devices it runs on."""
-
-
-def resolve_precision(precision: str | None) -> tuple[str, str]:
-    """``(precision, where it came from)``: ``precision`` itself (``"precision="``), else
-    ``POLYHAL_PRECISION`` (``"POLYHAL_PRECISION"``), else ``"fp32"`` (``"default"``). An unknown
-    name, or ``"bf16"``, is a :class:`~polyhal.errors.PrecisionError` (in the variable: a
-    :class:`~polyhal.errors.ConfigError`)."""
-    if precision is None:
-        env = PrecisionSettings.from_env().precision
-        return (env, ENV) if env else ("fp32", "default")
-    name = precision.lower() if isinstance(precision, str) else precision
-    where = f"precision={precision!r}"
-    if name not in PRECISIONS and name != "bf16":
-        raise PrecisionError(f"{where} is not a precision; use one of {', '.join(PRECISIONS)} ("
-                             + "; ".join(f"{k}: {v}" for k, v in PRECISIONS.items()) + ")")
-    if name == "bf16":
-        raise PrecisionError(f"{where}: no device computes in bfloat16: polyhal's op set holds it as a "
-                             "storage-only type (arithmetic needs a 'cast' to a compute type first); use "
-                             "'fp16' (float16 compute, float32 accumulation) or 'tf32'")
-    return name, "precision="
 
 
 @dataclass
