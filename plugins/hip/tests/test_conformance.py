@@ -24,7 +24,7 @@ HARDWARE_FREE = [
 #: Hardware-free, but compiles a kernel (hiprtc must be installed).
 COMPILES = ["test_plan_input_errors"]
 NEEDS_HARDWARE = ["test_kernel_matches_reference", "test_kernel_special_values", "test_kernel_empty_tensors",
-                  "test_plan_runs_repeatedly_and_balances", "test_storage_type_casts"]
+                  "test_plan_runs_repeatedly_and_balances", "test_storage_type_casts", "test_storage_casts_at_the_edges"]
 
 
 @pytest.fixture
