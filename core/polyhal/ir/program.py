@@ -263,7 +263,13 @@ class ProgramBuilder:
                                    "declare data with builder.input()")
             if v.program_id != self._id:
                 raise ProgramError(f"{name}: operand {i} (%{v.name}) belongs to another program")
-        out_types = infer_types(name, tuple(v.type for v in inputs), attrs)
+        return self.append(name, inputs, infer_types(name, tuple(v.type for v in inputs), attrs), attrs, affinity)
+
+    def append(self, name: str, inputs: Sequence[Value], out_types: Sequence[TensorType],
+               attrs: Mapping[str, Any], affinity: Affinity | str | None = None) -> Value | tuple[Value, ...]:
+        """Append a dispatch of op ``name`` whose result types the caller has already inferred
+        (``infer_types(name, input types, attrs)``: a front end that infers them to decide whether
+        to fold the op need not infer them twice); :meth:`op` checks operands and infers."""
         if isinstance(affinity, str):
             affinity = Affinity((affinity,))
         outs = tuple(Value(t, self._fresh(name), self._id) for t in out_types)

@@ -820,7 +820,7 @@ class _Importer:
                          for o, t in zip(outs, out_types))
             return outs[0] if len(outs) == 1 else outs
         values = [self.as_value(v) for v in inputs]
-        result = self.builder.op(op, *values, **attrs)
+        result = self.builder.append(op, values, out_types, attrs)  # types inferred above
         results = result if isinstance(result, tuple) else (result,)
         deps = frozenset().union(*(self.deps.get(v.id, frozenset()) for v in values)) if values else frozenset()
         for r in results:
