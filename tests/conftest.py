@@ -11,6 +11,17 @@ import pytest
 import polyhal
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_state_home(tmp_path_factory):
+    """Breadcrumbs of plugins that end a test's child process (registry: ``$XDG_STATE_HOME/polyhal``)
+    go to a folder of this test session, never to the user's own state folder, where the user's
+    next ``polyhal`` run would name the test's plugin."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_STATE_HOME", str(tmp_path_factory.mktemp("state")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def install_plugin(tmp_path, monkeypatch):
     """Write a plugin module and a ``*.dist-info`` with its entry point onto sys.path, so that

@@ -141,7 +141,9 @@ def test_plugin_that_exits_the_process_is_named_by_the_log(install_plugin, tmp_p
     """os._exit cannot be caught; ``polyhal -v`` logs each entry point before importing it, so
     the last line names the culprit."""
     install_plugin("exiter", "import os\nos._exit(7)\n")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path))
+    # The breadcrumb it leaves goes to this test's own state folder (the next run there names it).
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path)] + sys.path),
+               XDG_STATE_HOME=str(tmp_path / "state"))
     env.pop("POLYHAL_BACKENDS", None)
     run = subprocess.run([sys.executable, "-m", "polyhal.cli", "-v", "devices"], env=env, capture_output=True,
                          text=True, timeout=120)
