@@ -221,3 +221,30 @@ def test_polyhal_run_profile_prints_the_compile_passes():
     passes = json.loads(run.stdout)["profile"]["passes"]
     assert [p["name"] for p in passes if p["name"] != "cpu-fuse-conv-prologue"] == DEFAULT_PIPELINE.names
     assert all(p["seconds"] >= 0 for p in passes)
+
+
+def test_every_core_fusion_pass_declares_what_it_creates():
+    fusions = [p for p in DEFAULT_PIPELINE if p.disabled_by]
+    assert fusions and all(p.creates for p in fusions)
+
+
+def test_a_fusion_pass_that_makes_an_op_it_does_not_claim_is_refused():
+    import dataclasses
+
+    from polyhal import Fusion, fusion_pass
+
+    def relu_to_gelu(program, fusible):
+        """Every relu becomes a gelu (claims only abs)."""
+        ops, done = [], []
+        for op in program.ops:
+            if op.name == "relu":
+                new = dataclasses.replace(op, name="gelu", attrs=(("approximate", "none"),))
+                done.append(Fusion("test", (op,), (new,)))
+                op = new
+            ops.append(op)
+        return dataclasses.replace(program, ops=ops), done
+
+    p = fusion_pass("relu-to-gelu", relu_to_gelu, provides="relu-gone", creates=("abs",))
+    pipeline = DEFAULT_PIPELINE.insert(p, after="fuse-gelu")
+    with pytest.raises(PipelineError, match=r"'relu-to-gelu' created \['gelu'\], which it does not claim"):
+        polyhal.compile(_mlp(), "cpu:0", pipeline=pipeline)

@@ -301,8 +301,16 @@ def fusion_pass(name: str, fn: Callable[..., tuple[Program, list[Fusion]]], *, g
     :class:`~polyhal.passes.fusion.Fusion` records explain lists. ``creates``: the ops ``fn`` may
     create (a backend's claim; see the module docstring). The first line of ``fn``'s docstring
     describes the pass."""
+    claimed = frozenset(creates)
+
     def run(c: Compilation, target: "Target") -> None:
+        before = {op.name for op in c.program.ops} if claimed else ()
         c.program, fusions = fn(c.program, target.fusible) if gated else fn(c.program)
+        if claimed:  # a claim is honest: the pass makes no op it did not declare
+            made = {op.name for f in fusions for op in f.new} - before - claimed
+            if made:
+                raise PipelineError(f"fusion pass {name!r} created {sorted(made)}, which it does not claim "
+                                    f"(creates={sorted(claimed)}); declare every op it makes")
         c.add_fusions(fusions)
 
     return Pass(name, run, requires=(UNPLACED, *requires), provides=(provides,), enabled=lambda target: target.fuse,
@@ -342,18 +350,24 @@ def _bufferize(c: Compilation, target: "Target") -> None:
 
 #: The passes every compile runs, in order (plugins' passes are inserted into it per compile).
 DEFAULT_PIPELINE = Pipeline([
-    fusion_pass("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views"),
+    fusion_pass("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views",
+                creates=("transpose",)),
     # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
-    fusion_pass("fuse-attention", fuse_attention, requires=("constant-views",), provides="attention-fused"),
-    fusion_pass("fuse-linear", fuse_linear, requires=("attention-fused",), provides="linear-fused"),
-    fusion_pass("fuse-gelu", fuse_gelu, provides="gelu-fused"),
+    fusion_pass("fuse-attention", fuse_attention, requires=("constant-views",), provides="attention-fused",
+                creates=("attention", "masked_attention", "transpose", "reshape")),
+    fusion_pass("fuse-linear", fuse_linear, requires=("attention-fused",), provides="linear-fused",
+                creates=("linear", "mul")),
+    fusion_pass("fuse-gelu", fuse_gelu, provides="gelu-fused", creates=("gelu",)),
     # BatchNormalization's scale and shift into the conv weights first, then the epilogue (after
     # fuse-gelu, so that a GELU formula is one activation the epilogue can take).
-    fusion_pass("fold-conv-affine", fold_conv_affine, gated=False, provides="conv-affine-folded"),
+    fusion_pass("fold-conv-affine", fold_conv_affine, gated=False, provides="conv-affine-folded", creates=("conv",)),
     fusion_pass("fuse-conv-epilogue", fuse_conv_epilogue,
-                requires=("gelu-fused", "conv-affine-folded", "linear-fused"), provides="conv-epilogues-fused"),
-    fusion_pass("fuse-scale-shift", fuse_scale_shift, requires=("conv-epilogues-fused",), provides="scale-shifts-fused"),
-    fusion_pass("pool-before-pointwise-conv", pool_before_pointwise_conv, gated=False, provides="pools-first"),
+                requires=("gelu-fused", "conv-affine-folded", "linear-fused"), provides="conv-epilogues-fused",
+                creates=("fused_conv", "fused_linear")),
+    fusion_pass("fuse-scale-shift", fuse_scale_shift, requires=("conv-epilogues-fused",), provides="scale-shifts-fused",
+                creates=("scale_shift",)),
+    fusion_pass("pool-before-pointwise-conv", pool_before_pointwise_conv, gated=False, provides="pools-first",
+                creates=("avg_pool",)),
     # (Backends insert their own fusions here, after the core's: the CPU's conv prologue.)
     # After fusion, so that a fused op is lowered (or allowed TF32) as one unit, and before data
     # tiling and placement, which then see the program's final element types.
