@@ -210,3 +210,15 @@ def test_to_device_larger_than_the_destination_memory_names_both_devices():
         assert "cpu:0" in str(info.value) and "opencl:0" in str(info.value)
     finally:
         set_device_allocator(cl, previous)
+
+
+def test_queue_timeout_setting(monkeypatch):
+    from polyhal.errors import ConfigError
+
+    sem = Semaphore(0, "test/env")
+    monkeypatch.setenv("POLYHAL_QUEUE_TIMEOUT", "0.01")
+    with pytest.raises(SemaphoreTimeoutError, match="waited 0.01 s for value 1"):
+        sem.wait(1)
+    monkeypatch.setenv("POLYHAL_QUEUE_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="POLYHAL_QUEUE_TIMEOUT"):
+        sem.wait(1)

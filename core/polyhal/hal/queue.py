@@ -28,14 +28,15 @@ polyhal keeps that model and those names:
 
 from __future__ import annotations
 
-import os
 import queue as _stdqueue
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
-from polyhal.errors import ConfigError, SemaphoreFailedError, SemaphoreTimeoutError
+from polyhal.config import Number, Settings, setting
+from polyhal.errors import SemaphoreFailedError, SemaphoreTimeoutError
 from polyhal.hal.flags import BufferUsage, MemoryAccess, MemoryType
 
 if TYPE_CHECKING:
@@ -46,19 +47,23 @@ if TYPE_CHECKING:
 SemaphoreList = Sequence["tuple[Semaphore, int]"]
 
 
+@dataclass(frozen=True)
+class QueueSettings(Settings, component="queue"):
+    """How long queue and host waits on semaphores last before they give up, read at each wait
+    that takes the default."""
+
+    timeout: float = setting(
+        "POLYHAL_QUEUE_TIMEOUT", Number("seconds", low=0), 60.0,
+        "seconds a semaphore wait (a queue's wait list, or the host's) lasts before a SemaphoreTimeoutError",
+        hint="set e.g. 60; long enough for any real predecessor, short enough that a wait nothing will "
+             "satisfy ends as an error instead of a hang")
+
+
 def default_timeout() -> float:
-    """Seconds a queue waits for its wait list before it gives up (``POLYHAL_QUEUE_TIMEOUT``,
-    default 60): long enough for any real predecessor, short enough that a wait nothing will
-    satisfy ends as an error instead of a hang."""
-    raw = os.environ.get("POLYHAL_QUEUE_TIMEOUT", "60")
-    try:
-        seconds = float(raw)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise ConfigError(f"POLYHAL_QUEUE_TIMEOUT={raw!r} is not a number of seconds > 0; e.g. 60",
-                          variable="POLYHAL_QUEUE_TIMEOUT", value=raw)
-    return seconds
+    """Seconds a wait lasts when none is given (``POLYHAL_QUEUE_TIMEOUT``, default 60): long
+    enough for any real predecessor, short enough that a wait nothing will satisfy ends as an
+    error instead of a hang."""
+    return QueueSettings.from_env().timeout
 
 
 class Semaphore:
@@ -120,17 +125,18 @@ class Semaphore:
         :class:`~polyhal.errors.SemaphoreTimeoutError`. A failed semaphore raises
         :class:`~polyhal.errors.SemaphoreFailedError` whatever the value.
         """
+        if timeout is None and self._value < value:
+            timeout = default_timeout()
         with self._cond:
             if self._value < value and self._failure is None:
-                self._cond.wait_for(lambda: self._value >= value or self._failure is not None,
-                                    default_timeout() if timeout is None else timeout)
+                self._cond.wait_for(lambda: self._value >= value or self._failure is not None, timeout)
             if self._failure is not None:
                 raise SemaphoreFailedError(
                     f"semaphore {self.name} failed while waiting for value {value}: "
                     f"{type(self._failure).__name__}: {self._failure}", semaphore=self.name) from self._failure
             if self._value < value:
                 raise SemaphoreTimeoutError(
-                    f"semaphore {self.name} is at {self._value}; waited {timeout if timeout is not None else default_timeout():g} "
+                    f"semaphore {self.name} is at {self._value}; waited {timeout:g} "
                     f"s for value {value} and nothing signalled it. Check that the work signalling {value} was "
                     "submitted (and that its queue runs), or raise POLYHAL_QUEUE_TIMEOUT",
                     semaphore=self.name, value=value)

@@ -98,6 +98,7 @@ class CUDADevice(Device):
     """
 
     dlpack_device_type = DL_CUDA
+    host_copy_path = "pinned staging"  # host <-> device transfers go through the stager's pinned buffers
     kernels = TABLE
 
     @property
@@ -248,12 +249,12 @@ class CUDADevice(Device):
     def can_copy(self, src: Device, dst: Device) -> bool:
         """Host memory to and from this GPU (through the pinned :attr:`stager`), and between two
         CUDA GPUs (peer copy where the topology allows, else staged through pinned host memory)."""
-        other = dst if src is self else src if dst is self else None
-        return other is not None and (other.is_host or isinstance(other, CUDADevice))
+        return super().can_copy(src, dst) or (self in (src, dst) and isinstance(src, CUDADevice)
+                                               and isinstance(dst, CUDADevice))
 
     def copy_path(self, src: Device, dst: Device) -> str:
         if src.is_host or dst.is_host:
-            return "pinned staging"
+            return super().copy_path(src, dst)
         if src is dst:
             return "device copy"
         return "peer copy" if peer_access(src.ordinal, dst.ordinal) else "staged through pinned host memory (no peer access)"
@@ -261,10 +262,8 @@ class CUDADevice(Device):
     def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int) -> None:
         from cupy.cuda import runtime
 
-        if dst.is_host:
-            self.download(src_native, dst_native)
-        elif src.is_host:
-            self.upload(src_native, dst_native)
+        if src.is_host or dst.is_host:
+            super().transfer(src, src_native, dst, dst_native, nbytes)
         elif not nbytes:
             return
         elif src is dst or peer_access(src.ordinal, dst.ordinal):

@@ -52,6 +52,7 @@ class CLDevice(Device):
     """
 
     dlpack_device_type = DLPACK_OPENCL
+    host_copy_path = "enqueue_copy"  # host <-> device transfers: one copy straight from/into the host array
     kernels = TABLE
 
     def __init__(self, spec: DeviceSpec, cl_device: Any) -> None:
@@ -130,22 +131,6 @@ class CLDevice(Device):
         if flat.size:
             with check(f"writing {flat.size} bytes to {self.name}"):
                 cl.enqueue_copy(self.queue, native.base_data, flat, dst_offset=native.offset, is_blocking=True)
-
-    # -- transfers (Device.can_copy) ------------------------------------------------------------
-
-    def can_copy(self, src: Device, dst: Device) -> bool:
-        """Host memory to and from this device: one ``enqueue_copy`` straight between the host
-        array and the ``cl_mem`` (no intermediate host array)."""
-        return (src is self and dst.is_host) or (dst is self and src.is_host)
-
-    def copy_path(self, src: Device, dst: Device) -> str:
-        return "enqueue_copy"
-
-    def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int) -> None:
-        if dst is self:
-            self.upload(src_native, dst_native)
-        else:
-            self.download(src_native, dst_native)
 
     # -- DLPack ----------------------------------------------------------------------------------
 
