@@ -222,3 +222,40 @@ def test_queue_timeout_setting(monkeypatch):
     monkeypatch.setenv("POLYHAL_QUEUE_TIMEOUT", "soon")
     with pytest.raises(ConfigError, match="POLYHAL_QUEUE_TIMEOUT"):
         sem.wait(1)
+
+
+def _cuda(n: int):
+    try:
+        return [polyhal.get_device(f"cuda:{i}") for i in range(n)]
+    except polyhal.PolyhalError as exc:
+        pytest.skip(f"needs {n} CUDA GPU(s): {exc}")
+
+
+def test_cuda_host_transfers_go_through_pinned_staging():
+    (gpu,), cpu = _cuda(1), polyhal.get_device("cpu:0")
+    assert route(cpu, gpu).explain(64) == "cpu:0 -> cuda:0, 64 B, by cuda (pinned staging)"
+    x = np.arange(1 << 20, dtype=np.float32)
+    t = polyhal.asarray(x, device=cpu).to_device(gpu)
+    assert t.device is gpu and np.array_equal(t.to_device(cpu).numpy(), x)
+
+
+def test_cuda_gpu_to_gpu_is_a_peer_copy_or_staged_and_says_which():
+    from polyhal_cuda.device import peer_access
+
+    a, b = _cuda(2)
+    how = "peer copy" if peer_access(a.ordinal, b.ordinal) else "staged through pinned host memory (no peer access)"
+    assert route(a, b).explain(4) == f"cuda:0 -> cuda:1, 4 B, by cuda ({how})"
+    x = np.arange(1 << 20, dtype=np.float32)
+    t = polyhal.asarray(x, device=a).to_device(b)
+    assert t.device is b and np.array_equal(t.numpy(), x)
+
+
+def test_dlpack_import_onto_another_device_copies_along_the_route_or_refuses():
+    from polyhal.errors import DLPackError
+
+    cl = _opencl()
+    x = np.arange(256, dtype=np.float32)
+    t = polyhal.from_dlpack(x, device=cl)
+    assert t.device is cl and np.array_equal(t.numpy(), x)
+    with pytest.raises(DLPackError, match="lives on cpu:0; moving it to opencl:0 needs a copy"):
+        polyhal.from_dlpack(x, device=cl, copy=False)
