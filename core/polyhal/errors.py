@@ -99,3 +99,22 @@ class ConfigError(PolyhalError, ValueError):
     def __init__(self, message: str, *, variable: str | None = None, value: str | None = None) -> None:
         super().__init__(message)
         self.variable, self.value = variable, value
+
+
+class SemaphoreTimeoutError(PolyhalError, TimeoutError):
+    """A wait on a timeline semaphore that its timeout ended before the value was reached (a
+    wait that nothing will satisfy); the message names the semaphore, its queue and the values.
+    ``semaphore`` and ``value`` say which."""
+
+    def __init__(self, message: str, *, semaphore: str | None = None, value: int | None = None) -> None:
+        super().__init__(message)
+        self.semaphore, self.value = semaphore, value
+
+
+class SemaphoreFailedError(PolyhalError, RuntimeError):
+    """A wait on a timeline semaphore that was failed (the work that would signal it raised);
+    every waiter gets it, with the failure chained (``__cause__``). ``semaphore`` names it."""
+
+    def __init__(self, message: str, *, semaphore: str | None = None) -> None:
+        super().__init__(message)
+        self.semaphore = semaphore

@@ -20,6 +20,7 @@ import numpy as np
 from polyhal.errors import DTypeError, KernelError, LifetimeError, PluginError, PolyhalError, ProgramError, ShapeError
 from polyhal.hal.device import Device
 from polyhal.hal.tensor import Tensor, asarray, empty
+from polyhal.hal.transfer import route, transfer_fn
 from polyhal.ir.program import Program, Value
 from polyhal.passes.pipeline import Compilation, Pipeline, pipeline_for
 from polyhal.passes.placement import Placement
@@ -510,7 +511,8 @@ class Plan:
                          f"select_allocator by {d.plugin!r}, index {d.index}: {d.reason})")
         for op in self.program.ops:
             if op.kind == "transfer":
-                lines.append(f"  transfer %{op.inputs[0].name} -> {op.device}")
+                src, dst = (self.registry.get_device(self.placement.value_device[v.id]) for v in (op.inputs[0], op.outputs[0]))
+                lines.append(f"  transfer %{op.inputs[0].name}: {route(src, dst).explain(op.outputs[0].type.nbytes)}")
         if self.placement.encodings is not None:
             lines.extend(self.placement.encodings.explain_lines())
         lines.extend("  " + line for line in self.buffer_plan.explain().splitlines())  # bufferize's decisions
@@ -661,12 +663,6 @@ def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]
 
 
 def _transfer_step(src: Device, dst: Device, slots: list, a: int, b: int, value: Value) -> Callable[[], None]:
-    if src.is_host and dst.is_host:
-        return lambda: np.copyto(slots[b], slots[a])
-    staging = np.empty(value.type.shape, value.type.dtype)
-
-    def step() -> None:
-        src.download(slots[a], staging)
-        dst.upload(staging, slots[b])
-
-    return step
+    # The route (which backend copies, or a host array between) is chosen once, here.
+    move = transfer_fn(route(src, dst), value.type.shape, value.type.dtype)
+    return lambda: move(slots[a], slots[b])

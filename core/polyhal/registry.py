@@ -656,6 +656,7 @@ class Registry:
                 warnings.warn(f"polyhal: device {spec.name} is not used: {reason}", RuntimeWarning, stacklevel=4)
                 raise PluginError(reason, plugin=plugin) from exc
             dev.memory_space_policy = self.memory_space_policy(spec)
+            dev.find_device = self.get_device  # Tensor.to_device("name")
             self._devices[spec.name] = dev
             return dev
 

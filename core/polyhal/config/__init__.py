@@ -284,7 +284,7 @@ class Settings:
 #: The core modules that declare records (the backends' come through their entry points).
 CORE_MODULES = ("polyhal.registry", "polyhal.policies.adaptors", "polyhal.policies.context",
                 "polyhal.passes.precision", "polyhal.specialization", "polyhal.frontends.onnx.settings",
-                "polyhal.testing.settings")
+                "polyhal.testing.settings", "polyhal.hal.queue")
 
 
 def declared(modules: Iterable[str] | None = None) -> list[type[Settings]]:

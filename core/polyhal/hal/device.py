@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from polyhal.dlpack import ImportedTensor
     from polyhal.hal.buffer import Buffer
     from polyhal.hal.kernels import KernelTable
+    from polyhal.hal.queue import Queue
     from polyhal.hal.scratch import ScratchBinding, ScratchRequest
     from polyhal.hal.tensor import Tensor
     from polyhal.ir.types import TensorType
@@ -55,6 +56,23 @@ class Device:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def queues(self) -> tuple["Queue", ...]:
+        """The device's queues (IREE's queue affinity bits index them); default: one
+        :class:`~polyhal.hal.queue.InlineQueue`, made on first use. A backend with streams or
+        several hardware queues overrides it."""
+        queues = self.__dict__.get("_queues")
+        if queues is None:
+            from polyhal.hal.queue import InlineQueue
+
+            queues = self.__dict__["_queues"] = (InlineQueue(self),)
+        return queues
+
+    #: How a name given to :meth:`~polyhal.hal.tensor.Tensor.to_device` is found: the registry
+    #: that creates the device sets its ``get_device`` here; a device made outside a registry
+    #: knows only itself.
+    find_device: Callable[[str], "Device"] | None = None
 
     @property
     def is_host(self) -> bool:
@@ -208,6 +226,37 @@ class Device:
     def copy(self, src: "Buffer", src_offset: int, dst: "Buffer", dst_offset: int, nbytes: int) -> None:
         """Copy bytes between two buffers of this device (queue-ordered)."""
         raise NotImplementedError
+
+    # -- transfers between devices (backend capability) ------------------------------------------
+    # onnxruntime's OrtDataTransferImpl (CanCopy / CopyTensors): a backend says which device pairs
+    # it moves data between itself, and does it without a detour through a host array.
+
+    #: How this backend moves data between host memory and this device by its own
+    #: :meth:`upload` / :meth:`download`, straight from and into the host array (e.g.
+    #: ``"enqueue_copy"``); None (the default) offers no transfer. When set, :meth:`can_copy`
+    #: says yes for host <-> this device and :meth:`transfer` does it.
+    host_copy_path: str | None = None
+
+    def can_copy(self, src: "Device", dst: "Device") -> bool:
+        """Whether this device's backend copies data from ``src`` to ``dst`` itself (one of them
+        is this device) with :meth:`transfer`; otherwise the core downloads into a host array
+        and uploads it. Asked once per plan transfer, when the plan is built. Default: host
+        memory to and from this device where :attr:`host_copy_path` is set."""
+        return self.host_copy_path is not None and ((src is self and dst.is_host) or (dst is self and src.is_host))
+
+    def copy_path(self, src: "Device", dst: "Device") -> str:
+        """How :meth:`transfer` moves data from ``src`` to ``dst``, for explain (e.g.
+        ``"enqueue_copy"``, ``"peer copy"``, ``"staged through pinned host memory"``)."""
+        return self.host_copy_path or "copy"
+
+    def transfer(self, src: "Device", src_native: Any, dst: "Device", dst_native: Any, nbytes: int) -> None:
+        """Copy ``nbytes`` from ``src_native`` (a native array of ``src``) into ``dst_native`` (a
+        native array of ``dst``), both dense row-major, complete on return; called only where
+        :meth:`can_copy` said yes. Default: host <-> this device by :meth:`upload` / :meth:`download`."""
+        if dst is self:
+            self.upload(src_native, dst_native)
+        else:
+            self.download(src_native, dst_native)
 
     # -- DLPack (backend) ----------------------------------------------------------------------
 

@@ -8,8 +8,9 @@ import numpy as np
 
 from polyhal import dlpack
 from polyhal.dlpack import row_major_strides
-from polyhal.errors import DLPackError, LifetimeError, PolyhalError
+from polyhal.errors import DeviceNotFoundError, DLPackError, LifetimeError, OutOfMemoryError, PolyhalError
 from polyhal.hal.flags import BufferUsage, MemoryAccess, MemoryType
+from polyhal.hal.transfer import route, transfer_fn
 from polyhal.ir.types import TensorType, as_dtype, as_shape
 
 if TYPE_CHECKING:
@@ -69,6 +70,44 @@ class Tensor:
         """Release the underlying buffer now (views of it become invalid)."""
         self._native = None
         self.buffer.release()
+
+    def to_device(self, device: "Device | str", /, *, stream: Any = None) -> "Tensor":
+        """A copy of this tensor on ``device`` (a :class:`~polyhal.hal.device.Device` or its name),
+        or this tensor when it already lives there (the Array API's ``to_device``).
+
+        The bytes move the way a plan's transfer would (:func:`polyhal.hal.transfer.route`: the
+        destination's or source's backend where it can copy that pair, else through a host array).
+        :class:`~polyhal.errors.DeviceNotFoundError` for a name no plugin registered;
+        :class:`~polyhal.errors.OutOfMemoryError` naming both devices when ``device`` cannot hold
+        the tensor. ``stream`` is accepted for the Array API and unused (the copy is complete on
+        return).
+        """
+        src = self.device
+        dst = device if not isinstance(device, str) else self._find_device(device)
+        if dst is src:
+            return self
+        free = dst.memory_available()
+        if free is not None and self.nbytes > free:
+            raise OutOfMemoryError(f"moving {self} from {src.name} to {dst.name} needs {self.nbytes} B on {dst.name}, "
+                                   f"which has {free} B free; free memory there or move a smaller tensor")
+        try:
+            out = empty(self.shape, self.dtype, dst)
+        except OutOfMemoryError as exc:
+            raise OutOfMemoryError(f"moving {self} from {src.name} to {dst.name}: {exc}") from exc
+        if not self.is_contiguous:  # transfers move dense bytes: a dense host copy first
+            out.device.write(out.buffer, 0, np.ascontiguousarray(self.numpy()))
+        elif self.nbytes:
+            transfer_fn(route(src, dst), self.shape, self.dtype)(self.native, out.native)
+        return out
+
+    def _find_device(self, name: str) -> "Device":
+        find = self.device.find_device
+        if name == self.device.name:
+            return self.device
+        if find is None:
+            raise DeviceNotFoundError(f"no device {name!r}: {self.device.name} was made outside a registry and "
+                                      "knows no other device; pass a Device object")
+        return find(name)
 
     # -- host access -----------------------------------------------------------------------------
 
@@ -231,5 +270,5 @@ def from_dlpack(obj: Any, owner_of: "Callable[[tuple[int, int]], Device]", *, de
     if device is not None and device is not owner:
         if copy is False:
             raise DLPackError(f"data lives on {owner.name}; moving it to {device.name} needs a copy")
-        return asarray(tensor.numpy(), None, device)
+        return tensor.to_device(device)  # the route a plan's transfer would take (explain: hal.transfer.route)
     return tensor

@@ -98,6 +98,7 @@ class CUDADevice(Device):
     """
 
     dlpack_device_type = DL_CUDA
+    host_copy_path = "pinned staging"  # host <-> device transfers go through the stager's pinned buffers
     kernels = TABLE
 
     @property
@@ -243,6 +244,42 @@ class CUDADevice(Device):
     def upload(self, host: np.ndarray, native: Any) -> None:
         self.stager.h2d(native.data.ptr, np.ascontiguousarray(host))
 
+    # -- transfers (Device.can_copy) ------------------------------------------------------------
+
+    def can_copy(self, src: Device, dst: Device) -> bool:
+        """Host memory to and from this GPU (through the pinned :attr:`stager`), and between two
+        CUDA GPUs (peer copy where the topology allows, else staged through pinned host memory)."""
+        return super().can_copy(src, dst) or (self in (src, dst) and isinstance(src, CUDADevice)
+                                               and isinstance(dst, CUDADevice))
+
+    def copy_path(self, src: Device, dst: Device) -> str:
+        if src.is_host or dst.is_host:
+            return super().copy_path(src, dst)
+        if src is dst:
+            return "device copy"
+        return "peer copy" if peer_access(src.ordinal, dst.ordinal) else "staged through pinned host memory (no peer access)"
+
+    def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int) -> None:
+        from cupy.cuda import runtime
+
+        if src.is_host or dst.is_host:
+            super().transfer(src, src_native, dst, dst_native, nbytes)
+        elif not nbytes:
+            return
+        elif src is dst or peer_access(src.ordinal, dst.ordinal):
+            # Ordered after the source's pending work, then on the destination's stream.
+            src.synchronize()
+            with check(f"copying {nbytes} bytes from {src.name} to {dst.name}"), dst.activate():
+                runtime.memcpyPeerAsync(dst_native.data.ptr, dst.ordinal, src_native.data.ptr, src.ordinal,
+                                        nbytes, dst.stream.ptr)
+            dst.synchronize()
+        else:
+            import cupyx
+
+            host = cupyx.empty_pinned(nbytes, np.uint8)
+            src.stager.d2h(host, src_native.data.ptr)
+            dst.stager.h2d(dst_native.data.ptr, host)
+
     # -- DLPack ----------------------------------------------------------------------------------
 
     def dlpack_device(self, buffer: Buffer) -> tuple[int, int]:
@@ -345,3 +382,27 @@ class _EventTimer:
         with check(f"reading profile events of {self._device.name}"):
             end.synchronize()
             return int(cupy.cuda.get_elapsed_time(start, end) * 1e6)  # ms -> ns
+
+
+_peer: dict[tuple[int, int], bool] = {}
+
+
+def peer_access(src: int, dst: int) -> bool:
+    """Whether GPU ``dst`` can read GPU ``src`` directly (``cudaDeviceCanAccessPeer``); enables
+    it the first time (``cudaDeviceEnablePeerAccess`` from ``dst``), memoized per pair."""
+    from cupy.cuda import runtime
+    import cupy
+
+    key = (src, dst)
+    known = _peer.get(key)
+    if known is None:
+        known = src == dst or bool(runtime.deviceCanAccessPeer(dst, src))
+        if known and src != dst:
+            with cupy.cuda.Device(dst):
+                try:
+                    runtime.deviceEnablePeerAccess(src)
+                except runtime.CUDARuntimeError as exc:  # already enabled (by cupy or another caller)
+                    if "PeerAccessAlreadyEnabled" not in str(exc):
+                        raise
+        _peer[key] = known
+    return known

@@ -100,6 +100,7 @@ class HIPDevice(Device):
     """
 
     dlpack_device_type = DL_ROCM
+    host_copy_path = "hipMemcpyAsync"  # host <-> device transfers: one copy straight from/into the host array
 
     def __init__(self, spec: DeviceSpec, runtime: Any = None) -> None:
         from polyhal_hip import kernels

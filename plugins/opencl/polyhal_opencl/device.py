@@ -52,6 +52,7 @@ class CLDevice(Device):
     """
 
     dlpack_device_type = DLPACK_OPENCL
+    host_copy_path = "enqueue_copy"  # host <-> device transfers: one copy straight from/into the host array
     kernels = TABLE
 
     def __init__(self, spec: DeviceSpec, cl_device: Any) -> None:
