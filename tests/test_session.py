@@ -113,3 +113,17 @@ def mlp():
 def test_misuse_is_a_polyhal_error_naming_the_input_and_what_was_expected(mlp, names, feeds, message):
     with pytest.raises(OnnxInputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         mlp.run(names, feeds)
+
+
+def test_an_input_that_decides_a_shape_is_imported_per_value():
+    vi = h.make_tensor_value_info
+    graph = h.make_graph([h.make_node("Reshape", ["x", "shape"], ["y"]), h.make_node("Relu", ["y"], ["z"])], "reshape",
+                         [vi("x", T.FLOAT, [6]), vi("shape", T.INT64, [2])], [vi("z", T.FLOAT, [None, None])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=8).SerializeToString()
+    session, reference = _polyhal(model), _onnxruntime(model)
+    x = np.arange(-3, 3, dtype=np.float32)
+    for shape in ((2, 3), (3, 2), (2, 3)):
+        feeds = {"x": x, "shape": np.array(shape)}
+        (got,), (want,) = session.run(None, feeds), reference.run(None, feeds)
+        assert got.shape == want.shape == shape
+        np.testing.assert_array_equal(got, want)

@@ -8,7 +8,8 @@
     (y,) = session.run(None, {x.name: np.ones((32, 256), np.float32)})
 
 The session loads the model once and keeps what :func:`~polyhal.frontends.onnx.importer.load`
-made of it: a static :class:`OnnxProgram` is compiled when the session is created (as
+made of it (a model whose inputs decide shapes, a Reshape's ``shape`` fed as an input, is
+imported per value of those inputs): a static :class:`OnnxProgram` is compiled when the session is created (as
 onnxruntime builds its session); a model with symbolic dims is a
 :class:`~polyhal.frontends.onnx.dynamic.DynamicOnnxProgram`, whose plan specializes per input
 shape and caches the plans; a model with data-decided control flow is a
@@ -23,7 +24,8 @@ from typing import Any, Mapping, Sequence
 
 import onnx
 
-from polyhal.frontends.onnx.errors import OnnxInputError
+from polyhal.frontends.onnx.backend import PolyhalRep
+from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
 
 __all__ = ["InferenceSession", "NodeArg"]
@@ -88,7 +90,13 @@ class InferenceSession:
         self._outputs = [_node_arg(vi) for vi in proto.graph.output]
         self.source = source
         self.devices = devices
-        self.program = load(proto, source=source)
+        self._by_value: PolyhalRep | None = None
+        try:
+            self.program = load(proto, source=source)
+        except NeedsValue:  # inputs decide shapes: imported per value of those, as the ONNX backend does
+            self.program = self.plan = None
+            self._by_value = PolyhalRep(proto, devices, strict=options.pop("strict", False), **options)
+            return
         self.plan = self.program.compile(devices, **options)
 
     def get_inputs(self) -> list[NodeArg]:
@@ -119,5 +127,7 @@ class InferenceSession:
             if name not in known:
                 listing = ", ".join(f"{o.name} ({o.type})" for o in self._outputs)
                 raise OnnxInputError(f"{self.source}: the model has no output {name!r}; its outputs are {listing}")
-        results = self.program.execute(self.plan, self.program.check_feeds(input_feed))
+        program, plan = (self.program, self.plan) if self._by_value is None else \
+            self._by_value.compiled(self._by_value.as_feeds(input_feed))
+        results = program.execute(plan, program.check_feeds(input_feed))
         return [results[n] for n in names]
