@@ -4,7 +4,8 @@ Backends are plugins discovered through entry points; three policies (allocator 
 encodings, memory spaces) are pluggy hooks. See README.md for a tour.
 
 The compiler side -- the op set, programs, passes and plans (``Program``, ``ProgramBuilder``,
-``KernelTable``, ``compile``, ``Plan``, ``run_op``) -- is imported on first use, so that
+``KernelTable``, ``compile``, ``Plan``, ``run_op``) and the ONNX session (``InferenceSession``,
+which imports ``onnx``) are imported on first use, so that
 ``import polyhal`` costs little more than numpy for what needs only devices and buffers
 (``polyhal devices``, a backend's own import); bench/import_time.py holds it to that.
 """
@@ -29,6 +30,7 @@ from polyhal.registry import Registry, default_registry, devices, get_device
 
 if TYPE_CHECKING:
     from polyhal.eager import run_op
+    from polyhal.frontends.onnx.session import InferenceSession
     from polyhal.hal.kernels import KernelTable
     from polyhal.ir.program import Program, ProgramBuilder
     from polyhal.passes.fusion import Fusion
@@ -39,8 +41,9 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 #: Names imported on first use (PEP 562), and the module of each.
-_ON_FIRST_USE = {"KernelTable": "polyhal.hal.kernels", "Plan": "polyhal.plan", "Program": "polyhal.ir.program",
-                 "ProgramBuilder": "polyhal.ir.program", "compile": "polyhal.plan", "run_op": "polyhal.eager",
+_ON_FIRST_USE = {"InferenceSession": "polyhal.frontends.onnx.session", "KernelTable": "polyhal.hal.kernels",
+                 "Plan": "polyhal.plan", "Program": "polyhal.ir.program", "ProgramBuilder": "polyhal.ir.program",
+                 "compile": "polyhal.plan", "run_op": "polyhal.eager",
                  "Target": "polyhal.target", "Fusion": "polyhal.passes.fusion", **dict.fromkeys(
                      ("DEFAULT_PIPELINE", "Compilation", "Pass", "PassRegistration", "Pipeline", "fusion_pass"),
                      "polyhal.passes.pipeline")}
@@ -48,7 +51,8 @@ _ON_FIRST_USE = {"KernelTable": "polyhal.hal.kernels", "Plan": "polyhal.plan", "
 __all__ = [
     "API_VERSION", "ANY_QUEUE", "Affinity", "Allocator", "AllocatorStatistics", "Buffer",
     "BufferCompatibility", "BufferKind", "BufferUsage", "Compilation", "ConfigError", "DEFAULT_PIPELINE", "DLPackError", "DTypeError",
-    "Device", "DeviceNotFoundError", "DeviceSpec", "Fusion", "Heap", "IncompatibleBufferError", "KernelError",
+    "Device", "DeviceNotFoundError", "DeviceSpec", "Fusion", "Heap", "IncompatibleBufferError", "InferenceSession",
+    "KernelError",
     "KernelNotFoundError",
     "KernelTable", "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Pass",
     "PassRegistration", "Pipeline", "PipelineError", "Plan", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",

@@ -146,7 +146,16 @@ def _cmd_run(args: argparse.Namespace, registry: Registry) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``polyhal`` command."""
+    """Entry point of the ``polyhal`` command: Ctrl-C anywhere ends it with one line and status
+    130 (128 + SIGINT, as shells report an interrupted command), not a traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\npolyhal: interrupted" if sys.stderr.isatty() else "polyhal: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="polyhal", description="polyhal: a pluggable heterogeneous runtime")
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log to stderr what polyhal does, e.g. each plugin before it is imported "

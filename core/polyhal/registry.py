@@ -487,8 +487,11 @@ class Registry:
             for spec in self.device_specs():
                 if spec.name == name:
                     return spec
+        backend = name.partition(":")[0]
+        said = self.unavailable_reasons().get(backend, []) + [f.reason for f in self.failures if f.plugin == backend]
+        why = f" (plugin {backend!r}: {'; '.join(said)})" if said else ""
         raise DeviceNotFoundError(
-            f"unknown device {name!r}; available: {[s.name for s in self.device_specs()] or 'none'} "
+            f"unknown device {name!r}{why}; available: {[s.name for s in self.device_specs()] or 'none'} "
             "(run `polyhal devices` to see every device and plugin)")
 
     def specs_of_plugin(self, plugin: str) -> list[DeviceSpec]:

@@ -277,7 +277,7 @@ def test_every_generated_hip_source_is_clean():
     assert len(names) > 50
 
 
-def test_a_strict_cast_to_integers_runs_on_the_host_fallback(fake_device):
+def test_a_strict_cast_to_integers_runs_on_the_host_fallback(fake_device, needs_compiler):
     """A strict float -> integer cast (ONNX integer Div) must refuse nan/inf, which needs the
     values: HIP hands it to the host fallback, whose reference checks; a plain cast stays a kernel."""
     from polyhal.ir.types import TensorType

@@ -48,10 +48,12 @@ def resolve_device(device: str) -> str:
 class PolyhalRep(BackendRep):
     """A prepared model: compiled per input signature on first use, then run from the cache."""
 
-    def __init__(self, model: onnx.ModelProto, device: str, *, strict: bool = True) -> None:
+    def __init__(self, model: onnx.ModelProto, device: str | Sequence[str] | None, *, strict: bool = True,
+                 **options: Any) -> None:
         self.model = model
-        self.device = resolve_device(device)
+        self.device = resolve_device(device) if isinstance(device, str) else device  # a list: compile's order
         self.strict = strict
+        self.options = options  # for compile (fuse=False, precision=...)
         initialized = {t.name for t in model.graph.initializer}
         self.input_names = [i.name for i in model.graph.input if i.name not in initialized]
         self.output_names = [o.name for o in model.graph.output]
@@ -59,7 +61,9 @@ class PolyhalRep(BackendRep):
         self._plans: dict[tuple, tuple[OnnxProgram, Any]] = {}
         self._staged: tuple[StagedOnnxProgram, Any] | None = None
 
-    def _feeds(self, inputs: Any) -> dict[str, np.ndarray]:
+    def as_feeds(self, inputs: Any) -> dict[str, np.ndarray]:
+        """``inputs`` (a list in graph-input order, or a dict) as {name: array}; sequences and
+        optionals pass as given, strings as arrays of str."""
         if isinstance(inputs, Mapping):
             items = list(inputs.items())
         else:
@@ -83,7 +87,7 @@ class PolyhalRep(BackendRep):
         if self._staged is not None or not all(isinstance(x, np.ndarray) for x in feeds.values()):
             if self._staged is None:  # staged models take any shapes and values: one program
                 program = load(self.model)
-                self._staged = (program, program.compile(self.device, strict=self.strict))
+                self._staged = (program, program.compile(self.device, strict=self.strict, **self.options))
             return self._staged
         while True:
             key = tuple((k, x.shape, x.dtype.str, x.tobytes() if k in self._fixed else None)
@@ -102,7 +106,7 @@ class PolyhalRep(BackendRep):
                     raise
                 self._fixed |= wanted
                 continue
-            plan = program.compile(self.device, strict=self.strict)
+            plan = program.compile(self.device, strict=self.strict, **self.options)
             if isinstance(program, StagedOnnxProgram):
                 self._staged = (program, plan)
                 return self._staged
@@ -111,7 +115,7 @@ class PolyhalRep(BackendRep):
 
     def run(self, inputs: Any, **kwargs: Any) -> tuple:
         """The model's outputs for ``inputs`` (a list in graph-input order, or a dict)."""
-        feeds = self._feeds(inputs)
+        feeds = self.as_feeds(inputs)
         program, plan = self.compiled(feeds)
         results = program.execute(plan, feeds)
         Outputs = namedtuple("Outputs", [f"o{i}" for i in range(len(results))])  # names may not be identifiers

@@ -166,7 +166,12 @@ def input_nbytes(path: str, spec: str = "") -> int:
     what = f"--input {spec or path}"
     try:
         with open(path, "rb") as f:
-            if f.read(4) in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip: what np.load takes as .npz
+            magic = f.read(6)
+            if magic[:4] not in (b"PK\x03\x04", b"PK\x05\x06") and magic != np.lib.format.MAGIC_PREFIX:
+                raise _usage(f"{what}: {printable(path)} is not a .npy or .npz file (it does not start as NumPy's "
+                             "files do); write inputs with numpy.save('x.npy', array) or numpy.savez")
+            if magic[:4] in (b"PK\x03\x04", b"PK\x05\x06"):  # a zip: what np.load takes as .npz
+                f.seek(0)
                 with zipfile.ZipFile(f) as zf:
                     total = 0
                     for info in zf.infolist():
@@ -321,6 +326,10 @@ def cmd_run(args: argparse.Namespace, registry) -> int:
 
     if args.output:  # before the work: an unwritable --output should not cost a run
         os.close(_open_output_dir(args.output))
+    if args.print_limit < 0:
+        raise _usage(f"--print-limit must be >= 0 (elements shown at each end of an output), got {args.print_limit}")
+    if args.trace:
+        check_trace_path(args.trace)
 
     t0 = time.perf_counter()
     model, _ = read_model(args.model)
@@ -574,6 +583,21 @@ def _open_output_dir(path: str) -> int:
     if not os.access(path, os.W_OK):
         raise _usage(f"--output {path}: the directory is not writable")
     return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def check_trace_path(path: str) -> None:
+    """A usage error, before any work, where ``--trace`` cannot be written: its folder missing or
+    not writable, the path a folder, or a symbolic link (not written through, as ``--output``)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.islink(path):
+        raise _usage(f"--trace {printable(path)}: the path is a symbolic link, which polyhal does not write "
+                     "through; remove it or choose another file")
+    if os.path.isdir(path):
+        raise _usage(f"--trace {printable(path)}: the path is a folder; give a file name (e.g. run.json)")
+    if not os.path.isdir(folder):
+        raise _usage(f"--trace {printable(path)}: no such folder {printable(folder)}; create it first")
+    if not os.access(folder, os.W_OK):
+        raise _usage(f"--trace {printable(path)}: the folder {printable(folder)} is not writable")
 
 
 def write_outputs(path: str, arrays: dict[str, Any]) -> None:

@@ -1,0 +1,82 @@
+"""Session creation: ``polyhal.InferenceSession(model, "cpu:0")`` against onnxruntime's
+``InferenceSession(model, providers=["CPUExecutionProvider"])`` for the example models.
+
+Three rows per model. "first": the first session of a fresh interpreter, its imports (polyhal,
+onnx, onnxruntime) done before the clock starts, so that the devices, plugins and kernels set
+up on first use are in it -- what a user's script pays once; "first session and run" adds its
+first run (inputs of ones, symbolic dims 1), where a model with symbolic dims compiles. "again": later sessions in that
+process (median, one of each made first), what reading, importing and compiling the model
+costs (onnxruntime: reading, graph optimization, kernel creation). A model with symbolic dims
+compiles per shape on its first run in polyhal (onnxruntime has no such step), so its creation
+is the import alone.
+Target (issue 31): polyhal <= 2x onnxruntime.
+
+Where the first-process rows miss (2-core VM, 2026-12-07): about 190 ms of them is the default
+registry importing every installed backend plugin (cpu, opencl, cuda, hip, the template; about
+80 ms with ``POLYHAL_BACKENDS=cpu``), which onnxruntime's built-in CPU provider does not pay; a
+static model compiles on creation, so it pays that there, a dynamic one on its first run. The
+rest is the first compile (mlp: about 35 ms for session and first run, registry excluded).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.harness import Row, median_time
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+MODELS = ("mlp", "transformer_block", "detection_postprocess")
+#: Most polyhal's session creation may take, in multiples of onnxruntime's.
+TARGET_RATIO = 2.0
+
+
+_FIRST = """import time, numpy as np, onnx, onnxruntime as ort, polyhal, polyhal.onnx
+t = time.perf_counter()
+if {polyhal!r}:
+    session = polyhal.InferenceSession({path!r}, {device!r})
+else:
+    session = ort.InferenceSession({path!r}, providers=["CPUExecutionProvider"])
+made = time.perf_counter()
+feeds = {{i.name: np.ones([d if isinstance(d, int) else 1 for d in i.shape], np.float32) for i in session.get_inputs()}}
+session.run(None, feeds)
+print(made - t, time.perf_counter() - t)"""
+
+
+def first_session_seconds(path: str, device: str, polyhal: bool) -> tuple[float, float]:
+    """Seconds the first session of a fresh interpreter takes to create (imports excluded), and
+    to create and run once (inputs of ones, symbolic dims 1)."""
+    out = subprocess.run([sys.executable, "-c", _FIRST.format(path=path, device=device, polyhal=polyhal)],
+                         capture_output=True, text=True, check=True, env=os.environ)
+    made, ran = out.stdout.strip().splitlines()[-1].split()
+    return float(made), float(ran)
+
+
+def run(args) -> list[Row]:
+    import onnxruntime as ort
+
+    import polyhal
+
+    device = args.device or "cpu:0"
+    repeat = 5 if args.quick else 21
+    rows = []
+    for name in MODELS:
+        path = str(EXAMPLES / f"{name}.onnx")
+        firsts = [(first_session_seconds(path, device, True), first_session_seconds(path, device, False))
+                  for _ in range(3 if args.quick else 7)]  # in turn: a busy moment hits both alike
+        for k, what in enumerate(("first session of a process", "first session and run of a process")):
+            p, a = (statistics.median(f[i][k] for f in firsts) for i in (0, 1))
+            rows.append(Row(f"{name}: {what} ({device})", "ms", p * 1e3, a * 1e3, "onnxruntime",
+                            f"<= {TARGET_RATIO:g}x", p <= TARGET_RATIO * a,
+                            {"runs": len(firsts), "polyhal_ms": [round(f[0][k] * 1e3, 1) for f in firsts],
+                             "anchor_ms": [round(f[1][k] * 1e3, 1) for f in firsts]}))
+        p = median_time(lambda: polyhal.InferenceSession(path, device), repeat=repeat, warmup=1)
+        a = median_time(lambda: ort.InferenceSession(path, providers=["CPUExecutionProvider"]), repeat=repeat,
+                        warmup=1)
+        rows.append(Row(f"{name}: session again ({device})", "ms", p * 1e3, a * 1e3, "onnxruntime",
+                        f"<= {TARGET_RATIO:g}x", p <= TARGET_RATIO * a,
+                        {"runs": repeat, "load_average": os.getloadavg()}))
+    return rows

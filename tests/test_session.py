@@ -1,0 +1,129 @@
+"""``polyhal.InferenceSession`` against ``onnxruntime.InferenceSession``: the same script runs
+on both (only the class differs) and their answers are compared -- the inputs and outputs they
+describe, and the outputs of runs on the example models and on a model with If and Loop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from onnx import TensorProto as T, helper as h
+
+import polyhal
+from polyhal.frontends.onnx.errors import OnnxInputError
+
+ort = pytest.importorskip("onnxruntime")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _onnxruntime(model):
+    return ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+
+
+def _polyhal(model):
+    return polyhal.InferenceSession(model, "cpu:0")
+
+
+def _script(session, sizes: dict[str, int], seed: int = 0):
+    """What an onnxruntime user writes: describe the model, make inputs from its declaration
+    (symbolic dims from ``sizes``), run for every output, then for the last one alone."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for arg in session.get_inputs():
+        shape = [d if isinstance(d, int) else sizes[d] for d in arg.shape]
+        dtype = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(bool)": np.bool_}[arg.type]
+        feeds[arg.name] = (rng.standard_normal(shape) > 0 if dtype is np.bool_
+                           else rng.integers(0, 5, shape) if dtype is np.int64
+                           else rng.random(shape, np.float32))
+    described = ([(a.name, a.shape, a.type) for a in session.get_inputs()],
+                 [(a.name, a.shape, a.type) for a in session.get_outputs()])
+    last = session.get_outputs()[-1].name
+    return described, session.run(None, feeds), session.run([last], feeds)
+
+
+def _same(model, sizes, tol=1e-4):
+    (want_io, want_all, want_last), (got_io, got_all, got_last) = (_script(_onnxruntime(model), sizes),
+                                                                   _script(_polyhal(model), sizes))
+    assert got_io == want_io
+    assert len(got_all) == len(want_all) and len(got_last) == 1
+    for g, w in zip(got_all + got_last, want_all + want_last):
+        assert isinstance(g, np.ndarray) and g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name, sizes", [
+    ("mlp", {"batch": 4}),
+    ("transformer_block", {"batch": 2, "seq": 5}),
+    ("detection_postprocess", {}),  # NMS: its output trimmed to the boxes selected, no hidden count
+])
+def test_example_models_answer_as_onnxruntime_does(name, sizes):
+    _same(str(EXAMPLES / f"{name}.onnx"), sizes)
+
+
+def test_a_dynamic_dim_takes_each_call_its_own_size():
+    session = _polyhal(str(EXAMPLES / "transformer_block.onnx"))
+    reference = _onnxruntime(str(EXAMPLES / "transformer_block.onnx"))
+    for seq in (3, 7, 3):
+        x = np.random.default_rng(seq).random((1, seq, 128), np.float32)
+        (got,), (want,) = session.run(None, {"x": x}), reference.run(None, {"x": x})
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def _control_flow_model() -> bytes:
+    """y = (x * 2 if sum(x) > 0 else -x), then added to itself ``n`` times by a Loop."""
+    vi = h.make_tensor_value_info
+    then = h.make_graph([h.make_node("Add", ["x", "x"], ["t"])], "then", [], [vi("t", T.FLOAT, [4])])
+    other = h.make_graph([h.make_node("Neg", ["x"], ["e"])], "else", [], [vi("e", T.FLOAT, [4])])
+    body = h.make_graph([h.make_node("Identity", ["c"], ["c_out"]), h.make_node("Add", ["a", "y"], ["a_out"])],
+                        "body", [vi("i", T.INT64, []), vi("c", T.BOOL, []), vi("a", T.FLOAT, [4])],
+                        [vi("c_out", T.BOOL, []), vi("a_out", T.FLOAT, [4])])
+    graph = h.make_graph(
+        [h.make_node("ReduceSum", ["x"], ["s"], keepdims=0), h.make_node("Greater", ["s", "zero"], ["c"]),
+         h.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other),
+         h.make_node("Loop", ["n", "", "y"], ["z"], body=body)],
+        "control", [vi("x", T.FLOAT, [4]), vi("n", T.INT64, [])], [vi("y", T.FLOAT, [4]), vi("z", T.FLOAT, [4])],
+        initializer=[h.make_tensor("zero", T.FLOAT, [], [0.0])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=8).SerializeToString()
+
+
+def test_if_and_loop_answer_as_onnxruntime_does():
+    model = _control_flow_model()
+    session, reference = _polyhal(model), _onnxruntime(model)
+    for x, n in ((np.arange(4, dtype=np.float32), 3), (-np.arange(4, dtype=np.float32), 5)):
+        feeds = {"x": x, "n": np.array(n)}
+        for g, w in zip(session.run(["z", "y"], feeds), reference.run(["z", "y"], feeds)):
+            np.testing.assert_allclose(g, w)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return _polyhal(str(EXAMPLES / "mlp.onnx"))
+
+
+@pytest.mark.parametrize("names, feeds, message", [
+    (["nope"], {"x": np.zeros((2, 256), np.float32)}, "no output 'nope'; its outputs are probs (tensor(float))"),
+    (None, {}, "missing input 'x' (float[batch,256])"),
+    (None, {"x": np.zeros((2, 256), np.float32), "y": np.zeros(1)}, "no input 'y'"),
+    (None, {"x": np.zeros((2, 256), np.float64)}, "input 'x' must be float32 (declared float[batch,256]), got float64"),
+    (None, {"x": np.zeros((2, 255), np.float32)}, "input 'x' dim 1 is fixed at 256"),
+    (None, {"x": np.zeros(256, np.float32)}, "input 'x' must have rank 2"),
+])
+def test_misuse_is_a_polyhal_error_naming_the_input_and_what_was_expected(mlp, names, feeds, message):
+    with pytest.raises(OnnxInputError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        mlp.run(names, feeds)
+
+
+def test_an_input_that_decides_a_shape_is_imported_per_value():
+    vi = h.make_tensor_value_info
+    graph = h.make_graph([h.make_node("Reshape", ["x", "shape"], ["y"]), h.make_node("Relu", ["y"], ["z"])], "reshape",
+                         [vi("x", T.FLOAT, [6]), vi("shape", T.INT64, [2])], [vi("z", T.FLOAT, [None, None])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=8).SerializeToString()
+    session, reference = _polyhal(model), _onnxruntime(model)
+    x = np.arange(-3, 3, dtype=np.float32)
+    for shape in ((2, 3), (3, 2), (2, 3)):
+        feeds = {"x": x, "shape": np.array(shape)}
+        (got,), (want,) = session.run(None, feeds), reference.run(None, feeds)
+        assert got.shape == want.shape == shape
+        np.testing.assert_array_equal(got, want)
