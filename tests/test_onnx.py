@@ -420,3 +420,11 @@ def test_fuzz_mutated_models(which, steps):
         elif kind == "drop_init" and g.initializer:
             del g.initializer[r % len(g.initializer)]
     _check_only_polyhal_errors(m.SerializeToString())
+
+
+def test_a_string_field_that_is_not_utf8_is_a_polyhal_error():
+    # Found by test_fuzz_mutated_bytes: byte 64 of mlp.onnx lies inside a text field.
+    data = bytearray((EXAMPLES / "mlp.onnx").read_bytes())
+    data[64] = 0x80
+    with pytest.raises(PolyhalError, match="not UTF-8"):
+        ponnx.load(bytes(data), default_dim=2)

@@ -512,12 +512,17 @@ def _strip_weights(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray] | No
 
 
 def _copy_field(dst: Any, fd: Any, value: Any) -> None:
-    if isinstance(value, Message):
-        getattr(dst, fd.name).CopyFrom(value)
-    elif isinstance(value, (str, bytes, int, float)):
-        setattr(dst, fd.name, value)
-    else:  # a repeated field
-        getattr(dst, fd.name).extend(value)
+    try:
+        if isinstance(value, Message):
+            getattr(dst, fd.name).CopyFrom(value)
+        elif isinstance(value, (str, bytes, int, float)):
+            setattr(dst, fd.name, value)
+        else:  # a repeated field
+            getattr(dst, fd.name).extend(value)
+    except UnicodeDecodeError:
+        # protobuf parses a proto2 string field without checking its UTF-8; setting it does check.
+        raise OnnxModelError(f"the model's {fd.name!r} field holds text that is not UTF-8: the file is damaged "
+                             "or was not written as ONNX") from None
 
 
 def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
