@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from polyhal.creation import asarray, empty, from_dlpack
 from polyhal.errors import (
-    ConfigError, DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelError, KernelNotFoundError,
-    MappingError, OutOfMemoryError, PluginError, PipelineError, PolyhalError, PrecisionError, ProgramError, ShapeError,
+    ConfigError, DeviceNotFoundError, DLPackError, DTypeError, IncompatibleBufferError, KernelError,
+    KernelNotFoundError, MappingError, OutOfMemoryError, PipelineError, PluginError, PolyhalError,
+    PrecisionError, ProgramError, SemaphoreFailedError, SemaphoreTimeoutError, ShapeError,
 )
 from polyhal.hal.allocator import Allocator, AllocatorStatistics
 from polyhal.hal.buffer import Buffer
@@ -56,7 +57,7 @@ __all__ = [
     "KernelNotFoundError",
     "KernelTable", "MappingError", "MemoryAccess", "MemoryType", "Optimal", "OutOfMemoryError", "Pass",
     "PassRegistration", "Pipeline", "PipelineError", "Plan", "PluginError", "PolyhalError", "PrecisionError", "Program", "ProgramBuilder", "ProgramError", "Registry",
-    "ShapeError", "Target", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
+    "SemaphoreFailedError", "SemaphoreTimeoutError", "ShapeError", "Target", "Tensor", "TensorType", "asarray", "compile", "default_registry", "devices",
     "empty", "from_dlpack", "fusion_pass", "get_device", "hookimpl", "hookspec", "run_op",
 ]
 
