@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from polyhal.plan import Plan, compile
     from polyhal.target import Target
 
-__version__ = "0.1.0"
-
 #: Names imported on first use (PEP 562), and the module of each.
 _ON_FIRST_USE = {"InferenceSession": "polyhal.frontends.onnx.session", "KernelTable": "polyhal.hal.kernels",
                  "Plan": "polyhal.plan", "Program": "polyhal.ir.program", "ProgramBuilder": "polyhal.ir.program",
@@ -63,6 +61,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":  # the distribution's metadata, the one place the version is written
+        from polyhal.distribution import version
+
+        globals()[name] = value = version()
+        return value
     module = _ON_FIRST_USE.get(name)
     if module is None:
         raise AttributeError(f"module 'polyhal' has no attribute {name!r}")
@@ -72,4 +75,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_ON_FIRST_USE))
+    return sorted(set(globals()) | set(_ON_FIRST_USE) | {"__version__"})

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from polyhal.distribution import version
 from polyhal.errors import PolyhalError, UsageError
 from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
                              demo_program, printable)
@@ -89,14 +90,18 @@ def cmd_devices(args: argparse.Namespace, registry: Registry) -> int:
 
 def cmd_plugins(args: argparse.Namespace, registry: Registry) -> int:
     _create_devices(registry, args)
-    plugins = [{"plugin": name, "hooks": hooks} for name, hooks in iter_plugins(registry)]
+    plugins = []
+    for name, hooks in iter_plugins(registry):
+        distribution, version = registry.distribution(name) or (None, None)
+        plugins.append({"plugin": name, "distribution": distribution, "version": version, "hooks": hooks})
     failures = registry.failures
     if args.json:
         json.dump({"plugins": plugins, "failed_plugins": [_failure_record(f) for f in failures]}, sys.stdout, indent=2)
         print()
         return 0
     for p in plugins:
-        print(f"{p['plugin']}: {', '.join(p['hooks']) or '(no hooks)'}")
+        source = f" ({p['distribution']} {p['version']})" if p["distribution"] else ""
+        print(f"{p['plugin']}{source}: {', '.join(p['hooks']) or '(no hooks)'}")
     for f in failures:
         where = f" (device {f.device})" if f.device else ""
         print(f"{f.plugin}: FAILED{where} — {f.reason}")
@@ -160,6 +165,8 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log to stderr what polyhal does, e.g. each plugin before it is imported "
                              "(as POLYHAL_LOG=debug)")
+    parser.add_argument("--version", action="version", version=f"polyhal {version()}",
+                        help="print polyhal's version and exit (`polyhal plugins` lists the plugins' versions)")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("devices", help="list devices, their ranks, memory types and limits, and failed plugins")
     p.add_argument("--json", action="store_true", help="machine-readable output")

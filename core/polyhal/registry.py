@@ -300,6 +300,8 @@ class Registry:
         self.pm = PluginManager("polyhal")
         self.pm.add_hookspecs(hookspecs)
         self._failures: list[PluginFailure] = []
+        #: plugin name -> (distribution, version) of the plugins loaded from entry points
+        self._distributions: dict[str, tuple[str, str]] = {}
         self.generation = 0
         self._lock = threading.RLock()
         self._specs: list[DeviceSpec] | None = None
@@ -358,6 +360,8 @@ class Registry:
             plugin = _load_with_timeout(ep, timeout)
             self._check_api(plugin, ep.name)
             self.register(plugin, name=ep.name)
+            if ep.dist is not None:
+                self._distributions[ep.name] = (ep.dist.name, ep.dist.version)
         except BaseException as exc:  # noqa: BLE001 - no failure of one plugin may take the others down
             if isinstance(exc, KeyboardInterrupt):
                 raise
@@ -381,6 +385,11 @@ class Registry:
             raise PluginError(
                 f"plugin {name!r} declares POLYHAL_API_VERSION={declared!r}, but this polyhal implements "
                 f"API version {hookspecs.API_VERSION}; upgrade the plugin (or polyhal) so that they match")
+
+    def distribution(self, plugin: str) -> tuple[str, str] | None:
+        """(distribution name, version) of the package that installed ``plugin`` (None for a
+        plugin registered in code)."""
+        return self._distributions.get(plugin)
 
     @property
     def failures(self) -> list[PluginFailure]:
