@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -86,8 +87,10 @@ def test_bytes_that_are_no_image_are_a_clear_error():
 
 
 def test_without_pillow_the_op_is_refused_naming_the_extra(monkeypatch):
+    # From this checkout (polyhal installed editable), the hint is the checkout's install command.
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
     encoded = _encoded("RGB", "PNG")
     monkeypatch.setitem(sys.modules, "PIL", None)
     monkeypatch.setitem(sys.modules, "PIL.Image", None)
-    with pytest.raises(OnnxUnsupportedError, match=r"pip install 'polyhal\[images\]'"):
+    with pytest.raises(OnnxUnsupportedError, match=r"pip install -e '\.\[images\]'"):
         ponnx.load(_decoder("RGB")).run({"encoded": encoded})

@@ -65,3 +65,13 @@ def test_a_distribution_installed_from_an_index_is_named_even_in_a_checkout(monk
     monkeypatch.setattr(distribution, "_CHECKOUT", tmp_path)
     assert distribution.checkout_folder("polyhal-nosuch") is None
     assert install_hint("pluggy") == "pip install pluggy"
+
+
+def test_no_device_is_hinted_the_way_polyhal_was_installed(monkeypatch):
+    from polyhal.errors import DeviceNotFoundError
+    from polyhal.registry import Registry
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("POLYHAL_BACKENDS", raising=False)
+    with pytest.raises(DeviceNotFoundError, match=r"install a backend \(pip install -e plugins/cpu\)"):
+        Registry(autoload=False).get_device()

@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from polyhal.distribution import version
+from polyhal.distribution import install_hint, version
 from polyhal.errors import PolyhalError, UsageError
 from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_policy_arguments, cmd_explain,
                              demo_program, printable)
@@ -78,7 +78,7 @@ def cmd_devices(args: argparse.Namespace, registry: Registry) -> int:
         if i == 0:
             print("  ".join("-" * w for w in widths))
     if not rows:
-        print("(no devices: install a backend, e.g. pip install -e plugins/cpu)")
+        print(f"(no devices: install a backend, e.g. {install_hint('polyhal-cpu')})")
     for f in failures:
         what = f"device {f['device']!r} of plugin {f['plugin']!r}" if f["device"] else f"plugin {f['plugin']!r}"
         print(f"\n{what} failed: {f['reason']}")

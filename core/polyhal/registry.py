@@ -47,6 +47,7 @@ import pluggy
 
 from polyhal import hookspecs
 from polyhal.config import Flag, Names, Number, Settings, Text, setting
+from polyhal.distribution import install_hint
 from polyhal.errors import DeviceNotFoundError, PluginError
 from polyhal.hal.adaptors import MemoryTypeRouter
 from polyhal.hal.allocator import Allocator
@@ -337,7 +338,7 @@ class Registry:
             if missing:
                 raise PluginError(
                     f"POLYHAL_BACKENDS names {missing}, which is not installed; installed backends: "
-                    f"{sorted(backends) or 'none'}. Install the plugin (e.g. pip install polyhal-{missing[0]}) "
+                    f"{sorted(backends) or 'none'}. Install the plugin (e.g. {install_hint('polyhal-' + missing[0])}) "
                     "or remove it from POLYHAL_BACKENDS")
         timeout = RegistrySettings.from_env().plugin_timeout
         crumbs = ImportBreadcrumbs()
@@ -781,7 +782,7 @@ class Registry:
         if self._preference is not None:
             return (f"no device is available{scope}: the backends loaded but registered no device. "
                     "Check `polyhal devices`, or allow another backend (POLYHAL_BACKENDS)")
-        return ("no device is available: install a backend (pip install polyhal-cpu) or check "
+        return (f"no device is available: install a backend ({install_hint('polyhal-cpu')}) or check "
                 "`polyhal devices` for plugins that failed to load")
 
     def created_devices(self) -> list[Device]:

@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from polyhal.distribution import install_hint
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl
 from polyhal_cuda.settings import CUDASettings
 
@@ -66,7 +67,6 @@ BLOCKED_CONV = "cuda.blocked_conv"
 if TYPE_CHECKING:
     from polyhal.hal.device import Device  # the CUDA device; its module imports this one
 
-INSTALL_HINT = "pip install 'polyhal-cuda[cudnn]' (nvidia-cudnn-frontend)"
 #: Element types cuDNN convolves here, and the type they compute in.
 DTYPES = {np.dtype(np.float32): "FLOAT", np.dtype(np.float16): "HALF", np.dtype(np.float64): "DOUBLE"}
 COMPUTE = {"FLOAT": "FLOAT", "HALF": "FLOAT", "DOUBLE": "DOUBLE"}
@@ -79,7 +79,7 @@ def _probe() -> tuple[str | None, str]:
     try:
         import cudnn
     except ImportError as exc:
-        return None, f"nvidia-cudnn-frontend is not installed ({exc}); {INSTALL_HINT}"
+        return None, f"nvidia-cudnn-frontend is not installed ({exc}); {install_hint('polyhal-cuda', 'cudnn')} (nvidia-cudnn-frontend)"
     except Exception as exc:  # noqa: BLE001 - a broken install must not break polyhal
         return None, f"cudnn cannot be imported ({type(exc).__name__}: {exc})"
     try:

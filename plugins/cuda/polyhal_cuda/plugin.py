@@ -23,6 +23,7 @@ import functools
 from typing import Any
 
 import polyhal
+from polyhal.distribution import install_hint
 from polyhal.hal.records import DeviceSpec
 
 from polyhal_cuda import cudnn
@@ -35,8 +36,12 @@ POLYHAL_API_VERSION = polyhal.API_VERSION
 
 #: DLPack device types (kDLCUDA, kDLCUDAHost, kDLCUDAManaged).
 DL_CUDA, DL_CUDA_HOST, DL_CUDA_MANAGED = 2, 3, 13
-INSTALL_HINT = ("install cupy for your CUDA driver: pip install 'polyhal-cuda[cuda13]' "
-                "(or [cuda12]), i.e. cupy-cuda13x / cupy-cuda12x")
+
+
+def install_hint_for_cupy() -> str:
+    """What to install for cupy, the way polyhal was installed (a checkout or an index)."""
+    return (f"install cupy for your CUDA driver: {install_hint('polyhal-cuda', 'cuda13')} "
+            "(or [cuda12]), i.e. cupy-cuda13x / cupy-cuda12x")
 
 def _rank() -> int:
     return CUDASettings.from_env().rank
@@ -98,9 +103,9 @@ def _enumerate(pool: str, rank: int, conv: tuple[str | None, str] = (None, "")) 
         import cupy  # noqa: F401
         from cupy.cuda import runtime
     except ImportError as exc:
-        return Enumeration((), (f"cupy is not installed ({exc}); {INSTALL_HINT}",))
+        return Enumeration((), (f"cupy is not installed ({exc}); {install_hint_for_cupy()}",))
     except Exception as exc:  # noqa: BLE001 - a broken cupy install must not break polyhal
-        return Enumeration((), (f"cupy cannot be imported ({type(exc).__name__}: {exc}); {INSTALL_HINT}",))
+        return Enumeration((), (f"cupy cannot be imported ({type(exc).__name__}: {exc}); {install_hint_for_cupy()}",))
     try:
         count = runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - no driver, no device, driver too old

@@ -33,6 +33,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from polyhal.distribution import install_hint
 from polyhal_hip.errors import (
     HipCompileError, HipError, HipRuntimeMissing, HipSymbolNotFound, HipVersionMismatch, check,
 )
@@ -198,7 +199,7 @@ def load_bindings() -> tuple[Any, Any, str]:
         errors.append(f"rocm.bindings: {exc}")
     raise HipRuntimeMissing(
         "no Python bindings for HIP are installed (" + "; ".join(errors) + "); install AMD's hip-python "
-        "matching your ROCm major version: pip install 'polyhal-hip[rocm6]' (hip-python 6.x for ROCm 6.x)")
+        f"matching your ROCm major version: {install_hint('polyhal-hip', 'rocm6')} (hip-python 6.x for ROCm 6.x)")
 
 
 def _bindings_version(which: str, hip_mod: Any) -> tuple[int, int]:

@@ -16,6 +16,7 @@ import io
 
 import numpy as np
 
+from polyhal.distribution import install_hint
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.errors import OnnxInputError, OnnxModelError, OnnxUnsupportedError
@@ -49,7 +50,7 @@ def _image_decoder(ctx: NodeContext) -> list:
         import PIL.Image  # noqa: F401
     except ImportError:
         raise OnnxUnsupportedError("ImageDecoder decodes images with Pillow, polyhal's optional 'images' extra, "
-                                   "which is not installed: pip install 'polyhal[images]' (or decode the images "
+                                   f"which is not installed: {install_hint('polyhal', 'images')} (or decode the images "
                                    "before the model and feed the pixel arrays)") from None
     pixel_format = ctx.attr("pixel_format", "RGB")
     if pixel_format not in PIXEL_FORMATS:
