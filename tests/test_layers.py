@@ -18,7 +18,7 @@ PACKAGES = {"polyhal": ROOT / "core"} | {f"polyhal_{p}": ROOT / "plugins" / p
                                          for p in ("cpu", "opencl", "cuda", "hip", "gpu")}
 #: What a backend may import of the core (besides ``polyhal`` itself, the public API): the
 #: sixth contract forbids every other module, and a new core module must be put on one side.
-BACKEND_API = {"hal", "ir", "ops", "errors", "config", "dlpack", "hookspecs", "testing", "codecache", "distribution"}
+BACKEND_API = {"hal", "ir", "ops", "errors", "config", "dlpack", "hookspecs", "testing", "codecache", "distribution", "progress"}
 
 
 def _contract(name_start: str) -> dict:

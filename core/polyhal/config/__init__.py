@@ -282,7 +282,7 @@ class Settings:
 # --------------------------------------------------------------------------------------------------
 
 #: The core modules that declare records (the backends' come through their entry points).
-CORE_MODULES = ("polyhal.registry", "polyhal.policies.adaptors", "polyhal.policies.context",
+CORE_MODULES = ("polyhal.registry", "polyhal.progress", "polyhal.policies.adaptors", "polyhal.policies.context",
                 "polyhal.passes.precision", "polyhal.specialization", "polyhal.frontends.onnx.settings",
                 "polyhal.testing.settings", "polyhal.hal.queue")
 

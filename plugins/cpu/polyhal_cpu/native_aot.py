@@ -50,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from polyhal.codecache import CodeCache, default_folder, warn_once
+from polyhal.progress import long_work
 from polyhal_cpu.settings import CPUSettings
 
 _HERE = Path(__file__).resolve().parent
@@ -203,8 +204,12 @@ def _build_once(cache: CodeCache, name: str) -> dict[str, list] | None:
             _report_failure(cache, name, failure["reason"], record=False)
             return None
         cache.remove(f"{name}.so")  # a refused one: never left to be found again
-        with cache.build_folder(name) as folder:
+        with cache.build_folder(name) as folder, long_work(
+                "compiling the CPU backend's loops once for this machine (about a minute)",
+                "compiled the CPU backend's loops") as work:
             why = _compile(folder, name)
+            if why is not None:
+                work.done = "the CPU backend's loops failed to compile (see the warning)"
             if why is None:
                 cache.store(f"{name}.so", next(folder.glob(f"{name}*.so")), {"loops": _exported(folder)})
         if why is not None:

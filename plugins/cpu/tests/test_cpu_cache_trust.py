@@ -11,6 +11,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -254,3 +255,15 @@ def test_a_failed_build_is_reported_once_per_process_and_retried_after_the_inter
     assert len(warnings) == 1 and failed.stat().st_mtime_ns == first
     _, warnings, _ = _load(cache, tmp_path, setup="native_aot.RETRY_AFTER = 0")  # the interval has passed
     assert len(warnings) == 1 and failed.stat().st_mtime_ns > first  # built again (and failed again)
+
+
+def test_the_build_says_when_it_starts_and_ends_only_where_asked(cache, tmp_path):
+    """Issue 31: a first run that compiles for a minute says so on a terminal (POLYHAL_PROGRESS=1
+    here, as the child's stderr is a pipe), and is quiet when piped."""
+    _, _, run = _load(cache, tmp_path)  # piped: quiet
+    assert "polyhal: compiling" not in run.stderr and (cache / f"{_name()}.failed").exists()
+    (cache / f"{_name()}.failed").unlink()
+    _, _, run = _load(cache, tmp_path, env={"POLYHAL_PROGRESS": "1"})
+    said = [line for line in run.stderr.splitlines() if line.startswith("polyhal: ")]
+    assert said[0] == ("polyhal: compiling the CPU backend's loops once for this machine (about a minute) ...")
+    assert re.fullmatch(r"polyhal: the CPU backend's loops failed to compile \(see the warning\) in \d+ s", said[1])
