@@ -149,10 +149,8 @@ print(json.dumps(outcomes))
 """
 
 
-def test_mutated_capsules_import_correctly_or_give_polyhal_errors():
-    from polyhal.testing.plugin import session_seed
-
-    seed = session_seed()
+def test_mutated_capsules_import_correctly_or_give_polyhal_errors(polyhal_seed):
+    seed = polyhal_seed
     count = TestSettings.from_env().fuzz or 300
 
     def limit_memory():

@@ -366,12 +366,8 @@ print(json.dumps(outcomes))
 """
 
 
-def _fuzz(child: str, count: int, *args: str) -> dict:
-    """Run a fuzzing child over ``count`` mutants under the memory limit; its outcome counts."""
-    from polyhal.testing.plugin import session_seed
-
-    seed = session_seed()
-
+def _fuzz(child: str, seed: int, count: int, *args: str) -> dict:
+    """Run a fuzzing child over ``count`` mutants from ``seed`` under the memory limit; its outcome counts."""
     def limit_memory():
         import resource
 
@@ -395,17 +391,17 @@ def _count(default: int) -> int:
     return default if count is None else count
 
 
-def test_mutated_models_give_results_or_polyhal_errors():
+def test_mutated_models_give_results_or_polyhal_errors(polyhal_seed):
     models = [os.path.join(ROOT, "examples", n) for n in ("mlp.onnx", "transformer_block.onnx")]
-    _fuzz(CHILD, _count(40), *models)
+    _fuzz(CHILD, polyhal_seed, _count(40), *models)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="watches reads with Linux's inotify")
-def test_mutated_model_folders_never_read_outside_and_run_right(tmp_path):
+def test_mutated_model_folders_never_read_outside_and_run_right(tmp_path, polyhal_seed):
     # Models on disk with external data at every depth (If/Loop bodies, nested, Constant values,
     # a staged program, the examples), mutated in the proto and in the folder (locations, offsets,
     # lengths, truncated, missing or swapped files, links in and out): each ends in a polyhal
     # error or a run that onnx's reference evaluator agrees with, and no file outside the model's
     # folder is ever opened (the working directory holds files of the same names).
     examples = [os.path.join(ROOT, "examples", n) for n in ("mlp.onnx", "detection_postprocess.onnx")]
-    _fuzz(DISK_CHILD, _count(24), str(tmp_path), *examples)
+    _fuzz(DISK_CHILD, polyhal_seed, _count(24), str(tmp_path), *examples)

@@ -8,7 +8,11 @@ A backend author runs the suite on their devices with::
     pytest --pyargs polyhal.testing.conformance --polyhal-backend=mydev
 
 It also gives every test session the ``fresh_registry`` fixture, for plugin tests that need the
-registry rebuilt under a given environment.
+registry rebuilt under a given environment, and ``polyhal_seed``, the base seed of random samples.
+
+It stays silent in sessions that do not use it: the seed line is printed only where a polyhal
+option is given (in the header) or a collected test requests one of its fixtures (after
+collection), and nothing is written to ``os.environ``.
 """
 
 from __future__ import annotations
@@ -26,21 +30,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="run device tests only on this device (repeatable)")
 
 
+#: The fixtures this plugin gives; a session whose tests request none of them hears nothing from it.
+FIXTURES = frozenset({"device_name", "fresh_registry", "polyhal_seed"})
+#: The seed drawn for this process where POLYHAL_SEED is unset (kept here, not in os.environ:
+#: the environment of an unrelated session, and of the processes it starts, stays its own).
+_drawn: int | None = None
+
+
 def session_seed() -> int:
     """The base seed of this session's random samples: ``POLYHAL_SEED`` if set, else drawn once
-    (and then kept in ``POLYHAL_SEED``, so that the header shows it and subprocesses share it)."""
+    per process (shown after collection; a test that starts a child passes it on itself)."""
+    global _drawn
     from polyhal.testing.settings import TestSettings
 
     seed = TestSettings.from_env().seed
-    if seed is None:
-        seed = int.from_bytes(os.urandom(4), "little")
-        os.environ["POLYHAL_SEED"] = str(seed)
-    return seed
+    if seed is not None:
+        return seed
+    if _drawn is None:
+        _drawn = int.from_bytes(os.urandom(4), "little")
+    return _drawn
 
 
-def pytest_report_header(config: pytest.Config) -> str:
-    seed = session_seed()
-    return f"polyhal: random samples from POLYHAL_SEED={seed} (set it to reproduce this run)"
+def _seed_line() -> str:
+    return f"polyhal: random samples from POLYHAL_SEED={session_seed()} (set it to reproduce this run)"
+
+
+def _options_given(config: pytest.Config) -> bool:
+    return bool(config.getoption("polyhal_backend") or config.getoption("polyhal_device"))
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    return _seed_line() if _options_given(config) else None
+
+
+def pytest_report_collectionfinish(config: pytest.Config, items: list[pytest.Item]) -> str | None:
+    if _options_given(config):
+        return None  # said in the header
+    uses = any(FIXTURES & set(getattr(item, "fixturenames", ())) for item in items)
+    return _seed_line() if uses else None
 
 
 def selected_devices(config: pytest.Config) -> list[str]:
@@ -66,6 +93,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         if not names:
             pytest.fail("polyhal discovered no device to test; run `polyhal devices` to see why", pytrace=False)
         metafunc.parametrize("device_name", names, ids=names)
+
+
+@pytest.fixture
+def polyhal_seed() -> int:
+    """The session's base seed of random samples (:func:`session_seed`): ``POLYHAL_SEED`` if set,
+    else drawn once and shown after collection, so that a failure can be reproduced."""
+    return session_seed()
 
 
 @pytest.fixture
