@@ -18,7 +18,7 @@ class TestSettings(Settings, component="tests"):
 
     seed: int | None = setting(
         "POLYHAL_SEED", Integer(), None,
-        "base seed of the random samples of a test session (pytest's header shows it; set it to reproduce a run)",
+        "base seed of the random samples of a test session (pytest shows it; set it to reproduce a run)",
         shown="drawn per session")
     fuzz: int | None = setting(
         "POLYHAL_FUZZ", Integer(low=0), None,
