@@ -438,3 +438,12 @@ def test_cli_demo_with_data_tiling(cpu_only, capsys):
     assert main(["demo", "--device", "cpu:0", "--data-tiling", "--repeat", "1", "--batch", "8"]) == 0
     out = capsys.readouterr().out
     assert "encodings:" in out and "1 dispatch (pack)" in out
+
+
+def test_a_mean_over_one_axis_given_as_an_int_is_no_conv_chain_map():
+    # Found by the conformance suite's random samples: reduce_mean's axes may be one int.
+    b = polyhal.ProgramBuilder("mean")
+    b.output(b.reduce_mean(b.input("x", (2, 3, 4, 5)), axes=2, keepdims=True))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
+    np.testing.assert_allclose(plan.run_numpy(x)[0], x.mean(axis=2, keepdims=True), rtol=1e-6)

@@ -99,7 +99,7 @@ def test_a_factory_returning_no_device_is_a_named_failure(fresh_registry, instal
     install_plugin("odd", NON_DEVICE_FACTORY.format(result=result))
     reg = fresh_registry(POLYHAL_CPU_DEVICES="1")
     with pytest.warns(RuntimeWarning, match=f"device odd:0 is not used.*returned {kind} instead of a polyhal.Device"):
-        assert reg.get_device().name == "cpu:0"
+        assert reg.get_device().name != "odd:0"  # the next device (cpu:0, or a GPU ranked above it)
     with pytest.raises(PluginError, match="plugin 'odd' .*odd:0"):
         reg.get_device("odd:0")
     np.testing.assert_array_equal(_neg_plan(reg)(np.ones(3, np.float32)).numpy(), -np.ones(3))
@@ -186,7 +186,7 @@ def test_a_plugin_calling_default_registry_at_import_is_refused(install_plugin, 
     failures, device = run.stdout.splitlines()
     [(plugin, reason)] = [f for f in json.loads(failures) if f[0] == "reentrant"]
     assert "plugin 'reentrant' called polyhal's default registry while it was being imported" in reason
-    assert device == "cpu:0"
+    assert device and not device.startswith("reentrant")  # the default device works
 
 
 # -- policy hooks ------------------------------------------------------------------------------------
@@ -292,7 +292,7 @@ def test_a_keyboard_interrupt_raised_by_a_plugin_import_is_that_plugins_failure(
     except KeyboardInterrupt:
         pytest.fail("a KeyboardInterrupt raised on the loader thread escaped: every registry fails the same way")
     assert any(f.plugin == "interrupter" and "KeyboardInterrupt" in f.reason for f in reg.failures)
-    assert reg.get_device().name == "cpu:0"
+    assert reg.get_device().name in {s.name for s in reg.device_specs()}  # the default device works
 
 
 # -- kernels at run time -----------------------------------------------------------------------------

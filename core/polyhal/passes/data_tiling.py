@@ -100,7 +100,9 @@ def _chain_kind(op: Op) -> str | None:
             return None
         if op.name == "reduce_mean":
             a = op.attr_dict
-            if sorted(a.get("axes") or ()) != [2, 3] or not a.get("keepdims", True):
+            axes = a.get("axes")
+            axes = (axes,) if isinstance(axes, int) else (axes or ())  # the op takes one axis as an int too
+            if sorted(axes) != [2, 3] or not a.get("keepdims", True):
                 return None
         return "map"
     if op.name not in _FILTER:
