@@ -146,7 +146,7 @@ def test_cli_plugins_lists_hooks(fresh_registry, capsys):
     fresh_registry()
     assert cli_main(["plugins"]) == 0
     out = capsys.readouterr().out
-    cpu_line = next(line for line in out.splitlines() if line.startswith("cpu: "))
+    cpu_line = next(line for line in out.splitlines() if line.startswith("cpu "))  # "cpu (polyhal-cpu 0.1.0): ..."
     assert "register_devices" in cpu_line and "estimate_cost" in cpu_line
     assert "polyhal.policies.first: select_allocator" in out
 
