@@ -14,8 +14,8 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/logs/gpu.txt" 2>&1
 export POLYHAL_BENCH_GPU="$(head -1 "$OUT/logs/gpu.txt")"
 note "gpu: $POLYHAL_BENCH_GPU; $(python3 --version 2>&1); cupy $(python3 -c 'import cupy; print(cupy.__version__)' 2>&1)"
-python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/cuda > "$OUT/logs/install.txt" 2>&1 \
-  || { note "editable install failed: see install.txt"; export PYTHONPATH=$PWD/core:$PWD/plugins/cpu:$PWD/plugins/cuda; }
+python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/gpu -e plugins/cuda > "$OUT/logs/install.txt" 2>&1 \
+  || { note "editable install failed: see install.txt"; export PYTHONPATH=$PWD/core:$PWD/plugins/cpu:$PWD/plugins/gpu:$PWD/plugins/cuda; }
 polyhal devices > "$OUT/logs/devices.txt" 2>&1; cat "$OUT/logs/devices.txt" | head -8
 
 run() {  # name timeout command...
