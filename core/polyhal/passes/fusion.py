@@ -3,7 +3,7 @@
 A fusion pass replaces a chain of dispatches by fewer ops with a kernel of their own
 (:mod:`polyhal.passes.fuse_attention`, :mod:`polyhal.passes.fuse_linear`). Whether a chain is
 fused is not the pass's to decide: it asks ``fusible(fused_op, ops)``, which the compile answers
-from the kernel sets of the devices placement can choose (:func:`polyhal.passes.placement.fusion_gate`).
+from the kernel sets of the devices placement can choose (:meth:`polyhal.target.Target.fusible`).
 Passes return a new program and never modify the one they are given.
 """
 

@@ -45,11 +45,10 @@ builds the pipeline); the compile goes on without that fusion.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from polyhal.errors import PipelineError, PluginError, PolyhalError
 from polyhal.ir.program import Program
@@ -378,15 +377,6 @@ DEFAULT_PIPELINE = Pipeline([
     Pass("bufferize", _bufferize, requires=("placed", "encodings-materialized"), provides=("buffers-planned",)),
 ])
 
-
-def replace_pass(pipeline: Pipeline, name: str, **changes: Any) -> Pipeline:
-    """``pipeline`` with pass ``name`` changed (``dataclasses.replace`` of its record); validated."""
-    passes = [dataclasses.replace(p, **changes) if p.name == name else p for p in pipeline]
-    if not any(p.name == name for p in pipeline):
-        raise PipelineError(f"no pass named {name!r}; passes: {pipeline.names}")
-    result = Pipeline(passes)
-    result.validate()
-    return result
 
 
 def pipeline_for(registry: "Registry", pipeline: Pipeline | None = None) -> Pipeline:

@@ -35,7 +35,7 @@ A device that lacks the requested precision (its spec has no ``"tf32"`` / ``"fp1
 capability: the CPU has no TF32, an OpenCL device without ``cl_khr_fp16`` no float16) computes
 its ops in float32: precision is a permission to trade accuracy for speed, never a requirement,
 so the same ``POLYHAL_PRECISION`` serves every device. The decision is made per op for the device
-placement would choose (:func:`polyhal.passes.placement.chosen_device`); ``plan.explain()`` says
+placement would choose (:meth:`polyhal.target.Target.chosen_device`); ``plan.explain()`` says
 what was changed, what was kept in float32 and which devices lacked the precision, and when no op
 of the program could take it a :class:`PrecisionWarning` says so once.
 """
