@@ -1,4 +1,4 @@
-"""polyhal.config: settings records read from the environment, their errors, and the README's one
+"""polyhal.config: settings records read from the environment, their errors, and the documentation's one
 table of every variable (generated from the records, and complete: no code reads a POLYHAL_*
 variable that no record declares)."""
 
@@ -25,7 +25,7 @@ NOT_VARIABLES = {"POLYHAL_API_VERSION"}
 
 @dataclass(frozen=True)
 class Sample(Settings, component="sample"):
-    """One field of each kind (declared here, in a test module: never in the README's table)."""
+    """One field of each kind (declared here, in a test module: never in the documentation's table)."""
 
     on: bool = setting("POLYHAL_TEST_ON", Flag(), False, "a switch")
     count: int = setting("POLYHAL_TEST_COUNT", Integer(1, 8), 2, "a count")
@@ -103,13 +103,27 @@ def test_each_variable_is_declared_once_with_a_meaning():
             assert v.name.startswith("POLYHAL_") and v.doc and "|" not in v.doc, v
 
 
-def test_the_readme_table_is_generated_from_the_records():
-    readme = (ROOT / "README.md").read_text()
-    found = re.search(r"<!-- config-table: python -m polyhal.config --markdown -->\n(.*?)<!-- /config-table -->",
-                      readme, re.S)
-    assert found, "README.md lost its config-table markers"
+def test_the_documented_table_is_generated_from_the_records():
+    page = (ROOT / config.TABLE_PAGE).read_text()
+    start, end = config.TABLE_MARKERS
+    found = re.search(re.escape(start) + "(.*?)" + re.escape(end), page, re.S)
+    assert found, f"{config.TABLE_PAGE} lost its config-table markers"
     assert found.group(1) == config.markdown(_declared()), (
-        "README.md's table differs from the records: paste the output of `python -m polyhal.config --markdown`")
+        f"{config.TABLE_PAGE}'s table differs from the records: run `python -m polyhal.config --update`")
+
+
+def test_update_writes_the_table_between_the_markers(tmp_path, monkeypatch):
+    """--update rewrites only what lies between the markers of the page."""
+    root = tmp_path / "checkout"
+    page = root / config.TABLE_PAGE
+    page.parent.mkdir(parents=True)
+    start, end = config.TABLE_MARKERS
+    page.write_text(f"# Config\n\nbefore\n{start}| stale |\n{end}\nafter\n")
+    monkeypatch.setattr(config, "__file__", str(root / "core" / "polyhal" / "config" / "__init__.py"))
+    assert config.main(["--update"]) == 0
+    assert page.read_text() == f"# Config\n\nbefore\n{start}{config.markdown(config.declared())}{end}\nafter\n"
+    page.write_text("no markers\n")
+    assert config.main(["--update"]) == 1
 
 
 def test_the_table_command_prints_the_same_table():
@@ -125,7 +139,7 @@ def _sources() -> list[Path]:
 
 def test_every_polyhal_variable_in_the_code_is_declared():
     """A ``POLYHAL_*`` name anywhere in the code (read, set for a child, or quoted in a message)
-    is a declared variable: one that a record, and so the README's table, documents."""
+    is a declared variable: one that a record, and so the documentation's table, documents."""
     declared = {v.name for record in _declared() for _, v in record.variables()} | NOT_VARIABLES
     used: dict[str, str] = {}
     for path in _sources():

@@ -75,3 +75,39 @@ def test_no_device_is_hinted_the_way_polyhal_was_installed(monkeypatch):
     monkeypatch.delenv("POLYHAL_BACKENDS", raising=False)
     with pytest.raises(DeviceNotFoundError, match=r"install a backend \(pip install -e plugins/cpu\)"):
         Registry(autoload=False).get_device()
+
+
+# ------------------------------------------------------------------------ every distribution
+
+DISTRIBUTIONS = [ROOT, *sorted(p for p in (ROOT / "plugins").iterdir() if (p / "pyproject.toml").is_file()),
+                 ROOT / "examples" / "backend-template"]
+
+
+def _project(folder: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads((folder / "pyproject.toml").read_text())["project"]
+
+
+@pytest.mark.parametrize("folder", DISTRIBUTIONS, ids=lambda p: p.relative_to(ROOT).as_posix() or ".")
+def test_every_distribution_carries_the_license_classifiers_and_one_version(folder):
+    project = _project(folder)
+    assert project["license"] == "Apache-2.0" and project["license-files"] == ["LICENSE"]
+    # The license travels in each wheel: a copy beside each pyproject, the same text as the root's.
+    assert (folder / "LICENSE").read_text() == (ROOT / "LICENSE").read_text()
+    assert "Programming Language :: Python :: 3" in project["classifiers"]
+    assert not [c for c in project["classifiers"] if c.startswith("License ::")]  # PEP 639: the expression says it
+    assert "version" in project and "version" not in project.get("dynamic", [])
+    package = folder / "core" / "polyhal" if folder == ROOT else next(folder.glob("polyhal_*"))
+    assert not [p for p in package.rglob("*.py") if "__version__ =" in p.read_text()]  # written once: the pyproject
+
+
+def test_the_test_extra_is_requirements_test_txt():
+    lines = [line.strip() for line in (ROOT / "requirements-test.txt").read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    assert _project(ROOT)["optional-dependencies"]["test"] == lines, (
+        "the test extra of pyproject.toml and requirements-test.txt differ: list each requirement in both")
+
+
+def test_the_cpu_extra_gives_a_working_device():
+    assert _project(ROOT)["optional-dependencies"]["cpu"] == [f"{_project(ROOT / 'plugins' / 'cpu')['name']}>=0.1"]

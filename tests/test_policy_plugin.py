@@ -3,9 +3,6 @@ discovered through its entry point, overrides select_allocator."""
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import subprocess
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -18,36 +15,12 @@ from polyhal import BufferUsage, MemoryType
 from polyhal.policy import AllocatorSelector
 
 EXAMPLE = Path(__file__).resolve().parent / "plugins" / "polyhal_policy_example"
-_IGNORE = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
-
-
-def _digest() -> str:
-    h = hashlib.sha256(sys.version.encode())
-    for p in sorted(EXAMPLE.rglob("*")):
-        if p.is_file() and not {"build", "__pycache__"} & set(p.parts) and ".egg-info" not in str(p):
-            h.update(str(p.relative_to(EXAMPLE)).encode() + p.read_bytes())
-    return h.hexdigest()[:16]
 
 
 @pytest.fixture(scope="session")
-def example_policy_site(request, tmp_path_factory) -> Path:
-    """``pip install --target`` the example distribution (a built wheel, its dist-info and entry
-    point, exactly as a user gets it). The install is kept in pytest's cache, keyed by the
-    sources' hash, so that later runs skip the few seconds pip takes."""
-    cache = getattr(request.config, "cache", None)
-    root = Path(cache.mkdir("polyhal-policy-example")) if cache is not None else tmp_path_factory.mktemp("ex")
-    target = root / _digest()
-    if not (target / ".installed").exists():
-        src = tmp_path_factory.mktemp("example-src") / EXAMPLE.name
-        shutil.copytree(EXAMPLE, src, ignore=_IGNORE)  # pip's build leaves build/ and egg-info behind
-        shutil.rmtree(target, ignore_errors=True)
-        cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-               "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            pytest.fail(f"pip could not install the example policy plugin:\n{done.stdout}\n{done.stderr}")
-        (target / ".installed").write_text(" ".join(cmd))
-    return target
+def example_policy_site(pip_target) -> Path:
+    """The example distribution, pip-installed into a folder of its own."""
+    return pip_target(EXAMPLE)
 
 
 @pytest.fixture

@@ -17,8 +17,10 @@ values, so a read costs a dictionary lookup per variable. An unset or blank vari
 default. A value the type does not accept is a :class:`~polyhal.errors.ConfigError` that names
 the variable, the value and what is accepted.
 
-Every record is listed in one table in the README, generated from the records by
-``python -m polyhal.config --markdown`` (``python -m polyhal.config`` shows the values in effect).
+Every record is listed in one table in the documentation (``docs/configuration.md``, between
+the markers of :data:`TABLE_MARKERS`), generated from the records by ``python -m polyhal.config
+--markdown``; ``--update`` writes it there in a checkout (``python -m polyhal.config`` shows the
+values in effect).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ __all__ = ["Choice", "Flag", "Integer", "Kind", "Names", "Number", "Settings", "
 # --------------------------------------------------------------------------------------------------
 
 class Kind:
-    """How one variable's text becomes a value. ``name`` is the type the README's table shows,
+    """How one variable's text becomes a value. ``name`` is the type the documentation's table shows,
     ``what`` completes "is not ..." in an error; :meth:`parse` raises ValueError on bad text."""
 
     name = "str"
@@ -199,7 +201,7 @@ class Variable:
     kind: Kind
     default: Any
     doc: str
-    #: The default as the README shows it, where the value alone would not say it (``None``:
+    #: The default as the documentation's table shows it, where the value alone would not say it (``None``:
     #: the kind writes the value; "" shows as "unset").
     shown: str | None = None
     #: What an error says to do, where "unset it for the default" is not enough.
@@ -230,7 +232,7 @@ _METADATA = "polyhal.config"
 def setting(variable: str, kind: Kind, default: Any, doc: str, *, shown: str | None = None,
             hint: str | None = None) -> Any:
     """A field of a :class:`Settings` record: environment ``variable``, read as ``kind``,
-    ``default`` where unset or blank, ``doc`` its meaning in one line (the README's table)."""
+    ``default`` where unset or blank, ``doc`` its meaning in one line (the documentation's table)."""
     return field(default=default, metadata={_METADATA: Variable(variable, kind, default, doc, shown, hint)})
 
 
@@ -244,7 +246,7 @@ class Settings:
     """Base of the settings records: subclass as a frozen dataclass with ``component=``, its
     fields made with :func:`setting`."""
 
-    #: The component the variables belong to (the README's table groups by it).
+    #: The component the variables belong to (the documentation's table groups by it).
     COMPONENT: ClassVar[str]
 
     def __init_subclass__(cls, *, component: str, **kwargs: Any) -> None:
@@ -307,8 +309,14 @@ def declared(modules: Iterable[str] | None = None) -> list[type[Settings]]:
                                         _DECLARED.index(r)))
 
 
+#: The documentation page that holds the table, relative to a checkout's root.
+TABLE_PAGE = "docs/configuration.md"
+#: The lines the table sits between on that page.
+TABLE_MARKERS = ("<!-- config-table: python -m polyhal.config --markdown -->\n", "<!-- /config-table -->")
+
+
 def markdown(records: Iterable[type[Settings]]) -> str:
-    """The README's table of ``records``: one row per variable."""
+    """The documentation's table of ``records``: one row per variable."""
     rows = ["| variable | component | type | default | meaning |", "| --- | --- | --- | --- | --- |"]
     for record in records:
         for _, v in record.variables():
@@ -318,19 +326,45 @@ def markdown(records: Iterable[type[Settings]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m polyhal.config``: each variable and the value in effect; ``--markdown``: the
-    README's table."""
+    documentation's table; ``--update``: write that table into :data:`TABLE_PAGE` of this checkout."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m polyhal.config", description=main.__doc__)
-    parser.add_argument("--markdown", action="store_true", help="print the README's table of every variable")
+    parser.add_argument("--markdown", action="store_true", help="print the documentation's table of every variable")
+    parser.add_argument("--update", action="store_true",
+                        help=f"write the table between its markers in {TABLE_PAGE} (in a source checkout)")
     args = parser.parse_args(argv)
     records = declared()
     if args.markdown:
         print(markdown(records), end="")
         return 0
+    if args.update:
+        return _update_table(markdown(records))
     for record in records:
         for _, v in record.variables():
             raw = os.environ.get(v.name)
             print(f"{v.name}={raw if raw is not None else ''}"
                   + ("" if raw is not None else f"  (default: {v.shown_default()})"))
+    return 0
+
+
+def _update_table(table: str) -> int:
+    """Replace the table between :data:`TABLE_MARKERS` in :data:`TABLE_PAGE` of the checkout this
+    polyhal runs from; 1 with one line on stderr where there is no such page or no markers."""
+    import sys
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[3] / TABLE_PAGE  # core/polyhal/config/ -> the root
+    start, end = TABLE_MARKERS
+    try:
+        text = page.read_text()
+    except OSError as exc:
+        print(f"python -m polyhal.config: cannot read {page} ({exc.strerror or exc}): --update needs a source "
+              "checkout; use --markdown and paste the table", file=sys.stderr)
+        return 1
+    head, found, rest = text.partition(start)
+    if not found or end not in rest:
+        print(f"python -m polyhal.config: {page} lost its table markers {start.strip()} ... {end}", file=sys.stderr)
+        return 1
+    page.write_text(head + start + table + end + rest.partition(end)[2])
     return 0

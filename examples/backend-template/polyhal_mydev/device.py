@@ -10,7 +10,8 @@ from polyhal_mydev.allocator import MyAllocator
 from polyhal_mydev.kernels import TABLE
 
 #: The DLPack (device type, id) of this device's memory: kDLExtDev, DLPack's type for devices it
-#: does not list. polyhal hands imported capsules of this type to this device.
+#: does not list. polyhal hands imported capsules of this type to this device. A copy of the
+#: template renames it with the rest: two backends claiming one (type, id) collide.
 DLPACK_DEVICE = (12, 0)
 
 
@@ -22,7 +23,9 @@ class MyDevice(Device):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.allocator = MyAllocator(self, spec.heaps)
+        # allocator: what allocations go through (adaptors may wrap it); native_allocator: the
+        # backend's own, for backend-only operations.
+        self.native_allocator = self.allocator = MyAllocator(self, spec.heaps)
 
     def view(self, tensor):
         """The native array kernels take for ``tensor``: a numpy view of its bytes."""

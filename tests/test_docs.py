@@ -1,0 +1,35 @@
+"""The README's links: every relative link names a file of the repository and every anchor a
+heading of its page. (The pages under docs/ are checked by ``mkdocs build --strict`` in CI; the
+README lies outside the site, so it is checked here.)"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """The ids GitHub and MkDocs give the headings of ``markdown`` (lower case, punctuation dropped,
+    spaces to hyphens), code blocks left out."""
+    text = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_relative_link_of_the_readme_resolves():
+    readme = (ROOT / "README.md").read_text()
+    broken = []
+    for target in LINK.findall(readme):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        page = ROOT / path if path else ROOT / "README.md"
+        if not page.exists():
+            broken.append(f"{target}: no file {path}")
+        elif anchor and page.suffix == ".md" and anchor not in _anchors(page.read_text()):
+            broken.append(f"{target}: {path or 'README.md'} has no heading #{anchor}")
+    assert not broken, broken
+
