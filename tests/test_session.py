@@ -26,9 +26,8 @@ def _polyhal(model):
     return polyhal.InferenceSession(model, "cpu:0")
 
 
-def _script(session, sizes: dict[str, int], seed: int = 0):
-    """What an onnxruntime user writes: describe the model, make inputs from its declaration
-    (symbolic dims from ``sizes``), run for every output, then for the last one alone."""
+def _feeds(session, sizes: dict[str, int], seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs made from the session's declaration (symbolic dims from ``sizes``)."""
     rng = np.random.default_rng(seed)
     feeds = {}
     for arg in session.get_inputs():
@@ -37,6 +36,13 @@ def _script(session, sizes: dict[str, int], seed: int = 0):
         feeds[arg.name] = (rng.standard_normal(shape) > 0 if dtype is np.bool_
                            else rng.integers(0, 5, shape) if dtype is np.int64
                            else rng.random(shape, np.float32))
+    return feeds
+
+
+def _script(session, sizes: dict[str, int], seed: int = 0):
+    """What an onnxruntime user writes: describe the model, make inputs from its declaration
+    (symbolic dims from ``sizes``), run for every output, then for the last one alone."""
+    feeds = _feeds(session, sizes, seed)
     described = ([(a.name, a.shape, a.type) for a in session.get_inputs()],
                  [(a.name, a.shape, a.type) for a in session.get_outputs()])
     last = session.get_outputs()[-1].name
@@ -127,3 +133,49 @@ def test_an_input_that_decides_a_shape_is_imported_per_value():
         (got,), (want,) = session.run(None, feeds), reference.run(None, feeds)
         assert got.shape == want.shape == shape
         np.testing.assert_array_equal(got, want)
+
+
+# ------------------------------------------------------------------- device-resident runs
+
+@pytest.mark.parametrize("name, sizes", [("mlp", {"batch": 4}), ("transformer_block", {"batch": 2, "seq": 5}),
+                                         ("detection_postprocess", {})])
+def test_run_with_dlpack_gives_tensors_equal_to_onnxruntimes_outputs(name, sizes):
+    model = str(EXAMPLES / f"{name}.onnx")
+    session = _polyhal(model)
+    feeds = _feeds(session, sizes)
+    want = _onnxruntime(model).run(None, feeds)
+    tensors = {k: polyhal.from_dlpack(v) for k, v in feeds.items()}  # polyhal Tensors in
+    got = session.run_with_dlpack(None, tensors)
+    assert all(isinstance(t, polyhal.Tensor) for t in got)
+    for g, w in zip(got, want):
+        g = np.from_dlpack(g)
+        assert g.dtype == w.dtype and g.shape == w.shape
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    # DLPack producers in (numpy here; cupy and torch arrays alike), the last output alone
+    (last,) = session.run_with_dlpack([session.get_outputs()[-1].name], feeds)
+    np.testing.assert_allclose(np.from_dlpack(last), want[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_run_with_dlpack_keeps_data_where_it_lives():
+    """No host copy on the way in or out: the input is read in place and the output is a tensor
+    of the device, whose memory numpy then views without a copy."""
+    session = polyhal.InferenceSession(str(EXAMPLES / "mlp.onnx"), "cpu:0")
+    x = np.ones((4, 256), np.float32)
+    t = polyhal.from_dlpack(x)
+    (y,) = session.run_with_dlpack(None, {"x": t})
+    assert isinstance(y, polyhal.Tensor) and y.device.name == "cpu:0"
+    before = np.from_dlpack(y).copy()
+    x[:] = 0  # the session reads x itself: a run on the changed memory gives another answer
+    (y0,) = session.run_with_dlpack(None, {"x": t})
+    assert not np.allclose(np.from_dlpack(y0), before)
+    np.testing.assert_allclose(np.from_dlpack(y0), session.run(None, {"x": x})[0], rtol=1e-6)
+
+
+def test_run_with_dlpack_says_what_was_wrong():
+    session = polyhal.InferenceSession(str(EXAMPLES / "mlp.onnx"), "cpu:0")
+    with pytest.raises(OnnxInputError, match="'x' is a list; run_with_dlpack takes polyhal Tensors"):
+        session.run_with_dlpack(None, {"x": [[1.0] * 256]})
+    with pytest.raises(OnnxInputError, match="no input 'y'"):
+        session.run_with_dlpack(None, {"y": np.ones((4, 256), np.float32)})
+    with pytest.raises(OnnxInputError, match=r"'x' must be float32\[4, 256\].*got a tensor of float64\[4, 256\]"):
+        session.run_with_dlpack(None, {"x": np.ones((4, 256))})

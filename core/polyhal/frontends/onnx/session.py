@@ -15,6 +15,12 @@ onnxruntime builds its session); a model with symbolic dims is a
 shape and caches the plans; a model with data-decided control flow is a
 :class:`~polyhal.frontends.onnx.staged.StagedOnnxProgram`. ``run`` returns numpy arrays (sequences
 as lists, empty optionals as None), outputs of run-time length cut to it, in the order asked.
+
+``run_with_dlpack`` is the device-resident form (onnxruntime's ``run_with_ort_values`` /
+IOBinding idea): inputs are polyhal :class:`~polyhal.hal.tensor.Tensor` s or any DLPack producer
+(cupy, torch, jax, numpy), imported without a copy, and the outputs are polyhal Tensors on the
+device that computed them, which ``np.from_dlpack`` / ``cupy.from_dlpack`` / ``torch.from_dlpack``
+take without a copy.
 """
 
 from __future__ import annotations
@@ -24,9 +30,14 @@ from typing import Any, Mapping, Sequence
 
 import onnx
 
+import numpy as np
+
+from polyhal.creation import from_dlpack
 from polyhal.frontends.onnx.backend import PolyhalRep
+from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, check_input_names
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
-from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.importer import OnnxProgram, load, read_model
+from polyhal.hal.tensor import Tensor
 
 __all__ = ["InferenceSession", "NodeArg"]
 
@@ -121,13 +132,86 @@ class InferenceSession:
                 another element type or a shape the model's declaration excludes (the message
                 names it and what the model declares).
         """
+        names = self._output_names(output_names)
+        program, plan = (self.program, self.plan) if self._by_value is None else \
+            self._by_value.compiled(self._by_value.as_feeds(input_feed))
+        results = program.execute(plan, program.check_feeds(input_feed))
+        return [results[n] for n in names]
+
+    def run_with_dlpack(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+                        run_options: Any = None) -> list[Any]:
+        """As :meth:`run`, with inputs and outputs that stay where they live.
+
+        Each input is a polyhal :class:`~polyhal.hal.tensor.Tensor` or any object with
+        ``__dlpack__`` (a cupy, torch or jax array; a numpy array), imported without a copy; a
+        tensor already on the device an input is placed on is read in place. The outputs are
+        polyhal Tensors on the device that computed them, never copied to the host (take them
+        with ``np.from_dlpack``, ``cupy.from_dlpack``, ``torch.from_dlpack``). Where the model's
+        outputs are finished on the host -- cut to a run-time length (NonMaxSuppression's),
+        made from strings, or a model run staged (If/Loop decided by data) -- those outputs are
+        made there and returned as host tensors; sequences and string outputs come as
+        :meth:`run` gives them.
+
+        Raises:
+            OnnxInputError: as :meth:`run`, and for an input that is neither a Tensor nor a
+                DLPack producer.
+        """
+        names = self._output_names(output_names)
+        feeds = {name: self._imported(name, value) for name, value in input_feed.items()}
+        compiled = self._specialization(feeds)
+        if compiled is not None:
+            program, plan = compiled
+            direct = program._plain_outputs()
+            if direct and all(finish is None for _, _, finish in direct):
+                self._check_tensors(program, feeds)
+                results = plan(**{v.name: feeds[v.name] for v in program.inputs})
+                results = results if isinstance(results, tuple) else (results,)
+                by_name = {name: results[k] for name, k, _ in direct}
+                return [by_name[n] for n in names]
+        # Host work finishes some output: run as run() does, on host views of the inputs.
+        host = self.run(names, {n: t.numpy() for n, t in feeds.items()})
+        return [from_dlpack(np.ascontiguousarray(a)) if isinstance(a, np.ndarray) and a.dtype != object else a
+                for a in host]
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
+        """``output_names`` checked against the model's (None: every output, in order)."""
         names = [o.name for o in self._outputs] if output_names is None else list(output_names)
         known = {o.name for o in self._outputs}
         for name in names:
             if name not in known:
                 listing = ", ".join(f"{o.name} ({o.type})" for o in self._outputs)
                 raise OnnxInputError(f"{self.source}: the model has no output {name!r}; its outputs are {listing}")
-        program, plan = (self.program, self.plan) if self._by_value is None else \
-            self._by_value.compiled(self._by_value.as_feeds(input_feed))
-        results = program.execute(plan, program.check_feeds(input_feed))
-        return [results[n] for n in names]
+        return names
+
+    def _imported(self, name: str, value: Any) -> Tensor:
+        """``value`` as a polyhal Tensor, without a copy."""
+        if isinstance(value, Tensor):
+            return value
+        if not hasattr(value, "__dlpack__"):
+            raise OnnxInputError(f"{self.source}: input {name!r} is a {type(value).__name__}; run_with_dlpack takes "
+                                 "polyhal Tensors and DLPack producers (numpy, cupy, torch arrays); use run() "
+                                 "for other array-likes")
+        return from_dlpack(value)
+
+    def _specialization(self, feeds: Mapping[str, Tensor]) -> tuple[OnnxProgram, Any] | None:
+        """The program and plan that run ``feeds`` on the devices (compiled for their shapes where
+        the model has symbolic dims); None where the model runs staged or is imported per value."""
+        if isinstance(self.program, OnnxProgram):
+            return self.program, self.plan
+        if isinstance(self.program, DynamicOnnxProgram):
+            program = self.program
+            check_input_names(self.source, feeds, program.input_names, program.declared_inputs, program._listing())
+            spec = self.plan.lookup([feeds[n] for n in self.plan._names])
+            return spec.program, spec.plan
+        return None
+
+    def _check_tensors(self, program: OnnxProgram, feeds: Mapping[str, Tensor]) -> None:
+        """OnnxInputError for a missing or unknown input, or one of another element type or shape."""
+        check_input_names(self.source, feeds, program.input_names, program.declared_inputs, program._listing())
+        for name, shape, dtype in program.feed_types():
+            t = feeds[name]
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise OnnxInputError(f"{self.source}: input {name!r} must be {dtype}{list(shape)} (declared "
+                                     f"{program.declared_inputs.get(name)}), got a tensor of {t.dtype}{list(t.shape)}")
