@@ -697,15 +697,23 @@ def _has_symbol(attrs: Any) -> bool:
     return isinstance(attrs, tuple) and any(map(_has_symbol, attrs))
 
 
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim``, looked up once: ``find_library`` runs ``ldconfig`` in a child
+    process (about 4 ms, which every session creation paid); None where the C library has none."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
+        return None
+
+
 def _trim_heap() -> None:
     """Give the heap pages freed with the parsed ModelProto back to the system. protobuf parses
     into many small blocks, which glibc keeps for reuse after they are freed: without this a
     loaded model's process stays as large as if it still held its ModelProto (twice its weights)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
-        pass
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _check_symbols(graph_inputs: Iterable[onnx.ValueInfoProto], dims: Mapping[str, int], source: str) -> None:
