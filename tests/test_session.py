@@ -179,3 +179,28 @@ def test_run_with_dlpack_says_what_was_wrong():
         session.run_with_dlpack(None, {"y": np.ones((4, 256), np.float32)})
     with pytest.raises(OnnxInputError, match=r"'x' must be float32\[4, 256\].*got a tensor of float64\[4, 256\]"):
         session.run_with_dlpack(None, {"x": np.ones((4, 256))})
+
+
+def test_kernels_say_nothing_about_ieee_results():
+    """log(0), 0/0, overflowing exp: IEEE results (-inf, nan, inf) as onnxruntime gives them, and
+    no numpy RuntimeWarning that would reach the user with polyhal's source paths."""
+    import warnings
+
+    nodes = [h.make_node("Log", ["a"], ["log"]), h.make_node("Div", ["a", "a"], ["div"]),
+             h.make_node("Exp", ["b"], ["exp"]), h.make_node("Sqrt", ["c"], ["sqrt"])]
+    io = [h.make_tensor_value_info(n, T.FLOAT, [3]) for n in ("a", "b", "c")]
+    outs = [h.make_tensor_value_info(n, T.FLOAT, [3]) for n in ("log", "div", "exp", "sqrt")]
+    model = h.make_model(h.make_graph(nodes, "ieee", io, outs), opset_imports=[h.make_opsetid("", 17)])
+    model = model.SerializeToString()
+    feeds = {"a": np.array([0, 1, 2], np.float32), "b": np.array([100, 0, 1], np.float32),
+             "c": np.array([-1, 0, 4], np.float32)}
+    want = _onnxruntime(model).run(None, feeds)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _polyhal(model).run(None, feeds)
+        import polyhal.eager
+
+        eager = polyhal.eager.log(polyhal.asarray(np.zeros(3, np.float32), device="cpu:0"))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w)  # -inf, nan and inf where onnxruntime has them
+    assert np.all(np.isneginf(eager.numpy()))

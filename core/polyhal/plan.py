@@ -305,11 +305,14 @@ class Plan:
             # The try costs nothing while no kernel raises (zero-cost exceptions): the failing
             # step is looked for only on the way out.
             try:
-                if self.replay is not None:
-                    self.replay()
-                else:
-                    for step in self._steps:
-                        step()
+                # Kernels compute IEEE results (log(0) = -inf, 0/0 = nan), as onnxruntime does;
+                # numpy's RuntimeWarnings about them would reach users with polyhal's source paths.
+                with np.errstate(all="ignore"):
+                    if self.replay is not None:
+                        self.replay()
+                    else:
+                        for step in self._steps:
+                            step()
             except PolyhalError:
                 raise
             except Exception as exc:

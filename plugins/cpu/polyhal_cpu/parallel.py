@@ -214,6 +214,9 @@ class _Pool:
 
     def _serve(self, w: int) -> None:
         _batch_policy()
+        # Pieces compute IEEE results (inf, nan) silently, as on the calling thread (the plan runs
+        # under np.errstate there; numpy's error state is per thread, and this thread is polyhal's).
+        np.seterr(all="ignore")
         gate = threading.Lock()
         gate.acquire()  # held: acquiring it again blocks until start() releases it
         seen, left = int(self.flags[_STARTED]), -1
