@@ -20,6 +20,7 @@ from polyhal.explain import (add_explain_parser, add_policy_arguments, apply_pol
 from polyhal.ops import OPS
 from polyhal.plan import compile
 from polyhal.policy import selector_for
+from polyhal.progress import configure as configure_progress
 from polyhal.registry import Registry, configure_logging, default_registry, iter_plugins
 
 
@@ -165,6 +166,9 @@ def _main(argv: Sequence[str] | None) -> int:
     parser.add_argument("-v", "--verbose", action="store_true",
                         help="log to stderr what polyhal does, e.g. each plugin before it is imported "
                              "(as POLYHAL_LOG=debug)")
+    parser.add_argument("-q", "--quiet", action="store_true",
+                        help="say nothing on stderr about long work (the CPU backend's first build, slow compiles) "
+                             "nor draw progress bars; errors and warnings are still said")
     parser.add_argument("--version", action="version", version=f"polyhal {version()}",
                         help="print polyhal's version and exit (`polyhal plugins` lists the plugins' versions)")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,8 +195,12 @@ def _main(argv: Sequence[str] | None) -> int:
 
     add_run_arguments(p)
     args = parser.parse_args(argv)
+    if args.quiet and args.verbose:
+        parser.error("-q and -v contradict each other: give one")
     if args.verbose:
         configure_logging("debug")
+    if args.quiet:
+        configure_progress(False)
     try:
         registry = default_registry()
         return {"devices": cmd_devices, "plugins": cmd_plugins, "demo": cmd_demo,
@@ -205,6 +213,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except PolyhalError as exc:  # a CLI prints the error, not a traceback
         print(f"polyhal: error: {printable(str(exc))}", file=sys.stderr)  # it may quote a model's names
         return 2
+    finally:
+        if args.quiet:
+            configure_progress(None)  # main() may be called again in this process (tests, scripts)
 
 
 if __name__ == "__main__":

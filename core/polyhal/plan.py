@@ -26,6 +26,7 @@ from polyhal.passes.pipeline import Compilation, Pipeline, pipeline_for
 from polyhal.passes.placement import Placement
 from polyhal.policies.precision import resolve_precision
 from polyhal.profile import Profile, StepEvent, StepInfo
+from polyhal.progress import SAY_AFTER, long_work
 from polyhal.registry import Registry, default_registry
 from polyhal.specialization import Specialization, SpecializationCache
 from polyhal.target import Target
@@ -134,8 +135,11 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
 
 
 def _compile_on(program: Program, pipeline: Pipeline, target: Target, registry: Registry) -> "Plan":
-    """Run ``pipeline`` over ``program`` for ``target`` and bind the result into a Plan."""
-    return Plan(pipeline.run(program, target), target, registry)
+    """Run ``pipeline`` over ``program`` for ``target`` and bind the result into a Plan (said on a
+    terminal where it takes over a second: kernel builds, cuDNN's engine timing, a large model)."""
+    with long_work(f"compiling {program.name!r} for {', '.join(target.devices)}", f"compiled {program.name!r}",
+                   after=SAY_AFTER):
+        return Plan(pipeline.run(program, target), target, registry)
 
 
 class Plan:

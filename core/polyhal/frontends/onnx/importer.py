@@ -62,6 +62,7 @@ from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import STORAGE_DTYPES, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
 from polyhal.plan import compile as polyhal_compile, cycle_collection_paused
+from polyhal.progress import SAY_AFTER, long_work
 from polyhal.registry import default_registry
 
 #: The default-domain opsets the importer accepts (ONNX 1.23's opset 28 is the newest it was
@@ -630,7 +631,9 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         importer = _Importer(checked, source, opset, {**shapes, **concrete}, values, dims, default_dim, name, limit,
                              weights)
         try:
-            with cycle_collection_paused():  # as compile does: the program's objects outlive young generations
+            # As compile does: the program's objects outlive young generations. Said on a terminal
+            # where it takes over a second (a large model).
+            with cycle_collection_paused(), long_work(f"importing {source}", f"imported {source}", after=SAY_AFTER):
                 return importer.run()
         except PolyhalError:
             raise

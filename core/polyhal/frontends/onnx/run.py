@@ -43,6 +43,7 @@ from polyhal.frontends.onnx.settings import OnnxSettings
 from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.frontends.onnx.types import STRING_DTYPE
 from polyhal.hal.device import host_memory_available
+from polyhal.progress import shown
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -664,15 +665,20 @@ def _placement_records(program, plan) -> list[dict[str, Any]]:
 
 
 class _Progress:
-    """A progress bar on stderr (redrawn at most 10 times a second; one line when not a tty)."""
+    """A progress bar on stderr where progress is shown (a terminal, ``polyhal -v``, not ``-q``;
+    :func:`polyhal.progress.shown`), redrawn at most 10 times a second; one line at the end
+    where stderr is no terminal but progress was asked for (``POLYHAL_PROGRESS=1``)."""
 
     def __init__(self, total: int, width: int = 30) -> None:
         self.total, self.width = total, width
-        self.tty = sys.stderr.isatty()
+        self.shown = shown()
+        self.tty = self.shown and sys.stderr.isatty()
         self.last = 0.0
         self.start = time.perf_counter()
 
     def update(self, done: int) -> None:
+        if not self.shown:
+            return
         now = time.perf_counter()
         if done < self.total and now - self.last < 0.1:
             return
