@@ -204,3 +204,19 @@ def test_kernels_say_nothing_about_ieee_results():
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w)  # -inf, nan and inf where onnxruntime has them
     assert np.all(np.isneginf(eager.numpy()))
+
+
+def test_run_with_dlpack_takes_and_gives_gpu_memory_in_place():
+    """On a GPU: a cupy array in, read in place on cuda:0; a cuda:0 tensor out, which cupy views
+    without a copy. Skips without cupy and a CUDA device."""
+    cp = pytest.importorskip("cupy")
+    if "cuda:0" not in {s.name for s in polyhal.devices()}:
+        pytest.skip("no cuda:0 (polyhal devices says why)")
+    session = polyhal.InferenceSession(str(EXAMPLES / "mlp.onnx"), "cuda:0")
+    x = cp.random.default_rng(0).random((4, 256), dtype=cp.float32)
+    (y,) = session.run_with_dlpack(None, {"x": x})
+    assert isinstance(y, polyhal.Tensor) and y.device.name == "cuda:0"
+    view = cp.from_dlpack(y)
+    assert view.data.ptr == cp.from_dlpack(y).data.ptr  # the tensor's own memory, not a copy
+    np.testing.assert_allclose(cp.asnumpy(view), _onnxruntime(str(EXAMPLES / "mlp.onnx")).run(None, {"x": cp.asnumpy(x)})[0],
+                               rtol=1e-4, atol=1e-4)
