@@ -14,6 +14,7 @@ entry (and nothing at all where progress is not shown).
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -78,6 +79,11 @@ class _Watcher:
     """One daemon thread that says each watched work's start line once its deadline passes."""
 
     def __init__(self) -> None:
+        self._reset()
+        # A forked child has no watcher thread, and its copy of the lock may be held: start afresh.
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
         self._cond = threading.Condition()
         self._pending: dict[int, tuple[float, str]] = {}  # key -> (deadline, what)
         self._said: set[int] = set()
