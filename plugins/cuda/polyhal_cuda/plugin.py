@@ -27,7 +27,6 @@ from polyhal.distribution import install_hint
 from polyhal.hal.records import DeviceSpec
 
 from polyhal_cuda import cudnn
-from polyhal_cuda.kernels import KERNEL_NAMES
 from polyhal_cuda.layout import resolve_encoding  # noqa: F401  (hook: channels-last conv chains)
 from polyhal_cuda.settings import DEFAULT_RANK, POOLS, CUDASettings  # noqa: F401  (re-exported)
 from polyhal_gpu.enumeration import Enumeration
@@ -91,6 +90,10 @@ def _create(spec: DeviceSpec):
 def conv_path(conv: tuple[str | None, str]) -> tuple[dict[str, str], frozenset[str]]:
     """``limits["conv"]`` and the kernel set for cuDNN's :func:`~polyhal_cuda.cudnn.status`
     ``conv``: ``fused_conv`` only where cuDNN runs it (else the compile keeps convs unfused)."""
+    # The kernel table is imported when devices are listed, not with the plugin: a process that
+    # runs on another backend's device (cpu:0) pays nothing for it.
+    from polyhal_cuda.kernels import KERNEL_NAMES
+
     version, why = conv
     if version is not None:
         return {"conv": f"{version}, fp32 without TF32"}, KERNEL_NAMES

@@ -28,7 +28,6 @@ from polyhal.hal.records import DeviceSpec
 
 from polyhal_gpu.enumeration import Enumeration
 from polyhal_hip import runtime
-from polyhal_hip.kernels import KERNEL_NAMES
 from polyhal_hip.settings import DEFAULT_RANK, POOLS, HIPSettings  # noqa: F401  (re-exported)
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
@@ -98,6 +97,10 @@ def _enumerate(pool: str, rank: int) -> Enumeration:
     if mismatch:
         return Enumeration((), (mismatch,))
     from polyhal_hip.allocator import heaps_for
+
+    # The kernel table is imported when devices are listed, not with the plugin: a process that
+    # runs on another backend's device (cpu:0) pays nothing for it.
+    from polyhal_hip.kernels import KERNEL_NAMES
 
     specs, reasons = [], []
     for ordinal in range(count):

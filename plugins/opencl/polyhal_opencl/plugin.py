@@ -27,13 +27,13 @@ from polyhal.hal.records import DeviceSpec
 
 from polyhal_opencl.allocator import heaps_for
 from polyhal_opencl.codegen import private_bytes
-from polyhal_opencl.device import CLDevice
 from polyhal_opencl.errors import status_name
-from polyhal_opencl.kernels import KERNEL_NAMES
 from polyhal_opencl.settings import OpenCLSettings
 
 # pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
-# lists no device and says why (plugin.enumerate_devices).
+# lists no device and says why (plugin.enumerate_devices). The device and its kernels are imported
+# when devices are listed or made, not with the plugin: a process that runs on another backend's
+# device (cpu:0) pays nothing for them.
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
@@ -134,6 +134,8 @@ def limits(cl_device: Any, ordinal: int) -> dict[str, Any]:
 
 
 def _create(cl_device: Any, spec: DeviceSpec):
+    from polyhal_opencl.device import CLDevice
+
     return CLDevice(spec, cl_device)
 
 
@@ -150,6 +152,8 @@ def enumerate_devices() -> Enumeration:
         return Enumeration((), (f"no OpenCL platform found ({detail}); {INSTALL_HINT}",))
     if not platforms:
         return Enumeration((), (f"no OpenCL platform found; {INSTALL_HINT}",))
+    from polyhal_opencl.kernels import KERNEL_NAMES
+
     every, by_name = _rank_overrides()
     specs, reasons = [], []
     for platform in platforms:
