@@ -175,6 +175,8 @@ def test_run_with_dlpack_says_what_was_wrong():
     session = polyhal.InferenceSession(str(EXAMPLES / "mlp.onnx"), "cpu:0")
     with pytest.raises(OnnxInputError, match="'x' is a list; run_with_dlpack takes polyhal Tensors"):
         session.run_with_dlpack(None, {"x": [[1.0] * 256]})
+    with pytest.raises(OnnxInputError, match="'x' cannot be exported through DLPack .*use run\\(\\) for other"):
+        session.run_with_dlpack(None, {"x": np.array([["a"] * 256] * 4, object)})
     with pytest.raises(OnnxInputError, match="no input 'y'"):
         session.run_with_dlpack(None, {"y": np.ones((4, 256), np.float32)})
     with pytest.raises(OnnxInputError, match=r"'x' must be float32\[4, 256\].*got a tensor of float64\[4, 256\]"):

@@ -28,11 +28,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import onnx
 
-import numpy as np
-
 from polyhal.creation import from_dlpack
+from polyhal.errors import PolyhalError
 from polyhal.frontends.onnx.backend import PolyhalRep
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, check_input_names
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
@@ -189,11 +189,17 @@ class InferenceSession:
         """``value`` as a polyhal Tensor, without a copy."""
         if isinstance(value, Tensor):
             return value
+        advice = ("run_with_dlpack takes polyhal Tensors and DLPack producers (numpy, cupy, torch arrays); use "
+                  "run() for other array-likes and strings")
         if not hasattr(value, "__dlpack__"):
-            raise OnnxInputError(f"{self.source}: input {name!r} is a {type(value).__name__}; run_with_dlpack takes "
-                                 "polyhal Tensors and DLPack producers (numpy, cupy, torch arrays); use run() "
-                                 "for other array-likes")
-        return from_dlpack(value)
+            raise OnnxInputError(f"{self.source}: input {name!r} is a {type(value).__name__}; {advice}")
+        try:
+            return from_dlpack(value)
+        except PolyhalError:
+            raise
+        except (BufferError, TypeError, ValueError) as exc:  # the producer cannot export it (strings, say)
+            raise OnnxInputError(f"{self.source}: input {name!r} cannot be exported through DLPack ({exc}); "
+                                 f"{advice}") from None
 
     def _specialization(self, feeds: Mapping[str, Tensor]) -> tuple[OnnxProgram, Any] | None:
         """The program and plan that run ``feeds`` on the devices (compiled for their shapes where
@@ -203,7 +209,7 @@ class InferenceSession:
         if isinstance(self.program, DynamicOnnxProgram):
             program = self.program
             check_input_names(self.source, feeds, program.input_names, program.declared_inputs, program._listing())
-            spec = self.plan.lookup([feeds[n] for n in self.plan._names])
+            spec = self.plan.lookup([feeds[n] for n in program.input_names])
             return spec.program, spec.plan
         return None
 
