@@ -1,11 +1,13 @@
-"""The README's links: every relative link names a file of the repository and every anchor a
-heading of its page. (The pages under docs/ are checked by ``mkdocs build --strict`` in CI; the
-README lies outside the site, so it is checked here.)"""
+"""The READMEs' links (the front page's and each backend's): every relative link names a file of
+the repository and every anchor a heading of its page. (The pages under docs/ are checked by
+``mkdocs build --strict`` in CI; the READMEs lie outside the site, so they are checked here.)"""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -19,17 +21,20 @@ def _anchors(markdown: str) -> set[str]:
             for h in re.findall(r"^#+ (.+)$", text, re.M)}
 
 
-def test_every_relative_link_of_the_readme_resolves():
-    readme = (ROOT / "README.md").read_text()
+READMES = [ROOT / "README.md", *sorted((ROOT / "plugins").glob("*/README.md"))]
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_of_a_readme_resolves(readme):
     broken = []
-    for target in LINK.findall(readme):
+    for target in LINK.findall(readme.read_text()):
         if re.match(r"[a-z]+://", target):
             continue
         path, _, anchor = target.partition("#")
-        page = ROOT / path if path else ROOT / "README.md"
+        page = (readme.parent / path).resolve() if path else readme
         if not page.exists():
             broken.append(f"{target}: no file {path}")
         elif anchor and page.suffix == ".md" and anchor not in _anchors(page.read_text()):
-            broken.append(f"{target}: {path or 'README.md'} has no heading #{anchor}")
+            broken.append(f"{target}: {path or readme.name} has no heading #{anchor}")
     assert not broken, broken
 
