@@ -558,7 +558,24 @@ def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.Tensor
 
 
 def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """ONNX's checker, then strict shape inference; returns the model with inferred value_info."""
+    """ONNX's checker, then strict shape inference; returns the model with inferred value_info.
+
+    Graph outputs that declare an element type but no ``shape`` field (onnxruntime's tools and
+    hand-built models write them; onnxruntime runs them, the checker refuses them) are left out
+    of what the checker and inference see, and come back unchanged: the data decides them."""
+    outputs = list(model.graph.output)
+    shapeless = [o for o in outputs if o.type.WhichOneof("value") == "tensor_type"
+                 and not o.type.tensor_type.HasField("shape")]
+    if shapeless:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        kept = [o for o in outputs if o not in shapeless]
+        del copy.graph.output[:]
+        copy.graph.output.extend(kept)
+        checked = _validate(copy, source)
+        del checked.graph.output[:]
+        checked.graph.output.extend(outputs)
+        return checked
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as exc:

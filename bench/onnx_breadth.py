@@ -1,0 +1,188 @@
+"""ONNX breadth: the model families users bring that are not plain float CNNs or transformers, on
+polyhal's CPU against onnxruntime's CPU provider, in the same run.
+
+Each family is built here, from nothing downloaded (onnx.helper, scikit-learn with skl2onnx,
+LightGBM with onnxmltools, onnxruntime's own quantizer), so the tests use the same builders
+(``tests/test_onnx_contrib.py``, ``tests/test_onnx_breadth.py``):
+
+- onnxruntime's QOperator int8 output (``com.microsoft`` QGemm, QLinearAdd, QLinearConcat, ...):
+  an MLP, a small CNN and a ResNet-18-shaped net, statically quantized; the MLP dynamically
+  quantized (MatMulInteger) and as onnxruntime's optimizer fuses it (DynamicQuantizeMatMul);
+- run-time shape operands: TopK whose k is an input, Range whose bounds are inputs, an LSTM
+  whose sequence lengths are an input;
+- a LightGBM classifier through onnxmltools (which declares ``label`` as int64[1]) at batch 100;
+- a scikit-learn ColumnTransformer with OneHotEncoder over string columns, and a
+  TfidfVectorizer + LinearSVC text pipeline.
+
+Every row checks polyhal's outputs against onnxruntime's before timing, then times both
+alternating (a shared machine's load falls on both alike) and reports the median ratio. No
+target is set here (the issue's targets for these paths are the CPU library's); the rows exist
+so that regressions show. ``python -m bench onnx_breadth`` writes bench/results/onnx_breadth.*.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from bench.harness import Row
+
+OPSET = 17
+
+
+def _f32(name: str, arr) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name)
+
+
+def _model(nodes, inputs, outputs, inits=(), name="g", opset=OPSET, domains=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]
+                             + [helper.make_opsetid(d, v) for d, v in domains])
+
+
+# --------------------------------------------------------------------------- float models
+
+def mlp(features: int = 32, hidden: tuple[int, ...] = (64, 32), classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    """Gemm + Relu layers and a Softmax, input ``x`` [batch, features], output ``y``."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "x"
+    sizes = (features, *hidden, classes)
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        inits += [_f32(f"w{i}", rng.standard_normal((a, b)) / np.sqrt(a)), _f32(f"b{i}", rng.standard_normal(b) * 0.1)]
+        nodes.append(helper.make_node("Gemm", [x, f"w{i}", f"b{i}"], [f"g{i}"]))
+        x = f"g{i}"
+        if i < len(sizes) - 2:
+            nodes.append(helper.make_node("Relu", [x], [f"r{i}"]))
+            x = f"r{i}"
+    nodes.append(helper.make_node("Softmax", [x], ["y"], axis=1))
+    return _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, ["batch", features])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["batch", classes])], inits, "mlp")
+
+
+def cnn(seed: int = 0, size: int = 16) -> onnx.ModelProto:
+    """A small CNN touching every op the quantizer writes a QLinear op for: Conv, LeakyRelu,
+    AveragePool, Sigmoid, Mul, Concat, MaxPool, GlobalAveragePool, Flatten, Gemm."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def conv(name, x, cin, cout, k):
+        inits.extend([_f32(name + "_w", rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)),
+                      _f32(name + "_b", rng.standard_normal(cout) * 0.1)])
+        nodes.append(helper.make_node("Conv", [x, name + "_w", name + "_b"], [name], pads=[k // 2] * 4))
+        return name
+
+    conv("c1", "x", 3, 8, 3)
+    nodes += [helper.make_node("LeakyRelu", ["c1"], ["l1"], alpha=0.1),
+              helper.make_node("AveragePool", ["l1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2])]
+    conv("c2", "p1", 8, 8, 3)
+    nodes += [helper.make_node("Sigmoid", ["c2"], ["s2"]), helper.make_node("Mul", ["s2", "p1"], ["m2"])]
+    conv("c3", "p1", 8, 8, 1)
+    nodes += [helper.make_node("Concat", ["m2", "c3"], ["cat"], axis=1),
+              helper.make_node("MaxPool", ["cat"], ["mp"], kernel_shape=[2, 2], strides=[2, 2]),
+              helper.make_node("GlobalAveragePool", ["mp"], ["gap"]),
+              helper.make_node("Flatten", ["gap"], ["flat"]),
+              helper.make_node("Gemm", ["flat", "fw", "fb"], ["y"])]
+    inits += [_f32("fw", rng.standard_normal((16, 10)) / 4), _f32("fb", np.zeros(10))]
+    return _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, ["batch", 3, size, size])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["batch", 10])], inits, "cnn")
+
+
+def resnet18(seed: int = 0, width: int = 16, size: int = 32, classes: int = 10) -> onnx.ModelProto:
+    """ResNet-18's shape (a stem, four stages of two basic blocks with projection shortcuts, a
+    pooled classifier) at ``width`` base channels."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    count = [0]
+
+    def conv(x, cin, cout, k, stride=1, relu=True):
+        count[0] += 1
+        name = f"conv{count[0]}"
+        inits.extend([_f32(name + "_w", rng.standard_normal((cout, cin, k, k)) * np.sqrt(2 / (cin * k * k))),
+                      _f32(name + "_b", rng.standard_normal(cout) * 0.05)])
+        nodes.append(helper.make_node("Conv", [x, name + "_w", name + "_b"], [name], pads=[k // 2] * 4,
+                                      strides=[stride] * 2))
+        if not relu:
+            return name
+        nodes.append(helper.make_node("Relu", [name], [name + "_r"]))
+        return name + "_r"
+
+    x = conv("x", 3, width, 3)
+    nodes.append(helper.make_node("MaxPool", [x], ["pool"], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4))
+    x, cin = "pool", width
+    for stage, cout in enumerate([width, width * 2, width * 4, width * 8]):
+        for block in range(2):
+            stride = 2 if stage and not block else 1
+            h = conv(conv(x, cin, cout, 3, stride), cout, cout, 3, relu=False)
+            shortcut = conv(x, cin, cout, 1, stride, relu=False) if stride != 1 or cin != cout else x
+            count[0] += 1
+            nodes += [helper.make_node("Add", [h, shortcut], [f"add{count[0]}"]),
+                      helper.make_node("Relu", [f"add{count[0]}"], [f"out{count[0]}"])]
+            x, cin = f"out{count[0]}", cout
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["gap"]), helper.make_node("Flatten", ["gap"], ["flat"]),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"])]
+    inits += [_f32("fc_w", rng.standard_normal((cin, classes)) / np.sqrt(cin)), _f32("fc_b", np.zeros(classes))]
+    return _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, ["batch", 3, size, size])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["batch", classes])], inits, "resnet18")
+
+
+# ------------------------------------------------------------------------ onnxruntime's quantizer
+
+def quantize(model: onnx.ModelProto, calibration: list[dict[str, np.ndarray]] | None = None, *,
+             dynamic: bool = False, **options) -> onnx.ModelProto:
+    """``model`` quantized by onnxruntime's tool: statically in QOperator format on
+    ``calibration`` feeds (``options`` go to ``quantize_static``: ``per_channel``,
+    ``activation_type``, ``quant_format``, ...), or with ``dynamic`` by ``quantize_dynamic``."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_dynamic, quantize_static
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(calibration or ())
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src, dst = os.path.join(tmp, "float.onnx"), os.path.join(tmp, "int8.onnx")
+        onnx.save(model, src)
+        if dynamic:
+            quantize_dynamic(src, dst, **options)
+        else:
+            options.setdefault("quant_format", QuantFormat.QOperator)
+            quantize_static(src, dst, Feeds(), **options)
+        return onnx.load(dst)
+
+
+def optimized(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as onnxruntime's graph optimizer saves it (its ``com.microsoft`` fusions in:
+    DynamicQuantizeMatMul, ...)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = os.path.join(tmp, "opt.onnx")
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath)
+
+
+def quantized_families(rng: np.random.Generator) -> dict[str, tuple[onnx.ModelProto, Callable[[int], dict]]]:
+    """name -> (quantized model, batch -> feeds) for the int8 families."""
+    def feeds_of(shape):
+        return lambda batch: {"x": rng.standard_normal((batch, *shape)).astype(np.float32)}
+
+    out = {}
+    for name, model, shape in (("MLP", mlp(), (32,)), ("CNN", cnn(), (3, 16, 16)),
+                               ("ResNet-18", resnet18(), (3, 32, 32))):
+        calibration = [feeds_of(shape)(4) for _ in range(4)]
+        out[f"{name} int8 QOperator"] = (quantize(model, calibration), feeds_of(shape))
+    out["MLP int8 dynamic (MatMulInteger)"] = (quantize(mlp(), dynamic=True), feeds_of((32,)))
+    out["MLP int8 DynamicQuantizeMatMul"] = (optimized(quantize(mlp(), dynamic=True)), feeds_of((32,)))
+    return out
