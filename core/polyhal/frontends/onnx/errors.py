@@ -47,6 +47,12 @@ class NeedsStaging(OnnxUnsupportedError):
     runs the model staged (:mod:`polyhal.frontends.onnx.staged`)."""
 
 
+class DeclaredShapeWarning(UserWarning):
+    """A graph output's declared shape contradicts what the model computes (onnxmltools declares
+    a LightGBM classifier's ``label`` as int64[1] at any batch): polyhal trusts the data, as
+    onnxruntime does, and warns once per model; ``load(..., strict_shapes=True)`` refuses instead."""
+
+
 class StrictPlacementError(OnnxUnsupportedError, ProgramError):
     """``strict=True`` (``polyhal run --strict``): a node's op has no kernel on the requested
     devices, and polyhal was told not to run it elsewhere."""
