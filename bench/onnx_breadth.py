@@ -186,3 +186,114 @@ def quantized_families(rng: np.random.Generator) -> dict[str, tuple[onnx.ModelPr
     out["MLP int8 dynamic (MatMulInteger)"] = (quantize(mlp(), dynamic=True), feeds_of((32,)))
     out["MLP int8 DynamicQuantizeMatMul"] = (optimized(quantize(mlp(), dynamic=True)), feeds_of((32,)))
     return out
+
+
+# ----------------------------------------------------------------------- run-time shape operands
+
+def topk_input_k(features: int = 1000) -> onnx.ModelProto:
+    """TopK along the features of ``x`` [batch, features] whose ``k`` [1] is an input."""
+    return _model([helper.make_node("TopK", ["x", "k"], ["values", "indices"], axis=1)],
+                  [helper.make_tensor_value_info("x", T.FLOAT, ["batch", features]),
+                   helper.make_tensor_value_info("k", T.INT64, [1])],
+                  [helper.make_tensor_value_info("values", T.FLOAT, ["batch", "k"]),
+                   helper.make_tensor_value_info("indices", T.INT64, ["batch", "k"])], name="topk")
+
+
+def lstm_sequence_lens(seq: int = 16, batch: int = 8, features: int = 16, hidden: int = 32,
+                       seed: int = 0) -> onnx.ModelProto:
+    """A bidirectional LSTM whose ``sequence_lens`` [batch] (int32) is an input."""
+    rng = np.random.default_rng(seed)
+    inits = [_f32("W", rng.standard_normal((2, 4 * hidden, features)) * 0.3),
+             _f32("R", rng.standard_normal((2, 4 * hidden, hidden)) * 0.3),
+             _f32("B", rng.standard_normal((2, 8 * hidden)) * 0.1)]
+    node = helper.make_node("LSTM", ["x", "W", "R", "B", "lens"], ["Y", "Y_h", "Y_c"], hidden_size=hidden,
+                            direction="bidirectional")
+    return _model([node], [helper.make_tensor_value_info("x", T.FLOAT, [seq, batch, features]),
+                           helper.make_tensor_value_info("lens", T.INT32, [batch])],
+                  [helper.make_tensor_value_info("Y", T.FLOAT, [seq, 2, batch, hidden]),
+                   helper.make_tensor_value_info("Y_h", T.FLOAT, [2, batch, hidden]),
+                   helper.make_tensor_value_info("Y_c", T.FLOAT, [2, batch, hidden])], inits, "lstm")
+
+
+def resize_tf_half_pixel_for_nn(mode: str = "nearest", nearest_mode: str = "floor") -> onnx.ModelProto:
+    """Resize-11 by 2.5 x 1.5 with ``coordinate_transformation_mode=tf_half_pixel_for_nn`` (as TF
+    converters write it)."""
+    node = helper.make_node("Resize", ["x", "roi", "scales"], ["y"], mode=mode, nearest_mode=nearest_mode,
+                            coordinate_transformation_mode="tf_half_pixel_for_nn")
+    inits = [_f32("roi", np.zeros(0)), _f32("scales", [1, 1, 2.5, 1.5])]
+    return _model([node], [helper.make_tensor_value_info("x", T.FLOAT, ["n", 3, 8, 10])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["n", 3, 20, 15])], inits, "resize", opset=11)
+
+
+# ------------------------------------------------------------------- scikit-learn and LightGBM
+
+def lightgbm_classifier(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A 3-class LightGBM classifier through onnxmltools (which declares ``label`` int64[1]),
+    and its training matrix."""
+    import lightgbm
+    import onnxmltools
+    from onnxmltools.convert.common.data_types import FloatTensorType
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((600, 8)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clf = lightgbm.LGBMClassifier(n_estimators=30, num_leaves=15, verbose=-1, random_state=seed).fit(x, y)
+        model = onnxmltools.convert_lightgbm(clf, initial_types=[("input", FloatTensorType([None, 8]))],
+                                             zipmap=False, target_opset=15)
+    return model, x
+
+
+def _with_locale(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its StringNormalizers set to the C locale: onnxruntime's default (en_US)
+    is missing on minimal Linux images, where it refuses to create the session."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.op_type == "StringNormalizer" and not any(a.name == "locale" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("locale", "C.UTF-8"))
+    return out
+
+
+def column_transformer(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """OneHotEncoder over two string columns (unknown categories ignored) in a ColumnTransformer,
+    then LogisticRegression; input ``input`` [N, 2] of strings."""
+    from sklearn.compose import ColumnTransformer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import OneHotEncoder
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    rng = np.random.default_rng(seed)
+    colour = rng.choice(["red", "green", "blue", "amber"], 400)
+    size = rng.choice(["s", "m", "l", "xl", "xxl"], 400)
+    x = np.stack([colour, size], axis=1).astype(object)
+    y = ((colour == "red") | (size == "xl")).astype(int)
+    pipe = Pipeline([("pre", ColumnTransformer([("onehot", OneHotEncoder(handle_unknown="ignore"), [0, 1])])),
+                     ("clf", LogisticRegression())]).fit(x, y)
+    model = convert_sklearn(pipe, initial_types=[("input", StringTensorType([None, 2]))],
+                            options={id(pipe.steps[-1][1]): {"zipmap": False}}, target_opset=17)
+    return model, x
+
+
+def tfidf_pipeline(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """TfidfVectorizer then LogisticRegression over text (skl2onnx writes Reshape,
+    StringNormalizer, com.microsoft Tokenizer, TfIdfVectorizer); input ``text`` [N, 1]. (A
+    LinearSVC would be the classic pairing; skl2onnx 1.20 cannot convert one from scikit-learn
+    1.9, and the text part, the subject here, is the same.)"""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    rng = np.random.default_rng(seed)
+    words = ["cat", "dog", "sat", "ran", "fast", "slow", "the", "mat", "park", "and", "big", "small"]
+    texts = np.array([" ".join(rng.choice(words, rng.integers(2, 9))) for _ in range(300)], dtype=object)
+    y = np.array(["cat" in t for t in texts], dtype=int)
+    pipe = Pipeline([("tfidf", TfidfVectorizer(ngram_range=(1, 2))), ("clf", LogisticRegression())]).fit(texts, y)
+    model = convert_sklearn(pipe, initial_types=[("text", StringTensorType([None, 1]))],
+                            options={id(pipe.steps[-1][1]): {"zipmap": False}}, target_opset=17)
+    return model, texts.reshape(-1, 1)

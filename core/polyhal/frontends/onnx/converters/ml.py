@@ -82,7 +82,9 @@ def _normalizer(ctx: NodeContext) -> list:
         d = ctx.op("sqrt", ctx.op("reduce_sum", ctx.op("mul", x, x), axes=[1], keepdims=True))
     else:
         raise OnnxModelError(f"attribute 'norm' is {norm!r}; ONNX defines MAX, L1 and L2")
-    return [ctx.op("div", x, d)]
+    # A row whose norm is zero stays as it is (onnxruntime and scikit-learn), not 0/0.
+    zero = np.zeros((), ctx.dtype(d))
+    return [ctx.op("div", x, ctx.op("where", ctx.op("equal", d, zero), np.ones((), ctx.dtype(d)), d))]
 
 
 @converter("Binarizer", domain=ML)

@@ -336,7 +336,7 @@ def _one_hot_encoder_strings(ctx: NodeContext) -> list:
 def _tokenizer(ctx: NodeContext) -> list:
     """onnxruntime's Tokenizer (what skl2onnx writes for a TfidfVectorizer): each string of a
     [C] or [N, C] input becomes its tokens along a new last axis, padded with ``pad_value`` to
-    the longest (``mark``: framed by "\\x02" and "\\x03"). Tokens are the matches of
+    the longest (``mark``: framed by "\\x02" and "\\x03", the padding after the frame). Tokens are the matches of
     ``tokenexp`` of at least ``mincharnum`` characters, or the text between ``separators``
     (earlier ones first; one empty separator: every character a token)."""
     x = _string_input(ctx, 0)
@@ -372,9 +372,9 @@ def _tokenizer(ctx: NodeContext) -> list:
         width = max(map(len, rows), default=0)
         out = np.full((a.size, width + 2 * mark if width else 0), pad, dtype=object)
         for row, toks in zip(out, rows):
-            if width and mark:
-                row[0], row[-1] = "\x02", "\x03"
             row[mark:mark + len(toks)] = toks
+            if width and mark:  # the end mark right after the tokens, then the padding
+                row[0], row[len(toks) + 1] = "\x02", "\x03"
         return out.reshape(*a.shape, out.shape[-1])
 
     return [ctx.host(tokenize, x, dtype=STRING_DTYPE, shape=None)]
