@@ -31,9 +31,10 @@ class NeedsValue(OnnxUnsupportedError):
     """An operand that decides a shape (Reshape's shape, TopK's k, Slice's starts, ...) comes
     from graph inputs whose values are not known at import time.
 
-    polyhal programs have static shapes, so such inputs must be fixed: pass their values to
-    :func:`polyhal.onnx.load` with ``values=`` (``polyhal run`` does this for inputs read from
-    files; the ONNX backend does it per run). ``inputs`` names them.
+    polyhal programs have static shapes, so such inputs are fixed: :func:`polyhal.onnx.load`
+    catches this and loads the model staged, specialized per value of those inputs (or fixes
+    them at load with ``values=``; ``polyhal run`` does this for inputs read from files, the
+    ONNX backend per run). ``inputs`` names them.
     """
 
     def __init__(self, message: str, inputs: frozenset[str] = frozenset()) -> None:

@@ -20,8 +20,9 @@ model whose dims stay open loads as a
 (the core specializes it per call's shapes), or, where a node needs a symbol's size at import
 (a ``Shape`` read of a symbolic dim, a shape computed from one), imported per input shape.
 Operands that decide a shape (Reshape's ``shape``, TopK's
-``k``, ...) must be known at import time, and when they come from graph inputs those inputs
-must be given values with ``values=`` (:class:`NeedsValue` names them).
+``k``, ...) fold when known at import time; when they come from graph inputs (or data computed
+from them) the model loads staged, specialized per value of those inputs, unless ``values=``
+fixes them (:class:`NeedsValue`, caught by the load, names them).
 """
 
 from __future__ import annotations
@@ -635,7 +636,8 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     Raises:
         OnnxModelError: not a model, truncated, or inconsistent.
         OnnxUnsupportedError: an opset, op, element type or feature polyhal lacks
-            (:class:`NeedsValue` when inputs must be given ``values``).
+            (:class:`NeedsValue` when an operand that decides a shape comes from nothing a run
+            can change).
         OnnxInputError: ``shapes`` / ``values`` that do not fit the model.
     """
     proto, read_as, arrays = _read(model, split=True)
