@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 import warnings
 from typing import Callable
 
@@ -32,7 +33,7 @@ import onnx
 from onnx import TensorProto as T
 from onnx import helper, numpy_helper
 
-from bench.harness import Row
+from bench.harness import Row, paired_times
 
 OPSET = 17
 
@@ -297,3 +298,83 @@ def tfidf_pipeline(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
     model = convert_sklearn(pipe, initial_types=[("text", StringTensorType([None, 1]))],
                             options={id(pipe.steps[-1][1]): {"zipmap": False}}, target_opset=17)
     return model, texts.reshape(-1, 1)
+
+
+# ------------------------------------------------------------------------------------- the run
+
+def _check(case: str, ours: dict, theirs: list, names: list[str], step: float = 0.0) -> None:
+    """polyhal's outputs against onnxruntime's: equal integers and strings, close floats (within
+    two quantization steps of ``step`` for int8 models)."""
+    for name, want in zip(names, theirs):
+        got = np.asarray(ours[name])
+        want = np.asarray(want)
+        assert got.shape == want.shape, f"{case} {name}: {got.shape} vs onnxruntime's {want.shape}"
+        if want.dtype.kind in "iubOU":
+            assert got.tolist() == want.tolist(), f"{case} {name} differs from onnxruntime"
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=max(2.01 * step, 1e-5), err_msg=f"{case} {name}")
+
+
+def cases(rng: np.random.Generator) -> list[tuple[str, onnx.ModelProto, dict, onnx.ModelProto | None]]:
+    """(case, model, feeds, the model onnxruntime runs where it needs another) for every family."""
+    out = []
+    batches = {"MLP": 64, "CNN": 8, "ResNet-18": 8}
+    for name, (model, feeds) in quantized_families(rng).items():
+        out.append((f"{name}, batch {batches[name.split()[0]]}", model, feeds(batches[name.split()[0]]), None))
+    out.append(("TopK k an input (k=10 of 1000), batch 64", topk_input_k(),
+                {"x": rng.standard_normal((64, 1000)).astype(np.float32), "k": np.array([10])}, None))
+    lens = rng.integers(4, 17, 8).astype(np.int32)
+    out.append(("bidirectional LSTM, sequence_lens an input (16 x 8 x 16 -> 32)", lstm_sequence_lens(),
+                {"x": rng.standard_normal((16, 8, 16)).astype(np.float32), "lens": lens}, None))
+    out.append(("Resize tf_half_pixel_for_nn nearest, 8 x 3 x 8 x 10", resize_tf_half_pixel_for_nn(),
+                {"x": rng.standard_normal((8, 3, 8, 10)).astype(np.float32)}, None))
+    try:
+        model, x = lightgbm_classifier()
+        out.append(("LightGBM (onnxmltools, label int64[1]) 30 trees, batch 100", model, {"input": x[:100]}, None))
+    except ImportError:
+        pass  # lightgbm / onnxmltools not installed: the row is left out
+    model, x = column_transformer()
+    out.append(("ColumnTransformer OneHotEncoder over 2 string columns, batch 1000", model,
+                {"input": np.resize(x, (1000, 2)).astype(str)}, None))
+    model, texts = tfidf_pipeline()
+    out.append(("TfidfVectorizer (Tokenizer) + LogisticRegression, batch 100", model,
+                {"text": texts[:100].astype(str)}, _with_locale(model)))
+    return out
+
+
+def run(args) -> list[Row]:
+    import onnxruntime as ort
+
+    import polyhal.onnx as ponnx
+
+    device = args.device or "cpu:0"
+    repeat = 5 if args.quick else 30
+    rows = []
+    for case, model, feeds, oracle in cases(np.random.default_rng(0)):
+        session = ort.InferenceSession((oracle or model).SerializeToString(), providers=["CPUExecutionProvider"])
+        theirs_feeds = {k: v.astype(object) if v.dtype.kind == "U" else v for k, v in feeds.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # onnxmltools' label declared int64[1]: trusted with a warning
+            program = ponnx.load(model, source=case)
+            plan = program.compile(device)
+            ours = program.execute(plan, feeds)
+        names = [o.name for o in model.graph.output]
+        step = 0.0
+        last = next((n for n in model.graph.node if names[0] in n.output), None)
+        if last is not None and last.op_type == "DequantizeLinear":
+            step = float(numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == last.input[1])))
+        _check(case, ours, session.run(None, theirs_feeds), names, step)
+        t0 = time.perf_counter()
+        program.execute(plan, feeds)
+        number = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t_ours, t_ort, ratio = paired_times(lambda: program.execute(plan, feeds),
+                                                lambda: session.run(None, theirs_feeds), repeat=repeat, number=number)
+        rows.append(Row(case, "ms", t_ours * 1e3, t_ort * 1e3, f"onnxruntime {ort.__version__} CPU EP",
+                        extra={"device": device, "median_ratio": round(ratio, 3)}))
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit("run it as: python -m bench onnx_breadth")

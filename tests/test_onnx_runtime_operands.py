@@ -127,3 +127,16 @@ def test_a_shape_operand_from_nothing_at_run_time_still_says_what_to_give():
     x = np.arange(12, dtype=np.float32).reshape(2, 6)
     assert program.run({"x": x, "shape": np.array([3, 4])}, "cpu:0")["y"].shape == (3, 4)
     assert issubclass(NeedsValue, PolyhalError)
+
+
+def test_a_staged_model_with_large_weights_keeps_them():
+    # Weights above the strip size are read apart from the ModelProto at load; staging cuts
+    # submodels out of the whole model, so they must be back in it.
+    from bench import onnx_breadth as fam
+
+    model = fam.lstm_sequence_lens(seq=6, batch=3, features=8, hidden=16)
+    assert max(len(t.raw_data) for t in model.graph.initializer) > 1024
+    program = ponnx.load(model.SerializeToString())
+    plan = program.compile("cpu:0")
+    x = np.random.default_rng(3).standard_normal((6, 3, 8)).astype(np.float32)
+    _same_as_onnxruntime(model, plan, program, {"x": x, "lens": np.array([6, 2, 4], np.int32)})

@@ -667,10 +667,10 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         def segment(model: onnx.ModelProto, seg_shapes, seg_values) -> OnnxProgram:
             return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit,
                              declared_outputs=outputs).run()
-        return StagedOnnxProgram(checked, source=source, opset=opset, import_segment=segment)
+        # staging cuts submodels out of the whole model: the weights go back in
+        whole = _fill_placeholders(checked, weights) if weights else checked
+        return StagedOnnxProgram(whole, source=source, opset=opset, import_segment=segment)
 
-    if weights and needs_staging(checked):
-        checked = _fill_placeholders(checked, weights)  # staging cuts submodels out of the whole model
     if needs_staging(checked):
         return staged()
     initialized = {t.name for t in checked.graph.initializer}

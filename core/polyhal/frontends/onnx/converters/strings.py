@@ -319,11 +319,18 @@ def _one_hot_encoder_strings(ctx: NodeContext) -> list:
     if not (is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE):
         raise OnnxModelError("OneHotEncoder with cats_strings takes string input")
     cats = list(ctx.attr("cats_strings"))
-    index = {c: i for i, c in reversed(list(enumerate(cats)))}
     # The strings become category numbers on the host (-1: not a category, an all-zero row, as
-    # for integer categories), and the device makes the one-hot rows from numbers.
-    ids = ctx.host(lambda a: _map(lambda s: index.get(s, -1), a, np.int64), x, dtype=np.int64, shape=x.shape,
-                   what=f"the category numbers of {ctx.label}")
+    # for integer categories), and the device makes the one-hot rows from numbers. One sorted
+    # search for the whole array (the first of repeated categories, as a table would keep it).
+    order = np.argsort(np.array(cats, dtype=np.str_), kind="stable")
+    keys = np.array(cats, dtype=np.str_)[order]
+
+    def numbers(a: np.ndarray) -> np.ndarray:
+        a = a.astype(np.str_)
+        at = np.searchsorted(keys, a).clip(0, max(len(keys) - 1, 0))
+        return np.where(keys[at] == a, order[at], -1).astype(np.int64) if len(keys) else np.full(a.shape, -1)
+
+    ids = ctx.host(numbers, x, dtype=np.int64, shape=x.shape, what=f"the category numbers of {ctx.label}")
     if isinstance(ids, HostValue):
         ids = ctx.importer.host_feed(ids)
     hot = ctx.op("equal", ctx.op("reshape", ids, shape=[*ctx.shape(ids), 1]), np.arange(len(cats), dtype=np.int64))
