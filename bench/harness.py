@@ -91,6 +91,23 @@ def median_time(fn: Callable[[], object], *, repeat: int = 30, number: int = 1, 
     return statistics.median(samples)
 
 
+def paired_times(ours: Callable[[], object], theirs: Callable[[], object], *, repeat: int, number: int
+                 ) -> tuple[float, float, float]:
+    """Median seconds per call of ``ours`` and ``theirs`` and the median of their per-round
+    ratio: the two alternate, ``number`` calls each per round, so that load from other
+    processes on a shared machine falls on both alike."""
+    for _ in range(3):
+        ours(), theirs()
+    a, b = [], []
+    for _ in range(repeat):
+        for fn, samples in ((ours, a), (theirs, b)):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            samples.append((time.perf_counter() - t0) / number)
+    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
+
+
 @contextmanager
 def busy_core(settle: float = 0.5) -> Iterator[subprocess.Popen]:
     """A background process keeping one core busy (a Python busy loop) for the ``with`` block:

@@ -16,13 +16,11 @@ when a target is missed.
 
 from __future__ import annotations
 
-import statistics
-import time
 import warnings
 
 import numpy as np
 
-from bench.harness import Row
+from bench.harness import Row, paired_times
 
 TREES, DEPTH, FEATURES = 40, 3, 20
 
@@ -43,22 +41,6 @@ def pipeline_model(seed: int = 0) -> tuple[bytes, np.ndarray]:
         warnings.simplefilter("ignore")
         pipe.fit(x, y)
         return to_onnx(pipe, x[:1]).SerializeToString(), x
-
-
-def paired_times(ours, theirs, *, repeat: int, number: int) -> tuple[float, float, float]:
-    """Median seconds per call of ``ours`` and ``theirs`` and the median of their per-round
-    ratio: the two alternate, ``number`` calls each per round, so that load from other
-    processes on a shared machine falls on both alike."""
-    for _ in range(3):
-        ours(), theirs()
-    a, b = [], []
-    for _ in range(repeat):
-        for fn, samples in ((ours, a), (theirs, b)):
-            t0 = time.perf_counter()
-            for _ in range(number):
-                fn()
-            samples.append((time.perf_counter() - t0) / number)
-    return statistics.median(a), statistics.median(b), statistics.median(x / y for x, y in zip(a, b))
 
 
 def run(args) -> list[Row]:

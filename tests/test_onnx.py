@@ -19,9 +19,10 @@ import polyhal.onnx as ponnx  # noqa: E402
 from polyhal.cli import main as cli_main  # noqa: E402
 from polyhal.errors import PolyhalError  # noqa: E402
 from polyhal.frontends.onnx import (  # noqa: E402
-    NeedsValue, OnnxInputError, OnnxModelError, OnnxUnsupportedError, StrictPlacementError,
+    OnnxInputError, OnnxModelError, OnnxUnsupportedError, StrictPlacementError,
 )
 from polyhal.frontends.onnx.backend import PolyhalBackend  # noqa: E402
+from polyhal.frontends.onnx.staged import StagedOnnxProgram  # noqa: E402
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 F = TensorProto.FLOAT
@@ -95,9 +96,9 @@ def test_examples_match_onnxruntime():
 def test_values_fix_shape_inputs_and_backend_learns_them():
     nodes = [helper.make_node("Reshape", ["x", "shape"], ["y"], name="r")]
     m = model_of(nodes, [vi("x", [2, 6]), vi("shape", [2], TensorProto.INT64)], [vi("y", ["a", "b"])])
-    with pytest.raises(NeedsValue, match=r"node r \(Reshape\): input 1 \('shape'.*graph input\(s\) 'shape'") as info:
-        ponnx.load(m)
-    assert info.value.inputs == {"shape"}
+    staged = ponnx.load(m)  # without values: staged, a plan per value of 'shape'
+    assert isinstance(staged, StagedOnnxProgram)
+    assert staged.run({"x": np.zeros((2, 6), np.float32), "shape": np.array([4, 3])}, "cpu:0")["y"].shape == (4, 3)
     program = ponnx.load(m, values={"shape": np.array([3, 4])})
     assert program.input_names == ["x"] and "shape" in program.frozen
     x = np.arange(12, dtype=np.float32).reshape(2, 6)
@@ -227,7 +228,11 @@ def test_declared_shapes_that_contradict_the_data():
     m = model_of([helper.make_node("Relu", ["x"], ["y"], name="act")], [vi("x", [2, 3])], [vi("y", [2, 5])])
     with pytest.raises(OnnxModelError, match=r"node act \(Relu\): output 'y' is declared float\[2,5\] but the data "
                                              r"gives shape \[2, 3\]"):
-        ponnx.load(m)
+        ponnx.load(m, strict_shapes=True)
+    # By default a graph output's declared shape gives way to the data, as in onnxruntime, with a warning.
+    with pytest.warns(ponnx.DeclaredShapeWarning, match=r"output 'y' is declared float\[2,5\].*trusts the data"):
+        program = ponnx.load(m)
+    assert program.run({"x": -np.ones((2, 3), np.float32)}, "cpu:0")["y"].shape == (2, 3)
     # An initializer that is also an input, declared with another shape.
     w = numpy_helper.from_array(np.ones((3, 4), np.float32), "w")
     m = model_of([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [vi("x", [2, 3]), vi("w", [4, 3])],

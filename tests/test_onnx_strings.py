@@ -131,9 +131,26 @@ def test_tfidf_vectorizer_matches_the_reference(mode, strings):
 # ------------------------------------------------------------------------------- bad input
 
 def test_a_device_op_on_strings_is_refused_clearly():
-    model = _model([helper.make_node("Transpose", ["s"], ["y"])], [("s", T.STRING, [2, 3])], [("y", T.STRING, [3, 2])])
-    with pytest.raises(OnnxUnsupportedError, match="holds strings.*Transpose has no string form"):
-        ponnx.load(model)
+    model = _model([helper.make_node("Tile", ["s", "r"], ["y"])], [("s", T.STRING, [2, 3]), ("r", T.INT64, [2])],
+                   [("y", T.STRING, [4, 3])])
+    with pytest.raises(OnnxUnsupportedError, match="holds strings.*device buffers hold numbers.*Tile has no string form"):
+        ponnx.load(model, values={"r": np.array([2, 1])})
+
+
+@pytest.mark.parametrize("node, out", [
+    (helper.make_node("Transpose", ["s"], ["y"]), [3, 2]),
+    (helper.make_node("Reshape", ["s", "shape"], ["y"]), [3, 2]),
+    (helper.make_node("Flatten", ["s"], ["y"], axis=0), [1, 6]),
+    (helper.make_node("Unsqueeze", ["s", "axes"], ["y"]), [2, 1, 3]),
+    (helper.make_node("Gather", ["s", "idx"], ["y"], axis=1), [2, 2]),
+    (helper.make_node("Concat", ["s", "s"], ["y"], axis=0), [4, 3]),
+])
+def test_data_movement_ops_move_strings_on_the_host(node, out):
+    inits = [helper.make_tensor("shape", T.INT64, [2], [3, -1]), helper.make_tensor("axes", T.INT64, [1], [1]),
+             helper.make_tensor("idx", T.INT64, [2], [2, -3])]
+    model = _model([node], [("s", T.STRING, [2, 3])], [("y", T.STRING, out)])
+    model.graph.initializer.extend(i for i in inits if i.name in node.input)
+    _check(model, {"s": WORDS})
 
 
 def test_strings_made_from_plan_results_cannot_feed_the_device_again():

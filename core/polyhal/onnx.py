@@ -12,14 +12,14 @@ This module imports the ``onnx`` package; ``import polyhal`` alone does not. Eve
 """
 
 from polyhal.frontends.onnx import (  # noqa: F401
-    DynamicOnnxProgram, DynamicPlan, MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, NeedsValue, OnnxError, OnnxInputError,
+    DeclaredShapeWarning, DynamicOnnxProgram, DynamicPlan, MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, NeedsValue, OnnxError, OnnxInputError,
     OnnxModelError, OnnxRunError,
     OnnxProgram, OnnxUnsupportedError, StagedOnnxProgram, StagedPlan, StrictPlacementError, load, read_model,
     supported_ops,
 )
 
 __all__ = [
-    "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
+    "DeclaredShapeWarning", "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
     "OnnxModelError", "OnnxRunError", "OnnxProgram", "StagedOnnxProgram", "StagedPlan",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

@@ -21,7 +21,7 @@ from polyhal.errors import DTypeError, ProgramError, ShapeError
 from polyhal.ir.types import TensorType
 from polyhal.ops._base import define, int_attr, int_list_attr
 
-__all__ = ["TFIDF_MODES", "pool_ngrams"]
+__all__ = ["TFIDF_MODES", "count_ngrams", "pool_ngrams"]
 
 #: The weighting modes of ``tfidf_vectorizer``.
 TFIDF_MODES = ("TF", "IDF", "TFIDF")
@@ -87,22 +87,49 @@ def weigh(counts: np.ndarray, weights, mode: str) -> np.ndarray:
 def _reference(x, *, pool, ngram_counts, ngram_indexes, weights, min_gram, max_gram, max_skip, mode):
     x = np.asarray(x)
     rows = x.reshape(1, -1) if x.ndim < 2 else x
-    grams = {n: {tuple(g): c for g, c in zip(*pair)} for n, pair in
-             pool_ngrams(pool, ngram_counts, ngram_indexes, min_gram, max_gram).items()}
-    counts = np.zeros((rows.shape[0], max(ngram_indexes) + 1), np.int64)
-    for r, row in enumerate(rows):
-        for skip in range(max_skip + 1):
-            for p in range(len(row)):
-                for n, table in grams.items():
-                    if n == 1 and skip:
-                        continue  # unigrams count once
-                    span = [p + k * (skip + 1) for k in range(n)]
-                    if span[-1] < len(row):
-                        col = table.get(tuple(int(row[i]) for i in span))
-                        if col is not None:
-                            counts[r, col] += 1
+    counts = count_ngrams(rows.astype(np.int64), pool_ngrams(pool, ngram_counts, ngram_indexes, min_gram, max_gram),
+                          max_skip, max(ngram_indexes) + 1)
     out = weigh(counts, weights, mode)
     return (out.reshape(-1) if x.ndim < 2 else out,)
+
+
+def count_ngrams(rows: np.ndarray, grams: dict[int, tuple], max_skip: int, width: int) -> np.ndarray:
+    """The n-gram counts ``[N, width]`` (int64) of token-id ``rows`` ``[N, C]`` for the pool's
+    ``grams`` (:func:`pool_ngrams`), vectorised over rows and positions: every window of each
+    size and skip is encoded as one integer (mixed radix over the ids present) and looked up in
+    the pool's sorted codes."""
+    n_rows, length = rows.shape
+    counts = np.zeros((n_rows, width), np.int64)
+    if not grams or not length:
+        return counts
+    # Codes over the ids that occur in the pool; any other id (and a padding id) is 0, which no
+    # pool n-gram holds, so windows containing one match nothing.
+    ids = np.unique(np.concatenate([g.reshape(-1) for g, _ in grams.values()]))
+    base = len(ids) + 1
+    digits = np.searchsorted(ids, rows).clip(0, len(ids) - 1)
+    digits = np.where(ids[digits] == rows, digits + 1, 0)
+    for n, (table, cols) in grams.items():
+        if base ** n >= 2 ** 62:
+            raise ProgramError(f"{n}-grams over {base - 1} distinct ids do not fit a 64-bit code")
+        pool_codes = np.zeros(len(table), np.int64)
+        for k in range(n):
+            pool_codes = pool_codes * base + np.searchsorted(ids, table[:, k]) + 1
+        order = np.argsort(pool_codes, kind="stable")
+        sorted_codes, sorted_cols = pool_codes[order], cols[order]
+        for skip in range(max_skip + 1 if n > 1 else 1):  # unigrams count once
+            span = (n - 1) * (skip + 1)
+            if span >= length:
+                continue
+            starts = length - span
+            codes = np.zeros((n_rows, starts), np.int64)
+            for k in range(n):
+                codes = codes * base + digits[:, k * (skip + 1): k * (skip + 1) + starts]
+            # the last of equal pool n-grams, as a table built from the pool in order keeps it
+            at = (np.searchsorted(sorted_codes, codes, side="right") - 1).clip(0, None)
+            hit = sorted_codes[at] == codes
+            row_index = np.broadcast_to(np.arange(n_rows)[:, None], codes.shape)
+            np.add.at(counts, (row_index[hit], sorted_cols[at[hit]]), 1)
+    return counts
 
 
 def _sample(rng: np.random.Generator):

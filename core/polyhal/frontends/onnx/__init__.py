@@ -18,7 +18,8 @@ Importing this package imports ``onnx``; ``import polyhal`` does not.
 from polyhal.frontends.onnx.converters import CONVERTERS
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, DynamicPlan
 from polyhal.frontends.onnx.errors import (
-    NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError, StrictPlacementError,
+    DeclaredShapeWarning, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
+    StrictPlacementError,
 )
 from polyhal.frontends.onnx.importer import (
     MAX_OPSET, MIN_OPSET, SUPPORTED_OPSETS, OnnxProgram, load, read_model,
@@ -33,7 +34,7 @@ def supported_ops() -> list[str]:
 
 
 __all__ = [
-    "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
+    "DeclaredShapeWarning", "DynamicOnnxProgram", "DynamicPlan", "MAX_OPSET", "MIN_OPSET", "NeedsValue", "OnnxError", "OnnxInputError",
     "OnnxModelError", "OnnxRunError", "OnnxProgram", "StagedOnnxProgram", "StagedPlan",
     "OnnxUnsupportedError", "SUPPORTED_OPSETS", "StrictPlacementError", "load", "read_model", "supported_ops",
 ]

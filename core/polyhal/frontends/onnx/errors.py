@@ -31,9 +31,10 @@ class NeedsValue(OnnxUnsupportedError):
     """An operand that decides a shape (Reshape's shape, TopK's k, Slice's starts, ...) comes
     from graph inputs whose values are not known at import time.
 
-    polyhal programs have static shapes, so such inputs must be fixed: pass their values to
-    :func:`polyhal.onnx.load` with ``values=`` (``polyhal run`` does this for inputs read from
-    files; the ONNX backend does it per run). ``inputs`` names them.
+    polyhal programs have static shapes, so such inputs are fixed: :func:`polyhal.onnx.load`
+    catches this and loads the model staged, specialized per value of those inputs (or fixes
+    them at load with ``values=``; ``polyhal run`` does this for inputs read from files, the
+    ONNX backend per run). ``inputs`` names them.
     """
 
     def __init__(self, message: str, inputs: frozenset[str] = frozenset()) -> None:
@@ -45,6 +46,12 @@ class NeedsStaging(OnnxUnsupportedError):
     """A feature a single static plan cannot hold: control flow decided by data, a value whose
     length is data feeding a later op, sequences and optionals. :func:`polyhal.onnx.load` then
     runs the model staged (:mod:`polyhal.frontends.onnx.staged`)."""
+
+
+class DeclaredShapeWarning(UserWarning):
+    """A graph output's declared shape contradicts what the model computes (onnxmltools declares
+    a LightGBM classifier's ``label`` as int64[1] at any batch): polyhal trusts the data, as
+    onnxruntime does, and warns once per model; ``load(..., strict_shapes=True)`` refuses instead."""
 
 
 class StrictPlacementError(OnnxUnsupportedError, ProgramError):

@@ -20,8 +20,9 @@ model whose dims stay open loads as a
 (the core specializes it per call's shapes), or, where a node needs a symbol's size at import
 (a ``Shape`` read of a symbolic dim, a shape computed from one), imported per input shape.
 Operands that decide a shape (Reshape's ``shape``, TopK's
-``k``, ...) must be known at import time, and when they come from graph inputs those inputs
-must be given values with ``values=`` (:class:`NeedsValue` names them).
+``k``, ...) fold when known at import time; when they come from graph inputs (or data computed
+from them) the model loads staged, specialized per value of those inputs, unless ``values=``
+fixes them (:class:`NeedsValue`, caught by the load, names them).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import dataclasses
 import functools
 import ctypes.util
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -44,7 +46,7 @@ from onnx import helper, numpy_helper
 from polyhal.config import parse_size
 from polyhal.errors import DTypeError, PolyhalError
 from polyhal.frontends.onnx.errors import (
-    NeedsStaging, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
+    DeclaredShapeWarning, NeedsStaging, NeedsValue, OnnxError, OnnxInputError, OnnxModelError, OnnxRunError, OnnxUnsupportedError,
     StrictPlacementError, first_line as _first_line,
 )
 from polyhal.frontends.onnx.external import load_external_data, tensor_array
@@ -559,7 +561,24 @@ def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.Tensor
 
 
 def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """ONNX's checker, then strict shape inference; returns the model with inferred value_info."""
+    """ONNX's checker, then strict shape inference; returns the model with inferred value_info.
+
+    Graph outputs that declare an element type but no ``shape`` field (onnxruntime's tools and
+    hand-built models write them; onnxruntime runs them, the checker refuses them) are left out
+    of what the checker and inference see, and come back unchanged: the data decides them."""
+    outputs = list(model.graph.output)
+    shapeless = [o for o in outputs if o.type.WhichOneof("value") == "tensor_type"
+                 and not o.type.tensor_type.HasField("shape")]
+    if shapeless:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        kept = [o for o in outputs if o not in shapeless]
+        del copy.graph.output[:]
+        copy.graph.output.extend(kept)
+        checked = _validate(copy, source)
+        del checked.graph.output[:]
+        checked.graph.output.extend(outputs)
+        return checked
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as exc:
@@ -582,7 +601,7 @@ def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
 def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
          values: Mapping[str, Any] | None = None, dims: Mapping[str, int] | None = None,
          default_dim: int | None = None, name: str | None = None, validate: bool = True,
-         source: str | None = None, fold_limit: int | str | None = None
+         source: str | None = None, fold_limit: int | str | None = None, strict_shapes: bool = False
          ) -> OnnxProgram | DynamicOnnxProgram | StagedOnnxProgram:
     """Import an ONNX model as a polyhal program.
 
@@ -611,11 +630,15 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
         fold_limit: the largest result in bytes (or ``"64MiB"``) an op may produce by running at
             import time; larger ones stay in the program (default ``POLYHAL_FOLD_LIMIT``, else
             :data:`FOLD_LIMIT`).
+        strict_shapes: refuse a model whose graph output's declared shape contradicts what it
+            computes (default: trust the data, as onnxruntime does, with one
+            :class:`~polyhal.frontends.onnx.errors.DeclaredShapeWarning` per output).
 
     Raises:
         OnnxModelError: not a model, truncated, or inconsistent.
         OnnxUnsupportedError: an opset, op, element type or feature polyhal lacks
-            (:class:`NeedsValue` when inputs must be given ``values``).
+            (:class:`NeedsValue` when an operand that decides a shape comes from nothing a run
+            can change).
         OnnxInputError: ``shapes`` / ``values`` that do not fit the model.
     """
     proto, read_as, arrays = _read(model, split=True)
@@ -626,10 +649,11 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     del light
     shapes, values, dims = shapes or {}, values or {}, {str(k): int(v) for k, v in (dims or {}).items()}
     limit = _fold_limit(fold_limit)
+    outputs = _DeclaredOutputs(strict_shapes)
 
     def specialize(concrete: Mapping[str, Sequence[int]]) -> OnnxProgram:
         importer = _Importer(checked, source, opset, {**shapes, **concrete}, values, dims, default_dim, name, limit,
-                             weights)
+                             weights, outputs)
         try:
             # As compile does: the program's objects outlive young generations. Said on a terminal
             # where it takes over a second (a large model).
@@ -644,11 +668,12 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
 
     def staged() -> StagedOnnxProgram:
         def segment(model: onnx.ModelProto, seg_shapes, seg_values) -> OnnxProgram:
-            return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit).run()
-        return StagedOnnxProgram(checked, source=source, opset=opset, import_segment=segment)
+            return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit,
+                             declared_outputs=outputs).run()
+        # staging cuts submodels out of the whole model: the weights go back in
+        whole = _fill_placeholders(checked, weights) if weights else checked
+        return StagedOnnxProgram(whole, source=source, opset=opset, import_segment=segment)
 
-    if weights and needs_staging(checked):
-        checked = _fill_placeholders(checked, weights)  # staging cuts submodels out of the whole model
     if needs_staging(checked):
         return staged()
     initialized = {t.name for t in checked.graph.initializer}
@@ -660,12 +685,21 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
             program = specialize({})
         except NeedsStaging:
             return staged()
+        except NeedsValue as exc:
+            if not _stages(exc, values):
+                raise
+            return staged()  # each segment is specialized per value of the inputs that decide shapes
         del proto, checked, weights
         _trim_heap()
         return program
     if needs_staging(checked, any_host_op=True):
         return staged()  # staging specializes each segment to the shapes it sees
-    symbolic, reimport = _import_symbolic(specialize, signature, dims)
+    try:
+        symbolic, reimport = _import_symbolic(specialize, signature, dims)
+    except NeedsValue as exc:
+        if not _stages(exc, values):
+            raise
+        return staged()
     return DynamicOnnxProgram(source=source, opset=opset, signature=signature, bound=dims,
                               output_names=[o.name for o in checked.graph.output], specialize=specialize,
                               program=symbolic, reimport=reimport)
@@ -684,6 +718,8 @@ def _import_symbolic(specialize: Callable[[Mapping[str, tuple]], OnnxProgram], s
         return None, "an input declares no rank"
     try:
         program = specialize(shapes)
+    except NeedsValue:
+        raise
     except PolyhalError as exc:
         return None, _first_line(exc)
     if program.string_inputs or program.host_feeds or program.host_outputs or program.trims or program.finishes:
@@ -692,6 +728,14 @@ def _import_symbolic(specialize: Callable[[Mapping[str, tuple]], OnnxProgram], s
     if symbolic:
         return None, f"an op's attribute holds a symbolic dim ({program.origin(symbolic[0])})"
     return program, ""
+
+
+def _stages(exc: NeedsValue, values: Mapping[str, Any]) -> bool:
+    """Whether a model that raised ``exc`` at import runs staged instead: the operand that decides
+    a shape comes from graph inputs given at run time (TopK's k, Range's bounds, LSTM's sequence
+    lengths, a Reshape target), so the staged runner fixes them to each run's values, one plan
+    per value in the bounded specialization cache. Inputs fixed by ``values=`` cannot change."""
+    return bool(exc.inputs) and not exc.inputs & set(values)
 
 
 def _has_symbol(attrs: Any) -> bool:
@@ -763,8 +807,11 @@ def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> lis
 
 class _Importer:
     def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name,
-                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, onnx.TensorProto | np.ndarray] | None = None):
+                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, onnx.TensorProto | np.ndarray] | None = None,
+                 declared_outputs: "_DeclaredOutputs | None" = None):
         self.model = model
+        self.declared_outputs = declared_outputs or _DeclaredOutputs(False)
+        self.graph_outputs = {o.name for o in model.graph.output}
         self.weights = weights or {}
         self.fold_limit = fold_limit
         self.source = source
@@ -1164,9 +1211,12 @@ class _Importer:
         # (a symbolic dim is checked by the op's inference when the program is specialized)
         if dims is not None and (len(dims) != t.rank or any(d is not None and not isinstance(s, SymbolicDim) and d != s
                                                             for d, s in zip(dims, t.shape))):
-            raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
-                                 f"{_fmt_declared(elem, dims, tp)} but the data gives shape {list(t.shape)} "
-                                 "(declared shapes contradict the data)")
+            what = (f"{self.source}: node {label}: output {name!r} is declared {_fmt_declared(elem, dims, tp)} "
+                    f"but the data gives shape {list(t.shape)} (declared shapes contradict the data)")
+            if name in self.graph_outputs:
+                self.declared_outputs.contradicted(name, what)
+            else:
+                raise OnnxModelError(what)
 
 
 #: bfloat16, which ONNX models may compute in (a bf16 Attention, Einsum, Celu): a storage type of
@@ -1184,6 +1234,24 @@ def _computes_widened(types: Sequence[TensorType]) -> bool:
     bfloat16 and no other is of another float or storage type (a mix has no one result type)."""
     floats = {t.dtype for t in types if t.dtype.kind == "f" or t.dtype in STORAGE_DTYPES}
     return floats == {BFLOAT16}
+
+
+class _DeclaredOutputs:
+    """What a load does with a graph output whose declared shape contradicts the data: refuse
+    (``strict``), or trust the data as onnxruntime does and warn once per output and model (a
+    model imported per shape or per segment is imported many times over)."""
+
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.warned: set[str] = set()
+
+    def contradicted(self, name: str, what: str) -> None:
+        if self.strict:
+            raise OnnxModelError(f"{what}; load it without strict_shapes=True to trust the data, as onnxruntime does")
+        if name not in self.warned:
+            self.warned.add(name)
+            warnings.warn(f"{what}: polyhal trusts the data, as onnxruntime does (strict_shapes=True refuses)",
+                          DeclaredShapeWarning, stacklevel=2)
 
 
 class _Unsupported:

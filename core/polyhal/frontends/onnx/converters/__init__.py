@@ -25,7 +25,7 @@ from polyhal.frontends.onnx.converters.registry import CONVERTERS, STRING_CONVER
 
 # Importing a family registers its converters.
 from polyhal.frontends.onnx.converters import (  # noqa: F401
-    control, datadep, elementwise, images, misc, ml, nn, quantize, reduce, resize, rnn, signal, strings, tensor,
+    contrib, control, datadep, elementwise, images, misc, ml, nn, quantize, reduce, resize, rnn, signal, strings, tensor,
     vision,
 )
 

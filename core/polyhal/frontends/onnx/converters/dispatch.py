@@ -45,6 +45,12 @@ def convert_node(importer, node: onnx.NodeProto, env: Mapping[str, Any], opsets:
     where = f" (domain {ctx.domain!r})" if ctx.domain else ""
     if declined:
         raise OnnxUnsupportedError(f"{node.op_type}{where}: {declined}")
+    if ctx.domain == "com.microsoft":
+        raise OnnxUnsupportedError(
+            f"op {node.op_type!r} of domain 'com.microsoft' (an onnxruntime contrib op) is not supported by polyhal, "
+            "which runs onnxruntime's QOperator quantized ops (QGemm, QLinearAdd, ...) but not this one; a model "
+            "from onnxruntime's quantizer can be quantized to QDQ instead (quantize_static(..., "
+            "quant_format=QuantFormat.QDQ)), whose QuantizeLinear/DequantizeLinear pairs polyhal runs")
     if _schema(node.op_type, ctx.opset, ctx.domain) is None:
         raise OnnxUnsupportedError(f"op {node.op_type!r}{where} is not an op of opset {ctx.opset}")
     raise OnnxUnsupportedError(f"op {node.op_type}{where} (opset {ctx.opset}) is not supported by polyhal's "

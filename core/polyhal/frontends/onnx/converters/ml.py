@@ -10,8 +10,8 @@ its tree, a cycle, a feature out of range) is refused naming the attribute.
 the host after the run (:class:`~polyhal.frontends.onnx.types.HostOutput`): the plan computes
 the label indices (or the probability matrix) and :meth:`OnnxProgram.execute` returns a numpy
 array of ``str`` (or a list of ``{label: float}`` dicts, one per sample, as onnxruntime returns).
-Such values can only be model outputs. String *inputs* (LabelEncoder, OneHotEncoder on strings)
-are unsupported: polyhal has no string tensors.
+Such values can only be model outputs. String *inputs* (LabelEncoder, OneHotEncoder over string
+categories) are computed on the host around the plan (:mod:`~polyhal.frontends.onnx.converters.strings`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,9 @@ def _normalizer(ctx: NodeContext) -> list:
         d = ctx.op("sqrt", ctx.op("reduce_sum", ctx.op("mul", x, x), axes=[1], keepdims=True))
     else:
         raise OnnxModelError(f"attribute 'norm' is {norm!r}; ONNX defines MAX, L1 and L2")
-    return [ctx.op("div", x, d)]
+    # A row whose norm is zero stays as it is (onnxruntime and scikit-learn), not 0/0.
+    zero = np.zeros((), ctx.dtype(d))
+    return [ctx.op("div", x, ctx.op("where", ctx.op("equal", d, zero), np.ones((), ctx.dtype(d)), d))]
 
 
 @converter("Binarizer", domain=ML)
@@ -119,8 +121,7 @@ def _array_feature_extractor(ctx: NodeContext) -> list:
 def _one_hot_encoder(ctx: NodeContext) -> list:
     # zeros=0 asks for an error on a category not listed; polyhal's kernels cannot raise on data,
     # so such a value gives an all-zero row in either case (documented in README).
-    if ctx.has_attr("cats_strings"):
-        raise OnnxUnsupportedError("OneHotEncoder over strings (cats_strings): polyhal has no string tensors")
+    # (over strings, cats_strings: converters/strings.py)
     cats = np.asarray(ctx.attr("cats_int64s"), np.int64)
     x = ctx.input(0)
     if ctx.dtype(x) != np.int64:

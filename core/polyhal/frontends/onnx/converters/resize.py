@@ -23,7 +23,7 @@ from polyhal.frontends.onnx.converters.tensor import ints, norm_axis
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 
 _COORDINATE_MODES = ("half_pixel", "half_pixel_symmetric", "pytorch_half_pixel", "align_corners", "asymmetric",
-                     "tf_crop_and_resize")
+                     "tf_crop_and_resize", "tf_half_pixel_for_nn")
 
 
 def _source_coordinates(mode: str, out_len: int, in_len: int, scale: float, roi: tuple[float, float] | None):
@@ -44,6 +44,8 @@ def _source_coordinates(mode: str, out_len: int, in_len: int, scale: float, roi:
         x = np.full(out_len, -0.5) if out_f == 1 else (y + 0.5) / scale - 0.5
     elif mode == "half_pixel":
         x = (y + 0.5) / scale - 0.5
+    elif mode == "tf_half_pixel_for_nn":  # opset 11 only (TensorFlow converters write it)
+        x = (y + 0.5) / scale
     elif mode == "half_pixel_symmetric":
         offset = in_len / 2 * (1 - out_len / out_f)
         x = offset + (y + 0.5) / scale - 0.5

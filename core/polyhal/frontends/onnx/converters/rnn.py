@@ -1,4 +1,5 @@
-"""Recurrent layers (RNN, GRU, LSTM), unrolled over the static sequence length.
+"""Recurrent layers (RNN, GRU, LSTM), unrolled over the static sequence length (rows with a
+shorter ``sequence_lens`` masked after their last step).
 
 The input projection of every step is one matmul over the whole sequence; each step then adds
 the recurrent projection and applies the gates, with the activations ONNX names (``Sigmoid``,
@@ -95,8 +96,15 @@ def _recurrent(ctx: NodeContext) -> list:
     if layout:  # (batch, seq, input) -> (seq, batch, input)
         x = ctx.op("transpose", x, perm=[1, 0, 2])
     seq, batch, _ = ctx.shape(x)
-    if seq_lens is not None and any(int(s) != seq for s in np.asarray(seq_lens).reshape(-1)):
-        raise OnnxUnsupportedError(f"{kind} with sequence_lens shorter than the sequence")
+    # Rows shorter than the sequence keep their state after their last step and output zeros
+    # there (ONNX, onnxruntime): a per-step mask, a constant, where the lengths are known.
+    lengths = None if seq_lens is None else np.asarray(seq_lens).reshape(-1).astype(np.int64)
+    if lengths is not None:
+        if lengths.shape != (batch,) or (lengths < 0).any() or (lengths > seq).any():
+            raise OnnxModelError(f"{kind}: sequence_lens must hold {batch} lengths from 0 to {seq}, got "
+                                 f"{lengths.tolist()}")
+        if (lengths == seq).all():
+            lengths = None
     names = ctx.attr("activations", None) or _DEFAULT_ACTIVATIONS[kind] * dirs
     alphas = ctx.attr("activation_alpha", None)
     betas = ctx.attr("activation_beta", None)
@@ -154,6 +162,7 @@ def _recurrent(ctx: NodeContext) -> list:
         for step in range(seq):
             t = seq - 1 - step if reverse else step
             xt = _step_input(ctx, xw, t)
+            h_before, c_before = h, c
             if kind == "RNN":
                 h = f[0](clipped(ctx.op("add", xt, ctx.op("matmul", h, rt))))
             elif kind == "GRU":
@@ -185,7 +194,20 @@ def _recurrent(ctx: NodeContext) -> list:
                     go = ctx.op("add", go, ctx.op("mul", p_o, c))
                 o_ = f[0](clipped(go))
                 h = ctx.op("mul", o_, f[2](c))
-            outs.append(h)
+            if lengths is not None and (lengths <= t).any():
+                live = (lengths > t).reshape(batch, 1)
+                h = ctx.op("where", live, h, h_before)
+                if c is not None:
+                    c = ctx.op("where", live, c, c_before)
+                outs.append(ctx.op("where", live, h, np.zeros((), dt)))
+            else:
+                outs.append(h)
+        if lengths is not None and (lengths == 0).any():
+            # onnxruntime gives an empty row zeros for its final state, not its initial one.
+            ran = (lengths > 0).reshape(batch, 1)
+            h = ctx.op("where", ran, h, np.zeros((), dt))
+            if c is not None:
+                c = ctx.op("where", ran, c, np.zeros((), dt))
         if reverse:
             outs = outs[::-1]
         ys.append(ctx.op("concat", *[reshape(ctx, o, (1, 1, batch, hidden)) for o in outs], axis=0)

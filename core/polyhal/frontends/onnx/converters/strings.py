@@ -1,5 +1,7 @@
 """String ops: StringConcat, StringSplit, StringNormalizer, RegexFullMatch, LabelEncoder with
-string keys or values, and the string forms of Cast, CastLike, Equal and Identity.
+string keys or values, OneHotEncoder over string categories, and the string forms of Cast,
+CastLike, Equal, Identity and the ops that move data (Reshape, Flatten, Squeeze, Unsqueeze,
+Transpose, Concat, Gather): what scikit-learn pipelines over string columns need.
 
 Device buffers hold numbers, so polyhal computes strings on the host, around the device plan
 (see :class:`~polyhal.frontends.onnx.types.HostValue`): a string tensor is a numpy array of
@@ -20,8 +22,10 @@ import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.registry import Decline, converter
+from polyhal.frontends.onnx.converters.tensor import _axes
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import STRING, STRING_DTYPE, HostValue, is_strings, np_dtype
+from polyhal.ops import OPS
 
 ML = "ai.onnx.ml"
 
@@ -230,6 +234,159 @@ def _default(ctx: NodeContext, values: np.ndarray) -> Any:
     raise OnnxUnsupportedError(f"LabelEncoder values of {values.dtype} are not supported")
 
 
+# ------------------------------------------------------ moving strings: the shape ops' string forms
+
+def _host_form(ctx: NodeContext, fn, *args: Any) -> list:
+    """``fn`` (numpy) of ``args`` on the host, giving strings; its result shape is what ``fn``
+    gives on placeholders of the operands' shapes (None when one depends on the data)."""
+    shapes = [getattr(a, "shape", None) if isinstance(a, HostValue) or is_strings(a) else ctx.shape(a) for a in args]
+    shape = None
+    if all(s is not None for s in shapes):
+        probe = [a if isinstance(a, np.ndarray) and not is_strings(a) else np.zeros(s, np.int64) if not (
+                 isinstance(a, HostValue) and a.dtype == STRING_DTYPE or is_strings(a)) else np.empty(s, object)
+                 for a, s in zip(args, shapes)]
+        shape = np.shape(fn(*probe))
+    return [ctx.host(lambda *a: _strings(fn(*a)), *args, dtype=STRING_DTYPE, shape=shape)]
+
+
+def _strings_or_decline(ctx: NodeContext, i: int) -> Any:
+    x = ctx.host_input(i)
+    if not (is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE):
+        raise Decline("numbers")
+    return x
+
+
+@converter("Reshape", strings=True)
+def _reshape_strings(ctx: NodeContext) -> list:
+    x = _strings_or_decline(ctx, 0)
+    target = [int(d) for d in np.asarray(ctx.const(1, "the new shape")).reshape(-1)]
+    allowzero = int(ctx.attr("allowzero", 0))
+
+    def fn(a):
+        dims = [a.shape[i] if d == 0 and not allowzero and i < a.ndim else d for i, d in enumerate(target)]
+        return a.reshape(dims)
+    return _host_form(ctx, fn, x)
+
+
+@converter("Flatten", strings=True)
+def _flatten_strings(ctx: NodeContext) -> list:
+    x = _strings_or_decline(ctx, 0)
+    axis = int(ctx.attr("axis", 1))
+    return _host_form(ctx, lambda a: a.reshape(int(np.prod(a.shape[:axis % (a.ndim + 1) if axis < 0 else axis])), -1), x)
+
+
+@converter("Squeeze", "Unsqueeze", strings=True)
+def _squeeze_strings(ctx: NodeContext) -> list:
+    x = _strings_or_decline(ctx, 0)
+    axes = _axes(ctx, 13)
+    if ctx.op_type == "Squeeze":
+        return _host_form(ctx, lambda a: np.squeeze(a, axis=None if axes is None else tuple(axes)), x)
+    if axes is None:
+        raise OnnxModelError("Unsqueeze needs axes")
+    return _host_form(ctx, lambda a: np.expand_dims(a, tuple(axes)), x)
+
+
+@converter("Transpose", strings=True)
+def _transpose_strings(ctx: NodeContext) -> list:
+    x = _strings_or_decline(ctx, 0)
+    perm = ctx.attr("perm", None)
+    return _host_form(ctx, lambda a: np.transpose(a, None if perm is None else [int(p) for p in perm]), x)
+
+
+@converter("Concat", strings=True)
+def _concat_strings(ctx: NodeContext) -> list:
+    xs = [ctx.host_input(i) for i in range(ctx.num_inputs) if ctx.has(i)]
+    if not any(is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE for x in xs):
+        raise Decline("numbers")
+    axis = int(ctx.attr("axis"))
+    return _host_form(ctx, lambda *a: np.concatenate(a, axis=axis), *xs)
+
+
+@converter("Gather", strings=True)
+def _gather_strings(ctx: NodeContext) -> list:
+    x = _strings_or_decline(ctx, 0)
+    axis = int(ctx.attr("axis", 0))
+    return _host_form(ctx, lambda a, i: np.take(a, np.asarray(i, np.int64), axis=axis), x, ctx.host_input(1))
+
+
+# ------------------------------------------------------------------------------ OneHotEncoder
+
+@converter("OneHotEncoder", domain=ML, strings=True)
+def _one_hot_encoder_strings(ctx: NodeContext) -> list:
+    if not ctx.has_attr("cats_strings"):
+        raise Decline("integer categories")
+    x = ctx.host_input(0)
+    if not (is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE):
+        raise OnnxModelError("OneHotEncoder with cats_strings takes string input")
+    cats = list(ctx.attr("cats_strings"))
+    # The strings become category numbers on the host (-1: not a category, an all-zero row, as
+    # for integer categories), and the device makes the one-hot rows from numbers. One sorted
+    # search for the whole array (the first of repeated categories, as a table would keep it).
+    order = np.argsort(np.array(cats, dtype=np.str_), kind="stable")
+    keys = np.array(cats, dtype=np.str_)[order]
+
+    def numbers(a: np.ndarray) -> np.ndarray:
+        a = a.astype(np.str_)
+        at = np.searchsorted(keys, a).clip(0, max(len(keys) - 1, 0))
+        return np.where(keys[at] == a, order[at], -1).astype(np.int64) if len(keys) else np.full(a.shape, -1)
+
+    ids = ctx.host(numbers, x, dtype=np.int64, shape=x.shape, what=f"the category numbers of {ctx.label}")
+    if isinstance(ids, HostValue):
+        ids = ctx.importer.host_feed(ids)
+    hot = ctx.op("equal", ctx.op("reshape", ids, shape=[*ctx.shape(ids), 1]), np.arange(len(cats), dtype=np.int64))
+    return [ctx.op("cast", hot, dtype=np.dtype(np.float32))]
+
+
+# ------------------------------------------------------------------- com.microsoft Tokenizer
+
+@converter("Tokenizer", domain="com.microsoft")
+def _tokenizer(ctx: NodeContext) -> list:
+    """onnxruntime's Tokenizer (what skl2onnx writes for a TfidfVectorizer): each string of a
+    [C] or [N, C] input becomes its tokens along a new last axis, padded with ``pad_value`` to
+    the longest (``mark``: framed by "\\x02" and "\\x03", the padding after the frame). Tokens are the matches of
+    ``tokenexp`` of at least ``mincharnum`` characters, or the text between ``separators``
+    (earlier ones first; one empty separator: every character a token)."""
+    x = _string_input(ctx, 0)
+    mark, pad = bool(ctx.attr("mark")), ctx.attr("pad_value")
+    mincharnum = int(ctx.attr("mincharnum"))
+    tokenexp, separators = ctx.attr("tokenexp", None), list(ctx.attr("separators", []) or [])
+    if x.shape is not None and len(x.shape) not in (1, 2):
+        raise OnnxModelError(f"Tokenizer takes shape [C] or [N, C], got {list(x.shape)}")
+    try:
+        if tokenexp:
+            regex = re.compile(tokenexp)
+
+            def tokens(text: str) -> list[str]:
+                return [m.group(0) for m in regex.finditer(text) if m.group(0) and len(m.group(0)) >= mincharnum]
+        elif separators == [""]:
+            def tokens(text: str) -> list[str]:
+                return list(text)
+        elif separators and all(separators):
+            regex = re.compile("|".join(map(re.escape, separators)))
+
+            def tokens(text: str) -> list[str]:
+                # onnxruntime keeps the text after the last separator whatever its length
+                *parts, last = regex.split(text)
+                return [p for p in parts if p and len(p) >= mincharnum] + ([last] if last else [])
+        else:
+            raise OnnxModelError("Tokenizer needs tokenexp, or separators with no empty one (or just one empty "
+                                 "separator for characters)")
+    except re.error as exc:
+        raise OnnxModelError(f"Tokenizer tokenexp {tokenexp!r} is not a valid regular expression: {exc}") from None
+
+    def tokenize(a: np.ndarray) -> np.ndarray:
+        rows = [tokens(t) for t in a.reshape(-1)]
+        width = max(map(len, rows), default=0)
+        out = np.full((a.size, width + 2 * mark if width else 0), pad, dtype=object)
+        for row, toks in zip(out, rows):
+            row[mark:mark + len(toks)] = toks
+            if width and mark:  # the end mark right after the tokens, then the padding
+                row[0], row[len(toks) + 1] = "\x02", "\x03"
+        return out.reshape(*a.shape, out.shape[-1])
+
+    return [ctx.host(tokenize, x, dtype=STRING_DTYPE, shape=None)]
+
+
 # ------------------------------------------------------------------------------------ TF-IDF
 
 @converter("TfIdfVectorizer")
@@ -251,11 +408,36 @@ def _tfidf_vectorizer(ctx: NodeContext) -> list:
         pool = [int(v) for v in ctx.attr("pool_int64s")]
     else:
         raise OnnxModelError("TfIdfVectorizer needs pool_int64s or pool_strings")
+    attrs = dict(pool=pool, ngram_counts=[int(v) for v in ctx.attr("ngram_counts")],
+                 ngram_indexes=[int(v) for v in ctx.attr("ngram_indexes")],
+                 weights=[float(v) for v in ctx.attr("weights", [])],
+                 min_gram=int(ctx.attr("min_gram_length")), max_gram=int(ctx.attr("max_gram_length")),
+                 max_skip=int(ctx.attr("max_skip_count")), mode=ctx.attr("mode"))
+    if isinstance(x, HostValue) and x.shape is None:
+        # Tokens of a Tokenizer or StringSplit: how many per row only the data says, so no
+        # static plan can take them; the counting runs on the host too (the op's numpy form),
+        # and its [N, columns] result, of static shape, enters the plan.
+        if x.after_plan:
+            raise OnnxUnsupportedError(f"{x.what} is computed from the device plan's results and has a shape only "
+                                       "the data decides; polyhal runs host work before and after the plan")
+        width = max(attrs["ngram_indexes"]) + 1
+        rows = _rows_of(ctx, x)
+        reference = OPS["tfidf_vectorizer"].reference
+        return [ctx.host(lambda a: reference(a, **attrs)[0], x, dtype=np.float32,
+                         shape=(width,) if rows is None else (rows, width), what=f"the n-gram counts of {ctx.label}")]
     if isinstance(x, HostValue):
         x = ctx.importer.host_feed(x)
-    return [ctx.op("tfidf_vectorizer", x,
-                   pool=pool, ngram_counts=[int(v) for v in ctx.attr("ngram_counts")],
-                   ngram_indexes=[int(v) for v in ctx.attr("ngram_indexes")],
-                   weights=[float(v) for v in ctx.attr("weights", [])],
-                   min_gram=int(ctx.attr("min_gram_length")), max_gram=int(ctx.attr("max_gram_length")),
-                   max_skip=int(ctx.attr("max_skip_count")), mode=ctx.attr("mode"))]
+    return [ctx.op("tfidf_vectorizer", x, **attrs)]
+
+
+def _rows_of(ctx: NodeContext, x: HostValue) -> int | None:
+    """How many rows of tokens ``x`` (whose last dim only the data decides) holds: the length of
+    the 1-D strings it was split from (None for one 0-d string: tokens [T], counts [columns])."""
+    source = x  # down the values it is made from (token ids, tokens) to the strings split
+    while isinstance(source, HostValue) and source.shape is None:
+        source = next((a for a in source.args if isinstance(a, HostValue) or is_strings(a)), None)
+    shape = getattr(source, "shape", None)
+    if shape is None or len(shape) > 1:
+        raise OnnxUnsupportedError(f"TfIdfVectorizer of {x.what}: it takes tokens [T] or [N, T] of strings [N] "
+                                   f"(got tokens of strings of shape {shape if shape is not None else 'unknown'})")
+    return shape[0] if shape else None

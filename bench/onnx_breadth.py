@@ -1,0 +1,380 @@
+"""ONNX breadth: the model families users bring that are not plain float CNNs or transformers, on
+polyhal's CPU against onnxruntime's CPU provider, in the same run.
+
+Each family is built here, from nothing downloaded (onnx.helper, scikit-learn with skl2onnx,
+LightGBM with onnxmltools, onnxruntime's own quantizer), so the tests use the same builders
+(``tests/test_onnx_contrib.py``, ``tests/test_onnx_breadth.py``):
+
+- onnxruntime's QOperator int8 output (``com.microsoft`` QGemm, QLinearAdd, QLinearConcat, ...):
+  an MLP, a small CNN and a ResNet-18-shaped net, statically quantized; the MLP dynamically
+  quantized (MatMulInteger) and as onnxruntime's optimizer fuses it (DynamicQuantizeMatMul);
+- run-time shape operands: TopK whose k is an input, Range whose bounds are inputs, an LSTM
+  whose sequence lengths are an input;
+- a LightGBM classifier through onnxmltools (which declares ``label`` as int64[1]) at batch 100;
+- a scikit-learn ColumnTransformer with OneHotEncoder over string columns, and a
+  TfidfVectorizer + LinearSVC text pipeline.
+
+Every row checks polyhal's outputs against onnxruntime's before timing, then times both
+alternating (a shared machine's load falls on both alike) and reports the median ratio. No
+target is set here (the issue's targets for these paths are the CPU library's); the rows exist
+so that regressions show. ``python -m bench onnx_breadth`` writes bench/results/onnx_breadth.*.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import TensorProto as T
+from onnx import helper, numpy_helper
+
+from bench.harness import Row, paired_times
+
+OPSET = 17
+
+
+def _f32(name: str, arr) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(arr, dtype=np.float32), name)
+
+
+def _model(nodes, inputs, outputs, inits=(), name="g", opset=OPSET, domains=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, name, inputs, outputs, list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)]
+                             + [helper.make_opsetid(d, v) for d, v in domains])
+
+
+# --------------------------------------------------------------------------- float models
+
+def mlp(features: int = 32, hidden: tuple[int, ...] = (64, 32), classes: int = 10, seed: int = 0) -> onnx.ModelProto:
+    """Gemm + Relu layers and a Softmax, input ``x`` [batch, features], output ``y``."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "x"
+    sizes = (features, *hidden, classes)
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        inits += [_f32(f"w{i}", rng.standard_normal((a, b)) / np.sqrt(a)), _f32(f"b{i}", rng.standard_normal(b) * 0.1)]
+        nodes.append(helper.make_node("Gemm", [x, f"w{i}", f"b{i}"], [f"g{i}"]))
+        x = f"g{i}"
+        if i < len(sizes) - 2:
+            nodes.append(helper.make_node("Relu", [x], [f"r{i}"]))
+            x = f"r{i}"
+    nodes.append(helper.make_node("Softmax", [x], ["y"], axis=1))
+    return _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, ["batch", features])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["batch", classes])], inits, "mlp")
+
+
+def cnn(seed: int = 0, size: int = 16) -> onnx.ModelProto:
+    """A small CNN touching every op the quantizer writes a QLinear op for: Conv, LeakyRelu,
+    AveragePool, Sigmoid, Mul, Concat, MaxPool, GlobalAveragePool, Flatten, Gemm."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def conv(name, x, cin, cout, k):
+        inits.extend([_f32(name + "_w", rng.standard_normal((cout, cin, k, k)) / np.sqrt(cin * k * k)),
+                      _f32(name + "_b", rng.standard_normal(cout) * 0.1)])
+        nodes.append(helper.make_node("Conv", [x, name + "_w", name + "_b"], [name], pads=[k // 2] * 4))
+        return name
+
+    conv("c1", "x", 3, 8, 3)
+    nodes += [helper.make_node("LeakyRelu", ["c1"], ["l1"], alpha=0.1),
+              helper.make_node("AveragePool", ["l1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2])]
+    conv("c2", "p1", 8, 8, 3)
+    nodes += [helper.make_node("Sigmoid", ["c2"], ["s2"]), helper.make_node("Mul", ["s2", "p1"], ["m2"])]
+    conv("c3", "p1", 8, 8, 1)
+    nodes += [helper.make_node("Concat", ["m2", "c3"], ["cat"], axis=1),
+              helper.make_node("MaxPool", ["cat"], ["mp"], kernel_shape=[2, 2], strides=[2, 2]),
+              helper.make_node("GlobalAveragePool", ["mp"], ["gap"]),
+              helper.make_node("Flatten", ["gap"], ["flat"]),
+              helper.make_node("Gemm", ["flat", "fw", "fb"], ["y"])]
+    inits += [_f32("fw", rng.standard_normal((16, 10)) / 4), _f32("fb", np.zeros(10))]
+    return _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, ["batch", 3, size, size])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["batch", 10])], inits, "cnn")
+
+
+def resnet18(seed: int = 0, width: int = 16, size: int = 32, classes: int = 10) -> onnx.ModelProto:
+    """ResNet-18's shape (a stem, four stages of two basic blocks with projection shortcuts, a
+    pooled classifier) at ``width`` base channels."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    count = [0]
+
+    def conv(x, cin, cout, k, stride=1, relu=True):
+        count[0] += 1
+        name = f"conv{count[0]}"
+        inits.extend([_f32(name + "_w", rng.standard_normal((cout, cin, k, k)) * np.sqrt(2 / (cin * k * k))),
+                      _f32(name + "_b", rng.standard_normal(cout) * 0.05)])
+        nodes.append(helper.make_node("Conv", [x, name + "_w", name + "_b"], [name], pads=[k // 2] * 4,
+                                      strides=[stride] * 2))
+        if not relu:
+            return name
+        nodes.append(helper.make_node("Relu", [name], [name + "_r"]))
+        return name + "_r"
+
+    x = conv("x", 3, width, 3)
+    nodes.append(helper.make_node("MaxPool", [x], ["pool"], kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4))
+    x, cin = "pool", width
+    for stage, cout in enumerate([width, width * 2, width * 4, width * 8]):
+        for block in range(2):
+            stride = 2 if stage and not block else 1
+            h = conv(conv(x, cin, cout, 3, stride), cout, cout, 3, relu=False)
+            shortcut = conv(x, cin, cout, 1, stride, relu=False) if stride != 1 or cin != cout else x
+            count[0] += 1
+            nodes += [helper.make_node("Add", [h, shortcut], [f"add{count[0]}"]),
+                      helper.make_node("Relu", [f"add{count[0]}"], [f"out{count[0]}"])]
+            x, cin = f"out{count[0]}", cout
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["gap"]), helper.make_node("Flatten", ["gap"], ["flat"]),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"])]
+    inits += [_f32("fc_w", rng.standard_normal((cin, classes)) / np.sqrt(cin)), _f32("fc_b", np.zeros(classes))]
+    return _model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, ["batch", 3, size, size])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["batch", classes])], inits, "resnet18")
+
+
+# ------------------------------------------------------------------------ onnxruntime's quantizer
+
+def quantize(model: onnx.ModelProto, calibration: list[dict[str, np.ndarray]] | None = None, *,
+             dynamic: bool = False, **options) -> onnx.ModelProto:
+    """``model`` quantized by onnxruntime's tool: statically in QOperator format on
+    ``calibration`` feeds (``options`` go to ``quantize_static``: ``per_channel``,
+    ``activation_type``, ``quant_format``, ...), or with ``dynamic`` by ``quantize_dynamic``."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_dynamic, quantize_static
+
+    class Feeds(CalibrationDataReader):
+        def __init__(self):
+            self.feeds = iter(calibration or ())
+
+        def get_next(self):
+            return next(self.feeds, None)
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        src, dst = os.path.join(tmp, "float.onnx"), os.path.join(tmp, "int8.onnx")
+        onnx.save(model, src)
+        if dynamic:
+            quantize_dynamic(src, dst, **options)
+        else:
+            options.setdefault("quant_format", QuantFormat.QOperator)
+            quantize_static(src, dst, Feeds(), **options)
+        return onnx.load(dst)
+
+
+def optimized(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as onnxruntime's graph optimizer saves it (its ``com.microsoft`` fusions in:
+    DynamicQuantizeMatMul, ...)."""
+    import onnxruntime as ort
+
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = os.path.join(tmp, "opt.onnx")
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return onnx.load(options.optimized_model_filepath)
+
+
+def quantized_families(rng: np.random.Generator) -> dict[str, tuple[onnx.ModelProto, Callable[[int], dict]]]:
+    """name -> (quantized model, batch -> feeds) for the int8 families."""
+    def feeds_of(shape):
+        return lambda batch: {"x": rng.standard_normal((batch, *shape)).astype(np.float32)}
+
+    out = {}
+    for name, model, shape in (("MLP", mlp(), (32,)), ("CNN", cnn(), (3, 16, 16)),
+                               ("ResNet-18", resnet18(), (3, 32, 32))):
+        calibration = [feeds_of(shape)(4) for _ in range(4)]
+        out[f"{name} int8 QOperator"] = (quantize(model, calibration), feeds_of(shape))
+    out["MLP int8 dynamic (MatMulInteger)"] = (quantize(mlp(), dynamic=True), feeds_of((32,)))
+    out["MLP int8 DynamicQuantizeMatMul"] = (optimized(quantize(mlp(), dynamic=True)), feeds_of((32,)))
+    return out
+
+
+# ----------------------------------------------------------------------- run-time shape operands
+
+def topk_input_k(features: int = 1000) -> onnx.ModelProto:
+    """TopK along the features of ``x`` [batch, features] whose ``k`` [1] is an input."""
+    return _model([helper.make_node("TopK", ["x", "k"], ["values", "indices"], axis=1)],
+                  [helper.make_tensor_value_info("x", T.FLOAT, ["batch", features]),
+                   helper.make_tensor_value_info("k", T.INT64, [1])],
+                  [helper.make_tensor_value_info("values", T.FLOAT, ["batch", "k"]),
+                   helper.make_tensor_value_info("indices", T.INT64, ["batch", "k"])], name="topk")
+
+
+def lstm_sequence_lens(seq: int = 16, batch: int = 8, features: int = 16, hidden: int = 32,
+                       seed: int = 0) -> onnx.ModelProto:
+    """A bidirectional LSTM whose ``sequence_lens`` [batch] (int32) is an input."""
+    rng = np.random.default_rng(seed)
+    inits = [_f32("W", rng.standard_normal((2, 4 * hidden, features)) * 0.3),
+             _f32("R", rng.standard_normal((2, 4 * hidden, hidden)) * 0.3),
+             _f32("B", rng.standard_normal((2, 8 * hidden)) * 0.1)]
+    node = helper.make_node("LSTM", ["x", "W", "R", "B", "lens"], ["Y", "Y_h", "Y_c"], hidden_size=hidden,
+                            direction="bidirectional")
+    return _model([node], [helper.make_tensor_value_info("x", T.FLOAT, [seq, batch, features]),
+                           helper.make_tensor_value_info("lens", T.INT32, [batch])],
+                  [helper.make_tensor_value_info("Y", T.FLOAT, [seq, 2, batch, hidden]),
+                   helper.make_tensor_value_info("Y_h", T.FLOAT, [2, batch, hidden]),
+                   helper.make_tensor_value_info("Y_c", T.FLOAT, [2, batch, hidden])], inits, "lstm")
+
+
+def resize_tf_half_pixel_for_nn(mode: str = "nearest", nearest_mode: str = "floor") -> onnx.ModelProto:
+    """Resize-11 by 2.5 x 1.5 with ``coordinate_transformation_mode=tf_half_pixel_for_nn`` (as TF
+    converters write it)."""
+    node = helper.make_node("Resize", ["x", "roi", "scales"], ["y"], mode=mode, nearest_mode=nearest_mode,
+                            coordinate_transformation_mode="tf_half_pixel_for_nn")
+    inits = [_f32("roi", np.zeros(0)), _f32("scales", [1, 1, 2.5, 1.5])]
+    return _model([node], [helper.make_tensor_value_info("x", T.FLOAT, ["n", 3, 8, 10])],
+                  [helper.make_tensor_value_info("y", T.FLOAT, ["n", 3, 20, 15])], inits, "resize", opset=11)
+
+
+# ------------------------------------------------------------------- scikit-learn and LightGBM
+
+def lightgbm_classifier(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A 3-class LightGBM classifier through onnxmltools (which declares ``label`` int64[1]),
+    and its training matrix."""
+    import lightgbm
+    import onnxmltools
+    from onnxmltools.convert.common.data_types import FloatTensorType
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((600, 8)).astype(np.float32)
+    y = (x[:, 0] + x[:, 1] > 0).astype(int) + (x[:, 2] > 0.8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clf = lightgbm.LGBMClassifier(n_estimators=30, num_leaves=15, verbose=-1, random_state=seed).fit(x, y)
+        model = onnxmltools.convert_lightgbm(clf, initial_types=[("input", FloatTensorType([None, 8]))],
+                                             zipmap=False, target_opset=15)
+    return model, x
+
+
+def _with_locale(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with its StringNormalizers set to the C locale: onnxruntime's default (en_US)
+    is missing on minimal Linux images, where it refuses to create the session."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for node in out.graph.node:
+        if node.op_type == "StringNormalizer" and not any(a.name == "locale" for a in node.attribute):
+            node.attribute.append(helper.make_attribute("locale", "C.UTF-8"))
+    return out
+
+
+def column_transformer(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """OneHotEncoder over two string columns (unknown categories ignored) in a ColumnTransformer,
+    then LogisticRegression; input ``input`` [N, 2] of strings."""
+    from sklearn.compose import ColumnTransformer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+    from sklearn.preprocessing import OneHotEncoder
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    rng = np.random.default_rng(seed)
+    colour = rng.choice(["red", "green", "blue", "amber"], 400)
+    size = rng.choice(["s", "m", "l", "xl", "xxl"], 400)
+    x = np.stack([colour, size], axis=1).astype(object)
+    y = ((colour == "red") | (size == "xl")).astype(int)
+    pipe = Pipeline([("pre", ColumnTransformer([("onehot", OneHotEncoder(handle_unknown="ignore"), [0, 1])])),
+                     ("clf", LogisticRegression())]).fit(x, y)
+    model = convert_sklearn(pipe, initial_types=[("input", StringTensorType([None, 2]))],
+                            options={id(pipe.steps[-1][1]): {"zipmap": False}}, target_opset=17)
+    return model, x
+
+
+def tfidf_pipeline(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """TfidfVectorizer then LogisticRegression over text (skl2onnx writes Reshape,
+    StringNormalizer, com.microsoft Tokenizer, TfIdfVectorizer); input ``text`` [N, 1]. (A
+    LinearSVC would be the classic pairing; skl2onnx 1.20 cannot convert one from scikit-learn
+    1.9, and the text part, the subject here, is the same.)"""
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import Pipeline
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import StringTensorType
+
+    rng = np.random.default_rng(seed)
+    words = ["cat", "dog", "sat", "ran", "fast", "slow", "the", "mat", "park", "and", "big", "small"]
+    texts = np.array([" ".join(rng.choice(words, rng.integers(2, 9))) for _ in range(300)], dtype=object)
+    y = np.array(["cat" in t for t in texts], dtype=int)
+    pipe = Pipeline([("tfidf", TfidfVectorizer(ngram_range=(1, 2))), ("clf", LogisticRegression())]).fit(texts, y)
+    model = convert_sklearn(pipe, initial_types=[("text", StringTensorType([None, 1]))],
+                            options={id(pipe.steps[-1][1]): {"zipmap": False}}, target_opset=17)
+    return model, texts.reshape(-1, 1)
+
+
+# ------------------------------------------------------------------------------------- the run
+
+def _check(case: str, ours: dict, theirs: list, names: list[str], step: float = 0.0) -> None:
+    """polyhal's outputs against onnxruntime's: equal integers and strings, close floats (within
+    two quantization steps of ``step`` for int8 models)."""
+    for name, want in zip(names, theirs):
+        got = np.asarray(ours[name])
+        want = np.asarray(want)
+        assert got.shape == want.shape, f"{case} {name}: {got.shape} vs onnxruntime's {want.shape}"
+        if want.dtype.kind in "iubOU":
+            assert got.tolist() == want.tolist(), f"{case} {name} differs from onnxruntime"
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=max(2.01 * step, 1e-5), err_msg=f"{case} {name}")
+
+
+def cases(rng: np.random.Generator) -> list[tuple[str, onnx.ModelProto, dict, onnx.ModelProto | None]]:
+    """(case, model, feeds, the model onnxruntime runs where it needs another) for every family."""
+    out = []
+    batches = {"MLP": 64, "CNN": 8, "ResNet-18": 8}
+    for name, (model, feeds) in quantized_families(rng).items():
+        out.append((f"{name}, batch {batches[name.split()[0]]}", model, feeds(batches[name.split()[0]]), None))
+    out.append(("TopK k an input (k=10 of 1000), batch 64", topk_input_k(),
+                {"x": rng.standard_normal((64, 1000)).astype(np.float32), "k": np.array([10])}, None))
+    lens = rng.integers(4, 17, 8).astype(np.int32)
+    out.append(("bidirectional LSTM, sequence_lens an input (16 x 8 x 16 -> 32)", lstm_sequence_lens(),
+                {"x": rng.standard_normal((16, 8, 16)).astype(np.float32), "lens": lens}, None))
+    out.append(("Resize tf_half_pixel_for_nn nearest, 8 x 3 x 8 x 10", resize_tf_half_pixel_for_nn(),
+                {"x": rng.standard_normal((8, 3, 8, 10)).astype(np.float32)}, None))
+    try:
+        model, x = lightgbm_classifier()
+        out.append(("LightGBM (onnxmltools, label int64[1]) 30 trees, batch 100", model, {"input": x[:100]}, None))
+    except ImportError:
+        pass  # lightgbm / onnxmltools not installed: the row is left out
+    model, x = column_transformer()
+    out.append(("ColumnTransformer OneHotEncoder over 2 string columns, batch 1000", model,
+                {"input": np.resize(x, (1000, 2)).astype(str)}, None))
+    model, texts = tfidf_pipeline()
+    out.append(("TfidfVectorizer (Tokenizer) + LogisticRegression, batch 100", model,
+                {"text": texts[:100].astype(str)}, _with_locale(model)))
+    return out
+
+
+def run(args) -> list[Row]:
+    import onnxruntime as ort
+
+    import polyhal.onnx as ponnx
+
+    device = args.device or "cpu:0"
+    repeat = 5 if args.quick else 30
+    rows = []
+    for case, model, feeds, oracle in cases(np.random.default_rng(0)):
+        session = ort.InferenceSession((oracle or model).SerializeToString(), providers=["CPUExecutionProvider"])
+        theirs_feeds = {k: v.astype(object) if v.dtype.kind == "U" else v for k, v in feeds.items()}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # onnxmltools' label declared int64[1]: trusted with a warning
+            program = ponnx.load(model, source=case)
+            plan = program.compile(device)
+            ours = program.execute(plan, feeds)
+        names = [o.name for o in model.graph.output]
+        step = 0.0
+        last = next((n for n in model.graph.node if names[0] in n.output), None)
+        if last is not None and last.op_type == "DequantizeLinear":
+            step = float(numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == last.input[1])))
+        _check(case, ours, session.run(None, theirs_feeds), names, step)
+        t0 = time.perf_counter()
+        program.execute(plan, feeds)
+        number = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t_ours, t_ort, ratio = paired_times(lambda: program.execute(plan, feeds),
+                                                lambda: session.run(None, theirs_feeds), repeat=repeat, number=number)
+        rows.append(Row(case, "ms", t_ours * 1e3, t_ort * 1e3, f"onnxruntime {ort.__version__} CPU EP",
+                        extra={"device": device, "median_ratio": round(ratio, 3)}))
+    return rows
+
+
+if __name__ == "__main__":
+    raise SystemExit("run it as: python -m bench onnx_breadth")
