@@ -68,6 +68,7 @@ STREAM_IN_ORDER = 1
 FORWARD_INFERENCE = 96
 CONVOLUTION_DIRECT = 0x1
 BINARY_ADD = 0x1FFF0
+ELTWISE_LINEAR = 38
 SCRATCHPAD_USER = 1
 POOLING_MAX, POOLING_AVG_INCLUDE, POOLING_AVG_EXCLUDE = 0x1FF, 0x2FF, 0x3FF
 # queries
@@ -377,34 +378,40 @@ def any_layout(shape: tuple[int, ...]) -> MemoryDesc:
 # --------------------------------------------------------------------------------------- attributes
 
 class Attr:
-    """Primitive attributes: the scratchpad in user mode and the post-ops."""
+    """Primitive attributes: the scratchpad in user mode and the post-ops, in order. Each post-op
+    is ``("sum",)`` (add what the destination holds), ``("add", md)`` (a binary add of an
+    operand of descriptor ``md``, broadcast over the destination), ``("linear", a, b)`` (``a y +
+    b``) or ``(activation, alpha, beta)`` for an activation of :data:`ACTIVATIONS`; ``"none"``
+    adds nothing. :attr:`binary_args` are the execution arguments of the binary post-ops."""
 
-    def __init__(self, sum_first: bool = False, binary: tuple[MemoryDesc, ...] = (), activation: str = "none",
-                 alpha: float = 0.0, beta: float = 0.0) -> None:
+    def __init__(self, post_ops=()) -> None:
         loaded = lib()
         self.handle, post = c_void_p(), c_void_p()
         check(loaded.primitive_attr_create(byref(self.handle)), "dnnl_primitive_attr_create")
         check(loaded.primitive_attr_set_scratchpad_mode(self.handle, SCRATCHPAD_USER),
               "dnnl_primitive_attr_set_scratchpad_mode")
-        self.binary = binary  # kept alive with the attr
-        self.post_ops = 0
-        if sum_first or binary or activation != "none":
-            check(loaded.post_ops_create(byref(post)), "dnnl_post_ops_create")
-            try:
-                if sum_first:
+        post_ops = [p for p in post_ops if p[0] != "none"]
+        self.mds = [p[1] for p in post_ops if p[0] == "add"]  # kept alive with the attr
+        #: The execution argument of each binary post-op's operand, in order.
+        self.binary_args = tuple(ARG_POST_OP_BASE * (i + 1) | ARG_SRC_1 for i, p in enumerate(post_ops)
+                                 if p[0] == "add")
+        if not post_ops:
+            return
+        check(loaded.post_ops_create(byref(post)), "dnnl_post_ops_create")
+        try:
+            for kind, *params in post_ops:
+                if kind == "sum":
                     check(loaded.post_ops_append_sum(post, 1.0, 0, 0), "dnnl_post_ops_append_sum")
-                    self.post_ops += 1
-                for md in binary:
-                    check(loaded.post_ops_append_binary(post, BINARY_ADD, md.handle), "dnnl_post_ops_append_binary")
-                    self.post_ops += 1
-                if activation != "none":
-                    alg, a, b = ACTIVATIONS[activation]
-                    check(loaded.post_ops_append_eltwise(post, alg, alpha if a is None else a, beta if b is None else b),
-                          "dnnl_post_ops_append_eltwise")
-                    self.post_ops += 1
-                check(loaded.primitive_attr_set_post_ops(self.handle, post), "dnnl_primitive_attr_set_post_ops")
-            finally:
-                loaded.post_ops_destroy(post)
+                elif kind == "add":
+                    check(loaded.post_ops_append_binary(post, BINARY_ADD, params[0].handle),
+                          "dnnl_post_ops_append_binary")
+                else:
+                    alg, a, b = (ELTWISE_LINEAR, None, None) if kind == "linear" else ACTIVATIONS[kind]
+                    check(loaded.post_ops_append_eltwise(post, alg, params[0] if a is None else a,
+                                                         params[1] if b is None else b), "dnnl_post_ops_append_eltwise")
+            check(loaded.primitive_attr_set_post_ops(self.handle, post), "dnnl_primitive_attr_set_post_ops")
+        finally:
+            loaded.post_ops_destroy(post)
 
     def __del__(self) -> None:
         loaded = _load()[0]

@@ -45,7 +45,7 @@ from polyhal_cpu.onednn import (
 from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.scratch import array as scratch_array
 
-__all__ = ["conv", "conv_scratch", "matmul", "refusals"]
+__all__ = ["conv", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
 
 _F32 = np.dtype(np.float32)
 
@@ -167,7 +167,7 @@ def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
     x_user, y_user = onednn.plain(x_dims, x_strides), onednn.plain(y_dims, y_strides)
     w_user = onednn.plain(w_dims, w_strides)
     bias = onednn.plain((w_dims[0] * (w_dims[1] if group > 1 else 1),)) if has_bias else None
-    attr = Attr(sum_first=has_residual, activation=activation, alpha=alpha, beta=beta)
+    attr = Attr([("sum",)] * has_residual + [(activation, alpha, beta)])
     # A blocked conv's maps are channels-last storage: created on that layout first, so a chain
     # hands its maps over as they lie; otherwise (and if that is refused) on layouts "any".
     tries = []
@@ -230,6 +230,14 @@ def conv_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...] 
     return tuple(d.request(problem, kernel) for d in decls)
 
 
+def _bound(scratch, requests):
+    """``scratch``, or for a kernel prepared by hand without its declared scratch, a binding made
+    now, at prepare (never in a call)."""
+    from polyhal_cpu.scratch import standalone
+
+    return scratch if scratch is not None or not requests else standalone(None, requests)
+
+
 def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scratch_weights: np.ndarray | None):
     """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder;
     else reordered once and kept while the same read-only array comes again (a plan's constant),
@@ -259,6 +267,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
     plan = conv_plan(op, attrs, ins, outs)
     if plan is None:
         return None
+    scratch = _bound(scratch, conv_scratch(op, attrs, ins, outs))
     execute = plan.conv.executor()
     pad = plan.scratchpad_bytes
 
@@ -299,4 +308,167 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
             dst_out(da, address(out), *pad_address)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------- matmul
+
+@dataclass
+class MatmulPlan:
+    """One matmul-family instance as a oneDNN matmul primitive."""
+
+    matmul: Primitive
+    has_bias: bool
+    binary: tuple[int, ...]  # which kernel operands feed the binary post-ops, in order
+    weights: Primitive | None  # the reorder into the primitive's weights layout (None: as they lie)
+    weights_bytes: int
+    scratchpad_bytes: int
+    shapes: tuple  # (a, b, out) shapes the primitive sees (leading dims collapsed or padded)
+    name: str
+
+
+_MATMULS: dict[tuple, MatmulPlan | None] = {}
+
+
+def _broadcast_md(shape: tuple[int, ...], rank: int) -> MemoryDesc:
+    """A row-major descriptor of an operand of ``shape`` broadcast to ``rank`` dims (leading 1s)."""
+    full = (1,) * (rank - len(shape)) + tuple(shape)
+    return onednn.plain(full)
+
+
+def matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan | None:
+    """The oneDNN plan of a ``matmul`` / ``gemm`` / ``linear`` / ``fused_linear`` instance, made
+    once per instance and kept; None where oneDNN does not serve it."""
+    if not onednn.usable() or any(t.dtype != _F32 for t in (*ins, *outs)) or any(t.size == 0 for t in ins):
+        return None
+    if op == "matmul" and (ins[0].rank < 2 or ins[1].rank < 2):
+        return None
+    key = _key(op, attrs, ins, outs)
+    with _lock:
+        if key in _MATMULS:
+            return _MATMULS[key]
+        try:
+            plan = _make_matmul_plan(op, attrs, ins, outs)
+        except Refused as exc:
+            _REFUSED[key] = str(exc)
+            plan = None
+        _MATMULS[key] = plan
+        return plan
+
+
+def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
+    onednn.lib().set_threads()
+    a_t, b_t, out_t = ins[0], ins[1], outs[0]
+    post: list = []
+    binary: list[int] = []
+    bias = None
+    if op == "gemm":
+        trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
+        alpha, beta = float(attrs["alpha"]), float(attrs["beta"])
+        (m, n) = out_t.shape
+        k = a_t.shape[0 if trans_a else 1]
+        a_dims, a_strides = (m, k), ((1, m) if trans_a else (k, 1))
+        b_dims, b_strides = (k, n), ((1, k) if trans_b else (n, 1))
+        out_dims = (m, n)
+        with_c = len(ins) == 3 and beta != 0.0
+        # alpha A B + beta C = beta ((alpha / beta) A B + C): post-ops scale, add, scale.
+        scale = alpha / beta if with_c else alpha
+        if scale != 1.0:
+            post.append(("linear", scale, 0.0))
+        if with_c:
+            post.append(("add", _broadcast_md(ins[2].shape, 2)))
+            binary.append(2)
+            if beta != 1.0:
+                post.append(("linear", beta, 0.0))
+        constant_b = True
+    elif op in ("linear", "fused_linear"):
+        rows = math.prod(a_t.shape[:-1])
+        k, n = b_t.shape
+        a_dims, a_strides = (rows, k), (k, 1)
+        b_dims, b_strides = (k, n), (n, 1)
+        out_dims = (rows, n)
+        c = ins[2]
+        if c.size not in (1, n) or (c.size == n != 1 and c.shape[-1] != n):
+            raise Refused(f"{op}: a bias of shape {c.shape} is not a row (the CPU's own kernel broadcasts it)")
+        bias = onednn.plain((1, 1 if c.size == 1 and n != 1 else n))
+        if op == "fused_linear":
+            if len(ins) == 4:
+                post.append(("add", onednn.plain(out_dims)))
+                binary.append(3)
+            post.append((attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])))
+        constant_b = True
+    else:  # matmul, numpy's: batch dims broadcast
+        if b_t.rank == 2:  # (batch..., M, K) @ (K, N): one GEMM over the collapsed rows
+            rows = math.prod(a_t.shape[:-1])
+            a_dims, b_dims, out_dims = (rows, a_t.shape[-1]), b_t.shape, (rows, b_t.shape[-1])
+        else:
+            rank = out_t.rank
+            a_dims = (1,) * (rank - a_t.rank) + a_t.shape
+            b_dims = (1,) * (rank - b_t.rank) + b_t.shape
+            out_dims = out_t.shape
+        a_strides, b_strides = _row_major(a_dims), _row_major(b_dims)
+        constant_b = b_t.rank == 2  # a weight matrix, most likely a constant: worth a layout of its own
+    a_md, b_user, out_md = onednn.plain(a_dims, a_strides), onednn.plain(b_dims, b_strides), onednn.plain(out_dims)
+    attr = Attr(post)
+    b_md = onednn.any_layout(b_dims) if constant_b else b_user
+    pd = onednn.matmul_desc(op, a_md, b_md, bias, out_md, attr)
+    args = (ARG_SRC, ARG_WEIGHTS) + ((ARG_BIAS,) if bias is not None else ()) + (ARG_DST,) + attr.binary_args
+    prim = Primitive(pd, args, op)
+    w_md = prim.mds[ARG_WEIGHTS]
+    weights = None if w_md == b_user else onednn.reorder(op, b_user, w_md)
+    scratchpad = max(prim.scratchpad_bytes, weights.scratchpad_bytes if weights is not None else 0)
+    layout = f" on weights {w_md.format}" if weights is not None else ""
+    extras = [p[0] for p in post if p[0] not in ("none",)]
+    name = f"oneDNN matmul [{prim.impl}]{layout}" + (f" +{'+'.join(['bias'] * (bias is not None) + extras)}"
+                                                      if bias is not None or extras else "")
+    return MatmulPlan(prim, bias is not None, tuple(binary), weights, w_md.nbytes if weights else 0, scratchpad,
+                      (a_dims, b_dims, out_dims), name)
+
+
+def matmul_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...] | None:
+    """The declared scratch of a oneDNN matmul instance, or None where oneDNN does not serve it."""
+    plan = matmul_plan(op, attrs, ins, outs)
+    if plan is None:
+        return None
+    problem = Problem(op, attrs, tuple(ins), tuple(outs))
+    kernel = KernelInfo("onednn_matmul", op, 1, 1, "cpu")
+    decls = []
+    if plan.weights is not None:
+        decls.append(ScratchDecl("weights", shared=True, per_launch=plan.weights_bytes, spaces=(MemorySpace.GLOBAL,),
+                                 alignment=64, purpose="oneDNN's weights layout, for weights that are not constants "
+                                                       "(constants are reordered once and kept)"))
+    if plan.scratchpad_bytes:
+        decls.append(ScratchDecl("scratchpad", shared=True, per_launch=plan.scratchpad_bytes,
+                                 spaces=(MemorySpace.GLOBAL,), alignment=64,
+                                 purpose=f"oneDNN's scratchpad (user mode) of {plan.matmul.impl}"))
+    return tuple(d.request(problem, kernel) for d in decls)
+
+
+def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None:
+    """The kernel of a matmul-family instance as a oneDNN matmul primitive, or None where oneDNN
+    does not serve it (the CPU's own kernel runs it)."""
+    plan = matmul_plan(op, attrs, ins, outs)
+    if plan is None:
+        return None
+    scratch = _bound(scratch, matmul_scratch(op, attrs, ins, outs))
+    execute = plan.matmul.executor()
+    pad = (address(scratch.buffer("scratchpad")),) if plan.scratchpad_bytes else ()
+    weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
+                            scratch.buffer("weights") if plan.weights else None)
+    has_bias, binary = plan.has_bias, plan.binary
+    contiguous = np.ascontiguousarray
+
+    def kernel(*arrays):
+        a, b, out = arrays[0], arrays[1], arrays[-1]
+        if not a.flags.c_contiguous:
+            a = contiguous(a)
+        if not b.flags.c_contiguous:
+            b = contiguous(b)
+        extra = tuple(address(contiguous(arrays[i])) for i in binary)
+        if has_bias:
+            execute(address(a), weights(b), address(contiguous(arrays[2])), address(out), *extra, *pad)
+        else:
+            execute(address(a), weights(b), address(out), *extra, *pad)
+    kernel.kernel_name = plan.name  # type: ignore[attr-defined]
+    kernel.plan = plan  # type: ignore[attr-defined]
     return kernel
