@@ -61,6 +61,16 @@ STATUS = {0: "success", 1: "out_of_memory", 2: "invalid_arguments", 3: "unimplem
           5: "runtime_error", 6: "not_required", 7: "invalid_graph", 8: "invalid_graph_op", 9: "invalid_shape",
           10: "invalid_data_type"}
 UNIMPLEMENTED = 3
+#: Element types as oneDNN's data types. Which of them a primitive takes depends on the CPU
+#: (float16 and bfloat16 need AVX-512 FP16 / BF16 or AMX; float64 has no CPU primitives): a
+#: primitive descriptor that refuses one is ``unimplemented``, and the CPU's own kernel runs it.
+DATA_TYPES = {np.dtype(np.float16): 1, np.dtype(np.float32): 3, np.dtype(np.float64): 7}
+try:
+    import ml_dtypes
+
+    DATA_TYPES[np.dtype(ml_dtypes.bfloat16)] = 2
+except ImportError:  # pragma: no cover - numpy without ml_dtypes: no bfloat16 tensors either
+    pass
 F32 = 3
 FORMAT_ANY = 1
 CPU_ENGINE = 1
@@ -248,6 +258,8 @@ def _load() -> tuple[_Library | None, str]:
 
         return None, ("the oneDNN library is not installed (no lib/libdnnl.so.3 in this environment); "
                       f"{install_hint('onednn-cpu-gomp')} (x86-64 Linux), or set POLYHAL_CPU_ONEDNN_LIBRARY")
+    if not path.exists():
+        return None, f"{path} does not exist (POLYHAL_CPU_ONEDNN_LIBRARY names the library file, libdnnl.so.3)"
     try:
         return _Library(path), ""
     except OSError as exc:
@@ -256,6 +268,21 @@ def _load() -> tuple[_Library | None, str]:
         return None, f"{path} is not a oneDNN 3.x library ({exc})"
     except KernelError as exc:
         return None, f"oneDNN's CPU engine cannot be created ({exc})"
+
+
+def listed() -> tuple[str, str]:
+    """What ``polyhal devices`` says about oneDNN without loading it: a few words for the
+    device's description and the whole story for ``limits["onednn"]`` (the library it would
+    load, or why the CPU's own kernels run every op)."""
+    if not CPUSettings.from_env().onednn:
+        return "oneDNN off", "off (POLYHAL_CPU_ONEDNN=0): the CPU's own kernels run every op"
+    loaded = _load()[0] if _load.cache_info().currsize else None
+    if loaded is not None:
+        return loaded.version_text, f"{loaded.version_text} primitives for conv and matmul ({library_path()})"
+    path = library_path()
+    if _load.cache_info().currsize or path is None or not path.exists():
+        return "oneDNN unusable: own kernels", f"unusable, the CPU's own kernels run every op: {_load()[1]}"
+    return "oneDNN", f"primitives for conv and matmul from {path} (loaded at the first compile)"
 
 
 def status() -> tuple[str | None, str]:
@@ -357,20 +384,23 @@ def _dims(values) -> DIMS:
     return DIMS(*(int(v) for v in values))
 
 
-def plain(shape: tuple[int, ...], strides: tuple[int, ...] | None = None) -> MemoryDesc:
-    """A float32 descriptor of ``shape``, row-major or with element ``strides``."""
+def plain(shape: tuple[int, ...], strides: tuple[int, ...] | None = None, dtype=np.float32) -> MemoryDesc:
+    """A descriptor of ``shape`` and ``dtype`` (one of :data:`DATA_TYPES`), row-major or with
+    element ``strides``."""
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
     md = c_void_p()
-    check(lib().memory_desc_create_with_strides(byref(md), len(shape), _dims(shape), F32, _dims(strides)),
+    check(lib().memory_desc_create_with_strides(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype)],
+                                                _dims(strides)),
           "dnnl_memory_desc_create_with_strides")
     return MemoryDesc(md)
 
 
-def any_layout(shape: tuple[int, ...]) -> MemoryDesc:
-    """A float32 descriptor of ``shape`` with layout ``any``: the primitive chooses."""
+def any_layout(shape: tuple[int, ...], dtype=np.float32) -> MemoryDesc:
+    """A descriptor of ``shape`` and ``dtype`` with layout ``any``: the primitive chooses."""
     md = c_void_p()
-    check(lib().memory_desc_create_with_tag(byref(md), len(shape), _dims(shape), F32, FORMAT_ANY),
+    check(lib().memory_desc_create_with_tag(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype)],
+                                            FORMAT_ANY),
           "dnnl_memory_desc_create_with_tag")
     return MemoryDesc(md)
 

@@ -47,7 +47,6 @@ from polyhal_cpu.scratch import array as scratch_array
 
 __all__ = ["conv", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
 
-_F32 = np.dtype(np.float32)
 
 #: op instance -> why oneDNN does not serve it (for tests and explain's kernel names).
 _REFUSED: dict[tuple, str] = {}
@@ -57,6 +56,13 @@ _lock = threading.Lock()
 def refusals() -> dict[tuple, str]:
     """The op instances oneDNN refused in this process, and why (they run on the CPU's own kernels)."""
     return dict(_REFUSED)
+
+
+def _served(ins, outs) -> bool:
+    """Whether oneDNN is usable and asked about operands of these types (one type, one it names;
+    whether a primitive takes it is the library's answer)."""
+    dtype = outs[0].dtype
+    return dtype in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
 
 
 def _key(op: str, attrs: dict, ins, outs) -> tuple:
@@ -129,7 +135,7 @@ def conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan | None:
     """The oneDNN plan of a ``conv`` / ``fused_conv`` / ``cpu.blocked_conv`` instance, made once
     per instance and kept; None where oneDNN does not serve it (not usable, not float32, or
     refused: see :func:`refusals`)."""
-    if not onednn.usable() or any(t.dtype != _F32 for t in (*ins, *outs)) or ins[0].rank not in (3, 4, 5):
+    if not _served(ins, outs) or ins[0].rank not in (3, 4, 5):
         return None
     key = _key(op, attrs, ins, outs)
     with _lock:
@@ -164,20 +170,21 @@ def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
     k_dims = w_dims[len(w_dims) - n:]
     pad_r = [(y_dims[2 + i] - 1) * strides[i] + (k_dims[i] - 1) * (dilations[i] + 1) + 1 - x_dims[2 + i] - pads[i]
              for i in range(n)]
-    x_user, y_user = onednn.plain(x_dims, x_strides), onednn.plain(y_dims, y_strides)
-    w_user = onednn.plain(w_dims, w_strides)
-    bias = onednn.plain((w_dims[0] * (w_dims[1] if group > 1 else 1),)) if has_bias else None
+    dt = outs[0].dtype
+    x_user, y_user = onednn.plain(x_dims, x_strides, dt), onednn.plain(y_dims, y_strides, dt)
+    w_user = onednn.plain(w_dims, w_strides, dt)
+    bias = onednn.plain((w_dims[0] * (w_dims[1] if group > 1 else 1),), None, dt) if has_bias else None
     attr = Attr([("sum",)] * has_residual + [(activation, alpha, beta)])
     # A blocked conv's maps are channels-last storage: created on that layout first, so a chain
     # hands its maps over as they lie; otherwise (and if that is refused) on layouts "any".
     tries = []
     if x_name == "nhwc" or y_name == "nhwc":
         tries.append((x_user, y_user))
-    tries.append((onednn.any_layout(x_dims), onednn.any_layout(y_dims)))
+    tries.append((onednn.any_layout(x_dims, dt), onednn.any_layout(y_dims, dt)))
     refused = None
     for x_md, y_md in tries:
         try:
-            pd = onednn.conv_desc(op, x_md, onednn.any_layout(w_dims), bias, y_md, strides, dilations, pads[:n],
+            pd = onednn.conv_desc(op, x_md, onednn.any_layout(w_dims, dt), bias, y_md, strides, dilations, pads[:n],
                                   pad_r, attr)
             break
         except Refused as exc:
@@ -252,7 +259,7 @@ def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scrat
         if kept[0] is w:
             return address(kept[1])
         if frozen(w):
-            copy = np.empty(max(nbytes // 4, 1), _F32)
+            copy = np.empty(max(nbytes, 1), np.uint8)
             reorder(address(w), address(copy))
             kept[0], kept[1] = w, copy
             return address(copy)
@@ -330,16 +337,16 @@ class MatmulPlan:
 _MATMULS: dict[tuple, MatmulPlan | None] = {}
 
 
-def _broadcast_md(shape: tuple[int, ...], rank: int) -> MemoryDesc:
+def _broadcast_md(shape: tuple[int, ...], rank: int, dtype) -> MemoryDesc:
     """A row-major descriptor of an operand of ``shape`` broadcast to ``rank`` dims (leading 1s)."""
     full = (1,) * (rank - len(shape)) + tuple(shape)
-    return onednn.plain(full)
+    return onednn.plain(full, None, dtype)
 
 
 def matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan | None:
     """The oneDNN plan of a ``matmul`` / ``gemm`` / ``linear`` / ``fused_linear`` instance, made
     once per instance and kept; None where oneDNN does not serve it."""
-    if not onednn.usable() or any(t.dtype != _F32 for t in (*ins, *outs)) or any(t.size == 0 for t in ins):
+    if not _served(ins, outs) or any(t.size == 0 for t in ins):
         return None
     if op == "matmul" and (ins[0].rank < 2 or ins[1].rank < 2):
         return None
@@ -359,6 +366,7 @@ def matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan | None:
 def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
     onednn.lib().set_threads()
     a_t, b_t, out_t = ins[0], ins[1], outs[0]
+    dt = out_t.dtype
     post: list = []
     binary: list[int] = []
     bias = None
@@ -376,7 +384,7 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
         if scale != 1.0:
             post.append(("linear", scale, 0.0))
         if with_c:
-            post.append(("add", _broadcast_md(ins[2].shape, 2)))
+            post.append(("add", _broadcast_md(ins[2].shape, 2, dt)))
             binary.append(2)
             if beta != 1.0:
                 post.append(("linear", beta, 0.0))
@@ -390,10 +398,10 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
         c = ins[2]
         if c.size not in (1, n) or (c.size == n != 1 and c.shape[-1] != n):
             raise Refused(f"{op}: a bias of shape {c.shape} is not a row (the CPU's own kernel broadcasts it)")
-        bias = onednn.plain((1, 1 if c.size == 1 and n != 1 else n))
+        bias = onednn.plain((1, 1 if c.size == 1 and n != 1 else n), None, dt)
         if op == "fused_linear":
             if len(ins) == 4:
-                post.append(("add", onednn.plain(out_dims)))
+                post.append(("add", onednn.plain(out_dims, None, dt)))
                 binary.append(3)
             post.append((attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])))
         constant_b = True
@@ -408,9 +416,10 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
             out_dims = out_t.shape
         a_strides, b_strides = _row_major(a_dims), _row_major(b_dims)
         constant_b = b_t.rank == 2  # a weight matrix, most likely a constant: worth a layout of its own
-    a_md, b_user, out_md = onednn.plain(a_dims, a_strides), onednn.plain(b_dims, b_strides), onednn.plain(out_dims)
+    a_md, b_user = onednn.plain(a_dims, a_strides, dt), onednn.plain(b_dims, b_strides, dt)
+    out_md = onednn.plain(out_dims, None, dt)
     attr = Attr(post)
-    b_md = onednn.any_layout(b_dims) if constant_b else b_user
+    b_md = onednn.any_layout(b_dims, dt) if constant_b else b_user
     pd = onednn.matmul_desc(op, a_md, b_md, bias, out_md, attr)
     args = (ARG_SRC, ARG_WEIGHTS) + ((ARG_BIAS,) if bias is not None else ()) + (ARG_DST,) + attr.binary_args
     prim = Primitive(pd, args, op)
