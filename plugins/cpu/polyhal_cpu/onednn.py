@@ -27,11 +27,14 @@ Threads. oneDNN runs on OpenMP; its thread count is the CPU backend's budget
 created, since a primitive's work decomposition is fixed when it is created. The user's own
 settings: ``OMP_NUM_THREADS`` is respected (the budget is already capped by it) unless
 ``POLYHAL_CPU_THREADS`` is set too, which overrides it with a warning; ``OMP_WAIT_POLICY`` and
-``GOMP_SPINCOUNT`` are respected, and where unset and the budget's CPUs are shared (other
-processes keep them busy) polyhal sets ``OMP_WAIT_POLICY=PASSIVE`` before loading the library, so
-idle workers sleep instead of spinning on cores others need (a user's ``ACTIVE`` on shared cores
-is kept, with a warning); ``ONEDNN_*`` / ``DNNL_*`` (ISA limits, verbose, the primitive cache)
-are the library's and are respected as they are.
+``GOMP_SPINCOUNT`` are respected; where both are unset polyhal sets ``OMP_WAIT_POLICY=PASSIVE``
+before loading the library, so idle workers sleep instead of spinning on cores that others (the
+CPU's own pool, other processes) need -- whether cores will be shared cannot be known when the
+library loads, and the costs are lopsided: measured on the 2-core VM with other processes
+running, MobileNetV3-large b1 took 1.4-2.2 s a run with libgomp's default spinning against 17-19
+ms passive (the CPU's own kernels: 115-194 ms). A user's ``ACTIVE`` is kept (with a warning
+while the budget's CPUs are busy with others). ``ONEDNN_*`` / ``DNNL_*`` (ISA limits, verbose,
+the primitive cache) are the library's and are respected as they are.
 """
 
 from __future__ import annotations
@@ -204,24 +207,37 @@ def _configure_openmp() -> list[str]:
     user_threads = os.environ.get("OMP_NUM_THREADS")
     if CPUSettings.from_env().threads is not None and user_threads and user_threads != str(budget.size):
         said.append(f"POLYHAL_CPU_THREADS={budget.size} overrides OMP_NUM_THREADS={user_threads} for oneDNN")
-    shared = budget.active < budget.size
     policy = os.environ.get("OMP_WAIT_POLICY")
-    if policy is None and "GOMP_SPINCOUNT" not in os.environ and shared:
+    if policy is None and "GOMP_SPINCOUNT" not in os.environ:
+        if _gomp_loaded():
+            said.append("libgomp was loaded before oneDNN (by another library), so polyhal could not set its wait "
+                        "policy: set OMP_WAIT_POLICY=PASSIVE in the environment if other processes share these CPUs")
         os.environ["OMP_WAIT_POLICY"] = "PASSIVE"  # read once, when libgomp loads
-    elif policy is not None and policy.upper() == "ACTIVE" and shared:
+    elif policy is not None and policy.upper() == "ACTIVE" and budget.active < budget.size:
         said.append("OMP_WAIT_POLICY=ACTIVE kept: oneDNN's idle OpenMP threads spin on CPUs that other processes "
-                    "are using (unset it to let polyhal choose PASSIVE there)")
+                    "are using (unset it to let polyhal choose PASSIVE)")
     for message in said:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
     return said
+
+
+def _gomp_loaded() -> bool:
+    """Whether libgomp is mapped into this process already."""
+    try:
+        return "libgomp" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
 
 
 class _Library:
     """libdnnl with typed functions, its CPU engine and stream, and libgomp's thread setter."""
 
     def __init__(self, path: Path) -> None:
+        from polyhal_cpu import parallel
+
         self.warnings = _configure_openmp()
         self.dll = ctypes.CDLL(str(path))
+        parallel.stop_spinning()  # OpenMP's workers and the pool's share the budget's CPUs
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self.dll, name)
             fn.restype, fn.argtypes = restype, argtypes
@@ -469,7 +485,7 @@ class Primitive:
         loaded = lib()
         self.op = op
         self.pd = pd
-        self.impl = self._impl()
+        self.impl = implementation(pd)
         scratch = self.query_md(Q_SCRATCHPAD_MD)
         self.scratchpad_bytes = scratch.nbytes if scratch is not None else 0
         #: Each argument's memory descriptor, as the primitive chose it.
@@ -488,11 +504,6 @@ class Primitive:
             exec_args[i].arg, exec_args[i].memory = arg, mem
         self._exec_args = exec_args
         self._count = len(args)
-
-    def _impl(self) -> str:
-        out = c_char_p()
-        lib().primitive_desc_query(self.pd, Q_IMPL_INFO, 0, byref(out))
-        return (out.value or b"?").decode()
 
     def query_md(self, what: int, index: int = 0) -> MemoryDesc | None:
         """A copy of one of the primitive descriptor's memory descriptors (None: it has none)."""
@@ -531,10 +542,24 @@ class Primitive:
             loaded.primitive_desc_destroy(self.pd)
 
 
+def implementation(pd: c_void_p) -> str:
+    """The name of the implementation oneDNN chose for a primitive descriptor (``jit:avx2``, ...)."""
+    out = c_char_p()
+    lib().primitive_desc_query(pd, Q_IMPL_INFO, 0, byref(out))
+    return (out.value or b"?").decode()
+
+
 def _created(status: int, pd: c_void_p, call: str, op: str) -> c_void_p:
+    """``pd``, checked: :class:`Refused` where oneDNN has no implementation, or only its
+    reference one (``ref:any``, a plain loop that is there to be correct: measured ~100x slower
+    than the CPU's own kernels on a stem conv); an error for other statuses."""
     if status == UNIMPLEMENTED:
         raise Refused(f"oneDNN has no implementation of this {op} ({call}: unimplemented)")
     check(status, call, op)
+    impl = implementation(pd)
+    if impl.startswith("ref"):
+        lib().primitive_desc_destroy(pd)
+        raise Refused(f"oneDNN has only its reference implementation ({impl}) of this {op}")
     return pd
 
 
