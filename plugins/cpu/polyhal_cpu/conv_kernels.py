@@ -58,7 +58,7 @@ import numpy as np
 
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, ScratchRequest
 from polyhal.ir.types import TensorType
-from polyhal_cpu import blas, native, parallel
+from polyhal_cpu import blas, native, onednn_kernels, parallel
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.scratch import array as scratch_array
@@ -400,9 +400,27 @@ _CONV_SCRATCH = (
                         "one part per piece building columns at once"))
 
 
-@TABLE.register("conv", "fused_conv", scratch=list(_CONV_SCRATCH))
-@float16_via_float32
+def _own_scratch(decls, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
+    """The scratch of this module's own kernel of an instance, from its declarations ``decls``."""
+    problem, kernel = Problem(op, attrs, tuple(ins), tuple(outs)), KernelInfo(f"cpu_{op}", op, 1, 1, "cpu")
+    return tuple(d.request(problem, kernel) for d in decls)
+
+
+def _conv_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
+    """A conv's scratch: the oneDNN primitive's where it serves the instance, else this module's."""
+    requests = onednn_kernels.conv_scratch(op, attrs, ins, outs)
+    return _own_scratch(_CONV_SCRATCH, op, attrs, ins, outs) if requests is None else requests
+
+
+@TABLE.register("conv", "fused_conv", scratch=_conv_scratch)
 def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A oneDNN primitive where the library serves the instance (:mod:`polyhal_cpu.onednn_kernels`),
+    else this module's paths (the module docstring)."""
+    return onednn_kernels.conv(op, attrs, ins, outs, scratch) or _own_conv(device, op, attrs, ins, outs, scratch)
+
+
+@float16_via_float32
+def _own_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     g = _Conv(attrs, ins[0], ins[1], outs[0])
     fused = op == "fused_conv"
     activation = attrs["activation"] if fused else "none"
@@ -1073,12 +1091,28 @@ def _descsbytes(problem, _workgroup_size: int) -> int:
     return len(pieces) * native.GEMM_MR * (native.GEMM_NR + c) * 4
 
 
-@TABLE.register(BLOCKED_CONV, scratch=[
+_BLOCKED_SCRATCH = (
     ScratchDecl("taps", shared=True, per_launch=_taps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="a depthwise conv's weights as (kh, kw, C) channel vectors"),
     ScratchDecl("rows", shared=True, per_launch=_descsbytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="a 1x1 conv's last pixels padded to a tile, and a tile reaching past the output")])
+                purpose="a 1x1 conv's last pixels padded to a tile, and a tile reaching past the output"))
+
+
+def _blocked_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
+    """A blocked conv's scratch: the oneDNN primitive's where it serves the instance, else this module's."""
+    requests = onednn_kernels.conv_scratch(op, attrs, ins, outs)
+    return _own_scratch(_BLOCKED_SCRATCH, op, attrs, ins, outs) if requests is None else requests
+
+
+@TABLE.register(BLOCKED_CONV, scratch=_blocked_scratch)
 def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A oneDNN primitive on the channels-last maps where the library serves the instance, else
+    this module's own loops."""
+    return onednn_kernels.conv(op, attrs, ins, outs, scratch) or _own_blocked_conv(device, op, attrs, ins, outs,
+                                                                                   scratch)
+
+
+def _own_blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_t, w_t = ins[0], ins[1]
     if x_t.rank == 4:  # a chain's first conv, reading the image as it lies
         return _image_conv(attrs, ins, outs) or _relaid_conv(device, attrs, ins, outs)

@@ -35,7 +35,7 @@ from polyhal.hookspecs import hookimpl
 from polyhal.ir.encoding import (
     LHS, RESULT, RHS, ChannelBlockedLayout, FeatureMapEncoding, IdentityLayout, MatmulEncoding, PackedLayout,
 )
-from polyhal_cpu import native
+from polyhal_cpu import native, onednn
 from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.settings import DEFAULT_TILE
 from polyhal_cpu.table import TABLE, float16_via_float32
@@ -71,8 +71,14 @@ def resolve_encoding(device, encoding, tensor_type):
         # contiguous, and the depthwise loop vectorises across the block either way.
         # Chains of ordinary convs stay NCHW: as GEMMs they run as fast, and a blocked layout
         # would only add relayouts.
-        if "data-tiling" not in device.capabilities or not native.available(tensor_type.dtype) \
-                or encoding.chain != "depthwise":
+        # With oneDNN, chains of ordinary convs are kept channels-last too: its convs take nhwc
+        # as they lie (brgconv on AVX2 and AVX-512 chooses it for layout "any"), so the chain's
+        # links fold and only its edges pay a reorder. Filters stay dense: the primitive reorders
+        # constant weights into its own layout once.
+        dense = encoding.chain == "dense" and encoding.role == "map" and tensor_type.dtype == np.float32 \
+            and onednn.usable()
+        if "data-tiling" not in device.capabilities or not (dense or (
+                encoding.chain == "depthwise" and native.available(tensor_type.dtype))):
             return IdentityLayout(tensor_type)
         return ChannelBlockedLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="cpu", conv_op=BLOCKED_CONV)
     if not isinstance(encoding, MatmulEncoding):

@@ -38,7 +38,7 @@ from numpy.polynomial import chebyshev
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
-from polyhal_cpu import blas, native
+from polyhal_cpu import blas, native, onednn_kernels
 from polyhal_cpu import queue_layout as layout
 # The other kernel modules register the rest of the op set in TABLE when imported.
 from polyhal_cpu import (  # noqa: F401
@@ -340,7 +340,18 @@ def _cast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
 
 # --------------------------------------------------------------------------------------- linalg
 
-@TABLE.register("matmul")
+def _matmul_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
+    """The oneDNN matmul's scratch where it serves the instance (the CPU's own GEMMs have none)."""
+    return onednn_kernels.matmul_scratch(op, attrs, ins, outs) or ()
+
+
+@TABLE.register("matmul", "gemm", scratch=_matmul_scratch)
+def _matmul_family(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A oneDNN matmul primitive where the library serves the instance, else the CPU's own GEMMs."""
+    own = _matmul if op == "matmul" else _gemm
+    return onednn_kernels.matmul(op, attrs, ins, outs, scratch) or own(device, op, attrs, ins, outs, scratch)
+
+
 @float16_via_float32
 def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     matmul = np.matmul
@@ -381,7 +392,6 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     return kernel
 
 
-@TABLE.register("gemm")
 @float16_via_float32
 def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     dtype = ins[0].dtype

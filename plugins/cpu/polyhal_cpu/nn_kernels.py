@@ -11,14 +11,26 @@ from functools import partial
 import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
-from polyhal_cpu import blas, native, parallel
+from polyhal_cpu import blas, native, onednn_kernels, parallel
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, numpy_activation
 
 
-@TABLE.register("linear")
+def _linear_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
+    """The oneDNN matmul's scratch where it serves the instance (the CPU's own GEMMs have none)."""
+    return onednn_kernels.matmul_scratch(op, attrs, ins, outs) or ()
+
+
+@TABLE.register("linear", "fused_linear", scratch=_linear_scratch)
+def _linear_family(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """A oneDNN matmul primitive (bias, residual, activation as post-ops) where the library serves
+    the instance, else the CPU's own GEMMs."""
+    own = _linear if op == "linear" else _fused_linear
+    return onednn_kernels.matmul(op, attrs, ins, outs, scratch) or own(device, op, attrs, ins, outs, scratch)
+
+
 @float16_via_float32
 def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type, w_type, _ = ins
@@ -67,7 +79,6 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     return kernel
 
 
-@TABLE.register("fused_linear")
 @float16_via_float32
 def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     """``linear``'s kernel (the bias added by BLAS's beta), then one pass for the residual and

@@ -242,6 +242,19 @@ class _Pool:
                 job(w)
 
 
+def stop_spinning() -> None:
+    """From now on, pool threads block right after a run instead of spinning for the next one:
+    another runtime's threads (oneDNN's OpenMP workers, :mod:`polyhal_cpu.onednn`) share the
+    budget's CPUs, and a pool thread spinning on one of them holds up each of that runtime's
+    parallel regions for a scheduler slice (measured on the 2-core VM: MobileNetV3-large b1 took
+    1.5-3 s instead of ~30 ms, its 1x1 convs ~20 ms each)."""
+    global SPIN_US
+    SPIN_US = 0
+    with _pool_lock:
+        if _pool is not None:
+            _pool.rounds = 0
+
+
 def _round_seconds(spin: Callable) -> float:
     """Seconds one round of ``spin`` takes here (the fastest of three timings of 2000: a
     preempted one reads long)."""

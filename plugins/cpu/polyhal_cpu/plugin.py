@@ -20,6 +20,7 @@ import os
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_cpu import onednn
 from polyhal_cpu.allocator import host_heap
 from polyhal_cpu.cost import estimate_cost, link_bandwidth  # noqa: F401  (hooks of the cost policy)
 from polyhal_cpu.device import CPUDevice
@@ -54,15 +55,16 @@ def register_devices():
     heap = host_heap()
     names = [f"cpu:{i}" for i in range(CPUSettings.from_env().devices)]
     tiled, tile = _data_tiling(names)
+    onednn_words, onednn_story = onednn.listed()
     return [
         DeviceSpec(
             name=f"cpu:{i}", backend="cpu", rank=0, factory=CPUDevice, heaps=(heap,),
             workgroup_bytes=0,
             capabilities=frozenset({"host", "fp16", "fp64"} | ({"data-tiling"} if f"cpu:{i}" in tiled else set())),
             limits={"ordinal": i, "cores": os.cpu_count() or 1, "max_allocation_bytes": heap.max_allocation_size,
-                    "data_tile": tile},
+                    "data_tile": tile, "onednn": onednn_story},
             dlpack_devices=frozenset({(1, 0)}) if i == 0 else frozenset(),
-            description=f"numpy on the host CPU ({os.cpu_count()} cores)", kernel_names=KERNEL_NAMES,
+            description=f"numpy on the host CPU ({os.cpu_count()} cores; {onednn_words})", kernel_names=KERNEL_NAMES,
         )
         for i in range(len(names))
     ]

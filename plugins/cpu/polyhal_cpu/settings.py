@@ -36,6 +36,8 @@ class CPUSettings(Settings, component="CPU backend"):
         shown="the CPUs this process may use, cut while others are busy",
         hint="set it to the number of threads the CPU backend may use (e.g. POLYHAL_CPU_THREADS=1), "
              "or unset it for the CPUs this process may use")
+    onednn: bool = setting("POLYHAL_CPU_ONEDNN", Flag(), True,
+                           "run convolutions and matmuls as oneDNN primitives where the library is installed")
     native: bool = setting("POLYHAL_CPU_NATIVE", Flag(), True, "run the numba-compiled loops where they apply")
     cache_dir: str | None = setting(
         "POLYHAL_CPU_CACHE_DIR", Text(keep_blank=True), None,

@@ -1,0 +1,483 @@
+"""The CPU's convolutions and matmuls as oneDNN primitives (:mod:`polyhal_cpu.onednn`), one per op
+instance, made when the plan is compiled.
+
+Where the library is usable (:func:`polyhal_cpu.onednn.usable`), the builders of ``conv``,
+``fused_conv``, ``cpu.blocked_conv`` (:mod:`polyhal_cpu.conv_kernels`), ``matmul``, ``gemm``,
+``linear`` and ``fused_linear`` (:mod:`polyhal_cpu.kernels`, :mod:`polyhal_cpu.nn_kernels`) ask
+this module first; an instance it does not take (a type other than float32, a shape oneDNN
+refuses: ``unimplemented``) runs on the CPU's own kernels, and :func:`refusals` says which and why.
+
+**Convolutions.** One primitive serves each fused op: the bias is the primitive's, the residual a
+``sum`` post-op (the residual placed in the destination first), the activation an ``eltwise``
+post-op. The primitive is created on layouts ``any`` -- oneDNN picks the blocked layout its
+fastest implementation wants (on AVX2, ``brgconv`` takes nhwc; on AVX-512 ``nChw16c``) -- except
+for a ``cpu.blocked_conv``, whose maps are channels-last storage already: it is created on that
+layout first, so a chain of such convs hands its maps over as they lie. A map whose layout
+differs from the one chosen pays a reorder into (or out of) a declared scratch, and the
+scratch's purpose names the reorder, so ``Plan.explain()`` lists every reorder left. Weights are
+reordered once, on the first call, into an array kept while the plan hands the kernel the same
+read-only weights (its constants); weights that can change are reordered on every call into
+declared scratch. The scratchpad (user mode) is declared scratch too.
+
+**Matmuls.** ``matmul`` (batched, broadcasting), ``gemm`` (transposes through strides, ``alpha``
+and ``beta`` C), ``linear`` and ``fused_linear`` (bias, residual, activation) are oneDNN matmul
+primitives on the operands as they lie (strided descriptors: no copy for a transposed operand);
+``beta`` C and the residual are ``binary add`` post-ops, the activation an ``eltwise`` one.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, ScratchRequest
+from polyhal.ir.types import TensorType
+
+from polyhal_cpu import onednn
+from polyhal_cpu.onednn import (
+    ARG_BIAS, ARG_DST, ARG_POST_OP_BASE, ARG_SRC, ARG_SRC_1, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused,
+    address,
+)
+from polyhal_cpu.ops import BLOCKED_CONV
+from polyhal_cpu.scratch import array as scratch_array
+
+__all__ = ["conv", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
+
+
+#: op instance -> why oneDNN does not serve it (for tests and explain's kernel names).
+_REFUSED: dict[tuple, str] = {}
+_lock = threading.Lock()
+
+
+def refusals() -> dict[tuple, str]:
+    """The op instances oneDNN refused in this process, and why (they run on the CPU's own kernels)."""
+    return dict(_REFUSED)
+
+
+def _served(ins, outs) -> bool:
+    """Whether oneDNN is usable and asked about operands of these types (one type, one it names;
+    whether a primitive takes it is the library's answer)."""
+    dtype = outs[0].dtype
+    return dtype in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
+
+
+def _key(op: str, attrs: dict, ins, outs) -> tuple:
+    def frozen(v):
+        return tuple(frozen(x) for x in v) if isinstance(v, (list, tuple)) else v
+    return (op, tuple(sorted((k, frozen(v)) for k, v in attrs.items())), tuple(ins), tuple(outs))
+
+
+# ---------------------------------------------------------------------------------- convolution
+
+def _row_major(shape) -> tuple[int, ...]:
+    return tuple(int(math.prod(shape[i + 1:])) for i in range(len(shape)))
+
+
+def _map_md(t: TensorType, blocked: bool) -> tuple[tuple[int, ...], tuple[int, ...], str]:
+    """(logical dims, element strides, name) of a feature map: dense (N, C, spatial...) or, for
+    a ``cpu.blocked_conv`` (``blocked``), channel-blocked storage (N, 1, H, W, C), which is nhwc."""
+    if blocked and t.rank == 5:
+        n, _, h, w, c = t.shape
+        return (n, c, h, w), (h * w * c, 1, w * c, c), "nhwc"
+    return t.shape, _row_major(t.shape), "nchw" if t.rank == 4 else "plain"
+
+
+def _filter_md(t: TensorType, group: int, blocked: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(logical dims, element strides) of a conv's weights, dense (M, C/g, k...) or, for a
+    ``cpu.blocked_conv``, maybe channels-last (M, 1, kh, kw, C/g); grouped ones as oneDNN wants
+    them, (g, M/g, C/g, k...)."""
+    if blocked and t.rank == 5:
+        m, _, kh, kw, cg = t.shape
+        dims, strides = (m, cg, kh, kw), (kh * kw * cg, 1, kw * cg, cg)
+    else:
+        dims, strides = t.shape, _row_major(t.shape)
+    if group == 1:
+        return dims, strides
+    m = dims[0]
+    return (group, m // group, *dims[1:]), (strides[0] * (m // group), *strides)
+
+
+@dataclass
+class _Relayout:
+    """A reorder the kernel pays on every call: from the user's layout to the primitive's (or back)."""
+
+    name: str  # scratch name
+    primitive: Primitive
+    nbytes: int
+    purpose: str
+
+
+@dataclass
+class ConvPlan:
+    """One conv instance as oneDNN computes it: the primitive and the reorders around it."""
+
+    conv: Primitive
+    has_bias: bool
+    has_residual: bool
+    src: _Relayout | None
+    dst: _Relayout | None
+    residual: _Relayout | None
+    weights: Primitive | None  # None: the primitive takes the weights as they lie
+    weights_bytes: int
+    scratchpad_bytes: int
+    name: str
+    requests: tuple = field(default=())
+
+
+_PLANS: dict[tuple, ConvPlan | None] = {}
+
+
+def conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan | None:
+    """The oneDNN plan of a ``conv`` / ``fused_conv`` / ``cpu.blocked_conv`` instance, made once
+    per instance and kept; None where oneDNN does not serve it (not usable, not float32, or
+    refused: see :func:`refusals`)."""
+    if not _served(ins, outs) or ins[0].rank not in (3, 4, 5):
+        return None
+    key = _key(op, attrs, ins, outs)
+    with _lock:
+        if key in _PLANS:
+            return _PLANS[key]
+        try:
+            plan = _make_conv_plan(op, attrs, ins, outs)
+        except Refused as exc:
+            _REFUSED[key] = str(exc)
+            plan = None
+        _PLANS[key] = plan
+        return plan
+
+
+def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
+    onednn.lib().set_threads()  # a primitive's work split is fixed when it is created
+    fused = op != "conv"
+    activation = attrs.get("activation", "none") if fused else "none"
+    alpha, beta = float(attrs.get("alpha", 0.0)), float(attrs.get("beta", 0.0))
+    has_bias, has_residual = len(ins) >= 3, len(ins) == 4
+    blocked = op == BLOCKED_CONV
+    x_dims, x_strides, x_name = _map_md(ins[0], blocked)
+    y_dims, y_strides, y_name = _map_md(outs[0], blocked)
+    group = int(attrs["group"])
+    w_dims, w_strides = _filter_md(ins[1], group, blocked)
+    n = len(x_dims) - 2
+    strides = [int(v) for v in attrs.get("strides") or [1] * n]
+    pads = [int(v) for v in attrs.get("pads") or [0] * (2 * n)]
+    dilations = [int(v) - 1 for v in attrs.get("dilations") or [1] * n]  # oneDNN's: 0 is dense
+    # The end padding as far as the windows read it: ONNX allows pads that no window reaches
+    # (the output size is floored), oneDNN checks that its sizes add up exactly.
+    k_dims = w_dims[len(w_dims) - n:]
+    pad_r = [(y_dims[2 + i] - 1) * strides[i] + (k_dims[i] - 1) * (dilations[i] + 1) + 1 - x_dims[2 + i] - pads[i]
+             for i in range(n)]
+    dt = outs[0].dtype
+    x_user, y_user = onednn.plain(x_dims, x_strides, dt), onednn.plain(y_dims, y_strides, dt)
+    w_user = onednn.plain(w_dims, w_strides, dt)
+    bias = onednn.plain((w_dims[0] * (w_dims[1] if group > 1 else 1),), None, dt) if has_bias else None
+    attr = Attr([("sum",)] * has_residual + [(activation, alpha, beta)])
+    # A blocked conv's maps are channels-last storage: created on that layout first, so a chain
+    # hands its maps over as they lie; otherwise (and if that is refused) on layouts "any".
+    tries = []
+    if x_name == "nhwc" or y_name == "nhwc":
+        tries.append((x_user, y_user))
+    tries.append((onednn.any_layout(x_dims, dt), onednn.any_layout(y_dims, dt)))
+    refused = None
+    for x_md, y_md in tries:
+        try:
+            pd = onednn.conv_desc(op, x_md, onednn.any_layout(w_dims, dt), bias, y_md, strides, dilations, pads[:n],
+                                  pad_r, attr)
+            break
+        except Refused as exc:
+            refused = exc
+    else:
+        raise refused  # type: ignore[misc]
+    args = (ARG_SRC, ARG_WEIGHTS) + ((ARG_BIAS,) if has_bias else ()) + (ARG_DST,)
+    prim = Primitive(pd, args, op)
+    src_md, dst_md, w_md = prim.mds[ARG_SRC], prim.mds[ARG_DST], prim.mds[ARG_WEIGHTS]
+    rank = len(x_dims)
+    chosen_x, chosen_y = onednn.describe(src_md, rank), onednn.describe(dst_md, rank)
+    src = dst = residual = None
+    if src_md != x_user:
+        src = _Relayout("src", onednn.reorder(op, x_user, src_md), src_md.nbytes,
+                        f"oneDNN reorder of the input {x_name} -> {chosen_x} before the conv [{prim.impl}]")
+    if dst_md != y_user:
+        dst = _Relayout("dst", onednn.reorder(op, dst_md, y_user), dst_md.nbytes,
+                        f"oneDNN conv result in {chosen_y} [{prim.impl}], reordered -> {y_name}")
+        if has_residual:
+            residual = _Relayout("dst", onednn.reorder(op, y_user, dst_md), 0, "")
+    weights = None if w_md == w_user else onednn.reorder(op, w_user, w_md)
+    scratchpad = max([prim.scratchpad_bytes] + [r.primitive.scratchpad_bytes for r in (src, dst, residual) if r]
+                     + ([weights.scratchpad_bytes] if weights is not None else []))
+    reorders = [f"{x_name}->{chosen_x}"] * bool(src) + [f"{chosen_y}->{y_name}"] * bool(dst)
+    name = (f"oneDNN conv [{prim.impl}] on {chosen_x}"
+            + (f" +{'+'.join(p for p, on in (('bias', has_bias), ('sum', has_residual), (activation, activation != 'none')) if on)}")
+            + (f"; reorders {', '.join(reorders)}" if reorders else ""))
+    return ConvPlan(prim, has_bias, has_residual, src, dst, residual, weights, w_md.nbytes if weights else 0,
+                    scratchpad, name)
+
+
+def conv_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...] | None:
+    """The declared scratch of a oneDNN conv instance (the reordered maps and weights, the
+    scratchpad), or None where oneDNN does not serve it."""
+    plan = conv_plan(op, attrs, ins, outs)
+    if plan is None:
+        return None
+    problem = Problem(op, attrs, tuple(ins), tuple(outs))
+    kernel = KernelInfo("onednn_conv", op, 1, 1, "cpu")
+    decls = [ScratchDecl(r.name, shared=True, per_launch=r.nbytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                         purpose=r.purpose) for r in (plan.src, plan.dst) if r is not None]
+    if plan.weights is not None:
+        decls.append(ScratchDecl("weights", shared=True, per_launch=plan.weights_bytes, spaces=(MemorySpace.GLOBAL,),
+                                 alignment=64, purpose="oneDNN's weights layout, for weights that are not constants "
+                                                       "(constants are reordered once and kept)"))
+    if plan.scratchpad_bytes:
+        decls.append(ScratchDecl("scratchpad", shared=True, per_launch=plan.scratchpad_bytes,
+                                 spaces=(MemorySpace.GLOBAL,), alignment=64,
+                                 purpose=f"oneDNN's scratchpad (user mode) of {plan.conv.impl}"))
+    return tuple(d.request(problem, kernel) for d in decls)
+
+
+def _bound(scratch, requests):
+    """``scratch``, or for a kernel prepared by hand without its declared scratch, a binding made
+    now, at prepare (never in a call)."""
+    from polyhal_cpu.scratch import standalone
+
+    return scratch if scratch is not None or not requests else standalone(None, requests)
+
+
+def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scratch_weights: np.ndarray | None):
+    """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder;
+    else reordered once and kept while the same read-only array comes again (a plan's constant),
+    or into ``scratch_weights`` on every call."""
+    from polyhal_cpu.table import frozen
+
+    if reorder is None:
+        return address
+    kept: list = [None, None]  # the array the kept copy was made from, the copy
+
+    def weights(w: np.ndarray) -> int:
+        if kept[0] is w:
+            return address(kept[1])
+        if frozen(w):
+            copy = np.empty(max(nbytes, 1), np.uint8)
+            reorder(address(w), address(copy))
+            kept[0], kept[1] = w, copy
+            return address(copy)
+        reorder(address(w), address(scratch_weights))
+        return address(scratch_weights)
+    return weights
+
+
+def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None:
+    """The kernel ``fn(x, w[, b][, r], out)`` of a conv instance as a oneDNN primitive, or None
+    where oneDNN does not serve it (the CPU's own conv runs it)."""
+    plan = conv_plan(op, attrs, ins, outs)
+    if plan is None:
+        return None
+    scratch = _bound(scratch, conv_scratch(op, attrs, ins, outs))
+    execute = plan.conv.executor()
+    pad = plan.scratchpad_bytes
+
+    def buf(name: str) -> np.ndarray:
+        return scratch_array(scratch, name, np.uint8, (scratch.buffer(name).nbytes,))
+
+    pad_address = (address(buf("scratchpad")),) if pad else ()
+    weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
+                            buf("weights") if plan.weights else None)
+    src_in = plan.src.primitive.executor() if plan.src else None
+    src_at = address(buf("src")) if plan.src else 0
+    dst_out = plan.dst.primitive.executor() if plan.dst else None
+    dst_at = address(buf("dst")) if plan.dst else 0
+    res_in = plan.residual.primitive.executor() if plan.residual else None
+    has_bias, has_residual = plan.has_bias, plan.has_residual
+    contiguous, copyto = np.ascontiguousarray, np.copyto
+
+    def kernel(x, w, *rest):
+        out = rest[-1]
+        if not x.flags.c_contiguous:
+            x = contiguous(x)
+        if src_in is not None:
+            src_in(address(x), src_at, *pad_address)
+            xa = src_at
+        else:
+            xa = address(x)
+        da = dst_at if dst_out is not None else address(out)
+        if has_residual:
+            if res_in is not None:
+                res_in(address(contiguous(rest[1])), da, *pad_address)
+            else:
+                copyto(out, rest[1])
+        if has_bias:
+            execute(xa, weights(w), address(contiguous(rest[0])), da, *pad_address)
+        else:
+            execute(xa, weights(w), da, *pad_address)
+        if dst_out is not None:
+            dst_out(da, address(out), *pad_address)
+    kernel.kernel_name = plan.name  # type: ignore[attr-defined]
+    kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
+    return kernel
+
+
+# ---------------------------------------------------------------------------------------- matmul
+
+@dataclass
+class MatmulPlan:
+    """One matmul-family instance as a oneDNN matmul primitive."""
+
+    matmul: Primitive
+    has_bias: bool
+    binary: tuple[int, ...]  # which kernel operands feed the binary post-ops, in order
+    weights: Primitive | None  # the reorder into the primitive's weights layout (None: as they lie)
+    weights_bytes: int
+    scratchpad_bytes: int
+    shapes: tuple  # (a, b, out) shapes the primitive sees (leading dims collapsed or padded)
+    name: str
+
+
+_MATMULS: dict[tuple, MatmulPlan | None] = {}
+
+
+def _broadcast_md(shape: tuple[int, ...], rank: int, dtype) -> MemoryDesc:
+    """A row-major descriptor of an operand of ``shape`` broadcast to ``rank`` dims (leading 1s)."""
+    full = (1,) * (rank - len(shape)) + tuple(shape)
+    return onednn.plain(full, None, dtype)
+
+
+def matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan | None:
+    """The oneDNN plan of a ``matmul`` / ``gemm`` / ``linear`` / ``fused_linear`` instance, made
+    once per instance and kept; None where oneDNN does not serve it."""
+    if not _served(ins, outs) or any(t.size == 0 for t in ins):
+        return None
+    if op == "matmul" and (ins[0].rank < 2 or ins[1].rank < 2):
+        return None
+    key = _key(op, attrs, ins, outs)
+    with _lock:
+        if key in _MATMULS:
+            return _MATMULS[key]
+        try:
+            plan = _make_matmul_plan(op, attrs, ins, outs)
+        except Refused as exc:
+            _REFUSED[key] = str(exc)
+            plan = None
+        _MATMULS[key] = plan
+        return plan
+
+
+def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
+    onednn.lib().set_threads()
+    a_t, b_t, out_t = ins[0], ins[1], outs[0]
+    dt = out_t.dtype
+    post: list = []
+    binary: list[int] = []
+    bias = None
+    if op == "gemm":
+        trans_a, trans_b = bool(attrs["trans_a"]), bool(attrs["trans_b"])
+        alpha, beta = float(attrs["alpha"]), float(attrs["beta"])
+        (m, n) = out_t.shape
+        k = a_t.shape[0 if trans_a else 1]
+        a_dims, a_strides = (m, k), ((1, m) if trans_a else (k, 1))
+        b_dims, b_strides = (k, n), ((1, k) if trans_b else (n, 1))
+        out_dims = (m, n)
+        with_c = len(ins) == 3 and beta != 0.0
+        # alpha A B + beta C = beta ((alpha / beta) A B + C): post-ops scale, add, scale.
+        scale = alpha / beta if with_c else alpha
+        if scale != 1.0:
+            post.append(("linear", scale, 0.0))
+        if with_c:
+            post.append(("add", _broadcast_md(ins[2].shape, 2, dt)))
+            binary.append(2)
+            if beta != 1.0:
+                post.append(("linear", beta, 0.0))
+        constant_b = True
+    elif op in ("linear", "fused_linear"):
+        rows = math.prod(a_t.shape[:-1])
+        k, n = b_t.shape
+        a_dims, a_strides = (rows, k), (k, 1)
+        b_dims, b_strides = (k, n), (n, 1)
+        out_dims = (rows, n)
+        c = ins[2]
+        if c.size not in (1, n) or (c.size == n != 1 and c.shape[-1] != n):
+            raise Refused(f"{op}: a bias of shape {c.shape} is not a row (the CPU's own kernel broadcasts it)")
+        bias = onednn.plain((1, 1 if c.size == 1 and n != 1 else n), None, dt)
+        if op == "fused_linear":
+            if len(ins) == 4:
+                post.append(("add", onednn.plain(out_dims, None, dt)))
+                binary.append(3)
+            post.append((attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])))
+        constant_b = True
+    else:  # matmul, numpy's: batch dims broadcast
+        if b_t.rank == 2:  # (batch..., M, K) @ (K, N): one GEMM over the collapsed rows
+            rows = math.prod(a_t.shape[:-1])
+            a_dims, b_dims, out_dims = (rows, a_t.shape[-1]), b_t.shape, (rows, b_t.shape[-1])
+        else:
+            rank = out_t.rank
+            a_dims = (1,) * (rank - a_t.rank) + a_t.shape
+            b_dims = (1,) * (rank - b_t.rank) + b_t.shape
+            out_dims = out_t.shape
+        a_strides, b_strides = _row_major(a_dims), _row_major(b_dims)
+        constant_b = b_t.rank == 2  # a weight matrix, most likely a constant: worth a layout of its own
+    a_md, b_user = onednn.plain(a_dims, a_strides, dt), onednn.plain(b_dims, b_strides, dt)
+    out_md = onednn.plain(out_dims, None, dt)
+    attr = Attr(post)
+    b_md = onednn.any_layout(b_dims, dt) if constant_b else b_user
+    pd = onednn.matmul_desc(op, a_md, b_md, bias, out_md, attr)
+    args = (ARG_SRC, ARG_WEIGHTS) + ((ARG_BIAS,) if bias is not None else ()) + (ARG_DST,) + attr.binary_args
+    prim = Primitive(pd, args, op)
+    w_md = prim.mds[ARG_WEIGHTS]
+    weights = None if w_md == b_user else onednn.reorder(op, b_user, w_md)
+    scratchpad = max(prim.scratchpad_bytes, weights.scratchpad_bytes if weights is not None else 0)
+    layout = f" on weights {w_md.format}" if weights is not None else ""
+    extras = [p[0] for p in post if p[0] not in ("none",)]
+    name = f"oneDNN matmul [{prim.impl}]{layout}" + (f" +{'+'.join(['bias'] * (bias is not None) + extras)}"
+                                                      if bias is not None or extras else "")
+    return MatmulPlan(prim, bias is not None, tuple(binary), weights, w_md.nbytes if weights else 0, scratchpad,
+                      (a_dims, b_dims, out_dims), name)
+
+
+def matmul_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...] | None:
+    """The declared scratch of a oneDNN matmul instance, or None where oneDNN does not serve it."""
+    plan = matmul_plan(op, attrs, ins, outs)
+    if plan is None:
+        return None
+    problem = Problem(op, attrs, tuple(ins), tuple(outs))
+    kernel = KernelInfo("onednn_matmul", op, 1, 1, "cpu")
+    decls = []
+    if plan.weights is not None:
+        decls.append(ScratchDecl("weights", shared=True, per_launch=plan.weights_bytes, spaces=(MemorySpace.GLOBAL,),
+                                 alignment=64, purpose="oneDNN's weights layout, for weights that are not constants "
+                                                       "(constants are reordered once and kept)"))
+    if plan.scratchpad_bytes:
+        decls.append(ScratchDecl("scratchpad", shared=True, per_launch=plan.scratchpad_bytes,
+                                 spaces=(MemorySpace.GLOBAL,), alignment=64,
+                                 purpose=f"oneDNN's scratchpad (user mode) of {plan.matmul.impl}"))
+    return tuple(d.request(problem, kernel) for d in decls)
+
+
+def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None:
+    """The kernel of a matmul-family instance as a oneDNN matmul primitive, or None where oneDNN
+    does not serve it (the CPU's own kernel runs it)."""
+    plan = matmul_plan(op, attrs, ins, outs)
+    if plan is None:
+        return None
+    scratch = _bound(scratch, matmul_scratch(op, attrs, ins, outs))
+    execute = plan.matmul.executor()
+    pad = (address(scratch.buffer("scratchpad")),) if plan.scratchpad_bytes else ()
+    weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
+                            scratch.buffer("weights") if plan.weights else None)
+    has_bias, binary = plan.has_bias, plan.binary
+    contiguous = np.ascontiguousarray
+
+    def kernel(*arrays):
+        a, b, out = arrays[0], arrays[1], arrays[-1]
+        if not a.flags.c_contiguous:
+            a = contiguous(a)
+        if not b.flags.c_contiguous:
+            b = contiguous(b)
+        extra = tuple(address(contiguous(arrays[i])) for i in binary)
+        if has_bias:
+            execute(address(a), weights(b), address(contiguous(arrays[2])), address(out), *extra, *pad)
+        else:
+            execute(address(a), weights(b), address(out), *extra, *pad)
+    kernel.kernel_name = plan.name  # type: ignore[attr-defined]
+    kernel.plan = plan  # type: ignore[attr-defined]
+    return kernel

@@ -1,0 +1,153 @@
+"""The oneDNN binding (polyhal_cpu.onednn) and its kernels (polyhal_cpu.onednn_kernels): real
+library calls, checked against the ops' references; skipped where the library is not installed
+(but for the test that it is missing, which makes it so)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import polyhal
+from polyhal.errors import KernelError, PolyhalError
+from polyhal.ir.types import TensorType
+from polyhal.ops import OPS
+from polyhal_cpu import onednn, onednn_kernels
+from polyhal_cpu.kernels import prepare
+
+needs_onednn = pytest.mark.skipif(not onednn.usable(), reason=f"oneDNN is not usable here: {onednn.status()[1]}")
+RNG = np.random.default_rng(30)
+
+
+def _f(*shape) -> np.ndarray:
+    return RNG.standard_normal(shape).astype(np.float32)
+
+
+def _child(code: str, **env) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter (the library loads once per process), with ``env`` added."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **env})
+
+
+@needs_onednn
+def test_bad_status_is_a_polyhal_error_naming_op_and_status():
+    # a real call with operands that do not fit: (2, 3, 4) @ (4, 5) has no 3-D weights
+    with pytest.raises(onednn.OneDNNError) as info:
+        onednn.matmul_desc("matmul", onednn.plain((2, 3, 4)), onednn.plain((4, 5)), None, onednn.plain((2, 3, 5)),
+                           onednn.Attr())
+    assert isinstance(info.value, KernelError) and isinstance(info.value, PolyhalError)
+    message = str(info.value)
+    assert "matmul" in message and "invalid_arguments" in message and "POLYHAL_CPU_ONEDNN=0" in message
+    assert info.value.status == 2
+
+
+@needs_onednn
+def test_refused_instance_falls_back_per_op():
+    # oneDNN has no float64 convolution on the CPU: its primitive descriptor is "unimplemented",
+    # and the CPU's own conv runs the instance, correctly
+    x, w = RNG.standard_normal((1, 3, 9, 9)), RNG.standard_normal((4, 3, 3, 3))
+    attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 1}
+    ins, outs = (TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype)), (TensorType((1, 4, 9, 9), x.dtype),)
+    assert onednn_kernels.conv_plan("conv", attrs, ins, outs) is None
+    why = [v for k, v in onednn_kernels.refusals().items() if k[0] == "conv" and k[2] == ins]
+    assert why and "unimplemented" in why[0]
+    kernel = prepare("conv", attrs, ins, outs)
+    assert "oneDNN" not in getattr(kernel, "kernel_name", "")
+    out = np.empty(outs[0].shape)
+    kernel(x, w, out)
+    np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-10, atol=1e-10)
+
+
+def test_library_missing_falls_back_and_says_so():
+    code = ("import json, numpy as np, polyhal; from polyhal_cpu import onednn; "
+            "p = polyhal.ProgramBuilder('c'); x = p.input('x', (1, 8, 10, 10), np.float32); "
+            "w = p.constant(np.ones((8, 8, 3, 3), np.float32)); p.output(p.op('conv', x, w, pads=(1, 1, 1, 1))); "
+            "plan = polyhal.compile(p.build(), 'cpu:0'); y = plan(np.ones((1, 8, 10, 10), np.float32)).numpy(); "
+            "print(json.dumps([onednn.status()[1], y[0, 0, 5, 5].item(), 'onednn_' in plan.explain()]))")
+    proc = _child(code, POLYHAL_CPU_ONEDNN_LIBRARY="/nonexistent/libdnnl.so.3")
+    assert proc.returncode == 0, proc.stderr
+    why, value, onednn_scratch = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "/nonexistent/libdnnl.so.3" in why
+    assert value == 72.0 and not onednn_scratch  # the CPU's own conv ran it
+    devices = subprocess.run([sys.executable, "-m", "polyhal.cli", "devices"], capture_output=True, text=True,
+                             timeout=300, env={**os.environ, "POLYHAL_CPU_ONEDNN_LIBRARY": "/nonexistent/libdnnl.so.3"})
+    line = next(li for li in devices.stdout.splitlines() if li.startswith("cpu:0"))
+    assert "oneDNN unusable: own kernels" in line
+
+
+@needs_onednn
+def test_thread_override_warns():
+    proc = _child("from polyhal_cpu import onednn; print(onednn.lib().set_threads())",
+                  POLYHAL_CPU_THREADS="1", OMP_NUM_THREADS="2")
+    assert proc.returncode == 0, proc.stderr
+    assert "POLYHAL_CPU_THREADS=1 overrides OMP_NUM_THREADS=2 for oneDNN" in proc.stderr
+    assert proc.stdout.strip() == "1"
+
+
+@needs_onednn
+@pytest.mark.parametrize("case", ["grouped", "depthwise", "dilated_strided", "asymmetric", "conv1d"])
+def test_conv_geometries_with_epilogue(case, check_on_poisoned_scratch):
+    x_shape, w_shape, attrs = {
+        "grouped": ((2, 8, 11, 11), (12, 4, 3, 3), {"group": 2, "pads": [1, 1, 1, 1]}),
+        "depthwise": ((1, 16, 12, 12), (16, 1, 3, 3), {"group": 16, "pads": [1, 1, 1, 1]}),
+        "dilated_strided": ((1, 8, 17, 17), (8, 8, 3, 3), {"strides": [2, 2], "dilations": [2, 2],
+                                                         "pads": [2, 2, 2, 2]}),
+        "asymmetric": ((1, 6, 10, 9), (5, 6, 3, 2), {"pads": [0, 1, 2, 0], "strides": [1, 2]}),
+        "conv1d": ((2, 6, 20), (4, 6, 5), {"pads": [2, 1]}),
+    }[case]
+    attrs = {"strides": [1] * (len(x_shape) - 2), "dilations": [1] * (len(x_shape) - 2), "group": 1,
+             "pads": [0] * (2 * len(x_shape) - 4), **attrs, "activation": "clip", "alpha": -0.5, "beta": 1.5}
+    x, w, b = _f(*x_shape), _f(*w_shape), _f(w_shape[0])
+    (y,) = OPS["fused_conv"].infer((TensorType(x_shape, np.float32), TensorType(w_shape, np.float32),
+                                    TensorType(b.shape, np.float32)), attrs)
+    r = _f(*y.shape)
+    ins = [x, w, b, r]
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    requests = onednn_kernels.conv_scratch("fused_conv", attrs, types, (y,))
+    assert requests is not None, onednn_kernels.refusals()
+    from polyhal_cpu.scratch import standalone
+
+    scratch = standalone(None, requests)
+    kernel = prepare("fused_conv", attrs, types, (y,), scratch)
+    assert kernel.kernel_name.startswith("oneDNN conv") and "+bias+sum+clip" in kernel.kernel_name
+    w.flags.writeable = False  # a plan's constant: reordered once, then kept
+    check_on_poisoned_scratch(kernel, scratch, requests, "fused_conv", attrs, ins, lambda: _f(*x_shape), y)
+
+
+@needs_onednn
+def test_chain_keeps_channels_last_and_reorders_only_at_its_edges():
+    b = polyhal.ProgramBuilder("chain")
+    x = b.input("x", (1, 16, 14, 14), np.float32)
+    w1, b1, w2 = _f(32, 16, 3, 3), _f(32), _f(32, 32, 3, 3)
+    y = b.op("relu", b.op("conv", x, b.constant(w1), b.constant(b1), pads=(1, 1, 1, 1)))
+    z = b.op("conv", y, b.constant(w2), pads=(1, 1, 1, 1))
+    b.output(b.op("add", z, y))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    explain = plan.explain()
+    assert "2 pack/unpack dispatches" in explain  # the chain's input and output only
+    assert "oneDNN reorder" not in explain  # its convs take nhwc as it lies
+    xv = _f(1, 16, 14, 14)
+    for _ in range(2):  # the second run uses the kept weights
+        got = plan(xv).numpy()
+    ref_y = np.maximum(OPS["conv"].reference(xv, w1, b1, pads=(1, 1, 1, 1))[0], 0)
+    want = OPS["conv"].reference(ref_y, w2, pads=(1, 1, 1, 1))[0] + ref_y
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+@pytest.mark.parametrize("op", ["matmul", "gemm", "linear", "fused_linear"])
+def test_matmul_family_against_reference(op):
+    for seed in range(12):
+        inputs, attrs = OPS[op].sample(np.random.default_rng(seed))
+        inputs = [np.asarray(a, np.float32) for a in inputs]
+        types = tuple(TensorType(a.shape, a.dtype) for a in inputs)
+        outs = tuple(OPS[op].infer(types, attrs))
+        kernel = prepare(op, attrs, types, outs)
+        out = np.empty(outs[0].shape, np.float32)
+        kernel(*inputs, out)
+        (want,) = OPS[op].reference(*inputs, **attrs)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"{op} seed {seed}")
