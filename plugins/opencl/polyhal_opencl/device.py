@@ -32,6 +32,7 @@ from polyhal_opencl.allocator import CLAllocator
 from polyhal_opencl.codegen import DeviceTraits
 from polyhal_opencl.errors import check
 from polyhal_opencl.program import ProgramCache, default_cache_dir
+from polyhal_opencl.queue import CLQueue
 
 # pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
 # lists no device and says why (plugin.enumerate_devices).
@@ -66,6 +67,14 @@ class CLDevice(Device):
         self.traits = DeviceTraits.from_cl(cl_device)
         self.programs = ProgramCache(self.context, cl_device, default_cache_dir())
         self.native_allocator = self.allocator = CLAllocator(self, spec.heaps)
+
+    @property
+    def queues(self) -> tuple[CLQueue, ...]:
+        """One :class:`~polyhal_opencl.queue.CLQueue` on :attr:`queue` (signals are marker events)."""
+        queues = self.__dict__.get("_queues")
+        if queues is None:
+            queues = self.__dict__.setdefault("_queues", (CLQueue(self),))
+        return queues
 
     def close(self) -> None:
         """Finish queued work and release the allocator's cached buffers (the device stays usable)."""
