@@ -284,13 +284,16 @@ class Queue(Protocol):
     completed on the device, signals each of ``signal``; if it fails, the ``signal`` semaphores
     are failed with its error. Operations without a common semaphore may run in any order or
     concurrently (a queue may be more ordered than that, never less).
+
+    A queue may also say ``asynchronous = True``: its submissions return before the work is
+    done (the signal semaphores say when). A concurrent plan submits to such a queue; a device
+    whose queues are all synchronous gets a HostThreadQueue for it
+    (:attr:`~polyhal.hal.device.Device.concurrent_queue`). Optional, so that queues written
+    before it still match this protocol.
     """
 
     name: str
     device: "Device"
-    #: Whether submissions return before the work is done (the signal semaphores say when):
-    #: a concurrent plan submits to such a queue; a synchronous one gets a HostThreadQueue beside it.
-    asynchronous: bool
 
     def execute(self, work: Sequence[Callable[[], None]], wait: SemaphoreList = (),
                 signal: SemaphoreList = ()) -> None:
