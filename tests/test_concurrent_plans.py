@@ -242,6 +242,25 @@ def test_cost_policy_splits_independent_branches_across_devices(cpus):
     np.testing.assert_allclose(plan(x).numpy(), ref, rtol=1e-3, atol=1e-5)
 
 
+def test_cost_policy_spreads_micro_batches_and_keeps_each_one_on_its_device(cpus):
+    """A two-stage pipeline over four micro-batches: each micro-batch's stages stay together (no
+    move), and the micro-batches alternate between the devices."""
+    configure_policy(cpus, policy="cost")
+    b = polyhal.ProgramBuilder("pipeline")
+    w1 = b.constant(np.eye(64, dtype=np.float32), "w1")
+    w2 = b.constant(2 * np.eye(64, dtype=np.float32), "w2")
+    xs = [b.input(f"x{i}", (64, 64)) for i in range(4)]
+    for x in xs:
+        b.output(b.op("matmul", b.op("matmul", x, w1), w2))
+    plan = polyhal.compile(b.build(), ["cpu:0", "cpu:1"])
+    devices = [op.device for op in plan.program.ops if op.name == "matmul"]
+    assert devices == ["cpu:0", "cpu:0", "cpu:1", "cpu:1"] * 2, plan.explain()
+    assert plan.placement.transfers == 0 and plan.schedule is not None
+    data = [np.random.default_rng(i).standard_normal((64, 64)).astype(np.float32) for i in range(4)]
+    for got, x in zip(plan(*data), data):
+        np.testing.assert_allclose(got.numpy(), 2 * x, rtol=1e-6)
+
+
 def test_cost_policy_uses_measured_kernel_times(cpus):
     from polyhal.policies.cost import measure_kernels, measured_kernels
 

@@ -98,11 +98,13 @@ def place(program: Program, target: "Target") -> Placement:
                 f"no device of {affinity} has a kernel for op {op.name!r}; devices with it: "
                 f"{[n for n in specs if op.name in target.kernels(n)] or 'none'}")
         # The op as the cost policy sees it: operand types and where each operand lives so far
-        # (None: a program input, bound at run time wherever the op lands), and where the
-        # schedule stands (each device's estimated busy time, each operand's ready time: what
-        # the policy estimated for earlier ops; all zero when it estimates nothing).
+        # (None: a program input, bound at run time wherever the op lands, or a constant, copied
+        # to each device that uses it once when the plan is built), and where the schedule
+        # stands (each device's estimated busy time, each operand's ready time: what the policy
+        # estimated for earlier ops; all zero when it estimates nothing).
         workload = Workload(op.name, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),
-                            op.attrs, tuple(value_device.get(v.id) for v in op.inputs),
+                            op.attrs, tuple(None if v.id in constant_data else value_device.get(v.id)
+                                            for v in op.inputs),
                             tuple(sorted(busy.items())), tuple(ready.get(v.id, 0.0) for v in op.inputs))
         decision = selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
                                    RESULT_MEMORY, RESULT_USAGE, 0, devices=default_devices, workload=workload)

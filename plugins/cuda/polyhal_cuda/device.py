@@ -3,7 +3,9 @@
 Queue: one CUDA stream per device, created with the *default* (blocking) flag, so that it also
 orders itself after work that other libraries put on the legacy default stream (torch's and
 cupy's default). Kernels, copies and frees are issued on it; ``synchronize`` waits for that
-stream only, never for the whole device.
+stream only, never for the whole device. As a HAL queue (``queues``,
+:class:`~polyhal_cuda.queue.CUDAQueue`) it signals timeline semaphores with CUDA events, which
+other CUDA queues wait for with ``cudaStreamWaitEvent``.
 
 DLPack, per buffer kind:
 

@@ -2,7 +2,8 @@
 
 Queue: one HIP stream per device, created blocking (``hipStreamDefault``), so that it orders
 itself after work other libraries put on the null stream. Kernels, copies and stream-ordered
-frees go on it; ``synchronize`` waits for it only.
+frees go on it; ``synchronize`` waits for it only. As a HAL queue (``queues``,
+:class:`~polyhal_hip.queue.HIPQueue`) it signals timeline semaphores with HIP events.
 
 DLPack, per buffer kind (``Tensor.__dlpack__`` in the core asks :meth:`dlpack_device`):
 

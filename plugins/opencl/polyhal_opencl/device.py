@@ -3,7 +3,9 @@
 Ordering: every command (kernels, copies, maps) goes to one in-order queue, so work is ordered
 without events. ``write``/``upload`` block until the host data is copied (the caller may reuse
 its array at once), ``read``/``download`` block until the data has arrived, kernels and
-buffer-to-buffer copies do not block. ``synchronize`` finishes the queue.
+buffer-to-buffer copies do not block. ``synchronize`` finishes the queue. As a HAL queue
+(``queues``, :class:`~polyhal_opencl.queue.CLQueue`) it signals timeline semaphores with marker
+events, which other queues of the context wait for on the device.
 
 DLPack: every buffer reports DLPack device ``(kDLOpenCL=4, ordinal)`` and exports its
 ``cl_mem`` handle as the data pointer, as dlpack.h specifies for OpenCL. Host-visible buffers
