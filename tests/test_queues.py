@@ -259,3 +259,80 @@ def test_dlpack_import_onto_another_device_copies_along_the_route_or_refuses():
     assert t.device is cl and np.array_equal(t.numpy(), x)
     with pytest.raises(DLPackError, match="lives on cpu:0; moving it to opencl:0 needs a copy"):
         polyhal.from_dlpack(x, device=cl, copy=False)
+
+
+# -- fences: device work that reaches a semaphore value ------------------------------------------------
+
+def _host_fence():
+    """An EventFence over a threading.Event: completes when the test sets it."""
+    from polyhal_gpu.queue import EventFence
+
+    done = threading.Event()
+    return done, EventFence(done, "test", lambda e: e.is_set(), lambda e: e.wait(10))
+
+
+def test_an_attached_fence_reaches_its_value_when_it_completes():
+    done, fence = _host_fence()
+    sem = Semaphore(0, "test/device")
+    sem.attach(2, fence)
+    assert sem.value == 0 and sem.fence(1) is fence and sem.fence(2) is fence and sem.fence(3) is None
+    sem.wait_enqueued(2, timeout=0)  # issued: returns at once, without waiting for the device
+    threading.Timer(0.05, done.set).start()
+    sem.wait(2, timeout=10)  # synchronizes the fence
+    assert sem.value == 2 and sem.fence(2) is None
+    with pytest.raises(ValueError, match="only grow"):
+        sem.attach(1, fence)
+
+
+def test_wait_enqueued_returns_when_a_fence_is_attached_later():
+    _, fence = _host_fence()
+    sem = Semaphore(0, "test/later")
+    threading.Timer(0.05, lambda: sem.attach(1, fence)).start()
+    sem.wait_enqueued(1, timeout=10)
+    assert sem.fence(1) is fence and sem.value == 0
+
+
+def test_a_fence_that_fails_fails_the_semaphore():
+    from polyhal_gpu.queue import EventFence
+
+    def lost(_):
+        raise RuntimeError("device lost")
+
+    sem = Semaphore(0, "test/lost")
+    sem.attach(1, EventFence(None, "test", lambda e: False, lost))
+    with pytest.raises(SemaphoreFailedError, match="device lost"):
+        sem.wait(1, timeout=5)
+    assert isinstance(sem.failure, RuntimeError)
+
+
+def test_opencl_queue_signals_with_events_and_orders_on_the_device():
+    dev = _opencl()
+    q = dev.queues[0]
+    assert q.asynchronous and dev.concurrent_queue is q and q.domain[0] == "opencl"
+    a, b = q.semaphore(0, "a"), q.semaphore(0, "b")
+    x = polyhal.asarray(np.arange(1 << 16, dtype=np.float32), device=dev)
+    y = polyhal.empty(x.shape, x.dtype, dev)
+    q.copy(x.buffer, 0, y.buffer, 0, x.nbytes, signal=[(a, 1)])
+    q.execute([lambda: None], wait=[(a, 1)], signal=[(b, 1)])  # a fence of its own domain: no host wait
+    assert q.deferred == 0
+    b.wait(1, timeout=30)
+    np.testing.assert_array_equal(y.numpy(), x.numpy())
+
+
+def test_opencl_queue_wait_nothing_satisfies_is_an_error_naming_queue_and_value():
+    dev = _opencl()
+    from polyhal_opencl.queue import CLQueue
+
+    q = CLQueue(dev, "opencl:0/test", timeout=0.1)
+    never, done = q.semaphore(0, "never"), q.semaphore(0, "done")
+    ran = []
+    q.execute([lambda: ran.append(1)], wait=[(never, 3)], signal=[(done, 1)])  # returns: handed to the issue thread
+    with pytest.raises(SemaphoreFailedError) as info:
+        done.wait(1, timeout=30)
+    cause = info.value.__cause__
+    assert isinstance(cause, SemaphoreTimeoutError) and cause.semaphore == "opencl:0/test/never" and cause.value == 3
+    assert "opencl:0/test/never" in str(info.value) and "value 3" in str(info.value) and ran == []
+    later = q.semaphore(0, "later")  # the queue goes on with later work
+    q.execute([lambda: ran.append(2)], signal=[(later, 1)])
+    later.wait(1, timeout=30)
+    assert ran == [2]

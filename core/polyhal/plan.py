@@ -56,7 +56,7 @@ def cycle_collection_paused() -> Iterator[None]:
 def compile(program: Program, devices: Sequence[str] | str | None = None, *,
             registry: Registry | None = None, fuse: bool = True, data_tiling: bool | None = None,
             precision: str | None = None, pipeline: Pipeline | None = None,
-            cache_size: int | None = None) -> "Plan | PolymorphicPlan":
+            cache_size: int | None = None, concurrent: bool | None = None) -> "Plan | PolymorphicPlan":
     """Place ``program`` on ``devices`` and bind its kernels; ``program`` itself is not changed.
 
     A program with symbolic dims (``ProgramBuilder.input("x", ("batch", 256))``) gives a
@@ -103,6 +103,12 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     with the passes plugins register through ``register_passes``), each on the compile's
     :class:`~polyhal.target.Target`; ``plan.explain()`` lists each pass, its time and what it
     changed. Pass your own pipeline (``DEFAULT_PIPELINE.insert(Pass(...), after=...)``) to add a pass.
+
+    ``concurrent`` says how a plan over several devices runs (see :class:`ConcurrentSchedule`
+    and docs/queues.md): None (default) as per-device parts on the devices' queues, joined by
+    semaphore waits at transfers, when two devices have independent work that can overlap, else
+    step by step; True always as parts; False always step by step. A plan on one device runs
+    its steps in one loop (or its device's replay, a CUDA graph) whatever this says.
     """
     resolve_precision(precision)  # an unknown precision fails here, before anything is built
     if pipeline is not None:
@@ -112,7 +118,8 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
                            f"polyhal.onnx.load), got {type(program).__name__}; a front end's own program "
                            "compiles with its .compile()")
     if not program.is_static:
-        options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline)
+        options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision, pipeline=pipeline,
+                       concurrent=concurrent)
         return PolymorphicPlan.of(program, lambda p: compile(p, devices, registry=registry, **options), cache_size)
     registry = registry or default_registry()
     if isinstance(devices, str):
@@ -121,12 +128,14 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision)
     if devices:
         with cycle_collection_paused():
-            return _compile_on(program, pipeline, Target.build(registry, tuple(devices), **options), registry)
+            return _compile_on(program, pipeline, Target.build(registry, tuple(devices), **options), registry,
+                               concurrent)
     while True:
         devices = tuple(registry.default_devices())
         try:
             with cycle_collection_paused():
-                return _compile_on(program, pipeline, Target.build(registry, devices, **options), registry)
+                return _compile_on(program, pipeline, Target.build(registry, devices, **options), registry,
+                                   concurrent)
         except PluginError:
             # A device of the default list failed to create (recorded and warned about by the
             # registry): place again without it; anything else is the caller's to see.
@@ -134,12 +143,13 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
                 raise
 
 
-def _compile_on(program: Program, pipeline: Pipeline, target: Target, registry: Registry) -> "Plan":
+def _compile_on(program: Program, pipeline: Pipeline, target: Target, registry: Registry,
+                concurrent: bool | None = None) -> "Plan":
     """Run ``pipeline`` over ``program`` for ``target`` and bind the result into a Plan (said on a
     terminal where it takes over a second: kernel builds, cuDNN's engine timing, a large model)."""
     with long_work(f"compiling {program.name!r} for {', '.join(target.devices)}", f"compiled {program.name!r}",
                    after=SAY_AFTER):
-        return Plan(pipeline.run(program, target), target, registry)
+        return Plan(pipeline.run(program, target), target, registry, concurrent=concurrent)
 
 
 class Plan:
@@ -151,7 +161,8 @@ class Plan:
     arrays. A plan is not re-entrant: concurrent calls are serialised.
     """
 
-    def __init__(self, compilation: Compilation, target: Target, registry: Registry) -> None:
+    def __init__(self, compilation: Compilation, target: Target, registry: Registry, *,
+                 concurrent: bool | None = None) -> None:
         placement = compilation.placement
         if placement is None or compilation.buffer_plan is None:
             raise ProgramError(f"the compile pipeline {[r.name for r in compilation.records]} did not place and bufferize the "
@@ -235,9 +246,16 @@ class Plan:
         self.replay: Callable[[], None] | None = None
         homes = {op.device for op in program.ops} | {placement.value_device[v.id]
                                                       for v in (*program.inputs, *program.outputs)}
+        #: The per-device parts the plan runs as on the devices' queues, or None (step by step).
+        self.schedule: ConcurrentSchedule | None = None
         if len(homes) == 1 and not placement.transfers and None not in homes:
             self.replay = registry.get_device(homes.pop()).record(
                 tuple(self._steps), self._slots, tuple(self._input_slots), tuple(self._output_slots))
+        elif concurrent is not False and len({op.device for op in self._step_ops}) > 1:
+            schedule = ConcurrentSchedule(self, slot_of, dev)
+            if concurrent or schedule.overlaps:
+                self.schedule = schedule
+                self.replay = schedule.run
 
     def _step(self, op, slot_of: dict[int, int], dev, scratch=None) -> Callable[[], None]:
         """The prepared step of ``op``; its ``writes`` attribute names the slots it writes (for
@@ -317,9 +335,12 @@ class Plan:
                     else:
                         for step in self._steps:
                             step()
-            except PolyhalError:
-                raise
-            except Exception as exc:
+            except BaseException as exc:
+                if out is None and bind_outputs == self._bind_outputs:
+                    for t in results:  # the run's own outputs go back now, not when the traceback goes
+                        t.release()
+                if isinstance(exc, PolyhalError) or not isinstance(exc, Exception):
+                    raise
                 raise self._kernel_error(exc) from exc
         finally:
             for i in self._input_slots:
@@ -519,7 +540,10 @@ class Plan:
         for op in self.program.ops:
             if op.kind == "transfer":
                 src, dst = (self.registry.get_device(self.placement.value_device[v.id]) for v in (op.inputs[0], op.outputs[0]))
-                lines.append(f"  transfer %{op.inputs[0].name}: {route(src, dst).explain(op.outputs[0].type.nbytes)}")
+                r = route(src, dst)
+                lines.append(f"  transfer %{op.inputs[0].name}: {r.explain(op.outputs[0].type.nbytes)}; {r.direction}")
+        if self.schedule is not None:
+            lines.extend(self.schedule.explain_lines())
         if self.placement.encodings is not None:
             lines.extend(self.placement.encodings.explain_lines())
         lines.extend("  " + line for line in self.buffer_plan.explain().splitlines())  # bufferize's decisions
@@ -669,7 +693,300 @@ def _bind_input(value: Value, device: Device, x: Any, staging: dict[int, Tensor]
     return staged.native
 
 
-def _transfer_step(src: Device, dst: Device, slots: list, a: int, b: int, value: Value) -> Callable[[], None]:
+def _transfer_step(src: Device, dst: Device, slots: list, a: int, b: int, value: Value,
+                   queued: bool = False) -> Callable[[], None]:
     # The route (which backend copies, or a host array between) is chosen once, here.
-    move = transfer_fn(route(src, dst), value.type.shape, value.type.dtype)
+    move = transfer_fn(route(src, dst), value.type.shape, value.type.dtype, queued)
     return lambda: move(slots[a], slots[b])
+
+
+# ------------------------------------------------------------------------------------------------
+# Concurrent plans: per-device parts on the devices' queues, joined by semaphore waits
+# ------------------------------------------------------------------------------------------------
+
+class Part:
+    """A run of consecutive steps of one device that a queue executes as one submission.
+
+    ``waits`` are (lane, ordinal) pairs: this part starts once part ``ordinal`` of ``lane`` has
+    signalled; it signals its own ``ordinal`` (1, 2, ... within its lane) when done. A transfer
+    is a part of its own, on the destination's lane.
+    """
+
+    __slots__ = ("lane", "ordinal", "steps", "waits", "transfer", "work", "mode")
+
+    def __init__(self, lane: int, ordinal: int, transfer: bool) -> None:
+        self.lane, self.ordinal, self.transfer = lane, ordinal, transfer
+        self.steps: list[int] = []
+        self.waits: dict[int, int] = {}
+        self.work: tuple[Callable[[], None], ...] = ()
+        self.mode = ""
+
+
+class ConcurrentSchedule:
+    """How a plan over several devices runs concurrently (issue 28; IREE's per-device command
+    buffers joined by timeline semaphores).
+
+    Built once with the plan. Every device the steps run on is a *lane* with one queue
+    (:attr:`~polyhal.hal.device.Device.concurrent_queue`: a GPU's event-backed stream queue, a
+    host thread for the CPU) and one timeline semaphore. The steps, in program order, are cut
+    into :class:`Part` s: a part ends where another lane needs what it wrote, and a transfer is a
+    part of its own on the destination's lane (its copy is ordered after the source's part by a
+    semaphore wait: on the device for queues of one domain, ``cudaStreamWaitEvent``, else on the
+    host). Ordering comes from two hazards between lanes: read after write (a step reads a
+    value another lane wrote) and write after read (a lane overwrites memory bufferize reused
+    while a transfer on another lane may still read it). Inside a lane, program order holds.
+
+    A run submits every part in program order -- never blocking: host queues return at once,
+    GPU queues issue at once or hand the part to their issue thread -- and then waits until each
+    lane's last part is done (host lanes) or issued (GPU lanes: later work on their stream is
+    ordered after it, as in the step-by-step plan). A part that fails fails its lane's
+    semaphore, the parts waiting on it fail in turn, the other lanes finish their work, and the
+    run raises a :class:`~polyhal.errors.KernelError` naming the device and step that failed.
+
+    A kernel part of a device that records (CUDA graphs) replays through the device's
+    :meth:`~polyhal.hal.device.Device.record`, as a single-device plan does.
+    """
+
+    #: Above this many parts the overlap analysis (quadratic) is skipped: the plan runs step by step
+    #: unless compiled with concurrent=True.
+    MAX_ANALYSED_PARTS = 2048
+
+    def __init__(self, plan: Plan, slot_of: dict[int, int], dev: Callable[[Value], Device]) -> None:
+        self.plan = plan
+        ops = plan._step_ops
+        registry = plan.registry
+        lane_names: list[str] = []
+        for op in ops:
+            if op.device not in lane_names:
+                lane_names.append(op.device)
+        self.devices = [registry.get_device(n) for n in lane_names]
+        self.queues = [d.concurrent_queue for d in self.devices]
+        lane_of = [lane_names.index(op.device) for op in ops]
+        self.lane_of_step = lane_of
+        deps = self._dependencies(plan, slot_of, lane_of)
+        needed = set()
+        for d in deps:
+            needed.update(d)
+        self.parts: list[Part] = []
+        current: list[Part | None] = [None] * len(lane_names)
+        counts = [0] * len(lane_names)
+        part_of: list[Part] = []
+        for i, op in enumerate(ops):
+            lane = lane_of[i]
+            part = current[lane]
+            is_transfer = op.kind == "transfer"
+            if part is None or is_transfer or part.transfer or deps[i]:
+                counts[lane] += 1
+                part = current[lane] = Part(lane, counts[lane], is_transfer)
+                self.parts.append(part)
+            part.steps.append(i)
+            part_of.append(part)
+            for j in deps[i]:
+                dep = part_of[j]
+                if dep.lane != lane and part.waits.get(dep.lane, 0) < dep.ordinal:
+                    part.waits[dep.lane] = dep.ordinal
+            if i in needed or is_transfer:
+                current[lane] = None  # another lane waits for this step: its part signals here
+        self.counts = counts
+        self._bind_work(plan, slot_of, dev)
+        self.overlaps = self._overlaps()
+        self._runs = 0
+        self._semaphores = self._fresh_semaphores()
+
+    # -- building ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _dependencies(plan: Plan, slot_of: dict[int, int], lane_of: list[int]) -> list[set[int]]:
+        """Per step, the earlier steps of *other* lanes it must wait for (read after write, and
+        write after a transfer's read of reused memory)."""
+        ops = plan._step_ops
+        program = plan.program
+        elided = plan.buffer_plan.elided_ops
+        step_of_op: dict[int, int] = {}
+        writer: dict[int, int | None] = {}  # slot -> step writing its memory
+        k = 0
+        for index, op in enumerate(program.ops):
+            if index in elided:  # a view: its memory is its source's
+                source = writer.get(slot_of[op.inputs[0].id]) if op.inputs else None
+                for v in op.outputs:
+                    writer[slot_of[v.id]] = source
+                continue
+            step_of_op[index] = k
+            for v in op.outputs:
+                writer[slot_of[v.id]] = k
+            k += 1
+        deps: list[set[int]] = [set() for _ in ops]
+        for i, op in enumerate(ops):
+            for v in op.inputs:
+                w = writer.get(slot_of[v.id])
+                if w is not None and lane_of[w] != lane_of[i]:
+                    deps[i].add(w)
+        # Write after read: a transfer reads memory of its source's lane; the first later step of
+        # that lane that writes overlapping memory (bufferize reuses arena bytes) waits for it.
+        values = plan._buffers.values
+        scratch = plan._buffers.scratch
+        extents: dict[int, tuple[int, int, int] | None] = {}
+
+        def extent(v: Value) -> tuple[int, int, int] | None:
+            if v.id not in extents:
+                t = values.get(v.id)
+                if t is None:
+                    extents[v.id] = None
+                else:
+                    item = t.dtype.itemsize
+                    span = (sum((d - 1) * abs(s) for d, s in zip(t.shape, t.strides)) + 1) * item if t.size else 0
+                    extents[v.id] = (id(t.buffer), t.offset, t.offset + span)
+            return extents[v.id]
+
+        by_lane: dict[int, list[int]] = {}
+        for i, lane in enumerate(lane_of):
+            by_lane.setdefault(lane, []).append(i)
+        op_index = {k: i for i, k in step_of_op.items()}
+        for t, op in enumerate(ops):
+            if op.kind != "transfer":
+                continue
+            src = extent(op.inputs[0])
+            if src is None:
+                continue
+            source_step = writer.get(slot_of[op.inputs[0].id])
+            if source_step is None:
+                continue
+            lane = lane_of[source_step]
+            for later in by_lane[lane]:
+                if later <= t:
+                    continue
+                hit = op_index[later] in scratch  # a kernel's global scratch may lie anywhere in the arenas
+                for v in ops[later].outputs:
+                    e = extent(v)
+                    if e is not None and e[0] == src[0] and e[1] < src[2] and src[1] < e[2]:
+                        hit = True
+                if hit:
+                    deps[later].add(t)
+                    break
+        return deps
+
+    def _bind_work(self, plan: Plan, slot_of: dict[int, int], dev: Callable[[Value], Device]) -> None:
+        """Each part's callables: a transfer on its queue (copies left queued where the backend can),
+        kernel steps as they are, or the device's replay of them (a CUDA graph)."""
+        ops, steps, slots = plan._step_ops, plan._steps, plan._slots
+        input_slots, output_slots = set(plan._input_slots), set(plan._output_slots)
+        for part in self.parts:
+            if part.transfer:
+                op = ops[part.steps[0]]
+                step = _transfer_step(dev(op.inputs[0]), dev(op.outputs[0]), slots, slot_of[op.inputs[0].id],
+                                      slot_of[op.outputs[0].id], op.outputs[0], queued=True)
+                part.work, part.mode = (step,), "transfer"
+                continue
+            mine = tuple(steps[i] for i in part.steps)
+            reads = [slot_of[v.id] for i in part.steps for v in ops[i].inputs if slot_of[v.id] in input_slots]
+            writes = [slot for i in part.steps for slot in steps[i].writes if slot in output_slots]
+            replay = self.devices[part.lane].record(mine, slots, tuple(dict.fromkeys(reads)),
+                                                    tuple(dict.fromkeys(writes))) if len(mine) > 1 else None
+            part.work, part.mode = ((replay,), "replay") if replay is not None else (mine, "steps")
+
+    def _overlaps(self) -> bool:
+        """Whether two kernel parts of different lanes are unordered (neither waits, directly or
+        through others, for the other): only then can running on queues gain anything."""
+        parts = self.parts
+        if len(parts) > self.MAX_ANALYSED_PARTS:
+            return False
+        index = {(p.lane, p.ordinal): n for n, p in enumerate(parts)}
+        last_of_lane: dict[int, int] = {}
+        ancestors: list[int] = []
+        for n, p in enumerate(parts):
+            bits = 0
+            preds = [index[(lane, o)] for lane, o in p.waits.items()]
+            if p.lane in last_of_lane:
+                preds.append(last_of_lane[p.lane])
+            for q in preds:
+                bits |= ancestors[q] | (1 << q)
+            ancestors.append(bits)
+            last_of_lane[p.lane] = n
+        kernel = [n for n, p in enumerate(parts) if not p.transfer]
+        for a in kernel:
+            for b in kernel:
+                if b > a and parts[a].lane != parts[b].lane and not (ancestors[b] >> a) & 1:
+                    return True
+        return False
+
+    def _fresh_semaphores(self) -> list:
+        from polyhal.hal.queue import Semaphore
+
+        name = self.plan.program.name
+        return [Semaphore(0, f"{q.name}/plan {name}") for q in self.queues]
+
+    # -- running -----------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """One run of the plan's steps on the queues (the plan has bound inputs and outputs)."""
+        sems, counts, queues = self._semaphores, self.counts, self.queues
+        bases = [self._runs * c for c in counts]
+        self._runs += 1
+        submitted = [0] * len(queues)
+        failure: BaseException | None = None
+        for part in self.parts:
+            lane = part.lane
+            value = bases[lane] + part.ordinal
+            try:
+                queues[lane].execute(part.work, [(sems[w], bases[w] + o) for w, o in part.waits.items()],
+                                     [(sems[lane], value)])
+            except BaseException as exc:  # issued on this thread and failed: its semaphore is failed
+                failure = exc
+                submitted[lane] = value
+                break  # start nothing more; what was submitted finishes below
+            submitted[lane] = value
+        errors: list[BaseException] = [failure] if failure is not None else []
+        for sem, value in zip(sems, submitted):
+            if value:
+                try:
+                    sem.wait_enqueued(value)
+                except PolyhalError as exc:
+                    errors.append(exc)
+        if errors:
+            self._semaphores = self._fresh_semaphores()  # failed timelines stay failed
+            self._runs = 0
+            raise self._error(errors)
+
+    def _error(self, errors: list[BaseException]) -> PolyhalError:
+        """The error of a failed run: the first failure that is not a wait on a failed semaphore,
+        as a KernelError naming its device and step (the cause chained)."""
+        from polyhal.errors import SemaphoreFailedError
+
+        root = errors[0]
+        for e in errors:
+            while isinstance(e, SemaphoreFailedError) and e.__cause__ is not None:
+                e = e.__cause__
+            if not isinstance(e, SemaphoreFailedError):
+                root = e
+                break
+        if isinstance(root, PolyhalError) and not isinstance(root, SemaphoreFailedError):
+            error = self.plan._kernel_error(root)
+            if isinstance(root, KernelError):
+                return root
+            error.__cause__ = root
+            return error
+        if isinstance(root, Exception) and not isinstance(root, PolyhalError):
+            error = self.plan._kernel_error(root)
+            error.__cause__ = root
+            return error
+        return root if isinstance(root, PolyhalError) else KernelError(f"plan {self.plan.program.name!r}: {root!r}")
+
+    # -- explain -----------------------------------------------------------------------------------
+
+    def explain_lines(self) -> list[str]:
+        """The lanes, their queues and parts, and what each part waits for."""
+        ops = self.plan._step_ops
+        lanes = [f"{d.name} on {type(q).__name__} {q.name}" for d, q in zip(self.devices, self.queues)]
+        lines = [f"  concurrent: {len(self.parts)} parts on {len(lanes)} queues ({'; '.join(lanes)}), "
+                 f"joined by semaphore waits"]
+        for p in self.parts:
+            device = self.devices[p.lane].name
+            waits = ", ".join(f"{self.devices[lane].name} part {o}" for lane, o in sorted(p.waits.items()))
+            if p.transfer:
+                op = ops[p.steps[0]]
+                what = f"transfer %{op.inputs[0].name} ({op.outputs[0].type.nbytes} B)"
+            else:
+                names = [ops[i].name for i in p.steps]
+                what = f"{len(names)} steps [{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}] ({p.mode})"
+            lines.append(f"    {device} part {p.ordinal}: {what}" + (f"; waits for {waits}" if waits else ""))
+        return lines

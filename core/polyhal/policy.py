@@ -72,6 +72,8 @@ class AllocatorDecision:
     depends_on: tuple[str, ...] = ()
     #: The selector epoch it was computed in; allocation sites compare it to spot stale decisions.
     epoch: int = field(default=-1, compare=False, repr=False)
+    #: When the op is estimated to be done on the chosen device (``Selection.estimated``), or None.
+    finish: float | None = field(default=None, compare=False)
 
     @property
     def device_name(self) -> str:
@@ -216,7 +218,8 @@ class AllocatorSelector:
         return AllocatorDecision(
             index, candidates[index], plugin, memory_type, usage, reason=reason, policy=config.policy,
             candidates=candidates, flags=flags, fallbacks=tuple(offered[i] for i in order if i != result),
-            excluded=tuple(excluded), devices=devices, workload=workload, depends_on=depends, epoch=epoch)
+            excluded=tuple(excluded), devices=devices, workload=workload, depends_on=depends, epoch=epoch,
+            finish=None if answer.changed_by_wrapper else sel.finish)
 
     def decisions(self) -> list[tuple[tuple, AllocatorDecision]]:
         """Every memoized (key, decision); several keys may share one decision."""

@@ -69,6 +69,22 @@ class Device:
             queues = self.__dict__["_queues"] = (InlineQueue(self),)
         return queues
 
+    @property
+    def concurrent_queue(self) -> "Queue":
+        """The queue a concurrent plan submits this device's work to: the first of :attr:`queues`
+        that is asynchronous (a GPU stream's event-backed queue), else a
+        :class:`~polyhal.hal.queue.HostThreadQueue` of this device made on first use (so the
+        host keeps submitting to other devices while this one works)."""
+        found = self.__dict__.get("_concurrent_queue")
+        if found is None:
+            from polyhal.hal.queue import HostThreadQueue
+
+            found = next((q for q in self.queues if getattr(q, "asynchronous", False)), None)
+            if found is None:
+                found = HostThreadQueue(self, f"{self.name}/thread0")
+            found = self.__dict__.setdefault("_concurrent_queue", found)
+        return found
+
     #: How a name given to :meth:`~polyhal.hal.tensor.Tensor.to_device` is found: the registry
     #: that creates the device sets its ``get_device`` here; a device made outside a registry
     #: knows only itself.
@@ -249,10 +265,16 @@ class Device:
         ``"enqueue_copy"``, ``"peer copy"``, ``"staged through pinned host memory"``)."""
         return self.host_copy_path or "copy"
 
-    def transfer(self, src: "Device", src_native: Any, dst: "Device", dst_native: Any, nbytes: int) -> None:
+    def transfer(self, src: "Device", src_native: Any, dst: "Device", dst_native: Any, nbytes: int,
+                 queued: bool = False) -> None:
         """Copy ``nbytes`` from ``src_native`` (a native array of ``src``) into ``dst_native`` (a
         native array of ``dst``), both dense row-major, complete on return; called only where
-        :meth:`can_copy` said yes. Default: host <-> this device by :meth:`upload` / :meth:`download`."""
+        :meth:`can_copy` said yes. Default: host <-> this device by :meth:`upload` / :meth:`download`.
+
+        ``queued``: the caller (a concurrent plan) runs this on the destination's queue after a
+        semaphore wait that orders the source's work before it, and learns of completion from
+        that queue's signal -- so a copy between two devices with streams may stay queued on
+        the destination's stream instead of waiting for both devices (CUDA's peer copy does)."""
         if dst is self:
             self.upload(src_native, dst_native)
         else:

@@ -24,6 +24,12 @@ polyhal keeps that model and those names:
 - :class:`HostThreadQueue` -- one worker thread runs submissions in order; ``submit`` returns at
   once, so the host can do other work (or submit to another device) meanwhile. A submission whose
   work raises fails its signal semaphores, and later submissions waiting on them fail in turn.
+- :class:`Fence` -- device work that reaches a semaphore value when it completes: a CUDA or HIP
+  event recorded on a stream, an OpenCL marker event. A device queue that issues work
+  asynchronously *attaches* a fence to each signal value (:meth:`Semaphore.attach`, IREE's
+  semaphore timepoints backed by native events) instead of waiting for the device. A host wait
+  synchronizes the fence; a queue of the same :attr:`Fence.domain` waits for it on the device
+  (``cudaStreamWaitEvent``, an OpenCL wait list), without the host.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from __future__ import annotations
 import queue as _stdqueue
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -66,21 +72,43 @@ def default_timeout() -> float:
     return QueueSettings.from_env().timeout
 
 
+@runtime_checkable
+class Fence(Protocol):
+    """Device work that completes asynchronously: what a device queue attaches to a semaphore
+    value (:meth:`Semaphore.attach`) instead of waiting for the device.
+
+    ``domain`` says which queues can wait for it on the device, without the host (CUDA events:
+    every stream of the process, ``cudaStreamWaitEvent``; OpenCL events: queues of one context);
+    queues of another domain, and the host, :meth:`synchronize`.
+    """
+
+    domain: Hashable
+
+    def query(self) -> bool:
+        """Whether the work has completed (never blocks)."""
+
+    def synchronize(self) -> None:
+        """Block the calling thread until the work has completed; raises what the device reports."""
+
+
 class Semaphore:
     """A timeline semaphore: a counter that only grows, waited on for a value (IREE's
     ``iree_hal_semaphore_t``).
 
     ``name`` says whose it is in errors (conventionally ``"<queue>/<purpose>"``). Thread-safe: any
-    thread (a queue's worker, the host) may signal, wait or fail it.
+    thread (a queue's worker, the host) may signal, wait or fail it. Values may also be reached
+    by device work: :meth:`attach` a :class:`Fence` to a value, and the value is reached when the
+    fence completes (seen by :attr:`value`, :meth:`wait` and :meth:`fence`).
     """
 
-    __slots__ = ("name", "_value", "_failure", "_cond")
+    __slots__ = ("name", "_value", "_failure", "_cond", "_fences")
 
     def __init__(self, value: int = 0, name: str = "semaphore") -> None:
         self.name = name
         self._value = int(value)
         self._failure: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
+        self._fences: list[tuple[int, Fence]] = []  # (value, fence), values increasing
 
     def __repr__(self) -> str:
         state = f"failed: {self._failure!r}" if self._failure is not None else f"value {self._value}"
@@ -88,8 +116,54 @@ class Semaphore:
 
     @property
     def value(self) -> int:
-        """The current value (IREE's ``iree_hal_semaphore_query``)."""
+        """The current value (IREE's ``iree_hal_semaphore_query``); attached fences that have
+        completed count."""
+        if self._fences:
+            self._poll()
         return self._value
+
+    def _poll(self) -> None:
+        """Advance past every attached fence that has completed (queries only, never blocks)."""
+        with self._cond:
+            reached = None
+            while self._fences and self._fences[0][1].query():
+                reached = self._fences.pop(0)[0]
+            if reached is not None and reached > self._value:
+                self._value = reached
+                self._cond.notify_all()
+
+    def attach(self, value: int, fence: Fence) -> None:
+        """Reach ``value`` when ``fence`` completes (a device queue's signal: IREE's timepoint
+        backed by a native event). Waiters on the device side find it with :meth:`fence`; host
+        waiters synchronize it. Values attached must grow, as signals do."""
+        with self._cond:
+            if self._failure is not None:
+                return
+            last = self._fences[-1][0] if self._fences else self._value
+            if value < last:
+                raise ValueError(f"semaphore {self.name}: attach({value}) is below its value {last}; "
+                                 "timeline values only grow")
+            self._fences.append((int(value), fence))
+            self._cond.notify_all()
+
+    def fence(self, value: int) -> "Fence | None":
+        """The attached fence whose completion reaches ``value`` (the first one that does), or
+        None: the value is already reached, or nothing attached reaches it yet."""
+        with self._cond:
+            if self._value >= value:
+                return None
+            for v, f in self._fences:
+                if v >= value:
+                    return f
+            return None
+
+    def _reach(self, value: int) -> None:
+        with self._cond:
+            if value > self._value and self._failure is None:
+                self._value = value
+                while self._fences and self._fences[0][0] <= value:
+                    self._fences.pop(0)
+                self._cond.notify_all()
 
     @property
     def failure(self) -> BaseException | None:
@@ -125,21 +199,63 @@ class Semaphore:
         :class:`~polyhal.errors.SemaphoreTimeoutError`. A failed semaphore raises
         :class:`~polyhal.errors.SemaphoreFailedError` whatever the value.
         """
+        fence = self._wait_for(value, timeout)
+        if fence is None:
+            return
+        try:
+            fence.synchronize()
+        except BaseException as exc:  # the device failed the work: every waiter learns it
+            self.fail(exc)
+            self._raise_failed(value)
+        self._reach(self._fence_value(fence, value))
+
+    def wait_enqueued(self, value: int, timeout: float | None = None) -> None:
+        """Block until ``value`` is reached *or device work that reaches it has been issued* (a
+        fence is attached); raises as :meth:`wait` does. What a host that only orders later
+        work on the same device needs: the work is on the device's queue, and the host did not
+        wait for the device."""
+        self._wait_for(value, timeout)
+
+    def _wait_for(self, value: int, timeout: float | None) -> "Fence | None":
+        """Wait (on the host) until ``value`` is reached (returns None) or a fence reaching it
+        is attached (returns it); raises on failure or timeout."""
+        if self._fences:
+            self._poll()
         if timeout is None and self._value < value:
             timeout = default_timeout()
+
+        def covering() -> "Fence | None":
+            for v, f in self._fences:
+                if v >= value:
+                    return f
+            return None
+
         with self._cond:
-            if self._value < value and self._failure is None:
-                self._cond.wait_for(lambda: self._value >= value or self._failure is not None, timeout)
+            if self._value < value and self._failure is None and covering() is None:
+                self._cond.wait_for(lambda: self._value >= value or self._failure is not None
+                                    or covering() is not None, timeout)
             if self._failure is not None:
-                raise SemaphoreFailedError(
-                    f"semaphore {self.name} failed while waiting for value {value}: "
-                    f"{type(self._failure).__name__}: {self._failure}", semaphore=self.name) from self._failure
-            if self._value < value:
-                raise SemaphoreTimeoutError(
-                    f"semaphore {self.name} is at {self._value}; waited {timeout:g} "
-                    f"s for value {value} and nothing signalled it. Check that the work signalling {value} was "
-                    "submitted (and that its queue runs), or raise POLYHAL_QUEUE_TIMEOUT",
-                    semaphore=self.name, value=value)
+                self._raise_failed(value)
+            if self._value >= value:
+                return None
+            fence = covering()
+            if fence is not None:
+                return fence
+            raise SemaphoreTimeoutError(
+                f"semaphore {self.name} is at {self._value}; waited {timeout:g} "
+                f"s for value {value} and nothing signalled it. Check that the work signalling {value} was "
+                "submitted (and that its queue runs), or raise POLYHAL_QUEUE_TIMEOUT",
+                semaphore=self.name, value=value)
+
+    def _fence_value(self, fence: "Fence", at_least: int) -> int:
+        with self._cond:
+            return next((v for v, f in self._fences if f is fence), at_least)
+
+    def _raise_failed(self, value: int) -> None:
+        failure = self._failure
+        raise SemaphoreFailedError(
+            f"semaphore {self.name} failed while waiting for value {value}: "
+            f"{type(failure).__name__}: {failure}", semaphore=self.name) from failure
 
 
 def wait_all(semaphores: SemaphoreList, timeout: float | None = None) -> None:
@@ -168,6 +284,12 @@ class Queue(Protocol):
     completed on the device, signals each of ``signal``; if it fails, the ``signal`` semaphores
     are failed with its error. Operations without a common semaphore may run in any order or
     concurrently (a queue may be more ordered than that, never less).
+
+    A queue may also say ``asynchronous = True``: its submissions return before the work is
+    done (the signal semaphores say when). A concurrent plan submits to such a queue; a device
+    whose queues are all synchronous gets a HostThreadQueue for it
+    (:attr:`~polyhal.hal.device.Device.concurrent_queue`). Optional, so that queues written
+    before it still match this protocol.
     """
 
     name: str
@@ -203,6 +325,8 @@ class InlineQueue:
     signals. Work that raises fails the signal semaphores and the error propagates to the
     submitter. ``timeout`` (seconds; None: :func:`default_timeout`) bounds each wait.
     """
+
+    asynchronous = False
 
     def __init__(self, device: "Device", name: str | None = None, timeout: float | None = None) -> None:
         self.device = device
@@ -274,6 +398,8 @@ class HostThreadQueue(InlineQueue):
     exist to be returned) and signals in queue order. The thread is a daemon started on first
     use; :meth:`close` stops it after the work already submitted.
     """
+
+    asynchronous = True
 
     def __init__(self, device: "Device", name: str | None = None, timeout: float | None = None) -> None:
         super().__init__(device, name, timeout)

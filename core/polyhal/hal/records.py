@@ -117,6 +117,13 @@ class Workload:
     A cost model needs what the op reads and writes and where its operands live now, so that it
     can price moving them; ``input_devices[i]`` is the device holding operand ``i`` (``None``
     where it is not placed yet, e.g. a program input bound at run time).
+
+    Placement also says where the schedule stands, so that a policy can spread independent
+    work over devices that run concurrently (a concurrent plan's lanes): ``busy`` holds
+    ``(device, seconds)`` -- when each device placed so far is estimated to finish its work --
+    and ``input_ready[i]`` when operand ``i`` is estimated to be ready (seconds from the start
+    of a run). Both are estimates the policy itself reported for earlier ops
+    (:meth:`~polyhal.policy.Selection.estimated`); empty where none did.
     """
 
     op: str
@@ -124,6 +131,13 @@ class Workload:
     outputs: tuple["TensorType", ...] = ()
     attrs: tuple = ()
     input_devices: tuple[str | None, ...] = ()
+    busy: tuple[tuple[str, float], ...] = ()
+    input_ready: tuple[float, ...] = ()
+
+    def signature(self) -> tuple:
+        """What the op computes, wherever it runs: (op, inputs, outputs, attrs) -- the key of a
+        measured kernel time."""
+        return (self.op, self.inputs, self.outputs, self.attrs)
 
     @property
     def input_bytes(self) -> int:

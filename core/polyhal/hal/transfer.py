@@ -8,6 +8,7 @@ hot-path callable; :class:`Route` says what explain prints.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -32,6 +33,13 @@ class Route:
         who = f"by {self.by.spec.backend} ({self.how})" if self.by is not None else self.how
         return f"{self.src.name} -> {self.dst.name}, {nbytes} B, {who}"
 
+    @property
+    def direction(self) -> str:
+        """``"host to device"``, ``"device to host"``, ``"device to device"`` or ``"host to host"``."""
+        def side(d: "Device") -> str:
+            return "host" if d.is_host else "device"
+        return f"{side(self.src)} to {side(self.dst)}"
+
 
 def route(src: "Device", dst: "Device") -> Route:
     """Who moves data from ``src`` to ``dst``: the destination's backend, else the source's,
@@ -44,12 +52,15 @@ def route(src: "Device", dst: "Device") -> Route:
     return Route(src, dst, None, "staged through the host")
 
 
-def transfer_fn(r: Route, shape: tuple[int, ...], dtype: Any) -> Callable[[Any, Any], None]:
-    """``copy(src_native, dst_native)`` for values of ``shape`` and ``dtype`` along route ``r``."""
+def transfer_fn(r: Route, shape: tuple[int, ...], dtype: Any, queued: bool = False) -> Callable[[Any, Any], None]:
+    """``copy(src_native, dst_native)`` for values of ``shape`` and ``dtype`` along route ``r``
+    (``queued``: on the destination's queue, after a wait for the source; see ``Device.transfer``)."""
     src, dst = r.src, r.dst
     nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     if r.by is not None:
         move = r.by.transfer
+        if queued and "queued" in inspect.signature(move).parameters:  # (a backend's older override has none)
+            return lambda a, b: move(src, a, dst, b, nbytes, queued=True)
         return lambda a, b: move(src, a, dst, b, nbytes)
     if src.is_host and dst.is_host:
         return lambda a, b: np.copyto(b, a)

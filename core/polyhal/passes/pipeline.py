@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
-from polyhal.errors import PipelineError, PluginError, PolyhalError
+from polyhal.errors import KernelNotFoundError, PipelineError, PluginError, PolyhalError
 from polyhal.ir.program import Program
 from polyhal.ops import OPS
 from polyhal.passes.bufferize import BufferPlan, bufferize
@@ -137,6 +137,8 @@ class Pass:
     #: The ops the pass may create (a fusion's fused ops). A plugin's pass claims them: the
     #: plugin's devices must have their kernels (see the module docstring).
     creates: tuple[str, ...] = ()
+    #: The plugin that registered it (``register_passes``; filled in by :func:`pipeline_for`), or "".
+    plugin: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -281,6 +283,8 @@ class Pipeline(Sequence[Pass]):
                     exc.add_note(f"(in compile pass {p.name!r})")
                 raise
             took = clock() - t0
+            if compilation.placement is not None and p.name not in _CORE_PASSES:
+                _check_placed(compilation, target, p)
             after = len(compilation.current_program.ops)
             made = len(compilation.fusions or ()) - fusions
             compilation.records.append(PassRecord(p.name, took, before, after,
@@ -379,6 +383,24 @@ DEFAULT_PIPELINE = Pipeline([
 
 
 
+#: The core's own passes (place chooses only among devices with the kernel; the others keep devices).
+_CORE_PASSES = frozenset(DEFAULT_PIPELINE.names)
+
+
+def _check_placed(c: Compilation, target: "Target", p: Pass) -> None:
+    """After a user's or plugin's pass in the placed phase: every dispatch still runs on a
+    device with its kernel, else a KernelNotFoundError naming the pass (and its plugin) and the op.
+    A ``select_allocator`` hook cannot get there (it chooses among the devices with the kernel);
+    a pass that rewrites placement can."""
+    for op in c.placement.program.ops:
+        if op.kind == "dispatch" and op.device is not None and op.name not in target.kernels(op.device):
+            by = f"pass {p.name!r}" + (f" (registered by plugin {p.plugin!r} through register_passes)" if p.plugin else "")
+            having = [n for n in target.specs if op.name in target.kernels(n)]
+            raise KernelNotFoundError(
+                f"{by} placed op {op.name!r} (%{op.outputs[0].name}) on {op.device}, which has no {op.name!r} kernel; "
+                f"devices with it: {having or 'none'}. Place it on one of those, or give {op.device} the kernel")
+
+
 def pipeline_for(registry: "Registry", pipeline: Pipeline | None = None) -> Pipeline:
     """``pipeline`` (default :data:`DEFAULT_PIPELINE`) with the passes ``registry``'s plugins register
     (``register_passes``) inserted in registration order. A record that is not a PassRegistration, that cannot go where it asks, or whose pass
@@ -390,7 +412,8 @@ def pipeline_for(registry: "Registry", pipeline: Pipeline | None = None) -> Pipe
             if not isinstance(record, PassRegistration):
                 raise PipelineError(f"register_passes must return PassRegistration records, got {record!r}")
             _check_claims(plugin, record.pass_, registry)
-            pipeline = pipeline.insert(record.pass_, after=record.after, before=record.before)
+            pipeline = pipeline.insert(replace(record.pass_, plugin=plugin), after=record.after,
+                                       before=record.before)
         except (PipelineError, PluginError) as exc:
             warnings.warn(f"polyhal: a compile pass of plugin {plugin!r} is left out: {exc}", RuntimeWarning,
                           stacklevel=4)

@@ -52,6 +52,8 @@ def place(program: Program, target: "Target") -> Placement:
     constants = list(program.constants)
     constant_data = {v.id: data for v, data in constants}
     deferred: dict[int, Op] = {}  # encode ops whose operand is not placed yet, by result id
+    busy: dict[str, float] = {}  # device -> estimated time its work so far is done (seconds)
+    ready: dict[int, float] = {}  # value id -> estimated time it is ready
 
     def place_encode(op: Op, device: str) -> None:
         inputs = tuple(on_device(v, device) for v in op.inputs)
@@ -96,12 +98,22 @@ def place(program: Program, target: "Target") -> Placement:
                 f"no device of {affinity} has a kernel for op {op.name!r}; devices with it: "
                 f"{[n for n in specs if op.name in target.kernels(n)] or 'none'}")
         # The op as the cost policy sees it: operand types and where each operand lives so far
-        # (None: a program input, bound at run time wherever the op lands).
+        # (None: a program input, bound at run time wherever the op lands, or a constant, copied
+        # to each device that uses it once when the plan is built), and where the schedule
+        # stands (each device's estimated busy time, each operand's ready time: what the policy
+        # estimated for earlier ops; all zero when it estimates nothing).
         workload = Workload(op.name, tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs),
-                            op.attrs, tuple(value_device.get(v.id) for v in op.inputs))
+                            op.attrs, tuple(None if v.id in constant_data else value_device.get(v.id)
+                                            for v in op.inputs),
+                            tuple(sorted(busy.items())), tuple(ready.get(v.id, 0.0) for v in op.inputs))
         decision = selector.select(tuple((specs[n], affinity.queue_affinity) for n in names),
                                    RESULT_MEMORY, RESULT_USAGE, 0, devices=default_devices, workload=workload)
         device = decision.device_name
+        if decision.finish is not None:
+            finish = round(decision.finish, 12)  # (rounded: equal schedules give equal memo keys)
+            busy[device] = max(busy.get(device, 0.0), finish)
+            for v in op.outputs:
+                ready[v.id] = finish
         placement.decisions.append((op, tuple(names), decision))
         inputs = tuple(on_device(v, device) for v in op.inputs)
         for v in op.outputs:

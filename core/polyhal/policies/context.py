@@ -163,7 +163,7 @@ class Selection:
     """
 
     __slots__ = ("registry", "config", "candidates", "memory_type", "buffer_usage", "flags", "_devices",
-                 "_workload", "read_devices", "read_workload", "reason", "ranking")
+                 "_workload", "read_devices", "read_workload", "reason", "ranking", "finish")
 
     def __init__(self, registry: "Registry", config: PolicyConfig, candidates: Sequence[tuple["DeviceSpec", int]],
                  memory_type: MemoryType, buffer_usage: BufferUsage, flags: int, devices: tuple[str, ...],
@@ -180,6 +180,7 @@ class Selection:
         self.read_workload = False
         self.reason: str | None = None
         self.ranking: tuple[int, ...] | None = None
+        self.finish: float | None = None
 
     @property
     def policy(self) -> str:
@@ -201,6 +202,12 @@ class Selection:
         self.reason = str(reason)
         if ranking is not None:
             self.ranking = tuple(int(i) for i in ranking)
+
+    def estimated(self, finish: float) -> None:
+        """Report when the op will be done on the chosen candidate (seconds from the start of a
+        run): placement keeps it as that device's busy time and its results' ready time, which
+        later ops' workloads carry (``Workload.busy`` / ``input_ready``)."""
+        self.finish = float(finish)
 
 
 _tls = threading.local()

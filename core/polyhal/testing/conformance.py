@@ -454,3 +454,34 @@ def test_storage_casts_at_the_edges(device):
                       "float8_e8m0fnu", np.array([0, 0, 1, 1], np.uint8).view(_storage_dtype("float8_e8m0fnu"))))
     for x, name, want in cases:
         _same_bits(_cast_on(device, x, _storage_dtype(name)), want, f"{x.dtype} {x.tolist()} -> {name}")
+
+
+def test_queues_order_copies_and_signal(device, monkeypatch):
+    """Every queue of the device, and the queue a concurrent plan uses, copies in order and
+    signals its timeline semaphore; a wait that nothing satisfies ends as an error."""
+    from polyhal.errors import SemaphoreFailedError, SemaphoreTimeoutError
+    from polyhal.hal.queue import Semaphore
+
+    rng, seed = _fresh_rng()
+    data = rng.integers(0, 256, 4096, dtype=np.uint8)
+    src = polyhal.asarray(data, device=device)
+    queues = list(device.queues)
+    if device.concurrent_queue not in queues:
+        queues.append(device.concurrent_queue)
+    for q in queues:
+        dst = polyhal.empty(data.shape, data.dtype, device)
+        copied, done = q.semaphore(0, "copied"), q.semaphore(0, "done")
+        q.copy(src.buffer, 0, dst.buffer, 0, data.nbytes, signal=[(copied, 1)])
+        q.execute([lambda: None], wait=[(copied, 1)], signal=[(done, 1)])
+        done.wait(1, timeout=60)
+        assert np.array_equal(dst.numpy(), data), f"{q.name}: queue copy differs (seed {seed})"
+        monkeypatch.setenv("POLYHAL_QUEUE_TIMEOUT", "0.2")  # (the queue's own waits, not the test's)
+        never, failed = Semaphore(0, f"{q.name}/never"), q.semaphore(0, "failed")
+        try:
+            q.execute([lambda: None], wait=[(never, 1)], signal=[(failed, 1)])
+        except SemaphoreTimeoutError:
+            pass  # a synchronous queue waits (and times out) on the caller's thread
+        with pytest.raises((SemaphoreFailedError, SemaphoreTimeoutError)):
+            failed.wait(1, timeout=120)
+        monkeypatch.delenv("POLYHAL_QUEUE_TIMEOUT")
+        dst.release()

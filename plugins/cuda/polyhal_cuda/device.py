@@ -3,7 +3,9 @@
 Queue: one CUDA stream per device, created with the *default* (blocking) flag, so that it also
 orders itself after work that other libraries put on the legacy default stream (torch's and
 cupy's default). Kernels, copies and frees are issued on it; ``synchronize`` waits for that
-stream only, never for the whole device.
+stream only, never for the whole device. As a HAL queue (``queues``,
+:class:`~polyhal_cuda.queue.CUDAQueue`) it signals timeline semaphores with CUDA events, which
+other CUDA queues wait for with ``cudaStreamWaitEvent``.
 
 DLPack, per buffer kind:
 
@@ -45,7 +47,9 @@ from polyhal.hal.records import DeviceSpec
 from polyhal_cuda.kernels import TABLE
 from polyhal_cuda.allocator import MANAGED_MEMORY, PINNED_MEMORY, CUDAAllocator, CUDAMemory
 from polyhal_cuda.errors import check, translate
+from polyhal_cuda.queue import CUDAQueue
 from polyhal_gpu.memory import import_extent
+from polyhal_gpu.peer import PeerAccess
 from polyhal_gpu.storage import bits_dtype
 from polyhal_cuda.transfer import Stager
 
@@ -127,6 +131,14 @@ class CUDADevice(Device):
     def activate(self) -> _Activation:
         """``with device.activate():`` — this GPU current, its stream cupy's current stream."""
         return self._scope
+
+    @property
+    def queues(self) -> tuple[CUDAQueue, ...]:
+        """One :class:`~polyhal_cuda.queue.CUDAQueue` on :attr:`stream` (signals are CUDA events)."""
+        queues = self.__dict__.get("_queues")
+        if queues is None:
+            queues = self.__dict__.setdefault("_queues", (CUDAQueue(self),))
+        return queues
 
     def close(self) -> None:
         """Finish queued work, free staging buffers and give cached memory back to CUDA."""
@@ -255,11 +267,15 @@ class CUDADevice(Device):
     def copy_path(self, src: Device, dst: Device) -> str:
         if src.is_host or dst.is_host:
             return super().copy_path(src, dst)
-        if src is dst:
-            return "device copy"
-        return "peer copy" if peer_access(src.ordinal, dst.ordinal) else "staged through pinned host memory (no peer access)"
+        return peer_access.path(src.ordinal, dst.ordinal)
 
-    def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int) -> None:
+    def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int,
+                 queued: bool = False) -> None:
+        """As :meth:`Device.transfer`. GPU to GPU: ``cudaMemcpyPeerAsync`` on the destination's
+        stream where peer access is enabled, else staged through a pinned host buffer. With
+        ``queued`` (a concurrent plan ordered the source's work before this on the destination's
+        queue, and takes completion from that queue's signal) the peer copy stays queued;
+        otherwise it waits for the source first and is complete on return."""
         from cupy.cuda import runtime
 
         if src.is_host or dst.is_host:
@@ -267,16 +283,18 @@ class CUDADevice(Device):
         elif not nbytes:
             return
         elif src is dst or peer_access(src.ordinal, dst.ordinal):
-            # Ordered after the source's pending work, then on the destination's stream.
-            src.synchronize()
+            if not queued:
+                src.synchronize()  # ordered after the source's pending work
             with check(f"copying {nbytes} bytes from {src.name} to {dst.name}"), dst.activate():
                 runtime.memcpyPeerAsync(dst_native.data.ptr, dst.ordinal, src_native.data.ptr, src.ordinal,
                                         nbytes, dst.stream.ptr)
-            dst.synchronize()
+            if not queued:
+                dst.synchronize()
         else:
             import cupyx
 
-            host = cupyx.empty_pinned(nbytes, np.uint8)
+            with src.activate():
+                host = cupyx.empty_pinned(nbytes, np.uint8)
             src.stager.d2h(host, src_native.data.ptr)
             dst.stager.h2d(dst_native.data.ptr, host)
 
@@ -384,25 +402,26 @@ class _EventTimer:
             return int(cupy.cuda.get_elapsed_time(start, end) * 1e6)  # ms -> ns
 
 
-_peer: dict[tuple[int, int], bool] = {}
-
-
-def peer_access(src: int, dst: int) -> bool:
-    """Whether GPU ``dst`` can read GPU ``src`` directly (``cudaDeviceCanAccessPeer``); enables
-    it the first time (``cudaDeviceEnablePeerAccess`` from ``dst``), memoized per pair."""
+def _can_access_peer(dst: int, src: int) -> bool:
     from cupy.cuda import runtime
-    import cupy
 
-    key = (src, dst)
-    known = _peer.get(key)
-    if known is None:
-        known = src == dst or bool(runtime.deviceCanAccessPeer(dst, src))
-        if known and src != dst:
-            with cupy.cuda.Device(dst):
-                try:
-                    runtime.deviceEnablePeerAccess(src)
-                except runtime.CUDARuntimeError as exc:  # already enabled (by cupy or another caller)
-                    if "PeerAccessAlreadyEnabled" not in str(exc):
-                        raise
-        _peer[key] = known
-    return known
+    return bool(runtime.deviceCanAccessPeer(dst, src))
+
+
+def _enable_peer(dst: int, src: int) -> None:
+    import cupy
+    from cupy.cuda import runtime
+
+    with cupy.cuda.Device(dst):
+        try:
+            runtime.deviceEnablePeerAccess(src)
+        except runtime.CUDARuntimeError as exc:  # already enabled (by cupy or another caller)
+            if "PeerAccessAlreadyEnabled" not in str(exc):
+                raise
+
+
+#: Whether GPU ``dst`` reads GPU ``src`` directly: ``peer_access(src, dst)`` asks
+#: ``cudaDeviceCanAccessPeer`` once per pair and enables access the first time
+#: (``cudaDeviceEnablePeerAccess`` from ``dst``); ``peer_access.path(src, dst)`` says which path a
+#: copy takes; ``peer_access.override[(src, dst)] = False`` forces staging (tests).
+peer_access = PeerAccess(_can_access_peer, _enable_peer)

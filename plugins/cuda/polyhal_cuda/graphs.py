@@ -178,7 +178,9 @@ class GraphReplay:
                     slots[i] = a
                 stream = dev.stream
                 graph = None
-                with cupy.cuda.using_allocator(keep):
+                # No staged copy of another thread (a concurrent plan's CPU lane reading this GPU)
+                # may put work on the stream while it is captured.
+                with cupy.cuda.using_allocator(keep), dev.stager.exclusive():
                     stream.begin_capture()
                     try:
                         for step in head:

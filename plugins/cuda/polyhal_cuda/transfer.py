@@ -96,6 +96,12 @@ class Stager:
         self._chunk = chunk
         self._pool = ThreadPoolExecutor(count, thread_name_prefix=f"polyhal-{self.device.name}-stage")
 
+    def exclusive(self) -> threading.Lock:
+        """``with stager.exclusive():`` no copy of this stager touches the device's stream
+        meanwhile (a CUDA graph capture on that stream holds it: a concurrent plan's host thread
+        may otherwise stage a copy on the stream being captured)."""
+        return self._lock
+
     def close(self) -> None:
         """Finish pending copies and free the staging buffers and threads."""
         with self._lock:
@@ -116,7 +122,7 @@ class Stager:
         if n == 0:
             return
         if n <= SMALL:
-            with check(f"copying {n} bytes to {self.device.name}"):
+            with self._lock, check(f"copying {n} bytes to {self.device.name}"):
                 # From pageable memory this returns once CUDA has taken the bytes: the caller may
                 # reuse its array at once.
                 runtime.memcpyAsync(dst_ptr, flat.ctypes.data, n, _DEFAULT, self.device.stream.ptr)
@@ -139,7 +145,7 @@ class Stager:
         if n == 0:
             return
         if n <= SMALL:
-            with check(f"copying {n} bytes from {self.device.name}"):
+            with self._lock, check(f"copying {n} bytes from {self.device.name}"):
                 runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, self.device.stream.ptr)
                 self.device.stream.synchronize()
             return

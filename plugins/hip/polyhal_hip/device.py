@@ -2,7 +2,8 @@
 
 Queue: one HIP stream per device, created blocking (``hipStreamDefault``), so that it orders
 itself after work other libraries put on the null stream. Kernels, copies and stream-ordered
-frees go on it; ``synchronize`` waits for it only.
+frees go on it; ``synchronize`` waits for it only. As a HAL queue (``queues``,
+:class:`~polyhal_hip.queue.HIPQueue`) it signals timeline semaphores with HIP events.
 
 DLPack, per buffer kind (``Tensor.__dlpack__`` in the core asks :meth:`dlpack_device`):
 
@@ -40,11 +41,13 @@ from polyhal.hal.flags import BufferKind, MemoryAccess, MemoryType
 from polyhal.hal.records import DeviceSpec
 
 from polyhal_gpu.memory import import_extent
+from polyhal_gpu.peer import PeerAccess
 from polyhal_hip import launch as _launch
 from polyhal_hip import runtime as hip
 from polyhal_hip.allocator import MANAGED_MEMORY, PINNED_MEMORY, HIPAllocator, HipMemory
 from polyhal_hip.array import HipArray
 from polyhal_hip.errors import HipError
+from polyhal_hip.queue import HIPQueue
 from polyhal_hip.settings import HIPSettings
 
 if TYPE_CHECKING:
@@ -52,6 +55,8 @@ if TYPE_CHECKING:
 
 DL_CPU, DL_ROCM, DL_ROCM_HOST = 1, 10, 11
 _HOST_KINDS = (BufferKind.HOST, BufferKind.HOST_REGISTERED)
+#: Peer-access tables per runtime (id -> (runtime, table)): a runtime's GPUs share one.
+_PEERS: dict[int, tuple[Any, PeerAccess]] = {}
 #: Streams the Array API forbids for ROCm (CUDA's legacy and per-thread default streams).
 FORBIDDEN_STREAMS = (1, 2)
 
@@ -123,6 +128,32 @@ class HIPDevice(Device):
 
     def activate(self) -> _Activation:
         return self._scope
+
+    @property
+    def queues(self) -> tuple[HIPQueue, ...]:
+        """One :class:`~polyhal_hip.queue.HIPQueue` on :attr:`stream` (signals are HIP events)."""
+        queues = self.__dict__.get("_queues")
+        if queues is None:
+            queues = self.__dict__.setdefault("_queues", (HIPQueue(self),))
+        return queues
+
+    @property
+    def peer_access(self) -> PeerAccess:
+        """Peer access between the GPUs of this device's runtime (``hipDeviceCanAccessPeer``,
+        enabled once per pair): one table per runtime, shared by its devices."""
+        rt = self.runtime
+        table = _PEERS.get(id(rt))
+        if table is None or table[0] is not rt:
+            def enable(dst: int, src: int) -> None:
+                prev = rt.get_device()
+                rt.set_device(dst)
+                try:
+                    rt.device_enable_peer_access(src)
+                finally:
+                    rt.set_device(prev)
+
+            table = _PEERS[id(rt)] = (rt, PeerAccess(rt.device_can_access_peer, enable))
+        return table[1]
 
     def close(self) -> None:
         """Finish queued work and give the pool's cached memory back."""
@@ -252,6 +283,49 @@ class HIPDevice(Device):
             with self.activate():
                 self.runtime.memcpy_async(native.ptr, src.ctypes.data, src.nbytes, hip.MEMCPY_DEFAULT, self.stream)
                 self.synchronize()
+
+    # -- transfers between HIP GPUs (Device.can_copy) ------------------------------------------------
+
+    def can_copy(self, src: Device, dst: Device) -> bool:
+        """Host memory to and from this GPU (``hipMemcpyAsync``), and between two HIP GPUs of one
+        runtime (peer copy where the topology allows, else staged through pinned host memory)."""
+        return super().can_copy(src, dst) or (self in (src, dst) and isinstance(src, HIPDevice)
+                                               and isinstance(dst, HIPDevice) and src.runtime is dst.runtime)
+
+    def copy_path(self, src: Device, dst: Device) -> str:
+        if src.is_host or dst.is_host:
+            return super().copy_path(src, dst)
+        return self.peer_access.path(src.ordinal, dst.ordinal)
+
+    def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int,
+                 queued: bool = False) -> None:
+        """As CUDA's: GPU to GPU by ``hipMemcpyPeerAsync`` on the destination's stream where peer
+        access is enabled (left queued with ``queued``), else staged through a pinned host buffer."""
+        if src.is_host or dst.is_host:
+            super().transfer(src, src_native, dst, dst_native, nbytes)
+            return
+        if not nbytes:
+            return
+        rt = self.runtime
+        if src is dst or self.peer_access(src.ordinal, dst.ordinal):
+            if not queued:
+                src.synchronize()
+            with dst.activate():
+                rt.memcpy_peer_async(dst_native.ptr, dst.ordinal, src_native.ptr, src.ordinal, nbytes, dst.stream)
+            if not queued:
+                dst.synchronize()
+            return
+        with src.activate():
+            staging = rt.host_malloc(nbytes, hip.HOST_MALLOC_PORTABLE)
+        try:
+            with src.activate():
+                rt.memcpy_async(staging, src_native.ptr, nbytes, hip.MEMCPY_DEVICE_TO_HOST, src.stream)
+                src.synchronize()
+            with dst.activate():
+                rt.memcpy_async(dst_native.ptr, staging, nbytes, hip.MEMCPY_HOST_TO_DEVICE, dst.stream)
+                dst.synchronize()  # before the staging buffer goes back
+        finally:
+            rt.host_free(staging)
 
     # -- DLPack ------------------------------------------------------------------------------------
 

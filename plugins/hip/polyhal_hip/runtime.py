@@ -56,6 +56,8 @@ HOST_REGISTER_MAPPED = 0x2
 MEM_ATTACH_GLOBAL = 0x1
 # hipMemcpyKind
 MEMCPY_HOST_TO_HOST, MEMCPY_HOST_TO_DEVICE, MEMCPY_DEVICE_TO_HOST, MEMCPY_DEVICE_TO_DEVICE, MEMCPY_DEFAULT = 0, 1, 2, 3, 4
+# hipError_t values the facade treats as answers, not failures
+NOT_READY, PEER_ACCESS_ALREADY_ENABLED = 600, 704
 # hipStreamCreateWithFlags / hipEventCreateWithFlags
 STREAM_DEFAULT, STREAM_NON_BLOCKING = 0, 1
 EVENT_DISABLE_TIMING = 0x2
@@ -164,7 +166,18 @@ class Runtime:
     def event_create(self, flags: int = EVENT_DISABLE_TIMING) -> Any: raise NotImplementedError
     def event_record(self, event: Any, stream: Any) -> None: raise NotImplementedError
     def event_synchronize(self, event: Any) -> None: raise NotImplementedError
+    def event_query(self, event: Any) -> bool:
+        """Whether the work before the event has completed (hipEventQuery: hipSuccess, or
+        hipErrorNotReady for False); other statuses raise."""
+        raise NotImplementedError
     def event_destroy(self, event: Any) -> None: raise NotImplementedError
+    # peers (two GPUs of one host)
+    def device_can_access_peer(self, ordinal: int, peer: int) -> bool: raise NotImplementedError
+    def device_enable_peer_access(self, peer: int) -> None:
+        """Let the current device read ``peer``'s memory (hipErrorPeerAccessAlreadyEnabled is no error)."""
+        raise NotImplementedError
+    def memcpy_peer_async(self, dst: int, dst_ordinal: int, src: int, src_ordinal: int, nbytes: int,
+                          stream: Any) -> None: raise NotImplementedError
     def handle(self, obj: Any) -> int:
         """The address of an opaque handle (a stream's ``hipStream_t``), as an int."""
         raise NotImplementedError
@@ -439,8 +452,30 @@ class HipPythonRuntime(Runtime):
     def event_synchronize(self, event: Any) -> None:
         self.call("hipEventSynchronize", event)
 
+    def event_query(self, event: Any) -> bool:
+        status = int(self._hip.hipEventQuery(event)[0])
+        if status == NOT_READY:
+            return False
+        check(status, "hipEventQuery")
+        return True
+
     def event_destroy(self, event: Any) -> None:
         self.call("hipEventDestroy", event)
+
+    # -- peers -------------------------------------------------------------------------------------
+
+    def device_can_access_peer(self, ordinal: int, peer: int) -> bool:
+        return bool(self.call("hipDeviceCanAccessPeer", ordinal, peer))
+
+    def device_enable_peer_access(self, peer: int) -> None:
+        status = int(self._hip.hipDeviceEnablePeerAccess(peer, 0)[0])
+        if status != PEER_ACCESS_ALREADY_ENABLED:
+            check(status, "hipDeviceEnablePeerAccess", f"enabling access to hip:{peer}")
+
+    def memcpy_peer_async(self, dst: int, dst_ordinal: int, src: int, src_ordinal: int, nbytes: int,
+                          stream: Any) -> None:
+        self.call("hipMemcpyPeerAsync", dst, dst_ordinal, src, src_ordinal, nbytes, stream,
+                  what=f"copying {nbytes} bytes from hip:{src_ordinal} to hip:{dst_ordinal}")
 
     def handle(self, obj: Any) -> int:
         return 0 if obj is None else int(obj)

@@ -86,6 +86,8 @@ class FakeHipRuntime(Runtime):
     compiler: Any = None               # a real runtime to compile with, or None
     missing: set[str] = field(default_factory=set)
     no_device: bool = False
+    peer: bool = True                  # whether its GPUs can access each other (hipDeviceCanAccessPeer)
+    slow_events: bool = False          # events stay "not ready" until synchronized
 
     description = "FakeHipRuntime -- a stand-in, not ROCm"
     is_fake = True
@@ -97,6 +99,8 @@ class FakeHipRuntime(Runtime):
         self.injected: dict[str, list[int]] = {}
         self.waits: list[tuple[int, int]] = []        # (stream handle, event id)
         self.event_syncs = 0
+        self.peers_enabled: list[tuple[int, int]] = []  # (device, peer) of hipDeviceEnablePeerAccess
+        self.synchronized: set = set()                    # ids of events synchronized
         self.current = 0
         self._ids = itertools.count(0x1000)
         self.pool = FakeHandle("pool", next(self._ids))
@@ -317,9 +321,33 @@ class FakeHipRuntime(Runtime):
     def event_synchronize(self, event: Any) -> None:
         self._enter("hipEventSynchronize")
         self.event_syncs += 1
+        self.synchronized.add(getattr(event, "id", None))
+
+    def event_query(self, event: Any) -> bool:
+        self._enter("hipEventQuery")
+        # The stand-in does every copy at once; with ``slow_events`` an event reports "not ready"
+        # (hipErrorNotReady) until it is synchronized, as a busy GPU's would.
+        return not self.slow_events or event.id in self.synchronized
 
     def event_destroy(self, event: Any) -> None:
         self._enter("hipEventDestroy")
+
+    # -- peers -----------------------------------------------------------------------------------------
+
+    def device_can_access_peer(self, ordinal: int, peer: int) -> bool:
+        self._enter("hipDeviceCanAccessPeer")
+        return self.peer and ordinal != peer and max(ordinal, peer) < len(self.devices)
+
+    def device_enable_peer_access(self, peer: int) -> None:
+        self._enter("hipDeviceEnablePeerAccess")
+        self.peers_enabled.append((self.current, peer))
+
+    def memcpy_peer_async(self, dst: int, dst_ordinal: int, src: int, src_ordinal: int, nbytes: int,
+                          stream: Any) -> None:
+        self._enter("hipMemcpyPeerAsync", f"copying {nbytes} bytes from hip:{src_ordinal} to hip:{dst_ordinal}")
+        self._live_range("hipMemcpyPeerAsync", dst, nbytes)
+        self._live_range("hipMemcpyPeerAsync", src, nbytes)
+        ctypes.memmove(int(dst), int(src), int(nbytes))
 
     def handle(self, obj: Any) -> int:
         if obj is None:

@@ -19,7 +19,7 @@ HARDWARE_FREE = [
     "test_zero_d_and_empty_tensors_keep_their_shape",
     "test_bad_sizes_are_refused", "test_unservable_requests_are_refused", "test_mapping_device_only_memory_is_refused",
     "test_dlpack_roundtrip_every_heap", "test_dlpack_capsule_consumed_twice",
-    "test_declared_kernel_names_are_the_kernels_it_serves",
+    "test_declared_kernel_names_are_the_kernels_it_serves", "test_queues_order_copies_and_signal",
 ]
 #: Hardware-free, but compiles a kernel (hiprtc must be installed).
 COMPILES = ["test_plan_input_errors"]

@@ -3,7 +3,9 @@
 Ordering: every command (kernels, copies, maps) goes to one in-order queue, so work is ordered
 without events. ``write``/``upload`` block until the host data is copied (the caller may reuse
 its array at once), ``read``/``download`` block until the data has arrived, kernels and
-buffer-to-buffer copies do not block. ``synchronize`` finishes the queue.
+buffer-to-buffer copies do not block. ``synchronize`` finishes the queue. As a HAL queue
+(``queues``, :class:`~polyhal_opencl.queue.CLQueue`) it signals timeline semaphores with marker
+events, which other queues of the context wait for on the device.
 
 DLPack: every buffer reports DLPack device ``(kDLOpenCL=4, ordinal)`` and exports its
 ``cl_mem`` handle as the data pointer, as dlpack.h specifies for OpenCL. Host-visible buffers
@@ -32,6 +34,7 @@ from polyhal_opencl.allocator import CLAllocator
 from polyhal_opencl.codegen import DeviceTraits
 from polyhal_opencl.errors import check
 from polyhal_opencl.program import ProgramCache, default_cache_dir
+from polyhal_opencl.queue import CLQueue
 
 # pyopencl is imported inside the functions that use it: without pyopencl the plugin still imports,
 # lists no device and says why (plugin.enumerate_devices).
@@ -66,6 +69,14 @@ class CLDevice(Device):
         self.traits = DeviceTraits.from_cl(cl_device)
         self.programs = ProgramCache(self.context, cl_device, default_cache_dir())
         self.native_allocator = self.allocator = CLAllocator(self, spec.heaps)
+
+    @property
+    def queues(self) -> tuple[CLQueue, ...]:
+        """One :class:`~polyhal_opencl.queue.CLQueue` on :attr:`queue` (signals are marker events)."""
+        queues = self.__dict__.get("_queues")
+        if queues is None:
+            queues = self.__dict__.setdefault("_queues", (CLQueue(self),))
+        return queues
 
     def close(self) -> None:
         """Finish queued work and release the allocator's cached buffers (the device stays usable)."""
