@@ -19,7 +19,7 @@ import threading
 import warnings
 from typing import Any, Callable
 
-from polyhal.hal.queue import Semaphore
+from polyhal.hal.queue import Semaphore, default_timeout
 
 from polyhal_ray.errors import ClusterUnreachableError, NodeLostError, VersionSkewError, rebuild
 from polyhal_ray.settings import RaySettings
@@ -30,14 +30,12 @@ from polyhal_ray.worker import NodeRuntime, runtime_versions
 MATCHED = ("polyhal", "polyhal-ray", "polyhal API")
 
 
-#: Executions a node's compiled graph holds in flight before a flush waits for the oldest.
-GRAPH_INFLIGHT = 15
-
-
 def node_died(exc: BaseException) -> bool:
     """Whether Ray's ``exc`` means the node's runtime is gone (actor died, channel closed)."""
     import ray.exceptions as rex
 
+    if isinstance(exc, rex.RayChannelTimeoutError):  # slow, not gone
+        return False
     return isinstance(exc, (rex.RayActorError, rex.RayChannelError, rex.ObjectLostError, rex.NodeDiedError))
 
 
@@ -117,7 +115,7 @@ class NodeSession:
     def enqueue(self, command: tuple) -> None:
         """Append ``command``; it is sent with the next flush."""
         if self.lost is not None:
-            raise self.lost
+            raise self._told_lost()
         self._pending.append(command)
 
     def discard(self, command: tuple) -> None:
@@ -130,7 +128,7 @@ class NodeSession:
         return the number that completes them. ``want``: keep the answer for :meth:`answer`."""
         with self._lock:
             if self.lost is not None:
-                raise self.lost
+                raise self._told_lost()
             commands = self._drain()
             commands.extend(extra)
             if not commands:
@@ -139,19 +137,18 @@ class NodeSession:
             seq = self._seq
             if want:
                 self._wanted.add(seq)
-            try:
-                if self._graph is not None:
-                    # A compiled graph holds a bounded number of executions in flight: wait for
-                    # the oldest one beyond that (backpressure, as a full device queue gives).
-                    self._wait(seq - GRAPH_INFLIGHT)
-                    ref = self._graph.execute((seq, commands))
-                else:
+            if self._graph is not None:
+                # The completion thread executes it: a compiled graph is not thread-safe, so one
+                # thread both executes and reads it (one execution in flight per node).
+                ref: Any = (self._graph, commands)
+            else:
+                try:
                     ref = self.actor.submit.remote(seq, commands, self.timeout)
-            except Exception as exc:
-                if node_died(exc):
-                    self._lose(exc)
-                    raise self.lost from exc
-                raise
+                except Exception as exc:
+                    if node_died(exc):
+                        self._lose(exc)
+                        raise self._told_lost() from exc
+                    raise
             self._inflight.put((seq, ref))
             self._start()
             return seq
@@ -192,7 +189,7 @@ class NodeSession:
         was flushed; the call completes ``seq`` like any submission."""
         with self._lock:
             if self.lost is not None:
-                raise self.lost
+                raise self._told_lost()
             commands = self._drain()
             if commands:
                 self._seq += 1
@@ -218,14 +215,28 @@ class NodeSession:
             self.completed.wait(seq, None)
         except Exception as exc:
             if self.lost is not None:
-                raise self.lost from exc
+                raise self._told_lost() from exc
             raise
 
+    def _told_lost(self) -> NodeLostError:
+        """A new error for the node's loss (the stored one is never raised: its traceback would
+        keep the failed run's frames, and what they hold, alive), noted as told to a caller
+        (see :attr:`reported_losses`)."""
+        NodeSession.reported_losses.add(self.name)
+        return NodeLostError(str(self.lost), node=self.name)
+
+    #: Nodes whose loss a caller has been told of: a receive that failed because its sender was
+    #: one of them is not reported a second time by the receiving node.
+    reported_losses: set[str] = set()
+
     def _raise_unreported(self) -> None:
-        if self._unreported:
-            error = self._unreported.pop(0)
-            self._unreported.clear()
-            raise rebuild(error, node=self.name)
+        errors = [e for e in self._unreported
+                  if not (e[0] == "NodeLostError" and len(e) > 2 and e[2] in NodeSession.reported_losses)]
+        self._unreported.clear()
+        if errors:
+            if errors[0][0] == "NodeLostError" and len(errors[0]) > 2:
+                NodeSession.reported_losses.add(errors[0][2])
+            raise rebuild(errors[0], node=self.name)
 
     # -- completion ---------------------------------------------------------------------------
 
@@ -243,7 +254,11 @@ class NodeSession:
         while True:
             seq, ref = self._inflight.get()
             try:
-                answer = ref.get() if hasattr(ref, "get") and not isinstance(ref, ray.ObjectRef) else ray.get(ref)
+                if isinstance(ref, tuple):  # (compiled graph, commands); its ref is read once, with a
+                    graph, commands = ref    # timeout of its own (Ray's default is 10 s)
+                    answer = graph.execute((seq, commands)).get(timeout=default_timeout())
+                else:
+                    answer = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 -- the actor or its node died
                 if node_died(exc):
                     self._lose(exc)
@@ -286,7 +301,7 @@ class NodeSession:
 
                 with InputNode() as inp:
                     dag = self.actor.execute.bind(inp)
-                self._graph = dag.experimental_compile(_max_inflight_executions=GRAPH_INFLIGHT + 1)
+                self._graph = dag.experimental_compile()
             self._graph_users += 1
         released = []
 

@@ -78,7 +78,7 @@ class RemoteDevice(Device):
     def __init__(self, spec: "DeviceSpec", *, session: "NodeSession", local_name: str, node_heaps: tuple) -> None:
         super().__init__(spec)
         if session.lost is not None:
-            raise session.lost
+            raise session._told_lost()
         self.session = session
         #: The device's name on its node.
         self.local_name = local_name
@@ -153,7 +153,7 @@ class RemoteDevice(Device):
 
     def read(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
         (data,) = self.session.call((READ, buffer.native, offset, host.nbytes))
-        host.reshape(-1).view(np.uint8)[...] = data
+        host.reshape(-1).view(np.uint8)[...] = np.frombuffer(data, np.uint8)
 
     def copy(self, src: Buffer, src_offset: int, dst: Buffer, dst_offset: int, nbytes: int) -> None:
         self.session.enqueue((COPY, src.native, src_offset, dst.native, dst_offset, nbytes))
@@ -164,7 +164,7 @@ class RemoteDevice(Device):
     def download(self, native: tuple, host: np.ndarray) -> None:
         bid, offset, shape, dtype, _ = native
         (data,) = self.session.call((READ, bid, offset, host.nbytes))
-        host[...] = data.view(np.dtype(dtype)).reshape(shape)
+        host[...] = np.frombuffer(data, np.dtype(dtype)).reshape(shape)
 
     def upload(self, host: np.ndarray, native: tuple) -> None:
         bid, offset, _, _, _ = native

@@ -104,8 +104,11 @@ class NodeRuntime:
             self._finish(seq)
 
     def execute(self, packed: tuple) -> tuple[list, Any]:
-        """The compiled graph's entry: ``packed`` is ``(seq, commands)``."""
-        return self.submit(*packed)
+        """The compiled graph's entry: ``packed`` is ``(seq, commands)``. Reads come back as
+        bytes: an array would be a zero-copy view of the graph's channel, which Ray cannot
+        reuse for the next answer while the driver holds it (the next read would wait forever)."""
+        results, error = self.submit(*packed)
+        return [r.tobytes() for r in results], error
 
     def send(self, seq: int, key: tuple, timeout: float = 60.0) -> tuple[list, Any]:
         """Submission ``seq`` that puts the tensor ``key`` in this node's object store; returns
