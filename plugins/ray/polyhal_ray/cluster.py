@@ -123,15 +123,16 @@ class NodeSession:
         if self.lost is None:
             self._pending.append(command)
 
-    def flush(self, extra: tuple = (), want: bool = False) -> int:
-        """Send the pending commands (and ``extra``) as one submission, unless there are none;
-        return the number that completes them. ``want``: keep the answer for :meth:`answer`."""
+    def flush(self, extra: tuple = (), want: bool = False, empty: bool = False) -> int:
+        """Send the pending commands (and ``extra``) as one submission, unless there are none
+        (``empty``: even then); return the number that completes them. ``want``: keep the answer
+        for :meth:`answer`."""
         with self._lock:
             if self.lost is not None:
                 raise self._told_lost()
             commands = self._drain()
             commands.extend(extra)
-            if not commands:
+            if not commands and not empty:
                 return self._seq
             self._seq += 1
             seq = self._seq
@@ -302,7 +303,12 @@ class NodeSession:
                 with InputNode() as inp:
                     dag = self.actor.execute.bind(inp)
                 self._graph = dag.experimental_compile()
+                warm = True
+            else:
+                warm = False
             self._graph_users += 1
+        if warm:  # Ray's first execution of a graph sets up its channels: not in a plan's first call
+            self.wait(self.flush(empty=True))
         released = []
 
         def release() -> None:

@@ -20,15 +20,13 @@ import threading
 import polyhal
 from polyhal.hal.records import DeviceSpec
 
+from polyhal_ray import worker
 from polyhal_ray.settings import RaySettings
 
 POLYHAL_API_VERSION = polyhal.API_VERSION
 
 #: How far below its node's own rank a remote device ranks (local devices rank -100 and up).
 RANK_OFFSET = 1000
-
-#: True inside a node's runtime actor: there the node's devices are local, and this plugin is inert.
-SERVING_NODE = False
 
 _lock = threading.Lock()
 _cluster = None            # the Cluster of this process, reused by every registry
@@ -89,7 +87,7 @@ def device_specs(found) -> list[DeviceSpec]:
 @polyhal.hookimpl
 def register_devices():
     """The remote devices of the reachable cluster; none (with a reason) when there is none."""
-    if SERVING_NODE:
+    if worker.SERVING:
         return []
     found = cluster()
     return device_specs(found) if found is not None else []
@@ -99,7 +97,7 @@ def register_devices():
 def report_unavailable():
     """Why no (or fewer) remote devices were registered: no cluster, an unreachable address,
     nodes whose versions differ from this driver's, nodes lost."""
-    if SERVING_NODE:
+    if worker.SERVING:
         return []
     lost = [str(s.lost) for s in (_cluster.sessions.values() if _cluster is not None else ()) if s.lost]
     return list(_unavailable) + lost

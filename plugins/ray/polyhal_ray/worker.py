@@ -22,6 +22,9 @@ import numpy as np
 
 # Opcodes of the commands a submission holds (see NodeRuntime._command).
 ALLOC, FREE, WRITE, READ, COPY, FILL, PREPARE, DISPATCH, RELEASE, TRANSFER = range(10)
+#: True in a process that serves a node (a NodeRuntime lives here): there the node's devices are
+#: local, and the Ray plugin registers no remote devices (it would reach its own node again).
+SERVING = False
 #: Commands that run even after an earlier command of the same submission failed: what frees
 #: memory, so that a failed submission leaks nothing on the node.
 CLEANUP = frozenset({FREE, RELEASE})
@@ -56,11 +59,9 @@ class NodeRuntime:
     """The actor: one per node, holding that node's polyhal registry, buffers and kernels."""
 
     def __init__(self, node: str) -> None:
-        import polyhal_ray.plugin as ray_plugin
-
-        # Inside the node the Ray plugin registers nothing: the node's own devices are local here.
-        ray_plugin.SERVING_NODE = True
-        from polyhal.registry import Registry
+        global SERVING
+        SERVING = True
+        from polyhal import Registry
 
         self.node = node
         self.registry = Registry()
