@@ -51,7 +51,7 @@ def test_import_contracts_are_kept():
     if shutil.which("lint-imports") is None:
         pytest.fail("import-linter is a test requirement (requirements-test.txt): pip install import-linter")
     # The sources of this checkout first, whatever is installed (grimp follows the import path).
-    paths = [ROOT / "core"] + [ROOT / "plugins" / p for p in ("cpu", "opencl", "cuda", "hip", "gpu")]
+    paths = [ROOT / "core"] + [ROOT / "plugins" / p for p in ("cpu", "opencl", "cuda", "hip", "gpu", "ray")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, paths)))
     run = subprocess.run(["lint-imports", "--no-cache"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]

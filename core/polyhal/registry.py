@@ -626,11 +626,12 @@ class Registry:
                                   + " (run `polyhal devices` to see every device and plugin)")
 
     def default_devices(self) -> list[str]:
-        """Every device not known to be broken, best first: the default ``--device`` list of a
-        compile. Nothing is created here (placement reads kernel names from the specs); a device
+        """Every device not known to be broken or lost (:attr:`Device.lost <polyhal.hal.device.Device.lost>`),
+        best first: the default ``--device`` list of a compile. Nothing is created here (placement reads kernel names from the specs); a device
         whose factory raises later is recorded as broken, and :func:`polyhal.compile` then places
         the program again without it (see :meth:`is_broken`)."""
-        names = [spec.name for spec in self.device_specs() if spec.name not in self._broken]
+        names = [spec.name for spec in self.device_specs()
+                 if spec.name not in self._broken and getattr(self._devices.get(spec.name), "lost", None) is None]
         if not names:
             self.get_device(None)  # raises the "no device" error with its advice
         return names

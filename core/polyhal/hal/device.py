@@ -90,6 +90,11 @@ class Device:
     #: knows only itself.
     find_device: Callable[[str], "Device"] | None = None
 
+    #: Why this device can no longer be used (a remote node that died), or None: set by its
+    #: backend. The registry's default device list leaves a lost device out, so that a later
+    #: compile places nothing on it.
+    lost: BaseException | None = None
+
     @property
     def is_host(self) -> bool:
         """Whether this device's memory is the host's own (DLPack device type CPU): numpy arrays

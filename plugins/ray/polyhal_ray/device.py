@@ -1,0 +1,214 @@
+"""RemoteDevice: one device of a Ray node, driven from here through the node's command stream.
+
+Nothing here computes: every operation becomes a command of the node's
+:class:`~polyhal_ray.cluster.NodeSession`. A prepared kernel is a :class:`RemoteKernel` whose call
+appends one dispatch to the stream (a list append, no round trip), so a plan part on the node
+becomes one submission, sent when its data is needed elsewhere (a read, a transfer, a
+synchronize) or, for a plan that lives entirely on the node, at the end of each run -- through a
+Ray compiled graph, compiled once when the plan is built (:meth:`RemoteDevice.record`).
+
+Native objects are *view keys* ``(buffer id, byte offset, shape, dtype str, element strides)``:
+what the node needs to find the tensor among its resident buffers.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+from polyhal import Buffer, Device, MemoryAccess
+from polyhal.errors import DLPackError, KernelNotFoundError
+from polyhal.hal.queue import InlineQueue, SemaphoreList, fail_all, signal_all, wait_all
+
+from polyhal_ray.allocator import RemoteAllocator
+from polyhal_ray.worker import COPY, DISPATCH, FILL, PREPARE, READ, RELEASE, TRANSFER, WRITE
+
+if TYPE_CHECKING:
+    from polyhal import DeviceSpec
+
+    from polyhal_ray.cluster import NodeSession
+
+#: DLPack's kDLExtDev: memory of a device DLPack does not list (here: another process's memory).
+DLPACK_EXT_DEV = 12
+
+
+class RemoteKernel:
+    """A kernel prepared on the node; calling it queues one dispatch (it runs with the stream's
+    next submission). Released on the node when this object goes."""
+
+    __slots__ = ("op", "kid", "_enqueue", "__weakref__")
+
+    def __init__(self, session: "NodeSession", kid: int, op: str) -> None:
+        self.op, self.kid = op, kid
+        self._enqueue = session._pending.append  # the hot path: one deque append per step
+        weakref.finalize(self, session.discard, (RELEASE, kid))
+
+    def __call__(self, *args: tuple) -> None:
+        self._enqueue((DISPATCH, self.kid, args))
+
+
+class RemoteQueue(InlineQueue):
+    """The device's queue: each submission waits for its wait list on the host, is queued on the
+    node's stream and flushed, and returns at once; its signal semaphores are signalled when the
+    node answers (failed with :class:`~polyhal_ray.errors.NodeLostError` if the node dies)."""
+
+    device: "RemoteDevice"
+
+    def _submit(self, work: Callable[[], Any], wait: SemaphoreList, signal: SemaphoreList) -> Any:
+        session = self.device.session
+        try:
+            wait_all(wait, self.timeout)
+            result = work()
+            seq = session.flush()
+        except BaseException as exc:
+            fail_all(signal, exc)
+            raise
+        signal = tuple(signal)
+        session.notify(seq, lambda: signal_all(signal), lambda exc: fail_all(signal, exc))
+        return result
+
+
+class RemoteDevice(Device):
+    """A device of a Ray node (``ray:<node>/<its name there>``), made by its spec's factory."""
+
+    dlpack_device_type = DLPACK_EXT_DEV
+
+    def __init__(self, spec: "DeviceSpec", *, session: "NodeSession", local_name: str, node_heaps: tuple) -> None:
+        super().__init__(spec)
+        if session.lost is not None:
+            raise session._told_lost()
+        self.session = session
+        #: The device's name on its node.
+        self.local_name = local_name
+        self.native_allocator = self.allocator = RemoteAllocator(self, spec.heaps, node_heaps)
+
+    @property
+    def lost(self) -> BaseException | None:
+        """The node's :class:`~polyhal_ray.errors.NodeLostError` once it died, else None."""
+        return self.session.lost
+
+    @property
+    def queues(self) -> tuple[RemoteQueue, ...]:
+        queues = self.__dict__.get("_queues")
+        if queues is None:
+            queues = self.__dict__["_queues"] = (RemoteQueue(self),)
+        return queues
+
+    @property
+    def kernel_names(self) -> frozenset[str]:
+        return self.spec.kernel_names or frozenset()
+
+    def memory_available(self) -> int | None:
+        total = self.spec.limits.get("global_mem_size")
+        return None if not isinstance(total, int) else max(total - self.allocator.statistics.live_bytes, 0)
+
+    # -- kernels ----------------------------------------------------------------------------------
+
+    def prepare(self, op, attrs, in_types, out_types, scratch=None) -> RemoteKernel:
+        """Prepare the kernel on the node now (one round trip, so that what the node refuses is
+        refused at compile time); the result queues a dispatch per call."""
+        if op not in self.kernel_names:
+            raise KernelNotFoundError(f"{self.name} (Ray node {self.session.name}) has no kernel for op {op!r}; "
+                                      "the node's backends do not offer it. Place the op on another device")
+        kid = self.session.new_id()
+        self.session.call((PREPARE, kid, self.local_name, op, dict(attrs), tuple(in_types), tuple(out_types)))
+        return RemoteKernel(self.session, kid, op)
+
+    def scratch(self, op, attrs, in_types, out_types) -> Sequence:
+        """None here: a kernel's scratch is declared, placed and allocated on its node."""
+        return ()
+
+    def view(self, tensor) -> tuple:
+        return (tensor.buffer.native, tensor.offset, tensor.shape, tensor.dtype.str, tensor.strides)
+
+    def synchronize(self) -> None:
+        self.session.synchronize()
+
+    def record(self, steps, slots, input_slots, output_slots) -> Callable[[], None] | None:
+        """A plan that lives entirely on this device replays as one submission per run, sent
+        through the node's Ray compiled graph (compiled here, once, and kept while the plan lives)."""
+        session = self.session
+        release = session.use_graph()
+        flush = session.flush
+        steps = tuple(steps)
+
+        def replay() -> None:
+            for step in steps:
+                step()
+            flush()
+
+        weakref.finalize(replay, release)
+        return replay
+
+    # -- data movement ----------------------------------------------------------------------------
+
+    def _map(self, buffer: Buffer, offset: int, length: int, access: MemoryAccess) -> np.ndarray:
+        raise DLPackError(f"{self.name} is memory of Ray node {self.session.name}; read it with tensor.numpy()")
+
+    def write(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
+        # A copy: the caller may change its array once this returns, before the stream is sent.
+        self.session.enqueue((WRITE, buffer.native, offset, np.array(host, copy=True, order="C").reshape(-1).view(np.uint8)))
+
+    def read(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
+        (data,) = self.session.call((READ, buffer.native, offset, host.nbytes))
+        host.reshape(-1).view(np.uint8)[...] = np.frombuffer(data, np.uint8)
+
+    def copy(self, src: Buffer, src_offset: int, dst: Buffer, dst_offset: int, nbytes: int) -> None:
+        self.session.enqueue((COPY, src.native, src_offset, dst.native, dst_offset, nbytes))
+
+    def fill(self, buffer: Buffer, offset: int, nbytes: int, pattern: bytes) -> None:
+        self.session.enqueue((FILL, buffer.native, offset, nbytes, pattern))
+
+    def download(self, native: tuple, host: np.ndarray) -> None:
+        bid, offset, shape, dtype, _ = native
+        (data,) = self.session.call((READ, bid, offset, host.nbytes))
+        host[...] = np.frombuffer(data, np.dtype(dtype)).reshape(shape)
+
+    def upload(self, host: np.ndarray, native: tuple) -> None:
+        bid, offset, _, _, _ = native
+        self.session.enqueue((WRITE, bid, offset, np.array(host, copy=True, order="C").reshape(-1).view(np.uint8)))
+
+    # -- transfers --------------------------------------------------------------------------------
+
+    def can_copy(self, src: Device, dst: Device) -> bool:
+        """Host <-> this device, and this device <-> any Ray device (same node: on the node; two
+        nodes: node to node through Ray's object store)."""
+        other = dst if src is self else src
+        return (src is self or dst is self) and (other.is_host or isinstance(other, RemoteDevice))
+
+    def copy_path(self, src: Device, dst: Device) -> str:
+        if isinstance(src, RemoteDevice) and isinstance(dst, RemoteDevice):
+            if src.session is dst.session:
+                return f"on node {src.session.name}"
+            return f"node {src.session.name} to node {dst.session.name} through Ray's object store"
+        return "upload to the node" if dst is self else "download from the node"
+
+    def transfer(self, src: Device, src_native: Any, dst: Device, dst_native: Any, nbytes: int) -> None:
+        if not (isinstance(src, RemoteDevice) and isinstance(dst, RemoteDevice)):
+            super().transfer(src, src_native, dst, dst_native, nbytes)
+        elif src.session is dst.session:
+            src.session.enqueue((TRANSFER, src_native, dst_native))
+        else:
+            send_to(src.session, src_native, dst.session, dst_native)
+
+    # -- DLPack -----------------------------------------------------------------------------------
+
+    def buffer_address(self, buffer: Buffer) -> int:
+        raise DLPackError(f"{self.name} is memory of Ray node {self.session.name}, which DLPack cannot address "
+                          "from here; move the tensor first (tensor.to_device('cpu:0')) or read it (tensor.numpy())")
+
+
+def send_to(src: "NodeSession", src_key: tuple, dst: "NodeSession", dst_key: tuple) -> None:
+    """Move tensor ``src_key`` of node ``src`` into ``dst_key`` of node ``dst``, node to node: the
+    source puts it in its object store, the destination pulls it from there. Neither call waits
+    here; only ObjectRefs pass through this process, never the bytes."""
+    sent = []
+
+    def send(seq: int) -> Any:
+        sent.append(src.actor.send.remote(seq, src_key, src.timeout))
+        return sent[0]
+
+    src.submit_outside(send)
+    dst.submit_outside(lambda seq: dst.actor.recv.remote(seq, sent, dst_key, src.name, dst.timeout))

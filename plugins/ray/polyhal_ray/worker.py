@@ -1,0 +1,275 @@
+"""NodeRuntime: the Ray actor that runs one node's devices with a polyhal runtime of its own.
+
+The driver never calls a node per op. It sends *submissions*: lists of commands (allocate, free,
+write, read, copy, prepare a kernel, dispatch a prepared kernel), numbered per node. The actor
+runs each submission whole, in the order of its number (a submission that arrives early waits
+for its predecessor: ordinary actor calls, a compiled graph and node-to-node receives may reach
+the actor on different threads), and answers with what its reads produced. Buffers and prepared
+kernels stay resident here between submissions, named by ids the driver chose, so that a plan
+part replayed on the node sends only its command list.
+
+Commands are plain tuples whose first item is an opcode (:data:`ALLOC` ...); tensors are named by
+*view keys* ``(buffer id, byte offset, shape, dtype str, element strides)``.
+"""
+
+from __future__ import annotations
+
+import threading
+from importlib import metadata
+from typing import Any
+
+import numpy as np
+
+# Opcodes of the commands a submission holds (see NodeRuntime._command).
+ALLOC, FREE, WRITE, READ, COPY, FILL, PREPARE, DISPATCH, RELEASE, TRANSFER = range(10)
+#: True in a process that serves a node (a NodeRuntime lives here): there the node's devices are
+#: local, and the Ray plugin registers no remote devices (it would reach its own node again).
+SERVING = False
+#: Commands that run even after an earlier command of the same submission failed: what frees
+#: memory, so that a failed submission leaks nothing on the node.
+CLEANUP = frozenset({FREE, RELEASE})
+
+
+def runtime_versions() -> dict[str, str]:
+    """The versions a driver and a node must agree on (read from installed metadata, so that a
+    node whose environment holds another polyhal says so before anything of it is used)."""
+    import platform
+
+    import ray
+
+    def dist(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    from polyhal.hookspecs import API_VERSION
+
+    return {"polyhal": dist("polyhal"), "polyhal-ray": dist("polyhal-ray"), "polyhal API": str(API_VERSION),
+            "ray": ray.__version__, "python": platform.python_version()}
+
+
+def error_record(exc: BaseException, where: str) -> tuple[str, str]:
+    """``exc`` as (class name, message) for the driver: polyhal errors keep their class
+    (:func:`polyhal_ray.errors.rebuild` makes them again), others become a KernelError."""
+    return type(exc).__name__, f"{where}: {type(exc).__name__}: {exc}"
+
+
+class NodeRuntime:
+    """The actor: one per node, holding that node's polyhal registry, buffers and kernels."""
+
+    def __init__(self, node: str) -> None:
+        global SERVING
+        SERVING = True
+        from polyhal import Registry
+
+        self.node = node
+        self.registry = Registry()
+        self.buffers: dict[int, Any] = {}      # buffer id -> polyhal Buffer on a local device
+        self.kernels: dict[int, tuple[Any, tuple]] = {}  # kernel id -> (prepared fn, scratch tensors)
+        self.natives: dict[tuple, Any] = {}    # view key -> the local device's native object
+        self._done = 0                         # number of the last submission that ran
+        self._order = threading.Condition()
+
+    # -- what the driver asks once ----------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """Versions and device records (spec fields that cross the wire) of this node."""
+        specs = []
+        for spec in self.registry.device_specs():
+            specs.append(dict(name=spec.name, backend=spec.backend, rank=spec.rank, heaps=spec.heaps,
+                              workgroup_bytes=spec.workgroup_bytes, capabilities=spec.capabilities,
+                              limits=dict(spec.limits), description=spec.description,
+                              kernel_names=self.registry.kernel_names(spec.name)))
+        from polyhal.hal.device import host_memory_available
+
+        return {"versions": runtime_versions(), "devices": specs, "memory_available": host_memory_available(),
+                "failures": [f"{f.plugin}: {f.reason}" for f in self.registry.failures]}
+
+    def statistics(self) -> dict[str, Any]:
+        """What is resident: buffer, kernel and cached view counts, and live bytes per device."""
+        live: dict[str, int] = {}
+        for buf in self.buffers.values():
+            live[buf.device.name] = live.get(buf.device.name, 0) + buf.nbytes
+        return {"buffers": len(self.buffers), "kernels": len(self.kernels), "views": len(self.natives),
+                "live_bytes": live, "done": self._done}
+
+    # -- submissions ------------------------------------------------------------------------------
+
+    def submit(self, seq: int, commands: list, timeout: float = 60.0) -> tuple[list, Any]:
+        """Run submission ``seq`` (after ``seq - 1``); return (read results, error or None)."""
+        self._await_turn(seq, timeout)
+        try:
+            return self._run(commands)
+        finally:
+            self._finish(seq)
+
+    def execute(self, packed: tuple) -> tuple[list, Any]:
+        """The compiled graph's entry: ``packed`` is ``(seq, commands)``. Reads come back as
+        bytes: an array would be a zero-copy view of the graph's channel, which Ray cannot
+        reuse for the next answer while the driver holds it (the next read would wait forever)."""
+        results, error = self.submit(*packed)
+        return [r.tobytes() for r in results], error
+
+    def send(self, seq: int, key: tuple, timeout: float = 60.0) -> tuple[list, Any]:
+        """Submission ``seq`` that puts the tensor ``key`` in this node's object store; returns
+        ``([ObjectRef], None)`` (the receiver pulls the bytes from here, node to node)."""
+        import ray
+
+        self._await_turn(seq, timeout)
+        try:
+            return [ray.put(np.ascontiguousarray(self._native(key)))], None
+        finally:
+            self._finish(seq)
+
+    def recv(self, seq: int, sent: list, key: tuple, source: str, timeout: float = 60.0) -> tuple[list, Any]:
+        """Submission ``seq`` that copies what another node's :meth:`send` put (``sent`` holds its
+        ObjectRef, unresolved) into the tensor ``key``."""
+        import ray
+
+        self._await_turn(seq, timeout)
+        try:
+            try:
+                (inner,), _ = ray.get(sent[0], timeout=timeout)
+                data = ray.get(inner, timeout=timeout)
+            except Exception as exc:  # noqa: BLE001 -- the sender's node died: say so, this node goes on
+                return [], ("NodeLostError", f"node {self.node} could not receive from node {source}, which was "
+                                             f"lost ({type(exc).__name__}: {str(exc).splitlines()[0]})", source)
+            try:
+                np.copyto(self._native(key), data.reshape(key[2]), casting="no")
+            except Exception as exc:  # noqa: BLE001
+                return [], error_record(exc, f"node {self.node}, receive")
+            return [], None
+        finally:
+            self._finish(seq)
+
+    def _await_turn(self, seq: int, timeout: float) -> None:
+        with self._order:
+            if not self._order.wait_for(lambda: self._done >= seq - 1, timeout):
+                raise TimeoutError(f"node {self.node}: submission {seq} waited {timeout:g} s for submission "
+                                   f"{seq - 1}, which never came")
+
+    def _finish(self, seq: int) -> None:
+        with self._order:
+            self._done = max(self._done, seq)
+            self._order.notify_all()
+
+    def _run(self, commands: list) -> tuple[list, Any]:
+        results: list = []
+        error = None
+        for cmd in commands:
+            if error is not None and cmd[0] not in CLEANUP:
+                continue
+            try:
+                out = self._command(cmd)
+            except Exception as exc:  # noqa: BLE001 -- reported to the driver, typed there
+                error = error_record(exc, f"node {self.node}, {_describe(cmd)}")
+                continue
+            if cmd[0] == READ:
+                results.append(out)
+        return results, error
+
+    def _command(self, cmd: tuple) -> Any:
+        op = cmd[0]
+        if op == DISPATCH:  # the hot path first
+            native = self._native
+            self.kernels[cmd[1]][0](*[native(k) for k in cmd[2]])
+        elif op == ALLOC:
+            _, bid, device, nbytes, memory_type, usage = cmd
+            self.buffers[bid] = self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
+        elif op == FREE:
+            buf = self.buffers.pop(cmd[1], None)
+            if buf is not None:
+                for key in [k for k in self.natives if k[0] == cmd[1]]:
+                    del self.natives[key]
+                buf.release()
+        elif op == WRITE:
+            _, bid, offset, data = cmd
+            buf = self.buffers[bid]
+            buf.device.write(buf, offset, np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
+        elif op == READ:
+            _, bid, offset, nbytes = cmd
+            buf = self.buffers[bid]
+            host = np.empty(nbytes, np.uint8)
+            buf.device.read(buf, offset, host)
+            return host
+        elif op == COPY:
+            _, sb, so, db, do, nbytes = cmd
+            src, dst = self.buffers[sb], self.buffers[db]
+            if src.device is dst.device:
+                src.device.copy(src, so, dst, do, nbytes)
+            else:  # two devices of this node: through a host array
+                host = np.empty(nbytes, np.uint8)
+                src.device.read(src, so, host)
+                dst.device.write(dst, do, host)
+        elif op == FILL:
+            _, bid, offset, nbytes, pattern = cmd
+            buf = self.buffers[bid]
+            buf.device.queues[0].fill(buf, offset, nbytes, pattern)
+        elif op == PREPARE:
+            self._prepare(*cmd[1:])
+        elif op == RELEASE:
+            fn_scratch = self.kernels.pop(cmd[1], None)
+            if fn_scratch is not None:
+                for t in fn_scratch[1]:
+                    t.release()
+        elif op == TRANSFER:
+            from polyhal.hal.transfer import route, transfer_fn
+
+            _, src_key, dst_key = cmd
+            src, dst = self.buffers[src_key[0]].device, self.buffers[dst_key[0]].device
+            transfer_fn(route(src, dst), dst_key[2], dst_key[3])(self._native(src_key), self._native(dst_key))
+        else:
+            raise ValueError(f"unknown command {op}")
+        return None
+
+    def _prepare(self, kid: int, device: str, op: str, attrs: dict, in_types: tuple, out_types: tuple) -> None:
+        """Prepare a kernel on a local device; its global scratch is allocated here, on the node
+        (the driver sees none: scratch never crosses the wire)."""
+        from polyhal.hal.scratch import MemorySpace, ScratchBinding
+        from polyhal.hal.tensor import empty
+
+        dev = self.registry.get_device(device)
+        requests = dev.scratch(op, attrs, in_types, out_types)
+        held: list = []
+        extra = {}
+        if requests:
+            placed = dev.place_scratch(requests)
+            bound = {}
+            for a in placed:
+                if a.space is MemorySpace.GLOBAL:
+                    t = empty((max(a.nbytes, 1),), np.uint8, dev)
+                    held.append(t)
+                    bound[(a.request.kernel.name, a.request.name)] = t.native
+            extra["scratch"] = ScratchBinding(placed, bound)
+        try:
+            fn = dev.prepare(op, attrs, in_types, out_types, **extra)
+        except BaseException:
+            for t in held:
+                t.release()
+            raise
+        self.kernels[kid] = (fn, tuple(held))
+
+    def _native(self, key: tuple) -> Any:
+        """The local device's native object for view key ``(bid, offset, shape, dtype, strides)``."""
+        native = self.natives.get(key)
+        if native is None:
+            from polyhal.hal.tensor import Tensor
+            from polyhal.ir.types import TensorType
+
+            bid, offset, shape, dtype, strides = key
+            native = Tensor(self.buffers[bid], TensorType(shape, np.dtype(dtype)), offset, strides).native
+            self.natives[key] = native
+        return native
+
+
+def _describe(cmd: tuple) -> str:
+    names = {ALLOC: "allocation", FREE: "free", WRITE: "upload", READ: "download", COPY: "copy", FILL: "fill",
+             PREPARE: "kernel preparation", DISPATCH: "dispatch", RELEASE: "kernel release",
+             TRANSFER: "transfer"}
+    what = names.get(cmd[0], "command")
+    if cmd[0] == ALLOC:
+        return f"{what} of {cmd[3]} B on {cmd[2]}"
+    if cmd[0] == PREPARE:
+        return f"{what} of {cmd[3]!r} on {cmd[2]}"
+    return what
