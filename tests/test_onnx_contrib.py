@@ -189,3 +189,40 @@ def test_a_contrib_op_polyhal_lacks_names_op_and_domain_and_suggests_qdq():
         ponnx.load(model)
     text = str(info.value)
     assert "'QLinearReduceMean'" in text and "'com.microsoft'" in text and "QDQ" in text
+
+
+def test_ops_the_quantizer_leaves_on_8_bit_data_match_onnxruntime():
+    # Resize (linear, on uint8), Pad, Split, Transpose, Reshape and ArgMax run on the quantized
+    # tensors as they are; Add becomes QLinearAdd, MatMul QLinearMatMul.
+    rng = np.random.default_rng(6)
+    f = fam._f32
+    inits = [f("w1", rng.standard_normal((4, 3, 3, 3)) * 0.3), f("b1", np.zeros(4)),
+             f("w2", rng.standard_normal((4, 4, 3, 3)) * 0.3), f("b2", np.zeros(4)), f("roi", np.zeros(0)),
+             f("sc", [1, 1, 2, 2]), helper.make_tensor("pads", T.INT64, [8], [0, 0, 1, 1, 0, 0, 1, 1]),
+             helper.make_tensor("split", T.INT64, [2], [2, 2]), helper.make_tensor("shp", T.INT64, [2], [-1, 2]),
+             f("mm", rng.standard_normal((2, 6)))]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1] * 4), helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Resize", ["r1", "roi", "sc"], ["up"], mode="linear"),
+             helper.make_node("Pad", ["up", "pads"], ["pd"]), helper.make_node("Conv", ["pd", "w2", "b2"], ["c2"]),
+             helper.make_node("Split", ["c2", "split"], ["s1", "s2"], axis=1), helper.make_node("Add", ["s1", "s2"], ["a"]),
+             helper.make_node("Transpose", ["a"], ["t"], perm=[0, 2, 3, 1]), helper.make_node("Reshape", ["t", "shp"], ["rs"]),
+             helper.make_node("MatMul", ["rs", "mm"], ["m"]), helper.make_node("ArgMax", ["m"], ["y"], axis=1)]
+    model = fam._model(nodes, [helper.make_tensor_value_info("x", T.FLOAT, [2, 3, 8, 8])],
+                       [helper.make_tensor_value_info("y", T.INT64, None)], inits)
+    q = fam.quantize(model, [{"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)} for _ in range(4)])
+    assert {"Resize", "Pad", "Split", "QLinearAdd", "QLinearMatMul"} <= {n.op_type for n in q.graph.node}
+    x = {"x": rng.standard_normal((2, 3, 8, 8)).astype(np.float32)}
+    assert np.mean(ponnx.load(q).run(x, "cpu:0")["y"] == _ort(q, x)[0]) >= 0.97
+
+
+@pytest.mark.parametrize("dtype, elem", [(np.uint8, T.UINT8), (np.int8, T.INT8)])
+def test_linear_resize_of_8_bit_data_truncates_as_onnxruntime(dtype, elem):
+    node = helper.make_node("Resize", ["x", "roi", "sc"], ["y"], mode="linear")
+    model = fam._model([node], [helper.make_tensor_value_info("x", elem, [1, 2, 5, 6])],
+                       [helper.make_tensor_value_info("y", elem, None)], [fam._f32("roi", np.zeros(0)),
+                                                                          fam._f32("sc", [1, 1, 2.0, 1.5])])
+    info = np.iinfo(dtype)
+    x = {"x": np.random.default_rng(7).integers(info.min, info.max + 1, (1, 2, 5, 6)).astype(dtype)}
+    got, want = ponnx.load(model).run(x, "cpu:0")["y"], _ort(model, x)[0]
+    assert got.dtype == want.dtype and np.abs(got.astype(int) - want.astype(int)).max() <= 1
+    assert np.mean(got == want) >= 0.97

@@ -141,6 +141,8 @@ def test_a_device_op_on_strings_is_refused_clearly():
     (helper.make_node("Transpose", ["s"], ["y"]), [3, 2]),
     (helper.make_node("Reshape", ["s", "shape"], ["y"]), [3, 2]),
     (helper.make_node("Flatten", ["s"], ["y"], axis=0), [1, 6]),
+    (helper.make_node("Flatten", ["s"], ["y"], axis=-1), [2, 3]),
+    (helper.make_node("Squeeze", ["s1", "axes"], ["y"]), [2, 3]),
     (helper.make_node("Unsqueeze", ["s", "axes"], ["y"]), [2, 1, 3]),
     (helper.make_node("Gather", ["s", "idx"], ["y"], axis=1), [2, 2]),
     (helper.make_node("Concat", ["s", "s"], ["y"], axis=0), [4, 3]),
@@ -148,9 +150,10 @@ def test_a_device_op_on_strings_is_refused_clearly():
 def test_data_movement_ops_move_strings_on_the_host(node, out):
     inits = [helper.make_tensor("shape", T.INT64, [2], [3, -1]), helper.make_tensor("axes", T.INT64, [1], [1]),
              helper.make_tensor("idx", T.INT64, [2], [2, -3])]
-    model = _model([node], [("s", T.STRING, [2, 3])], [("y", T.STRING, out)])
+    name = node.input[0]
+    model = _model([node], [(name, T.STRING, [2, 1, 3] if name == "s1" else [2, 3])], [("y", T.STRING, out)])
     model.graph.initializer.extend(i for i in inits if i.name in node.input)
-    _check(model, {"s": WORDS})
+    _check(model, {name: WORDS.reshape(2, 1, 3) if name == "s1" else WORDS})
 
 
 def test_strings_made_from_plan_results_cannot_feed_the_device_again():

@@ -150,8 +150,14 @@ def resize(ctx: NodeContext, x, out_shape: list[int], scales: list[float], axes:
            extrapolation: float, nearest: str):
     """Emit the per-axis resizes of ``x`` to ``out_shape``."""
     rank = ctx.rank(x)
+    integer = None
     if kind != "nearest" and ctx.dtype(x).kind != "f":
-        raise OnnxUnsupportedError(f"Resize mode {kind!r} of {ctx.dtype(x)} data (polyhal interpolates floats)")
+        if ctx.dtype(x).kind not in "iu":
+            raise OnnxUnsupportedError(f"Resize mode {kind!r} of {ctx.dtype(x)} data (polyhal interpolates numbers)")
+        # Integer data (onnxruntime's quantizer resizes int8 activations as they are): interpolated
+        # in float32 and truncated toward zero into the type's range, as onnxruntime's kernel does.
+        integer = ctx.dtype(x)
+        x = ctx.op("cast", x, dtype="float32")
     for axis in axes:
         in_len, out_len, scale = ctx.shape(x)[axis], out_shape[axis], scales[axis]
         axis_roi = None if roi is None else (roi[axis], roi[axis + rank])
@@ -166,6 +172,10 @@ def resize(ctx: NodeContext, x, out_shape: list[int], scales: list[float], axes:
         if outside is not None and outside.any():
             mask = outside.reshape((out_len,) + (1,) * (rank - axis - 1))
             x = ctx.op("where", mask, ctx.scalar(extrapolation, ctx.dtype(x)), x)
+    if integer is not None:
+        info = np.iinfo(integer)
+        x = ctx.op("maximum", ctx.op("minimum", x, ctx.scalar(info.max, np.float32)), ctx.scalar(info.min, np.float32))
+        x = ctx.op("cast", x, dtype=str(integer))
     return x
 
 

@@ -239,19 +239,24 @@ def _default(ctx: NodeContext, values: np.ndarray) -> Any:
 def _host_form(ctx: NodeContext, fn, *args: Any) -> list:
     """``fn`` (numpy) of ``args`` on the host, giving strings; its result shape is what ``fn``
     gives on placeholders of the operands' shapes (None when one depends on the data)."""
-    shapes = [getattr(a, "shape", None) if isinstance(a, HostValue) or is_strings(a) else ctx.shape(a) for a in args]
-    shape = None
-    if all(s is not None for s in shapes):
-        probe = [a if isinstance(a, np.ndarray) and not is_strings(a) else np.zeros(s, np.int64) if not (
-                 isinstance(a, HostValue) and a.dtype == STRING_DTYPE or is_strings(a)) else np.empty(s, object)
-                 for a, s in zip(args, shapes)]
-        shape = np.shape(fn(*probe))
+    def placeholder(a: Any) -> Any:
+        if _holds_strings(a):
+            return None if a.shape is None else np.empty(a.shape, object)
+        return a if isinstance(a, np.ndarray) else np.zeros(ctx.shape(a), np.int64)
+
+    probes = [placeholder(a) for a in args]
+    shape = None if any(p is None for p in probes) else np.shape(fn(*probes))
     return [ctx.host(lambda *a: _strings(fn(*a)), *args, dtype=STRING_DTYPE, shape=shape)]
+
+
+def _holds_strings(a: Any) -> bool:
+    """Whether ``a`` is a string tensor: an array of them, or one the host makes."""
+    return is_strings(a) or isinstance(a, HostValue) and a.dtype == STRING_DTYPE
 
 
 def _strings_or_decline(ctx: NodeContext, i: int) -> Any:
     x = ctx.host_input(i)
-    if not (is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE):
+    if not _holds_strings(x):
         raise Decline("numbers")
     return x
 
@@ -272,7 +277,8 @@ def _reshape_strings(ctx: NodeContext) -> list:
 def _flatten_strings(ctx: NodeContext) -> list:
     x = _strings_or_decline(ctx, 0)
     axis = int(ctx.attr("axis", 1))
-    return _host_form(ctx, lambda a: a.reshape(int(np.prod(a.shape[:axis % (a.ndim + 1) if axis < 0 else axis])), -1), x)
+    return _host_form(ctx, lambda a: a.reshape(int(np.prod(a.shape[:axis + a.ndim if axis < 0 else axis])),
+                                               int(np.prod(a.shape[axis + a.ndim if axis < 0 else axis:]))), x)
 
 
 @converter("Squeeze", "Unsqueeze", strings=True)
@@ -296,7 +302,7 @@ def _transpose_strings(ctx: NodeContext) -> list:
 @converter("Concat", strings=True)
 def _concat_strings(ctx: NodeContext) -> list:
     xs = [ctx.host_input(i) for i in range(ctx.num_inputs) if ctx.has(i)]
-    if not any(is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE for x in xs):
+    if not any(map(_holds_strings, xs)):
         raise Decline("numbers")
     axis = int(ctx.attr("axis"))
     return _host_form(ctx, lambda *a: np.concatenate(a, axis=axis), *xs)
@@ -316,7 +322,7 @@ def _one_hot_encoder_strings(ctx: NodeContext) -> list:
     if not ctx.has_attr("cats_strings"):
         raise Decline("integer categories")
     x = ctx.host_input(0)
-    if not (is_strings(x) or isinstance(x, HostValue) and x.dtype == STRING_DTYPE):
+    if not _holds_strings(x):
         raise OnnxModelError("OneHotEncoder with cats_strings takes string input")
     cats = list(ctx.attr("cats_strings"))
     # The strings become category numbers on the host (-1: not a category, an all-zero row, as
