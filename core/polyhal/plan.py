@@ -906,7 +906,9 @@ class ConcurrentSchedule:
         from polyhal.hal.queue import Semaphore
 
         name = self.plan.program.name
-        return [Semaphore(0, f"{q.name}/plan {name}") for q in self.queues]
+        # Waited on as long as the work takes: every value is signalled by a part submitted
+        # before anything waits for it, or failed with its error (a CPU part may take minutes).
+        return [Semaphore(0, f"{q.name}/plan {name}", timeout=threading.TIMEOUT_MAX) for q in self.queues]
 
     # -- running -----------------------------------------------------------------------------------
 
