@@ -17,8 +17,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from polyhal.errors import DTypeError, KernelError, LifetimeError, PluginError, PolyhalError, ProgramError, ShapeError
+from polyhal.errors import (
+    DTypeError, KernelError, LifetimeError, PluginError, PolyhalError, ProgramError, SemaphoreFailedError, ShapeError,
+)
 from polyhal.hal.device import Device
+from polyhal.hal.queue import Semaphore
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.hal.transfer import route, transfer_fn
 from polyhal.ir.program import Program, Value
@@ -734,7 +737,8 @@ class ConcurrentSchedule:
     lane's last part is done (host lanes) or issued (GPU lanes: later work on their stream is
     ordered after it, as in the step-by-step plan). A part that fails fails its lane's
     semaphore, the parts waiting on it fail in turn, the other lanes finish their work, and the
-    run raises a :class:`~polyhal.errors.KernelError` naming the device and step that failed.
+    run raises a :class:`~polyhal.errors.KernelError` naming the device and step that failed (a
+    polyhal error a kernel raised keeps its type, with a note naming them).
 
     A kernel part of a device that records (CUDA graphs) replays through the device's
     :meth:`~polyhal.hal.device.Device.record`, as a single-device plan does.
@@ -755,7 +759,6 @@ class ConcurrentSchedule:
         self.devices = [registry.get_device(n) for n in lane_names]
         self.queues = [d.concurrent_queue for d in self.devices]
         lane_of = [lane_names.index(op.device) for op in ops]
-        self.lane_of_step = lane_of
         deps = self._dependencies(plan, slot_of, lane_of)
         needed = set()
         for d in deps:
@@ -903,8 +906,6 @@ class ConcurrentSchedule:
         return False
 
     def _fresh_semaphores(self) -> list:
-        from polyhal.hal.queue import Semaphore
-
         name = self.plan.program.name
         # Waited on as long as the work takes: every value is signalled by a part submitted
         # before anything waits for it, or failed with its error (a CPU part may take minutes).
@@ -942,29 +943,27 @@ class ConcurrentSchedule:
             self._runs = 0
             raise self._error(errors)
 
-    def _error(self, errors: list[BaseException]) -> PolyhalError:
-        """The error of a failed run: the first failure that is not a wait on a failed semaphore,
-        as a KernelError naming its device and step (the cause chained)."""
-        from polyhal.errors import SemaphoreFailedError
-
-        root = errors[0]
-        for e in errors:
+    def _error(self, errors: list[BaseException]) -> BaseException:
+        """The error of a failed run: the first failure that is not a wait on a failed semaphore
+        (the cause such waits chain to), as a KernelError naming its device and step; a polyhal
+        error (an out-of-memory, a backend's launch error) keeps its type, with a note that says
+        where."""
+        def cause(e: BaseException) -> BaseException:
             while isinstance(e, SemaphoreFailedError) and e.__cause__ is not None:
                 e = e.__cause__
-            if not isinstance(e, SemaphoreFailedError):
-                root = e
-                break
-        if isinstance(root, PolyhalError) and not isinstance(root, SemaphoreFailedError):
-            error = self.plan._kernel_error(root)
-            if isinstance(root, KernelError):
-                return root
-            error.__cause__ = root
-            return error
-        if isinstance(root, Exception) and not isinstance(root, PolyhalError):
-            error = self.plan._kernel_error(root)
-            error.__cause__ = root
-            return error
-        return root if isinstance(root, PolyhalError) else KernelError(f"plan {self.plan.program.name!r}: {root!r}")
+            return e
+
+        roots = [cause(e) for e in errors]
+        root = next((e for e in roots if not isinstance(e, SemaphoreFailedError)), roots[0])
+        if not isinstance(root, Exception) or isinstance(root, KernelError):
+            return root
+        located = self.plan._kernel_error(root)
+        if isinstance(root, PolyhalError):
+            if hasattr(root, "add_note"):
+                root.add_note(f"({located})")
+            return root
+        located.__cause__ = root
+        return located
 
     # -- explain -----------------------------------------------------------------------------------
 
