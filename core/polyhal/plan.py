@@ -759,7 +759,7 @@ class ConcurrentSchedule:
         self.devices = [registry.get_device(n) for n in lane_names]
         self.queues = [d.concurrent_queue for d in self.devices]
         lane_of = [lane_names.index(op.device) for op in ops]
-        deps = self._dependencies(plan, slot_of, lane_of)
+        deps, fed = self._dependencies(plan, slot_of, lane_of)
         needed = set()
         for d in deps:
             needed.update(d)
@@ -784,7 +784,7 @@ class ConcurrentSchedule:
             if i in needed or is_transfer:
                 current[lane] = None  # another lane waits for this step: its part signals here
         self.counts = counts
-        self._bind_work(plan, slot_of, dev)
+        self._bind_work(plan, slot_of, dev, fed)
         self.overlaps = self._overlaps()
         self._runs = 0
         self._semaphores = self._fresh_semaphores()
@@ -792,9 +792,10 @@ class ConcurrentSchedule:
     # -- building ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _dependencies(plan: Plan, slot_of: dict[int, int], lane_of: list[int]) -> list[set[int]]:
+    def _dependencies(plan: Plan, slot_of: dict[int, int], lane_of: list[int]) -> tuple[list[set[int]], list[bool]]:
         """Per step, the earlier steps of *other* lanes it must wait for (read after write, and
-        write after a transfer's read of reused memory)."""
+        write after a transfer's read of reused memory), and whether it reads a value another
+        lane wrote."""
         ops = plan._step_ops
         program = plan.program
         elided = plan.buffer_plan.elided_ops
@@ -812,11 +813,13 @@ class ConcurrentSchedule:
                 writer[slot_of[v.id]] = k
             k += 1
         deps: list[set[int]] = [set() for _ in ops]
+        fed = [False] * len(ops)
         for i, op in enumerate(ops):
             for v in op.inputs:
                 w = writer.get(slot_of[v.id])
                 if w is not None and lane_of[w] != lane_of[i]:
                     deps[i].add(w)
+                    fed[i] = True
         # Write after read: a transfer reads memory of its source's lane; the first later step of
         # that lane that writes overlapping memory (bufferize reuses arena bytes) waits for it.
         values = plan._buffers.values
@@ -859,18 +862,23 @@ class ConcurrentSchedule:
                 if hit:
                     deps[later].add(t)
                     break
-        return deps
+        return deps, fed
 
-    def _bind_work(self, plan: Plan, slot_of: dict[int, int], dev: Callable[[Value], Device]) -> None:
-        """Each part's callables: a transfer on its queue (copies left queued where the backend can),
-        kernel steps as they are, or the device's replay of them (a CUDA graph)."""
+    def _bind_work(self, plan: Plan, slot_of: dict[int, int], dev: Callable[[Value], Device],
+                   fed: list[bool]) -> None:
+        """Each part's callables: a transfer on its queue, kernel steps as they are, or the
+        device's replay of them (a CUDA graph). A transfer whose source a part of another lane
+        wrote is *queued* (``Device.transfer(queued=True)``): its queue waited for that part, so
+        the backend may leave the copy queued, or copy off the source's stream. One that reads
+        what no part wrote (a program input the plan uploaded) is not: the upload may still be
+        on the source's stream."""
         ops, steps, slots = plan._step_ops, plan._steps, plan._slots
         input_slots, output_slots = set(plan._input_slots), set(plan._output_slots)
         for part in self.parts:
             if part.transfer:
                 op = ops[part.steps[0]]
                 step = _transfer_step(dev(op.inputs[0]), dev(op.outputs[0]), slots, slot_of[op.inputs[0].id],
-                                      slot_of[op.outputs[0].id], op.outputs[0], queued=True)
+                                      slot_of[op.outputs[0].id], op.outputs[0], queued=fed[part.steps[0]])
                 part.work, part.mode = (step,), "transfer"
                 continue
             mine = tuple(steps[i] for i in part.steps)
