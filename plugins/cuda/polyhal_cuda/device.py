@@ -249,7 +249,7 @@ class CUDADevice(Device):
 
     def download(self, native: Any, host: np.ndarray) -> None:
         if not native.flags.c_contiguous:
-            with self.activate():
+            with self.stager.exclusive(), self.activate():  # (never into a graph another thread captures)
                 native = native.copy()
         self.stager.d2h(host, native.data.ptr)
 
