@@ -336,3 +336,12 @@ def test_opencl_queue_wait_nothing_satisfies_is_an_error_naming_queue_and_value(
     q.execute([lambda: ran.append(2)], signal=[(later, 1)])
     later.wait(1, timeout=30)
     assert ran == [2]
+
+
+def test_a_semaphore_may_carry_its_own_wait_timeout(monkeypatch):
+    monkeypatch.setenv("POLYHAL_QUEUE_TIMEOUT", "30")
+    sem = Semaphore(0, "test/own", timeout=0.05)
+    start = time.perf_counter()
+    with pytest.raises(SemaphoreTimeoutError, match="waited 0.05 s for value 1"):
+        sem.wait(1)  # no timeout given: the semaphore's, not POLYHAL_QUEUE_TIMEOUT's
+    assert time.perf_counter() - start < 10

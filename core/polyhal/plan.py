@@ -17,8 +17,11 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from polyhal.errors import DTypeError, KernelError, LifetimeError, PluginError, PolyhalError, ProgramError, ShapeError
+from polyhal.errors import (
+    DTypeError, KernelError, LifetimeError, PluginError, PolyhalError, ProgramError, SemaphoreFailedError, ShapeError,
+)
 from polyhal.hal.device import Device
+from polyhal.hal.queue import Semaphore
 from polyhal.hal.tensor import Tensor, asarray, empty
 from polyhal.hal.transfer import route, transfer_fn
 from polyhal.ir.program import Program, Value
@@ -741,7 +744,8 @@ class ConcurrentSchedule:
     lane's last part is done (host lanes) or issued (GPU lanes: later work on their stream is
     ordered after it, as in the step-by-step plan). A part that fails fails its lane's
     semaphore, the parts waiting on it fail in turn, the other lanes finish their work, and the
-    run raises a :class:`~polyhal.errors.KernelError` naming the device and step that failed.
+    run raises a :class:`~polyhal.errors.KernelError` naming the device and step that failed (a
+    polyhal error a kernel raised keeps its type, with a note naming them).
 
     A kernel part of a device that records (CUDA graphs) replays through the device's
     :meth:`~polyhal.hal.device.Device.record`, as a single-device plan does.
@@ -762,8 +766,7 @@ class ConcurrentSchedule:
         self.devices = [registry.get_device(n) for n in lane_names]
         self.queues = [d.concurrent_queue for d in self.devices]
         lane_of = [lane_names.index(op.device) for op in ops]
-        self.lane_of_step = lane_of
-        deps = self._dependencies(plan, slot_of, lane_of)
+        deps, fed = self._dependencies(plan, slot_of, lane_of)
         needed = set()
         for d in deps:
             needed.update(d)
@@ -788,7 +791,7 @@ class ConcurrentSchedule:
             if i in needed or is_transfer:
                 current[lane] = None  # another lane waits for this step: its part signals here
         self.counts = counts
-        self._bind_work(plan, slot_of, dev)
+        self._bind_work(plan, slot_of, dev, fed)
         self.overlaps = self._overlaps()
         self._runs = 0
         self._semaphores = self._fresh_semaphores()
@@ -796,9 +799,10 @@ class ConcurrentSchedule:
     # -- building ----------------------------------------------------------------------------------
 
     @staticmethod
-    def _dependencies(plan: Plan, slot_of: dict[int, int], lane_of: list[int]) -> list[set[int]]:
+    def _dependencies(plan: Plan, slot_of: dict[int, int], lane_of: list[int]) -> tuple[list[set[int]], list[bool]]:
         """Per step, the earlier steps of *other* lanes it must wait for (read after write, and
-        write after a transfer's read of reused memory)."""
+        write after a transfer's read of reused memory), and whether it reads a value another
+        lane wrote."""
         ops = plan._step_ops
         program = plan.program
         elided = plan.buffer_plan.elided_ops
@@ -816,11 +820,13 @@ class ConcurrentSchedule:
                 writer[slot_of[v.id]] = k
             k += 1
         deps: list[set[int]] = [set() for _ in ops]
+        fed = [False] * len(ops)
         for i, op in enumerate(ops):
             for v in op.inputs:
                 w = writer.get(slot_of[v.id])
                 if w is not None and lane_of[w] != lane_of[i]:
                     deps[i].add(w)
+                    fed[i] = True
         # Write after read: a transfer reads memory of its source's lane; the first later step of
         # that lane that writes overlapping memory (bufferize reuses arena bytes) waits for it.
         values = plan._buffers.values
@@ -863,18 +869,23 @@ class ConcurrentSchedule:
                 if hit:
                     deps[later].add(t)
                     break
-        return deps
+        return deps, fed
 
-    def _bind_work(self, plan: Plan, slot_of: dict[int, int], dev: Callable[[Value], Device]) -> None:
-        """Each part's callables: a transfer on its queue (copies left queued where the backend can),
-        kernel steps as they are, or the device's replay of them (a CUDA graph)."""
+    def _bind_work(self, plan: Plan, slot_of: dict[int, int], dev: Callable[[Value], Device],
+                   fed: list[bool]) -> None:
+        """Each part's callables: a transfer on its queue, kernel steps as they are, or the
+        device's replay of them (a CUDA graph). A transfer whose source a part of another lane
+        wrote is *queued* (``Device.transfer(queued=True)``): its queue waited for that part, so
+        the backend may leave the copy queued, or copy off the source's stream. One that reads
+        what no part wrote (a program input the plan uploaded) is not: the upload may still be
+        on the source's stream."""
         ops, steps, slots = plan._step_ops, plan._steps, plan._slots
         input_slots, output_slots = set(plan._input_slots), set(plan._output_slots)
         for part in self.parts:
             if part.transfer:
                 op = ops[part.steps[0]]
                 step = _transfer_step(dev(op.inputs[0]), dev(op.outputs[0]), slots, slot_of[op.inputs[0].id],
-                                      slot_of[op.outputs[0].id], op.outputs[0], queued=True)
+                                      slot_of[op.outputs[0].id], op.outputs[0], queued=fed[part.steps[0]])
                 part.work, part.mode = (step,), "transfer"
                 continue
             mine = tuple(steps[i] for i in part.steps)
@@ -910,10 +921,10 @@ class ConcurrentSchedule:
         return False
 
     def _fresh_semaphores(self) -> list:
-        from polyhal.hal.queue import Semaphore
-
         name = self.plan.program.name
-        return [Semaphore(0, f"{q.name}/plan {name}") for q in self.queues]
+        # Waited on as long as the work takes: every value is signalled by a part submitted
+        # before anything waits for it, or failed with its error (a CPU part may take minutes).
+        return [Semaphore(0, f"{q.name}/plan {name}", timeout=threading.TIMEOUT_MAX) for q in self.queues]
 
     # -- running -----------------------------------------------------------------------------------
 
@@ -947,29 +958,27 @@ class ConcurrentSchedule:
             self._runs = 0
             raise self._error(errors)
 
-    def _error(self, errors: list[BaseException]) -> PolyhalError:
-        """The error of a failed run: the first failure that is not a wait on a failed semaphore,
-        as a KernelError naming its device and step (the cause chained)."""
-        from polyhal.errors import SemaphoreFailedError
-
-        root = errors[0]
-        for e in errors:
+    def _error(self, errors: list[BaseException]) -> BaseException:
+        """The error of a failed run: the first failure that is not a wait on a failed semaphore
+        (the cause such waits chain to), as a KernelError naming its device and step; a polyhal
+        error (an out-of-memory, a backend's launch error) keeps its type, with a note that says
+        where."""
+        def cause(e: BaseException) -> BaseException:
             while isinstance(e, SemaphoreFailedError) and e.__cause__ is not None:
                 e = e.__cause__
-            if not isinstance(e, SemaphoreFailedError):
-                root = e
-                break
-        if isinstance(root, PolyhalError) and not isinstance(root, SemaphoreFailedError):
-            error = self.plan._kernel_error(root)
-            if isinstance(root, KernelError):
-                return root
-            error.__cause__ = root
-            return error
-        if isinstance(root, Exception) and not isinstance(root, PolyhalError):
-            error = self.plan._kernel_error(root)
-            error.__cause__ = root
-            return error
-        return root if isinstance(root, PolyhalError) else KernelError(f"plan {self.plan.program.name!r}: {root!r}")
+            return e
+
+        roots = [cause(e) for e in errors]
+        root = next((e for e in roots if not isinstance(e, SemaphoreFailedError)), roots[0])
+        if not isinstance(root, Exception) or isinstance(root, KernelError):
+            return root
+        located = self.plan._kernel_error(root)
+        if isinstance(root, PolyhalError):
+            if hasattr(root, "add_note"):
+                root.add_note(f"({located})")
+            return root
+        located.__cause__ = root
+        return located
 
     # -- explain -----------------------------------------------------------------------------------
 

@@ -101,10 +101,16 @@ class Semaphore:
     fence completes (seen by :attr:`value`, :meth:`wait` and :meth:`fence`).
     """
 
-    __slots__ = ("name", "_value", "_failure", "_cond", "_fences")
+    __slots__ = ("name", "timeout", "_value", "_failure", "_cond", "_fences")
 
-    def __init__(self, value: int = 0, name: str = "semaphore") -> None:
+    def __init__(self, value: int = 0, name: str = "semaphore", timeout: float | None = None) -> None:
         self.name = name
+        #: Seconds a wait on this semaphore lasts when the waiter gives no timeout (None:
+        #: :func:`default_timeout`). A concurrent plan's semaphores wait as long as the work
+        #: takes (``threading.TIMEOUT_MAX``): each is signalled by work submitted before anything
+        #: waits for it, or failed with that work's error, so no wait on them can be one that
+        #: nothing satisfies.
+        self.timeout = timeout
         self._value = int(value)
         self._failure: BaseException | None = None
         self._cond = threading.Condition(threading.Lock())
@@ -222,7 +228,7 @@ class Semaphore:
         if self._fences:
             self._poll()
         if timeout is None and self._value < value:
-            timeout = default_timeout()
+            timeout = self.timeout if self.timeout is not None else default_timeout()
 
         def covering() -> "Fence | None":
             for v, f in self._fences:

@@ -249,7 +249,7 @@ class CUDADevice(Device):
 
     def download(self, native: Any, host: np.ndarray) -> None:
         if not native.flags.c_contiguous:
-            with self.activate():
+            with self.stager.exclusive(), self.activate():  # (never into a graph another thread captures)
                 native = native.copy()
         self.stager.d2h(host, native.data.ptr)
 
@@ -274,11 +274,15 @@ class CUDADevice(Device):
         """As :meth:`Device.transfer`. GPU to GPU: ``cudaMemcpyPeerAsync`` on the destination's
         stream where peer access is enabled, else staged through a pinned host buffer. With
         ``queued`` (a concurrent plan ordered the source's work before this on the destination's
-        queue, and takes completion from that queue's signal) the peer copy stays queued;
-        otherwise it waits for the source first and is complete on return."""
+        queue, and takes completion from that queue's signal) the peer copy stays queued, and a
+        copy to the host leaves this GPU's stream alone (the host queue already waited for the
+        source's event); otherwise it waits for the source first and is complete on return."""
         from cupy.cuda import runtime
 
-        if src.is_host or dst.is_host:
+        if queued and dst.is_host and src is self and src_native.flags.c_contiguous and dst_native.flags.c_contiguous:
+            # A concurrent plan's host queue waited for the source's event: copy off the stream.
+            self.stager.d2h(dst_native, src_native.data.ptr, ordered=False)
+        elif src.is_host or dst.is_host:
             super().transfer(src, src_native, dst, dst_native, nbytes)
         elif not nbytes:
             return

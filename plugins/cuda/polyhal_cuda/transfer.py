@@ -82,6 +82,7 @@ class Stager:
         self._chunk = 0
         self._pool: ThreadPoolExecutor | None = None
         self._start = None
+        self._side = None  # a stream of our own, for unordered small copies (d2h(ordered=False))
 
     def _ensure(self) -> None:
         if self._workers:
@@ -136,8 +137,14 @@ class Stager:
 
         self._striped(n, stage, _H2D, "to")
 
-    def d2h(self, host: np.ndarray, src_ptr: int) -> None:
-        """Fill contiguous ``host`` from device address ``src_ptr``; returns when it is filled."""
+    def d2h(self, host: np.ndarray, src_ptr: int, ordered: bool = True) -> None:
+        """Fill contiguous ``host`` from device address ``src_ptr``; returns when it is filled.
+
+        ``ordered``: after the work queued on the device's stream (the default). False when the
+        caller has already waited for the data's producer (a concurrent plan's host queue waited
+        for its event): the copy then leaves the device's stream alone, so it neither waits for
+        later, unrelated work queued there nor touches a stream another thread may be capturing.
+        """
         from cupy.cuda import runtime
 
         flat = host.reshape(-1).view(np.uint8)
@@ -146,8 +153,9 @@ class Stager:
             return
         if n <= SMALL:
             with self._lock, check(f"copying {n} bytes from {self.device.name}"):
-                runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, self.device.stream.ptr)
-                self.device.stream.synchronize()
+                stream = self.device.stream if ordered else self._side_stream()
+                runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, stream.ptr)
+                stream.synchronize()
             return
         def issue(w: _Worker, s: int, size: int, k: int) -> None:
             runtime.memcpyAsync(w.ptrs[k & 1], src_ptr + s, size, _D2H, w.stream.ptr)
@@ -157,11 +165,22 @@ class Stager:
             w.events[k & 1].synchronize()
             np.copyto(flat[s:s + size], w.views[k & 1][:size])
 
-        self._striped(n, drain, _D2H, "from", ahead=issue)
+        self._striped(n, drain, _D2H, "from", ahead=issue, ordered=ordered)
+
+    def _side_stream(self):
+        """A stream of this stager's own (made on first use), for copies that need no order
+        with the device's stream."""
+        if self._side is None:
+            import cupy
+
+            with self.device.activate():
+                self._side = cupy.cuda.Stream(non_blocking=True)
+        return self._side
 
     # -- the workers ---------------------------------------------------------------------------------
 
-    def _striped(self, n: int, step: Callable, kind: int, word: str, *, ahead: Callable | None = None) -> None:
+    def _striped(self, n: int, step: Callable, kind: int, word: str, *, ahead: Callable | None = None,
+                 ordered: bool = True) -> None:
         """Run ``step(worker, start, size, k)`` for every chunk of ``n`` bytes, chunk ``i`` on
         worker ``i % WORKERS`` (its ``k``-th). With ``ahead``, ``ahead(worker, ...)`` is called
         for chunks ``k`` and ``k + 1`` before ``step`` reaches chunk ``k`` (the D2H prefetch,
@@ -174,9 +193,10 @@ class Stager:
             starts = list(range(0, n, chunk))
             workers = self._workers[:len(starts)]
             ordinal, device_stream = self.device.ordinal, self.device.stream
-            self._start.record(device_stream)
-            for w in workers:
-                w.stream.wait_event(self._start)
+            if ordered:
+                self._start.record(device_stream)
+                for w in workers:
+                    w.stream.wait_event(self._start)
 
             def walk(j: int) -> None:
                 runtime.setDevice(ordinal)  # the current device is per thread

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine: install, CUDA plugin tests, conformance suite, benchmarks.
 # Logs and result files go to $OUT (one tarball, results.tgz); a short summary is printed last.
-# Usage: bash plugins/cuda/tools/gpu_session.sh [tests] [conformance] [bench] [opencl]  (default: all but opencl)
+# Usage: bash plugins/cuda/tools/gpu_session.sh [tests] [conformance] [conformance_all] [bench] [concurrency] [opencl]
+#        (default: tests conformance bench; conformance_all runs the suite on every CUDA GPU, e.g. cuda:0 and cuda:1)
 set -u
 export PYTHONUNBUFFERED=1
 # cupy's compiled-kernel cache: carried between calls (name .cupy_cache in carry) to skip NVRTC
@@ -29,6 +30,9 @@ for phase in $PHASES; do
     tests) run cuda_tests "${T_TESTS:-240}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=90 plugins/cuda/tests ${TEST_ARGS:-} ;;
     conformance) run conformance_cuda "${T_CONF:-120}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-backend=cuda ;;
     bench) run bench_cuda "${T_BENCH:-200}" python3 -m bench cuda_plan cuda_matmul cuda_sort cuda_nms cuda_transfer --suffix=-h100 ${BENCH_ARGS:-} ;;
+    concurrency) run bench_concurrency "${T_BENCH:-200}" python3 -m bench concurrency --suffix=-h100 ${BENCH_ARGS:-} ;;
+    conformance_all) for d in $(polyhal devices 2>/dev/null | grep -oE '^ *cuda:[0-9]+' | tr -d ' '); do
+        run "conformance_${d/:/}" "${T_CONF:-120}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-device="$d"; done ;;
     bench_*) run "$phase" "${T_BENCH:-120}" python3 -m bench "cuda_${phase#bench_}" --suffix=-h100 ${BENCH_ARGS:-} ;;
     opencl)
       mkdir -p .vendors && echo libnvidia-opencl.so.1 > .vendors/nvidia.icd && export OCL_ICD_VENDORS=$PWD/.vendors
