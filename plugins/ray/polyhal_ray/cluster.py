@@ -30,6 +30,10 @@ from polyhal_ray.worker import NodeRuntime, runtime_versions
 MATCHED = ("polyhal", "polyhal-ray", "polyhal API")
 
 
+#: Seconds a node's compiled graph outlives the last replayed plan that used it.
+GRAPH_IDLE_SECONDS = 2.0
+
+
 def node_died(exc: BaseException) -> bool:
     """Whether Ray's ``exc`` means the node's runtime is gone (actor died, channel closed)."""
     import ray.exceptions as rex
@@ -105,6 +109,7 @@ class NodeSession:
         self._thread_lock = threading.Lock()
         self._graph: Any = None           # the compiled graph, while replayed plans use it
         self._graph_users = 0
+        self._idle_timer: threading.Timer | None = None
         self.timeout = RaySettings.from_env().connect_timeout
 
     def __repr__(self) -> str:
@@ -295,8 +300,13 @@ class NodeSession:
     def use_graph(self) -> Callable[[], None]:
         """Route this node's submissions through a Ray compiled graph (made on first use) while
         the returned ``release()`` is not called: replayed plans hold one each. A compiled graph
-        keeps a polling loop on the actor, so it lives only while a replayed plan does."""
+        keeps a polling loop on the actor, so it is torn down :data:`GRAPH_IDLE_SECONDS` after
+        the last replayed plan goes (not at once: plans made and dropped in a row, as in a test
+        suite, would each compile one)."""
         with self._lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             if self._graph is None:
                 from ray.dag import InputNode
 
@@ -317,21 +327,31 @@ class NodeSession:
             released.append(True)
             with self._lock:
                 self._graph_users -= 1
-                graph = self._graph if self._graph_users == 0 else None
-            if graph is not None:
-                try:  # the graph's answers are all taken before it goes
-                    self.synchronize()
-                except Exception:  # noqa: BLE001 -- a lost node's graph is torn down all the same
-                    pass
-                with self._lock:
-                    if self._graph_users == 0 and self._graph is graph:
-                        self._graph = None
-                try:
-                    graph.teardown()
-                except Exception:  # noqa: BLE001
-                    pass
+                if self._graph_users == 0 and self._graph is not None:
+                    self._idle_timer = threading.Timer(GRAPH_IDLE_SECONDS, self._drop_graph, (self._graph,))
+                    self._idle_timer.daemon = True
+                    self._idle_timer.start()
 
         return release
+
+    def _drop_graph(self, graph: Any) -> None:
+        """Tear ``graph`` down, unless a replayed plan took it up again meanwhile."""
+        with self._lock:
+            if self._graph_users or self._graph is not graph:
+                return
+            self._idle_timer = None
+        try:  # the graph's answers are all taken before it goes
+            self.synchronize()
+        except Exception:  # noqa: BLE001 -- a lost node's graph is torn down all the same
+            pass
+        with self._lock:
+            if self._graph_users or self._graph is not graph:
+                return
+            self._graph = None
+        try:
+            graph.teardown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class Cluster:

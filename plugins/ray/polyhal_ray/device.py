@@ -43,7 +43,7 @@ class RemoteKernel:
     def __init__(self, session: "NodeSession", kid: int, op: str) -> None:
         self.op, self.kid = op, kid
         self._enqueue = session._pending.append  # the hot path: one deque append per step
-        weakref.finalize(self, session.discard, (RELEASE, kid))
+        weakref.finalize(self, session.discard, (RELEASE, kid)).atexit = False
 
     def __call__(self, *args: tuple) -> None:
         self._enqueue((DISPATCH, self.kid, args))
@@ -139,7 +139,8 @@ class RemoteDevice(Device):
                 step()
             flush()
 
-        weakref.finalize(replay, release)
+        # Not at interpreter exit: Ray tears its graphs down itself then, and a wait here could outlast it.
+        weakref.finalize(replay, release).atexit = False
         return replay
 
     # -- data movement ----------------------------------------------------------------------------

@@ -163,7 +163,7 @@ class NodeRuntime:
             try:
                 out = self._command(cmd)
             except Exception as exc:  # noqa: BLE001 -- reported to the driver, typed there
-                error = error_record(exc, f"node {self.node}, {_describe(cmd)}")
+                error = error_record(exc, f"node {self.node}, {self._describe(cmd)}")
                 continue
             if cmd[0] == READ:
                 results.append(out)
@@ -248,7 +248,19 @@ class NodeRuntime:
             for t in held:
                 t.release()
             raise
-        self.kernels[kid] = (fn, tuple(held))
+        self.kernels[kid] = (fn, tuple(held), f"kernel {op!r} on {device}")
+
+    def _describe(self, cmd: tuple) -> str:
+        """What ``cmd`` was, for an error message."""
+        op = cmd[0]
+        if op == DISPATCH:
+            return self.kernels[cmd[1]][2] if cmd[1] in self.kernels else "dispatch of a released kernel"
+        if op == ALLOC:
+            return f"allocation of {cmd[3]} B on {cmd[2]}"
+        if op == PREPARE:
+            return f"preparing the kernel of {cmd[3]!r} on {cmd[2]}"
+        return {FREE: "free", WRITE: "upload", READ: "download", COPY: "copy", FILL: "fill", RELEASE: "kernel release",
+                TRANSFER: "transfer between the node's devices"}.get(op, f"command {op}")
 
     def _native(self, key: tuple) -> Any:
         """The local device's native object for view key ``(bid, offset, shape, dtype, strides)``."""
@@ -261,15 +273,3 @@ class NodeRuntime:
             native = Tensor(self.buffers[bid], TensorType(shape, np.dtype(dtype)), offset, strides).native
             self.natives[key] = native
         return native
-
-
-def _describe(cmd: tuple) -> str:
-    names = {ALLOC: "allocation", FREE: "free", WRITE: "upload", READ: "download", COPY: "copy", FILL: "fill",
-             PREPARE: "kernel preparation", DISPATCH: "dispatch", RELEASE: "kernel release",
-             TRANSFER: "transfer"}
-    what = names.get(cmd[0], "command")
-    if cmd[0] == ALLOC:
-        return f"{what} of {cmd[3]} B on {cmd[2]}"
-    if cmd[0] == PREPARE:
-        return f"{what} of {cmd[3]!r} on {cmd[2]}"
-    return what

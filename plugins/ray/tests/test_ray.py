@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 import polyhal  # noqa: E402
 from polyhal.errors import KernelNotFoundError, OutOfMemoryError  # noqa: E402
-from polyhal.hal.tensor import asarray  # noqa: E402
+from polyhal.hal.queue import Semaphore  # noqa: E402
+from polyhal.hal.tensor import asarray, empty  # noqa: E402
 from polyhal.registry import Registry  # noqa: E402
 
 import polyhal_ray.plugin as ray_plugin  # noqa: E402
@@ -124,7 +126,10 @@ def test_remote_plan_replays_through_a_compiled_graph(registry, cluster):
     session = registry.get_device(name).session
     del plan, out
     gc.collect()
-    assert session._graph is None  # the graph (and its polling loop) goes with the last replayed plan
+    deadline = time.monotonic() + 30  # the graph (and its polling loop) goes soon after the last replayed plan
+    while session._graph is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session._graph is None
 
 
 @pytest.mark.parametrize("split", ["local-remote", "remote-local", "node-node"])
@@ -137,6 +142,17 @@ def test_a_model_split_across_devices_gives_the_single_device_outputs(registry, 
         assert "through Ray's object store" in plan.explain()
     for _ in range(2):
         np.testing.assert_allclose(plan.run_numpy(*DATA)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_queue_submissions_complete_through_semaphores(registry, cluster):
+    device = registry.get_device(remote(registry, cluster.node_a))
+    queue = device.queues[0]
+    t, u = empty((16,), np.uint8, device), empty((16,), np.uint8, device)
+    filled, copied = Semaphore(0, "filled"), Semaphore(0, "copied")
+    queue.fill(t.buffer, 0, 16, b"\x07", signal=[(filled, 1)])
+    queue.copy(t.buffer, 0, u.buffer, 0, 16, wait=[(filled, 1)], signal=[(copied, 1)])
+    copied.wait(1, timeout=60)  # signalled by the node's answer, on the completion thread
+    np.testing.assert_array_equal(u.numpy(), 7)
 
 
 def test_an_op_a_node_has_no_kernel_for_is_refused_at_compile(registry, cluster):
@@ -205,6 +221,13 @@ def test_a_node_lost_mid_run_names_it_and_the_others_go_on(cluster, monkeypatch)
         for _ in range(3):  # the loss may be noticed at the next submission or at the read
             plan.run_numpy(*DATA)
     assert info.value.node == short_id(victim.node_id) and short_id(victim.node_id) in str(info.value)
+
+    # Work submitted to the lost node's queue fails its semaphores with the loss.
+    after = Semaphore(0, "after")
+    with pytest.raises(NodeLostError):
+        reg.get_device(lost).queues[0].execute([], signal=[(after, 1)])
+    with pytest.raises(polyhal.SemaphoreFailedError, match="was lost"):
+        after.wait(1, timeout=5)
 
     # Node a goes on, and keeps nothing of the failed runs once the plan is gone.
     survivor = polyhal.compile(mlp(a, a), registry=reg)
