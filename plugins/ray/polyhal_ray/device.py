@@ -7,7 +7,7 @@ becomes one submission, sent when its data is needed elsewhere (a read, a transf
 synchronize) or, for a plan that lives entirely on the node, at the end of each run -- through a
 Ray compiled graph, compiled once when the plan is built (:meth:`RemoteDevice.record`).
 
-Native objects are *view keys* ``(buffer id, byte offset, shape, dtype str, element strides)``:
+Native objects are *view keys* ``(buffer id, byte offset, shape, dtype, element strides)``:
 what the node needs to find the tensor among its resident buffers.
 """
 
@@ -49,6 +49,23 @@ class RemoteKernel:
         self._enqueue((DISPATCH, self.kid, args))
 
 
+class NodeKernels:
+    """What the driver knows of a node device's kernel table (:attr:`RemoteDevice.kernels`):
+    its op names and which of them take the storage-only element types. Preparing goes to the
+    node (:meth:`RemoteDevice.prepare`); views are never taken (operands move dense)."""
+
+    def __init__(self, kernel_names: frozenset[str], storage_ops: frozenset[str]) -> None:
+        self.kernel_names = kernel_names
+        self._storage = storage_ops
+
+    def holds_storage(self, op: str) -> bool:
+        """Whether the node's kernel for ``op`` takes the storage-only element types."""
+        return op in self._storage
+
+    def accepts_view(self, *args: Any) -> bool:
+        return False
+
+
 class RemoteQueue(InlineQueue):
     """The device's queue: each submission waits for its wait list on the host, is queued on the
     node's stream and flushed, and returns at once; its signal semaphores are signalled when the
@@ -75,8 +92,10 @@ class RemoteDevice(Device):
 
     dlpack_device_type = DLPACK_EXT_DEV
 
-    def __init__(self, spec: "DeviceSpec", *, session: "NodeSession", local_name: str, node_heaps: tuple) -> None:
+    def __init__(self, spec: "DeviceSpec", *, session: "NodeSession", local_name: str, node_heaps: tuple,
+                 storage_ops: frozenset[str] = frozenset()) -> None:
         super().__init__(spec)
+        self.kernels = NodeKernels(spec.kernel_names or frozenset(), storage_ops)  # type: ignore[assignment]
         if session.lost is not None:
             raise session._told_lost()
         self.session = session
@@ -95,10 +114,6 @@ class RemoteDevice(Device):
         if queues is None:
             queues = self.__dict__["_queues"] = (RemoteQueue(self),)
         return queues
-
-    @property
-    def kernel_names(self) -> frozenset[str]:
-        return self.spec.kernel_names or frozenset()
 
     def memory_available(self) -> int | None:
         total = self.spec.limits.get("global_mem_size")
@@ -121,7 +136,7 @@ class RemoteDevice(Device):
         return ()
 
     def view(self, tensor) -> tuple:
-        return (tensor.buffer.native, tensor.offset, tensor.shape, tensor.dtype.str, tensor.strides)
+        return (tensor.buffer.native, tensor.offset, tensor.shape, tensor.dtype, tensor.strides)
 
     def synchronize(self) -> None:
         self.session.synchronize()

@@ -76,7 +76,7 @@ def device_specs(found) -> list[DeviceSpec]:
             specs.append(DeviceSpec(
                 name=f"ray:{session.name}/{d['name']}", backend="ray", rank=d["rank"] - RANK_OFFSET,
                 factory=functools.partial(RemoteDevice, session=session, local_name=d["name"],
-                                          node_heaps=node_heaps),
+                                          node_heaps=node_heaps, storage_ops=frozenset(d.get("storage_ops", ()))),
                 heaps=tuple(remote_heap(h) for h in node_heaps), workgroup_bytes=d["workgroup_bytes"],
                 capabilities=frozenset(d["capabilities"] - {"host", "data-tiling"}) | {"remote"},
                 limits=limits, kernel_names=frozenset(d["kernel_names"]),

@@ -9,7 +9,7 @@ kernels stay resident here between submissions, named by ids the driver chose, s
 part replayed on the node sends only its command list.
 
 Commands are plain tuples whose first item is an opcode (:data:`ALLOC` ...); tensors are named by
-*view keys* ``(buffer id, byte offset, shape, dtype str, element strides)``.
+*view keys* ``(buffer id, byte offset, shape, dtype, element strides)``.
 """
 
 from __future__ import annotations
@@ -77,10 +77,13 @@ class NodeRuntime:
         """Versions and device records (spec fields that cross the wire) of this node."""
         specs = []
         for spec in self.registry.device_specs():
+            names = self.registry.kernel_names(spec.name)
+            table = getattr(spec.factory, "kernels", None)  # the device class's table: nothing is created
+            storage = frozenset(op for op in names if table is not None and table.holds_storage(op))
             specs.append(dict(name=spec.name, backend=spec.backend, rank=spec.rank, heaps=spec.heaps,
                               workgroup_bytes=spec.workgroup_bytes, capabilities=spec.capabilities,
                               limits=dict(spec.limits), description=spec.description,
-                              kernel_names=self.registry.kernel_names(spec.name)))
+                              kernel_names=names, storage_ops=storage))
         from polyhal.hal.device import host_memory_available
 
         return {"versions": runtime_versions(), "devices": specs, "memory_available": host_memory_available(),
