@@ -2,11 +2,13 @@
 
 A NodeSession owns the node's :class:`~polyhal_ray.worker.NodeRuntime` actor and its *command
 stream*: device operations are appended to it without a round trip, and :meth:`NodeSession.flush`
-sends what is pending as one numbered submission. A completion thread takes each submission's
-answer in order and signals the node's timeline semaphore (:class:`polyhal.hal.queue.Semaphore`)
-to its number -- a remote device is a device whose queue completes asynchronously. A node that
-dies fails the semaphore with :class:`~polyhal_ray.errors.NodeLostError`, so every waiter, now or
-later, learns which node was lost.
+sends what is pending as one numbered submission. Each submission's answer signals the node's
+timeline semaphore (:class:`polyhal.hal.queue.Semaphore`) to its number -- a remote device is a
+device whose queue completes asynchronously: a completion thread takes the answers of ordinary
+actor calls in order; while a replayed plan keeps the node's compiled graph, the submitting thread
+executes the graph and reads its answer itself (one hop; Ray's compiled graph is driven from one
+thread). A node that dies fails the semaphore with :class:`~polyhal_ray.errors.NodeLostError`,
+so every waiter, now or later, learns which node was lost.
 """
 
 from __future__ import annotations
@@ -144,20 +146,33 @@ class NodeSession:
             if want:
                 self._wanted.add(seq)
             if self._graph is not None:
-                # The completion thread executes it: a compiled graph is not thread-safe, so one
-                # thread both executes and reads it (one execution in flight per node).
-                ref: Any = (self._graph, commands)
-            else:
-                try:
-                    ref = self.actor.submit.remote(seq, commands, self.timeout)
-                except Exception as exc:
-                    if node_died(exc):
-                        self._lose(exc)
-                        raise self._told_lost() from exc
-                    raise
+                self._run_on_graph(seq, commands)
+                return seq
+            try:
+                ref = self.actor.submit.remote(seq, commands, self.timeout)
+            except Exception as exc:
+                if node_died(exc):
+                    self._lose(exc)
+                    raise self._told_lost() from exc
+                raise
             self._inflight.put((seq, ref))
             self._start()
             return seq
+
+    def _run_on_graph(self, seq: int, commands: list) -> None:
+        """Submission ``seq`` through the compiled graph, complete on return (the caller holds
+        the stream's lock). A compiled graph is driven from one thread at a time -- Ray's is not
+        thread-safe -- so this thread executes it and reads the answer: one hop, no hand-over to
+        the completion thread, which is what a replayed plan's latency is made of."""
+        self._wait(seq - 1)  # earlier submissions sent as ordinary calls complete first
+        try:  # (a graph's ref is read once, with a timeout of its own: Ray's default is 10 s)
+            answer = self._graph.execute((seq, commands)).get(timeout=default_timeout())
+        except Exception as exc:
+            if node_died(exc):
+                self._lose(exc)
+                raise self._told_lost() from exc
+            answer = ([], (type(exc).__name__, f"node {self.name}: {type(exc).__name__}: {exc}"))
+        self._settle(seq, answer)
 
     def _drain(self) -> list:
         pending, commands = self._pending, []
@@ -260,27 +275,28 @@ class NodeSession:
         while True:
             seq, ref = self._inflight.get()
             try:
-                if isinstance(ref, tuple):  # (compiled graph, commands); its ref is read once, with a
-                    graph, commands = ref    # timeout of its own (Ray's default is 10 s)
-                    answer = graph.execute((seq, commands)).get(timeout=default_timeout())
-                else:
-                    answer = ray.get(ref)
+                answer = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 -- the actor or its node died
                 if node_died(exc):
                     self._lose(exc)
                     return
                 answer = ([], (type(exc).__name__, f"node {self.name}: {type(exc).__name__}: {exc}"))
-            if seq in self._wanted:
-                self._wanted.discard(seq)
-                self._answers[seq] = answer
-            elif answer[1] is not None:
-                self._unreported.append(answer[1])
-            self.completed.signal(seq)
-            with self._thread_lock:
-                due = [self._callbacks.pop(n) for n in [n for n in self._callbacks if n <= seq]]
-            for callbacks in due:
-                for done, _ in callbacks:
-                    done()
+            self._settle(seq, answer)
+
+    def _settle(self, seq: int, answer: tuple[list, Any]) -> None:
+        """Submission ``seq`` answered: keep the answer (or its error), signal the timeline and
+        run the callbacks of the queue submissions it completes."""
+        if seq in self._wanted:
+            self._wanted.discard(seq)
+            self._answers[seq] = answer
+        elif answer[1] is not None:
+            self._unreported.append(answer[1])
+        self.completed.signal(seq)
+        with self._thread_lock:
+            due = [self._callbacks.pop(n) for n in [n for n in self._callbacks if n <= seq]]
+        for callbacks in due:
+            for done, _ in callbacks:
+                done()
 
     def _lose(self, exc: BaseException) -> None:
         if self.lost is None:
