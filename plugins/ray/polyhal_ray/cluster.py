@@ -25,7 +25,7 @@ from polyhal.hal.queue import Semaphore, default_timeout
 
 from polyhal_ray.errors import ClusterUnreachableError, NodeLostError, VersionSkewError, rebuild
 from polyhal_ray.settings import RaySettings
-from polyhal_ray.worker import NodeRuntime, runtime_versions
+from polyhal_ray.worker import CLEANUP, NodeRuntime, runtime_versions
 
 #: The versions that must match between the driver and a node (Ray itself refuses a node whose
 #: Ray or Python differs, before polyhal sees it).
@@ -192,8 +192,13 @@ class NodeSession:
         self._raise_unreported()
 
     def synchronize(self) -> None:
-        """Flush and wait for everything."""
-        self.wait(self.flush())
+        """Flush and wait for everything. Frees alone are not sent (nobody waits for them): they
+        ride with the next submission, so that a run followed by a synchronize is one round trip
+        even when the run's previous outputs were just dropped."""
+        if all(command[0] in CLEANUP for command in list(self._pending)):
+            self.wait()
+        else:
+            self.wait(self.flush())
 
     def answer(self, seq: int) -> list:
         """The read results of submission ``seq`` (flushed with ``want=True``), after waiting."""

@@ -81,9 +81,10 @@ DATA = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32), \
 
 
 def stats(registry, name):
-    device = registry.get_device(name)
-    device.synchronize()
-    return ray.get(device.session.actor.statistics.remote())
+    """What is resident on the node of device ``name``, once everything sent (frees too) ran."""
+    session = registry.get_device(name).session
+    session.wait(session.flush())
+    return ray.get(session.actor.statistics.remote())
 
 
 def test_every_node_registers_its_devices_below_local_ones(registry, cluster):
