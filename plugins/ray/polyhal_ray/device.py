@@ -164,8 +164,7 @@ class RemoteDevice(Device):
         raise DLPackError(f"{self.name} is memory of Ray node {self.session.name}; read it with tensor.numpy()")
 
     def write(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
-        # A copy: the caller may change its array once this returns, before the stream is sent.
-        self.session.enqueue((WRITE, buffer.native, offset, np.array(host, copy=True, order="C").reshape(-1).view(np.uint8)))
+        self.session.enqueue((WRITE, buffer.native, offset, _snapshot(host)))
 
     def read(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
         (data,) = self.session.call((READ, buffer.native, offset, host.nbytes))
@@ -184,7 +183,7 @@ class RemoteDevice(Device):
 
     def upload(self, host: np.ndarray, native: tuple) -> None:
         bid, offset, _, _, _ = native
-        self.session.enqueue((WRITE, bid, offset, np.array(host, copy=True, order="C").reshape(-1).view(np.uint8)))
+        self.session.enqueue((WRITE, bid, offset, _snapshot(host)))
 
     # -- transfers --------------------------------------------------------------------------------
 
@@ -214,6 +213,22 @@ class RemoteDevice(Device):
     def buffer_address(self, buffer: Buffer) -> int:
         raise DLPackError(f"{self.name} is memory of Ray node {self.session.name}, which DLPack cannot address "
                           "from here; move the tensor first (tensor.to_device('cpu:0')) or read it (tensor.numpy())")
+
+
+#: Uploads this large go through Ray's object store (one copy into it, here, and the node reads
+#: it from there); smaller ones ride in the submission as a copy of their bytes.
+OBJECT_STORE_BYTES = 1 << 20
+
+
+def _snapshot(host: np.ndarray) -> Any:
+    """The bytes of ``host`` as they are now (the caller may change its array once a write
+    returns, before the stream is sent): an ObjectRef for large arrays, else a copy."""
+    flat = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+    if flat.nbytes >= OBJECT_STORE_BYTES:
+        import ray
+
+        return ray.put(flat)
+    return flat.copy()
 
 
 def send_to(src: "NodeSession", src_key: tuple, dst: "NodeSession", dst_key: tuple) -> None:

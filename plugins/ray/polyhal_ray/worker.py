@@ -188,8 +188,12 @@ class NodeRuntime:
                 buf.release()
         elif op == WRITE:
             _, bid, offset, data = cmd
+            if not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
+                import ray
+
+                data = ray.get(data)
             buf = self.buffers[bid]
-            buf.device.write(buf, offset, np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
+            buf.device.write(buf, offset, data)
         elif op == READ:
             _, bid, offset, nbytes = cmd
             buf = self.buffers[bid]

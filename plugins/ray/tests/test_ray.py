@@ -110,6 +110,8 @@ def test_tensors_stay_on_the_node_until_read(registry, cluster):
     assert stats(registry, device.name)["buffers"] == before + 1
     with pytest.raises(polyhal.DLPackError, match="Ray node"):
         t.__dlpack__()
+    big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: uploaded through the object store
+    np.testing.assert_array_equal(asarray(big, None, device).numpy(), big)
     del t
     gc.collect()
     assert stats(registry, device.name)["buffers"] == before
