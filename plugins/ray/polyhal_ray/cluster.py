@@ -25,12 +25,16 @@ from polyhal.hal.queue import Semaphore, default_timeout
 
 from polyhal_ray.errors import ClusterUnreachableError, NodeLostError, VersionSkewError, rebuild
 from polyhal_ray.settings import RaySettings
-from polyhal_ray.worker import CLEANUP, NodeRuntime, runtime_versions
+from polyhal_ray.worker import CLEANUP, READ, NodeRuntime, runtime_versions
 
 #: The versions that must match between the driver and a node (Ray itself refuses a node whose
 #: Ray or Python differs, before polyhal sees it).
 MATCHED = ("polyhal", "polyhal-ray", "polyhal API")
 
+
+#: Reads this large go as an ordinary actor call even while the node's compiled graph lives: its
+#: answer then comes back through the object store, not copied through the graph's channel.
+BULK_READ_BYTES = 1 << 20
 
 #: Seconds a node's compiled graph outlives the last replayed plan that used it.
 GRAPH_IDLE_SECONDS = 2.0
@@ -145,7 +149,7 @@ class NodeSession:
             seq = self._seq
             if want:
                 self._wanted.add(seq)
-            if self._graph is not None:
+            if self._graph is not None and not any(c[0] == READ and c[3] >= BULK_READ_BYTES for c in commands):
                 self._run_on_graph(seq, commands)
                 return seq
             try:

@@ -22,6 +22,9 @@ import numpy as np
 
 # Opcodes of the commands a submission holds (see NodeRuntime._command).
 ALLOC, FREE, WRITE, READ, COPY, FILL, PREPARE, DISPATCH, RELEASE, TRANSFER = range(10)
+#: Freed buffers a node keeps per (device, size, memory type, usage), for the next allocation alike.
+SPARES = 4
+
 #: True in a process that serves a node (a NodeRuntime lives here): there the node's devices are
 #: local, and the Ray plugin registers no remote devices (it would reach its own node again).
 SERVING = False
@@ -68,6 +71,8 @@ class NodeRuntime:
         self.buffers: dict[int, Any] = {}      # buffer id -> polyhal Buffer on a local device
         self.kernels: dict[int, tuple[Any, tuple]] = {}  # kernel id -> (prepared fn, scratch tensors)
         self.natives: dict[tuple, Any] = {}    # view key -> the local device's native object
+        self.allocated: dict[int, tuple] = {}  # buffer id -> (device, nbytes, memory type, usage) asked
+        self.spares: dict[tuple, list] = {}    # freed buffers kept for the next allocation of the same kind
         self._done = 0                         # number of the last submission that ran
         self._order = threading.Condition()
 
@@ -95,7 +100,7 @@ class NodeRuntime:
         for buf in self.buffers.values():
             live[buf.device.name] = live.get(buf.device.name, 0) + buf.nbytes
         return {"buffers": len(self.buffers), "kernels": len(self.kernels), "views": len(self.natives),
-                "live_bytes": live, "done": self._done}
+                "live_bytes": live, "spare_buffers": sum(map(len, self.spares.values())), "done": self._done}
 
     # -- submissions ------------------------------------------------------------------------------
 
@@ -179,13 +184,20 @@ class NodeRuntime:
             self.kernels[cmd[1]][0](*[native(k) for k in cmd[2]])
         elif op == ALLOC:
             _, bid, device, nbytes, memory_type, usage = cmd
-            self.buffers[bid] = self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
+            spare = self.spares.get(cmd[2:])
+            self.buffers[bid] = spare.pop() if spare else \
+                self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
+            self.allocated[bid] = cmd[2:]
         elif op == FREE:
             buf = self.buffers.pop(cmd[1], None)
             if buf is not None:
                 for key in [k for k in self.natives if k[0] == cmd[1]]:
                     del self.natives[key]
-                buf.release()
+                spare = self.spares.setdefault(self.allocated.pop(cmd[1]), [])
+                if len(spare) < SPARES:
+                    spare.append(buf)  # a replayed plan frees and allocates its outputs' sizes on every run
+                else:
+                    buf.release()
         elif op == WRITE:
             _, bid, offset, data = cmd
             if not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
