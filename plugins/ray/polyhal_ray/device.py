@@ -87,6 +87,15 @@ class RemoteQueue(InlineQueue):
         return result
 
 
+    def fill(self, buffer: Buffer, offset: int, nbytes: int, pattern: bytes,
+             wait: SemaphoreList = (), signal: SemaphoreList = ()) -> None:
+        """The pattern is repeated on the node (only its bytes are sent)."""
+        if len(pattern) not in (1, 2, 4) or nbytes % len(pattern):
+            raise ValueError(f"{self.name}: fill pattern must be 1, 2 or 4 bytes and divide the length "
+                             f"({nbytes} B), got {len(pattern)} bytes")
+        self._submit(lambda: self.device.fill(buffer, offset, nbytes, pattern), wait, signal)
+
+
 class RemoteDevice(Device):
     """A device of a Ray node (``ray:<node>/<its name there>``), made by its spec's factory."""
 
@@ -174,6 +183,7 @@ class RemoteDevice(Device):
         self.session.enqueue((COPY, src.native, src_offset, dst.native, dst_offset, nbytes))
 
     def fill(self, buffer: Buffer, offset: int, nbytes: int, pattern: bytes) -> None:
+        """Repeat ``pattern`` over ``nbytes`` of ``buffer`` on the node (queue-ordered)."""
         self.session.enqueue((FILL, buffer.native, offset, nbytes, pattern))
 
     def download(self, native: tuple, host: np.ndarray) -> None:
