@@ -21,6 +21,7 @@ import threading
 import warnings
 from typing import Any, Callable
 
+from polyhal import BufferUsage
 from polyhal.hal.queue import Semaphore, default_timeout
 
 from polyhal_ray.errors import ClusterUnreachableError, NodeLostError, VersionSkewError, rebuild
@@ -443,3 +444,50 @@ def alive_node_ids() -> set[str]:
     import ray
 
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+#: One end of a measured link: (node session, device name on the node, memory type there), or
+#: None for this process.
+LinkEnd = "tuple[NodeSession, str, int] | None"
+
+
+def measure_bandwidth(src: LinkEnd, dst: LinkEnd, nbytes: int = 4 << 20) -> float:
+    """Bytes per second of moving ``nbytes`` from ``src`` to ``dst`` the way a plan's transfer
+    does -- node to node through the object store, or up to and down from a node -- the best of
+    two moves after a warm-up."""
+    import time
+
+    import numpy as np
+
+    from polyhal_ray.device import send_to
+    from polyhal_ray.worker import ALLOC, FREE, WRITE
+
+    ends = [end for end in (src, dst) if end is not None]
+    keys = []
+    for session, device, memory_type in ends:
+        bid = session.new_id()
+        session.call((ALLOC, bid, device, nbytes, memory_type, int(BufferUsage.DEFAULT)))
+        keys.append((bid, 0, (nbytes,), np.dtype(np.uint8), (1,)))
+    host = np.zeros(nbytes, np.uint8)
+
+    def move() -> None:
+        if src is not None and dst is not None:
+            send_to(src[0], keys[0], dst[0], keys[1])
+            dst[0].synchronize()
+        elif dst is not None:
+            dst[0].enqueue((WRITE, keys[0][0], 0, host))
+            dst[0].synchronize()
+        else:
+            src[0].call((READ, keys[0][0], 0, nbytes))
+
+    times = []
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            move()
+            times.append(time.perf_counter() - t0)
+    finally:
+        for (session, _, _), key in zip(ends, keys):
+            session.discard((FREE, key[0]))
+            session.flush()
+    return nbytes / max(min(times[1:]), 1e-9)

@@ -15,7 +15,6 @@ Commands are plain tuples whose first item is an opcode (:data:`ALLOC` ...); ten
 from __future__ import annotations
 
 import threading
-from importlib import metadata
 from typing import Any
 
 import numpy as np
@@ -37,6 +36,7 @@ def runtime_versions() -> dict[str, str]:
     """The versions a driver and a node must agree on (read from installed metadata, so that a
     node whose environment holds another polyhal says so before anything of it is used)."""
     import platform
+    from importlib import metadata  # here: it costs more to import than the rest of this plugin
 
     import ray
 

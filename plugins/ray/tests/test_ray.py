@@ -158,6 +158,19 @@ def test_queue_submissions_complete_through_semaphores(registry, cluster):
     np.testing.assert_array_equal(u.numpy(), 7)
 
 
+def test_the_cost_policy_sees_measured_links_to_and_between_nodes(registry, cluster):
+    from polyhal.policies.cost import link_bandwidth
+
+    local, a, head = (registry.spec(n) for n in ("cpu:0", remote(registry, cluster.node_a),
+                                                 remote(registry, cluster.head_node)))
+    for src, dst in ((local, a), (a, local), (head, a)):
+        value, source = link_bandwidth(registry, src, dst)
+        assert 0 < value < float("inf") and source == "declared by ray", (src.name, dst.name, value, source)
+    assert link_bandwidth(registry, local, a)[0] == link_bandwidth(registry, local, a)[0]  # measured once
+    assert link_bandwidth(registry, a, registry.spec(remote(registry, cluster.node_a, "mydev:0")))[1] != \
+        "declared by ray"  # two devices of one node: the node's own business
+
+
 def test_an_op_a_node_has_no_kernel_for_is_refused_at_compile(registry, cluster):
     mydev = remote(registry, cluster.node_a, "mydev:0")
     with pytest.raises(KernelNotFoundError, match="matmul"):
