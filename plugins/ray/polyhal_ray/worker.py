@@ -126,7 +126,12 @@ class NodeRuntime:
 
         self._await_turn(seq, timeout)
         try:
-            return [ray.put(np.ascontiguousarray(self._native(key)))], None
+            buf = self.buffers[key[0]]
+            if buf.device.is_host:  # host memory goes into the store straight from the buffer
+                return [ray.put(np.ascontiguousarray(self._native(key)))], None
+            host = np.empty(key[2], key[3])  # device memory (a GPU's): read to the host first
+            buf.device.read(buf, key[1], host)
+            return [ray.put(host)], None
         finally:
             self._finish(seq)
 
@@ -144,7 +149,12 @@ class NodeRuntime:
                 return [], ("NodeLostError", f"node {self.node} could not receive from node {source}, which was "
                                              f"lost ({type(exc).__name__}: {str(exc).splitlines()[0]})", source)
             try:
-                np.copyto(self._native(key), data.reshape(key[2]), casting="no")
+                buf = self.buffers[key[0]]
+                if buf.device.is_host:
+                    np.copyto(self._native(key), data.reshape(key[2]), casting="no")
+                else:
+                    buf.device.write(buf, key[1], np.ascontiguousarray(data))
+                buf.device.synchronize()
             except Exception as exc:  # noqa: BLE001
                 return [], error_record(exc, f"node {self.node}, receive")
             return [], None
@@ -175,6 +185,12 @@ class NodeRuntime:
                 continue
             if cmd[0] == READ:
                 results.append(out)
+        # A submission is complete when its device work is (a GPU's kernels run asynchronously).
+        for device in self.registry.created_devices():
+            try:
+                device.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                error = error or error_record(exc, f"node {self.node}, finishing the work on {device.name}")
         return results, error
 
     def _command(self, cmd: tuple) -> Any:
