@@ -412,7 +412,9 @@ class Cluster:
             node_id = node["NodeID"]
             if not node.get("Alive") or node_id in cluster.sessions or node_id in cluster.refused:
                 continue
+            # The runtime holds the node's GPUs (Ray hides them from actors that ask for none).
             actor = remote.options(
+                num_gpus=node.get("Resources", {}).get("GPU", 0),
                 name=f"polyhal-node-{node_id}", namespace="polyhal", get_if_exists=True, lifetime=None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(short_id(node_id))
             pending[node_id] = (actor, actor.describe.remote())
