@@ -2,11 +2,13 @@
 
 A NodeSession owns the node's :class:`~polyhal_ray.worker.NodeRuntime` actor and its *command
 stream*: device operations are appended to it without a round trip, and :meth:`NodeSession.flush`
-sends what is pending as one numbered submission. A completion thread takes each submission's
-answer in order and signals the node's timeline semaphore (:class:`polyhal.hal.queue.Semaphore`)
-to its number -- a remote device is a device whose queue completes asynchronously. A node that
-dies fails the semaphore with :class:`~polyhal_ray.errors.NodeLostError`, so every waiter, now or
-later, learns which node was lost.
+sends what is pending as one numbered submission. Each submission's answer signals the node's
+timeline semaphore (:class:`polyhal.hal.queue.Semaphore`) to its number -- a remote device is a
+device whose queue completes asynchronously: a completion thread takes the answers of ordinary
+actor calls in order; while a replayed plan keeps the node's compiled graph, the submitting thread
+executes the graph and reads its answer itself (one hop; Ray's compiled graph is driven from one
+thread). A node that dies fails the semaphore with :class:`~polyhal_ray.errors.NodeLostError`,
+so every waiter, now or later, learns which node was lost.
 """
 
 from __future__ import annotations
@@ -19,15 +21,24 @@ import threading
 import warnings
 from typing import Any, Callable
 
+from polyhal import BufferUsage
 from polyhal.hal.queue import Semaphore, default_timeout
 
 from polyhal_ray.errors import ClusterUnreachableError, NodeLostError, VersionSkewError, rebuild
 from polyhal_ray.settings import RaySettings
-from polyhal_ray.worker import NodeRuntime, runtime_versions
+from polyhal_ray.worker import CLEANUP, READ, NodeRuntime, runtime_versions
 
 #: The versions that must match between the driver and a node (Ray itself refuses a node whose
 #: Ray or Python differs, before polyhal sees it).
 MATCHED = ("polyhal", "polyhal-ray", "polyhal API")
+
+
+#: Reads this large go as an ordinary actor call even while the node's compiled graph lives: its
+#: answer then comes back through the object store, not copied through the graph's channel.
+BULK_READ_BYTES = 1 << 20
+
+#: Seconds a node's compiled graph outlives the last replayed plan that used it.
+GRAPH_IDLE_SECONDS = 2.0
 
 
 def node_died(exc: BaseException) -> bool:
@@ -105,6 +116,7 @@ class NodeSession:
         self._thread_lock = threading.Lock()
         self._graph: Any = None           # the compiled graph, while replayed plans use it
         self._graph_users = 0
+        self._idle_timer: threading.Timer | None = None
         self.timeout = RaySettings.from_env().connect_timeout
 
     def __repr__(self) -> str:
@@ -138,21 +150,34 @@ class NodeSession:
             seq = self._seq
             if want:
                 self._wanted.add(seq)
-            if self._graph is not None:
-                # The completion thread executes it: a compiled graph is not thread-safe, so one
-                # thread both executes and reads it (one execution in flight per node).
-                ref: Any = (self._graph, commands)
-            else:
-                try:
-                    ref = self.actor.submit.remote(seq, commands, self.timeout)
-                except Exception as exc:
-                    if node_died(exc):
-                        self._lose(exc)
-                        raise self._told_lost() from exc
-                    raise
+            if self._graph is not None and not any(c[0] == READ and c[3] >= BULK_READ_BYTES for c in commands):
+                self._run_on_graph(seq, commands)
+                return seq
+            try:
+                ref = self.actor.submit.remote(seq, commands, self.timeout)
+            except Exception as exc:
+                if node_died(exc):
+                    self._lose(exc)
+                    raise self._told_lost() from exc
+                raise
             self._inflight.put((seq, ref))
             self._start()
             return seq
+
+    def _run_on_graph(self, seq: int, commands: list) -> None:
+        """Submission ``seq`` through the compiled graph, complete on return (the caller holds
+        the stream's lock). A compiled graph is driven from one thread at a time -- Ray's is not
+        thread-safe -- so this thread executes it and reads the answer: one hop, no hand-over to
+        the completion thread, which is what a replayed plan's latency is made of."""
+        self._wait(seq - 1)  # earlier submissions sent as ordinary calls complete first
+        try:  # (a graph's ref is read once, with a timeout of its own: Ray's default is 10 s)
+            answer = self._graph.execute((seq, commands)).get(timeout=default_timeout())
+        except Exception as exc:
+            if node_died(exc):
+                self._lose(exc)
+                raise self._told_lost() from exc
+            answer = ([], (type(exc).__name__, f"node {self.name}: {type(exc).__name__}: {exc}"))
+        self._settle(seq, answer)
 
     def _drain(self) -> list:
         pending, commands = self._pending, []
@@ -172,8 +197,13 @@ class NodeSession:
         self._raise_unreported()
 
     def synchronize(self) -> None:
-        """Flush and wait for everything."""
-        self.wait(self.flush())
+        """Flush and wait for everything. Frees alone are not sent (nobody waits for them): they
+        ride with the next submission, so that a run followed by a synchronize is one round trip
+        even when the run's previous outputs were just dropped."""
+        if all(command[0] in CLEANUP for command in list(self._pending)):
+            self.wait()
+        else:
+            self.wait(self.flush())
 
     def answer(self, seq: int) -> list:
         """The read results of submission ``seq`` (flushed with ``want=True``), after waiting."""
@@ -255,27 +285,28 @@ class NodeSession:
         while True:
             seq, ref = self._inflight.get()
             try:
-                if isinstance(ref, tuple):  # (compiled graph, commands); its ref is read once, with a
-                    graph, commands = ref    # timeout of its own (Ray's default is 10 s)
-                    answer = graph.execute((seq, commands)).get(timeout=default_timeout())
-                else:
-                    answer = ray.get(ref)
+                answer = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 -- the actor or its node died
                 if node_died(exc):
                     self._lose(exc)
                     return
                 answer = ([], (type(exc).__name__, f"node {self.name}: {type(exc).__name__}: {exc}"))
-            if seq in self._wanted:
-                self._wanted.discard(seq)
-                self._answers[seq] = answer
-            elif answer[1] is not None:
-                self._unreported.append(answer[1])
-            self.completed.signal(seq)
-            with self._thread_lock:
-                due = [self._callbacks.pop(n) for n in [n for n in self._callbacks if n <= seq]]
-            for callbacks in due:
-                for done, _ in callbacks:
-                    done()
+            self._settle(seq, answer)
+
+    def _settle(self, seq: int, answer: tuple[list, Any]) -> None:
+        """Submission ``seq`` answered: keep the answer (or its error), signal the timeline and
+        run the callbacks of the queue submissions it completes."""
+        if seq in self._wanted:
+            self._wanted.discard(seq)
+            self._answers[seq] = answer
+        elif answer[1] is not None:
+            self._unreported.append(answer[1])
+        self.completed.signal(seq)
+        with self._thread_lock:
+            due = [self._callbacks.pop(n) for n in [n for n in self._callbacks if n <= seq]]
+        for callbacks in due:
+            for done, _ in callbacks:
+                done()
 
     def _lose(self, exc: BaseException) -> None:
         if self.lost is None:
@@ -295,8 +326,13 @@ class NodeSession:
     def use_graph(self) -> Callable[[], None]:
         """Route this node's submissions through a Ray compiled graph (made on first use) while
         the returned ``release()`` is not called: replayed plans hold one each. A compiled graph
-        keeps a polling loop on the actor, so it lives only while a replayed plan does."""
+        keeps a polling loop on the actor, so it is torn down :data:`GRAPH_IDLE_SECONDS` after
+        the last replayed plan goes (not at once: plans made and dropped in a row, as in a test
+        suite, would each compile one)."""
         with self._lock:
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
             if self._graph is None:
                 from ray.dag import InputNode
 
@@ -317,21 +353,31 @@ class NodeSession:
             released.append(True)
             with self._lock:
                 self._graph_users -= 1
-                graph = self._graph if self._graph_users == 0 else None
-            if graph is not None:
-                try:  # the graph's answers are all taken before it goes
-                    self.synchronize()
-                except Exception:  # noqa: BLE001 -- a lost node's graph is torn down all the same
-                    pass
-                with self._lock:
-                    if self._graph_users == 0 and self._graph is graph:
-                        self._graph = None
-                try:
-                    graph.teardown()
-                except Exception:  # noqa: BLE001
-                    pass
+                if self._graph_users == 0 and self._graph is not None:
+                    self._idle_timer = threading.Timer(GRAPH_IDLE_SECONDS, self._drop_graph, (self._graph,))
+                    self._idle_timer.daemon = True
+                    self._idle_timer.start()
 
         return release
+
+    def _drop_graph(self, graph: Any) -> None:
+        """Tear ``graph`` down, unless a replayed plan took it up again meanwhile."""
+        with self._lock:
+            if self._graph_users or self._graph is not graph:
+                return
+            self._idle_timer = None
+        try:  # the graph's answers are all taken before it goes
+            self.synchronize()
+        except Exception:  # noqa: BLE001 -- a lost node's graph is torn down all the same
+            pass
+        with self._lock:
+            if self._graph_users or self._graph is not graph:
+                return
+            self._graph = None
+        try:
+            graph.teardown()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class Cluster:
@@ -366,7 +412,9 @@ class Cluster:
             node_id = node["NodeID"]
             if not node.get("Alive") or node_id in cluster.sessions or node_id in cluster.refused:
                 continue
+            # The runtime holds the node's GPUs (Ray hides them from actors that ask for none).
             actor = remote.options(
+                num_gpus=node.get("Resources", {}).get("GPU", 0),
                 name=f"polyhal-node-{node_id}", namespace="polyhal", get_if_exists=True, lifetime=None,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(short_id(node_id))
             pending[node_id] = (actor, actor.describe.remote())
@@ -398,3 +446,50 @@ def alive_node_ids() -> set[str]:
     import ray
 
     return {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+
+
+#: One end of a measured link: (node session, device name on the node, memory type there), or
+#: None for this process.
+LinkEnd = "tuple[NodeSession, str, int] | None"
+
+
+def measure_bandwidth(src: LinkEnd, dst: LinkEnd, nbytes: int = 4 << 20) -> float:
+    """Bytes per second of moving ``nbytes`` from ``src`` to ``dst`` the way a plan's transfer
+    does -- node to node through the object store, or up to and down from a node -- the best of
+    two moves after a warm-up."""
+    import time
+
+    import numpy as np
+
+    from polyhal_ray.device import send_to
+    from polyhal_ray.worker import ALLOC, FREE, WRITE
+
+    ends = [end for end in (src, dst) if end is not None]
+    keys = []
+    for session, device, memory_type in ends:
+        bid = session.new_id()
+        session.call((ALLOC, bid, device, nbytes, memory_type, int(BufferUsage.DEFAULT)))
+        keys.append((bid, 0, (nbytes,), np.dtype(np.uint8), (1,)))
+    host = np.zeros(nbytes, np.uint8)
+
+    def move() -> None:
+        if src is not None and dst is not None:
+            send_to(src[0], keys[0], dst[0], keys[1])
+            dst[0].synchronize()
+        elif dst is not None:
+            dst[0].enqueue((WRITE, keys[0][0], 0, host))
+            dst[0].synchronize()
+        else:
+            src[0].call((READ, keys[0][0], 0, nbytes))
+
+    times = []
+    try:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            move()
+            times.append(time.perf_counter() - t0)
+    finally:
+        for (session, _, _), key in zip(ends, keys):
+            session.discard((FREE, key[0]))
+            session.flush()
+    return nbytes / max(min(times[1:]), 1e-9)

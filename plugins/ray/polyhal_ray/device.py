@@ -7,7 +7,7 @@ becomes one submission, sent when its data is needed elsewhere (a read, a transf
 synchronize) or, for a plan that lives entirely on the node, at the end of each run -- through a
 Ray compiled graph, compiled once when the plan is built (:meth:`RemoteDevice.record`).
 
-Native objects are *view keys* ``(buffer id, byte offset, shape, dtype str, element strides)``:
+Native objects are *view keys* ``(buffer id, byte offset, shape, dtype, element strides)``:
 what the node needs to find the tensor among its resident buffers.
 """
 
@@ -43,10 +43,27 @@ class RemoteKernel:
     def __init__(self, session: "NodeSession", kid: int, op: str) -> None:
         self.op, self.kid = op, kid
         self._enqueue = session._pending.append  # the hot path: one deque append per step
-        weakref.finalize(self, session.discard, (RELEASE, kid))
+        weakref.finalize(self, session.discard, (RELEASE, kid)).atexit = False
 
     def __call__(self, *args: tuple) -> None:
         self._enqueue((DISPATCH, self.kid, args))
+
+
+class NodeKernels:
+    """What the driver knows of a node device's kernel table (:attr:`RemoteDevice.kernels`):
+    its op names and which of them take the storage-only element types. Preparing goes to the
+    node (:meth:`RemoteDevice.prepare`); views are never taken (operands move dense)."""
+
+    def __init__(self, kernel_names: frozenset[str], storage_ops: frozenset[str]) -> None:
+        self.kernel_names = kernel_names
+        self._storage = storage_ops
+
+    def holds_storage(self, op: str) -> bool:
+        """Whether the node's kernel for ``op`` takes the storage-only element types."""
+        return op in self._storage
+
+    def accepts_view(self, *args: Any) -> bool:
+        return False
 
 
 class RemoteQueue(InlineQueue):
@@ -70,13 +87,24 @@ class RemoteQueue(InlineQueue):
         return result
 
 
+    def fill(self, buffer: Buffer, offset: int, nbytes: int, pattern: bytes,
+             wait: SemaphoreList = (), signal: SemaphoreList = ()) -> None:
+        """The pattern is repeated on the node (only its bytes are sent)."""
+        if len(pattern) not in (1, 2, 4) or nbytes % len(pattern):
+            raise ValueError(f"{self.name}: fill pattern must be 1, 2 or 4 bytes and divide the length "
+                             f"({nbytes} B), got {len(pattern)} bytes")
+        self._submit(lambda: self.device.fill(buffer, offset, nbytes, pattern), wait, signal)
+
+
 class RemoteDevice(Device):
     """A device of a Ray node (``ray:<node>/<its name there>``), made by its spec's factory."""
 
     dlpack_device_type = DLPACK_EXT_DEV
 
-    def __init__(self, spec: "DeviceSpec", *, session: "NodeSession", local_name: str, node_heaps: tuple) -> None:
+    def __init__(self, spec: "DeviceSpec", *, session: "NodeSession", local_name: str, node_heaps: tuple,
+                 storage_ops: frozenset[str] = frozenset()) -> None:
         super().__init__(spec)
+        self.kernels = NodeKernels(spec.kernel_names or frozenset(), storage_ops)  # type: ignore[assignment]
         if session.lost is not None:
             raise session._told_lost()
         self.session = session
@@ -95,10 +123,6 @@ class RemoteDevice(Device):
         if queues is None:
             queues = self.__dict__["_queues"] = (RemoteQueue(self),)
         return queues
-
-    @property
-    def kernel_names(self) -> frozenset[str]:
-        return self.spec.kernel_names or frozenset()
 
     def memory_available(self) -> int | None:
         total = self.spec.limits.get("global_mem_size")
@@ -121,7 +145,7 @@ class RemoteDevice(Device):
         return ()
 
     def view(self, tensor) -> tuple:
-        return (tensor.buffer.native, tensor.offset, tensor.shape, tensor.dtype.str, tensor.strides)
+        return (tensor.buffer.native, tensor.offset, tensor.shape, tensor.dtype, tensor.strides)
 
     def synchronize(self) -> None:
         self.session.synchronize()
@@ -139,7 +163,8 @@ class RemoteDevice(Device):
                 step()
             flush()
 
-        weakref.finalize(replay, release)
+        # Not at interpreter exit: Ray tears its graphs down itself then, and a wait here could outlast it.
+        weakref.finalize(replay, release).atexit = False
         return replay
 
     # -- data movement ----------------------------------------------------------------------------
@@ -148,8 +173,7 @@ class RemoteDevice(Device):
         raise DLPackError(f"{self.name} is memory of Ray node {self.session.name}; read it with tensor.numpy()")
 
     def write(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
-        # A copy: the caller may change its array once this returns, before the stream is sent.
-        self.session.enqueue((WRITE, buffer.native, offset, np.array(host, copy=True, order="C").reshape(-1).view(np.uint8)))
+        self.session.enqueue((WRITE, buffer.native, offset, _snapshot(host)))
 
     def read(self, buffer: Buffer, offset: int, host: np.ndarray) -> None:
         (data,) = self.session.call((READ, buffer.native, offset, host.nbytes))
@@ -159,6 +183,7 @@ class RemoteDevice(Device):
         self.session.enqueue((COPY, src.native, src_offset, dst.native, dst_offset, nbytes))
 
     def fill(self, buffer: Buffer, offset: int, nbytes: int, pattern: bytes) -> None:
+        """Repeat ``pattern`` over ``nbytes`` of ``buffer`` on the node (queue-ordered)."""
         self.session.enqueue((FILL, buffer.native, offset, nbytes, pattern))
 
     def download(self, native: tuple, host: np.ndarray) -> None:
@@ -168,7 +193,7 @@ class RemoteDevice(Device):
 
     def upload(self, host: np.ndarray, native: tuple) -> None:
         bid, offset, _, _, _ = native
-        self.session.enqueue((WRITE, bid, offset, np.array(host, copy=True, order="C").reshape(-1).view(np.uint8)))
+        self.session.enqueue((WRITE, bid, offset, _snapshot(host)))
 
     # -- transfers --------------------------------------------------------------------------------
 
@@ -198,6 +223,22 @@ class RemoteDevice(Device):
     def buffer_address(self, buffer: Buffer) -> int:
         raise DLPackError(f"{self.name} is memory of Ray node {self.session.name}, which DLPack cannot address "
                           "from here; move the tensor first (tensor.to_device('cpu:0')) or read it (tensor.numpy())")
+
+
+#: Uploads this large go through Ray's object store (one copy into it, here, and the node reads
+#: it from there); smaller ones ride in the submission as a copy of their bytes.
+OBJECT_STORE_BYTES = 1 << 20
+
+
+def _snapshot(host: np.ndarray) -> Any:
+    """The bytes of ``host`` as they are now (the caller may change its array once a write
+    returns, before the stream is sent): an ObjectRef for large arrays, else a copy."""
+    flat = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
+    if flat.nbytes >= OBJECT_STORE_BYTES:
+        import ray
+
+        return ray.put(flat)
+    return flat.copy()
 
 
 def send_to(src: "NodeSession", src_key: tuple, dst: "NodeSession", dst_key: tuple) -> None:

@@ -76,7 +76,7 @@ def device_specs(found) -> list[DeviceSpec]:
             specs.append(DeviceSpec(
                 name=f"ray:{session.name}/{d['name']}", backend="ray", rank=d["rank"] - RANK_OFFSET,
                 factory=functools.partial(RemoteDevice, session=session, local_name=d["name"],
-                                          node_heaps=node_heaps),
+                                          node_heaps=node_heaps, storage_ops=frozenset(d.get("storage_ops", ()))),
                 heaps=tuple(remote_heap(h) for h in node_heaps), workgroup_bytes=d["workgroup_bytes"],
                 capabilities=frozenset(d["capabilities"] - {"host", "data-tiling"}) | {"remote"},
                 limits=limits, kernel_names=frozenset(d["kernel_names"]),
@@ -101,3 +101,35 @@ def report_unavailable():
         return []
     lost = [str(s.lost) for s in (_cluster.sessions.values() if _cluster is not None else ()) if s.lost]
     return list(_unavailable) + lost
+
+
+_links: dict[tuple, float] = {}
+
+
+def _link_end(spec: DeviceSpec):
+    """``spec``'s end of a link for :func:`~polyhal_ray.cluster.measure_bandwidth`: None for a
+    device of this process, else its node session, name there and memory type there."""
+    if spec.backend != "ray":
+        return None
+    partial = spec.factory
+    return (partial.keywords["session"], partial.keywords["local_name"],
+            int(partial.keywords["node_heaps"][0].memory_type))
+
+
+@polyhal.hookimpl
+def link_bandwidth(src, dst):
+    """Links to, from and between remote devices, measured once per pair of nodes (this process
+    counting as one) by moving 4 MiB the way a plan does, so that the cost policy prices a remote
+    device's data movement as it is; None for links of local devices, and between two devices of
+    one node (the node's own backend knows those)."""
+    if worker.SERVING or "ray" not in (src.backend, dst.backend):
+        return None
+    a, b = _link_end(src), _link_end(dst)
+    key = (a[0].node_id if a else None, b[0].node_id if b else None)
+    if key[0] == key[1]:
+        return None
+    if key not in _links:
+        from polyhal_ray.cluster import measure_bandwidth
+
+        _links[key] = measure_bandwidth(a, b)
+    return _links[key]

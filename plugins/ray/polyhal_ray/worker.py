@@ -9,19 +9,21 @@ kernels stay resident here between submissions, named by ids the driver chose, s
 part replayed on the node sends only its command list.
 
 Commands are plain tuples whose first item is an opcode (:data:`ALLOC` ...); tensors are named by
-*view keys* ``(buffer id, byte offset, shape, dtype str, element strides)``.
+*view keys* ``(buffer id, byte offset, shape, dtype, element strides)``.
 """
 
 from __future__ import annotations
 
 import threading
-from importlib import metadata
 from typing import Any
 
 import numpy as np
 
 # Opcodes of the commands a submission holds (see NodeRuntime._command).
 ALLOC, FREE, WRITE, READ, COPY, FILL, PREPARE, DISPATCH, RELEASE, TRANSFER = range(10)
+#: Freed buffers a node keeps per (device, size, memory type, usage), for the next allocation alike.
+SPARES = 4
+
 #: True in a process that serves a node (a NodeRuntime lives here): there the node's devices are
 #: local, and the Ray plugin registers no remote devices (it would reach its own node again).
 SERVING = False
@@ -34,6 +36,7 @@ def runtime_versions() -> dict[str, str]:
     """The versions a driver and a node must agree on (read from installed metadata, so that a
     node whose environment holds another polyhal says so before anything of it is used)."""
     import platform
+    from importlib import metadata  # here: it costs more to import than the rest of this plugin
 
     import ray
 
@@ -68,6 +71,8 @@ class NodeRuntime:
         self.buffers: dict[int, Any] = {}      # buffer id -> polyhal Buffer on a local device
         self.kernels: dict[int, tuple[Any, tuple]] = {}  # kernel id -> (prepared fn, scratch tensors)
         self.natives: dict[tuple, Any] = {}    # view key -> the local device's native object
+        self.allocated: dict[int, tuple] = {}  # buffer id -> (device, nbytes, memory type, usage) asked
+        self.spares: dict[tuple, list] = {}    # freed buffers kept for the next allocation of the same kind
         self._done = 0                         # number of the last submission that ran
         self._order = threading.Condition()
 
@@ -77,10 +82,13 @@ class NodeRuntime:
         """Versions and device records (spec fields that cross the wire) of this node."""
         specs = []
         for spec in self.registry.device_specs():
+            names = self.registry.kernel_names(spec.name)
+            table = getattr(spec.factory, "kernels", None)  # the device class's table: nothing is created
+            storage = frozenset(op for op in names if table is not None and table.holds_storage(op))
             specs.append(dict(name=spec.name, backend=spec.backend, rank=spec.rank, heaps=spec.heaps,
                               workgroup_bytes=spec.workgroup_bytes, capabilities=spec.capabilities,
                               limits=dict(spec.limits), description=spec.description,
-                              kernel_names=self.registry.kernel_names(spec.name)))
+                              kernel_names=names, storage_ops=storage))
         from polyhal.hal.device import host_memory_available
 
         return {"versions": runtime_versions(), "devices": specs, "memory_available": host_memory_available(),
@@ -92,7 +100,7 @@ class NodeRuntime:
         for buf in self.buffers.values():
             live[buf.device.name] = live.get(buf.device.name, 0) + buf.nbytes
         return {"buffers": len(self.buffers), "kernels": len(self.kernels), "views": len(self.natives),
-                "live_bytes": live, "done": self._done}
+                "live_bytes": live, "spare_buffers": sum(map(len, self.spares.values())), "done": self._done}
 
     # -- submissions ------------------------------------------------------------------------------
 
@@ -118,7 +126,12 @@ class NodeRuntime:
 
         self._await_turn(seq, timeout)
         try:
-            return [ray.put(np.ascontiguousarray(self._native(key)))], None
+            buf = self.buffers[key[0]]
+            if buf.device.is_host:  # host memory goes into the store straight from the buffer
+                return [ray.put(np.ascontiguousarray(self._native(key)))], None
+            host = np.empty(key[2], key[3])  # device memory (a GPU's): read to the host first
+            buf.device.read(buf, key[1], host)
+            return [ray.put(host)], None
         finally:
             self._finish(seq)
 
@@ -136,7 +149,12 @@ class NodeRuntime:
                 return [], ("NodeLostError", f"node {self.node} could not receive from node {source}, which was "
                                              f"lost ({type(exc).__name__}: {str(exc).splitlines()[0]})", source)
             try:
-                np.copyto(self._native(key), data.reshape(key[2]), casting="no")
+                buf = self.buffers[key[0]]
+                if buf.device.is_host:
+                    np.copyto(self._native(key), data.reshape(key[2]), casting="no")
+                else:
+                    buf.device.write(buf, key[1], np.ascontiguousarray(data))
+                buf.device.synchronize()
             except Exception as exc:  # noqa: BLE001
                 return [], error_record(exc, f"node {self.node}, receive")
             return [], None
@@ -163,10 +181,16 @@ class NodeRuntime:
             try:
                 out = self._command(cmd)
             except Exception as exc:  # noqa: BLE001 -- reported to the driver, typed there
-                error = error_record(exc, f"node {self.node}, {_describe(cmd)}")
+                error = error_record(exc, f"node {self.node}, {self._describe(cmd)}")
                 continue
             if cmd[0] == READ:
                 results.append(out)
+        # A submission is complete when its device work is (a GPU's kernels run asynchronously).
+        for device in self.registry.created_devices():
+            try:
+                device.synchronize()
+            except Exception as exc:  # noqa: BLE001
+                error = error or error_record(exc, f"node {self.node}, finishing the work on {device.name}")
         return results, error
 
     def _command(self, cmd: tuple) -> Any:
@@ -176,17 +200,28 @@ class NodeRuntime:
             self.kernels[cmd[1]][0](*[native(k) for k in cmd[2]])
         elif op == ALLOC:
             _, bid, device, nbytes, memory_type, usage = cmd
-            self.buffers[bid] = self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
+            spare = self.spares.get(cmd[2:])
+            self.buffers[bid] = spare.pop() if spare else \
+                self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
+            self.allocated[bid] = cmd[2:]
         elif op == FREE:
             buf = self.buffers.pop(cmd[1], None)
             if buf is not None:
                 for key in [k for k in self.natives if k[0] == cmd[1]]:
                     del self.natives[key]
-                buf.release()
+                spare = self.spares.setdefault(self.allocated.pop(cmd[1]), [])
+                if len(spare) < SPARES:
+                    spare.append(buf)  # a replayed plan frees and allocates its outputs' sizes on every run
+                else:
+                    buf.release()
         elif op == WRITE:
             _, bid, offset, data = cmd
+            if not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
+                import ray
+
+                data = ray.get(data)
             buf = self.buffers[bid]
-            buf.device.write(buf, offset, np.frombuffer(data, np.uint8) if isinstance(data, bytes) else data)
+            buf.device.write(buf, offset, data)
         elif op == READ:
             _, bid, offset, nbytes = cmd
             buf = self.buffers[bid]
@@ -248,7 +283,19 @@ class NodeRuntime:
             for t in held:
                 t.release()
             raise
-        self.kernels[kid] = (fn, tuple(held))
+        self.kernels[kid] = (fn, tuple(held), f"kernel {op!r} on {device}")
+
+    def _describe(self, cmd: tuple) -> str:
+        """What ``cmd`` was, for an error message."""
+        op = cmd[0]
+        if op == DISPATCH:
+            return self.kernels[cmd[1]][2] if cmd[1] in self.kernels else "dispatch of a released kernel"
+        if op == ALLOC:
+            return f"allocation of {cmd[3]} B on {cmd[2]}"
+        if op == PREPARE:
+            return f"preparing the kernel of {cmd[3]!r} on {cmd[2]}"
+        return {FREE: "free", WRITE: "upload", READ: "download", COPY: "copy", FILL: "fill", RELEASE: "kernel release",
+                TRANSFER: "transfer between the node's devices"}.get(op, f"command {op}")
 
     def _native(self, key: tuple) -> Any:
         """The local device's native object for view key ``(bid, offset, shape, dtype, strides)``."""
@@ -261,15 +308,3 @@ class NodeRuntime:
             native = Tensor(self.buffers[bid], TensorType(shape, np.dtype(dtype)), offset, strides).native
             self.natives[key] = native
         return native
-
-
-def _describe(cmd: tuple) -> str:
-    names = {ALLOC: "allocation", FREE: "free", WRITE: "upload", READ: "download", COPY: "copy", FILL: "fill",
-             PREPARE: "kernel preparation", DISPATCH: "dispatch", RELEASE: "kernel release",
-             TRANSFER: "transfer"}
-    what = names.get(cmd[0], "command")
-    if cmd[0] == ALLOC:
-        return f"{what} of {cmd[3]} B on {cmd[2]}"
-    if cmd[0] == PREPARE:
-        return f"{what} of {cmd[3]!r} on {cmd[2]}"
-    return what

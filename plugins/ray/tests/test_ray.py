@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +22,8 @@ cluster_utils = pytest.importorskip("ray.cluster_utils")
 
 import polyhal  # noqa: E402
 from polyhal.errors import KernelNotFoundError, OutOfMemoryError  # noqa: E402
-from polyhal.hal.tensor import asarray  # noqa: E402
+from polyhal.hal.queue import Semaphore  # noqa: E402
+from polyhal.hal.tensor import asarray, empty  # noqa: E402
 from polyhal.registry import Registry  # noqa: E402
 
 import polyhal_ray.plugin as ray_plugin  # noqa: E402
@@ -79,9 +81,10 @@ DATA = np.random.default_rng(0).standard_normal((32, 64)).astype(np.float32), \
 
 
 def stats(registry, name):
-    device = registry.get_device(name)
-    device.synchronize()
-    return ray.get(device.session.actor.statistics.remote())
+    """What is resident on the node of device ``name``, once everything sent (frees too) ran."""
+    session = registry.get_device(name).session
+    session.wait(session.flush())
+    return ray.get(session.actor.statistics.remote())
 
 
 def test_every_node_registers_its_devices_below_local_ones(registry, cluster):
@@ -107,6 +110,8 @@ def test_tensors_stay_on_the_node_until_read(registry, cluster):
     assert stats(registry, device.name)["buffers"] == before + 1
     with pytest.raises(polyhal.DLPackError, match="Ray node"):
         t.__dlpack__()
+    big = np.arange(1 << 19, dtype=np.float32)  # 2 MiB: uploaded through the object store
+    np.testing.assert_array_equal(asarray(big, None, device).numpy(), big)
     del t
     gc.collect()
     assert stats(registry, device.name)["buffers"] == before
@@ -124,7 +129,10 @@ def test_remote_plan_replays_through_a_compiled_graph(registry, cluster):
     session = registry.get_device(name).session
     del plan, out
     gc.collect()
-    assert session._graph is None  # the graph (and its polling loop) goes with the last replayed plan
+    deadline = time.monotonic() + 30  # the graph (and its polling loop) goes soon after the last replayed plan
+    while session._graph is not None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert session._graph is None
 
 
 @pytest.mark.parametrize("split", ["local-remote", "remote-local", "node-node"])
@@ -137,6 +145,30 @@ def test_a_model_split_across_devices_gives_the_single_device_outputs(registry, 
         assert "through Ray's object store" in plan.explain()
     for _ in range(2):
         np.testing.assert_allclose(plan.run_numpy(*DATA)[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_queue_submissions_complete_through_semaphores(registry, cluster):
+    device = registry.get_device(remote(registry, cluster.node_a))
+    queue = device.queues[0]
+    t, u = empty((16,), np.uint8, device), empty((16,), np.uint8, device)
+    filled, copied = Semaphore(0, "filled"), Semaphore(0, "copied")
+    queue.fill(t.buffer, 0, 16, b"\x07", signal=[(filled, 1)])
+    queue.copy(t.buffer, 0, u.buffer, 0, 16, wait=[(filled, 1)], signal=[(copied, 1)])
+    copied.wait(1, timeout=60)  # signalled by the node's answer, on the completion thread
+    np.testing.assert_array_equal(u.numpy(), 7)
+
+
+def test_the_cost_policy_sees_measured_links_to_and_between_nodes(registry, cluster):
+    from polyhal.policies.cost import link_bandwidth
+
+    local, a, head = (registry.spec(n) for n in ("cpu:0", remote(registry, cluster.node_a),
+                                                 remote(registry, cluster.head_node)))
+    for src, dst in ((local, a), (a, local), (head, a)):
+        value, source = link_bandwidth(registry, src, dst)
+        assert 0 < value < float("inf") and source == "declared by ray", (src.name, dst.name, value, source)
+    assert link_bandwidth(registry, local, a)[0] == link_bandwidth(registry, local, a)[0]  # measured once
+    assert link_bandwidth(registry, a, registry.spec(remote(registry, cluster.node_a, "mydev:0")))[1] != \
+        "declared by ray"  # two devices of one node: the node's own business
 
 
 def test_an_op_a_node_has_no_kernel_for_is_refused_at_compile(registry, cluster):
@@ -205,6 +237,13 @@ def test_a_node_lost_mid_run_names_it_and_the_others_go_on(cluster, monkeypatch)
         for _ in range(3):  # the loss may be noticed at the next submission or at the read
             plan.run_numpy(*DATA)
     assert info.value.node == short_id(victim.node_id) and short_id(victim.node_id) in str(info.value)
+
+    # Work submitted to the lost node's queue fails its semaphores with the loss.
+    after = Semaphore(0, "after")
+    with pytest.raises(NodeLostError):
+        reg.get_device(lost).queues[0].execute([], signal=[(after, 1)])
+    with pytest.raises(polyhal.SemaphoreFailedError, match="was lost"):
+        after.wait(1, timeout=5)
 
     # Node a goes on, and keeps nothing of the failed runs once the plan is gone.
     survivor = polyhal.compile(mlp(a, a), registry=reg)
