@@ -293,12 +293,16 @@ def test_heterogeneous_placement_and_strict(add_only_device):
 
 # --------------------------------------------------------------------------------- CLI
 
-def test_cli_run_random_inputs_explain_and_json(capsys, tmp_path):
+def test_cli_run_random_inputs_explain_and_json(capsys, tmp_path, monkeypatch):
+    monkeypatch.delenv("POLYHAL_PROGRESS", raising=False)
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--dim", "batch=4", "--explain", "--repeat", "3",
                      "--device", "cpu:0"]) == 0
     out, err = capsys.readouterr()
     assert "output probs: float32[4, 16]" in out and "fc0 (Gemm) + relu0 (Relu): fused_linear -> cpu:0" in out
-    assert "3 runs: median" in out and "3/3 runs" in err
+    assert "3 runs: median" in out and "runs," not in err  # stderr is no terminal: no progress bar
+    monkeypatch.setenv("POLYHAL_PROGRESS", "1")  # asked for: one line at the end
+    assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--dim", "batch=4", "--repeat", "3", "--device", "cpu:0"]) == 0
+    assert "3/3 runs" in capsys.readouterr().err
     assert cli_main(["run", str(EXAMPLES / "mlp.onnx"), "--json", "--output", str(tmp_path / "out")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["outputs"][0]["shape"] == [1, 16] and report["devices"]
