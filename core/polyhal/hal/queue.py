@@ -390,7 +390,14 @@ class InlineQueue:
     def alloca(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
                usage: BufferUsage = BufferUsage.DEFAULT, wait: SemaphoreList = (),
                signal: SemaphoreList = ()) -> "Buffer":
-        return self._submit(lambda: self.device.allocator.allocate(nbytes, memory_type, usage), wait, signal)
+        allocate = self.device.allocator.allocate
+        if not self.asynchronous:
+            return self._submit(lambda: allocate(nbytes, memory_type, usage), wait, signal)
+        # An asynchronous queue returns before its work runs: the buffer is allocated at once and
+        # the signal, in queue order, says it is usable.
+        buffer = allocate(nbytes, memory_type, usage)
+        self._submit(lambda: None, wait, signal)
+        return buffer
 
     def dealloca(self, buffer: "Buffer", wait: SemaphoreList = (), signal: SemaphoreList = ()) -> None:
         self._submit(buffer.release, wait, signal)
@@ -430,13 +437,6 @@ class HostThreadQueue(InlineQueue):
                 InlineQueue._submit(self, work, wait, signal)
             except BaseException:  # noqa: BLE001 -- delivered through the failed signal semaphores
                 pass
-
-    def alloca(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
-               usage: BufferUsage = BufferUsage.DEFAULT, wait: SemaphoreList = (),
-               signal: SemaphoreList = ()) -> "Buffer":
-        buffer = self.device.allocator.allocate(nbytes, memory_type, usage)
-        self._submit(lambda: None, wait, signal)
-        return buffer
 
     def close(self) -> None:
         """Stop the worker once the submitted work is done (later submissions start a new one)."""

@@ -29,11 +29,9 @@ import queue as _stdqueue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Hashable
 
-from polyhal.hal.flags import BufferUsage, MemoryType
 from polyhal.hal.queue import InlineQueue, SemaphoreList, fail_all
 
 if TYPE_CHECKING:
-    from polyhal.hal.buffer import Buffer
     from polyhal.hal.device import Device
 
 __all__ = ["EventFence", "EventQueue"]
@@ -156,10 +154,3 @@ class EventQueue(InlineQueue):
                 with self._lock:
                     self._backlog -= 1
 
-    def alloca(self, nbytes: int, memory_type: MemoryType = MemoryType.OPTIMAL | MemoryType.DEVICE_LOCAL,
-               usage: BufferUsage = BufferUsage.DEFAULT, wait: SemaphoreList = (),
-               signal: SemaphoreList = ()) -> "Buffer":
-        # Allocated at once (the buffer is returned); the signal, in queue order, says it is usable.
-        buffer = self.device.allocator.allocate(nbytes, memory_type, usage)
-        self._submit(lambda: None, wait, signal)
-        return buffer
