@@ -177,8 +177,12 @@ def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
     attr = Attr([("sum",)] * has_residual + [(activation, alpha, beta)])
     # A blocked conv's maps are channels-last storage: created on that layout first, so a chain
     # hands its maps over as they lie; otherwise (and if that is refused) on layouts "any".
+    # A pointwise conv on NCHW maps is a GEMM as they lie (oneDNN's gemm:jit): that beat brgconv
+    # between two reorders on the 2-core VM (512 -> 128 at 14x14, batch 1: 0.84 against 1.9 ms;
+    # 256 -> 64 at 56x56: 5.6 against 24 ms); a 3x3 one lost (128 -> 32 at 14x14: 1.3 against 0.8 ms).
+    pointwise = all(k == 1 for k in k_dims) and all(v == 1 for v in strides) and not any(pads) and group == 1
     tries = []
-    if x_name == "nhwc" or y_name == "nhwc":
+    if x_name == "nhwc" or y_name == "nhwc" or pointwise:
         tries.append((x_user, y_user))
     tries.append((onednn.any_layout(x_dims, dt), onednn.any_layout(y_dims, dt)))
     refused = None
@@ -209,8 +213,8 @@ def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
     scratchpad = max([prim.scratchpad_bytes] + [r.primitive.scratchpad_bytes for r in (src, dst, residual) if r]
                      + ([weights.scratchpad_bytes] if weights is not None else []))
     reorders = [f"{x_name}->{chosen_x}"] * bool(src) + [f"{chosen_y}->{y_name}"] * bool(dst)
-    name = (f"oneDNN conv [{prim.impl}] on {chosen_x}"
-            + (f" +{'+'.join(p for p, on in (('bias', has_bias), ('sum', has_residual), (activation, activation != 'none')) if on)}")
+    fused = [p for p, on in (("bias", has_bias), ("sum", has_residual), (activation, activation != "none")) if on]
+    name = (f"oneDNN conv [{prim.impl}] on {chosen_x}" + (f" +{'+'.join(fused)}" if fused else "")
             + (f"; reorders {', '.join(reorders)}" if reorders else ""))
     return ConvPlan(prim, has_bias, has_residual, src, dst, residual, weights, w_md.nbytes if weights else 0,
                     scratchpad, name)
@@ -245,10 +249,12 @@ def _bound(scratch, requests):
     return scratch if scratch is not None or not requests else standalone(None, requests)
 
 
-def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scratch_weights: np.ndarray | None):
+def _kept_weights(reorder: Callable[..., None] | None, nbytes: int, scratch_weights: np.ndarray | None,
+                  pad: tuple[int, ...]):
     """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder;
     else reordered once and kept while the same read-only array comes again (a plan's constant),
-    or into ``scratch_weights`` on every call."""
+    or into ``scratch_weights`` on every call. ``pad`` is the scratchpad's address (a reorder
+    may need one too), or nothing."""
     from polyhal_cpu.table import frozen
 
     if reorder is None:
@@ -260,10 +266,10 @@ def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scrat
             return address(kept[1])
         if frozen(w):
             copy = np.empty(max(nbytes, 1), np.uint8)
-            reorder(address(w), address(copy))
+            reorder(address(w), address(copy), *pad)
             kept[0], kept[1] = w, copy
             return address(copy)
-        reorder(address(w), address(scratch_weights))
+        reorder(address(w), address(scratch_weights), *pad)
         return address(scratch_weights)
     return weights
 
@@ -283,7 +289,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
 
     pad_address = (address(buf("scratchpad")),) if pad else ()
     weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
-                            buf("weights") if plan.weights else None)
+                            buf("weights") if plan.weights else None, pad_address)
     src_in = plan.src.primitive.executor() if plan.src else None
     src_at = address(buf("src")) if plan.src else 0
     dst_out = plan.dst.primitive.executor() if plan.dst else None
@@ -315,6 +321,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
             dst_out(da, address(out), *pad_address)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
+    kernel.scratch = scratch  # type: ignore[attr-defined]  (so does its scratch: it runs on addresses)
     return kernel
 
 
@@ -463,7 +470,7 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
     execute = plan.matmul.executor()
     pad = (address(scratch.buffer("scratchpad")),) if plan.scratchpad_bytes else ()
     weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
-                            scratch.buffer("weights") if plan.weights else None)
+                            scratch.buffer("weights") if plan.weights else None, pad)
     has_bias, binary = plan.has_bias, plan.binary
     contiguous = np.ascontiguousarray
 
@@ -480,4 +487,5 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
             execute(address(a), weights(b), address(out), *extra, *pad)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]
+    kernel.scratch = scratch  # type: ignore[attr-defined]
     return kernel

@@ -151,3 +151,21 @@ def test_matmul_family_against_reference(op):
         kernel(*inputs, out)
         (want,) = OPS[op].reference(*inputs, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"{op} seed {seed}")
+
+
+@needs_onednn
+def test_kernel_prepared_alone_keeps_its_scratch():
+    # prepared without a plan, the kernel's scratch is made at prepare; the kernel runs on its
+    # addresses, so it must keep it alive (a 1x1 conv whose weights reorder needs a scratchpad)
+    import gc
+
+    x, w = _f(1, 512, 7, 7), _f(128, 512, 1, 1)
+    w.flags.writeable = False
+    attrs = {"strides": [1, 1], "pads": [0, 0, 2, 2], "dilations": [1, 1], "group": 1}
+    types = (TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype))
+    (y,) = OPS["conv"].infer(types, attrs)
+    kernel = prepare("conv", attrs, types, (y,))
+    gc.collect()
+    out = np.empty(y.shape, np.float32)
+    kernel(x, w, out)
+    np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-4, atol=1e-4)
