@@ -62,7 +62,7 @@ def _served(ins, outs) -> bool:
     """Whether oneDNN is usable and asked about operands of these types (one type, one it names;
     whether a primitive takes it is the library's answer)."""
     dtype = outs[0].dtype
-    return dtype in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
+    return dtype.name in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
 
 
 def _key(op: str, attrs: dict, ins, outs) -> tuple:
@@ -489,3 +489,52 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
     kernel.plan = plan  # type: ignore[attr-defined]
     kernel.scratch = scratch  # type: ignore[attr-defined]
     return kernel
+
+
+# ------------------------------------------------------------------------------------ explain
+
+#: The ops this module serves.
+SERVED = frozenset({"conv", "fused_conv", BLOCKED_CONV, "matmul", "gemm", "linear", "fused_linear"})
+#: Refused instances explain names one by one, at most.
+EXPLAINED_REFUSALS = 8
+
+
+def report(compilation, target) -> None:
+    """Say in explain which conv and matmul dispatches on CPU devices oneDNN runs, and why the
+    others run on the CPU's own kernels (the library missing, or a refused instance)."""
+    from polyhal.ops import resolve_attrs
+
+    placement = compilation.placement
+    ours = [op for op in compilation.current_program.ops
+            if op.kind == "dispatch" and op.name in SERVED and op.outputs
+            and placement.value_device.get(op.outputs[0].id, "").startswith("cpu")]
+    if not ours:
+        return
+    version, why = onednn.status()
+    if version is None:
+        compilation.notes.append(f"oneDNN unusable ({why}): the CPU's own kernels run all {len(ours)} conv/matmul "
+                                 "dispatches")
+        return
+    own = []
+    for op in ours:
+        attrs = resolve_attrs(op.name, dict(op.attrs))
+        ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
+        planned = (matmul_plan if op.name in ("matmul", "gemm", "linear", "fused_linear") else conv_plan)(
+            op.name, attrs, ins, outs)
+        if planned is None:
+            own.append((op, _REFUSED.get(_key(op.name, attrs, ins, outs), "a type oneDNN is not asked about")))
+    compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
+                             "run as oneDNN primitives")
+    for op, reason in own[:EXPLAINED_REFUSALS]:
+        compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's own kernel: {reason}")
+    if len(own) > EXPLAINED_REFUSALS:
+        compilation.notes.append(f"  ... and {len(own) - EXPLAINED_REFUSALS} more on the CPU's own kernels")
+
+
+def registrations():
+    """The CPU's explain pass for oneDNN, after ``bufferize`` (which planned every primitive)."""
+    from polyhal import PassRegistration
+    from polyhal.passes.pipeline import Pass
+
+    return [PassRegistration(Pass("cpu-onednn-report", report, requires=("buffers-planned",),
+                                  provides=("cpu-onednn-reported",)), after="bufferize")]

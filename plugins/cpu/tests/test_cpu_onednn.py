@@ -60,6 +60,13 @@ def test_refused_instance_falls_back_per_op():
     out = np.empty(outs[0].shape)
     kernel(x, w, out)
     np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-10, atol=1e-10)
+    # and explain says so, by name
+    b = polyhal.ProgramBuilder("f64")
+    y = b.op("conv", b.input("x", x.shape, x.dtype), b.constant(w), pads=(1, 1, 1, 1))
+    b.output(b.op("relu", y))
+    explain = polyhal.compile(b.build(), "cpu:0").explain()
+    assert "0 of 1 conv/matmul dispatches on the CPU run as oneDNN primitives" in explain
+    assert "runs on the CPU's own kernel: oneDNN has no implementation of this" in explain
 
 
 def test_library_missing_falls_back_and_says_so():
@@ -67,12 +74,13 @@ def test_library_missing_falls_back_and_says_so():
             "p = polyhal.ProgramBuilder('c'); x = p.input('x', (1, 8, 10, 10), np.float32); "
             "w = p.constant(np.ones((8, 8, 3, 3), np.float32)); p.output(p.op('conv', x, w, pads=(1, 1, 1, 1))); "
             "plan = polyhal.compile(p.build(), 'cpu:0'); y = plan(np.ones((1, 8, 10, 10), np.float32)).numpy(); "
-            "print(json.dumps([onednn.status()[1], y[0, 0, 5, 5].item(), 'onednn_' in plan.explain()]))")
+            "print(json.dumps([onednn.status()[1], y[0, 0, 5, 5].item(), plan.explain()]))")
     proc = _child(code, POLYHAL_CPU_ONEDNN_LIBRARY="/nonexistent/libdnnl.so.3")
     assert proc.returncode == 0, proc.stderr
-    why, value, onednn_scratch = json.loads(proc.stdout.strip().splitlines()[-1])
+    why, value, explain = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "/nonexistent/libdnnl.so.3" in why
-    assert value == 72.0 and not onednn_scratch  # the CPU's own conv ran it
+    assert value == 72.0 and "onednn_" not in explain  # the CPU's own conv ran it, without oneDNN's scratch
+    assert "oneDNN unusable (/nonexistent/libdnnl.so.3 does not exist" in explain
     devices = subprocess.run([sys.executable, "-m", "polyhal.cli", "devices"], capture_output=True, text=True,
                              timeout=300, env={**os.environ, "POLYHAL_CPU_ONEDNN_LIBRARY": "/nonexistent/libdnnl.so.3"})
     line = next(li for li in devices.stdout.splitlines() if li.startswith("cpu:0"))
