@@ -342,6 +342,10 @@ class MatmulPlan:
 
 
 _MATMULS: dict[tuple, MatmulPlan | None] = {}
+#: The matmul implementations taken (prefixes of oneDNN's names): the brgemm ones. oneDNN 3.2 has
+#: them from AVX-512 on; on AVX2 its matmul is ``gemm:jit``, which measured slower than the CPU's
+#: own GEMMs, so matmuls stay on those there.
+MATMUL_IMPLEMENTATIONS = ("brg",)
 
 
 def _broadcast_md(shape: tuple[int, ...], rank: int, dtype) -> MemoryDesc:
@@ -428,6 +432,11 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
     attr = Attr(post)
     b_md = onednn.any_layout(b_dims, dt) if constant_b else b_user
     pd = onednn.matmul_desc(op, a_md, b_md, bias, out_md, attr)
+    impl = onednn.implementation(pd)
+    if not impl.startswith(MATMUL_IMPLEMENTATIONS):
+        onednn.lib().primitive_desc_destroy(pd)
+        raise Refused(f"oneDNN's matmul here is {impl}, which lost to the CPU's own GEMMs (GPT-2 b1 on the 2-core "
+                      "AVX2 VM: 1.5-1.7 s against 0.66-0.70 s); its brgemm matmuls (AVX-512 and up) are used")
     args = (ARG_SRC, ARG_WEIGHTS) + ((ARG_BIAS,) if bias is not None else ()) + (ARG_DST,) + attr.binary_args
     prim = Primitive(pd, args, op)
     w_md = prim.mds[ARG_WEIGHTS]

@@ -148,17 +148,37 @@ def test_chain_keeps_channels_last_and_reorders_only_at_its_edges():
 
 @needs_onednn
 @pytest.mark.parametrize("op", ["matmul", "gemm", "linear", "fused_linear"])
-def test_matmul_family_against_reference(op):
+def test_matmul_family_against_reference(op, monkeypatch):
+    # every implementation taken, so that the path runs here too (on AVX2 oneDNN 3.2's matmul is
+    # gemm:jit, which the CPU leaves to its own GEMMs)
+    monkeypatch.setattr(onednn_kernels, "MATMUL_IMPLEMENTATIONS", ("",))
+    monkeypatch.setattr(onednn_kernels, "_MATMULS", {})
     for seed in range(12):
         inputs, attrs = OPS[op].sample(np.random.default_rng(seed))
         inputs = [np.asarray(a, np.float32) for a in inputs]
         types = tuple(TensorType(a.shape, a.dtype) for a in inputs)
         outs = tuple(OPS[op].infer(types, attrs))
         kernel = prepare(op, attrs, types, outs)
+        asked = all(t.size for t in (*types, *outs)) and (op != "matmul" or min(t.rank for t in types) >= 2)
+        if asked and not hasattr(kernel, "kernel_name"):
+            # (empty operands: nothing to compute; vectors: numpy's own) refused, e.g. a C of (M, 1), which oneDNN
+            # broadcasts only in its reference implementation: the CPU's own GEMM ran it
+            assert any(k[0] == op and k[2] == types for k in onednn_kernels.refusals()), (seed, types)
         out = np.empty(outs[0].shape, np.float32)
         kernel(*inputs, out)
         (want,) = OPS[op].reference(*inputs, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"{op} seed {seed}")
+
+
+@needs_onednn
+def test_matmul_left_to_own_gemms_where_oneDNN_has_no_brgemm():
+    a, b = TensorType((64, 96), np.float32), TensorType((96, 32), np.float32)
+    plan = onednn_kernels.matmul_plan("matmul", {}, (a, b), (TensorType((64, 32), np.float32),))
+    if plan is not None:
+        assert plan.matmul.impl.startswith("brg")
+    else:
+        assert "lost to the CPU's own GEMMs" in onednn_kernels.refusals()[
+            onednn_kernels._key("matmul", {}, (a, b), (TensorType((64, 32), np.float32),))]
 
 
 @needs_onednn
