@@ -54,8 +54,8 @@ from polyhal.errors import KernelError, OutOfMemoryError
 
 from polyhal_cpu.settings import CPUSettings
 
-__all__ = ["ACTIVATIONS", "OneDNNError", "Memory", "Primitive", "check", "conv_desc", "describe", "matmul_desc",
-           "plain", "reorder", "status", "usable"]
+__all__ = ["ACTIVATIONS", "Attr", "MemoryDesc", "OneDNNError", "Primitive", "Refused", "any_layout", "check",
+           "conv_desc", "describe", "implementation", "listed", "matmul_desc", "plain", "reorder", "status", "usable"]
 
 # ------------------------------------------------------------------------------ the C API's values
 # (oneDNN 3.2's dnnl_types.h / dnnl_common_types.h)
@@ -77,7 +77,6 @@ CONVOLUTION_DIRECT = 0x1
 BINARY_ADD = 0x1FFF0
 ELTWISE_LINEAR = 38
 SCRATCHPAD_USER = 1
-POOLING_MAX, POOLING_AVG_INCLUDE, POOLING_AVG_EXCLUDE = 0x1FF, 0x2FF, 0x3FF
 # queries
 Q_IMPL_INFO, Q_SRC_MD, Q_WEIGHTS_MD, Q_DST_MD, Q_SCRATCHPAD_MD, Q_EXEC_ARG_MD = 8, 129, 131, 133, 136, 255
 Q_STRIDES, Q_NDIMS, Q_DIMS, Q_PADDED_DIMS, Q_FORMAT_KIND = 14, 256, 257, 260, 262
@@ -165,8 +164,6 @@ _SIGNATURES = {
                 DIMS, c_void_p]),
     "dnnl_matmul_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                   c_void_p, c_void_p]),
-    "dnnl_pooling_forward_primitive_desc_create": (
-        c_int, [POINTER(c_void_p), c_void_p, c_int, c_int, c_void_p, c_void_p, DIMS, DIMS, DIMS, DIMS, DIMS, c_void_p]),
     "dnnl_reorder_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                    c_void_p]),
     "dnnl_primitive_desc_query": (c_int, [c_void_p, c_int, c_int, c_void_p]),
@@ -578,17 +575,6 @@ def matmul_desc(op: str, src: MemoryDesc, weights: MemoryDesc, bias: MemoryDesc 
     status = loaded.matmul_primitive_desc_create(byref(pd), loaded.engine, src.handle, weights.handle,
                                                  bias.handle if bias is not None else None, dst.handle, attr.handle)
     return _created(status, pd, "dnnl_matmul_primitive_desc_create", op)
-
-
-def pooling_desc(op: str, alg: int, src: MemoryDesc, dst: MemoryDesc, strides, kernel, dilations, pad_l, pad_r,
-                 attr: Attr) -> c_void_p:
-    """A forward-inference pooling's primitive descriptor."""
-    loaded = lib()
-    pd = c_void_p()
-    status = loaded.pooling_forward_primitive_desc_create(
-        byref(pd), loaded.engine, FORWARD_INFERENCE, alg, src.handle, dst.handle, _dims(strides), _dims(kernel),
-        _dims(dilations), _dims(pad_l), _dims(pad_r), attr.handle)
-    return _created(status, pd, "dnnl_pooling_forward_primitive_desc_create", op)
 
 
 def reorder(op: str, src: MemoryDesc, dst: MemoryDesc) -> Primitive:

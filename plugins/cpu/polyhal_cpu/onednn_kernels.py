@@ -38,10 +38,7 @@ from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, S
 from polyhal.ir.types import TensorType
 
 from polyhal_cpu import onednn
-from polyhal_cpu.onednn import (
-    ARG_BIAS, ARG_DST, ARG_POST_OP_BASE, ARG_SRC, ARG_SRC_1, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused,
-    address,
-)
+from polyhal_cpu.onednn import ARG_BIAS, ARG_DST, ARG_SRC, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused, address
 from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.scratch import array as scratch_array
 
