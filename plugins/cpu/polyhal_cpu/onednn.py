@@ -178,7 +178,7 @@ _SIGNATURES = {
 def library_path() -> Path | None:
     """Where libdnnl is: ``POLYHAL_CPU_ONEDNN_LIBRARY``, else the environment's ``lib/`` (where
     the wheel puts it), else None."""
-    given = os.environ.get("POLYHAL_CPU_ONEDNN_LIBRARY")
+    given = CPUSettings.from_env().onednn_library
     if given:
         return Path(given)
     for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
