@@ -79,13 +79,17 @@ def _threads(device: str) -> dict:
     """What each side may use: onnxruntime's intra-op pool, polyhal's kernel pool and the BLAS."""
     info = {"onnxruntime_intra_op": f"default (one per physical core; {os.cpu_count()} logical CPUs here)"}
     env = {k: os.environ[k] for k in ("POLYHAL_CPU_THREADS", "OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS",
-                                       "NUMBA_NUM_THREADS") if k in os.environ}
+                                       "NUMBA_NUM_THREADS", "POLYHAL_CPU_ONEDNN", "OMP_WAIT_POLICY")
+           if k in os.environ}
     info["env"] = env
     if device.startswith("cpu"):
         try:
+            from polyhal_cpu import onednn
             from polyhal_cpu.parallel import threads
 
             info["polyhal_cpu_pool"] = threads()
+            version, why = onednn.status()
+            info["onednn"] = version or f"not used: {why}"  # convs (and, with brgemm, matmuls) as its primitives
         except ImportError:
             pass
     try:

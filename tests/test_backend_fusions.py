@@ -200,7 +200,8 @@ def _scale_shift_then_conv() -> polyhal.Program:
     return b.build()
 
 
-def test_the_cpu_claims_its_conv_prologue():
+def test_the_cpu_claims_its_conv_prologue(monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_ONEDNN", "0")  # with oneDNN's convs (no prologue) the CPU claims none
     plan = polyhal.compile(_scale_shift_then_conv(), "cpu:0")
     assert _ops(plan) == ["cpu.scale_shift_conv"]
     assert "cpu-fuse-conv-prologue:" in plan.explain() and "-> cpu.scale_shift_conv" in plan.explain()

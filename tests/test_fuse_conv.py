@@ -17,6 +17,14 @@ onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _cpu_own_kernels(monkeypatch):
+    """These check the fusions as the CPU's own kernels see them: with oneDNN (polyhal_cpu.onednn)
+    the CPU claims no conv prologue and keeps chains of ordinary convs channels-last, which
+    plugins/cpu/tests/test_cpu_onednn.py checks."""
+    monkeypatch.setenv("POLYHAL_CPU_ONEDNN", "0")
+
 RNG = np.random.default_rng(3)
 X = RNG.standard_normal((1, 4, 8, 8)).astype(np.float32)
 

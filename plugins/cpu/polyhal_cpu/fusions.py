@@ -26,6 +26,7 @@ from polyhal.ir.program import Op, Program, Value, consumers_of, uses_and_produc
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs
 
+from polyhal_cpu import onednn
 from polyhal_cpu.ops import SCALE_SHIFT_CONV
 
 __all__ = ["PROLOGUE_PASS", "fuse_conv_prologue", "registrations"]
@@ -52,7 +53,11 @@ def fuse_conv_prologue(program: Program, fusible) -> tuple[Program, list[Fusion]
 
     ``program`` with each ``scale_shift`` whose only reader is a 2-D conv (or fused conv) taken
     into it as its prologue, where ``fusible(SCALE_SHIFT_CONV, (scale_shift, conv))`` allows, and
-    what changed (see the module docstring)."""
+    what changed (see the module docstring). Not where oneDNN runs the convs
+    (:mod:`polyhal_cpu.onednn_kernels`): its primitives have no prologue, so the conv stays a
+    oneDNN conv and the ``scale_shift`` one pass of its own."""
+    if onednn.usable():
+        return program, []
     uses, _ = uses_and_producers(program)
     readers_of = consumers_of(program)
     fused: dict[int, tuple[Op, Op]] = {}  # id(conv) -> (scale_shift, conv)

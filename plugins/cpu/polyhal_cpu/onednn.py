@@ -54,8 +54,8 @@ from polyhal.errors import KernelError, OutOfMemoryError
 
 from polyhal_cpu.settings import CPUSettings
 
-__all__ = ["ACTIVATIONS", "OneDNNError", "Memory", "Primitive", "check", "conv_desc", "describe", "matmul_desc",
-           "plain", "reorder", "status", "usable"]
+__all__ = ["ACTIVATIONS", "Attr", "MemoryDesc", "OneDNNError", "Primitive", "Refused", "any_layout", "check",
+           "conv_desc", "describe", "implementation", "listed", "matmul_desc", "plain", "reorder", "status", "usable"]
 
 # ------------------------------------------------------------------------------ the C API's values
 # (oneDNN 3.2's dnnl_types.h / dnnl_common_types.h)
@@ -67,14 +67,8 @@ UNIMPLEMENTED = 3
 #: Element types as oneDNN's data types. Which of them a primitive takes depends on the CPU
 #: (float16 and bfloat16 need AVX-512 FP16 / BF16 or AMX; float64 has no CPU primitives): a
 #: primitive descriptor that refuses one is ``unimplemented``, and the CPU's own kernel runs it.
-DATA_TYPES = {np.dtype(np.float16): 1, np.dtype(np.float32): 3, np.dtype(np.float64): 7}
-try:
-    import ml_dtypes
+DATA_TYPES = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 7}  # by dtype name: ml_dtypes is not imported
 
-    DATA_TYPES[np.dtype(ml_dtypes.bfloat16)] = 2
-except ImportError:  # pragma: no cover - numpy without ml_dtypes: no bfloat16 tensors either
-    pass
-F32 = 3
 FORMAT_ANY = 1
 CPU_ENGINE = 1
 STREAM_IN_ORDER = 1
@@ -83,7 +77,6 @@ CONVOLUTION_DIRECT = 0x1
 BINARY_ADD = 0x1FFF0
 ELTWISE_LINEAR = 38
 SCRATCHPAD_USER = 1
-POOLING_MAX, POOLING_AVG_INCLUDE, POOLING_AVG_EXCLUDE = 0x1FF, 0x2FF, 0x3FF
 # queries
 Q_IMPL_INFO, Q_SRC_MD, Q_WEIGHTS_MD, Q_DST_MD, Q_SCRATCHPAD_MD, Q_EXEC_ARG_MD = 8, 129, 131, 133, 136, 255
 Q_STRIDES, Q_NDIMS, Q_DIMS, Q_PADDED_DIMS, Q_FORMAT_KIND = 14, 256, 257, 260, 262
@@ -171,8 +164,6 @@ _SIGNATURES = {
                 DIMS, c_void_p]),
     "dnnl_matmul_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                   c_void_p, c_void_p]),
-    "dnnl_pooling_forward_primitive_desc_create": (
-        c_int, [POINTER(c_void_p), c_void_p, c_int, c_int, c_void_p, c_void_p, DIMS, DIMS, DIMS, DIMS, DIMS, c_void_p]),
     "dnnl_reorder_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                    c_void_p]),
     "dnnl_primitive_desc_query": (c_int, [c_void_p, c_int, c_int, c_void_p]),
@@ -187,7 +178,7 @@ _SIGNATURES = {
 def library_path() -> Path | None:
     """Where libdnnl is: ``POLYHAL_CPU_ONEDNN_LIBRARY``, else the environment's ``lib/`` (where
     the wheel puts it), else None."""
-    given = os.environ.get("POLYHAL_CPU_ONEDNN_LIBRARY")
+    given = CPUSettings.from_env().onednn_library
     if given:
         return Path(given)
     for prefix in dict.fromkeys((sys.prefix, sys.base_prefix)):
@@ -406,7 +397,7 @@ def plain(shape: tuple[int, ...], strides: tuple[int, ...] | None = None, dtype=
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
     md = c_void_p()
-    check(lib().memory_desc_create_with_strides(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype)],
+    check(lib().memory_desc_create_with_strides(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype).name],
                                                 _dims(strides)),
           "dnnl_memory_desc_create_with_strides")
     return MemoryDesc(md)
@@ -415,7 +406,7 @@ def plain(shape: tuple[int, ...], strides: tuple[int, ...] | None = None, dtype=
 def any_layout(shape: tuple[int, ...], dtype=np.float32) -> MemoryDesc:
     """A descriptor of ``shape`` and ``dtype`` with layout ``any``: the primitive chooses."""
     md = c_void_p()
-    check(lib().memory_desc_create_with_tag(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype)],
+    check(lib().memory_desc_create_with_tag(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype).name],
                                             FORMAT_ANY),
           "dnnl_memory_desc_create_with_tag")
     return MemoryDesc(md)
@@ -584,17 +575,6 @@ def matmul_desc(op: str, src: MemoryDesc, weights: MemoryDesc, bias: MemoryDesc 
     status = loaded.matmul_primitive_desc_create(byref(pd), loaded.engine, src.handle, weights.handle,
                                                  bias.handle if bias is not None else None, dst.handle, attr.handle)
     return _created(status, pd, "dnnl_matmul_primitive_desc_create", op)
-
-
-def pooling_desc(op: str, alg: int, src: MemoryDesc, dst: MemoryDesc, strides, kernel, dilations, pad_l, pad_r,
-                 attr: Attr) -> c_void_p:
-    """A forward-inference pooling's primitive descriptor."""
-    loaded = lib()
-    pd = c_void_p()
-    status = loaded.pooling_forward_primitive_desc_create(
-        byref(pd), loaded.engine, FORWARD_INFERENCE, alg, src.handle, dst.handle, _dims(strides), _dims(kernel),
-        _dims(dilations), _dims(pad_l), _dims(pad_r), attr.handle)
-    return _created(status, pd, "dnnl_pooling_forward_primitive_desc_create", op)
 
 
 def reorder(op: str, src: MemoryDesc, dst: MemoryDesc) -> Primitive:

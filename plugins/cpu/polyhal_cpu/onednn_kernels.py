@@ -38,10 +38,7 @@ from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, S
 from polyhal.ir.types import TensorType
 
 from polyhal_cpu import onednn
-from polyhal_cpu.onednn import (
-    ARG_BIAS, ARG_DST, ARG_POST_OP_BASE, ARG_SRC, ARG_SRC_1, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused,
-    address,
-)
+from polyhal_cpu.onednn import ARG_BIAS, ARG_DST, ARG_SRC, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused, address
 from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.scratch import array as scratch_array
 
@@ -62,7 +59,7 @@ def _served(ins, outs) -> bool:
     """Whether oneDNN is usable and asked about operands of these types (one type, one it names;
     whether a primitive takes it is the library's answer)."""
     dtype = outs[0].dtype
-    return dtype in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
+    return dtype.name in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
 
 
 def _key(op: str, attrs: dict, ins, outs) -> tuple:
@@ -177,8 +174,12 @@ def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
     attr = Attr([("sum",)] * has_residual + [(activation, alpha, beta)])
     # A blocked conv's maps are channels-last storage: created on that layout first, so a chain
     # hands its maps over as they lie; otherwise (and if that is refused) on layouts "any".
+    # A pointwise conv on NCHW maps is a GEMM as they lie (oneDNN's gemm:jit): that beat brgconv
+    # between two reorders on the 2-core VM (512 -> 128 at 14x14, batch 1: 0.84 against 1.9 ms;
+    # 256 -> 64 at 56x56: 5.6 against 24 ms); a 3x3 one lost (128 -> 32 at 14x14: 1.3 against 0.8 ms).
+    pointwise = all(k == 1 for k in k_dims) and all(v == 1 for v in strides) and not any(pads) and group == 1
     tries = []
-    if x_name == "nhwc" or y_name == "nhwc":
+    if x_name == "nhwc" or y_name == "nhwc" or pointwise:
         tries.append((x_user, y_user))
     tries.append((onednn.any_layout(x_dims, dt), onednn.any_layout(y_dims, dt)))
     refused = None
@@ -209,8 +210,8 @@ def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
     scratchpad = max([prim.scratchpad_bytes] + [r.primitive.scratchpad_bytes for r in (src, dst, residual) if r]
                      + ([weights.scratchpad_bytes] if weights is not None else []))
     reorders = [f"{x_name}->{chosen_x}"] * bool(src) + [f"{chosen_y}->{y_name}"] * bool(dst)
-    name = (f"oneDNN conv [{prim.impl}] on {chosen_x}"
-            + (f" +{'+'.join(p for p, on in (('bias', has_bias), ('sum', has_residual), (activation, activation != 'none')) if on)}")
+    fused = [p for p, on in (("bias", has_bias), ("sum", has_residual), (activation, activation != "none")) if on]
+    name = (f"oneDNN conv [{prim.impl}] on {chosen_x}" + (f" +{'+'.join(fused)}" if fused else "")
             + (f"; reorders {', '.join(reorders)}" if reorders else ""))
     return ConvPlan(prim, has_bias, has_residual, src, dst, residual, weights, w_md.nbytes if weights else 0,
                     scratchpad, name)
@@ -245,10 +246,12 @@ def _bound(scratch, requests):
     return scratch if scratch is not None or not requests else standalone(None, requests)
 
 
-def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scratch_weights: np.ndarray | None):
+def _kept_weights(reorder: Callable[..., None] | None, nbytes: int, scratch_weights: np.ndarray | None,
+                  pad: tuple[int, ...]):
     """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder;
     else reordered once and kept while the same read-only array comes again (a plan's constant),
-    or into ``scratch_weights`` on every call."""
+    or into ``scratch_weights`` on every call. ``pad`` is the scratchpad's address (a reorder
+    may need one too), or nothing."""
     from polyhal_cpu.table import frozen
 
     if reorder is None:
@@ -260,10 +263,10 @@ def _kept_weights(reorder: Callable[[int, int], None] | None, nbytes: int, scrat
             return address(kept[1])
         if frozen(w):
             copy = np.empty(max(nbytes, 1), np.uint8)
-            reorder(address(w), address(copy))
+            reorder(address(w), address(copy), *pad)
             kept[0], kept[1] = w, copy
             return address(copy)
-        reorder(address(w), address(scratch_weights))
+        reorder(address(w), address(scratch_weights), *pad)
         return address(scratch_weights)
     return weights
 
@@ -283,7 +286,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
 
     pad_address = (address(buf("scratchpad")),) if pad else ()
     weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
-                            buf("weights") if plan.weights else None)
+                            buf("weights") if plan.weights else None, pad_address)
     src_in = plan.src.primitive.executor() if plan.src else None
     src_at = address(buf("src")) if plan.src else 0
     dst_out = plan.dst.primitive.executor() if plan.dst else None
@@ -315,6 +318,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
             dst_out(da, address(out), *pad_address)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
+    kernel.scratch = scratch  # type: ignore[attr-defined]  (so does its scratch: it runs on addresses)
     return kernel
 
 
@@ -335,6 +339,10 @@ class MatmulPlan:
 
 
 _MATMULS: dict[tuple, MatmulPlan | None] = {}
+#: The matmul implementations taken (prefixes of oneDNN's names): the brgemm ones. oneDNN 3.2 has
+#: them from AVX-512 on; on AVX2 its matmul is ``gemm:jit``, which measured slower than the CPU's
+#: own GEMMs, so matmuls stay on those there.
+MATMUL_IMPLEMENTATIONS = ("brg",)
 
 
 def _broadcast_md(shape: tuple[int, ...], rank: int, dtype) -> MemoryDesc:
@@ -421,6 +429,11 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
     attr = Attr(post)
     b_md = onednn.any_layout(b_dims, dt) if constant_b else b_user
     pd = onednn.matmul_desc(op, a_md, b_md, bias, out_md, attr)
+    impl = onednn.implementation(pd)
+    if not impl.startswith(MATMUL_IMPLEMENTATIONS):
+        onednn.lib().primitive_desc_destroy(pd)
+        raise Refused(f"oneDNN's matmul here is {impl}, which lost to the CPU's own GEMMs (GPT-2 b1 on the 2-core "
+                      "AVX2 VM: 1.5-1.7 s against 0.66-0.70 s); its brgemm matmuls (AVX-512 and up) are used")
     args = (ARG_SRC, ARG_WEIGHTS) + ((ARG_BIAS,) if bias is not None else ()) + (ARG_DST,) + attr.binary_args
     prim = Primitive(pd, args, op)
     w_md = prim.mds[ARG_WEIGHTS]
@@ -463,7 +476,7 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
     execute = plan.matmul.executor()
     pad = (address(scratch.buffer("scratchpad")),) if plan.scratchpad_bytes else ()
     weights = _kept_weights(plan.weights.executor() if plan.weights else None, plan.weights_bytes,
-                            scratch.buffer("weights") if plan.weights else None)
+                            scratch.buffer("weights") if plan.weights else None, pad)
     has_bias, binary = plan.has_bias, plan.binary
     contiguous = np.ascontiguousarray
 
@@ -480,4 +493,54 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
             execute(address(a), weights(b), address(out), *extra, *pad)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]
+    kernel.scratch = scratch  # type: ignore[attr-defined]
     return kernel
+
+
+# ------------------------------------------------------------------------------------ explain
+
+#: The ops this module serves.
+SERVED = frozenset({"conv", "fused_conv", BLOCKED_CONV, "matmul", "gemm", "linear", "fused_linear"})
+#: Refused instances explain names one by one, at most.
+EXPLAINED_REFUSALS = 8
+
+
+def report(compilation, target) -> None:
+    """Say in explain which conv and matmul dispatches on CPU devices oneDNN runs, and why the
+    others run on the CPU's own kernels (the library missing, or a refused instance)."""
+    from polyhal.ops import resolve_attrs
+
+    placement = compilation.placement
+    ours = [op for op in compilation.current_program.ops
+            if op.kind == "dispatch" and op.name in SERVED and op.outputs
+            and placement.value_device.get(op.outputs[0].id, "").startswith("cpu")]
+    if not ours:
+        return
+    version, why = onednn.status()
+    if version is None:
+        compilation.notes.append(f"oneDNN unusable ({why}): the CPU's own kernels run all {len(ours)} conv/matmul "
+                                 "dispatches")
+        return
+    own = []
+    for op in ours:
+        attrs = resolve_attrs(op.name, dict(op.attrs))
+        ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
+        planned = (matmul_plan if op.name in ("matmul", "gemm", "linear", "fused_linear") else conv_plan)(
+            op.name, attrs, ins, outs)
+        if planned is None:
+            own.append((op, _REFUSED.get(_key(op.name, attrs, ins, outs), "a type oneDNN is not asked about")))
+    compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
+                             "run as oneDNN primitives")
+    for op, reason in own[:EXPLAINED_REFUSALS]:
+        compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's own kernel: {reason}")
+    if len(own) > EXPLAINED_REFUSALS:
+        compilation.notes.append(f"  ... and {len(own) - EXPLAINED_REFUSALS} more on the CPU's own kernels")
+
+
+def registrations():
+    """The CPU's explain pass for oneDNN, after ``bufferize`` (which planned every primitive)."""
+    from polyhal import PassRegistration
+    from polyhal.passes.pipeline import Pass
+
+    return [PassRegistration(Pass("cpu-onednn-report", report, requires=("buffers-planned",),
+                                  provides=("cpu-onednn-reported",)), after="bufferize")]

@@ -72,9 +72,10 @@ def register_devices():
 
 @polyhal.hookimpl
 def register_passes():
-    """The CPU's own fusion (a conv's prologue, ``cpu.scale_shift_conv``): see :mod:`polyhal_cpu.fusions`."""
+    """The CPU's own fusion (a conv's prologue, ``cpu.scale_shift_conv``: see :mod:`polyhal_cpu.fusions`),
+    and explain's account of which convs and matmuls oneDNN runs (:mod:`polyhal_cpu.onednn_kernels`)."""
     # Imported here, at the first compile: fusion passes build on the compiler, which listing
     # devices (`polyhal devices`) does not load.
-    from polyhal_cpu.fusions import registrations
+    from polyhal_cpu import fusions, onednn_kernels
 
-    return registrations()
+    return fusions.registrations() + onednn_kernels.registrations()

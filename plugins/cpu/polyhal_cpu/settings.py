@@ -38,6 +38,9 @@ class CPUSettings(Settings, component="CPU backend"):
              "or unset it for the CPUs this process may use")
     onednn: bool = setting("POLYHAL_CPU_ONEDNN", Flag(), True,
                            "run convolutions and matmuls as oneDNN primitives where the library is installed")
+    onednn_library: str | None = setting(
+        "POLYHAL_CPU_ONEDNN_LIBRARY", Text(), None, "the oneDNN library file to load (libdnnl.so.3)",
+        shown="the environment's lib/libdnnl.so.3 (the onednn-cpu-gomp wheel's)")
     native: bool = setting("POLYHAL_CPU_NATIVE", Flag(), True, "run the numba-compiled loops where they apply")
     cache_dir: str | None = setting(
         "POLYHAL_CPU_CACHE_DIR", Text(keep_blank=True), None,

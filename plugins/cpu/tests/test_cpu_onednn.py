@@ -60,6 +60,13 @@ def test_refused_instance_falls_back_per_op():
     out = np.empty(outs[0].shape)
     kernel(x, w, out)
     np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-10, atol=1e-10)
+    # and explain says so, by name
+    b = polyhal.ProgramBuilder("f64")
+    y = b.op("conv", b.input("x", x.shape, x.dtype), b.constant(w), pads=(1, 1, 1, 1))
+    b.output(b.op("relu", y))
+    explain = polyhal.compile(b.build(), "cpu:0").explain()
+    assert "0 of 1 conv/matmul dispatches on the CPU run as oneDNN primitives" in explain
+    assert "runs on the CPU's own kernel: oneDNN has no implementation of this" in explain
 
 
 def test_library_missing_falls_back_and_says_so():
@@ -67,12 +74,13 @@ def test_library_missing_falls_back_and_says_so():
             "p = polyhal.ProgramBuilder('c'); x = p.input('x', (1, 8, 10, 10), np.float32); "
             "w = p.constant(np.ones((8, 8, 3, 3), np.float32)); p.output(p.op('conv', x, w, pads=(1, 1, 1, 1))); "
             "plan = polyhal.compile(p.build(), 'cpu:0'); y = plan(np.ones((1, 8, 10, 10), np.float32)).numpy(); "
-            "print(json.dumps([onednn.status()[1], y[0, 0, 5, 5].item(), 'onednn_' in plan.explain()]))")
+            "print(json.dumps([onednn.status()[1], y[0, 0, 5, 5].item(), plan.explain()]))")
     proc = _child(code, POLYHAL_CPU_ONEDNN_LIBRARY="/nonexistent/libdnnl.so.3")
     assert proc.returncode == 0, proc.stderr
-    why, value, onednn_scratch = json.loads(proc.stdout.strip().splitlines()[-1])
+    why, value, explain = json.loads(proc.stdout.strip().splitlines()[-1])
     assert "/nonexistent/libdnnl.so.3" in why
-    assert value == 72.0 and not onednn_scratch  # the CPU's own conv ran it
+    assert value == 72.0 and "onednn_" not in explain  # the CPU's own conv ran it, without oneDNN's scratch
+    assert "oneDNN unusable (/nonexistent/libdnnl.so.3 does not exist" in explain
     devices = subprocess.run([sys.executable, "-m", "polyhal.cli", "devices"], capture_output=True, text=True,
                              timeout=300, env={**os.environ, "POLYHAL_CPU_ONEDNN_LIBRARY": "/nonexistent/libdnnl.so.3"})
     line = next(li for li in devices.stdout.splitlines() if li.startswith("cpu:0"))
@@ -140,14 +148,52 @@ def test_chain_keeps_channels_last_and_reorders_only_at_its_edges():
 
 @needs_onednn
 @pytest.mark.parametrize("op", ["matmul", "gemm", "linear", "fused_linear"])
-def test_matmul_family_against_reference(op):
+def test_matmul_family_against_reference(op, monkeypatch):
+    # every implementation taken, so that the path runs here too (on AVX2 oneDNN 3.2's matmul is
+    # gemm:jit, which the CPU leaves to its own GEMMs)
+    monkeypatch.setattr(onednn_kernels, "MATMUL_IMPLEMENTATIONS", ("",))
+    monkeypatch.setattr(onednn_kernels, "_MATMULS", {})
     for seed in range(12):
         inputs, attrs = OPS[op].sample(np.random.default_rng(seed))
         inputs = [np.asarray(a, np.float32) for a in inputs]
         types = tuple(TensorType(a.shape, a.dtype) for a in inputs)
         outs = tuple(OPS[op].infer(types, attrs))
         kernel = prepare(op, attrs, types, outs)
+        asked = all(t.size for t in (*types, *outs)) and (op != "matmul" or min(t.rank for t in types) >= 2)
+        if asked and not hasattr(kernel, "kernel_name"):
+            # (empty operands: nothing to compute; vectors: numpy's own) refused, e.g. a C of (M, 1), which oneDNN
+            # broadcasts only in its reference implementation: the CPU's own GEMM ran it
+            assert any(k[0] == op and k[2] == types for k in onednn_kernels.refusals()), (seed, types)
         out = np.empty(outs[0].shape, np.float32)
         kernel(*inputs, out)
         (want,) = OPS[op].reference(*inputs, **attrs)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4, err_msg=f"{op} seed {seed}")
+
+
+@needs_onednn
+def test_matmul_left_to_own_gemms_where_oneDNN_has_no_brgemm():
+    a, b = TensorType((64, 96), np.float32), TensorType((96, 32), np.float32)
+    plan = onednn_kernels.matmul_plan("matmul", {}, (a, b), (TensorType((64, 32), np.float32),))
+    if plan is not None:
+        assert plan.matmul.impl.startswith("brg")
+    else:
+        assert "lost to the CPU's own GEMMs" in onednn_kernels.refusals()[
+            onednn_kernels._key("matmul", {}, (a, b), (TensorType((64, 32), np.float32),))]
+
+
+@needs_onednn
+def test_kernel_prepared_alone_keeps_its_scratch():
+    # prepared without a plan, the kernel's scratch is made at prepare; the kernel runs on its
+    # addresses, so it must keep it alive (a 1x1 conv whose weights reorder needs a scratchpad)
+    import gc
+
+    x, w = _f(1, 512, 7, 7), _f(128, 512, 1, 1)
+    w.flags.writeable = False
+    attrs = {"strides": [1, 1], "pads": [0, 0, 2, 2], "dilations": [1, 1], "group": 1}
+    types = (TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype))
+    (y,) = OPS["conv"].infer(types, attrs)
+    kernel = prepare("conv", attrs, types, (y,))
+    gc.collect()
+    out = np.empty(y.shape, np.float32)
+    kernel(x, w, out)
+    np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-4, atol=1e-4)
