@@ -345,3 +345,18 @@ def test_a_semaphore_may_carry_its_own_wait_timeout(monkeypatch):
     with pytest.raises(SemaphoreTimeoutError, match="waited 0.05 s for value 1"):
         sem.wait(1)  # no timeout given: the semaphore's, not POLYHAL_QUEUE_TIMEOUT's
     assert time.perf_counter() - start < 10
+
+
+def test_host_thread_queue_work_computes_ieee_results_without_warnings():
+    """A concurrent plan's CPU part runs on this queue's thread: log(0) is -inf there, as on the
+    caller's thread under the plan's np.errstate, with no RuntimeWarning reaching the user."""
+    import warnings
+
+    q = HostThreadQueue(polyhal.get_device("cpu:0"), "test/ieee")
+    done, out = q.semaphore(0, "done"), []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q.execute([lambda: out.append(np.log(np.zeros(2, np.float32)))], signal=[(done, 1)])
+        done.wait(1, timeout=30)
+    assert np.isneginf(out[0]).all()
+    q.close()

@@ -428,6 +428,9 @@ class HostThreadQueue(InlineQueue):
         self._pending.put((work, tuple(wait), tuple(signal)))
 
     def _run(self) -> None:
+        # Kernels compute IEEE results (log(0) = -inf), as a plan run on the caller's thread does
+        # under np.errstate; numpy's error state is per thread, and this thread is polyhal's.
+        np.seterr(all="ignore")
         while True:
             item = self._pending.get()
             if item is None:
