@@ -179,9 +179,13 @@ def test_qlinearconv_per_channel_matches_onnxruntime():
     (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     got = _run(model, {"x": x})[0]
     assert got.dtype == np.uint8
-    assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # onnxruntime's float32 requantize
     (exact,) = ReferenceEvaluator(model).run(None, {"x": x})
     np.testing.assert_array_equal(got, exact)
+    # onnxruntime requantizes in float32 (off by one at most) where its uint8 x int8 kernel is exact;
+    # on AVX2 CPUs without VNNI (an AMD EPYC VM) that kernel's 16-bit pair sums saturate, and it is
+    # onnxruntime that is off the spec: the reference evaluator above is the oracle.
+    if np.abs(want.astype(int) - exact.astype(int)).max() <= 1:
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1
 
 
 def _float_model(path):
@@ -222,7 +226,13 @@ def test_onnxruntime_quantized_models_run(tmp_path):
         path = str(tmp_path / f"{name}.onnx")
         ops = {n.op_type for n in onnx.load(path).graph.node}
         assert ops & {"DynamicQuantizeLinear", "QuantizeLinear", "QLinearConv", "MatMulInteger", "ConvInteger"}, ops
-        (want,) = ort.InferenceSession(path, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+        # onnxruntime's graph optimizations fuse QDQ into its int8 kernels, whose 16-bit pair sums
+        # saturate on AVX2 CPUs without VNNI (0.28 off here on an AMD EPYC VM, where the unfused
+        # graph and onnx's reference evaluator agree with polyhal exactly): compare with the graph
+        # as written.
+        options = ort.SessionOptions()
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        (want,) = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
         got = _run(onnx.load(path), {"x": x})[0]
         np.testing.assert_allclose(got, want, atol=0.05 * np.abs(want).max(), err_msg=name)
 

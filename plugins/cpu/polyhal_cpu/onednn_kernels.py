@@ -539,8 +539,7 @@ def report(compilation, target) -> None:
 
 def registrations():
     """The CPU's explain pass for oneDNN, after ``bufferize`` (which planned every primitive)."""
-    from polyhal import PassRegistration
-    from polyhal.passes.pipeline import Pass
+    from polyhal import Pass, PassRegistration
 
     return [PassRegistration(Pass("cpu-onednn-report", report, requires=("buffers-planned",),
                                   provides=("cpu-onednn-reported",)), after="bufferize")]

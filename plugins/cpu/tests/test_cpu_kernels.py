@@ -355,8 +355,12 @@ def test_gather_from_a_strided_table_copies_none_of_it(axis):
 
 
 def test_large_matmul_uses_blas():
-    """A 256x256 product is exact to float32 BLAS accuracy (and fast)."""
+    """A 256x256 product is as accurate as float32 BLAS. Not bit-equal to numpy's ``a @ b``: the
+    backend calls the BLAS with its own thread budget, and OpenBLAS's blocking (hence its rounding)
+    follows the thread count and the CPU's kernel (seen on an AMD EPYC VM)."""
     rng = np.random.default_rng(5)
     a, b = rng.standard_normal((256, 256), np.float32), rng.standard_normal((256, 256), np.float32)
     (out,) = run("matmul", [a, b], {})
-    np.testing.assert_array_equal(out, a @ b)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    blas_error = np.abs((a @ b) - exact).max()
+    assert out.dtype == np.float32 and np.abs(out - exact).max() <= 2 * blas_error
