@@ -134,17 +134,21 @@ def conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan | None:
     refused: see :func:`refusals`)."""
     if not _served(ins, outs) or ins[0].rank not in (3, 4, 5):
         return None
+    return _planned(_PLANS, _make_conv_plan, op, attrs, ins, outs)
+
+
+def _planned(cache: dict, make: Callable, op: str, attrs: dict, ins, outs):
+    """``cache``'s plan of this instance, made by ``make`` the first time; None (and the reason
+    kept for explain) where oneDNN refuses it."""
     key = _key(op, attrs, ins, outs)
     with _lock:
-        if key in _PLANS:
-            return _PLANS[key]
-        try:
-            plan = _make_conv_plan(op, attrs, ins, outs)
-        except Refused as exc:
-            _REFUSED[key] = str(exc)
-            plan = None
-        _PLANS[key] = plan
-        return plan
+        if key not in cache:
+            try:
+                cache[key] = make(op, attrs, ins, outs)
+            except Refused as exc:
+                _REFUSED[key] = str(exc)
+                cache[key] = None
+        return cache[key]
 
 
 def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
@@ -358,17 +362,7 @@ def matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan | None:
         return None
     if op == "matmul" and (ins[0].rank < 2 or ins[1].rank < 2):
         return None
-    key = _key(op, attrs, ins, outs)
-    with _lock:
-        if key in _MATMULS:
-            return _MATMULS[key]
-        try:
-            plan = _make_matmul_plan(op, attrs, ins, outs)
-        except Refused as exc:
-            _REFUSED[key] = str(exc)
-            plan = None
-        _MATMULS[key] = plan
-        return plan
+    return _planned(_MATMULS, _make_matmul_plan, op, attrs, ins, outs)
 
 
 def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
