@@ -453,6 +453,20 @@ def alive_node_ids() -> set[str]:
 LinkEnd = "tuple[NodeSession, str, int] | None"
 
 
+def send_to(src: NodeSession, src_key: tuple, dst: NodeSession, dst_key: tuple) -> None:
+    """Move tensor ``src_key`` of node ``src`` into ``dst_key`` of node ``dst``, node to node: the
+    source puts it in its object store, the destination pulls it from there. Neither call waits
+    here; only ObjectRefs pass through this process, never the bytes."""
+    sent = []
+
+    def send(seq: int) -> Any:
+        sent.append(src.actor.send.remote(seq, src_key, src.timeout))
+        return sent[0]
+
+    src.submit_outside(send)
+    dst.submit_outside(lambda seq: dst.actor.recv.remote(seq, sent, dst_key, src.name, dst.timeout))
+
+
 def measure_bandwidth(src: LinkEnd, dst: LinkEnd, nbytes: int = 4 << 20) -> float:
     """Bytes per second of moving ``nbytes`` from ``src`` to ``dst`` the way a plan's transfer
     does -- node to node through the object store, or up to and down from a node -- the best of
@@ -461,7 +475,6 @@ def measure_bandwidth(src: LinkEnd, dst: LinkEnd, nbytes: int = 4 << 20) -> floa
 
     import numpy as np
 
-    from polyhal_ray.device import send_to
     from polyhal_ray.worker import ALLOC, FREE, WRITE
 
     ends = [end for end in (src, dst) if end is not None]

@@ -23,6 +23,7 @@ from polyhal.errors import DLPackError, KernelNotFoundError
 from polyhal.hal.queue import InlineQueue, SemaphoreList, fail_all, signal_all, wait_all
 
 from polyhal_ray.allocator import RemoteAllocator
+from polyhal_ray.cluster import send_to
 from polyhal_ray.worker import COPY, DISPATCH, FILL, PREPARE, READ, RELEASE, TRANSFER, WRITE
 
 if TYPE_CHECKING:
@@ -239,17 +240,3 @@ def _snapshot(host: np.ndarray) -> Any:
 
         return ray.put(flat)
     return flat.copy()
-
-
-def send_to(src: "NodeSession", src_key: tuple, dst: "NodeSession", dst_key: tuple) -> None:
-    """Move tensor ``src_key`` of node ``src`` into ``dst_key`` of node ``dst``, node to node: the
-    source puts it in its object store, the destination pulls it from there. Neither call waits
-    here; only ObjectRefs pass through this process, never the bytes."""
-    sent = []
-
-    def send(seq: int) -> Any:
-        sent.append(src.actor.send.remote(seq, src_key, src.timeout))
-        return sent[0]
-
-    src.submit_outside(send)
-    dst.submit_outside(lambda seq: dst.actor.recv.remote(seq, sent, dst_key, src.name, dst.timeout))
