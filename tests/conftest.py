@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -12,51 +9,6 @@ from pathlib import Path
 import pytest
 
 import polyhal
-
-
-_BUILD_LEFTOVERS = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
-
-
-def _source_digest(source: Path) -> str:
-    h = hashlib.sha256(sys.version.encode())
-    for p in sorted(source.rglob("*")):
-        if p.is_file() and not {"build", "__pycache__"} & set(p.parts) and ".egg-info" not in str(p):
-            h.update(str(p.relative_to(source)).encode() + p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@pytest.fixture(scope="session")
-def pip_target(request, tmp_path_factory):
-    """``pip_target(source)``: ``pip install --target`` the distribution in folder ``source`` (a
-    built wheel: its dist-info and entry points, exactly as a user gets it) into a folder of its
-    own, returned for ``sys.path`` or ``PYTHONPATH``; the user's environment is left as it was.
-    Installs are kept in pytest's cache, keyed by the sources' hash, so that later runs skip the
-    few seconds pip takes."""
-    cache = getattr(request.config, "cache", None)
-
-    def install(source: Path) -> Path:
-        root = Path(cache.mkdir(f"polyhal-{source.name}")) if cache is not None else tmp_path_factory.mktemp("site")
-        target = root / _source_digest(source)
-        if not (target / ".installed").exists():
-            src = tmp_path_factory.mktemp("src") / source.name
-            shutil.copytree(source, src, ignore=_BUILD_LEFTOVERS)  # pip's build leaves build/ and egg-info behind
-            shutil.rmtree(target, ignore_errors=True)
-            cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-                   "--no-index", "--disable-pip-version-check", "--target", str(target), str(src)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                pytest.fail(f"pip could not install {source}:\n{done.stdout}\n{done.stderr}")
-            (target / ".installed").write_text(" ".join(cmd))
-        return target
-
-    return install
-
-
-@pytest.fixture(scope="session")
-def template_site(pip_target) -> Path:
-    """The backend template (examples/backend-template, device ``mydev:0``), pip-installed into a
-    folder of its own: only the tests that ask for it see it."""
-    return pip_target(Path(__file__).resolve().parents[1] / "examples" / "backend-template")
 
 
 @pytest.fixture

@@ -42,11 +42,15 @@ def node_args(**env: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(template_site):
     for k, v in LOOPBACK.items():
         os.environ.setdefault(k, v)
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process by another test")
+    # The nodes' runtimes see the backend template (installed into a folder of the test session's,
+    # never into the user's environment) through their PYTHONPATH.
+    env = pytest.MonkeyPatch()
+    env.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(template_site), os.environ.get("PYTHONPATH")) if p))
     c = cluster_utils.Cluster(initialize_head=True, head_node_args=node_args())
     c.node_a = c.add_node(**node_args(POLYHAL_ALLOCATOR="limit=256MiB"))
     ray.init(address=c.address, log_to_driver=False, logging_level="error")
@@ -56,6 +60,7 @@ def cluster():
         ray.shutdown()
         c.shutdown()
         ray_plugin._cluster = None
+        env.undo()
 
 
 @pytest.fixture
