@@ -92,8 +92,8 @@ def mutate(model):
     return data
 
 def staged_feeds(data):
-    # Ones for a staged program's inputs (it has no typed `inputs`: their shapes are known at run
-    # time), read from the model as loaded; None where the harness cannot make them.
+    # (shape, dtype) of a staged program's inputs (it has no typed `inputs`: their shapes are known
+    # at run time), read from the model as loaded; None where the harness cannot read them.
     try:
         m = onnx.load_from_string(data)
         init = {t.name for t in m.graph.initializer}
@@ -102,7 +102,7 @@ def staged_feeds(data):
             if v.name not in init:
                 t = v.type.tensor_type
                 shape = [d.dim_value if d.HasField("dim_value") else 2 for d in t.shape.dim]
-                feeds[v.name] = np.ones(shape, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
+                feeds[v.name] = (shape, onnx.helper.tensor_dtype_to_np_dtype(t.elem_type))
         return feeds
     except Exception:
         return None
@@ -113,11 +113,13 @@ for i in range(count):
     try:
         program = load(data, default_dim=2)
         if hasattr(program, "inputs"):
-            feeds = {v.name: np.ones(v.type.shape, v.type.dtype) for v in program.inputs}
+            feeds = {v.name: (v.type.shape, v.type.dtype) for v in program.inputs}
         else:
             feeds = staged_feeds(data)
-        if feeds is not None and sum(f.nbytes for f in feeds.values()) < (64 << 20):  # inputs stay small
-            program.run(feeds, "cpu:0")
+        # the harness's own inputs stay small: sized before anything is allocated
+        if feeds is not None and sum(int(np.prod(s, dtype=float)) * np.dtype(d).itemsize
+                                     for s, d in feeds.values()) < (64 << 20):
+            program.run({k: np.ones(s, d) for k, (s, d) in feeds.items()}, "cpu:0")
         outcomes["ok"] += 1
     except PolyhalError:
         outcomes["polyhal"] += 1
