@@ -224,11 +224,8 @@ class _Library:
     """libdnnl with typed functions, its CPU engine and stream, and libgomp's thread setter."""
 
     def __init__(self, path: Path) -> None:
-        from polyhal_cpu import parallel
-
         self.warnings = _configure_openmp()
         self.dll = ctypes.CDLL(str(path))
-        parallel.stop_spinning()  # OpenMP's workers and the pool's share the budget's CPUs
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self.dll, name)
             fn.restype, fn.argtypes = restype, argtypes
