@@ -236,6 +236,12 @@ def conv_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...] 
     kernel = KernelInfo("onednn_conv", op, 1, 1, "cpu")
     decls = [ScratchDecl(r.name, shared=True, per_launch=r.nbytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                          purpose=r.purpose) for r in (plan.src, plan.dst) if r is not None]
+    return _requests(decls, plan, plan.conv.impl, problem, kernel)
+
+
+def _requests(decls: list, plan, impl: str, problem: Problem, kernel: KernelInfo) -> tuple:
+    """``decls`` plus the scratch every oneDNN plan may need (weights in the primitive's layout,
+    the user-mode scratchpad), as requests of this instance."""
     if plan.weights is not None:
         decls.append(ScratchDecl("weights", shared=True, per_launch=plan.weights_bytes, spaces=(MemorySpace.GLOBAL,),
                                  alignment=64, purpose="oneDNN's weights layout, for weights that are not constants "
@@ -243,7 +249,7 @@ def conv_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...] 
     if plan.scratchpad_bytes:
         decls.append(ScratchDecl("scratchpad", shared=True, per_launch=plan.scratchpad_bytes,
                                  spaces=(MemorySpace.GLOBAL,), alignment=64,
-                                 purpose=f"oneDNN's scratchpad (user mode) of {plan.conv.impl}"))
+                                 purpose=f"oneDNN's scratchpad (user mode) of {impl}"))
     return tuple(d.request(problem, kernel) for d in decls)
 
 
@@ -454,15 +460,7 @@ def matmul_scratch(op: str, attrs: dict, ins, outs) -> tuple[ScratchRequest, ...
     problem = Problem(op, attrs, tuple(ins), tuple(outs))
     kernel = KernelInfo("onednn_matmul", op, 1, 1, "cpu")
     decls = []
-    if plan.weights is not None:
-        decls.append(ScratchDecl("weights", shared=True, per_launch=plan.weights_bytes, spaces=(MemorySpace.GLOBAL,),
-                                 alignment=64, purpose="oneDNN's weights layout, for weights that are not constants "
-                                                       "(constants are reordered once and kept)"))
-    if plan.scratchpad_bytes:
-        decls.append(ScratchDecl("scratchpad", shared=True, per_launch=plan.scratchpad_bytes,
-                                 spaces=(MemorySpace.GLOBAL,), alignment=64,
-                                 purpose=f"oneDNN's scratchpad (user mode) of {plan.matmul.impl}"))
-    return tuple(d.request(problem, kernel) for d in decls)
+    return _requests(decls, plan, plan.matmul.impl, problem, kernel)
 
 
 def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None:
