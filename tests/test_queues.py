@@ -233,7 +233,7 @@ def _cuda(n: int):
 
 def test_cuda_host_transfers_go_through_pinned_staging():
     (gpu,), cpu = _cuda(1), polyhal.get_device("cpu:0")
-    assert route(cpu, gpu).explain(64) == "cpu:0 -> cuda:0, 64 B, by cuda (pinned staging)"
+    assert route(cpu, gpu).explain(64) == "cpu:0 -> cuda:0, 64 B, by cuda (direct for page-locked host memory, else pinned staging)"
     x = np.arange(1 << 20, dtype=np.float32)
     t = polyhal.asarray(x, device=cpu).to_device(gpu)
     assert t.device is gpu and np.array_equal(t.to_device(cpu).numpy(), x)

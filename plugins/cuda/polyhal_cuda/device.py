@@ -102,7 +102,8 @@ class CUDADevice(Device):
     """
 
     dlpack_device_type = DL_CUDA
-    host_copy_path = "pinned staging"  # host <-> device transfers go through the stager's pinned buffers
+    # host <-> device transfers: page-locked host memory by one DMA, pageable through the stager
+    host_copy_path = "direct for page-locked host memory, else pinned staging"
     kernels = TABLE
 
     @property

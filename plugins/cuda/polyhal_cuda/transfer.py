@@ -24,12 +24,22 @@ staging (its fixed cost would dominate) and call ``cudaMemcpyAsync`` on the page
 An alternative measured and dropped: splitting a copy over threads that each call
 ``cudaMemcpyAsync`` on the pageable memory (the driver's own staging on several cores) ran at
 7.7 / 10.3 GB/s on the H100 host, no faster than one such call.
+
+**Page-locked host memory goes direct.** Staging reaches ~0.8 of the pinned bus at best (a staged
+byte still crosses host memory twice), so host memory that is already page-locked (pinned by
+CUDA, or registered) is copied by one ``cudaMemcpyAsync`` at the bus's speed. A host allocation
+of :data:`REGISTER_MIN` bytes or more that a copy meets a *second* time -- a plan's arena, a
+buffer a loop reuses -- is registered in place (``cudaHostRegister``: IREE's import of a host
+allocation into a device allocator), since a buffer seen twice will likely be seen again and
+registering costs about as much as one staged copy; it is unregistered when its array is freed
+(:class:`HostRegistrations`). One-off copies keep the staging, which needs no page-locking.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable
 
@@ -48,7 +58,95 @@ SMALL = 4 << 20
 #: Host threads that stage a large copy, each with its own stream and buffers.
 WORKERS = CUDATuningSettings.from_env().staging_threads or max(1, min(16, os.cpu_count() or 2))
 
+#: Host allocations at least this large are registered (page-locked in place) on their second
+#: large copy. At 32 MiB and more glibc's malloc maps every allocation on pages of its own (its
+#: largest mmap threshold), so registering whole pages never pins a neighbour's bytes.
+REGISTER_MIN = 32 << 20
+
 _H2D, _D2H, _DEFAULT = 1, 2, 4  # cudaMemcpyKind
+_PAGE = 4096
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every GPU, not one context
+
+
+class HostRegistrations:
+    """Host allocations page-locked in place for direct DMA (``cudaHostRegister``), process-wide.
+
+    :meth:`direct` answers whether a copy of a host array may skip the staging: its memory is
+    page-locked already (a user's pinned array, an allocation registered here), or it belongs to an
+    allocation of :data:`REGISTER_MIN` bytes or more seen before, which is registered now. The
+    allocation is the array's root (the ndarray at the end of its ``base`` chain), tracked weakly:
+    when it is freed its registration is dropped first (numpy clears weak references before it
+    frees the data). A registration CUDA refuses (file-backed or locked-down memory) is remembered
+    and that allocation stays staged."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[int, weakref.ref] = {}  # id(root) -> root, met once
+        self._refused: dict[int, weakref.ref] = {}
+        self.registered = 0  # registrations made (for tests and explain)
+
+    @staticmethod
+    def _root(a: np.ndarray) -> np.ndarray:
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        return a
+
+    @staticmethod
+    def page_locked(ptr: int, n: int) -> bool:
+        """Whether host bytes ``[ptr, ptr + n)`` are page-locked memory CUDA knows (both ends)."""
+        from cupy.cuda import runtime
+
+        try:
+            return all(runtime.pointerGetAttributes(p).type == runtime.memoryTypeHost for p in (ptr, ptr + n - 1))
+        except runtime.CUDARuntimeError:
+            return False
+
+    def direct(self, flat: np.ndarray) -> bool:
+        """Whether a copy of contiguous host array ``flat`` goes direct (see the class doc)."""
+        ptr, n = flat.ctypes.data, flat.nbytes
+        if self.page_locked(ptr, n):
+            return True
+        root = self._root(flat)
+        if root.nbytes < REGISTER_MIN or root.base is not None:  # memory numpy does not own: leave it
+            return False
+        key = id(root)
+        with self._lock:
+            if (ref := self._refused.get(key)) is not None and ref() is root:
+                return False
+            ref = self._seen.get(key)
+            if ref is None or ref() is not root:
+                self._seen[key] = weakref.ref(root, lambda _r, k=key: self._seen.pop(k, None))
+                return False
+            del self._seen[key]
+            return self._register(root, key)
+
+    def _register(self, root: np.ndarray, key: int) -> bool:
+        from cupy.cuda import runtime
+
+        start = root.ctypes.data & ~(_PAGE - 1)
+        end = (root.ctypes.data + root.nbytes + _PAGE - 1) & ~(_PAGE - 1)
+        try:
+            runtime.hostRegister(start, end - start, _REGISTER_PORTABLE)
+        except runtime.CUDARuntimeError:
+            self._refused[key] = weakref.ref(root, lambda _r, k=key: self._refused.pop(k, None))
+            return False
+        self.registered += 1
+        weakref.finalize(root, _unregister, start)
+        return True
+
+
+def _unregister(start: int) -> None:
+    from cupy.cuda import runtime
+
+    try:
+        runtime.hostUnregister(start)
+    except Exception:  # noqa: BLE001 -- at interpreter exit the context may be gone already
+        pass
+
+
+#: The process's registrations (page-locking is a property of host memory, not of one device:
+#: registered portable, it serves every GPU).
+host_registrations = HostRegistrations()
 
 
 class _Worker:
@@ -128,6 +226,10 @@ class Stager:
                 # reuse its array at once.
                 runtime.memcpyAsync(dst_ptr, flat.ctypes.data, n, _DEFAULT, self.device.stream.ptr)
             return
+        if host_registrations.direct(flat):
+            self._direct(dst_ptr, flat.ctypes.data, n, _H2D, "to", self.device.stream)
+            return
+
         def stage(w: _Worker, s: int, size: int, k: int) -> None:
             b = k & 1
             w.events[b].synchronize()  # the copy engine is done with this buffer
@@ -157,6 +259,11 @@ class Stager:
                 runtime.memcpyAsync(flat.ctypes.data, src_ptr, n, _DEFAULT, stream.ptr)
                 stream.synchronize()
             return
+        if host_registrations.direct(flat):
+            self._direct(flat.ctypes.data, src_ptr, n, _D2H, "from",
+                         self.device.stream if ordered else self._side_stream())
+            return
+
         def issue(w: _Worker, s: int, size: int, k: int) -> None:
             runtime.memcpyAsync(w.ptrs[k & 1], src_ptr + s, size, _D2H, w.stream.ptr)
             w.events[k & 1].record(w.stream)
@@ -166,6 +273,15 @@ class Stager:
             np.copyto(flat[s:s + size], w.views[k & 1][:size])
 
         self._striped(n, drain, _D2H, "from", ahead=issue, ordered=ordered)
+
+    def _direct(self, dst: int, src: int, n: int, kind: int, word: str, stream) -> None:
+        """One copy engine transfer between page-locked host memory and the device, on
+        ``stream``; complete on return (the host array may be reused or read)."""
+        from cupy.cuda import runtime
+
+        with self._lock, check(f"copying {n} bytes {word} {self.device.name} (page-locked host memory)"):
+            runtime.memcpyAsync(dst, src, n, kind, stream.ptr)
+            stream.synchronize()
 
     def _side_stream(self):
         """A stream of this stager's own (made on first use), for copies that need no order
