@@ -94,8 +94,10 @@ def _overlap_row(args, gpu) -> Row:
     repeat = 3 if args.quick else (9 if cuda else 5)
     cpu_n, gpu_n = (1024, 4096) if cuda else (256, 256)
     target_s = 0.12 if cuda else 0.15  # each branch alone, about
-    t_cpu = _time_branch("cpu:0", cpu_n, 2, repeat) / 2
-    t_gpu = _time_branch(gpu.name, gpu_n, 2, repeat) / 2
+    # A step's time from chains of 2 and 6 steps: the difference leaves out what a run pays once
+    # (the input's upload, the result's download: 64 MiB each way for the GPU's 4096^2 branch).
+    t_cpu = max((_time_branch("cpu:0", cpu_n, 6, repeat) - _time_branch("cpu:0", cpu_n, 2, repeat)) / 4, 1e-6)
+    t_gpu = max((_time_branch(gpu.name, gpu_n, 6, repeat) - _time_branch(gpu.name, gpu_n, 2, repeat)) / 4, 1e-6)
     cpu_steps = max(2, round(target_s / t_cpu))
     gpu_steps = max(2, round(target_s / t_gpu))
     program = _branches(cpu_n, cpu_steps, gpu.name, gpu_n, gpu_steps)

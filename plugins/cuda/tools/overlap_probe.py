@@ -37,8 +37,10 @@ def t(label, fn, reps=5):
 for label, c, g in (("cpu branch only (multi-device compile)", cs, 0), ("gpu branch only (multi-device compile)", 0, gs),
                     ("both", cs, gs)):
     prog = _branches(cpu_n, max(c, 0), gpu_name, gpu_n, max(g, 0))
+    t0 = time.perf_counter()
     ser = polyhal.compile(prog, ["cpu:0", gpu_name], concurrent=False)
     con = polyhal.compile(prog, ["cpu:0", gpu_name], concurrent=True)
+    print(f"{label}: two compiles {time.perf_counter() - t0:.1f} s", flush=True)
     t(f"{label}: serial", lambda: ser(x, y))
     t(f"{label}: concurrent", lambda: con(x, y))
     if label == "both":
@@ -63,6 +65,8 @@ for label, c, g in (("cpu branch only (multi-device compile)", cs, 0), ("gpu bra
         print(f"one concurrent run {1e3 * (T1 - T0):.1f} ms; part stamps (lane, part, mode, start ms, end ms):")
         for s in stamps:
             print(f"  {s[0]} {s[1]} {s[2]} {1e3 * (s[3] - T0):8.1f} {1e3 * (s[4] - T0):8.1f}")
+        prof = ser.profile(x, y, runs=2)
+        print(prof.table()[-2500:])
         pr = cProfile.Profile()
         pr.enable()
         for _ in range(3):
