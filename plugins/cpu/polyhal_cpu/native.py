@@ -25,6 +25,15 @@ into an extension module (:mod:`polyhal_cpu.native_aot`), so a process that runs
 no compiler (numba in process costs ~120 MB); where that module cannot be had, each loop is
 JIT compiled in process on its first use (~0.2-0.6 s) and cached on disk beside its source (or
 in numba's user-wide cache directory where that is read-only).
+
+**Tiers.** Building that module takes ~1-4 minutes on 2 cores, which a first ``polyhal run``
+must not wait for (issue 30: first output within 10 s on a fresh machine). So, as a JIT runs a
+method interpreted while it compiles it, a process that finds no module starts its build in a
+background process (niced; ``POLYHAL_CPU_AOT_WAIT=1`` builds it in the foreground instead) and
+runs without the loops meanwhile: :func:`available` is False, and every kernel takes the path
+it takes where numba is missing -- numpy, BLAS, oneDNN primitives. Kernels prepared once the
+build has ended take the loops up (a long-lived process tiers up); later processes load the
+module at start.
 """
 
 from __future__ import annotations
@@ -64,8 +73,15 @@ def available(dtype=_F32) -> bool:
 _NONE2, _NONE4 = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32)
 
 
+#: The ahead-of-time module's build under way in the background (None: none): until it ends,
+#: this process runs without the loops (see "Tiers" in the module docstring).
+_pending = None
+
+
 def _compiled() -> dict[str, Callable]:
-    global _loops
+    global _loops, _pending
+    if _pending is not None and _pending.ready():
+        _pending = _loops = None  # built (or failed) since: kernels prepared from now on take it up
     if _loops is None:
         try:
             _loops = _build()
@@ -75,9 +91,14 @@ def _compiled() -> dict[str, Callable]:
 
 
 def _build() -> dict[str, Callable]:
-    from polyhal_cpu.native_aot import load
+    global _pending
+    from polyhal_cpu.native_aot import Pending, load
 
-    return load(_jit_loop) or _jit_loops()
+    loops = load(_jit_loop)
+    if isinstance(loops, Pending):
+        _pending = loops
+        return {}
+    return loops or _jit_loops()
 
 
 _jit: dict[str, Callable] | None = None
