@@ -4,10 +4,11 @@
 The builders of ``layer_norm`` and ``softmax`` (:mod:`polyhal_cpu.kernels`) ask this module first
 where the compiled loops of :mod:`polyhal_cpu.native` are not loaded -- a machine whose loops
 module is still being built in the background (its first run), numba missing, or
-``POLYHAL_CPU_NATIVE=0``. There they replace numpy's passes: measured on the 2-core VM (AMD EPYC,
+``POLYHAL_CPU_NATIVE=0`` -- and, for the ops of :data:`PREFERRED_OVER_LOOPS`, where they are.
+Without the loops they replace numpy's passes: measured on the 2-core VM (AMD EPYC,
 AVX2, busy), oneDNN 3.2's ``jit:uni`` layer norm took 29-56 us against numpy's 55-224 us (128 x 128
 to 128 x 768), its ``jit:avx2`` softmax 75 us against 198 us (4 heads of 128 x 128 scores).
-Against the compiled loops they were measured too (see :data:`PREFERRED_OVER_LOOPS`).
+Against the compiled loops: see :data:`PREFERRED_OVER_LOOPS`.
 
 An instance oneDNN does not take (a type other than float32 on this CPU, a normalised span that
 is not the trailing dimension's rows, a softmax over another axis) runs on the CPU's own kernel,
@@ -32,10 +33,11 @@ from polyhal_cpu.onednn_kernels import _bound, _planned, _requests, _served
 
 __all__ = ["PREFERRED_OVER_LOOPS", "layer_norm", "scratch", "softmax"]
 
-#: Whether these primitives run even where the compiled loops are loaded. Measured on the 2-core
-#: VM (AVX2, busy; see docs/cpu-onednn.md): the loops were as fast or faster on the README's main
-#: job's shapes, so they keep those instances there.
-PREFERRED_OVER_LOOPS = False
+#: The ops whose primitives run even where the compiled loops are loaded. Measured side by side
+#: on the 2-core VM (AVX2, load ~6; min / median of 3000 alternating calls): softmax of 4 x 128 x
+#: 128 61/106 us against the loop's 83/100 us, of 12 x 128 x 128 172/297 against 274/386 us; layer
+#: norm of 128 x 128 22/36 us against 9/15 us, 128 x 768 43/68 against 27/40 us -- the loop keeps it.
+PREFERRED_OVER_LOOPS = frozenset({"softmax"})
 
 
 @dataclass
@@ -53,8 +55,8 @@ class RowPlan:
 _PLANS: dict[tuple, RowPlan | None] = {}
 
 
-def _wanted(ins, outs) -> bool:
-    return _served(ins, outs) and (PREFERRED_OVER_LOOPS or not native.available(outs[0].dtype))
+def _wanted(op: str, ins, outs) -> bool:
+    return _served(ins, outs) and (op in PREFERRED_OVER_LOOPS or not native.available(outs[0].dtype))
 
 
 def _rows(op: str, attrs: dict, x) -> tuple[int, int]:
@@ -98,7 +100,7 @@ def _make(op: str, attrs: dict, ins, outs) -> RowPlan:
 def plan(op: str, attrs: dict, ins, outs) -> RowPlan | None:
     """The oneDNN plan of a ``layer_norm`` / ``softmax`` instance, made once and kept; None where
     oneDNN does not serve it here (then the CPU's own kernel runs it)."""
-    if not _wanted(ins, outs) or ins[0].size == 0:
+    if not _wanted(op, ins, outs) or ins[0].size == 0:
         return None
     if op == "layer_norm" and any(t.size != _rows(op, attrs, ins[0])[1] for t in ins[1:3]):
         return None  # a scale or bias broadcast from fewer elements: the CPU's own kernel

@@ -62,11 +62,13 @@ def test_inner_axis_softmax_and_float64_run_on_the_cpus_own_kernels_with_the_rea
     np.testing.assert_allclose(got, want, rtol=1e-12)
 
 
-def test_the_compiled_loops_keep_their_instances_where_loaded(monkeypatch):
+def test_the_compiled_loops_keep_the_layer_norms_where_loaded(monkeypatch):
     from polyhal_cpu import native
 
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", "1")
     if not native.available():
         pytest.skip("no compiled loops here")
-    t = TensorType((8, 16), np.float32)
-    assert onednn_normalization.PREFERRED_OVER_LOOPS or onednn_normalization.plan("softmax", {"axis": -1}, (t,), (t,)) is None
+    t, row = TensorType((8, 16), np.float32), TensorType((16,), np.float32)
+    attrs = {"axis": -1, "epsilon": 1e-5}
+    assert onednn_normalization.plan("layer_norm", attrs, (t, row, row), (t,)) is None  # the loop was faster
+    assert onednn_normalization.plan("softmax", {"axis": -1}, (t,), (t,)) is not None  # the primitive was
