@@ -30,10 +30,11 @@ in numba's user-wide cache directory where that is read-only).
 must not wait for (issue 30: first output within 10 s on a fresh machine). So, as a JIT runs a
 method interpreted while it compiles it, a process that finds no module starts its build in a
 background process (niced; ``POLYHAL_CPU_AOT_WAIT=1`` builds it in the foreground instead) and
-runs without the loops meanwhile: :func:`available` is False, and every kernel takes the path
-it takes where numba is missing -- numpy, BLAS, oneDNN primitives. Kernels prepared once the
-build has ended take the loops up (a long-lived process tiers up); later processes load the
-module at start.
+runs without the loops: :func:`available` is False, and every kernel takes the path it takes
+where numba is missing -- numpy, BLAS, oneDNN primitives. Later processes load the module at
+start. A process keeps its tier for its life: scratch is declared and kernels are built in
+separate calls of a compile, and a conv's scratch differs with the loops, so a process that took
+them up between the two would hand compiled code a buffer sized for the other tier.
 """
 
 from __future__ import annotations
@@ -73,15 +74,13 @@ def available(dtype=_F32) -> bool:
 _NONE2, _NONE4 = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32)
 
 
-#: The ahead-of-time module's build under way in the background (None: none): until it ends,
-#: this process runs without the loops (see "Tiers" in the module docstring).
+#: The ahead-of-time module's build this process found under way in the background (None:
+#: none): this process runs without the loops (see "Tiers" in the module docstring).
 _pending = None
 
 
 def _compiled() -> dict[str, Callable]:
-    global _loops, _pending
-    if _pending is not None and _pending.ready():
-        _pending = _loops = None  # built (or failed) since: kernels prepared from now on take it up
+    global _loops
     if _loops is None:
         try:
             _loops = _build()

@@ -116,29 +116,16 @@ class CompiledLoops(dict):
 
 class Pending:
     """The module being built by another process -- the one this process started in the
-    background, or one found building -- so not loaded by this one yet: :meth:`ready` says when
-    to ask :func:`load` again."""
+    background (``builder``), or one found building -- so not loaded by this one."""
 
     def __init__(self, cache: CodeCache, name: str, builder: subprocess.Popen | None = None) -> None:
         self.cache, self.name, self.builder = cache, name, builder
-        self._next_look = 0.0
-
-    def ready(self) -> bool:
-        """Whether the build has ended (built or failed): cheap enough to ask at every kernel's
-        preparation (this process's builder is polled; another's lock looked at once a second)."""
-        if self.builder is not None:
-            return self.builder.poll() is not None
-        now = time.monotonic()
-        if now < self._next_look:
-            return False
-        self._next_look = now + 1.0
-        return not self.cache.building(f"{self.name}.lock")
 
 
 def load(jit: Callable[[str], Callable], wait: bool | None = None) -> CompiledLoops | Pending | None:
     """The ahead-of-time loops; None where they are off or cannot be had (then the caller JIT
     compiles); :class:`Pending` while this machine's first build runs in the background (then the
-    caller runs without them: library kernels). ``jit(name)`` gives the JIT loop ``name``: it
+    caller runs without them, on library kernels, for the rest of the process). ``jit(name)`` gives the JIT loop ``name``: it
     serves calls the compiled signature does not fit and loops the module lacks.
 
     Where the module is not built yet, ``wait`` (default ``POLYHAL_CPU_AOT_WAIT``) builds it
