@@ -269,6 +269,27 @@ class CodeCache:
             if fd >= 0:
                 os.close(fd)  # releases the lock
 
+    def building(self, name: str) -> bool:
+        """Whether another process holds the lock file ``name`` now (a build under way); asks
+        once, never waits, never warns. A lock path that cannot be opened is not a build."""
+        if fcntl is None:
+            return False
+        try:
+            fd = os.open(self.path(name), os.O_RDONLY | _OPEN_FLAGS)
+        except OSError:
+            return False
+        try:
+            if _distrust(os.fstat(fd), regular=True) is not None:
+                return False
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            return False  # free: nobody builds (released at close)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
     @contextlib.contextmanager
     def build_folder(self, name: str) -> Iterator[Path]:
         """A fresh private folder (``0700``) in the cache's folder for building entry ``name``

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from polyhal.config import Flag, Settings, setting
 
-__all__ = ["LongWork", "ProgressSettings", "configure", "long_work", "shown"]
+__all__ = ["LongWork", "ProgressSettings", "configure", "long_work", "say", "shown"]
 
 #: Seconds usually-short work (a compile) runs before it is said.
 SAY_AFTER = 1.0
@@ -67,6 +67,13 @@ class LongWork:
     """What the end line says: ``done`` (set it to say the work failed)."""
 
     done: str
+
+
+def say(line: str) -> None:
+    """Say ``polyhal: LINE`` on stderr where :func:`shown` (work left running, e.g. a build in the
+    background: there is no end to wait for)."""
+    if shown():
+        _say(line)
 
 
 def _say(line: str) -> None:

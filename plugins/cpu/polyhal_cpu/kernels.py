@@ -38,7 +38,7 @@ from numpy.polynomial import chebyshev
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
-from polyhal_cpu import blas, native, onednn_kernels
+from polyhal_cpu import blas, native, onednn_kernels, onednn_normalization
 from polyhal_cpu import queue_layout as layout
 # The other kernel modules register the rest of the op set in TABLE when imported.
 from polyhal_cpu import (  # noqa: F401
@@ -497,10 +497,24 @@ _SOFTMAX_MIN_SUM = 2.0 ** -10
 _BLAS_ROW_SUM = 4096
 
 
-@TABLE.register("softmax")
-@parallel(lambda attrs, ins: (int(attrs["axis"]),), factor=2)  # rows on several cores
+def _rowwise_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
+    """A oneDNN layer norm's or softmax's scratchpad where the library serves the instance."""
+    return onednn_normalization.scratch(op, attrs, ins, outs) or ()
+
+
+def _softmax_factor(attrs: dict, ins: Types) -> float:
+    """Softmaxes cut into blocks of rows on the pool, unless a oneDNN primitive (threaded by
+    OpenMP) runs the whole."""
+    return math.inf if onednn_normalization.plan("softmax", attrs, ins, ins[:1]) is not None else 2
+
+
+@TABLE.register("softmax", scratch=_rowwise_scratch)
+@parallel(lambda attrs, ins: (int(attrs["axis"]),), factor=_softmax_factor)  # rows on several cores
 @float16_via_float32
 def _softmax(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    primitive = onednn_normalization.softmax(attrs, ins, outs, scratch)
+    if primitive is not None:
+        return primitive
     x_type = ins[0]
     axis = int(attrs["axis"]) % x_type.rank
     if axis != x_type.rank - 1:
@@ -571,14 +585,19 @@ LAYER_NORM_PIECE = 1 << 17
 def _layer_norm_factor(attrs: dict, ins: Types) -> float:
     """float32 layer norms cut themselves (pieces on the GEMM queue, below); others through
     :func:`parallel`."""
+    if onednn_normalization.plan("layer_norm", attrs, ins, ins[:1]) is not None:
+        return math.inf  # a oneDNN primitive, threaded by OpenMP, runs the whole
     return math.inf if native.available(ins[0].dtype) and ins[0].dtype == np.float32 else 1
 
 
-@TABLE.register("layer_norm")
+@TABLE.register("layer_norm", scratch=_rowwise_scratch)
 @parallel(lambda attrs, ins: range(int(attrs["axis"]) % ins[0].rank, ins[0].rank),  # rows on several cores
           lambda attrs, ins: (True, False, False), factor=_layer_norm_factor)  # scale and bias are whole
 @float16_via_float32
 def _layer_norm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    primitive = onednn_normalization.layer_norm(attrs, ins, outs, scratch)
+    if primitive is not None:
+        return primitive
     x_type = ins[0]
     axis = int(attrs["axis"]) % x_type.rank
     # Work on 2-D (rows, normalised elements) views: the normalised dims are trailing and

@@ -25,6 +25,16 @@ into an extension module (:mod:`polyhal_cpu.native_aot`), so a process that runs
 no compiler (numba in process costs ~120 MB); where that module cannot be had, each loop is
 JIT compiled in process on its first use (~0.2-0.6 s) and cached on disk beside its source (or
 in numba's user-wide cache directory where that is read-only).
+
+**Tiers.** Building that module takes ~1-4 minutes on 2 cores, which a first ``polyhal run``
+must not wait for (issue 30: first output within 10 s on a fresh machine). So, as a JIT runs a
+method interpreted while it compiles it, a process that finds no module starts its build in a
+background process (niced; ``POLYHAL_CPU_AOT_WAIT=1`` builds it in the foreground instead) and
+runs without the loops: :func:`available` is False, and every kernel takes the path it takes
+where numba is missing -- numpy, BLAS, oneDNN primitives. Later processes load the module at
+start. A process keeps its tier for its life: scratch is declared and kernels are built in
+separate calls of a compile, and a conv's scratch differs with the loops, so a process that took
+them up between the two would hand compiled code a buffer sized for the other tier.
 """
 
 from __future__ import annotations
@@ -64,6 +74,11 @@ def available(dtype=_F32) -> bool:
 _NONE2, _NONE4 = np.zeros((0, 0), np.float32), np.zeros((0, 0, 0, 0), np.float32)
 
 
+#: The ahead-of-time module's build this process found under way in the background (None:
+#: none): this process runs without the loops (see "Tiers" in the module docstring).
+_pending = None
+
+
 def _compiled() -> dict[str, Callable]:
     global _loops
     if _loops is None:
@@ -75,9 +90,14 @@ def _compiled() -> dict[str, Callable]:
 
 
 def _build() -> dict[str, Callable]:
-    from polyhal_cpu.native_aot import load
+    global _pending
+    from polyhal_cpu.native_aot import Pending, load
 
-    return load(_jit_loop) or _jit_loops()
+    loops = load(_jit_loop)
+    if isinstance(loops, Pending):
+        _pending = loops
+        return {}
+    return loops or _jit_loops()
 
 
 _jit: dict[str, Callable] | None = None

@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from polyhal.codecache import CodeCache, default_folder, warn_once
-from polyhal.progress import long_work
+from polyhal.progress import long_work, say
 from polyhal_cpu.settings import CPUSettings
 
 _HERE = Path(__file__).resolve().parent
@@ -114,10 +114,23 @@ class CompiledLoops(dict):
         return loop
 
 
-def load(jit: Callable[[str], Callable]) -> CompiledLoops | None:
-    """The ahead-of-time loops, built first if this machine has none yet; None where they are off
-    or cannot be had (then the caller JIT compiles). ``jit(name)`` gives the JIT loop ``name``: it
-    serves calls the compiled signature does not fit and loops the module lacks."""
+class Pending:
+    """The module being built by another process -- the one this process started in the
+    background (``builder``), or one found building -- so not loaded by this one."""
+
+    def __init__(self, cache: CodeCache, name: str, builder: subprocess.Popen | None = None) -> None:
+        self.cache, self.name, self.builder = cache, name, builder
+
+
+def load(jit: Callable[[str], Callable], wait: bool | None = None) -> CompiledLoops | Pending | None:
+    """The ahead-of-time loops; None where they are off or cannot be had (then the caller JIT
+    compiles); :class:`Pending` while this machine's first build runs in the background (then the
+    caller runs without them, on library kernels, for the rest of the process). ``jit(name)`` gives the JIT loop ``name``: it
+    serves calls the compiled signature does not fit and loops the module lacks.
+
+    Where the module is not built yet, ``wait`` (default ``POLYHAL_CPU_AOT_WAIT``) builds it
+    here and now (~1-4 minutes on 2 cores); otherwise a background process builds it, at low
+    priority, and this call returns at once (see "Tiers" in :mod:`polyhal_cpu.native`)."""
     folder = cache_dir()
     if folder is None:
         return None
@@ -125,7 +138,13 @@ def load(jit: Callable[[str], Callable]) -> CompiledLoops | None:
     if not cache.ready():
         return None
     name = module_name()
-    specs = _verified(cache, name) or _build_once(cache, name)
+    specs = _verified(cache, name)
+    if specs is None:
+        if wait is None:
+            wait = CPUSettings.from_env().aot_wait
+        if not wait:
+            return _in_background(cache, name)
+        specs = _build_once(cache, name)
     if specs is None:
         return None
     path = cache.path(f"{name}.so")
@@ -198,10 +217,9 @@ def _build_once(cache: CodeCache, name: str) -> dict[str, list] | None:
         specs = _verified(cache, name)
         if specs is not None:
             return specs  # another process built it while this one waited
-        failure = cache.read_record(f"{name}.failed")
-        if (failure is not None and isinstance(failure.get("reason"), str)
-                and isinstance(failure.get("at"), (int, float)) and time.time() - failure["at"] < RETRY_AFTER):
-            _report_failure(cache, name, failure["reason"], record=False)
+        failure = _recent_failure(cache, name)
+        if failure is not None:
+            _report_failure(cache, name, failure, record=False)
             return None
         cache.remove(f"{name}.so")  # a refused one: never left to be found again
         with cache.build_folder(name) as folder, long_work(
@@ -217,6 +235,62 @@ def _build_once(cache: CodeCache, name: str) -> dict[str, list] | None:
             return None
         cache.path(f"{name}.failed").unlink(missing_ok=True)
         return _verified(cache, name)
+
+
+def _recent_failure(cache: CodeCache, name: str) -> str | None:
+    """Why the last build failed, if it failed less than RETRY_AFTER seconds ago; else None."""
+    failure = cache.read_record(f"{name}.failed")
+    if (failure is not None and isinstance(failure.get("reason"), str)
+            and isinstance(failure.get("at"), (int, float)) and time.time() - failure["at"] < RETRY_AFTER):
+        return failure["reason"]
+    return None
+
+
+#: Added to the background builder's nice value: the build takes idle cycles, not the user's run.
+BUILD_NICENESS = 10
+
+
+def _in_background(cache: CodeCache, name: str) -> Pending | None:
+    """Start the module's build in a background process, unless one is under way (then that one
+    is waited for) or the last one failed lately (warned: None, the caller JIT compiles)."""
+    failure = _recent_failure(cache, name)
+    if failure is not None:
+        _report_failure(cache, name, failure, record=False)
+        return None
+    if cache.building(f"{name}.lock"):
+        return Pending(cache, name)
+    try:
+        # A session of its own: the build outlives this process (a first `polyhal run` ends in
+        # seconds) and a Ctrl-C at the terminal does not reach it. Its outcome is in the cache
+        # (the module, or <name>.failed with the reason); its output goes nowhere.
+        builder = subprocess.Popen([sys.executable, "-m", "polyhal_cpu.native_aot", "build"],
+                                   stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True, close_fds=True,
+                                   env={**os.environ, "POLYHAL_CPU_CACHE_DIR": str(cache.folder),
+                                        "POLYHAL_PROGRESS": "0"})
+    except OSError as exc:
+        _report_failure(cache, name, f"starting the build: {exc}", record=True)
+        return None
+    say("building the CPU backend's compiled loops in the background, once for this machine (about a minute); "
+        "until then the CPU runs on its library kernels (numpy, BLAS, oneDNN)")
+    return Pending(cache, name, builder)
+
+
+def _build_in_background() -> int:
+    """The background builder's work (``python -m polyhal_cpu.native_aot build``): the module
+    built once, at low priority; 0 where it is there afterwards."""
+    try:
+        os.nice(BUILD_NICENESS)
+    except OSError:
+        pass
+    folder = cache_dir()
+    if folder is None:
+        return 1
+    cache = CodeCache(folder, "polyhal-cpu", "POLYHAL_CPU_CACHE_DIR", FALLBACK)
+    if not cache.ready():
+        return 1
+    name = module_name()
+    return 0 if (_verified(cache, name) or _build_once(cache, name)) is not None else 1
 
 
 def _compile(folder: Path, name: str) -> str | None:
@@ -332,3 +406,9 @@ def _writable(t):
     from numba import types
 
     return t.copy(readonly=False) if isinstance(t, types.Array) else t
+
+
+if __name__ == "__main__":  # the background builder started by _in_background
+    if sys.argv[1:] != ["build"]:
+        sys.exit("usage: python -m polyhal_cpu.native_aot build  (started by polyhal-cpu itself)")
+    sys.exit(_build_in_background())

@@ -84,6 +84,10 @@ Q_INNER_NBLKS, Q_INNER_BLKS, Q_INNER_IDXS = 263, 264, 265
 # execution arguments
 ARG_SRC, ARG_SRC_1, ARG_DST, ARG_WEIGHTS, ARG_BIAS, ARG_SCRATCHPAD = 1, 2, 17, 33, 41, 80
 ARG_POST_OP_BASE = 32768
+ARG_SCALE, ARG_SHIFT = 51, 52
+# layer normalization flags, softmax algorithm
+USE_SCALE, USE_SHIFT = 0x2, 0x4
+SOFTMAX_ACCURATE = 0x30000
 
 #: polyhal's activations (:data:`polyhal.ops.nn.ACTIVATIONS`) as oneDNN eltwise algorithms:
 #: ``name -> (algorithm, alpha, beta)``, where None takes the op's own alpha / beta.
@@ -164,6 +168,10 @@ _SIGNATURES = {
                 DIMS, c_void_p]),
     "dnnl_matmul_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                   c_void_p, c_void_p]),
+    "dnnl_layer_normalization_forward_primitive_desc_create": (
+        c_int, [POINTER(c_void_p), c_void_p, c_int, c_void_p, c_void_p, c_void_p, c_float, c_uint, c_void_p]),
+    "dnnl_softmax_forward_primitive_desc_create": (
+        c_int, [POINTER(c_void_p), c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_void_p]),
     "dnnl_reorder_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                    c_void_p]),
     "dnnl_primitive_desc_query": (c_int, [c_void_p, c_int, c_int, c_void_p]),
@@ -572,6 +580,28 @@ def matmul_desc(op: str, src: MemoryDesc, weights: MemoryDesc, bias: MemoryDesc 
     status = loaded.matmul_primitive_desc_create(byref(pd), loaded.engine, src.handle, weights.handle,
                                                  bias.handle if bias is not None else None, dst.handle, attr.handle)
     return _created(status, pd, "dnnl_matmul_primitive_desc_create", op)
+
+
+def layer_norm_desc(op: str, src: MemoryDesc, dst: MemoryDesc, epsilon: float, scale: bool, shift: bool,
+                    attr: Attr) -> c_void_p:
+    """A forward-inference layer normalization over the last dimension (statistics computed, not
+    kept). :class:`Refused` where oneDNN has no implementation."""
+    loaded = lib()
+    pd = c_void_p()
+    flags = (USE_SCALE if scale else 0) | (USE_SHIFT if shift else 0)
+    status = loaded.layer_normalization_forward_primitive_desc_create(
+        byref(pd), loaded.engine, FORWARD_INFERENCE, src.handle, dst.handle, None, epsilon, flags, attr.handle)
+    return _created(status, pd, "dnnl_layer_normalization_forward_primitive_desc_create", op)
+
+
+def softmax_desc(op: str, src: MemoryDesc, dst: MemoryDesc, axis: int, attr: Attr) -> c_void_p:
+    """A forward-inference (accurate: max subtracted) softmax along ``axis``. :class:`Refused`
+    where oneDNN has no implementation."""
+    loaded = lib()
+    pd = c_void_p()
+    status = loaded.softmax_forward_primitive_desc_create(byref(pd), loaded.engine, FORWARD_INFERENCE,
+                                                          SOFTMAX_ACCURATE, src.handle, dst.handle, axis, attr.handle)
+    return _created(status, pd, "dnnl_softmax_forward_primitive_desc_create", op)
 
 
 def reorder(op: str, src: MemoryDesc, dst: MemoryDesc) -> Primitive:

@@ -46,3 +46,7 @@ class CPUSettings(Settings, component="CPU backend"):
         "POLYHAL_CPU_CACHE_DIR", Text(keep_blank=True), None,
         "folder of the ahead-of-time compiled loops module (blank: none, the loops are JIT compiled)",
         shown="the per-user cache folder")
+    aot_wait: bool = setting(
+        "POLYHAL_CPU_AOT_WAIT", Flag(), False,
+        "wait for the first build of the compiled loops module (~1-4 min on 2 cores) instead of running on the "
+        "library kernels (numpy, BLAS, oneDNN) while it builds in the background")

@@ -91,7 +91,7 @@ def _load(cache: Path, tmp_path: Path, setup: str = "", times: int = 1, env: dic
           timeout: float = 120) -> tuple[dict, list[str], subprocess.CompletedProcess]:
     """Run LOAD in a child with the cache at ``cache``: (its answer, its warning lines, the run).
     ``env`` adds variables to the child's, or (None) takes them away."""
-    env = {**os.environ, "POLYHAL_CPU_CACHE_DIR": str(cache), "CC": "false",
+    env = {**os.environ, "POLYHAL_CPU_CACHE_DIR": str(cache), "CC": "false", "POLYHAL_CPU_AOT_WAIT": "1",
            "PLANTED_MARKER": str(tmp_path / "marker"), **(env or {})}
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(LOAD).format(setup=setup, times=times)],
                          capture_output=True, text=True, timeout=timeout,
@@ -228,7 +228,8 @@ def test_a_killed_builds_folder_is_removed_by_the_next_build(cache, tmp_path):
     """A build killed with its process (here: SIGKILL to the process group, mid-build) leaves
     its folder; the next build removes it, and its own."""
     builder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LOAD).format(setup="", times=1)],
-                               env={**os.environ, "POLYHAL_CPU_CACHE_DIR": str(cache)}, start_new_session=True,
+                               env={**os.environ, "POLYHAL_CPU_CACHE_DIR": str(cache), "POLYHAL_CPU_AOT_WAIT": "1"},
+                               start_new_session=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120

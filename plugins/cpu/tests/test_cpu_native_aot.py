@@ -18,7 +18,7 @@ from polyhal_cpu import native, native_aot  # noqa: E402
 
 @pytest.fixture(scope="module")
 def aot():
-    loops = native_aot.load(native._jit_loop)
+    loops = native_aot.load(native._jit_loop, wait=True)
     if loops is None:
         pytest.skip("no ahead-of-time module here (see the .failed file in the cache directory)")
     return loops
@@ -155,7 +155,8 @@ def test_a_failed_build_is_recorded_with_its_reason_and_the_jit_serves(tmp_path)
         out = np.empty_like(x)
         native.relu(x, out)
         print(json.dumps({"aot": type(native._loops).__name__, "relu": out.tolist()}))
-    """, {"POLYHAL_CPU_CACHE_DIR": str(tmp_path), "CC": "false"})  # a C compiler that always fails
+    """, {"POLYHAL_CPU_CACHE_DIR": str(tmp_path), "CC": "false",  # a C compiler that always fails
+          "POLYHAL_CPU_AOT_WAIT": "1"})
     assert got == {"aot": "dict", "relu": [0, 0, 0, 0, 1, 2, 3, 4]}
     (failed,) = tmp_path.glob("*.failed")
     assert "RuntimeError" in failed.read_text() and "compiler" in failed.read_text()
@@ -168,3 +169,54 @@ def test_every_loop_is_in_the_compiled_module(aot):
     from polyhal_cpu import native_loops
 
     assert set(native_loops.__all__) <= set(dict(aot))
+
+
+def test_a_first_process_builds_the_module_in_the_background_and_runs_on_library_kernels(tmp_path):
+    """Issue 30: a machine's first run does not wait for the build. The process that finds no
+    module starts its build in a background process of its own session (niced) and runs
+    without the loops -- no numba in it -- with the same results; a second process finds the
+    build under way and starts none."""
+    code = """
+        import json, sys
+        import numpy as np
+        from polyhal_cpu import native
+        x = np.arange(-3, 5, dtype=np.float32).reshape(2, 4)
+        from polyhal_cpu.kernels import prepare
+        from polyhal.ir.types import TensorType
+        t = TensorType((2, 4), np.float32)
+        out = np.empty_like(x)
+        prepare("softmax", {"axis": -1}, (t,), (t,))(x, out)
+        builder = native._pending.builder if native._pending is not None else None
+        print(json.dumps({"available": native.available(), "numba": "numba" in sys.modules,
+                          "builder": builder.pid if builder is not None else None,
+                          "softmax": out.tolist()}))
+    """
+    env = {"POLYHAL_CPU_CACHE_DIR": str(tmp_path), "POLYHAL_CPU_AOT_WAIT": "0", "CC": "false",
+           "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+    first = _child(code, env)
+    try:
+        assert first["available"] is False and first["numba"] is False and first["builder"] is not None
+        x = np.arange(-3, 5, dtype=np.float32).reshape(2, 4)
+        want = np.exp(x - x.max(1, keepdims=True))
+        np.testing.assert_allclose(first["softmax"], want / want.sum(1, keepdims=True), rtol=1e-6)
+        cache = native_aot.CodeCache(tmp_path, "polyhal-cpu", "POLYHAL_CPU_CACHE_DIR", native_aot.FALLBACK)
+        deadline = time.monotonic() + 60
+        while not cache.building(f"{native_aot.module_name()}.lock") and time.monotonic() < deadline:
+            time.sleep(0.1)  # the builder takes the lock once its interpreter is up
+        assert cache.building(f"{native_aot.module_name()}.lock"), "the background builder holds no lock"
+        second = _child(code, env)
+        assert second["available"] is False and second["builder"] is None  # waits for the first one's build
+    finally:
+        try:
+            os.killpg(first["builder"], 9)  # the builder's own session (it and the compiler it runs)
+        except (ProcessLookupError, TypeError):
+            pass
+
+
+def test_a_process_keeps_its_tier_after_the_build_ends(monkeypatch, tmp_path):
+    """Scratch declared on the library tier must not meet a kernel built on the loops' (a conv's
+    scratch differs): a process that started without the loops stays so."""
+    monkeypatch.setattr(native, "_pending", native_aot.Pending(None, "x"))
+    monkeypatch.setattr(native, "_loops", {})
+    monkeypatch.setattr(native, "_build", lambda: pytest.fail("asked for the module again"))
+    assert not native.available() and not native.available()

@@ -1,0 +1,170 @@
+"""The CPU's layer normalization and last-axis softmax as oneDNN primitives
+(:mod:`polyhal_cpu.onednn`), one per op instance, made when the plan is compiled.
+
+The builders of ``layer_norm`` and ``softmax`` (:mod:`polyhal_cpu.kernels`) ask this module first
+where the compiled loops of :mod:`polyhal_cpu.native` are not loaded -- a machine whose loops
+module is still being built in the background (its first run), numba missing, or
+``POLYHAL_CPU_NATIVE=0`` -- and, for the ops of :data:`PREFERRED_OVER_LOOPS`, where they are.
+Without the loops they replace numpy's passes: measured on the 2-core VM (AMD EPYC,
+AVX2, busy), oneDNN 3.2's ``jit:uni`` layer norm took 29-56 us against numpy's 55-224 us (128 x 128
+to 128 x 768), its ``jit:avx2`` softmax 75 us against 198 us (4 heads of 128 x 128 scores).
+Against the compiled loops: see :data:`PREFERRED_OVER_LOOPS`.
+
+An instance oneDNN does not take (a type other than float32 on this CPU, a normalised span that
+is not the trailing dimension's rows, a softmax over another axis) runs on the CPU's own kernel,
+and :func:`polyhal_cpu.onednn_kernels.refusals` says why. Statistics are computed in the
+primitive and never kept (``forward_inference``); the scratchpad, where an implementation wants
+one, is declared scratch like every oneDNN primitive's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from polyhal.hal.scratch import KernelInfo, Problem
+
+from polyhal_cpu import native, onednn
+from polyhal_cpu.onednn import ARG_DST, ARG_SCALE, ARG_SHIFT, ARG_SRC, Attr, Primitive, Refused, address
+from polyhal_cpu.onednn_kernels import _bound, _planned, _requests, _served
+
+__all__ = ["PREFERRED_OVER_LOOPS", "layer_norm", "scratch", "softmax"]
+
+#: The ops whose primitives run even where the compiled loops are loaded. Measured side by side
+#: on the 2-core VM (AVX2, load ~6; min / median of 3000 alternating calls): softmax of 4 x 128 x
+#: 128 61/106 us against the loop's 83/100 us, of 12 x 128 x 128 172/297 against 274/386 us; layer
+#: norm of 128 x 128 22/36 us against 9/15 us, 128 x 768 43/68 against 27/40 us -- the loop keeps it.
+PREFERRED_OVER_LOOPS = frozenset({"softmax"})
+
+
+@dataclass
+class RowPlan:
+    """One layer norm or softmax instance as a oneDNN primitive over (rows, cols)."""
+
+    primitive: Primitive
+    scratchpad_bytes: int
+    single: bool  # runs on the calling thread alone (OpenMP told so around each call)
+    weights_bytes: int = 0  # no weights layout: scale and shift are read as they lie
+    weights: None = None
+    name: str = ""
+
+
+_PLANS: dict[tuple, RowPlan | None] = {}
+
+
+def _wanted(op: str, ins, outs) -> bool:
+    return _served(ins, outs) and (op in PREFERRED_OVER_LOOPS or not native.available(outs[0].dtype))
+
+
+def _rows(op: str, attrs: dict, x) -> tuple[int, int]:
+    """The instance as (rows, cols): the normalised span is the trailing dims."""
+    axis = int(attrs["axis"]) % x.rank
+    if op == "softmax" and axis != x.rank - 1:
+        raise Refused("softmax over an inner axis: the CPU's own kernel (oneDNN's is asked for the last axis only)")
+    return math.prod(x.shape[:axis]), math.prod(x.shape[axis:])
+
+
+#: Elements from which a primitive is created (and run) on the thread budget's OpenMP threads;
+#: smaller ones run on the calling thread alone. An OpenMP fork-join on a loaded 2-core VM waits
+#: for the partner thread to be scheduled: the README's main job's 128 x 128 layer norms took
+#: 4.7 ms a call on two threads (load ~11) against tens of microseconds on one.
+THREADED_ELEMENTS = 1 << 20
+
+
+def _make(op: str, attrs: dict, ins, outs) -> RowPlan:
+    rows, cols = _rows(op, attrs, ins[0])
+    loaded = onednn.lib()
+    single = rows * cols < THREADED_ELEMENTS and loaded.omp_set_num_threads is not None
+    if single:
+        loaded.omp_set_num_threads(1)  # a primitive's work split is fixed when it is created
+    else:
+        loaded.set_threads()
+    md = onednn.plain((rows, cols), None, outs[0].dtype)
+    if op == "layer_norm":
+        pd = onednn.layer_norm_desc(op, md, md, float(attrs["epsilon"]), True, True, Attr())
+        args = (ARG_SRC, ARG_SCALE, ARG_SHIFT, ARG_DST)
+    else:
+        pd = onednn.softmax_desc(op, md, md, 1, Attr())
+        args = (ARG_SRC, ARG_DST)
+    try:
+        prim = Primitive(pd, args, op)
+    finally:
+        if single:
+            loaded.set_threads()  # the budget again, for the primitives created after
+    return RowPlan(prim, prim.scratchpad_bytes, single, name=f"oneDNN {op} [{prim.impl}]")
+
+
+def plan(op: str, attrs: dict, ins, outs) -> RowPlan | None:
+    """The oneDNN plan of a ``layer_norm`` / ``softmax`` instance, made once and kept; None where
+    oneDNN does not serve it here (then the CPU's own kernel runs it)."""
+    if not _wanted(op, ins, outs) or ins[0].size == 0:
+        return None
+    if op == "layer_norm" and any(t.size != _rows(op, attrs, ins[0])[1] for t in ins[1:3]):
+        return None  # a scale or bias broadcast from fewer elements: the CPU's own kernel
+    return _planned(_PLANS, _make, op, attrs, ins, outs)
+
+
+def scratch(op: str, attrs: dict, ins, outs):
+    """The declared scratch of a oneDNN layer norm / softmax instance (its scratchpad), or None
+    where oneDNN does not serve it."""
+    planned = plan(op, attrs, ins, outs)
+    if planned is None:
+        return None
+    return _requests([], planned, planned.primitive.impl, Problem(op, attrs, tuple(ins), tuple(outs)),
+                     KernelInfo(f"onednn_{op}", op, 1, 1, "cpu"))
+
+
+def _on_one_thread(execute: Callable[..., None]) -> Callable[..., None]:
+    """``execute`` with OpenMP's thread count 1 on the calling thread during the call (at
+    execution oneDNN forks as many threads as OpenMP says then), the budget's after."""
+    loaded = onednn.lib()
+    one, threads = loaded.omp_set_num_threads, loaded.set_threads()
+
+    def run(*addresses: int) -> None:
+        one(1)
+        try:
+            execute(*addresses)
+        finally:
+            one(threads)
+    return run
+
+
+def _scratchpad(bound, op: str, attrs: dict, ins, outs) -> np.ndarray:
+    """The scratchpad the plan placed, or one bound now, at prepare, where the instance was
+    declared with other types (a float16 op run as float32 declares none)."""
+    try:
+        return bound.buffer("scratchpad")
+    except (AttributeError, KeyError):
+        return _bound(None, scratch(op, attrs, ins, outs)).buffer("scratchpad")
+
+
+def _kernel(op: str, attrs: dict, ins, outs, bound) -> Callable[..., None] | None:
+    planned = plan(op, attrs, ins, outs)
+    if planned is None:
+        return None
+    execute = planned.primitive.executor()
+    if planned.single:
+        execute = _on_one_thread(execute)
+    pad = (address(_scratchpad(bound, op, attrs, ins, outs)),) if planned.scratchpad_bytes else ()
+    contiguous = np.ascontiguousarray
+    if op == "layer_norm":
+        def kernel(x, scale, bias, out):
+            execute(address(contiguous(x)), address(contiguous(scale)), address(contiguous(bias)), address(out), *pad)
+    else:
+        def kernel(x, out):
+            execute(address(contiguous(x)), address(out), *pad)
+    kernel.kernel_name = planned.name  # type: ignore[attr-defined]
+    return kernel
+
+
+def layer_norm(attrs: dict, ins, outs, bound) -> Callable[..., None] | None:
+    """``layer_norm(x, scale, bias, out)`` as a oneDNN primitive, or None (the CPU's own kernel)."""
+    return _kernel("layer_norm", attrs, ins, outs, bound)
+
+
+def softmax(attrs: dict, ins, outs, bound) -> Callable[..., None] | None:
+    """``softmax(x, out)`` over the last axis as a oneDNN primitive, or None (the CPU's own kernel)."""
+    return _kernel("softmax", attrs, ins, outs, bound)

@@ -1,0 +1,74 @@
+"""Layer norm and softmax as oneDNN primitives (polyhal_cpu.onednn_normalization), where the
+compiled loops are not loaded (here: POLYHAL_CPU_NATIVE=0, as in a first run while they build):
+real library calls, checked against the ops' references; refused instances on the CPU's own
+kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from polyhal.ir.types import TensorType
+from polyhal.ops import OPS, resolve_attrs
+from polyhal_cpu import onednn, onednn_kernels, onednn_normalization
+from polyhal_cpu.kernels import prepare
+
+pytestmark = pytest.mark.skipif(not onednn.usable(), reason=f"oneDNN is not usable here: {onednn.status()[1]}")
+RNG = np.random.default_rng(31)
+
+
+@pytest.fixture(autouse=True)
+def _no_loops(monkeypatch):
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", "0")  # the library kernels' tier
+
+
+def _run(op: str, attrs: dict, *ins: np.ndarray):
+    attrs = resolve_attrs(op, attrs)
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    kernel = prepare(op, attrs, types, types[:1])
+    out = np.empty_like(ins[0])
+    kernel(*ins, out)
+    (want,) = OPS[op].reference(*ins, **attrs)
+    return kernel, out, want
+
+
+@pytest.mark.parametrize("shape, axis", [((1, 128, 128), -1), ((3, 5, 768), 2), ((2, 3, 4, 6), 2)])
+def test_layer_norm_runs_as_a_primitive_within_float32_tolerance(shape, axis):
+    x = RNG.standard_normal(shape).astype(np.float32) * 3 + 1
+    span = shape[axis:]
+    scale, bias = RNG.standard_normal(span).astype(np.float32), RNG.standard_normal(span).astype(np.float32)
+    kernel, got, want = _run("layer_norm", {"axis": axis, "epsilon": 1e-5}, x, scale, bias)
+    assert getattr(kernel, "kernel_name", kernel.__qualname__).startswith("oneDNN layer_norm")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 128, 128), (7, 1000), (3, 1)])
+def test_last_axis_softmax_runs_as_a_primitive_within_float32_tolerance(shape):
+    x = RNG.standard_normal(shape).astype(np.float32) * 10
+    kernel, got, want = _run("softmax", {"axis": -1}, x)
+    assert kernel.kernel_name.startswith("oneDNN softmax")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_inner_axis_softmax_and_float64_run_on_the_cpus_own_kernels_with_the_reason_kept():
+    x = RNG.standard_normal((4, 6, 5)).astype(np.float32)
+    kernel, got, want = _run("softmax", {"axis": 1}, x)
+    assert not getattr(kernel, "kernel_name", "").startswith("oneDNN")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert any(k[0] == "softmax" and "inner axis" in why for k, why in onednn_kernels.refusals().items())
+    x64 = RNG.standard_normal((4, 8))
+    kernel, got, want = _run("layer_norm", {"axis": -1, "epsilon": 1e-5}, x64, np.ones(8), np.zeros(8))
+    assert not getattr(kernel, "kernel_name", "").startswith("oneDNN")  # oneDNN is not asked about float64
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+
+
+def test_the_compiled_loops_keep_the_layer_norms_where_loaded(monkeypatch):
+    from polyhal_cpu import native
+
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", "1")
+    if not native.available():
+        pytest.skip("no compiled loops here")
+    t, row = TensorType((8, 16), np.float32), TensorType((16,), np.float32)
+    attrs = {"axis": -1, "epsilon": 1e-5}
+    assert onednn_normalization.plan("layer_norm", attrs, (t, row, row), (t,)) is None  # the loop was faster
+    assert onednn_normalization.plan("softmax", {"axis": -1}, (t,), (t,)) is not None  # the primitive was
