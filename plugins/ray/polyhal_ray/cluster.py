@@ -151,7 +151,8 @@ class NodeSession:
             seq = self._seq
             if want:
                 self._wanted.add(seq)
-            if self._graph is not None and not any(c[0] == READ and c[3] >= BULK_READ_BYTES for c in commands):
+            # (reads come only as ``extra``, from call)
+            if self._graph is not None and not any(c[0] == READ and c[3] >= BULK_READ_BYTES for c in extra):
                 self._run_on_graph(seq, commands)
                 return seq
             try:

@@ -287,10 +287,12 @@ OBJECT_STORE_BYTES = 1 << 20
 
 def _snapshot(host: np.ndarray) -> Any:
     """The bytes of ``host`` as they are now (the caller may change its array once a write
-    returns, before the stream is sent): an ObjectRef for large arrays, else a copy."""
+    returns, before the stream is sent): an ObjectRef for large arrays, else a ``bytes`` copy
+    (through a compiled graph's channel a 16 KiB ``bytes`` took about half the time of the same
+    bytes as an array, which Ray serializes out of band: measured on the busy 2-core VM)."""
     flat = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
     if flat.nbytes >= OBJECT_STORE_BYTES:
         import ray
 
         return ray.put(flat)
-    return flat.copy()
+    return flat.tobytes()

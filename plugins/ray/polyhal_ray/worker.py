@@ -230,7 +230,9 @@ class NodeRuntime:
             self.programs.pop(cmd[1], None)
         elif op == WRITE:
             _, bid, offset, data = cmd
-            if not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
+            if isinstance(data, bytes):  # a small upload, in the submission
+                data = np.frombuffer(data, np.uint8)
+            elif not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
                 import ray
 
                 data = ray.get(data)
