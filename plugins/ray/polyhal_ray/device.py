@@ -256,19 +256,20 @@ def _capture(session: "NodeSession", steps: tuple, slots: list, bindings: tuple)
     for n, i in enumerate(bindings):
         slots[i] = _Binding(n)
     pending = session._pending
-    before = len(pending)
-    try:
-        for step in steps:
-            step()
-        failed = False
-    except Exception:  # noqa: BLE001 -- not a kernel of this node: it cannot take a marker
-        failed = True
-    finally:
-        for i, value in zip(bindings, saved):
-            slots[i] = value
-    queued = [pending.pop() for _ in range(len(pending) - before)][::-1]
-    # A buffer's or kernel's finalizer may have queued its free meanwhile: it goes back.
-    pending.extend(c for c in queued if c[0] in CLEANUP)
+    with session._lock:  # no flush (another thread's) sends the markers meanwhile
+        before = len(pending)
+        try:
+            for step in steps:
+                step()
+            failed = False
+        except Exception:  # noqa: BLE001 -- not a kernel of this node: it cannot take a marker
+            failed = True
+        finally:
+            for i, value in zip(bindings, saved):
+                slots[i] = value
+        queued = [pending.pop() for _ in range(len(pending) - before)][::-1]
+        # A buffer's or kernel's finalizer may have queued its free meanwhile: it goes back.
+        pending.extend(c for c in queued if c[0] in CLEANUP)
     captured = [c for c in queued if c[0] not in CLEANUP]
     if failed or len(captured) != len(steps) or any(c[0] != DISPATCH for c in captured):
         return None

@@ -29,6 +29,7 @@ from polyhal.registry import Registry  # noqa: E402
 import polyhal_ray.plugin as ray_plugin  # noqa: E402
 from polyhal_ray import NodeLostError  # noqa: E402
 from polyhal_ray.cluster import short_id  # noqa: E402
+from polyhal_ray.worker import REPLAY  # noqa: E402
 from polyhal_ray.loopback import LOOPBACK, LOOPBACK_ENV, node_addresses, use_loopback  # noqa: E402
 
 #: What the nodes' runtimes load: the CPU backend and the template backend (a device with two
@@ -146,6 +147,16 @@ def test_remote_plan_replays_through_a_compiled_graph(registry, cluster):
         out = plan(*DATA)
         assert out.device.name == name  # the result stays on the node until read
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    # A run is one submission, through the compiled graph: one execute, no other actor call.
+    session = registry.get_device(name).session
+    graph, executes, sent = session._graph, [], session._seq
+    execute = graph.execute
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graph, "execute", lambda *a: executes.append(a) or execute(*a), raising=False)
+        for _ in range(3):
+            out = plan(*DATA)
+    assert session._seq == sent + 3 and len(executes) == 3
+    assert [c[0] for c in executes[-1][0][1]][-1] == REPLAY  # the run's upload, allocation, then its replay
     # Inputs already on the node, and outputs the caller gives: other tensors bound to the same replay.
     device = registry.get_device(name)
     x, w = (asarray(a, None, device) for a in DATA)
