@@ -277,8 +277,10 @@ def _capture(session: "NodeSession", steps: tuple, slots: list, bindings: tuple)
 
 
 def _wire_key(key: tuple) -> tuple:
-    """A view key as a replay sends it: the dtype as its string (a dtype object pickles slowly)."""
-    return (key[0], key[1], key[2], key[3].str, key[4])
+    """A view key as a replay sends it: a numpy dtype as its string (a dtype object pickles
+    slowly); others (ml_dtypes' bfloat16, whose string ``|V2`` says nothing) as they are."""
+    dtype = key[3]
+    return (key[0], key[1], key[2], dtype.str if dtype.isbuiltin == 1 else dtype, key[4])
 
 
 #: Uploads this large go through Ray's object store (one copy into it, here, and the node reads

@@ -299,3 +299,15 @@ def test_a_node_lost_mid_run_names_it_and_the_others_go_on(cluster, monkeypatch)
     assert lost not in reg.default_devices()
     assert lost not in [s.name for s in Registry().device_specs()]
     assert "was lost" in " ".join(Registry().unavailable_reasons().get("ray", []))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bool", "int8", "bfloat16", "float8_e4m3fn"])
+def test_a_replay_names_every_element_type_exactly(dtype):
+    """A replay sends a numpy dtype as its string; ml_dtypes' types, whose string (``|V2``) says
+    nothing, go as they are (the conformance suite's bfloat16 casts found it)."""
+    from polyhal.ir.types import as_dtype
+    from polyhal_ray.device import _wire_key
+
+    t = np.dtype(as_dtype(dtype))
+    sent = _wire_key((1, 0, (2, 3), t, (3, 1)))
+    assert np.dtype(sent[3]) == t and sent[:3] == (1, 0, (2, 3)) and sent[4] == (3, 1)
