@@ -76,6 +76,7 @@ class Allocator:
         self.statistics = AllocatorStatistics({h.memory_type: HeapStatistics() for h in self.heaps})
         self._lock = threading.Lock()
         self._heap_memo: dict[tuple[int, int], Heap | None] = {}
+        self._usage_memo: dict[tuple[Heap, int], BufferUsage] = {}  # (heap, usage asked) -> buffer usage
 
     # -- queries -----------------------------------------------------------------------------
 
@@ -166,7 +167,11 @@ class Allocator:
         except MemoryError as exc:
             raise out_of_memory(self, heap, nbytes, exc) from exc
         self._account(heap, nbytes)
-        return Buffer(self, heap, nbytes, native, usage=heap.buffer_usage(usage))
+        key = (heap, int(usage))
+        granted = self._usage_memo.get(key)
+        if granted is None:  # (flag-enum arithmetic is slow in Python, and plans allocate outputs every run)
+            granted = self._usage_memo[key] = heap.buffer_usage(usage)
+        return Buffer(self, heap, nbytes, native, usage=granted)
 
     def _account(self, heap: Heap, nbytes: int) -> None:
         with self._lock:

@@ -45,13 +45,13 @@ class RemoteAllocator(Allocator):
 
     def _allocate(self, heap: Heap, nbytes: int) -> int:
         device = self.device
-        free = device.memory_available()
-        if free is not None and nbytes > free:
-            raise MemoryError(f"node {device.session.name} has {free} B available for {device.local_name}")
         node_heap = self._node_heap[heap]
         bid = device.session.new_id()
         command = (ALLOC, bid, device.local_name, nbytes, int(node_heap.memory_type), int(BufferUsage.DEFAULT))
-        if nbytes >= CONFIRMED_BYTES:
+        if nbytes >= CONFIRMED_BYTES:  # (a smaller one that fails on the node says so at the next wait)
+            free = device.memory_available()
+            if free is not None and nbytes > free:
+                raise MemoryError(f"node {device.session.name} has {free} B available for {device.local_name}")
             device.session.call(command)
         else:
             device.session.enqueue(command)

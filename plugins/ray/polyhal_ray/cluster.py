@@ -115,6 +115,7 @@ class NodeSession:
         self._thread: threading.Thread | None = None
         self._thread_lock = threading.Lock()
         self._graph: Any = None           # the compiled graph, while replayed plans use it
+        self._graph_timeout = 60.0        # seconds an answer through it may take (read when it is made)
         self._graph_users = 0
         self._idle_timer: threading.Timer | None = None
         self.timeout = RaySettings.from_env().connect_timeout
@@ -150,7 +151,8 @@ class NodeSession:
             seq = self._seq
             if want:
                 self._wanted.add(seq)
-            if self._graph is not None and not any(c[0] == READ and c[3] >= BULK_READ_BYTES for c in commands):
+            # (reads come only as ``extra``, from call)
+            if self._graph is not None and not any(c[0] == READ and c[3] >= BULK_READ_BYTES for c in extra):
                 self._run_on_graph(seq, commands)
                 return seq
             try:
@@ -169,9 +171,10 @@ class NodeSession:
         the stream's lock). A compiled graph is driven from one thread at a time -- Ray's is not
         thread-safe -- so this thread executes it and reads the answer: one hop, no hand-over to
         the completion thread, which is what a replayed plan's latency is made of."""
-        self._wait(seq - 1)  # earlier submissions sent as ordinary calls complete first
+        if self.completed.value < seq - 1:
+            self._wait(seq - 1)  # earlier submissions sent as ordinary calls complete first
         try:  # (a graph's ref is read once, with a timeout of its own: Ray's default is 10 s)
-            answer = self._graph.execute((seq, commands)).get(timeout=default_timeout())
+            answer = self._graph.execute((seq, commands)).get(timeout=self._graph_timeout)
         except Exception as exc:
             if node_died(exc):
                 self._lose(exc)
@@ -194,7 +197,8 @@ class NodeSession:
         """Wait until submission ``seq`` (default: everything sent) completed; raise the error of
         any earlier submission nobody has seen yet."""
         self._wait(self._seq if seq is None else seq)
-        self._raise_unreported()
+        if self._unreported:
+            self._raise_unreported()
 
     def synchronize(self) -> None:
         """Flush and wait for everything. Frees alone are not sent (nobody waits for them): they
@@ -242,6 +246,8 @@ class NodeSession:
             done()
 
     def _wait(self, seq: int) -> None:
+        if self.completed.value >= seq and self.lost is None:
+            return  # (a replayed plan's submissions are complete when sent: no lock to take)
         try:
             self.completed.wait(seq, None)
         except Exception as exc:
@@ -302,6 +308,8 @@ class NodeSession:
         elif answer[1] is not None:
             self._unreported.append(answer[1])
         self.completed.signal(seq)
+        if not self._callbacks:  # (one registered before the signal is seen here; one after runs at once)
+            return
         with self._thread_lock:
             due = [self._callbacks.pop(n) for n in [n for n in self._callbacks if n <= seq]]
         for callbacks in due:
@@ -339,6 +347,7 @@ class NodeSession:
                 with InputNode() as inp:
                     dag = self.actor.execute.bind(inp)
                 self._graph = dag.experimental_compile()
+                self._graph_timeout = default_timeout()
                 warm = True
             else:
                 warm = False

@@ -24,7 +24,8 @@ from polyhal.hal.queue import InlineQueue, SemaphoreList, fail_all, signal_all, 
 
 from polyhal_ray.allocator import RemoteAllocator
 from polyhal_ray.cluster import send_to
-from polyhal_ray.worker import COPY, DISPATCH, FILL, PREPARE, READ, RELEASE, TRANSFER, WRITE
+from polyhal_ray.worker import (CLEANUP, COPY, DISPATCH, FILL, FORGET, PREPARE, READ, RECORD, RELEASE, REPLAY,
+                                TRANSFER, WRITE)
 
 if TYPE_CHECKING:
     from polyhal import DeviceSpec
@@ -152,20 +153,32 @@ class RemoteDevice(Device):
         self.session.synchronize()
 
     def record(self, steps, slots, input_slots, output_slots) -> Callable[[], None] | None:
-        """A plan that lives entirely on this device replays as one submission per run, sent
-        through the node's Ray compiled graph (compiled here, once, and kept while the plan lives)."""
+        """A plan (or a plan part) that lives entirely on this device is recorded on the node
+        once: its dispatches, with the kernels and intermediate tensors resolved there. Each run
+        then queues one replay command naming the run's inputs and outputs, and is sent as one
+        submission through the node's Ray compiled graph (compiled here, once, and kept while
+        the plan lives)."""
         session = self.session
-        release = session.use_graph()
-        flush = session.flush
         steps = tuple(steps)
+        bindings = tuple(dict.fromkeys((*input_slots, *output_slots)))
+        recorded = _capture(session, steps, slots, bindings)
+        if recorded is None:  # a step that is not one of this node's dispatches: replayed step by step
+            return None
+        pid = session.new_id()
+        session.call((RECORD, pid, recorded))
+        release = session.use_graph()
+        enqueue, flush = session._pending.append, session.flush
 
         def replay() -> None:
-            for step in steps:
-                step()
+            enqueue((REPLAY, pid, tuple([_wire_key(slots[i]) for i in bindings])))
             flush()
 
+        def forget(steps=steps) -> None:  # (the steps hold the kernels the node's program calls)
+            session.discard((FORGET, pid))
+            release()
+
         # Not at interpreter exit: Ray tears its graphs down itself then, and a wait here could outlast it.
-        weakref.finalize(replay, release).atexit = False
+        weakref.finalize(replay, forget).atexit = False
         return replay
 
     # -- data movement ----------------------------------------------------------------------------
@@ -226,6 +239,50 @@ class RemoteDevice(Device):
                           "from here; move the tensor first (tensor.to_device('cpu:0')) or read it (tensor.numpy())")
 
 
+class _Binding:
+    """Stands in a binding slot (an input or output of the plan) while its steps are captured."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def _capture(session: "NodeSession", steps: tuple, slots: list, bindings: tuple) -> tuple | None:
+    """Run ``steps`` with markers in the ``bindings`` slots and take back what they queued:
+    ``((kernel id, args), ...)``, each arg a view key or a binding's index. None when a step
+    did anything but queue one dispatch of this node (it is then replayed step by step)."""
+    saved = [slots[i] for i in bindings]
+    for n, i in enumerate(bindings):
+        slots[i] = _Binding(n)
+    pending = session._pending
+    with session._lock:  # no flush (another thread's) sends the markers meanwhile
+        before = len(pending)
+        try:
+            for step in steps:
+                step()
+            failed = False
+        except Exception:  # noqa: BLE001 -- not a kernel of this node: it cannot take a marker
+            failed = True
+        finally:
+            for i, value in zip(bindings, saved):
+                slots[i] = value
+        queued = [pending.pop() for _ in range(len(pending) - before)][::-1]
+        # A buffer's or kernel's finalizer may have queued its free meanwhile: it goes back.
+        pending.extend(c for c in queued if c[0] in CLEANUP)
+    captured = [c for c in queued if c[0] not in CLEANUP]
+    if failed or len(captured) != len(steps) or any(c[0] != DISPATCH for c in captured):
+        return None
+    return tuple((kid, tuple(a.index if isinstance(a, _Binding) else a for a in args)) for _, kid, args in captured)
+
+
+def _wire_key(key: tuple) -> tuple:
+    """A view key as a replay sends it: a numpy dtype as its string (a dtype object pickles
+    slowly); others (ml_dtypes' bfloat16, whose string ``|V2`` says nothing) as they are."""
+    dtype = key[3]
+    return (key[0], key[1], key[2], dtype.str if dtype.isbuiltin == 1 else dtype, key[4])
+
+
 #: Uploads this large go through Ray's object store (one copy into it, here, and the node reads
 #: it from there); smaller ones ride in the submission as a copy of their bytes.
 OBJECT_STORE_BYTES = 1 << 20
@@ -233,10 +290,12 @@ OBJECT_STORE_BYTES = 1 << 20
 
 def _snapshot(host: np.ndarray) -> Any:
     """The bytes of ``host`` as they are now (the caller may change its array once a write
-    returns, before the stream is sent): an ObjectRef for large arrays, else a copy."""
+    returns, before the stream is sent): an ObjectRef for large arrays, else a ``bytes`` copy
+    (through a compiled graph's channel a 16 KiB ``bytes`` took about half the time of the same
+    bytes as an array, which Ray serializes out of band: measured on the busy 2-core VM)."""
     flat = np.ascontiguousarray(host).reshape(-1).view(np.uint8)
     if flat.nbytes >= OBJECT_STORE_BYTES:
         import ray
 
         return ray.put(flat)
-    return flat.copy()
+    return flat.tobytes()

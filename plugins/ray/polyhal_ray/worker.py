@@ -9,18 +9,21 @@ kernels stay resident here between submissions, named by ids the driver chose, s
 part replayed on the node sends only its command list.
 
 Commands are plain tuples whose first item is an opcode (:data:`ALLOC` ...); tensors are named by
-*view keys* ``(buffer id, byte offset, shape, dtype, element strides)``.
+*view keys* ``(buffer id, byte offset, shape, dtype, element strides)``. A replayed plan is
+*recorded* on the node once (:data:`RECORD`: its dispatches, with the kernels and intermediate
+tensors resolved there); each run then sends one :data:`REPLAY` naming the run's input and output
+tensors, so that the node looks nothing up but those and the driver pickles no step.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
 # Opcodes of the commands a submission holds (see NodeRuntime._command).
-ALLOC, FREE, WRITE, READ, COPY, FILL, PREPARE, DISPATCH, RELEASE, TRANSFER = range(10)
+ALLOC, FREE, WRITE, READ, COPY, FILL, PREPARE, DISPATCH, RELEASE, TRANSFER, RECORD, REPLAY, FORGET = range(13)
 #: Freed buffers a node keeps per (device, size, memory type, usage), for the next allocation alike.
 SPARES = 4
 
@@ -29,7 +32,7 @@ SPARES = 4
 SERVING = False
 #: Commands that run even after an earlier command of the same submission failed: what frees
 #: memory, so that a failed submission leaks nothing on the node.
-CLEANUP = frozenset({FREE, RELEASE})
+CLEANUP = frozenset({FREE, RELEASE, FORGET})
 
 
 def runtime_versions() -> dict[str, str]:
@@ -70,7 +73,10 @@ class NodeRuntime:
         self.registry = Registry()
         self.buffers: dict[int, Any] = {}      # buffer id -> polyhal Buffer on a local device
         self.kernels: dict[int, tuple[Any, tuple]] = {}  # kernel id -> (prepared fn, scratch tensors)
-        self.natives: dict[tuple, Any] = {}    # view key -> the local device's native object
+        # buffer id -> {view key less the id: the local device's native object}; a freed buffer
+        # kept as a spare keeps its views, so that a replayed plan's new outputs find theirs made.
+        self.views: dict[int, dict[tuple, Any]] = {}
+        self.programs: dict[int, Callable[[tuple], None]] = {}  # recorded plans, by id
         self.allocated: dict[int, tuple] = {}  # buffer id -> (device, nbytes, memory type, usage) asked
         self.spares: dict[tuple, list] = {}    # freed buffers kept for the next allocation of the same kind
         self._done = 0                         # number of the last submission that ran
@@ -99,7 +105,8 @@ class NodeRuntime:
         live: dict[str, int] = {}
         for buf in self.buffers.values():
             live[buf.device.name] = live.get(buf.device.name, 0) + buf.nbytes
-        return {"buffers": len(self.buffers), "kernels": len(self.kernels), "views": len(self.natives),
+        return {"buffers": len(self.buffers), "kernels": len(self.kernels), "programs": len(self.programs),
+                "views": sum(map(len, self.views.values())),
                 "live_bytes": live, "spare_buffers": sum(map(len, self.spares.values())), "done": self._done}
 
     # -- submissions ------------------------------------------------------------------------------
@@ -195,28 +202,37 @@ class NodeRuntime:
 
     def _command(self, cmd: tuple) -> Any:
         op = cmd[0]
-        if op == DISPATCH:  # the hot path first
+        if op == REPLAY:  # the hot path first
+            self.programs[cmd[1]](cmd[2])
+        elif op == DISPATCH:
             native = self._native
             self.kernels[cmd[1]][0](*[native(k) for k in cmd[2]])
         elif op == ALLOC:
             _, bid, device, nbytes, memory_type, usage = cmd
             spare = self.spares.get(cmd[2:])
-            self.buffers[bid] = spare.pop() if spare else \
-                self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
+            if spare:
+                self.buffers[bid], self.views[bid] = spare.pop()
+            else:
+                self.buffers[bid] = self.registry.get_device(device).allocator.allocate(nbytes, memory_type, usage)
             self.allocated[bid] = cmd[2:]
         elif op == FREE:
             buf = self.buffers.pop(cmd[1], None)
             if buf is not None:
-                for key in [k for k in self.natives if k[0] == cmd[1]]:
-                    del self.natives[key]
+                views = self.views.pop(cmd[1], {})
                 spare = self.spares.setdefault(self.allocated.pop(cmd[1]), [])
                 if len(spare) < SPARES:
-                    spare.append(buf)  # a replayed plan frees and allocates its outputs' sizes on every run
+                    spare.append((buf, views))  # a replayed plan frees and allocates its outputs' sizes on every run
                 else:
                     buf.release()
+        elif op == RECORD:
+            self.programs[cmd[1]] = self._record(*cmd[2:])
+        elif op == FORGET:
+            self.programs.pop(cmd[1], None)
         elif op == WRITE:
             _, bid, offset, data = cmd
-            if not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
+            if isinstance(data, bytes):  # a small upload, in the submission
+                data = np.frombuffer(data, np.uint8)
+            elif not isinstance(data, np.ndarray):  # an ObjectRef: a large upload, from the object store
                 import ray
 
                 data = ray.get(data)
@@ -285,6 +301,27 @@ class NodeRuntime:
             raise
         self.kernels[kid] = (fn, tuple(held), f"kernel {op!r} on {device}")
 
+    def _record(self, steps: tuple) -> Callable[[tuple], None]:
+        """A replayed plan's run: ``steps`` are ``(kernel id, args)``, each arg a view key (an
+        intermediate tensor, the same every run) or the index of a *binding* (an input or output,
+        another tensor each run); the run's ``bindings`` are the view keys of those."""
+        native = self._native
+        program = []
+        for kid, args in steps:
+            fixed = [None if isinstance(a, int) else native(a) for a in args]
+            bound = tuple((pos, a) for pos, a in enumerate(args) if isinstance(a, int))
+            program.append((self.kernels[kid][0], fixed, bound))
+
+        def run(bindings: tuple) -> None:
+            keys = [native(key) for key in bindings]
+            for fn, fixed, bound in program:
+                argv = fixed.copy()
+                for pos, i in bound:
+                    argv[pos] = keys[i]
+                fn(*argv)
+
+        return run
+
     def _describe(self, cmd: tuple) -> str:
         """What ``cmd`` was, for an error message."""
         op = cmd[0]
@@ -295,16 +332,18 @@ class NodeRuntime:
         if op == PREPARE:
             return f"preparing the kernel of {cmd[3]!r} on {cmd[2]}"
         return {FREE: "free", WRITE: "upload", READ: "download", COPY: "copy", FILL: "fill", RELEASE: "kernel release",
-                TRANSFER: "transfer between the node's devices"}.get(op, f"command {op}")
+                TRANSFER: "transfer between the node's devices", RECORD: "recording a replayed plan",
+                REPLAY: "a replayed plan's run", FORGET: "forgetting a replayed plan"}.get(op, f"command {op}")
 
     def _native(self, key: tuple) -> Any:
         """The local device's native object for view key ``(bid, offset, shape, dtype, strides)``."""
-        native = self.natives.get(key)
+        views = self.views.get(key[0])
+        native = views.get(key[1:]) if views is not None else None
         if native is None:
             from polyhal.hal.tensor import Tensor
             from polyhal.ir.types import TensorType
 
             bid, offset, shape, dtype, strides = key
             native = Tensor(self.buffers[bid], TensorType(shape, np.dtype(dtype)), offset, strides).native
-            self.natives[key] = native
+            self.views.setdefault(bid, {})[key[1:]] = native
         return native

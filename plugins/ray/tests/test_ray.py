@@ -29,11 +29,12 @@ from polyhal.registry import Registry  # noqa: E402
 import polyhal_ray.plugin as ray_plugin  # noqa: E402
 from polyhal_ray import NodeLostError  # noqa: E402
 from polyhal_ray.cluster import short_id  # noqa: E402
+from polyhal_ray.worker import REPLAY  # noqa: E402
+from polyhal_ray.loopback import LOOPBACK, LOOPBACK_ENV, node_addresses, use_loopback  # noqa: E402
 
-#: Every node binds 127.0.0.1 (no test traffic leaves the machine), without Ray's token auth.
-LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
-#: What the nodes' runtimes load: the CPU backend and the template backend (a device with two kernels).
-NODE_ENV = {"POLYHAL_BACKENDS": "cpu,mydev", **LOOPBACK}
+#: What the nodes' runtimes load: the CPU backend and the template backend (a device with two
+#: kernels); every node on 127.0.0.1 (no test traffic leaves the machine), without Ray's token auth.
+NODE_ENV = {"POLYHAL_BACKENDS": "cpu,mydev", **LOOPBACK_ENV}
 
 
 def node_args(**env: str) -> dict:
@@ -43,13 +44,14 @@ def node_args(**env: str) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(template_site):
-    for k, v in LOOPBACK.items():
-        os.environ.setdefault(k, v)
     if ray.is_initialized():
         pytest.skip("Ray is already initialised in this process by another test")
     # The nodes' runtimes see the backend template (installed into a folder of the test session's,
     # never into the user's environment) through their PYTHONPATH.
     env = pytest.MonkeyPatch()
+    for k, v in LOOPBACK_ENV.items():
+        env.setenv(k, v)
+    use_loopback()  # (ray is imported: the variable alone would come too late)
     env.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(template_site), os.environ.get("PYTHONPATH")) if p))
     c = cluster_utils.Cluster(initialize_head=True, head_node_args=node_args())
     c.node_a = c.add_node(**node_args(POLYHAL_ALLOCATOR="limit=256MiB"))
@@ -92,6 +94,18 @@ def stats(registry, name):
     return ray.get(session.actor.statistics.remote())
 
 
+def on_loopback() -> None:
+    """Every node of the cluster, and this driver, are on 127.0.0.1."""
+    assert set(node_addresses().values()) == {LOOPBACK}, node_addresses()
+    assert ray.util.get_node_ip_address() == LOOPBACK
+
+
+def test_every_node_is_on_the_loopback_address(cluster):
+    on_loopback()
+    assert cluster.address.startswith(f"{LOOPBACK}:")  # the head's GCS
+    assert len(node_addresses()) >= 2
+
+
 def test_every_node_registers_its_devices_below_local_ones(registry, cluster):
     specs = registry.device_specs()
     names = [s.name for s in specs]
@@ -125,15 +139,36 @@ def test_tensors_stay_on_the_node_until_read(registry, cluster):
 def test_remote_plan_replays_through_a_compiled_graph(registry, cluster):
     name = remote(registry, cluster.node_a)
     want = polyhal.compile(mlp("cpu:0", "cpu:0"), registry=registry).run_numpy(*DATA)[0]
+    before = stats(registry, name)
     plan = polyhal.compile(mlp(name, name), registry=registry)
     assert plan.replay is not None and registry.get_device(name).session._graph is not None
+    assert stats(registry, name)["programs"] == before["programs"] + 1  # recorded on the node once
     for _ in range(3):
         out = plan(*DATA)
         assert out.device.name == name  # the result stays on the node until read
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-6)
+    # A run is one submission, through the compiled graph: one execute, no other actor call.
     session = registry.get_device(name).session
-    del plan, out
+    graph, executes, sent = session._graph, [], session._seq
+    execute = graph.execute
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(graph, "execute", lambda *a: executes.append(a) or execute(*a), raising=False)
+        for _ in range(3):
+            out = plan(*DATA)
+    assert session._seq == sent + 3 and len(executes) == 3
+    assert [c[0] for c in executes[-1][0][1]][-1] == REPLAY  # the run's upload, allocation, then its replay
+    # Inputs already on the node, and outputs the caller gives: other tensors bound to the same replay.
+    device = registry.get_device(name)
+    x, w = (asarray(a, None, device) for a in DATA)
+    given = empty(want.shape, want.dtype, device)
+    assert plan(x, w, out=given) is given
+    np.testing.assert_allclose(given.numpy(), want, rtol=1e-5, atol=1e-6)
+    session = device.session
+    del plan, out, x, w, given, device
     gc.collect()
+    after = stats(registry, name)
+    assert (after["programs"], after["buffers"], after["kernels"]) == \
+        (before["programs"], before["buffers"], before["kernels"])  # forgotten with the plan
     deadline = time.monotonic() + 30  # the graph (and its polling loop) goes soon after the last replayed plan
     while session._graph is not None and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -214,6 +249,7 @@ def test_a_node_with_another_polyhal_is_left_out_naming_both_versions(cluster, t
     (skew / "polyhal-9.9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: polyhal\nVersion: 9.9.9\n")
     node = cluster.add_node(**node_args(PYTHONPATH=f"{skew}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"))
     try:
+        on_loopback()
         monkeypatch.setenv("POLYHAL_BACKENDS", "cpu,ray")
         with pytest.warns(RuntimeWarning, match="9.9.9"):
             reg = Registry()
@@ -228,6 +264,7 @@ def test_a_node_with_another_polyhal_is_left_out_naming_both_versions(cluster, t
 
 def test_a_node_lost_mid_run_names_it_and_the_others_go_on(cluster, monkeypatch):
     victim = cluster.add_node(**node_args())
+    on_loopback()
     monkeypatch.setenv("POLYHAL_BACKENDS", "cpu,ray")
     reg = Registry()
     lost, a = remote(reg, victim), remote(reg, cluster.node_a)
@@ -262,3 +299,15 @@ def test_a_node_lost_mid_run_names_it_and_the_others_go_on(cluster, monkeypatch)
     assert lost not in reg.default_devices()
     assert lost not in [s.name for s in Registry().device_specs()]
     assert "was lost" in " ".join(Registry().unavailable_reasons().get("ray", []))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bool", "int8", "bfloat16", "float8_e4m3fn"])
+def test_a_replay_names_every_element_type_exactly(dtype):
+    """A replay sends a numpy dtype as its string; ml_dtypes' types, whose string (``|V2``) says
+    nothing, go as they are (the conformance suite's bfloat16 casts found it)."""
+    from polyhal.ir.types import as_dtype
+    from polyhal_ray.device import _wire_key
+
+    t = np.dtype(as_dtype(dtype))
+    sent = _wire_key((1, 0, (2, 3), t, (3, 1)))
+    assert np.dtype(sent[3]) == t and sent[:3] == (1, 0, (2, 3)) and sent[4] == (3, 1)
