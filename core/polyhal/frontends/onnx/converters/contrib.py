@@ -21,7 +21,7 @@ import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.elementwise import cast
-from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _UINT8, _quantize, _saturate
+from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _UINT8, _dequantized, _quantize, _saturate
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
@@ -113,20 +113,19 @@ def _qgemm(ctx: NodeContext) -> list:
         raise OnnxUnsupportedError(f"QGemm on {ctx.dtype(a)} x {ctx.dtype(b)} (onnxruntime's are int8/uint8)")
     trans_a, trans_b = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
     alpha = float(ctx.attr("alpha", 1.0))
-    af = _minus_zero_point(ctx, a, za)
-    bf = _minus_zero_point(ctx, b, zb, column=trans_b)
-    # The integer product, exact in float32 as onnxruntime's int32 accumulator; C (int32) adds
-    # to it unscaled, as onnxruntime adds it to the accumulator.
-    acc = ctx.op("gemm", af, bf, *([cast(ctx, c, _F32)] if c is not None else []), trans_a=trans_a, trans_b=trans_b)
-    scale = ctx.op("mul", ctx.op("mul", _scalar(ctx, sa, "a_scale"), _column_param(ctx, sb)),
-                   np.array(alpha, _F32))
+    # As DequantizeLinear -> Gemm -> QuantizeLinear in float32 (the QDQ form, which devices with
+    # int8 kernels fuse back into one int8 matmul); C (int32) is in units of a_scale * b_scale.
+    af = _dequantize(ctx, a, sa, za)
+    bf = _dequantized(ctx, b, sb, zb, (0 if trans_b else 1) if ctx.type(sb).size > 1 else 0)
+    args = [af, bf]
+    if c is not None:
+        args.append(ctx.op("mul", cast(ctx, c, _F32), ctx.op("mul", ctx.op("mul", _scalar(ctx, sa, "a_scale"),
+                                                                          _column_param(ctx, sb)),
+                                                              np.array(alpha, _F32))))
+    y = ctx.op("gemm", *args, alpha=alpha, beta=1.0, trans_a=trans_a, trans_b=trans_b)
     if sy is None:
-        return [ctx.op("mul", acc, scale)]
-    scale = ctx.op("div", scale, _scalar(ctx, sy, "y_scale"))
-    q = ctx.op("round", ctx.op("mul", acc, scale))
-    if zy is not None:
-        q = ctx.op("add", q, _scalar(ctx, zy, "y_zero_point"))
-    return [_saturate(ctx, q, _out_type(ctx, zy, a))]
+        return [y]
+    return [_requant(ctx, y, sy, zy, _out_type(ctx, zy, a))]
 
 
 @converter("MatMulIntegerToFloat", domain=MS_DOMAIN)
