@@ -40,7 +40,7 @@ from polyhal_cpu.onednn import (ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS, ARG_BIAS,
 from polyhal_cpu.onednn_kernels import (_REFUSED, _bound, _filter_md, _kept_weights, _key, _planned, _Relayout,
                                         _requests, _row_major)
 from polyhal_cpu.scratch import array as scratch_array
-from polyhal_cpu.table import TABLE, Kernel, Types
+from polyhal_cpu.table import TABLE, Kernel, Types, frozen
 
 __all__ = ["int8_plan", "report", "registrations"]
 
@@ -101,8 +101,26 @@ def _runtime_args(quantized: bool, channels: int, per_channel: bool) -> dict:
     return given
 
 
+#: Multiply-adds below which a primitive is made for one thread: waking OpenMP's sleeping
+#: (passive) workers costs more than the work (a 64 x 32 x 64 matmul took 0.6 ms a call on two
+#: threads of the busy 2-core VM, against 0.45 ms for onnxruntime's whole three-layer MLP).
+SMALL_MACS = 1 << 22
+
+
 def _make_plan(op: str, attrs: dict, ins, outs) -> Int8Plan:
-    onednn.lib().set_threads()  # a primitive's work split is fixed when it is created
+    loaded = onednn.lib()
+    loaded.set_threads()  # a primitive's work split is fixed when it is created
+    w = ins[3]
+    macs = outs[0].size * (math.prod(w.shape[1:]) if op == "quantized_conv" else w.shape[0])
+    if macs < SMALL_MACS and loaded.omp_set_num_threads is not None:
+        loaded.omp_set_num_threads(1)
+    try:
+        return _make(op, attrs, ins, outs)
+    finally:
+        loaded.set_threads()
+
+
+def _make(op: str, attrs: dict, ins, outs) -> Int8Plan:
     x, w, w_scale, y = ins[0], ins[3], ins[4], outs[0]
     quantized = len(ins) == 8
     per_channel = w_scale.size > 1
@@ -238,6 +256,24 @@ def _onednn_kernel(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ke
     shift = 128 if plan.signed else 0
     xor = np.bitwise_xor
 
+    # Operand addresses, looked up again only when another array comes (a plan hands a kernel
+    # the same arrays every run; __array_interface__ costs microseconds a call).
+    seen: list = [None] * 9
+    addresses = [0] * 9
+
+    def at(i: int, a: np.ndarray) -> int:
+        if seen[i] is not a:
+            seen[i], addresses[i] = a, address(a)
+        return addresses[i]
+
+    def weights_at(w: np.ndarray) -> int:  # constant weights: the kept reordered copy's address
+        if seen[6] is w:
+            return addresses[6]
+        found = weights(w)
+        if frozen(w):
+            seen[6], addresses[6] = w, found
+        return found
+
     def kernel(x, x_scale, x_zp, w, w_scale, bias, *rest):
         out = rest[-1]
         if not x.flags.c_contiguous:
@@ -250,21 +286,21 @@ def _onednn_kernel(op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ke
             border.fill(zx)
             filled[0] = zx
         if src_in is not None:
-            src_in(address(x), src_at, *pad)
+            src_in(at(0, x), src_at, *pad)
             xa = src_at
         else:
-            xa = address(x)
-        da = dst_at if dst_out is not None else address(out)
+            xa = at(0, x)
+        da = dst_at if dst_out is not None else at(1, out)
         zero_points[0] = zx
-        scales = (address(contiguous(x_scale)), address(contiguous(w_scale)))
+        # (scales and bias are scalars or 1-D: contiguous as they come)
+        scales = (at(2, x_scale), at(3, w_scale))
         if quantized:
             zero_points[1] = rest[1].reshape(-1)[0]
-            execute(xa, weights(w), address(contiguous(bias)), da, *scales, address(contiguous(rest[0])), zx_at,
-                    zy_at, *pad)
+            execute(xa, weights_at(w), at(4, bias), da, *scales, at(5, rest[0]), zx_at, zy_at, *pad)
         else:
-            execute(xa, weights(w), address(contiguous(bias)), da, *scales, zx_at, *pad)
+            execute(xa, weights_at(w), at(4, bias), da, *scales, zx_at, *pad)
         if dst_out is not None:
-            dst_out(da, address(out), *pad)
+            dst_out(da, at(1, out), *pad)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
     kernel.scratch = scratch  # type: ignore[attr-defined]  (so does its scratch: it runs on addresses)
@@ -275,8 +311,6 @@ def _own_kernel(device, op: str, attrs: dict, ins: Types, outs: Types) -> Kernel
     """The CPU's own kernel of an instance oneDNN does not serve: x dequantized to float32, the
     float ``fused_conv`` / ``fused_linear`` kernel (weights dequantized once while they are the
     same constant), the result requantized with numpy (round half to even, saturate)."""
-    from polyhal_cpu.table import frozen
-
     x, w, y = ins[0], ins[3], outs[0]
     epilogue = {k: attrs[k] for k in ("activation", "alpha", "beta")}
     if op == "quantized_conv":
