@@ -404,6 +404,10 @@ def run(args) -> list[Row]:
 
     import polyhal.onnx as ponnx
 
+    # LightGBM and scikit-learn load libgomp before polyhal's CPU backend loads oneDNN, which then
+    # cannot make OpenMP's idle workers sleep (see polyhal_cpu.onednn): spinning, they took the
+    # int8 ResNet-50 from 0.7 s to 3-5 s a run on the busy 2-core VM. Set as polyhal sets it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     device = args.device or "cpu:0"
     repeat = 5 if args.quick else 30
     wanted = [w for w in (getattr(args, "models", "") or "").split(",") if w]
