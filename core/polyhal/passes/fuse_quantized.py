@@ -84,7 +84,7 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         return None if data is None or data.size != 1 else float(np.asarray(data).reshape(()))
 
     def constant(data: np.ndarray, like: Value, name: str) -> Value:
-        data = np.ascontiguousarray(data)
+        data = np.array(data, order="C")  # its own memory, read-only: kernels may keep what they derive
         data.flags.writeable = False
         v = Value(TensorType(data.shape, data.dtype), f"{like.name}_{name}", like.program_id)
         new_constants.append((v, data))
