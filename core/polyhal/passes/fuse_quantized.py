@@ -13,9 +13,9 @@ use:
   right operand, then maybe a bias ``add``) or ``gemm`` (alpha 1, beta 1, A not transposed)
   whose input is a dequantized int8 / uint8 value (scale and zero point constants, one per
   tensor) and whose weights are a float constant that int8 holds exactly -- the dequantized
-  weights, folded at import: ``w = q * scale`` with q in [-127, 127], one scale per output
-  channel or per tensor (recovered as max|w| / 127 and checked element by element; weights that
-  do not round-trip are not int8 weights, and the contraction stays float). Then maybe a
+  weights, folded at import: ``w = q * scale`` with int8 q, one scale per output channel or per
+  tensor (recovered as max|w| / 127, or / 64 for 7-bit weights, and checked element by element;
+  weights that do not round-trip are not int8 weights, and the contraction stays float). Then maybe a
   ``relu``, then maybe a quantize (int8 / uint8 result), else the float result.
 * **MatMulInteger rescaled** (onnxruntime's dynamic quantization): ``cast(matmul(sub(cast(a),
   cast(a_zero_point)), b) -> float32) * scale``, b an int32 constant within int8's range: a
@@ -42,22 +42,27 @@ __all__ = ["fuse_quantized", "int8_weights"]
 _F32, _I8, _I32 = np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.int32)
 
 
+#: The largest weight a quantizer makes, tried in turn: 127 (symmetric int8), 64 (onnxruntime's
+#: reduce_range, 7-bit weights), 63.
+WEIGHT_PEAKS = (127, 64, 63)
+
+
 def int8_weights(w: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """``(q, scale)`` with int8 ``q`` in [-127, 127] and ``q * scale == w`` (float32, to within
-    the rounding of the dequantization that made ``w``), one scale per index of ``axis`` or one
-    for the whole tensor; None when int8 does not hold ``w`` exactly either way."""
+    """``(q, scale)`` with int8 ``q`` and ``q * scale == w`` (float32, to within the rounding of
+    the dequantization that made ``w``), one scale per index of ``axis`` or one for the whole
+    tensor, the largest |q| one of :data:`WEIGHT_PEAKS`; None when int8 does not hold ``w``
+    exactly so."""
     w = np.asarray(w, _F32)
     moved = np.moveaxis(w, axis, 0).reshape(w.shape[axis], -1)
     for per_channel in (True, False):
         peak = np.abs(moved).max(axis=1) if per_channel else np.abs(moved).max(keepdims=True)
-        scale = (peak / np.float32(127)).astype(_F32)
-        scale[scale == 0] = 1
-        q = np.rint(moved / scale[:, None])
-        if np.abs(q).max(initial=0) > 127:
-            continue
-        if np.all(np.abs(q * scale[:, None] - moved) <= 1e-6 * peak[:, None]):
-            q = np.moveaxis(q.astype(_I8).reshape(np.moveaxis(w, axis, 0).shape), 0, axis)
-            return np.ascontiguousarray(q), (scale if per_channel else scale.reshape(()))
+        for top in WEIGHT_PEAKS:
+            scale = (peak / np.float32(top)).astype(_F32)
+            scale[scale == 0] = 1
+            q = np.rint(moved / scale[:, None])
+            if np.all(np.abs(q * scale[:, None] - moved) <= 1e-6 * peak[:, None]):
+                q = np.moveaxis(q.astype(_I8).reshape(np.moveaxis(w, axis, 0).shape), 0, axis)
+                return np.ascontiguousarray(q), (scale if per_channel else scale.reshape(()))
     return None
 
 

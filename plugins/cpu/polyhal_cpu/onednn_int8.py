@@ -376,14 +376,26 @@ def report(compilation, target) -> None:
         compilation.notes.append(f"oneDNN unusable ({why}): the CPU's own float kernels run all {len(ours)} "
                                  "quantized contractions (dequantized, then requantized)")
         return
-    own = []
+    own, impls = [], set()
     for op in ours:
         attrs = resolve_attrs(op.name, dict(op.attrs))
         ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
-        if int8_plan(op.name, attrs, ins, outs) is None:
-            own.append((op, _REFUSED.get(_key(op.name, attrs, ins, outs), "an empty tensor")))
+        plan = int8_plan(op.name, attrs, ins, outs)
+        if plan is not None:
+            impls.add(plan.primitive.impl)
+            continue
+        why = _REFUSED.get(_key(op.name, attrs, ins, outs))
+        if why is None:
+            why = ("an empty tensor" if any(t.size == 0 for t in (*ins, *outs))
+                   else f"{ins[0].rank - 2} spatial dims (oneDNN's convolutions take 1 to 3)")
+        own.append((op, why))
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} quantized contractions on the CPU "
                              "run as oneDNN int8 primitives")
+    if impls and not any("vnni" in i or "amx" in i for i in impls):
+        compilation.notes.append(
+            "  this CPU has no int8 dot-product instruction (VNNI): oneDNN sums uint8 x int8 products in pairs into "
+            "int16, which saturate where two weights of more than 64 in size meet large inputs, as onnxruntime's "
+            "kernels do here; weights quantized to 7 bits (onnxruntime's reduce_range) are exact")
     for op, reason in own[:8]:
         compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's own float kernel: {reason}")
     if len(own) > 8:

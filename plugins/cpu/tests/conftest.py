@@ -30,8 +30,9 @@ def check_on_poisoned_scratch():
 
 @pytest.fixture(autouse=True)
 def own_kernels(request, monkeypatch):
-    """The CPU's own kernels for every test of this folder but the oneDNN binding's: they check
+    """The CPU's own kernels for every test of this folder but the oneDNN binding's and its int8
+    kernels': they check
     those kernels' paths, which oneDNN's primitives would otherwise serve (the conformance suite
     checks the oneDNN path on cpu:0)."""
-    if request.module.__name__.rsplit(".", 1)[-1] != "test_cpu_onednn":
+    if request.module.__name__.rsplit(".", 1)[-1] not in ("test_cpu_onednn", "test_cpu_onednn_int8"):
         monkeypatch.setenv("POLYHAL_CPU_ONEDNN", "0")
