@@ -10,7 +10,8 @@ LightGBM with onnxmltools, onnxruntime's own quantizer), so the tests use the sa
   quantized (MatMulInteger) and as onnxruntime's optimizer fuses it (DynamicQuantizeMatMul);
 - onnxruntime's QDQ int8 output (``QuantFormat.QDQ``, per-channel weights): the small CNN, the
   ResNet-18-shaped net, and the real-model suite's ResNet-50 (torchvision's graph,
-  ``bench/models/resnet50.cut.onnx`` refilled) at batch 1;
+  ``bench/models/resnet50.cut.onnx`` refilled) at batch 1, with the quantizer's defaults (int8
+  activations) and as its docs advise for CPUs without VNNI (uint8 activations, ``reduce_range``);
 - run-time shape operands: TopK whose k is an input, Range whose bounds are inputs, an LSTM
   whose sequence lengths are an input;
 - a LightGBM classifier through onnxmltools (which declares ``label`` as int64[1]) at batch 100;
@@ -211,10 +212,10 @@ def quantized_families(rng: np.random.Generator) -> dict[str, tuple[onnx.ModelPr
     return out
 
 
-def resnet50_qdq(seed: int = 0) -> tuple[onnx.ModelProto, Callable[[int], dict]]:
+def resnet50_qdq(seed: int = 0, **options) -> tuple[onnx.ModelProto, Callable[[int], dict]]:
     """The real-model suite's ResNet-50 (torchvision's graph, weights refilled from ``seed``),
-    quantized by onnxruntime's tool to QDQ with per-channel weights on four random batches;
-    and batch -> feeds (its input is ``input``)."""
+    quantized by onnxruntime's tool to QDQ with per-channel weights on four random batches
+    (``options``: more of ``quantize_static``'s); and batch -> feeds."""
     from onnxruntime.quantization import QuantFormat
 
     from bench.models import fix_dims, load_cut, refill
@@ -227,7 +228,7 @@ def resnet50_qdq(seed: int = 0) -> tuple[onnx.ModelProto, Callable[[int], dict]]
             if dim.HasField("dim_param"):
                 fix_dims(model, {dim.dim_param: 1})
     calibration = [{name: rng.standard_normal((1, 3, 224, 224)).astype(np.float32)} for _ in range(4)]
-    quantized = quantize(model, calibration, quant_format=QuantFormat.QDQ, per_channel=True)
+    quantized = quantize(model, calibration, quant_format=QuantFormat.QDQ, per_channel=True, **options)
     return quantized, lambda batch: {name: rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)}
 
 
@@ -376,8 +377,15 @@ def cases(rng: np.random.Generator) -> list[tuple[str, onnx.ModelProto, dict, on
     batches = {"MLP": 64, "CNN": 8, "ResNet-18": 8}
     for name, (model, feeds) in quantized_families(rng).items():
         out.append((f"{name}, batch {batches[name.split()[0]]}", model, feeds(batches[name.split()[0]]), None))
+    from onnxruntime.quantization import QuantType
+
+    # onnxruntime's defaults (int8 activations), and what its docs advise for CPUs without VNNI
+    # (uint8 activations, 7-bit weights: reduce_range), on which neither side's kernels saturate.
     model, feeds = resnet50_qdq()
-    out.append(("ResNet-50 int8 QDQ (torchvision's graph), batch 1", model, feeds(1), None))
+    out.append(("ResNet-50 int8 QDQ (torchvision's graph; quantizer defaults), batch 1", model, feeds(1), None))
+    model, feeds = resnet50_qdq(activation_type=QuantType.QUInt8, reduce_range=True)
+    out.append(("ResNet-50 int8 QDQ (torchvision's graph; uint8 activations, reduce_range), batch 1", model, feeds(1),
+                None))
     out.append(("TopK k an input (k=10 of 1000), batch 64", topk_input_k(),
                 {"x": rng.standard_normal((64, 1000)).astype(np.float32), "k": np.array([10])}, None))
     lens = rng.integers(4, 17, 8).astype(np.int32)

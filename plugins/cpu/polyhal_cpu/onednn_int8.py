@@ -352,10 +352,41 @@ def _own_kernel(device, op: str, attrs: dict, ins: Types, outs: Types) -> Kernel
     return kernel
 
 
+#: The largest |weight| that cannot saturate oneDNN's int16 pair sums on a CPU without VNNI,
+#: whatever the uint8 input: 2 * 255 * 64 = 32640 <= 32767.
+SAFE_WEIGHT = 64
+
+
+def _has_vnni(impl: str) -> bool:
+    return "vnni" in impl or "amx" in impl
+
+
 @TABLE.register(*SERVED, scratch=_scratch)
 def _quantized(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    """A oneDNN int8 primitive where the library serves the instance, else the CPU's own kernels."""
-    return _onednn_kernel(op, attrs, ins, outs, scratch) or _own_kernel(device, op, attrs, ins, outs)
+    """A oneDNN int8 primitive where the library serves the instance, else the CPU's own kernels.
+
+    An int8 input shifted to uint8 (x + 128, see :func:`_make`) is large where x is near its zero
+    point, so on a CPU without VNNI its pair sums saturate wherever weights exceed
+    :data:`SAFE_WEIGHT` (27 steps off on onnxruntime's symmetric-int8 CNN, where onnxruntime's own
+    int8 x int8 kernel is exact): such an instance runs on the CPU's own float kernels (exact),
+    decided on the first call, which sees the weights."""
+    fast = _onednn_kernel(op, attrs, ins, outs, scratch)
+    if fast is None:
+        return _own_kernel(device, op, attrs, ins, outs)
+    if not fast.plan.signed or _has_vnni(fast.plan.primitive.impl):
+        return fast
+    exact = _own_kernel(device, op, attrs, ins, outs)
+    chosen: list = [None, None]  # the weights it was chosen for, the kernel
+
+    def kernel(*arrays):
+        w = arrays[3]
+        if chosen[0] is not w:
+            chosen[0] = w
+            chosen[1] = fast if int(np.abs(w.astype(np.int16)).max(initial=0)) <= SAFE_WEIGHT else exact
+        chosen[1](*arrays)
+    kernel.kernel_name = f"{fast.kernel_name} where the weights are 7-bit, else {exact.kernel_name}"  # type: ignore[attr-defined]
+    kernel.plan, kernel.scratch = fast.plan, fast.scratch  # type: ignore[attr-defined]
+    return kernel
 
 
 # ------------------------------------------------------------------------------------ explain
@@ -391,11 +422,12 @@ def report(compilation, target) -> None:
         own.append((op, why))
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} quantized contractions on the CPU "
                              "run as oneDNN int8 primitives")
-    if impls and not any("vnni" in i or "amx" in i for i in impls):
+    if impls and not any(_has_vnni(i) for i in impls):
         compilation.notes.append(
             "  this CPU has no int8 dot-product instruction (VNNI): oneDNN sums uint8 x int8 products in pairs into "
-            "int16, which saturate where two weights of more than 64 in size meet large inputs, as onnxruntime's "
-            "kernels do here; weights quantized to 7 bits (onnxruntime's reduce_range) are exact")
+            "int16, which saturate where weights beyond 64 meet large inputs, as onnxruntime's uint8 x int8 kernels "
+            "do here (7-bit weights, onnxruntime's reduce_range, are exact); int8 inputs (shifted to uint8 for "
+            "oneDNN) with such weights run on the CPU's own float kernels instead")
     for op, reason in own[:8]:
         compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's own float kernel: {reason}")
     if len(own) > 8:
