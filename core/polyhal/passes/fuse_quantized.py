@@ -35,7 +35,7 @@ from polyhal.ir.program import Op, Program, Value, consumers_of, uses_and_produc
 from polyhal.ir.types import TensorType
 from polyhal.ops import canonical_attrs
 from polyhal.ops.quantized import QUANTIZED_TYPES
-from polyhal.passes.fusion import Fusible, Fusion, always, in_program_order
+from polyhal.passes.fusion import Fusible, always, drop_unused_constants, in_program_order, splice
 
 __all__ = ["fuse_quantized", "int8_weights"]
 
@@ -303,12 +303,6 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
             integer_matmul(op)
     if not replaced:
         return program, []
-    ops, changes = [], []
-    for op in program.ops:
-        if id(op) in replaced:
-            chain, new = replaced[id(op)]
-            ops.extend(new)
-            changes.append(Fusion("quantized", chain, new))
-        elif id(op) not in removed:
-            ops.append(op)
-    return dataclasses.replace(program, ops=ops, constants=new_constants), changes
+    # The float weights the int8 ones replace are read by nothing now: not bound by the plan.
+    fused, changes = splice(dataclasses.replace(program, constants=new_constants), replaced, removed, "quantized")
+    return drop_unused_constants(fused), changes

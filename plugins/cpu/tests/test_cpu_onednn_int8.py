@@ -38,13 +38,13 @@ def _model(nodes, x_shape, inits, out="y", out_type=TensorProto.FLOAT, opset=19)
 
 
 def _qdq_conv(rng, qtype, *, group=1, cin=8, cout=8, k=3, pads=1, strides=1, relu=True, quantize_out=True,
-              per_channel=True):
+              per_channel=True, peak=64):
     """x -> Q -> DQ -> Conv(DQ(w int8), DQ(bias int32)) [-> Relu] [-> Q -> DQ]: onnxruntime's QDQ form."""
     info = np.iinfo(qtype)
     xs, xz = 0.03, int(rng.integers(info.min // 2, info.max // 2))
     ws = rng.uniform(0.002, 0.01, cout if per_channel else 1).astype(np.float32)
-    w = rng.integers(-64, 65, (cout, cin // group, k, k)).astype(np.int8)
-    w[:, 0, 0, 0] = 64  # each channel's peak: 7-bit weights, as onnxruntime's reduce_range makes them
+    w = rng.integers(-peak, peak + 1, (cout, cin // group, k, k)).astype(np.int8)
+    w[:, 0, 0, 0] = peak  # each channel's peak: 64 for 7-bit weights, as onnxruntime's reduce_range makes them
     b = rng.integers(-2000, 2000, cout).astype(np.int32)
     inits = [_init("xs", xs), _init("xz", xz, qtype), _init("w", w, np.int8), _init("ws", ws if per_channel else ws[0]),
              _init("wz", np.zeros(cout if per_channel else (), np.int8), np.int8), _init("b", b, np.int32),
@@ -231,3 +231,17 @@ def test_compiled_without_fusion_the_quantized_model_still_runs_in_float():
     got = (got[0] if isinstance(got, tuple) else got).numpy()
     assert "quantized_conv" not in plan.explain()
     assert np.abs(got - want).max() <= 0.05 * 1.001
+
+
+@needs_onednn
+def test_int8_inputs_with_8_bit_weights_stay_exact_without_vnni():
+    # int8 x goes to oneDNN as uint8 x + 128, large where x is near 0: with weights up to 127 the
+    # int16 pair sums of a CPU without VNNI would saturate (27 steps off on onnxruntime's
+    # symmetric-int8 CNN), so such instances run the CPU's own float kernels there
+    rng = np.random.default_rng(15)
+    model = _qdq_conv(rng, np.int8, peak=127)
+    x = rng.standard_normal((2, 8, 9, 9)).astype(np.float32) * 2
+    text = _compare(model, x, 0.05)
+    assert "quantized_conv" in text
+    if "VNNI" in text:
+        assert "int8 inputs (shifted to uint8 for oneDNN) with such weights run on the CPU's own float kernels" in text
