@@ -8,6 +8,10 @@ LightGBM with onnxmltools, onnxruntime's own quantizer), so the tests use the sa
 - onnxruntime's QOperator int8 output (``com.microsoft`` QGemm, QLinearAdd, QLinearConcat, ...):
   an MLP, a small CNN and a ResNet-18-shaped net, statically quantized; the MLP dynamically
   quantized (MatMulInteger) and as onnxruntime's optimizer fuses it (DynamicQuantizeMatMul);
+- onnxruntime's QDQ int8 output (``QuantFormat.QDQ``, per-channel weights): the small CNN, the
+  ResNet-18-shaped net, and the real-model suite's ResNet-50 (torchvision's graph,
+  ``bench/models/resnet50.cut.onnx`` refilled) at batch 1, with the quantizer's defaults (int8
+  activations) and as its docs advise for CPUs without VNNI (uint8 activations, ``reduce_range``);
 - run-time shape operands: TopK whose k is an input, Range whose bounds are inputs, an LSTM
   whose sequence lengths are an input;
 - a LightGBM classifier through onnxmltools (which declares ``label`` as int64[1]) at batch 100;
@@ -15,9 +19,15 @@ LightGBM with onnxmltools, onnxruntime's own quantizer), so the tests use the sa
   TfidfVectorizer + LinearSVC text pipeline.
 
 Every row checks polyhal's outputs against onnxruntime's before timing, then times both
-alternating (a shared machine's load falls on both alike) and reports the median ratio. No
-target is set here (the issue's targets for these paths are the CPU library's); the rows exist
-so that regressions show. ``python -m bench onnx_breadth`` writes bench/results/onnx_breadth.*.
+alternating (a shared machine's load falls on both alike) and reports the median ratio. The int8
+rows are checked against onnxruntime with its graph optimizations off (its optimized int8
+kernels saturate on CPUs without AVX-512 VNNI; unoptimized, it computes the QDQ graph in float as
+ONNX defines it): within two quantization steps, or for deep nets, where one-step roundings
+compound layer by layer, no further on average and at most than :data:`DEEP_SLACK` times
+onnxruntime's own optimized int8 run (whose ResNet-18 was 5 steps off its unoptimized run on the
+2-core AVX2 VM). Targets (issues 30 and 32): :data:`TARGETS` by family; the other rows have none
+and exist so that regressions show. ``--models CNN,ResNet-50`` runs the rows whose names contain
+one of the words. ``python -m bench onnx_breadth`` writes bench/results/onnx_breadth.*.
 """
 
 from __future__ import annotations
@@ -36,6 +46,13 @@ from onnx import helper, numpy_helper
 from bench.harness import Row, paired_times
 
 OPSET = 17
+#: Target ratio polyhal / onnxruntime by the words a row's name contains (the first that matches):
+#: issue 32's MatMulInteger and QDQ CNNs <= 1.0x and QLinear (QOperator) models <= 2x, issue 30's
+#: QDQ ResNet-50 <= 1.0x.
+TARGETS = (("MatMulInteger", 1.0), ("DynamicQuantizeMatMul", 1.0), ("QDQ", 1.0), ("QOperator", 2.0))
+#: How much further than onnxruntime's own optimized int8 run (mean and largest distance, in
+#: quantization steps) a deep int8 net's outputs may be from the float QDQ oracle.
+DEEP_SLACK = 1.5
 
 
 def _f32(name: str, arr) -> onnx.TensorProto:
@@ -186,7 +203,38 @@ def quantized_families(rng: np.random.Generator) -> dict[str, tuple[onnx.ModelPr
         out[f"{name} int8 QOperator"] = (quantize(model, calibration), feeds_of(shape))
     out["MLP int8 dynamic (MatMulInteger)"] = (quantize(mlp(), dynamic=True), feeds_of((32,)))
     out["MLP int8 DynamicQuantizeMatMul"] = (optimized(quantize(mlp(), dynamic=True)), feeds_of((32,)))
+    from onnxruntime.quantization import QuantFormat
+
+    for name, model, shape in (("CNN", cnn(), (3, 16, 16)), ("ResNet-18", resnet18(), (3, 32, 32))):
+        calibration = [feeds_of(shape)(4) for _ in range(4)]
+        out[f"{name} int8 QDQ"] = (quantize(model, calibration, quant_format=QuantFormat.QDQ, per_channel=True),
+                                   feeds_of(shape))
     return out
+
+
+def resnet50_qdq(seed: int = 0, **options) -> tuple[onnx.ModelProto, Callable[[int], dict]]:
+    """The real-model suite's ResNet-50 (torchvision's graph, weights refilled from ``seed``),
+    quantized by onnxruntime's tool to QDQ with per-channel weights on four random batches
+    (``options``: more of ``quantize_static``'s); and batch -> feeds."""
+    from onnxruntime.quantization import QuantFormat
+
+    from bench.models import fix_dims, load_cut, refill
+
+    rng = np.random.default_rng(seed)
+    model = refill(load_cut("resnet50"), seed)
+    name = model.graph.input[0].name
+    for value in list(model.graph.input) + list(model.graph.output):  # quantize at batch 1
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param"):
+                fix_dims(model, {dim.dim_param: 1})
+    calibration = [{name: rng.standard_normal((1, 3, 224, 224)).astype(np.float32)} for _ in range(4)]
+    quantized = quantize(model, calibration, quant_format=QuantFormat.QDQ, per_channel=True, **options)
+    return quantized, lambda batch: {name: rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)}
+
+
+def target_of(case: str) -> float | None:
+    """The target ratio of a row (:data:`TARGETS`), or None."""
+    return next((t for word, t in TARGETS if word in case), None)
 
 
 # ----------------------------------------------------------------------- run-time shape operands
@@ -302,15 +350,23 @@ def tfidf_pipeline(seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
 
 # ------------------------------------------------------------------------------------- the run
 
-def _check(case: str, ours: dict, theirs: list, names: list[str], step: float = 0.0) -> None:
+def _check(case: str, ours: dict, theirs: list, names: list[str], step: float = 0.0, optimized: list = ()) -> None:
     """polyhal's outputs against onnxruntime's: equal integers and strings, close floats (within
-    two quantization steps of ``step`` for int8 models)."""
-    for name, want in zip(names, theirs):
+    two quantization steps of ``step`` for int8 models; deep int8 nets against onnxruntime's own
+    ``optimized`` int8 run's distance: see the module docstring)."""
+    for i, (name, want) in enumerate(zip(names, theirs)):
         got = np.asarray(ours[name])
         want = np.asarray(want)
         assert got.shape == want.shape, f"{case} {name}: {got.shape} vs onnxruntime's {want.shape}"
         if want.dtype.kind in "iubOU":
             assert got.tolist() == want.tolist(), f"{case} {name} differs from onnxruntime"
+        elif step and "ResNet" in case:
+            off = np.abs(got.astype(np.float64) - want) / step
+            theirs_off = np.abs(np.asarray(optimized[i], np.float64) - want) / step
+            assert (off.mean() <= max(1.0, DEEP_SLACK * theirs_off.mean())
+                    and off.max() <= max(2.01, DEEP_SLACK * theirs_off.max())), (
+                f"{case} {name}: {off.mean():.2f} steps off on average, {off.max():.1f} at most (onnxruntime's "
+                f"optimized int8 run: {theirs_off.mean():.2f}, {theirs_off.max():.1f})")
         else:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=max(2.01 * step, 1e-5), err_msg=f"{case} {name}")
 
@@ -321,6 +377,15 @@ def cases(rng: np.random.Generator) -> list[tuple[str, onnx.ModelProto, dict, on
     batches = {"MLP": 64, "CNN": 8, "ResNet-18": 8}
     for name, (model, feeds) in quantized_families(rng).items():
         out.append((f"{name}, batch {batches[name.split()[0]]}", model, feeds(batches[name.split()[0]]), None))
+    from onnxruntime.quantization import QuantType
+
+    # onnxruntime's defaults (int8 activations), and what its docs advise for CPUs without VNNI
+    # (uint8 activations, 7-bit weights: reduce_range), on which neither side's kernels saturate.
+    model, feeds = resnet50_qdq()
+    out.append(("ResNet-50 int8 QDQ (torchvision's graph; quantizer defaults), batch 1", model, feeds(1), None))
+    model, feeds = resnet50_qdq(activation_type=QuantType.QUInt8, reduce_range=True)
+    out.append(("ResNet-50 int8 QDQ (torchvision's graph; uint8 activations, reduce_range), batch 1", model, feeds(1),
+                None))
     out.append(("TopK k an input (k=10 of 1000), batch 64", topk_input_k(),
                 {"x": rng.standard_normal((64, 1000)).astype(np.float32), "k": np.array([10])}, None))
     lens = rng.integers(4, 17, 8).astype(np.int32)
@@ -347,11 +412,25 @@ def run(args) -> list[Row]:
 
     import polyhal.onnx as ponnx
 
+    # LightGBM and scikit-learn load libgomp before polyhal's CPU backend loads oneDNN, which then
+    # cannot make OpenMP's idle workers sleep (see polyhal_cpu.onednn): spinning, they took the
+    # int8 ResNet-50 from 0.7 s to 3-5 s a run on the busy 2-core VM. Set as polyhal sets it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     device = args.device or "cpu:0"
     repeat = 5 if args.quick else 30
+    wanted = [w for w in (getattr(args, "models", "") or "").split(",") if w]
     rows = []
     for case, model, feeds, oracle in cases(np.random.default_rng(0)):
+        if wanted and not any(w in case for w in wanted):
+            continue
         session = ort.InferenceSession((oracle or model).SerializeToString(), providers=["CPUExecutionProvider"])
+        int8 = "int8" in case
+        if int8:  # the float QDQ semantics: onnxruntime's optimized int8 kernels saturate without VNNI
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+            check = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        else:
+            check = session
         theirs_feeds = {k: v.astype(object) if v.dtype.kind == "U" else v for k, v in feeds.items()}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # onnxmltools' label declared int64[1]: trusted with a warning
@@ -363,7 +442,8 @@ def run(args) -> list[Row]:
         last = next((n for n in model.graph.node if names[0] in n.output), None)
         if last is not None and last.op_type == "DequantizeLinear":
             step = float(numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == last.input[1])))
-        _check(case, ours, session.run(None, theirs_feeds), names, step)
+        _check(case, ours, check.run(None, theirs_feeds), names, step,
+               session.run(None, theirs_feeds) if int8 else ())
         t0 = time.perf_counter()
         program.execute(plan, feeds)
         number = max(1, int(0.02 / max(time.perf_counter() - t0, 1e-6)))
@@ -371,7 +451,9 @@ def run(args) -> list[Row]:
             warnings.simplefilter("ignore")
             t_ours, t_ort, ratio = paired_times(lambda: program.execute(plan, feeds),
                                                 lambda: session.run(None, theirs_feeds), repeat=repeat, number=number)
+        target = target_of(case)
         rows.append(Row(case, "ms", t_ours * 1e3, t_ort * 1e3, f"onnxruntime {ort.__version__} CPU EP",
+                        target=f"<= {target}x" if target else "", met=None if target is None else ratio <= target,
                         extra={"device": device, "median_ratio": round(ratio, 3)}))
     return rows
 

@@ -37,7 +37,7 @@ def _reference(x, w, b):
 def test_the_default_pipeline_is_declared_in_order_and_valid():
     names = DEFAULT_PIPELINE.names
     DEFAULT_PIPELINE.validate()
-    assert names[0] == "fold-constant-transposes" and names[-3:] == ["place", "materialize-encodings", "bufferize"]
+    assert names[0] == "fuse-quantized" and names[-3:] == ["place", "materialize-encodings", "bufferize"]
     assert names.index("fuse-attention") < names.index("fuse-linear") < names.index("precision")
     assert all(p.description for p in DEFAULT_PIPELINE), "every pass says what it does"
 
@@ -48,12 +48,13 @@ def test_explain_lists_each_pass_with_its_time_and_what_it_changed():
     # the default pipeline, with the CPU plugin's own fusion (register_passes) after the core's, and its
     # account of the convs and matmuls oneDNN runs after bufferize
     assert list(records) == pipeline_for(polyhal.default_registry()).names
-    assert [n for n in records if n not in DEFAULT_PIPELINE.names] == ["cpu-fuse-conv-prologue", "cpu-onednn-report"]
+    assert [n for n in records if n not in DEFAULT_PIPELINE.names] == ["cpu-fuse-conv-prologue", "cpu-onednn-int8-report",
+                                                                          "cpu-onednn-report"]
     assert list(records).index("cpu-fuse-conv-prologue") == list(records).index("pool-before-pointwise-conv") + 1
     assert records["fuse-linear"].ops_before == 3 and records["fuse-linear"].ops_after == 2
     assert "1 rewrites" in records["fuse-linear"].detail
     text = plan.explain()
-    assert "passes (15 run," in text and "fuse-linear:" in text and "3 -> 2 ops" in text
+    assert "passes (17 run," in text and "fuse-linear:" in text and "3 -> 2 ops" in text
     np.testing.assert_allclose(plan.run_numpy(*_feeds())[0], _reference(*_feeds()), rtol=1e-5, atol=1e-5)
 
 
@@ -61,7 +62,7 @@ def test_fuse_false_lists_the_fusion_passes_as_skipped():
     plan = polyhal.compile(_mlp(), "cpu:0", fuse=False)
     skipped = [r.name for r in plan.compilation.records if not r.ran]
     assert "fuse-linear" in skipped and "place" not in skipped
-    assert "9 passes skipped (compile(fuse=False))" in plan.explain()
+    assert "10 passes skipped (compile(fuse=False))" in plan.explain()
     assert "fuse-linear" not in plan.explain()
 
 

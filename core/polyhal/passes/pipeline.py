@@ -60,6 +60,7 @@ from polyhal.passes.fuse_attention import fuse_attention
 from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift, pool_before_pointwise_conv
 from polyhal.passes.fuse_gelu import fuse_gelu
 from polyhal.passes.fuse_linear import fuse_linear
+from polyhal.passes.fuse_quantized import fuse_quantized
 from polyhal.passes.fusion import Fusion
 from polyhal.passes.materialize_encoding import materialize_encodings
 from polyhal.passes.placement import Placement, place
@@ -353,8 +354,12 @@ def _bufferize(c: Compilation, target: "Target") -> None:
 
 #: The passes every compile runs, in order (plugins' passes are inserted into it per compile).
 DEFAULT_PIPELINE = Pipeline([
+    # Quantized contractions first: they take the matmuls, bias adds and convs of the QDQ
+    # patterns that the float fusions below would take.
+    fusion_pass("fuse-quantized", fuse_quantized, provides="quantized-fused",
+                creates=("quantized_conv", "quantized_matmul")),
     fusion_pass("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views",
-                creates=("transpose",)),
+                requires=("quantized-fused",), creates=("transpose",)),
     # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.
     fusion_pass("fuse-attention", fuse_attention, requires=("constant-views",), provides="attention-fused",
                 creates=("attention", "masked_attention", "transpose", "reshape")),

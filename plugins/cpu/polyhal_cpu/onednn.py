@@ -55,7 +55,8 @@ from polyhal.errors import KernelError, OutOfMemoryError
 from polyhal_cpu.settings import CPUSettings
 
 __all__ = ["ACTIVATIONS", "Attr", "MemoryDesc", "OneDNNError", "Primitive", "Refused", "any_layout", "check",
-           "conv_desc", "describe", "implementation", "listed", "matmul_desc", "plain", "reorder", "status", "usable"]
+           "conv_desc", "describe", "implementation", "listed", "matmul_desc", "plain", "reorder", "status", "submemory",
+           "usable"]
 
 # ------------------------------------------------------------------------------ the C API's values
 # (oneDNN 3.2's dnnl_types.h / dnnl_common_types.h)
@@ -68,6 +69,9 @@ UNIMPLEMENTED = 3
 #: (float16 and bfloat16 need AVX-512 FP16 / BF16 or AMX; float64 has no CPU primitives): a
 #: primitive descriptor that refuses one is ``unimplemented``, and the CPU's own kernel runs it.
 DATA_TYPES = {"float16": 1, "bfloat16": 2, "float32": 3, "float64": 7}  # by dtype name: ml_dtypes is not imported
+#: The integer types of the int8 primitives (:mod:`polyhal_cpu.onednn_int8`): their operands, the
+#: int32 zero points; kept apart from :data:`DATA_TYPES`, which the float kernels ask about.
+INT_DATA_TYPES = {"int32": 4, "int8": 5, "uint8": 6}
 
 FORMAT_ANY = 1
 CPU_ENGINE = 1
@@ -88,6 +92,7 @@ ARG_SCALE, ARG_SHIFT = 51, 52
 # layer normalization flags, softmax algorithm
 USE_SCALE, USE_SHIFT = 0x2, 0x4
 SOFTMAX_ACCURATE = 0x30000
+ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS = 4096, 8192  # | ARG_SRC, ...: a runtime scale or zero point
 
 #: polyhal's activations (:data:`polyhal.ops.nn.ACTIVATIONS`) as oneDNN eltwise algorithms:
 #: ``name -> (algorithm, alpha, beta)``, where None takes the op's own alpha / beta.
@@ -147,6 +152,7 @@ _SIGNATURES = {
     "dnnl_memory_desc_create_with_strides": (c_int, [POINTER(c_void_p), c_int, DIMS, c_int, DIMS]),
     "dnnl_memory_desc_create_with_tag": (c_int, [POINTER(c_void_p), c_int, DIMS, c_int, c_int]),
     "dnnl_memory_desc_clone": (c_int, [POINTER(c_void_p), c_void_p]),
+    "dnnl_memory_desc_create_submemory": (c_int, [POINTER(c_void_p), c_void_p, DIMS, DIMS]),
     "dnnl_memory_desc_destroy": (c_int, [c_void_p]),
     "dnnl_memory_desc_equal": (c_int, [c_void_p, c_void_p]),
     "dnnl_memory_desc_get_size": (c_size_t, [c_void_p]),
@@ -158,6 +164,8 @@ _SIGNATURES = {
     "dnnl_primitive_attr_destroy": (c_int, [c_void_p]),
     "dnnl_primitive_attr_set_scratchpad_mode": (c_int, [c_void_p, c_int]),
     "dnnl_primitive_attr_set_post_ops": (c_int, [c_void_p, c_void_p]),
+    "dnnl_primitive_attr_set_scales_mask": (c_int, [c_void_p, c_int, c_int]),
+    "dnnl_primitive_attr_set_zero_points_mask": (c_int, [c_void_p, c_int, c_int]),
     "dnnl_post_ops_create": (c_int, [POINTER(c_void_p)]),
     "dnnl_post_ops_destroy": (c_int, [c_void_p]),
     "dnnl_post_ops_append_sum": (c_int, [c_void_p, c_float, c_int, c_int]),
@@ -396,22 +404,36 @@ def _dims(values) -> DIMS:
     return DIMS(*(int(v) for v in values))
 
 
+def _data_type(dtype) -> int:
+    name = np.dtype(dtype).name
+    return DATA_TYPES[name] if name in DATA_TYPES else INT_DATA_TYPES[name]
+
+
 def plain(shape: tuple[int, ...], strides: tuple[int, ...] | None = None, dtype=np.float32) -> MemoryDesc:
-    """A descriptor of ``shape`` and ``dtype`` (one of :data:`DATA_TYPES`), row-major or with
-    element ``strides``."""
+    """A descriptor of ``shape`` and ``dtype`` (one of :data:`DATA_TYPES` or
+    :data:`INT_DATA_TYPES`), row-major or with element ``strides``."""
     if strides is None:
         strides = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) for i in range(len(shape)))
     md = c_void_p()
-    check(lib().memory_desc_create_with_strides(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype).name],
+    check(lib().memory_desc_create_with_strides(byref(md), len(shape), _dims(shape), _data_type(dtype),
                                                 _dims(strides)),
           "dnnl_memory_desc_create_with_strides")
+    return MemoryDesc(md)
+
+
+def submemory(parent: MemoryDesc, dims: tuple[int, ...], offsets: tuple[int, ...]) -> MemoryDesc:
+    """The part of ``parent``'s layout of ``dims`` starting at ``offsets`` (a window of a larger
+    buffer, at the parent's address: a reorder into it writes only that window)."""
+    md = c_void_p()
+    check(lib().memory_desc_create_submemory(byref(md), parent.handle, _dims(dims), _dims(offsets)),
+          "dnnl_memory_desc_create_submemory")
     return MemoryDesc(md)
 
 
 def any_layout(shape: tuple[int, ...], dtype=np.float32) -> MemoryDesc:
     """A descriptor of ``shape`` and ``dtype`` with layout ``any``: the primitive chooses."""
     md = c_void_p()
-    check(lib().memory_desc_create_with_tag(byref(md), len(shape), _dims(shape), DATA_TYPES[np.dtype(dtype).name],
+    check(lib().memory_desc_create_with_tag(byref(md), len(shape), _dims(shape), _data_type(dtype),
                                             FORMAT_ANY),
           "dnnl_memory_desc_create_with_tag")
     return MemoryDesc(md)
@@ -424,14 +446,25 @@ class Attr:
     is ``("sum",)`` (add what the destination holds), ``("add", md)`` (a binary add of an
     operand of descriptor ``md``, broadcast over the destination), ``("linear", a, b)`` (``a y +
     b``) or ``(activation, alpha, beta)`` for an activation of :data:`ACTIVATIONS`; ``"none"``
-    adds nothing. :attr:`binary_args` are the execution arguments of the binary post-ops."""
+    adds nothing. :attr:`binary_args` are the execution arguments of the binary post-ops.
 
-    def __init__(self, post_ops=()) -> None:
+    ``scales`` and ``zero_points`` map an argument (``ARG_SRC``, ``ARG_WEIGHTS``, ``ARG_DST``) to
+    the mask of its runtime quantization parameter (0: one for the tensor; ``1 << d``: one per
+    index of dim d), given at execution as ``ARG_ATTR_SCALES | arg`` (float32) and
+    ``ARG_ATTR_ZERO_POINTS | arg`` (int32) memories. oneDNN's int8 arithmetic:
+    ``dst = post_ops(src_scale wei_scale sum((src - src_zp) wei) + bias) / dst_scale + dst_zp``."""
+
+    def __init__(self, post_ops=(), scales=None, zero_points=None) -> None:
         loaded = lib()
         self.handle, post = c_void_p(), c_void_p()
         check(loaded.primitive_attr_create(byref(self.handle)), "dnnl_primitive_attr_create")
         check(loaded.primitive_attr_set_scratchpad_mode(self.handle, SCRATCHPAD_USER),
               "dnnl_primitive_attr_set_scratchpad_mode")
+        for arg, mask in (scales or {}).items():
+            check(loaded.primitive_attr_set_scales_mask(self.handle, arg, mask), "dnnl_primitive_attr_set_scales_mask")
+        for arg, mask in (zero_points or {}).items():
+            check(loaded.primitive_attr_set_zero_points_mask(self.handle, arg, mask),
+                  "dnnl_primitive_attr_set_zero_points_mask")
         post_ops = [p for p in post_ops if p[0] != "none"]
         self.mds = [p[1] for p in post_ops if p[0] == "add"]  # kept alive with the attr
         #: The execution argument of each binary post-op's operand, in order.
@@ -477,15 +510,17 @@ class Primitive:
     (``jit:avx2``, ``brg:avx512_core``, ``gemm:jit``, ...).
     """
 
-    def __init__(self, pd: c_void_p, args: tuple[int, ...], op: str) -> None:
+    def __init__(self, pd: c_void_p, args: tuple[int, ...], op: str, given: dict | None = None) -> None:
         loaded = lib()
         self.op = op
         self.pd = pd
         self.impl = implementation(pd)
         scratch = self.query_md(Q_SCRATCHPAD_MD)
         self.scratchpad_bytes = scratch.nbytes if scratch is not None else 0
-        #: Each argument's memory descriptor, as the primitive chose it.
-        self.mds: dict[int, MemoryDesc] = {arg: self.query_md(Q_EXEC_ARG_MD, arg) for arg in args}
+        #: Each argument's memory descriptor, as the primitive chose it (or as ``given``: the
+        #: runtime scales and zero points, which the primitive descriptor does not describe).
+        self.mds: dict[int, MemoryDesc] = {arg: (given or {}).get(arg) or self.query_md(Q_EXEC_ARG_MD, arg)
+                                           for arg in args}
         if self.scratchpad_bytes:
             args = (*args, ARG_SCRATCHPAD)
             self.mds[ARG_SCRATCHPAD] = scratch
@@ -612,7 +647,8 @@ def reorder(op: str, src: MemoryDesc, dst: MemoryDesc) -> Primitive:
     status = loaded.reorder_primitive_desc_create(byref(pd), src.handle, loaded.engine, dst.handle, loaded.engine,
                                                   attr.handle)
     _created(status, pd, "dnnl_reorder_primitive_desc_create", op)
-    return Primitive(pd, (ARG_SRC, ARG_DST), op)
+    # Its memories on the descriptors given (a submemory window's is not queried back whole).
+    return Primitive(pd, (ARG_SRC, ARG_DST), op, {ARG_SRC: src, ARG_DST: dst})
 
 
 def address(a: np.ndarray) -> int:

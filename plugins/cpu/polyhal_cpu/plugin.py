@@ -73,9 +73,10 @@ def register_devices():
 @polyhal.hookimpl
 def register_passes():
     """The CPU's own fusion (a conv's prologue, ``cpu.scale_shift_conv``: see :mod:`polyhal_cpu.fusions`),
-    and explain's account of which convs and matmuls oneDNN runs (:mod:`polyhal_cpu.onednn_kernels`)."""
+    and explain's account of which convs and matmuls oneDNN runs (:mod:`polyhal_cpu.onednn_kernels`,
+    :mod:`polyhal_cpu.onednn_int8`)."""
     # Imported here, at the first compile: fusion passes build on the compiler, which listing
     # devices (`polyhal devices`) does not load.
-    from polyhal_cpu import fusions, onednn_kernels
+    from polyhal_cpu import fusions, onednn_int8, onednn_kernels
 
-    return fusions.registrations() + onednn_kernels.registrations()
+    return fusions.registrations() + onednn_kernels.registrations() + onednn_int8.registrations()

@@ -21,7 +21,7 @@ import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.elementwise import cast
-from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _UINT8, _quantize, _saturate
+from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _UINT8, _dequantized, _quantize, _saturate
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
@@ -29,7 +29,7 @@ from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 #: onnxruntime's contrib-op domain.
 MS_DOMAIN = "com.microsoft"
 
-_F32 = np.dtype(np.float32)
+_F32, _I32 = np.dtype(np.float32), np.dtype(np.int32)
 
 
 def _scalar(ctx: NodeContext, p, what: str):
@@ -86,17 +86,16 @@ def _channels_first(ctx: NodeContext, x, channels_last: bool):
 
 # ---------------------------------------------------------------------------------- matmuls
 
-def _minus_zero_point(ctx: NodeContext, x, zero_point, column: bool = False):
-    """Integer ``x`` as float32 less its zero point: a scalar, or per column (a 1-D zero point
-    along x's last dim, or with ``column`` along dim -2: B of a transposed Gemm)."""
-    y = cast(ctx, x, _F32)
+def _minus_zero_point(ctx: NodeContext, x, zero_point):
+    """Integer ``x`` as int32 less its zero point (a scalar, or a 1-D one along x's last dim):
+    exact, as onnxruntime's int32 accumulator is, and the MatMulInteger form the int8 fusion
+    matches (:mod:`polyhal.passes.fuse_quantized`)."""
+    y = cast(ctx, x, _I32)
     if zero_point is None:
         return y
-    zp = cast(ctx, zero_point, _F32)
+    zp = cast(ctx, zero_point, _I32)
     if ctx.type(zp).size == 1:
         zp = reshape(ctx, zp, ())
-    elif column:
-        zp = reshape(ctx, zp, (ctx.type(zp).size, 1))
     return ctx.op("sub", y, zp)
 
 
@@ -113,20 +112,19 @@ def _qgemm(ctx: NodeContext) -> list:
         raise OnnxUnsupportedError(f"QGemm on {ctx.dtype(a)} x {ctx.dtype(b)} (onnxruntime's are int8/uint8)")
     trans_a, trans_b = bool(ctx.attr("transA", 0)), bool(ctx.attr("transB", 0))
     alpha = float(ctx.attr("alpha", 1.0))
-    af = _minus_zero_point(ctx, a, za)
-    bf = _minus_zero_point(ctx, b, zb, column=trans_b)
-    # The integer product, exact in float32 as onnxruntime's int32 accumulator; C (int32) adds
-    # to it unscaled, as onnxruntime adds it to the accumulator.
-    acc = ctx.op("gemm", af, bf, *([cast(ctx, c, _F32)] if c is not None else []), trans_a=trans_a, trans_b=trans_b)
-    scale = ctx.op("mul", ctx.op("mul", _scalar(ctx, sa, "a_scale"), _column_param(ctx, sb)),
-                   np.array(alpha, _F32))
+    # As DequantizeLinear -> Gemm -> QuantizeLinear in float32 (the QDQ form, which devices with
+    # int8 kernels fuse back into one int8 matmul); C (int32) is in units of a_scale * b_scale.
+    af = _dequantize(ctx, a, sa, za)
+    bf = _dequantized(ctx, b, sb, zb, (0 if trans_b else 1) if ctx.type(sb).size > 1 else 0)
+    args = [af, bf]
+    if c is not None:
+        args.append(ctx.op("mul", cast(ctx, c, _F32), ctx.op("mul", ctx.op("mul", _scalar(ctx, sa, "a_scale"),
+                                                                          _column_param(ctx, sb)),
+                                                              np.array(alpha, _F32))))
+    y = ctx.op("gemm", *args, alpha=alpha, beta=1.0, trans_a=trans_a, trans_b=trans_b)
     if sy is None:
-        return [ctx.op("mul", acc, scale)]
-    scale = ctx.op("div", scale, _scalar(ctx, sy, "y_scale"))
-    q = ctx.op("round", ctx.op("mul", acc, scale))
-    if zy is not None:
-        q = ctx.op("add", q, _scalar(ctx, zy, "y_zero_point"))
-    return [_saturate(ctx, q, _out_type(ctx, zy, a))]
+        return [y]
+    return [_requant(ctx, y, sy, zy, _out_type(ctx, zy, a))]
 
 
 @converter("MatMulIntegerToFloat", domain=MS_DOMAIN)
@@ -140,7 +138,7 @@ def _integer_matmul(ctx: NodeContext, a, b, sa, sb, za, zb, bias):
     B's per tensor or per column)."""
     if ctx.dtype(a) not in _QUANT_INT or ctx.dtype(b) not in _QUANT_INT:
         raise OnnxUnsupportedError(f"{ctx.op_type} on {ctx.dtype(a)} x {ctx.dtype(b)} (onnxruntime's are int8/uint8)")
-    acc = ctx.op("matmul", _minus_zero_point(ctx, a, za), _minus_zero_point(ctx, b, zb))
+    acc = cast(ctx, ctx.op("matmul", _minus_zero_point(ctx, a, za), _minus_zero_point(ctx, b, zb)), _F32)
     scale = ctx.op("mul", _column_param(ctx, sa), _column_param(ctx, sb))
     y = ctx.op("mul", acc, scale)
     return y if bias is None else ctx.op("add", y, cast(ctx, bias, _F32))
@@ -157,7 +155,7 @@ def _dynamic_quantize_matmul(ctx: NodeContext) -> list:
     za = ctx.op("maximum", ctx.op("minimum", ctx.op("round", ctx.op("sub", zero, ctx.op("div", lo, sa))),
                                   ctx.scalar(255, _F32)), zero)
     aq = _saturate(ctx, ctx.op("add", ctx.op("round", ctx.op("div", a, sa)), za), _UINT8)
-    return [_integer_matmul(ctx, aq, b, sa, sb, za, zb, bias)]
+    return [_integer_matmul(ctx, aq, b, sa, sb, cast(ctx, za, _UINT8), zb, bias)]
 
 
 # -------------------------------------------------------------------- float op between Q/DQ

@@ -132,15 +132,21 @@ def _dynamic_quantize_linear(ctx: NodeContext) -> list:
     return [_saturate(ctx, y, _UINT8), scale, cast(ctx, zp_f, _UINT8)]
 
 
-def _requantize(ctx: NodeContext, acc, scale, zy, out: np.dtype):
-    """Integer accumulator ``acc`` (float64, exact) times ``scale`` (float32, as ONNX's
-    reference multiplies), rounded, plus zero point ``zy``, saturated to ``out``."""
-    if out not in _QUANT_INT:
-        raise OnnxUnsupportedError(f"{ctx.op_type} with {out} output (polyhal requantizes to integer types)")
-    q = ctx.op("round", ctx.op("mul", acc, cast(ctx, scale, _F64)))
-    if zy is not None:
-        q = ctx.op("add", q, cast(ctx, zy, _F64))
-    return _saturate(ctx, q, out)
+def _dequantized(ctx: NodeContext, x, scale, zero_point, axis: int):
+    """DequantizeLinear of integer ``x`` in float32, per tensor or along ``axis``: the form the
+    int8 fusion matches (:mod:`polyhal.passes.fuse_quantized`)."""
+    y = cast(ctx, x, _F32)
+    if zero_point is not None:
+        y = ctx.op("sub", y, _param(ctx, zero_point, x, axis, 0, _F32))
+    return ctx.op("mul", y, _param(ctx, scale, x, axis, 0, _F32))
+
+
+def _check_zero_point(ctx: NodeContext, x, zero_point, what: str) -> None:
+    """ONNX: a zero point has its tensor's type."""
+    if zero_point is not None and ctx.dtype(zero_point) != ctx.dtype(x):
+        raise OnnxModelError(f"{ctx.op_type}: {what}_zero_point is {ctx.dtype(zero_point)} but {what} is "
+                             f"{ctx.dtype(x)}; ONNX requires a zero point of its tensor's type (re-quantize the "
+                             "model, or cast the zero point initializer)")
 
 
 @converter("QLinearMatMul")
@@ -148,20 +154,14 @@ def _qlinear_matmul(ctx: NodeContext) -> list:
     a, sa, za, b, sb, zb, sy, zy = (ctx.input(i) for i in range(8))
     if ctx.dtype(a) not in _QUANT_INT or ctx.dtype(b) not in _QUANT_INT:
         raise OnnxUnsupportedError(f"QLinearMatMul on {ctx.dtype(a)} x {ctx.dtype(b)} (polyhal's are integer)")
-    af = ctx.op("sub", cast(ctx, a, _F32), cast(ctx, _row_param(ctx, za, a), _F32))
-    bf = ctx.op("sub", cast(ctx, b, _F32), cast(ctx, zb, _F32))
-    prod = ctx.op("matmul", af, bf)
-    scale = ctx.op("div", ctx.op("mul", cast(ctx, _row_param(ctx, sa, a), _F32), cast(ctx, sb, _F32)),
-                   cast(ctx, sy, _F32))
-    q = ctx.op("add", ctx.op("round", ctx.op("mul", prod, scale)), cast(ctx, zy, _F32))
-    return [_saturate(ctx, q, ctx.dtype(zy))]
-
-
-def _row_param(ctx: NodeContext, p, a):
-    """A's per-row (M,) parameter as (M, 1)."""
-    if ctx.rank(p) == 1 and ctx.shape(p)[0] > 1:
-        return reshape(ctx, p, (ctx.shape(p)[0], 1))
-    return p
+    for v, z, what in ((a, za, "a"), (b, zb, "b")):
+        _check_zero_point(ctx, v, z, what)
+    # As DequantizeLinear -> MatMul -> QuantizeLinear in float32 (the QDQ form, which devices
+    # with int8 kernels fuse back into one int8 matmul): a's per-row parameters along dim -2,
+    # b's per-column ones along dim -1.
+    af = _dequantized(ctx, a, sa, za, ctx.rank(a) - 2 if ctx.type(sa).size > 1 else 0)
+    bf = _dequantized(ctx, b, sb, zb, ctx.rank(b) - 1 if ctx.type(sb).size > 1 else 0)
+    return [_quantize(ctx, ctx.op("matmul", af, bf), sy, zy, ctx.dtype(zy), 0)]
 
 
 @converter("QLinearConv")
@@ -169,31 +169,19 @@ def _qlinear_conv(ctx: NodeContext) -> list:
     x, sx, zx, w, sw, zw, sy, zy, bias = (ctx.input(i) for i in range(9))
     if ctx.dtype(x) not in _QUANT_INT or ctx.dtype(w) not in _QUANT_INT:
         raise OnnxUnsupportedError(f"QLinearConv on {ctx.dtype(x)} x {ctx.dtype(w)} (polyhal's are integer)")
-    rank_w = ctx.rank(w)
-    # float64 holds the integer products and their sums exactly, as ONNX's int32 accumulator.
-    xf = cast(ctx, x, _F64)
-    if zx is not None:
-        xf = ctx.op("sub", xf, reshape(ctx, cast(ctx, zx, _F64), ()))
-    wf = cast(ctx, w, _F64)
-    if zw is not None:
-        wf = ctx.op("sub", wf, _per_channel(ctx, cast(ctx, zw, _F64), rank_w - 1))
+    for v, z, what in ((x, zx, "x"), (w, zw, "w")):
+        _check_zero_point(ctx, v, z, what)
+    if zy is not None and ctx.dtype(zy) not in _QUANT_INT:
+        raise OnnxModelError(f"QLinearConv: y_zero_point is {ctx.dtype(zy)}, not an integer type")
+    # As DequantizeLinear -> Conv -> QuantizeLinear in float32 (the QDQ form, which devices with
+    # int8 kernels fuse back into one int8 conv); the int32 bias in units of x_scale * w_scale.
+    xf = _dequantized(ctx, x, sx, zx, 1)
+    wf = _dequantized(ctx, w, sw, zw, 0)
     kernel = tuple(int(k) for k in ctx.attr("kernel_shape", ctx.shape(w)[2:]))
     strides, dilations, pads = _spatial_attrs(ctx, ctx.shape(x)[2:], kernel)
-    acc = ctx.op("conv", xf, wf, strides=strides, pads=pads, dilations=dilations,
-                 group=int(ctx.attr("group", 1)))
+    args = [xf, wf]
     if bias is not None:
-        acc = ctx.op("add", acc, _per_channel(ctx, cast(ctx, bias, _F64), rank_w - 2))
-    sw = _per_channel(ctx, cast(ctx, sw, _F32), rank_w - 2)
-    scale = ctx.op("div", ctx.op("mul", reshape(ctx, cast(ctx, sx, _F32), ()), sw),
-                   reshape(ctx, cast(ctx, sy, _F32), ()))
-    return [_requantize(ctx, acc, scale, zy, ctx.dtype(x) if zy is None else ctx.dtype(zy))]
-
-
-def _per_channel(ctx: NodeContext, p, trailing: int):
-    """A per-output-channel (C,) parameter as (C, 1 x ``trailing``), to broadcast along the
-    weight's dim 0 or the output's dim 1; a one-element one becomes a scalar."""
-    if ctx.type(p).size == 1:
-        return reshape(ctx, p, ())
-    if ctx.rank(p) != 1:
-        raise OnnxModelError(f"{ctx.op_type}: a per-channel parameter must be 1-D, got shape {list(ctx.shape(p))}")
-    return reshape(ctx, p, (ctx.shape(p)[0],) + (1,) * trailing)
+        bias_scale = ctx.op("mul", reshape(ctx, cast(ctx, sx, _F32), ()), reshape(ctx, cast(ctx, sw, _F32), (-1,)))
+        args.append(ctx.op("mul", cast(ctx, bias, _F32), bias_scale))
+    y = ctx.op("conv", *args, strides=strides, pads=pads, dilations=dilations, group=int(ctx.attr("group", 1)))
+    return [_quantize(ctx, y, sy, zy, ctx.dtype(x) if zy is None else ctx.dtype(zy), 1)]
