@@ -1,5 +1,10 @@
 """The registry: discovers plugins through entry points, validates and ranks their devices.
 
+Backends are imported on demand: when a device of theirs is named, or when the full device list
+is asked (policy plugins and the backends ``POLYHAL_BACKENDS`` names load with the registry). A
+backend's policy hooks answer for its own devices; see "Plugins load on demand" in
+docs/architecture.md for the contract.
+
 Environment:
 
 ``POLYHAL_BACKENDS=cuda,cpu``
@@ -540,8 +545,12 @@ class Registry:
         list is asked).
         """
         with self._lock:
-            if self._specs is None and self._load_owners(name.partition(":")[0]):
-                found = self._specs_of_backend(name.partition(":")[0]).get(name)
+            if self._specs is None:
+                backend = name.partition(":")[0]
+                known = self._backend_specs.get(backend)
+                if known is None and self._load_owners(backend):
+                    known = self._specs_of_backend(backend)
+                found = known.get(name) if known else None
                 if found is not None:
                     return found
             for spec in self.device_specs():
@@ -575,8 +584,9 @@ class Registry:
         """Import backend ``backend`` and every backend :meth:`owner_key` ranks before it (one of
         them would own a device name they share), if not imported yet; whether ``backend`` is a
         plugin at all (else only the full list can say who registers its devices)."""
-        key = self.owner_key(backend)
-        self.load_backends([n for n in self._pending if self.owner_key(n) <= key])
+        if self._pending:
+            key = self.owner_key(backend)
+            self.load_backends([n for n in self._pending if self.owner_key(n) <= key])
         return self.pm.get_plugin(backend) is not None
 
     def _specs_of_backend(self, backend: str) -> dict[str, DeviceSpec]:
