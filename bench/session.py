@@ -11,11 +11,23 @@ compiles per shape on its first run in polyhal (onnxruntime has no such step), s
 is the import alone.
 Target (issue 31): polyhal <= 2x onnxruntime.
 
-Where the first-process rows miss (2-core VM, 2026-12-07): about 190 ms of them is the default
-registry importing every installed backend plugin (cpu, opencl, cuda, hip, the template; about
-80 ms with ``POLYHAL_BACKENDS=cpu``), which onnxruntime's built-in CPU provider does not pay; a
-static model compiles on creation, so it pays that there, a dynamic one on its first run. The
-rest is the first compile (mlp: about 35 ms for session and first run, registry excluded).
+The fresh interpreters run after one untimed process of each kind, with byte code written
+(an installed package has it), so that caches are as a user's second process finds them: the
+checked-model cache of the ONNX front end (polyhal.frontends.onnx.validation), the CPU's
+compiled loops.
+
+Where the first-process rows stand (busy 2-core AMD EPYC VM, 2026-12-08, bench/results/
+session-busy.md): the creation of a model with symbolic dims is 0.5-0.6x onnxruntime's; the
+rows that include a compile (the first run of mlp and transformer_block, the creation of the
+static detection_postprocess) are 4.5-5x. Before (the same VM, 2026-12-07) they were 27-48x:
+every installed backend plugin was imported with the registry (backends now load on demand:
+docs/architecture.md, "Plugins load on demand"), ONNX's checker set up its op schemas in each
+process (50-100 ms; now read back from the checked-model cache), and the CPU's prologue fusion
+loaded oneDNN for models without a conv. What is left of a first compile (CPU time, busy VM):
+importing the CPU plugin (~35 ms: its kernel modules), loading the CPU's compiled loops and
+pinning BLAS again after them (polyhal_cpu.native, ~25 ms), loading oneDNN for the matmuls
+(~15 ms of dlopen), the passes and kernel preparation (~20-30 ms), and the registry (~20 ms:
+the entry-point scan, the built-in policies).
 """
 
 from __future__ import annotations
