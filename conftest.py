@@ -4,6 +4,7 @@ throwaway distributions for real, without touching the user's environment."""
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -55,3 +56,13 @@ def template_site(pip_target) -> Path:
     """The backend template (examples/backend-template, device ``mydev:0``), pip-installed into a
     folder of its own: only the tests that ask for it see it."""
     return pip_target(Path(__file__).resolve().parent / "examples" / "backend-template")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _onnx_check_cache(tmp_path_factory):
+    """The ONNX front end's checked-model cache in a folder of this test session (unless the
+    environment names one): the fuzzers' mutants stay out of the user's cache."""
+    with pytest.MonkeyPatch.context() as mp:
+        if "POLYHAL_ONNX_CACHE_DIR" not in os.environ:
+            mp.setenv("POLYHAL_ONNX_CACHE_DIR", str(tmp_path_factory.mktemp("onnx-checked")))
+        yield

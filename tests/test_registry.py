@@ -207,8 +207,9 @@ def register_devices():
 
 
 def test_a_named_device_asks_only_its_backend(fresh_registry, install_plugin):
-    """get_device / kernel_names / compile for cpu:0 leave the other backends' drivers alone; the
-    full list asks them (and ranks far:0 first)."""
+    """get_device / kernel_names / compile for cpu:0 leave the other backends alone, not even
+    imported; naming far:0 imports and asks its plugin; the full list asks them all (and ranks
+    far:0 first)."""
     module = install_plugin("far", COUNTING_BACKEND)
     reg = fresh_registry()
     b = polyhal.ProgramBuilder("t")
@@ -218,10 +219,66 @@ def test_a_named_device_asks_only_its_backend(fresh_registry, install_plugin):
     import numpy as np
     plan = polyhal.compile(b.build(), "cpu:0", registry=reg)
     assert plan(np.ones(3, np.float32)).numpy().tolist() == [2.0, 2.0, 2.0]
-    assert sys.modules[module].asked == []
+    assert module not in sys.modules and reg.pm.get_plugin("far") is None
     assert reg.spec("far:0").backend == "far" and len(sys.modules[module].asked) == 1
     assert [s.name for s in reg.device_specs()][0] == "far:0"
     assert reg.specs_by_name()["cpu:0"].plugin == "cpu" and "nosuch:0" not in reg.specs_by_name()
+
+
+#: A backend that also answers link_bandwidth for every pair of devices (a backend should answer
+#: only for its own; this one does not, so that the order of answers shows).
+GREEDY_BACKEND = COUNTING_BACKEND + '''
+@polyhal.hookimpl
+def link_bandwidth(src, dst):
+    return 1.0
+'''
+
+
+def test_a_backend_loaded_on_demand_answers_policy_hooks_where_eager_loading_would(fresh_registry,
+                                                                                  install_plugin):
+    """The hook order does not depend on when a backend is imported: it comes after polyhal's
+    built-in policies and before the policy plugins of ``polyhal.plugins`` and those registered
+    in code, which answer first, as when every plugin loads with the registry."""
+    install_plugin("far", GREEDY_BACKEND)
+    install_plugin("fast", '''
+        import polyhal
+        POLYHAL_API_VERSION = polyhal.API_VERSION
+        @polyhal.hookimpl
+        def link_bandwidth(src, dst):
+            return 2.0
+    ''', group="polyhal.plugins")
+
+    class Mine:
+        @polyhal.hookimpl
+        def link_bandwidth(self, src, dst):
+            return 3.0 if src.name == dst.name == "far:0" else None
+
+    lazy = fresh_registry()
+    lazy.register(Mine(), name="mine")
+    assert lazy.pm.get_plugin("far") is None
+    far = lazy.spec("far:0")  # imports far now, after fast and mine were registered
+    eager = fresh_registry()
+    eager.load_backends()
+    eager.register(Mine(), name="mine")
+    for reg in (lazy, eager):
+        names = [n for n, _ in reg.pm.list_name_plugin()]
+        assert names.index("far") < names.index("fast") < names.index("mine"), names
+        assert reg.pm.first_answer("link_bandwidth", src=far, dst=far).plugin == "mine"
+        assert reg.pm.first_answer("link_bandwidth", src=far, dst=reg.spec("cpu:0")).plugin == "fast"
+    lazy.load_backends()
+    assert [n for n, _ in lazy.pm.list_name_plugin()] == [n for n, _ in eager.pm.list_name_plugin()]
+
+
+def test_a_broken_backend_imported_on_demand_leaves_the_others_working(fresh_registry, install_plugin):
+    """A backend that fails to import when its device is named is recorded, named in the error,
+    and takes nothing down: cpu:0 and the full list still work."""
+    install_plugin("bad", "raise RuntimeError('no driver here')\n")
+    reg = fresh_registry(POLYHAL_CPU_DEVICES="1")
+    assert reg.get_device("cpu:0").name == "cpu:0"
+    with pytest.raises(polyhal.DeviceNotFoundError, match="unknown device 'bad:0'.*no driver here"):
+        reg.spec("bad:0")
+    assert any(f.plugin == "bad" and "no driver here" in f.reason for f in reg.failures)
+    assert "cpu:0" in [s.name for s in reg.device_specs()]
 
 
 def test_a_register_devices_wrapper_sees_every_lookup(fresh_registry, install_plugin):

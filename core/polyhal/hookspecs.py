@@ -2,8 +2,10 @@
 
 A plugin is a module or object with functions marked ``@polyhal.hookimpl`` whose names are the
 hooks below. Backends are installed as distributions with an entry point in the group
-``polyhal.backends``; policy plugins use the same group, or are registered in code with
-``polyhal.default_registry().register(obj)``.
+``polyhal.backends``, imported when one of their devices is first asked for, so a backend's
+policy hooks answer for its own devices (and defer, returning None, for the others); policy
+plugins use the group ``polyhal.plugins``, imported with the registry, or are registered in code
+with ``polyhal.default_registry().register(obj)`` (docs/architecture.md, "Plugins load on demand").
 
 Every plugin module declares ``POLYHAL_API_VERSION = 1`` (see :data:`API_VERSION`); a plugin
 declaring another major version is skipped with its reason shown by ``polyhal devices``.

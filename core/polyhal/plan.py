@@ -127,18 +127,21 @@ def compile(program: Program, devices: Sequence[str] | str | None = None, *,
     registry = registry or default_registry()
     if isinstance(devices, str):
         devices = (devices,)
-    pipeline = pipeline if pipeline is not None else pipeline_for(registry)
     options = dict(fuse=fuse, data_tiling=data_tiling, precision=precision)
-    if devices:
+
+    def compile_on(names: tuple[str, ...]) -> Plan:
+        for name in names:  # the registry imports their backends now, if not yet: their passes join the pipeline
+            registry.spec(name)
         with cycle_collection_paused():
-            return _compile_on(program, pipeline, Target.build(registry, tuple(devices), **options), registry,
-                               concurrent)
+            return _compile_on(program, pipeline if pipeline is not None else pipeline_for(registry),
+                               Target.build(registry, names, **options), registry, concurrent)
+
+    if devices:
+        return compile_on(tuple(devices))
     while True:
         devices = tuple(registry.default_devices())
         try:
-            with cycle_collection_paused():
-                return _compile_on(program, pipeline, Target.build(registry, devices, **options), registry,
-                                   concurrent)
+            return compile_on(devices)
         except PluginError:
             # A device of the default list failed to create (recorded and warned about by the
             # registry): place again without it; anything else is the caller's to see.

@@ -1,5 +1,10 @@
 """The registry: discovers plugins through entry points, validates and ranks their devices.
 
+Backends are imported on demand: when a device of theirs is named, or when the full device list
+is asked (policy plugins and the backends ``POLYHAL_BACKENDS`` names load with the registry). A
+backend's policy hooks answer for its own devices; see "Plugins load on demand" in
+docs/architecture.md for the contract.
+
 Environment:
 
 ``POLYHAL_BACKENDS=cuda,cpu``
@@ -310,8 +315,13 @@ class Registry:
         self._devices: dict[str, Device] = {}
         self._broken: dict[str, PluginFailure] = {}  # devices whose factory raised
         self._listeners: list[Callable[[], Any]] = []
+        #: Backend entry points found but not imported yet, by name (see load_backends).
+        self._pending: dict[str, metadata.EntryPoint] = {}
+        #: Names of the plugins loaded from the backend group (their place in the hook order).
+        self._backend_names: set[str] = set()
+        self._crumbs: ImportBreadcrumbs | None = None
         self._plugin_passes: tuple[int, list[tuple[str, Any]]] | None = None  # (generation, records)
-        settings = RegistrySettings.from_env()
+        self._settings = settings = RegistrySettings.from_env()  # read (and checked) once, here
         self._preference = list(settings.backends) if settings.backends else None
         #: The memoizing allocator selector of this registry (made by polyhal.policy.selector_for);
         #: kept here so that it lives and dies with its registry.
@@ -328,11 +338,15 @@ class Registry:
     # -- loading ---------------------------------------------------------------------------------
 
     def load_entry_points(self) -> None:
-        """Load every backend (respecting POLYHAL_BACKENDS) and every policy plugin."""
+        """Find the installed plugins. Policy plugins (entry-point group ``polyhal.plugins``) and
+        the backends ``POLYHAL_BACKENDS`` names are imported now; every other backend when its
+        devices are first asked for (:meth:`load_backends`), so that a program run on ``cpu:0``
+        imports no OpenCL, CUDA or HIP plugin. See "Plugins load on demand" in docs/architecture.md."""
         from importlib import metadata  # here, not at import: it costs more than the rest of polyhal's registry
 
         wanted = self._preference
-        backends = {ep.name: ep for ep in metadata.entry_points(group=BACKENDS_GROUP)}
+        found = metadata.entry_points()  # one scan of the installed distributions for both groups
+        backends = {ep.name: ep for ep in found.select(group=BACKENDS_GROUP)}
         if wanted is not None:
             missing = [n for n in wanted if n not in backends]
             if missing:
@@ -340,27 +354,50 @@ class Registry:
                     f"POLYHAL_BACKENDS names {missing}, which is not installed; installed backends: "
                     f"{sorted(backends) or 'none'}. Install the plugin (e.g. {install_hint('polyhal-' + missing[0])}) "
                     "or remove it from POLYHAL_BACKENDS")
-        timeout = RegistrySettings.from_env().plugin_timeout
-        crumbs = ImportBreadcrumbs()
+        self._crumbs = crumbs = ImportBreadcrumbs()
         for left in crumbs.left_by_ended_processes():
             warnings.warn(
                 f"polyhal: process {left.get('pid')} ended while importing plugin {str(left.get('plugin'))!r} "
                 f"(entry point {str(left.get('entry_point'))!r} of {str(left.get('group'))!r}); if this process "
                 "ends too, uninstall that plugin or leave it out with POLYHAL_BACKENDS", RuntimeWarning, stacklevel=3)
-        for name, ep in sorted(backends.items()):
-            if wanted is None or name in wanted:
-                self._load(ep, loud=wanted is not None, timeout=timeout, crumbs=crumbs)
-        for ep in sorted(metadata.entry_points(group=PLUGINS_GROUP), key=lambda e: e.name):
-            self._load(ep, loud=False, timeout=timeout, crumbs=crumbs)
+        with self._lock:
+            self._pending.update((n, ep) for n, ep in backends.items()
+                                 if (wanted is None or n in wanted) and self.pm.get_plugin(n) is None)
+        if wanted is not None:
+            self.load_backends(wanted)  # named by the user: imported now, and a failure is loud
+        for ep in sorted(found.select(group=PLUGINS_GROUP), key=lambda e: e.name):
+            self._load(ep, loud=False, timeout=self._settings.plugin_timeout, crumbs=crumbs)
 
-    def _load(self, ep: metadata.EntryPoint, *, loud: bool, timeout: float, crumbs: ImportBreadcrumbs) -> None:
+    def load_backends(self, names: Iterable[str] | None = None) -> None:
+        """Import the backend plugins found by :meth:`load_entry_points` and not imported yet:
+        those in ``names`` (names that are no pending backend are ignored), or all (``None``).
+
+        Each takes the place in the hook order that loading every plugin at once gives it (after
+        polyhal's built-in policies and the backends before it by name, before every other plugin),
+        so that when a backend loads does not change which plugin answers a policy hook first.
+        """
+        with self._lock:
+            todo = sorted(self._pending if names is None else (n for n in names if n in self._pending))
+            if not todo:
+                return
+            loud = self._preference is not None
+            crumbs = self._crumbs or ImportBreadcrumbs()
+            for name in todo:
+                self._load(self._pending.pop(name), loud=loud, timeout=self._settings.plugin_timeout,
+                           crumbs=crumbs, backend=True)
+
+    def _load(self, ep: metadata.EntryPoint, *, loud: bool, timeout: float, crumbs: ImportBreadcrumbs,
+              backend: bool = False) -> None:
         # Logged and marked before the import runs: a plugin that ends the process is the last one named.
         log.debug("loading plugin %r from entry point %r (group %s)", ep.name, ep.value, ep.group)
         crumbs.importing(ep)
         try:
             plugin = _load_with_timeout(ep, timeout)
             self._check_api(plugin, ep.name)
-            self.register(plugin, name=ep.name)
+            if backend:
+                self._register_backend(plugin, ep.name)
+            else:
+                self.register(plugin, name=ep.name)
             if ep.dist is not None:
                 self._distributions[ep.name] = (ep.dist.name, ep.dist.version)
         except BaseException as exc:  # noqa: BLE001 - no failure of one plugin may take the others down
@@ -378,6 +415,23 @@ class Registry:
         finally:
             crumbs.done()
         log.debug("plugin %r loaded", ep.name)
+
+    def _register_backend(self, plugin: Any, name: str) -> None:
+        """Register backend ``plugin`` where eager loading would have: pluggy calls the plugins
+        registered last first, so the plugins after its place (backends later by name, policy
+        plugins, plugins registered in code) are registered again after it, in their order."""
+        with self._lock:
+            after = [(n, p) for n, p in self.pm.list_name_plugin()
+                     if n not in BUILTIN_PLUGINS and not (n in self._backend_names and n < name)]
+            for _, p in after:
+                self.pm.unregister(p)
+            try:
+                self.register(plugin, name=name)
+            finally:
+                for n, p in after:
+                    self.pm.register(p, name=n)
+            self._backend_names.add(name)
+            self._changed()
 
     @staticmethod
     def _check_api(plugin: Any, name: str) -> None:
@@ -476,6 +530,7 @@ class Registry:
         """Every registered device, best first (POLYHAL_BACKENDS order, then rank, then name)."""
         with self._lock:
             if self._specs is None:
+                self.load_backends()  # the full list asks every backend
                 self._specs = self._collect_specs()
             return list(self._specs)
 
@@ -491,7 +546,11 @@ class Registry:
         """
         with self._lock:
             if self._specs is None:
-                found = self._specs_of_backend(name.partition(":")[0]).get(name)
+                backend = name.partition(":")[0]
+                known = self._backend_specs.get(backend)
+                if known is None and self._load_owners(backend):
+                    known = self._specs_of_backend(backend)
+                found = known.get(name) if known else None
                 if found is not None:
                     return found
             for spec in self.device_specs():
@@ -510,7 +569,7 @@ class Registry:
         claims loads no other backend's driver); else, or where that plugin alone cannot answer
         (it registers no device, or another plugin wraps ``register_devices``), the full list."""
         with self._lock:
-            if self._specs is None:
+            if self._specs is None and self._load_owners(plugin):
                 found = self._specs_of_backend(plugin)
                 if found:
                     return list(found.values())
@@ -520,6 +579,15 @@ class Registry:
         """A read-only mapping ``device name -> spec`` that looks names up through :meth:`spec`
         (iterating it lists every device)."""
         return _SpecsByName(self)
+
+    def _load_owners(self, backend: str) -> bool:
+        """Import backend ``backend`` and every backend :meth:`owner_key` ranks before it (one of
+        them would own a device name they share), if not imported yet; whether ``backend`` is a
+        plugin at all (else only the full list can say who registers its devices)."""
+        if self._pending:
+            key = self.owner_key(backend)
+            self.load_backends([n for n in self._pending if self.owner_key(n) <= key])
+        return self.pm.get_plugin(backend) is not None
 
     def _specs_of_backend(self, backend: str) -> dict[str, DeviceSpec]:
         found = self._backend_specs.get(backend)
@@ -803,6 +871,7 @@ class Registry:
     def unavailable_reasons(self) -> dict[str, list[str]]:
         """Per plugin, the reasons it gave (report_unavailable) for registering fewer devices."""
         out: dict[str, list[str]] = {}
+        self.load_backends()
         answers, failed = self.pm.each_answer("report_unavailable")
         for plugin, reasons in answers:
             if reasons:
@@ -825,18 +894,19 @@ _default_lock = threading.Lock()
 def default_registry() -> Registry:
     """The process-wide registry, created (and plugins loaded) on first use.
 
-    A plugin that asks for it while the plugin itself is being imported (before the registry
-    exists) gets a PluginError: creating the registry would import that plugin again, and wait
-    for itself.
+    A plugin that asks for it while the plugin itself is being imported gets a PluginError:
+    the registry imports plugins (when it is made, or when a backend's devices are first asked
+    for) while it holds its lock, so it would wait for itself, or be asked about devices half
+    registered.
     """
     global _default
+    plugin = _importing.get(threading.get_ident())
+    if plugin is not None:
+        raise PluginError(
+            f"plugin {plugin!r} called polyhal's default registry while it was being imported (the registry "
+            "imports the plugins, so it would wait for itself); ask for devices in the plugin's "
+            "hooks or functions instead of at import", plugin=plugin)
     if _default is None:
-        plugin = _importing.get(threading.get_ident())
-        if plugin is not None:
-            raise PluginError(
-                f"plugin {plugin!r} called polyhal's default registry while it was being imported (the registry "
-                "is made by importing the plugins, so it would wait for itself); ask for devices in the plugin's "
-                "hooks or functions instead of at import", plugin=plugin)
         with _default_lock:
             if _default is None:
                 _default = Registry()
@@ -863,6 +933,7 @@ def devices() -> list[DeviceSpec]:
 
 def iter_plugins(registry: Registry) -> Iterable[tuple[str, list[str]]]:
     """(plugin name, hooks it implements) for every registered plugin."""
+    registry.load_backends()
     for name, plugin in registry.pm.list_name_plugin():
         hooks = sorted(h.name for h in registry.pm.get_hookcallers(plugin) or ())
         yield name, hooks

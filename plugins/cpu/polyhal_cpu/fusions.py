@@ -56,6 +56,8 @@ def fuse_conv_prologue(program: Program, fusible) -> tuple[Program, list[Fusion]
     what changed (see the module docstring). Not where oneDNN runs the convs
     (:mod:`polyhal_cpu.onednn_kernels`): its primitives have no prologue, so the conv stays a
     oneDNN conv and the ``scale_shift`` one pass of its own."""
+    if not any(op.kind == "dispatch" and op.name == "scale_shift" for op in program.ops):
+        return program, []  # nothing to take: oneDNN is not loaded to say so
     if onednn.usable():
         return program, []
     uses, _ = uses_and_producers(program)

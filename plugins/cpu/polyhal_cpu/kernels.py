@@ -28,12 +28,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from fractions import Fraction
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import numpy as np
-from numpy.polynomial import chebyshev
 
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
@@ -110,8 +108,9 @@ def _const(value: float, dtype: np.dtype) -> np.ndarray:
 #  * float64: |x| < 1: the Maclaurin series x * sum_n c_n x^(2n) with exact coefficients, 20
 #    terms (the first omitted one is < 1e-19); |x| >= 1: erf = 1 - exp(-x^2) * erfcx(x), where
 #    erfcx(x) = exp(x^2) erfc(x) (smooth, no cancellation) is a degree-28 Chebyshev interpolant
-#    on [1, 6] computed at import from math.erfc; beyond 6, erf is 1 in float64. Max abs error
-#    ~1e-15.
+#    on [1, 6] computed from math.erfc at the first float64 erf (not at import: it costs ~25 ms
+#    of the plugin's import, fractions and numpy.polynomial included); beyond 6, erf is 1 in
+#    float64. Max abs error ~1e-15.
 
 _ERF_P, _ERF_Q = native.ERF_P, native.ERF_Q  # shared with the fused erf-GELU loop
 
@@ -121,6 +120,7 @@ _ERF_SERIES = tuple(  # highest power first, for Horner
 _ERFCX_LO, _ERFCX_HI, _ERFCX_DEGREE = 1.0, 6.0, 28
 
 
+@cache
 def _erfcx_monomials() -> tuple[float, ...]:
     """Monomial coefficients (highest first) in u = (x - 3.5) / 2.5 of the Chebyshev
     interpolant of erfcx on [1, 6].
@@ -131,6 +131,10 @@ def _erfcx_monomials() -> tuple[float, ...]:
     of x (a double's square needs two doubles), since exp amplifies the rounding of x*x by
     x^2. The monomial form is safe here: its coefficients stay below 0.2 in magnitude.
     """
+    from fractions import Fraction
+
+    from numpy.polynomial import chebyshev
+
     n = 64
     theta = np.pi * (np.arange(n) + 0.5) / n
     mid, half = (_ERFCX_HI + _ERFCX_LO) / 2, (_ERFCX_HI - _ERFCX_LO) / 2
@@ -144,8 +148,6 @@ def _erfcx_monomials() -> tuple[float, ...]:
     coeffs[0] /= 2
     return tuple(chebyshev.cheb2poly(coeffs)[::-1].tolist())
 
-
-_ERFCX_POLY = _erfcx_monomials()
 
 
 def _horner(z: np.ndarray, coeffs: tuple, acc: np.ndarray) -> np.ndarray:
@@ -179,7 +181,7 @@ def _erf_double(x: np.ndarray, out: np.ndarray) -> None:
         a = np.minimum(np.abs(xl), _ERFCX_HI)
         u = a - (_ERFCX_HI + _ERFCX_LO) / 2
         u *= 2.0 / (_ERFCX_HI - _ERFCX_LO)
-        erfc = _horner(u, _ERFCX_POLY, np.empty_like(u))
+        erfc = _horner(u, _erfcx_monomials(), np.empty_like(u))
         erfc *= np.exp(-a * a)
         out[large] = np.copysign(1.0 - erfc, xl)
 

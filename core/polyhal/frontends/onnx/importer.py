@@ -57,6 +57,7 @@ from polyhal.frontends.onnx.dynamic import (
 )
 from polyhal.frontends.onnx.staged import StagedOnnxProgram, needs_staging
 from polyhal.frontends.onnx.wire import read_split
+from polyhal.frontends.onnx.validation import _validate, validated  # noqa: F401  (_validate: tests)
 from polyhal.frontends.onnx.types import (
     STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
 )
@@ -560,42 +561,6 @@ def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.Tensor
     return model
 
 
-def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
-    """ONNX's checker, then strict shape inference; returns the model with inferred value_info.
-
-    Graph outputs that declare an element type but no ``shape`` field (onnxruntime's tools and
-    hand-built models write them; onnxruntime runs them, the checker refuses them) are left out
-    of what the checker and inference see, and come back unchanged: the data decides them."""
-    outputs = list(model.graph.output)
-    shapeless = [o for o in outputs if o.type.WhichOneof("value") == "tensor_type"
-                 and not o.type.tensor_type.HasField("shape")]
-    if shapeless:
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        kept = [o for o in outputs if o not in shapeless]
-        del copy.graph.output[:]
-        copy.graph.output.extend(kept)
-        checked = _validate(copy, source)
-        del checked.graph.output[:]
-        checked.graph.output.extend(outputs)
-        return checked
-    try:
-        onnx.checker.check_model(model)
-    except (onnx.checker.ValidationError, ValueError) as exc:
-        raise OnnxModelError(f"{source}: the ONNX checker rejects the model: {_first_line(exc)}") from None
-    try:
-        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
-    except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
-        # Strict inference also fails on valid models (ONNX's own function bodies trip it, e.g.
-        # MeanVarianceNormalization's); the importer checks every result against what is
-        # declared anyway, so a real contradiction is still caught, naming its node.
-        pass
-    try:
-        return onnx.shape_inference.infer_shapes(model, data_prop=True)
-    except (onnx.shape_inference.InferenceError, ValueError, RuntimeError):
-        return model
-
-
 # ------------------------------------------------------------------------------------ load
 
 def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
@@ -645,7 +610,7 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
     source = source or read_as
     opset = default_opset(proto, source)
     light, weights = _strip_weights(proto, arrays) if validate else (proto, arrays)
-    checked = _restore_placeholders(_validate(light, source), proto, weights) if validate else proto
+    checked = _restore_placeholders(validated(light, source), proto, weights) if validate else proto
     del light
     shapes, values, dims = shapes or {}, values or {}, {str(k): int(v) for k, v in (dims or {}).items()}
     limit = _fold_limit(fold_limit)

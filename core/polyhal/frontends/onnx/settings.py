@@ -1,11 +1,12 @@
 """The ONNX front end's settings from the environment: how much it folds at import, how long a
-Loop may run, how large ``polyhal run``'s input files may be (each read where it is used)."""
+Loop may run, how large ``polyhal run``'s input files may be, where checked models are kept (each
+read where it is used)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from polyhal.config import Integer, Settings, Size, setting
+from polyhal.config import Integer, Settings, Size, Text, setting
 
 __all__ = ["FOLD_LIMIT", "LOOP_LIMIT", "OnnxSettings"]
 
@@ -29,3 +30,7 @@ class OnnxSettings(Settings, component="ONNX front end"):
         "POLYHAL_INPUT_LIMIT", Size(), None,
         "most bytes the --input files of polyhal run may expand to in all",
         shown="the memory the process may use")
+    cache_dir: str = setting("POLYHAL_ONNX_CACHE_DIR", Text(), "",
+                             "folder of the models ONNX's checker accepted, kept so that a later process does not "
+                             "check them again (off, 0 or none: check every model in every process)",
+                             shown="the per-user cache folder")
