@@ -15,6 +15,12 @@ import pytest
 
 _BUILD_LEFTOVERS = shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
 
+# The CPU's compiled loops are built in the foreground in a test session: a process that finds
+# them unbuilt would otherwise run on the library tier while a background build goes on, and the
+# tests of the loops would skip or pass depending on when the build ends. (The tiers themselves
+# are tested with this variable set in their subprocesses: plugins/cpu/tests/test_cpu_native_aot.py.)
+os.environ.setdefault("POLYHAL_CPU_AOT_WAIT", "1")
+
 
 def _source_digest(source: Path) -> str:
     h = hashlib.sha256(sys.version.encode())
