@@ -48,7 +48,7 @@ from polyhal_cpu import (  # noqa: F401
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import GemmSplit, blocks, float_bits, gemm_fn, parallel, run_gemms, threads
 from polyhal_cpu.parallel import run as run_pieces
-from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
+from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, compiled_loops, float16_via_float32
 
 __all__ = ["KERNEL_NAMES", "TABLE", "erf", "prepare"]
 
@@ -750,15 +750,30 @@ def _argsort(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> 
     return kernel
 
 
+#: The element types polyhal_cpu.select_loops.topk is compiled for.
+_SELECT_TYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+
+
 @TABLE.register("topk")
 def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    # A full stable sort, then the first k: argpartition would be faster for small k but does
-    # not honour the tie rule at the cut.
     x_type = ins[0]
     axis, k = int(attrs["axis"]) % x_type.rank, int(attrs["k"])
     largest, in_order = bool(attrs["largest"]), bool(attrs["sorted"])
+    shape = x_type.shape
+    loops = compiled_loops("select_loops") if x_type.dtype in _SELECT_TYPES else None
+    if loops is not None:  # a partial selection per lane (polyhal_cpu.select_loops)
+        outer, inner = int(np.prod(shape[:axis], dtype=np.int64)), int(np.prod(shape[axis + 1:], dtype=np.int64))
+        select = loops.topk
+
+        def kernel(x, values, indices):
+            select(np.ascontiguousarray(x).reshape(outer, shape[axis], inner), values.reshape(outer, k, inner),
+                   indices.reshape(outer, k, inner), largest, in_order)
+        return kernel
+
+    # Without numba: a full stable sort, then the first k (argpartition does not honour the
+    # tie rule at the cut).
     first_k = (slice(None),) * axis + (slice(0, k),)
-    last = x_type.shape[axis] - 1
+    last = shape[axis] - 1
 
     def kernel(x, values, indices):
         order = _descending_order(x, axis, last) if largest else np.argsort(x, axis=axis, kind="stable")
