@@ -367,7 +367,7 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             b = blas_layout(b)
             if a.flags.c_contiguous:  # views: out is C-contiguous
                 a, out = a.reshape(a2), out.reshape(o2)
-                table = split.table(a, b, out)
+                table = None if split.small else split.table(a, b, out)
                 if table is not None:
                     run_gemms(table)
                 else:
@@ -380,7 +380,7 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
 
         def plain(a, b, out):
             a, b = blas_layout(a), blas_layout(b)
-            table = split.table(a, b, out)
+            table = None if split.small else split.table(a, b, out)
             if table is not None:
                 run_gemms(table)
             else:
@@ -420,6 +420,9 @@ def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     def kernel(a, b, *rest):
         out = rest[-1]
         a, b = (a.T if trans_a else a), (b.T if trans_b else b)
+        if split.small:  # numpy's product (C broadcasts as it is added): cheaper than the queue here
+            product(a, b, rest[0] if has_c else None, out)
+            return
         table = split.table(a, b, out, alpha, beta, rest[0] if has_c else None)
         if table is not None:  # C, then the product onto it, piece by piece in compiled code
             run_gemms(table)

@@ -61,7 +61,7 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         # finished (bias, product, residual and activation) in compiled code on the pool's
         # GEMM queue where it can be, else through numpy and ctypes (no residual or activation).
         xm, o = x.reshape(x2), out.reshape(o2)
-        table = split.table(xm, w, o, 1.0, 1.0, b, residual, act, alpha, beta)
+        table = None if split.small else split.table(xm, w, o, 1.0, 1.0, b, residual, act, alpha, beta)
         if table is not None:
             parallel.run_gemms(table)
             return True
@@ -91,6 +91,16 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     if native.available(outs[0].dtype):
         act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
         pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n, factor=2)]
+        small = math.prod(ins[0].shape[:-1]) * ins[1].shape[0] * ins[1].shape[1] <= parallel.SMALL_PRODUCT
+        if small and len(pieces) == 1:  # the product, then the epilogue: two compiled calls
+            epilogue = native.epilogue
+
+            def kernel(x, w, b, *rest):
+                out = rest[-1]
+                product(x, w, b, out)
+                r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
+                epilogue(out.reshape(shape2d), zero, r, act, alpha, beta)
+            return kernel
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
