@@ -769,8 +769,12 @@ def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         select = loops.topk
 
         def kernel(x, values, indices):
-            select(np.ascontiguousarray(x).reshape(outer, shape[axis], inner), values.reshape(outer, k, inner),
-                   indices.reshape(outer, k, inner), largest, in_order)
+            v, i = (o if o.flags.c_contiguous else np.empty(o.shape, o.dtype) for o in (values, indices))
+            select(np.ascontiguousarray(x).reshape(outer, shape[axis], inner), v.reshape(outer, k, inner),
+                   i.reshape(outer, k, inner), largest, in_order)
+            if v is not values or i is not indices:  # (strided views)
+                np.copyto(values, v)
+                np.copyto(indices, i)
         return kernel
 
     # Without numba: a full stable sort, then the first k (argpartition does not honour the

@@ -189,7 +189,10 @@ def _pairwise_coupling(device, op: str, attrs: dict, ins: Types, outs: Types, sc
         couple = loops.pairwise_coupling
 
         def kernel(r, out):
-            couple(np.ascontiguousarray(r), out)
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)  # (a strided view)
+            couple(np.ascontiguousarray(r), dst)
+            if dst is not out:
+                np.copyto(out, dst)
         return kernel
 
     def kernel(r, out):

@@ -47,7 +47,10 @@ def _grid_sample(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
 
         def kernel(x, grid, out):
             g = np.ascontiguousarray(grid.reshape(grid.shape[0], points, rank), np.float64)
-            sample(np.ascontiguousarray(x).reshape(n, c, -1), g, sizes, *codes, align, out.reshape(n, c, points))
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)  # (a strided view)
+            sample(np.ascontiguousarray(x).reshape(n, c, -1), g, sizes, *codes, align, dst.reshape(n, c, points))
+            if dst is not out:
+                np.copyto(out, dst)
         return kernel
 
     def kernel(x, grid, out):
@@ -102,8 +105,11 @@ def _roi_align(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -
         def kernel(x, rois, batch_indices, out):
             if batch_indices.size and (batch_indices.min() < 0 or batch_indices.max() >= x.shape[0]):
                 raise IndexError(f"roi_align: a batch index is out of range for the {x.shape[0]} images of x")
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)  # (a strided view)
             align(np.ascontiguousarray(x), np.ascontiguousarray(rois, dtype), np.ascontiguousarray(batch_indices),
-                  params, average, out)
+                  params, average, dst)
+            if dst is not out:
+                np.copyto(out, dst)
         return kernel
 
     def kernel(x, rois, batch_indices, out):
