@@ -68,10 +68,17 @@ def topk(x, values, indices, largest, in_order):
                 heap[i] = i
             for at in range(k // 2 - 1, -1, -1):
                 _sift_down(heap, lane, at, k, largest)
+            worst = lane[heap[0]]
             for i in range(k, n):
-                if _before(lane[i], i, lane[heap[0]], heap[0], largest):
+                v = lane[i]
+                # most elements lose to the heap's worst at one compare (a tie loses too: i
+                # is above every index in the heap); nan takes the full rule
+                if (v <= worst) if largest else (v >= worst):
+                    continue
+                if _before(v, i, worst, heap[0], largest):
                     heap[0] = i
                     _sift_down(heap, lane, 0, k, largest)
+                    worst = lane[heap[0]]
             if in_order:  # pop the worst to the back, k times: best first
                 for size in range(k - 1, 0, -1):
                     heap[0], heap[size] = heap[size], heap[0]
