@@ -31,6 +31,11 @@ def _linear_family(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
     return onednn_kernels.matmul(op, attrs, ins, outs, scratch) or own(device, op, attrs, ins, outs, scratch)
 
 
+#: Rows from which a bias row is added by the compiled loop (fewer: numpy's one add costs less
+#: than the loop's call).
+_BIAS_LOOP_ROWS = 8
+
+
 @float16_via_float32
 def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type, w_type, _ = ins
@@ -50,7 +55,7 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             if gemm(xm, w, o, 1.0, 1.0):
                 return
         matmul(blas_layout(xm), blas_layout(w), out=o)
-        if add_rows is not None and b.shape == o.shape[1:] and b.flags.c_contiguous:  # a (n,) bias row
+        if add_rows is not None and len(o) >= _BIAS_LOOP_ROWS and b.shape == o.shape[1:] and b.flags.c_contiguous:
             add_rows(o, b)
         else:
             add(o, b, out=o)
@@ -88,19 +93,12 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     has_residual = len(ins) == 4
     n = outs[0].shape[-1] if outs[0].rank else 1
     shape2d = (outs[0].size // max(n, 1), n)
-    if native.available(outs[0].dtype):
+    # A small product (a scikit-learn model at batch 1) finishes with numpy's ufuncs: a compiled
+    # loop's call costs more than they do on a few elements.
+    small = math.prod(ins[0].shape[:-1]) * ins[1].shape[0] * ins[1].shape[1] <= parallel.SMALL_PRODUCT
+    if native.available(outs[0].dtype) and not small:
         act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
         pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n, factor=2)]
-        small = math.prod(ins[0].shape[:-1]) * ins[1].shape[0] * ins[1].shape[1] <= parallel.SMALL_PRODUCT
-        if small and len(pieces) == 1:  # the product, then the epilogue: two compiled calls
-            epilogue = native.epilogue
-
-            def kernel(x, w, b, *rest):
-                out = rest[-1]
-                product(x, w, b, out)
-                r = np.ascontiguousarray(rest[0]).reshape(shape2d) if has_residual else None
-                epilogue(out.reshape(shape2d), zero, r, act, alpha, beta)
-            return kernel
 
         def kernel(x, w, b, *rest):
             out = rest[-1]
