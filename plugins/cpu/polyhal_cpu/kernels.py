@@ -758,7 +758,11 @@ _SELECT_TYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32
 
 
 @TABLE.register("topk")
+@parallel(fixed_axes=lambda attrs, ins: (int(attrs["axis"]),), split_inputs=lambda attrs, ins: (True,),
+          factor=lambda attrs, ins: int(attrs["k"]) / max(ins[0].shape[int(attrs["axis"])], 1) / 2)
 def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # Lanes are independent: from ~32k input elements they are cut (along an axis before or
+    # after the lanes', x alike) across the backend's threads.
     x_type = ins[0]
     axis, k = int(attrs["axis"]) % x_type.rank, int(attrs["k"])
     largest, in_order = bool(attrs["largest"]), bool(attrs["sorted"])

@@ -137,3 +137,12 @@ def test_strided_outputs_are_written():
             infer_types("grid_sample", (TensorType(img.shape, img.dtype), TensorType(grid.shape, grid.dtype)),
                         attrs))(img, grid, out)
     np.testing.assert_allclose(out, 7.5)
+
+
+def test_topk_split_across_threads_matches_the_sort(monkeypatch):
+    """A batch large enough to be cut across the backend's threads (lanes along the last axis)."""
+    x = np.random.default_rng(2).integers(-50, 50, (96, 2000)).astype(np.float32)  # ties everywhere
+    attrs = {"axis": 1, "k": 7, "largest": False, "sorted": True}
+    (v, i), (nv, ni) = _both("topk", attrs, (x,), monkeypatch)
+    np.testing.assert_array_equal(i, ni)
+    np.testing.assert_array_equal(v, nv)
