@@ -41,7 +41,7 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
     x_type, w_type, _ = ins
     rows = math.prod(x_type.shape[:-1])
     x2, o2 = (rows, w_type.shape[0]), (rows, w_type.shape[1])
-    matmul, add, copyto = np.matmul, np.add, np.copyto
+    matmul, dot, add, copyto = np.matmul, np.dot, np.add, np.copyto
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
     # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
     add_rows = native.add_rows if native.available(x_type.dtype) else None
@@ -54,7 +54,10 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             copyto(o, b)
             if gemm(xm, w, o, 1.0, 1.0):
                 return
-        matmul(blas_layout(xm), blas_layout(w), out=o)
+        if o.flags.c_contiguous:  # np.dot: the same BLAS call as matmul, ~1.5 us less to reach it
+            dot(blas_layout(xm), blas_layout(w), out=o)
+        else:
+            matmul(blas_layout(xm), blas_layout(w), out=o)
         if add_rows is not None and len(o) >= _BIAS_LOOP_ROWS and b.shape == o.shape[1:] and b.flags.c_contiguous:
             add_rows(o, b)
         else:

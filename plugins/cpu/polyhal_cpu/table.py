@@ -125,7 +125,11 @@ def numpy_activation(device, activation: str, alpha: float, beta: float, out_typ
         elif activation in ("hard_sigmoid", "hard_swish"):
             h = np.clip(y * a + b, 0, 1)
             np.multiply(y, h, out=y) if activation == "hard_swish" else np.copyto(y, h)
-        else:  # sigmoid, silu
-            s = 1 / (1 + np.exp(-y))
-            np.multiply(y, s, out=y) if activation == "silu" else np.copyto(y, s)
+        elif activation == "sigmoid":  # 1 / (1 + exp(-y)), in place: no temporaries
+            np.negative(y, out=y)
+            np.exp(y, out=y)
+            np.add(y, 1, out=y)
+            np.reciprocal(y, out=y)
+        else:  # silu
+            np.multiply(y, 1 / (1 + np.exp(-y)), out=y)
     return act
