@@ -124,11 +124,10 @@ def test_zipmap_and_string_labels_are_host_values():
 @pytest.mark.parametrize("native", ["1", "0"], ids=["numba", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_tree_walk_matches_reference(native, dtype, monkeypatch):
-    from polyhal_cpu import ml_kernels
+    from polyhal_cpu.table import compiled_loops
 
     monkeypatch.setenv("POLYHAL_CPU_NATIVE", native)
-    monkeypatch.setattr(ml_kernels, "_loops", None)
-    if native == "1" and ml_kernels._native() is None:
+    if native == "1" and compiled_loops("tree_loops") is None:
         pytest.skip("numba is not installed")
     rng = np.random.default_rng(3)
     nodes, thresholds, leaf_values, roots = random_ensemble(rng, 6, 9, 4, 3, dtype)

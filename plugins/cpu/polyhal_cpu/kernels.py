@@ -46,7 +46,7 @@ from polyhal_cpu import (  # noqa: F401
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import GemmSplit, blocks, float_bits, gemm_fn, parallel, run_gemms, threads
 from polyhal_cpu.parallel import run as run_pieces
-from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, float16_via_float32
+from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, compiled_loops, float16_via_float32
 
 __all__ = ["KERNEL_NAMES", "TABLE", "erf", "prepare"]
 
@@ -369,7 +369,7 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             b = blas_layout(b)
             if a.flags.c_contiguous:  # views: out is C-contiguous
                 a, out = a.reshape(a2), out.reshape(o2)
-                table = split.table(a, b, out)
+                table = None if split.small else split.table(a, b, out)
                 if table is not None:
                     run_gemms(table)
                 else:
@@ -382,7 +382,7 @@ def _matmul(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
 
         def plain(a, b, out):
             a, b = blas_layout(a), blas_layout(b)
-            table = split.table(a, b, out)
+            table = None if split.small else split.table(a, b, out)
             if table is not None:
                 run_gemms(table)
             else:
@@ -422,6 +422,9 @@ def _gemm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     def kernel(a, b, *rest):
         out = rest[-1]
         a, b = (a.T if trans_a else a), (b.T if trans_b else b)
+        if split.small:  # numpy's product (C broadcasts as it is added): cheaper than the queue here
+            product(a, b, rest[0] if has_c else None, out)
+            return
         table = split.table(a, b, out, alpha, beta, rest[0] if has_c else None)
         if table is not None:  # C, then the product onto it, piece by piece in compiled code
             run_gemms(table)
@@ -442,9 +445,27 @@ _REDUCE = {"reduce_sum": np.add.reduce, "reduce_max": np.maximum.reduce,
            "reduce_min": np.minimum.reduce}
 
 
+#: A float sum over the last axis of at most this many elements, of at least _SHORT_SUM_ROWS rows,
+#: is a BLAS matrix-vector product with ones: numpy's reduce runs one short inner loop per row
+#: (an RBF SVM's squared distances, [N, V, features]: ~10 ns a row, BLAS ~1).
+_SHORT_SUM, _SHORT_SUM_ROWS = 16, 1024
+
+
 @TABLE.register("reduce_max", "reduce_min")
 def _reduce(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     reduce, axes, keepdims = _REDUCE[op], normalize_axes(attrs["axes"], ins[0].rank), bool(attrs["keepdims"])
+    x_type = ins[0]
+    if op == "reduce_sum" and x_type.dtype in (_F32, _F64) and tuple(axes) == (x_type.rank - 1,) \
+            and 1 < x_type.shape[-1] <= _SHORT_SUM and x_type.size // x_type.shape[-1] >= _SHORT_SUM_ROWS:
+        length = x_type.shape[-1]
+        rows, ones = x_type.size // length, np.ones(length, x_type.dtype)
+
+        def short_rows(x, out):
+            if x.flags.c_contiguous and out.flags.c_contiguous:
+                np.dot(x.reshape(rows, length), ones, out=out.reshape(rows))
+            else:
+                reduce(x, axis=axes, out=out, keepdims=keepdims)
+        return short_rows
 
     def kernel(x, out):
         reduce(x, axis=axes, out=out, keepdims=keepdims)
@@ -482,10 +503,10 @@ def _reduce_mean(device, op: str, attrs: dict, ins: Types, outs: Types, scratch)
 
 @TABLE.register("argmax")
 def _argmax(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    axis, keepdims, argmax = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"]), np.argmax
+    axis, keepdims = int(attrs["axis"]) % ins[0].rank, bool(attrs["keepdims"])
 
     def kernel(x, out):
-        argmax(x, axis=axis, out=out, keepdims=keepdims)
+        np.asarray(x).argmax(axis, out, keepdims=keepdims)  # the method: np.argmax's wrapper costs ~1 us
     return kernel
 
 
@@ -771,15 +792,38 @@ def _argsort(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> 
     return kernel
 
 
+#: The element types polyhal_cpu.select_loops.topk is compiled for.
+_SELECT_TYPES = frozenset(np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64))
+
+
 @TABLE.register("topk")
+@parallel(fixed_axes=lambda attrs, ins: (int(attrs["axis"]),), split_inputs=lambda attrs, ins: (True,),
+          factor=lambda attrs, ins: int(attrs["k"]) / max(ins[0].shape[int(attrs["axis"])], 1) / 2)
 def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    # A full stable sort, then the first k: argpartition would be faster for small k but does
-    # not honour the tie rule at the cut.
+    # Lanes are independent: from ~32k input elements they are cut (along an axis before or
+    # after the lanes', x alike) across the backend's threads.
     x_type = ins[0]
     axis, k = int(attrs["axis"]) % x_type.rank, int(attrs["k"])
     largest, in_order = bool(attrs["largest"]), bool(attrs["sorted"])
+    shape = x_type.shape
+    loops = compiled_loops("select_loops") if x_type.dtype in _SELECT_TYPES else None
+    if loops is not None:  # a partial selection per lane (polyhal_cpu.select_loops)
+        outer, inner = int(np.prod(shape[:axis], dtype=np.int64)), int(np.prod(shape[axis + 1:], dtype=np.int64))
+        select = loops.topk
+
+        def kernel(x, values, indices):
+            v, i = (o if o.flags.c_contiguous else np.empty(o.shape, o.dtype) for o in (values, indices))
+            select(np.ascontiguousarray(x).reshape(outer, shape[axis], inner), v.reshape(outer, k, inner),
+                   i.reshape(outer, k, inner), largest, in_order)
+            if v is not values or i is not indices:  # (strided views)
+                np.copyto(values, v)
+                np.copyto(indices, i)
+        return kernel
+
+    # Without numba: a full stable sort, then the first k (argpartition does not honour the
+    # tie rule at the cut).
     first_k = (slice(None),) * axis + (slice(0, k),)
-    last = x_type.shape[axis] - 1
+    last = shape[axis] - 1
 
     def kernel(x, values, indices):
         order = _descending_order(x, axis, last) if largest else np.argsort(x, axis=axis, kind="stable")

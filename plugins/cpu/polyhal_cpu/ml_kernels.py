@@ -27,12 +27,9 @@ import numpy as np
 
 from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tree_epilogue
 from polyhal_cpu.parallel import MIN_ELEMENTS, parallel
-from polyhal_cpu.settings import CPUSettings
-from polyhal_cpu.table import TABLE, Kernel, Types, frozen
+from polyhal_cpu.table import TABLE, Kernel, Types, compiled_loops, frozen
 
 __all__ = ["complete_trees", "tree_walk_numpy"]
-
-_loops = None
 
 #: The deepest ensemble that runs as complete trees: a tree's nodes are the bits of an int64
 #: (2**6 - 1 = 63), and compares double with every level where a walk's grow by one (at depth
@@ -41,21 +38,6 @@ COMPARE_ALL_DEPTH = 6
 #: Kernel time (ns) from which a batch is split across threads: a hand-off costs ~30-80 us, more
 #: on a loaded machine, so a split pays for itself only well above that.
 SPLIT_NS = 500_000
-
-
-def _native():
-    """The compiled loops module, or None (numba missing or disabled by ``POLYHAL_CPU_NATIVE=0``)."""
-    global _loops
-    if not CPUSettings.from_env().native:
-        return None
-    if _loops is None:
-        try:
-            from polyhal_cpu import tree_loops
-        except ImportError:
-            _loops = False
-        else:
-            _loops = tree_loops
-    return _loops or None
 
 
 def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.ndarray, roots: np.ndarray,
@@ -165,7 +147,7 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
     aggregate, binary, transform = (str(attrs.get(k, d)) for k, d in
                                     (("aggregate", "sum"), ("binary", ""), ("post_transform", "none")))
     base = np.asarray(attrs.get("base", ()), np.float64)
-    loops = _native()
+    loops = compiled_loops("tree_loops")
     if loops is not None:
         params = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform),
                            *base], np.float64)
@@ -199,8 +181,19 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
 @TABLE.register("pairwise_coupling")
 def _pairwise_coupling(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     # An iteration per row with a data-dependent stop: rows are independent and few classes
-    # make each cheap, so a row loop over the shared iteration is what the kernel is.
+    # make each cheap, so a row loop over the shared iteration is what the kernel is --
+    # compiled (polyhal_cpu.coupling_loops) where numba is, else numpy's per row.
     k = int(attrs["classes"])
+    loops = compiled_loops("coupling_loops")
+    if loops is not None:
+        couple = loops.pairwise_coupling
+
+        def kernel(r, out):
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)  # (a strided view)
+            couple(np.ascontiguousarray(r), dst)
+            if dst is not out:
+                np.copyto(out, dst)
+        return kernel
 
     def kernel(r, out):
         for n in range(r.shape[0]):

@@ -31,12 +31,17 @@ def _linear_family(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
     return onednn_kernels.matmul(op, attrs, ins, outs, scratch) or own(device, op, attrs, ins, outs, scratch)
 
 
+#: Rows from which a bias row is added by the compiled loop (fewer: numpy's one add costs less
+#: than the loop's call).
+_BIAS_LOOP_ROWS = 8
+
+
 @float16_via_float32
 def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     x_type, w_type, _ = ins
     rows = math.prod(x_type.shape[:-1])
     x2, o2 = (rows, w_type.shape[0]), (rows, w_type.shape[1])
-    matmul, add, copyto = np.matmul, np.add, np.copyto
+    matmul, dot, add, copyto = np.matmul, np.dot, np.add, np.copyto
     gemm = blas.gemm(x_type.dtype, rows * w_type.shape[1])  # None: numpy's matmul, then the bias
     # numpy adds a bias row one short inner loop per row; the fused loop is ~3x faster.
     add_rows = native.add_rows if native.available(x_type.dtype) else None
@@ -49,8 +54,11 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
             copyto(o, b)
             if gemm(xm, w, o, 1.0, 1.0):
                 return
-        matmul(blas_layout(xm), blas_layout(w), out=o)
-        if add_rows is not None and b.shape == o.shape[1:] and b.flags.c_contiguous:  # a (n,) bias row
+        if o.flags.c_contiguous:  # np.dot: the same BLAS call as matmul, ~1.5 us less to reach it
+            dot(blas_layout(xm), blas_layout(w), out=o)
+        else:
+            matmul(blas_layout(xm), blas_layout(w), out=o)
+        if add_rows is not None and len(o) >= _BIAS_LOOP_ROWS and b.shape == o.shape[1:] and b.flags.c_contiguous:
             add_rows(o, b)
         else:
             add(o, b, out=o)
@@ -61,7 +69,7 @@ def _linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> K
         # finished (bias, product, residual and activation) in compiled code on the pool's
         # GEMM queue where it can be, else through numpy and ctypes (no residual or activation).
         xm, o = x.reshape(x2), out.reshape(o2)
-        table = split.table(xm, w, o, 1.0, 1.0, b, residual, act, alpha, beta)
+        table = None if split.small else split.table(xm, w, o, 1.0, 1.0, b, residual, act, alpha, beta)
         if table is not None:
             parallel.run_gemms(table)
             return True
@@ -88,7 +96,10 @@ def _fused_linear(device, op: str, attrs: dict, ins: Types, outs: Types, scratch
     has_residual = len(ins) == 4
     n = outs[0].shape[-1] if outs[0].rank else 1
     shape2d = (outs[0].size // max(n, 1), n)
-    if native.available(outs[0].dtype):
+    # A small product (a scikit-learn model at batch 1) finishes with numpy's ufuncs: a compiled
+    # loop's call costs more than they do on a few elements.
+    small = math.prod(ins[0].shape[:-1]) * ins[1].shape[0] * ins[1].shape[1] <= parallel.SMALL_PRODUCT
+    if native.available(outs[0].dtype) and not small:
         act, zero = native.activation_code(activation), np.zeros(1, outs[0].dtype)
         pieces = [rs for rs, _ in parallel.grid(shape2d[0], 1, n, factor=2)]
 

@@ -455,6 +455,12 @@ def gemm_pieces(m: int, n: int, k: int, batch: int = 1, b_size: int | None = Non
     return max(1, min(n_threads, int(batch * macs / GEMM_MACS_PER_US // least)))
 
 
+#: Multiply-adds up to which an uncut product is :attr:`GemmSplit.small`: a kernel then calls
+#: numpy's product itself, as the GEMM queue's table (an address per operand at ~0.6 us each)
+#: costs more than the product (a scikit-learn model's [1, 10] x [10, 4] at batch 1).
+SMALL_PRODUCT = 1 << 14
+
+
 class GemmSplit:
     """How an (m, k) @ (k, n) product (``batch`` of them, cut alike) is cut, chosen at prepare
     time from its shape: along ``axis`` (default: the longer of m and n), into
@@ -474,6 +480,8 @@ class GemmSplit:
         self.bounds = blocks(m if self.axis == 0 else n, parts, align)
         self._lo, self._hi = (np.array(e, np.int64) for e in zip(*self.bounds)) if self.bounds else ((), ())
         self._tables: dict[tuple, tuple[np.ndarray, tuple] | None] = {}  # table()'s templates, by strides
+        #: One piece of at most SMALL_PRODUCT multiply-adds: cheaper without the queue.
+        self.small = len(self.bounds) == 1 and batch * m * n * k <= SMALL_PRODUCT
 
     def __len__(self) -> int:
         return len(self.bounds)

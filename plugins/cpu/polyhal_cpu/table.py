@@ -10,6 +10,7 @@ other, so the plugin has no import circle.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 
 import numpy as np
@@ -18,8 +19,10 @@ from polyhal.hal.kernels import Builder, Kernel, KernelTable
 from polyhal.ir.types import TensorType
 
 from polyhal_cpu import scratch
+from polyhal_cpu.settings import CPUSettings
 
-__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "float16_via_float32", "frozen", "numpy_activation"]
+__all__ = ["TABLE", "Kernel", "Types", "binary_ufuncs", "compiled_loops", "float16_via_float32", "frozen",
+           "numpy_activation"]
 
 Types = tuple[TensorType, ...]
 
@@ -39,6 +42,23 @@ def frozen(a: np.ndarray) -> bool:
             return False
         a = a.base
     return True
+
+
+_loop_modules: dict[str, object] = {}
+
+
+def compiled_loops(name: str):
+    """This plugin's numba loops module ``name`` (``tree_loops``, ``vision_loops``, ...), imported
+    on first use, or None where numba is missing or ``POLYHAL_CPU_NATIVE=0`` turns the loops
+    off: kernels then take their numpy path."""
+    if not CPUSettings.from_env().native:
+        return None
+    if name not in _loop_modules:
+        try:
+            _loop_modules[name] = importlib.import_module(f"polyhal_cpu.{name}")
+        except ImportError:
+            _loop_modules[name] = None
+    return _loop_modules[name]
 
 
 def float16_via_float32(builder: Builder) -> Builder:
@@ -105,7 +125,11 @@ def numpy_activation(device, activation: str, alpha: float, beta: float, out_typ
         elif activation in ("hard_sigmoid", "hard_swish"):
             h = np.clip(y * a + b, 0, 1)
             np.multiply(y, h, out=y) if activation == "hard_swish" else np.copyto(y, h)
-        else:  # sigmoid, silu
-            s = 1 / (1 + np.exp(-y))
-            np.multiply(y, s, out=y) if activation == "silu" else np.copyto(y, s)
+        elif activation == "sigmoid":  # 1 / (1 + exp(-y)), in place: no temporaries
+            np.negative(y, out=y)
+            np.exp(y, out=y)
+            np.add(y, 1, out=y)
+            np.reciprocal(y, out=y)
+        else:  # silu
+            np.multiply(y, 1 / (1 + np.exp(-y)), out=y)
     return act

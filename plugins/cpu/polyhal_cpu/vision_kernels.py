@@ -1,6 +1,9 @@
 """CPU kernels of the sampling ops (:mod:`polyhal.ops.vision`): ``grid_sample`` and ``roi_align``.
 
-Both are vectorised over every output point at once: an interpolation is separable, so each
+float32 and float64 images run compiled loops (:mod:`polyhal_cpu.vision_loops`: the taps of each
+point once, then a weighted sum per point and channel), split across the backend's threads by
+batch or ROI where the work pays for a hand-off. Without numba (or with float16), the numpy
+path: both are vectorised over every output point at once: an interpolation is separable, so each
 spatial dim contributes a few (index, weight) taps per point, computed as whole arrays with the
 op's per-dim arithmetic; a kernel then does one gather per combination of taps (1, 2^r or 4^r of
 them) and accumulates in float64. No Python loop runs per point; ``roi_align`` loops per ROI
@@ -14,16 +17,41 @@ import itertools
 import numpy as np
 
 from polyhal.ops.vision import grid_coordinate, grid_index, grid_taps, roi_geometry
-from polyhal_cpu.table import TABLE, Kernel, Types
+from polyhal_cpu.parallel import parallel
+from polyhal_cpu.table import TABLE, Kernel, Types, compiled_loops
+
+_NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
+#: Output elements per MIN_ELEMENTS from which the loops split across threads (a hand-off costs
+#: ~30-80 us; a tap costs ~1 ns).
+_SPLIT_FACTOR = 1
+
+
+def _loops(dtype):
+    return compiled_loops("vision_loops") if dtype in _NATIVE else None
 
 
 @TABLE.register("grid_sample")
+@parallel(split_inputs=lambda attrs, ins: (True, ins[0].shape[0] > 1), factor=_SPLIT_FACTOR)
 def _grid_sample(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # Split by batch (x and grid cut alike), or for a batch of one by channel (the grid whole).
     mode, padding = attrs["mode"], attrs["padding_mode"]
     align = bool(attrs["align_corners"])
     n, c, *dims = ins[0].shape
     points = int(np.prod(ins[1].shape[1:-1], dtype=np.int64))
     rank = len(dims)
+    loops = _loops(ins[0].dtype)
+    if loops is not None:
+        sample = loops.grid_sample
+        codes = (loops.MODES.index(mode), loops.PADDINGS.index(padding))
+        sizes = np.array(dims, np.int64)
+
+        def kernel(x, grid, out):
+            g = np.ascontiguousarray(grid.reshape(grid.shape[0], points, rank), np.float64)
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)  # (a strided view)
+            sample(np.ascontiguousarray(x).reshape(n, c, -1), g, sizes, *codes, align, dst.reshape(n, c, points))
+            if dst is not out:
+                np.copyto(out, dst)
+        return kernel
 
     def kernel(x, grid, out):
         g = grid.reshape(n, points, rank).astype(np.float64)
@@ -58,13 +86,31 @@ def _roi_axis(coords: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np
 
 
 @TABLE.register("roi_align")
+@parallel(split_inputs=lambda attrs, ins: (ins[1].shape[0] == 1, ins[1].shape[0] > 1, ins[1].shape[0] > 1),
+          factor=_SPLIT_FACTOR)
 def _roi_align(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # Split by ROI (x whole), or for one ROI by channel (x cut alike).
     oh, ow = int(attrs["output_height"]), int(attrs["output_width"])
     mode = attrs["mode"]
     geometry = dict(spatial_scale=float(attrs["spatial_scale"]), output_height=oh, output_width=ow,
                     sampling_ratio=int(attrs["sampling_ratio"]),
                     half_pixel=attrs["coordinate_transformation_mode"] == "half_pixel")
     h, w = ins[0].shape[2:]
+    loops = _loops(ins[0].dtype)
+    if loops is not None:
+        align, dtype = loops.roi_align, ins[0].dtype
+        params = np.array([geometry["spatial_scale"], geometry["half_pixel"], geometry["sampling_ratio"]], np.float64)
+        average = mode == "avg"
+
+        def kernel(x, rois, batch_indices, out):
+            if batch_indices.size and (batch_indices.min() < 0 or batch_indices.max() >= x.shape[0]):
+                raise IndexError(f"roi_align: a batch index is out of range for the {x.shape[0]} images of x")
+            dst = out if out.flags.c_contiguous else np.empty(out.shape, out.dtype)  # (a strided view)
+            align(np.ascontiguousarray(x), np.ascontiguousarray(rois, dtype), np.ascontiguousarray(batch_indices),
+                  params, average, dst)
+            if dst is not out:
+                np.copyto(out, dst)
+        return kernel
 
     def kernel(x, rois, batch_indices, out):
         for r in range(rois.shape[0]):

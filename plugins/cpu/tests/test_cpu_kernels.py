@@ -364,3 +364,17 @@ def test_large_matmul_uses_blas():
     exact = a.astype(np.float64) @ b.astype(np.float64)
     blas_error = np.abs((a @ b) - exact).max()
     assert out.dtype == np.float32 and np.abs(out - exact).max() <= 2 * blas_error
+
+
+@pytest.mark.parametrize("keepdims", [False, True])
+def test_short_last_axis_sum_by_blas_matches_numpy(keepdims):
+    """reduce_sum over a short last axis of many rows (the BLAS matrix-vector path), contiguous
+    and strided."""
+    x = np.random.default_rng(0).standard_normal((64, 40, 10)).astype(np.float32)
+    attrs = {"axes": [2], "keepdims": keepdims}
+    out_shape = (64, 40, 1) if keepdims else (64, 40)
+    kernel = prepare("reduce_sum", attrs, (TensorType(x.shape, x.dtype),), (TensorType(out_shape, x.dtype),))
+    for arr in (x, np.concatenate([x, x], axis=2)[:, :, ::2]):
+        out = np.empty(out_shape, np.float32)
+        kernel(arr, out)
+        np.testing.assert_allclose(out, arr.sum(axis=2, keepdims=keepdims), rtol=1e-5, atol=1e-5)

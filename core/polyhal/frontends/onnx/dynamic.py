@@ -42,6 +42,8 @@ from polyhal.specialization import Specialization, SpecializationCache
 __all__ = ["DynamicOnnxProgram", "DynamicPlan", "InputSignature", "Specialization", "bind_dims"]
 
 Dim = int | str | None  # a fixed size, a named symbol, or an unnamed dynamic dim
+#: Input shapes a program remembers as checked (beyond, each call checks its shapes again).
+_BOUND_SHAPES = 64
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class InputSignature:
 def check_input_names(source: str, feeds: Mapping[str, Any], names: Sequence[str],
                       declared: Mapping[str, Any], listing: str) -> None:
     """OnnxInputError for a feed the model does not take, or an input missing from ``feeds``."""
+    if len(feeds) == len(names) and all(n in feeds for n in names):
+        return  # every input and nothing else: the common call builds nothing
     extra = [k for k in feeds if k not in names]
     if extra:
         raise OnnxInputError(f"{source}: the model has no input {extra[0]!r}; its inputs are {listing}")
@@ -128,6 +132,14 @@ class DynamicOnnxProgram:
         #: Why the model is imported per shape ("" when :attr:`program` serves every shape).
         self.reimport = reimport
         self._specialize = specialize
+        # What every call's checks read, made once: the input names, their declarations, the
+        # listing errors print, and the input shapes already checked against the signature
+        # (a shape that bound once binds again: the signature and ``bound`` do not change).
+        self._names = tuple(s.name for s in self.signature)
+        self._name_set = frozenset(self._names)
+        self._declared = {s.name: s.declared for s in self.signature}
+        self._listing_text = ", ".join(f"{s.name} ({s.declared})" for s in self.signature) or "(none)"
+        self._bound_shapes: set[tuple] = set()
 
     @property
     def input_names(self) -> list[str]:
@@ -169,14 +181,19 @@ class DynamicOnnxProgram:
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``feeds`` as numpy arrays after checking names, element types and shapes (as
         :meth:`OnnxProgram.check_feeds` does for a static model)."""
-        check_input_names(self.source, feeds, self.input_names, self.declared_inputs, self._listing())
+        if feeds.keys() != self._name_set:  # (a set comparison in C for the common call)
+            check_input_names(self.source, feeds, self._names, self._declared, self._listing_text)
         out = {sig.name: feed_array(self.source, sig.name, feeds[sig.name], sig.dtype, sig.declared)
                for sig in self.signature}
-        self.bind([a.shape for a in out.values()])
+        shapes = tuple([a.shape for a in out.values()])
+        if shapes not in self._bound_shapes:
+            self.bind(shapes)
+            if len(self._bound_shapes) < _BOUND_SHAPES:
+                self._bound_shapes.add(shapes)
         return out
 
     def _listing(self) -> str:
-        return ", ".join(f"{s.name} ({s.declared})" for s in self.signature) or "(none)"
+        return self._listing_text
 
     # -- compiling and running -------------------------------------------------------------
 

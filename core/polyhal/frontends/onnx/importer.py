@@ -163,6 +163,8 @@ class OnnxProgram(Program):
     slots: list[int] = field(default_factory=list)
     #: What execute's path without host work returns from (see _plain_outputs); made on first run.
     _direct_outputs: Any = field(default=None, init=False, repr=False)
+    #: What check_feeds reads (names, declarations, listing, per-input types); made on first run.
+    _feed_checks: Any = field(default=None, init=False, repr=False)
 
     @property
     def input_names(self) -> list[str]:
@@ -247,24 +249,29 @@ class OnnxProgram(Program):
     def check_feeds(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """``feeds`` as numpy arrays, after checking names, element types and shapes against
         the program's inputs (OnnxInputError naming the input and what the model declares)."""
-        names = self.input_names
-        fixed = [k for k in feeds if k not in names and k in self.frozen]
-        for k in fixed:
-            if not np.array_equal(np.asarray(feeds[k]), self.frozen[k]):
-                raise OnnxInputError(
-                    f"{self.source}: input {k!r} was fixed to a value when the model was loaded (it "
-                    f"decides a shape); load the model again with this value")
-        check_input_names(self.source, {k: v for k, v in feeds.items() if k not in fixed}, names,
-                          self.declared_inputs, self._listing())
+        checks = self._feed_checks
+        if checks is None:
+            declared = self.declared_inputs
+            checks = self._feed_checks = (self.input_names, declared, self._listing(),
+                                          [(n, shape, dtype, declared.get(n)) for n, shape, dtype in self.feed_types()])
+        names, declared, listing, types = checks
+        if self.frozen:
+            fixed = [k for k in feeds if k not in names and k in self.frozen]
+            for k in fixed:
+                if not np.array_equal(np.asarray(feeds[k]), self.frozen[k]):
+                    raise OnnxInputError(
+                        f"{self.source}: input {k!r} was fixed to a value when the model was loaded (it "
+                        f"decides a shape); load the model again with this value")
+            feeds = {k: v for k, v in feeds.items() if k not in fixed}
+        check_input_names(self.source, feeds, names, declared, listing)
         out = {}
-        for name, shape, dtype in self.feed_types():
-            declared = self.declared_inputs.get(name)
-            arr = feed_array(self.source, name, feeds[name], dtype, declared)
+        for name, shape, dtype, declared_as in types:
+            arr = feed_array(self.source, name, feeds[name], dtype, declared_as)
             if arr.shape != shape:
                 diff = next((f"; dim {i} is {w} in this program, got {g}" for i, (w, g)
                              in enumerate(zip(shape, arr.shape)) if w != g), "")
                 raise OnnxInputError(f"{self.source}: input {name!r} must have shape {shape} "
-                                     f"(declared {declared}), got {arr.shape}{diff}")
+                                     f"(declared {declared_as}), got {arr.shape}{diff}")
             out[name] = arr
         return out
 

@@ -99,6 +99,7 @@ class InferenceSession:
         initialized = {t.name for t in proto.graph.initializer}
         self._inputs = [_node_arg(vi) for vi in proto.graph.input if vi.name not in initialized]
         self._outputs = [_node_arg(vi) for vi in proto.graph.output]
+        self._all_outputs = [o.name for o in self._outputs]  # what run(None, ...) returns, in order
         self.source = source
         self.devices = devices
         self._by_value: PolyhalRep | None = None
@@ -177,7 +178,9 @@ class InferenceSession:
 
     def _output_names(self, output_names: Sequence[str] | None) -> list[str]:
         """``output_names`` checked against the model's (None: every output, in order)."""
-        names = [o.name for o in self._outputs] if output_names is None else list(output_names)
+        if output_names is None:
+            return self._all_outputs
+        names = list(output_names)
         known = {o.name for o in self._outputs}
         for name in names:
             if name not in known:
