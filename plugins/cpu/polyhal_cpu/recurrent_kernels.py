@@ -1,0 +1,142 @@
+"""Recurrent layers on the CPU: ``rnn``, ``gru`` and ``lstm`` (:mod:`polyhal.ops.recurrent`), one
+kernel per layer running the whole sequence.
+
+Per direction, the input projection of every step is one GEMM (``x W^T`` over ``seq * batch``
+rows, numpy's BLAS), into planned scratch; then one compiled loop (:mod:`polyhal_cpu.recurrent_loops`)
+runs the steps: the recurrent product as a GEMM per step and one pass over the gates, writing
+``y`` and the final states in place. Unrolled into a dozen ops per step, the same layers cost
+7-17x onnxruntime's time (issue 32); the step is now one BLAS call and a loop with no Python in it.
+
+oneDNN's RNN primitives were not taken: they have no sequence lengths, no clip and no other
+activations than the defaults, which ONNX models use, so a second path would serve only part
+of the op. With numba disabled (``POLYHAL_CPU_NATIVE=0``) or missing, the same loops run as
+Python over numpy (slow, but the same arithmetic).
+
+float16 layers run as float32 (:func:`~polyhal_cpu.table.float16_via_float32`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from polyhal.errors import ProgramError
+from polyhal.hal.scratch import MemorySpace, Problem, ScratchDecl
+from polyhal.ops.recurrent import ACTIVATIONS, DEFAULT_ACTIVATIONS, GATES, resolve_activations
+from polyhal_cpu import scratch as cpu_scratch
+from polyhal_cpu.settings import CPUSettings
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
+
+__all__ = ["build_recurrent"]
+
+_CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
+_loops = None
+
+
+def _native():
+    """The compiled loops module, or None (numba missing or disabled by ``POLYHAL_CPU_NATIVE=0``)."""
+    global _loops
+    if not CPUSettings.from_env().native:
+        return None
+    if _loops is None:
+        from polyhal_cpu.threads import budget, configure_numba
+
+        configure_numba()
+        try:
+            from polyhal_cpu import recurrent_loops
+        except ImportError:
+            _loops = False
+        else:
+            _loops = recurrent_loops
+            budget().refresh()  # numba's np.dot loads scipy's BLAS, with a pool of its own: limit it too
+    return _loops or None
+
+
+def _loop(op: str):
+    loops = _native()
+    if loops is not None:
+        return getattr(loops, op)
+    from polyhal_cpu import recurrent_loops  # numba's dispatcher keeps the Python function
+
+    return getattr(recurrent_loops, op).py_func
+
+
+def _sizes(problem: Problem) -> tuple[int, int, int, int, int]:
+    """(seq, batch, hidden, gates, itemsize at least float32's) of an instance."""
+    seq, batch, _ = problem.in_types[0].shape
+    hidden = problem.in_types[2].shape[-1]
+    return seq, batch, hidden, GATES[problem.op], max(problem.in_types[0].dtype.itemsize, 4)
+
+
+def _projection_bytes(problem: Problem, _wg: int) -> int:
+    seq, batch, hidden, gates, item = _sizes(problem)
+    return seq * batch * gates * hidden * item
+
+
+def _steps_bytes(problem: Problem, _wg: int) -> int:
+    _, batch, hidden, gates, item = _sizes(problem)
+    return (batch * gates * hidden + 2 * batch * hidden + 2 * gates * hidden) * item
+
+
+_SCRATCH = (
+    ScratchDecl("projection", shared=True, per_launch=_projection_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="the input projection x W^T of every step of one direction"),
+    ScratchDecl("steps", shared=True, per_launch=_steps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a step's recurrent product, GRU's reset rows, the summed biases"),
+)
+
+
+@TABLE.register("rnn", "gru", "lstm", scratch=_SCRATCH)
+@float16_via_float32
+def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel | None:
+    """``fn(x, w, r, b, lens, h0, [c0, p], y, y_h, [y_c])``."""
+    dt = ins[0].dtype
+    if dt not in (np.dtype(np.float32), np.dtype(np.float64)):
+        return None
+    seq, batch, features = ins[0].shape
+    hidden, gates = ins[2].shape[-1], GATES[op]
+    width = gates * hidden
+    direction = attrs["direction"]
+    dirs = 2 if direction == "bidirectional" else 1
+    acts = resolve_activations(op, direction, attrs["activations"], attrs["activation_alpha"],
+                               attrs["activation_beta"])
+    per_dir = len(DEFAULT_ACTIVATIONS[op])
+    codes = np.array([_CODES[a[0]] for a in acts], np.int64).reshape(dirs, per_dir)
+    alpha = np.array([a[1] for a in acts], np.float64).reshape(dirs, per_dir)
+    beta = np.array([a[2] for a in acts], np.float64).reshape(dirs, per_dir)
+    clip = float(attrs["clip"])
+    loop = _loop(op)
+    bias_width = 2 * width if op == "gru" else width
+    projection = cpu_scratch.array(scratch, "projection", dt, (seq * batch, width))
+    steps = cpu_scratch.array(scratch, "steps", dt, (batch * width + 2 * batch * hidden + 2 * width,))
+    product = steps[:batch * width].reshape(batch, width)
+    rows = steps[batch * width:batch * width + 2 * batch * hidden].reshape(2, batch, hidden)
+    bias = steps[batch * width + 2 * batch * hidden:][:bias_width]
+    xw = projection.reshape(seq, batch, width)
+    linear_before_reset = bool(attrs.get("linear_before_reset", 0))
+
+    def kernel(x, w, r, b, lens, h0, *rest):
+        if lens.size and (lens.min() < 0 or lens.max() > seq):
+            raise ProgramError(f"{op}: sequence lengths must be from 0 to {seq} (the sequence's length), got "
+                               f"{lens.tolist()}")
+        if op == "lstm":
+            c0, p, y, y_h, y_c = rest
+        else:
+            y, y_h = rest
+        for d in range(dirs):
+            np.matmul(x.reshape(seq * batch, features), w[d].T, out=projection)
+            if op == "gru":
+                bias[:] = b[d]
+            else:
+                np.add(b[d, :width], b[d, width:], out=bias)
+            h = y_h[d]
+            h[...] = h0[d]
+            reverse = direction == "reverse" or d == 1
+            common = (xw, bias, r[d], lens, h, y, d, reverse, codes[d], alpha[d], beta[d], clip, product)
+            if op == "lstm":
+                y_c[d] = c0[d]
+                loop(*common, p[d], y_c[d])
+            elif op == "gru":
+                loop(*common, rows[0], rows[1], linear_before_reset)
+            else:
+                loop(*common)
+    return kernel
