@@ -24,11 +24,16 @@ from polyhal.hal.scratch import MemorySpace, Problem, ScratchDecl
 from polyhal.ops.recurrent import ACTIVATIONS, DEFAULT_ACTIVATIONS, GATES, resolve_activations
 from polyhal_cpu import scratch as cpu_scratch
 from polyhal_cpu.settings import CPUSettings
-from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32
+from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen
 
 __all__ = ["build_recurrent"]
 
 _CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
+#: Multiply-adds of a step's recurrent GEMM from which it runs as numpy's BLAS between calls of
+#: the loop, a step at a time, instead of inside it: numba's ``np.dot`` goes to scipy's OpenBLAS,
+#: which took 2.2x numpy's time for 8 x 128 @ 128 x 512 on the 2-core VM (both on one thread),
+#: while a step's call from Python costs ~2 µs, which only small steps notice.
+STEP_GEMM_MACS = 1 << 17
 _loops = None
 
 
@@ -67,6 +72,20 @@ def _sizes(problem: Problem) -> tuple[int, int, int, int, int]:
     return seq, batch, hidden, GATES[problem.op], max(problem.in_types[0].dtype.itemsize, 4)
 
 
+def _by_step(op: str, batch: int, hidden: int, linear_before_reset: bool) -> bool:
+    """Whether the steps' recurrent GEMMs run as numpy's BLAS from Python (see STEP_GEMM_MACS).
+    GRU without linear_before_reset takes two GEMMs a step, around its reset gate: in the loop."""
+    return batch * GATES[op] * hidden * hidden >= STEP_GEMM_MACS and (op != "gru" or linear_before_reset)
+
+
+def _weights_bytes(problem: Problem, _wg: int) -> int:
+    """The transposed recurrent weights (every direction), for the steps run a step at a time."""
+    _, batch, hidden, gates, item = _sizes(problem)
+    if not _by_step(problem.op, batch, hidden, bool(problem.attrs.get("linear_before_reset", 0))):
+        return 0
+    return problem.in_types[2].shape[0] * gates * hidden * hidden * item
+
+
 def _projection_bytes(problem: Problem, _wg: int) -> int:
     seq, batch, hidden, gates, item = _sizes(problem)
     return seq * batch * gates * hidden * item
@@ -82,6 +101,8 @@ _SCRATCH = (
                 purpose="the input projection x W^T of every step of one direction"),
     ScratchDecl("steps", shared=True, per_launch=_steps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="a step's recurrent product, GRU's reset rows, the summed biases"),
+    ScratchDecl("weights", shared=True, per_launch=_weights_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="R^T of every direction, for recurrent GEMMs run by numpy's BLAS"),
 )
 
 
@@ -113,6 +134,19 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
     bias = steps[batch * width + 2 * batch * hidden:][:bias_width]
     xw = projection.reshape(seq, batch, width)
     linear_before_reset = bool(attrs.get("linear_before_reset", 0))
+    by_step = _by_step(op, batch, hidden, linear_before_reset)
+    transposed = cpu_scratch.array(scratch, "weights", dt, (dirs, hidden, width)) if by_step else None
+    held: list = [None, None]  # (weights array, its transpose) for weights nothing can write
+
+    def recurrent_weights(r):
+        """R^T per direction, contiguous: kept while the same read-only weights come back."""
+        if held[0] is r:
+            return held[1]
+        if frozen(r):
+            held[0], held[1] = r, np.ascontiguousarray(r.transpose(0, 2, 1))
+            return held[1]
+        np.copyto(transposed, r.transpose(0, 2, 1))
+        return transposed
 
     def kernel(x, w, r, b, lens, h0, *rest):
         if lens.size and (lens.min() < 0 or lens.max() > seq):
@@ -122,6 +156,7 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             c0, p, y, y_h, y_c = rest
         else:
             y, y_h = rest
+        rt = recurrent_weights(r) if by_step else None
         for d in range(dirs):
             np.matmul(x.reshape(seq * batch, features), w[d].T, out=projection)
             if op == "gru":
@@ -131,12 +166,18 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             h = y_h[d]
             h[...] = h0[d]
             reverse = direction == "reverse" or d == 1
-            common = (xw, bias, r[d], lens, h, y, d, reverse, codes[d], alpha[d], beta[d], clip, product)
+            head = (xw, bias, r[d], lens, h, y, d, reverse, codes[d], alpha[d], beta[d], clip)
             if op == "lstm":
                 y_c[d] = c0[d]
-                loop(*common, p[d], y_c[d])
+                tail = (product, p[d], y_c[d])
             elif op == "gru":
-                loop(*common, rows[0], rows[1], linear_before_reset)
+                tail = (product, rows[0], rows[1], linear_before_reset)
             else:
-                loop(*common)
+                tail = (product,)
+            if by_step:
+                for step in range(seq):
+                    np.matmul(h, rt[d], out=product)
+                    loop(*head, step, 1, False, *tail)
+            else:
+                loop(*head, 0, seq, True, *tail)
     return kernel

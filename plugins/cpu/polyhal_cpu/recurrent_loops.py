@@ -1,8 +1,9 @@
 """The recurrences of :mod:`polyhal_cpu.recurrent_kernels`, compiled by numba for float32 and
 float64 when this module is imported (and cached on disk). Importing it imports numba.
 
-One call runs one direction of a layer over the whole sequence: per step the recurrent product
-``h R^T`` is one GEMM (``np.dot``, which numba sends to scipy's BLAS), then one pass over the
+One call runs one direction of a layer over steps ``first`` to ``first + count``: per step the
+recurrent product ``h R^T`` is one GEMM (``np.dot``, which numba sends to scipy's BLAS; with
+``multiply`` False the caller has computed it into ``gates`` instead), then one pass over the
 gates adds the input projection (computed for every step at once before the call) and the bias,
 applies the activations, updates the state in place and writes the step's output. Rows past
 their sequence length keep their state and output zeros; a row of length 0 ends with a zero
@@ -29,14 +30,15 @@ _opts = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
 
 def _signature(dtype, extra: int):
-    """``(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates, *extra)``; ``extra``
+    """``(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates,
+    *extra)``; ``extra``
     the trailing operands (lstm: p, c; gru: the reset product's two scratch rows and
     ``linear_before_reset``)."""
     ro = lambda n: nt.Array(dtype, n, "C", readonly=True)  # noqa: E731
     rw = lambda n: nt.Array(dtype, n, "C")  # noqa: E731
     args = [rw(3), ro(1), ro(2), nt.Array(nt.int32, 1, "C", readonly=True), rw(2), rw(4), nt.int64, nt.boolean,
             nt.Array(nt.int64, 1, "C", readonly=True), nt.Array(nt.float64, 1, "C", readonly=True),
-            nt.Array(nt.float64, 1, "C", readonly=True), nt.float64, rw(2)]
+            nt.Array(nt.float64, 1, "C", readonly=True), nt.float64, nt.int64, nt.int64, nt.boolean, rw(2)]
     args += {"lstm": [ro(1), rw(2)], "gru": [rw(2), rw(2), nt.boolean], "rnn": []}[extra]
     return nt.void(*args)
 
@@ -141,12 +143,13 @@ def _add_input(g, xw, bias):
 
 
 @njit(_signatures("rnn"), **_opts)
-def rnn(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates):
+def rnn(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates):
     """``bias`` holds the input and recurrent biases summed (hidden values)."""
     seq, batch = xw.shape[0], h.shape[0]
-    for step in range(seq):
+    for step in range(first, first + count):
         t = seq - 1 - step if reverse else step
-        np.dot(h, r.T, gates)
+        if multiply:
+            np.dot(h, r.T, gates)
         for b in range(batch):
             if t >= lens[b]:
                 y[t, d, b, :] = 0
@@ -156,11 +159,13 @@ def rnn(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates):
             _apply(acts[0], g, alpha[0], beta[0], clip)
             h[b, :] = g
             y[t, d, b, :] = g
-    _zero_empty(lens, h)
+    if first + count == seq:
+        _zero_empty(lens, h)
 
 
 @njit(_signatures("gru"), **_opts)
-def gru(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates, reset, product, linear_before_reset):
+def gru(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates, reset, product,
+        linear_before_reset):
     """Gates in ONNX's order: update, reset, hidden; ``bias`` holds 6 * hidden values (the
     input biases, then the recurrent ones). With ``linear_before_reset`` the recurrent product of
     the hidden gate is taken with ``h`` and its bias added before the reset gate scales it."""
@@ -171,9 +176,11 @@ def gru(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates, res
     # Without linear_before_reset, the step's first product is h R_zr^T alone (batch x 2 hidden,
     # contiguous), and the hidden gate's is taken after the reset, into ``product``.
     zr = gates if linear_before_reset else gates.ravel()[:batch * 2 * hidden].reshape(batch, 2 * hidden)
-    for step in range(seq):
+    for step in range(first, first + count):
         t = seq - 1 - step if reverse else step
-        if linear_before_reset:
+        if not multiply:
+            pass  # the caller computed h R^T (linear_before_reset)
+        elif linear_before_reset:
             np.dot(h, r.T, gates)
         else:
             np.dot(h, rz.T, zr)
@@ -204,18 +211,20 @@ def gru(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates, res
                 v = cand[j] - g[j] * cand[j] + g[j] * h[b, j]
                 h[b, j] = v
                 y[t, d, b, j] = v
-    _zero_empty(lens, h)
+    if first + count == seq:
+        _zero_empty(lens, h)
 
 
 @njit(_signatures("lstm"), **_opts)
-def lstm(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates, p, c):
+def lstm(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates, p, c):
     """Gates in ONNX's order: input, output, forget, cell; ``bias`` the input and recurrent
     biases summed; ``p`` the peepholes (input, output, forget); ``c`` the cell state, updated in
     place."""
     seq, batch, hidden = xw.shape[0], h.shape[0], h.shape[1]
-    for step in range(seq):
+    for step in range(first, first + count):
         t = seq - 1 - step if reverse else step
-        np.dot(h, r.T, gates)
+        if multiply:
+            np.dot(h, r.T, gates)
         for b in range(batch):
             if t >= lens[b]:
                 y[t, d, b, :] = 0
@@ -240,5 +249,6 @@ def lstm(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, gates, p,
                 v = go[j] * gc[j]
                 h[b, j] = v
                 y[t, d, b, j] = v
-    _zero_empty(lens, h)
-    _zero_empty(lens, c)
+    if first + count == seq:
+        _zero_empty(lens, h)
+        _zero_empty(lens, c)
