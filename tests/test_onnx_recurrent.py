@@ -106,6 +106,20 @@ def test_attributes_match_onnxruntime(kind, attrs):
     _close(_run(model, feeds)[2], want, [o.name for o in model.graph.output])
 
 
+@pytest.mark.parametrize("kind,attrs", [("LSTM", {}), ("GRU", {"linear_before_reset": 1}), ("RNN", {})])
+def test_large_steps_whose_gemm_runs_between_loop_calls_match_onnxruntime(kind, attrs):
+    # batch * gates * hidden^2 >= STEP_GEMM_MACS: the step's GEMM is numpy's, the gates the loop's
+    from polyhal_cpu.recurrent_kernels import STEP_GEMM_MACS
+
+    hidden = {"LSTM": 64, "GRU": 80, "RNN": 128}[kind]
+    assert 8 * GATES[kind] * hidden * hidden >= STEP_GEMM_MACS
+    model = recurrent(kind, seq=4, batch=8, features=8, hidden=hidden, direction="bidirectional",
+                      inputs=("lens", "h0"), **attrs)
+    feeds = feeds_for(model)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    _close(_run(model, feeds)[2], want, [o.name for o in model.graph.output], tol=1e-4)
+
+
 @pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
 def test_batch_first_layout_matches_onnx_reference(kind):
     # onnxruntime refuses layout=1; onnx's reference evaluator runs it.
