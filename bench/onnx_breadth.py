@@ -424,7 +424,8 @@ def run(args) -> list[Row]:
             warnings.simplefilter("ignore")
             t_ours, t_ort, ratio = paired_times(lambda: program.execute(plan, feeds),
                                                 lambda: session.run(None, theirs_feeds), repeat=repeat, number=number)
-        target = {"target": f"<= {RECURRENT_TARGET}x", "met": ratio <= RECURRENT_TARGET} \
+        # judged on the ratio the table shows (of the medians), not the median of the pairs' ratios
+        target = {"target": f"<= {RECURRENT_TARGET}x", "met": t_ours <= RECURRENT_TARGET * t_ort} \
             if any(op.op_type in ("LSTM", "GRU", "RNN") for op in model.graph.node) else {}
         rows.append(Row(case, "ms", t_ours * 1e3, t_ort * 1e3, f"onnxruntime {ort.__version__} CPU EP",
                         extra={"device": device, "median_ratio": round(ratio, 3)}, **target))
