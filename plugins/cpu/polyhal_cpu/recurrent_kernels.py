@@ -23,6 +23,7 @@ from polyhal.errors import ProgramError
 from polyhal.hal.scratch import MemorySpace, Problem, ScratchDecl
 from polyhal.ops.recurrent import ACTIVATIONS, DEFAULT_ACTIVATIONS, GATES, resolve_activations
 from polyhal_cpu import scratch as cpu_scratch
+from polyhal_cpu.parallel import run as run_tasks
 from polyhal_cpu.settings import CPUSettings
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen
 
@@ -66,10 +67,12 @@ def _loop(op: str):
 
 
 def _sizes(problem: Problem) -> tuple[int, int, int, int, int]:
-    """(seq, batch, hidden, gates, itemsize at least float32's) of an instance."""
+    """(seq, batch, hidden, gates, itemsize at least float32's, times the directions: each
+    direction has scratch of its own, as they run at once) of an instance."""
     seq, batch, _ = problem.in_types[0].shape
     hidden = problem.in_types[2].shape[-1]
-    return seq, batch, hidden, GATES[problem.op], max(problem.in_types[0].dtype.itemsize, 4)
+    dirs = problem.in_types[2].shape[0]
+    return seq, batch, hidden, GATES[problem.op], max(problem.in_types[0].dtype.itemsize, 4) * dirs
 
 
 def _by_step(op: str, batch: int, hidden: int, linear_before_reset: bool) -> bool:
@@ -83,7 +86,7 @@ def _weights_bytes(problem: Problem, _wg: int) -> int:
     _, batch, hidden, gates, item = _sizes(problem)
     if not _by_step(problem.op, batch, hidden, bool(problem.attrs.get("linear_before_reset", 0))):
         return 0
-    return problem.in_types[2].shape[0] * gates * hidden * hidden * item
+    return gates * hidden * hidden * item
 
 
 def _projection_bytes(problem: Problem, _wg: int) -> int:
@@ -127,12 +130,12 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
     clip = float(attrs["clip"])
     loop = _loop(op)
     bias_width = 2 * width if op == "gru" else width
-    projection = cpu_scratch.array(scratch, "projection", dt, (seq * batch, width))
-    steps = cpu_scratch.array(scratch, "steps", dt, (batch * width + 2 * batch * hidden + 2 * width,))
-    product = steps[:batch * width].reshape(batch, width)
-    rows = steps[batch * width:batch * width + 2 * batch * hidden].reshape(2, batch, hidden)
-    bias = steps[batch * width + 2 * batch * hidden:][:bias_width]
-    xw = projection.reshape(seq, batch, width)
+    # Each direction's own scratch: a bidirectional layer runs its two directions at once.
+    projections = cpu_scratch.array(scratch, "projection", dt, (dirs, seq * batch, width))
+    steps = cpu_scratch.array(scratch, "steps", dt, (dirs, batch * width + 2 * batch * hidden + 2 * width))
+    products = steps[:, :batch * width].reshape(dirs, batch, width)
+    rows = steps[:, batch * width:batch * width + 2 * batch * hidden].reshape(dirs, 2, batch, hidden)
+    biases = steps[:, batch * width + 2 * batch * hidden:][:, :bias_width]
     linear_before_reset = bool(attrs.get("linear_before_reset", 0))
     by_step = _by_step(op, batch, hidden, linear_before_reset)
     transposed = cpu_scratch.array(scratch, "weights", dt, (dirs, hidden, width)) if by_step else None
@@ -157,7 +160,10 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
         else:
             y, y_h = rest
         rt = recurrent_weights(r) if by_step else None
-        for d in range(dirs):
+
+        def one_direction(d: int) -> None:
+            projection, bias, product = projections[d], biases[d], products[d]
+            xw = projection.reshape(seq, batch, width)
             np.matmul(x.reshape(seq * batch, features), w[d].T, out=projection)
             if op == "gru":
                 bias[:] = b[d]
@@ -171,7 +177,7 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
                 y_c[d] = c0[d]
                 tail = (product, p[d], y_c[d])
             elif op == "gru":
-                tail = (product, rows[0], rows[1], linear_before_reset)
+                tail = (product, rows[d, 0], rows[d, 1], linear_before_reset)
             else:
                 tail = (product,)
             if by_step:
@@ -180,4 +186,9 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
                     loop(*head, step, 1, False, *tail)
             else:
                 loop(*head, 0, seq, True, *tail)
+
+        if dirs == 2:  # the directions write disjoint parts of y, y_h, y_c: on two threads
+            run_tasks([lambda: one_direction(0), lambda: one_direction(1)])
+        else:
+            one_direction(0)
     return kernel
