@@ -35,6 +35,10 @@ _CODES = {name: i for i, name in enumerate(ACTIVATIONS)}
 #: which took 2.2x numpy's time for 8 x 128 @ 128 x 512 on the 2-core VM (both on one thread),
 #: while a step's call from Python costs ~2 µs, which only small steps notice.
 STEP_GEMM_MACS = 1 << 17
+#: Multiply-adds of a direction from which a bidirectional layer runs its directions on two
+#: threads: a hand-off to the pool costs ~30-80 µs on the 2-core VM, which a 16 x 8 x 16 -> 32
+#: LSTM (0.8 M multiply-adds a direction) did not win back (0.32 -> 0.55 ms).
+PARALLEL_MACS = 1 << 21
 _loops = None
 
 
@@ -140,6 +144,7 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
     by_step = _by_step(op, batch, hidden, linear_before_reset)
     transposed = cpu_scratch.array(scratch, "weights", dt, (dirs, hidden, width)) if by_step else None
     held: list = [None, None]  # (weights array, its transpose) for weights nothing can write
+    parallel = seq * batch * width * (hidden + features) >= PARALLEL_MACS
 
     def recurrent_weights(r):
         """R^T per direction, contiguous: kept while the same read-only weights come back."""
@@ -187,8 +192,9 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             else:
                 loop(*head, 0, seq, True, *tail)
 
-        if dirs == 2:  # the directions write disjoint parts of y, y_h, y_c: on two threads
+        if dirs == 2 and parallel:  # the directions write disjoint parts of y, y_h, y_c: on two threads
             run_tasks([lambda: one_direction(0), lambda: one_direction(1)])
         else:
-            one_direction(0)
+            for d in range(dirs):
+                one_direction(d)
     return kernel
