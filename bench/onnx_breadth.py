@@ -16,7 +16,10 @@ LightGBM with onnxmltools, onnxruntime's own quantizer), so the tests use the sa
   whose sequence lengths are an input;
 - a LightGBM classifier through onnxmltools (which declares ``label`` as int64[1]) at batch 100;
 - a scikit-learn ColumnTransformer with OneHotEncoder over string columns, and a
-  TfidfVectorizer + LinearSVC text pipeline.
+  TfidfVectorizer + LinearSVC text pipeline;
+- recurrent layers (LSTM, GRU, RNN; target: at most :data:`RECURRENT_TARGET` x onnxruntime's
+  time) and scikit-learn's KNeighbors models (a Scan over the training rows; target: the first
+  call at a new batch size within :data:`FIRST_CALL_TARGET` seconds, load and compile included).
 
 The slow less-common paths (issue 32, item 5) have targets: GridSample (linear, cubic), RoiAlign,
 TopK with a constant k, an SVC with probabilities and tree-ensemble regressors (gradient boosting,
@@ -31,8 +34,9 @@ kernels saturate on CPUs without AVX-512 VNNI; unoptimized, it computes the QDQ 
 ONNX defines it): within two quantization steps, or for deep nets, where one-step roundings
 compound layer by layer, no further on average and at most than :data:`DEEP_SLACK` times
 onnxruntime's own optimized int8 run (whose ResNet-18 was 5 steps off its unoptimized run on the
-2-core AVX2 VM). Targets (issues 30 and 32): :data:`TARGETS` by family; the other rows have none
-and exist so that regressions show. ``--models CNN,ResNet-50`` runs the rows whose names contain
+2-core AVX2 VM). Targets (issues 30 and 32): :data:`TARGETS` by family, recurrent layers within
+:data:`RECURRENT_TARGET`, KNeighbors' first call at a new batch size within
+:data:`FIRST_CALL_TARGET`; the other rows have none and exist so that regressions show. ``--models CNN,ResNet-50`` runs the rows whose names contain
 one of the words. ``python -m bench onnx_breadth`` writes bench/results/onnx_breadth.* and exits non-zero when a
 target is missed.
 """
@@ -60,6 +64,10 @@ TARGETS = (("MatMulInteger", 1.0), ("DynamicQuantizeMatMul", 1.0), ("QDQ", 1.0),
 #: How much further than onnxruntime's own optimized int8 run (mean and largest distance, in
 #: quantization steps) a deep int8 net's outputs may be from the float QDQ oracle.
 DEEP_SLACK = 1.5
+#: Most polyhal / onnxruntime time for a recurrent layer (issue 32).
+RECURRENT_TARGET = 2.0
+#: Most seconds for a KNeighbors model's first call at a new batch size (issue 32).
+FIRST_CALL_TARGET = 0.5
 
 
 def _f32(name: str, arr) -> onnx.TensorProto:
@@ -269,6 +277,43 @@ def lstm_sequence_lens(seq: int = 16, batch: int = 8, features: int = 16, hidden
                   [helper.make_tensor_value_info("Y", T.FLOAT, [seq, 2, batch, hidden]),
                    helper.make_tensor_value_info("Y_h", T.FLOAT, [2, batch, hidden]),
                    helper.make_tensor_value_info("Y_c", T.FLOAT, [2, batch, hidden])], inits, "lstm")
+
+
+def recurrent_layer(kind: str, seq: int, batch: int, features: int, hidden: int, direction: str = "forward",
+                    seed: int = 0) -> onnx.ModelProto:
+    """One ONNX ``kind`` layer (LSTM, GRU, RNN) with biases, input ``x`` [seq, batch, features],
+    outputs ``Y`` and ``Y_h``."""
+    rng = np.random.default_rng(seed)
+    gates, dirs = {"LSTM": 4, "GRU": 3, "RNN": 1}[kind], 2 if direction == "bidirectional" else 1
+    scale = 1 / np.sqrt(hidden)
+    inits = [_f32("W", rng.uniform(-scale, scale, (dirs, gates * hidden, features))),
+             _f32("R", rng.uniform(-scale, scale, (dirs, gates * hidden, hidden))),
+             _f32("B", rng.uniform(-scale, scale, (dirs, 2 * gates * hidden)))]
+    node = helper.make_node(kind, ["x", "W", "R", "B"], ["Y", "Y_h"], hidden_size=hidden, direction=direction)
+    return _model([node], [helper.make_tensor_value_info("x", T.FLOAT, [seq, batch, features])],
+                  [helper.make_tensor_value_info("Y", T.FLOAT, [seq, dirs, batch, hidden]),
+                   helper.make_tensor_value_info("Y_h", T.FLOAT, [dirs, batch, hidden])], inits, kind.lower())
+
+
+def kneighbors(regressor: bool = False, rows: int = 2000, features: int = 8,
+               seed: int = 0) -> tuple[onnx.ModelProto, np.ndarray]:
+    """A 5-neighbour KNeighborsClassifier (3 classes) or KNeighborsRegressor through skl2onnx
+    (its distances a Scan over the ``rows`` training rows), and its training matrix."""
+    from sklearn.neighbors import KNeighborsClassifier, KNeighborsRegressor
+    from skl2onnx import convert_sklearn
+    from skl2onnx.common.data_types import FloatTensorType
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, features)).astype(np.float32)
+    if regressor:
+        est = KNeighborsRegressor(5).fit(x, x[:, 0] + 0.5 * x[:, 1])
+        options = {}
+    else:
+        est = KNeighborsClassifier(5).fit(x, (x[:, 0] > 0).astype(int) + (x[:, 1] > 0.8))
+        options = {id(est): {"zipmap": False}}
+    model = convert_sklearn(est, initial_types=[("input", FloatTensorType([None, features]))], options=options,
+                            target_opset=OPSET)
+    return model, x
 
 
 def resize_tf_half_pixel_for_nn(mode: str = "nearest", nearest_mode: str = "floor") -> onnx.ModelProto:
@@ -500,6 +545,16 @@ def cases(rng: np.random.Generator) -> list[tuple[str, onnx.ModelProto, dict, on
     lens = rng.integers(4, 17, 8).astype(np.int32)
     out.append(("bidirectional LSTM, sequence_lens an input (16 x 8 x 16 -> 32)", lstm_sequence_lens(),
                 {"x": rng.standard_normal((16, 8, 16)).astype(np.float32), "lens": lens}, None))
+    for kind, seq, batch, features, hidden, direction in (
+            ("LSTM", 32, 8, 64, 128, "forward"), ("LSTM", 64, 1, 32, 64, "forward"),
+            ("GRU", 32, 8, 64, 128, "bidirectional"), ("RNN", 32, 8, 64, 128, "forward")):
+        out.append((f"{kind} {direction} ({seq} x {batch} x {features} -> {hidden})",
+                    recurrent_layer(kind, seq, batch, features, hidden, direction),
+                    {"x": rng.standard_normal((seq, batch, features)).astype(np.float32)}, None))
+    for regressor in (False, True):
+        model, x = kneighbors(regressor)
+        out.append((f"KNeighbors{'Regressor' if regressor else 'Classifier'} (2000 rows), batch 100", model,
+                    {"input": (x[:100] + 0.1).astype(np.float32)}, None))
     out.append(("Resize tf_half_pixel_for_nn nearest, 8 x 3 x 8 x 10", resize_tf_half_pixel_for_nn(),
                 {"x": rng.standard_normal((8, 3, 8, 10)).astype(np.float32)}, None))
     try:
@@ -561,10 +616,14 @@ def run(args) -> list[Row]:
             t_ours, t_ort, ratio = paired_times(lambda: program.execute(plan, feeds),
                                                 lambda: session.run(None, theirs_feeds), repeat=repeat, number=number)
         target = target_of(case)
+        if target is None and any(op.op_type in ("LSTM", "GRU", "RNN") for op in model.graph.node):
+            target = RECURRENT_TARGET
         rows.append(Row(case, "ms", t_ours * 1e3, t_ort * 1e3, f"onnxruntime {ort.__version__} CPU EP",
                         target=f"<= {target}x" if target else "", met=None if target is None else ratio <= target,
                         extra={"device": device, "median_ratio": round(ratio, 3)}))
     rows += _slow_path_rows(device, repeat, ort, wanted)
+    if not wanted or any(w in "KNeighborsClassifier KNeighborsRegressor" for w in wanted):
+        rows += first_calls(device)
     return rows
 
 
@@ -592,6 +651,37 @@ def _slow_path_rows(device: str, repeat: int, ort, wanted: list[str]) -> list[Ro
             goal, met = f"<= {TINY_MS:g} ms a call", t_ours * 1e3 <= TINY_MS
         rows.append(Row(case, "ms", t_ours * 1e3, t_ort * 1e3, f"onnxruntime {ort.__version__} CPU EP", goal, met,
                         extra={"device": device, "median_ratio": round(ratio, 3)}))
+    return rows
+
+
+def first_calls(device: str) -> list[Row]:
+    """KNeighbors models' first call at each new batch size (a fresh shape: its program
+    specialized and compiled, then run), against onnxruntime's first call at that size in a
+    session made before (onnxruntime plans no shapes ahead)."""
+    import onnxruntime as ort
+
+    import polyhal.onnx as ponnx
+
+    rows = []
+    for regressor in (False, True):
+        model, x = kneighbors(regressor)
+        name = "KNeighborsRegressor" if regressor else "KNeighborsClassifier"
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        t0 = time.perf_counter()
+        program = ponnx.load(model, source=name)
+        load = time.perf_counter() - t0
+        for i, batch in enumerate((1, 100, 1000)):
+            feeds = {"input": (x[:batch] + 0.1).astype(np.float32)}
+            t0 = time.perf_counter()
+            ours = program.run(feeds, device)
+            t_ours = time.perf_counter() - t0 + (load if i == 0 else 0.0)
+            t0 = time.perf_counter()
+            theirs = session.run(None, feeds)
+            t_ort = time.perf_counter() - t0
+            _check(f"{name} first call, batch {batch}", ours, theirs, [o.name for o in model.graph.output])
+            rows.append(Row(f"{name} (2000 rows) first call at batch {batch}{' (load included)' if i == 0 else ''}",
+                            "s", t_ours, t_ort, f"onnxruntime {ort.__version__} CPU EP",
+                            f"<= {FIRST_CALL_TARGET} s", t_ours <= FIRST_CALL_TARGET, {"device": device}))
     return rows
 
 

@@ -1,6 +1,6 @@
-"""Run-time shape operands: TopK's k, Range's bounds and a recurrent layer's sequence lengths
-given as inputs or computed from data load without values and run staged, one plan per value
-(the bounded specialization cache), matching onnxruntime."""
+"""Run-time shape operands: TopK's k and Range's bounds given as inputs or computed from data load
+without values and run staged, one plan per value (the bounded specialization cache), matching
+onnxruntime; a recurrent layer's sequence lengths are an operand (one plan for every value)."""
 
 from __future__ import annotations
 
@@ -132,11 +132,20 @@ def test_a_shape_operand_from_nothing_at_run_time_still_says_what_to_give():
 def test_a_staged_model_with_large_weights_keeps_them():
     # Weights above the strip size are read apart from the ModelProto at load; staging cuts
     # submodels out of the whole model, so they must be back in it.
-    from bench import onnx_breadth as fam
-
-    model = fam.lstm_sequence_lens(seq=6, batch=3, features=8, hidden=16)
+    w = np.random.default_rng(4).standard_normal((8, 300)).astype(np.float32)
+    model = _model([helper.make_node("MatMul", ["x", "W"], ["m"]), helper.make_node("TopK", ["m", "k"], ["v", "i"])],
+                   [vi("x", T.FLOAT, [3, 8]), vi("k", T.INT64, [1])],
+                   [vi("v", T.FLOAT, [3, "k"]), vi("i", T.INT64, [3, "k"])], [numpy_helper.from_array(w, "W")])
     assert max(len(t.raw_data) for t in model.graph.initializer) > 1024
     program = ponnx.load(model.SerializeToString())
+    assert isinstance(program, StagedOnnxProgram)
     plan = program.compile("cpu:0")
-    x = np.random.default_rng(3).standard_normal((6, 3, 8)).astype(np.float32)
-    _same_as_onnxruntime(model, plan, program, {"x": x, "lens": np.array([6, 2, 4], np.int32)})
+    x = np.random.default_rng(3).standard_normal((3, 8)).astype(np.float32)
+    _same_as_onnxruntime(model, plan, program, {"x": x, "k": np.array([4])})
+
+
+def test_sequence_lengths_as_an_input_need_no_staging():
+    from bench import onnx_breadth as fam
+
+    program = ponnx.load(fam.lstm_sequence_lens(seq=6, batch=3, features=8, hidden=16))
+    assert not isinstance(program, StagedOnnxProgram)

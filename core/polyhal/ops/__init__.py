@@ -21,6 +21,7 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
   (and the fused forms fused_conv, fused_linear, scale_shift, masked_attention)
 * :mod:`~polyhal.ops.vision`: grid_sample, roi_align
 * :mod:`~polyhal.ops.quantized`: quantized_conv, quantized_matmul (int8 contractions, fused forms)
+* :mod:`~polyhal.ops.recurrent`: rnn, gru, lstm (a whole sequence each)
 
 Backends define ops of their own besides (:meth:`polyhal.KernelTable.define`), named
 ``<backend>.<op>``; they join :data:`OPS` when the plugin is imported, and :func:`core_ops`
@@ -45,6 +46,7 @@ from polyhal.ops import data_tiling  # noqa: E402,F401  isort: skip
 from polyhal.ops import detection  # noqa: E402,F401  isort: skip
 from polyhal.ops import indexing, logical, mathfn, ml, nn  # noqa: E402,F401  isort: skip
 from polyhal.ops import vision  # noqa: E402,F401  isort: skip
+from polyhal.ops import recurrent  # noqa: E402,F401  isort: skip
 from polyhal.ops import text  # noqa: E402,F401  isort: skip
 from polyhal.ops import quantized  # noqa: E402,F401  isort: skip
 from polyhal.ops.shape import normalize_slice  # noqa: E402

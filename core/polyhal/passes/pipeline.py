@@ -4,6 +4,7 @@ A compile (:func:`polyhal.compile`) builds a :class:`~polyhal.target.Target` and
 :class:`Pipeline` over a :class:`Compilation` (the program and what passes record about it).
 :data:`DEFAULT_PIPELINE` is the whole order in one place::
 
+    decompose (ops no device has a kernel for, into core ops: recurrent layers unrolled),
     fold-constant-transposes, fuse-attention, fuse-linear, fuse-gelu, fold-conv-affine,
     fuse-conv-epilogue, fuse-scale-shift, pool-before-pointwise-conv
         (the fusions: only with compile(fuse=True); backends add their own here, e.g. the
@@ -52,9 +53,11 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Sequence
 
 from polyhal.errors import KernelNotFoundError, PipelineError, PluginError, PolyhalError
 from polyhal.ir.program import Program
+from polyhal.ir.types import Affinity
 from polyhal.ops import OPS
 from polyhal.passes.bufferize import BufferPlan, bufferize
 from polyhal.passes.data_tiling import set_conv_encodings, set_encodings
+from polyhal.passes.decompose import decompose
 from polyhal.passes.fold_constants import fold_constant_transposes
 from polyhal.passes.fuse_attention import fuse_attention
 from polyhal.passes.fuse_conv import fold_conv_affine, fuse_conv_epilogue, fuse_scale_shift, pool_before_pointwise_conv
@@ -352,8 +355,17 @@ def _bufferize(c: Compilation, target: "Target") -> None:
     c.buffer_plan = bufferize(c.placement, target)
 
 
+def _decompose(c: Compilation, target: "Target") -> None:
+    """Ops no device has a kernel for, as core ops every device has (recurrent layers unrolled)."""
+    c.program, records = decompose(c.program, lambda name, affinity: target.candidates(
+        [name], affinity or Affinity(target.devices)))
+    if records:
+        c.add_fusions(records)
+
+
 #: The passes every compile runs, in order (plugins' passes are inserted into it per compile).
 DEFAULT_PIPELINE = Pipeline([
+    Pass("decompose", _decompose, requires=(UNPLACED,), provides=("decomposed",)),
     # Quantized contractions first: they take the matmuls, bias adds and convs of the QDQ
     # patterns that the float fusions below would take.
     fusion_pass("fuse-quantized", fuse_quantized, provides="quantized-fused",

@@ -41,7 +41,7 @@ from polyhal_cpu import queue_layout as layout
 # The other kernel modules register the rest of the op set in TABLE when imported.
 from polyhal_cpu import (  # noqa: F401
     conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels, onednn_int8,
-    text_kernels, vision_kernels,
+    recurrent_kernels, text_kernels, vision_kernels,
 )
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import GemmSplit, blocks, float_bits, gemm_fn, parallel, run_gemms, threads

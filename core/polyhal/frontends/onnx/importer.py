@@ -64,6 +64,7 @@ from polyhal.frontends.onnx.types import (
 from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import STORAGE_DTYPES, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
+from polyhal.passes.decompose import DECOMPOSITIONS
 from polyhal.plan import compile as polyhal_compile, cycle_collection_paused
 from polyhal.progress import SAY_AFTER, long_work
 from polyhal.registry import default_registry
@@ -221,8 +222,9 @@ class OnnxProgram(Program):
         kernels = functools.cache(registry.kernel_names)  # kernel sets, from the specs: nothing is created
         for name in requested:
             kernels(name)  # unknown names fail here, listing the devices
-        missing = [op for op in self.ops
-                   if op.affinity is None and not any(op.name in kernels(d) for d in requested)]
+        # (an op the compile decomposes where no device has its kernel is not missing)
+        missing = [op for op in self.ops if op.affinity is None and op.name not in DECOMPOSITIONS
+                   and not any(op.name in kernels(d) for d in requested)]
         if missing and strict:
             lines = [f"node {self.origin(op)}: op {op.name!r}" for op in missing[:10]]
             more = f" (and {len(missing) - 10} more)" if len(missing) > 10 else ""
