@@ -14,6 +14,8 @@ note() { echo "$*" | tee -a "$SUMMARY"; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/logs/gpu.txt" 2>&1
 export POLYHAL_BENCH_GPU="$(head -1 "$OUT/logs/gpu.txt")"
+# Result files are named after the card that ran them (-h100, -h200; -gpu for another)
+SFX=-$(grep -oiE 'h100|h200|a100|l40s?' "$OUT/logs/gpu.txt" | head -1 | tr 'A-Z' 'a-z'); [ "$SFX" = "-" ] && SFX=-gpu
 note "gpu: $POLYHAL_BENCH_GPU; $(python3 --version 2>&1); cupy $(python3 -c 'import cupy; print(cupy.__version__)' 2>&1)"
 python3 -m pip install -q --no-deps --no-build-isolation -e . -e plugins/cpu -e plugins/gpu -e plugins/cuda > "$OUT/logs/install.txt" 2>&1 \
   || { note "editable install failed: see install.txt"; export PYTHONPATH=$PWD/core:$PWD/plugins/cpu:$PWD/plugins/gpu:$PWD/plugins/cuda; }
@@ -29,18 +31,18 @@ for phase in $PHASES; do
   case $phase in
     tests) run cuda_tests "${T_TESTS:-240}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=90 plugins/cuda/tests ${TEST_ARGS:-} ;;
     conformance) run conformance_cuda "${T_CONF:-120}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-backend=cuda ;;
-    bench) run bench_cuda "${T_BENCH:-200}" python3 -m bench cuda_plan cuda_matmul cuda_sort cuda_nms cuda_transfer --suffix=-h100 ${BENCH_ARGS:-} ;;
-    concurrency) run bench_concurrency "${T_BENCH:-200}" python3 -m bench concurrency --suffix=-h100 ${BENCH_ARGS:-} ;;
+    bench) run bench_cuda "${T_BENCH:-200}" python3 -m bench cuda_plan cuda_matmul cuda_sort cuda_nms cuda_transfer --suffix=$SFX ${BENCH_ARGS:-} ;;
+    concurrency) run bench_concurrency "${T_BENCH:-200}" python3 -m bench concurrency --suffix=$SFX ${BENCH_ARGS:-} ;;
     conformance_all) for d in $(polyhal devices 2>/dev/null | grep -oE '^ *cuda:[0-9]+' | tr -d ' '); do
         run "conformance_${d/:/}" "${T_CONF:-120}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-device="$d"; done ;;
-    bench_*) run "$phase" "${T_BENCH:-120}" python3 -m bench "cuda_${phase#bench_}" --suffix=-h100 ${BENCH_ARGS:-} ;;
+    bench_*) run "$phase" "${T_BENCH:-120}" python3 -m bench "cuda_${phase#bench_}" --suffix=$SFX ${BENCH_ARGS:-} ;;
     opencl)
       mkdir -p .vendors && echo libnvidia-opencl.so.1 > .vendors/nvidia.icd && export OCL_ICD_VENDORS=$PWD/.vendors
       python3 -m pip install -q --no-index --no-deps --no-compile --target .site .whl/*.whl && export PYTHONPATH=$PWD/.site:${PYTHONPATH:-}
       python3 -m pip install -q --no-deps --no-build-isolation -e plugins/opencl >> "$OUT/logs/install.txt" 2>&1
       polyhal devices > "$OUT/logs/devices_opencl.txt" 2>&1
       run conformance_opencl "${T_OCL:-150}" python3 -m pytest -q -ra -p no:cacheprovider --timeout=60 tests/test_conformance.py --polyhal-backend=opencl
-      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" "${T_OCLB:-90}" python3 -m bench "$(basename "$b" .py)" --suffix=-h100; done ;;
+      for b in bench/opencl_*.py; do [ -e "$b" ] && run "$(basename "$b" .py)" "${T_OCLB:-90}" python3 -m bench "$(basename "$b" .py)" --suffix=$SFX; done ;;
   esac
 done
 echo "===== summary"; cat "$SUMMARY"
