@@ -81,6 +81,21 @@ def test_ctrl_c_during_a_long_repeat_ends_with_one_line_and_status_130():
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    lines = [line for line in err.decode().splitlines() if not line.startswith(("polyhal: loading", "polyhal: plugin"))]
+    lines = [line for line in err.decode().splitlines()
+             if not line.startswith(("polyhal: loading", "polyhal: plugin", "polyhal: warning:"))]
     assert proc.returncode == 130, err.decode()
     assert lines == ["polyhal: interrupted"], err.decode()
+
+
+def test_a_warning_is_one_line_without_source_paths():
+    """A warning raised while a command runs reads as the command's user needs it: one line, no
+    file path or line of code (a failed CPU build's warning came out as two lines with the
+    plugin's path)."""
+    code = ("import sys, warnings, polyhal.cli as cli\n"
+            "cli._main = lambda argv: (warnings.warn('polyhal-cpu: something to know\\nmore detail', RuntimeWarning),"
+            " warnings.warn('a numpy-style warning', UserWarning), 0)[-1]\n"
+            "sys.exit(cli.main([]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.splitlines() == ["polyhal: warning: polyhal-cpu: something to know",
+                                        "polyhal: warning: UserWarning: a numpy-style warning"]

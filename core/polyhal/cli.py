@@ -154,11 +154,27 @@ def _cmd_run(args: argparse.Namespace, registry: Registry) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``polyhal`` command: Ctrl-C anywhere ends it with one line and status
     130 (128 + SIGINT, as shells report an interrupted command), not a traceback."""
+    previous = warnings.showwarning
+    warnings.showwarning = _one_line_warning
     try:
         return _main(argv)
     except KeyboardInterrupt:
         print("\npolyhal: interrupted" if sys.stderr.isatty() else "polyhal: interrupted", file=sys.stderr)
         return 130
+    finally:
+        warnings.showwarning = previous
+
+
+def _one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as the command's user reads it: one line, ``polyhal: warning: ...``, with no
+    source path or line of code (what Python prints by default is for a program's author)."""
+    text = str(message).splitlines()[0] if str(message) else category.__name__
+    if not text.startswith("polyhal"):
+        text = f"{category.__name__}: {text}"
+    try:
+        print(f"polyhal: warning: {text.removeprefix('polyhal: ')}", file=file or sys.stderr)
+    except OSError:  # (a closed stderr: nowhere to say it)
+        pass
 
 
 def _main(argv: Sequence[str] | None) -> int:

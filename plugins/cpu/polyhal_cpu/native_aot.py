@@ -30,8 +30,11 @@ waited on for LOCK_TIMEOUT seconds at most; then, as where the lock path is not 
 process runs on the JIT). Each build gets a private folder, removed afterwards, and by the next
 build where the builder was killed. A failed build (no C compiler, a numba without ``pycc``) is
 recorded as ``<name>.failed`` with the reason and warned about once per process; processes run on
-the JIT until RETRY_AFTER seconds have passed (or that file is deleted), then try again. A folder
-that cannot be written costs only the module, never the loops.
+the JIT until RETRY_AFTER seconds have passed (or that file is deleted), then try again -- or at
+once where the installed packages changed since the failed build began (:func:`_environment`: a
+package manager that replaced setuptools while the build ran, as the README's second command does
+after a first run, breaks that build and says nothing about the next one). A folder that cannot
+be written costs only the module, never the loops.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import importlib.util
 import json
 import os
 import platform
+import site
 import subprocess
 import sys
 import time
@@ -222,6 +226,7 @@ def _build_once(cache: CodeCache, name: str) -> dict[str, list] | None:
             _report_failure(cache, name, failure, record=False)
             return None
         cache.remove(f"{name}.so")  # a refused one: never left to be found again
+        environment = _environment()  # as the build begins: a change during it voids a failure
         with cache.build_folder(name) as folder, long_work(
                 "compiling the CPU backend's loops once for this machine (about a minute)",
                 "compiled the CPU backend's loops") as work:
@@ -231,19 +236,34 @@ def _build_once(cache: CodeCache, name: str) -> dict[str, list] | None:
             if why is None:
                 cache.store(f"{name}.so", next(folder.glob(f"{name}*.so")), {"loops": _exported(folder)})
         if why is not None:
-            _report_failure(cache, name, why, record=True)
+            _report_failure(cache, name, why, record=True, environment=environment)
             return None
         cache.path(f"{name}.failed").unlink(missing_ok=True)
         return _verified(cache, name)
 
 
 def _recent_failure(cache: CodeCache, name: str) -> str | None:
-    """Why the last build failed, if it failed less than RETRY_AFTER seconds ago; else None."""
+    """Why the last build failed, if it failed less than RETRY_AFTER seconds ago in the same
+    environment (the installed packages unchanged since it began); else None."""
     failure = cache.read_record(f"{name}.failed")
     if (failure is not None and isinstance(failure.get("reason"), str)
-            and isinstance(failure.get("at"), (int, float)) and time.time() - failure["at"] < RETRY_AFTER):
+            and isinstance(failure.get("at"), (int, float)) and time.time() - failure["at"] < RETRY_AFTER
+            and failure.get("environment", _environment()) == _environment()):
         return failure["reason"]
     return None
+
+
+def _environment() -> str:
+    """A fingerprint of the installed packages: the modification times of the site-packages
+    folders (installing, upgrading or removing a distribution adds or removes entries there)."""
+    folders = [*site.getsitepackages(), site.getusersitepackages()] if hasattr(site, "getsitepackages") else sys.path
+    stamps = []
+    for folder in folders:
+        try:
+            stamps.append(f"{folder}:{os.stat(folder).st_mtime_ns}")
+        except OSError:
+            continue
+    return hashlib.sha256("\n".join(stamps).encode()).hexdigest()[:16]
 
 
 #: Added to the background builder's nice value: the build takes idle cycles, not the user's run.
@@ -322,22 +342,26 @@ def _exported(folder: Path) -> dict | None:
 
 
 #: Advice for a failed build, by a word of its reason.
-_FIXES = (("compiler", "install a C compiler (gcc or clang) or set CC to one"),
+_FIXES = (("unable to load module", "reinstall setuptools (numba.pycc compiles through its distutils)"),
+          ("compiler", "install a C compiler (gcc or clang) or set CC to one"),
           ("pycc", "install a numba that ships numba.pycc"))
 
 
-def _report_failure(cache: CodeCache, name: str, why: str, record: bool) -> None:
+def _report_failure(cache: CodeCache, name: str, why: str, record: bool, environment: str | None = None) -> None:
     """Warn once that the module cannot be had and why; ``record``: keep the reason in
-    ``<name>.failed`` for later processes (which then skip building until RETRY_AFTER)."""
+    ``<name>.failed`` for later processes (which then skip building until RETRY_AFTER, unless
+    the packages differ from ``environment``, the build's)."""
     failed = cache.path(f"{name}.failed")
     if record:
         try:
-            cache.write_record(failed.name, {"reason": why, "at": time.time()})
+            cache.write_record(failed.name, {"reason": why, "at": time.time(),
+                                             "environment": environment or _environment()})
         except OSError:
             pass
     fix = next((advice for word, advice in _FIXES if word in why.lower()), "see the reason")
     warn_once(f"polyhal-cpu: the compiled loops cannot be had ({why}); {FALLBACK}; to fix: {fix}; a build is "
-              f"tried again {RETRY_AFTER // 60} minutes after it failed (at once if {failed} is deleted)")
+              f"tried again {RETRY_AFTER // 60} minutes after it failed (at once if {failed} is deleted or "
+              "packages are installed)")
 
 
 def build(folder: Path, name: str, warm: Callable[[dict[str, Callable]], None]) -> None:

@@ -146,6 +146,21 @@ def test_no_module_where_it_is_off_failed_or_cannot_be_written(tmp_path, monkeyp
         assert native_aot.load(native._jit_loop) is None
 
 
+def test_a_failure_is_forgotten_once_packages_change_since_its_build_began(tmp_path):
+    # The README's second command upgraded setuptools while a first run's background build ran:
+    # that build failed ("unable to load module 'distutils.unixccompiler'"), and the test suite
+    # after it ran an hour without the loops. A failure belongs to the packages its build began with.
+    cache = native_aot.CodeCache(tmp_path, "polyhal-cpu", "POLYHAL_CPU_CACHE_DIR", native_aot.FALLBACK)
+    assert cache.ready()
+    name = native_aot.module_name()
+    why = "DistutilsModuleError: unable to load module 'distutils.unixccompiler'"
+    with pytest.warns(RuntimeWarning, match="reinstall setuptools"):
+        native_aot._report_failure(cache, name, why, record=True, environment="packages-before")
+    assert native_aot._recent_failure(cache, name) is None  # installed since: build again
+    native_aot._report_failure(cache, name, why, record=True, environment=native_aot._environment())  # (warned once)
+    assert native_aot._recent_failure(cache, name) == why  # the same packages: wait RETRY_AFTER
+
+
 def test_a_failed_build_is_recorded_with_its_reason_and_the_jit_serves(tmp_path):
     got = _child("""
         import json, sys
