@@ -13,6 +13,7 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import OPS, infer_types
 
 pytest.importorskip("numba", reason="the compiled loops need numba")
+from polyhal_cpu import kernels  # noqa: E402
 from polyhal_cpu.kernels import prepare  # noqa: E402
 
 
@@ -22,6 +23,13 @@ def _run(op: str, attrs: dict, *arrays: np.ndarray) -> tuple[np.ndarray, ...]:
     results = tuple(np.empty(t.shape, t.dtype) for t in outs)
     prepare(op, attrs, types, outs)(*arrays, *results)
     return results
+
+
+@pytest.fixture(autouse=True)
+def every_topk_selects(monkeypatch):
+    """TopK's compiled selection for inputs of any size here (a run takes it from
+    SELECT_MIN_ELEMENTS elements), so that these small cases test it."""
+    monkeypatch.setattr(kernels, "SELECT_MIN_ELEMENTS", 0)
 
 
 def _both(op: str, attrs: dict, arrays, monkeypatch) -> tuple[tuple, tuple]:
@@ -146,3 +154,26 @@ def test_topk_split_across_threads_matches_the_sort(monkeypatch):
     (v, i), (nv, ni) = _both("topk", attrs, (x,), monkeypatch)
     np.testing.assert_array_equal(i, ni)
     np.testing.assert_array_equal(v, nv)
+
+
+def test_a_small_topk_sorts_without_numba():
+    """A small TopK (a detector's scores) takes the sort: loading the compiled selection costs
+    numba's import, which a detection model's first session paid (1.1 s against 82 ms)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "from polyhal.ir.types import TensorType\n"
+            "from polyhal.ops import infer_types\n"
+            "from polyhal_cpu.kernels import prepare, SELECT_MIN_ELEMENTS\n"
+            "x = np.random.default_rng(0).standard_normal((1, 8000)).astype(np.float32)\n"
+            "assert x.size < SELECT_MIN_ELEMENTS\n"
+            "attrs = {'axis': 1, 'k': 100, 'largest': True, 'sorted': True}\n"
+            "types = (TensorType(x.shape, x.dtype),); outs = infer_types('topk', types, attrs)\n"
+            "v, i = (np.empty(t.shape, t.dtype) for t in outs)\n"
+            "prepare('topk', attrs, types, outs)(x, v, i)\n"
+            "assert np.array_equal(v[0], np.sort(x[0])[::-1][:100])\n"
+            "print('numba' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
