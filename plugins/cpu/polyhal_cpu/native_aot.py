@@ -248,7 +248,7 @@ def _recent_failure(cache: CodeCache, name: str) -> str | None:
     failure = cache.read_record(f"{name}.failed")
     if (failure is not None and isinstance(failure.get("reason"), str)
             and isinstance(failure.get("at"), (int, float)) and time.time() - failure["at"] < RETRY_AFTER
-            and failure.get("environment", _environment()) == _environment()):
+            and failure.get("environment") in (None, _environment())):  # (records before it had none)
         return failure["reason"]
     return None
 

@@ -38,7 +38,7 @@ from polyhal_cpu import onednn
 from polyhal_cpu.onednn import (ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS, ARG_BIAS, ARG_DST, ARG_SRC, ARG_WEIGHTS, Attr,
                                 Primitive, Refused, address)
 from polyhal_cpu.onednn_kernels import (_REFUSED, _bound, _filter_md, _kept_weights, _key, _planned, _Relayout,
-                                        _requests, _row_major)
+                                        _requests, _row_major, cpu_dispatches, note_own_kernels)
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, frozen
 
@@ -396,10 +396,7 @@ def report(compilation, target) -> None:
     and why the others run on the CPU's own float kernels."""
     from polyhal.ops import resolve_attrs
 
-    placement = compilation.placement
-    ours = [op for op in compilation.current_program.ops
-            if op.kind == "dispatch" and op.name in SERVED and op.outputs
-            and placement.value_device.get(op.outputs[0].id, "").startswith("cpu")]
+    ours = cpu_dispatches(compilation, SERVED)
     if not ours:
         return
     version, why = onednn.status()
@@ -428,10 +425,7 @@ def report(compilation, target) -> None:
             "int16, which saturate where weights beyond 64 meet large inputs, as onnxruntime's uint8 x int8 kernels "
             "do here (7-bit weights, onnxruntime's reduce_range, are exact); int8 inputs (shifted to uint8 for "
             "oneDNN) with such weights run on the CPU's own float kernels instead")
-    for op, reason in own[:8]:
-        compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's own float kernel: {reason}")
-    if len(own) > 8:
-        compilation.notes.append(f"  ... and {len(own) - 8} more on the CPU's own float kernels")
+    note_own_kernels(compilation, own, "own float kernel")
 
 
 def registrations():

@@ -502,15 +502,30 @@ SERVED = frozenset({"conv", "fused_conv", BLOCKED_CONV, "matmul", "gemm", "linea
 EXPLAINED_REFUSALS = 8
 
 
+def cpu_dispatches(compilation, served: frozenset) -> list:
+    """The dispatches of ``served`` ops that a compilation placed on CPU devices (what the
+    oneDNN report passes explain)."""
+    placement = compilation.placement
+    return [op for op in compilation.current_program.ops
+            if op.kind == "dispatch" and op.name in served and op.outputs
+            and placement.value_device.get(op.outputs[0].id, "").startswith("cpu")]
+
+
+def note_own_kernels(compilation, own: list, kernel: str) -> None:
+    """Name in explain, up to :data:`EXPLAINED_REFUSALS`, the ``(op, reason)`` pairs that run on
+    the CPU's ``kernel`` ("own kernel", "own float kernel") instead of oneDNN."""
+    for op, reason in own[:EXPLAINED_REFUSALS]:
+        compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's {kernel}: {reason}")
+    if len(own) > EXPLAINED_REFUSALS:
+        compilation.notes.append(f"  ... and {len(own) - EXPLAINED_REFUSALS} more on the CPU's {kernel}s")
+
+
 def report(compilation, target) -> None:
     """Say in explain which conv and matmul dispatches on CPU devices oneDNN runs, and why the
     others run on the CPU's own kernels (the library missing, or a refused instance)."""
     from polyhal.ops import resolve_attrs
 
-    placement = compilation.placement
-    ours = [op for op in compilation.current_program.ops
-            if op.kind == "dispatch" and op.name in SERVED and op.outputs
-            and placement.value_device.get(op.outputs[0].id, "").startswith("cpu")]
+    ours = cpu_dispatches(compilation, SERVED)
     if not ours:
         return
     version, why = onednn.status()
@@ -528,10 +543,7 @@ def report(compilation, target) -> None:
             own.append((op, _REFUSED.get(_key(op.name, attrs, ins, outs), "a type oneDNN is not asked about")))
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
                              "run as oneDNN primitives")
-    for op, reason in own[:EXPLAINED_REFUSALS]:
-        compilation.notes.append(f"  %{op.outputs[0].name} ({op.name}) runs on the CPU's own kernel: {reason}")
-    if len(own) > EXPLAINED_REFUSALS:
-        compilation.notes.append(f"  ... and {len(own) - EXPLAINED_REFUSALS} more on the CPU's own kernels")
+    note_own_kernels(compilation, own, "own kernel")
 
 
 def registrations():

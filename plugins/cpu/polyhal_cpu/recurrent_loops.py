@@ -180,12 +180,11 @@ def gru(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, cou
     zr = gates if linear_before_reset else gates.ravel()[:batch * 2 * hidden].reshape(batch, 2 * hidden)
     for step in range(first, first + count):
         t = seq - 1 - step if reverse else step
-        if not multiply:
-            pass  # the caller computed h R^T (linear_before_reset)
-        elif linear_before_reset:
-            np.dot(h, r.T, gates)
-        else:
-            np.dot(h, rz.T, zr)
+        if multiply:  # (else the caller computed the step's product into gates)
+            if linear_before_reset:
+                np.dot(h, r.T, gates)
+            else:
+                np.dot(h, rz.T, zr)
         for b in range(batch):  # update and reset gates, and the reset rows
             g = zr[b]
             for j in range(2 * hidden):
