@@ -13,7 +13,7 @@ from polyhal.ops import OPS
 from polyhal_cpu import native
 from polyhal_cpu.kernels import prepare
 
-pytestmark = pytest.mark.skipif(not native.available(np.float32), reason="numba is not importable here")
+pytestmark = pytest.mark.skipif(not native.available(np.float32), reason="no compiled loops here (numba missing, or POLYHAL_CPU_NATIVE=0)")
 
 
 def test_used_for_float32_only_and_switchable(monkeypatch):
