@@ -3,7 +3,7 @@
 # actor holds the GPU, then the conformance suite on its ray:<node>/cuda:0 and on its cpu:0.
 # Ray must be importable. The GPU machine has no package index and a call carries at most 64 MiB, so
 # Ray travels as a stripped bundle (the wheel less its Java jar, dashboard client, rllib and llm,
-# plus click/msgpack/jsonschema), made on the dev machine and unpacked here:
+# plus click/msgpack/jsonschema), made by plugins/ray/tools/make_bundle.sh and unpacked here:
 #   tar xJf .raybundle/ray-bundle.tar.xz -C .site   (then PYTHONPATH=$PWD/.site:...)
 # Usage: bash plugins/ray/tools/remote_cuda.sh   (logs under $OUT/logs)
 set -u
