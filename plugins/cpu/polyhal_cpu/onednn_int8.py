@@ -223,8 +223,8 @@ def _scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
                          purpose=r.purpose) for r in (plan.src, plan.dst) if r is not None]
     if plan.signed:
         decls.append(ScratchDecl("unsigned", shared=True, per_launch=ins[0].size, spaces=(MemorySpace.GLOBAL,),
-                                 alignment=64, purpose="the int8 input + 128, as uint8 (oneDNN's exact int8 "
-                                                       "path without VNNI)"))
+                                 alignment=64, purpose="the int8 input + 128, as uint8 (oneDNN's uint8-source "
+                                                       "primitives are exact on every CPU)"))
     return _requests(decls, plan, plan.primitive.impl, problem, kernel)
 
 
