@@ -32,9 +32,14 @@ alternating (a shared machine's load falls on both alike) and reports the median
 rows are checked against onnxruntime with its graph optimizations off (its optimized int8
 kernels saturate on CPUs without AVX-512 VNNI; unoptimized, it computes the QDQ graph in float as
 ONNX defines it): within two quantization steps, or for deep nets, where one-step roundings
-compound layer by layer, no further on average and at most than :data:`DEEP_SLACK` times
-onnxruntime's own optimized int8 run (whose ResNet-18 was 5 steps off its unoptimized run on the
-2-core AVX2 VM). Targets (issues 30 and 32): :data:`TARGETS` by family, recurrent layers within
+compound layer by layer, within :data:`DEEP_STEPS` (mean, largest), or no further than
+:data:`DEEP_SLACK` times onnxruntime's own optimized int8 run where that is further (its ResNet-18
+was 5 steps off its unoptimized run on the 2-core AVX2 VM). onnxruntime is not the float
+semantics exactly either: on an AVX-512 VNNI Xeon its optimized and unoptimized runs agree, yet one
+QDQ conv layer of theirs was a step off a float64 evaluation of the QDQ graph at 2.5e-5 of its
+outputs, where polyhal's oneDNN int8 conv was exact (``test_an_int8_conv_equals_the_float64_qdq_semantics``
+in plugins/cpu/tests/test_cpu_onednn_int8.py); through ResNet-18's 20 layers such steps compound
+to 3 steps at most between the two (0.31 on average). Targets (issues 30 and 32): :data:`TARGETS` by family, recurrent layers within
 :data:`RECURRENT_TARGET`, KNeighbors' first call at a new batch size within
 :data:`FIRST_CALL_TARGET`; the other rows have none and exist so that regressions show. ``--models CNN,ResNet-50`` runs the rows whose names contain
 one of the words. ``python -m bench onnx_breadth`` writes bench/results/onnx_breadth.* and exits non-zero when a
@@ -64,6 +69,11 @@ TARGETS = (("MatMulInteger", 1.0), ("DynamicQuantizeMatMul", 1.0), ("QDQ", 1.0),
 #: How much further than onnxruntime's own optimized int8 run (mean and largest distance, in
 #: quantization steps) a deep int8 net's outputs may be from the float QDQ oracle.
 DEEP_SLACK = 1.5
+#: The distance (mean, largest; quantization steps) a deep int8 net's outputs may have from
+#: onnxruntime's in any case: two implementations that each round one layer's results a step apart
+#: at a few outputs in 10^5 drift that far through 20 layers (tests/test_onnx_contrib.py allows the
+#: same for its deep QOperator net).
+DEEP_STEPS = (1.0, 4.01)
 #: Most polyhal / onnxruntime time for a recurrent layer (issue 32).
 RECURRENT_TARGET = 2.0
 #: Most seconds for a KNeighbors model's first call at a new batch size (issue 32).
@@ -517,8 +527,8 @@ def _check(case: str, ours: dict, theirs: list, names: list[str], step: float = 
         elif step and "ResNet" in case:
             off = np.abs(got.astype(np.float64) - want) / step
             theirs_off = np.abs(np.asarray(optimized[i], np.float64) - want) / step
-            assert (off.mean() <= max(1.0, DEEP_SLACK * theirs_off.mean())
-                    and off.max() <= max(2.01, DEEP_SLACK * theirs_off.max())), (
+            assert (off.mean() <= max(DEEP_STEPS[0], DEEP_SLACK * theirs_off.mean())
+                    and off.max() <= max(DEEP_STEPS[1], DEEP_SLACK * theirs_off.max())), (
                 f"{case} {name}: {off.mean():.2f} steps off on average, {off.max():.1f} at most (onnxruntime's "
                 f"optimized int8 run: {theirs_off.mean():.2f}, {theirs_off.max():.1f})")
         else:

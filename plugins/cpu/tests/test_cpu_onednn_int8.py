@@ -245,6 +245,39 @@ def test_compiled_without_fusion_the_quantized_model_still_runs_in_float():
     assert np.abs(got - want).max() <= 0.05 * 1.001
 
 
+def _float64_qdq_conv(model, x):
+    """The QDQ conv graph of :func:`_qdq_conv` (pads 1, stride 1, relu, quantized output) evaluated in
+    float64: the ONNX semantics with no rounding but the quantizations' own."""
+    inits = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    info = np.iinfo(inits["xz"].dtype)
+    xs, xz, ys, yz = (np.float64(inits[k]) for k in ("xs", "xz", "ys", "yz"))
+    xq = np.clip(np.rint(x.astype(np.float64) / xs) + xz, info.min, info.max)
+    wd = inits["w"].astype(np.float64) * inits["ws"].astype(np.float64).reshape(-1, 1, 1, 1)
+    windows = np.lib.stride_tricks.sliding_window_view(np.pad((xq - xz) * xs, ((0, 0), (0, 0), (1, 1), (1, 1))),
+                                                       wd.shape[2:], axis=(2, 3))
+    c = np.einsum("nchwij,kcij->nkhw", windows, wd, optimize=True)
+    c += (inits["b"].astype(np.float64) * inits["bs"].astype(np.float64))[None, :, None, None]
+    return (np.clip(np.rint(np.maximum(c, 0) / ys) + yz, info.min, info.max) - yz) * ys
+
+
+@needs_onednn
+@pytest.mark.parametrize("qtype", [np.uint8, np.int8])
+def test_an_int8_conv_equals_the_float64_qdq_semantics(qtype):
+    # oneDNN accumulates in int32 and rounds once: exactly the float QDQ graph's result, where
+    # onnxruntime's kernels were a step off at a few outputs in 10^5 (see bench/onnx_breadth.py)
+    rng = np.random.default_rng(16)
+    model = _qdq_conv(rng, qtype, cin=32, cout=32)
+    x = rng.standard_normal((2, 32, 9, 9)).astype(np.float32) * 2
+    program = ponnx.load(model)
+    plan = program.compile("cpu:0")
+    got = program.execute(plan, {"x": x})["y"]
+    off = np.abs(got.astype(np.float64) - _float64_qdq_conv(model, x)) / 0.05
+    if "1 of 1 quantized contractions on the CPU run as oneDNN int8 primitives" in plan.explain():
+        assert off.max() < 1e-3, f"{(off > 0.5).sum()} outputs a step off"
+    else:  # the CPU's own float kernels: float32 sums, a step off at ties
+        assert off.max() <= 1.001
+
+
 @needs_onednn
 def test_int8_inputs_with_8_bit_weights_stay_exact_without_vnni():
     # int8 x goes to oneDNN as uint8 x + 128, large where x is near 0: with weights up to 127 the
