@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
@@ -46,6 +47,7 @@ from polyhal_cpu import (  # noqa: F401
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.parallel import GemmSplit, blocks, float_bits, gemm_fn, parallel, run_gemms, threads
 from polyhal_cpu.parallel import run as run_pieces
+from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, binary_ufuncs, compiled_loops, float16_via_float32
 
 __all__ = ["KERNEL_NAMES", "TABLE", "erf", "prepare"]
@@ -309,14 +311,54 @@ def _gelu(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
     return _chunked(kernel)
 
 
-@TABLE.register("where")
+#: Elements a piece of the bitwise select (its mask and masked operand live in declared scratch).
+_SELECT_PIECE = 1 << 14
+_SELECT_BITS = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def _bitwise_select(ins: Types, outs: Types) -> bool:
+    """``where`` as bit operations: operands of one shape (no broadcast), and large enough that
+    a piecewise loop pays (numpy's masked copy, the general path, costs ~7 ns an element)."""
+    cond, x, y = ins
+    return (cond.shape == x.shape == y.shape == outs[0].shape and cond.dtype == np.bool_
+            and x.dtype == y.dtype == outs[0].dtype and x.dtype.itemsize in _SELECT_BITS and outs[0].size >= 4096)
+
+
+def _select_bytes(problem, _workgroup_size: int) -> int:
+    out = problem.out_types[0]
+    return 2 * min(out.size, _SELECT_PIECE) * out.dtype.itemsize if _bitwise_select(problem.in_types,
+                                                                                     problem.out_types) else 0
+
+
+@TABLE.register("where", scratch=[
+    ScratchDecl("select", shared=True, per_launch=_select_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a piece's select mask and masked operand (where as bit operations)")])
 def _where(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     copyto = np.copyto
+    if not _bitwise_select(ins, outs):
+        def kernel(cond, x, y, out):
+            copyto(out, y)
+            copyto(out, x, where=cond)
+        return kernel
 
-    def kernel(cond, x, y, out):
-        copyto(out, y)
-        copyto(out, x, where=cond)
-    return kernel
+    bits, n = _SELECT_BITS[outs[0].dtype.itemsize], outs[0].size
+    piece = min(n, _SELECT_PIECE)
+    work = scratch_array(scratch, "select", bits, (2, piece))
+    negative, invert, both, either = np.negative, np.invert, np.bitwise_and, np.bitwise_or
+
+    def select(cond, x, y, out):
+        # out = x & m | y & ~m with m = -cond (all ones where cond): five passes over a piece in
+        # cache. y's part is taken before out is written, so out may be x's or y's buffer.
+        c, xb, yb, ob = (a.reshape(-1).view(t) for a, t in ((cond, np.int8), (x, bits), (y, bits), (out, bits)))
+        for start in range(0, n, piece):
+            stop = min(n, start + piece)
+            m, rest = work[0, :stop - start], work[1, :stop - start]
+            negative(c[start:stop], out=m, casting="unsafe")
+            invert(m, out=rest)
+            both(yb[start:stop], rest, out=rest)
+            both(xb[start:stop], m, out=ob[start:stop])
+            either(ob[start:stop], rest, out=ob[start:stop])
+    return select
 
 
 @TABLE.register("cast")

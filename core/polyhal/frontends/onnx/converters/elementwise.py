@@ -254,6 +254,12 @@ def _c(ctx: NodeContext, x, value):
 def _leaky_relu(ctx: NodeContext) -> list:
     x = ctx.input(0)
     alpha = float(ctx.attr("alpha", 0.01))
+    # For 0 < alpha <= 1, max(x, alpha x) is exactly the select (x >= 0: alpha x <= x; x < 0:
+    # alpha x >= x; nan, -0 and infinities pass through), for alpha > 1 min is: two elementwise
+    # passes where the select costs a compare, a product and a masked copy. (alpha 0 is left to
+    # the select: 0 * -inf is nan, which max would have to propagate on every backend.)
+    if alpha > 0.0:
+        return [ctx.op("maximum" if alpha <= 1.0 else "minimum", x, ctx.op("mul", x, _c(ctx, x, alpha)))]
     return [ctx.op("where", ctx.op("less", x, _c(ctx, x, 0)), ctx.op("mul", x, _c(ctx, x, alpha)), x)]
 
 
