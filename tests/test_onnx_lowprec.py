@@ -204,6 +204,32 @@ def _float_model(path):
     return rng
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["normal", "positive", "zeros", "large"])
+def test_dynamic_quantize_linear_is_one_op_where_a_kernel_runs_it_and_exact_everywhere(device, case):
+    # cpu:0 runs the dynamic_quantize kernel; a device without one gets the op's elementwise
+    # decomposition (polyhal.passes.decompose): both exactly onnx's reference.
+    rng = np.random.default_rng(3)
+    x = {"normal": rng.standard_normal((16, 300)) * 3, "positive": rng.uniform(0.5, 4, (16, 300)),
+         "zeros": np.zeros((4, 5)), "large": rng.standard_normal((2, 70000)) * 1e3}[case].astype(np.float32)
+    model = _model([helper.make_node("DynamicQuantizeLinear", ["x"], ["y", "s", "z"])],
+                   [helper.make_tensor_value_info("x", F, list(x.shape))],
+                   [helper.make_tensor_value_info("y", TensorProto.UINT8, list(x.shape)),
+                    helper.make_tensor_value_info("s", F, []), helper.make_tensor_value_info("z", TensorProto.UINT8, [])],
+                   opset=11)
+    program = ponnx.load(model)
+    plan = program.compile(device)
+    got = program.execute(plan, {"x": x})
+    if case == "zeros":  # onnx divides 0 by 0 here: polyhal's kernel says scale 0, zero point 0, y 0
+        if f"dynamic_quantize -> {device}" in plan.explain():
+            assert float(got["s"]) == 0 and int(got["z"]) == 0 and not got["y"].any()
+        return
+    want = dict(zip(["y", "s", "z"], ReferenceEvaluator(model).run(None, {"x": x})))
+    for name in ("y", "s", "z"):
+        _same(np.asarray(got[name]).reshape(np.shape(want[name])), want[name])
+    assert (f"dynamic_quantize -> {device}" in plan.explain()) == (device == "cpu:0")
+
+
 def test_onnxruntime_quantized_models_run(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     q = pytest.importorskip("onnxruntime.quantization")

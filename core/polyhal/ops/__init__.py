@@ -20,7 +20,8 @@ Each op is an :class:`OpDef` in :data:`OPS`. Families live in submodules:
 * :mod:`~polyhal.ops.nn`: conv, conv_transpose, max_pool, avg_pool, lp_pool, linear, attention
   (and the fused forms fused_conv, fused_linear, scale_shift, masked_attention)
 * :mod:`~polyhal.ops.vision`: grid_sample, roi_align
-* :mod:`~polyhal.ops.quantized`: quantized_conv, quantized_matmul (int8 contractions, fused forms)
+* :mod:`~polyhal.ops.quantized`: quantized_conv, quantized_matmul (int8 contractions, fused forms),
+  dynamic_quantize
 * :mod:`~polyhal.ops.recurrent`: rnn, gru, lstm (a whole sequence each)
 
 Backends define ops of their own besides (:meth:`polyhal.KernelTable.define`), named

@@ -27,7 +27,7 @@ from polyhal.ir.types import TensorType
 from polyhal.ops._base import define, fmt_shape
 from polyhal.ops.nn import _check_activation, _infer_conv, _ref_conv, _sample_conv, apply_activation
 
-__all__ = ["QUANTIZED_TYPES"]
+__all__ = ["QUANTIZED_TYPES", "dynamic_quantize_parameters"]
 
 #: The element types of quantized maps (x, y) and of their zero points.
 QUANTIZED_TYPES = frozenset(np.dtype(n) for n in ("int8", "uint8"))
@@ -177,4 +177,56 @@ define("quantized_matmul", infer=_infer_quantized_matmul, reference=_ref_quantiz
     units; then optionally y_scale and y_zero_point (the result's int8 or uint8 type), else a
     float32 result. ``activation``, ``alpha``, ``beta`` as ``fused_linear``'s. The arithmetic:
     see :mod:`polyhal.ops.quantized`; within one quantization step of the reference.
+""")
+
+
+# ------------------------------------------------------------------------------ dynamic_quantize
+
+_U8 = np.dtype(np.uint8)
+_ZERO, _TOP = np.float32(0), np.float32(255)
+
+
+def _infer_dynamic_quantize(x):
+    if x.dtype != _F32:
+        raise DTypeError(f"x has element type {x.dtype}, expected float32")
+    return TensorType(x.shape, _U8), TensorType((), _F32), TensorType((), _U8)
+
+
+def dynamic_quantize_parameters(lo: np.float32, hi: np.float32) -> tuple[np.float32, np.float32]:
+    """The scale and (float) zero point DynamicQuantizeLinear takes from a tensor's least and
+    greatest values, in float32 as ONNX computes them; a tensor of zeros gets scale 0 and zero
+    point 0 (ONNX's formula divides 0 by 0 there)."""
+    zero, top = _ZERO, _TOP
+    if lo != lo or hi != hi:  # nan: no range (Python comparisons: a kernel calls this per run)
+        return np.float32(np.nan), zero
+    lo, hi = (lo if lo < zero else zero), (hi if hi > zero else zero)
+    scale = np.float32((hi - lo) / top)
+    if not scale > 0:  # zeros: no range to spread
+        return scale, zero
+    return scale, min(max(np.rint(zero - lo / scale), zero), top)
+
+
+def _ref_dynamic_quantize(x):
+    flat = np.asarray(x, _F32).reshape(-1)
+    lo, hi = (flat.min(), flat.max()) if flat.size else (np.float32(0), np.float32(0))
+    scale, zp = dynamic_quantize_parameters(lo, hi)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        y = np.clip(np.rint(x / scale) + zp, 0, 255) if scale > 0 else np.zeros_like(x)
+    return y.astype(_U8), np.array(scale, _F32), np.array(zp, _U8)
+
+
+def _sample_dynamic_quantize(rng: np.random.Generator):
+    shape = tuple(int(v) for v in rng.integers(1, 9, size=int(rng.integers(1, 4))))
+    return [(rng.standard_normal(shape) * rng.uniform(0.1, 10) + rng.uniform(-2, 2)).astype(_F32)], {}
+
+
+define("dynamic_quantize", infer=_infer_dynamic_quantize, reference=_ref_dynamic_quantize,
+       sample=_sample_dynamic_quantize, arity=1, tolerance=(0.0, 0.0), doc="""
+    ONNX's DynamicQuantizeLinear: float32 x quantized to uint8 over its own range widened to
+    include 0, returning (y, scale, zero_point): ``scale = (max(x, 0) - min(x, 0)) / 255``,
+    ``zero_point = saturate(round(-min(x, 0) / scale))``, ``y = saturate(round(x / scale) +
+    zero_point)``, rounding half to even, in float32. One op, so that a device runs the two
+    reductions and the quantization as one kernel (onnxruntime's dynamic int8 models quantize
+    every matmul's input this way); devices without its kernel get the elementwise ops
+    (:mod:`polyhal.passes.decompose`). A tensor of zeros gets scale 0 and zero point 0.
 """)

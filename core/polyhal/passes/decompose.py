@@ -1,5 +1,8 @@
 """Decompose ops that no compile-time device has a kernel for into core ops every backend has.
 
+``dynamic_quantize`` (ONNX's DynamicQuantizeLinear) becomes its two reductions and elementwise
+ops. Recurrent layers are the larger case:
+
 A recurrent layer (``rnn``, ``gru``, ``lstm``: :mod:`polyhal.ops.recurrent`) is one op so that a
 device with a loop kernel (the CPU) runs the whole sequence in one dispatch. A device without
 one -- an OpenCL device, whose table has no host fallback -- would otherwise refuse the model;
@@ -173,8 +176,21 @@ def _recurrent(e: _Emitter, op: Op) -> tuple[Value, ...]:
 
 
 #: op name -> ``decomposition(emitter, op) -> results``.
+def _dynamic_quantize(e: _Emitter, op: Op) -> tuple[Value, ...]:
+    """``dynamic_quantize`` as ONNX writes DynamicQuantizeLinear's arithmetic, op by op (a tensor
+    of zeros divides 0 by 0 here: its kernels give scale 0 and zero point 0 instead)."""
+    x = op.inputs[0]
+    zero, top = e.const(0, np.float32), e.const(255, np.float32)
+    lo = e.op("minimum", e.op("reduce_min", x), zero)
+    hi = e.op("maximum", e.op("reduce_max", x), zero)
+    scale = e.op("div", e.op("sub", hi, lo), top)
+    zp = e.op("maximum", e.op("minimum", e.op("round", e.op("sub", zero, e.op("div", lo, scale))), top), zero)
+    y = e.op("maximum", e.op("minimum", e.op("add", e.op("round", e.op("div", x, scale)), zp), top), zero)
+    return e.op("cast", y, dtype="uint8"), scale, e.op("cast", zp, dtype="uint8")
+
+
 DECOMPOSITIONS: dict[str, Callable[[_Emitter, Op], tuple[Value, ...]]] = {
-    "rnn": _recurrent, "gru": _recurrent, "lstm": _recurrent,
+    "rnn": _recurrent, "gru": _recurrent, "lstm": _recurrent, "dynamic_quantize": _dynamic_quantize,
 }
 
 

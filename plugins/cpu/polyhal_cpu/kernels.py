@@ -37,6 +37,7 @@ from polyhal.hal.scratch import MemorySpace, ScratchDecl
 from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
+from polyhal.ops.quantized import dynamic_quantize_parameters
 from polyhal_cpu import blas, native, onednn_kernels, onednn_normalization
 from polyhal_cpu import queue_layout as layout
 # The other kernel modules register the rest of the op set in TABLE when imported.
@@ -359,6 +360,43 @@ def _where(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ke
             both(xb[start:stop], m, out=ob[start:stop])
             either(ob[start:stop], rest, out=ob[start:stop])
     return select
+
+
+def _quantize_bytes(problem, _workgroup_size: int) -> int:
+    return 4 * max(1, min(problem.in_types[0].size, _SELECT_PIECE))
+
+
+@TABLE.register("dynamic_quantize", scratch=[
+    ScratchDecl("quantized", shared=True, per_launch=_quantize_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a piece of x / scale before its rounding and saturation")])
+def _dynamic_quantize(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    """ONNX's DynamicQuantizeLinear in one dispatch: the two reductions, then the quantization
+    over cache-sized pieces (divide, round half to even, add the zero point, saturate, narrow),
+    the float32 arithmetic of the op's definition (:mod:`polyhal.ops.quantized`)."""
+    n = ins[0].size
+    piece = max(1, min(n, _SELECT_PIECE))
+    work = scratch_array(scratch, "quantized", np.float32, (piece,))
+    zero, top = np.float32(0), np.float32(255)
+    parameters = dynamic_quantize_parameters
+    divide, rint, add, minimum, maximum, copyto = np.divide, np.rint, np.add, np.minimum, np.maximum, np.copyto
+
+    def kernel(x, y, scale, zero_point):
+        flat, out = x.reshape(-1), y.reshape(-1)
+        s, zp = parameters(flat.min(), flat.max()) if n else (zero, zero)
+        scale[...], zero_point[...] = s, zp
+        if not s > 0:  # zeros (or nan): every element is the zero point, 0
+            out[...] = 0
+            return
+        for start in range(0, n, piece):
+            stop = min(n, start + piece)
+            w = work[:stop - start]
+            divide(flat[start:stop], s, out=w)
+            rint(w, out=w)
+            add(w, zp, out=w)
+            minimum(w, top, out=w)  # np.clip costs ~3 us more a call
+            maximum(w, zero, out=w)
+            copyto(out[start:stop], w, casting="unsafe")
+    return kernel
 
 
 @TABLE.register("cast")

@@ -21,7 +21,7 @@ import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.elementwise import cast
-from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _UINT8, _dequantized, _quantize, _saturate
+from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _dequantized, _quantize, _saturate
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
@@ -148,14 +148,8 @@ def _integer_matmul(ctx: NodeContext, a, b, sa, sb, za, zb, bias):
 def _dynamic_quantize_matmul(ctx: NodeContext) -> list:
     a, b, sb, zb, bias = (ctx.input(i) for i in range(5))
     # A quantized to uint8 over its whole range as DynamicQuantizeLinear does (onnxruntime's kernel).
-    zero = ctx.scalar(0, _F32)
-    lo = ctx.op("minimum", ctx.op("reduce_min", a), zero)
-    hi = ctx.op("maximum", ctx.op("reduce_max", a), zero)
-    sa = ctx.op("div", ctx.op("sub", hi, lo), ctx.scalar(255, _F32))
-    za = ctx.op("maximum", ctx.op("minimum", ctx.op("round", ctx.op("sub", zero, ctx.op("div", lo, sa))),
-                                  ctx.scalar(255, _F32)), zero)
-    aq = _saturate(ctx, ctx.op("add", ctx.op("round", ctx.op("div", a, sa)), za), _UINT8)
-    return [_integer_matmul(ctx, aq, b, sa, sb, cast(ctx, za, _UINT8), zb, bias)]
+    aq, sa, za = ctx.op("dynamic_quantize", a)
+    return [_integer_matmul(ctx, aq, b, sa, sb, za, zb, bias)]
 
 
 # -------------------------------------------------------------------- float op between Q/DQ

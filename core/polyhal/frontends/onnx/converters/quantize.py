@@ -121,15 +121,7 @@ def _dequantize_linear(ctx: NodeContext) -> list:
 
 @converter("DynamicQuantizeLinear")
 def _dynamic_quantize_linear(ctx: NodeContext) -> list:
-    x = ctx.input(0)
-    zero = ctx.scalar(0, _F32)
-    lo = ctx.op("minimum", ctx.op("reduce_min", x), zero)
-    hi = ctx.op("maximum", ctx.op("reduce_max", x), zero)
-    scale = ctx.op("div", ctx.op("sub", hi, lo), ctx.scalar(255, _F32))
-    zp_f = ctx.op("round", ctx.op("sub", zero, ctx.op("div", lo, scale)))
-    zp_f = ctx.op("maximum", ctx.op("minimum", zp_f, ctx.scalar(255, _F32)), zero)
-    y = ctx.op("add", ctx.op("round", ctx.op("div", x, scale)), zp_f)
-    return [_saturate(ctx, y, _UINT8), scale, cast(ctx, zp_f, _UINT8)]
+    return list(ctx.op("dynamic_quantize", ctx.input(0)))
 
 
 def _dequantized(ctx: NodeContext, x, scale, zero_point, axis: int):
