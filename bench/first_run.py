@@ -13,7 +13,8 @@ Rows:
   folders), so the compiled loops module is not there; the process starts its build in the
   background and runs on the library kernels. Target: <= 10 s.
 - "warm": a later process, once that build has ended (the bench waits for it: a few minutes on
-  2 cores). Target: <= 1 s.
+  2 cores). Target: <= 1 s. (``python -m bench later_run`` measures this row alone, on the
+  environment's own caches, with the CPU seconds and the slowest imports of the process.)
 - "steady": the job's plan run in one process with the module loaded, and the same with the
   library kernels only (what the cold process runs on), each paired with onnxruntime's run
   (alternating, so that load hits both alike). Target for the loaded module: <= 1.4x onnxruntime
