@@ -5,7 +5,8 @@ and the CPU seconds it took, against onnxruntime's session creation and first ru
 nothing (minutes on 2 cores per cold sample); this bench measures only what a user meets on
 every run after the first: ``polyhal run examples/transformer_block.onnx --dim seq=128 --repeat
 20`` as a fresh process, the caches (``POLYHAL_CPU_CACHE_DIR``, ``NUMBA_CACHE_DIR``, the ONNX
-checker's cache) those of the environment it runs in. When the compiled loops module is not
+checker's cache, Python's byte code: see :func:`bench.first_run.bytecode_env`) those of the
+environment it runs in. When the compiled loops module is not
 there yet, one run starts its build and the bench waits for it (as first_run does).
 
 Each sample is a polyhal process and an onnxruntime process, in turn (load from other processes
@@ -27,7 +28,8 @@ import subprocess
 import sys
 import time
 
-from bench.first_run import _ORT, _POLYHAL, JOB, MODEL, ROOT, WARM_TARGET_S, _wait_for_build, first_output_seconds
+from bench.first_run import (_ORT, _POLYHAL, JOB, MODEL, ROOT, WARM_TARGET_S, _wait_for_build, bytecode_env,
+                             first_output_seconds)
 from bench.harness import RESULTS, Row, machine
 
 #: Rows of the -X importtime table kept (the slowest modules, by cumulative time).
@@ -79,11 +81,11 @@ def _importtime(env: dict[str, str], suffix: str) -> list[tuple[int, int, str]]:
 def run(args) -> list[Row]:
     if (args.device or "cpu:0") != "cpu:0":
         print("later_run: measures the CPU backend (cpu:0) only")
-    env = {**os.environ, "POLYHAL_CPU_AOT_WAIT": "0",
+    env = {**bytecode_env(), "POLYHAL_CPU_AOT_WAIT": "0",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     polyhal_cmd = [sys.executable, "-c", _POLYHAL, *JOB]
     ort_cmd = [sys.executable, "-c", _ORT.format(path=str(MODEL))]
-    first_output_seconds(polyhal_cmd, env)  # fills the ONNX cache; starts the loops' build if missing
+    first_output_seconds(polyhal_cmd, env)  # fills the ONNX cache and the byte code; starts the loops' build if missing
     cache = _cpu_cache()
     build = _wait_for_build(cache) if cache is not None else "off"
     n = 3 if args.quick else 9
