@@ -44,6 +44,16 @@ def test_a_later_polyhal_run_imports_neither_onnx_nor_ml_dtypes(tmp_path):
     assert _fresh(code, env) == "0 False False"  # a later one reads the checked model back
 
 
+def test_a_later_session_imports_neither_onnx_nor_ml_dtypes(tmp_path):
+    code = ("import sys, numpy as np, polyhal\n"
+            "s = polyhal.InferenceSession('examples/transformer_block.onnx', 'cpu:0')\n"
+            "(y,) = s.run(None, {'x': np.ones((1, 128, 128), np.float32)})\n"
+            "print(s.get_inputs()[0].type, y.shape, 'onnx' in sys.modules, 'ml_dtypes' in sys.modules)")
+    env = {"POLYHAL_ONNX_CACHE_DIR": str(tmp_path / "onnx")}
+    assert _fresh(code, env) == "tensor(float) (1, 128, 128) True True"
+    assert _fresh(code, env) == "tensor(float) (1, 128, 128) False False"
+
+
 _NUMPY_TYPES = [np.float32, np.float64, np.float16, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
                 np.uint32, np.uint64, np.bool_, np.complex64, np.complex128]
 
@@ -90,6 +100,7 @@ def test_dtype_maps_agree_with_helper():
                 proto.np_dtype_of(elem)
             continue
         assert proto.np_dtype_of(elem) == expected
+        assert proto.elem_type_name(elem) == helper.tensor_dtype_to_string(elem)
         if elem != onnx.TensorProto.STRING:
             assert proto.elem_type_of(expected) == helper.np_dtype_to_tensor_dtype(expected)
 

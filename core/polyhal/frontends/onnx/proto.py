@@ -15,8 +15,8 @@ initializers are raw little-endian bytes and the attributes plain fields. So thi
   once, so a later ``import onnx`` finds the very same classes (``onnx.ModelProto is
   pb.ModelProto``; tests/test_onnx_proto.py holds it to that). With another runtime, or an onnx
   whose files are laid out otherwise, ``onnx`` is imported as before;
-- :func:`np_dtype_of`, :func:`elem_type_of`, :func:`to_array`, :func:`attribute_value`,
-  :func:`tensor_value_info`: onnx's ``helper``/``numpy_helper`` answers for the common cases,
+- :func:`np_dtype_of`, :func:`elem_type_of`, :func:`elem_type_name`, :func:`to_array`,
+  :func:`attribute_value`, :func:`tensor_value_info`: onnx's ``helper``/``numpy_helper`` answers for the common cases,
   computed here; every other case (bfloat16, float8, 4- and 2-bit types, external data, a
   big-endian host) is handed to onnx's own functions;
 - :func:`onnx_package`: ``onnx`` itself, imported on first use (the checker, shape inference,
@@ -33,7 +33,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-__all__ = ["attribute_value", "elem_type_of", "np_dtype_of", "onnx_package", "pb", "tensor_value_info", "to_array"]
+__all__ = ["attribute_value", "elem_type_name", "elem_type_of", "np_dtype_of", "onnx_package", "pb", "tensor_value_info",
+           "to_array"]
 
 #: The private name under which onnx's message module runs when onnx itself is not imported.
 _PRIVATE_NAME = "polyhal.frontends.onnx._onnx_ml_pb2"
@@ -96,6 +97,13 @@ def elem_type_of(dtype: Any) -> int:
     dtype = np.dtype(dtype)
     found = _ELEM_TYPES.get(dtype)
     return found if found is not None else onnx_package().helper.np_dtype_to_tensor_dtype(dtype)
+
+
+def elem_type_name(elem_type: int) -> str:
+    """``onnx.helper.tensor_dtype_to_string(elem_type)`` (``"TensorProto.FLOAT"``)."""
+    if elem_type in _NUMPY_TYPES:
+        return f"TensorProto.{_T.DataType.Name(elem_type)}"
+    return onnx_package().helper.tensor_dtype_to_string(elem_type)
 
 
 def to_array(tensor: Any) -> np.ndarray:
