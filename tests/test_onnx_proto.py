@@ -34,24 +34,25 @@ def test_messages_are_onnx_own_classes_whichever_is_imported_first():
     assert proto.pb.ModelProto is onnx.ModelProto  # this process: onnx was imported first
 
 
-def test_a_later_polyhal_run_imports_neither_onnx_nor_ml_dtypes(tmp_path):
-    code = ("import sys, io, contextlib\nfrom polyhal.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    status = main(['run', 'examples/transformer_block.onnx', '--dim', 'seq=128', '--device', 'cpu:0'])\n"
-            "print(status, 'onnx' in sys.modules, 'ml_dtypes' in sys.modules)")
-    env = {"POLYHAL_ONNX_CACHE_DIR": str(tmp_path / "onnx")}
-    assert _fresh(code, env) == "0 True True"  # the first checks the model: onnx's checker
-    assert _fresh(code, env) == "0 False False"  # a later one reads the checked model back
+_LATER = {
+    "polyhal run": ("import io, contextlib\nfrom polyhal.cli import main\n"
+                    "with contextlib.redirect_stdout(io.StringIO()):\n"
+                    "    status = main(['run', 'examples/transformer_block.onnx', '--dim', 'seq=128', '--device', 'cpu:0'])\n"
+                    "print(status, end=' ')", "0"),
+    "InferenceSession": ("import numpy as np, polyhal\n"
+                         "s = polyhal.InferenceSession('examples/transformer_block.onnx', 'cpu:0')\n"
+                         "(y,) = s.run(None, {'x': np.ones((1, 128, 128), np.float32)})\n"
+                         "print(s.get_inputs()[0].type, y.shape, end=' ')", "tensor(float) (1, 128, 128)"),
+}
 
 
-def test_a_later_session_imports_neither_onnx_nor_ml_dtypes(tmp_path):
-    code = ("import sys, numpy as np, polyhal\n"
-            "s = polyhal.InferenceSession('examples/transformer_block.onnx', 'cpu:0')\n"
-            "(y,) = s.run(None, {'x': np.ones((1, 128, 128), np.float32)})\n"
-            "print(s.get_inputs()[0].type, y.shape, 'onnx' in sys.modules, 'ml_dtypes' in sys.modules)")
+@pytest.mark.parametrize("how", sorted(_LATER))
+def test_a_later_process_imports_neither_onnx_nor_ml_dtypes(tmp_path, how):
+    job, output = _LATER[how]
+    code = f"import sys\n{job}\nprint('onnx' in sys.modules, 'ml_dtypes' in sys.modules)"
     env = {"POLYHAL_ONNX_CACHE_DIR": str(tmp_path / "onnx")}
-    assert _fresh(code, env) == "tensor(float) (1, 128, 128) True True"
-    assert _fresh(code, env) == "tensor(float) (1, 128, 128) False False"
+    assert _fresh(code, env) == f"{output} True True"  # the first checks the model: onnx's checker
+    assert _fresh(code, env) == f"{output} False False"  # a later one reads the checked model back
 
 
 _NUMPY_TYPES = [np.float32, np.float64, np.float16, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
