@@ -39,6 +39,10 @@ _LATER = {
                     "with contextlib.redirect_stdout(io.StringIO()):\n"
                     "    status = main(['run', 'examples/transformer_block.onnx', '--dim', 'seq=128', '--device', 'cpu:0'])\n"
                     "print(status, end=' ')", "0"),
+    "polyhal run, every device": ("import io, contextlib\nfrom polyhal.cli import main\n"
+                                  "with contextlib.redirect_stdout(io.StringIO()):\n"
+                                  "    status = main(['run', 'examples/transformer_block.onnx', '--dim', 'seq=128'])\n"
+                                  "print(status, end=' ')", "0"),  # (every backend lists its devices)
     "InferenceSession": ("import numpy as np, polyhal\n"
                          "s = polyhal.InferenceSession('examples/transformer_block.onnx', 'cpu:0')\n"
                          "(y,) = s.run(None, {'x': np.ones((1, 128, 128), np.float32)})\n"
