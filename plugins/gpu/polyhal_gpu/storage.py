@@ -21,18 +21,19 @@ import functools
 from importlib import resources
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from polyhal.ir.types import STORAGE_DTYPES, storage_bits
+from polyhal.ir.types import STORAGE_DTYPES, DTypeSet, storage_bits
 
 #: The conversion source, under ``polyhal_gpu/cu/``.
 SOURCE = "storage_types.h"
 #: The ops whose GPU kernels take storage-typed operands (see the module docstring).
 STORAGE_OPS = frozenset({"cast", "identity", "bitcast"})
 #: The sub-byte integer types: decoded to ``int``, encoded from ``int`` (wrapping).
-#: (ml_dtypes' types all report numpy kind 'V'.)
-_INTEGER = frozenset(d for d in STORAGE_DTYPES if d.name in ("int4", "uint4", "int2", "uint2"))
+#: (ml_dtypes' types all report numpy kind 'V'.) A DTypeSet: asking imports no ml_dtypes (0.5 s
+#: with 0.7: see polyhal.frontends.onnx.proto) where none of its types can exist yet, as when a
+#: backend lists its devices and kernels.
+_INTEGER = DTypeSet(("int4", "uint4", "int2", "uint2"))
 #: The sources wider than float32 (C type in ``c/storage_types.h``): rounded to float32 to odd,
 #: so that encoding them rounds once, from their own value.
 _WIDE = {np.dtype(np.float64): "double", np.dtype(np.int32): "int", np.dtype(np.uint32): "unsigned int",
@@ -76,6 +77,8 @@ def cast_expr(src: Any, dst: Any, value: str) -> str:
                 value = f"ph_round_to_odd(ph_rtz({value}), ({_WIDE[src]})ph_rtz({value}) != ({value}))"
             return f"ph_encode_{dst.name}((float)({value}))"
         if real:  # range checked before converting: C leaves (int) of nan and large values undefined
+            import ml_dtypes  # (imported already: ``dst`` is one of its types)
+
             info = ml_dtypes.iinfo(dst)
             value = f"(({value}) > {info.min - 1}.0f && ({value}) < {info.max + 1}.0f ? (int)({value}) : 0)"
         return f"ph_encode_{dst.name}((int)({value}))"

@@ -12,7 +12,10 @@
   (``python -m polyhal.frontends.onnx.node_tests``);
 * ``polyhal run MODEL.onnx`` (:mod:`~polyhal.frontends.onnx.run`): the command line.
 
-Importing this package imports ``onnx``; ``import polyhal`` does not.
+``import polyhal`` does not import this package. Importing it, or loading a model whose checked
+copy is cached (:mod:`~polyhal.frontends.onnx.validation`) and whose types are numpy's, imports
+ONNX's protobuf messages but not ``onnx`` (:mod:`~polyhal.frontends.onnx.proto` says why); the
+checker, shape inference, op schemas and ml_dtypes' types import it when first needed.
 """
 
 from polyhal.frontends.onnx.converters import CONVERTERS

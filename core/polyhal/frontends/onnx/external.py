@@ -30,24 +30,22 @@ import re
 from typing import Iterator
 
 import numpy as np
-import onnx
-from onnx import helper, numpy_helper
-from onnx.external_data_helper import ExternalDataInfo, load_external_data_for_tensor
 
 from polyhal.frontends.onnx.errors import OnnxModelError, first_line
+from polyhal.frontends.onnx.proto import np_dtype_of, onnx_package, pb, to_array
 
 __all__ = ["load_external_data", "tensor_array"]
 
-_ATTR = onnx.AttributeProto
+_ATTR = pb.AttributeProto
 #: Attribute types that hold tensors, or graphs that may.
 _HOLDS_TENSORS = frozenset({_ATTR.TENSOR, _ATTR.TENSORS, _ATTR.SPARSE_TENSOR, _ATTR.SPARSE_TENSORS, _ATTR.GRAPH,
                             _ATTR.GRAPHS})
 #: Bits per element of the types ONNX packs several to a byte.
-_SUB_BYTE_BITS = {getattr(onnx.TensorProto, name): bits for name, bits in [
-    ("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)] if hasattr(onnx.TensorProto, name)}
+_SUB_BYTE_BITS = {getattr(pb.TensorProto, name): bits for name, bits in [
+    ("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)] if hasattr(pb.TensorProto, name)}
 
 
-def load_external_data(model: onnx.ModelProto, folder: str | None, source: str) -> None:
+def load_external_data(model: pb.ModelProto, folder: str | None, source: str) -> None:
     """Read into ``model`` the data of every tensor that keeps it in an external file, from
     ``folder`` (the folder of the model's file; None for a model that has none), with the rules
     of the module doc; afterwards no tensor of ``model`` points at a file.
@@ -57,7 +55,7 @@ def load_external_data(model: onnx.ModelProto, folder: str | None, source: str) 
             external data in a model with no folder (nothing of ``model`` is changed then).
     """
     for where, tensor in _tensors(model):
-        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        if tensor.data_location != pb.TensorProto.EXTERNAL:
             continue
         what = f"{source}: {where}"
         if folder is None:
@@ -67,27 +65,27 @@ def load_external_data(model: onnx.ModelProto, folder: str | None, source: str) 
         _read(tensor, folder, what)
 
 
-def tensor_array(tensor: onnx.TensorProto, what: str) -> np.ndarray:
+def tensor_array(tensor: pb.TensorProto, what: str) -> np.ndarray:
     """``numpy_helper.to_array`` of a tensor that holds its data; a tensor still pointing at an
     external file is refused, since to_array would look for it in the working directory."""
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+    if tensor.data_location == pb.TensorProto.EXTERNAL:
         raise OnnxModelError(f"{what} keeps its data in an external file ({_location(tensor)!r}); load the "
                              "model from its path so that the file is read from the model's folder")
-    return numpy_helper.to_array(tensor)
+    return to_array(tensor)
 
 
-def _tensors(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+def _tensors(model: pb.ModelProto) -> Iterator[tuple[str, pb.TensorProto]]:
     """(where, tensor) for every TensorProto of ``model``, at every depth: initializers and
     sparse initializers of the graph and of every subgraph, and tensor attributes of every node
     (graphs, functions and training graphs alike). A stack, not recursion: nesting is data.
     Attributes are taken by their type, as everything that reads them does (a tensor set on an
     attribute of another type is never read); labels are made only for what is yielded."""
-    stack: list[tuple[str, onnx.GraphProto | onnx.FunctionProto]] = [("", model.graph)]
+    stack: list[tuple[str, pb.GraphProto | pb.FunctionProto]] = [("", model.graph)]
     stack += [(f"function {f.name!r} > ", f) for f in model.functions]
     stack += [(f"training graph {g.name!r} > ", g) for t in model.training_info for g in (t.initialization, t.algorithm)]
     while stack:
         where, graph = stack.pop()
-        if isinstance(graph, onnx.GraphProto):
+        if isinstance(graph, pb.GraphProto):
             for t in graph.initializer:
                 yield f"{where}initializer {t.name!r}", t
             for s in graph.sparse_initializer:
@@ -113,18 +111,18 @@ def _tensors(model: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
                     stack.extend((f"{label} > {a.name}[{i}] > ", g) for i, g in enumerate(a.graphs))
 
 
-def _sparse(where: str, sparse: onnx.SparseTensorProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+def _sparse(where: str, sparse: pb.SparseTensorProto) -> Iterator[tuple[str, pb.TensorProto]]:
     yield f"{where} (values)", sparse.values
     yield f"{where} (indices)", sparse.indices
 
 
-def _location(tensor: onnx.TensorProto) -> str:
+def _location(tensor: pb.TensorProto) -> str:
     return next((e.value for e in reversed(tensor.external_data) if e.key == "location"), "")  # onnx: the last
 
 
-def _read(tensor: onnx.TensorProto, folder: str, what: str) -> None:
+def _read(tensor: pb.TensorProto, folder: str, what: str) -> None:
     try:
-        info = ExternalDataInfo(tensor)  # onnx: spec keys only, offset and length non-negative integers
+        info = onnx_package().external_data_helper.ExternalDataInfo(tensor)  # onnx: spec keys only, offset and length non-negative integers
     except ValueError as exc:
         raise OnnxModelError(f"{what} has malformed external data: {exc}") from None
     folder = os.path.realpath(folder)
@@ -148,13 +146,14 @@ def _read(tensor: onnx.TensorProto, folder: str, what: str) -> None:
     for entry in tensor.external_data:
         if entry.key == "location":
             entry.value = relative
+    onnx = onnx_package()
     try:
-        load_external_data_for_tensor(tensor, folder)
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, folder)
     except (OSError, ValueError, onnx.checker.ValidationError) as exc:
         raise OnnxModelError(f"{what}: cannot read its external data: {first_line(exc)}") from None
     if len(tensor.raw_data) != need:  # the file changed under us
         raise OnnxModelError(f"{what}: {info.location!r} changed while it was read; load the model again")
-    tensor.data_location = onnx.TensorProto.DEFAULT
+    tensor.data_location = pb.TensorProto.DEFAULT
     del tensor.external_data[:]
 
 
@@ -182,12 +181,12 @@ def _inside(folder: str, location: str, what: str) -> str:
     return os.path.relpath(target, folder)
 
 
-def _nbytes(tensor: onnx.TensorProto, what: str) -> int:
+def _nbytes(tensor: pb.TensorProto, what: str) -> int:
     """The bytes a tensor's type and dims take as raw data."""
-    if tensor.data_type == onnx.TensorProto.STRING:
+    if tensor.data_type == pb.TensorProto.STRING:
         raise OnnxModelError(f"{what} is a string tensor with external data; ONNX keeps strings in the model")
     try:
-        itemsize = helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+        itemsize = np_dtype_of(tensor.data_type).itemsize
     except (KeyError, ValueError, TypeError):
         raise OnnxModelError(f"{what} has element type {tensor.data_type}, which ONNX does not define") from None
     if any(d < 0 for d in tensor.dims):

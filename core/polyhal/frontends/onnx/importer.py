@@ -37,11 +37,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-import ml_dtypes
 import numpy as np
-import onnx
 from google.protobuf.message import DecodeError, Message
-from onnx import helper, numpy_helper
 
 from polyhal.config import parse_size
 from polyhal.errors import DTypeError, PolyhalError
@@ -50,6 +47,7 @@ from polyhal.frontends.onnx.errors import (
     StrictPlacementError, first_line as _first_line,
 )
 from polyhal.frontends.onnx.external import load_external_data, tensor_array
+from polyhal.frontends.onnx.proto import onnx_package, pb, tensor_value_info
 from polyhal.frontends.onnx.settings import FOLD_LIMIT, OnnxSettings
 from polyhal.frontends.onnx.converters import convert_node
 from polyhal.frontends.onnx.dynamic import (
@@ -62,7 +60,7 @@ from polyhal.frontends.onnx.types import (
     STRING_DTYPE, Dynamic, HostOutput, HostValue, as_strings, is_strings, np_dtype, value_dtype,
 )
 from polyhal.ir.program import Program, ProgramBuilder, Value
-from polyhal.ir.types import STORAGE_DTYPES, SymbolicDim, TensorType
+from polyhal.ir.types import STORAGE_DTYPES, DTypeSet, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
 from polyhal.passes.decompose import DECOMPOSITIONS
 from polyhal.plan import compile as polyhal_compile, cycle_collection_paused
@@ -93,7 +91,7 @@ Val = Any  # np.ndarray (known at import time) or Value (computed when the plan 
 
 # ------------------------------------------------------------------------------------- types
 
-def _declared(type_proto: onnx.TypeProto) -> tuple[int | None, tuple | None]:
+def _declared(type_proto: pb.TypeProto) -> tuple[int | None, tuple | None]:
     """(elem_type, dims) of a tensor TypeProto; a dim is an int or None (symbolic/unknown);
     dims is None when the rank is unknown. Non-tensor types give (None, None)."""
     if type_proto.WhichOneof("value") != "tensor_type":
@@ -106,9 +104,9 @@ def _declared(type_proto: onnx.TypeProto) -> tuple[int | None, tuple | None]:
     return elem, dims
 
 
-def _fmt_declared(elem: int | None, dims: tuple | None, type_proto: onnx.TypeProto | None = None) -> str:
+def _fmt_declared(elem: int | None, dims: tuple | None, type_proto: pb.TypeProto | None = None) -> str:
     try:
-        name = onnx.TensorProto.DataType.Name(elem).lower() if elem else "?"
+        name = pb.TensorProto.DataType.Name(elem).lower() if elem else "?"
     except ValueError:
         name = f"type{elem}"
     if dims is None:
@@ -402,19 +400,19 @@ class OnnxProgram(Program):
 
 # --------------------------------------------------------------------------------- reading
 
-def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
+def read_model(model: Any) -> tuple[pb.ModelProto, str]:
     """The ModelProto of ``model`` (path, bytes, file object or ModelProto) and a name for
     messages; OnnxModelError when it is not a readable ONNX model."""
     proto, source, _ = _read(model, split=False)
     return proto, source
 
 
-def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.ndarray]]:
+def _read(model: Any, split: bool) -> tuple[pb.ModelProto, str, dict[str, np.ndarray]]:
     """:func:`read_model`, and with ``split`` a model file's large initializers read straight
     into arrays (:mod:`polyhal.frontends.onnx.wire`): the ModelProto then holds them as
     placeholders (name, type and dims, no data), and the arrays come third, by name."""
     base_dir, arrays = None, {}
-    if isinstance(model, onnx.ModelProto):
+    if isinstance(model, pb.ModelProto):
         source = model.graph.name or "<model>"
         load_external_data(model, None, source)  # refuses external data (no folder): changes nothing
         return model, source, arrays
@@ -439,7 +437,7 @@ def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.n
         base_dir = os.path.dirname(os.path.abspath(path))
     if not data:
         raise OnnxModelError(f"{source}: empty file, not an ONNX model")
-    proto = onnx.ModelProto()
+    proto = pb.ModelProto()
     try:
         proto.ParseFromString(data)
     except (DecodeError, ValueError, RuntimeError) as exc:
@@ -453,7 +451,7 @@ def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.n
     return proto, source, arrays
 
 
-def default_opset(model: onnx.ModelProto, source: str) -> int:
+def default_opset(model: pb.ModelProto, source: str) -> int:
     """The model's default-domain opset, checked against :data:`SUPPORTED_OPSETS`."""
     if not model.opset_import:
         raise OnnxModelError(f"{source}: the model imports no opset (opset_import is empty); is it truncated?")
@@ -472,16 +470,17 @@ def default_opset(model: onnx.ModelProto, source: str) -> int:
     return opset
 
 
-def _same_ops_since(graph: onnx.GraphProto, old: int, new: int) -> bool:
+def _same_ops_since(graph: pb.GraphProto, old: int, new: int) -> bool:
     """Whether every default-domain op of ``graph`` has one definition from opset ``old`` to
     ``new`` (e.g. Not, unchanged since opset 1): such a model means what it would at ``new``."""
     for node in graph.node:
         if node.domain not in _DEFAULT_DOMAINS or any(a.g.node or a.graphs for a in node.attribute):
             return False
+        defs = onnx_package().defs
         try:
-            if onnx.defs.get_schema(node.op_type, old).since_version != onnx.defs.get_schema(node.op_type, new).since_version:
+            if defs.get_schema(node.op_type, old).since_version != defs.get_schema(node.op_type, new).since_version:
                 return False
-        except onnx.defs.SchemaError:
+        except defs.SchemaError:
             return False
     return True
 
@@ -490,8 +489,8 @@ def _same_ops_since(graph: onnx.GraphProto, old: int, new: int) -> bool:
 STRIP_ABOVE = 1024
 
 
-def _strip_weights(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray] | None = None
-                   ) -> tuple[onnx.ModelProto, dict[str, onnx.TensorProto | np.ndarray]]:
+def _strip_weights(model: pb.ModelProto, arrays: Mapping[str, np.ndarray] | None = None
+                   ) -> tuple[pb.ModelProto, dict[str, pb.TensorProto | np.ndarray]]:
     """A copy of ``model`` without the data of its large top-level initializers, and those
     initializers by name (the TensorProtos of ``model`` itself, not copies; for the
     placeholders of initializers read into ``arrays``, the arrays).
@@ -505,10 +504,10 @@ def _strip_weights(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray] | No
     """
     graph, arrays = model.graph, arrays or {}
     weights = {t.name: arrays.get(t.name, t) for t in graph.initializer if t.name in arrays or (
-        len(t.raw_data) > STRIP_ABOVE and t.data_location != onnx.TensorProto.EXTERNAL)}
+        len(t.raw_data) > STRIP_ABOVE and t.data_location != pb.TensorProto.EXTERNAL)}
     if not weights:
         return model, {}
-    light = onnx.ModelProto()
+    light = pb.ModelProto()
     for fd, value in model.ListFields():
         if fd.name != "graph":
             _copy_field(light, fd, value)
@@ -520,7 +519,7 @@ def _strip_weights(model: onnx.ModelProto, arrays: Mapping[str, np.ndarray] | No
         if t.name not in weights:
             light.graph.initializer.append(t)
         elif t.name not in declared:
-            light.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+            light.graph.input.append(tensor_value_info(t.name, t.data_type, list(t.dims)))
     return light, weights
 
 
@@ -538,8 +537,8 @@ def _copy_field(dst: Any, fd: Any, value: Any) -> None:
                              "or was not written as ONNX") from None
 
 
-def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
-                          weights: Mapping[str, onnx.TensorProto | np.ndarray]) -> onnx.ModelProto:
+def _restore_placeholders(model: pb.ModelProto, original: pb.ModelProto,
+                          weights: Mapping[str, pb.TensorProto | np.ndarray]) -> pb.ModelProto:
     """Undo :func:`_strip_weights` on the (inferred) copy: the inputs it added go, and every
     stripped initializer comes back in its place as a TensorProto with name, type and dims but
     no data (:meth:`_Importer.initializer` reads the data from ``weights``)."""
@@ -554,12 +553,12 @@ def _restore_placeholders(model: onnx.ModelProto, original: onnx.ModelProto,
     for t in original.graph.initializer:
         w = weights.get(t.name)
         model.graph.initializer.append(stripped[t.name] if w is None else
-                                       onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
+                                       pb.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
     return model
 
 
-def _fill_placeholders(model: onnx.ModelProto, weights: Mapping[str, onnx.TensorProto | np.ndarray]
-                       ) -> onnx.ModelProto:
+def _fill_placeholders(model: pb.ModelProto, weights: Mapping[str, pb.TensorProto | np.ndarray]
+                       ) -> pb.ModelProto:
     """``model`` with the data of its placeholder initializers copied back in from ``weights``."""
     for t in model.graph.initializer:
         w = weights.get(t.name)
@@ -641,7 +640,7 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
             raise OnnxModelError(f"{source}: malformed model ({type(exc).__name__}: {_first_line(exc)})") from exc
 
     def staged() -> StagedOnnxProgram:
-        def segment(model: onnx.ModelProto, seg_shapes, seg_values) -> OnnxProgram:
+        def segment(model: pb.ModelProto, seg_shapes, seg_values) -> OnnxProgram:
             return _Importer(model, source, opset, seg_shapes, seg_values, {}, None, None, limit,
                              declared_outputs=outputs).run()
         # staging cuts submodels out of the whole model: the weights go back in
@@ -737,7 +736,7 @@ def _trim_heap() -> None:
         trim(0)
 
 
-def _check_symbols(graph_inputs: Iterable[onnx.ValueInfoProto], dims: Mapping[str, int], source: str) -> None:
+def _check_symbols(graph_inputs: Iterable[pb.ValueInfoProto], dims: Mapping[str, int], source: str) -> None:
     """Refuse ``dims`` naming a symbol that no input uses (a misspelt symbol would otherwise
     leave its dim at the default, or free, silently)."""
     symbols = {d.dim_param for vi in graph_inputs if vi.type.WhichOneof("value") == "tensor_type"
@@ -748,7 +747,7 @@ def _check_symbols(graph_inputs: Iterable[onnx.ValueInfoProto], dims: Mapping[st
                              f"their symbolic dims are {', '.join(sorted(symbols)) or '(none)'}")
 
 
-def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> list[InputSignature] | None:
+def _signature(model: pb.ModelProto, shapes, values, dims, default_dim) -> list[InputSignature] | None:
     """The run-time inputs of ``model`` with the dims ``shapes``, ``dims`` and ``default_dim`` fix
     put in; None when some input is not a tensor (the static import reports that)."""
     initialized = {t.name for t in model.graph.initializer}
@@ -780,8 +779,8 @@ def _signature(model: onnx.ModelProto, shapes, values, dims, default_dim) -> lis
 
 
 class _Importer:
-    def __init__(self, model: onnx.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name,
-                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, onnx.TensorProto | np.ndarray] | None = None,
+    def __init__(self, model: pb.ModelProto, source: str, opset: int, shapes, values, dims, default_dim, name,
+                 fold_limit: int = FOLD_LIMIT, weights: Mapping[str, pb.TensorProto | np.ndarray] | None = None,
                  declared_outputs: "_DeclaredOutputs | None" = None):
         self.model = model
         self.declared_outputs = declared_outputs or _DeclaredOutputs(False)
@@ -805,7 +804,7 @@ class _Importer:
         self.folded: list[str] = []
         self._const_values: dict[int, tuple[np.ndarray, Value]] = {}
         self._renamed: set[int] = set()
-        self.declared: dict[str, onnx.TypeProto] = {}
+        self.declared: dict[str, pb.TypeProto] = {}
         for vi in list(graph.value_info) + list(graph.output):
             self.declared[vi.name] = vi.type
         self.node_count = 0
@@ -868,11 +867,11 @@ class _Importer:
     def _emit_widened(self, label: str, op: str, inputs: Sequence[Val], attrs: Mapping[str, Any]) -> Any:
         """Op ``op`` computed in float32 on bfloat16 operands: they are cast to float32, the op
         runs, and its float32 results are rounded back to bfloat16 (see :data:`BFLOAT16`)."""
-        wide = [self.emit(label, "cast", [v], {"dtype": "float32"}) if self.type_of(v).dtype == BFLOAT16 else v
+        wide = [self.emit(label, "cast", [v], {"dtype": "float32"}) if self.type_of(v).dtype in BFLOAT16 else v
                 for v in inputs]
         result = self.emit(label, op, wide, attrs)
         results = result if isinstance(result, tuple) else (result,)
-        narrow = tuple(self.emit(label, "cast", [r], {"dtype": str(BFLOAT16)})
+        narrow = tuple(self.emit(label, "cast", [r], {"dtype": "bfloat16"})
                        if self.type_of(r).dtype == np.float32 else r for r in results)
         return narrow if isinstance(result, tuple) else narrow[0]
 
@@ -1022,7 +1021,7 @@ class _Importer:
                            host_feeds=self.host_feeds, host_outputs=host_outputs, host_reads=host_reads,
                            slots=slots)
 
-    def initializer(self, t: onnx.TensorProto, data: onnx.TensorProto | np.ndarray | None = None) -> Val:
+    def initializer(self, t: pb.TensorProto, data: pb.TensorProto | np.ndarray | None = None) -> Val:
         """An initializer as a read-only array (an unsupported element type is reported when
         the initializer is used, so unused ones do no harm). ``data``: the TensorProto holding
         its data (default ``t``), or the flat array it was read into from the model file."""
@@ -1041,7 +1040,7 @@ class _Importer:
         except OnnxUnsupportedError as exc:
             return _Unsupported(str(exc))
 
-    def tensor_value(self, t: onnx.TensorProto, what: str) -> np.ndarray:
+    def tensor_value(self, t: pb.TensorProto, what: str) -> np.ndarray:
         """The data of tensor ``t`` (an initializer, a tensor attribute) as a read-only array;
         ``what`` names it in errors."""
         dtype = value_dtype(t.data_type, what)
@@ -1061,7 +1060,7 @@ class _Importer:
         arr.flags.writeable = False
         return arr
 
-    def _check_initializer_decl(self, vi: onnx.ValueInfoProto, arr: Val) -> None:
+    def _check_initializer_decl(self, vi: pb.ValueInfoProto, arr: Val) -> None:
         if not isinstance(arr, np.ndarray):
             return
         elem, dims = _declared(vi.type)
@@ -1069,7 +1068,7 @@ class _Importer:
             raise OnnxModelError(f"{self.source}: input {vi.name!r} is declared {_fmt_declared(elem, dims, vi.type)} "
                                  f"but its initializer has shape {list(arr.shape)}")
 
-    def _graph_input(self, vi: onnx.ValueInfoProto, elem: int | None, dims: tuple | None) -> Val:
+    def _graph_input(self, vi: pb.ValueInfoProto, elem: int | None, dims: tuple | None) -> Val:
         what = f"input {vi.name!r}"
         if vi.type.WhichOneof("value") != "tensor_type":
             kind = vi.type.WhichOneof("value") or "untyped"
@@ -1115,7 +1114,7 @@ class _Importer:
         if len(dims) != len(shape) or any(d is not None and d != s for d, s in zip(dims, shape)):
             raise OnnxInputError(f"{self.source}: {what} is declared {decl}, which shape {tuple(shape)} does not fit")
 
-    def convert_nodes(self, nodes: Iterable[onnx.NodeProto], env: dict, opsets: Mapping[str, int], prefix: str,
+    def convert_nodes(self, nodes: Iterable[pb.NodeProto], env: dict, opsets: Mapping[str, int], prefix: str,
                       check_declared: bool = True) -> None:
         """Convert ``nodes`` in order into ``env``. Function bodies and subgraphs are walked with
         a ``prefix`` for their labels and without the graph's declared types (their names are
@@ -1163,7 +1162,7 @@ class _Importer:
         elem, dims = _declared(tp)
         if isinstance(v, HostValue) or is_strings(v):
             dtype, shape = v.dtype, v.shape
-            strings = elem == onnx.TensorProto.STRING
+            strings = elem == pb.TensorProto.STRING
             if elem and dtype is not None and strings != (dtype == STRING_DTYPE):
                 raise OnnxModelError(f"{self.source}: node {label}: output {name!r} is declared "
                                      f"{_fmt_declared(elem, dims, tp)} but computes {'strings' if not strings else dtype}")
@@ -1199,15 +1198,16 @@ class _Importer:
 #: rounded as a bfloat16 computation rounds it (onnx's reference evaluator, whose numpy ops on
 #: ml_dtypes arrays compute in float32 and round each result; onnxruntime's CPU provider
 #: likewise casts around the kernels it lacks). Data movement (reshape, gather, concat, ...) and
-#: cast keep bfloat16: only ops that cannot take it widen.
-BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: cast keep bfloat16: only ops that cannot take it widen. A set (of the one type), so that asking
+#: imports no ml_dtypes where no bfloat16 can exist (see :class:`~polyhal.ir.types.DTypeSet`).
+BFLOAT16 = DTypeSet(("bfloat16",))
 
 
 def _computes_widened(types: Sequence[TensorType]) -> bool:
     """Whether an op refused on ``types`` computes in float32 instead: some operands are
     bfloat16 and no other is of another float or storage type (a mix has no one result type)."""
     floats = {t.dtype for t in types if t.dtype.kind == "f" or t.dtype in STORAGE_DTYPES}
-    return floats == {BFLOAT16}
+    return len(floats) == 1 and next(iter(floats)) in BFLOAT16
 
 
 class _DeclaredOutputs:
@@ -1256,7 +1256,7 @@ def _origin(op, origins: Mapping[int, str]) -> str:
     return next((origins[v.id] for v in op.outputs if v.id in origins), "(import)")
 
 
-def _label(node: onnx.NodeProto, index: int, prefix: str) -> str:
+def _label(node: pb.NodeProto, index: int, prefix: str) -> str:
     name = node.name or (f"#{index}" + (f" -> {node.output[0]}" if node.output and node.output[0] else ""))
     return f"{prefix}{name!s} ({node.op_type})" if node.name else f"{prefix}{name} ({node.op_type})"
 

@@ -33,12 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import onnx
 
 from polyhal.errors import PolyhalError
 from polyhal.explain import add_policy_arguments, apply_policy_arguments, printable
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import load, read_model
+from polyhal.frontends.onnx.proto import np_dtype_of, pb
 from polyhal.frontends.onnx.settings import OnnxSettings
 from polyhal.frontends.onnx.staged import StagedOnnxProgram
 from polyhal.frontends.onnx.types import STRING_DTYPE
@@ -475,7 +475,7 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
             continue
         tensor = declared[name].type.tensor_type if declared[name].type.WhichOneof("value") == "tensor_type" \
             else None
-        if tensor is None or not tensor.elem_type or tensor.elem_type == onnx.TensorProto.STRING:
+        if tensor is None or not tensor.elem_type or tensor.elem_type == pb.TensorProto.STRING:
             raise OnnxInputError(f"{args.model}: input {name!r} ({program.declared_inputs[name]}) is not a tensor "
                                  "of numbers, which polyhal run cannot draw at random; give it with --input "
                                  f"{name}=FILE.npy, or run the model from Python (polyhal.onnx.load(path).run(...))")
@@ -490,7 +490,7 @@ def _run_staged(args, model, program: StagedOnnxProgram, file_feeds: dict, shape
                 if d.dim_param not in dims:
                     defaulted.append({"dim": d.dim_param or f"{name}[{axis}]", "size": size})
                 shape.append(size)
-        feeds[name] = random_input(rng, tuple(shape), onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+        feeds[name] = random_input(rng, tuple(shape), np_dtype_of(tensor.elem_type))
         sources[name] = "random"
     feeds = program.check_feeds(feeds)
     t0 = time.perf_counter()

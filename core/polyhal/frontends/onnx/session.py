@@ -26,18 +26,20 @@ take without a copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import onnx
 
 from polyhal.creation import from_dlpack
 from polyhal.errors import PolyhalError
-from polyhal.frontends.onnx.backend import PolyhalRep
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, check_input_names
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
 from polyhal.frontends.onnx.importer import OnnxProgram, load, read_model
+from polyhal.frontends.onnx.proto import elem_type_name, pb
 from polyhal.hal.tensor import Tensor
+
+if TYPE_CHECKING:
+    from polyhal.frontends.onnx.backend import PolyhalRep
 
 __all__ = ["InferenceSession", "NodeArg"]
 
@@ -53,12 +55,12 @@ class NodeArg:
     type: str
 
 
-def type_string(tp: onnx.TypeProto) -> str:
+def type_string(tp: pb.TypeProto) -> str:
     """onnxruntime's text for an ONNX type: ``tensor(float)``, ``seq(tensor(int64))``,
     ``optional(tensor(float))``, ``map(string,tensor(float))``."""
     kind = tp.WhichOneof("value")
     if kind in ("tensor_type", "sparse_tensor_type"):
-        elem = onnx.helper.tensor_dtype_to_string(getattr(tp, kind).elem_type)
+        elem = elem_type_name(getattr(tp, kind).elem_type)
         name = elem.removeprefix("TensorProto.").lower()
         return f"{'sparse_tensor' if kind == 'sparse_tensor_type' else 'tensor'}({name})"
     if kind == "sequence_type":
@@ -66,12 +68,12 @@ def type_string(tp: onnx.TypeProto) -> str:
     if kind == "optional_type":
         return f"optional({type_string(tp.optional_type.elem_type)})"
     if kind == "map_type":
-        key = onnx.helper.tensor_dtype_to_string(tp.map_type.key_type).removeprefix("TensorProto.").lower()
+        key = elem_type_name(tp.map_type.key_type).removeprefix("TensorProto.").lower()
         return f"map({key},{type_string(tp.map_type.value_type)})"
     return "unknown"
 
 
-def _node_arg(vi: onnx.ValueInfoProto) -> NodeArg:
+def _node_arg(vi: pb.ValueInfoProto) -> NodeArg:
     tensor = vi.type.tensor_type if vi.type.HasField("tensor_type") else None
     shape = None
     if tensor is not None and tensor.HasField("shape"):
@@ -106,6 +108,9 @@ class InferenceSession:
         try:
             self.program = load(proto, source=source)
         except NeedsValue:  # inputs decide shapes: imported per value of those, as the ONNX backend does
+            # (here: the backend subclasses onnx's, and importing onnx costs ml_dtypes', see .proto)
+            from polyhal.frontends.onnx.backend import PolyhalRep
+
             self.program = self.plan = None
             self._by_value = PolyhalRep(proto, devices, strict=options.pop("strict", False), **options)
             return

@@ -58,11 +58,10 @@ import time
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
-import onnx
-from onnx import helper
 
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError, OnnxModelError, OnnxRunError
 from polyhal.frontends.onnx.external import tensor_array
+from polyhal.frontends.onnx.proto import attribute_value, np_dtype_of, onnx_package, pb
 from polyhal.frontends.onnx.settings import LOOP_LIMIT, OnnxSettings
 from polyhal.hal.tensor import Tensor
 from polyhal.specialization import SpecializationCache
@@ -93,7 +92,7 @@ def loop_limit(value: int | str | None = None) -> int:
     return limit
 
 
-def needs_staging(model: onnx.ModelProto, *, any_host_op: bool = False) -> bool:
+def needs_staging(model: pb.ModelProto, *, any_host_op: bool = False) -> bool:
     """Whether ``model`` must run staged: an input that is not a tensor (a sequence, an optional),
     a sequence or optional op anywhere (subgraphs included), or (``any_host_op``) any host or
     data-dependent op at the top level. (Non-tensor *outputs* alone do not: ZipMap's sequence of
@@ -106,7 +105,7 @@ def needs_staging(model: onnx.ModelProto, *, any_host_op: bool = False) -> bool:
     return bool(_op_types(graph) & (HOST_OPS - {"If", "Loop"}))
 
 
-def _op_types(graph: onnx.GraphProto) -> set[str]:
+def _op_types(graph: pb.GraphProto) -> set[str]:
     """Default-domain op types of ``graph`` and its subgraphs."""
     ops = set()
     for node in graph.node:
@@ -124,7 +123,7 @@ def _is_tensor(v: Any) -> bool:
     return isinstance(v, np.ndarray)
 
 
-def _free_names(graph: onnx.GraphProto) -> set[str]:
+def _free_names(graph: pb.GraphProto) -> set[str]:
     """Names a (sub)graph reads from enclosing scopes."""
     defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
     used: set[str] = set()
@@ -136,17 +135,17 @@ def _free_names(graph: onnx.GraphProto) -> set[str]:
     return used
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+def _subgraphs(node: pb.NodeProto) -> list[pb.GraphProto]:
     out = []
     for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
+        if a.type == pb.AttributeProto.GRAPH:
             out.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
+        elif a.type == pb.AttributeProto.GRAPHS:
             out.extend(a.graphs)
     return out
 
 
-def _reads(node: onnx.NodeProto) -> list[str]:
+def _reads(node: pb.NodeProto) -> list[str]:
     """Every name ``node`` reads: its inputs and what its subgraphs take from outside."""
     names = [n for n in node.input if n]
     for g in _subgraphs(node):
@@ -157,7 +156,7 @@ def _reads(node: onnx.NodeProto) -> list[str]:
 class _GraphInfo:
     """What the runner precomputes once per (sub)graph: initializers and last uses."""
 
-    def __init__(self, graph: onnx.GraphProto) -> None:
+    def __init__(self, graph: pb.GraphProto) -> None:
         self.graph = graph
         self.nodes = list(graph.node)
         self.initializers = {t.name: tensor_array(t, f"initializer {t.name!r}") for t in graph.initializer}
@@ -207,8 +206,8 @@ class StagedOnnxProgram:
     (``None`` when empty).
     """
 
-    def __init__(self, model: onnx.ModelProto, *, source: str, opset: int,
-                 import_segment: Callable[[onnx.ModelProto, Mapping[str, tuple], Mapping[str, np.ndarray]], Any]
+    def __init__(self, model: pb.ModelProto, *, source: str, opset: int,
+                 import_segment: Callable[[pb.ModelProto, Mapping[str, tuple], Mapping[str, np.ndarray]], Any]
                  ) -> None:
         self.model = model
         self.source = source
@@ -244,7 +243,7 @@ class StagedOnnxProgram:
                 cache_size: int | None = None, **options: Any) -> "StagedPlan":
         """A :class:`StagedPlan` compiling each segment for ``devices`` (as
         :meth:`OnnxProgram.compile`) on first use, keeping ``cache_size`` segment plans."""
-        def make(model: onnx.ModelProto, shapes: Mapping[str, tuple], values: Mapping[str, np.ndarray]):
+        def make(model: pb.ModelProto, shapes: Mapping[str, tuple], values: Mapping[str, np.ndarray]):
             program = self._import_segment(model, shapes, values)
             return program, program.compile(devices, strict=strict, registry=registry, **options)
 
@@ -280,7 +279,7 @@ class StagedPlan:
         self._make = make
         self._infos: dict[int, _GraphInfo] = {}
         self._fixed: dict[tuple, frozenset[str]] = {}
-        self._submodels: dict[tuple, onnx.ModelProto] = {}
+        self._submodels: dict[tuple, pb.ModelProto] = {}
         self._bodies: dict[tuple, tuple[Any, _LoopBody | None]] = {}
         self._lock = threading.Lock()  # for changes to _bodies
         self.limit = loop_limit()
@@ -308,13 +307,13 @@ class StagedPlan:
 
     # -- the interpreter -------------------------------------------------------------------
 
-    def _info(self, graph: onnx.GraphProto) -> _GraphInfo:
+    def _info(self, graph: pb.GraphProto) -> _GraphInfo:
         info = self._infos.get(id(graph))
         if info is None or info.graph is not graph:
             info = self._infos[id(graph)] = _GraphInfo(graph)
         return info
 
-    def run_graph(self, graph: onnx.GraphProto, env: collections.ChainMap) -> collections.ChainMap:
+    def run_graph(self, graph: pb.GraphProto, env: collections.ChainMap) -> collections.ChainMap:
         """Run ``graph``'s nodes with ``env`` (a scope whose first map receives the results)."""
         info = self._info(graph)
         for name, value in info.initializers.items():
@@ -342,7 +341,7 @@ class StagedPlan:
             i = j
         return env
 
-    def _host_op(self, node: onnx.NodeProto, env: collections.ChainMap) -> None:
+    def _host_op(self, node: pb.NodeProto, env: collections.ChainMap) -> None:
         t0 = time.perf_counter()
         outs = _HOST[node.op_type](self, node, env)
         self.stats["host_ops"] += 1
@@ -351,7 +350,7 @@ class StagedPlan:
             if name:
                 env[name] = v
 
-    def _is_host(self, node: onnx.NodeProto, env: Mapping[str, Any]) -> bool:
+    def _is_host(self, node: pb.NodeProto, env: Mapping[str, Any]) -> bool:
         if node.domain not in ("", "ai.onnx"):
             return False
         if node.op_type in HOST_OPS:
@@ -413,7 +412,7 @@ class StagedPlan:
                 continue
             return self.cache.put(key, found)
 
-    def loop_body(self, body: onnx.GraphProto, env: Mapping[str, Any], carried: Sequence[Any]) -> "_LoopBody | None":
+    def loop_body(self, body: pb.GraphProto, env: Mapping[str, Any], carried: Sequence[Any]) -> "_LoopBody | None":
         """The Loop ``body`` bound for running straight on its plan from now on (see
         :class:`_LoopBody`), or None where an iteration must go through the interpreter: the
         body is not one segment of tensors, its plan is not compiled yet (the interpreted
@@ -457,17 +456,18 @@ class StagedPlan:
         return runner
 
     def _submodel(self, info: _GraphInfo, start: int, end: int, inputs: list[str], outputs: list[str],
-                  env: Mapping[str, Any]) -> onnx.ModelProto:
+                  env: Mapping[str, Any]) -> pb.ModelProto:
         """Nodes ``start:end`` of ``info.graph`` as a model of their inputs' element types."""
         key = (id(info.graph), start, end, tuple((n, env[n].dtype.str) for n in inputs))
         model = self._submodels.get(key)
         if model is not None:
             return model
         main = self.program.model
+        helper = onnx_package().helper
         graph = helper.make_graph(
             info.nodes[start:end], f"{main.graph.name or 'onnx'}_segment{start}",
             [helper.make_tensor_value_info(n, helper.np_dtype_to_tensor_dtype(env[n].dtype), None) for n in inputs],
-            [helper.make_value_info(n, onnx.TypeProto()) for n in outputs])
+            [helper.make_value_info(n, pb.TypeProto()) for n in outputs])
         model = helper.make_model(graph, opset_imports=list(main.opset_import), ir_version=main.ir_version)
         model.functions.extend(main.functions)
         self._submodels[key] = model
@@ -503,7 +503,7 @@ class _LoopBody:
         self._lock = threading.Lock()
 
     @classmethod
-    def make(cls, found: tuple[Any, Any], body: onnx.GraphProto, reads: list[str], outputs: list[str],
+    def make(cls, found: tuple[Any, Any], body: pb.GraphProto, reads: list[str], outputs: list[str],
              values: list[np.ndarray], inputs: Mapping[str, int]) -> "_LoopBody | None":
         """The runner for segment plan ``found`` of ``body`` (``reads``: the names the segment
         reads, ``values``: theirs now; ``inputs``: body input name -> position), or None where
@@ -595,14 +595,14 @@ class _LoopBody:
 
 # ---------------------------------------------------------------------------------- host ops
 
-def _arg(env: Mapping[str, Any], node: onnx.NodeProto, i: int, default: Any = None) -> Any:
+def _arg(env: Mapping[str, Any], node: pb.NodeProto, i: int, default: Any = None) -> Any:
     return env[node.input[i]] if i < len(node.input) and node.input[i] else default
 
 
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+def _attr(node: pb.NodeProto, name: str, default: Any = None) -> Any:
     for a in node.attribute:
         if a.name == name:
-            return helper.get_attribute_value(a)
+            return attribute_value(a)
     return default
 
 
@@ -632,7 +632,7 @@ def _own(v: Any) -> np.ndarray:
     return v.numpy(copy=True) if isinstance(v, Tensor) else np.array(v)
 
 
-def _body(plan: StagedPlan, graph: onnx.GraphProto, args: Sequence[Any], env: collections.ChainMap) -> list:
+def _body(plan: StagedPlan, graph: pb.GraphProto, args: Sequence[Any], env: collections.ChainMap) -> list:
     """Run subgraph ``graph`` with its inputs bound to ``args`` in a scope over ``env``."""
     if len(args) != len(graph.input):
         raise OnnxModelError(f"a subgraph takes {len(graph.input)} inputs, the node gives it {len(args)}")
@@ -697,7 +697,7 @@ def _loop(plan: StagedPlan, node, env) -> list:
             results.append(np.stack(pieces))
         else:
             elem = body.output[1 + len(carried) + k].type.tensor_type.elem_type
-            results.append(np.zeros((0,), helper.tensor_dtype_to_np_dtype(elem) if elem else np.float32))
+            results.append(np.zeros((0,), np_dtype_of(elem) if elem else np.float32))
     return results
 
 
@@ -789,7 +789,7 @@ def _optional_get(plan, node, env) -> list:
     return [v]
 
 
-_HOST: dict[str, Callable[[StagedPlan, onnx.NodeProto, Any], list]] = {
+_HOST: dict[str, Callable[[StagedPlan, pb.NodeProto, Any], list]] = {
     "If": _if,
     "Loop": _loop,
     "SequenceMap": _sequence_map,
@@ -810,11 +810,11 @@ _HOST: dict[str, Callable[[StagedPlan, onnx.NodeProto, Any], list]] = {
 }
 
 
-def _describe_type(tp: onnx.TypeProto) -> str:
+def _describe_type(tp: pb.TypeProto) -> str:
     kind = tp.WhichOneof("value")
     if kind == "tensor_type":
         try:
-            elem = onnx.TensorProto.DataType.Name(tp.tensor_type.elem_type).lower()
+            elem = pb.TensorProto.DataType.Name(tp.tensor_type.elem_type).lower()
         except ValueError:
             elem = "?"
         dims = [d.dim_param or (str(d.dim_value) if d.HasField("dim_value") else "?")

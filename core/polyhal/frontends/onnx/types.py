@@ -10,10 +10,9 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import numpy as np
-import onnx
-from onnx import helper
 
 from polyhal.frontends.onnx.errors import OnnxInputError, OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.proto import elem_type_of, np_dtype_of, pb
 from polyhal.ir.program import Value
 from polyhal.ir.types import SUPPORTED_DTYPES
 
@@ -23,13 +22,13 @@ def np_dtype(elem_type: int, what: str) -> np.dtype:
     ``what`` for those polyhal lacks (string, complex). bfloat16, float8, float4 and
     int4/uint4/int2/uint2 are ml_dtypes' numpy types, the IR's storage types."""
     try:
-        name = onnx.TensorProto.DataType.Name(elem_type)
+        name = pb.TensorProto.DataType.Name(elem_type)
     except ValueError:
         raise OnnxModelError(f"{what} has element type {elem_type}, which is not an ONNX type") from None
-    if elem_type == onnx.TensorProto.UNDEFINED:
+    if elem_type == pb.TensorProto.UNDEFINED:
         raise OnnxModelError(f"{what} has no element type")
     try:
-        dt = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
+        dt = np.dtype(np_dtype_of(elem_type))
     except Exception:  # noqa: BLE001  (onnx raises several types for unmapped ones)
         dt = None
     if dt is None or dt not in SUPPORTED_DTYPES:
@@ -41,7 +40,7 @@ def np_dtype(elem_type: int, what: str) -> np.dtype:
 
 def onnx_elem_type(dtype: np.dtype) -> int:
     """The ONNX element type of numpy ``dtype``."""
-    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    return elem_type_of(dtype)
 
 
 class Dynamic:
@@ -56,7 +55,7 @@ class Dynamic:
 
 #: ONNX's string element type, and the numpy dtype polyhal's front end holds strings in (arrays
 #: of Python ``str``; device buffers cannot hold them, see :class:`HostValue`).
-STRING = onnx.TensorProto.STRING
+STRING = pb.TensorProto.STRING
 STRING_DTYPE = np.dtype(object)
 
 

@@ -16,14 +16,16 @@ kept; a refused one is checked (and refused) every time.
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from importlib import metadata
 from pathlib import Path
 
-import onnx
 from google.protobuf.message import DecodeError
 
 from polyhal.codecache import CodeCache, default_folder
 from polyhal.frontends.onnx.errors import OnnxModelError, first_line
+from polyhal.frontends.onnx.proto import onnx_package, pb
 from polyhal.frontends.onnx.settings import OnnxSettings
 
 __all__ = ["validated"]
@@ -42,21 +44,21 @@ def cache() -> CodeCache | None:
                      "every model is checked again")
 
 
-def validated(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+def validated(model: pb.ModelProto, source: str) -> pb.ModelProto:
     """:func:`_validate`'s result for ``model``, from the cache where this model was checked
     before (see the module docstring)."""
     disk = cache()
     if disk is None:
         return _validate(model, source)
     data = model.SerializeToString(deterministic=True)
-    key = hashlib.sha256(f"{FORMAT} onnx {onnx.__version__}\0".encode() + data).hexdigest()
+    key = hashlib.sha256(f"{FORMAT} onnx {_onnx_version()}\0".encode() + data).hexdigest()
     name = f"{key}.onnx"
     found = _seen.get(key)
     if found is None:
         stored = disk.load(name)
         found = None if stored is None else stored[0]
     if found is not None:
-        checked = onnx.ModelProto()
+        checked = pb.ModelProto()
         try:
             checked.ParseFromString(found)
             _remember(key, found)
@@ -74,6 +76,16 @@ def validated(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     return checked
 
 
+@functools.cache
+def _onnx_version() -> str:
+    """The installed onnx's version (its checker and shape inference decide what is cached), read
+    from its distribution's metadata: importing onnx to ask it costs ml_dtypes' import."""
+    try:
+        return metadata.version("onnx")
+    except metadata.PackageNotFoundError:  # an onnx run from a source tree: ask it
+        return onnx_package().__version__
+
+
 #: Checked models this process read or made, by key (a later session of the same model reads
 #: no file), the newest last; at most :data:`SEEN_LIMIT`.
 _seen: dict[str, bytes] = {}
@@ -87,7 +99,7 @@ def _remember(key: str, data: bytes) -> None:
         del _seen[next(iter(_seen))]
 
 
-def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
+def _validate(model: pb.ModelProto, source: str) -> pb.ModelProto:
     """ONNX's checker, then strict shape inference; returns the model with inferred value_info.
 
     Graph outputs that declare an element type but no ``shape`` field (onnxruntime's tools and
@@ -97,7 +109,7 @@ def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
     shapeless = [o for o in outputs if o.type.WhichOneof("value") == "tensor_type"
                  and not o.type.tensor_type.HasField("shape")]
     if shapeless:
-        copy = onnx.ModelProto()
+        copy = pb.ModelProto()
         copy.CopyFrom(model)
         kept = [o for o in outputs if o not in shapeless]
         del copy.graph.output[:]
@@ -106,6 +118,7 @@ def _validate(model: onnx.ModelProto, source: str) -> onnx.ModelProto:
         del checked.graph.output[:]
         checked.graph.output.extend(outputs)
         return checked
+    onnx = onnx_package()
     try:
         onnx.checker.check_model(model)
     except (onnx.checker.ValidationError, ValueError) as exc:

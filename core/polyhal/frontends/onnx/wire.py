@@ -28,7 +28,8 @@ from collections.abc import Iterator
 from typing import BinaryIO
 
 import numpy as np
-import onnx
+
+from polyhal.frontends.onnx.proto import pb
 
 # Field numbers of onnx.proto3.
 _MODEL_GRAPH, _GRAPH_INITIALIZER = 7, 5
@@ -40,7 +41,7 @@ _LENGTH_DELIMITED = 2
 MAX_FIELDS = 1 << 18
 
 #: Element types whose raw_data is the array's little-endian bytes.
-_PLAIN = {getattr(onnx.TensorProto, t): np.dtype(d) if np.little_endian else np.dtype(d).newbyteorder("<")
+_PLAIN = {getattr(pb.TensorProto, t): np.dtype(d) if np.little_endian else np.dtype(d).newbyteorder("<")
           for t, d in [
     ("FLOAT", np.float32), ("DOUBLE", np.float64), ("FLOAT16", np.float16), ("INT8", np.int8),
     ("INT16", np.int16), ("INT32", np.int32), ("INT64", np.int64), ("UINT8", np.uint8),
@@ -118,7 +119,7 @@ def _take_raw_data(buf, start: int, end: int, larger_than: int, budget: list[int
         elif number == _TENSOR_DATA_TYPE and wire == 0:
             data_type = _varint(buf, value)[0]
         elif number == _TENSOR_DATA_LOCATION and wire == 0:
-            external = _varint(buf, value)[0] == onnx.TensorProto.EXTERNAL
+            external = _varint(buf, value)[0] == pb.TensorProto.EXTERNAL
         kept += buf[f_start:f_end]
     dtype = _PLAIN.get(data_type)
     if raw is None or raw[1] <= larger_than or external or dtype is None or not name or raw[1] % dtype.itemsize:

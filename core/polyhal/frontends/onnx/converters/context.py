@@ -7,10 +7,9 @@ from collections.abc import Iterable, MutableMapping
 from typing import Any, Callable, Mapping
 
 import numpy as np
-import onnx
-from onnx import helper
 
 from polyhal.frontends.onnx.errors import NeedsStaging, NeedsValue, OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.proto import attribute_value, pb
 from polyhal.frontends.onnx.types import HostValue, is_strings
 from polyhal.ir.program import Value
 from polyhal.ir.types import TensorType
@@ -23,7 +22,7 @@ _REQUIRED: Any = object()
 class NodeContext:
     """What a converter sees of one node: its inputs, attributes and opset, and ways to emit ops."""
 
-    def __init__(self, importer, node: onnx.NodeProto, env: Mapping[str, Any], opsets: Mapping[str, int],
+    def __init__(self, importer, node: pb.NodeProto, env: Mapping[str, Any], opsets: Mapping[str, int],
                  label: str) -> None:
         self.importer = importer
         self.node = node
@@ -124,10 +123,10 @@ class NodeContext:
             if default is _REQUIRED:
                 raise OnnxModelError(f"required attribute {name!r} is missing")
             return default
-        value = helper.get_attribute_value(a)
+        value = attribute_value(a)
         if isinstance(value, bytes):
             return value.decode("utf-8", "replace")
-        if isinstance(value, onnx.TensorProto):
+        if isinstance(value, pb.TensorProto):
             return self.importer.tensor_value(value, f"attribute {name!r}")
         if isinstance(value, list):
             return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value]
@@ -187,7 +186,7 @@ class NodeContext:
         """A 0-d array of ``dtype`` (a constant operand)."""
         return np.array(value, dtype=dtype)
 
-    def inline_graph(self, graph: onnx.GraphProto, *, name: str) -> list:
+    def inline_graph(self, graph: pb.GraphProto, *, name: str) -> list:
         """Convert subgraph ``graph`` (e.g. a branch of If) in this node's scope; returns its outputs."""
         env = collections.ChainMap({}, dict(self.env))
         for t in graph.initializer:
@@ -199,11 +198,11 @@ class NodeContext:
         self.convert_nodes(graph.node, env, scope=name)
         return [env.get(o.name) for o in graph.output]
 
-    def initializer(self, t: onnx.TensorProto) -> Any:
+    def initializer(self, t: pb.TensorProto) -> Any:
         """Initializer ``t`` of a subgraph (a branch, a loop body) as the importer reads a graph's."""
         return self.importer.initializer(t)
 
-    def convert_nodes(self, nodes: Iterable[onnx.NodeProto], env: MutableMapping[str, Any], *,
+    def convert_nodes(self, nodes: Iterable[pb.NodeProto], env: MutableMapping[str, Any], *,
                       opsets: Mapping[str, int] | None = None, scope: str = "") -> None:
         """Convert ``nodes`` (a subgraph's or a function body's) in order into ``env``, inside this
         node: their labels read ``<this node>/<scope>/<node>`` (``<this node>/<node>`` without a

@@ -17,7 +17,6 @@ within one unit of the output's quantization step where a value lies on a roundi
 from __future__ import annotations
 
 import numpy as np
-import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.elementwise import cast
@@ -25,6 +24,7 @@ from polyhal.frontends.onnx.converters.quantize import _QUANT_INT, _dequantized,
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.proto import pb
 
 #: onnxruntime's contrib-op domain.
 MS_DOMAIN = "com.microsoft"
@@ -65,7 +65,7 @@ def _float_node(ctx: NodeContext, op_type: str, inputs: list, *, drop: tuple[str
     """The result of ONNX op ``op_type`` on float ``inputs``, with this node's attributes (less
     ``drop``), converted by that op's own converter."""
     names = [f"x{i}" for i in range(len(inputs))]
-    node = onnx.NodeProto(op_type=op_type, input=names, output=["y"])
+    node = pb.NodeProto(op_type=op_type, input=names, output=["y"])
     node.attribute.extend(a for a in ctx.node.attribute if a.name not in drop)
     env = dict(zip(names, inputs))
     opsets = dict(ctx.opsets)

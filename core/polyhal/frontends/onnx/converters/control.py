@@ -18,18 +18,18 @@ from __future__ import annotations
 import collections
 
 import numpy as np
-import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import NeedsStaging, NeedsValue, OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.proto import onnx_package, pb
 
 #: Most iterations a loop is unrolled to.
 MAX_UNROLL = 4096
 
 
-def _run_body(ctx: NodeContext, body: onnx.GraphProto, bound: list, tag: str) -> list:
+def _run_body(ctx: NodeContext, body: pb.GraphProto, bound: list, tag: str) -> list:
     """Convert ``body`` once with its inputs bound to ``bound``; its outputs."""
     if len(bound) != len(body.input):
         raise OnnxModelError(f"the body takes {len(body.input)} inputs, the node gives it {len(bound)}")
@@ -184,7 +184,7 @@ def _scan_batched(ctx: NodeContext, body, states: list, scans: list, k: int, in_
         if not any(name in stepped for name in inputs):
             ctx.convert_nodes([node], env, scope=f"{tag}steps")
             continue
-        rewritten = onnx.NodeProto()
+        rewritten = pb.NodeProto()
         rewritten.CopyFrom(node)
         if node.op_type in _REDUCTIONS:
             if inputs[0] not in stepped:
@@ -212,7 +212,7 @@ def _scan_batched(ctx: NodeContext, body, states: list, scans: list, k: int, in_
                     env[f"{tag}axes{i}"] = np.array(axes, np.int64)
                     rewritten.input.append(f"{tag}axes{i}")
                 else:
-                    rewritten.attribute.append(onnx.helper.make_attribute("axes", axes))
+                    rewritten.attribute.append(onnx_package().helper.make_attribute("axes", axes))
         else:
             rank = max(ctx.rank(env[name]) - (name in stepped) for name in inputs)
             for j, name in enumerate(rewritten.input):

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-import onnx
-from onnx import helper
-
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.registry import CONVERTERS, STRING_CONVERTERS, Decline
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.proto import onnx_package, pb
 
 __all__ = ["convert_node"]
 
 
-def convert_node(importer, node: onnx.NodeProto, env: Mapping[str, Any], opsets: Mapping[str, int],
+def convert_node(importer, node: pb.NodeProto, env: Mapping[str, Any], opsets: Mapping[str, int],
                  label: str) -> list:
     """The outputs of ``node``: by its converter, else by its ONNX function body."""
     ctx = NodeContext(importer, node, env, opsets, label)
@@ -40,7 +38,7 @@ def convert_node(importer, node: onnx.NodeProto, env: Mapping[str, Any], opsets:
     if fn is not None:
         schema = _schema(node.op_type, ctx.opset, ctx.domain)
         defaults = {name: a.default_value for name, a in schema.attributes.items()
-                    if a.default_value.type != onnx.AttributeProto.UNDEFINED}
+                    if a.default_value.type != pb.AttributeProto.UNDEFINED}
         return _expand(ctx, fn, defaults)
     where = f" (domain {ctx.domain!r})" if ctx.domain else ""
     if declined:
@@ -58,18 +56,19 @@ def convert_node(importer, node: onnx.NodeProto, env: Mapping[str, Any], opsets:
 
 
 def _schema(op_type: str, version: int, domain: str):
+    defs = onnx_package().defs  # (ONNX's op schemas: a model with an op that has no converter)
     try:
-        return onnx.defs.get_schema(op_type, version, domain)
-    except onnx.defs.SchemaError:
+        return defs.get_schema(op_type, version, domain)
+    except defs.SchemaError:
         return None
 
 
-def _function_body(ctx: NodeContext) -> onnx.FunctionProto | None:
+def _function_body(ctx: NodeContext) -> pb.FunctionProto | None:
     """The function body ONNX defines for the node's op at its opset, if any."""
     schema = _schema(ctx.op_type, ctx.opset, ctx.domain)
     if schema is None:
         return None
-    fn = onnx.FunctionProto()
+    fn = pb.FunctionProto()
     versions = [v for v in getattr(schema, "function_opset_versions", []) if v <= ctx.opset]
     if versions:
         fn.ParseFromString(schema.get_function_with_opset_version(max(versions)))
@@ -80,9 +79,10 @@ def _function_body(ctx: NodeContext) -> onnx.FunctionProto | None:
         for i in range(len(ctx.node.input)):
             v = ctx.input(i)
             if v is None:
-                types.append(onnx.TypeProto().SerializeToString())
+                types.append(pb.TypeProto().SerializeToString())
             else:
                 t = ctx.type(v)
+                helper = onnx_package().helper
                 types.append(helper.make_tensor_type_proto(helper.np_dtype_to_tensor_dtype(t.dtype),
                                                            list(t.shape)).SerializeToString())
         try:
@@ -96,7 +96,7 @@ def _function_body(ctx: NodeContext) -> onnx.FunctionProto | None:
     return None
 
 
-def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onnx.AttributeProto] | None = None
+def _expand(ctx: NodeContext, fn: pb.FunctionProto, defaults: Mapping[str, pb.AttributeProto] | None = None
             ) -> list:
     """Convert the nodes of function ``fn`` with the node's inputs and attributes bound
     (attributes the node leaves out take the function's, or the op schema's, defaults)."""
@@ -109,13 +109,13 @@ def _expand(ctx: NodeContext, fn: onnx.FunctionProto, defaults: Mapping[str, onn
     attrs.update(ctx._attrs)
     nodes = []
     for n in fn.node:
-        copy = onnx.NodeProto()
+        copy = pb.NodeProto()
         copy.CopyFrom(n)
         del copy.attribute[:]
         for a in n.attribute:
             if a.ref_attr_name:
                 if a.ref_attr_name in attrs:
-                    bound = onnx.AttributeProto()
+                    bound = pb.AttributeProto()
                     bound.CopyFrom(attrs[a.ref_attr_name])
                     bound.name = a.name
                     copy.attribute.append(bound)

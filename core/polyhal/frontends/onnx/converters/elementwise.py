@@ -8,13 +8,13 @@ which is exact for the magnitudes where the results are defined.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.registry import converter
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import np_dtype
+from polyhal.ir.types import DTypeSet
 
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 
@@ -164,13 +164,14 @@ def _where(ctx: NodeContext) -> list:
 
 
 #: The float8 types, whose conversions ONNX's ``saturate`` attribute governs.
-_FLOAT8 = frozenset(np.dtype(getattr(ml_dtypes, n)) for n in (
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"))
+#: (Sets of ml_dtypes' types, here and below, that import ml_dtypes only once one of them can exist:
+#: :class:`~polyhal.ir.types.DTypeSet`.)
+_FLOAT8 = DTypeSet(("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz"))
 
 
 #: float8e8m0 (ml_dtypes' float8_e8m0fnu): an exponent alone, 2**(e - 127) for e in 0..254, nan
 #: at 255; no sign, no zero, no inf. Conversions to it follow ``round_mode``.
-_E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+_E8M0 = DTypeSet(("float8_e8m0fnu",))
 _U32 = np.dtype(np.uint32)
 
 
@@ -179,12 +180,14 @@ def onnx_cast(ctx: NodeContext, x, to: np.dtype, saturate: bool = True, round_mo
     with ``saturate`` (ONNX's default), values beyond its range, infinities included, become its
     largest finite value of their sign, by a clamp before the conversion; without it they
     become inf or nan, as the type has them. To float8e8m0, see :func:`to_e8m0`."""
-    if to == _E8M0 and ctx.dtype(x) != _E8M0:
+    if to in _E8M0 and ctx.dtype(x) not in _E8M0:
         return to_e8m0(ctx, x, saturate, round_mode)
     if to in _FLOAT8 and saturate:
         if ctx.dtype(x) not in (_F64, _F32, _F16):
             # float32 holds every value it can matter for exactly: larger ones are clamped.
             x = cast(ctx, x, _F32)
+        import ml_dtypes  # (imported already: ``to`` is one of its types)
+
         limit = float(ml_dtypes.finfo(to).max)
         x = ctx.op("maximum", ctx.op("minimum", x, ctx.scalar(limit, ctx.dtype(x))),
                    ctx.scalar(-limit, ctx.dtype(x)))
@@ -211,7 +214,7 @@ def to_e8m0(ctx: NodeContext, x, saturate: bool, round_mode: str) -> object:
     bits = ctx.op("bitcast", cast(ctx, x, _F32), dtype="uint32")
     exponent = ctx.op("bitwise_and", ctx.op("bit_shift", bits, u32(23), direction="right"), u32(0xFF))
     if round_mode == "down":
-        return ctx.op("bitcast", cast(ctx, exponent, np.uint8), dtype=str(_E8M0))
+        return ctx.op("bitcast", cast(ctx, exponent, np.uint8), dtype="float8_e8m0fnu")
     if round_mode == "up":
         round_up = bits_set(0x7FFFFF)
     else:
@@ -220,7 +223,7 @@ def to_e8m0(ctx: NodeContext, x, saturate: bool, round_mode: str) -> object:
     # inf/nan (255) keep their exponent; with saturate, 254 is not rounded up into nan.
     round_up = ctx.op("logical_and", round_up, ctx.op("less", exponent, u32(0xFE if saturate else 0xFF)))
     exponent = ctx.op("add", exponent, cast(ctx, round_up, _U32))
-    return ctx.op("bitcast", cast(ctx, exponent, np.uint8), dtype=str(_E8M0))
+    return ctx.op("bitcast", cast(ctx, exponent, np.uint8), dtype="float8_e8m0fnu")
 
 
 @converter("Cast")

@@ -11,7 +11,6 @@ repeated along their axis by one ``gather``.
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 
 from polyhal.frontends.onnx.converters.context import NodeContext
@@ -21,13 +20,15 @@ from polyhal.frontends.onnx.converters.nn import _spatial_attrs
 from polyhal.frontends.onnx.converters.tensor import norm_axis, reshape
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
 from polyhal.frontends.onnx.types import np_dtype
+from polyhal.ir.types import DTypeSet
 
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 _UINT8 = np.dtype(np.uint8)
-_FLOAT4 = np.dtype(ml_dtypes.float4_e2m1fn)
+#: float4e2m1 (a set of the one type, as the sets below: ml_dtypes is imported only once one of
+#: its types can exist, :class:`~polyhal.ir.types.DTypeSet`).
+_FLOAT4 = DTypeSet(("float4_e2m1fn",))
 #: The integer types ONNX quantizes to, numpy's and ml_dtypes' sub-byte ones.
-_QUANT_INT = frozenset(np.dtype(n) for n in ("int8", "uint8", "int16", "uint16")) | frozenset(
-    np.dtype(getattr(ml_dtypes, n)) for n in ("int4", "uint4", "int2", "uint2"))
+_QUANT_INT = DTypeSet(("int4", "uint4", "int2", "uint2"), frozenset(np.dtype(n) for n in ("int8", "uint8", "int16", "uint16")))
 
 
 def _param(ctx: NodeContext, p, x, axis: int, block_size: int, dtype: np.dtype):
@@ -59,7 +60,12 @@ def _param(ctx: NodeContext, p, x, axis: int, block_size: int, dtype: np.dtype):
 
 def _saturate(ctx: NodeContext, y, dtype: np.dtype):
     """Float ``y`` (already integral) clamped to integer type ``dtype``'s range and converted."""
-    info = ml_dtypes.iinfo(dtype)
+    try:
+        info = np.iinfo(dtype)
+    except ValueError:  # a sub-byte integer of ml_dtypes (imported already: ``dtype`` is one of its types)
+        import ml_dtypes
+
+        info = ml_dtypes.iinfo(dtype)
     y = ctx.op("maximum", ctx.op("minimum", y, ctx.scalar(info.max, ctx.dtype(y))), ctx.scalar(info.min, ctx.dtype(y)))
     return cast(ctx, y, dtype)
 
@@ -75,7 +81,7 @@ def _quantize(ctx: NodeContext, x, scale, zero_point, out: np.dtype, axis: int, 
     y = ctx.op("div", cast(ctx, x, work), _param(ctx, scale, x, axis, block_size, work))
     if out in _FLOAT8:  # ONNX: a float8 zero point is zero
         return onnx_cast(ctx, y, out, saturate)
-    if out == _FLOAT4:
+    if out in _FLOAT4:
         if zero_point is not None:
             y = ctx.op("add", y, _param(ctx, zero_point, x, axis, block_size, work))
         return cast(ctx, y, out)
@@ -96,7 +102,7 @@ def _quantize_linear(ctx: NodeContext) -> list:
                                  f"{ctx.dtype(zp)}")
         out = ctx.dtype(zp)
     out = out or _UINT8
-    if out not in _QUANT_INT | _FLOAT8 | {_FLOAT4}:
+    if out not in _QUANT_INT and out not in _FLOAT8 and out not in _FLOAT4:
         raise OnnxUnsupportedError(f"QuantizeLinear to {out}: ONNX quantizes to (u)int2/4/8/16, float8 or "
                                    "float4e2m1")
     prec = int(ctx.attr("precision", 0))
@@ -113,7 +119,7 @@ def _dequantize_linear(ctx: NodeContext) -> list:
     work = _float_of(ctx.dtype(scale))
     y = cast(ctx, x, work)
     # ONNX: float8 and float4 values have no zero point (a float8 one must be zero).
-    if zp is not None and ctx.dtype(x) not in _FLOAT8 | {_FLOAT4}:
+    if zp is not None and ctx.dtype(x) not in _FLOAT8 and ctx.dtype(x) not in _FLOAT4:
         y = ctx.op("sub", y, _param(ctx, zp, x, axis, block, work))
     y = ctx.op("mul", y, _param(ctx, scale, x, axis, block, work))
     return [cast(ctx, y, out)]

@@ -18,12 +18,12 @@ import re
 from typing import Any
 
 import numpy as np
-import onnx
 
 from polyhal.frontends.onnx.converters.context import NodeContext
 from polyhal.frontends.onnx.converters.registry import Decline, converter
 from polyhal.frontends.onnx.converters.tensor import _axes
 from polyhal.frontends.onnx.errors import OnnxModelError, OnnxUnsupportedError
+from polyhal.frontends.onnx.proto import elem_type_of
 from polyhal.frontends.onnx.types import STRING, STRING_DTYPE, HostValue, is_strings, np_dtype
 from polyhal.ops import OPS
 
@@ -160,7 +160,7 @@ def _cast_strings(ctx: NodeContext) -> list:
 @converter("CastLike", strings=True)
 def _cast_like_strings(ctx: NodeContext) -> list:
     like = ctx.host_input(1)
-    to = STRING if is_strings(like) else onnx.helper.np_dtype_to_tensor_dtype(ctx.dtype(like))
+    to = STRING if is_strings(like) else elem_type_of(ctx.dtype(like))
     return [_cast(ctx, ctx.host_input(0), to)]
 
 
