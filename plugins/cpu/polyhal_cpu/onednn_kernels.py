@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,8 +42,9 @@ from polyhal_cpu import onednn, parallel
 from polyhal_cpu.onednn import ARG_BIAS, ARG_DST, ARG_SRC, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused, address
 from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.scratch import array as scratch_array
+from polyhal_cpu.settings import CPUSettings
 
-__all__ = ["conv", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
+__all__ = ["conv", "conv_chosen", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
 
 
 #: op instance -> why oneDNN does not serve it (for tests and explain's kernel names).
@@ -337,6 +339,65 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
     return kernel
 
 
+#: Multiply-adds from which a conv instance is left to oneDNN untimed: there its primitives
+#: measured ahead of the CPU's own kernels (ResNet-50 b8 0.79x onnxruntime's time against 2.8x),
+#: and timing both costs compile time in proportion. Below, either may win: on the 2-core VM
+#: (AVX-512, its other core busy) EfficientNet-B0's squeeze-excitation 1x1 convs on a 1x1 map
+#: took 17-40 us as primitives against 5-15 us on the own kernel, its stem 460 against 360 us.
+TIMED_MACS = 1 << 27
+#: Timed calls of each kernel (alternating, after one untimed call each); the fastest counts.
+TIMED_RUNS = 3
+
+#: Conv instances the CPU's own kernel measured faster on when a plan was compiled: key -> why.
+_OUTRUN: dict[tuple, str] = {}
+#: Conv instances timed or left untimed: key -> whether oneDNN runs them.
+_CHOSEN: dict[tuple, bool] = {}
+
+
+def conv_chosen(op: str, attrs: dict, ins, outs, own: Callable[[], Callable[..., None]]) -> bool:
+    """Whether oneDNN runs this conv instance: it serves it (:func:`conv_plan`), and, for one of
+    fewer than :data:`TIMED_MACS` multiply-adds, its primitive measured faster than the CPU's own
+    kernel (``own()`` builds it, with its scratch) on random operands of the instance's types --
+    as the CUDA plugin times cuDNN's engines. Timed once per instance, in the compile, under
+    the thread budget of the moment (``POLYHAL_CPU_ONEDNN_TIMED=0``: not timed, oneDNN runs
+    every instance it serves). The chosen primitive's kernel name carries both times."""
+    plan = conv_plan(op, attrs, ins, outs)
+    if plan is None:
+        return False
+    if not CPUSettings.from_env().onednn_timed:
+        return True
+    key = _key(op, attrs, ins, outs)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    if outs[0].size * math.prod(ins[1].shape[1:]) >= TIMED_MACS:
+        _CHOSEN[key] = True
+        return True
+    try:
+        theirs = own()
+    except Exception:  # noqa: BLE001 -- an own path that cannot take the instance: oneDNN runs it
+        _CHOSEN[key] = True
+        return True
+    ours = conv(op, attrs, ins, outs, None)
+    rng = np.random.default_rng(0)
+    arrays = [rng.standard_normal(t.shape, dtype=np.float32).astype(t.dtype) for t in (*ins, *outs)]
+    for a in arrays[1:len(ins)]:
+        a.flags.writeable = False  # weights and bias are a plan's constants: kept, as they will be
+    taken: dict = {ours: [], theirs: []}
+    for fn in (ours, theirs) * (TIMED_RUNS + 1):
+        t0 = time.perf_counter()
+        fn(*arrays)
+        taken[fn].append(time.perf_counter() - t0)
+    mine, other = min(taken[ours][1:]), min(taken[theirs][1:])  # the first calls reorder weights
+    times = f"oneDNN {mine * 1e6:.0f} us, own {other * 1e6:.0f} us"
+    chosen = mine <= other
+    if chosen:
+        plan.name += f" (timed: {times})"
+    else:
+        _OUTRUN[key] = f"it measured faster than oneDNN when the plan was compiled ({times})"
+    _CHOSEN[key] = chosen
+    return chosen
+
+
 # ---------------------------------------------------------------------------------------- matmul
 
 @dataclass
@@ -534,13 +595,17 @@ def report(compilation, target) -> None:
                                  "dispatches")
         return
     own = []
+    timed = CPUSettings.from_env().onednn_timed
     for op in ours:
         attrs = resolve_attrs(op.name, dict(op.attrs))
         ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
         planned = (matmul_plan if op.name in ("matmul", "gemm", "linear", "fused_linear") else conv_plan)(
             op.name, attrs, ins, outs)
+        key = _key(op.name, attrs, ins, outs)
         if planned is None:
-            own.append((op, _REFUSED.get(_key(op.name, attrs, ins, outs), "a type oneDNN is not asked about")))
+            own.append((op, _REFUSED.get(key, "a type oneDNN is not asked about")))
+        elif key in _OUTRUN and timed:
+            own.append((op, _OUTRUN[key]))
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
                              "run as oneDNN primitives")
     note_own_kernels(compilation, own, "own kernel")
