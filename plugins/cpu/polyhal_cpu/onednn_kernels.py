@@ -361,14 +361,15 @@ def conv_chosen(op: str, attrs: dict, ins, outs, own: Callable[[], Callable[...,
     as the CUDA plugin times cuDNN's engines. Timed once per instance, in the compile, under
     the thread budget of the moment (``POLYHAL_CPU_ONEDNN_TIMED=0``: not timed, oneDNN runs
     every instance it serves). The chosen primitive's kernel name carries both times."""
+    timed = CPUSettings.from_env().onednn_timed
+    key = _key(op, attrs, ins, outs)
+    if timed and key in _CHOSEN:
+        return _CHOSEN[key]
     plan = conv_plan(op, attrs, ins, outs)
     if plan is None:
         return False
-    if not CPUSettings.from_env().onednn_timed:
+    if not timed:
         return True
-    key = _key(op, attrs, ins, outs)
-    if key in _CHOSEN:
-        return _CHOSEN[key]
     if outs[0].size * math.prod(ins[1].shape[1:]) >= TIMED_MACS:
         _CHOSEN[key] = True
         return True
@@ -394,6 +395,8 @@ def conv_chosen(op: str, attrs: dict, ins, outs, own: Callable[[], Callable[...,
         plan.name += f" (timed: {times})"
     else:
         _OUTRUN[key] = f"it measured faster than oneDNN when the plan was compiled ({times})"
+        with _lock:  # its primitive is not kept: ~0.5 MB each of jit code and descriptors
+            _PLANS.pop(key, None)
     _CHOSEN[key] = chosen
     return chosen
 
@@ -415,6 +418,12 @@ class MatmulPlan:
 
 
 _MATMULS: dict[tuple, MatmulPlan | None] = {}
+#: Rows (of A and the result) below which a product with a weight matrix stays on the CPU's own
+#: GEMMs: it reads each weight about once, so it is bound by memory either way (a classifier at
+#: batch 1: own 385 us, oneDNN's brgemm ~360 us on the 2-core VM), and oneDNN's weights layout
+#: would be a second, kept copy of the matrix (MobileNetV3-large's classifier: 10 MB of its
+#: ~47 MB above onnxruntime's peak at batch 1, AVX-512).
+FEW_ROWS = 16
 #: The matmul implementations taken (prefixes of oneDNN's names): the brgemm ones. oneDNN 3.2 has
 #: them from AVX-512 on; on AVX2 its matmul is ``gemm:jit``, which measured slower than the CPU's
 #: own GEMMs, so matmuls stay on those there.
@@ -490,6 +499,10 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
             out_dims = out_t.shape
         a_strides, b_strides = _row_major(a_dims), _row_major(b_dims)
         constant_b = b_t.rank == 2  # a weight matrix, most likely a constant: worth a layout of its own
+    rows = math.prod(out_dims[:-1])
+    if constant_b and rows < FEW_ROWS:
+        raise Refused(f"{op}: {rows} row(s) against {b_dims[-2]} x {b_dims[-1]} weights is bound by reading them, "
+                      "which the CPU's own GEMMs do as they lie, where oneDNN would keep a copy in its layout")
     a_md, b_user = onednn.plain(a_dims, a_strides, dt), onednn.plain(b_dims, b_strides, dt)
     out_md = onednn.plain(out_dims, None, dt)
     attr = Attr(post)
@@ -599,13 +612,14 @@ def report(compilation, target) -> None:
     for op in ours:
         attrs = resolve_attrs(op.name, dict(op.attrs))
         ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
+        key = _key(op.name, attrs, ins, outs)
+        if key in _OUTRUN and timed:
+            own.append((op, _OUTRUN[key]))
+            continue
         planned = (matmul_plan if op.name in ("matmul", "gemm", "linear", "fused_linear") else conv_plan)(
             op.name, attrs, ins, outs)
-        key = _key(op.name, attrs, ins, outs)
         if planned is None:
             own.append((op, _REFUSED.get(key, "a type oneDNN is not asked about")))
-        elif key in _OUTRUN and timed:
-            own.append((op, _OUTRUN[key]))
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
                              "run as oneDNN primitives")
     note_own_kernels(compilation, own, "own kernel")
