@@ -124,10 +124,28 @@ class ConvPlan:
     weights_bytes: int
     scratchpad_bytes: int
     name: str
+    single: bool = False  # made for one thread, and run on one (SMALL_MACS)
     requests: tuple = field(default=())
 
 
 _PLANS: dict[tuple, ConvPlan | None] = {}
+
+#: Multiply-adds below which a primitive is made, and run, on one thread: waking OpenMP's
+#: sleeping (passive) workers costs more than the work (a 64 x 32 x 64 matmul took 0.6 ms a call
+#: on two threads of the busy 2-core VM, against 0.45 ms for onnxruntime's whole three-layer MLP;
+#: EfficientNet-B0's squeeze-excitation convs 20-40 us on two threads against 15-20 us on one).
+SMALL_MACS = 1 << 22
+
+
+def single_threaded(macs: int) -> bool:
+    """Whether a primitive of ``macs`` multiply-adds is made for one thread (see
+    :data:`SMALL_MACS`), and if so, set OpenMP's thread count to 1 for its creation (the caller
+    sets the budget's back with ``onednn.lib().set_threads()`` afterwards)."""
+    one = onednn.lib().omp_set_num_threads
+    if macs >= SMALL_MACS or one is None:
+        return False
+    one(1)
+    return True
 
 
 def conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan | None:
@@ -159,7 +177,18 @@ def _planned(cache: dict, make: Callable, op: str, attrs: dict, ins, outs):
 
 
 def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
-    onednn.lib().set_threads()  # a primitive's work split is fixed when it is created
+    loaded = onednn.lib()
+    loaded.set_threads()  # a primitive's work split is fixed when it is created
+    single = single_threaded(outs[0].size * math.prod(ins[1].shape[1:]))
+    try:
+        plan = _make_conv(op, attrs, ins, outs)
+    finally:
+        loaded.set_threads()
+    plan.single = single
+    return plan
+
+
+def _make_conv(op: str, attrs: dict, ins, outs) -> ConvPlan:
     fused = op != "conv"
     activation = attrs.get("activation", "none") if fused else "none"
     alpha, beta = float(attrs.get("alpha", 0.0)), float(attrs.get("beta", 0.0))
@@ -312,7 +341,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
     has_bias, has_residual = plan.has_bias, plan.has_residual
     contiguous, copyto = np.ascontiguousarray, np.copyto
 
-    def kernel(x, w, *rest):
+    def run(x, w, *rest):
         out = rest[-1]
         if not x.flags.c_contiguous:
             x = contiguous(x)
@@ -333,7 +362,21 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
             execute(xa, weights(w), da, *pad_address)
         if dst_out is not None:
             dst_out(da, address(out), *pad_address)
-    kernel.kernel_name = plan.name  # type: ignore[attr-defined]
+
+    kernel = run
+    set_count = onednn.lib().omp_set_num_threads
+    if plan.single:
+        threads = onednn.lib().set_threads()
+
+        def kernel(*arrays):
+            # Some implementations (AVX2's depthwise jit, reorders) split their loops by the
+            # thread count of the moment, not the one they were made with.
+            set_count(1)
+            try:
+                run(*arrays)
+            finally:
+                set_count(threads)
+    kernel.kernel_name = plan.name + (" (one thread)" if plan.single else "")  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
     kernel.scratch = scratch  # type: ignore[attr-defined]  (so does its scratch: it runs on addresses)
     return kernel

@@ -230,3 +230,21 @@ def test_small_conv_timed_against_own_kernel(monkeypatch):
     got_y, got_z = (t.numpy() for t in plan(xv, bv))
     np.testing.assert_allclose(got_y, OPS["conv"].reference(xv, w1, b1)[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_z, OPS["conv"].reference(bv, w2, pads=(1, 1, 1, 1))[0], rtol=1e-3, atol=1e-3)
+
+
+@needs_onednn
+def test_small_conv_primitive_runs_on_one_thread():
+    # under SMALL_MACS multiply-adds a primitive is made for, and run on, one thread (waking
+    # OpenMP's passive workers costs more than the work); OpenMP's count is the budget's after it
+    attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 8}
+    for shape, one in (((1, 8, 10, 10), True), ((4, 64, 64, 64), False)):
+        c = shape[1]
+        x, w = _f(*shape), _f(c, 1, 3, 3) if one else _f(c, c // 8, 3, 3)
+        w.flags.writeable = False
+        types = (TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype))
+        (y,) = OPS["conv"].infer(types, attrs)
+        kernel = prepare("conv", attrs, types, (y,))
+        assert kernel.kernel_name.startswith("oneDNN conv") and kernel.kernel_name.endswith("(one thread)") == one
+        out = np.empty(y.shape, np.float32)
+        kernel(x, w, out)
+        np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-4, atol=1e-4)
