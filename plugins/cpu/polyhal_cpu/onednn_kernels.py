@@ -384,12 +384,18 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
 
 #: Multiply-adds from which a conv instance is left to oneDNN untimed: there its primitives
 #: measured ahead of the CPU's own kernels (ResNet-50 b8 0.79x onnxruntime's time against 2.8x),
-#: and timing both costs compile time in proportion. Below, either may win: on the 2-core VM
+#: and timing both costs compile time in proportion (ResNet-50 b1's compile took 1.6 s instead
+#: of 0.4 s with its convs timed up to 2^27). Below, either may win: on the 2-core VM
 #: (AVX-512, its other core busy) EfficientNet-B0's squeeze-excitation 1x1 convs on a 1x1 map
 #: took 17-40 us as primitives against 5-15 us on the own kernel, its stem 460 against 360 us.
-TIMED_MACS = 1 << 27
+TIMED_MACS = 1 << 25
 #: Timed calls of each kernel (alternating, after one untimed call each); the fastest counts.
 TIMED_RUNS = 3
+#: The own kernel runs an instance only where it took at most this share of the primitive's
+#: time: a choice on a noisy machine (other processes, a pool thread waking late) is kept from
+#: flipping on a few microseconds (ResNet-50 b1, timed up to 2^27 multiply-adds with no margin:
+#: 6 convs went to the own kernel and the model ran ~5% slower).
+OWN_MARGIN = 0.8
 
 #: Conv instances the CPU's own kernel measured faster on when a plan was compiled: key -> why.
 _OUTRUN: dict[tuple, str] = {}
@@ -433,7 +439,7 @@ def conv_chosen(op: str, attrs: dict, ins, outs, own: Callable[[], Callable[...,
         taken[fn].append(time.perf_counter() - t0)
     mine, other = min(taken[ours][1:]), min(taken[theirs][1:])  # the first calls reorder weights
     times = f"oneDNN {mine * 1e6:.0f} us, own {other * 1e6:.0f} us"
-    chosen = mine <= other
+    chosen = other > OWN_MARGIN * mine
     if chosen:
         plan.name += f" (timed: {times})"
     else:
