@@ -62,6 +62,7 @@ from polyhal_cpu import blas, native, onednn_kernels, parallel
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.scratch import array as scratch_array
+from polyhal_cpu.scratch import standalone
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen, numpy_activation
 
 _F32 = np.dtype(np.float32)
@@ -410,8 +411,6 @@ def _onednn_runs(device, decls, own_builder, op: str, attrs: dict, ins: Types, o
     """Whether oneDNN runs this conv instance: it serves it and was not measured slower than the
     own kernel ``own_builder`` (whose scratch ``decls`` declare) when the plan was compiled
     (:func:`polyhal_cpu.onednn_kernels.conv_chosen`)."""
-    from polyhal_cpu.scratch import standalone
-
     def own() -> Kernel:
         return own_builder(device, op, attrs, ins, outs, standalone(device, _own_scratch(decls, op, attrs, ins, outs)))
     return onednn_kernels.conv_chosen(op, attrs, ins, outs, own)

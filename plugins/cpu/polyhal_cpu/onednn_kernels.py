@@ -405,9 +405,10 @@ _CHOSEN: dict[tuple, bool] = {}
 
 def conv_chosen(op: str, attrs: dict, ins, outs, own: Callable[[], Callable[..., None]]) -> bool:
     """Whether oneDNN runs this conv instance: it serves it (:func:`conv_plan`), and, for one of
-    fewer than :data:`TIMED_MACS` multiply-adds, its primitive measured faster than the CPU's own
-    kernel (``own()`` builds it, with its scratch) on constant-filled operands of the instance's types --
-    as the CUDA plugin times cuDNN's engines. Timed once per instance, in the compile, under
+    fewer than :data:`TIMED_MACS` multiply-adds, the CPU's own kernel (``own()`` builds it, with
+    its scratch) did not take :data:`OWN_MARGIN` of its primitive's time or less on constant-filled
+    operands of the instance's types -- as the CUDA plugin times cuDNN's engines. Timed once per
+    instance, in the compile, under
     the thread budget of the moment (``POLYHAL_CPU_ONEDNN_TIMED=0``: not timed, oneDNN runs
     every instance it serves). The chosen primitive's kernel name carries both times."""
     timed = CPUSettings.from_env().onednn_timed
