@@ -447,3 +447,39 @@ def test_a_mean_over_one_axis_given_as_an_int_is_no_conv_chain_map():
     plan = polyhal.compile(b.build(), "cpu:0")
     x = np.random.default_rng(0).standard_normal((2, 3, 4, 5)).astype(np.float32)
     np.testing.assert_allclose(plan.run_numpy(x)[0], x.mean(axis=2, keepdims=True), rtol=1e-6)
+
+
+def test_a_wide_pointwise_conv_at_a_chains_entry_reads_its_map_as_it_lies():
+    # DenseNet's bottleneck: a 1x1 conv reading a wide map from outside the chain (here through
+    # a relu) is left out of it, so that map is not relaid on every layer; a narrow entry (and a
+    # wide 1x1 conv inside a chain) keeps its encodings
+    from polyhal.ir.encoding import FeatureMapEncoding
+    from polyhal.passes.data_tiling import set_conv_encodings
+
+    rng = np.random.default_rng(3)
+
+    def layer(c_in: int, scale: float):
+        b = polyhal.ProgramBuilder("layer")
+        x = b.input("x", (1, c_in, 8, 8), np.float32)
+        y = b.op("relu", b.op("mul", x, b.constant(np.float32(scale))))
+        y = b.op("relu", b.op("conv", y, b.constant(rng.standard_normal((16, c_in, 1, 1)).astype(np.float32))))
+        y = b.op("relu", b.op("conv", y, b.constant(rng.standard_normal((16, 16, 3, 3)).astype(np.float32)),
+                              pads=(1, 1, 1, 1)))
+        y = b.op("conv", y, b.constant(rng.standard_normal((8, 16, 1, 1)).astype(np.float32)))
+        b.output(y)
+        return b.build()
+
+    def encoded_filters(program) -> list[tuple[int, ...]]:
+        out = set_conv_encodings(program)
+        return [op.inputs[0].type.shape for op in out.ops if op.kind == "encode"
+                and isinstance(op.outputs[0].type.encoding, FeatureMapEncoding)
+                and op.outputs[0].type.encoding.role == "filter"]
+
+    assert (16, 64, 1, 1) not in encoded_filters(layer(64, 0.5))  # wide entry: left out
+    assert {(16, 16, 3, 3), (8, 16, 1, 1)} <= set(encoded_filters(layer(64, 0.5)))  # the rest still a chain
+    assert (16, 16, 1, 1) in encoded_filters(layer(16, 0.5))  # a narrow entry stays in
+    program = layer(64, 0.5)
+    plan = polyhal.compile(program, "cpu:0")
+    x = rng.standard_normal((1, 64, 8, 8)).astype(np.float32)
+    want = polyhal.compile(program, "cpu:0", data_tiling=False).run_numpy(x)[0]
+    np.testing.assert_allclose(plan.run_numpy(x)[0], want, rtol=1e-4, atol=1e-4)

@@ -62,6 +62,7 @@ from polyhal_cpu import blas, native, onednn_kernels, parallel
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.scratch import array as scratch_array
+from polyhal_cpu.scratch import standalone
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen, numpy_activation
 
 _F32 = np.dtype(np.float32)
@@ -406,17 +407,30 @@ def _own_scratch(decls, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[
     return tuple(d.request(problem, kernel) for d in decls)
 
 
+def _onednn_runs(device, decls, own_builder, op: str, attrs: dict, ins: Types, outs: Types) -> bool:
+    """Whether oneDNN runs this conv instance: it serves it and was not measured slower than the
+    own kernel ``own_builder`` (whose scratch ``decls`` declare) when the plan was compiled
+    (:func:`polyhal_cpu.onednn_kernels.conv_chosen`)."""
+    def own() -> Kernel:
+        return own_builder(device, op, attrs, ins, outs, standalone(device, _own_scratch(decls, op, attrs, ins, outs)))
+    return onednn_kernels.conv_chosen(op, attrs, ins, outs, own)
+
+
 def _conv_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
-    """A conv's scratch: the oneDNN primitive's where it serves the instance, else this module's."""
-    requests = onednn_kernels.conv_scratch(op, attrs, ins, outs)
-    return _own_scratch(_CONV_SCRATCH, op, attrs, ins, outs) if requests is None else requests
+    """A conv's scratch: the oneDNN primitive's where it runs the instance, else this module's."""
+    if _onednn_runs(device, _CONV_SCRATCH, _own_conv, op, attrs, ins, outs):
+        return onednn_kernels.conv_scratch(op, attrs, ins, outs)
+    return _own_scratch(_CONV_SCRATCH, op, attrs, ins, outs)
 
 
 @TABLE.register("conv", "fused_conv", scratch=_conv_scratch)
 def _conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    """A oneDNN primitive where the library serves the instance (:mod:`polyhal_cpu.onednn_kernels`),
-    else this module's paths (the module docstring)."""
-    return onednn_kernels.conv(op, attrs, ins, outs, scratch) or _own_conv(device, op, attrs, ins, outs, scratch)
+    """A oneDNN primitive where it runs the instance (:mod:`polyhal_cpu.onednn_kernels`: the
+    library serves it and, if small, measured faster), else this module's paths (the module
+    docstring)."""
+    if _onednn_runs(device, _CONV_SCRATCH, _own_conv, op, attrs, ins, outs):
+        return onednn_kernels.conv(op, attrs, ins, outs, scratch)
+    return _own_conv(device, op, attrs, ins, outs, scratch)
 
 
 @float16_via_float32
@@ -1099,17 +1113,19 @@ _BLOCKED_SCRATCH = (
 
 
 def _blocked_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
-    """A blocked conv's scratch: the oneDNN primitive's where it serves the instance, else this module's."""
-    requests = onednn_kernels.conv_scratch(op, attrs, ins, outs)
-    return _own_scratch(_BLOCKED_SCRATCH, op, attrs, ins, outs) if requests is None else requests
+    """A blocked conv's scratch: the oneDNN primitive's where it runs the instance, else this module's."""
+    if _onednn_runs(device, _BLOCKED_SCRATCH, _own_blocked_conv, op, attrs, ins, outs):
+        return onednn_kernels.conv_scratch(op, attrs, ins, outs)
+    return _own_scratch(_BLOCKED_SCRATCH, op, attrs, ins, outs)
 
 
 @TABLE.register(BLOCKED_CONV, scratch=_blocked_scratch)
 def _blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
-    """A oneDNN primitive on the channels-last maps where the library serves the instance, else
-    this module's own loops."""
-    return onednn_kernels.conv(op, attrs, ins, outs, scratch) or _own_blocked_conv(device, op, attrs, ins, outs,
-                                                                                   scratch)
+    """A oneDNN primitive on the channels-last maps where it runs the instance (as for ``conv``),
+    else this module's own loops."""
+    if _onednn_runs(device, _BLOCKED_SCRATCH, _own_blocked_conv, op, attrs, ins, outs):
+        return onednn_kernels.conv(op, attrs, ins, outs, scratch)
+    return _own_blocked_conv(device, op, attrs, ins, outs, scratch)
 
 
 def _own_blocked_conv(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:

@@ -38,7 +38,7 @@ from polyhal_cpu import onednn
 from polyhal_cpu.onednn import (ARG_ATTR_SCALES, ARG_ATTR_ZERO_POINTS, ARG_BIAS, ARG_DST, ARG_SRC, ARG_WEIGHTS, Attr,
                                 Primitive, Refused, address)
 from polyhal_cpu.onednn_kernels import (_REFUSED, _bound, _filter_md, _kept_weights, _key, _planned, _Relayout,
-                                        _requests, _row_major, cpu_dispatches, note_own_kernels)
+                                        _requests, _row_major, cpu_dispatches, note_own_kernels, single_threaded)
 from polyhal_cpu.scratch import array as scratch_array
 from polyhal_cpu.table import TABLE, Kernel, Types, frozen
 
@@ -101,19 +101,11 @@ def _runtime_args(quantized: bool, channels: int, per_channel: bool) -> dict:
     return given
 
 
-#: Multiply-adds below which a primitive is made for one thread: waking OpenMP's sleeping
-#: (passive) workers costs more than the work (a 64 x 32 x 64 matmul took 0.6 ms a call on two
-#: threads of the busy 2-core VM, against 0.45 ms for onnxruntime's whole three-layer MLP).
-SMALL_MACS = 1 << 22
-
-
 def _make_plan(op: str, attrs: dict, ins, outs) -> Int8Plan:
     loaded = onednn.lib()
     loaded.set_threads()  # a primitive's work split is fixed when it is created
     w = ins[3]
-    macs = outs[0].size * (math.prod(w.shape[1:]) if op == "quantized_conv" else w.shape[0])
-    if macs < SMALL_MACS and loaded.omp_set_num_threads is not None:
-        loaded.omp_set_num_threads(1)
+    single_threaded(outs[0].size * (math.prod(w.shape[1:]) if op == "quantized_conv" else w.shape[0]))
     try:
         return _make(op, attrs, ins, outs)
     finally:

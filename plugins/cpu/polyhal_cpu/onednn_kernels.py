@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,8 +42,9 @@ from polyhal_cpu import onednn, parallel
 from polyhal_cpu.onednn import ARG_BIAS, ARG_DST, ARG_SRC, ARG_WEIGHTS, Attr, MemoryDesc, Primitive, Refused, address
 from polyhal_cpu.ops import BLOCKED_CONV
 from polyhal_cpu.scratch import array as scratch_array
+from polyhal_cpu.settings import CPUSettings
 
-__all__ = ["conv", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
+__all__ = ["conv", "conv_chosen", "conv_scratch", "matmul", "matmul_scratch", "refusals"]
 
 
 #: op instance -> why oneDNN does not serve it (for tests and explain's kernel names).
@@ -122,10 +124,28 @@ class ConvPlan:
     weights_bytes: int
     scratchpad_bytes: int
     name: str
+    single: bool = False  # made for one thread, and run on one (SMALL_MACS)
     requests: tuple = field(default=())
 
 
 _PLANS: dict[tuple, ConvPlan | None] = {}
+
+#: Multiply-adds below which a primitive is made, and run, on one thread: waking OpenMP's
+#: sleeping (passive) workers costs more than the work (a 64 x 32 x 64 matmul took 0.6 ms a call
+#: on two threads of the busy 2-core VM, against 0.45 ms for onnxruntime's whole three-layer MLP;
+#: EfficientNet-B0's squeeze-excitation convs 20-40 us on two threads against 15-20 us on one).
+SMALL_MACS = 1 << 22
+
+
+def single_threaded(macs: int) -> bool:
+    """Whether a primitive of ``macs`` multiply-adds is made for one thread (see
+    :data:`SMALL_MACS`), and if so, set OpenMP's thread count to 1 for its creation (the caller
+    sets the budget's back with ``onednn.lib().set_threads()`` afterwards)."""
+    one = onednn.lib().omp_set_num_threads
+    if macs >= SMALL_MACS or one is None:
+        return False
+    one(1)
+    return True
 
 
 def conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan | None:
@@ -157,7 +177,18 @@ def _planned(cache: dict, make: Callable, op: str, attrs: dict, ins, outs):
 
 
 def _make_conv_plan(op: str, attrs: dict, ins, outs) -> ConvPlan:
-    onednn.lib().set_threads()  # a primitive's work split is fixed when it is created
+    loaded = onednn.lib()
+    loaded.set_threads()  # a primitive's work split is fixed when it is created
+    single = single_threaded(outs[0].size * math.prod(ins[1].shape[1:]))
+    try:
+        plan = _make_conv(op, attrs, ins, outs)
+    finally:
+        loaded.set_threads()
+    plan.single = single
+    return plan
+
+
+def _make_conv(op: str, attrs: dict, ins, outs) -> ConvPlan:
     fused = op != "conv"
     activation = attrs.get("activation", "none") if fused else "none"
     alpha, beta = float(attrs.get("alpha", 0.0)), float(attrs.get("beta", 0.0))
@@ -310,7 +341,7 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
     has_bias, has_residual = plan.has_bias, plan.has_residual
     contiguous, copyto = np.ascontiguousarray, np.copyto
 
-    def kernel(x, w, *rest):
+    def run(x, w, *rest):
         out = rest[-1]
         if not x.flags.c_contiguous:
             x = contiguous(x)
@@ -331,10 +362,94 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
             execute(xa, weights(w), da, *pad_address)
         if dst_out is not None:
             dst_out(da, address(out), *pad_address)
-    kernel.kernel_name = plan.name  # type: ignore[attr-defined]
+
+    kernel = run
+    set_count = onednn.lib().omp_set_num_threads
+    if plan.single:
+        threads = onednn.lib().set_threads()
+
+        def kernel(*arrays):
+            # Some implementations (AVX2's depthwise jit, reorders) split their loops by the
+            # thread count of the moment, not the one they were made with.
+            set_count(1)
+            try:
+                run(*arrays)
+            finally:
+                set_count(threads)
+    kernel.kernel_name = plan.name + (" (one thread)" if plan.single else "")  # type: ignore[attr-defined]
     kernel.plan = plan  # type: ignore[attr-defined]  (the primitives live as long as the kernel)
     kernel.scratch = scratch  # type: ignore[attr-defined]  (so does its scratch: it runs on addresses)
     return kernel
+
+
+#: Multiply-adds from which a conv instance is left to oneDNN untimed: there its primitives
+#: measured ahead of the CPU's own kernels (ResNet-50 b8 0.79x onnxruntime's time against 2.8x),
+#: and timing both costs compile time in proportion (ResNet-50 b1's compile took 1.6 s instead
+#: of 0.4 s with its convs timed up to 2^27). Below, either may win: on the 2-core VM
+#: (AVX-512, its other core busy) EfficientNet-B0's squeeze-excitation 1x1 convs on a 1x1 map
+#: took 17-40 us as primitives against 5-15 us on the own kernel, its stem 460 against 360 us.
+TIMED_MACS = 1 << 25
+#: Timed calls of each kernel (alternating, after one untimed call each); the fastest counts.
+TIMED_RUNS = 3
+#: The own kernel runs an instance only where it took at most this share of the primitive's
+#: time: a choice on a noisy machine (other processes, a pool thread waking late) is kept from
+#: flipping on a few microseconds (ResNet-50 b1, timed up to 2^27 multiply-adds with no margin:
+#: 6 convs went to the own kernel and the model ran ~5% slower).
+OWN_MARGIN = 0.8
+
+#: Conv instances the CPU's own kernel measured faster on when a plan was compiled: key -> why.
+_OUTRUN: dict[tuple, str] = {}
+#: Conv instances timed or left untimed: key -> whether oneDNN runs them.
+_CHOSEN: dict[tuple, bool] = {}
+
+
+def conv_chosen(op: str, attrs: dict, ins, outs, own: Callable[[], Callable[..., None]]) -> bool:
+    """Whether oneDNN runs this conv instance: it serves it (:func:`conv_plan`), and, for one of
+    fewer than :data:`TIMED_MACS` multiply-adds, the CPU's own kernel (``own()`` builds it, with
+    its scratch) did not take :data:`OWN_MARGIN` of its primitive's time or less on constant-filled
+    operands of the instance's types -- as the CUDA plugin times cuDNN's engines. Timed once per
+    instance, in the compile, under
+    the thread budget of the moment (``POLYHAL_CPU_ONEDNN_TIMED=0``: not timed, oneDNN runs
+    every instance it serves). The chosen primitive's kernel name carries both times."""
+    timed = CPUSettings.from_env().onednn_timed
+    key = _key(op, attrs, ins, outs)
+    if timed and key in _CHOSEN:
+        return _CHOSEN[key]
+    plan = conv_plan(op, attrs, ins, outs)
+    if plan is None:
+        return False
+    if not timed:
+        return True
+    if outs[0].size * math.prod(ins[1].shape[1:]) >= TIMED_MACS:
+        _CHOSEN[key] = True
+        return True
+    try:
+        theirs = own()
+    except Exception:  # noqa: BLE001 -- an own path that cannot take the instance: oneDNN runs it
+        _CHOSEN[key] = True
+        return True
+    ours = conv(op, attrs, ins, outs, None)
+    # A constant fill: neither kernel's time depends on the values, and drawing random maps at
+    # batch 8 took a second of EfficientNet-B0's compile.
+    arrays = [np.full(t.shape, 0.25, t.dtype) for t in (*ins, *outs)]
+    for a in arrays[1:len(ins)]:
+        a.flags.writeable = False  # weights and bias are a plan's constants: kept, as they will be
+    taken: dict = {ours: [], theirs: []}
+    for fn in (ours, theirs) * (TIMED_RUNS + 1):
+        t0 = time.perf_counter()
+        fn(*arrays)
+        taken[fn].append(time.perf_counter() - t0)
+    mine, other = min(taken[ours][1:]), min(taken[theirs][1:])  # the first calls reorder weights
+    times = f"oneDNN {mine * 1e6:.0f} us, own {other * 1e6:.0f} us"
+    chosen = other > OWN_MARGIN * mine
+    if chosen:
+        plan.name += f" (timed: {times})"
+    else:
+        _OUTRUN[key] = f"it measured faster than oneDNN when the plan was compiled ({times})"
+        with _lock:  # its primitive is not kept: ~0.5 MB each of jit code and descriptors
+            _PLANS.pop(key, None)
+    _CHOSEN[key] = chosen
+    return chosen
 
 
 # ---------------------------------------------------------------------------------------- matmul
@@ -354,6 +469,12 @@ class MatmulPlan:
 
 
 _MATMULS: dict[tuple, MatmulPlan | None] = {}
+#: Rows (of A and the result) below which a product with a weight matrix stays on the CPU's own
+#: GEMMs: it reads each weight about once, so it is bound by memory either way (a classifier at
+#: batch 1: own 385 us, oneDNN's brgemm ~360 us on the 2-core VM), and oneDNN's weights layout
+#: would be a second, kept copy of the matrix (MobileNetV3-large's classifier: 10 MB of its
+#: ~47 MB above onnxruntime's peak at batch 1, AVX-512).
+FEW_ROWS = 16
 #: The matmul implementations taken (prefixes of oneDNN's names): the brgemm ones. oneDNN 3.2 has
 #: them from AVX-512 on; on AVX2 its matmul is ``gemm:jit``, which measured slower than the CPU's
 #: own GEMMs, so matmuls stay on those there.
@@ -429,6 +550,10 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
             out_dims = out_t.shape
         a_strides, b_strides = _row_major(a_dims), _row_major(b_dims)
         constant_b = b_t.rank == 2  # a weight matrix, most likely a constant: worth a layout of its own
+    rows = math.prod(out_dims[:-1])
+    if constant_b and rows < FEW_ROWS:
+        raise Refused(f"{op}: {rows} row(s) against {b_dims[-2]} x {b_dims[-1]} weights is bound by reading them, "
+                      "which the CPU's own GEMMs do as they lie, where oneDNN would keep a copy in its layout")
     a_md, b_user = onednn.plain(a_dims, a_strides, dt), onednn.plain(b_dims, b_strides, dt)
     out_md = onednn.plain(out_dims, None, dt)
     attr = Attr(post)
@@ -534,13 +659,18 @@ def report(compilation, target) -> None:
                                  "dispatches")
         return
     own = []
+    timed = CPUSettings.from_env().onednn_timed
     for op in ours:
         attrs = resolve_attrs(op.name, dict(op.attrs))
         ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
+        key = _key(op.name, attrs, ins, outs)
+        if key in _OUTRUN and timed:
+            own.append((op, _OUTRUN[key]))
+            continue
         planned = (matmul_plan if op.name in ("matmul", "gemm", "linear", "fused_linear") else conv_plan)(
             op.name, attrs, ins, outs)
         if planned is None:
-            own.append((op, _REFUSED.get(_key(op.name, attrs, ins, outs), "a type oneDNN is not asked about")))
+            own.append((op, _REFUSED.get(key, "a type oneDNN is not asked about")))
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
                              "run as oneDNN primitives")
     note_own_kernels(compilation, own, "own kernel")

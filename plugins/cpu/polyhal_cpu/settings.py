@@ -38,6 +38,10 @@ class CPUSettings(Settings, component="CPU backend"):
              "or unset it for the CPUs this process may use")
     onednn: bool = setting("POLYHAL_CPU_ONEDNN", Flag(), True,
                            "run convolutions and matmuls as oneDNN primitives where the library is installed")
+    onednn_timed: bool = setting(
+        "POLYHAL_CPU_ONEDNN_TIMED", Flag(), True,
+        "time each small conv's oneDNN primitive against the CPU's own kernel when a plan is compiled and run the "
+        "faster (0: oneDNN runs every conv it serves)")
     onednn_library: str | None = setting(
         "POLYHAL_CPU_ONEDNN_LIBRARY", Text(), None, "the oneDNN library file to load (libdnnl.so.3)",
         shown="the environment's lib/libdnnl.so.3 (the onednn-cpu-gomp wheel's)")

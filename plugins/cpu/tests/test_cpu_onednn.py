@@ -23,6 +23,13 @@ needs_onednn = pytest.mark.skipif(not onednn.usable(), reason=f"oneDNN is not us
 RNG = np.random.default_rng(30)
 
 
+@pytest.fixture(autouse=True)
+def _untimed(monkeypatch):
+    """These tests are of the primitives: oneDNN runs every conv it serves (not timed against
+    the own kernel; test_small_conv_timed_against_own_kernel is of that choice)."""
+    monkeypatch.setenv("POLYHAL_CPU_ONEDNN_TIMED", "0")
+
+
 def _f(*shape) -> np.ndarray:
     return RNG.standard_normal(shape).astype(np.float32)
 
@@ -197,3 +204,47 @@ def test_kernel_prepared_alone_keeps_its_scratch():
     out = np.empty(y.shape, np.float32)
     kernel(x, w, out)
     np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_small_conv_timed_against_own_kernel(monkeypatch):
+    # an instance under TIMED_MACS runs whichever kernel measured faster when the plan was
+    # compiled, and says so with both times; a larger one is left to oneDNN untimed
+    monkeypatch.setenv("POLYHAL_CPU_ONEDNN_TIMED", "1")
+    b = polyhal.ProgramBuilder("timed")
+    x = b.input("x", (1, 40, 1, 1), np.float32)  # a squeeze-excitation 1x1 conv on a 1x1 map
+    w1, b1 = _f(10, 40, 1, 1), _f(10)
+    y = b.op("conv", x, b.constant(w1), b.constant(b1))
+    big = b.input("big", (1, 64, 128, 128), np.float32)
+    w2 = _f(64, 64, 3, 3)  # 604M multiply-adds: untimed
+    z = b.op("conv", big, b.constant(w2), pads=(1, 1, 1, 1))
+    b.output(y)
+    b.output(z)
+    plan = polyhal.compile(b.build(), "cpu:0")
+    explain = plan.explain()
+    timed = [line for line in explain.splitlines() if "timed: oneDNN" in line or "measured faster" in line]
+    assert len(timed) == 1 and "own" in timed[0] and " us" in timed[0], explain
+    ran = 1 if "runs on the CPU's own kernel: it measured faster" in timed[0] else 2
+    assert f"{ran} of 2 conv/matmul dispatches on the CPU run as oneDNN primitives" in explain, explain
+    xv, bv = _f(1, 40, 1, 1), _f(1, 64, 128, 128)
+    got_y, got_z = (t.numpy() for t in plan(xv, bv))
+    np.testing.assert_allclose(got_y, OPS["conv"].reference(xv, w1, b1)[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_z, OPS["conv"].reference(bv, w2, pads=(1, 1, 1, 1))[0], rtol=1e-3, atol=1e-3)
+
+
+@needs_onednn
+def test_small_conv_primitive_runs_on_one_thread():
+    # under SMALL_MACS multiply-adds a primitive is made for, and run on, one thread (waking
+    # OpenMP's passive workers costs more than the work); OpenMP's count is the budget's after it
+    attrs = {"strides": [1, 1], "pads": [1, 1, 1, 1], "dilations": [1, 1], "group": 8}
+    for shape, one in (((1, 8, 10, 10), True), ((4, 64, 64, 64), False)):
+        c = shape[1]
+        x, w = _f(*shape), _f(c, 1, 3, 3) if one else _f(c, c // 8, 3, 3)
+        w.flags.writeable = False
+        types = (TensorType(x.shape, x.dtype), TensorType(w.shape, w.dtype))
+        (y,) = OPS["conv"].infer(types, attrs)
+        kernel = prepare("conv", attrs, types, (y,))
+        assert kernel.kernel_name.startswith("oneDNN conv") and kernel.kernel_name.endswith("(one thread)") == one
+        out = np.empty(y.shape, np.float32)
+        kernel(x, w, out)
+        np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-4, atol=1e-4)
