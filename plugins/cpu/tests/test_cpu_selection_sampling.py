@@ -114,6 +114,32 @@ def test_topk_matches_the_sort(dtype, largest, in_order, axis, monkeypatch):
             np.testing.assert_array_equal(i, want[1])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_topk_block_floor_matches_the_sort(dtype, largest, in_order, monkeypatch):
+    """Lanes long enough for the first pass over blocks (select_loops.BLOCK elements, the floor
+    from their bests): ties at the floor, nan (many: more than k in some lanes), infinities,
+    +-0, a tail past the last whole block, and a lane copied from a strided axis."""
+    from polyhal_cpu.select_loops import BLOCK
+
+    rng = np.random.default_rng(3)
+    n = BLOCK * 40 + 7
+    x = rng.integers(-6, 7, (3, n, 2)).astype(dtype)
+    if x.dtype.kind == "f":
+        x[rng.random(x.shape) < 0.05] = np.nan
+        x[0, : n // 2, 0] = np.nan  # more nan than k: nan fills the result's best or worst end
+        x[1, rng.integers(0, n, 20), 1] = np.inf
+        x[1, rng.integers(0, n, 20), 0] = -np.inf
+        x[2, :, 0] = rng.choice(np.array([0.0, -0.0, 6.0, -6.0], dtype), n)
+    for axis, lanes in ((1, x), (-1, np.ascontiguousarray(x.transpose(0, 2, 1)))):
+        for k in (1, 4, 13):
+            attrs = {"axis": axis, "k": k, "largest": largest, "sorted": in_order}
+            (v, i), (nv, ni) = _both("topk", attrs, (lanes,), monkeypatch)
+            np.testing.assert_array_equal(i, ni)
+            np.testing.assert_array_equal(v, nv)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("classes", [2, 3, 7])
 def test_pairwise_coupling_matches_reference(dtype, classes, monkeypatch):
