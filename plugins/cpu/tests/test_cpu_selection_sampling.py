@@ -71,9 +71,10 @@ def test_grid_sample_nan_point_reads_nan():
 @pytest.mark.parametrize("mode", ["avg", "max"])
 @pytest.mark.parametrize("ratio", [0, 2])
 @pytest.mark.parametrize("transform", ["half_pixel", "output_half_pixel"])
-def test_roi_align_matches_reference(dtype, mode, ratio, transform, monkeypatch):
+@pytest.mark.parametrize("channels", [3, 8])  # plane by plane, channels last
+def test_roi_align_matches_reference(dtype, mode, ratio, transform, channels, monkeypatch):
     rng = np.random.default_rng(ratio)
-    x = rng.standard_normal((2, 3, 9, 11)).astype(dtype)
+    x = rng.standard_normal((2, channels, 9, 11)).astype(dtype)
     a = rng.uniform(-3.0, 11.0, (7, 2))
     rois = np.concatenate([a, a + rng.uniform(0.0, 9.0, (7, 2))], axis=1).astype(dtype)
     rois[0] = [4.0, 4.0, 4.0, 4.0]  # empty
@@ -84,6 +85,32 @@ def test_roi_align_matches_reference(dtype, mode, ratio, transform, monkeypatch)
     (got,), (numpy_path,) = _both("roi_align", attrs, (x, rois, batch), monkeypatch)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, numpy_path, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("ratio", [0, 2])
+def test_roi_align_channels_last_matches_plane_by_plane(dtype, mode, ratio):
+    """The channels-last loop (from CHANNELS_LAST_MIN channels) gives the very bits of the
+    plane-by-plane one (fewer channels): the same sums in the same order, samples outside the
+    image reading the first pixel at weight 0 (inf and nan there included) in both."""
+    from polyhal_cpu.vision_loops import CHANNELS_LAST_MIN
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 2 * CHANNELS_LAST_MIN, 9, 11)).astype(dtype)
+    x[0, :, 0, 0] = np.inf
+    x[1, 1, 0, 0] = np.nan
+    x[2, :, 4, 5] = -np.inf
+    a = rng.uniform(-6.0, 12.0, (9, 2))
+    rois = np.concatenate([a, a + rng.uniform(0.0, 12.0, (9, 2))], axis=1).astype(dtype)
+    batch = np.array([0, 1, 2, 0, 1, 2, 0, 0, 1], np.int64)
+    attrs = {"mode": mode, "output_height": 4, "output_width": 3, "sampling_ratio": ratio, "spatial_scale": 0.8,
+             "coordinate_transformation_mode": "half_pixel"}
+    (whole,) = _run("roi_align", attrs, x, rois, batch)
+    step = CHANNELS_LAST_MIN - 1
+    parts = [_run("roi_align", attrs, np.ascontiguousarray(x[:, c:c + step]), rois, batch)[0]
+             for c in range(0, x.shape[1], step)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts, axis=1))
 
 
 def test_roi_align_refuses_a_batch_index_out_of_range():
