@@ -200,13 +200,24 @@ def test_strided_outputs_are_written():
     np.testing.assert_allclose(out, 7.5)
 
 
-def test_topk_split_across_threads_matches_the_sort(monkeypatch):
+@pytest.mark.parametrize("k", [7, 100])  # the first pass leaves most blocks out / the heap takes many
+def test_topk_split_across_threads_matches_the_sort(monkeypatch, k):
     """A batch large enough to be cut across the backend's threads (lanes along the last axis)."""
-    x = np.random.default_rng(2).integers(-50, 50, (96, 2000)).astype(np.float32)  # ties everywhere
-    attrs = {"axis": 1, "k": 7, "largest": False, "sorted": True}
+    from polyhal_cpu import parallel, threads
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    pieces = []
+    real_run = parallel.run
+    monkeypatch.setattr(parallel, "run", lambda tasks: pieces.append(len(tasks)) or real_run(tasks))
+    rows = 160 if k == 7 else 24  # ~256k and ~32k elements: the least each is cut from
+    x = np.random.default_rng(2).integers(-50, 50, (rows, 2000)).astype(np.float32)  # ties everywhere
+    attrs = {"axis": 1, "k": k, "largest": False, "sorted": True}
     (v, i), (nv, ni) = _both("topk", attrs, (x,), monkeypatch)
     np.testing.assert_array_equal(i, ni)
     np.testing.assert_array_equal(v, nv)
+    assert pieces and pieces[0] == 2
 
 
 def test_a_small_topk_sorts_without_numba():
