@@ -7,8 +7,11 @@
   a threshold by order (every ONNX mode but BRANCH_EQ/BRANCH_NEQ) are relaid once as complete
   trees (:func:`complete_trees`) and run by :func:`~polyhal_cpu.tree_loops.compare_all`, which
   compares all of a tree's nodes for a block of rows with vector instructions and no branches
-  (gradient boosting's depth-3 trees: ~4x faster than a walk); the rest take the walk over the
-  compact arrays, a branch per level, as onnxruntime's tree kernels do.
+  (gradient boosting's depth-3 trees: ~4x faster than a walk); deeper ones are relaid with each
+  branch's children side by side (:func:`paired_trees`) and walked without branches by
+  :func:`~polyhal_cpu.tree_loops.walk_pairs`, a block of rows a tree at a time (a random
+  forest of depth 8: ~2.7x faster than a walk with a branch per level); the rest (BRANCH_EQ,
+  BRANCH_NEQ) take the walk over the compact arrays, a branch per level.
 * **numpy** otherwise: the walk is vectorised over ``[samples, trees]`` -- ``depth`` steps, each
   a few gathers and compares over the whole batch at once (leaves point at themselves, so rows
   that arrive early stay put), then one gather of the leaf values and the op's epilogue
@@ -29,7 +32,7 @@ from polyhal.ops.ml import AGGREGATES, BINARY, POST_TRANSFORMS, coupling_row, tr
 from polyhal_cpu.parallel import MIN_ELEMENTS, parallel
 from polyhal_cpu.table import TABLE, Kernel, Types, compiled_loops, frozen
 
-__all__ = ["complete_trees", "tree_walk_numpy"]
+__all__ = ["complete_trees", "paired_trees", "tree_walk_numpy"]
 
 #: The deepest ensemble that runs as complete trees: a tree's nodes are the bits of an int64
 #: (2**6 - 1 = 63), and compares double with every level where a walk's grow by one (at depth
@@ -40,12 +43,10 @@ COMPARE_ALL_DEPTH = 6
 SPLIT_NS = 500_000
 
 
-def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.ndarray, roots: np.ndarray,
-                   depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The ensemble as complete trees of depth ``depth`` in heap order, each node sending a
-    row left (to 2i + 1) when ``x <= threshold`` -- ``(feature, threshold, leaves)`` as
-    :func:`polyhal_cpu.tree_loops.compare_all` takes them -- or None where a node's rule is not
-    of that form (BRANCH_EQ and BRANCH_NEQ) or a tree is deeper than ``depth``.
+def _threshold_rules(nodes: np.ndarray, thresholds: np.ndarray) -> tuple | None:
+    """Every node as "left when ``x <= a``": ``(branch, feature, a, left, right)`` per compact
+    node, ``feature`` negative (~f) where a nan goes right -- or None where a node's rule is not of
+    that form (BRANCH_EQ and BRANCH_NEQ).
 
     Every other rule sends to one child exactly the values up to some float ``a``: BRANCH_LEQ
     t (a = t), BRANCH_LT t (a = the float below t), and BRANCH_GT/BRANCH_GTE with the children
@@ -53,8 +54,7 @@ def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.nd
     (BRANCH_GTE -inf) is "left when x <= inf" with the children in the order that gives it.
     Comparing in x's type against ``a`` of x's type is exact, so the routing is the same for
     every x. A nan x goes where ``nodes_missing_value_tracks_true`` says: the sign of
-    ``feature`` (a negative f reads feature ~f and sends nan right). A leaf above the last level
-    becomes a branch whose subtrees are all that leaf."""
+    ``feature``."""
     feature, mode, true_next, false_next = (nodes[:, c] for c in range(4))
     rule, t = mode & 7, thresholds
     branch = mode != 0
@@ -70,34 +70,100 @@ def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.nd
     swap = none | (~every & ((rule == 4) | (rule == 6)))
     a = np.where(none | every, inf, np.where(strict, below, t))
     nan_right = ((mode & 8) != 0) == swap  # nan goes to true_next iff bit 8; left is true_next iff not swap
+    return (branch, np.where(nan_right, ~feature, feature), a, np.where(swap, false_next, true_next),
+            np.where(swap, true_next, false_next))
+
+
+def complete_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.ndarray, roots: np.ndarray,
+                   depth: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """The ensemble as complete trees of depth ``depth`` in heap order, each node sending a
+    row left (to 2i + 1) when ``x <= threshold`` (:func:`_threshold_rules`) -- ``(feature,
+    threshold, leaves)`` as :func:`polyhal_cpu.tree_loops.compare_all` takes them -- or None
+    where a node's rule is not of that form (BRANCH_EQ and BRANCH_NEQ) or a tree is deeper than
+    ``depth``. A leaf above the last level becomes a branch whose subtrees are all that leaf."""
+    rules = _threshold_rules(nodes, thresholds)
+    if rules is None:
+        return None
+    branch, signed, a, left_of, right_of = rules
+    inf = np.array(np.inf, thresholds.dtype)
     trees, inner = len(roots), 2 ** depth - 1
     itype = np.int32 if depth <= 5 else np.int64  # the loop's bit masks: one bit a node
     feat = np.zeros((trees, inner), itype)
-    thr = np.full((trees, inner), inf, t.dtype)
+    thr = np.full((trees, inner), inf, thresholds.dtype)
     at = roots.reshape(trees, 1)  # compact rows of the nodes at each heap position of a level
     for level in range(depth):
         lo, width = 2 ** level - 1, 2 ** level
         b = branch[at]
-        f = feature[at].astype(itype)
-        feat[:, lo:lo + width] = np.where(b, np.where(nan_right[at], ~f, f), 0)
+        feat[:, lo:lo + width] = np.where(b, signed[at], 0).astype(itype)
         thr[:, lo:lo + width] = np.where(b, a[at], inf)  # a leaf: both subtrees are it
-        s = swap[at]
-        left = np.where(b, np.where(s, false_next[at], true_next[at]), at)
-        right = np.where(b, np.where(s, true_next[at], false_next[at]), at)
+        left = np.where(b, left_of[at], at)
+        right = np.where(b, right_of[at], at)
         at = np.stack([left, right], axis=-1).reshape(trees, -1)
     if np.any(branch[at]):
         return None
     return feat, thr, np.ascontiguousarray(leaf_values[at.reshape(-1)])
 
 
-def _relay(kept: list, depth: int | None, nodes, thresholds, leaf_values, roots) -> tuple:
-    """``(nodes, thresholds, leaf_values, roots, complete trees or None)`` for a kernel's call,
-    kept in ``kept[0]`` where the arrays are read-only (a plan's constants: relaid at the first
-    call, then found by identity); arrays that may change are relaid per call. ``depth`` None:
-    the ensemble is too deep for complete trees. One tuple in one list item, so that a kernel
-    called from two threads never pairs one call's arrays with another's layout."""
-    layout = None if depth is None else complete_trees(nodes, thresholds, leaf_values, roots, depth)
-    entry = (nodes, thresholds, leaf_values, roots, layout)
+def paired_trees(nodes: np.ndarray, thresholds: np.ndarray, leaf_values: np.ndarray, roots: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The ensemble with each branch's children side by side, every node sending a row left when
+    ``x <= threshold`` (:func:`_threshold_rules`) -- ``(links, threshold, leaves, trees)`` as
+    :func:`polyhal_cpu.tree_loops.walk_pairs` takes them -- or None where a node's rule is not of
+    that form (BRANCH_EQ and BRANCH_NEQ) or the trees, with the subtrees they share copied, would
+    outgrow the compact arrays.
+
+    ``links`` int32 ``[P, 2]``: a branch's feature (negative: ~f, a nan goes right) and the
+    position of its left child (the right one is next to it); a leaf reads feature 0 against an
+    infinite threshold and links to itself, so a walk of a fixed number of levels stays there.
+    ``leaves`` float64 ``[P, n_targets]``: the leaf values by position; ``trees`` int32 ``[T, 2]``:
+    each tree's root position and depth. Positions are laid out a level at a time over all
+    trees, breadth first."""
+    rules = _threshold_rules(nodes, thresholds)
+    if rules is None:
+        return None
+    branch, signed, a, left_of, right_of = rules
+    count = len(roots)
+    room = len(nodes) + count  # each node once (its tree's root, or one of a branch's pair)
+    links = np.zeros((room, 2), np.int32)
+    thr = np.full(room, np.inf, thresholds.dtype)
+    compact = np.empty(room, np.int64)
+    depths = np.zeros(count, np.int32)
+    at, where, tree = roots.astype(np.int64), np.arange(count), np.arange(count)
+    used, level = count, 0
+    while len(at):
+        compact[where] = at
+        b = branch[at]
+        links[where[~b], 1] = where[~b]
+        at, where, tree = at[b], where[b], tree[b]
+        if used + 2 * len(at) > room:
+            return None
+        links[where, 0] = signed[at]
+        links[where, 1] = used + 2 * np.arange(len(at))
+        thr[where] = a[at]
+        level += 1
+        depths[tree] = level  # the trees with a branch at this level
+        at = np.stack([left_of[at], right_of[at]], axis=1).reshape(-1)
+        where, tree = used + np.arange(len(at)), np.repeat(tree, 2)
+        used += len(at)
+    trees = np.stack([np.arange(count), depths], axis=1).astype(np.int32)
+    return links[:used].copy(), thr[:used].copy(), np.ascontiguousarray(leaf_values[compact[:used]]), trees
+
+
+def _relay(kept: list, depth: int, loops, nodes, thresholds, leaf_values, roots) -> tuple:
+    """``(nodes, thresholds, leaf_values, roots, loop, operands)`` for a kernel's call: the loop
+    of :mod:`polyhal_cpu.tree_loops` that runs the ensemble and its node operands (complete
+    trees to depth :data:`COMPARE_ALL_DEPTH`, paired trees deeper, the compact arrays where
+    neither layout takes the rules), kept in ``kept[0]`` where the arrays are read-only (a
+    plan's constants: relaid at the first call, then found by identity); arrays that may change
+    are relaid per call. One tuple in one list item, so that a kernel called from two threads
+    never pairs one call's arrays with another's layout."""
+    if depth <= COMPARE_ALL_DEPTH:
+        loop, layout = loops.compare_all, complete_trees(nodes, thresholds, leaf_values, roots, depth)
+    else:
+        loop, layout = loops.walk_pairs, paired_trees(nodes, thresholds, leaf_values, roots)
+    if layout is None:
+        loop, layout = loops.tree_ensemble, (nodes, thresholds, leaf_values, roots)
+    entry = (nodes, thresholds, leaf_values, roots, loop, layout)
     if all(frozen(a) for a in entry[:4]):
         kept[0] = entry
     return entry
@@ -128,11 +194,11 @@ def tree_walk_numpy(x: np.ndarray, nodes: np.ndarray, thresholds: np.ndarray, ro
 def _split_factor(attrs: dict, ins: Types) -> float:
     """The :func:`~polyhal_cpu.parallel.parallel` factor: output elements (over MIN_ELEMENTS)
     from which the kernel takes :data:`SPLIT_NS`. A row costs a tree ~0.25 ns per compare in
-    :func:`~polyhal_cpu.tree_loops.compare_all` (2**depth - 1 compares and depth steps), ~4 ns
-    per level in a walk (measured on a 2-core EPYC VM): a GB model of 40 trees of depth 3
-    splits from ~4,500 rows."""
+    :func:`~polyhal_cpu.tree_loops.compare_all` (2**depth - 1 compares and depth steps), ~2.5 ns
+    per level in :func:`~polyhal_cpu.tree_loops.walk_pairs` (measured on 2-core VMs): a GB model
+    of 40 trees of depth 3 splits from ~4,500 rows, a forest of 50 trees of depth 8 from 500."""
     trees, depth = ins[4].shape[0], int(attrs["depth"])
-    row_ns = trees * ((2 ** depth + depth) * 0.25 if depth <= COMPARE_ALL_DEPTH else 4.0 * depth)
+    row_ns = trees * ((2 ** depth + depth) * 0.25 if depth <= COMPARE_ALL_DEPTH else 2.5 * depth)
     columns = 2 if attrs.get("binary") else ins[3].shape[1]
     return SPLIT_NS / max(row_ns, 1.0) * columns / MIN_ELEMENTS
 
@@ -151,9 +217,7 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
     if loops is not None:
         params = np.array([AGGREGATES.index(aggregate), BINARY.index(binary), POST_TRANSFORMS.index(transform),
                            *base], np.float64)
-        walk, fast = loops.tree_ensemble, loops.compare_all
-        complete = depth if depth <= COMPARE_ALL_DEPTH else None
-        kept = [(None,) * 5]
+        kept = [(None,) * 6]
         no_labels = np.zeros(0, np.int64)
 
         # A batch of one costs ~1.5 us in the loop: this wrapper stays a few attribute reads.
@@ -161,12 +225,8 @@ def _tree_ensemble(device, op: str, attrs: dict, ins: Types, outs: Types, scratc
             out, labels, label_out = (a, no_labels, no_labels) if b is None else (b, a, c)
             k = kept[0]
             if k[0] is not nodes or k[1] is not thresholds or k[2] is not leaf_values or k[3] is not roots:
-                k = _relay(kept, complete, nodes, thresholds, leaf_values, roots)
-            layout = k[4]
-            if layout is None:
-                walk(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
-            else:
-                fast(x, layout[0], layout[1], layout[2], params, out, labels, label_out)
+                k = _relay(kept, depth, loops, nodes, thresholds, leaf_values, roots)
+            k[4](x, *k[5], params, out, labels, label_out)
         return kernel
 
     def kernel(x, nodes, thresholds, leaf_values, roots, *rest):

@@ -12,8 +12,16 @@ Two loops share the per-row aggregation and epilogue:
   over the block). A tree of depth 3 costs 7 compares where a walk makes 3, but a walk's branch
   goes the wrong way half the time on real data, and its loads depend on each other; this
   loop's compares run 8 rows to an instruction.
+* :func:`walk_pairs` walks deeper ensembles of the same rules laid out with each branch's
+  children side by side (:func:`polyhal_cpu.ml_kernels.paired_trees`): a step is
+  ``i = left(i) + (x[feature(i)] > threshold(i))``, no branch, and a block of
+  :data:`WALK_ROWS` rows takes each tree a level at a time, so the rows' chains of dependent
+  loads overlap and the tree stays in cache for the block (fewer rows walk all trees side by
+  side, a level at a time, for the same overlap). A random forest of 50 trees of
+  depth 8 at batch 1,000: 2.7 ms walked row by row with a branch per level, 1.0 ms (~2.5 ns a
+  step; a 2-core VM, one thread).
 * :func:`tree_ensemble` walks the compact node arrays (any depth, every ONNX branch mode), a
-  branch per level, row by row: what the other loop does not take.
+  branch per level, row by row: what the other loops do not take (BRANCH_EQ, BRANCH_NEQ).
 
 ``params`` (float64) holds the codes ``(aggregate, binary, post_transform)`` (indices into
 polyhal.ops.ml's AGGREGATES, BINARY, POST_TRANSFORMS) followed by the base values, if any: few
@@ -29,12 +37,14 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["BLOCK", "VECTOR_ROWS", "compare_all", "tree_ensemble"]
+__all__ = ["BLOCK", "VECTOR_ROWS", "WALK_ROWS", "compare_all", "tree_ensemble", "walk_pairs"]
 
 #: Rows that :func:`compare_all` takes at once (its transposed block of ``x`` stays in L1).
 BLOCK = 64
 #: Rows from which :func:`compare_all` compares with vector loops.
 VECTOR_ROWS = 16
+#: Rows that :func:`walk_pairs` walks side by side (8 to 64 took the same time).
+WALK_ROWS = 16
 
 _opts = dict(nogil=True, cache=True, boundscheck=False)
 # The helpers are inlined in numba's IR: called per row and tree, a call costs more than their work.
@@ -45,6 +55,13 @@ def _start(acc, r, aggregate):
     """Row ``r`` of the accumulator before any tree: 0 to sum, nan ("no value yet") for min/max."""
     for j in range(acc.shape[1]):
         acc[r, j] = 0.0 if aggregate == 0 else np.nan
+
+
+@njit(inline="always", **_opts)
+def _start_rows(acc, rows, aggregate):
+    """The first ``rows`` rows of the accumulator before any tree."""
+    for r in range(rows):
+        _start(acc, r, aggregate)
 
 
 @njit(inline="always", **_opts)
@@ -59,6 +76,17 @@ def _aggregate(acc, r, values, k, aggregate):
             w = values[k, j]
             if w == w and (acc[r, j] != acc[r, j] or (w < acc[r, j] if aggregate == 1 else w > acc[r, j])):
                 acc[r, j] = w
+
+
+@njit(inline="always", **_opts)
+def _add_leaves(acc, rows, leaves, first, at, aggregate):
+    """Add one tree's leaves ``leaves[first + at[r]]`` into rows ``r < rows`` of the accumulator."""
+    if aggregate == 0 and leaves.shape[1] == 1:  # a regressor's or a binary classifier's sum
+        for r in range(rows):
+            acc[r, 0] += leaves[first + at[r], 0]
+    else:
+        for r in range(rows):
+            _aggregate(acc, r, leaves, first + at[r], aggregate)
 
 
 @njit(inline="always", **_opts)
@@ -99,6 +127,13 @@ def _finish(acc, r, n_targets, params, out, n, labels, label_out):
         label_out[n] = labels[best]
 
 
+@njit(inline="always", **_opts)
+def _finish_rows(acc, rows, n_targets, params, out, r0, labels, label_out):
+    """The first ``rows`` rows of the accumulator through the epilogue into ``out[r0:]``."""
+    for r in range(rows):
+        _finish(acc, r, n_targets, params, out, r0 + r, labels, label_out)
+
+
 @njit(**_opts)
 def tree_ensemble(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out):
     """Walk every tree for every row of ``x`` over the compact arrays (see polyhal.ops.ml)."""
@@ -121,6 +156,59 @@ def tree_ensemble(x, nodes, thresholds, leaf_values, roots, params, out, labels,
                 mode = nodes[i, 1]
             _aggregate(acc, 0, leaf_values, i, aggregate)
         _finish(acc, 0, n_targets, params, out, n, labels, label_out)
+
+
+@njit(inline="always", **_opts)
+def _step(x, n, links, threshold, i):
+    """Row ``n``'s next position in the paired layout from position ``i``: the left child when
+    ``x <= threshold``, else the one next to it (a leaf: itself)."""
+    f = links[i, 0]
+    v = x[n, f ^ (f >> 31)]  # a negative f reads ~f and sends nan right
+    th = threshold[i]
+    return links[i, 1] + ((v > th) | ((f < 0) & (not v <= th)))
+
+
+@njit(**_opts)
+def walk_pairs(x, links, threshold, leaves, trees, params, out, labels, label_out):
+    """Every tree for every row of ``x`` over the paired layout (see
+    :func:`polyhal_cpu.ml_kernels.paired_trees`): ``links`` int32 ``[P, 2]`` (feature, left
+    child), ``threshold`` (x's type) ``[P]``, ``leaves`` float64 ``[P, n_targets]``, ``trees``
+    int32 ``[T, 2]`` (root, depth)."""
+    samples = x.shape[0]
+    n_targets = leaves.shape[1]
+    aggregate = int(params[0])
+    count = trees.shape[0]
+    if samples < WALK_ROWS:  # too few rows to overlap: the trees side by side, a level at a time
+        acc = np.empty((1, max(n_targets, 2)), np.float64)
+        at = np.empty(count, np.int32)
+        deepest = 0
+        for t in range(count):
+            deepest = max(deepest, trees[t, 1])
+        for n in range(samples):
+            _start(acc, 0, aggregate)
+            for t in range(count):
+                at[t] = trees[t, 0]
+            for _ in range(deepest):
+                for t in range(count):
+                    at[t] = _step(x, n, links, threshold, at[t])
+            for t in range(count):
+                _aggregate(acc, 0, leaves, at[t], aggregate)
+            _finish(acc, 0, n_targets, params, out, n, labels, label_out)
+        return
+    at = np.empty(WALK_ROWS, np.int32)
+    acc = np.empty((WALK_ROWS, max(n_targets, 2)), np.float64)
+    for r0 in range(0, samples, WALK_ROWS):
+        rows = min(WALK_ROWS, samples - r0)
+        _start_rows(acc, rows, aggregate)
+        for t in range(count):
+            root, depth = trees[t, 0], trees[t, 1]
+            for r in range(rows):
+                at[r] = root
+            for _ in range(depth):  # a leaf links to itself: rows that reached one stay
+                for r in range(rows):
+                    at[r] = _step(x, r0 + r, links, threshold, at[r])
+            _add_leaves(acc, rows, leaves, 0, at, aggregate)
+        _finish_rows(acc, rows, n_targets, params, out, r0, labels, label_out)
 
 
 @njit(**_opts)
@@ -163,8 +251,8 @@ def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
     acc = np.empty((BLOCK, max(n_targets, 2)), np.float64)
     for r0 in range(0, samples, BLOCK):
         rows = min(BLOCK, samples - r0)
+        _start_rows(acc, rows, aggregate)
         for r in range(rows):
-            _start(acc, r, aggregate)
             for f in range(features):
                 xt[f, r] = x[r0 + r, f]
         lanes = (rows + 7) // 8 * 8  # whole vectors; lanes past `rows` are ignored
@@ -186,12 +274,5 @@ def compare_all(x, feature, threshold, leaves, params, out, labels, label_out):
                 for r in range(lanes):
                     i = idx[r]
                     idx[r] = 2 * i + 1 + ((masks[r] >> i) & 1)
-            first = (t << depth) - inner
-            if aggregate == 0 and n_targets == 1:  # a regressor's or a binary classifier's sum
-                for r in range(rows):
-                    acc[r, 0] += leaves[first + idx[r], 0]
-            else:
-                for r in range(rows):
-                    _aggregate(acc, r, leaves, first + idx[r], aggregate)
-        for r in range(rows):
-            _finish(acc, r, n_targets, params, out, r0 + r, labels, label_out)
+            _add_leaves(acc, rows, leaves, (t << depth) - inner, idx, aggregate)
+        _finish_rows(acc, rows, n_targets, params, out, r0, labels, label_out)

@@ -1,8 +1,9 @@
 """CPU kernels of the sampling ops (:mod:`polyhal.ops.vision`): ``grid_sample`` and ``roi_align``.
 
 float32 and float64 images run compiled loops (:mod:`polyhal_cpu.vision_loops`: the taps of each
-point once, then a weighted sum per point and channel), split across the backend's threads by
-batch or ROI where the work pays for a hand-off. Without numba (or with float16), the numpy
+point once, then a weighted sum per point and channel; RoiAlign's over a channels-last copy of
+the images, channels at a time), split across the backend's threads by batch or ROI where the
+work pays for a hand-off. Without numba (or with float16), the numpy
 path: both are vectorised over every output point at once: an interpolation is separable, so each
 spatial dim contributes a few (index, weight) taps per point, computed as whole arrays with the
 op's per-dim arithmetic; a kernel then does one gather per combination of taps (1, 2^r or 4^r of
@@ -17,13 +18,22 @@ import itertools
 import numpy as np
 
 from polyhal.ops.vision import grid_coordinate, grid_index, grid_taps, roi_geometry
-from polyhal_cpu.parallel import parallel
+from polyhal_cpu.parallel import MIN_ELEMENTS, parallel
 from polyhal_cpu.table import TABLE, Kernel, Types, compiled_loops
 
 _NATIVE = (np.dtype(np.float32), np.dtype(np.float64))
 #: Output elements per MIN_ELEMENTS from which the loops split across threads (a hand-off costs
 #: ~30-80 us; a tap costs ~1 ns).
 _SPLIT_FACTOR = 1
+#: RoiAlign's work (ns) from which it splits across threads, and a tap's cost on a channel when
+#: the images are read channels last (64 ROIs x 32 channels x 7 x 7 bins x 16 taps: ~0.27 ms on
+#: one thread of a 2-core VM); a sampling ratio of 0 (adaptive) is counted as 2.
+_ROI_SPLIT_NS, _ROI_TAP_NS = 500_000, 0.17
+
+
+def _roi_split_factor(attrs: dict, ins: Types) -> float:
+    ratio = max(int(attrs["sampling_ratio"]), 2)
+    return _ROI_SPLIT_NS / (_ROI_TAP_NS * 4 * ratio * ratio) / MIN_ELEMENTS
 
 
 def _loops(dtype):
@@ -87,7 +97,7 @@ def _roi_axis(coords: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray, np
 
 @TABLE.register("roi_align")
 @parallel(split_inputs=lambda attrs, ins: (ins[1].shape[0] == 1, ins[1].shape[0] > 1, ins[1].shape[0] > 1),
-          factor=_SPLIT_FACTOR)
+          factor=_roi_split_factor)
 def _roi_align(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     # Split by ROI (x whole), or for one ROI by channel (x cut alike).
     oh, ow = int(attrs["output_height"]), int(attrs["output_width"])

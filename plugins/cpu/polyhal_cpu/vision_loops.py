@@ -8,6 +8,12 @@ a channel plane and their weights, with the padding rule folded into both), then
 by channel plane (which stays in cache), one weighted sum per point. The arithmetic per dim is
 that of :mod:`polyhal.ops.vision` (float64 coordinates and weights, float64 sums, rounded once
 into the output).
+
+RoiAlign's bilinear taps are separable (a sample's y taps do not depend on its x), so a ROI's
+taps are computed per row and per column of samples, and where there are enough taps it reads
+a channels-last copy of the images: a tap's channels side by side, summed channels at a time in
+vector instructions. 64 ROIs of 32 channels, 7 x 7 bins of 2 x 2 samples (float32, one thread,
+a 2-core VM): 1.05 ms plane by plane, 0.27 ms channels last.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["MODES", "PADDINGS", "grid_sample", "roi_align"]
+__all__ = ["CHANNELS_LAST_MIN", "MODES", "PADDINGS", "grid_sample", "roi_align"]
 
 #: The codes the loops take for ``mode`` and ``padding_mode`` (indices into these).
 MODES = ("nearest", "linear", "cubic")
@@ -154,75 +160,162 @@ _ROI = ["void({x}[:, :, :, ::1], {x}[:, ::1], i8[::1], f8[::1], b1, {x}[:, :, :,
         for x in ("f4", "f8")]
 
 
+@njit(inline="always", **_opts)
+def _roi_grid(rois, r, scale, half_pixel, ratio, oh, ow):
+    """(x start, y start, bin width, bin height, samples along x, along y) of ROI ``r``
+    (polyhal.ops.vision.roi_geometry)."""
+    off = 0.5 if half_pixel else 0.0
+    x1, y1 = rois[r, 0] * scale - off, rois[r, 1] * scale - off
+    x2, y2 = rois[r, 2] * scale - off, rois[r, 3] * scale - off
+    rw, rh = x2 - x1, y2 - y1
+    if not half_pixel:
+        rw, rh = max(rw, 1.0), max(rh, 1.0)
+    gy = ratio if ratio > 0 else np.int64(math.ceil(rh / oh))
+    gx = ratio if ratio > 0 else np.int64(math.ceil(rw / ow))
+    return x1, y1, rw / ow, rh / oh, gx, gy
+
+
+@njit(inline="always", **_opts)
+def _roi_axis(start, size_of_bin, g, bins, size, pixels, weights):
+    """The bilinear taps along one axis of sample ``j = bin * g + i`` at ``start + bin *
+    size_of_bin + (i + 0.5) * size_of_bin / g``: its two pixels ``pixels[j]`` (-1 where the
+    sample is more than a pixel outside the image) and their weights ``weights[j]``. Taps are
+    separable: a sample's four are the products of its y and x taps."""
+    for o in range(bins):
+        for i in range(g):
+            j = o * g + i
+            v = start + o * size_of_bin + (i + 0.5) * size_of_bin / g
+            if v < -1.0 or v > size:
+                pixels[j, 0] = pixels[j, 1] = -1
+                continue
+            v = max(v, 0.0)
+            lo = np.int64(v)
+            if lo >= size - 1:
+                lo = hi = size - 1
+                v = float(lo)
+            else:
+                hi = lo + 1
+            pixels[j, 0], pixels[j, 1] = lo, hi
+            weights[j, 1] = v - lo
+            weights[j, 0] = 1.0 - weights[j, 1]
+
+
+@njit(inline="always", **_opts)
+def _roi_tap(y_pixels, y_weights, x_pixels, x_weights, jy, jx, k, w):
+    """Tap ``k`` (y0x0, y0x1, y1x0, y1x1) of the sample at y tap ``jy`` and x tap ``jx``: its
+    offset into a plane of width ``w`` and its weight; (0, 0.0) for a sample outside."""
+    if y_pixels[jy, 0] < 0 or x_pixels[jx, 0] < 0:
+        return 0, 0.0
+    a, b = k // 2, k % 2
+    return y_pixels[jy, a] * w + x_pixels[jx, b], y_weights[jy, a] * x_weights[jx, b]
+
+
+#: Channels from which :func:`roi_align` reads a channels-last copy of the images (a vector of
+#: channels per tap); fewer gain too little from vectors to pay for the copy.
+CHANNELS_LAST_MIN = 4
+
+
 @njit(_ROI, **_opts)
 def roi_align(x, rois, batch_indices, params, average, out):
     """ONNX RoiAlign: ``x`` ``[N, C, H, W]``, ``rois`` ``[R, 4]``, into ``out`` ``[R, C, OH, OW]``;
     ``params`` float64 ``(spatial_scale, half_pixel, sampling_ratio)``; ``average`` mode avg
-    (else max: the largest bilinear term, as onnxruntime takes it)."""
-    _, c_, h, w = x.shape
+    (else max: the largest bilinear term, as onnxruntime takes it).
+
+    Where the taps outnumber the pixels of the images the ROIs read (and there are
+    :data:`CHANNELS_LAST_MIN` channels or more), those images are first copied channels last,
+    so that a tap reads its pixel's channels side by side and the sum over taps runs channels
+    at a time in vector instructions; otherwise a tap is read plane by plane. Either way each
+    output is the same float64 sum in the same order (a sample outside the image adds four
+    0-weighted reads of the plane's first pixel, as onnxruntime's does), rounded once."""
+    n_, c_, h, w = x.shape
     r_, _, oh, ow = out.shape
     scale, half_pixel, ratio = params[0], params[1] != 0.0, np.int64(params[2])
-    off = 0.5 if half_pixel else 0.0
+    used = np.zeros(n_, np.bool_)
+    taps, most_y, most_x = 0, 1, 1
     for r in range(r_):
-        x1, y1 = rois[r, 0] * scale - off, rois[r, 1] * scale - off
-        x2, y2 = rois[r, 2] * scale - off, rois[r, 3] * scale - off
-        rw, rh = x2 - x1, y2 - y1
-        if not half_pixel:
-            rw, rh = max(rw, 1.0), max(rh, 1.0)
-        bh, bw = rh / oh, rw / ow
-        gy = ratio if ratio > 0 else np.int64(math.ceil(rh / oh))
-        gx = ratio if ratio > 0 else np.int64(math.ceil(rw / ow))
+        used[batch_indices[r]] = True
+        _, _, _, _, gx, gy = _roi_grid(rois, r, scale, half_pixel, ratio, oh, ow)
+        if gx > 0 and gy > 0:
+            taps += oh * ow * gy * gx * 4
+            most_y, most_x = max(most_y, gy), max(most_x, gx)
+    pixels = 0
+    for n in range(n_):
+        if used[n]:
+            pixels += h * w
+    last = c_ >= CHANNELS_LAST_MIN and taps >= pixels
+    if last:
+        xt = np.empty((n_, h * w, c_), x.dtype)
+        for n in range(n_):
+            if used[n]:
+                planes = x[n].reshape(c_, h * w)
+                for p in range(h * w):
+                    for c in range(c_):
+                        xt[n, p, c] = planes[c, p]
+    else:
+        xt = np.empty((0, 0, c_), x.dtype)
+    y_pixels, y_weights = np.empty((oh * most_y, 2), np.int64), np.empty((oh * most_y, 2), np.float64)
+    x_pixels, x_weights = np.empty((ow * most_x, 2), np.int64), np.empty((ow * most_x, 2), np.float64)
+    acc = np.empty(c_, np.float64)
+    for r in range(r_):
+        x1, y1, bw, bh, gx, gy = _roi_grid(rois, r, scale, half_pixel, ratio, oh, ow)
         if gy <= 0 or gx <= 0:
             out[r] = 0.0
             continue
         samples = gy * gx
-        # the taps of every sample of every bin: 4 offsets into a plane and their weights
+        _roi_axis(y1, bh, gy, oh, h, y_pixels, y_weights)
+        _roi_axis(x1, bw, gx, ow, w, x_pixels, x_weights)
+        if last:
+            img = xt[batch_indices[r]]
+            for ph in range(oh):
+                for pw in range(ow):
+                    start = 0.0 if average else -np.inf
+                    for c in range(c_):
+                        acc[c] = start
+                    for iy in range(gy):
+                        for ix in range(gx):
+                            jy, jx = ph * gy + iy, pw * gx + ix
+                            o0, w0 = _roi_tap(y_pixels, y_weights, x_pixels, x_weights, jy, jx, 0, w)
+                            o1, w1 = _roi_tap(y_pixels, y_weights, x_pixels, x_weights, jy, jx, 1, w)
+                            o2, w2 = _roi_tap(y_pixels, y_weights, x_pixels, x_weights, jy, jx, 2, w)
+                            o3, w3 = _roi_tap(y_pixels, y_weights, x_pixels, x_weights, jy, jx, 3, w)
+                            p0, p1, p2, p3 = img[o0], img[o1], img[o2], img[o3]
+                            if average:  # the four terms added one by one, as plane by plane
+                                for c in range(c_):
+                                    acc[c] = (((acc[c] + w0 * p0[c]) + w1 * p1[c]) + w2 * p2[c]) + w3 * p3[c]
+                            else:
+                                for c in range(c_):
+                                    top = acc[c]
+                                    v = w0 * p0[c]
+                                    top = v if v > top else top
+                                    v = w1 * p1[c]
+                                    top = v if v > top else top
+                                    v = w2 * p2[c]
+                                    top = v if v > top else top
+                                    v = w3 * p3[c]
+                                    acc[c] = v if v > top else top
+                    for c in range(c_):
+                        out[r, c, ph, pw] = acc[c] / samples if average else acc[c]
+            continue
         offsets = np.empty((oh * ow, samples, 4), np.int64)
         weights = np.empty((oh * ow, samples, 4), np.float64)
         for ph in range(oh):
             for pw in range(ow):
-                b = ph * ow + pw
                 for iy in range(gy):
-                    y = y1 + ph * bh + (iy + 0.5) * bh / gy
                     for ix in range(gx):
-                        xx = x1 + pw * bw + (ix + 0.5) * bw / gx
-                        s = iy * gx + ix
-                        if y < -1.0 or y > h or xx < -1.0 or xx > w:
-                            for k in range(4):
-                                offsets[b, s, k] = 0
-                                weights[b, s, k] = 0.0
-                            continue
-                        y, xx = max(y, 0.0), max(xx, 0.0)
-                        y0, x0 = np.int64(y), np.int64(xx)
-                        if y0 >= h - 1:
-                            y0 = y1_ = h - 1
-                            yv = float(y0)
-                        else:
-                            y1_ = y0 + 1
-                            yv = y
-                        if x0 >= w - 1:
-                            x0 = x1_ = w - 1
-                            xv = float(x0)
-                        else:
-                            x1_ = x0 + 1
-                            xv = xx
-                        ly, lx = yv - y0, xv - x0
-                        hy, hx = 1.0 - ly, 1.0 - lx
-                        offsets[b, s, 0], weights[b, s, 0] = y0 * w + x0, hy * hx
-                        offsets[b, s, 1], weights[b, s, 1] = y0 * w + x1_, hy * lx
-                        offsets[b, s, 2], weights[b, s, 2] = y1_ * w + x0, ly * hx
-                        offsets[b, s, 3], weights[b, s, 3] = y1_ * w + x1_, ly * lx
+                        for k in range(4):
+                            offsets[ph * ow + pw, iy * gx + ix, k], weights[ph * ow + pw, iy * gx + ix, k] = \
+                                _roi_tap(y_pixels, y_weights, x_pixels, x_weights, ph * gy + iy, pw * gx + ix, k, w)
         img = x[batch_indices[r]]
         for c in range(c_):
             plane = img[c].reshape(h * w)
             dst = out[r, c].reshape(oh * ow)
             for b in range(oh * ow):
                 if average:
-                    acc = 0.0
+                    total = 0.0
                     for s in range(samples):
                         for k in range(4):
-                            acc += weights[b, s, k] * plane[offsets[b, s, k]]
-                    dst[b] = acc / samples
+                            total += weights[b, s, k] * plane[offsets[b, s, k]]
+                    dst[b] = total / samples
                 else:
                     top = -np.inf
                     for s in range(samples):

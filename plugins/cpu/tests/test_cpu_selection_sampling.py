@@ -71,9 +71,10 @@ def test_grid_sample_nan_point_reads_nan():
 @pytest.mark.parametrize("mode", ["avg", "max"])
 @pytest.mark.parametrize("ratio", [0, 2])
 @pytest.mark.parametrize("transform", ["half_pixel", "output_half_pixel"])
-def test_roi_align_matches_reference(dtype, mode, ratio, transform, monkeypatch):
+@pytest.mark.parametrize("channels", [3, 8])  # plane by plane, channels last
+def test_roi_align_matches_reference(dtype, mode, ratio, transform, channels, monkeypatch):
     rng = np.random.default_rng(ratio)
-    x = rng.standard_normal((2, 3, 9, 11)).astype(dtype)
+    x = rng.standard_normal((2, channels, 9, 11)).astype(dtype)
     a = rng.uniform(-3.0, 11.0, (7, 2))
     rois = np.concatenate([a, a + rng.uniform(0.0, 9.0, (7, 2))], axis=1).astype(dtype)
     rois[0] = [4.0, 4.0, 4.0, 4.0]  # empty
@@ -84,6 +85,32 @@ def test_roi_align_matches_reference(dtype, mode, ratio, transform, monkeypatch)
     (got,), (numpy_path,) = _both("roi_align", attrs, (x, rois, batch), monkeypatch)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(got, numpy_path, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("mode", ["avg", "max"])
+@pytest.mark.parametrize("ratio", [0, 2])
+def test_roi_align_channels_last_matches_plane_by_plane(dtype, mode, ratio):
+    """The channels-last loop (from CHANNELS_LAST_MIN channels) gives the very bits of the
+    plane-by-plane one (fewer channels): the same sums in the same order, samples outside the
+    image reading the first pixel at weight 0 (inf and nan there included) in both."""
+    from polyhal_cpu.vision_loops import CHANNELS_LAST_MIN
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((3, 2 * CHANNELS_LAST_MIN, 9, 11)).astype(dtype)
+    x[0, :, 0, 0] = np.inf
+    x[1, 1, 0, 0] = np.nan
+    x[2, :, 4, 5] = -np.inf
+    a = rng.uniform(-6.0, 12.0, (9, 2))
+    rois = np.concatenate([a, a + rng.uniform(0.0, 12.0, (9, 2))], axis=1).astype(dtype)
+    batch = np.array([0, 1, 2, 0, 1, 2, 0, 0, 1], np.int64)
+    attrs = {"mode": mode, "output_height": 4, "output_width": 3, "sampling_ratio": ratio, "spatial_scale": 0.8,
+             "coordinate_transformation_mode": "half_pixel"}
+    (whole,) = _run("roi_align", attrs, x, rois, batch)
+    step = CHANNELS_LAST_MIN - 1
+    parts = [_run("roi_align", attrs, np.ascontiguousarray(x[:, c:c + step]), rois, batch)[0]
+             for c in range(0, x.shape[1], step)]
+    np.testing.assert_array_equal(whole, np.concatenate(parts, axis=1))
 
 
 def test_roi_align_refuses_a_batch_index_out_of_range():
@@ -112,6 +139,32 @@ def test_topk_matches_the_sort(dtype, largest, in_order, axis, monkeypatch):
         if in_order and x.dtype.kind == "i":
             want = OPS["topk"].reference(x, **attrs)
             np.testing.assert_array_equal(i, want[1])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("largest", [True, False])
+@pytest.mark.parametrize("in_order", [True, False])
+def test_topk_block_floor_matches_the_sort(dtype, largest, in_order, monkeypatch):
+    """Lanes long enough for the first pass over blocks (select_loops.BLOCK elements, the floor
+    from their bests): ties at the floor, nan (many: more than k in some lanes), infinities,
+    +-0, a tail past the last whole block, and a lane copied from a strided axis."""
+    from polyhal_cpu.select_loops import BLOCK
+
+    rng = np.random.default_rng(3)
+    n = BLOCK * 40 + 7
+    x = rng.integers(-6, 7, (3, n, 2)).astype(dtype)
+    if x.dtype.kind == "f":
+        x[rng.random(x.shape) < 0.05] = np.nan
+        x[0, : n // 2, 0] = np.nan  # more nan than k: nan fills the result's best or worst end
+        x[1, rng.integers(0, n, 20), 1] = np.inf
+        x[1, rng.integers(0, n, 20), 0] = -np.inf
+        x[2, :, 0] = rng.choice(np.array([0.0, -0.0, 6.0, -6.0], dtype), n)
+    for axis, lanes in ((1, x), (-1, np.ascontiguousarray(x.transpose(0, 2, 1)))):
+        for k in (1, 4, 13):
+            attrs = {"axis": axis, "k": k, "largest": largest, "sorted": in_order}
+            (v, i), (nv, ni) = _both("topk", attrs, (lanes,), monkeypatch)
+            np.testing.assert_array_equal(i, ni)
+            np.testing.assert_array_equal(v, nv)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -147,13 +200,24 @@ def test_strided_outputs_are_written():
     np.testing.assert_allclose(out, 7.5)
 
 
-def test_topk_split_across_threads_matches_the_sort(monkeypatch):
+@pytest.mark.parametrize("k", [7, 100])  # the first pass leaves most blocks out / the heap takes many
+def test_topk_split_across_threads_matches_the_sort(monkeypatch, k):
     """A batch large enough to be cut across the backend's threads (lanes along the last axis)."""
-    x = np.random.default_rng(2).integers(-50, 50, (96, 2000)).astype(np.float32)  # ties everywhere
-    attrs = {"axis": 1, "k": 7, "largest": False, "sorted": True}
+    from polyhal_cpu import parallel, threads
+
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", "2")
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
+    pieces = []
+    real_run = parallel.run
+    monkeypatch.setattr(parallel, "run", lambda tasks: pieces.append(len(tasks)) or real_run(tasks))
+    rows = 160 if k == 7 else 24  # ~256k and ~32k elements: the least each is cut from
+    x = np.random.default_rng(2).integers(-50, 50, (rows, 2000)).astype(np.float32)  # ties everywhere
+    attrs = {"axis": 1, "k": k, "largest": False, "sorted": True}
     (v, i), (nv, ni) = _both("topk", attrs, (x,), monkeypatch)
     np.testing.assert_array_equal(i, ni)
     np.testing.assert_array_equal(v, nv)
+    assert pieces and pieces[0] == 2
 
 
 def test_a_small_topk_sorts_without_numba():

@@ -1,8 +1,8 @@
-"""The CPU tree-ensemble loops: the compare-all loop over complete trees against the walk over
-the compact arrays and the op's reference, on random unbalanced trees of every branch mode,
-with nan and infinite inputs and thresholds, ties at thresholds, depths 0 to 6 and batches
-that do and do not fill the loop's row blocks; which ensembles the complete layout refuses;
-the layout kept for read-only constants only."""
+"""The CPU tree-ensemble loops: the compare-all loop over complete trees and the branch-free walk
+over paired trees against the walk over the compact arrays and the op's reference, on random
+unbalanced trees of every branch mode, with nan and infinite inputs and thresholds, ties at
+thresholds, depths 0 to 9 and batches that do and do not fill the loops' row blocks; which
+ensembles each layout refuses; the layout kept for read-only constants only."""
 
 from __future__ import annotations
 
@@ -58,17 +58,22 @@ def _case(seed, depth, dtype, samples, modes=None):
     return x, nodes, thresholds, leaf_values, roots, labels, attrs
 
 
-def _run_both(x, nodes, thresholds, leaf_values, roots, labels, attrs):
-    """(walk, compare-all) outputs and labels; compare-all on the complete layout."""
+def _run_both(x, nodes, thresholds, leaf_values, roots, labels, attrs, layouts=("complete",)):
+    """(walk, then each of ``layouts``) outputs and labels: compare-all on the complete layout,
+    walk_pairs on the paired one."""
     params = _params(attrs["aggregate"], attrs["binary"], attrs["post_transform"], attrs["base"])
     columns = 2 if attrs["binary"] else leaf_values.shape[1]
     results = []
-    for fast in (False, True):
+    for layout in ("walk", *layouts):
         out, label_out = np.empty((len(x), columns), x.dtype), np.empty(len(x), np.int64)
-        if fast:
-            layout = ml_kernels.complete_trees(nodes, thresholds, leaf_values, roots, attrs["depth"])
-            assert layout is not None
-            tree_loops.compare_all(x, *layout, params, out, labels, label_out)
+        if layout == "complete":
+            complete = ml_kernels.complete_trees(nodes, thresholds, leaf_values, roots, attrs["depth"])
+            assert complete is not None
+            tree_loops.compare_all(x, *complete, params, out, labels, label_out)
+        elif layout == "paired":
+            paired = ml_kernels.paired_trees(nodes, thresholds, leaf_values, roots)
+            assert paired is not None
+            tree_loops.walk_pairs(x, *paired, params, out, labels, label_out)
         else:
             tree_loops.tree_ensemble(x, nodes, thresholds, leaf_values, roots, params, out, labels, label_out)
         results.append((out, label_out))
@@ -88,6 +93,47 @@ def test_compare_all_matches_the_walk(depth, dtype, samples):
         np.testing.assert_array_equal(fast_labels, walk_labels)
         ref, ref_labels = OPS["tree_ensemble"].reference(x, nodes, thresholds, leaf_values, roots, labels, **attrs)
         np.testing.assert_allclose(fast, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("depth", [0, 1, 3, 7, 9])
+@pytest.mark.parametrize("samples", [1, 15, 16, 17, 150])
+def test_walk_pairs_matches_the_walk(depth, dtype, samples):
+    """The paired layout's branch-free walk: the same leaves, sums and labels as the walk over
+    the compact arrays, trees of unequal depths (leaves at every level) in one ensemble."""
+    modes = [m for m in MODE_BITS.values() if m not in (2, 5)]  # all but EQ and NEQ
+    for seed in range(6):
+        x, nodes, thresholds, leaf_values, roots, labels, attrs = _case(seed, depth, dtype, samples, modes)
+        (walk, walk_labels), (paired, paired_labels) = _run_both(x, nodes, thresholds, leaf_values, roots, labels,
+                                                                 attrs, layouts=("paired",))
+        np.testing.assert_array_equal(paired, walk)
+        np.testing.assert_array_equal(paired_labels, walk_labels)
+        ref, ref_labels = OPS["tree_ensemble"].reference(x, nodes, thresholds, leaf_values, roots, labels, **attrs)
+        np.testing.assert_allclose(paired, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_paired_layout_puts_children_side_by_side():
+    """Each branch's left child at the position its link names, the right one next to it,
+    leaves linking to themselves, each tree's depth its own; EQ refused; subtrees shared by
+    many parents copied while they fit, refused past that (the walk takes them)."""
+    rng = np.random.default_rng(2)
+    nodes, thresholds, leaf_values, roots, depth = unbalanced_ensemble(rng, 4, 6, 5, 1, np.float32,
+                                                                       modes=[MODE_BITS["BRANCH_LEQ"]])
+    links, thr, leaves, trees = ml_kernels.paired_trees(nodes, thresholds, leaf_values, roots)
+    assert len(links) == len(nodes) and trees[:, 1].max() == depth
+    assert [t[1] for t in trees] == [_depth(nodes, r) for r in roots]
+    leaf = links[:, 1] == np.arange(len(links))
+    assert leaf.sum() == (nodes[:, 1] == LEAF).sum() and np.all(thr[leaf] == np.inf) and np.all(links[leaf, 0] == 0)
+    assert sorted(np.concatenate([trees[:, 0], links[~leaf, 1], links[~leaf, 1] + 1])) == list(range(len(links)))
+    nodes_eq, thresholds_eq = nodes.copy(), thresholds.copy()
+    nodes_eq[nodes[:, 1] != LEAF, 1] = MODE_BITS["BRANCH_EQ"]
+    thresholds_eq[:] = 0.5
+    assert ml_kernels.paired_trees(nodes_eq, thresholds_eq, leaf_values, roots) is None
+    # a chain of 12 branches whose two children are the same node: 2**12 leaves once copied
+    chain = [(0, MODE_BITS["BRANCH_LEQ"], i + 1, i + 1) for i in range(12)] + [(0, LEAF, 12, 12)]
+    shared = np.array(chain, np.int64)
+    args = (np.zeros(13, np.float32), np.ones((13, 1)), np.array([0], np.int64))
+    assert ml_kernels.paired_trees(shared, *args) is None
 
 
 def test_every_rule_routes_every_value_as_onnx_says():
@@ -171,9 +217,10 @@ def test_kernel_keeps_the_layout_of_read_only_constants_only(modes):
 
 
 @pytest.mark.parametrize("samples", [100, 300])  # pieces of 12-13 rows (walked) and of 37-38 (compared)
-@pytest.mark.parametrize("modes", [None, [MODE_BITS["BRANCH_LEQ"], MODE_BITS["BRANCH_GT"]]],
-                         ids=["eq-walks", "compares-all"])
-def test_split_across_threads_matches_the_reference(monkeypatch, samples, modes):
+@pytest.mark.parametrize(("modes", "deepest"), [(None, 4), ([MODE_BITS["BRANCH_LEQ"], MODE_BITS["BRANCH_GT"]], 4),
+                                              ([MODE_BITS["BRANCH_LEQ"], MODE_BITS["BRANCH_GT"]], 10)],
+                         ids=["eq-walks", "compares-all", "walks-pairs"])
+def test_split_across_threads_matches_the_reference(monkeypatch, samples, modes, deepest):
     from polyhal_cpu import parallel, threads
 
     monkeypatch.setattr(parallel, "MIN_ELEMENTS", 1)  # split even this small batch
@@ -181,7 +228,8 @@ def test_split_across_threads_matches_the_reference(monkeypatch, samples, modes)
     threads.reset()
     monkeypatch.setattr(threads, "_budget", None)
     rng = np.random.default_rng(11)
-    nodes, thresholds, leaf_values, roots, depth = unbalanced_ensemble(rng, 5, 6, 4, 1, np.float32, modes)
+    nodes, thresholds, leaf_values, roots, depth = unbalanced_ensemble(rng, 5, 6, deepest, 1, np.float32, modes)
+    assert (depth > ml_kernels.COMPARE_ALL_DEPTH) == (deepest > ml_kernels.COMPARE_ALL_DEPTH)
     leaf_values = np.nan_to_num(leaf_values)
     x = rng.choice(np.array(VALUES, np.float32), size=(samples, 5))
     labels = np.array([4, 9], np.int64)
