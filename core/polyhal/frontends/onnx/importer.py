@@ -31,7 +31,6 @@ import collections
 import ctypes
 import dataclasses
 import functools
-import ctypes.util
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -720,11 +719,12 @@ def _has_symbol(attrs: Any) -> bool:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, looked up once: ``find_library`` runs ``ldconfig`` in a child
-    process (about 4 ms, which every session creation paid); None where the C library has none."""
+    """glibc's ``malloc_trim``, looked up once among the symbols the process already has loaded
+    (``dlopen(NULL)``): ``ctypes.util.find_library`` would run ``ldconfig`` in a child process
+    (2-4 ms of the first session of a process). None where the C library has none."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen(NULL)): nothing to trim this way
         return None
 
 
