@@ -182,6 +182,7 @@ class Plan:
         self.devices = target.devices
         self.program = program = placement.program
         self.registry = registry
+        self._concurrent = concurrent
         self._lock = threading.Lock()
         self._staging: dict[int, Tensor] = {}  # per input value: upload buffer on a non-host device
         slot_of: dict[int, int] = {}
@@ -262,6 +263,15 @@ class Plan:
             if concurrent or schedule.overlaps:
                 self.schedule = schedule
                 self.replay = schedule.run
+
+    def duplicate(self) -> "Plan":
+        """A plan of the same compile -- program, placement, buffer plan, target -- with buffers,
+        scratch, staging and a lock of its own: what compiling the program again for the same
+        target gives, without running the passes again. The two run independently (on different
+        threads at once, too); constants on host devices are shared (they are read-only)."""
+        twin = Plan(self.compilation, self.target, self.registry, concurrent=self._concurrent)
+        twin.node_names = self.node_names
+        return twin
 
     def _step(self, op, slot_of: dict[int, int], dev, scratch=None) -> Callable[[], None]:
         """The prepared step of ``op``; its ``writes`` attribute names the slots it writes (for

@@ -408,15 +408,41 @@ def read_model(model: Any) -> tuple[onnx.ModelProto, str]:
     return proto, source
 
 
-def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.ndarray]]:
-    """:func:`read_model`, and with ``split`` a model file's large initializers read straight
-    into arrays (:mod:`polyhal.frontends.onnx.wire`): the ModelProto then holds them as
-    placeholders (name, type and dims, no data), and the arrays come third, by name."""
-    base_dir, arrays = None, {}
+def model_bytes(model: Any) -> tuple[bytes, str, str | None] | None:
+    """The serialized model ``model`` names (a path, bytes or a binary file object), what
+    messages call it, and its folder (a path's; None otherwise); None for an ``onnx.ModelProto``,
+    which has no bytes. :func:`parse_model` makes the ModelProto of the three."""
     if isinstance(model, onnx.ModelProto):
-        source = model.graph.name or "<model>"
-        load_external_data(model, None, source)  # refuses external data (no folder): changes nothing
-        return model, source, arrays
+        return None
+    data, source, base_dir, _ = _data(model, split=False)
+    return data, source, base_dir
+
+
+def parse_model(data: bytes, source: str, base_dir: str | None) -> tuple[onnx.ModelProto, int]:
+    """The ModelProto of the bytes :func:`model_bytes` read, its external data read from
+    ``base_dir`` (the model's folder), and how many tensors kept their data outside these bytes
+    (0: ``data`` is the whole model)."""
+    if not data:
+        raise OnnxModelError(f"{source}: empty file, not an ONNX model")
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise OnnxModelError(f"{source}: not an ONNX model, or a truncated one ({len(data)} bytes do not "
+                             f"decode as onnx.ModelProto: {exc})") from None
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        what = "no graph" if not proto.HasField("graph") else "no IR version"
+        raise OnnxModelError(f"{source}: not an ONNX model ({len(data)} bytes decode, but with {what}); "
+                             "is the file truncated, or another format?")
+    external = load_external_data(proto, base_dir, source)  # every tensor at every depth, from the model's folder only
+    return proto, external
+
+
+def _data(model: Any, split: bool) -> tuple[bytes, str, str | None, dict[str, np.ndarray]]:
+    """The bytes of ``model`` (not a ModelProto), what messages call it, its folder (a path's)
+    and, with ``split``, a model file's large initializers read straight into arrays
+    (:mod:`polyhal.frontends.onnx.wire`), by name: the bytes then hold them as placeholders."""
+    base_dir, arrays = None, {}
     if isinstance(model, (bytes, bytearray, memoryview)):
         data, source = bytes(model), "<bytes>"
     elif hasattr(model, "read"):
@@ -436,19 +462,19 @@ def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.n
             taken = read_split(f, STRIP_ABOVE) if split else None
             data, arrays = taken if taken is not None else (f.read(), {})
         base_dir = os.path.dirname(os.path.abspath(path))
-    if not data:
-        raise OnnxModelError(f"{source}: empty file, not an ONNX model")
-    proto = onnx.ModelProto()
-    try:
-        proto.ParseFromString(data)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise OnnxModelError(f"{source}: not an ONNX model, or a truncated one ({len(data)} bytes do not "
-                             f"decode as onnx.ModelProto: {exc})") from None
-    if not proto.HasField("graph") or proto.ir_version <= 0:
-        what = "no graph" if not proto.HasField("graph") else "no IR version"
-        raise OnnxModelError(f"{source}: not an ONNX model ({len(data)} bytes decode, but with {what}); "
-                             "is the file truncated, or another format?")
-    load_external_data(proto, base_dir, source)  # every tensor at every depth, from the model's folder only
+    return data, source, base_dir, arrays
+
+
+def _read(model: Any, split: bool) -> tuple[onnx.ModelProto, str, dict[str, np.ndarray]]:
+    """:func:`read_model`, and with ``split`` a model file's large initializers read straight
+    into arrays (:mod:`polyhal.frontends.onnx.wire`): the ModelProto then holds them as
+    placeholders (name, type and dims, no data), and the arrays come third, by name."""
+    if isinstance(model, onnx.ModelProto):
+        source = model.graph.name or "<model>"
+        load_external_data(model, None, source)  # refuses external data (no folder): changes nothing
+        return model, source, {}
+    data, source, base_dir, arrays = _data(model, split)
+    proto, _ = parse_model(data, source, base_dir)
     return proto, source, arrays
 
 
