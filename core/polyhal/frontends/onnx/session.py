@@ -20,10 +20,10 @@ Sessions of one model share its compile: a process keeps the last ``POLYHAL_SESS
 (default 8; 0 turns it off) static models its sessions compiled, keyed by the SHA-256 of the
 model's bytes, its name, the devices, the options, the registry's plugins and the ``POLYHAL_*``
 environment, and a later session of the same model takes a :meth:`~polyhal.plan.Plan.duplicate`
-of that plan (its own buffers: the sessions run independently) instead of parsing, checking,
-importing and compiling the model again -- onnxruntime's session creation does all of that each
-time, in C++. A model with external data files, or given as an ``onnx.ModelProto``, is compiled
-per session.
+of that plan (its own buffers: the sessions run independently) instead of checking, importing
+and compiling the model again -- onnxruntime's session creation does all of that each time, in
+C++. A model with external data files, or given as an ``onnx.ModelProto``, is compiled per
+session.
 
 ``run_with_dlpack`` is the device-resident form (onnxruntime's ``run_with_ort_values`` /
 IOBinding idea): inputs are polyhal :class:`~polyhal.hal.tensor.Tensor` s or any DLPack producer
@@ -117,25 +117,25 @@ class InferenceSession:
         self._by_value: PolyhalRep | None = None
         raw = model_bytes(path_or_bytes)
         if raw is None:  # a ModelProto: no bytes to know it by, compiled per session
-            proto, source = read_model(path_or_bytes)
-            external, key = 1, None
+            (proto, source), external = read_model(path_or_bytes), 0
         else:
-            data, source, folder = raw
-            key = _cache_key(data, source, (devices,) if isinstance(devices, str) else devices, options)
-            compiled = _compiled_cache().get(_with_generation(key, options)) if key is not None else None
-            if compiled is not None:
-                self._inputs, self._outputs, self.program = compiled.inputs, compiled.outputs, compiled.program
-                self._all_outputs = [o.name for o in self._outputs]
-                self.source = source
-                self.plan = compiled.plan.duplicate()
-                return
-            proto, external = parse_model(data, source, folder)
-            del data
+            source = raw[1]
+            proto, external = parse_model(*raw)
         initialized = {t.name for t in proto.graph.initializer}
         self._inputs = [_node_arg(vi) for vi in proto.graph.input if vi.name not in initialized]
         self._outputs = [_node_arg(vi) for vi in proto.graph.output]
         self._all_outputs = [o.name for o in self._outputs]  # what run(None, ...) returns, in order
         self.source = source
+        key = None
+        # Only a model whose inputs are all fixed compiles here; the others are not hashed.
+        if raw is not None and not external and all(isinstance(d, int) for i in self._inputs for d in i.shape or [None]):
+            key = _cache_key(raw[0], source, (devices,) if isinstance(devices, str) else devices, options)
+            cache = _compiled_cache()
+            compiled = cache.get(_with_generation(key, options)) if key is not None and len(cache) else None
+            if compiled is not None:
+                self.program, self.plan = compiled.program, compiled.plan.duplicate()
+                return
+        del raw
         try:
             self.program = load(proto, source=source)  # read once: load takes the ModelProto
         except NeedsValue:  # inputs decide shapes: imported per value of those, as the ONNX backend does
@@ -143,10 +143,9 @@ class InferenceSession:
             self._by_value = PolyhalRep(proto, devices, strict=options.pop("strict", False), **options)
             return
         self.plan = self.program.compile(devices, **options)
-        if key is not None and not external and type(self.program) is OnnxProgram:
+        if key is not None and type(self.program) is OnnxProgram:
             # (the registry's generation read after the compile, which may have loaded a backend)
-            _compiled_cache().put(_with_generation(key, options), _Compiled(
-                self._inputs, self._outputs, self.program, self.plan))
+            _compiled_cache().put(_with_generation(key, options), _Compiled(self.program, self.plan))
 
     def get_inputs(self) -> list[NodeArg]:
         """The inputs a run takes (graph inputs without an initializer), in the graph's order."""
@@ -271,8 +270,6 @@ class _Compiled:
     """What a session made of a static model, for later sessions of the same model: they share
     ``program`` (read-only once imported) and each runs its own duplicate of ``plan``."""
 
-    inputs: list[NodeArg]
-    outputs: list[NodeArg]
     program: OnnxProgram
     plan: Any  # polyhal.plan.Plan
 
