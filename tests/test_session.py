@@ -248,6 +248,14 @@ def test_a_later_session_of_a_static_model_binds_the_same_compile_with_its_own_b
     for session in (first, again):
         np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
     assert [(a.name, a.shape, a.type) for a in again.get_inputs()] == [("x", [2, 4], "tensor(float)")]
+    # The cache keeps the compile, not the first session's plan (its buffers, device copies).
+    import gc
+    import weakref
+
+    gone = weakref.ref(first.plan)
+    del first
+    gc.collect()
+    assert gone() is None
 
 
 def test_sessions_sharing_a_compile_run_at_once_without_mixing_their_results():

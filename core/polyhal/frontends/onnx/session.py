@@ -19,11 +19,13 @@ as lists, empty optionals as None), outputs of run-time length cut to it, in the
 Sessions of one model share its compile: a process keeps the last ``POLYHAL_SESSION_CACHE``
 (default 8; 0 turns it off) static models its sessions compiled, keyed by the SHA-256 of the
 model's bytes, its name, the devices, the options, the registry's plugins and the ``POLYHAL_*``
-environment, and a later session of the same model takes a :meth:`~polyhal.plan.Plan.duplicate`
-of that plan (its own buffers: the sessions run independently) instead of checking, importing
-and compiling the model again -- onnxruntime's session creation does all of that each time, in
-C++. A model with external data files, or given as an ``onnx.ModelProto``, is compiled per
-session.
+environment, and a later session of the same model binds that compile into a plan of its own
+(:meth:`~polyhal.plan.Plan.binder`: its own buffers, so the sessions run independently) instead
+of checking, importing and compiling the model again -- onnxruntime's session creation does all
+of that each time, in C++. The cache keeps each model's program (its weights on the host), not a
+plan's buffers or device copies. A model with external data files, or given as an
+``onnx.ModelProto``, is compiled per session; a model with symbolic dims compiles nothing when
+its session is made (nor is it hashed).
 
 ``run_with_dlpack`` is the device-resident form (onnxruntime's ``run_with_ort_values`` /
 IOBinding idea): inputs are polyhal :class:`~polyhal.hal.tensor.Tensor` s or any DLPack producer
@@ -39,7 +41,7 @@ import hashlib
 import os
 import threading
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping, Sequence
+from typing import Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -133,7 +135,7 @@ class InferenceSession:
             cache = _compiled_cache()
             compiled = cache.get(_with_generation(key, options)) if key is not None and len(cache) else None
             if compiled is not None:
-                self.program, self.plan = compiled.program, compiled.plan.duplicate()
+                self.program, self.plan = compiled.program, compiled.bind()
                 return
         del raw
         try:
@@ -145,7 +147,7 @@ class InferenceSession:
         self.plan = self.program.compile(devices, **options)
         if key is not None and type(self.program) is OnnxProgram:
             # (the registry's generation read after the compile, which may have loaded a backend)
-            _compiled_cache().put(_with_generation(key, options), _Compiled(self.program, self.plan))
+            _compiled_cache().put(_with_generation(key, options), _Compiled(self.program, self.plan.binder()))
 
     def get_inputs(self) -> list[NodeArg]:
         """The inputs a run takes (graph inputs without an initializer), in the graph's order."""
@@ -268,10 +270,11 @@ class InferenceSession:
 @dataclass(frozen=True)
 class _Compiled:
     """What a session made of a static model, for later sessions of the same model: they share
-    ``program`` (read-only once imported) and each runs its own duplicate of ``plan``."""
+    ``program`` (read-only once imported) and each runs a plan of its own, made by ``bind``
+    (:meth:`polyhal.plan.Plan.binder`: the compile, without the first session's buffers)."""
 
     program: OnnxProgram
-    plan: Any  # polyhal.plan.Plan
+    bind: Callable[[], Any]  # () -> polyhal.plan.Plan
 
 
 _cache: SpecializationCache[_Compiled] | None = None

@@ -17,7 +17,7 @@ FOLD_LIMIT = 32 << 20
 #: Most iterations one Loop node runs, so a corrupt or hostile trip count fails clearly.
 LOOP_LIMIT = 1_000_000
 #: Compiled static models an InferenceSession keeps per process for later sessions of the same
-#: model: each holds its weights and one plan's arenas, so the bound is memory.
+#: model: each holds its program's weights (on the host), so the bound is memory.
 SESSION_CACHE = 8
 
 
