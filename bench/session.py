@@ -16,8 +16,8 @@ The fresh interpreters run after one untimed process of each kind, with byte cod
 checked-model cache of the ONNX front end (polyhal.frontends.onnx.validation), the CPU's
 compiled loops.
 
-Where the first-process rows stand (busy 2-core Intel Xeon VM with AVX-512, load 3-5, 2026-12-08, bench/results/
-session-session2-busy.md): the creation of a model with symbolic dims is 0.3-0.9x onnxruntime's;
+Where the first-process rows stand (busy 2-core Intel Xeon VM with AVX-512, load 3-5,
+2026-12-08, bench/results/session-session2-busy.md): the creation of a model with symbolic dims is 0.3-0.9x onnxruntime's;
 the rows that include a compile (the first run of mlp and transformer_block, the creation of the
 static detection_postprocess) are 4-7x in wall time, ~3.5x in CPU time (the VM's load makes the
 wall-clock ratios swing: compare CPU time, docs/design-notes.md "Session creation"). "session

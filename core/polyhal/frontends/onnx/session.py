@@ -130,7 +130,8 @@ class InferenceSession:
         self.source = source
         key = None
         # Only a model whose inputs are all fixed compiles here; the others are not hashed.
-        if raw is not None and not external and all(isinstance(d, int) for i in self._inputs for d in i.shape or [None]):
+        fixed = all(isinstance(d, int) for i in self._inputs for d in i.shape or [None])
+        if raw is not None and not external and fixed:
             key = _cache_key(raw[0], source, (devices,) if isinstance(devices, str) else devices, options)
             cache = _compiled_cache()
             compiled = cache.get(_with_generation(key, options)) if key is not None and len(cache) else None
