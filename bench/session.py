@@ -16,18 +16,20 @@ The fresh interpreters run after one untimed process of each kind, with byte cod
 checked-model cache of the ONNX front end (polyhal.frontends.onnx.validation), the CPU's
 compiled loops.
 
-Where the first-process rows stand (busy 2-core AMD EPYC VM, 2026-12-08, bench/results/
-session-busy.md): the creation of a model with symbolic dims is 0.5-0.6x onnxruntime's; the
-rows that include a compile (the first run of mlp and transformer_block, the creation of the
-static detection_postprocess) are 4.5-5x. Before (the same VM, 2026-12-07) they were 27-48x:
-every installed backend plugin was imported with the registry (backends now load on demand:
-docs/architecture.md, "Plugins load on demand"), ONNX's checker set up its op schemas in each
-process (50-100 ms; now read back from the checked-model cache), and the CPU's prologue fusion
-loaded oneDNN for models without a conv. What is left of a first compile (CPU time, busy VM):
-importing the CPU plugin (~35 ms: its kernel modules), loading the CPU's compiled loops and
-pinning BLAS again after them (polyhal_cpu.native, ~25 ms), loading oneDNN for the matmuls
-(~15 ms of dlopen), the passes and kernel preparation (~20-30 ms), and the registry (~20 ms:
-the entry-point scan, the built-in policies).
+Where the first-process rows stand (busy 2-core Intel Xeon VM with AVX-512, load 3-5,
+2026-12-08, bench/results/session-session2-busy.md): the creation of a model with symbolic dims is 0.3-0.9x onnxruntime's;
+the rows that include a compile (the first run of mlp and transformer_block, the creation of the
+static detection_postprocess) are 4-7x in wall time, ~3.5x in CPU time (the VM's load makes the
+wall-clock ratios swing: compare CPU time, docs/design-notes.md "Session creation"). "session
+again" of the static model binds the compile of the process's first session (the session cache,
+POLYHAL_SESSION_CACHE): 0.1-0.5x. Before (the same VM, 2026-12-07) the first-process rows were
+27-48x (2-core AMD EPYC VM): every installed backend plugin was imported with the registry (backends now load on
+demand: docs/architecture.md, "Plugins load on demand"), ONNX's checker set up its op schemas in
+each process (50-100 ms; now read back from the checked-model cache), and the CPU's prologue
+fusion loaded oneDNN for models without a conv. What is left of a first compile (CPU time):
+importing the CPU plugin (9-11 ms, spread over its modules), the registry (~5 ms: the
+entry-point scan, the built-in policies), creating the CPU device (~3 ms: threadpoolctl pins
+BLAS), oneDNN's dlopen for the matmuls (~4 ms), the passes and kernel preparation (4-15 ms).
 """
 
 from __future__ import annotations

@@ -295,3 +295,26 @@ def test_a_register_devices_wrapper_sees_every_lookup(fresh_registry, install_pl
     reg = fresh_registry()
     with pytest.raises(polyhal.DeviceNotFoundError, match="unknown device 'cpu:0'"):
         reg.get_device("cpu:0")
+
+
+def test_polyhal_entry_points_are_importlibs_and_the_first_copy_of_a_distribution_wins(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    from polyhal.registry import polyhal_entry_points
+
+    for folder, text in (("first", "[console_scripts]\nshadow = polyhal_test_shadow:main\n"),
+                         ("second", "[polyhal.backends]\nshadow = polyhal_test_shadow\n")):
+        dist = tmp_path / folder / "polyhal_test_shadow-0.1.dist-info"
+        dist.mkdir(parents=True)
+        (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: polyhal-test-shadow\nVersion: 0.1\n")
+        (dist / "entry_points.txt").write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path / "second"))
+    monkeypatch.syspath_prepend(str(tmp_path / "first"))  # shadows the copy with the backend
+    ours = sorted((e.group, e.name, e.value) for e in polyhal_entry_points())
+    everything = metadata.entry_points()
+    theirs = sorted((e.group, e.name, e.value) for g in ("polyhal.backends", "polyhal.plugins")
+                    for e in everything.select(group=g))
+    assert ours == theirs and ("polyhal.backends", "shadow", "polyhal_test_shadow") not in ours
+    monkeypatch.syspath_prepend(str(tmp_path / "second"))  # now the copy with the backend comes first
+    assert ("polyhal.backends", "shadow", "polyhal_test_shadow") in [(e.group, e.name, e.value)
+                                                                      for e in polyhal_entry_points()]

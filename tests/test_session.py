@@ -222,3 +222,91 @@ def test_run_with_dlpack_takes_and_gives_gpu_memory_in_place():
     assert view.data.ptr == cp.from_dlpack(y).data.ptr  # the tensor's own memory, not a copy
     np.testing.assert_allclose(cp.asnumpy(view), _onnxruntime(str(EXAMPLES / "mlp.onnx")).run(None, {"x": cp.asnumpy(x)})[0],
                                rtol=1e-4, atol=1e-4)
+
+
+def _static_model(scale: float = 2.0) -> bytes:
+    """y = softmax(x @ w * scale) with x of a fixed shape: a static model, compiled at creation."""
+    vi = h.make_tensor_value_info
+    w = np.arange(12, dtype=np.float32).reshape(4, 3) / 10
+    graph = h.make_graph(
+        [h.make_node("MatMul", ["x", "w"], ["m"]), h.make_node("Mul", ["m", "s"], ["p"]),
+         h.make_node("Softmax", ["p"], ["y"], axis=-1)],
+        "static", [vi("x", T.FLOAT, [2, 4])], [vi("y", T.FLOAT, [2, 3])],
+        initializer=[h.make_tensor("w", T.FLOAT, [4, 3], w.ravel()), h.make_tensor("s", T.FLOAT, [], [scale])])
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=8).SerializeToString()
+
+
+def test_a_later_session_of_a_static_model_binds_the_same_compile_with_its_own_buffers(tmp_path):
+    path = tmp_path / "static.onnx"
+    path.write_bytes(_static_model())
+    first, again = _polyhal(str(path)), _polyhal(str(path))
+    assert again.program is first.program  # not imported again ...
+    assert again.plan is not first.plan and again.plan.compilation is first.plan.compilation  # ... nor compiled
+    assert again.plan._buffers is not first.plan._buffers
+    x = np.random.default_rng(0).random((2, 4), np.float32)
+    (want,) = _onnxruntime(str(path)).run(None, {"x": x})
+    for session in (first, again):
+        np.testing.assert_allclose(session.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    assert [(a.name, a.shape, a.type) for a in again.get_inputs()] == [("x", [2, 4], "tensor(float)")]
+    # The cache keeps the compile, not the first session's plan (its buffers, device copies).
+    import gc
+    import weakref
+
+    gone = weakref.ref(first.plan)
+    del first
+    gc.collect()
+    assert gone() is None
+
+
+def test_sessions_sharing_a_compile_run_at_once_without_mixing_their_results():
+    import threading
+
+    model = _static_model()  # MatMul (a oneDNN primitive where it serves), Mul, Softmax
+    sessions = [_polyhal(model) for _ in range(2)]
+    assert sessions[1].program is sessions[0].program
+    inputs = [np.random.default_rng(k).random((2, 4), np.float32) for k in range(2)]
+    want = [sessions[0].run(None, {"x": x})[0] for x in inputs]
+    failures = []
+
+    def work(k):
+        for _ in range(1000):
+            (got,) = sessions[k].run(None, {"x": inputs[k]})
+            if not np.array_equal(got, want[k]):
+                failures.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures
+
+
+def test_another_model_or_other_options_or_the_cache_off_compile_again(monkeypatch):
+    first = _polyhal(_static_model(2.0))
+    assert _polyhal(_static_model(3.0)).program is not first.program  # other bytes
+    assert polyhal.InferenceSession(_static_model(2.0), "cpu:0", fuse=False).program is not first.program
+    assert polyhal.InferenceSession(_static_model(2.0), ["cpu:0"]).program is first.program  # the same device list
+    monkeypatch.setenv("POLYHAL_PRECISION", "fp32")  # the environment chooses compile policies
+    assert _polyhal(_static_model(2.0)).program is not first.program
+    monkeypatch.setenv("POLYHAL_SESSION_CACHE", "0")
+    assert _polyhal(_static_model(2.0)).program is not _polyhal(_static_model(2.0)).program
+
+
+def test_a_model_with_external_data_is_read_and_compiled_per_session(tmp_path):
+    import onnx
+
+    model = onnx.load_from_string(_static_model())
+    onnx.save_model(model, str(tmp_path / "ext.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="ext.bin", size_threshold=0)
+    first = _polyhal(str(tmp_path / "ext.onnx"))
+    x = np.ones((2, 4), np.float32)
+    before = first.run(None, {"x": x})[0]
+    # The weights change on disk, the model file does not: a later session reads the new ones.
+    onnx.save_model(onnx.load_from_string(_static_model(3.0)), str(tmp_path / "ext.onnx"), save_as_external_data=True,
+                    all_tensors_to_one_file=True, location="ext.bin", size_threshold=0)
+    again = _polyhal(str(tmp_path / "ext.onnx"))
+    assert again.program is not first.program
+    (want,) = _onnxruntime(str(tmp_path / "ext.onnx")).run(None, {"x": x})
+    np.testing.assert_allclose(again.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(before, want)

@@ -182,6 +182,7 @@ class Plan:
         self.devices = target.devices
         self.program = program = placement.program
         self.registry = registry
+        self._concurrent = concurrent
         self._lock = threading.Lock()
         self._staging: dict[int, Tensor] = {}  # per input value: upload buffer on a non-host device
         slot_of: dict[int, int] = {}
@@ -262,6 +263,27 @@ class Plan:
             if concurrent or schedule.overlaps:
                 self.schedule = schedule
                 self.replay = schedule.run
+
+    def duplicate(self) -> "Plan":
+        """A plan of the same compile -- program, placement, buffer plan, target -- with buffers,
+        scratch, staging and a lock of its own: what compiling the program again for the same
+        target gives, without running the passes again. The two run independently (on different
+        threads at once, too); constants on host devices are shared (they are read-only)."""
+        return self.binder()()
+
+    def binder(self) -> Callable[[], "Plan"]:
+        """A function that makes :meth:`duplicate` s of this plan without holding on to it: it
+        keeps the compile (program, placement, buffer plan, target), none of this plan's
+        buffers, scratch or constants uploaded to a device -- what a cache of compiled programs
+        keeps (:class:`polyhal.InferenceSession`'s)."""
+        compilation, target, registry, concurrent, names = (self.compilation, self.target, self.registry,
+                                                           self._concurrent, self.node_names)
+
+        def bind() -> Plan:
+            plan = Plan(compilation, target, registry, concurrent=concurrent)
+            plan.node_names = names
+            return plan
+        return bind
 
     def _step(self, op, slot_of: dict[int, int], dev, scratch=None) -> Callable[[], None]:
         """The prepared step of ``op``; its ``writes`` attribute names the slots it writes (for

@@ -149,6 +149,7 @@ _SIGNATURES = {
     "dnnl_version": (c_void_p, []),
     "dnnl_engine_create": (c_int, [POINTER(c_void_p), c_int, c_size_t]),
     "dnnl_stream_create": (c_int, [POINTER(c_void_p), c_void_p, c_uint]),
+    "dnnl_stream_destroy": (c_int, [c_void_p]),
     "dnnl_memory_desc_create_with_strides": (c_int, [POINTER(c_void_p), c_int, DIMS, c_int, DIMS]),
     "dnnl_memory_desc_create_with_tag": (c_int, [POINTER(c_void_p), c_int, DIMS, c_int, c_int]),
     "dnnl_memory_desc_clone": (c_int, [POINTER(c_void_p), c_void_p]),
@@ -237,7 +238,8 @@ def _gomp_loaded() -> bool:
 
 
 class _Library:
-    """libdnnl with typed functions, its CPU engine and stream, and libgomp's thread setter."""
+    """libdnnl with typed functions, its CPU engine, and libgomp's thread setter (each executor
+    of a primitive makes its own stream: :class:`Primitive`)."""
 
     def __init__(self, path: Path) -> None:
         self.warnings = _configure_openmp()
@@ -248,9 +250,8 @@ class _Library:
             setattr(self, name[5:], fn)  # dnnl_memory_create -> self.memory_create
         v = ctypes.cast(self.version(), POINTER(_Version)).contents
         self.version_text = f"oneDNN {v.major}.{v.minor}.{v.patch}"
-        self.engine, self.stream = c_void_p(), c_void_p()
+        self.engine = c_void_p()
         check(self.engine_create(byref(self.engine), CPU_ENGINE, 0), "dnnl_engine_create")
-        check(self.stream_create(byref(self.stream), self.engine, STREAM_IN_ORDER), "dnnl_stream_create")
         try:
             self.omp_set_num_threads = ctypes.CDLL("libgomp.so.1").omp_set_num_threads
             self.omp_set_num_threads.argtypes = [c_int]
@@ -502,12 +503,14 @@ class Refused(Exception):
 
 
 class Primitive:
-    """A created primitive and the memory objects of its arguments.
+    """A created primitive and the memory descriptors of its arguments.
 
-    ``args`` are the execution arguments (``ARG_*``) in the order :meth:`execute` takes their
-    addresses. ``scratchpad_bytes`` is the user-mode scratchpad it needs (0: none); when it has
-    one, :meth:`execute` takes its address last. ``impl`` names the implementation oneDNN chose
-    (``jit:avx2``, ``brg:avx512_core``, ``gemm:jit``, ...).
+    ``args`` are the execution arguments (``ARG_*``) in the order :meth:`executor`'s ``run``
+    takes their addresses. ``scratchpad_bytes`` is the user-mode scratchpad it needs (0: none);
+    when it has one, ``run`` takes its address last. ``impl`` names the implementation oneDNN
+    chose (``jit:avx2``, ``brg:avx512_core``, ``gemm:jit``, ...). One primitive serves every plan
+    with the same instance (the kernels' plan caches); each executor binds its own memory objects
+    and stream, so that two plans may run it at once on two threads.
     """
 
     def __init__(self, pd: c_void_p, args: tuple[int, ...], op: str, given: dict | None = None) -> None:
@@ -524,17 +527,9 @@ class Primitive:
         if self.scratchpad_bytes:
             args = (*args, ARG_SCRATCHPAD)
             self.mds[ARG_SCRATCHPAD] = scratch
+        self._args = args
         self.prim = c_void_p()
         check(loaded.primitive_create(byref(self.prim), pd), "dnnl_primitive_create", op)
-        self._memories = []
-        exec_args = (_ExecArg * len(args))()
-        for i, arg in enumerate(args):
-            mem = c_void_p()
-            check(loaded.memory_create(byref(mem), self.mds[arg].handle, loaded.engine, None), "dnnl_memory_create", op)
-            self._memories.append(mem)
-            exec_args[i].arg, exec_args[i].memory = arg, mem
-        self._exec_args = exec_args
-        self._count = len(args)
 
     def query_md(self, what: int, index: int = 0) -> MemoryDesc | None:
         """A copy of one of the primitive descriptor's memory descriptors (None: it has none)."""
@@ -545,15 +540,18 @@ class Primitive:
         return md if md.nbytes else None
 
     def executor(self):
-        """``run(*addresses)``: executes on the CPU stream with the arguments at ``addresses``
-        (in :attr:`args` order, the scratchpad last). Synchronous: the stream is in-order and
-        the OpenMP runtime returns when the work is done."""
+        """``run(*addresses)``: executes with the arguments at ``addresses`` (in :attr:`args`
+        order, the scratchpad last). Synchronous: the stream is in-order and the OpenMP runtime
+        returns when the work is done. ``run`` sets its memory objects' addresses, then
+        executes: it must not run on two threads at once (a plan serialises its runs), while
+        other executors of the primitive may."""
         loaded = lib()
+        bound = _Bound(loaded, self._args, self.mds, self.op)
         set_handle, execute = loaded.memory_set_data_handle, loaded.primitive_execute
-        memories, prim, stream, count, args, op = self._memories, self.prim, loaded.stream, self._count, \
-            self._exec_args, self.op
+        memories, prim, stream, count, args, op = bound.memories, self.prim, bound.stream, len(self._args), \
+            bound.exec_args, self.op
 
-        def run(*addresses: int) -> None:
+        def run(*addresses: int, _keep=(self, bound)) -> None:  # (_keep: both live as long as run)
             for mem, address in zip(memories, addresses):
                 set_handle(mem, address)
             status = execute(prim, stream, count, args)
@@ -565,12 +563,35 @@ class Primitive:
         loaded = _load()[0]
         if loaded is None:
             return
-        for mem in getattr(self, "_memories", ()):
-            loaded.memory_destroy(mem)
         if getattr(self, "prim", None):
             loaded.primitive_destroy(self.prim)
         if getattr(self, "pd", None):
             loaded.primitive_desc_destroy(self.pd)
+
+
+class _Bound:
+    """One executor's memory objects (an address is set into each per call) and stream: oneDNN's
+    memory objects and streams may not be used from two threads at once, its primitives may."""
+
+    def __init__(self, loaded: "_Library", args: tuple[int, ...], mds: dict[int, "MemoryDesc"], op: str) -> None:
+        self.memories: list[c_void_p] = []
+        self.stream = c_void_p()
+        check(loaded.stream_create(byref(self.stream), loaded.engine, STREAM_IN_ORDER), "dnnl_stream_create", op)
+        self.exec_args = (_ExecArg * len(args))()
+        for i, arg in enumerate(args):
+            mem = c_void_p()
+            check(loaded.memory_create(byref(mem), mds[arg].handle, loaded.engine, None), "dnnl_memory_create", op)
+            self.memories.append(mem)
+            self.exec_args[i].arg, self.exec_args[i].memory = arg, mem
+
+    def __del__(self) -> None:
+        loaded = _load()[0]
+        if loaded is None:
+            return
+        for mem in self.memories:
+            loaded.memory_destroy(mem)
+        if self.stream:
+            loaded.stream_destroy(self.stream)
 
 
 def implementation(pd: c_void_p) -> str:

@@ -248,3 +248,42 @@ def test_small_conv_primitive_runs_on_one_thread():
         out = np.empty(y.shape, np.float32)
         kernel(x, w, out)
         np.testing.assert_allclose(out, OPS["conv"].reference(x, w, **attrs)[0], rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_two_plans_of_one_primitive_run_at_once_on_two_threads():
+    # Plans of the same instance share its primitive (the plan caches); each kernel binds its own
+    # memory objects and stream. Once they were the primitive's: a run on one thread set the
+    # addresses that another thread's run then computed with (wrong results now and then).
+    import threading
+
+    from polyhal_cpu import onednn_normalization
+
+    shape = (64, 1024)
+    x = TensorType(shape, np.float32)
+    planned = onednn_normalization.plan("softmax", {"axis": -1}, (x,), (x,))
+    if planned is None:
+        pytest.skip("oneDNN runs no softmax of this size here")
+    runs = [planned.primitive.executor() for _ in range(2)]
+    bound = [run.__kwdefaults__["_keep"][1] for run in runs]
+    assert not {m.value for m in bound[0].memories} & {m.value for m in bound[1].memories}
+    assert bound[0].stream.value != bound[1].stream.value
+    b = polyhal.ProgramBuilder("softmax_rows")
+    b.output(b.op("softmax", b.input("x", shape), axis=-1))
+    program = b.build()
+    plans = [polyhal.compile(program, "cpu:0") for _ in range(2)]
+    inputs = [np.random.default_rng(k).random(shape, np.float32) for k in range(2)]
+    want = [plans[0].run_numpy(a)[0] for a in inputs]
+    wrong = []
+
+    def work(k):
+        for _ in range(1500):
+            if not np.array_equal(plans[k].run_numpy(inputs[k])[0], want[k]):
+                wrong.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not wrong

@@ -45,15 +45,17 @@ _SUB_BYTE_BITS = {getattr(pb.TensorProto, name): bits for name, bits in [
     ("INT4", 4), ("UINT4", 4), ("FLOAT4E2M1", 4), ("INT2", 2), ("UINT2", 2)] if hasattr(pb.TensorProto, name)}
 
 
-def load_external_data(model: pb.ModelProto, folder: str | None, source: str) -> None:
+def load_external_data(model: pb.ModelProto, folder: str | None, source: str) -> int:
     """Read into ``model`` the data of every tensor that keeps it in an external file, from
     ``folder`` (the folder of the model's file; None for a model that has none), with the rules
-    of the module doc; afterwards no tensor of ``model`` points at a file.
+    of the module doc; afterwards no tensor of ``model`` points at a file. Returns how many
+    tensors were read (0: the model's own bytes are the whole model).
 
     Raises:
         OnnxModelError: a file outside the folder, missing, too short or of the wrong size, or
             external data in a model with no folder (nothing of ``model`` is changed then).
     """
+    read = 0
     for where, tensor in _tensors(model):
         if tensor.data_location != pb.TensorProto.EXTERNAL:
             continue
@@ -63,6 +65,8 @@ def load_external_data(model: pb.ModelProto, folder: str | None, source: str) ->
                                  "given as bytes, a file object or a ModelProto has no folder to find it in; load the "
                                  "model from its path (polyhal.onnx.load('folder/model.onnx'), polyhal run PATH)")
         _read(tensor, folder, what)
+        read += 1
+    return read
 
 
 def tensor_array(tensor: pb.TensorProto, what: str) -> np.ndarray:

@@ -31,7 +31,6 @@ import collections
 import ctypes
 import dataclasses
 import functools
-import ctypes.util
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -407,15 +406,41 @@ def read_model(model: Any) -> tuple[pb.ModelProto, str]:
     return proto, source
 
 
-def _read(model: Any, split: bool) -> tuple[pb.ModelProto, str, dict[str, np.ndarray]]:
-    """:func:`read_model`, and with ``split`` a model file's large initializers read straight
-    into arrays (:mod:`polyhal.frontends.onnx.wire`): the ModelProto then holds them as
-    placeholders (name, type and dims, no data), and the arrays come third, by name."""
-    base_dir, arrays = None, {}
+def model_bytes(model: Any) -> tuple[bytes, str, str | None] | None:
+    """The serialized model ``model`` names (a path, bytes or a binary file object), what
+    messages call it, and its folder (a path's; None otherwise); None for an ``pb.ModelProto``,
+    which has no bytes. :func:`parse_model` makes the ModelProto of the three."""
     if isinstance(model, pb.ModelProto):
-        source = model.graph.name or "<model>"
-        load_external_data(model, None, source)  # refuses external data (no folder): changes nothing
-        return model, source, arrays
+        return None
+    data, source, base_dir, _ = _data(model, split=False)
+    return data, source, base_dir
+
+
+def parse_model(data: bytes, source: str, base_dir: str | None) -> tuple[pb.ModelProto, int]:
+    """The ModelProto of the bytes :func:`model_bytes` read, its external data read from
+    ``base_dir`` (the model's folder), and how many tensors kept their data outside these bytes
+    (0: ``data`` is the whole model)."""
+    if not data:
+        raise OnnxModelError(f"{source}: empty file, not an ONNX model")
+    proto = pb.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, ValueError, RuntimeError) as exc:
+        raise OnnxModelError(f"{source}: not an ONNX model, or a truncated one ({len(data)} bytes do not "
+                             f"decode as pb.ModelProto: {exc})") from None
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        what = "no graph" if not proto.HasField("graph") else "no IR version"
+        raise OnnxModelError(f"{source}: not an ONNX model ({len(data)} bytes decode, but with {what}); "
+                             "is the file truncated, or another format?")
+    external = load_external_data(proto, base_dir, source)  # every tensor at every depth, from the model's folder only
+    return proto, external
+
+
+def _data(model: Any, split: bool) -> tuple[bytes, str, str | None, dict[str, np.ndarray]]:
+    """The bytes of ``model`` (not a ModelProto), what messages call it, its folder (a path's)
+    and, with ``split``, a model file's large initializers read straight into arrays
+    (:mod:`polyhal.frontends.onnx.wire`), by name: the bytes then hold them as placeholders."""
+    base_dir, arrays = None, {}
     if isinstance(model, (bytes, bytearray, memoryview)):
         data, source = bytes(model), "<bytes>"
     elif hasattr(model, "read"):
@@ -435,19 +460,19 @@ def _read(model: Any, split: bool) -> tuple[pb.ModelProto, str, dict[str, np.nda
             taken = read_split(f, STRIP_ABOVE) if split else None
             data, arrays = taken if taken is not None else (f.read(), {})
         base_dir = os.path.dirname(os.path.abspath(path))
-    if not data:
-        raise OnnxModelError(f"{source}: empty file, not an ONNX model")
-    proto = pb.ModelProto()
-    try:
-        proto.ParseFromString(data)
-    except (DecodeError, ValueError, RuntimeError) as exc:
-        raise OnnxModelError(f"{source}: not an ONNX model, or a truncated one ({len(data)} bytes do not "
-                             f"decode as onnx.ModelProto: {exc})") from None
-    if not proto.HasField("graph") or proto.ir_version <= 0:
-        what = "no graph" if not proto.HasField("graph") else "no IR version"
-        raise OnnxModelError(f"{source}: not an ONNX model ({len(data)} bytes decode, but with {what}); "
-                             "is the file truncated, or another format?")
-    load_external_data(proto, base_dir, source)  # every tensor at every depth, from the model's folder only
+    return data, source, base_dir, arrays
+
+
+def _read(model: Any, split: bool) -> tuple[pb.ModelProto, str, dict[str, np.ndarray]]:
+    """:func:`read_model`, and with ``split`` a model file's large initializers read straight
+    into arrays (:mod:`polyhal.frontends.onnx.wire`): the ModelProto then holds them as
+    placeholders (name, type and dims, no data), and the arrays come third, by name."""
+    if isinstance(model, pb.ModelProto):
+        source = model.graph.name or "<model>"
+        load_external_data(model, None, source)  # refuses external data (no folder): changes nothing
+        return model, source, {}
+    data, source, base_dir, arrays = _data(model, split)
+    proto, _ = parse_model(data, source, base_dir)
     return proto, source, arrays
 
 
@@ -719,11 +744,12 @@ def _has_symbol(attrs: Any) -> bool:
 
 @functools.cache
 def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, looked up once: ``find_library`` runs ``ldconfig`` in a child
-    process (about 4 ms, which every session creation paid); None where the C library has none."""
+    """glibc's ``malloc_trim``, looked up once among the symbols the process already has loaded
+    (``dlopen(NULL)``): ``ctypes.util.find_library`` would run ``ldconfig`` in a child process
+    (2-4 ms of the first session of a process). None where the C library has none."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim, or the allocator returns pages itself
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen(NULL)): nothing to trim this way
         return None
 
 

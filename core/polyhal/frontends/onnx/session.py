@@ -16,6 +16,17 @@ shape and caches the plans; a model with data-decided control flow is a
 :class:`~polyhal.frontends.onnx.staged.StagedOnnxProgram`. ``run`` returns numpy arrays (sequences
 as lists, empty optionals as None), outputs of run-time length cut to it, in the order asked.
 
+Sessions of one model share its compile: a process keeps the last ``POLYHAL_SESSION_CACHE``
+(default 8; 0 turns it off) static models its sessions compiled, keyed by the SHA-256 of the
+model's bytes, its name, the devices, the options, the registry's plugins and the ``POLYHAL_*``
+environment, and a later session of the same model binds that compile into a plan of its own
+(:meth:`~polyhal.plan.Plan.binder`: its own buffers, so the sessions run independently) instead
+of checking, importing and compiling the model again -- onnxruntime's session creation does all
+of that each time, in C++. The cache keeps each model's program (its weights on the host), not a
+plan's buffers or device copies. A model with external data files, or given as an
+``onnx.ModelProto``, is compiled per session; a model with symbolic dims compiles nothing when
+its session is made (nor is it hashed).
+
 ``run_with_dlpack`` is the device-resident form (onnxruntime's ``run_with_ort_values`` /
 IOBinding idea): inputs are polyhal :class:`~polyhal.hal.tensor.Tensor` s or any DLPack producer
 (cupy, torch, jax, numpy), imported without a copy, and the outputs are polyhal Tensors on the
@@ -25,8 +36,12 @@ take without a copy.
 
 from __future__ import annotations
 
+import atexit
+import hashlib
+import os
+import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Mapping, Sequence
 
 import numpy as np
 
@@ -34,9 +49,12 @@ from polyhal.creation import from_dlpack
 from polyhal.errors import PolyhalError
 from polyhal.frontends.onnx.dynamic import DynamicOnnxProgram, check_input_names
 from polyhal.frontends.onnx.errors import NeedsValue, OnnxInputError
-from polyhal.frontends.onnx.importer import OnnxProgram, load, read_model
+from polyhal.frontends.onnx.importer import OnnxProgram, load, model_bytes, parse_model, read_model
 from polyhal.frontends.onnx.proto import elem_type_name, pb
+from polyhal.frontends.onnx.settings import OnnxSettings
 from polyhal.hal.tensor import Tensor
+from polyhal.registry import default_registry
+from polyhal.specialization import SpecializationCache
 
 if TYPE_CHECKING:
     from polyhal.frontends.onnx.backend import PolyhalRep
@@ -97,16 +115,34 @@ class InferenceSession:
     """
 
     def __init__(self, path_or_bytes: Any, devices: Sequence[str] | str | None = None, **options: Any) -> None:
-        proto, source = read_model(path_or_bytes)  # read once: load takes the ModelProto
+        if devices is not None and not isinstance(devices, str):
+            devices = tuple(devices)  # read once: the cache key and the compile see the same list
+        self.devices = devices
+        self._by_value: PolyhalRep | None = None
+        raw = model_bytes(path_or_bytes)
+        if raw is None:  # a ModelProto: no bytes to know it by, compiled per session
+            (proto, source), external = read_model(path_or_bytes), 0
+        else:
+            source = raw[1]
+            proto, external = parse_model(*raw)
         initialized = {t.name for t in proto.graph.initializer}
         self._inputs = [_node_arg(vi) for vi in proto.graph.input if vi.name not in initialized]
         self._outputs = [_node_arg(vi) for vi in proto.graph.output]
         self._all_outputs = [o.name for o in self._outputs]  # what run(None, ...) returns, in order
         self.source = source
-        self.devices = devices
-        self._by_value: PolyhalRep | None = None
+        key = None
+        # Only a model whose inputs are all fixed compiles here; the others are not hashed.
+        fixed = all(isinstance(d, int) for i in self._inputs for d in i.shape or [None])
+        if raw is not None and not external and fixed:
+            key = _cache_key(raw[0], source, (devices,) if isinstance(devices, str) else devices, options)
+            cache = _compiled_cache()
+            compiled = cache.get(_with_generation(key, options)) if key is not None and len(cache) else None
+            if compiled is not None:
+                self.program, self.plan = compiled.program, compiled.bind()
+                return
+        del raw
         try:
-            self.program = load(proto, source=source)
+            self.program = load(proto, source=source)  # read once: load takes the ModelProto
         except NeedsValue:  # inputs decide shapes: imported per value of those, as the ONNX backend does
             # (here: the backend subclasses onnx's, and importing onnx costs ml_dtypes', see .proto)
             from polyhal.frontends.onnx.backend import PolyhalRep
@@ -115,6 +151,9 @@ class InferenceSession:
             self._by_value = PolyhalRep(proto, devices, strict=options.pop("strict", False), **options)
             return
         self.plan = self.program.compile(devices, **options)
+        if key is not None and type(self.program) is OnnxProgram:
+            # (the registry's generation read after the compile, which may have loaded a backend)
+            _compiled_cache().put(_with_generation(key, options), _Compiled(self.program, self.plan.binder()))
 
     def get_inputs(self) -> list[NodeArg]:
         """The inputs a run takes (graph inputs without an initializer), in the graph's order."""
@@ -229,3 +268,59 @@ class InferenceSession:
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise OnnxInputError(f"{self.source}: input {name!r} must be {dtype}{list(shape)} (declared "
                                      f"{program.declared_inputs.get(name)}), got a tensor of {t.dtype}{list(t.shape)}")
+
+
+# -- the compiled models of this process ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """What a session made of a static model, for later sessions of the same model: they share
+    ``program`` (read-only once imported) and each runs a plan of its own, made by ``bind``
+    (:meth:`polyhal.plan.Plan.binder`: the compile, without the first session's buffers)."""
+
+    program: OnnxProgram
+    bind: Callable[[], Any]  # () -> polyhal.plan.Plan
+
+
+_cache: SpecializationCache[_Compiled] | None = None
+_cache_lock = threading.Lock()
+
+
+def _compiled_cache() -> SpecializationCache[_Compiled]:
+    """The process's cache of compiled models, its capacity ``POLYHAL_SESSION_CACHE`` as read now."""
+    global _cache
+    capacity = OnnxSettings.from_env().session_cache
+    if _cache is None:
+        with _cache_lock:
+            if _cache is None:
+                _cache = SpecializationCache(max(capacity, 1))
+                # Dropped before the interpreter tears modules down: the plans' kernels (oneDNN
+                # primitives) release native objects through their modules' functions.
+                atexit.register(_cache.clear)
+    if capacity and _cache.capacity != capacity:
+        _cache.capacity = capacity  # (takes effect at the next put)
+    return _cache
+
+
+def _cache_key(data: bytes, source: str, devices: tuple[str, ...] | None,
+               options: Mapping[str, Any]) -> Hashable | None:
+    """What a compile of the model ``data`` depends on, but for the registry's generation (see
+    :func:`_with_generation`); None where the cache is off or an option cannot be a key (a list)."""
+    if not OnnxSettings.from_env().session_cache:
+        return None
+    # The environment's POLYHAL_* variables choose compile policies (precision, kernels, tiling).
+    environment = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("POLYHAL_")))
+    key = (hashlib.sha256(data).digest(), source, devices, tuple(sorted(options.items())), environment)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
+def _with_generation(key: Hashable, options: Mapping[str, Any]) -> Hashable:
+    """``key`` with the registry the compile uses and its generation (plugins registered or
+    removed since make other plans)."""
+    registry = options.get("registry") or default_registry()
+    return key, registry, registry.generation

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from polyhal.config import Integer, Settings, Size, Text, setting
 
-__all__ = ["FOLD_LIMIT", "LOOP_LIMIT", "OnnxSettings"]
+__all__ = ["FOLD_LIMIT", "LOOP_LIMIT", "SESSION_CACHE", "OnnxSettings"]
 
 #: Largest result (bytes) an op may produce by folding at import: above it the op stays in the
 #: program and runs on a device, so a tiny model cannot make the import itself take gigabytes
@@ -16,6 +16,9 @@ __all__ = ["FOLD_LIMIT", "LOOP_LIMIT", "OnnxSettings"]
 FOLD_LIMIT = 32 << 20
 #: Most iterations one Loop node runs, so a corrupt or hostile trip count fails clearly.
 LOOP_LIMIT = 1_000_000
+#: Compiled static models an InferenceSession keeps per process for later sessions of the same
+#: model: each holds its program's weights (on the host), so the bound is memory.
+SESSION_CACHE = 8
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,11 @@ class OnnxSettings(Settings, component="ONNX front end"):
         "POLYHAL_INPUT_LIMIT", Size(), None,
         "most bytes the --input files of polyhal run may expand to in all",
         shown="the memory the process may use")
+    session_cache: int = setting(
+        "POLYHAL_SESSION_CACHE", Integer(low=0), SESSION_CACHE,
+        "compiled static ONNX models an InferenceSession keeps per process, so that another session of the same "
+        "model (same bytes, devices, options and environment) binds that compile again instead of importing and "
+        "compiling it (0: off)")
     cache_dir: str = setting("POLYHAL_ONNX_CACHE_DIR", Text(), "",
                              "folder of the models ONNX's checker accepted, kept so that a later process does not "
                              "check them again (off, 0 or none: check every model in every process)",
