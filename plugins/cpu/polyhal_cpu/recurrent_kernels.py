@@ -196,7 +196,7 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             loop(x, wt[d], biases[d], lens, y_h[d], y, d, reverse, codes[d], alpha[d], beta[d], clip, lo, hi,
                  rows[d, lo:hi], gate_rows[d, lo:hi], desc, *tail)
 
-        if len(pieces) > 1:  # the pieces write disjoint rows of y, y_h, y_c
+        if n > 1 and len(pieces) > 1:  # the pieces write disjoint rows of y, y_h, y_c
             run_tasks([partial(piece, *args) for args in pieces])
         else:
             for args in pieces:
