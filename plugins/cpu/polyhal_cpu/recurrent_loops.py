@@ -30,7 +30,7 @@ from numba import types as nt
 from numba.extending import overload
 
 from polyhal_cpu.native_loops import _sgemm, exp2
-from polyhal_cpu.queue_layout import G_A, G_B, G_C, G_FN, G_K, G_LDA, G_LDB, G_LDC, G_M, G_N
+from polyhal_cpu.queue_layout import G_A, G_B, G_BETA, G_C, G_FN, G_K, G_LDA, G_LDB, G_LDC, G_M, G_N
 
 __all__ = ["gru", "lstm", "rnn"]
 
@@ -38,14 +38,14 @@ _opts = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
 
 def _signature(dtype, extra: str):
-    """``(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, desc,
-    *extra)``; ``extra`` the trailing operands (lstm: p, c; gru: ``linear_before_reset``)."""
+    """``(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw,
+    desc, *extra)``; ``extra`` the trailing operands (lstm: p, c; gru: ``linear_before_reset``)."""
     ro = lambda n: nt.Array(dtype, n, "C", readonly=True)  # noqa: E731
     rw = lambda n: nt.Array(dtype, n, "C")  # noqa: E731
     f64 = nt.Array(nt.float64, 1, "C", readonly=True)
     args = [ro(3), ro(2), ro(1), nt.Array(nt.int32, 1, "C", readonly=True), rw(2), rw(4), nt.int64, nt.boolean,
             nt.Array(nt.int64, 1, "C", readonly=True), f64, f64, nt.float64, nt.int64, nt.int64, rw(2), rw(2),
-            nt.Array(nt.int64, 1, "C")]
+            rw(3), nt.Array(nt.int64, 1, "C")]
     args += {"lstm": [ro(1), rw(2)], "gru": [nt.boolean], "rnn": []}[extra]
     return nt.void(*args)
 
@@ -144,10 +144,15 @@ def _zero_empty(lens, h, b0, b1):
             h[b, :] = 0
 
 
+#: G_BETA's bits for a product added to C (float32 1.0), and for one that overwrites it.
+_ACCUMULATE, _OVERWRITE = 0x3F800000, 0
+
+
 @njit(**_opts)
-def _product(desc, a, b, c):
-    """``c = a @ b`` for 2-D views whose rows have unit stride: numpy's BLAS through the
-    address in ``desc`` (float32), else a compiled loop (float64, or no BLAS to call)."""
+def _product(desc, a, b, c, accumulate):
+    """``c = a @ b`` (``c += a @ b`` where ``accumulate``) for 2-D views whose rows have unit
+    stride: numpy's BLAS through the address in ``desc`` (float32), else a compiled loop
+    (float64, or no BLAS to call)."""
     m, k = a.shape
     n = b.shape[1]
     if desc[G_FN] != 0:
@@ -156,11 +161,13 @@ def _product(desc, a, b, c):
         desc[G_A], desc[G_LDA] = a.ctypes.data, a.strides[0] // item
         desc[G_B], desc[G_LDB] = b.ctypes.data, b.strides[0] // item
         desc[G_C], desc[G_LDC] = c.ctypes.data, c.strides[0] // item
+        desc[G_BETA] = _ACCUMULATE if accumulate else _OVERWRITE
         _sgemm(desc)
         return
     for i in range(m):
         row = c[i]
-        row[:] = 0
+        if not accumulate:
+            row[:] = 0
         for j in range(k):
             v = a[i, j]
             src = b[j]
@@ -178,22 +185,36 @@ def _load_step(x, h, z, t, b0, b1):
         row[features:] = h[b0 + i]
 
 
+@njit(inline="always", **_opts)
+def _project(desc, x, wt, xw):
+    """Every step's input product ``x W^T`` at once into ``xw`` (seq, batch, gate values), when
+    there is such scratch (a call running the whole batch)."""
+    seq, batch, features = x.shape
+    if xw.shape[0] > 0 and seq * batch > 0:
+        _product(desc, x.reshape(seq * batch, features), wt[:features], xw.reshape(seq * batch, xw.shape[2]), False)
+
+
 @njit(_signatures("rnn"), **_opts)
-def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, desc):
+def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw, desc):
     """``wt`` is ``[W^T; R^T]`` (features + hidden, hidden); ``bias`` the input and recurrent
     biases summed."""
-    seq = x.shape[0]
+    seq, features = x.shape[0], x.shape[2]
     rows = b1 - b0
+    project = xw.shape[0] > 0
+    _project(desc, x, wt, xw)
     for step in range(seq):
         t = seq - 1 - step if reverse else step
-        _load_step(x, h, z, t, b0, b1)
-        _product(desc, z[:rows], wt, gates[:rows])
+        if project:
+            _product(desc, h[b0:b1], wt[features:], xw[t, b0:b1], True)
+        else:
+            _load_step(x, h, z, t, b0, b1)
+            _product(desc, z[:rows], wt, gates[:rows], False)
         for i in range(rows):
             b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = gates[i]
+            g = xw[t, b] if project else gates[i]
             for j in range(g.shape[0]):
                 g[j] += bias[j]
             _apply(acts[0], g, alpha[0], beta[0], clip)
@@ -203,29 +224,40 @@ def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z,
 
 
 @njit(_signatures("gru"), **_opts)
-def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, desc, linear_before_reset):
+def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw, desc,
+        linear_before_reset):
     """Gates in ONNX's order: update, reset, hidden; ``wt`` is ``[W^T; R^T]`` (features + hidden,
     3 hidden), ``bias`` holds 6 * hidden values (the input biases, then the recurrent ones). The
     update and reset gates take one GEMM of ``[x_t | h]``; then, without ``linear_before_reset``,
     ``h``'s half of ``z`` becomes ``reset * h`` and one more GEMM gives the hidden gate's
     ``x_t Wh^T + (reset * h) Rh^T``; with it, ``x_t Wh^T`` and ``h Rh^T`` are two GEMMs, as the
-    reset scales the second (with its bias) alone. ``gates`` rows hold 4 * hidden values."""
+    reset scales the second (with its bias) alone. ``gates`` rows hold 4 * hidden values (the
+    last hidden: ``h Rh^T``). With ``xw`` (the whole batch) the input products are taken for
+    every step first, and each step's recurrent products are added to them."""
     seq, features, hidden = x.shape[0], x.shape[2], h.shape[1]
     rows = b1 - b0
+    project = xw.shape[0] > 0
     wb, rb = bias[:3 * hidden], bias[3 * hidden:]
-    # The GEMMs write column blocks of ``gates``; the passes take each row whole and cut it
-    # (contiguous pieces: a row of a column block has an unknown stride, and its loops do not vectorise).
+    _project(desc, x, wt, xw)
+    # The GEMMs write column blocks; the passes take each row whole and cut it (contiguous
+    # pieces: a row of a column block has an unknown stride, and its loops do not vectorise).
     for step in range(seq):
         t = seq - 1 - step if reverse else step
         _load_step(x, h, z, t, b0, b1)
-        _product(desc, z[:rows], wt[:, :2 * hidden], gates[:rows, :2 * hidden])
-        if linear_before_reset:
-            _product(desc, z[:rows, :features], wt[:features, 2 * hidden:], gates[:rows, 2 * hidden:3 * hidden])
-            _product(desc, z[:rows, features:], wt[features:, 2 * hidden:], gates[:rows, 3 * hidden:])
+        if project:
+            _product(desc, h[b0:b1], wt[features:, :2 * hidden], xw[t, b0:b1, :2 * hidden], True)
+            if linear_before_reset:
+                _product(desc, h[b0:b1], wt[features:, 2 * hidden:], gates[:rows, 3 * hidden:], False)
+        else:
+            _product(desc, z[:rows], wt[:, :2 * hidden], gates[:rows, :2 * hidden], False)
+            if linear_before_reset:
+                _product(desc, z[:rows, :features], wt[:features, 2 * hidden:], gates[:rows, 2 * hidden:3 * hidden],
+                         False)
+                _product(desc, z[:rows, features:], wt[features:, 2 * hidden:], gates[:rows, 3 * hidden:], False)
         for i in range(rows):  # update and reset gates, and (without linear_before_reset) reset * h
             if t >= lens[b0 + i]:
                 continue
-            g = gates[i][:2 * hidden]
+            g = (xw[t, b0 + i] if project else gates[i])[:2 * hidden]
             for j in range(2 * hidden):
                 g[j] += wb[j] + rb[j]
             _apply(acts[0], g, alpha[0], beta[0], clip)
@@ -234,16 +266,19 @@ def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z,
                 for j in range(hidden):
                     reset[j] = g[hidden + j] * state[j]
         if not linear_before_reset:
-            _product(desc, z[:rows], wt[:, 2 * hidden:], gates[:rows, 2 * hidden:3 * hidden])
+            if project:
+                _product(desc, z[:rows, features:], wt[features:, 2 * hidden:], xw[t, b0:b1, 2 * hidden:], True)
+            else:
+                _product(desc, z[:rows], wt[:, 2 * hidden:], gates[:rows, 2 * hidden:3 * hidden], False)
         for i in range(rows):
             b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            row, state, out = gates[i], h[b], y[t, d, b]
+            row, state, out = xw[t, b] if project else gates[i], h[b], y[t, d, b]
             update, c = row[:hidden], row[2 * hidden:3 * hidden]
             if linear_before_reset:
-                reset, r = row[hidden:2 * hidden], row[3 * hidden:]
+                reset, r = row[hidden:2 * hidden], gates[i][3 * hidden:]
                 for j in range(hidden):
                     c[j] += wb[2 * hidden + j] + reset[j] * (r[j] + rb[2 * hidden + j])
             else:
@@ -258,22 +293,27 @@ def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z,
 
 
 @njit(_signatures("lstm"), **_opts)
-def lstm(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, desc, p, c):
+def lstm(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw, desc, p, c):
     """Gates in ONNX's order: input, output, forget, cell; ``wt`` is ``[W^T; R^T]`` (features +
     hidden, 4 hidden), ``bias`` the input and recurrent biases summed; ``p`` the peepholes
     (input, output, forget); ``c`` the cell state, updated in place."""
-    seq, hidden = x.shape[0], h.shape[1]
+    seq, features, hidden = x.shape[0], x.shape[2], h.shape[1]
     rows = b1 - b0
+    project = xw.shape[0] > 0
+    _project(desc, x, wt, xw)
     for step in range(seq):
         t = seq - 1 - step if reverse else step
-        _load_step(x, h, z, t, b0, b1)
-        _product(desc, z[:rows], wt, gates[:rows])
+        if project:
+            _product(desc, h[b0:b1], wt[features:], xw[t, b0:b1], True)
+        else:
+            _load_step(x, h, z, t, b0, b1)
+            _product(desc, z[:rows], wt, gates[:rows], False)
         for i in range(rows):
             b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = gates[i]
+            g = xw[t, b] if project else gates[i]
             for j in range(g.shape[0]):
                 g[j] += bias[j]
             gi, go, gf, gc = g[:hidden], g[hidden:2 * hidden], g[2 * hidden:3 * hidden], g[3 * hidden:]
