@@ -1,14 +1,15 @@
 """Recurrent layers on the CPU: ``rnn``, ``gru`` and ``lstm`` (:mod:`polyhal.ops.recurrent`), one
 kernel per layer running the whole sequence.
 
-Per direction, one compiled loop (:mod:`polyhal_cpu.recurrent_loops`) runs every step: the
-step's input ``x_t`` and state ``h`` side by side times ``[W^T; R^T]``, one GEMM of numpy's
-BLAS called from the loop (GRU: two or three, around its reset gate), then one pass over the
-gates, writing ``y`` and the final states in place. Batch rows are independent, so the loop
-runs on blocks of them: a layer's directions and blocks of rows run on the pool's threads at
-once, each to the end of the sequence with no hand-off between steps (onnxruntime's LSTM cuts
-its batch the same way). Unrolled into a dozen ops per step, the same layers cost 7-17x
-onnxruntime's time (issue 32).
+Per direction, one compiled loop (:mod:`polyhal_cpu.recurrent_loops`) runs every step, calling
+numpy's BLAS itself: ``x W^T`` for every step as one GEMM first, then per step ``h R^T`` added
+to the step's rows (GRU: two products around its reset gate), then one pass over the gates,
+writing ``y`` and the final states in place. Batch rows are independent, so a large layer's
+directions and blocks of rows run on the pool's threads at once, each to the end of the
+sequence with no hand-off between steps (onnxruntime's LSTM cuts its batch the same way); a
+block of rows takes its input product step by step with the recurrent one, as one GEMM of
+``[x_t | h]`` and ``[W^T; R^T]``. Unrolled into a dozen ops per step, the same layers cost
+7-17x onnxruntime's time (issue 32).
 
 oneDNN's RNN primitives were not taken: they have no sequence lengths, no clip and no other
 activations than the defaults, which ONNX models use, so a second path would serve only part

@@ -3,13 +3,13 @@ float64 when this module is imported (and cached on disk). Importing it imports 
 
 One call runs one direction of a layer over every step for a block of batch rows ``b0`` to
 ``b1`` (rows are independent, so blocks run on different threads with nothing to wait for
-between steps, as onnxruntime's ``batch_parallel_`` LSTM does). Per step the rows' input
-``x_t`` and state ``h`` sit side by side in ``z`` (``[x_t | h]``, rows of ``features +
-hidden``), and one GEMM with ``[W^T; R^T]`` gives the gates' input and recurrent products at
-once (GRU: see :func:`gru`); then one pass over the gates adds the bias, applies the
-activations, updates the state in place and writes the step's output. Rows past their
-sequence length keep their state and output zeros; a row of length 0 ends with a zero state
-(onnxruntime's answer).
+between steps, as onnxruntime's ``batch_parallel_`` LSTM does). A call given ``xw`` (the whole
+batch) takes the input products of every step as one GEMM first, then per step adds ``h R^T``
+to the step's rows of ``xw``; a block of rows instead puts its rows' ``x_t`` and ``h`` side by
+side in ``z`` (``[x_t | h]``) and takes both products in one GEMM with ``[W^T; R^T]`` (GRU: see
+:func:`gru`). Then one pass over the gates adds the bias, applies the activations, updates the
+state in place and writes the step's output. Rows past their sequence length keep their state
+and output zeros; a row of length 0 ends with a zero state (onnxruntime's answer).
 
 The GEMMs call numpy's BLAS (``cblas_sgemm`` through its address in ``desc``, a descriptor of
 :mod:`polyhal_cpu.queue_layout`'s G_ fields; ``cblas_sgemv`` for one row) from the compiled
