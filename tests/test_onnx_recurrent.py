@@ -106,13 +106,20 @@ def test_attributes_match_onnxruntime(kind, attrs):
     _close(_run(model, feeds)[2], want, [o.name for o in model.graph.output])
 
 
+@pytest.mark.parametrize("n_threads", ["1", "2"])
 @pytest.mark.parametrize("direction", ["forward", "bidirectional"])
 @pytest.mark.parametrize("kind,attrs", [("LSTM", {}), ("GRU", {}), ("GRU", {"linear_before_reset": 1}), ("RNN", {})])
-def test_large_layers_run_in_blocks_of_rows_on_the_pool_match_onnxruntime(kind, attrs, direction):
-    # seq * batch * gates * hidden * (features + hidden) >= PARALLEL_MACS: the directions and
-    # blocks of rows (here one of a single row: BLAS's matrix-vector product) run on the pool
+def test_large_layers_run_in_blocks_of_rows_on_the_pool_match_onnxruntime(kind, attrs, direction, n_threads,
+                                                                          monkeypatch):
+    # seq * batch * gates * hidden * (features + hidden) >= PARALLEL_MACS: on two threads the
+    # directions run at once, and a forward layer's rows in two blocks (here one of a single
+    # row: BLAS's matrix-vector product) taking their input products step by step
+    from polyhal_cpu import threads
     from polyhal_cpu.recurrent_kernels import PARALLEL_MACS
 
+    monkeypatch.setenv("POLYHAL_CPU_THREADS", n_threads)
+    threads.reset()
+    monkeypatch.setattr(threads, "_budget", None)
     # few steps (the test's weights make a chaotic recurrence: float32 roundings grow step by step)
     seq, batch, features, hidden = 8, 3, 576, {"LSTM": 64, "GRU": 80, "RNN": 128}[kind]
     assert seq * batch * GATES[kind] * hidden * (features + hidden) >= PARALLEL_MACS

@@ -34,6 +34,7 @@ from polyhal_cpu.parallel import blocks, float_bits, threads
 from polyhal_cpu.parallel import run as run_tasks
 from polyhal_cpu.settings import CPUSettings
 from polyhal_cpu.table import TABLE, Kernel, Types, float16_via_float32, frozen
+from polyhal_cpu.threads import budget
 
 __all__ = ["build_recurrent"]
 
@@ -52,7 +53,7 @@ def _native():
     if not CPUSettings.from_env().native:
         return None
     if _loops is None:
-        from polyhal_cpu.threads import budget, configure_numba
+        from polyhal_cpu.threads import configure_numba
 
         configure_numba()
         try:
@@ -167,9 +168,13 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
     # its input product for every step at once first (one larger GEMM, and each step's then
     # reads R alone, not [W; R]: a third faster for a batch of one, whose steps read the weights
     # from memory for one row); one cut into blocks of rows takes it step by step with R's.
+    # While other processes hold the budget's CPUs (one thread active) the directions run
+    # whole, one after another.
     n = threads() if seq * batch * width * depth >= PARALLEL_MACS else 1
     pieces = [(d, lo, hi, _descriptor(dt), projections[d] if hi - lo == batch else unprojected)
               for d in range(dirs) for lo, hi in blocks(batch, max(1, n // dirs))]
+    whole = [(d, 0, batch, pieces[0][3], projections[d]) for d in range(dirs)] if batch else []
+    state = budget()
 
     def weights(w, r):
         """``[W^T; R^T]`` per direction, contiguous: kept while the same read-only weights come back."""
@@ -211,9 +216,9 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             loop(x, wt[d], biases[d], lens, y_h[d], y, d, reverse, codes[d], alpha[d], beta[d], clip, lo, hi,
                  rows[d, lo:hi], gate_rows[d, lo:hi], xw, desc, *tail)
 
-        if n > 1 and len(pieces) > 1:  # the pieces write disjoint rows of y, y_h, y_c
+        if n > 1 and len(pieces) > 1 and state.active > 1:  # the pieces write disjoint rows of y, y_h, y_c
             run_tasks([partial(piece, *args) for args in pieces])
         else:
-            for args in pieces:
+            for args in whole:
                 piece(*args)
     return kernel
