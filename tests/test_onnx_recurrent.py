@@ -113,7 +113,7 @@ def test_large_layers_run_in_blocks_of_rows_on_the_pool_match_onnxruntime(kind, 
                                                                           monkeypatch):
     # seq * batch * gates * hidden * (features + hidden) >= PARALLEL_MACS: on two threads the
     # directions run at once, and a forward layer's rows in two blocks (here one of a single
-    # row: BLAS's matrix-vector product) taking their input products step by step
+    # row: BLAS's matrix-vector products), each gathering its rows of x for its input product
     from polyhal_cpu import threads
     from polyhal_cpu.recurrent_kernels import PARALLEL_MACS
 

@@ -6,10 +6,8 @@ numpy's BLAS itself: ``x W^T`` for every step as one GEMM first, then per step `
 to the step's rows (GRU: two products around its reset gate), then one pass over the gates,
 writing ``y`` and the final states in place. Batch rows are independent, so a large layer's
 directions and blocks of rows run on the pool's threads at once, each to the end of the
-sequence with no hand-off between steps (onnxruntime's LSTM cuts its batch the same way); a
-block of rows takes its input product step by step with the recurrent one, as one GEMM of
-``[x_t | h]`` and ``[W^T; R^T]``. Unrolled into a dozen ops per step, the same layers cost
-7-17x onnxruntime's time (issue 32).
+sequence with no hand-off between steps (onnxruntime's LSTM cuts its batch the same way).
+Unrolled into a dozen ops per step, the same layers cost 7-17x onnxruntime's time (issue 32).
 
 oneDNN's RNN primitives were not taken: they have no sequence lengths, no clip and no other
 activations than the defaults, which ONNX models use, so a second path would serve only part
@@ -84,11 +82,6 @@ def _sizes(problem: Problem) -> tuple[int, int, int, int, int]:
     return batch, features, hidden, GATES[problem.op], max(problem.in_types[0].dtype.itemsize, 4) * dirs
 
 
-def _gate_width(op: str, hidden: int) -> int:
-    """Values of a row's gates scratch: GRU keeps its hidden gate's two products apart."""
-    return 4 * hidden if op == "gru" else GATES[op] * hidden
-
-
 def _weights_bytes(problem: Problem, _wg: int) -> int:
     """``[W^T; R^T]`` of every direction, for weights a plan's input may change."""
     _, features, hidden, gates, item = _sizes(problem)
@@ -101,16 +94,24 @@ def _projection_bytes(problem: Problem, _wg: int) -> int:
     return seq * batch * gates * hidden * item
 
 
+def _inputs_bytes(problem: Problem, _wg: int) -> int:
+    seq = problem.in_types[0].shape[0]
+    batch, features, _, _, item = _sizes(problem)
+    return seq * batch * features * item
+
+
 def _steps_bytes(problem: Problem, _wg: int) -> int:
-    batch, features, hidden, gates, item = _sizes(problem)
-    return (batch * (features + hidden + _gate_width(problem.op, hidden)) + 2 * gates * hidden) * item
+    batch, _, hidden, gates, item = _sizes(problem)
+    return (2 * batch * hidden + 2 * gates * hidden) * item
 
 
 _SCRATCH = (
     ScratchDecl("projection", shared=True, per_launch=_projection_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="x W^T of every step of a direction run whole (not in blocks of rows)"),
+                purpose="x W^T of every step, by blocks of batch rows"),
+    ScratchDecl("inputs", shared=True, per_launch=_inputs_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
+                purpose="a block of batch rows' x at every step, gathered for its input product"),
     ScratchDecl("steps", shared=True, per_launch=_steps_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
-                purpose="each row's [x_t | h] and gates, the summed biases"),
+                purpose="GRU's reset * h and h Rh^T rows, the summed biases"),
     ScratchDecl("weights", shared=True, per_launch=_weights_bytes, spaces=(MemorySpace.GLOBAL,), alignment=64,
                 purpose="[W^T; R^T] of every direction, for weights a plan's input may change"),
 )
@@ -152,28 +153,23 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
     clip = float(attrs["clip"])
     loop = _loop(op)
     bias_width = 2 * width if op == "gru" else width
-    gate_width = _gate_width(op, hidden)
-    # Each direction's own scratch: a layer's directions run at once.
-    steps = cpu_scratch.array(scratch, "steps", dt, (dirs, batch * (depth + gate_width) + bias_width))
-    rows = steps[:, :batch * depth].reshape(dirs, batch, depth)
-    gate_rows = steps[:, batch * depth:batch * (depth + gate_width)].reshape(dirs, batch, gate_width)
-    biases = steps[:, batch * (depth + gate_width):]
+    # Each direction's own scratch: a layer's directions run at once. A block of rows lo:hi
+    # has rows seq * lo to seq * hi of its direction's projection and gathered inputs.
+    steps = cpu_scratch.array(scratch, "steps", dt, (dirs, 2 * batch * hidden + bias_width))
+    resets = steps[:, :batch * hidden].reshape(dirs, batch, hidden)
+    products = steps[:, batch * hidden:2 * batch * hidden].reshape(dirs, batch, hidden)
+    biases = steps[:, 2 * batch * hidden:]
     fused = cpu_scratch.array(scratch, "weights", dt, (dirs, depth, width))
-    projections = cpu_scratch.array(scratch, "projection", dt, (dirs, seq, batch, width))
-    unprojected = np.empty((0, batch, width), dt)
+    projections = cpu_scratch.array(scratch, "projection", dt, (dirs, seq * batch, width))
+    inputs = cpu_scratch.array(scratch, "inputs", dt, (dirs, seq * batch, features))
     held: list = [None, None, None]  # (w, r, [W^T; R^T]) for weights nothing can write
     linear_before_reset = bool(attrs.get("linear_before_reset", 0))
     # The directions first, then blocks of rows, on the pool's threads (each piece its own
-    # descriptor: the loops write the operands' addresses into it). A direction run whole takes
-    # its input product for every step at once first (one larger GEMM, and each step's then
-    # reads R alone, not [W; R]: a third faster for a batch of one, whose steps read the weights
-    # from memory for one row); one cut into blocks of rows takes it step by step with R's.
-    # While other processes hold the budget's CPUs (one thread active) the directions run
-    # whole, one after another.
+    # descriptor: the loops write the operands' addresses into it). While other processes hold
+    # the budget's CPUs (one thread active) the directions run whole, one after another.
     n = threads() if seq * batch * width * depth >= PARALLEL_MACS else 1
-    pieces = [(d, lo, hi, _descriptor(dt), projections[d] if hi - lo == batch else unprojected)
-              for d in range(dirs) for lo, hi in blocks(batch, max(1, n // dirs))]
-    whole = [(d, 0, batch, pieces[0][3], projections[d]) for d in range(dirs)] if batch else []
+    pieces = [(d, lo, hi, _descriptor(dt)) for d in range(dirs) for lo, hi in blocks(batch, max(1, n // dirs))]
+    whole = [(d, 0, batch, pieces[0][3]) for d in range(dirs)] if batch else []
     state = budget()
 
     def weights(w, r):
@@ -205,7 +201,7 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             np.add(b[:, :width], b[:, width:], out=biases)
         x = np.ascontiguousarray(x)
 
-        def piece(d: int, lo: int, hi: int, desc: np.ndarray, xw: np.ndarray) -> None:
+        def piece(d: int, lo: int, hi: int, desc: np.ndarray) -> None:
             reverse = direction == "reverse" or d == 1
             if op == "lstm":
                 tail = (p[d], y_c[d])
@@ -214,7 +210,8 @@ def build_recurrent(device, op: str, attrs: dict, ins: Types, outs: Types, scrat
             else:
                 tail = ()
             loop(x, wt[d], biases[d], lens, y_h[d], y, d, reverse, codes[d], alpha[d], beta[d], clip, lo, hi,
-                 rows[d, lo:hi], gate_rows[d, lo:hi], xw, desc, *tail)
+                 inputs[d, seq * lo:seq * hi], projections[d, seq * lo:seq * hi].reshape(seq, hi - lo, width),
+                 resets[d, lo:hi], products[d, lo:hi], desc, *tail)
 
         if n > 1 and len(pieces) > 1 and state.active > 1:  # the pieces write disjoint rows of y, y_h, y_c
             run_tasks([partial(piece, *args) for args in pieces])

@@ -3,13 +3,13 @@ float64 when this module is imported (and cached on disk). Importing it imports 
 
 One call runs one direction of a layer over every step for a block of batch rows ``b0`` to
 ``b1`` (rows are independent, so blocks run on different threads with nothing to wait for
-between steps, as onnxruntime's ``batch_parallel_`` LSTM does). A call given ``xw`` (the whole
-batch) takes the input products of every step as one GEMM first, then per step adds ``h R^T``
-to the step's rows of ``xw``; a block of rows instead puts its rows' ``x_t`` and ``h`` side by
-side in ``z`` (``[x_t | h]``) and takes both products in one GEMM with ``[W^T; R^T]`` (GRU: see
-:func:`gru`). Then one pass over the gates adds the bias, applies the activations, updates the
-state in place and writes the step's output. Rows past their sequence length keep their state
-and output zeros; a row of length 0 ends with a zero state (onnxruntime's answer).
+between steps, as onnxruntime's ``batch_parallel_`` LSTM does). It takes the block's input
+products of every step as one GEMM first (``x W^T`` into ``xw``, the block's rows of ``x``
+gathered into ``xb`` first where the block is not the whole batch), then per step adds ``h
+R^T`` to the step's rows of ``xw`` (GRU: see :func:`gru`), then one pass over the gates adds
+the bias, applies the activations, updates the state in place and writes the step's output.
+Rows past their sequence length keep their state and output zeros; a row of length 0 ends with
+a zero state (onnxruntime's answer).
 
 The GEMMs call numpy's BLAS (``cblas_sgemm`` through its address in ``desc``, a descriptor of
 :mod:`polyhal_cpu.queue_layout`'s G_ fields; ``cblas_sgemv`` for one row) from the compiled
@@ -38,14 +38,14 @@ _opts = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
 
 def _signature(dtype, extra: str):
-    """``(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw,
-    desc, *extra)``; ``extra`` the trailing operands (lstm: p, c; gru: ``linear_before_reset``)."""
+    """``(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z,
+    gates, desc, *extra)``; ``extra`` the trailing operands (lstm: p, c; gru: ``linear_before_reset``)."""
     ro = lambda n: nt.Array(dtype, n, "C", readonly=True)  # noqa: E731
     rw = lambda n: nt.Array(dtype, n, "C")  # noqa: E731
     f64 = nt.Array(nt.float64, 1, "C", readonly=True)
     args = [ro(3), ro(2), ro(1), nt.Array(nt.int32, 1, "C", readonly=True), rw(2), rw(4), nt.int64, nt.boolean,
-            nt.Array(nt.int64, 1, "C", readonly=True), f64, f64, nt.float64, nt.int64, nt.int64, rw(2), rw(2),
-            rw(3), nt.Array(nt.int64, 1, "C")]
+            nt.Array(nt.int64, 1, "C", readonly=True), f64, f64, nt.float64, nt.int64, nt.int64, rw(2), rw(3),
+            rw(2), rw(2), nt.Array(nt.int64, 1, "C")]
     args += {"lstm": [ro(1), rw(2)], "gru": [nt.boolean], "rnn": []}[extra]
     return nt.void(*args)
 
@@ -176,45 +176,39 @@ def _product(desc, a, b, c, accumulate):
 
 
 @njit(inline="always", **_opts)
-def _load_step(x, h, z, t, b0, b1):
-    """``z``'s rows as ``[x_t | h]`` for batch rows ``b0`` to ``b1``."""
-    features = x.shape[2]
-    for i in range(b1 - b0):
-        row = z[i]
-        row[:features] = x[t, b0 + i]
-        row[features:] = h[b0 + i]
-
-
-@njit(inline="always", **_opts)
-def _project(desc, x, wt, xw):
-    """Every step's input product ``x W^T`` at once into ``xw`` (seq, batch, gate values), when
-    there is such scratch (a call running the whole batch)."""
+def _project(desc, x, wt, b0, b1, xb, xw):
+    """The input products ``x W^T`` of batch rows ``b0`` to ``b1`` at every step into ``xw``
+    (seq, rows, gate values): one GEMM, over ``x`` itself for the whole batch, else over the
+    block's rows gathered into ``xb`` (seq * rows, features)."""
     seq, batch, features = x.shape
-    if xw.shape[0] > 0 and seq * batch > 0:
-        _product(desc, x.reshape(seq * batch, features), wt[:features], xw.reshape(seq * batch, xw.shape[2]), False)
+    rows = b1 - b0
+    if seq * rows == 0:
+        return
+    out = xw.reshape(seq * rows, xw.shape[2])
+    if rows == batch:
+        _product(desc, x.reshape(seq * batch, features), wt[:features], out, False)
+        return
+    for t in range(seq):
+        for i in range(rows):
+            xb[t * rows + i] = x[t, b0 + i]
+    _product(desc, xb, wt[:features], out, False)
 
 
 @njit(_signatures("rnn"), **_opts)
-def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw, desc):
+def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z, gates, desc):
     """``wt`` is ``[W^T; R^T]`` (features + hidden, hidden); ``bias`` the input and recurrent
     biases summed."""
     seq, features = x.shape[0], x.shape[2]
-    rows = b1 - b0
-    project = xw.shape[0] > 0
-    _project(desc, x, wt, xw)
+    _project(desc, x, wt, b0, b1, xb, xw)
     for step in range(seq):
         t = seq - 1 - step if reverse else step
-        if project:
-            _product(desc, h[b0:b1], wt[features:], xw[t, b0:b1], True)
-        else:
-            _load_step(x, h, z, t, b0, b1)
-            _product(desc, z[:rows], wt, gates[:rows], False)
-        for i in range(rows):
+        _product(desc, h[b0:b1], wt[features:], xw[t], True)
+        for i in range(b1 - b0):
             b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = xw[t, b] if project else gates[i]
+            g = xw[t, i]
             for j in range(g.shape[0]):
                 g[j] += bias[j]
             _apply(acts[0], g, alpha[0], beta[0], clip)
@@ -224,61 +218,46 @@ def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z,
 
 
 @njit(_signatures("gru"), **_opts)
-def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw, desc,
+def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z, gates, desc,
         linear_before_reset):
     """Gates in ONNX's order: update, reset, hidden; ``wt`` is ``[W^T; R^T]`` (features + hidden,
-    3 hidden), ``bias`` holds 6 * hidden values (the input biases, then the recurrent ones). The
-    update and reset gates take one GEMM of ``[x_t | h]``; then, without ``linear_before_reset``,
-    ``h``'s half of ``z`` becomes ``reset * h`` and one more GEMM gives the hidden gate's
-    ``x_t Wh^T + (reset * h) Rh^T``; with it, ``x_t Wh^T`` and ``h Rh^T`` are two GEMMs, as the
-    reset scales the second (with its bias) alone. ``gates`` rows hold 4 * hidden values (the
-    last hidden: ``h Rh^T``). With ``xw`` (the whole batch) the input products are taken for
-    every step first, and each step's recurrent products are added to them."""
+    3 hidden), ``bias`` holds 6 * hidden values (the input biases, then the recurrent ones). Per
+    step ``h Rzr^T`` is added to the update and reset gates' inputs; then, without
+    ``linear_before_reset``, ``(reset * h) Rh^T`` (``reset * h`` in ``z``) to the hidden gate's;
+    with it, ``h Rh^T`` goes to ``gates``, as the reset scales it (with its bias) alone."""
     seq, features, hidden = x.shape[0], x.shape[2], h.shape[1]
     rows = b1 - b0
-    project = xw.shape[0] > 0
     wb, rb = bias[:3 * hidden], bias[3 * hidden:]
-    _project(desc, x, wt, xw)
+    _project(desc, x, wt, b0, b1, xb, xw)
     # The GEMMs write column blocks; the passes take each row whole and cut it (contiguous
     # pieces: a row of a column block has an unknown stride, and its loops do not vectorise).
     for step in range(seq):
         t = seq - 1 - step if reverse else step
-        _load_step(x, h, z, t, b0, b1)
-        if project:
-            _product(desc, h[b0:b1], wt[features:, :2 * hidden], xw[t, b0:b1, :2 * hidden], True)
-            if linear_before_reset:
-                _product(desc, h[b0:b1], wt[features:, 2 * hidden:], gates[:rows, 3 * hidden:], False)
-        else:
-            _product(desc, z[:rows], wt[:, :2 * hidden], gates[:rows, :2 * hidden], False)
-            if linear_before_reset:
-                _product(desc, z[:rows, :features], wt[:features, 2 * hidden:], gates[:rows, 2 * hidden:3 * hidden],
-                         False)
-                _product(desc, z[:rows, features:], wt[features:, 2 * hidden:], gates[:rows, 3 * hidden:], False)
+        _product(desc, h[b0:b1], wt[features:, :2 * hidden], xw[t][:, :2 * hidden], True)
+        if linear_before_reset:
+            _product(desc, h[b0:b1], wt[features:, 2 * hidden:], gates, False)
         for i in range(rows):  # update and reset gates, and (without linear_before_reset) reset * h
             if t >= lens[b0 + i]:
                 continue
-            g = (xw[t, b0 + i] if project else gates[i])[:2 * hidden]
+            g = xw[t, i][:2 * hidden]
             for j in range(2 * hidden):
                 g[j] += wb[j] + rb[j]
             _apply(acts[0], g, alpha[0], beta[0], clip)
             if not linear_before_reset:
-                reset, state = z[i][features:], h[b0 + i]
+                reset, state = z[i], h[b0 + i]
                 for j in range(hidden):
                     reset[j] = g[hidden + j] * state[j]
         if not linear_before_reset:
-            if project:
-                _product(desc, z[:rows, features:], wt[features:, 2 * hidden:], xw[t, b0:b1, 2 * hidden:], True)
-            else:
-                _product(desc, z[:rows], wt[:, 2 * hidden:], gates[:rows, 2 * hidden:3 * hidden], False)
+            _product(desc, z, wt[features:, 2 * hidden:], xw[t][:, 2 * hidden:], True)
         for i in range(rows):
             b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            row, state, out = xw[t, b] if project else gates[i], h[b], y[t, d, b]
-            update, c = row[:hidden], row[2 * hidden:3 * hidden]
+            row, state, out = xw[t, i], h[b], y[t, d, b]
+            update, c = row[:hidden], row[2 * hidden:]
             if linear_before_reset:
-                reset, r = row[hidden:2 * hidden], gates[i][3 * hidden:]
+                reset, r = row[hidden:2 * hidden], gates[i]
                 for j in range(hidden):
                     c[j] += wb[2 * hidden + j] + reset[j] * (r[j] + rb[2 * hidden + j])
             else:
@@ -293,27 +272,21 @@ def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z,
 
 
 @njit(_signatures("lstm"), **_opts)
-def lstm(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, z, gates, xw, desc, p, c):
+def lstm(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z, gates, desc, p, c):
     """Gates in ONNX's order: input, output, forget, cell; ``wt`` is ``[W^T; R^T]`` (features +
     hidden, 4 hidden), ``bias`` the input and recurrent biases summed; ``p`` the peepholes
     (input, output, forget); ``c`` the cell state, updated in place."""
     seq, features, hidden = x.shape[0], x.shape[2], h.shape[1]
-    rows = b1 - b0
-    project = xw.shape[0] > 0
-    _project(desc, x, wt, xw)
+    _project(desc, x, wt, b0, b1, xb, xw)
     for step in range(seq):
         t = seq - 1 - step if reverse else step
-        if project:
-            _product(desc, h[b0:b1], wt[features:], xw[t, b0:b1], True)
-        else:
-            _load_step(x, h, z, t, b0, b1)
-            _product(desc, z[:rows], wt, gates[:rows], False)
-        for i in range(rows):
+        _product(desc, h[b0:b1], wt[features:], xw[t], True)
+        for i in range(b1 - b0):
             b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = xw[t, b] if project else gates[i]
+            g = xw[t, i]
             for j in range(g.shape[0]):
                 g[j] += bias[j]
             gi, go, gf, gc = g[:hidden], g[hidden:2 * hidden], g[2 * hidden:3 * hidden], g[3 * hidden:]
