@@ -1,13 +1,20 @@
 """The recurrences of :mod:`polyhal_cpu.recurrent_kernels`, compiled by numba for float32 and
 float64 when this module is imported (and cached on disk). Importing it imports numba.
 
-One call runs one direction of a layer over steps ``first`` to ``first + count``: per step the
-recurrent product ``h R^T`` is one GEMM (``np.dot``, which numba sends to scipy's BLAS; with
-``multiply`` False the caller has computed it into ``gates`` instead), then one pass over the
-gates adds the input projection (computed for every step at once before the call) and the bias,
-applies the activations, updates the state in place and writes the step's output. Rows past
-their sequence length keep their state and output zeros; a row of length 0 ends with a zero
-state (onnxruntime's answer).
+One call runs one direction of a layer over every step for a block of batch rows ``b0`` to
+``b1`` (rows are independent, so blocks run on different threads with nothing to wait for
+between steps, as onnxruntime's ``batch_parallel_`` LSTM does). It takes the block's input
+products of every step as one GEMM first (``x W^T`` into ``xw``, the block's rows of ``x``
+gathered into ``xb`` first where the block is not the whole batch), then per step adds ``h
+R^T`` to the step's rows of ``xw`` (GRU: see :func:`gru`), then one pass over the gates adds
+the bias, applies the activations, updates the state in place and writes the step's output.
+Rows past their sequence length keep their state and output zeros; a row of length 0 ends with
+a zero state (onnxruntime's answer).
+
+The GEMMs call numpy's BLAS (``cblas_sgemm`` through its address in ``desc``, a descriptor of
+:mod:`polyhal_cpu.queue_layout`'s G_ fields; ``cblas_sgemv`` for one row) from the compiled
+loop: no Python between steps. A descriptor with no function (float64, or no BLAS this backend
+can call) takes a plain compiled loop instead.
 
 Activations are codes, indices into :data:`polyhal.ops.recurrent.ACTIVATIONS`; ``acts`` holds a
 direction's codes and ``alpha``/``beta`` their parameters.
@@ -22,24 +29,24 @@ from numba import njit
 from numba import types as nt
 from numba.extending import overload
 
-from polyhal_cpu.native_loops import exp2
+from polyhal_cpu.native_loops import _sgemm, exp2
+from polyhal_cpu.queue_layout import G_A, G_B, G_BETA, G_C, G_FN, G_K, G_LDA, G_LDB, G_LDC, G_M, G_N
 
 __all__ = ["gru", "lstm", "rnn"]
 
 _opts = dict(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
 
-def _signature(dtype, extra: int):
-    """``(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates,
-    *extra)``; ``extra``
-    the trailing operands (lstm: p, c; gru: the reset product's two scratch rows and
-    ``linear_before_reset``)."""
+def _signature(dtype, extra: str):
+    """``(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z,
+    gates, desc, *extra)``; ``extra`` the trailing operands (lstm: p, c; gru: ``linear_before_reset``)."""
     ro = lambda n: nt.Array(dtype, n, "C", readonly=True)  # noqa: E731
     rw = lambda n: nt.Array(dtype, n, "C")  # noqa: E731
-    args = [rw(3), ro(1), ro(2), nt.Array(nt.int32, 1, "C", readonly=True), rw(2), rw(4), nt.int64, nt.boolean,
-            nt.Array(nt.int64, 1, "C", readonly=True), nt.Array(nt.float64, 1, "C", readonly=True),
-            nt.Array(nt.float64, 1, "C", readonly=True), nt.float64, nt.int64, nt.int64, nt.boolean, rw(2)]
-    args += {"lstm": [ro(1), rw(2)], "gru": [rw(2), rw(2), nt.boolean], "rnn": []}[extra]
+    f64 = nt.Array(nt.float64, 1, "C", readonly=True)
+    args = [ro(3), ro(2), ro(1), nt.Array(nt.int32, 1, "C", readonly=True), rw(2), rw(4), nt.int64, nt.boolean,
+            nt.Array(nt.int64, 1, "C", readonly=True), f64, f64, nt.float64, nt.int64, nt.int64, rw(2), rw(3),
+            rw(2), rw(2), nt.Array(nt.int64, 1, "C")]
+    args += {"lstm": [ro(1), rw(2)], "gru": [nt.boolean], "rnn": []}[extra]
     return nt.void(*args)
 
 
@@ -130,108 +137,158 @@ def _apply(code, v, alpha, beta, clip):
 
 
 @njit(inline="always", **_opts)
-def _zero_empty(lens, h):
+def _zero_empty(lens, h, b0, b1):
     """Rows of length 0 end with a zero state."""
-    for b in range(h.shape[0]):
+    for b in range(b0, b1):
         if lens[b] == 0:
             h[b, :] = 0
 
 
+#: G_BETA's bits for a product added to C (float32 1.0), and for one that overwrites it.
+_ACCUMULATE, _OVERWRITE = 0x3F800000, 0
+
+
+@njit(**_opts)
+def _product(desc, a, b, c, accumulate):
+    """``c = a @ b`` (``c += a @ b`` where ``accumulate``) for 2-D views whose rows have unit
+    stride: numpy's BLAS through the address in ``desc`` (float32), else a compiled loop
+    (float64, or no BLAS to call)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if desc[G_FN] != 0:
+        item = a.itemsize
+        desc[G_M], desc[G_N], desc[G_K] = m, n, k
+        desc[G_A], desc[G_LDA] = a.ctypes.data, a.strides[0] // item
+        desc[G_B], desc[G_LDB] = b.ctypes.data, b.strides[0] // item
+        desc[G_C], desc[G_LDC] = c.ctypes.data, c.strides[0] // item
+        desc[G_BETA] = _ACCUMULATE if accumulate else _OVERWRITE
+        _sgemm(desc)
+        return
+    for i in range(m):
+        row = c[i]
+        if not accumulate:
+            row[:] = 0
+        for j in range(k):
+            v = a[i, j]
+            src = b[j]
+            for q in range(n):
+                row[q] += v * src[q]
+
+
 @njit(inline="always", **_opts)
-def _add_input(g, xw, bias):
-    """The step's recurrent product ``g`` plus its input projection and bias, in place."""
-    for j in range(g.shape[0]):
-        g[j] += xw[j] + bias[j]
+def _project(desc, x, wt, b0, b1, xb, xw):
+    """The input products ``x W^T`` of batch rows ``b0`` to ``b1`` at every step into ``xw``
+    (seq, rows, gate values): one GEMM, over ``x`` itself for the whole batch, else over the
+    block's rows gathered into ``xb`` (seq * rows, features)."""
+    seq, batch, features = x.shape
+    rows = b1 - b0
+    if seq * rows == 0:
+        return
+    out = xw.reshape(seq * rows, xw.shape[2])
+    if rows == batch:
+        _product(desc, x.reshape(seq * batch, features), wt[:features], out, False)
+        return
+    for t in range(seq):
+        for i in range(rows):
+            xb[t * rows + i] = x[t, b0 + i]
+    _product(desc, xb, wt[:features], out, False)
 
 
 @njit(_signatures("rnn"), **_opts)
-def rnn(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates):
-    """``bias`` holds the input and recurrent biases summed (hidden values)."""
-    seq, batch = xw.shape[0], h.shape[0]
-    for step in range(first, first + count):
+def rnn(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z, gates, desc):
+    """``wt`` is ``[W^T; R^T]`` (features + hidden, hidden); ``bias`` the input and recurrent
+    biases summed."""
+    seq, features = x.shape[0], x.shape[2]
+    _project(desc, x, wt, b0, b1, xb, xw)
+    for step in range(seq):
         t = seq - 1 - step if reverse else step
-        if multiply:
-            np.dot(h, r.T, gates)
-        for b in range(batch):
+        _product(desc, h[b0:b1], wt[features:], xw[t], True)
+        for i in range(b1 - b0):
+            b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = gates[b]
-            _add_input(g, xw[t, b], bias)
+            g = xw[t, i]
+            for j in range(g.shape[0]):
+                g[j] += bias[j]
             _apply(acts[0], g, alpha[0], beta[0], clip)
             h[b, :] = g
             y[t, d, b, :] = g
-    if first + count == seq:
-        _zero_empty(lens, h)
+    _zero_empty(lens, h, b0, b1)
 
 
 @njit(_signatures("gru"), **_opts)
-def gru(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates, reset, product,
+def gru(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z, gates, desc,
         linear_before_reset):
-    """Gates in ONNX's order: update, reset, hidden; ``bias`` holds 6 * hidden values (the
-    input biases, then the recurrent ones). With ``linear_before_reset`` the recurrent product of
-    the hidden gate is taken with ``h`` and its bias added before the reset gate scales it."""
-    seq, batch, hidden = xw.shape[0], h.shape[0], h.shape[1]
-    rz = r[:2 * hidden]
-    rh = r[2 * hidden:]
+    """Gates in ONNX's order: update, reset, hidden; ``wt`` is ``[W^T; R^T]`` (features + hidden,
+    3 hidden), ``bias`` holds 6 * hidden values (the input biases, then the recurrent ones). Per
+    step ``h Rzr^T`` is added to the update and reset gates' inputs; then, without
+    ``linear_before_reset``, ``(reset * h) Rh^T`` (``reset * h`` in ``z``) to the hidden gate's;
+    with it, ``h Rh^T`` goes to ``gates``, as the reset scales it (with its bias) alone."""
+    seq, features, hidden = x.shape[0], x.shape[2], h.shape[1]
+    rows = b1 - b0
     wb, rb = bias[:3 * hidden], bias[3 * hidden:]
-    # Without linear_before_reset, the step's first product is h R_zr^T alone (batch x 2 hidden,
-    # contiguous), and the hidden gate's is taken after the reset, into ``product``.
-    zr = gates if linear_before_reset else gates.ravel()[:batch * 2 * hidden].reshape(batch, 2 * hidden)
-    for step in range(first, first + count):
+    _project(desc, x, wt, b0, b1, xb, xw)
+    # The GEMMs write column blocks; the passes take each row whole and cut it (contiguous
+    # pieces: a row of a column block has an unknown stride, and its loops do not vectorise).
+    for step in range(seq):
         t = seq - 1 - step if reverse else step
-        if multiply:  # (else the caller computed the step's product into gates)
-            if linear_before_reset:
-                np.dot(h, r.T, gates)
-            else:
-                np.dot(h, rz.T, zr)
-        for b in range(batch):  # update and reset gates, and the reset rows
-            g = zr[b]
+        _product(desc, h[b0:b1], wt[features:, :2 * hidden], xw[t][:, :2 * hidden], True)
+        if linear_before_reset:
+            _product(desc, h[b0:b1], wt[features:, 2 * hidden:], gates, False)
+        for i in range(rows):  # update and reset gates, and (without linear_before_reset) reset * h
+            if t >= lens[b0 + i]:
+                continue
+            g = xw[t, i][:2 * hidden]
             for j in range(2 * hidden):
-                g[j] += xw[t, b, j] + wb[j] + rb[j]
-            _apply(acts[0], g[:2 * hidden], alpha[0], beta[0], clip)
-            for j in range(hidden):
-                reset[b, j] = g[hidden + j] * h[b, j]
+                g[j] += wb[j] + rb[j]
+            _apply(acts[0], g, alpha[0], beta[0], clip)
+            if not linear_before_reset:
+                reset, state = z[i], h[b0 + i]
+                for j in range(hidden):
+                    reset[j] = g[hidden + j] * state[j]
         if not linear_before_reset:
-            np.dot(reset, rh.T, product)
-        for b in range(batch):
+            _product(desc, z, wt[features:, 2 * hidden:], xw[t][:, 2 * hidden:], True)
+        for i in range(rows):
+            b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = zr[b]
+            row, state, out = xw[t, i], h[b], y[t, d, b]
+            update, c = row[:hidden], row[2 * hidden:]
             if linear_before_reset:
-                cand = gates[b, 2 * hidden:]
+                reset, r = row[hidden:2 * hidden], gates[i]
                 for j in range(hidden):
-                    cand[j] = xw[t, b, 2 * hidden + j] + wb[2 * hidden + j] + g[hidden + j] * (cand[j] + rb[2 * hidden + j])
+                    c[j] += wb[2 * hidden + j] + reset[j] * (r[j] + rb[2 * hidden + j])
             else:
-                cand = product[b, :]
                 for j in range(hidden):
-                    cand[j] = xw[t, b, 2 * hidden + j] + wb[2 * hidden + j] + cand[j] + rb[2 * hidden + j]
-            _apply(acts[1], cand, alpha[1], beta[1], clip)
+                    c[j] += wb[2 * hidden + j] + rb[2 * hidden + j]
+            _apply(acts[1], c, alpha[1], beta[1], clip)
             for j in range(hidden):
-                v = cand[j] - g[j] * cand[j] + g[j] * h[b, j]
-                h[b, j] = v
-                y[t, d, b, j] = v
-    if first + count == seq:
-        _zero_empty(lens, h)
+                v = c[j] - update[j] * c[j] + update[j] * state[j]
+                state[j] = v
+                out[j] = v
+    _zero_empty(lens, h, b0, b1)
 
 
 @njit(_signatures("lstm"), **_opts)
-def lstm(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, count, multiply, gates, p, c):
-    """Gates in ONNX's order: input, output, forget, cell; ``bias`` the input and recurrent
-    biases summed; ``p`` the peepholes (input, output, forget); ``c`` the cell state, updated in
-    place."""
-    seq, batch, hidden = xw.shape[0], h.shape[0], h.shape[1]
-    for step in range(first, first + count):
+def lstm(x, wt, bias, lens, h, y, d, reverse, acts, alpha, beta, clip, b0, b1, xb, xw, z, gates, desc, p, c):
+    """Gates in ONNX's order: input, output, forget, cell; ``wt`` is ``[W^T; R^T]`` (features +
+    hidden, 4 hidden), ``bias`` the input and recurrent biases summed; ``p`` the peepholes
+    (input, output, forget); ``c`` the cell state, updated in place."""
+    seq, features, hidden = x.shape[0], x.shape[2], h.shape[1]
+    _project(desc, x, wt, b0, b1, xb, xw)
+    for step in range(seq):
         t = seq - 1 - step if reverse else step
-        if multiply:
-            np.dot(h, r.T, gates)
-        for b in range(batch):
+        _product(desc, h[b0:b1], wt[features:], xw[t], True)
+        for i in range(b1 - b0):
+            b = b0 + i
             if t >= lens[b]:
                 y[t, d, b, :] = 0
                 continue
-            g = gates[b]
-            _add_input(g, xw[t, b], bias)
+            g = xw[t, i]
+            for j in range(g.shape[0]):
+                g[j] += bias[j]
             gi, go, gf, gc = g[:hidden], g[hidden:2 * hidden], g[2 * hidden:3 * hidden], g[3 * hidden:]
             cell = c[b]
             for j in range(hidden):
@@ -250,6 +307,5 @@ def lstm(xw, bias, r, lens, h, y, d, reverse, acts, alpha, beta, clip, first, co
                 v = go[j] * gc[j]
                 h[b, j] = v
                 y[t, d, b, j] = v
-    if first + count == seq:
-        _zero_empty(lens, h)
-        _zero_empty(lens, c)
+    _zero_empty(lens, h, b0, b1)
+    _zero_empty(lens, c, b0, b1)
