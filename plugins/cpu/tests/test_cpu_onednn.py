@@ -287,3 +287,46 @@ def test_two_plans_of_one_primitive_run_at_once_on_two_threads():
     for t in threads:
         t.join()
     assert not wrong
+
+
+@needs_onednn
+def test_a_transposed_constant_weight_is_reordered_once(monkeypatch):
+    # GPT-2's LM head multiplies by its embedding transposed: a constant that reaches the kernel
+    # as a strided view. Made row-major per call, it was a fresh array each run, so its reorder
+    # into oneDNN's layout (154 MB there) was paid on every run.
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper, numpy_helper
+
+    import polyhal.onnx as ponnx
+
+    reorders = []
+    real = onednn_kernels._kept_weights
+
+    def counting(reorder, *args):
+        if reorder is not None:
+            inner = reorder
+
+            def reorder(*addresses):
+                reorders.append(1)
+                return inner(*addresses)
+        return real(reorder, *args)
+
+    monkeypatch.setattr(onednn_kernels, "_kept_weights", counting)
+    # (GPT-2's 154 MB transpose is above the import's fold limit: the compile's fold_constants
+    # pass makes it a transposed view of the initializer; so here too)
+    monkeypatch.setenv("POLYHAL_FOLD_LIMIT", "1")
+    rng = np.random.default_rng(17)
+    w = rng.standard_normal((96, 64)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0]),
+                               helper.make_node("MatMul", ["x", "wt"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [32, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [32, 96])],
+                              [numpy_helper.from_array(w, "w")])
+    program = ponnx.load(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    plan = program.compile("cpu:0")
+    for _ in range(3):
+        x = rng.standard_normal((32, 64)).astype(np.float32)
+        np.testing.assert_allclose(program.execute(plan, {"x": x})["y"], x @ w.T, rtol=1e-4, atol=1e-4)
+    if "onednn_matmul.weights" not in plan.explain():
+        pytest.skip("oneDNN does not run this matmul here (the CPU's own GEMMs take a transposed matrix as it is)")
+    assert len(reorders) == 1
