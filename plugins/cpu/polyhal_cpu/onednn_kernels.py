@@ -297,22 +297,33 @@ def _kept_weights(reorder: Callable[..., None] | None, nbytes: int, scratch_weig
     """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder;
     else reordered once and kept while the same read-only array comes again (a plan's constant),
     or into ``scratch_weights`` on every call. ``pad`` is the scratchpad's address (a reorder
-    may need one too), or nothing."""
+    may need one too), or nothing. ``w`` may have any strides: a read-only view (a constant's
+    transposed view, of which the compile keeps no row-major copy of its own) is made row-major,
+    or reordered, once and kept; a writable one is copied row-major on every call."""
     from polyhal_cpu.table import frozen
 
-    if reorder is None:
-        return address
     kept: list = [None, None]  # the array the kept copy was made from, the copy
+    held: list = [None]  # this call's row-major copy of a writable strided w: alive until the next call
 
     def weights(w: np.ndarray) -> int:
         if kept[0] is w:
             return address(kept[1])
+        contiguous = w.flags.c_contiguous
+        if contiguous and reorder is None:
+            return address(w)
+        source = w if contiguous else np.ascontiguousarray(w)
         if frozen(w):
-            copy = np.empty(max(nbytes, 1), np.uint8)
-            reorder(address(w), address(copy), *pad)
+            if reorder is None:
+                copy = source
+            else:
+                copy = np.empty(max(nbytes, 1), np.uint8)
+                reorder(address(source), address(copy), *pad)
             kept[0], kept[1] = w, copy
             return address(copy)
-        reorder(address(w), address(scratch_weights), *pad)
+        if reorder is None:
+            held[0] = source
+            return address(source)
+        reorder(address(source), address(scratch_weights), *pad)
         return address(scratch_weights)
     return weights
 
@@ -606,8 +617,6 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
         a, b, out = arrays[0], arrays[1], arrays[-1]
         if not a.flags.c_contiguous:
             a = contiguous(a)
-        if not b.flags.c_contiguous:
-            b = contiguous(b)
         extra = tuple(address(contiguous(arrays[i])) for i in binary)
         if has_bias:
             execute(address(a), weights(b), address(contiguous(arrays[2])), address(out), *extra, *pad)
