@@ -337,6 +337,27 @@ def test_gemm_gelu_fuses_to_fused_linear(trans_b, tmp_path):
     assert plan.program.ops[0].attr_dict["activation"] == "gelu"
 
 
+@pytest.mark.parametrize("rows", [8, 32])
+def test_gemm_trans_b_weights_stay_a_view_of_the_programs_constant(rows, tmp_path):
+    # Gemm(transB=1) becomes fused_linear on B's transpose: a view of the program's constant, not a
+    # second copy of the weights (the program keeps B for a later compile). 8 rows run on the CPU's
+    # own GEMM (BLAS's transpose flag), 32 on oneDNN's matmul where it serves them (its kept reorder).
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["p"], transB=1), helper.make_node("Relu", ["p"], ["y"])]
+    path = _save_2d(tmp_path, nodes, {"w": _f(24, 16), "b": _f(24)}, (rows, 16))
+    program = polyhal.onnx.load(path)
+    plan = program.compile("cpu:0")
+    (op,) = [op for op in plan.program.ops if op.kind == "dispatch"]
+    assert op.name == "fused_linear"
+    weights = dict((v.id, d) for v, d in plan.program.constants)[op.inputs[1].id]
+    (original,) = [d for v, d in program.constants if d.shape == (24, 16)]
+    assert weights.shape == (16, 24) and np.shares_memory(weights, original) and not weights.flags.writeable
+    x = _f(rows, 16)
+    (want,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for _ in range(2):  # the second run reads what the first kept
+        (got,) = program.execute(plan, {"x": x}).values()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_gemm_with_alpha_is_not_fused(tmp_path):
     nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["p"], alpha=0.5), helper.make_node("Relu", ["p"], ["y"])]
     plan = _compile_and_compare(_save_2d(tmp_path, nodes, {"w": _f(16, 12), "b": _f(12)}, (8, 16)), {"x": _f(8, 16)})

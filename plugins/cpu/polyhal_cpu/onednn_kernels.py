@@ -294,40 +294,38 @@ def _bound(scratch, requests):
 
 def _kept_weights(reorder: Callable[..., None] | None, nbytes: int, scratch_weights: np.ndarray | None,
                   pad: tuple[int, ...]):
-    """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder
-    and is row-major; else reordered (or made row-major) once and kept while the same read-only
-    array comes again (a plan's constant), or into ``scratch_weights`` on every call. ``pad`` is
-    the scratchpad's address (a reorder may need one too), or nothing.
-
-    A constant may come as a strided view (the fold of a transpose: GPT-2's tied LM head is its
-    embedding transposed, 154 MB): it is read through a row-major copy once, at the first call;
-    made row-major per call, it would have been a fresh array each time, so its reorder was paid
-    on every run (0.5 s of GPT-2's 0.8 s)."""
+    """``weights(w) -> address`` in the primitive's layout: ``w`` itself when it needs no reorder;
+    else reordered once and kept while the same read-only array comes again (a plan's constant),
+    or into ``scratch_weights`` on every call. ``pad`` is the scratchpad's address (a reorder
+    may need one too), or nothing. ``w`` may have any strides: a read-only view (a constant's
+    transposed view, of which the compile keeps no row-major copy of its own) is made row-major,
+    or reordered, once and kept; a writable one is copied row-major on every call. (GPT-2's tied LM
+    head is its embedding transposed, 154 MB: made row-major per call, it was a fresh array each
+    run, so its reorder was paid on every run, 0.5 s of GPT-2's 0.8 s.)"""
     from polyhal_cpu.table import frozen
 
-    contiguous = np.ascontiguousarray
     kept: list = [None, None]  # the array the kept copy was made from, the copy
-
-    if reorder is None:
-        def in_place(w: np.ndarray) -> int:
-            if w.flags.c_contiguous:
-                return address(w)
-            if kept[0] is not w or not frozen(w):  # (an intermediate's view: its data changes per run)
-                # kept until the next call at least: the caller runs on its address
-                kept[0], kept[1] = w, contiguous(w)
-            return address(kept[1])
-        return in_place
+    held: list = [None]  # this call's row-major copy of a writable strided w: alive until the next call
 
     def weights(w: np.ndarray) -> int:
         if kept[0] is w:
             return address(kept[1])
-        dense = contiguous(w)  # alive until the reorder below has read it
+        contiguous = w.flags.c_contiguous
+        if contiguous and reorder is None:
+            return address(w)
+        source = w if contiguous else np.ascontiguousarray(w)
         if frozen(w):
-            copy = np.empty(max(nbytes, 1), np.uint8)
-            reorder(address(dense), address(copy), *pad)
+            if reorder is None:
+                copy = source
+            else:
+                copy = np.empty(max(nbytes, 1), np.uint8)
+                reorder(address(source), address(copy), *pad)
             kept[0], kept[1] = w, copy
             return address(copy)
-        reorder(address(dense), address(scratch_weights), *pad)
+        if reorder is None:
+            held[0] = source
+            return address(source)
+        reorder(address(source), address(scratch_weights), *pad)
         return address(scratch_weights)
     return weights
 

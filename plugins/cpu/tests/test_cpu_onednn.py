@@ -178,6 +178,28 @@ def test_matmul_family_against_reference(op, monkeypatch):
 
 
 @needs_onednn
+@pytest.mark.parametrize("op", ["matmul", "linear"])
+def test_matmul_keeps_its_copy_of_a_read_only_transposed_view(op, monkeypatch):
+    # a constant's transposed view (fold_constants, Gemm's transB): reordered (or made row-major)
+    # once and kept while the same view comes; a writable strided operand is copied per call
+    monkeypatch.setattr(onednn_kernels, "MATMUL_IMPLEMENTATIONS", ("",))
+    monkeypatch.setattr(onednn_kernels, "_MATMULS", {})
+    x, original, bias = _f(32, 48), _f(40, 48), _f(40)
+    original.flags.writeable = False
+    w = original.T
+    ins = [x, w] + ([bias] if op == "linear" else [])
+    types = tuple(TensorType(a.shape, a.dtype) for a in ins)
+    outs = tuple(OPS[op].infer(types, {}))
+    kernel = prepare(op, {}, types, outs)
+    assert hasattr(kernel, "kernel_name"), onednn_kernels.refusals()
+    want = x @ original.T + (bias if op == "linear" else 0)
+    for weights in (w, w, np.array(original).T):  # kept, kept again, a writable view
+        out = np.empty(outs[0].shape, np.float32)
+        kernel(*([x, weights] + ins[2:]), out)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
 def test_matmul_left_to_own_gemms_where_oneDNN_has_no_brgemm():
     a, b = TensorType((64, 96), np.float32), TensorType((96, 32), np.float32)
     plan = onednn_kernels.matmul_plan("matmul", {}, (a, b), (TensorType((64, 32), np.float32),))

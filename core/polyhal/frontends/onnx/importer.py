@@ -28,7 +28,6 @@ fixes them (:class:`NeedsValue`, caught by the load, names them).
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import functools
 import os
@@ -62,7 +61,7 @@ from polyhal.ir.program import Program, ProgramBuilder, Value
 from polyhal.ir.types import STORAGE_DTYPES, DTypeSet, SymbolicDim, TensorType
 from polyhal.ops import OPS, infer_types
 from polyhal.passes.decompose import DECOMPOSITIONS
-from polyhal.plan import compile as polyhal_compile, cycle_collection_paused
+from polyhal.plan import compile as polyhal_compile, cycle_collection_paused, trim_heap
 from polyhal.progress import SAY_AFTER, long_work
 from polyhal.registry import default_registry
 
@@ -688,7 +687,7 @@ def load(model: Any, *, shapes: Mapping[str, Sequence[int]] | None = None,
                 raise
             return staged()  # each segment is specialized per value of the inputs that decide shapes
         del proto, checked, weights
-        _trim_heap()
+        trim_heap()  # the heap pages freed with the parsed ModelProto (protobuf's many small blocks)
         return program
     if needs_staging(checked, any_host_op=True):
         return staged()  # staging specializes each segment to the shapes it sees
@@ -740,26 +739,6 @@ def _has_symbol(attrs: Any) -> bool:
     if isinstance(attrs, SymbolicDim):
         return True
     return isinstance(attrs, tuple) and any(map(_has_symbol, attrs))
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's ``malloc_trim``, looked up once among the symbols the process already has loaded
-    (``dlopen(NULL)``): ``ctypes.util.find_library`` would run ``ldconfig`` in a child process
-    (2-4 ms of the first session of a process). None where the C library has none."""
-    try:
-        return ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError, TypeError):  # not glibc (or no dlopen(NULL)): nothing to trim this way
-        return None
-
-
-def _trim_heap() -> None:
-    """Give the heap pages freed with the parsed ModelProto back to the system. protobuf parses
-    into many small blocks, which glibc keeps for reuse after they are freed: without this a
-    loaded model's process stays as large as if it still held its ModelProto (twice its weights)."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 def _check_symbols(graph_inputs: Iterable[pb.ValueInfoProto], dims: Mapping[str, int], source: str) -> None:
