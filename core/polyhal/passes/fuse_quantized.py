@@ -19,7 +19,11 @@ use:
   ``relu``, then maybe a quantize (int8 / uint8 result), else the float result.
 * **MatMulInteger rescaled** (onnxruntime's dynamic quantization): ``cast(matmul(sub(cast(a),
   cast(a_zero_point)), b) -> float32) * scale``, b an int32 constant within int8's range: a
-  ``quantized_matmul`` with a float32 result (scale one per tensor, or one per column).
+  ``quantized_matmul`` with a float32 result (scale one per tensor, or one per column). Where
+  the scale is ``a_scale * b_scale``, a run-time scalar (DynamicQuantizeLinear's) times constant
+  weight scales, the product goes in as the contraction's two scales (its kernels multiply them
+  in float32 before scaling the int32 sums, the model's order); then maybe a bias ``add``
+  (a float32 constant per column) and the epilogue above (relu, quantize).
 
 A match becomes the fused op where ``fusible(op, ops)`` says so (a device with int8 kernels:
 see :mod:`polyhal.passes.fusion`).
@@ -193,6 +197,19 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         replaced[id(last)] = (ordered, (fused,))
         removed.update(gone - {id(last)})
 
+    def bias_after(y: Value, n: int, chain: list[Op]) -> tuple[np.ndarray, Value]:
+        """(bias, the biased result) where ``y``'s only use adds a float32 constant of n values
+        along its last dim (appended to ``chain``), else (zeros, ``y``)."""
+        add = only_user(y, "add")
+        if add is not None:
+            other = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
+            data = constants.get(other.id)
+            if (data is not None and data.dtype == _F32 and data.shape in ((n,), (1, n))
+                    and add.outputs[0].type == y.type):
+                chain.append(add)
+                return data.reshape(-1), add.outputs[0]
+        return np.zeros(n, _F32), y
+
     def float_matmul(op: Op) -> None:
         """A QDQ matmul / gemm (see the module docstring)."""
         found = dequantized(op.inputs[0])
@@ -216,15 +233,8 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         q, xs, xz, chain = found
         chain = chain + [op]
         y = op.outputs[0]
-        add = only_user(y, "add") if bias is None else None
-        if add is not None:
-            other = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
-            data = constants.get(other.id)
-            if data is not None and data.dtype == _F32 and data.shape in ((w.shape[1],), (1, w.shape[1])):
-                bias, y = data.reshape(-1), add.outputs[0]
-                chain.append(add)
         if bias is None:
-            bias = np.zeros(w.shape[1], _F32)
+            bias, y = bias_after(y, w.shape[1], chain)
         activation, result, out = epilogue(y, chain)
         take(chain, "quantized_matmul", [q, xs, xz, constant(weights[0], op.inputs[1], "int8"),
                                          constant(weights[1], op.inputs[1], "scale"),
@@ -272,11 +282,26 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
             return
         chain += [to_float, mul]
         one = constant(np.ones((), _F32), q, "unit_scale")
-        per_column = scale.type.shape == (n,)
-        take(chain, "quantized_matmul", [q, one if per_column else scale, zero_point,
-                                         constant(data.astype(_I8), b, "int8"), scale if per_column else one,
-                                         constant(np.zeros(n, _F32), b, "bias")],
-             mul.outputs[0], {"activation": "none", "alpha": 0.0, "beta": 0.0})
+        a_scale, b_scale = (one, scale) if scale.type.shape == (n,) else (scale, one)
+        product = made_by(scale, "mul")
+        if product is not None and uses[scale.id] == 1 and scale.id not in outputs:
+            # a's run-time scale times b's constant one(s), as onnxruntime's dynamic quantizer
+            # writes them: the contraction's own two scales (its kernels multiply them in float32
+            # first, the rounding of this product).
+            sa, sb = product.inputs
+            if sa.id in constants:
+                sa, sb = sb, sa
+            data_b = constants.get(sb.id)
+            if (sa.id not in constants and sa.type.dtype == _F32 and sa.type.shape in ((), (1,))
+                    and data_b is not None and data_b.dtype == _F32 and data_b.shape in ((), (1,), (n,))):
+                chain.insert(0, product)
+                a_scale = sa
+                b_scale = constant(data_b.reshape(()) if data_b.size == 1 else data_b.reshape(n), b, "scale")
+        bias, y = bias_after(mul.outputs[0], n, chain)
+        activation, result, out = epilogue(y, chain)
+        take(chain, "quantized_matmul", [q, a_scale, zero_point, constant(data.astype(_I8), b, "int8"), b_scale,
+                                         constant(bias, b, "bias"), *out],
+             result, {"activation": activation, "alpha": 0.0, "beta": 0.0})
 
     for op in program.ops:
         if op.kind != "dispatch" or id(op) in removed:
