@@ -25,6 +25,12 @@ use:
   in float32 before scaling the int32 sums, the model's order); then maybe a bias ``add``
   (a float32 constant per column) and the epilogue above (relu, quantize).
 
+* **Order-keeping ops between equal quantizations** (QDQ models put a DequantizeLinear /
+  QuantizeLinear pair around every op): ``quantize(op(dequantize(q)))`` with one int type,
+  scale and zero point on both sides, ``op`` a max pool or a reshape (:data:`ORDER_KEEPING`),
+  is ``op(q)`` exactly (dequantizing is increasing, and ``round((k s) / s) == k`` in float32 for
+  an int8 / uint8 ``k`` and a normal scale ``s``), as onnxruntime runs MaxPool on int8 maps.
+
 A match becomes the fused op where ``fusible(op, ops)`` says so (a device with int8 kernels:
 see :mod:`polyhal.passes.fusion`).
 """
@@ -44,6 +50,14 @@ from polyhal.passes.fusion import Fusible, always, drop_unused_constants, in_pro
 __all__ = ["fuse_quantized", "int8_weights"]
 
 _F32, _I8, _I32 = np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.int32)
+
+
+#: Ops that commute with a dequantization (an increasing map of each element) and whose
+#: requantization with the same parameters gives the integers back: run on the integers.
+ORDER_KEEPING = frozenset({"max_pool", "reshape"})
+#: The scales for which ``round((k * scale) / scale) == k`` in float32 for every |k| <= 255 (no
+#: overflow, no subnormal product).
+_SCALES = (1e-30, 1e30)
 
 
 #: The largest weight a quantizer makes, tried in turn: 127 (symmetric int8), 64 (onnxruntime's
@@ -97,6 +111,7 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         data.flags.writeable = False
         v = Value(TensorType(data.shape, data.dtype), f"{like.name}_{name}", like.program_id)
         new_constants.append((v, data))
+        constants[v.id] = data
         return v
 
     def dequantized(v: Value):
@@ -303,8 +318,26 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
                                          constant(bias, b, "bias"), *out],
              result, {"activation": activation, "alpha": 0.0, "beta": 0.0})
 
+    def requantized_as_is(op: Op) -> None:
+        """An op of :data:`ORDER_KEEPING` between a dequantize and a quantize of the same int
+        type, scale and zero point: the op on the integers (see the module docstring)."""
+        found = dequantized(op.inputs[0])
+        after = quantizer(op.outputs[0]) if found is not None else None
+        if after is None:
+            return
+        q, xs, xz, chain = found
+        y, ys, yz, ops = after
+        scale = float(constants[xs.id])
+        if (q.type.dtype != y.type.dtype or scale != float(constants[ys.id]) or constants[xz.id] != constants[yz.id]
+                or not _SCALES[0] < scale < _SCALES[1]):
+            return
+        take(chain + [op] + ops, op.name, [q], y, dict(op.attrs))
+
     for op in program.ops:
         if op.kind != "dispatch" or id(op) in removed:
+            continue
+        if op.name in ORDER_KEEPING and len(op.inputs) == 1:
+            requantized_as_is(op)
             continue
         if op.name == "conv" and len(op.inputs) >= 2:
             found = dequantized(op.inputs[0])
