@@ -78,6 +78,40 @@ def test_quantized_models_match_onnxruntime(families, name, batch):
     _compare(model, feeds(batch))
 
 
+@pytest.mark.parametrize("name", ["MLP int8 dynamic (MatMulInteger)", "MLP int8 DynamicQuantizeMatMul"])
+def test_dynamic_int8_layers_are_one_quantize_and_one_int8_matmul_each_and_exact(families, name):
+    # Each layer: dynamic_quantize, then one quantized_matmul taking a's run-time scale and the
+    # weights' scale (multiplied in float32 first, as the model's Mul does), the bias and the relu.
+    # Its outputs, read before the softmax, equal the unoptimized graph's bit for bit (onnx's
+    # reference evaluator too, where it knows the ops).
+    from onnx.reference import ReferenceEvaluator
+
+    from bench.models import fix_dims
+
+    model = onnx.ModelProto.FromString(families[name][0].SerializeToString())
+    fix_dims(model, {"batch": 64})
+    del model.graph.output[:]
+    model.graph.output.extend(helper.make_tensor_value_info(n, T.FLOAT, None) for n in ("r0", "r1", "g2"))
+    plan = ponnx.load(model).compile("cpu:0")
+    text = plan.explain()
+    assert text.startswith("plan @mlp: 6 dispatches"), text.splitlines()[0]
+    fused = [line.split(": ")[1].split(" -> ")[0].split(" + ") for line in text.splitlines()
+             if "-> quantized_matmul" in line]
+    assert len(fused) == 3 and all(ops.count("mul") == 2 and "add" in ops for ops in fused), fused
+    assert [ops[-1] for ops in fused] == ["relu", "relu", "add"], fused
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    reference = ReferenceEvaluator(model) if "MatMulInteger" in name else None
+    rng = np.random.default_rng(6)
+    for x in (rng.standard_normal((64, 32)) * 3, rng.uniform(0, 1, (64, 32))):
+        feeds = {"x": x.astype(np.float32)}
+        got = ponnx.load(model).run(feeds, "cpu:0")
+        for want in [session.run(None, feeds)] + ([reference.run(None, feeds)] if reference else []):
+            for n, w in zip(("r0", "r1", "g2"), want):
+                np.testing.assert_array_equal(got[n], w, err_msg=n)
+
+
 def test_the_quantizer_writes_the_contrib_ops_these_tests_cover(families):
     used = {n.op_type for m, _ in families.values() for n in m.graph.node if n.domain == MS}
     assert used == QOPS  # a new onnxruntime emitting others shows here

@@ -230,6 +230,37 @@ def test_dynamic_quantize_linear_is_one_op_where_a_kernel_runs_it_and_exact_ever
     assert (f"dynamic_quantize -> {device}" in plan.explain()) == (device == "cpu:0")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qtype", [TensorProto.INT8, TensorProto.UINT8])
+@pytest.mark.parametrize("same", [True, False])
+def test_a_max_pool_or_reshape_between_equal_quantizations_runs_on_the_integers_exactly(device, qtype, same):
+    # x -> Q -> DQ -> MaxPool -> Q -> DQ -> Reshape -> Q -> DQ (a QDQ model's form): with the
+    # same scale and zero point around them, the pool and the reshape run on the int8 / uint8
+    # map (polyhal.passes.fuse_quantized); with another scale after the pool, as float ops. Both
+    # exactly onnx's reference.
+    dtype = helper.tensor_dtype_to_np_dtype(qtype)
+    zp = np.array(-3 if dtype == np.int8 else 130, dtype)
+    inits = [numpy_helper.from_array(np.array(0.037, np.float32), "s"),
+             numpy_helper.from_array(np.array(0.037 if same else 0.05, np.float32), "s2"),
+             numpy_helper.from_array(zp, "z"), numpy_helper.from_array(np.array([2, -1], np.int64), "shape")]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["q0"]),
+             helper.make_node("DequantizeLinear", ["q0", "s", "z"], ["d0"]),
+             helper.make_node("MaxPool", ["d0"], ["p"], kernel_shape=[2, 2], strides=[2, 2]),
+             helper.make_node("QuantizeLinear", ["p", "s2", "z"], ["q1"]),
+             helper.make_node("DequantizeLinear", ["q1", "s2", "z"], ["d1"]),
+             helper.make_node("Reshape", ["d1", "shape"], ["r"]),
+             helper.make_node("QuantizeLinear", ["r", "s2", "z"], ["q2"]),
+             helper.make_node("DequantizeLinear", ["q2", "s2", "z"], ["y"])]
+    model = _model(nodes, [helper.make_tensor_value_info("x", F, [2, 3, 8, 10])],
+                   [helper.make_tensor_value_info("y", F, None)], inits, opset=19)
+    x = (np.random.default_rng(4).standard_normal((2, 3, 8, 10)) * 3).astype(np.float32)
+    program = ponnx.load(model)
+    plan = program.compile(device)
+    fused = [line.split(" -> ")[1].split()[0] for line in plan.explain().splitlines() if "fused quantized:" in line]
+    assert fused == (["max_pool", "reshape"] if same else ["reshape"])
+    _same(program.execute(plan, {"x": x})["y"], ReferenceEvaluator(model).run(None, {"x": x})[0])
+
+
 def test_onnxruntime_quantized_models_run(tmp_path):
     ort = pytest.importorskip("onnxruntime")
     q = pytest.importorskip("onnxruntime.quantization")

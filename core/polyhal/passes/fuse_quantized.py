@@ -19,7 +19,17 @@ use:
   ``relu``, then maybe a quantize (int8 / uint8 result), else the float result.
 * **MatMulInteger rescaled** (onnxruntime's dynamic quantization): ``cast(matmul(sub(cast(a),
   cast(a_zero_point)), b) -> float32) * scale``, b an int32 constant within int8's range: a
-  ``quantized_matmul`` with a float32 result (scale one per tensor, or one per column).
+  ``quantized_matmul`` with a float32 result (scale one per tensor, or one per column). Where
+  the scale is ``a_scale * b_scale``, a run-time scalar (DynamicQuantizeLinear's) times constant
+  weight scales, the product goes in as the contraction's two scales (its kernels multiply them
+  in float32 before scaling the int32 sums, the model's order); then maybe a bias ``add``
+  (a float32 constant per column) and the epilogue above (relu, quantize).
+
+* **Order-keeping ops between equal quantizations** (QDQ models put a DequantizeLinear /
+  QuantizeLinear pair around every op): ``quantize(op(dequantize(q)))`` with one int type,
+  scale and zero point on both sides, ``op`` a max pool or a reshape (:data:`ORDER_KEEPING`),
+  is ``op(q)`` exactly (dequantizing is increasing, and ``round((k s) / s) == k`` in float32 for
+  an int8 / uint8 ``k`` and a normal scale ``s``), as onnxruntime runs MaxPool on int8 maps.
 
 A match becomes the fused op where ``fusible(op, ops)`` says so (a device with int8 kernels:
 see :mod:`polyhal.passes.fusion`).
@@ -40,6 +50,14 @@ from polyhal.passes.fusion import Fusible, always, drop_unused_constants, in_pro
 __all__ = ["fuse_quantized", "int8_weights"]
 
 _F32, _I8, _I32 = np.dtype(np.float32), np.dtype(np.int8), np.dtype(np.int32)
+
+
+#: Ops that commute with a dequantization (an increasing map of each element) and whose
+#: requantization with the same parameters gives the integers back: run on the integers.
+ORDER_KEEPING = frozenset({"max_pool", "reshape"})
+#: The scales for which ``round((k * scale) / scale) == k`` in float32 for every |k| <= 255 (no
+#: overflow, no subnormal product).
+_SCALES = (1e-30, 1e30)
 
 
 #: The largest weight a quantizer makes, tried in turn: 127 (symmetric int8), 64 (onnxruntime's
@@ -93,6 +111,7 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         data.flags.writeable = False
         v = Value(TensorType(data.shape, data.dtype), f"{like.name}_{name}", like.program_id)
         new_constants.append((v, data))
+        constants[v.id] = data
         return v
 
     def dequantized(v: Value):
@@ -193,6 +212,19 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         replaced[id(last)] = (ordered, (fused,))
         removed.update(gone - {id(last)})
 
+    def bias_after(y: Value, n: int, chain: list[Op]) -> tuple[np.ndarray, Value]:
+        """(bias, the biased result) where ``y``'s only use adds a float32 constant of n values
+        along its last dim (appended to ``chain``), else (zeros, ``y``)."""
+        add = only_user(y, "add")
+        if add is not None:
+            other = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
+            data = constants.get(other.id)
+            if (data is not None and data.dtype == _F32 and data.shape in ((n,), (1, n))
+                    and add.outputs[0].type == y.type):
+                chain.append(add)
+                return data.reshape(-1), add.outputs[0]
+        return np.zeros(n, _F32), y
+
     def float_matmul(op: Op) -> None:
         """A QDQ matmul / gemm (see the module docstring)."""
         found = dequantized(op.inputs[0])
@@ -216,15 +248,8 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
         q, xs, xz, chain = found
         chain = chain + [op]
         y = op.outputs[0]
-        add = only_user(y, "add") if bias is None else None
-        if add is not None:
-            other = add.inputs[1] if add.inputs[0] is y else add.inputs[0]
-            data = constants.get(other.id)
-            if data is not None and data.dtype == _F32 and data.shape in ((w.shape[1],), (1, w.shape[1])):
-                bias, y = data.reshape(-1), add.outputs[0]
-                chain.append(add)
         if bias is None:
-            bias = np.zeros(w.shape[1], _F32)
+            bias, y = bias_after(y, w.shape[1], chain)
         activation, result, out = epilogue(y, chain)
         take(chain, "quantized_matmul", [q, xs, xz, constant(weights[0], op.inputs[1], "int8"),
                                          constant(weights[1], op.inputs[1], "scale"),
@@ -272,14 +297,47 @@ def fuse_quantized(program: Program, fusible: Fusible = always) -> tuple[Program
             return
         chain += [to_float, mul]
         one = constant(np.ones((), _F32), q, "unit_scale")
-        per_column = scale.type.shape == (n,)
-        take(chain, "quantized_matmul", [q, one if per_column else scale, zero_point,
-                                         constant(data.astype(_I8), b, "int8"), scale if per_column else one,
-                                         constant(np.zeros(n, _F32), b, "bias")],
-             mul.outputs[0], {"activation": "none", "alpha": 0.0, "beta": 0.0})
+        a_scale, b_scale = (one, scale) if scale.type.shape == (n,) else (scale, one)
+        product = made_by(scale, "mul")
+        if product is not None and uses[scale.id] == 1 and scale.id not in outputs:
+            # a's run-time scale times b's constant one(s), as onnxruntime's dynamic quantizer
+            # writes them: the contraction's own two scales (its kernels multiply them in float32
+            # first, the rounding of this product).
+            sa, sb = product.inputs
+            if sa.id in constants:
+                sa, sb = sb, sa
+            data_b = constants.get(sb.id)
+            if (sa.id not in constants and sa.type.dtype == _F32 and sa.type.shape in ((), (1,))
+                    and data_b is not None and data_b.dtype == _F32 and data_b.shape in ((), (1,), (n,))):
+                chain.insert(0, product)
+                a_scale = sa
+                b_scale = constant(data_b.reshape(()) if data_b.size == 1 else data_b.reshape(n), b, "scale")
+        bias, y = bias_after(mul.outputs[0], n, chain)
+        activation, result, out = epilogue(y, chain)
+        take(chain, "quantized_matmul", [q, a_scale, zero_point, constant(data.astype(_I8), b, "int8"), b_scale,
+                                         constant(bias, b, "bias"), *out],
+             result, {"activation": activation, "alpha": 0.0, "beta": 0.0})
+
+    def requantized_as_is(op: Op) -> None:
+        """An op of :data:`ORDER_KEEPING` between a dequantize and a quantize of the same int
+        type, scale and zero point: the op on the integers (see the module docstring)."""
+        found = dequantized(op.inputs[0])
+        after = quantizer(op.outputs[0]) if found is not None else None
+        if after is None:
+            return
+        q, xs, xz, chain = found
+        y, ys, yz, ops = after
+        scale = float(constants[xs.id])
+        if (q.type.dtype != y.type.dtype or scale != float(constants[ys.id]) or constants[xz.id] != constants[yz.id]
+                or not _SCALES[0] < scale < _SCALES[1]):
+            return
+        take(chain + [op] + ops, op.name, [q], y, dict(op.attrs))
 
     for op in program.ops:
         if op.kind != "dispatch" or id(op) in removed:
+            continue
+        if op.name in ORDER_KEEPING and len(op.inputs) == 1:
+            requantized_as_is(op)
             continue
         if op.name == "conv" and len(op.inputs) >= 2:
             found = dequantized(op.inputs[0])

@@ -369,7 +369,7 @@ DEFAULT_PIPELINE = Pipeline([
     # Quantized contractions first: they take the matmuls, bias adds and convs of the QDQ
     # patterns that the float fusions below would take.
     fusion_pass("fuse-quantized", fuse_quantized, provides="quantized-fused",
-                creates=("quantized_conv", "quantized_matmul")),
+                creates=("quantized_conv", "quantized_matmul", "max_pool", "reshape")),
     fusion_pass("fold-constant-transposes", fold_constant_transposes, gated=False, provides="constant-views",
                 requires=("quantized-fused",), creates=("transpose",)),
     # Attention first: it takes the matmuls (and scalings) that linear would fuse or move.

@@ -379,13 +379,22 @@ def _dynamic_quantize(device, op: str, attrs: dict, ins: Types, outs: Types, scr
     zero, top = np.float32(0), np.float32(255)
     parameters = dynamic_quantize_parameters
     divide, rint, add, minimum, maximum, copyto = np.divide, np.rint, np.add, np.minimum, np.maximum, np.copyto
+    least, greatest = np.minimum.reduce, np.maximum.reduce  # ndarray.min / max wrap these (~0.3 us each)
 
     def kernel(x, y, scale, zero_point):
         flat, out = x.reshape(-1), y.reshape(-1)
-        s, zp = parameters(flat.min(), flat.max()) if n else (zero, zero)
+        s, zp = parameters(least(flat), greatest(flat)) if n else (zero, zero)
         scale[...], zero_point[...] = s, zp
         if not s > 0:  # zeros (or nan): every element is the zero point, 0
             out[...] = 0
+            return
+        if n <= piece:  # one piece, no slices: 10.0 -> 9.1 us for 64 x 64 (the dynamic MLP's)
+            divide(flat, s, out=work)
+            rint(work, out=work)
+            add(work, zp, out=work)
+            minimum(work, top, out=work)
+            maximum(work, zero, out=work)
+            copyto(out, work, casting="unsafe")
             return
         for start in range(0, n, piece):
             stop = min(n, start + piece)

@@ -934,13 +934,16 @@ def pool2d(x, out, inv, phases, columns, kh, kw, sh, sw, ph, pw, dh, dw, is_max)
     read is not vectorised: ResNet's 3x3 stride-2 pool went 1018 -> 525 us single-threaded).
     ``phases``: scratch of sw * H * ceil(W / sw) floats where sw > 1 (else unused); ``columns``: the
     kernel columns' :func:`polyhal_cpu.native.column_table`. The commonest windows take loops of
-    their own (see ``_avg_pool_2x2`` and ``_max_pool_3x3``)."""
+    their own (see ``_avg_pool_2x2``, ``_max_pool_2x2`` and ``_max_pool_3x3``)."""
     rows, height, width = x.shape
     oh, ow = out.shape[1], out.shape[2]
     xf, of, vf = x.reshape(-1), out.reshape(-1), inv.reshape(-1)
     plain = dh == 1 and dw == 1 and sh == 2 and sw == 2
     if plain and not is_max and kh == 2 and kw == 2 and ph == 0 and pw == 0 and 2 * oh <= height and 2 * ow <= width:
         _avg_pool_2x2(xf, of, vf, rows, height, width, oh, ow)
+        return
+    if plain and is_max and kh == 2 and kw == 2 and ph == 0 and pw == 0 and 2 * oh <= height and 2 * ow <= width:
+        _max_pool_2x2(xf, of, rows, height, width, oh, ow)
         return
     if (plain and is_max and kh == 3 and kw == 3 and 0 <= ph <= 1 and 0 <= pw <= 1 and 2 * (oh - 1) - ph < height
             and phases.shape[0] >= width + 6):
@@ -1009,6 +1012,23 @@ def _nan_max(v, d):
     tests was not)."""
     m = v if v > d else d
     return v + d if v != v else m
+
+
+@_jit
+def _max_pool_2x2(xf, of, rows, height, width, oh, ow):
+    """A 2x2 stride-2 max pool without padding whose windows all lie on the (R, H, W) input, as
+    ``_avg_pool_2x2`` reads it (one pass per output row over two input rows); taps in the
+    general loop's order, so ties and nan come out the same. The CNN QDQ bench's 8 x 16 x 8 x 8
+    pool took 19.7 us in the general loop (column phases first) against 5.4 us for the average."""
+    for r in range(rows):
+        for yo in range(oh):
+            a0 = (r * height + 2 * yo) * width
+            a = xf[a0:a0 + width]
+            b = xf[a0 + width:a0 + 2 * width]
+            o0 = (r * oh + yo) * ow
+            row = of[o0:o0 + ow]
+            for t in range(ow):
+                row[t] = _nan_max(b[2 * t + 1], _nan_max(b[2 * t], _nan_max(a[2 * t + 1], a[2 * t])))
 
 
 @_jit

@@ -545,7 +545,9 @@ def test_max_pool_keeps_nan(strides):
     np.testing.assert_allclose(out[~np.isnan(out)], want[~np.isnan(want)])
 
 
-POOL_CASES = [  # the 3x3 stride-2 max and 2x2 stride-2 average loops of their own, and the general one
+POOL_CASES = [  # the 3x3 stride-2 max and 2x2 stride-2 max and average loops of their own, and the general one
+    ("max_pool", (2, 5, 9, 11), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 0}),
+    ("max_pool", (1, 5, 9, 11), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
     ("max_pool", (2, 3, 13, 11), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 0}),
     ("max_pool", (1, 4, 12, 13), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1}),
     ("max_pool", (1, 4, 10, 13), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [0, 0, 0, 0], "ceil_mode": 1}),
