@@ -287,3 +287,25 @@ def test_two_plans_of_one_primitive_run_at_once_on_two_threads():
     for t in threads:
         t.join()
     assert not wrong
+
+
+def test_few_row_products_and_small_softmaxes_load_no_library():
+    # The mlp example at batch 1: its gemms are refused by their shapes alone and its softmax
+    # (16 elements) stays on the loop, so the first session loads no oneDNN; the reason is kept.
+    mlp = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "mlp.onnx")
+    out = _child(f"""
+import json, numpy as np, polyhal, polyhal.onnx
+from polyhal_cpu import onednn, onednn_kernels
+session = polyhal.InferenceSession({mlp!r}, "cpu:0")
+(y,) = session.run(None, {{"x": np.ones((1, 256), np.float32)}})
+print(json.dumps({{"loaded": onednn._load.cache_info().currsize, "sum": float(y.sum()),
+                  "why": sorted({{why.split(":")[0] for why in onednn_kernels.refusals().values()}})}}))
+""", POLYHAL_CPU_AOT_WAIT="1")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == 0 and got["why"] and set(got["why"]) <= {"gemm", "fused_linear"}, got
+    assert abs(got["sum"] - 1.0) < 1e-5  # a softmax's row
+    t, w = TensorType((3, 64), np.float32), TensorType((64, 32), np.float32)
+    assert onednn_kernels.matmul_plan("matmul", {}, (t, w), (TensorType((3, 32), np.float32),)) is None
+    why = onednn_kernels.refusals()[onednn_kernels._key("matmul", {}, (t, w), (TensorType((3, 32), np.float32),))]
+    assert "3 row(s) against 64 x 32 weights" in why
