@@ -18,9 +18,10 @@ once per matrix, through numpy's loop, for products as small as an attention hea
 strides (a head of a (seq, heads * d) projection is a (seq, d) matrix with a leading dimension
 of heads * d) and a transpose flag, so neither the heads nor k's transpose need copying first.
 
-OpenBLAS (0.3.29 and later, which numpy's wheels bundle) exports it; the process's mappings say
-which library numpy loaded and where (threadpoolctl where they do not). :func:`batched_matmul` is ``None`` where there is no such
-library or symbol (numpy on Accelerate or MKL, an older OpenBLAS), and callers keep to numpy.
+OpenBLAS (0.3.29 and later, which numpy's wheels bundle) exports it; :func:`numpy_openblas`
+finds the library numpy loaded (threadpoolctl where it cannot). :func:`batched_matmul` is
+``None`` where there is no such library or symbol (numpy on Accelerate or MKL, an older
+OpenBLAS), and callers keep to numpy.
 
 Only products of more than :data:`MIN_MACS` multiply-adds per matrix go this way: OpenBLAS
 routes smaller ones (m * n * k <= 100**3) to its small-matrix kernels, and in the batched call
@@ -66,26 +67,30 @@ _numpy_libs: list[str] | None = None
 
 
 def numpy_openblas() -> list[str]:
-    """Paths of the OpenBLAS that numpy itself loaded (a library from numpy's folder or the
-    wheel's ``numpy.libs`` beside it), read from ``/proc/self/maps``; empty where there is none
-    or the process's mappings cannot be read (another OS, numpy on MKL or Accelerate), and
-    callers ask threadpoolctl. Found once: ~0.1 ms, where threadpoolctl's import and scan of every
-    loaded library took ~3 ms of a process's first session."""
+    """Paths of the OpenBLAS that numpy itself loaded: one its wheel bundles (``numpy.libs`` beside
+    the package, ``numpy/.libs``, ``numpy/.dylibs``) that the dynamic loader says is loaded
+    (``RTLD_NOLOAD``); empty where there is none (numpy on MKL or Accelerate, a system numpy,
+    Windows), and callers ask threadpoolctl. Found once: ~0.1 ms, where threadpoolctl's import
+    and scan of every loaded library took ~3 ms of a process's first session."""
     global _numpy_libs
     if _numpy_libs is None:
-        site = os.path.dirname(os.path.dirname(np.__file__))
-        homes = (os.path.join(site, "numpy") + os.sep, os.path.join(site, "numpy.libs") + os.sep)
         found: list[str] = []
-        try:
-            with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-                for line in maps:
-                    path = line.rstrip("\n").partition("/")[2]
-                    path = "/" + path if path else ""
-                    if ("openblas" in os.path.basename(path).lower() and path.startswith(homes)
-                            and path not in found):
-                        found.append(path)
-        except OSError:
-            pass
+        noload = getattr(os, "RTLD_NOLOAD", None)
+        package = os.path.dirname(np.__file__)
+        for folder in (package + ".libs", os.path.join(package, ".libs"), os.path.join(package, ".dylibs")):
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                continue
+            for name in names:
+                if noload is None or "openblas" not in name.lower():
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    ctypes.CDLL(path, mode=noload | getattr(os, "RTLD_LOCAL", 0))  # fails unless loaded
+                except OSError:
+                    continue
+                found.append(path)
         _numpy_libs = found
     return _numpy_libs
 
