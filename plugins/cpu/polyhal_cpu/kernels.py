@@ -38,14 +38,10 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
 from polyhal.ops.quantized import dynamic_quantize_parameters
-from polyhal_cpu import blas, native, onednn_kernels, onednn_normalization
+from polyhal_cpu import blas, encoding, native, onednn_kernels, onednn_normalization  # noqa: F401 (encoding: pack)
 from polyhal_cpu import queue_layout as layout
-# The other kernel modules register the rest of the op set in TABLE when imported.
-from polyhal_cpu import (  # noqa: F401
-    conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels, onednn_int8,
-    recurrent_kernels, text_kernels, vision_kernels,
-)
 from polyhal_cpu.blas import blas_layout
+from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.parallel import GemmSplit, blocks, float_bits, gemm_fn, parallel, run_gemms, threads
 from polyhal_cpu.parallel import run as run_pieces
 from polyhal_cpu.scratch import array as scratch_array
@@ -934,6 +930,30 @@ def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         np.copyto(values, np.take_along_axis(x, indices, axis=axis))
     return kernel
 
+
+#: The other kernel modules and the ops whose kernels each registers in :data:`TABLE`: each is
+#: imported at the first question about one of its ops (``KernelTable.register_lazily``), so that
+#: a session imports the kernel modules its program uses -- all of them were ~4 ms of CPU of a
+#: process's first session (conv_kernels alone 1.5 ms), most of them for ops it did not have.
+LAZY_MODULES: dict[str, tuple[str, ...]] = {
+    "conv_kernels": ("avg_pool", "conv", "conv_transpose", BLOCKED_CONV, SCALE_SHIFT_CONV, "fused_conv",
+                     "lp_pool", "max_pool"),
+    "detection": ("non_max_suppression",),
+    "indexing_kernels": ("argmin", "cumprod", "cumsum", "einsum", "expand", "gather_elements", "gather_nd", "pad",
+                         "reduce_prod", "scatter_elements", "scatter_nd"),
+    "math_kernels": ("acos", "acosh", "asin", "asinh", "atan", "atanh", "bit_shift", "bitcast", "bitwise_and",
+                     "bitwise_not", "bitwise_or", "bitwise_xor", "ceil", "cos", "cosh", "det", "floor", "identity",
+                     "isinf", "isnan", "logical_and", "logical_not", "logical_or", "logical_xor", "mod",
+                     "reciprocal", "round", "sign", "sin", "sinh", "tan"),
+    "ml_kernels": ("pairwise_coupling", "tree_ensemble"),
+    "nn_kernels": ("attention", "fused_linear", "linear", "masked_attention", "scale_shift"),
+    "onednn_int8": ("quantized_conv", "quantized_matmul"),
+    "recurrent_kernels": ("gru", "lstm", "rnn"),
+    "text_kernels": ("tfidf_vectorizer",),
+    "vision_kernels": ("grid_sample", "roi_align"),
+}
+for _module, _names in LAZY_MODULES.items():
+    TABLE.register_lazily(f"polyhal_cpu.{_module}", _names)
 
 #: Every op this backend implements.
 KERNEL_NAMES: frozenset[str] = TABLE.kernel_names

@@ -16,6 +16,7 @@ may use, cut while other processes keep them busy (``POLYHAL_CPU_THREADS`` overr
 from __future__ import annotations
 
 import os
+import sys
 
 import polyhal
 from polyhal.hal.records import DeviceSpec
@@ -77,6 +78,18 @@ def register_passes():
     :mod:`polyhal_cpu.onednn_int8`)."""
     # Imported here, at the first compile: fusion passes build on the compiler, which listing
     # devices (`polyhal devices`) does not load.
-    from polyhal_cpu import fusions, onednn_int8, onednn_kernels
+    from polyhal import Pass, PassRegistration
+    from polyhal_cpu import fusions, onednn_kernels
 
-    return fusions.registrations() + onednn_kernels.registrations() + onednn_int8.registrations()
+    int8 = PassRegistration(Pass("cpu-onednn-int8-report", _int8_report, requires=("buffers-planned",),
+                                 provides=("cpu-onednn-int8-reported",)), after="bufferize")
+    return fusions.registrations() + onednn_kernels.registrations() + [int8]
+
+
+def _int8_report(compilation, target) -> None:
+    """Explain's account of oneDNN's int8 primitives (:func:`polyhal_cpu.onednn_int8.report`),
+    where a quantized contraction was planned: bufferize, before, asked every dispatch's scratch,
+    which imports the module of its kernel; a program without one imports nothing for it."""
+    module = sys.modules.get("polyhal_cpu.onednn_int8")
+    if module is not None:
+        module.report(compilation, target)
