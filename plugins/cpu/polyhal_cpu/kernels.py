@@ -38,7 +38,7 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
 from polyhal.ops.quantized import dynamic_quantize_parameters
-from polyhal_cpu import blas, encoding, native, onednn_kernels, onednn_normalization  # noqa: F401 (encoding: pack)
+from polyhal_cpu import blas, encoding, native  # noqa: F401 (encoding: pack)
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
@@ -420,6 +420,9 @@ def _cast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
 
 def _matmul_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
     """The oneDNN matmul's scratch where it serves the instance (the CPU's own GEMMs have none)."""
+    # Imported on first use, as onednn_normalization: a program without matmuls, softmaxes or layer
+    # norms imports neither (~2 ms of a process's first session).
+    from polyhal_cpu import onednn_kernels
     return onednn_kernels.matmul_scratch(op, attrs, ins, outs) or ()
 
 
@@ -427,6 +430,7 @@ def _matmul_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
 def _matmul_family(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     """A oneDNN matmul primitive where the library serves the instance, else the CPU's own GEMMs."""
     own = _matmul if op == "matmul" else _gemm
+    from polyhal_cpu import onednn_kernels
     return onednn_kernels.matmul(op, attrs, ins, outs, scratch) or own(device, op, attrs, ins, outs, scratch)
 
 
@@ -598,12 +602,14 @@ _BLAS_ROW_SUM = 4096
 
 def _rowwise_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
     """A oneDNN layer norm's or softmax's scratchpad where the library serves the instance."""
+    from polyhal_cpu import onednn_normalization
     return onednn_normalization.scratch(op, attrs, ins, outs) or ()
 
 
 def _softmax_factor(attrs: dict, ins: Types) -> float:
     """Softmaxes cut into blocks of rows on the pool, unless a oneDNN primitive (threaded by
     OpenMP) runs the whole."""
+    from polyhal_cpu import onednn_normalization
     return math.inf if onednn_normalization.plan("softmax", attrs, ins, ins[:1]) is not None else 2
 
 
@@ -611,6 +617,7 @@ def _softmax_factor(attrs: dict, ins: Types) -> float:
 @parallel(lambda attrs, ins: (int(attrs["axis"]),), factor=_softmax_factor)  # rows on several cores
 @float16_via_float32
 def _softmax(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    from polyhal_cpu import onednn_normalization
     primitive = onednn_normalization.softmax(attrs, ins, outs, scratch)
     if primitive is not None:
         return primitive
@@ -684,6 +691,7 @@ LAYER_NORM_PIECE = 1 << 17
 def _layer_norm_factor(attrs: dict, ins: Types) -> float:
     """float32 layer norms cut themselves (pieces on the GEMM queue, below); others through
     :func:`parallel`."""
+    from polyhal_cpu import onednn_normalization
     if onednn_normalization.plan("layer_norm", attrs, ins, ins[:1]) is not None:
         return math.inf  # a oneDNN primitive, threaded by OpenMP, runs the whole
     return math.inf if native.available(ins[0].dtype) and ins[0].dtype == np.float32 else 1
@@ -694,6 +702,7 @@ def _layer_norm_factor(attrs: dict, ins: Types) -> float:
           lambda attrs, ins: (True, False, False), factor=_layer_norm_factor)  # scale and bias are whole
 @float16_via_float32
 def _layer_norm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    from polyhal_cpu import onednn_normalization
     primitive = onednn_normalization.layer_norm(attrs, ins, outs, scratch)
     if primitive is not None:
         return primitive

@@ -700,11 +700,3 @@ def report(compilation, target) -> None:
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
                              "run as oneDNN primitives")
     note_own_kernels(compilation, own, "own kernel")
-
-
-def registrations():
-    """The CPU's explain pass for oneDNN, after ``bufferize`` (which planned every primitive)."""
-    from polyhal import Pass, PassRegistration
-
-    return [PassRegistration(Pass("cpu-onednn-report", report, requires=("buffers-planned",),
-                                  provides=("cpu-onednn-reported",)), after="bufferize")]

@@ -79,17 +79,24 @@ def register_passes():
     # Imported here, at the first compile: fusion passes build on the compiler, which listing
     # devices (`polyhal devices`) does not load.
     from polyhal import Pass, PassRegistration
-    from polyhal_cpu import fusions, onednn_kernels
+    from polyhal_cpu import fusions
 
-    int8 = PassRegistration(Pass("cpu-onednn-int8-report", _int8_report, requires=("buffers-planned",),
-                                 provides=("cpu-onednn-int8-reported",)), after="bufferize")
-    return fusions.registrations() + onednn_kernels.registrations() + [int8]
+    reports = [PassRegistration(Pass(f"cpu-{name}-report", _report_where_imported(f"polyhal_cpu.{module}"),
+                                     requires=("buffers-planned",), provides=(f"cpu-{name}-reported",)),
+                                after="bufferize")
+               for name, module in (("onednn", "onednn_kernels"), ("onednn-int8", "onednn_int8"))]
+    return fusions.registrations() + reports
 
 
-def _int8_report(compilation, target) -> None:
-    """Explain's account of oneDNN's int8 primitives (:func:`polyhal_cpu.onednn_int8.report`),
-    where a quantized contraction was planned: bufferize, before, asked every dispatch's scratch,
-    which imports the module of its kernel; a program without one imports nothing for it."""
-    module = sys.modules.get("polyhal_cpu.onednn_int8")
-    if module is not None:
-        module.report(compilation, target)
+def _report_where_imported(module: str):
+    """The pass that runs ``module``'s explain report (``report(compilation, target)``: which
+    convs and matmuls oneDNN runs, :mod:`polyhal_cpu.onednn_kernels`; which quantized contractions,
+    :mod:`polyhal_cpu.onednn_int8`) where the module was imported: bufferize, before it, asked every
+    dispatch's scratch, which imports the modules of the kernels it has; a program without such a
+    dispatch imports nothing for the report."""
+    def report(compilation, target) -> None:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            loaded.report(compilation, target)
+    report.__qualname__ = f"report[{module}]"
+    return report
