@@ -678,8 +678,10 @@ def report(compilation, target) -> None:
         return
     settings = CPUSettings.from_env()
     # Where every instance was refused by its shape, the library was never loaded: nor is it to
-    # say so (its version).
-    version, why = onednn.status() if onednn.asked() or not settings.onednn else ("oneDNN (not loaded)", "")
+    # say so (its version). A library that is missing loads nothing to say why.
+    path = onednn.library_path()
+    unloaded = settings.onednn and not onednn.asked() and path is not None and path.exists()
+    version, why = ("oneDNN (not loaded)", "") if unloaded else onednn.status()
     if version is None:
         compilation.notes.append(f"oneDNN unusable ({why}): the CPU's own kernels run all {len(ours)} conv/matmul "
                                  "dispatches")
