@@ -15,8 +15,9 @@ compiled loop (depthwise convolution, im2col, epilogue, pooling), a row-wise num
 cut into pieces that the calling thread and budget - 1 pool threads take from one counter. BLAS
 itself is pinned to one thread (numpy's OpenBLAS through its own setter, others through
 threadpoolctl) and each GEMM piece is one single-threaded sgemm; the numba loops are serial
-(no ``prange``), so numba's own pool never starts on polyhal's behalf, and ``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports numba (unless the
-user set it), so that one started by other code stays within it too.
+(no ``prange``), so numba's own pool never starts on polyhal's behalf, and
+``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports numba (unless the user set
+it), so that one started by other code stays within it too.
 
 **Why not BLAS's threads.** A threaded OpenBLAS GEMM splits the product between its threads,
 which wait on each other's progress (busy-waiting, in its ``level3_thread.c``) several times

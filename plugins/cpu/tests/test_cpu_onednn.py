@@ -311,7 +311,8 @@ print(json.dumps({{"loaded": onednn._load.cache_info().currsize, "sum": float(y.
     # Without the library, explain says why it is unusable, as before.
     out = _child(code, POLYHAL_CPU_AOT_WAIT="1", POLYHAL_CPU_ONEDNN_LIBRARY="/nonexistent/libdnnl.so.3")
     assert out.returncode == 0, out.stderr
-    assert "oneDNN unusable (/nonexistent/libdnnl.so.3 does not exist" in json.loads(out.stdout.splitlines()[-1])["explain"]
+    explain = json.loads(out.stdout.splitlines()[-1])["explain"]
+    assert "oneDNN unusable (/nonexistent/libdnnl.so.3 does not exist" in explain
     t, w = TensorType((3, 64), np.float32), TensorType((64, 32), np.float32)
     assert onednn_kernels.matmul_plan("matmul", {}, (t, w), (TensorType((3, 32), np.float32),)) is None
     why = onednn_kernels.refusals()[onednn_kernels._key("matmul", {}, (t, w), (TensorType((3, 32), np.float32),))]
