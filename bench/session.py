@@ -26,10 +26,18 @@ POLYHAL_SESSION_CACHE): 0.1-0.5x. Before (the same VM, 2026-12-07) the first-pro
 27-48x (2-core AMD EPYC VM): every installed backend plugin was imported with the registry (backends now load on
 demand: docs/architecture.md, "Plugins load on demand"), ONNX's checker set up its op schemas in
 each process (50-100 ms; now read back from the checked-model cache), and the CPU's prologue
-fusion loaded oneDNN for models without a conv. What is left of a first compile (CPU time):
-importing the CPU plugin (9-11 ms, spread over its modules), the registry (~5 ms: the
-entry-point scan, the built-in policies), creating the CPU device (~3 ms: threadpoolctl pins
-BLAS), oneDNN's dlopen for the matmuls (~4 ms), the passes and kernel preparation (4-15 ms).
+fusion loaded oneDNN for models without a conv. Then (issue 31, branch firstsession, the same
+VM, load 1.3-2.8, bench/results/session-firstsession-busy.md; CPU time main -> branch, side by
+side in one run: mlp first session and run 39 -> 27 ms, transformer_block 43 -> 31 ms,
+detection_postprocess's first session 26 -> 18 ms): BLAS is pinned through numpy's own OpenBLAS
+setter (threadpoolctl's import and library scan cost ~3 ms), oneDNN is not loaded for products
+of fewer than 16 rows against weights nor for small softmaxes (~4-5 ms), and the kernel modules
+and the oneDNN wrappers are imported at their first op (KernelTable.register_lazily). What is
+left (CPU time, detection_postprocess): the registry ~4 ms (entry-point scan, built-in
+policies), importing the CPU plugin ~4.5 ms (its settings' frozen dataclass ~1 ms, the kernel
+table, the pool), creating the device ~2 ms, loading, checking (cached) and compiling the model
+~5.5 ms; mlp and transformer_block add the AOT-compiled loops' module (~3.4 ms: its name's
+hash of the sources, the sha256 check of the 1.1 MB module, its load) and their compile.
 """
 
 from __future__ import annotations

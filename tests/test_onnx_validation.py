@@ -129,3 +129,21 @@ def test_a_fresh_process_reads_the_example_models_checked(tmp_path):
     runs = [subprocess.run([sys.executable, "-c", code, *models], env=env, capture_output=True, text=True,
                            check=True).stdout.split()[-1] for _ in range(2)]
     assert runs == ["3", "0"]
+
+
+def test_the_cache_key_takes_onnxs_version_from_the_imported_module(monkeypatch):
+    import sys
+    import types
+    from importlib import metadata
+
+    from polyhal.frontends.onnx import validation
+
+    validation._onnx_version.cache_clear()
+    monkeypatch.setitem(sys.modules, "onnx", types.SimpleNamespace(__version__="9.9.9"))
+    try:
+        assert validation._onnx_version() == "9.9.9"  # no metadata read where onnx is imported
+        monkeypatch.delitem(sys.modules, "onnx")
+        validation._onnx_version.cache_clear()
+        assert validation._onnx_version() == metadata.version("onnx")
+    finally:
+        validation._onnx_version.cache_clear()

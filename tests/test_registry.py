@@ -318,3 +318,15 @@ def test_polyhal_entry_points_are_importlibs_and_the_first_copy_of_a_distributio
     monkeypatch.syspath_prepend(str(tmp_path / "second"))  # now the copy with the backend comes first
     assert ("polyhal.backends", "shadow", "polyhal_test_shadow") in [(e.group, e.name, e.value)
                                                                       for e in polyhal_entry_points()]
+
+
+def test_a_loaded_backend_names_its_distribution_when_asked():
+    from importlib import metadata
+
+    from polyhal.registry import Registry
+
+    reg = Registry()
+    reg.get_device("cpu:0")
+    dist = next(ep.dist for ep in metadata.entry_points(group="polyhal.backends") if ep.name == "cpu")
+    assert reg.distribution("cpu") == (dist.name, dist.version)
+    assert reg.distribution("no-such-plugin") is None

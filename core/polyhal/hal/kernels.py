@@ -38,6 +38,14 @@ its op flag, not any strides). The bufferize pass asks it (``Device.accepts_view
 turns a transpose, slice or gather feeding the kernel into a view; undeclared kernels get
 row-major operands.
 
+A backend with many kernel modules may declare which module registers which ops instead of
+importing them all, ``TABLE.register_lazily("mydev.conv_kernels", ("conv", "max_pool"))``: the
+table lists those ops at once (``kernel_names``) and imports the module at the first question
+about one of them (``prepare``, ``scratch``, ``accepts_view``), where it registers them the one
+way, with ``register``; a process then imports the kernels its programs use (the CPU's first
+session imported a dozen modules for a handful of ops). A module that registers fewer ops than
+declared, or an op declared for another module, is a PluginError.
+
 What every ``prepare`` checks before a builder runs is written here, once: an op polyhal does
 not define, or one the table has no kernel for, is a KernelNotFoundError naming what the backend
 offers; encoded (non row-major) operands are refused, since kernels of a table take dense
@@ -165,9 +173,42 @@ class KernelTable:
         self.declarations: dict[str, tuple[ScratchDecl, ...] | Declarer] = {}
         #: op -> which strided operands its kernel reads (ops declared with ``views`` only).
         self.viewers: dict[str, Viewer] = {}
+        #: op -> the module that registers its kernel, not imported yet (:meth:`register_lazily`).
+        self.lazy: dict[str, str] = {}
+        #: op -> the module that registered its kernel.
+        self._registered_in: dict[str, str] = {}
 
     def __repr__(self) -> str:
-        return f"<KernelTable {self.backend}: {len(self.builders)} ops>"
+        return f"<KernelTable {self.backend}: {len(self.builders) + len(self.lazy)} ops>"
+
+    def register_lazily(self, module: str, names: Iterable[str]) -> None:
+        """Declare that importing ``module`` registers (with :meth:`register`, the one way) the
+        kernels of the ops ``names``: the table lists them from now on and imports the module at
+        the first question about one of them (its kernel, scratch or views), so that a process
+        pays only for the kernel modules its programs use. A module that then registers one of
+        them from elsewhere, or leaves one out, is a PluginError naming both."""
+        for n in names:
+            if n not in OPS:
+                raise PluginError(f"{self.backend}: {module} cannot declare a kernel for {n!r}: no such op is defined")
+            if self._registered_in.get(n) == module:
+                continue  # the module was imported first (by name)
+            if n in self.builders or n in self.lazy:
+                where = self.lazy.get(n) or _name(self.builders[n])
+                raise PluginError(f"{self.backend}: op {n!r} has two kernels, {where} and {module}'s; register one")
+            self.lazy[n] = module
+
+    def _import_lazy(self, op: str) -> None:
+        """Import the module that registers ``op``'s kernel, where it was declared lazily."""
+        module = self.lazy.get(op)
+        if module is None:
+            return
+        import importlib
+
+        importlib.import_module(module)
+        missing = sorted(n for n, m in self.lazy.items() if m == module)
+        if missing:
+            raise PluginError(f"{self.backend}: {module} was declared to register the kernels of {missing} "
+                              "(register_lazily) but did not")
 
     def register(self, *names: str, scratch: Sequence[ScratchDecl] | Declarer | None = None,
                  views: bool | Iterable[int] | Viewer = False) -> Callable[[Builder], Builder]:
@@ -179,7 +220,12 @@ class KernelTable:
         viewer = _viewer(views)
 
         def deco(builder: Builder) -> Builder:
+            module = sys._getframe(1).f_globals.get("__name__", "?")  # the registering module
             for n in names:
+                declared = self.lazy.get(n)
+                if declared is not None and declared != module:
+                    raise PluginError(f"{self.backend}: op {n!r} was declared to be registered by {declared} "
+                                      f"(register_lazily), not by {module}")
                 if n not in OPS:
                     raise PluginError(f"{self.backend}: cannot register a kernel for {n!r}: no such op is defined "
                                       f"(a backend's own op is defined first: TABLE.define('{self.backend}.<name>', "
@@ -191,6 +237,8 @@ class KernelTable:
                     raise PluginError(f"{self.backend}: op {n!r} has two kernels, "
                                       f"{_name(self.builders[n])} and {_name(builder)}; register one")
                 self.builders[n] = builder
+                self._registered_in[n] = module
+                self.lazy.pop(n, None)
                 if decls:
                     self.declarations[n] = decls
                 if viewer is not None:
@@ -237,6 +285,7 @@ class KernelTable:
                      out_types: Sequence["TensorType"], index: int, strides: tuple[int, ...], offset: int) -> bool:
         """Whether the kernel of ``op`` reads operand ``index`` as a view (the core's
         ``Device.accepts_view``): what its registration declared, False for undeclared kernels."""
+        self._import_lazy(op)
         viewer = self.viewers.get(op)
         if viewer is None:
             return False
@@ -251,18 +300,21 @@ class KernelTable:
     def kernel_names(self) -> frozenset[str]:
         """The ops this table prepares: the registered ones, and with a fallback every other op
         of the core set but the fused forms."""
-        return frozenset(self.builders) | self.fallback_ops if self.fallback is not None else frozenset(self.builders)
+        own = frozenset(self.builders) | frozenset(self.lazy)
+        return own | self.fallback_ops if self.fallback is not None else own
 
     @property
     def fallback_ops(self) -> frozenset[str]:
         """Core ops without a builder that a fallback would run (fused forms excepted; a
         backend's own ops never: their kernels are the point)."""
-        return frozenset(n for n, d in OPS.items() if not d.fused and d.backend is None) - frozenset(self.builders)
+        return (frozenset(n for n, d in OPS.items() if not d.fused and d.backend is None) - frozenset(self.builders)
+                - frozenset(self.lazy))
 
     def scratch(self, device: Any, op: str, attrs: Mapping[str, Any], in_types: Sequence["TensorType"],
                 out_types: Sequence["TensorType"]) -> tuple[ScratchRequest, ...]:
         """The evaluated scratch requests of one op instance (the core's ``Device.scratch``);
         empty for ops without scratch and for instances with nothing to write."""
+        self._import_lazy(op)
         decls = self.declarations.get(op)
         if decls is None or all(t.size == 0 for t in out_types):
             return ()
@@ -278,6 +330,7 @@ class KernelTable:
         """``fn(*inputs, *outputs)`` computing ``op`` on ``device`` (the core's ``Device.prepare``):
         the checks of the module docstring, then the op's builder, or the fallback where there is
         none or it declines. ``scratch`` is the plan's binding of the kernel's declared scratch."""
+        self._import_lazy(op)
         builder = self.builders.get(op)
         if builder is None and (self.fallback is None or op not in OPS or OPS[op].fused or OPS[op].backend):
             unknown = " (polyhal.ops defines no such op)" if op not in OPS else ""

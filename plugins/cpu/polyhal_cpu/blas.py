@@ -18,9 +18,10 @@ once per matrix, through numpy's loop, for products as small as an attention hea
 strides (a head of a (seq, heads * d) projection is a (seq, d) matrix with a leading dimension
 of heads * d) and a transpose flag, so neither the heads nor k's transpose need copying first.
 
-OpenBLAS (0.3.29 and later, which numpy's wheels bundle) exports it; threadpoolctl says which
-library numpy loaded and where. :func:`batched_matmul` is ``None`` where there is no such
-library or symbol (numpy on Accelerate or MKL, an older OpenBLAS), and callers keep to numpy.
+OpenBLAS (0.3.29 and later, which numpy's wheels bundle) exports it; :func:`numpy_openblas`
+finds the library numpy loaded (threadpoolctl where it cannot). :func:`batched_matmul` is
+``None`` where there is no such library or symbol (numpy on Accelerate or MKL, an older
+OpenBLAS), and callers keep to numpy.
 
 Only products of more than :data:`MIN_MACS` multiply-adds per matrix go this way: OpenBLAS
 routes smaller ones (m * n * k <= 100**3) to its small-matrix kernels, and in the batched call
@@ -57,7 +58,57 @@ _NAMES = {
     ("gemv", np.dtype(np.float32)): ("cblas_sgemv", "scipy_cblas_sgemv64_", "scipy_cblas_sgemv", "cblas_sgemv64_"),
 }
 
+#: Thread-count setters tried, in order (OpenBLAS's own, then scipy-openblas builds' renamed ones).
+_SET_THREADS = ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "scipy_openblas_set_num_threads",
+                "openblas_set_num_threads64_")
+
 _loaded: dict | None = None
+_numpy_libs: list[str] | None = None
+
+
+def numpy_openblas() -> list[str]:
+    """Paths of the OpenBLAS that numpy itself loaded: one its wheel bundles (``numpy.libs`` beside
+    the package, ``numpy/.libs``, ``numpy/.dylibs``) that the dynamic loader says is loaded
+    (``RTLD_NOLOAD``); empty where there is none (numpy on MKL or Accelerate, a system numpy,
+    Windows), and callers ask threadpoolctl. Found once: ~0.1 ms, where threadpoolctl's import
+    and scan of every loaded library took ~3 ms of a process's first session."""
+    global _numpy_libs
+    if _numpy_libs is None:
+        found: list[str] = []
+        noload = getattr(os, "RTLD_NOLOAD", None)
+        package = os.path.dirname(np.__file__)
+        for folder in (package + ".libs", os.path.join(package, ".libs"), os.path.join(package, ".dylibs")):
+            try:
+                names = sorted(os.listdir(folder))
+            except OSError:
+                continue
+            for name in names:
+                if noload is None or "openblas" not in name.lower():
+                    continue
+                path = os.path.join(folder, name)
+                try:
+                    ctypes.CDLL(path, mode=noload | getattr(os, "RTLD_LOCAL", 0))  # fails unless loaded
+                except OSError:
+                    continue
+                found.append(path)
+        _numpy_libs = found
+    return _numpy_libs
+
+
+def limit_numpy_threads(threads: int) -> bool:
+    """Set numpy's own OpenBLAS (:func:`numpy_openblas`) to ``threads`` threads; False where it
+    was not found or has no setter (callers then ask threadpoolctl)."""
+    done = False
+    for path in numpy_openblas():
+        try:
+            setter = _symbol(ctypes.CDLL(path), _SET_THREADS)
+        except OSError:
+            continue
+        if setter is not None:
+            setter.argtypes, setter.restype = [ctypes.c_int], None
+            setter(threads)
+            done = True
+    return done
 
 
 def _symbol(lib: ctypes.CDLL, names: tuple[str, ...]):
@@ -79,19 +130,35 @@ def _load() -> dict:
 
 def _find() -> dict:
     found: dict = {}
+    # numpy's own first (numpy/ or numpy.libs/ beside it): another OpenBLAS in the process
+    # (scipy's) would work too, but with a second pool of threads. threadpoolctl's scan of every
+    # loaded library only where numpy's lacks one of the calls.
+    _bind(numpy_openblas(), found)
+    if all(want in found for want in _WANTED):
+        return found
     try:
         from threadpoolctl import ThreadpoolController
 
         libs = ThreadpoolController().select(internal_api="openblas").lib_controllers
     except Exception:  # noqa: BLE001 -- no threadpoolctl, or it cannot inspect this process
         return found
-    # numpy's own first (numpy/ or numpy.libs/ beside it): another OpenBLAS in the process
-    # (scipy's) would work too, but with a second pool of threads.
     home = os.path.dirname(np.__file__)
     libs = sorted(libs, key=lambda c: not str(c.filepath).startswith(home))
-    for controller in libs:
+    _bind([str(c.filepath) for c in libs], found)
+    return found
+
+
+#: What :func:`_find` binds where the library has it.
+_WANTED = (np.dtype(np.float32), np.dtype(np.float64), ("gemm", np.dtype(np.float32)),
+           ("gemm", np.dtype(np.float64)), ("gemv", np.dtype(np.float32)))
+
+
+def _bind(paths: list[str], found: dict) -> None:
+    """Bind the calls of the OpenBLAS libraries at ``paths`` into ``found``, the first library's
+    where several have one."""
+    for path in paths:
         try:
-            lib = ctypes.CDLL(controller.filepath)
+            lib = ctypes.CDLL(path)
         except OSError:
             continue
         config = _symbol(lib, _NAMES["config"])
@@ -118,7 +185,6 @@ def _find() -> dict:
             fn.argtypes = [enum, enum, index, index, ctypes.c_float, ptr, index, ptr, index, ctypes.c_float, ptr, index]
             fn.restype = None
             found.setdefault(("gemv", np.dtype(np.float32)), fn)
-    return found
 
 
 def _layout(x: np.ndarray) -> tuple[int, int, int] | None:

@@ -14,7 +14,7 @@ from polyhal.hal.records import DeviceSpec
 
 from polyhal_cpu import threads
 from polyhal_cpu.allocator import CPUAllocator
-from polyhal_cpu.kernels import TABLE  # the module imports every kernel module of the plugin
+from polyhal_cpu.kernels import TABLE  # the module lists every kernel module's ops (imported on use)
 
 
 class CPUDevice(Device):

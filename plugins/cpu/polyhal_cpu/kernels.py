@@ -38,14 +38,10 @@ from polyhal.ir.types import TensorType
 from polyhal.ops import normalize_axes, normalize_slice
 from polyhal.ops.elementwise import cast_source, check_strict_cast
 from polyhal.ops.quantized import dynamic_quantize_parameters
-from polyhal_cpu import blas, native, onednn_kernels, onednn_normalization
+from polyhal_cpu import blas, encoding, native  # noqa: F401 (encoding: pack)
 from polyhal_cpu import queue_layout as layout
-# The other kernel modules register the rest of the op set in TABLE when imported.
-from polyhal_cpu import (  # noqa: F401
-    conv_kernels, detection, encoding, indexing_kernels, math_kernels, ml_kernels, nn_kernels, onednn_int8,
-    recurrent_kernels, text_kernels, vision_kernels,
-)
 from polyhal_cpu.blas import blas_layout
+from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.parallel import GemmSplit, blocks, float_bits, gemm_fn, parallel, run_gemms, threads
 from polyhal_cpu.parallel import run as run_pieces
 from polyhal_cpu.scratch import array as scratch_array
@@ -433,6 +429,9 @@ def _cast(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
 
 def _matmul_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
     """The oneDNN matmul's scratch where it serves the instance (the CPU's own GEMMs have none)."""
+    # Imported on first use, as onednn_normalization: a program without matmuls, softmaxes or layer
+    # norms imports neither (~2 ms of a process's first session).
+    from polyhal_cpu import onednn_kernels
     return onednn_kernels.matmul_scratch(op, attrs, ins, outs) or ()
 
 
@@ -440,6 +439,7 @@ def _matmul_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
 def _matmul_family(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
     """A oneDNN matmul primitive where the library serves the instance, else the CPU's own GEMMs."""
     own = _matmul if op == "matmul" else _gemm
+    from polyhal_cpu import onednn_kernels
     return onednn_kernels.matmul(op, attrs, ins, outs, scratch) or own(device, op, attrs, ins, outs, scratch)
 
 
@@ -611,12 +611,14 @@ _BLAS_ROW_SUM = 4096
 
 def _rowwise_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
     """A oneDNN layer norm's or softmax's scratchpad where the library serves the instance."""
+    from polyhal_cpu import onednn_normalization
     return onednn_normalization.scratch(op, attrs, ins, outs) or ()
 
 
 def _softmax_factor(attrs: dict, ins: Types) -> float:
     """Softmaxes cut into blocks of rows on the pool, unless a oneDNN primitive (threaded by
     OpenMP) runs the whole."""
+    from polyhal_cpu import onednn_normalization
     return math.inf if onednn_normalization.plan("softmax", attrs, ins, ins[:1]) is not None else 2
 
 
@@ -624,6 +626,7 @@ def _softmax_factor(attrs: dict, ins: Types) -> float:
 @parallel(lambda attrs, ins: (int(attrs["axis"]),), factor=_softmax_factor)  # rows on several cores
 @float16_via_float32
 def _softmax(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    from polyhal_cpu import onednn_normalization
     primitive = onednn_normalization.softmax(attrs, ins, outs, scratch)
     if primitive is not None:
         return primitive
@@ -697,6 +700,7 @@ LAYER_NORM_PIECE = 1 << 17
 def _layer_norm_factor(attrs: dict, ins: Types) -> float:
     """float32 layer norms cut themselves (pieces on the GEMM queue, below); others through
     :func:`parallel`."""
+    from polyhal_cpu import onednn_normalization
     if onednn_normalization.plan("layer_norm", attrs, ins, ins[:1]) is not None:
         return math.inf  # a oneDNN primitive, threaded by OpenMP, runs the whole
     return math.inf if native.available(ins[0].dtype) and ins[0].dtype == np.float32 else 1
@@ -707,6 +711,7 @@ def _layer_norm_factor(attrs: dict, ins: Types) -> float:
           lambda attrs, ins: (True, False, False), factor=_layer_norm_factor)  # scale and bias are whole
 @float16_via_float32
 def _layer_norm(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    from polyhal_cpu import onednn_normalization
     primitive = onednn_normalization.layer_norm(attrs, ins, outs, scratch)
     if primitive is not None:
         return primitive
@@ -943,6 +948,30 @@ def _topk(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Ker
         np.copyto(values, np.take_along_axis(x, indices, axis=axis))
     return kernel
 
+
+#: The other kernel modules and the ops whose kernels each registers in :data:`TABLE`: each is
+#: imported at the first question about one of its ops (``KernelTable.register_lazily``), so that
+#: a session imports the kernel modules its program uses -- all of them were ~4 ms of CPU of a
+#: process's first session (conv_kernels alone 1.5 ms), most of them for ops it did not have.
+LAZY_MODULES: dict[str, tuple[str, ...]] = {
+    "conv_kernels": ("avg_pool", "conv", "conv_transpose", BLOCKED_CONV, SCALE_SHIFT_CONV, "fused_conv",
+                     "lp_pool", "max_pool"),
+    "detection": ("non_max_suppression",),
+    "indexing_kernels": ("argmin", "cumprod", "cumsum", "einsum", "expand", "gather_elements", "gather_nd", "pad",
+                         "reduce_prod", "scatter_elements", "scatter_nd"),
+    "math_kernels": ("acos", "acosh", "asin", "asinh", "atan", "atanh", "bit_shift", "bitcast", "bitwise_and",
+                     "bitwise_not", "bitwise_or", "bitwise_xor", "ceil", "cos", "cosh", "det", "floor", "identity",
+                     "isinf", "isnan", "logical_and", "logical_not", "logical_or", "logical_xor", "mod",
+                     "reciprocal", "round", "sign", "sin", "sinh", "tan"),
+    "ml_kernels": ("pairwise_coupling", "tree_ensemble"),
+    "nn_kernels": ("attention", "fused_linear", "linear", "masked_attention", "scale_shift"),
+    "onednn_int8": ("quantized_conv", "quantized_matmul"),
+    "recurrent_kernels": ("gru", "lstm", "rnn"),
+    "text_kernels": ("tfidf_vectorizer",),
+    "vision_kernels": ("grid_sample", "roi_align"),
+}
+for _module, _names in LAZY_MODULES.items():
+    TABLE.register_lazily(f"polyhal_cpu.{_module}", _names)
 
 #: Every op this backend implements.
 KERNEL_NAMES: frozenset[str] = TABLE.kernel_names

@@ -291,6 +291,11 @@ def _load() -> tuple[_Library | None, str]:
         return None, f"oneDNN's CPU engine cannot be created ({exc})"
 
 
+def asked() -> bool:
+    """Whether this process has loaded (or tried to load) the library: :func:`status` is free then."""
+    return bool(_load.cache_info().currsize)
+
+
 def listed() -> tuple[str, str]:
     """What ``polyhal devices`` says about oneDNN without loading it: a few words for the
     device's description and the whole story for ``limits["onednn"]`` (the library it would

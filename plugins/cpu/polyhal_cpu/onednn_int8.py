@@ -418,12 +418,3 @@ def report(compilation, target) -> None:
             "do here (7-bit weights, onnxruntime's reduce_range, are exact); int8 inputs (shifted to uint8 for "
             "oneDNN) with such weights run on the CPU's own float kernels instead")
     note_own_kernels(compilation, own, "own float kernel")
-
-
-def registrations():
-    """The CPU's explain pass for oneDNN's int8 primitives, after ``bufferize`` (which planned them)."""
-    from polyhal import Pass, PassRegistration
-
-    return [PassRegistration(Pass("cpu-onednn-int8-report", report, requires=("buffers-planned",),
-                                  provides=("cpu-onednn-int8-reported",)), after="bufferize")]
-

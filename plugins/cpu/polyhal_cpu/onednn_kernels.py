@@ -57,11 +57,16 @@ def refusals() -> dict[tuple, str]:
     return dict(_REFUSED)
 
 
-def _served(ins, outs) -> bool:
-    """Whether oneDNN is usable and asked about operands of these types (one type, one it names;
-    whether a primitive takes it is the library's answer)."""
+def _asked(ins, outs) -> bool:
+    """Whether oneDNN is asked about operands of these types (one type, one it names; whether a
+    primitive takes it is the library's answer)."""
     dtype = outs[0].dtype
-    return dtype.name in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs)) and onednn.usable()
+    return dtype.name in onednn.DATA_TYPES and all(t.dtype == dtype for t in (*ins, *outs))
+
+
+def _served(ins, outs) -> bool:
+    """Whether oneDNN is usable and asked about operands of these types (:func:`_asked`)."""
+    return _asked(ins, outs) and onednn.usable()
 
 
 def _key(op: str, attrs: dict, ins, outs) -> tuple:
@@ -503,11 +508,33 @@ def _broadcast_md(shape: tuple[int, ...], rank: int, dtype) -> MemoryDesc:
 def matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan | None:
     """The oneDNN plan of a ``matmul`` / ``gemm`` / ``linear`` / ``fused_linear`` instance, made
     once per instance and kept; None where oneDNN does not serve it."""
-    if not _served(ins, outs) or any(t.size == 0 for t in ins):
+    if not _asked(ins, outs) or any(t.size == 0 for t in ins):
         return None
     if op == "matmul" and (ins[0].rank < 2 or ins[1].rank < 2):
         return None
+    few = _few_rows(op, attrs, ins, outs)
+    if few is not None:  # decided by the shapes: without loading the library (~4 ms of a first session)
+        if CPUSettings.from_env().onednn:
+            with _lock:
+                key = _key(op, attrs, ins, outs)
+                _REFUSED[key], _MATMULS[key] = few, None
+        return None
+    if not onednn.usable():
+        return None
     return _planned(_MATMULS, _make_matmul_plan, op, attrs, ins, outs)
+
+
+def _few_rows(op: str, attrs: dict, ins, outs) -> str | None:
+    """Why a product with a weight matrix (``gemm``, ``linear``, ``fused_linear``, a ``matmul`` by
+    a 2-D operand) of fewer than :data:`FEW_ROWS` rows stays on the CPU's own GEMMs, or None."""
+    if op == "matmul" and ins[1].rank != 2:
+        return None
+    rows, n = math.prod(outs[0].shape[:-1]), outs[0].shape[-1]
+    if rows >= FEW_ROWS:
+        return None
+    k = ins[1].shape[1 if op == "gemm" and attrs["trans_b"] else 0]
+    return (f"{op}: {rows} row(s) against {k} x {n} weights is bound by reading them, which the CPU's own GEMMs "
+            "do as they lie, where oneDNN would keep a copy in its layout")
 
 
 def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
@@ -563,10 +590,6 @@ def _make_matmul_plan(op: str, attrs: dict, ins, outs) -> MatmulPlan:
             out_dims = out_t.shape
         a_strides, b_strides = _row_major(a_dims), _row_major(b_dims)
         constant_b = b_t.rank == 2  # a weight matrix, most likely a constant: worth a layout of its own
-    rows = math.prod(out_dims[:-1])
-    if constant_b and rows < FEW_ROWS:
-        raise Refused(f"{op}: {rows} row(s) against {b_dims[-2]} x {b_dims[-1]} weights is bound by reading them, "
-                      "which the CPU's own GEMMs do as they lie, where oneDNN would keep a copy in its layout")
     a_md, b_user = onednn.plain(a_dims, a_strides, dt), onednn.plain(b_dims, b_strides, dt)
     out_md = onednn.plain(out_dims, None, dt)
     attr = Attr(post)
@@ -664,13 +687,18 @@ def report(compilation, target) -> None:
     ours = cpu_dispatches(compilation, SERVED)
     if not ours:
         return
-    version, why = onednn.status()
+    settings = CPUSettings.from_env()
+    # Where every instance was refused by its shape, the library was never loaded: nor is it to
+    # say so (its version). A library that is missing loads nothing to say why.
+    path = onednn.library_path()
+    unloaded = settings.onednn and not onednn.asked() and path is not None and path.exists()
+    version, why = ("oneDNN (not loaded)", "") if unloaded else onednn.status()
     if version is None:
         compilation.notes.append(f"oneDNN unusable ({why}): the CPU's own kernels run all {len(ours)} conv/matmul "
                                  "dispatches")
         return
     own = []
-    timed = CPUSettings.from_env().onednn_timed
+    timed = settings.onednn_timed
     for op in ours:
         attrs = resolve_attrs(op.name, dict(op.attrs))
         ins, outs = tuple(v.type for v in op.inputs), tuple(v.type for v in op.outputs)
@@ -685,11 +713,3 @@ def report(compilation, target) -> None:
     compilation.notes.append(f"{version}: {len(ours) - len(own)} of {len(ours)} conv/matmul dispatches on the CPU "
                              "run as oneDNN primitives")
     note_own_kernels(compilation, own, "own kernel")
-
-
-def registrations():
-    """The CPU's explain pass for oneDNN, after ``bufferize`` (which planned every primitive)."""
-    from polyhal import Pass, PassRegistration
-
-    return [PassRegistration(Pass("cpu-onednn-report", report, requires=("buffers-planned",),
-                                  provides=("cpu-onednn-reported",)), after="bufferize")]

@@ -4,7 +4,8 @@
 The builders of ``layer_norm`` and ``softmax`` (:mod:`polyhal_cpu.kernels`) ask this module first
 where the compiled loops of :mod:`polyhal_cpu.native` are not loaded -- a machine whose loops
 module is still being built in the background (its first run), numba missing, or
-``POLYHAL_CPU_NATIVE=0`` -- and, for the ops of :data:`PREFERRED_OVER_LOOPS`, where they are.
+``POLYHAL_CPU_NATIVE=0`` -- and, for the ops of :data:`PREFERRED_OVER_LOOPS`, where they are
+(from :data:`PREFERRED_FROM_ELEMENTS` elements).
 Without the loops they replace numpy's passes: measured on the 2-core VM (AMD EPYC,
 AVX2, busy), oneDNN 3.2's ``jit:uni`` layer norm took 29-56 us against numpy's 55-224 us (128 x 128
 to 128 x 768), its ``jit:avx2`` softmax 75 us against 198 us (4 heads of 128 x 128 scores).
@@ -38,12 +39,12 @@ __all__ = ["PREFERRED_OVER_LOOPS", "layer_norm", "scratch", "softmax"]
 #: 128 61/106 us against the loop's 83/100 us, of 12 x 128 x 128 172/297 against 274/386 us; layer
 #: norm of 128 x 128 22/36 us against 9/15 us, 128 x 768 43/68 against 27/40 us -- the loop keeps it.
 PREFERRED_OVER_LOOPS = frozenset({"softmax"})
-#: Elements below which the compiled loop runs a softmax of :data:`PREFERRED_OVER_LOOPS` all the
-#: same: a primitive's call costs ~5 us more than the loop's. Measured on an Intel Xeon
-#: (AVX-512, 2 cores lent, load ~1.5; plan.profile means): 1 x 10 7.0 us against 2.0 us, 64 x 10
-#: 8.3 against 3.0, 64 x 100 12.2 against 10.5, 8 x 1000 11.4-12.0 against 12.5, 512 x 128 43
-#: against 88.
-LOOP_BELOW = 8000
+#: Elements from which the ops of :data:`PREFERRED_OVER_LOOPS` take the primitive over the loops:
+#: below, a call's fixed cost decides. Measured on the 2-core Intel VM (AVX-512, load ~3, median
+#: us, oneDNN 3.2's ``jit:avx512_core_fp16`` / the loop): softmax of 1 x 16 4.9 / 0.8, 4 x 16 x 16
+#: 5.9 / 2.3, 4 x 32 x 32 7.6 / 5.9, 8 x 32 x 32 10.7 / 11.1, 16 x 512 8.9 / 11.7, 4 x 128 x 128
+#: 40 / 85. An instance below it loads no library (~4 ms of a process's first session).
+PREFERRED_FROM_ELEMENTS = 8192
 
 
 @dataclass
@@ -62,9 +63,8 @@ _PLANS: dict[tuple, RowPlan | None] = {}
 
 
 def _wanted(op: str, ins, outs) -> bool:
-    if not _served(ins, outs):
-        return False
-    return not native.available(outs[0].dtype) or (op in PREFERRED_OVER_LOOPS and ins[0].size >= LOOP_BELOW)
+    preferred = op in PREFERRED_OVER_LOOPS and outs[0].size >= PREFERRED_FROM_ELEMENTS
+    return (preferred or not native.available(outs[0].dtype)) and _served(ins, outs)
 
 
 def _rows(op: str, attrs: dict, x) -> tuple[int, int]:

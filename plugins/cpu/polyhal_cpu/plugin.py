@@ -16,6 +16,7 @@ may use, cut while other processes keep them busy (``POLYHAL_CPU_THREADS`` overr
 from __future__ import annotations
 
 import os
+import sys
 
 import polyhal
 from polyhal.hal.records import DeviceSpec
@@ -77,6 +78,25 @@ def register_passes():
     :mod:`polyhal_cpu.onednn_int8`)."""
     # Imported here, at the first compile: fusion passes build on the compiler, which listing
     # devices (`polyhal devices`) does not load.
-    from polyhal_cpu import fusions, onednn_int8, onednn_kernels
+    from polyhal import Pass, PassRegistration
+    from polyhal_cpu import fusions
 
-    return fusions.registrations() + onednn_kernels.registrations() + onednn_int8.registrations()
+    reports = [PassRegistration(Pass(f"cpu-{name}-report", _report_where_imported(f"polyhal_cpu.{module}"),
+                                     requires=("buffers-planned",), provides=(f"cpu-{name}-reported",)),
+                                after="bufferize")
+               for name, module in (("onednn", "onednn_kernels"), ("onednn-int8", "onednn_int8"))]
+    return fusions.registrations() + reports
+
+
+def _report_where_imported(module: str):
+    """The pass that runs ``module``'s explain report (``report(compilation, target)``: which
+    convs and matmuls oneDNN runs, :mod:`polyhal_cpu.onednn_kernels`; which quantized contractions,
+    :mod:`polyhal_cpu.onednn_int8`) where the module was imported: bufferize, before it, asked every
+    dispatch's scratch, which imports the modules of the kernels it has; a program without such a
+    dispatch imports nothing for the report."""
+    def report(compilation, target) -> None:
+        loaded = sys.modules.get(module)
+        if loaded is not None:
+            loaded.report(compilation, target)
+    report.__qualname__ = f"report[{module}]"
+    return report

@@ -4,8 +4,9 @@
 plugin (:mod:`~polyhal_cpu.kernels`, :mod:`~polyhal_cpu.math_kernels`,
 :mod:`~polyhal_cpu.indexing_kernels`, :mod:`~polyhal_cpu.nn_kernels`, :mod:`~polyhal_cpu.conv_kernels`,
 :mod:`~polyhal_cpu.encoding`, :mod:`~polyhal_cpu.detection`) registers its builders here, and
-:mod:`polyhal_cpu.kernels` imports them all. Kernel modules import this module, never each
-other, so the plugin has no import circle.
+:mod:`polyhal_cpu.kernels` declares which module registers which ops (``LAZY_MODULES``: each is
+imported at the first question about one of its ops). Kernel modules import this module, never
+each other, so the plugin has no import circle.
 """
 
 from __future__ import annotations

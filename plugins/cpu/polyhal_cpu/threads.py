@@ -13,10 +13,11 @@ too. ``POLYHAL_CPU_THREADS=N`` overrides all of this.
 (:mod:`polyhal_cpu.parallel`): a large kernel -- a GEMM of a convolution or a matmul, a
 compiled loop (depthwise convolution, im2col, epilogue, pooling), a row-wise numpy kernel -- is
 cut into pieces that the calling thread and budget - 1 pool threads take from one counter. BLAS
-itself is pinned to one thread (threadpoolctl) and each GEMM piece is one single-threaded sgemm;
-the numba loops are serial (no ``prange``), so numba's own pool never starts on polyhal's
-behalf, and ``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports numba (unless the
-user set it), so that one started by other code stays within it too.
+itself is pinned to one thread (numpy's OpenBLAS through its own setter, others through
+threadpoolctl) and each GEMM piece is one single-threaded sgemm; the numba loops are serial
+(no ``prange``), so numba's own pool never starts on polyhal's behalf, and
+``NUMBA_NUM_THREADS`` is set to the budget before polyhal imports numba (unless the user set
+it), so that one started by other code stays within it too.
 
 **Why not BLAS's threads.** A threaded OpenBLAS GEMM splits the product between its threads,
 which wait on each other's progress (busy-waiting, in its ``level3_thread.c``) several times
@@ -220,12 +221,21 @@ class Budget:
     def refresh(self) -> None:
         """Find the process's BLAS libraries again and pin them all to one thread (a library
         loaded since, such as scipy's OpenBLAS, which importing numba brings, starts with a
-        thread per core). A scan takes a few milliseconds: called when the budget is made and
-        after polyhal imports numba."""
+        thread per core). A scan takes a few milliseconds: called after polyhal imports numba
+        (the budget, when made, pins numpy's own BLAS, or scans where it cannot find it)."""
         self._blas = None
-        self._pin_blas()
+        self._pin_blas(scan=True)
 
-    def _pin_blas(self) -> None:
+    def _pin_blas(self, scan: bool = False) -> None:
+        """Pin BLAS to one thread: numpy's own OpenBLAS, the one polyhal's kernels call, without a
+        ``scan`` where it is found (:func:`polyhal_cpu.blas.limit_numpy_threads`: ~0.1 ms, where
+        threadpoolctl's import and scan of every loaded library took ~3 ms of a process's first
+        session); else, and on :meth:`refresh`, every BLAS threadpoolctl finds in the process."""
+        if not scan and self._blas is None:
+            from polyhal_cpu.blas import limit_numpy_threads
+
+            if limit_numpy_threads(1):
+                return
         try:
             if self._blas is None:
                 from threadpoolctl import ThreadpoolController

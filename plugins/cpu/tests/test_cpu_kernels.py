@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -378,3 +381,21 @@ def test_short_last_axis_sum_by_blas_matches_numpy(keepdims):
         out = np.empty(out_shape, np.float32)
         kernel(arr, out)
         np.testing.assert_allclose(out, arr.sum(axis=2, keepdims=keepdims), rtol=1e-5, atol=1e-5)
+
+
+def test_the_lazily_imported_kernel_modules_register_what_the_table_lists():
+    # A fresh interpreter: the CPU's table lists every op before its kernel module is imported
+    # (polyhal_cpu.kernels.LAZY_MODULES), and importing them all adds none and leaves none out.
+    code = """
+import importlib, json, sys
+from polyhal_cpu import kernels
+listed = sorted(kernels.TABLE.kernel_names)
+early = sorted(m for m in kernels.LAZY_MODULES if f"polyhal_cpu.{m}" in sys.modules)
+for m in kernels.LAZY_MODULES:
+    importlib.import_module(f"polyhal_cpu.{m}")
+print(json.dumps({"same": listed == sorted(kernels.TABLE.kernel_names) == sorted(kernels.KERNEL_NAMES),
+                  "left": sorted(kernels.TABLE.lazy), "early": early}))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"same": True, "left": [], "early": []}

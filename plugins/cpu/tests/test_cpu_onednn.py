@@ -352,3 +352,33 @@ def test_a_transposed_constant_weight_is_reordered_once(monkeypatch):
     if "onednn_matmul.weights" not in plan.explain():
         pytest.skip("oneDNN does not run this matmul here (the CPU's own GEMMs take a transposed matrix as it is)")
     assert len(reorders) == 1
+
+
+def test_few_row_products_and_small_softmaxes_load_no_library():
+    # The mlp example at batch 1: its gemms are refused by their shapes alone and its softmax
+    # (16 elements) stays on the loop, so the first session loads no oneDNN; the reason is kept.
+    mlp = os.path.join(os.path.dirname(__file__), "..", "..", "..", "examples", "mlp.onnx")
+    code = f"""
+import json, numpy as np, polyhal, polyhal.onnx
+from polyhal_cpu import onednn, onednn_kernels
+session = polyhal.InferenceSession({mlp!r}, "cpu:0")
+(y,) = session.run(None, {{"x": np.ones((1, 256), np.float32)}})
+print(json.dumps({{"loaded": onednn._load.cache_info().currsize, "sum": float(y.sum()),
+                  "why": sorted({{why.split(":")[0] for why in onednn_kernels.refusals().values()}}),
+                  "explain": session.plan.explain()}}))
+"""
+    out = _child(code, POLYHAL_CPU_AOT_WAIT="1")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["loaded"] == 0 and got["why"] and set(got["why"]) <= {"gemm", "fused_linear"}, got
+    assert abs(got["sum"] - 1.0) < 1e-5  # a softmax's row
+    assert "oneDNN (not loaded): 0 of 3 conv/matmul dispatches" in got["explain"]
+    # Without the library, explain says why it is unusable, as before.
+    out = _child(code, POLYHAL_CPU_AOT_WAIT="1", POLYHAL_CPU_ONEDNN_LIBRARY="/nonexistent/libdnnl.so.3")
+    assert out.returncode == 0, out.stderr
+    explain = json.loads(out.stdout.splitlines()[-1])["explain"]
+    assert "oneDNN unusable (/nonexistent/libdnnl.so.3 does not exist" in explain
+    t, w = TensorType((3, 64), np.float32), TensorType((64, 32), np.float32)
+    assert onednn_kernels.matmul_plan("matmul", {}, (t, w), (TensorType((3, 32), np.float32),)) is None
+    why = onednn_kernels.refusals()[onednn_kernels._key("matmul", {}, (t, w), (TensorType((3, 32), np.float32),))]
+    assert "3 row(s) against 64 x 32 weights" in why

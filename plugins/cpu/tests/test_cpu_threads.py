@@ -147,3 +147,24 @@ def test_default_budget_is_the_cpus_this_process_may_use():
     assert got["budget"] == threads.available_cpus()
     assert got["blas"] and all(b == 1 for b in got["blas"]), got
     assert got["numba"] == got["budget"]
+
+
+def test_the_device_pins_numpys_own_blas_without_a_library_scan():
+    # numpy's OpenBLAS is found in the process's mappings: threadpoolctl (its import, its scan of
+    # every loaded library) waits for a BLAS loaded later (numba's scipy).
+    got = _probe({}, """
+        import json, sys
+        import numpy as np
+        import polyhal
+        from polyhal_cpu import blas
+        polyhal.get_device("cpu:0")
+        scanned = "threadpoolctl" in sys.modules
+        from threadpoolctl import threadpool_info
+        mine = [i["num_threads"] for i in threadpool_info() if i["filepath"] in blas.numpy_openblas()]
+        print(json.dumps({"libs": blas.numpy_openblas(), "scanned": scanned, "blas": mine,
+                          "gemm": sorted(map(str, blas._load()))}))
+    """)
+    if not got["libs"]:
+        pytest.skip("numpy has no OpenBLAS of its own here (threadpoolctl pins it)")
+    assert not got["scanned"] and got["blas"] == [1] * len(got["libs"]), got
+    assert "float32" in got["gemm"], got
