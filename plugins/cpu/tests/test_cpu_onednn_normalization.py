@@ -50,6 +50,35 @@ def test_last_axis_softmax_runs_as_a_primitive_within_float32_tolerance(shape):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("activation, alpha, beta", [("none", 0, 0), ("relu", 0, 0), ("clip", -0.5, 1.5),
+                                                     ("hard_swish", 1 / 6, 0.5), ("sigmoid", 0, 0), ("silu", 0, 0),
+                                                     ("gelu", 0, 0)])
+@pytest.mark.parametrize("shape", [(1, 16, 7, 9), (3, 5), (2, 4, 3, 5, 6)])
+def test_scale_shift_runs_as_a_binary_primitive_within_its_tolerance(shape, activation, alpha, beta):
+    x = RNG.standard_normal(shape).astype(np.float32) * 3
+    c = shape[1]
+    scale, shift = RNG.standard_normal(c).astype(np.float32), RNG.standard_normal(c).astype(np.float32)
+    attrs = {"activation": activation, "alpha": alpha, "beta": beta}
+    kernel, got, want = _run("scale_shift", attrs, x, scale, shift)
+    assert kernel.kernel_name.startswith("oneDNN scale_shift"), kernel
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)  # scale_shift's own tolerance
+    kernel(x[:, ::-1].copy(), scale, shift, got)  # operands of another call: nothing kept from the first
+    np.testing.assert_allclose(got, OPS["scale_shift"].reference(x[:, ::-1], scale, shift, **attrs)[0],
+                               rtol=1e-4, atol=1e-5)
+
+
+def test_scale_shift_stays_on_the_compiled_loop_where_loaded(monkeypatch):
+    from polyhal_cpu import native
+
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", "1")
+    if not native.available():
+        pytest.skip("no compiled loops here")
+    x = RNG.standard_normal((1, 8, 6, 6)).astype(np.float32)
+    kernel, got, want = _run("scale_shift", {"activation": "relu"}, x, np.ones(8, np.float32), np.zeros(8, np.float32))
+    assert not getattr(kernel, "kernel_name", "").startswith("oneDNN")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_inner_axis_softmax_and_float64_run_on_the_cpus_own_kernels_with_the_reason_kept():
     x = RNG.standard_normal((4, 6, 5)).astype(np.float32)
     kernel, got, want = _run("softmax", {"axis": 1}, x)
