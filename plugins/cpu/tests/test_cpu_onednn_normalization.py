@@ -79,6 +79,31 @@ def test_scale_shift_stays_on_the_compiled_loop_where_loaded(monkeypatch):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("op", ["layer_norm", "softmax", "scale_shift"])
+def test_a_strided_view_is_copied_and_the_copy_held_while_the_primitive_reads_it(op):
+    # ConvNeXt's channel layer norms get a transposed view: the primitive must read a copy that
+    # is still alive (the address of a temporary copy was freed memory by the call: 5% off)
+    base = RNG.standard_normal((2, 96, 9, 7)).astype(np.float32) * 3 + 1
+    # scale_shift: a reversed view, its channels where scale_shift wants them
+    x = base[:, :, ::-1] if op == "scale_shift" else base.transpose(0, 2, 3, 1)
+    assert not x.flags.c_contiguous
+    c = x.shape[-1] if op == "layer_norm" else x.shape[1]
+    params = {"layer_norm": (RNG.standard_normal(c).astype(np.float32), RNG.standard_normal(c).astype(np.float32)),
+              "softmax": (), "scale_shift": (RNG.standard_normal(c).astype(np.float32),
+                                             RNG.standard_normal(c).astype(np.float32))}[op]
+    attrs = {"layer_norm": {"axis": -1, "epsilon": 1e-6}, "softmax": {"axis": -1},
+             "scale_shift": {"activation": "relu"}}[op]
+    attrs = resolve_attrs(op, attrs)
+    types = tuple(TensorType(a.shape, a.dtype) for a in (x, *params))
+    kernel = prepare(op, attrs, types, types[:1])
+    assert kernel.kernel_name.startswith(f"oneDNN {op}")
+    (want,) = OPS[op].reference(x, *params, **attrs)
+    for _ in range(3):
+        out = np.empty(x.shape, np.float32)
+        kernel(x, *params, out)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
+
+
 def test_inner_axis_softmax_and_float64_run_on_the_cpus_own_kernels_with_the_reason_kept():
     x = RNG.standard_normal((4, 6, 5)).astype(np.float32)
     kernel, got, want = _run("softmax", {"axis": 1}, x)
