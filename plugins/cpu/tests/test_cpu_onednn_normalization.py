@@ -104,6 +104,43 @@ def test_a_strided_view_is_copied_and_the_copy_held_while_the_primitive_reads_it
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["max_pool", "avg_pool"])
+@pytest.mark.parametrize("shape, attrs", [
+    ((1, 16, 20, 20), {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}),
+    ((2, 8, 9, 11), {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1}),
+    ((2, 8, 9, 11), {"kernel_shape": [3, 2], "strides": [2, 1], "pads": [1, 0, 0, 1], "count_include_pad": 1}),
+    ((2, 3, 17), {"kernel_shape": [4], "strides": [3], "pads": [1, 2]}),
+    ((1, 2, 5, 6, 7), {"kernel_shape": [2, 2, 3], "strides": [1, 2, 2]}),
+])
+def test_pools_run_as_primitives_within_float32_tolerance(op, shape, attrs):
+    x = RNG.standard_normal(shape).astype(np.float32)
+    if op == "max_pool":
+        attrs = {k: v for k, v in attrs.items() if k != "count_include_pad"}
+    attrs = resolve_attrs(op, attrs)
+    (want,) = OPS[op].reference(x, **attrs)
+    kernel = prepare(op, attrs, (TensorType(x.shape, x.dtype),), (TensorType(want.shape, want.dtype),))
+    assert kernel.kernel_name.startswith(f"oneDNN {op}"), kernel
+    got = np.full(want.shape, np.nan, np.float32)
+    kernel(x, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op, attrs", [
+    ("avg_pool", {"kernel_shape": [2, 2], "strides": [2, 2], "pads": [1, 1, 0, 0], "ceil_mode": 1,
+                  "count_include_pad": 1}),  # oneDNN would count ceil_mode's end padding
+    ("max_pool", {"kernel_shape": [2, 2], "dilations": [2, 2]}),  # oneDNN 3.2: ref:any only
+])
+def test_pools_oneDNN_does_not_take_stay_on_the_cpus_own_kernel(op, attrs):
+    x = RNG.standard_normal((1, 2, 10, 10)).astype(np.float32)  # 10: ceil_mode pads the end by 1
+    attrs = resolve_attrs(op, attrs)
+    (want,) = OPS[op].reference(x, **attrs)
+    kernel = prepare(op, attrs, (TensorType(x.shape, x.dtype),), (TensorType(want.shape, want.dtype),))
+    assert not getattr(kernel, "kernel_name", "").startswith("oneDNN")
+    got = np.empty(want.shape, np.float32)
+    kernel(x, got)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_inner_axis_softmax_and_float64_run_on_the_cpus_own_kernels_with_the_reason_kept():
     x = RNG.standard_normal((4, 6, 5)).astype(np.float32)
     kernel, got, want = _run("softmax", {"axis": 1}, x)
