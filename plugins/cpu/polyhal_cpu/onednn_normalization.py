@@ -141,8 +141,8 @@ def _pooling_desc(op: str, attrs: dict, x, y):
             raise Refused("avg_pool: ceil_mode's end padding with count_include_pad (oneDNN would count it)")
         algorithm = onednn.POOLING_AVG_INCLUDE_PADDING if attrs["count_include_pad"] and any(p) \
             else onednn.POOLING_AVG_EXCLUDE_PADDING
-    return onednn.pooling_desc(op, algorithm, onednn.plain(x.shape, None, x.dtype), onednn.plain(y.shape, None, y.dtype),
-                               s, k, [v - 1 for v in d], p[:n], pad_r, Attr())
+    src, dst = onednn.plain(x.shape, None, x.dtype), onednn.plain(y.shape, None, y.dtype)
+    return onednn.pooling_desc(op, algorithm, src, dst, s, k, [v - 1 for v in d], p[:n], pad_r, Attr())
 
 
 def plan(op: str, attrs: dict, ins, outs) -> RowPlan | None:
