@@ -201,6 +201,26 @@ def test_matmul_family_against_reference(op, monkeypatch):
 
 
 @needs_onednn
+def test_strided_bias_and_residual_are_held_while_the_matmul_reads_them(monkeypatch):
+    # a bias or residual handed over as a strided view is copied, and the copy must live until
+    # the primitive has read it (the address of a temporary copy was freed memory by the call)
+    monkeypatch.setattr(onednn_kernels, "MATMUL_IMPLEMENTATIONS", ("",))
+    monkeypatch.setattr(onednn_kernels, "_MATMULS", {})
+    x, w = _f(64, 48), _f(48, 40)
+    bias, residual = _f(80)[::2], _f(40, 64).T  # a strided row, a transposed (64, 40)
+    assert not bias.flags.c_contiguous and not residual.flags.c_contiguous
+    attrs = {"activation": "relu", "alpha": 0.0, "beta": 0.0}
+    types = tuple(TensorType(a.shape, a.dtype) for a in (x, w, bias, residual))
+    kernel = prepare("fused_linear", attrs, types, (TensorType((64, 40), np.float32),))
+    assert kernel.kernel_name.startswith("oneDNN matmul"), kernel
+    (want,) = OPS["fused_linear"].reference(x, w, bias, residual, **attrs)
+    for _ in range(3):
+        out = np.empty((64, 40), np.float32)
+        kernel(x, w, bias, residual, out)
+        np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
 def test_matmul_left_to_own_gemms_where_oneDNN_has_no_brgemm():
     a, b = TensorType((64, 96), np.float32), TensorType((96, 32), np.float32)
     plan = onednn_kernels.matmul_plan("matmul", {}, (a, b), (TensorType((64, 32), np.float32),))
