@@ -58,7 +58,7 @@ import numpy as np
 
 from polyhal.hal.scratch import KernelInfo, MemorySpace, Problem, ScratchDecl, ScratchRequest
 from polyhal.ir.types import TensorType
-from polyhal_cpu import blas, native, onednn_kernels, parallel
+from polyhal_cpu import blas, native, onednn_kernels, onednn_normalization, parallel
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.ops import BLOCKED_CONV, SCALE_SHIFT_CONV
 from polyhal_cpu.scratch import array as scratch_array
@@ -1706,8 +1706,21 @@ def _native_pool(x_type, out_type, n, s, p, d, k, inv, scratch):
     return queued
 
 
-@TABLE.register("max_pool", scratch=_POOL_SCRATCH)
+def _pool_scratch(device, op: str, attrs: dict, ins: Types, outs: Types) -> tuple[ScratchRequest, ...]:
+    """A pool's scratch: the oneDNN primitive's where it runs the instance (without the compiled
+    loops), else the compiled loop's."""
+    if op != "lp_pool":
+        requests = onednn_normalization.scratch(op, attrs, ins, outs)
+        if requests is not None:
+            return requests
+    return _own_scratch(_POOL_SCRATCH, op, attrs, ins, outs)
+
+
+@TABLE.register("max_pool", scratch=_pool_scratch)
 def _max_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    primitive = onednn_normalization.pool(op, attrs, ins, outs, scratch)  # without the compiled loops
+    if primitive is not None:
+        return primitive
     x_type = ins[0]
     n, s, p, d, k, widths, taps = _pool_geometry(attrs, x_type, outs[0])
     fast = _native_pool(x_type, outs[0], n, s, p, d, k, None, scratch)
@@ -1736,9 +1749,12 @@ def _max_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) ->
     return kernel
 
 
-@TABLE.register("avg_pool", "lp_pool", scratch=_POOL_SCRATCH)
+@TABLE.register("avg_pool", "lp_pool", scratch=_pool_scratch)
 @float16_via_float32
 def _avg_lp_pool(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    primitive = onednn_normalization.pool(op, attrs, ins, outs, scratch) if op == "avg_pool" else None
+    if primitive is not None:
+        return primitive
     x_type = ins[0]
     n, s, p, d, k, widths, taps = _pool_geometry(attrs, x_type, outs[0])
     dtype = outs[0].dtype

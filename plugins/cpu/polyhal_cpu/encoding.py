@@ -60,8 +60,9 @@ def tile_size(dim: int, bound: int) -> int:
 @hookimpl
 def resolve_encoding(device, encoding, tensor_type):
     """Packed mmt4d layouts for float32/float64 matmul operands and channel-blocked layouts
-    (NCHWc, one block of all channels) for float32 feature maps of depthwise conv chains on CPU devices with
-    ``"data-tiling"`` (the latter with the compiled loops); the identity layout for other
+    (NCHWc, one block of all channels) for float32 feature maps of conv chains on CPU devices with
+    ``"data-tiling"`` (depthwise chains where the compiled loops or oneDNN run their convs, other
+    chains where oneDNN does); the identity layout for other
     matmul and feature-map encodings on CPU devices; ``None`` (defer) for other backends and
     for encodings this resolver does not know."""
     if device.backend != "cpu":
@@ -74,10 +75,13 @@ def resolve_encoding(device, encoding, tensor_type):
         # With oneDNN, chains of ordinary convs are kept channels-last too: its convs take nhwc
         # as they lie (brgconv on AVX2 and AVX-512 chooses it for layout "any"), so the chain's
         # links fold and only its edges pay a reorder. Filters stay dense: the primitive reorders
-        # constant weights into its own layout once.
-        dense = encoding.chain == "dense" and encoding.role == "map" and tensor_type.dtype == np.float32 \
-            and onednn.usable()
-        if "data-tiling" not in device.capabilities or not (dense or (
+        # constant weights into its own layout once. Depthwise chains likewise where the
+        # compiled loops are not loaded (the library tier): oneDNN runs their convs on nhwc, where
+        # on NCHW each conv paid a reorder in and out (EfficientNet-B0 on the library tier, AVX-512
+        # VM: b1 31.5 -> 14.1 ms a run, b8 214 -> 94 ms; docs/cpu-onednn.md, "What retiring costs").
+        library = encoding.role == "map" and tensor_type.dtype == np.float32 and onednn.usable() and (
+            encoding.chain == "dense" or encoding.chain == "depthwise")
+        if "data-tiling" not in device.capabilities or not (library or (
                 encoding.chain == "depthwise" and native.available(tensor_type.dtype))):
             return IdentityLayout(tensor_type)
         return ChannelBlockedLayout(tensor_type, (1,), (tensor_type.shape[1],), resolver="cpu", conv_op=BLOCKED_CONV)

@@ -11,7 +11,7 @@ from functools import partial
 import numpy as np
 
 from polyhal.hal.scratch import MemorySpace, ScratchDecl
-from polyhal_cpu import blas, native, onednn_kernels, parallel
+from polyhal_cpu import blas, native, onednn_kernels, onednn_normalization, parallel
 from polyhal_cpu import queue_layout as layout
 from polyhal_cpu.blas import blas_layout
 from polyhal_cpu.scratch import array as scratch_array
@@ -202,9 +202,19 @@ SCALE_SHIFT_NS = {"none": 0.2, "relu": 0.2, "clip": 0.25, "hard_sigmoid": 0.25, 
                   "silu": 0.4, "gelu_tanh": 0.45, "gelu": 0.85}
 
 
-@TABLE.register("scale_shift")
+def _scale_shift_scratch(device, op: str, attrs: dict, ins: Types, outs: Types):
+    """The oneDNN primitive's scratchpad where it runs the instance (the library tier)."""
+    return onednn_normalization.scratch(op, attrs, ins, outs) or ()
+
+
+@TABLE.register("scale_shift", scratch=_scale_shift_scratch)
 @float16_via_float32
 def _scale_shift(device, op: str, attrs: dict, ins: Types, outs: Types, scratch) -> Kernel:
+    # without the compiled loops: one oneDNN binary primitive with post-ops (one pass over x;
+    # numpy's passes below are three)
+    primitive = onednn_normalization.scale_shift(attrs, ins, outs, scratch)
+    if primitive is not None:
+        return primitive
     x_type = ins[0]
     activation, alpha, beta = attrs["activation"], float(attrs["alpha"]), float(attrs["beta"])
     n, c = x_type.shape[:2]

@@ -78,7 +78,8 @@ CPU_ENGINE = 1
 STREAM_IN_ORDER = 1
 FORWARD_INFERENCE = 96
 CONVOLUTION_DIRECT = 0x1
-BINARY_ADD = 0x1FFF0
+BINARY_ADD, BINARY_MUL = 0x1FFF0, 0x1FFF1
+POOLING_MAX, POOLING_AVG_INCLUDE_PADDING, POOLING_AVG_EXCLUDE_PADDING = 0x1FF, 0x2FF, 0x3FF
 ELTWISE_LINEAR = 38
 SCRATCHPAD_USER = 1
 # queries
@@ -181,6 +182,10 @@ _SIGNATURES = {
         c_int, [POINTER(c_void_p), c_void_p, c_int, c_void_p, c_void_p, c_void_p, c_float, c_uint, c_void_p]),
     "dnnl_softmax_forward_primitive_desc_create": (
         c_int, [POINTER(c_void_p), c_void_p, c_int, c_int, c_void_p, c_void_p, c_int, c_void_p]),
+    "dnnl_pooling_forward_primitive_desc_create": (
+        c_int, [POINTER(c_void_p), c_void_p, c_int, c_int, c_void_p, c_void_p, DIMS, DIMS, DIMS, DIMS, DIMS, c_void_p]),
+    "dnnl_binary_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_int, c_void_p, c_void_p, c_void_p,
+                                                  c_void_p]),
     "dnnl_reorder_primitive_desc_create": (c_int, [POINTER(c_void_p), c_void_p, c_void_p, c_void_p, c_void_p,
                                                    c_void_p]),
     "dnnl_primitive_desc_query": (c_int, [c_void_p, c_int, c_int, c_void_p]),
@@ -663,6 +668,30 @@ def softmax_desc(op: str, src: MemoryDesc, dst: MemoryDesc, axis: int, attr: Att
     status = loaded.softmax_forward_primitive_desc_create(byref(pd), loaded.engine, FORWARD_INFERENCE,
                                                           SOFTMAX_ACCURATE, src.handle, dst.handle, axis, attr.handle)
     return _created(status, pd, "dnnl_softmax_forward_primitive_desc_create", op)
+
+
+def binary_desc(op: str, algorithm: int, src0: MemoryDesc, src1: MemoryDesc, dst: MemoryDesc,
+                attr: Attr) -> c_void_p:
+    """An elementwise binary primitive's descriptor (``src1`` broadcast over ``src0`` where its
+    dims are 1; ``algorithm`` one of ``BINARY_*``). :class:`Refused` where oneDNN has no
+    implementation."""
+    loaded = lib()
+    pd = c_void_p()
+    status = loaded.binary_primitive_desc_create(byref(pd), loaded.engine, algorithm, src0.handle, src1.handle,
+                                                 dst.handle, attr.handle)
+    return _created(status, pd, "dnnl_binary_primitive_desc_create", op)
+
+
+def pooling_desc(op: str, algorithm: int, src: MemoryDesc, dst: MemoryDesc, strides, kernel, dilations, pad_l,
+                 pad_r, attr: Attr) -> c_void_p:
+    """A forward-inference pooling's descriptor (``algorithm`` one of ``POOLING_*``; ``dilations``
+    in oneDNN's sense: 0 is dense). :class:`Refused` where oneDNN has no implementation."""
+    loaded = lib()
+    pd = c_void_p()
+    status = loaded.pooling_forward_primitive_desc_create(
+        byref(pd), loaded.engine, FORWARD_INFERENCE, algorithm, src.handle, dst.handle, _dims(strides), _dims(kernel),
+        _dims(dilations), _dims(pad_l), _dims(pad_r), attr.handle)
+    return _created(status, pd, "dnnl_pooling_forward_primitive_desc_create", op)
 
 
 def reorder(op: str, src: MemoryDesc, dst: MemoryDesc) -> Primitive:

@@ -369,13 +369,17 @@ def conv(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | None
         else:
             xa = address(x)
         da = dst_at if dst_out is not None else address(out)
+        # (a contiguous copy is held in a name while the primitive reads it: address() of a
+        # temporary would be freed before the call)
         if has_residual:
             if res_in is not None:
-                res_in(address(contiguous(rest[1])), da, *pad_address)
+                residual = contiguous(rest[1])
+                res_in(address(residual), da, *pad_address)
             else:
                 copyto(out, rest[1])
         if has_bias:
-            execute(xa, weights(w), address(contiguous(rest[0])), da, *pad_address)
+            bias = contiguous(rest[0])
+            execute(xa, weights(w), address(bias), da, *pad_address)
         else:
             execute(xa, weights(w), da, *pad_address)
         if dst_out is not None:
@@ -642,9 +646,11 @@ def matmul(op: str, attrs: dict, ins, outs, scratch) -> Callable[..., None] | No
         a, b, out = arrays[0], arrays[1], arrays[-1]
         if not a.flags.c_contiguous:
             a = contiguous(a)
-        extra = tuple(address(contiguous(arrays[i])) for i in binary)
+        held = [contiguous(arrays[i]) for i in binary]  # held while the primitive reads them
+        extra = tuple(address(h) for h in held)
         if has_bias:
-            execute(address(a), weights(b), address(contiguous(arrays[2])), address(out), *extra, *pad)
+            bias = contiguous(arrays[2])
+            execute(address(a), weights(b), address(bias), address(out), *extra, *pad)
         else:
             execute(address(a), weights(b), address(out), *extra, *pad)
     kernel.kernel_name = plan.name  # type: ignore[attr-defined]

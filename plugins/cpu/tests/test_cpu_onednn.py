@@ -154,6 +154,29 @@ def test_chain_keeps_channels_last_and_reorders_only_at_its_edges():
 
 
 @needs_onednn
+def test_depthwise_chain_stays_channels_last_on_the_library_tier(monkeypatch):
+    # without the compiled loops (POLYHAL_CPU_NATIVE=0) oneDNN runs an inverted residual's convs
+    # on its channels-last maps too: one pack in, one unpack out, no reorder around each conv
+    monkeypatch.setenv("POLYHAL_CPU_NATIVE", "0")
+    b = polyhal.ProgramBuilder("inverted_residual")
+    x = b.input("x", (2, 8, 12, 12), np.float32)
+    w1, w2, b2, w3 = _f(24, 8, 1, 1), _f(24, 1, 3, 3), _f(24), _f(8, 24, 1, 1)
+    y = b.op("relu", b.op("conv", x, b.constant(w1)))
+    y = b.op("relu", b.op("conv", y, b.constant(w2), b.constant(b2), pads=(1, 1, 1, 1), group=24))
+    b.output(b.op("add", b.op("conv", y, b.constant(w3)), x))
+    plan = polyhal.compile(b.build(), "cpu:0")
+    explain = plan.explain()
+    assert "2 pack/unpack dispatches" in explain and "oneDNN reorder" not in explain, explain
+    assert "3 of 3 conv/matmul dispatches on the CPU run as oneDNN primitives" in explain, explain
+    xv = _f(2, 8, 12, 12)
+    got = plan(xv).numpy()
+    conv = OPS["conv"].reference
+    ref = np.maximum(conv(xv, w1)[0], 0)
+    ref = np.maximum(conv(ref, w2, b2, pads=(1, 1, 1, 1), group=24)[0], 0)
+    np.testing.assert_allclose(got, conv(ref, w3)[0] + xv, rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
 @pytest.mark.parametrize("op", ["matmul", "gemm", "linear", "fused_linear"])
 def test_matmul_family_against_reference(op, monkeypatch):
     # every implementation taken, so that the path runs here too (on AVX2 oneDNN 3.2's matmul is
@@ -196,6 +219,22 @@ def test_matmul_keeps_its_copy_of_a_read_only_transposed_view(op, monkeypatch):
     for weights in (w, w, np.array(original).T):  # kept, kept again, a writable view
         out = np.empty(outs[0].shape, np.float32)
         kernel(*([x, weights] + ins[2:]), out)
+def test_strided_bias_and_residual_are_held_while_the_matmul_reads_them(monkeypatch):
+    # a bias or residual handed over as a strided view is copied, and the copy must live until
+    # the primitive has read it (the address of a temporary copy was freed memory by the call)
+    monkeypatch.setattr(onednn_kernels, "MATMUL_IMPLEMENTATIONS", ("",))
+    monkeypatch.setattr(onednn_kernels, "_MATMULS", {})
+    x, w = _f(64, 48), _f(48, 40)
+    bias, residual = _f(80)[::2], _f(40, 64).T  # a strided row, a transposed (64, 40)
+    assert not bias.flags.c_contiguous and not residual.flags.c_contiguous
+    attrs = {"activation": "relu", "alpha": 0.0, "beta": 0.0}
+    types = tuple(TensorType(a.shape, a.dtype) for a in (x, w, bias, residual))
+    kernel = prepare("fused_linear", attrs, types, (TensorType((64, 40), np.float32),))
+    assert kernel.kernel_name.startswith("oneDNN matmul"), kernel
+    (want,) = OPS["fused_linear"].reference(x, w, bias, residual, **attrs)
+    for _ in range(3):
+        out = np.empty((64, 40), np.float32)
+        kernel(x, w, bias, residual, out)
         np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4)
 
 
