@@ -94,3 +94,24 @@ def test_inconsistent_svm_attributes_are_refused_naming_them():
     del sv.floats[-3:]
     with pytest.raises(OnnxModelError, match="attribute 'support_vectors' has"):
         ponnx.load(model).run({"X": X[:2]})
+
+
+def test_an_rbf_svm_decomposes_its_distances_where_no_kernel_has_them():
+    # squared_distances is one op with a CPU kernel; a compile whose devices lack it (a target
+    # of the CPU's table without that op) gets sub, mul and reduce_sum, with the same results
+    from polyhal.passes.decompose import decompose
+
+    sk, model = _model("svr", "rbf")
+    program = ponnx.load(model)
+    spec = program.specialize({"X": X[:7].shape}) if hasattr(program, "specialize") else program
+    prog = getattr(spec, "program", spec)
+    assert any(op.name == "squared_distances" for op in prog.ops)
+    split, records = decompose(prog, lambda name, affinity: [] if name == "squared_distances" else ["cpu:0"])
+    assert records and not any(op.name == "squared_distances" for op in split.ops)
+    assert {"sub", "mul", "reduce_sum"} <= {op.name for op in split.ops}
+    import polyhal
+
+    whole, parts = polyhal.compile(prog, "cpu:0"), polyhal.compile(split, "cpu:0")
+    a, b = whole(X=X[:7]), parts(X=X[:7])
+    np.testing.assert_allclose(np.asarray(a[0] if isinstance(a, tuple) else a),
+                               np.asarray(b[0] if isinstance(b, tuple) else b), rtol=1e-5, atol=1e-6)

@@ -268,3 +268,32 @@ define("pairwise_coupling", infer=_infer_coupling, reference=_coupling_reference
        tolerance=(1e-5, 1e-6),
        doc="""Class probabilities [samples, classes] from pairwise ones [samples, classes*(classes-1)/2]
        (libsvm's multiclass probability: what ONNX's SVMClassifier computes from prob_a/prob_b).""")
+
+
+# ------------------------------------------------------------------------- squared_distances
+
+def _infer_squared_distances(x: TensorType, y: TensorType):
+    if x.rank != 2 or y.rank != 2 or x.shape[1] != y.shape[1]:
+        raise ShapeError(f"x [N, F] and y [V, F] must be matrices of the same width, got {x.shape} and {y.shape}")
+    if x.dtype != y.dtype or x.dtype.kind != "f":
+        raise DTypeError(f"x and y must have one float element type, got {x.dtype} and {y.dtype}")
+    return (TensorType((x.shape[0], y.shape[0]), x.dtype),)
+
+
+def _squared_distances_reference(x, y):
+    d = np.asarray(x, _F64)[:, None, :] - np.asarray(y, _F64)[None, :, :]
+    return ((d * d).sum(axis=2).astype(np.asarray(x).dtype),)
+
+
+def _squared_distances_sample(rng: np.random.Generator):
+    n, v, f = (int(a) for a in rng.integers(1, 12, 3))
+    return [rng.standard_normal((n, f)).astype(np.float32), rng.standard_normal((v, f)).astype(np.float32)], {}
+
+
+define("squared_distances", infer=_infer_squared_distances, reference=_squared_distances_reference,
+       sample=_squared_distances_sample, arity=2, tolerance=(1e-5, 1e-5),
+       doc="""The squared Euclidean distance between every row of x [N, F] and every row of y [V, F]:
+       [N, V], summed from the differences (not from expanded norms, which cancel where rows are
+       close), as onnxruntime computes an SVM's RBF kernel. One op so that a device sums each
+       difference where it is made; devices without its kernel get ``sub``, ``mul`` and
+       ``reduce_sum`` over an [N, V, F] intermediate (:mod:`polyhal.passes.decompose`).""")

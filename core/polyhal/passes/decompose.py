@@ -1,7 +1,7 @@
 """Decompose ops that no compile-time device has a kernel for into core ops every backend has.
 
 ``dynamic_quantize`` (ONNX's DynamicQuantizeLinear) becomes its two reductions and elementwise
-ops. Recurrent layers are the larger case:
+ops, ``squared_distances`` its differences, squares and sum. Recurrent layers are the larger case:
 
 A recurrent layer (``rnn``, ``gru``, ``lstm``: :mod:`polyhal.ops.recurrent`) is one op so that a
 device with a loop kernel (the CPU) runs the whole sequence in one dispatch. A device without
@@ -189,8 +189,17 @@ def _dynamic_quantize(e: _Emitter, op: Op) -> tuple[Value, ...]:
     return e.op("cast", y, dtype="uint8"), scale, e.op("cast", zp, dtype="uint8")
 
 
+def _squared_distances(e: _Emitter, op: Op) -> tuple[Value, ...]:
+    """``squared_distances`` from an [N, V, F] tensor of differences: sub, mul, reduce_sum."""
+    x, y = op.inputs
+    rows, features = x.type.shape
+    d = e.op("sub", e.reshape(x, (rows, 1, features)), y)
+    return (e.op("reduce_sum", e.op("mul", d, d), axes=[2], keepdims=False),)
+
+
 DECOMPOSITIONS: dict[str, Callable[[_Emitter, Op], tuple[Value, ...]]] = {
     "rnn": _recurrent, "gru": _recurrent, "lstm": _recurrent, "dynamic_quantize": _dynamic_quantize,
+    "squared_distances": _squared_distances,
 }
 
 

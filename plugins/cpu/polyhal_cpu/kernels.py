@@ -963,7 +963,7 @@ LAZY_MODULES: dict[str, tuple[str, ...]] = {
                      "bitwise_not", "bitwise_or", "bitwise_xor", "ceil", "cos", "cosh", "det", "floor", "identity",
                      "isinf", "isnan", "logical_and", "logical_not", "logical_or", "logical_xor", "mod",
                      "reciprocal", "round", "sign", "sin", "sinh", "tan"),
-    "ml_kernels": ("pairwise_coupling", "tree_ensemble"),
+    "ml_kernels": ("pairwise_coupling", "squared_distances", "tree_ensemble"),
     "nn_kernels": ("attention", "fused_linear", "linear", "masked_attention", "scale_shift"),
     "onednn_int8": ("quantized_conv", "quantized_matmul"),
     "recurrent_kernels": ("gru", "lstm", "rnn"),

@@ -688,9 +688,7 @@ def _svm_kernel(ctx: NodeContext, x: Any, vectors: np.ndarray) -> Any:
     gamma, coef0, degree = (list(ctx.attr("kernel_params", [])) + [0.0, 0.0, 0.0])[:3]
     dtype = ctx.dtype(x)
     if kind == "RBF":
-        rows, features = ctx.shape(x)
-        d = ctx.op("sub", ctx.op("reshape", x, shape=[rows, 1, features]), vectors)
-        distance = ctx.op("reduce_sum", ctx.op("mul", d, d), axes=[2], keepdims=False)
+        distance = ctx.op("squared_distances", x, np.ascontiguousarray(vectors, dtype))
         return ctx.op("exp", ctx.op("mul", distance, np.array(-gamma, dtype)))
     dot = ctx.op("gemm", x, vectors, trans_b=True)
     if kind == "LINEAR":
