@@ -74,6 +74,27 @@ def test_svm_matches_onnxruntime(name, kernel):
                 np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("gamma", [10.0, 0.001])
+def test_rbf_svc_far_from_the_origin_matches_onnxruntime(gamma):
+    """Data offset by 50 (norms of ~1e4) with a sharp gamma: distances from expanded norms and a
+    GEMM would lose them to cancellation (1e-3 off in the probabilities, measured); polyhal's
+    ``squared_distances`` sums the differences, as onnxruntime does."""
+    from sklearn.svm import SVC
+    from skl2onnx import to_onnx
+
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((300, 5)) * 3 + 50).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sk = SVC(probability=True, gamma=gamma, random_state=0).fit(x, rng.integers(0, 4, 300))
+        model = to_onnx(sk, x[:1], options={id(sk): {"zipmap": False}})
+    theirs = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"X": x})
+    program = ponnx.load(model)
+    ours = list(program.execute(program.compile("cpu:0"), {"X": x}).values())
+    assert (np.asarray(ours[0]).reshape(theirs[0].shape) == theirs[0]).all()
+    np.testing.assert_allclose(np.asarray(ours[1]), theirs[1], rtol=1e-4, atol=1e-5)
+
+
 def test_pairwise_coupling_kernel_matches_reference():
     import polyhal
     from polyhal.ir.types import TensorType
