@@ -39,8 +39,14 @@ def importtime_table(what: str = "polyhal", rows: int = IMPORTTIME_ROWS) -> list
     ``rows`` slowest by cumulative time (a module's indentation is kept: it shows who imported it)."""
     err = subprocess.run([sys.executable, "-X", "importtime", "-c", f"import {what}"], capture_output=True,
                          text=True, check=True, env=os.environ).stderr
+    return slowest_imports(err, rows)
+
+
+def slowest_imports(stderr: str, rows: int = IMPORTTIME_ROWS) -> list[tuple[int, int, str]]:
+    """``(self µs, cumulative µs, module)`` rows of ``-X importtime`` output ``stderr``, the
+    ``rows`` slowest by cumulative time."""
     table = []
-    for line in err.splitlines():
+    for line in stderr.splitlines():
         if not line.startswith("import time:") or "self [us]" in line:
             continue
         own, cumulative, module = line.removeprefix("import time:").split("|", 2)

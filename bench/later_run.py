@@ -31,6 +31,7 @@ import time
 from bench.first_run import (_ORT, _POLYHAL, JOB, MODEL, ROOT, WARM_TARGET_S, _wait_for_build, bytecode_env,
                              first_output_seconds)
 from bench.harness import RESULTS, Row, machine
+from bench.import_time import slowest_imports
 
 #: Rows of the -X importtime table kept (the slowest modules, by cumulative time).
 IMPORTTIME_ROWS = 40
@@ -59,13 +60,7 @@ def _importtime(env: dict[str, str], suffix: str) -> list[tuple[int, int, str]]:
     """The slowest imports of one later process (``python -X importtime``), written as markdown."""
     err = subprocess.run([sys.executable, "-X", "importtime", "-c", _POLYHAL, *JOB], capture_output=True, text=True,
                          check=True, env=env, cwd=ROOT).stderr
-    table = []
-    for line in err.splitlines():
-        if not line.startswith("import time:") or "self [us]" in line:
-            continue
-        own, cumulative, module = line.removeprefix("import time:").split("|", 2)
-        table.append((int(own), int(cumulative), module.rstrip()))
-    table = sorted(table, key=lambda r: -r[1])[:IMPORTTIME_ROWS]
+    table = slowest_imports(err, IMPORTTIME_ROWS)
     m = ", ".join(f"{k}: {v}" for k, v in machine().items())
     lines = ["# later_run: python -X importtime of the README's main job (a later process)\n",
              f"Machine: {m}. Run: {time.strftime('%Y-%m-%d %H:%M:%S %Z')}, load average "
