@@ -20,8 +20,10 @@ Where oneDNN refuses an instance (no implementation, or only its reference one) 
 usable, the CPU's own float kernels run it (dequantize, ``fused_conv`` / ``fused_linear``,
 requantize), and explain names the instance and why (:func:`report`).
 
-This VM's CPU (AMD EPYC, AVX2, no AVX-512 VNNI) has no int8 dot-product instruction: oneDNN
-multiplies int8 with ``vpmaddubsw`` + ``vpmaddwd`` pairs there, about half of what VNNI does.
+A CPU without an int8 dot-product instruction (AVX2, such as the AMD EPYC VM this was first
+measured on) has oneDNN multiply int8 with ``vpmaddubsw`` + ``vpmaddwd`` pairs, about half of
+what VNNI does, and sum them in int16 (see :func:`report`); with AVX-512 VNNI or AMX (a Sapphire
+Rapids Xeon) its primitives sum in int32 and are exact.
 """
 
 from __future__ import annotations

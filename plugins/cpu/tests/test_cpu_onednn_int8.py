@@ -2,7 +2,7 @@
 (polyhal.passes.fuse_quantized): ONNX models as onnxruntime's quantizer writes them, checked
 against onnx's reference evaluator (the float QDQ semantics) within one quantization step.
 
-The weights are drawn within [-64, 64]: on CPUs without VNNI (this project's AVX2 VM) oneDNN, as
+The weights are drawn within [-64, 64]: on CPUs without VNNI (AVX2, as the AMD EPYC VM) oneDNN, as
 onnxruntime, sums uint8 x int8 products in pairs into int16, which saturate beyond that (explain
 says so; see the module docstring of polyhal_cpu.onednn_int8)."""
 
